@@ -1,0 +1,85 @@
+"""``ssmc.compile``: a program plus a backend gives a callable.
+
+    fn = ssmc.compile(spec, backend="interpreter", layout="b t ...")
+    y = fn(u, delta, A, B, C, D)                               # per-step outputs
+    y, h_last = fn(u, delta, A, B, C, D, h=h0, return_final_states=True)
+
+Outputs come back in the call's layout; with several outputs (or states) as a tuple in spec order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backends import interpreter
+from .frontend.attention import AttentionSpec
+from .frontend.spec import RecurrenceSpec
+from .ir.axes import TIME
+from .ir.program import Recurrence
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of
+
+BACKENDS = ("interpreter",)
+
+
+def default_backend() -> str:
+    """The backend `compile` uses when none is named (the fastest one this machine can run)."""
+    return "interpreter"
+
+
+def _program(spec) -> Recurrence:
+    if isinstance(spec, RecurrenceSpec):
+        return spec.program
+    if isinstance(spec, Recurrence):
+        return spec
+    raise TypeError(f"expected an @ssmc.recurrence spec, got {type(spec).__name__}")
+
+
+def _single(values: tuple):
+    return values[0] if len(values) == 1 else values
+
+
+class Compiled:
+    """A recurrence bound to a backend; call it on arrays."""
+
+    def __init__(self, program: Recurrence, backend: str, layout):
+        self.program = program
+        self.backend = backend
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
+
+    def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
+        p = self.program
+        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name)
+        seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
+        params = {d.name: bound.arrays[d.name] for d in p.params}
+        return interpreter.run_recurrence(p, seqs, params, bound.initial, bound.sizes, bound.length)
+
+    def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
+        outs, finals = self.run(*args, layout=layout, **kwargs)
+        layout = layout or self.layout
+        ys = []
+        for name, y in self.program.outputs:
+            order = layout_of(layout, name, y.axes)
+            canonical = (TIME, *y.axes)
+            ys.append(outs[name].transpose([canonical.index(a) for a in order]))
+        ys = _single(tuple(ys)) if ys else None
+        if not return_final_states:
+            return ys
+        return ys, _single(tuple(finals[s.name] for s in self.program.states))
+
+
+def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT):  # noqa: A001
+    """Compile a spec for a backend ("interpreter"; the default picks the fastest available).
+
+    `layout` places the time axis in sequence arrays: a template like ``"b t ..."`` (one for all)
+    or a dict from input/output name to template; the default ``"t ..."`` puts time first.
+    """
+    if isinstance(spec, AttentionSpec):
+        return spec.compile(backend, layout=layout)
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return Compiled(_program(spec), backend, layout)

@@ -1,0 +1,1 @@
+"""Backends: the reference interpreter (more join it)."""

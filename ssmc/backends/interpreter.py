@@ -1,0 +1,247 @@
+"""The reference interpreter: runs any ssmc program in float64 NumPy. It is the ground truth.
+
+Values are NumPy arrays paired with their axis names. Besides a node's own axes, a value may lead
+with "loop" axes (``~t`` for time, ``~q`` / ``~k`` for attention's query / key positions) when
+it was computed for every step at once; elementwise ops broadcast them like any other axis.
+
+`run_recurrence` is the plain loop of `Recurrence`'s docstring. As an optimisation that keeps it
+obviously equivalent, the nodes that depend on no state are evaluated once for all steps (with
+``~t`` as an extra axis) and sliced per step; only the state-dependent nodes run inside the loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ir.node import Node, toposort
+from ..ir.ops import Op
+from ..ir.program import Attention, Recurrence
+
+LOOP_AXES = ("~t", "~q", "~k")  # canonical order of the loop axes a value may lead with
+
+Value = tuple[np.ndarray, tuple[str, ...]]
+
+
+def _sigmoid(x):
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+UNARY = {
+    Op.NEG: np.negative,
+    Op.EXP: np.exp,
+    Op.LOG: np.log,
+    Op.SQRT: np.sqrt,
+    Op.RSQRT: lambda x: 1.0 / np.sqrt(x),
+    Op.ABS: np.abs,
+    Op.SIGMOID: _sigmoid,
+    Op.TANH: np.tanh,
+    Op.SOFTPLUS: lambda x: np.logaddexp(0.0, x),
+    Op.SILU: lambda x: x * _sigmoid(x),
+    Op.GELU: lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    Op.RELU: lambda x: np.maximum(x, 0.0),
+    Op.ERF: _erf,
+    Op.NOT: np.logical_not,
+}
+
+BINARY = {
+    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide, Op.POW: np.power,
+    Op.MAX: np.maximum, Op.MIN: np.minimum, Op.LT: np.less, Op.LE: np.less_equal, Op.GT: np.greater,
+    Op.GE: np.greater_equal, Op.EQ: np.equal, Op.NE: np.not_equal, Op.AND: np.logical_and,
+    Op.OR: np.logical_or,
+}
+
+
+def align(value: Value, target: tuple[str, ...]) -> np.ndarray:
+    """View `value` with axes ordered as `target`, size-1 axes where it lacks one (for broadcasting)."""
+    arr, axes = value
+    present = [a for a in target if a in axes]
+    if tuple(present) != axes:
+        arr = arr.transpose([axes.index(a) for a in present])
+    if len(present) != len(target):
+        arr = arr.reshape([arr.shape[present.index(a)] if a in axes else 1 for a in target])
+    return arr
+
+
+def _loop_axes(values) -> tuple[str, ...]:
+    found = {a for _, axes in values for a in axes if a.startswith("~")}
+    return tuple(a for a in LOOP_AXES if a in found)
+
+
+def _full(arr: np.ndarray, axes: tuple[str, ...], sizes: dict[str, int], loops: dict[str, int]) -> np.ndarray:
+    shape = tuple(loops[a] if a.startswith("~") else sizes[a] for a in axes)
+    return np.broadcast_to(arr, shape)
+
+
+class Evaluator:
+    """Evaluates nodes given the values of INPUT leaves, the axis sizes and the loop lengths."""
+
+    def __init__(self, sizes: dict[str, int], loops: dict[str, int] | None = None):
+        self.sizes = sizes
+        self.loops = loops or {}
+
+    def run(self, roots, env: dict[str, Value], memo: dict[Node, Value] | None = None) -> list[Value]:
+        memo = {} if memo is None else memo
+        for node in toposort(roots):
+            if node not in memo:
+                memo[node] = self.eval_node(node, [memo[a] for a in node.args], env)
+        return [memo[r] for r in roots]
+
+    def eval_node(self, node: Node, args: list[Value], env: dict[str, Value]) -> Value:
+        op, sizes = node.op, self.sizes
+        if op is Op.INPUT:
+            return env[node.arg]
+        if op is Op.CONST:
+            return np.float64(node.arg), ()
+        if op is Op.IOTA:
+            return np.arange(sizes[node.arg], dtype=np.float64), node.axes
+        if op is Op.SIZE:
+            return np.float64(sizes[node.arg]), ()
+        if op in UNARY or op in BINARY or op is Op.WHERE:
+            axes = _loop_axes(args) + node.axes
+            arrs = [align(v, axes) for v in args]
+            with np.errstate(all="ignore"):
+                if op in UNARY:
+                    out = UNARY[op](arrs[0])
+                elif op in BINARY:
+                    out = BINARY[op](*arrs)
+                else:
+                    out = np.where(*arrs)
+            # broadcasting may leave size-1 axes: give every value its full shape
+            return np.ascontiguousarray(_full(out, axes, sizes, self.loops)), axes
+        (x,) = args
+        arr, axes = x
+        if op is Op.SUM or op is Op.REDUCE_MAX:
+            i = axes.index(node.arg)
+            fn = np.sum if op is Op.SUM else np.max
+            return fn(arr, axis=i), axes[:i] + axes[i + 1:]
+        if op is Op.RENAME:
+            mapping = dict(node.arg)
+            return arr, tuple(mapping.get(a, a) for a in axes)
+        if op is Op.SELECT:
+            axis, index = node.arg
+            i = axes.index(axis)
+            return np.take(arr, index, axis=i), axes[:i] + axes[i + 1:]
+        if op is Op.SLICE:
+            axis, new_axis, parts, index = node.arg
+            start, stop = _block(sizes, axis, parts, index)
+            i = axes.index(axis)
+            sl = [slice(None)] * arr.ndim
+            sl[i] = slice(start, stop)
+            return arr[tuple(sl)], tuple(new_axis if a == axis else a for a in axes)
+        if op is Op.PAD:
+            axis, new_axis, parts, index = node.arg
+            start, stop = _block(sizes, axis, parts, index)
+            i = axes.index(new_axis)
+            shape = list(arr.shape)
+            shape[i] = sizes[axis]
+            out = np.zeros(shape, dtype=arr.dtype)
+            sl = [slice(None)] * arr.ndim
+            sl[i] = slice(start, stop)
+            out[tuple(sl)] = arr
+            return out, tuple(axis if a == new_axis else a for a in axes)
+        if op is Op.EXPAND:
+            target = _loop_axes([x]) + node.axes
+            return np.ascontiguousarray(_full(align(x, target), target, sizes, self.loops)), target
+        raise NotImplementedError(f"interpreter: no rule for {op}")
+
+
+def _block(sizes: dict[str, int], axis: str, parts: tuple[str, ...], index: int) -> tuple[int, int]:
+    """[start, stop) of block `index` when `axis` is cut into blocks sized like `parts`."""
+    total = sum(sizes[p] for p in parts)
+    if total != sizes[axis]:
+        raise ValueError(f"axis {axis!r} has size {sizes[axis]} but is split into {list(parts)} "
+                         f"of total size {total}")
+    start = sum(sizes[p] for p in parts[:index])
+    return start, start + sizes[parts[index]]
+
+
+def _depends_on(nodes: list[Node], names: set[str]) -> set[Node]:
+    dep: set[Node] = set()
+    for n in nodes:
+        if (n.op is Op.INPUT and n.arg in names) or any(a in dep for a in n.args):
+            dep.add(n)
+    return dep
+
+
+def _at(value: Value, t: int) -> Value:
+    arr, axes = value
+    if axes and axes[0] == "~t":
+        return arr[t], axes[1:]
+    return value
+
+
+def run_recurrence(program: Recurrence, seqs: dict[str, np.ndarray], params: dict[str, np.ndarray],
+                   initial: dict[str, np.ndarray], sizes: dict[str, int], length: int
+                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Run `program` over `length` steps.
+
+    seqs[name]: (L, *decl.axes); params[name]: decl.axes; initial[name]: state axes (float64).
+    Returns (outputs: name -> (L, *node.axes), final states: name -> state axes).
+    """
+    ev = Evaluator(sizes, {"~t": length})
+    nodes = program.nodes()
+    state_names = {s.name for s in program.states}
+    stateful = _depends_on(nodes, state_names)
+    free = [n for n in nodes if n not in stateful]
+
+    env: dict[str, Value] = {d.name: (seqs[d.name], ("~t", *d.axes)) for d in program.seqs}
+    env.update({d.name: (params[d.name], d.axes) for d in program.params})
+    hoisted = dict(zip(free, ev.run(free, env)))
+    frontier = {a for n in stateful for a in n.args if a not in stateful}
+    frontier.update(r for r in program.roots if r not in stateful)
+
+    carry = {s.name: (initial[s.name], s.axes) for s in program.states}
+    outs = {name: np.empty((length, *(sizes[a] for a in y.axes))) for name, y in program.outputs}
+    steps = range(length - 1, -1, -1) if program.reverse else range(length)
+    step_nodes = [n for n in nodes if n in stateful]  # topological order
+    for t in steps:
+        memo = {n: _at(hoisted[n], t) for n in frontier}
+        for n in step_nodes:
+            memo[n] = ev.eval_node(n, [memo[a] for a in n.args], carry)
+        values = [memo[r] for r in program.roots]
+        for (name, y), v in zip(program.outputs, values[len(program.updates):]):
+            outs[name][t] = align(v, y.axes)
+        carry = {s.name: (align(v, s.axes), s.axes) for s, v in zip(program.states, values)}
+    finals = {name: np.ascontiguousarray(_full(v[0], v[1], sizes, {})) for name, v in carry.items()}
+    return outs, finals
+
+
+def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  params: dict[str, np.ndarray], sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """q: (Lq, *batch, d), k: (Lk, *batch, d), v: (Lk, *batch, e), float64.
+
+    Returns (out: (Lq, *batch, e), lse: (Lq, *batch)), the log-sum-exp of each row's scores
+    (-inf for a row whose keys are all masked; its output is 0).
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    batch = program.batch_axes
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(sizes[program.head_dim])
+    scores = scale * np.einsum("i...d,j...d->ij...", q, k)  # (~q, ~k, *batch)
+    ev = Evaluator(sizes, {"~q": lq, "~k": lk})
+    env: dict[str, Value] = {
+        "score": (scores, ("~q", "~k", *batch)),
+        "q_idx": (np.arange(lq, dtype=np.float64), ("~q",)),
+        "kv_idx": (np.arange(lk, dtype=np.float64), ("~k",)),
+    }
+    env.update({d.name: (params[d.name], d.axes) for d in program.params})
+    target = ("~q", "~k", *batch)
+    if program.score is not None:
+        (s,) = ev.run([program.score], env)
+        scores = np.broadcast_to(align(s, target), scores.shape)
+    if program.mask is not None:
+        (m,) = ev.run([program.mask], env)
+        scores = np.where(np.broadcast_to(align(m, target), scores.shape), scores, -np.inf)
+    row_max = scores.max(axis=1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    denom = p.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.log(denom[:, 0]) + row_max[:, 0]
+        p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 0.0)
+    out = np.einsum("ij...,j...e->i...e", p, v)
+    return out, lse

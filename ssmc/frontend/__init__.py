@@ -1,0 +1,1 @@
+"""The spec language: tensors that trace into IR, the step decorator, attention."""

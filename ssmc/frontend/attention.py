@@ -1,0 +1,182 @@
+"""``ssmc.attention``: softmax attention whose score modifier and mask are written in the spec language.
+
+    def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):
+        return score - slope * (q_idx - kv_idx)
+
+    attn = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d")
+    out = attn(q, k, v, slope=slopes)       # q, k: [b h t d], v: [b h t e] with layout "b h t ..."
+
+`score` has the batch axes; `q_idx` and `kv_idx` are the query and key positions (scalars per
+step); captured tensors must be `ssmc.Param` (constant over time). The mask returns True where a
+key is visible. The meaning, as a plain loop, is in `ssmc.ir.program.Attention`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import SpecError
+from ..ir.axes import TIME, format_axes, parse_axes
+from ..ir.node import BOOL, FLOAT, Node
+from ..ir.ops import Op
+from ..ir.program import Attention, Decl, Role
+from ..ir.verify import verify_nodes
+from .spec import SourceInfo, input_leaf, read_signature, trace
+from .tensor import Tensor, as_tensor
+
+
+def causal(q_idx, kv_idx):
+    """Mask: a query sees keys at its own position and before."""
+    return kv_idx <= q_idx
+
+
+def sliding_window(size: int):
+    """Mask: a query sees the `size` most recent keys, itself included."""
+    def mask(q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < size)
+    mask.__name__ = f"sliding_window_{size}"
+    return mask
+
+
+def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str, ...]
+               ) -> tuple[Node, list[Decl], dict[str, int]]:
+    src = SourceInfo(fn)
+    n_lead = len(leading)
+    sig = list(inspect.signature(fn).parameters)
+    if len(sig) < n_lead:
+        want = "(score, q_idx, kv_idx, *params)" if kind == "score_mod" else "(q_idx, kv_idx, *params)"
+        raise SpecError(f"{kind} must take {want}", src.def_loc)
+    decls, sizes = read_signature(fn, src, (Role.PARAM,), skip=n_lead)
+    result = trace(fn, leading + [input_leaf(d) for d in decls], sizes, src)
+    node = as_tensor(result).node
+    ret = src.return_loc
+    extra = [a for a in node.axes if a not in batch]
+    if extra:
+        raise SpecError(f"{kind} returns axes {format_axes(node.axes)}, but scores have only the batch "
+                        f"axes {format_axes(batch)}", node.loc or ret)
+    want = FLOAT if kind == "score_mod" else BOOL
+    if node.dtype != want:
+        raise SpecError(f"{kind} must return a {'score (float)' if want == FLOAT else 'boolean mask'}, "
+                        f"got a {node.dtype}", node.loc or ret)
+    return node, decls, sizes
+
+
+class AttentionSpec:
+    """What ``ssmc.attention`` returns: the program and a way to call it (see module docstring)."""
+
+    def __init__(self, program: Attention):
+        self.program = program
+        self.__name__ = program.name
+
+    def __repr__(self) -> str:
+        return f"<ssmc.attention {self.program.name}>"
+
+    def compile(self, backend=None, *, layout="t ..."):
+        from .. import api
+
+        backend = backend or api.default_backend()
+        if backend != "interpreter":
+            raise ValueError(f"attention has no {backend!r} backend yet; available: interpreter")
+        return CompiledAttention(self.program, layout)
+
+    def __call__(self, q, k, v, layout="t ...", return_lse=False, **params):
+        return CompiledAttention(self.program, layout)(q, k, v, return_lse=return_lse, **params)
+
+
+class CompiledAttention:
+    def __init__(self, program: Attention, layout):
+        self.program = program
+        self.layout = layout
+        self.backend = "interpreter"
+
+    def bind(self, q, k, v, layout, params):
+        from ..runtime.binding import bind_arrays
+
+        p = self.program
+        qd = Decl("q", Role.SEQ, p.q_axes)
+        kd = Decl("k", Role.SEQ, p.q_axes)
+        vd = Decl("v", Role.SEQ, p.v_axes)
+        # k and v share a length, q may differ: bind the two groups separately, then check sizes
+        kv = bind_arrays((kd, vd, *p.params), (), (k, v), params, layout, p.static_sizes, p.name)
+        qb = bind_arrays((qd,), (), (q,), {}, layout, p.static_sizes, p.name)
+        for axis, n in qb.sizes.items():
+            if kv.sizes.get(axis, n) != n:
+                raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")
+        return qb, kv
+
+    def __call__(self, q, k, v, layout=None, return_lse=False, **params):
+        from ..backends.interpreter import run_attention
+        from ..runtime.binding import layout_of
+
+        p = self.program
+        layout = layout or self.layout
+        qb, kv = self.bind(q, k, v, layout, params)
+        sizes = {**kv.sizes, **qb.sizes}
+        out, lse = run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
+                                 {d.name: kv.arrays[d.name] for d in p.params}, sizes)
+        order = layout_of(layout, "out", p.v_axes)
+        canonical = (TIME, *p.v_axes)
+        out = out.transpose([canonical.index(a) for a in order])
+        if not return_lse:
+            return out
+        lse_order = layout_of(layout, "lse", p.batch_axes)
+        canonical = (TIME, *p.batch_axes)
+        return out, np.ascontiguousarray(lse.transpose([canonical.index(a) for a in lse_order]))
+
+
+def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",
+              head_dim: str = "d", value_dim: str | None = None, scale: float | None = None,
+              name: str | None = None) -> AttentionSpec:
+    """Softmax attention over keys, with an optional score modifier and mask (module docstring)."""
+    from ..errors import user_loc
+
+    loc = user_loc(2)
+    try:
+        batch_axes, static = parse_axes(batch)
+        (hd,), _ = parse_axes(head_dim)
+        (vd,), _ = parse_axes(value_dim or head_dim)
+    except ValueError as err:
+        raise SpecError(f"attention axes: {err}", loc) from None
+    if hd in batch_axes or vd in batch_axes:
+        raise SpecError("attention: head_dim / value_dim must differ from the batch axes", loc)
+    score_leaf = Tensor(Node.make(Op.INPUT, (), "score", batch_axes, loc=loc))
+    q_idx = Tensor(Node.make(Op.INPUT, (), "q_idx", (), loc=loc))
+    kv_idx = Tensor(Node.make(Op.INPUT, (), "kv_idx", (), loc=loc))
+    decls: dict[str, Decl] = {}
+    sizes = dict(static)
+    traced = {}
+    for kind, fn, leading in (("score_mod", score_mod, [score_leaf, q_idx, kv_idx]),
+                              ("mask_mod", mask_mod, [q_idx, kv_idx])):
+        if fn is None:
+            traced[kind] = None
+            continue
+        node, mod_decls, mod_sizes = _trace_mod(fn, kind, leading, batch_axes)
+        for d in mod_decls:
+            if d.name in ("score", "q_idx", "kv_idx", "q", "k", "v"):
+                raise SpecError(f"{kind}: parameter name {d.name!r} is reserved", d.loc)
+            if d.name in decls and decls[d.name].axes != d.axes:
+                raise SpecError(f"param {d.name!r} has axes {format_axes(d.axes)} here but "
+                                f"{format_axes(decls[d.name].axes)} in the other modifier", d.loc)
+            decls.setdefault(d.name, d)
+        for a, n in mod_sizes.items():
+            if sizes.setdefault(a, n) != n:
+                raise SpecError(f"axis {a!r} has static size {n} here but {sizes[a]} elsewhere", loc)
+        traced[kind] = node
+    all_decls = {d.name: d for d in decls.values()}
+    all_decls.update({
+        "score": Decl("score", Role.INDEX, batch_axes),
+        "q_idx": Decl("q_idx", Role.INDEX, ()),
+        "kv_idx": Decl("kv_idx", Role.INDEX, ()),
+    })
+    roots = [n for n in traced.values() if n is not None]
+    verify_nodes(roots, all_decls, set(sizes), None)
+    if scale is not None and not np.isfinite(scale):
+        raise SpecError(f"attention scale must be a finite number, got {scale}", loc)
+    program = Attention(name=name or (getattr(score_mod, "__name__", None) or "attention"),
+                        batch_axes=batch_axes, head_dim=hd, value_dim=vd, params=tuple(decls.values()),
+                        score=traced["score_mod"], mask=traced["mask_mod"], scale=scale,
+                        sizes=tuple(sorted(sizes.items())), loc=loc)
+    return AttentionSpec(program)

@@ -1,0 +1,263 @@
+"""``@ssmc.recurrence``: trace a step function into a `Recurrence` program.
+
+    @ssmc.recurrence
+    def hgrn(h: ssmc.State["b d"], x: ssmc.Seq["b d"], f: ssmc.Seq["b d"]):
+        a = ssmc.sigmoid(f)
+        h = a * h + (1 - a) * x
+        return h, h                    # (new carry, per-step outputs)
+
+The step is called once, on symbolic tensors; what it computes becomes the IR. Anything that goes
+wrong while tracing becomes a `SpecError` at the user's line.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import Loc, SpecError, loc_from_traceback
+from ..ir.axes import format_axes, parse_axes
+from ..ir.node import BOOL, Node
+from ..ir.ops import Op
+from ..ir.program import Decl, Recurrence, Role
+from ..ir.verify import verify
+from .tensor import Tensor, _static_sizes, as_tensor
+
+
+@dataclass(frozen=True)
+class Annotation:
+    role: Role
+    axes: str
+
+    def __repr__(self) -> str:
+        return f"ssmc.{self.role.name.title()}[{self.axes!r}]"
+
+
+class _RoleMarker:
+    """``ssmc.State["b d n"]`` and friends: the role and axes of a step argument."""
+
+    def __init__(self, role: Role, doc: str):
+        self.role = role
+        self.__doc__ = doc
+
+    def __getitem__(self, axes: str) -> Annotation:
+        return Annotation(self.role, axes)
+
+    def __repr__(self) -> str:
+        return f"ssmc.{self.role.name.title()}"
+
+
+State = _RoleMarker(Role.STATE, "A carry: one value per step, passed from step t-1 to step t.")
+Seq = _RoleMarker(Role.SEQ, "A per-step input: one slice of the sequence per step.")
+Param = _RoleMarker(Role.PARAM, "An input constant over time (weights, decays, biases).")
+
+
+class SourceInfo:
+    """Line numbers of a function's parameters and return statements (from its source, if any)."""
+
+    def __init__(self, fn: Callable):
+        code = fn.__code__
+        self.def_loc = Loc(code.co_filename, code.co_firstlineno)
+        self.param_lines: dict[str, int] = {}
+        self.return_lines: list[int] = []
+        try:
+            lines, start = inspect.getsourcelines(fn)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            return
+        func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))), None)
+        if func is None:
+            return
+        offset = start - 1
+        for a in func.args.args + func.args.kwonlyargs:
+            self.param_lines[a.arg] = a.lineno + offset
+        if isinstance(func, ast.FunctionDef):
+            self.def_loc = Loc(code.co_filename, func.lineno + offset)
+            self.return_lines = [n.lineno + offset for n in _walk_own(func) if isinstance(n, ast.Return)]
+
+    def param(self, name: str) -> Loc:
+        line = self.param_lines.get(name)
+        return Loc(self.def_loc.path, line) if line else self.def_loc
+
+    @property
+    def return_loc(self) -> Loc:
+        return Loc(self.def_loc.path, self.return_lines[-1]) if self.return_lines else self.def_loc
+
+
+def _walk_own(func: ast.FunctionDef):
+    """Nodes of `func` without descending into nested functions."""
+    stack = list(func.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def read_signature(fn: Callable, src: SourceInfo, allowed: tuple[Role, ...],
+                   skip: int = 0) -> tuple[list[Decl], dict[str, int]]:
+    """Declarations from a step function's annotations, and the static axis sizes they give."""
+    try:
+        hints = inspect.get_annotations(fn, eval_str=True)
+    except Exception as err:
+        raise SpecError(f"cannot read the annotations of {fn.__name__}: {err}", src.def_loc) from None
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    decls: list[Decl] = []
+    sizes: dict[str, int] = {}
+    for p in params:
+        loc = src.param(p.name)
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise SpecError(f"*{p.name} / **{p.name}: every step argument must be named and annotated", loc)
+        ann = hints.get(p.name)
+        if not isinstance(ann, Annotation):
+            kinds = " / ".join(f"ssmc.{r.name.title()}[...]" for r in allowed)
+            raise SpecError(f"argument {p.name!r} needs an annotation {kinds}", loc)
+        if ann.role not in allowed:
+            kinds = " or ".join(f"ssmc.{r.name.title()}" for r in allowed)
+            raise SpecError(f"argument {p.name!r} is a {ann!r} where a {kinds} must be", loc)
+        try:
+            axes, static = parse_axes(ann.axes)
+        except ValueError as err:
+            raise SpecError(f"argument {p.name!r}: {err}", loc) from None
+        for axis, n in static.items():
+            if sizes.setdefault(axis, n) != n:
+                raise SpecError(f"axis {axis!r} declared with size {n} here but {sizes[axis]} before", loc)
+        decls.append(Decl(p.name, ann.role, axes, loc))
+    return decls, sizes
+
+
+def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: SourceInfo):
+    """Call `fn` on symbolic tensors; any failure becomes a SpecError at the user's line."""
+    token = _static_sizes.set(sizes)
+    try:
+        return fn(*leaves)
+    except SpecError as err:
+        raise err.with_traceback(None) from None
+    except Exception as err:
+        loc = loc_from_traceback(err.__traceback__) or src.def_loc
+        raise SpecError(f"{type(err).__name__} while tracing the step: {err}", loc) from None
+    finally:
+        _static_sizes.reset(token)
+
+
+def input_leaf(decl: Decl) -> Tensor:
+    return Tensor(Node.make(Op.INPUT, (), decl.name, decl.axes, loc=decl.loc))
+
+
+def _as_node(value, what: str, loc: Loc) -> Node:
+    try:
+        return as_tensor(value).node
+    except SpecError as err:
+        raise SpecError(f"{what}: {err.message}", loc) from None
+
+
+def _read_carry(carry, states: list[Decl], loc: Loc) -> tuple[Node, ...]:
+    names = [s.name for s in states]
+    if isinstance(carry, dict):
+        missing = [n for n in names if n not in carry]
+        extra = [k for k in carry if k not in names]
+        if missing or extra:
+            raise SpecError(f"the returned carry must have the states {names}; missing {missing}, "
+                            f"unknown {extra}", loc)
+        items = [carry[n] for n in names]
+    elif len(states) == 1 and not isinstance(carry, (tuple, list)):
+        items = [carry]
+    elif isinstance(carry, (tuple, list)):
+        items = list(carry)
+        if len(items) != len(states):
+            missing = names[len(items):]
+            hint = f"; state {missing[0]!r} is not returned" if missing else ""
+            raise SpecError(f"the step returns {len(items)} carry values for {len(states)} states "
+                            f"{names}{hint}", loc)
+    else:
+        raise SpecError(f"the returned carry must be a tuple of {len(states)} values for states {names}", loc)
+    updates = []
+    for state, value in zip(states, items):
+        node = _as_node(value, f"new value of state {state.name!r}", loc)
+        extra = [a for a in node.axes if a not in state.axes]
+        if extra:
+            raise SpecError(f"new value of state {state.name!r} has axes {format_axes(node.axes)}, "
+                            f"but {state.name!r} is declared {format_axes(state.axes)} "
+                            f"(reduce or rename {extra})", node.loc or loc)
+        if node.dtype == BOOL:
+            raise SpecError(f"new value of state {state.name!r} is boolean; states hold floats "
+                            "(use ssmc.where(cond, 1.0, 0.0))", node.loc or loc)
+        if set(node.axes) != set(state.axes):
+            node = Node.make(Op.EXPAND, (node,), state.axes, loc=node.loc)
+        updates.append(node)
+    return tuple(updates)
+
+
+def _read_outputs(outputs, decl_names: set[str], loc: Loc) -> tuple[tuple[str, Node], ...]:
+    if outputs is None:
+        return ()
+    if isinstance(outputs, dict):
+        items = list(outputs.items())
+    elif isinstance(outputs, (tuple, list)):
+        items = [(f"y{i}", v) for i, v in enumerate(outputs)]
+    else:
+        items = [("y", outputs)]
+    named = []
+    for name, value in items:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"output name {name!r} must be an identifier", loc)
+        if name in decl_names:
+            raise SpecError(f"output name {name!r} is also the name of an input", loc)
+        named.append((name, _as_node(value, f"output {name!r}", loc)))
+    return tuple(named)
+
+
+class RecurrenceSpec:
+    """What ``@ssmc.recurrence`` returns: the traced program plus a default way to run it.
+
+    ``spec(*inputs, **initial_states)`` runs it with the default backend
+    (see `ssmc.compile`); ``spec.program`` is the IR.
+    """
+
+    def __init__(self, program: Recurrence, fn: Callable):
+        self.program = program
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+        self.__name__ = program.name
+        self._compiled: dict[object, object] = {}
+
+    def __repr__(self) -> str:
+        return f"<ssmc.recurrence {self.program.name} at {self.program.loc}>"
+
+    def __call__(self, *args, **kwargs):
+        from ..api import compile as compile_spec
+
+        layout = kwargs.pop("layout", None)
+        key = ("default", layout)
+        if key not in self._compiled:
+            self._compiled[key] = compile_spec(self, layout=layout)
+        return self._compiled[key](*args, **kwargs)
+
+
+def recurrence(fn: Callable | None = None, *, name: str | None = None):
+    """Turn a step function into a recurrence (see the module docstring)."""
+    if fn is None:
+        return lambda f: recurrence(f, name=name)
+    src = SourceInfo(fn)
+    decls, sizes = read_signature(fn, src, (Role.STATE, Role.SEQ, Role.PARAM))
+    states = [d for d in decls if d.role is Role.STATE]
+    if not states:
+        raise SpecError(f"{fn.__name__} declares no state: annotate the carry as ssmc.State[...]", src.def_loc)
+    result = trace(fn, [input_leaf(d) for d in decls], sizes, src)
+    ret = src.return_loc
+    if not isinstance(result, tuple) or len(result) != 2:
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise SpecError(f"the step must return (new_carry, outputs), got {got}", ret)
+    carry, outputs = result
+    updates = _read_carry(carry, states, ret)
+    outs = _read_outputs(outputs, {d.name for d in decls}, ret)
+    program = Recurrence(name=name or fn.__name__, decls=tuple(decls), updates=updates, outputs=outs,
+                         sizes=tuple(sorted(sizes.items())), loc=src.def_loc, doc=inspect.getdoc(fn) or "")
+    try:
+        verify(program)
+    except SpecError as err:
+        raise err.with_traceback(None) from None
+    return RecurrenceSpec(program, fn)

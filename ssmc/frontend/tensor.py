@@ -1,0 +1,199 @@
+"""The spec language's tensors: named-axis values that record IR nodes as a step is traced.
+
+Arithmetic broadcasts by axis name (``h * A`` with h ``[b d n]`` and A ``[d n]`` is ``[b d n]``);
+reductions and contractions name their axes (``x.sum("n")``, ``ssmc.dot(x, W, over="i")``).
+Every operation records the user's line, so errors can point at it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import numbers
+
+import numpy as np
+
+from ..errors import SpecError, user_loc
+from ..ir.axes import format_axes
+from ..ir.node import FLOAT, AxisError, Node
+from ..ir.ops import Op
+
+# Static axis sizes of the spec being traced ("g=4"), for unbind.
+_static_sizes: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("ssmc_static_sizes", default={})
+
+
+def make(op: Op, args=(), arg=None, axes=None, dtype=None) -> Tensor:
+    """Record one node, turning axis problems into a SpecError at the user's line."""
+    loc = user_loc(2)
+    try:
+        return Tensor(Node.make(op, tuple(a.node for a in args), arg, axes, dtype, loc))
+    except AxisError as err:
+        raise SpecError(str(err), loc) from None
+
+
+def as_tensor(value) -> Tensor:
+    """Tensors pass through; Python and NumPy real scalars become constants."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)):
+        value = float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
+        return Tensor(Node.make(Op.CONST, (), float(value), (), FLOAT, user_loc(2)))
+    if isinstance(value, (numbers.Complex, np.complexfloating)):
+        raise SpecError(f"complex constant {value!r}: ssmc handles real floating-point values only", user_loc(2))
+    if isinstance(value, np.ndarray):
+        raise SpecError(f"a NumPy array of shape {value.shape} inside a spec: declare it as an input "
+                        "(ssmc.Param[...]) and pass it when calling", user_loc(2))
+    raise SpecError(f"cannot use a value of type {type(value).__name__} in a spec "
+                    "(only ssmc tensors and real numbers)", user_loc(2))
+
+
+def _axes_arg(axes) -> tuple[str, ...]:
+    if isinstance(axes, str):
+        return tuple(axes.split())
+    return tuple(axes)
+
+
+class Tensor:
+    """A value in a spec being traced: an IR node plus the arithmetic of the spec language."""
+
+    __slots__ = ("node",)
+    __array_priority__ = 1000  # NumPy scalars defer to our operators
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.node.axes
+
+    def __repr__(self) -> str:
+        return f"ssmc.Tensor({self.node.op.value}, axes={format_axes(self.axes)})"
+
+    # -- arithmetic ----------------------------------------------------------------------------
+    def __add__(self, o): return make(Op.ADD, (self, as_tensor(o)))
+    def __radd__(self, o): return make(Op.ADD, (as_tensor(o), self))
+    def __sub__(self, o): return make(Op.SUB, (self, as_tensor(o)))
+    def __rsub__(self, o): return make(Op.SUB, (as_tensor(o), self))
+    def __mul__(self, o): return make(Op.MUL, (self, as_tensor(o)))
+    def __rmul__(self, o): return make(Op.MUL, (as_tensor(o), self))
+    def __truediv__(self, o): return make(Op.DIV, (self, as_tensor(o)))
+    def __rtruediv__(self, o): return make(Op.DIV, (as_tensor(o), self))
+    def __neg__(self): return make(Op.NEG, (self,))
+    def __pos__(self): return self
+
+    def __pow__(self, exponent):
+        if isinstance(exponent, Tensor) or not isinstance(exponent, numbers.Real):
+            raise SpecError("power by a tensor is not supported: the exponent must be a constant number "
+                            "(write exp(y * log(x)) for x ** y)", user_loc(2))
+        return make(Op.POW, (self, as_tensor(exponent)))
+
+    def __rpow__(self, base):
+        raise SpecError("a tensor exponent is not supported: write exp(x * log(base))", user_loc(2))
+
+    def __lt__(self, o): return make(Op.LT, (self, as_tensor(o)))
+    def __le__(self, o): return make(Op.LE, (self, as_tensor(o)))
+    def __gt__(self, o): return make(Op.GT, (self, as_tensor(o)))
+    def __ge__(self, o): return make(Op.GE, (self, as_tensor(o)))
+    def __eq__(self, o): return make(Op.EQ, (self, as_tensor(o)))  # type: ignore[override]
+    def __ne__(self, o): return make(Op.NE, (self, as_tensor(o)))  # type: ignore[override]
+    __hash__ = object.__hash__
+
+    def __and__(self, o): return make(Op.AND, (self, as_tensor(o)))
+    def __rand__(self, o): return make(Op.AND, (as_tensor(o), self))
+    def __or__(self, o): return make(Op.OR, (self, as_tensor(o)))
+    def __ror__(self, o): return make(Op.OR, (as_tensor(o), self))
+    def __invert__(self): return make(Op.NOT, (self,))
+
+    # -- Python control flow on traced values cannot work: say so ------------------------------
+    def __bool__(self):
+        raise SpecError("Python control flow on a tensor value (if / while / and / or / not): "
+                        "the step is traced once, not run per element; use ssmc.where(cond, a, b) "
+                        "and & | ~ for logic",
+                        user_loc(2))
+
+    def __iter__(self):
+        raise SpecError("iterating over a tensor: use x.unbind('axis') to take it apart along a named axis",
+                        user_loc(2))
+
+    def __len__(self):
+        raise SpecError("len() of a tensor: axes are named, not counted; use x.axes", user_loc(2))
+
+    def _no_scalar(self, *_):
+        raise SpecError("converting a tensor to a Python number: the step is traced once, "
+                        "values exist only when it runs", user_loc(2))
+
+    __float__ = __int__ = __index__ = __complex__ = _no_scalar
+
+    def __array__(self, *_, **__):
+        raise SpecError("NumPy on an ssmc tensor: use ssmc's ops (ssmc.exp, ssmc.tanh, ...)", user_loc(2))
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        op = _UFUNCS.get(ufunc)
+        if op is None or method != "__call__" or kwargs:
+            raise SpecError(f"NumPy function {ufunc.__name__} on an ssmc tensor: use ssmc's ops "
+                            "(ssmc.exp, ssmc.tanh, ...)", user_loc(2))
+        if op is Op.POW and isinstance(inputs[1], Tensor):
+            raise SpecError("power by a tensor is not supported", user_loc(2))
+        return make(op, tuple(as_tensor(x) for x in inputs))
+
+    # -- axes ----------------------------------------------------------------------------------
+    def sum(self, axes=None) -> Tensor:
+        """Sum over the named axes (all axes when None)."""
+        return _reduce(self, Op.SUM, axes)
+
+    def max(self, axes=None) -> Tensor:
+        return _reduce(self, Op.REDUCE_MAX, axes)
+
+    def mean(self, axes=None) -> Tensor:
+        names = self.axes if axes is None else _axes_arg(axes)
+        total = _reduce(self, Op.SUM, names)
+        for a in names:
+            total = total / make(Op.SIZE, (), a, ())
+        return total
+
+    def rename(self, mapping: dict[str, str] | None = None, **kw: str) -> Tensor:
+        """Rename axes: ``h.rename(k="j")``."""
+        pairs = {**(mapping or {}), **kw}
+        return make(Op.RENAME, (self,), tuple(sorted(pairs.items())))
+
+    def unbind(self, axis: str) -> tuple[Tensor, ...]:
+        """Take apart along `axis`, which needs a static size (declare it as ``"g=4"``)."""
+        if axis not in self.axes:
+            raise SpecError(f"cannot unbind axis {axis!r}: the tensor has axes {format_axes(self.axes)}",
+                            user_loc(2))
+        size = _static_sizes.get().get(axis)
+        if size is None:
+            raise SpecError(f"unbind needs a static size for axis {axis!r}: declare it as '{axis}=N' "
+                            "in an input's axes", user_loc(2))
+        return tuple(make(Op.SELECT, (self,), (axis, i)) for i in range(size))
+
+    def split(self, axis: str, into) -> tuple[Tensor, ...]:
+        """Cut `axis` into consecutive blocks, block i renamed ``into[i]`` and sized like that axis.
+
+        ``x, z = xz.split("e", into=("d", "d"))`` needs size(e) == 2 * size(d), checked at call time.
+        """
+        parts = _axes_arg(into)
+        if not parts:
+            raise SpecError("split needs at least one part", user_loc(2))
+        return tuple(make(Op.SLICE, (self,), (axis, new, parts, i)) for i, new in enumerate(parts))
+
+    def broadcast(self, axes) -> Tensor:
+        """Broadcast to include the named axes."""
+        return make(Op.EXPAND, (self,), _axes_arg(axes))
+
+
+def _reduce(x: Tensor, op: Op, axes) -> Tensor:
+    names = x.axes if axes is None else _axes_arg(axes)
+    for a in names:
+        x = make(op, (x,), a)
+    return x
+
+
+_UFUNCS = {
+    np.add: Op.ADD, np.subtract: Op.SUB, np.multiply: Op.MUL, np.true_divide: Op.DIV, np.power: Op.POW,
+    np.negative: Op.NEG, np.exp: Op.EXP, np.log: Op.LOG, np.sqrt: Op.SQRT, np.abs: Op.ABS,
+    np.tanh: Op.TANH, np.maximum: Op.MAX, np.minimum: Op.MIN, np.less: Op.LT, np.less_equal: Op.LE,
+    np.greater: Op.GT, np.greater_equal: Op.GE, np.equal: Op.EQ, np.not_equal: Op.NE,
+}

@@ -1,0 +1,120 @@
+"""Programs: a recurrence (a step graph scanned over time) and softmax attention.
+
+A `Recurrence` means, as a plain loop (time runs backward when `reverse`):
+
+    carry = initial states (zeros unless given)
+    for t in range(L):                       # or reversed(range(L))
+        env = carry | {x: x[t] for x in seqs} | params
+        new = [evaluate(u, env) for u in updates]        # one per state
+        ys[t] = [evaluate(y, env) for _, y in outputs]   # may use old and new carry alike
+        carry = new
+    return ys, carry                         # per-step outputs, final states
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..errors import Loc
+from .node import Node, toposort
+
+
+class Role(Enum):
+    STATE = "state"
+    SEQ = "seq"
+    PARAM = "param"
+    INDEX = "index"  # attention's query / key positions
+
+
+@dataclass(frozen=True)
+class Decl:
+    """A declared input of a program: its name, role and axes."""
+
+    name: str
+    role: Role
+    axes: tuple[str, ...]
+    loc: Loc | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    name: str
+    decls: tuple[Decl, ...]                     # signature order
+    updates: tuple[Node, ...]                   # new carry, one per state (state order)
+    outputs: tuple[tuple[str, Node], ...]       # per-step outputs
+    sizes: tuple[tuple[str, int], ...] = ()     # static axis sizes ("g=4")
+    reverse: bool = False                       # time runs from L-1 down to 0
+    loc: Loc | None = field(default=None, compare=False)
+    doc: str = field(default="", compare=False)
+
+    @property
+    def states(self) -> tuple[Decl, ...]:
+        return tuple(d for d in self.decls if d.role is Role.STATE)
+
+    @property
+    def seqs(self) -> tuple[Decl, ...]:
+        return tuple(d for d in self.decls if d.role is Role.SEQ)
+
+    @property
+    def params(self) -> tuple[Decl, ...]:
+        return tuple(d for d in self.decls if d.role is Role.PARAM)
+
+    @property
+    def inputs(self) -> tuple[Decl, ...]:
+        """What the caller passes: sequences and params, in signature order."""
+        return tuple(d for d in self.decls if d.role is not Role.STATE)
+
+    def decl(self, name: str) -> Decl:
+        for d in self.decls:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    @property
+    def roots(self) -> tuple[Node, ...]:
+        return self.updates + tuple(y for _, y in self.outputs)
+
+    def nodes(self) -> list[Node]:
+        return toposort(self.roots)
+
+    @property
+    def static_sizes(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Softmax attention with a score modifier and a mask, as a plain loop:
+
+        for each batch index ..., query position i < Lq:
+            s[j] = score_mod(scale * sum_d q[i, d] k[j, d], i, j, params)   for j < Lk
+            s[j] = -inf where not mask_mod(i, j, params)
+            p = softmax(s);   out[i, e] = sum_j p[j] v[j, e]
+
+    `score` is the INPUT leaf named "score" with the batch axes; `q_idx` / `kv_idx` are INDEX
+    leaves; captured params are PARAM decls.
+    """
+
+    name: str
+    batch_axes: tuple[str, ...]
+    head_dim: str
+    value_dim: str
+    params: tuple[Decl, ...]
+    score: Node | None                # the modified score (None: unmodified)
+    mask: Node | None                 # bool, True where the key is visible (None: all visible)
+    scale: float | None = None        # None: 1/sqrt(size of head_dim)
+    sizes: tuple[tuple[str, int], ...] = ()
+    loc: Loc | None = field(default=None, compare=False)
+
+    @property
+    def static_sizes(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    @property
+    def q_axes(self) -> tuple[str, ...]:
+        return (*self.batch_axes, self.head_dim)
+
+    @property
+    def v_axes(self) -> tuple[str, ...]:
+        return (*self.batch_axes, self.value_dim)

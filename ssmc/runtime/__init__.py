@@ -1,0 +1,1 @@
+"""Runtime support shared by backends: argument binding."""

@@ -1,0 +1,116 @@
+"""Binding a call: match arrays to a program's inputs, check them, and learn the axis sizes.
+
+Every backend calls through here, so every backend rejects bad input the same way: a ValueError
+that names the argument, before any work is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir.axes import TIME, format_axes, resolve_layout
+from ..ir.program import Decl, Role
+
+DEFAULT_LAYOUT = "t ..."
+
+
+def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Axis order (time included) of the array for input or output `name`."""
+    if isinstance(layout, dict):
+        template = layout.get(name, layout.get("*", DEFAULT_LAYOUT))
+    else:
+        template = layout or DEFAULT_LAYOUT
+    try:
+        order = resolve_layout(template, axes)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    extra = [a for a in order if a != TIME and a not in axes]
+    if extra:  # pragma: no cover - resolve_layout only places the array's own axes
+        raise ValueError(f"{name}: layout names axes {extra} it does not have")
+    return order
+
+
+def to_float64(x, name: str) -> np.ndarray:
+    """A NumPy float64 copy of an array-like (NumPy, PyTorch, CuPy, lists), checking its dtype."""
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "get") and hasattr(x, "__cuda_array_interface__"):  # cupy
+        x = x.get()
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub":
+        raise ValueError(f"argument {name!r} has dtype {arr.dtype}; ssmc takes real numbers "
+                         "(floating point, or integers converted to float)")
+    return arr.astype(np.float64)
+
+
+@dataclass
+class Bound:
+    """A checked call: arrays in canonical layout (time first, then declared axes), float64."""
+
+    length: int
+    sizes: dict[str, int]
+    arrays: dict[str, np.ndarray]     # inputs: (L, *axes) for sequences, axes for params
+    initial: dict[str, np.ndarray]    # states, zeros unless given
+
+
+def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, kwargs: dict,
+                layout, static: dict[str, int], what: str) -> Bound:
+    """Match positional / keyword arrays to `decls` (inputs) and `states` (optional initial values)."""
+    names = [d.name for d in decls]
+    if len(args) > len(decls):
+        raise ValueError(f"{what} takes {len(decls)} inputs {names}, got {len(args)} positional arguments")
+    given = dict(zip(names, args))
+    state_names = {s.name for s in states}
+    for key, value in kwargs.items():
+        if key in given:
+            raise ValueError(f"{what}: argument {key!r} given twice")
+        if key not in names and key not in state_names:
+            raise ValueError(f"{what}: unexpected argument {key!r}; inputs are {names}, "
+                             f"initial states {sorted(state_names)}")
+        given[key] = value
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise ValueError(f"{what}: missing input {missing[0]!r} (inputs are {names})")
+
+    sizes = dict(static)
+    source = {a: "its declaration" for a in static}
+    length = None
+    arrays: dict[str, np.ndarray] = {}
+
+    def learn(axis: str, n: int, name: str):
+        if axis in sizes and sizes[axis] != n:
+            raise ValueError(f"axis {axis!r} has size {n} in {name!r} but {sizes[axis]} in {source[axis]}")
+        sizes.setdefault(axis, n)
+        source.setdefault(axis, repr(name))
+
+    for d in (*decls, *(s for s in states if s.name in given)):
+        arr = to_float64(given[d.name], d.name)
+        timed = d.role in (Role.SEQ,)
+        order = layout_of(layout, d.name, d.axes) if timed else d.axes
+        if arr.ndim != len(order):
+            raise ValueError(f"argument {d.name!r} has {arr.ndim} dimensions, expected {len(order)} "
+                             f"for axes {format_axes(order)}" + ("" if timed else " (no time axis)"))
+        for axis, n in zip(order, arr.shape):
+            if axis == TIME:
+                if length is not None and n != length:
+                    raise ValueError(f"argument {d.name!r} has {n} time steps, other sequences have {length}")
+                length = n
+            else:
+                learn(axis, n, d.name)
+        if timed:
+            arr = arr.transpose([order.index(a) for a in (TIME, *d.axes)])
+        arrays[d.name] = arr
+    if length is None:
+        raise ValueError(f"{what}: no sequence input, so the number of steps is unknown")
+    if length < 1:
+        raise ValueError(f"{what}: sequences must have at least one step (got length 0)")
+    initial = {}
+    for s in states:
+        unknown = [a for a in s.axes if a not in sizes]
+        if unknown:
+            raise ValueError(f"{what}: the size of axis {unknown[0]!r} of state {s.name!r} is unknown; "
+                             f"pass an initial value {s.name}=...")
+        initial[s.name] = arrays.pop(s.name) if s.name in given else np.zeros([sizes[a] for a in s.axes])
+    return Bound(length, sizes, arrays, initial)
