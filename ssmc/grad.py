@@ -1,0 +1,126 @@
+"""``ssmc.grad``: gradients of every input, param and initial state, through the derived backward.
+
+    g = ssmc.grad(spec, layout="b t ...")
+    grads = g(x, f, h=h0, grad_outputs=dy, grad_final_states=dh_last)
+    grads["x"], grads["f"], grads["h"]          # same shapes and layout as the inputs
+
+The forward saves the carry at chunk boundaries only; each chunk's carries are recomputed from its
+boundary when the backward reaches it (`autodiff.MemoryPlan`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backends import interpreter
+from .ir.axes import TIME
+from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
+
+
+def _as_dict(values, names: list[str], what: str) -> dict:
+    if values is None:
+        return {}
+    if isinstance(values, dict):
+        unknown = set(values) - set(names)
+        if unknown:
+            raise ValueError(f"{what}: unknown names {sorted(unknown)}; expected {names}")
+        return dict(values)
+    if len(names) == 1 and not isinstance(values, (tuple, list)):
+        return {names[0]: values}
+    if len(values) != len(names):
+        raise ValueError(f"{what}: expected {len(names)} arrays for {names}, got {len(values)}")
+    return dict(zip(names, values))
+
+
+class Grad:
+    """Gradients of a recurrence's inputs given cotangents of its outputs and final states."""
+
+    def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK):
+        if chunk < 1:
+            raise ValueError("chunk must be at least 1")
+        self.backward: Backward = derive_backward(program, chunk)
+        self.backend = backend
+        self.layout = layout
+        self.chunk = chunk
+
+    def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
+        """Returns {input name: gradient} for every sequence, param and state (initial value)."""
+        fwd = self.backward.forward
+        layout = layout or self.layout
+        bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name)
+        sizes, length = bound.sizes, bound.length
+        out_names = [n for n, _ in fwd.outputs]
+        gy = _as_dict(grad_outputs, out_names, "grad_outputs")
+        gh = _as_dict(grad_final_states, [s.name for s in fwd.states], "grad_final_states")
+        cot = {}
+        for name, y in fwd.outputs:
+            order = layout_of(layout, name, y.axes)
+            if name in gy:
+                arr = to_float64(gy[name], f"grad_outputs[{name!r}]")
+                want = tuple(length if a == TIME else sizes[a] for a in order)
+                if arr.shape != want:
+                    raise ValueError(f"grad_outputs[{name!r}] has shape {arr.shape}, expected {want} "
+                                     f"for axes {' '.join(order)}")
+                cot[name] = arr.transpose([order.index(a) for a in (TIME, *y.axes)])
+            else:
+                cot[name] = np.zeros((length, *(sizes[a] for a in y.axes)))
+        lam = {}
+        for s in fwd.states:
+            shape = tuple(sizes[a] for a in s.axes)
+            arr = to_float64(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else np.zeros(shape)
+            if arr.shape != shape:
+                raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
+            lam[s.name] = arr
+        grads = self._run(bound, cot, lam)
+        out = {}
+        for d in fwd.inputs:
+            g = grads[d.name]
+            if d in fwd.seqs:
+                order = layout_of(layout, d.name, d.axes)
+                canonical = (TIME, *d.axes)
+                g = g.transpose([canonical.index(a) for a in order])
+            out[d.name] = np.ascontiguousarray(g)
+        for s in fwd.states:
+            out[s.name] = grads[s.name]
+        return out
+
+    def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        bw = self.backward
+        fwd, sizes, length, chunk = bw.forward, bound.sizes, bound.length, self.chunk
+        seqs = {d.name: bound.arrays[d.name] for d in fwd.seqs}
+        params = {d.name: bound.arrays[d.name] for d in fwd.params}
+        bounds = list(range(0, length, chunk))
+        if fwd.reverse:
+            raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
+        # forward: keep the carry at each chunk boundary only
+        saved = [bound.initial]
+        for start in bounds[:-1]:
+            part = {k: v[start:start + chunk] for k, v in seqs.items()}
+            _, finals = interpreter.run_recurrence(fwd, part, params, saved[-1], sizes, chunk)
+            saved.append(finals)
+        # backward: chunks last to first, recomputing each chunk's carries from its boundary
+        acc = {GRAD + p.name: np.zeros(params[p.name].shape) for p in fwd.params}
+        carry = {GRAD + k: v for k, v in lam.items()} | acc
+        seq_grads: dict[str, list[np.ndarray]] = {d.name: [] for d in fwd.seqs}
+        for start, init in zip(reversed(bounds), reversed(saved)):
+            n = min(chunk, length - start)
+            part = {k: v[start:start + n] for k, v in seqs.items()}
+            prev, _ = interpreter.run_recurrence(bw.carries, part, params, init, sizes, n)
+            adj_seqs = dict(part)
+            adj_seqs.update({s.name: prev[f"prev_{s.name}"] for s in fwd.states})
+            adj_seqs.update({GRAD + k: v[start:start + n] for k, v in cot.items()})
+            outs, carry = interpreter.run_recurrence(bw.adjoint, adj_seqs, params, carry, sizes, n)
+            for d in fwd.seqs:
+                seq_grads[d.name].append(outs[GRAD + d.name])
+        grads = {name: np.concatenate(parts[::-1], axis=0) for name, parts in seq_grads.items()}
+        grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
+        grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
+        return grads
+
+
+def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK) -> Grad:
+    """Gradients of a recurrence spec (see the module docstring); `chunk` sets the memory plan."""
+    from .api import _program
+
+    return Grad(_program(spec), backend or "interpreter", layout, chunk)
