@@ -52,7 +52,8 @@ class Compiled:
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
         p = self.program
-        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name)
+        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
+                            p.roots)
         seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
         params = {d.name: bound.arrays[d.name] for d in p.params}
         return interpreter.run_recurrence(p, seqs, params, bound.initial, bound.sizes, bound.length)

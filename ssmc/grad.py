@@ -14,6 +14,8 @@ import numpy as np
 
 from .backends import interpreter
 from .ir.axes import TIME
+from .frontend.attention import AttentionSpec
+from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
 
@@ -48,7 +50,7 @@ class Grad:
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
         fwd = self.backward.forward
         layout = layout or self.layout
-        bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name)
+        bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name, fwd.roots)
         sizes, length = bound.sizes, bound.length
         out_names = [n for n, _ in fwd.outputs]
         gy = _as_dict(grad_outputs, out_names, "grad_outputs")
@@ -119,8 +121,39 @@ class Grad:
         return grads
 
 
-def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK) -> Grad:
-    """Gradients of a recurrence spec (see the module docstring); `chunk` sets the memory plan."""
+class AttentionGrad:
+    """Gradients of `ssmc.attention`'s q, k, v and params given the output's cotangent."""
+
+    def __init__(self, spec, layout=DEFAULT_LAYOUT):
+        self.compiled = spec.compile("interpreter", layout=layout)
+        self.backward = derive_attention_backward(spec.program)
+
+    def __call__(self, q, k, v, grad_outputs=None, layout=None, **params) -> dict[str, np.ndarray]:
+        p = self.backward.forward
+        layout = layout or self.compiled.layout
+        qb, kv = self.compiled.bind(q, k, v, layout, params)
+        sizes = {**kv.sizes, **qb.sizes}
+        order = layout_of(layout, "out", p.v_axes)
+        canonical = (TIME, *p.v_axes)
+        want = tuple(qb.arrays["q"].shape[0] if a == TIME else sizes[a] for a in order)
+        d_out = np.zeros(want) if grad_outputs is None else to_float64(grad_outputs, "grad_outputs")
+        if d_out.shape != want:
+            raise ValueError(f"grad_outputs has shape {d_out.shape}, expected {want} for axes {' '.join(order)}")
+        d_out = d_out.transpose([order.index(a) for a in canonical])
+        grads = interpreter.run_attention_backward(
+            self.backward, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
+            {d.name: kv.arrays[d.name] for d in p.params}, sizes, d_out)
+        for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes)):
+            order = layout_of(layout, name, axes)
+            canonical = (TIME, *axes)
+            grads[name] = np.ascontiguousarray(grads[name].transpose([canonical.index(a) for a in order]))
+        return grads
+
+
+def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK):
+    """Gradients of a spec (see the module docstring); `chunk` sets a recurrence's memory plan."""
     from .api import _program
 
+    if isinstance(spec, AttentionSpec):
+        return AttentionGrad(spec, layout)
     return Grad(_program(spec), backend or "interpreter", layout, chunk)

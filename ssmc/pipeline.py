@@ -1,18 +1,63 @@
-"""The compiler pipeline as a list of named stages, each a function of the program.
+"""The compiler pipeline as a list of named stages, each a function of the traced program.
 
-`ssmc show --stage NAME` prints the output of one stage; later stages join the list as they are
-built. A stage takes the traced program and returns something printable.
+    ir        the traced IR, one line per node
+    classify  the recurrence family of each state (decides the lowering)
+    backward  the derived backward: adjoint IR, its family, memory plan and C expressions
+
+`ssmc show --stage NAME` prints one stage; later stages (lowering, kernels) join the list as they
+are built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .ir.printer import format_program
+from .ir.printer import format_attention, format_nodes, format_program, format_recurrence
+from .ir.program import Attention, Recurrence
+from .passes.attention_grad import derive_attention_backward
+from .passes.autodiff import derive_backward
+from .passes.c_printer import c_statements
+from .passes.classify import classify
+
+
+def _classify(program) -> str:
+    if isinstance(program, Attention):
+        return "family: softmax over keys (online-softmax monoid over key blocks)"
+    return classify(program).describe()
+
+
+def _backward(program) -> str:
+    if isinstance(program, Attention):
+        return _attention_backward(program)
+    bw = derive_backward(program)
+    adj = bw.adjoint
+    named = [(f"{s.name}_next", u) for s, u in zip(adj.states, adj.updates)] + list(adj.outputs)
+    return "\n\n".join([
+        format_recurrence(adj),
+        classify(adj).describe(),
+        bw.plan.describe(),
+        "// per element of each value, after common-subexpression elimination\n" + c_statements(named),
+    ])
+
+
+def _attention_backward(program: Attention) -> str:
+    bw = derive_attention_backward(program)
+    roots = [(f"d_{name}", node) for name, node in bw.param_grads] + [("d_score", bw.d_score)]
+    lines, _ = format_nodes([n for _, n in roots])
+    return "\n\n".join([
+        format_attention(program),
+        "backward (FlashAttention style): recompute P = exp(score_mod(S) - lse) from the saved log-sum-exp;\n"
+        "  dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  then through score_mod:\n"
+        + "\n".join(lines),
+        "// per (query, key) element, grad_score = dS\n" + c_statements(roots),
+    ])
+
 
 # name -> (description, function from program to printable text)
-STAGES: dict[str, tuple[str, Callable[[object], str]]] = {
+STAGES: dict[str, tuple[str, Callable[[Recurrence | Attention], str]]] = {
     "ir": ("the traced IR, one line per node", format_program),
+    "classify": ("the recurrence family of each state, which decides the lowering", _classify),
+    "backward": ("the derived backward: adjoint IR, family, memory plan, C expressions", _backward),
 }
 
 

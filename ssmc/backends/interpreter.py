@@ -245,3 +245,52 @@ def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarra
         p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 0.0)
     out = np.einsum("ij...,j...e->i...e", p, v)
     return out, lse
+
+
+def run_attention_backward(backward, q: np.ndarray, k: np.ndarray, v: np.ndarray, params: dict[str, np.ndarray],
+                           sizes: dict[str, int], d_out: np.ndarray) -> dict[str, np.ndarray]:
+    """Gradients of q, k, v and the params (FlashAttention's backward; see passes/attention_grad).
+
+    Shapes as in `run_attention`; d_out: (Lq, *batch, e). Returns {"q", "k", "v", param names}.
+    """
+    program = backward.forward
+    batch = program.batch_axes
+    lq, lk = q.shape[0], k.shape[0]
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(sizes[program.head_dim])
+    out, lse = run_attention(program, q, k, v, params, sizes)
+    raw = scale * np.einsum("i...d,j...d->ij...", q, k)
+    ev = Evaluator(sizes, {"~q": lq, "~k": lk})
+    target = ("~q", "~k", *batch)
+    env: dict[str, Value] = {
+        "score": (raw, target),
+        "q_idx": (np.arange(lq, dtype=np.float64), ("~q",)),
+        "kv_idx": (np.arange(lk, dtype=np.float64), ("~k",)),
+    }
+    env.update({d.name: (params[d.name], d.axes) for d in program.params})
+    mod = raw if program.score is None else np.broadcast_to(align(ev.run([program.score], env)[0], target), raw.shape)
+    visible = np.ones(raw.shape, bool)
+    if program.mask is not None:
+        visible = np.broadcast_to(align(ev.run([program.mask], env)[0], target), raw.shape)
+    finite = np.isfinite(lse)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(visible & finite, np.exp(mod - np.where(finite, lse[:, None], 0.0)), 0.0)
+    d_v = np.einsum("ij...,i...e->j...e", p, d_out)
+    d_p = np.einsum("i...e,j...e->ij...", d_out, v)
+    d_mod = p * (d_p - np.einsum("i...e,i...e->i...", d_out, out)[:, None])
+    env["grad_score"] = (d_mod, target)
+    roots = [backward.d_score] + [g for _, g in backward.param_grads]
+    values = ev.run(roots, env)
+    d_s = np.broadcast_to(align(values[0], target), raw.shape)
+    grads = {
+        "q": scale * np.einsum("ij...,j...d->i...d", d_s, k),
+        "k": scale * np.einsum("ij...,i...d->j...d", d_s, q),
+        "v": d_v,
+    }
+    for (name, _), (arr, axes), d in zip(backward.param_grads, values[1:], program.params):
+        for loop, n in (("~q", lq), ("~k", lk)):  # sum over (i, j); constant along a missing one
+            if loop in axes:
+                arr, axes = arr.sum(axis=axes.index(loop)), tuple(a for a in axes if a != loop)
+            else:
+                arr = arr * n
+        grads[name] = np.ascontiguousarray(np.broadcast_to(align((arr, axes), d.axes), [sizes[a] for a in d.axes]))
+    return grads

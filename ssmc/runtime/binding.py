@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir.axes import TIME, format_axes, resolve_layout
+from ..ir.node import toposort
+from ..ir.ops import Op
 from ..ir.program import Decl, Role
 
 DEFAULT_LAYOUT = "t ..."
@@ -55,9 +57,36 @@ class Bound:
     initial: dict[str, np.ndarray]    # states, zeros unless given
 
 
+def check_axis_relations(roots, sizes: dict[str, int], source: dict[str, str]) -> None:
+    """Sizes that ops tie together: a renamed axis keeps its size; split parts add up."""
+
+    def where(a):
+        return source.get(a, "no input")
+
+    for node in toposort(roots):
+        if node.op is Op.RENAME:
+            for old, new in node.arg:
+                if old in sizes and new not in sizes:  # the new name takes the old one's size
+                    sizes[new] = sizes[old]
+                    source[new] = f"the rename of {old!r}"
+                if old in sizes and new in sizes and sizes[old] != sizes[new]:
+                    raise ValueError(f"axis {old!r} (size {sizes[old]}, from {where(old)}) is renamed to {new!r} "
+                                     f"(size {sizes[new]}, from {where(new)}): renaming keeps the size")
+        elif node.op is Op.SLICE:
+            axis, _, parts, _ = node.arg
+            if axis in sizes and all(p in sizes for p in parts):
+                total = sum(sizes[p] for p in parts)
+                if total != sizes[axis]:
+                    raise ValueError(f"axis {axis!r} (size {sizes[axis]}, from {where(axis)}) is split into "
+                                     f"{list(parts)} of total size {total}")
+
+
 def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, kwargs: dict,
-                layout, static: dict[str, int], what: str) -> Bound:
-    """Match positional / keyword arrays to `decls` (inputs) and `states` (optional initial values)."""
+                layout, static: dict[str, int], what: str, roots=()) -> Bound:
+    """Match positional / keyword arrays to `decls` (inputs) and `states` (optional initial values).
+
+    `roots` (the program's graph) lets the sizes be checked against the ops that relate axes.
+    """
     names = [d.name for d in decls]
     if len(args) > len(decls):
         raise ValueError(f"{what} takes {len(decls)} inputs {names}, got {len(args)} positional arguments")
@@ -94,6 +123,8 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
                              f"for axes {format_axes(order)}" + ("" if timed else " (no time axis)"))
         for axis, n in zip(order, arr.shape):
             if axis == TIME:
+                if n < 1:
+                    raise ValueError(f"argument {d.name!r} has 0 time steps; sequences need at least one step")
                 if length is not None and n != length:
                     raise ValueError(f"argument {d.name!r} has {n} time steps, other sequences have {length}")
                 length = n
@@ -102,6 +133,7 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
         if timed:
             arr = arr.transpose([order.index(a) for a in (TIME, *d.axes)])
         arrays[d.name] = arr
+    check_axis_relations(roots, sizes, source)
     if length is None:
         raise ValueError(f"{what}: no sequence input, so the number of steps is unknown")
     if length < 1:

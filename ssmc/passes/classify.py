@@ -1,0 +1,205 @@
+"""Classification: which family a recurrence belongs to, which decides how it is lowered.
+
+For each state update ``h_t = U(carry, inputs)``:
+
+- **nonlinear** unless U is affine in the carry: every second derivative of U with respect to the
+  states (and to linear maps of them: sums, renames, unbind, split) is zero. SymPy decides this on
+  the elementwise region of U; the structural ops in between are linear by construction.
+- **general linear**: affine, but U mixes elements (a contraction, a rename) or other states.
+- **diagonal linear**: ``h_t = a ⊙ h_{t-1} + b`` with `a`, `b` free of the carry; `a` and `b`
+  are returned as IR, ready for a parallel scan over (a, b) pairs.
+- **matrix linear**: diagonal linear where `b` is an outer product ``k ⊗ v`` over two state axes
+  and `a` is constant along at least one of them (Mamba-2/SSD, RetNet, GLA, linear attention):
+  the chunked, matmul-based form applies.
+
+- **accumulator**: ``h_t = h_{t-1} + b`` where `b` may read other states but nothing reads `h`
+  except its own update: a sum over time (the param gradients of an adjoint). It is lowered as a
+  reduction of a per-step value and does not count towards the family.
+
+The program's family is the most general of its states' (diagonal < matrix < general < nonlinear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import sympy as sp
+
+from ..ir import build
+from ..ir.axes import format_axes
+from ..ir.node import Node, toposort
+from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, Op
+from ..ir.program import Recurrence
+from .symbolic import from_sympy, to_sympy
+
+FAMILIES = ("diagonal linear", "matrix linear", "general linear", "nonlinear")
+_LINEAR_MAPS = {Op.SUM, Op.RENAME, Op.SELECT, Op.SLICE, Op.PAD, Op.EXPAND}
+_SIMPLIFY_LIMIT = 200  # ops; beyond this a non-zero second derivative is taken at its word
+
+
+@dataclass(frozen=True)
+class StateClass:
+    """How one state is updated. `a` and `b` are set for (diagonal / matrix) linear states."""
+
+    state: str
+    family: str
+    coefficient: str = "-"           # "one", "diagonal", "shared over [..]", "-" when not diagonal
+    a: Node | None = None
+    b: Node | None = None
+
+    def describe(self) -> str:
+        coef = f", coefficient {self.coefficient}" if self.a is not None else ""
+        return f"{self.state}: {self.family}{coef}"
+
+
+@dataclass(frozen=True)
+class Classification:
+    family: str
+    reverse: bool
+    states: tuple[StateClass, ...]
+
+    @property
+    def label(self) -> str:
+        return self.family + (" (reverse)" if self.reverse else "")
+
+    def describe(self) -> str:
+        return "\n".join([f"family: {self.label}", *(f"  {s.describe()}" for s in self.states)])
+
+
+class _Regions:
+    """SymPy views of the carry-dependent part of a program's graph."""
+
+    def __init__(self, program: Recurrence):
+        state_names = {s.name for s in program.states}
+        self.dependent: set[Node] = set()
+        for n in toposort(program.updates):
+            if (n.op is Op.INPUT and n.arg in state_names) or any(a in self.dependent for a in n.args):
+                self.dependent.add(n)
+        self.symbols: dict[sp.Symbol, Node] = {}
+        self._by_node: dict[Node, sp.Symbol] = {}
+        self._affine: dict[Node, bool] = {}
+
+    def symbol(self, node: Node) -> sp.Symbol:
+        sym = self._by_node.get(node)
+        if sym is None:
+            if node.op is Op.INPUT:
+                name = node.arg
+            else:
+                name = f"v{len(self._by_node)}"
+            sym = sp.Symbol(name, real=True)
+            self._by_node[node] = sym
+            self.symbols[sym] = node
+        return sym
+
+    def variables(self) -> dict[sp.Symbol, Node]:
+        """Symbols that stand for carry-dependent nodes (states and linear maps of them)."""
+        return {s: n for s, n in self.symbols.items() if n in self.dependent}
+
+    def leaf(self, node: Node) -> sp.Symbol | None:
+        """Region boundary: carry-free subtrees and carry-dependent non-elementwise nodes."""
+        if node not in self.dependent or node.op in LEAVES or node.op not in ELEMENTWISE:
+            return self.symbol(node)
+        return None
+
+    def expr(self, node: Node) -> sp.Basic:
+        return to_sympy([node], self.leaf)[0]
+
+    def affine(self, node: Node) -> bool:
+        """Is `node` an affine function of the carry?"""
+        hit = self._affine.get(node)
+        if hit is None:
+            hit = self._affine[node] = self._check_affine(node)
+        return hit
+
+    def _check_affine(self, node: Node) -> bool:
+        if node not in self.dependent or node.op is Op.INPUT:
+            return True
+        if node.op in REDUCTIONS and node.op is not Op.SUM:
+            return False
+        if node.op in _LINEAR_MAPS:
+            return self.affine(node.args[0])
+        expr = self.expr(node)
+        variables = [s for s in expr.free_symbols if self.symbols.get(s) in self.dependent]
+        if not all(self.affine(self.symbols[v]) for v in variables):
+            return False
+        for v, w in combinations(variables + variables, 2):
+            if v == w and variables.count(v) == 1 and (v, w) != (v, v):
+                continue
+            if not _is_zero(sp.diff(expr, v, w)):
+                return False
+        return True
+
+
+def _is_zero(e: sp.Basic) -> bool:
+    if e == 0:
+        return True
+    if sp.count_ops(e) > _SIMPLIFY_LIMIT:
+        return False
+    return sp.simplify(e) == 0
+
+
+def _factors(node: Node) -> list[Node]:
+    """`node` as a product: the factors of its (nested) multiplications."""
+    if node.op is Op.MUL:
+        return _factors(node.args[0]) + _factors(node.args[1])
+    if node.op is Op.NEG:
+        return _factors(node.args[0])
+    return [node]
+
+
+def _outer_product(b: Node, outer: tuple[str, ...]) -> bool:
+    """Can `b` be written F1 * F2 with an axis of `outer` only in F1 and another only in F2?"""
+    factors = [f.axes for f in _factors(b)]
+    for r in range(1, len(factors)):
+        for left in combinations(range(len(factors)), r):
+            ax1 = {a for i in left for a in factors[i]}
+            ax2 = {a for i in range(len(factors)) if i not in left for a in factors[i]}
+            if any(a in ax1 and a not in ax2 for a in outer) and any(a in ax2 and a not in ax1 for a in outer):
+                return True
+    return False
+
+
+def classify_state(program: Recurrence, regions: _Regions, index: int) -> StateClass:
+    state, update = program.states[index], program.updates[index]
+    if not regions.affine(update):
+        return StateClass(state.name, "nonlinear")
+    leaf = Node.make(Op.INPUT, (), state.name, state.axes)
+    own = regions.symbol(leaf)
+    expr = regions.expr(update)
+    others = [v for v in expr.free_symbols if v != own and regions.symbols.get(v) in regions.dependent]
+    a_expr, b_expr = sp.diff(expr, own), expr.subs(own, 0)
+    if a_expr == 1 and index in _write_only(program):
+        return StateClass(state.name, "accumulator")
+    if others:  # mixes elements (a contraction / rename) or other states
+        return StateClass(state.name, "general linear")
+    a = build.expand(from_sympy(a_expr, regions.symbols), ()) if a_expr.free_symbols else build.const(float(a_expr))
+    b = from_sympy(b_expr, regions.symbols) if b_expr.free_symbols else build.const(float(b_expr))
+    outer = tuple(x for x in state.axes if x not in a.axes)
+    if build.is_const(a, 1.0):
+        coefficient = "one"
+    elif not outer:
+        coefficient = "diagonal"
+    else:
+        coefficient = f"shared over {format_axes(outer)}"
+    family = "matrix linear" if outer and _outer_product(b, outer) else "diagonal linear"
+    return StateClass(state.name, family, coefficient, a, b)
+
+
+def _write_only(program: Recurrence) -> set[int]:
+    """States read by no other state's update and by no output (sums over time, like θ̄ += ...)."""
+    out = set()
+    for i, s in enumerate(program.states):
+        leaf = Node.make(Op.INPUT, (), s.name, s.axes)
+        readers = [u for j, u in enumerate(program.updates) if j != i] + [y for _, y in program.outputs]
+        if leaf not in set(toposort(readers)):
+            out.add(i)
+    return out
+
+
+def classify(program: Recurrence) -> Classification:
+    regions = _Regions(program)
+    states = tuple(classify_state(program, regions, i) for i in range(len(program.states)))
+    ranked = [s.family for s in states if s.family in FAMILIES] or ["diagonal linear"]
+    family = max(ranked, key=FAMILIES.index)
+    return Classification(family, program.reverse, states)
