@@ -19,9 +19,6 @@ import numpy as np
 
 import ssmc
 
-# Axis strings in annotations (ssmc.State["b d"]) are not forward references: tell ruff.
-# ruff: noqa: F722
-
 
 @ssmc.recurrence
 def mamba2(h: ssmc.State["b g r p n"], x: ssmc.Seq["b g r p"], dt: ssmc.Seq["b g r"],

@@ -5,7 +5,6 @@ interpreter, derived backward passes and compiled kernels. Start with `recurrenc
 """
 
 from .api import compile, default_backend
-from .grad import grad
 from .errors import SpecError
 from .frontend.attention import attention, causal, sliding_window
 from .frontend.functions import (
@@ -31,12 +30,40 @@ from .frontend.functions import (
 )
 from .frontend.spec import Param, Seq, State, recurrence
 from .frontend.tensor import Tensor
+from .grad import grad
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Param", "Seq", "SpecError", "State", "Tensor", "abs", "attention", "causal", "compile",
-    "default_backend", "dot", "grad", "erf", "exp", "gelu", "log", "max", "maximum", "mean", "minimum",
-    "recurrence", "relu", "rsqrt", "sigmoid", "silu", "sliding_window", "softplus", "sqrt", "sum",
-    "tanh", "where",
+    "Param",
+    "Seq",
+    "SpecError",
+    "State",
+    "Tensor",
+    "abs",
+    "attention",
+    "causal",
+    "compile",
+    "default_backend",
+    "dot",
+    "erf",
+    "exp",
+    "gelu",
+    "grad",
+    "log",
+    "max",
+    "maximum",
+    "mean",
+    "minimum",
+    "recurrence",
+    "relu",
+    "rsqrt",
+    "sigmoid",
+    "silu",
+    "sliding_window",
+    "softplus",
+    "sqrt",
+    "sum",
+    "tanh",
+    "where",
 ]

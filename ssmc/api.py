@@ -72,7 +72,7 @@ class Compiled:
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
 
 
-def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT):  # noqa: A001
+def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT):
     """Compile a spec for a backend ("interpreter"; the default picks the fastest available).
 
     `layout` places the time axis in sequence arrays: a template like ``"b t ..."`` (one for all)

@@ -36,7 +36,7 @@ class SpecError(Exception):
     """
 
     def __init__(self, message: str, loc: Loc | None = None):
-        self.message = message
+        self.message = one_line(message)
         self.loc = loc
         super().__init__(self._format())
 
@@ -45,6 +45,11 @@ class SpecError(Exception):
             return self.message
         code = self.loc.code
         return f"{self.loc}: {self.message}" + (f" — in `{code}`" if code else "")
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks (say, from a user's multi-line exception message) folded into spaces."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
 def _short_path(path: str) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .backends import interpreter
-from .ir.axes import TIME
 from .frontend.attention import AttentionSpec
+from .ir.axes import TIME
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64

@@ -72,6 +72,11 @@ def _loop_axes(values) -> tuple[str, ...]:
     return tuple(a for a in LOOP_AXES if a in found)
 
 
+def _contiguous(arr) -> np.ndarray:
+    """A C-contiguous array, keeping 0-d values 0-d (np.ascontiguousarray makes them 1-d)."""
+    return np.require(arr, requirements="C")
+
+
 def _full(arr: np.ndarray, axes: tuple[str, ...], sizes: dict[str, int], loops: dict[str, int]) -> np.ndarray:
     shape = tuple(loops[a] if a.startswith("~") else sizes[a] for a in axes)
     return np.broadcast_to(arr, shape)
@@ -112,7 +117,7 @@ class Evaluator:
                 else:
                     out = np.where(*arrs)
             # broadcasting may leave size-1 axes: give every value its full shape
-            return np.ascontiguousarray(_full(out, axes, sizes, self.loops)), axes
+            return _contiguous(_full(out, axes, sizes, self.loops)), axes
         (x,) = args
         arr, axes = x
         if op is Op.SUM or op is Op.REDUCE_MAX:
@@ -146,7 +151,7 @@ class Evaluator:
             return out, tuple(axis if a == new_axis else a for a in axes)
         if op is Op.EXPAND:
             target = _loop_axes([x]) + node.axes
-            return np.ascontiguousarray(_full(align(x, target), target, sizes, self.loops)), target
+            return _contiguous(_full(align(x, target), target, sizes, self.loops)), target
         raise NotImplementedError(f"interpreter: no rule for {op}")
 
 
@@ -207,7 +212,7 @@ def run_recurrence(program: Recurrence, seqs: dict[str, np.ndarray], params: dic
         for (name, y), v in zip(program.outputs, values[len(program.updates):]):
             outs[name][t] = align(v, y.axes)
         carry = {s.name: (align(v, s.axes), s.axes) for s, v in zip(program.states, values)}
-    finals = {name: np.ascontiguousarray(_full(v[0], v[1], sizes, {})) for name, v in carry.items()}
+    finals = {name: _contiguous(_full(v[0], v[1], sizes, {})) for name, v in carry.items()}
     return outs, finals
 
 
@@ -292,5 +297,5 @@ def run_attention_backward(backward, q: np.ndarray, k: np.ndarray, v: np.ndarray
                 arr, axes = arr.sum(axis=axes.index(loop)), tuple(a for a in axes if a != loop)
             else:
                 arr = arr * n
-        grads[name] = np.ascontiguousarray(np.broadcast_to(align((arr, axes), d.axes), [sizes[a] for a in d.axes]))
+        grads[name] = _contiguous(np.broadcast_to(align((arr, axes), d.axes), [sizes[a] for a in d.axes]))
     return grads

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import SpecError
+from ..errors import Loc, SpecError
 from ..ir.axes import TIME, format_axes, parse_axes
 from ..ir.node import BOOL, FLOAT, Node
 from ..ir.ops import Op
@@ -41,7 +41,7 @@ def sliding_window(size: int):
     return mask
 
 
-def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str, ...]
+def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str, ...], locs: dict[Node, Loc]
                ) -> tuple[Node, list[Decl], dict[str, int]]:
     src = SourceInfo(fn)
     n_lead = len(leading)
@@ -50,17 +50,21 @@ def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str,
         want = "(score, q_idx, kv_idx, *params)" if kind == "score_mod" else "(q_idx, kv_idx, *params)"
         raise SpecError(f"{kind} must take {want}", src.def_loc)
     decls, sizes = read_signature(fn, src, (Role.PARAM,), skip=n_lead)
-    result = trace(fn, leading + [input_leaf(d) for d in decls], sizes, src)
-    node = as_tensor(result).node
+    result = trace(fn, leading + [input_leaf(d) for d in decls], sizes, src, locs)
     ret = src.return_loc
+    try:
+        node = as_tensor(result).node
+    except SpecError as err:
+        raise SpecError(f"{kind} result: {err.message}", ret) from None
+    node_loc = locs.get(node) or ret
     extra = [a for a in node.axes if a not in batch]
     if extra:
         raise SpecError(f"{kind} returns axes {format_axes(node.axes)}, but scores have only the batch "
-                        f"axes {format_axes(batch)}", node.loc or ret)
+                        f"axes {format_axes(batch)}", node_loc)
     want = FLOAT if kind == "score_mod" else BOOL
     if node.dtype != want:
         raise SpecError(f"{kind} must return a {'score (float)' if want == FLOAT else 'boolean mask'}, "
-                        f"got a {node.dtype}", node.loc or ret)
+                        f"got a {node.dtype}", node_loc)
     return node, decls, sizes
 
 
@@ -148,12 +152,13 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
     decls: dict[str, Decl] = {}
     sizes = dict(static)
     traced = {}
+    locs: dict[Node, Loc] = {}
     for kind, fn, leading in (("score_mod", score_mod, [score_leaf, q_idx, kv_idx]),
                               ("mask_mod", mask_mod, [q_idx, kv_idx])):
         if fn is None:
             traced[kind] = None
             continue
-        node, mod_decls, mod_sizes = _trace_mod(fn, kind, leading, batch_axes)
+        node, mod_decls, mod_sizes = _trace_mod(fn, kind, leading, batch_axes, locs)
         for d in mod_decls:
             if d.name in ("score", "q_idx", "kv_idx", "q", "k", "v"):
                 raise SpecError(f"{kind}: parameter name {d.name!r} is reserved", d.loc)
@@ -172,7 +177,7 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
         "kv_idx": Decl("kv_idx", Role.INDEX, ()),
     })
     roots = [n for n in traced.values() if n is not None]
-    verify_nodes(roots, all_decls, set(sizes), None)
+    verify_nodes(roots, all_decls, set(sizes), None, locs)
     if scale is not None and not np.isfinite(scale):
         raise SpecError(f"attention scale must be a finite number, got {scale}", loc)
     program = Attention(name=name or (getattr(score_mod, "__name__", None) or "attention"),

@@ -22,7 +22,7 @@ exp = _unary(Op.EXP, "e ** x")
 log = _unary(Op.LOG, "natural logarithm")
 sqrt = _unary(Op.SQRT, "square root")
 rsqrt = _unary(Op.RSQRT, "1 / sqrt(x)")
-abs = _unary(Op.ABS, "|x|")  # noqa: A001 - the spec language's name
+abs = _unary(Op.ABS, "|x|")  # shadows the builtin: the spec language's name
 sigmoid = _unary(Op.SIGMOID, "1 / (1 + exp(-x))")
 tanh = _unary(Op.TANH, "hyperbolic tangent")
 softplus = _unary(Op.SOFTPLUS, "log(1 + exp(x)), computed stably")
@@ -59,7 +59,7 @@ def dot(x, y, over) -> Tensor:
     return (x * y).sum(names)
 
 
-def sum(x, axes=None) -> Tensor:  # noqa: A001
+def sum(x, axes=None) -> Tensor:
     return as_tensor(x).sum(axes)
 
 
@@ -67,5 +67,5 @@ def mean(x, axes=None) -> Tensor:
     return as_tensor(x).mean(axes)
 
 
-def max(x, axes=None) -> Tensor:  # noqa: A001
+def max(x, axes=None) -> Tensor:
     return as_tensor(x).max(axes)

@@ -24,7 +24,7 @@ from ..ir.node import BOOL, Node
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from ..ir.verify import verify
-from .tensor import Tensor, _static_sizes, as_tensor
+from .tensor import Tensor, _static_sizes, _trace_locs, as_tensor
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,14 @@ def read_signature(fn: Callable, src: SourceInfo, allowed: tuple[Role, ...],
     return decls, sizes
 
 
-def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: SourceInfo):
-    """Call `fn` on symbolic tensors; any failure becomes a SpecError at the user's line."""
+def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: SourceInfo,
+          locs: dict[Node, Loc] | None = None):
+    """Call `fn` on symbolic tensors; any failure becomes a SpecError at the user's line.
+
+    `locs`, when given, receives the line that built each node in this trace.
+    """
     token = _static_sizes.set(sizes)
+    locs_token = _trace_locs.set({} if locs is None else locs)
     try:
         return fn(*leaves)
     except SpecError as err:
@@ -140,6 +145,7 @@ def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: Source
         loc = loc_from_traceback(err.__traceback__) or src.def_loc
         raise SpecError(f"{type(err).__name__} while tracing the step: {err}", loc) from None
     finally:
+        _trace_locs.reset(locs_token)
         _static_sizes.reset(token)
 
 
@@ -154,7 +160,7 @@ def _as_node(value, what: str, loc: Loc) -> Node:
         raise SpecError(f"{what}: {err.message}", loc) from None
 
 
-def _read_carry(carry, states: list[Decl], loc: Loc) -> tuple[Node, ...]:
+def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc]) -> tuple[Node, ...]:
     names = [s.name for s in states]
     if isinstance(carry, dict):
         missing = [n for n in names if n not in carry]
@@ -163,30 +169,30 @@ def _read_carry(carry, states: list[Decl], loc: Loc) -> tuple[Node, ...]:
             raise SpecError(f"the returned carry must have the states {names}; missing {missing}, "
                             f"unknown {extra}", loc)
         items = [carry[n] for n in names]
-    elif len(states) == 1 and not isinstance(carry, (tuple, list)):
-        items = [carry]
-    elif isinstance(carry, (tuple, list)):
-        items = list(carry)
+    elif isinstance(carry, (tuple, list)) or len(states) > 1:
+        items = list(carry) if isinstance(carry, (tuple, list)) else [carry]
         if len(items) != len(states):
             missing = names[len(items):]
             hint = f"; state {missing[0]!r} is not returned" if missing else ""
-            raise SpecError(f"the step returns {len(items)} carry values for {len(states)} states "
-                            f"{names}{hint}", loc)
+            raise SpecError(f"the step returns {len(items)} carry value{'s' * (len(items) != 1)} for "
+                            f"{len(states)} states {names}{hint}", loc)
     else:
-        raise SpecError(f"the returned carry must be a tuple of {len(states)} values for states {names}", loc)
+        items = [carry]
     updates = []
     for state, value in zip(states, items):
         node = _as_node(value, f"new value of state {state.name!r}", loc)
+        node_loc = locs.get(node) or loc
         extra = [a for a in node.axes if a not in state.axes]
         if extra:
             raise SpecError(f"new value of state {state.name!r} has axes {format_axes(node.axes)}, "
                             f"but {state.name!r} is declared {format_axes(state.axes)} "
-                            f"(reduce or rename {extra})", node.loc or loc)
+                            f"(reduce or rename {extra})", node_loc)
         if node.dtype == BOOL:
             raise SpecError(f"new value of state {state.name!r} is boolean; states hold floats "
-                            "(use ssmc.where(cond, 1.0, 0.0))", node.loc or loc)
+                            "(use ssmc.where(cond, 1.0, 0.0))", node_loc)
         if set(node.axes) != set(state.axes):
-            node = Node.make(Op.EXPAND, (node,), state.axes, loc=node.loc)
+            node = Node.make(Op.EXPAND, (node,), state.axes, loc=node_loc)
+            locs.setdefault(node, node_loc)
         updates.append(node)
     return tuple(updates)
 
@@ -246,18 +252,19 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
     states = [d for d in decls if d.role is Role.STATE]
     if not states:
         raise SpecError(f"{fn.__name__} declares no state: annotate the carry as ssmc.State[...]", src.def_loc)
-    result = trace(fn, [input_leaf(d) for d in decls], sizes, src)
+    locs: dict[Node, Loc] = {}
+    result = trace(fn, [input_leaf(d) for d in decls], sizes, src, locs)
     ret = src.return_loc
     if not isinstance(result, tuple) or len(result) != 2:
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
         raise SpecError(f"the step must return (new_carry, outputs), got {got}", ret)
     carry, outputs = result
-    updates = _read_carry(carry, states, ret)
+    updates = _read_carry(carry, states, ret, locs)
     outs = _read_outputs(outputs, {d.name for d in decls}, ret)
     program = Recurrence(name=name or fn.__name__, decls=tuple(decls), updates=updates, outputs=outs,
                          sizes=tuple(sorted(sizes.items())), loc=src.def_loc, doc=inspect.getdoc(fn) or "")
     try:
-        verify(program)
+        verify(program, locs)
     except SpecError as err:
         raise err.with_traceback(None) from None
     return RecurrenceSpec(program, fn)

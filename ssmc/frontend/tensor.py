@@ -12,20 +12,33 @@ import numbers
 
 import numpy as np
 
-from ..errors import SpecError, user_loc
-from ..ir.axes import format_axes
+from ..errors import Loc, SpecError, user_loc
+from ..ir.axes import TIME, format_axes
 from ..ir.node import FLOAT, AxisError, Node
 from ..ir.ops import Op
 
 # Static axis sizes of the spec being traced ("g=4"), for unbind.
-_static_sizes: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("ssmc_static_sizes", default={})
+_static_sizes: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("ssmc_static_sizes",
+                                                                                   default=None)
+
+# Where each node was built in the spec being traced. Nodes are interned, so `Node.loc` is the
+# line of the first build anywhere (maybe another spec); errors about this spec use this map.
+_trace_locs: contextvars.ContextVar[dict[Node, Loc] | None] = contextvars.ContextVar("ssmc_trace_locs",
+                                                                                     default=None)
+
+
+def _record(node: Node, loc: Loc | None) -> Node:
+    locs = _trace_locs.get()
+    if locs is not None and loc is not None:
+        locs.setdefault(node, loc)
+    return node
 
 
 def make(op: Op, args=(), arg=None, axes=None, dtype=None) -> Tensor:
     """Record one node, turning axis problems into a SpecError at the user's line."""
     loc = user_loc(2)
     try:
-        return Tensor(Node.make(op, tuple(a.node for a in args), arg, axes, dtype, loc))
+        return Tensor(_record(Node.make(op, tuple(a.node for a in args), arg, axes, dtype, loc), loc))
     except AxisError as err:
         raise SpecError(str(err), loc) from None
 
@@ -39,7 +52,8 @@ def as_tensor(value) -> Tensor:
     if isinstance(value, (bool, np.bool_)):
         value = float(value)
     if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
-        return Tensor(Node.make(Op.CONST, (), float(value), (), FLOAT, user_loc(2)))
+        loc = user_loc(2)
+        return Tensor(_record(Node.make(Op.CONST, (), float(value), (), FLOAT, loc), loc))
     if isinstance(value, (numbers.Complex, np.complexfloating)):
         raise SpecError(f"complex constant {value!r}: ssmc handles real floating-point values only", user_loc(2))
     if isinstance(value, np.ndarray):
@@ -53,6 +67,17 @@ def _axes_arg(axes) -> tuple[str, ...]:
     if isinstance(axes, str):
         return tuple(axes.split())
     return tuple(axes)
+
+
+def _new_axes(names, what: str) -> tuple[str, ...]:
+    """Axis names a spec introduces (rename targets, split parts, broadcast axes), checked."""
+    names = _axes_arg(names)
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"{what}: axis name {name!r} is not an identifier", user_loc(2))
+        if name == TIME:
+            raise SpecError(f"{what}: axis name 't' is reserved for the implicit time axis", user_loc(2))
+    return names
 
 
 class Tensor:
@@ -156,6 +181,7 @@ class Tensor:
     def rename(self, mapping: dict[str, str] | None = None, **kw: str) -> Tensor:
         """Rename axes: ``h.rename(k="j")``."""
         pairs = {**(mapping or {}), **kw}
+        _new_axes(tuple(pairs.values()), "rename")
         return make(Op.RENAME, (self,), tuple(sorted(pairs.items())))
 
     def unbind(self, axis: str) -> tuple[Tensor, ...]:
@@ -163,7 +189,7 @@ class Tensor:
         if axis not in self.axes:
             raise SpecError(f"cannot unbind axis {axis!r}: the tensor has axes {format_axes(self.axes)}",
                             user_loc(2))
-        size = _static_sizes.get().get(axis)
+        size = (_static_sizes.get() or {}).get(axis)
         if size is None:
             raise SpecError(f"unbind needs a static size for axis {axis!r}: declare it as '{axis}=N' "
                             "in an input's axes", user_loc(2))
@@ -174,14 +200,14 @@ class Tensor:
 
         ``x, z = xz.split("e", into=("d", "d"))`` needs size(e) == 2 * size(d), checked at call time.
         """
-        parts = _axes_arg(into)
+        parts = _new_axes(into, "split")
         if not parts:
             raise SpecError("split needs at least one part", user_loc(2))
         return tuple(make(Op.SLICE, (self,), (axis, new, parts, i)) for i, new in enumerate(parts))
 
     def broadcast(self, axes) -> Tensor:
         """Broadcast to include the named axes."""
-        return make(Op.EXPAND, (self,), _axes_arg(axes))
+        return make(Op.EXPAND, (self,), _new_axes(axes, "broadcast"))
 
 
 def _reduce(x: Tensor, op: Op, axes) -> Tensor:

@@ -107,10 +107,15 @@ def iota(axis: str) -> Node:
 
 
 def expand(x: Node, axes: tuple[str, ...]) -> Node:
-    """Broadcast `x` to have (at least) `axes`; a no-op when it has them already."""
-    if set(axes) <= set(x.axes):
+    """Broadcast `x` to exactly `axes`, in that order (`x` must not have other axes)."""
+    if x.axes == tuple(axes):
         return x
     return Node.make(Op.EXPAND, (x,), tuple(axes))
+
+
+def with_axis(x: Node, axis: str) -> Node:
+    """`x`, broadcast along `axis` if it lacks it."""
+    return x if axis in x.axes else expand(x, (*x.axes, axis))
 
 
 def sum_to(x: Node, from_axes: tuple[str, ...], to_axes: tuple[str, ...]) -> Node:

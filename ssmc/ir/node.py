@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar
 
 from ..errors import Loc
 from .axes import format_axes
@@ -33,7 +34,7 @@ class Node:
     dtype: str
     loc: Loc | None
 
-    _interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _interned: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
 
     def __new__(cls, *a, **k):  # pragma: no cover - guard
         raise TypeError("build nodes with Node.make")
@@ -49,7 +50,9 @@ class Node:
             dtype = dtype or FLOAT
         else:
             axes, dtype = _infer(op, args, arg)
-        key = (op, args, arg, axes, dtype)
+        if op is Op.CONST:
+            arg = float(arg)
+        key = (op, args, _key_arg(op, arg), axes, dtype)
         hit = cls._interned.get(key)
         if hit is not None:
             return hit
@@ -69,6 +72,12 @@ class Node:
         if args == self.args:
             return self
         return Node.make(self.op, args, self.arg, self.axes if self.op in LEAVES else None, self.dtype, self.loc)
+
+
+def _key_arg(op: Op, arg: object) -> object:
+    """`arg` as an intern key: constants by their exact float text, so that 0.0 and -0.0 (equal,
+    with one hash) stay two nodes and a NaN constant (unequal to itself) is still one node."""
+    return repr(arg) if op is Op.CONST else arg
 
 
 def _union(axes_list: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -118,8 +127,8 @@ def _infer(op: Op, args: tuple[Node, ...], arg: object) -> tuple[tuple[str, ...]
         if new_axis not in x.axes:
             raise AxisError(f"pad: operand lacks axis {new_axis!r}")
         return tuple(axis if a == new_axis else a for a in x.axes), x.dtype
-    if op is Op.EXPAND:
-        return _union([x.axes, tuple(arg)]), x.dtype
+    if op is Op.EXPAND:  # the named axes in their order, then any others of the operand
+        return _union([tuple(arg), x.axes]), x.dtype
     raise AxisError(f"unknown op {op}")
 
 

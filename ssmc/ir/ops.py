@@ -9,7 +9,7 @@ Ops fall in four groups, which passes dispatch on:
 - structural: RENAME (`arg` = ((old, new), ...)), SELECT (`arg` = (axis, index): drop an axis
   by taking one position), SLICE (`arg` = (axis, new_axis, parts, index): the `index`-th block
   of `axis` cut into blocks named `parts`, renamed `new_axis`), PAD (the transpose of SLICE),
-  EXPAND (`arg` = axes to broadcast to).
+  EXPAND (`arg` = axes to broadcast to; they come first, in that order).
 """
 
 from __future__ import annotations

@@ -72,13 +72,13 @@ def _select(node: Node, g: Node) -> list[tuple[int, Node]]:
 
 
 def _slice(node: Node, g: Node) -> list[tuple[int, Node]]:
-    axis, new_axis, parts, index = node.arg
-    return [(0, Node.make(Op.PAD, (build.expand(g, (new_axis,)),), node.arg))]
+    new_axis = node.arg[1]
+    return [(0, Node.make(Op.PAD, (build.with_axis(g, new_axis),), node.arg))]
 
 
 def _pad(node: Node, g: Node) -> list[tuple[int, Node]]:
-    axis, new_axis, parts, index = node.arg
-    return [(0, Node.make(Op.SLICE, (build.expand(g, (axis,)),), node.arg))]
+    axis = node.arg[0]
+    return [(0, Node.make(Op.SLICE, (build.with_axis(g, axis),), node.arg))]
 
 
 STRUCTURAL: dict[Op, Callable[[Node, Node], list[tuple[int, Node]]]] = {
@@ -196,5 +196,5 @@ def derive_backward(program: Recurrence, chunk: int = DEFAULT_CHUNK) -> Backward
                          outputs=tuple((f"prev_{s.name}", leaf[s.name]) for s in states), sizes=program.sizes,
                          reverse=program.reverse, loc=program.loc)
     plan = MemoryPlan(chunk, saved=tuple(s.name for s in states),
-                      recomputed=tuple(f"{s.name}[t]" for s in states) + ("every intermediate of the step",))
+                      recomputed=(*(f"{s.name}[t]" for s in states), "every intermediate of the step"))
     return Backward(program, carries, adjoint, plan)

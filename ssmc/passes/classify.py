@@ -173,7 +173,7 @@ def classify_state(program: Recurrence, regions: _Regions, index: int) -> StateC
         return StateClass(state.name, "accumulator")
     if others:  # mixes elements (a contraction / rename) or other states
         return StateClass(state.name, "general linear")
-    a = build.expand(from_sympy(a_expr, regions.symbols), ()) if a_expr.free_symbols else build.const(float(a_expr))
+    a = from_sympy(a_expr, regions.symbols) if a_expr.free_symbols else build.const(float(a_expr))
     b = from_sympy(b_expr, regions.symbols) if b_expr.free_symbols else build.const(float(b_expr))
     outer = tuple(x for x in state.axes if x not in a.axes)
     if build.is_const(a, 1.0):

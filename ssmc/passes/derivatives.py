@@ -12,7 +12,7 @@ the gradient to the branch taken (structural rule in `autodiff`).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import sympy as sp
 
@@ -23,7 +23,7 @@ from .symbolic import from_sympy, to_sympy
 _ARGS = sp.symbols("x0 x1 x2", real=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rule(op: Op, consts: tuple[float | None, ...]) -> tuple[sp.Basic, ...]:
     """SymPy partials of `op` w.r.t. each argument; `consts[i]` fixes argument i to a number."""
     syms = [sp.Float(c) if c is not None and not float(c).is_integer() else

@@ -17,36 +17,36 @@ from ..ir.node import Node
 from ..ir.ops import Op
 
 
-class sigmoid(sp.Function):  # noqa: N801 - printed as a C function name
+class sigmoid(sp.Function):
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
 
 
-class softplus(sp.Function):  # noqa: N801
+class softplus(sp.Function):
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
 
-class silu(sp.Function):  # noqa: N801
+class silu(sp.Function):
     def fdiff(self, argindex=1):
         x = self.args[0]
         s = sigmoid(x)
         return s * (1 + x * (1 - s))
 
 
-class gelu(sp.Function):  # noqa: N801
+class gelu(sp.Function):
     def fdiff(self, argindex=1):
         x = self.args[0]
         return (1 + sp.erf(x / sp.sqrt(2))) / 2 + x * sp.exp(-x**2 / 2) / sp.sqrt(2 * sp.pi)
 
 
-class tanh(sp.Function):  # noqa: N801 - opaque, so simplify keeps 1 - tanh**2 (not 1/cosh**2)
+class tanh(sp.Function):
     def fdiff(self, argindex=1):
         return 1 - tanh(self.args[0]) ** 2
 
 
-class relu(sp.Function):  # noqa: N801
+class relu(sp.Function):
     def fdiff(self, argindex=1):
         return sp.Heaviside(self.args[0], 0)  # relu'(0) = 0, as in PyTorch
 
@@ -97,8 +97,8 @@ def to_sympy(roots: list[Node], leaf: Callable[[Node], sp.Basic | None]) -> list
 # -- SymPy -> IR --------------------------------------------------------------------------------
 
 _SYMPY_FUNCS: dict[type, Op] = {
-    sp.exp: Op.EXP, sp.log: Op.LOG, tanh: Op.TANH, sp.tanh: Op.TANH, sp.erf: Op.ERF, sp.Abs: Op.ABS, sigmoid: Op.SIGMOID,
-    softplus: Op.SOFTPLUS, silu: Op.SILU, gelu: Op.GELU, relu: Op.RELU,
+    sp.exp: Op.EXP, sp.log: Op.LOG, tanh: Op.TANH, sp.tanh: Op.TANH, sp.erf: Op.ERF, sp.Abs: Op.ABS,
+    sigmoid: Op.SIGMOID, softplus: Op.SOFTPLUS, silu: Op.SILU, gelu: Op.GELU, relu: Op.RELU,
 }
 _RELATIONS = {sp.StrictLessThan: Op.LT, sp.LessThan: Op.LE, sp.StrictGreaterThan: Op.GT,
               sp.GreaterThan: Op.GE, sp.Equality: Op.EQ, sp.Unequality: Op.NE}

@@ -24,9 +24,27 @@ def axis_sizes(program: Recurrence | Attention, rng: np.random.Generator, low: i
         axes.extend(a for a in (*program.batch_axes, program.head_dim, program.value_dim) if a not in axes)
     roots = program.roots if isinstance(program, Recurrence) else [n for n in (program.score, program.mask) if n]
     splits = {n.arg[0]: n.arg[2] for n in toposort(roots) if n.op is Op.SLICE}
+    group: dict[str, str] = {}  # union-find: a renamed axis has the size of the axis it renames
+
+    def find(a: str) -> str:
+        while group.setdefault(a, a) != a:
+            a = group[a]
+        return a
+
+    for node in toposort(roots):
+        if node.op is Op.RENAME:
+            for old, new in node.arg:
+                group[find(old)] = find(new)
     for a in axes:
-        if a not in sizes and a not in splits:
-            sizes[a] = int(rng.integers(low, high + 1))
+        root = find(a)
+        if root not in sizes and a in sizes:
+            sizes[root] = sizes[a]
+    for a in axes:
+        root = find(a)
+        if root not in sizes and a not in splits:
+            sizes[root] = int(rng.integers(low, high + 1))
+        if root in sizes:
+            sizes[a] = sizes[root]
     for axis, parts in splits.items():
         for p in parts:
             sizes.setdefault(p, int(rng.integers(low, high + 1)))

@@ -1,0 +1,5 @@
+"""``python -m ssmc``: the same as the ``ssmc`` command."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""The ``ssmc`` command line.
+
+    ssmc show SPEC.py[:NAME] [--stage STAGE]     print a spec's program after a compiler stage
+    ssmc check SPEC.py [SPEC.py ...]             run every spec in the files on random inputs
+    ssmc demo [--backend B]                      run the bundled examples against their references
+
+A spec file is any Python file that defines ``@ssmc.recurrence`` / ``ssmc.attention`` objects at
+module level. Problems with the user's input (a bad spec, a missing file) are reported as one line
+on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import platform
+import runpy
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from . import __version__, api, pipeline
+from .errors import SpecError
+from .frontend.attention import AttentionSpec
+from .frontend.spec import RecurrenceSpec
+from .runtime.random_inputs import axis_sizes, random_recurrence_inputs
+
+SPEC_TYPES = (RecurrenceSpec, AttentionSpec)
+DEMO_LENGTH = 256
+DEMO_TOLERANCE = 1e-9  # max relative error in float64
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for (missing file, unknown name): one line, exit 1."""
+
+
+# -- loading spec files ------------------------------------------------------------------------
+
+def split_target(target: str) -> tuple[str, str | None]:
+    """``"path.py:NAME"`` -> ("path.py", "NAME"); a plain path -> (path, None)."""
+    path, sep, name = target.rpartition(":")
+    if sep and name.isidentifier() and not os.path.exists(target):
+        return path, name
+    return target, None
+
+
+def _run_file(path: str) -> dict:
+    """Execute a spec file (not as __main__) with its folder importable; return its globals."""
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        return runpy.run_path(path, run_name="__ssmc_spec__")
+    except SpecError:
+        raise
+    except Exception as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        where = f"{path}:{frames[-1].lineno}" if frames else path
+        raise UsageError(f"{where}: {type(err).__name__}: {err}") from None
+    finally:
+        sys.path.remove(folder)
+
+
+def load_specs(target: str, required: bool = True) -> list[tuple[str, RecurrenceSpec | AttentionSpec]]:
+    """The specs defined in a file, as (variable name, spec); ``path:NAME`` picks one.
+
+    A spec bound to several names (``SPEC = hgrn``) is listed once, under its first name. A file
+    without specs is an error when `required`, else gives an empty list.
+    """
+    path, name = split_target(target)
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file")
+    namespace = _run_file(path)
+    found: list[tuple[str, RecurrenceSpec | AttentionSpec]] = []
+    for var, value in namespace.items():
+        new = all(value is not spec for _, spec in found)
+        if isinstance(value, SPEC_TYPES) and not var.startswith("_") and new:
+            found.append((var, value))
+    if name is not None:
+        spec = namespace.get(name)
+        if not isinstance(spec, SPEC_TYPES):
+            known = ", ".join(var for var, _ in found) or "none"
+            raise UsageError(f"{path}: no spec named {name!r} (specs here: {known})")
+        return [(name, spec)]
+    if not found and required:
+        raise UsageError(f"{path}: no specs found (define @ssmc.recurrence or ssmc.attention objects "
+                         "at module level)")
+    return found
+
+
+# -- show --------------------------------------------------------------------------------------
+
+def cmd_show(args) -> int:
+    specs = load_specs(args.spec)
+    print("\n\n".join(pipeline.show(spec.program, args.stage) for _, spec in specs))
+    return 0
+
+
+# -- check -------------------------------------------------------------------------------------
+
+def _flatten(value) -> list:
+    """Arrays in a nested tuple / list, in order (None, for no outputs, gives none)."""
+    if value is None:
+        return []
+    if isinstance(value, (tuple, list)):
+        return [a for v in value for a in _flatten(v)]
+    return [np.asarray(value)]
+
+
+def _run_recurrence(spec: RecurrenceSpec, length: int, rng) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+    p = spec.program
+    sizes = axis_sizes(p, rng)
+    inputs = random_recurrence_inputs(p, length, rng, sizes)
+    ys, finals = api.compile(spec)(**inputs, return_final_states=True)
+    names = [n for n, _ in p.outputs] + [s.name for s in p.states]
+    return sizes, dict(zip(names, _flatten(ys) + _flatten(finals)))
+
+
+def _run_attention(spec: AttentionSpec, length: int, rng) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+    p = spec.program
+    sizes = axis_sizes(p, rng)
+    batch = [sizes[a] for a in p.batch_axes]
+    q, k = (0.5 * rng.standard_normal((length, *batch, sizes[p.head_dim])) for _ in range(2))
+    v = 0.5 * rng.standard_normal((length, *batch, sizes[p.value_dim]))
+    params = {d.name: 0.5 * rng.standard_normal([sizes[a] for a in d.axes]) for d in p.params}
+    return sizes, {"out": spec.compile()(q, k, v, **params)}
+
+
+def _check_spec(label: str, spec, length: int, seed: int) -> bool:
+    rng = np.random.default_rng(seed)
+    kind = "attention" if isinstance(spec, AttentionSpec) else "recurrence"
+    run = _run_attention if kind == "attention" else _run_recurrence
+    start = time.perf_counter()
+    try:
+        sizes, outputs = run(spec, length, rng)
+    except Exception as err:  # one line per failing spec; the others still run
+        print(f"error: {label}: {type(err).__name__}: {err}", file=sys.stderr)
+        return False
+    elapsed = time.perf_counter() - start
+    finite = all(np.isfinite(a).all() for a in outputs.values())
+    axes = " ".join(f"{a}={n}" for a, n in sizes.items())
+    shapes = " ".join(f"{n}[{','.join(map(str, a.shape))}]" for n, a in outputs.items())
+    print(f"{label}  {kind}  {axes}  L={length}  {shapes}  {'finite' if finite else 'NOT FINITE'}  "
+          f"{elapsed * 1e3:.1f} ms")
+    return finite
+
+
+def cmd_check(args) -> int:
+    print(f"ssmc check: backend {api.default_backend()}, length {args.length}, seed {args.seed}")
+    ok, checked = True, 0
+    for path in args.specs:
+        try:
+            specs = load_specs(path, required=False)
+        except (SpecError, UsageError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            ok = False
+            continue
+        if not specs:
+            print(f"{path}: no specs here, skipped")
+        for name, spec in specs:
+            ok &= _check_spec(f"{path}:{name}", spec, args.length, args.seed)
+            checked += 1
+    if checked == 0 and ok:
+        print("error: no specs found in the files given", file=sys.stderr)
+        ok = False
+    return 0 if ok else 1
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+def _device(backend: str) -> str:
+    """Where `backend` runs (every backend so far runs on the CPU; a GPU backend names its GPU here)."""
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def _rel_error(got: list, want: list) -> float:
+    """Max over the arrays of max|got - want| / max|want| (nan if any value is not finite)."""
+    if [a.shape for a in got] != [b.shape for b in want]:
+        raise ValueError(f"output shapes {[a.shape for a in got]} differ from the reference's "
+                         f"{[b.shape for b in want]}")
+    tiny = np.finfo(np.float64).tiny
+    errs = [np.abs(a - b).max(initial=0.0) / max(np.abs(b).max(initial=0.0), tiny) for a, b in zip(got, want)]
+    return float(np.max(errs, initial=0.0))
+
+
+def _demo_one(name: str, backend: str | None) -> tuple[list[str], str | None]:
+    """Run one example: its table row, and the error it raised (None if it ran)."""
+    row = [name, "?", backend or "?", str(DEMO_LENGTH), "-", "-", "FAIL"]
+    try:
+        ex = importlib.import_module(f"ssmc.examples.{name}")
+        row[1] = ex.FAMILY
+        inputs = ex.make_inputs(np.random.default_rng(0), length=DEMO_LENGTH)
+        if isinstance(ex.SPEC, AttentionSpec):
+            compiled = ex.SPEC.compile(backend, layout=ex.LAYOUT)
+            extra = {}
+        else:
+            compiled = api.compile(ex.SPEC, backend, layout=ex.LAYOUT)
+            extra = {"return_final_states": True}
+        row[2] = compiled.backend
+        start = time.perf_counter()
+        got = compiled(**inputs, **extra)
+        row[4] = f"{(time.perf_counter() - start) * 1e3:.1f} ms"
+        err = _rel_error(_flatten(got), _flatten(ex.reference(**inputs)))
+    except Exception as exc:  # an example that fails is a FAIL row; the others still run
+        return row, f"{type(exc).__name__}: {exc}"
+    row[5] = f"{err:.1e}"
+    row[6] = "OK" if err <= DEMO_TOLERANCE else "FAIL"
+    return row, None
+
+
+def cmd_demo(args) -> int:
+    import ssmc.examples
+
+    backend = args.backend or api.default_backend()
+    print(f"ssmc {__version__} demo: backend {backend}, device {_device(backend)}")
+    print(f"each example in float64 vs its NumPy reference; OK when the max relative error is <= "
+          f"{DEMO_TOLERANCE:g}")
+    names = sorted(m.name for m in pkgutil.iter_modules(ssmc.examples.__path__) if not m.name.startswith("_"))
+    rows = [["example", "family", "backend", "length", "first call", "max rel err", ""]]
+    errors = []
+    for name in names:
+        row, error = _demo_one(name, args.backend)
+        rows.append(row)
+        if error:
+            errors.append(f"{name}: {error}")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    passed = sum(r[-1] == "OK" for r in rows)
+    print(f"{passed} of {len(names)} examples OK")
+    return 0 if passed == len(names) else 1
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ssmc",
+                                     description="ssmc: a compiler for recurrent sequence layers")
+    parser.add_argument("--version", action="version", version=f"ssmc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stages = "\n".join(f"  {name:<12}{desc}" for name, (desc, _) in pipeline.STAGES.items())
+    show = sub.add_parser("show", help="print a spec's program after a compiler stage",
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=f"stages:\n{stages}")
+    show.add_argument("spec", metavar="SPEC.py[:NAME]",
+                      help="a spec file; :NAME picks one spec by its variable name")
+    show.add_argument("--stage", default="ir", choices=list(pipeline.STAGES),
+                      help="the stage whose output to print (default: ir)")
+    show.set_defaults(run=cmd_show)
+
+    check = sub.add_parser("check", help="run every spec in the files on random inputs")
+    check.add_argument("specs", nargs="+", metavar="SPEC.py")
+    check.add_argument("--length", type=int, default=64, help="number of time steps (default: 64)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    check.set_defaults(run=cmd_check)
+
+    demo = sub.add_parser("demo", help="run the bundled examples and compare them with their references")
+    demo.add_argument("--backend", choices=api.BACKENDS, help="default: the fastest available")
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, usage errors: return the status instead
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    try:
+        return args.run(args)
+    except (SpecError, UsageError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `ssmc show spec.py | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -1,0 +1,304 @@
+"""Hypothesis strategies for random well-formed recurrences, and random inputs for them.
+
+`recurrences()` writes the source of a random step function (states, sequences and params over
+random subsets of a few named axes; an elementwise expression tree of depth <= 4 with reductions
+and dots), saves it to a file and hands it to `ssmc.recurrence`, so a failing example prints as
+readable source and SpecError locations point at real lines. `diagonal_linear_recurrences()`
+restricts every update to ``h = a(x) * h + b(x)`` with a, b free of any state.
+
+The specs are numerically safe by construction: every operand is bounded (exp only of bounded
+arguments, division only by ``1 + softplus(.)``, sqrt only of softplus), and the state update is
+non-expansive in the states (sup norm), so float64 rounding cannot grow along a long sequence:
+each generated value carries a bound on its magnitude and on its Lipschitz constant with respect
+to the states, and the state-dependent part of an update is scaled to keep that constant < 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+import ssmc
+from ssmc.runtime.random_inputs import random_recurrence_inputs
+
+AXES = ("b", "d", "n", "k")
+MAX_SIZE = 5          # axis sizes of `draw_inputs` are 2..5 (ssmc.runtime.random_inputs.axis_sizes)
+INPUT_BOUND = 3.0     # inputs are 0.5 * standard normal: |x| < 3 in practice
+STATE_BOUND = 3.0     # initial states likewise; updates keep states within max(3, their input bound)
+LINEAR_BOUND = 1e6    # a stand-in bound for states of a diagonal linear recurrence (read by outputs only)
+
+_DIR = tempfile.mkdtemp(prefix="ssmc_generated_specs_")
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A generated value: its source text, axes, |value| bound and Lipschitz constant in the states."""
+
+    code: str
+    axes: frozenset[str]
+    bound: float
+    lip: float = 0.0
+    number: bool = False  # a Python number at trace time (constants folded by Python), not a tensor
+
+
+@dataclass
+class Source:
+    """The body of the step function being generated: one assignment per interior value."""
+
+    lines: list[str] = field(default_factory=list)
+
+    def emit(self, code: str, axes, bound: float, lip: float, number: bool = False) -> Expr:
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"    {name} = {code}")
+        return Expr(name, frozenset(axes), min(bound, 1e300), min(lip, 1e300), number)
+
+
+# (template, bound of the result given the operand's bound B, Lipschitz factor)
+UNARY = (
+    ("ssmc.tanh({0})", lambda b: min(b, 1.0), 1.0),
+    ("np.tanh({0})", lambda b: min(b, 1.0), 1.0),
+    ("ssmc.sigmoid({0})", lambda b: 1.0, 0.25),
+    ("ssmc.softplus({0})", lambda b: b + math.log(2.0), 1.0),
+    ("ssmc.silu({0})", lambda b: b, 1.1),
+    ("ssmc.gelu({0})", lambda b: b, 1.13),
+    ("ssmc.relu({0})", lambda b: b, 1.0),
+    ("-{0}", lambda b: b, 1.0),
+    ("ssmc.exp(-ssmc.softplus({0}))", lambda b: 1.0, 1.0),
+    ("ssmc.exp(ssmc.tanh({0}))", lambda b: math.e, math.e),
+    ("ssmc.sqrt(ssmc.softplus({0}))", lambda b: math.sqrt(b + math.log(2.0)), 0.5),
+)
+
+# (template, bound from (B0, B1), Lipschitz from (B0, L0, B1, L1))
+BINARY = (
+    ("{0} + {1}", lambda b0, b1: b0 + b1, lambda b0, l0, b1, l1: l0 + l1),
+    ("{0} - {1}", lambda b0, b1: b0 + b1, lambda b0, l0, b1, l1: l0 + l1),
+    ("{0} * {1}", lambda b0, b1: b0 * b1, lambda b0, l0, b1, l1: l0 * b1 + l1 * b0),
+    # d/dy 1 / (1 + softplus(y)) = -sigmoid(y) / (1 + softplus(y))**2, at most 1 in size
+    ("{0} / (1 + ssmc.softplus({1}))", lambda b0, b1: b0, lambda b0, l0, b1, l1: l0 + b0 * l1),
+    ("ssmc.maximum({0}, {1})", max, lambda b0, l0, b1, l1: max(l0, l1)),
+    ("ssmc.minimum({0}, {1})", max, lambda b0, l0, b1, l1: max(l0, l1)),
+)
+
+# (template, bound factor, Lipschitz factor) of a reduction over one axis of size <= MAX_SIZE
+REDUCTIONS = (
+    ("{0}.sum({axis!r})", MAX_SIZE, MAX_SIZE),
+    ("ssmc.sum({0}, {axis!r})", MAX_SIZE, MAX_SIZE),
+    ("{0}.mean({axis!r})", 1.0, 1.0),
+    ("{0}.max({axis!r})", 1.0, 1.0),
+)
+
+GATES = ("ssmc.sigmoid({0})", "ssmc.exp(-ssmc.softplus({0}))")  # into (0, 1)
+
+
+def _const(draw) -> Expr:
+    value = draw(st.sampled_from((0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 3.0, -2.5)))
+    return Expr(f"({value!r})", frozenset(), abs(value), number=True)
+
+
+def expression(draw, src: Source, leaves: list[Expr], depth: int) -> Expr:
+    """A random expression over `leaves` (and constants), at most `depth` ops deep."""
+    kind = draw(st.sampled_from(("leaf", "unary", "binary", "binary", "where", "reduce", "dot"))) \
+        if depth > 0 else "leaf"
+    if kind == "leaf":
+        return draw(st.sampled_from(leaves)) if draw(st.integers(0, 5)) else _const(draw)
+    if kind == "unary":
+        x = expression(draw, src, leaves, depth - 1)
+        if x.number and draw(st.integers(0, 3)):  # a function of a constant now and then
+            return x
+        template, bound, lip = draw(st.sampled_from(UNARY))
+        number = x.number and not template.startswith("ssmc.")  # -c and np.tanh(c) stay numbers
+        return src.emit(template.format(x.code), x.axes, bound(x.bound), lip * x.lip, number)
+    if kind == "reduce":
+        x = expression(draw, src, leaves, depth - 1)
+        if not x.axes:
+            return x
+        return reduce_axis(draw, src, x, draw(st.sampled_from(sorted(x.axes))))
+    a = expression(draw, src, leaves, depth - 1)
+    b = expression(draw, src, leaves, depth - 1)
+    if kind == "dot" and a.axes & b.axes:
+        axis = draw(st.sampled_from(sorted(a.axes & b.axes)))
+        return src.emit(f"ssmc.dot({a.code}, {b.code}, over={axis!r})", (a.axes | b.axes) - {axis},
+                        MAX_SIZE * a.bound * b.bound, MAX_SIZE * (a.lip * b.bound + b.lip * a.bound))
+    if kind == "where":
+        c0 = expression(draw, src, leaves, depth - 1)
+        if a.number and c0.number:  # Python would compare the numbers: compare with a tensor
+            c0 = draw(st.sampled_from(leaves))
+        cmp = draw(st.sampled_from((">", "<", ">=", "<=")))
+        cond = f"{a.code} {cmp} {c0.code}"
+        x, y = b, expression(draw, src, leaves, depth - 1)
+        return src.emit(f"ssmc.where({cond}, {x.code}, {y.code})", a.axes | c0.axes | x.axes | y.axes,
+                        max(x.bound, y.bound), max(x.lip, y.lip))
+    template, bound, lip = draw(st.sampled_from(BINARY))
+    number = a.number and b.number and "ssmc." not in template
+    return src.emit(template.format(a.code, b.code), a.axes | b.axes, bound(a.bound, b.bound),
+                    lip(a.bound, a.lip, b.bound, b.lip), number)
+
+
+def reduce_axis(draw, src: Source, x: Expr, axis: str) -> Expr:
+    template, bound, lip = draw(st.sampled_from(REDUCTIONS))
+    return src.emit(template.format(x.code, axis=axis), x.axes - {axis}, bound * x.bound, lip * x.lip)
+
+
+def reduce_to(draw, src: Source, x: Expr, axes) -> Expr:
+    """Reduce away every axis of `x` outside `axes` (so it broadcasts to a state)."""
+    for axis in sorted(x.axes - set(axes)):
+        x = reduce_axis(draw, src, x, axis)
+    return x
+
+
+def _scaled(src: Source, x: Expr, target: float = 0.9) -> Expr:
+    """`x` times a constant that brings its Lipschitz constant in the states to at most `target`."""
+    if x.lip <= target:
+        return x
+    c = float(f"{target / x.lip:.3g}")
+    return src.emit(f"{c!r} * {x.code}", x.axes, c * x.bound, c * x.lip)
+
+
+@dataclass
+class Signature:
+    states: list[tuple[str, tuple[str, ...]]]
+    seqs: list[tuple[str, tuple[str, ...]]]
+    params: list[tuple[str, tuple[str, ...]]]
+
+    def text(self) -> str:
+        roles = [("State", self.states), ("Seq", self.seqs), ("Param", self.params)]
+        return ", ".join(f"{name}: ssmc.{role}[{' '.join(axes)!r}]"
+                         for role, group in roles for name, axes in group)
+
+    def free_leaves(self) -> list[Expr]:
+        return [Expr(name, frozenset(axes), INPUT_BOUND) for name, axes in self.seqs + self.params]
+
+
+@st.composite
+def signatures(draw) -> Signature:
+    names = draw(st.lists(st.sampled_from(AXES), min_size=1, max_size=len(AXES), unique=True))
+
+    def axes(min_size=0):
+        return tuple(draw(st.lists(st.sampled_from(names), min_size=min_size, max_size=len(names),
+                                   unique=True)))
+
+    def state_axes():  # a scalar state now and then
+        return axes(min_size=0 if draw(st.integers(0, 4)) == 0 else 1)
+
+    return Signature(states=[(f"h{i}", state_axes()) for i in range(draw(st.integers(1, 2)))],
+                     seqs=[(f"x{i}", axes()) for i in range(draw(st.integers(1, 3)))],
+                     params=[(f"p{i}", axes()) for i in range(draw(st.integers(0, 2)))])
+
+
+def _gate(draw, src: Source, free: list[Expr], axes, depth: int) -> Expr:
+    g = reduce_to(draw, src, expression(draw, src, free, depth), axes)
+    return src.emit(draw(st.sampled_from(GATES)).format(g.code), g.axes, 1.0, 0.0)
+
+
+def _outputs(draw, src: Source, states: list[Expr], free: list[Expr], new_states: list[Expr]) -> list[Expr]:
+    """1-2 outputs: a new state, an old state, or an expression of new / old states and inputs."""
+    outs = []
+    for _ in range(draw(st.integers(1, 2))):
+        kind = draw(st.sampled_from(("new", "old", "expr", "expr")))
+        if kind == "new":
+            outs.append(draw(st.sampled_from(new_states)))
+        elif kind == "old":
+            outs.append(draw(st.sampled_from(states)))
+        else:
+            outs.append(expression(draw, src, states + free + new_states, 2))
+    return outs
+
+
+def build_spec(sig: Signature, src: Source, updates: list[Expr], outputs: list[Expr]):
+    """Write the step function to a file, trace it with `ssmc.recurrence`; `.source` holds the text."""
+    carry = updates[0].code if len(updates) == 1 else "(" + ", ".join(u.code for u in updates) + ")"
+    ys = outputs[0].code if len(outputs) == 1 else "(" + ", ".join(y.code for y in outputs) + ")"
+    text = "\n".join(["import numpy as np", "", "import ssmc", "", "",
+                      f"def step({sig.text()}):", *src.lines, f"    return {carry}, {ys}", ""])
+    path = os.path.join(_DIR, f"spec_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(text)
+    namespace: dict = {"__name__": "ssmc_generated_spec"}
+    exec(compile(text, path, "exec"), namespace)
+    with contextlib.suppress(Exception):  # not inside a Hypothesis test (e.g. `.example()`)
+        note(text)
+    spec = ssmc.recurrence(namespace["step"])
+    spec.source = text
+    return spec
+
+
+@st.composite
+def recurrences(draw, max_depth: int = 4):
+    """A random well-formed recurrence (see the module docstring) as an `ssmc.recurrence` spec.
+
+    Each state's update is one of: ``a * h + (1 - a) * tanh(c * E)`` (a gate in (0, 1) free of
+    states, E any expression of states and inputs), ``tanh(c * E)``, or ``a * h + (1 - a) * b``
+    (b free of states); c keeps the update non-expansive in the states.
+    """
+    sig = draw(signatures())
+    src = Source()
+    free = sig.free_leaves()
+    kinds = [draw(st.sampled_from(("gated", "tanh", "linear"))) for _ in sig.states]
+    bounds = [STATE_BOUND] * len(sig.states)
+    linear = {}
+    for i, ((_, axes), kind) in enumerate(zip(sig.states, kinds)):
+        if kind == "linear":  # b first: it bounds the state, which the other updates read
+            b = reduce_to(draw, src, expression(draw, src, free, max_depth - 1), axes)
+            linear[i] = b
+            bounds[i] = max(STATE_BOUND, b.bound)
+    states = [Expr(name, frozenset(axes), bound, 1.0) for (name, axes), bound in zip(sig.states, bounds)]
+    leaves = states + free
+    updates = []
+    for i, ((name, axes), kind) in enumerate(zip(sig.states, kinds)):
+        if kind == "linear":
+            a = _gate(draw, src, free, axes, max_depth - 1)
+            code = f"{a.code} * {name} + (1 - {a.code}) * {linear[i].code}"
+        else:
+            e = _scaled(src, reduce_to(draw, src, expression(draw, src, leaves, max_depth), axes))
+            t = src.emit(f"ssmc.tanh({e.code})", e.axes, 1.0, e.lip)
+            if kind == "tanh":
+                updates.append(t)
+                continue
+            a = _gate(draw, src, free, axes, max_depth - 1)
+            code = f"{a.code} * {name} + (1 - {a.code}) * {t.code}"
+        updates.append(src.emit(code, set(axes), bounds[i], 1.0))
+    new_states = [Expr(u.code, u.axes, b, 1.0) for u, b in zip(updates, bounds)]
+    return build_spec(sig, src, updates, _outputs(draw, src, states, free, new_states))
+
+
+@st.composite
+def diagonal_linear_recurrences(draw, max_depth: int = 3):
+    """A random recurrence whose every update is ``h = a(x) * h + b(x)``, a and b free of states.
+
+    a is a gate in (0, 1) or a tanh in (-1, 1), over any subset of the state's axes; b is any
+    expression of the inputs, sometimes scaled by (1 - a).
+    """
+    sig = draw(signatures())
+    src = Source()
+    free = sig.free_leaves()
+    updates = []
+    for name, axes in sig.states:
+        if draw(st.booleans()):
+            a = _gate(draw, src, free, axes, max_depth)
+        else:
+            g = reduce_to(draw, src, expression(draw, src, free, max_depth), axes)
+            a = src.emit(f"ssmc.tanh({g.code})", g.axes, 1.0, 0.0)
+        b = reduce_to(draw, src, expression(draw, src, free, max_depth), axes)
+        if draw(st.booleans()):
+            b = src.emit(f"(1 - {a.code}) * {b.code}", a.axes | b.axes, 2 * b.bound, 0.0)
+        updates.append(src.emit(f"{a.code} * {name} + {b.code}", set(axes), LINEAR_BOUND, 1.0))
+    states = [Expr(name, frozenset(axes), LINEAR_BOUND, 1.0) for name, axes in sig.states]
+    return build_spec(sig, src, updates, _outputs(draw, src, states, free, updates))
+
+
+def draw_inputs(spec, length: int, seed: int, sizes: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Keyword arguments (layout "t ...") for `spec`: sequences, params and initial states, float64."""
+    program = getattr(spec, "program", spec)
+    return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=sizes)

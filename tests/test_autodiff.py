@@ -1,0 +1,276 @@
+"""Derived gradients against float64 finite differences and torch.autograd (independent evaluation)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import torch_oracle
+
+import ssmc
+from ssmc.passes.autodiff import derive_backward
+from ssmc.passes.classify import classify
+from ssmc.pipeline import show
+from ssmc.runtime.binding import bind_arrays
+
+RECURRENCES = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+REL_TOL = 1e-7  # float64; the derived gradients are exact up to rounding
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def canonical_call(module, length: int, seed: int = 0):
+    """The example's inputs bound to time-first arrays, plus random cotangents."""
+    rng = np.random.default_rng(seed)
+    program = module.SPEC.program
+    inputs = module.make_inputs(rng, length)
+    bound = bind_arrays(program.inputs, program.states, (), inputs, module.LAYOUT, program.static_sizes,
+                        program.name, program.roots)
+    kwargs = {**bound.arrays, **bound.initial}
+    cot_y = {n: rng.standard_normal((length, *(bound.sizes[a] for a in y.axes))) for n, y in program.outputs}
+    cot_h = {s.name: rng.standard_normal([bound.sizes[a] for a in s.axes]) for s in program.states}
+    return program, bound, kwargs, cot_y, cot_h
+
+
+def torch_gradients(program, bound, kwargs, cot_y, cot_h) -> dict[str, np.ndarray]:
+    leaves = {k: torch.tensor(v, requires_grad=True) for k, v in kwargs.items()}
+    seqs = {d.name: leaves[d.name] for d in program.seqs}
+    params = {d.name: leaves[d.name] for d in program.params}
+    initial = {s.name: leaves[s.name] for s in program.states}
+    ys, finals = torch_oracle.run(program, seqs, params, initial, bound.sizes, bound.length)
+    loss = sum((ys[n] * torch.tensor(cot_y[n])).sum() for n in ys)
+    loss = loss + sum((finals[n] * torch.tensor(cot_h[n])).sum() for n in finals)
+    loss.backward()
+    return {k: v.grad.numpy() if v.grad is not None else np.zeros(v.shape) for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_gradients_match_torch_autograd(name, length):
+    module = importlib.import_module(f"ssmc.examples.{name}")
+    program, bound, kwargs, cot_y, cot_h = canonical_call(module, length)
+    got = ssmc.grad(program, chunk=16)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key]) <= REL_TOL, (key, rel_err(got[key], want[key]))
+
+
+@pytest.mark.parametrize("name", ["hgrn", "mamba1"])
+def test_long_sequence_gradients(name):
+    module = importlib.import_module(f"ssmc.examples.{name}")
+    program, bound, kwargs, cot_y, cot_h = canonical_call(module, 1000)
+    got = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= REL_TOL, key
+
+
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_gradients_match_finite_differences(name):
+    """Directional derivative along a random direction, central differences in float64."""
+    module = importlib.import_module(f"ssmc.examples.{name}")
+    program, _, kwargs, cot_y, cot_h = canonical_call(module, 7, seed=3)
+    fn = ssmc.compile(program)
+
+    def loss(args):
+        outs, finals = fn.run(**args)
+        return sum((outs[n] * cot_y[n]).sum() for n in outs) + sum((finals[n] * cot_h[n]).sum() for n in finals)
+
+    grads = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    rng = np.random.default_rng(7)
+    direction = {k: rng.standard_normal(v.shape) for k, v in kwargs.items()}
+    eps = 1e-6
+    plus = loss({k: v + eps * direction[k] for k, v in kwargs.items()})
+    minus = loss({k: v - eps * direction[k] for k, v in kwargs.items()})
+    numeric = (plus - minus) / (2 * eps)
+    analytic = sum((grads[k] * direction[k]).sum() for k in kwargs)
+    assert abs(numeric - analytic) <= REL_TOL * max(abs(analytic), 1.0), (numeric, analytic)
+
+
+def test_chunk_size_does_not_change_gradients():
+    module = importlib.import_module("ssmc.examples.lstm")
+    program, _, kwargs, cot_y, cot_h = canonical_call(module, 50)
+    results = [ssmc.grad(program, chunk=c)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+               for c in (1, 7, 50, 64)]
+    for other in results[1:]:
+        for key in results[0]:
+            assert rel_err(other[key], results[0][key]) <= 1e-12
+
+
+def test_mamba1_against_a_hand_written_torch_loop():
+    """Independent of the IR: Mamba-1's selective scan written directly in PyTorch."""
+    module = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(5)
+    inputs = module.make_inputs(rng, 23)  # layout "b d t"
+    d_y = rng.standard_normal(inputs["u"].shape)
+    d_h = rng.standard_normal(inputs["h"].shape)
+    got = ssmc.grad(module.SPEC, layout=module.LAYOUT)(**inputs, grad_outputs=d_y, grad_final_states=d_h)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in inputs.items()}
+    h, ys = t["h"], []
+    for step in range(inputs["u"].shape[-1]):
+        dt = torch.nn.functional.softplus(t["delta"][..., step] + t["delta_bias"])       # b d
+        h = torch.exp(dt[..., None] * t["A"]) * h + (dt * t["u"][..., step])[..., None] * t["B"][:, None, :, step]
+        y = (h * t["C"][:, None, :, step]).sum(-1) + t["D"] * t["u"][..., step]
+        ys.append(y * torch.nn.functional.silu(t["z"][..., step]))
+    loss = (torch.stack(ys, -1) * torch.tensor(d_y)).sum() + (h * torch.tensor(d_h)).sum()
+    loss.backward()
+    for key, leaf in t.items():
+        assert rel_err(got[key], leaf.grad.numpy()) <= REL_TOL, key
+
+
+@pytest.mark.parametrize("length", [1, 7, 20])
+def test_attention_gradients_match_torch(length):
+    module = importlib.import_module("ssmc.examples.alibi_attention")
+    rng = np.random.default_rng(length)
+    inputs = module.make_inputs(rng, length)
+    program = module.SPEC.program
+    q, k, v = (np.moveaxis(inputs[n], 2, 0) for n in "qkv")  # layout "b h t ..." -> time first
+    d_out = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
+    got = ssmc.grad(module.SPEC)(q, k, v, grad_outputs=d_out, slope=inputs["slope"])
+    leaves = {"q": q, "k": k, "v": v, "slope": inputs["slope"]}
+    t = {n: torch.tensor(a, requires_grad=True) for n, a in leaves.items()}
+    sizes = {"b": q.shape[1], "h": q.shape[2], "d": q.shape[3]}
+    out = torch_oracle.attention(program, t["q"], t["k"], t["v"], {"slope": t["slope"]}, sizes)
+    (out * torch.tensor(d_out)).sum().backward()
+    for n in leaves:
+        assert rel_err(got[n], t[n].grad.numpy()) <= REL_TOL, n
+
+
+def test_attention_with_sliding_window_and_no_score_mod():
+    attn = ssmc.attention(mask_mod=ssmc.sliding_window(3), batch="h", head_dim="d", value_dim="e")
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((9, 2, 4)), rng.standard_normal((9, 2, 4))
+    v, d_out = rng.standard_normal((9, 2, 5)), rng.standard_normal((9, 2, 5))
+    got = ssmc.grad(attn)(q, k, v, grad_outputs=d_out)
+    t = {n: torch.tensor(a, requires_grad=True) for n, a in {"q": q, "k": k, "v": v}.items()}
+    out = torch_oracle.attention(attn.program, t["q"], t["k"], t["v"], {}, {"h": 2, "d": 4, "e": 5})
+    (out * torch.tensor(d_out)).sum().backward()
+    for n in t:
+        assert rel_err(got[n], t[n].grad.numpy()) <= REL_TOL, n
+
+
+# -- classification ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_forward_family_matches_the_example(name):
+    module = importlib.import_module(f"ssmc.examples.{name}")
+    assert classify(module.SPEC.program).family == module.FAMILY
+
+
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_adjoint_of_a_linear_recurrence_is_linear_of_the_same_kind_in_reverse(name):
+    module = importlib.import_module(f"ssmc.examples.{name}")
+    adjoint = classify(derive_backward(module.SPEC.program).adjoint)
+    assert adjoint.reverse
+    if module.FAMILY in ("diagonal linear", "matrix linear"):
+        assert adjoint.family == module.FAMILY
+    else:  # the adjoint of any recurrence is affine in the adjoint state
+        assert adjoint.family == "general linear"
+
+
+def test_diagonal_coefficients_are_extracted():
+    @ssmc.recurrence
+    def decay(h: ssmc.State["b d"], x: ssmc.Seq["b d"], f: ssmc.Seq["b d"]):
+        a = ssmc.sigmoid(f)
+        return (h - x) * a + x, h
+
+    (state,) = classify(decay.program).states
+    assert state.family == "diagonal linear" and state.coefficient == "diagonal"
+    assert state.a.op.value == "sigmoid"  # a = sigmoid(f); b = x - x * sigmoid(f)
+
+
+def test_nonlinear_and_general_linear_updates():
+    @ssmc.recurrence
+    def square(h: ssmc.State["d"], x: ssmc.Seq["d"]):
+        return h * h + x, h
+
+    @ssmc.recurrence
+    def mixing(h: ssmc.State["d"], x: ssmc.Seq["d"], W: ssmc.Param["e d"]):
+        return ssmc.dot(h.rename(d="e"), W, over="e") + x, h
+
+    assert classify(square.program).family == "nonlinear"
+    assert classify(mixing.program).family == "general linear"
+
+
+# -- conventions at non-smooth points -----------------------------------------------------------------
+
+def _grads_at(step_body, values: dict[str, np.ndarray]):
+    @ssmc.recurrence
+    def spec(h: ssmc.State["d"], x: ssmc.Seq["d"], y: ssmc.Seq["d"]):
+        return h, {"out": step_body(x, y)}
+
+    x, y = (values[n][None] for n in "xy")
+    g = ssmc.grad(spec)(x, y, grad_outputs=np.ones_like(x))
+    return g["x"][0], g["y"][0]
+
+
+def test_maximum_and_minimum_split_ties_evenly_like_torch():
+    vals = {"x": np.array([1.0, 2.0, 3.0]), "y": np.array([1.0, 1.0, 5.0])}
+    gx, gy = _grads_at(ssmc.maximum, vals)
+    np.testing.assert_array_equal(gx, [0.5, 1.0, 0.0])
+    np.testing.assert_array_equal(gy, [0.5, 0.0, 1.0])
+    tx, ty = (torch.tensor(vals[n], requires_grad=True) for n in "xy")
+    torch.maximum(tx, ty).sum().backward()
+    np.testing.assert_array_equal(gx, tx.grad.numpy())
+    gx, gy = _grads_at(ssmc.minimum, vals)
+    np.testing.assert_array_equal(gx, [0.5, 0.0, 1.0])
+
+
+def test_relu_abs_and_where_at_zero():
+    vals = {"x": np.array([-1.0, 0.0, 2.0]), "y": np.zeros(3)}
+    gx, _ = _grads_at(lambda x, y: ssmc.relu(x), vals)
+    np.testing.assert_array_equal(gx, [0.0, 0.0, 1.0])
+    gx, _ = _grads_at(lambda x, y: ssmc.abs(x), vals)
+    np.testing.assert_array_equal(gx, [-1.0, 0.0, 1.0])
+    gx, gy = _grads_at(lambda x, y: ssmc.where(x > 0, x * 3.0, y), vals)
+    np.testing.assert_array_equal(gx, [0.0, 0.0, 3.0])
+    np.testing.assert_array_equal(gy, [1.0, 1.0, 0.0])
+
+
+def test_reduce_max_ties_share_the_gradient():
+    @ssmc.recurrence
+    def spec(h: ssmc.State["b"], x: ssmc.Seq["b d"]):
+        return h, x.max("d")
+
+    x = np.array([[[1.0, 3.0, 3.0]]])
+    g = ssmc.grad(spec)(x, grad_outputs=np.ones((1, 1)))
+    np.testing.assert_array_equal(g["x"], [[[0.0, 0.5, 0.5]]])
+
+
+def test_gradient_name_clash_is_a_spec_error():
+    @ssmc.recurrence
+    def spec(h: ssmc.State["d"], x: ssmc.Seq["d"], grad_x: ssmc.Seq["d"]):
+        return h + x + grad_x, h
+
+    with pytest.raises(ssmc.SpecError, match="would clash"):
+        ssmc.grad(spec)
+
+
+def test_show_backward_of_mamba1_is_labelled_diagonal_linear_reverse():
+    module = importlib.import_module("ssmc.examples.mamba1")
+    text = show(module.SPEC.program, "backward")
+    assert "family: diagonal linear (reverse)" in text
+    assert "grad_h <-" in text and "memory plan" in text and "float grad_u =" in text
+
+
+def test_a_renamed_axis_takes_the_size_of_the_axis_it_renames():
+    @ssmc.recurrence
+    def mix(h: ssmc.State["b k"], x: ssmc.Seq["b k"]):
+        return h * 0.5 + (h.rename(k="j") * x).sum("j") * 0.1, h
+
+    rng = np.random.default_rng(0)
+    x, h0 = rng.standard_normal((5, 2, 3)), rng.standard_normal((2, 3))
+    program, kwargs = mix.program, {"x": x, "h": h0}
+    cot_y, cot_h = {"y": rng.standard_normal((5, 2, 3))}, {"h": rng.standard_normal((2, 3))}
+    got = ssmc.grad(mix)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", {}, "mix", program.roots)
+    want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= REL_TOL, key

@@ -1,0 +1,168 @@
+"""The ``ssmc`` command line, run in-process through `ssmc.cli.main` (and once as a real process)."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import ssmc
+from ssmc import examples, pipeline
+from ssmc.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+HGRN = str(ROOT / "examples" / "hgrn.py")
+
+
+def write_spec(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text("import ssmc\n\n" + textwrap.dedent(body))
+    return path
+
+
+def line_of(path: Path, text: str) -> int:
+    """1-based number of the first line of `path` containing `text`."""
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+TWO_SPECS = """
+@ssmc.recurrence
+def first(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+    return 0.5 * h + x, h
+
+@ssmc.recurrence
+def second(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+    h = ssmc.tanh(h + x)
+    return h, h
+"""
+
+
+# -- show --------------------------------------------------------------------------------------
+
+def test_show_prints_the_ir(capsys):
+    assert main(["show", HGRN, "--stage", "ir"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("recurrence hgrn")
+    assert "sigmoid f" in out and "h <- %" in out
+    assert out.count("recurrence ") == 1  # `SPEC = hgrn` is the same spec: shown once
+
+
+def test_show_all_specs_or_one_by_name(tmp_path, capsys):
+    path = write_spec(tmp_path, "two.py", TWO_SPECS)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recurrence first" in out and "recurrence second" in out
+    assert main(["show", f"{path}:second"]) == 0
+    out = capsys.readouterr().out
+    assert "recurrence second" in out and "first" not in out and "tanh" in out
+
+
+def test_show_unknown_name_is_one_line(tmp_path, capsys):
+    path = write_spec(tmp_path, "two.py", TWO_SPECS)
+    assert main(["show", f"{path}:third"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no spec named 'third'" in err and "first, second" in err
+
+
+def test_show_unknown_stage(capsys):
+    assert main(["show", HGRN, "--stage", "no_such_stage"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "no_such_stage" in err
+
+
+def test_show_help_lists_the_stages(capsys):
+    assert main(["show", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (description, _) in pipeline.STAGES.items():
+        assert name in out and description in out
+
+
+def test_missing_file(capsys):
+    assert main(["show", "no/such/file.py"]) == 1
+    assert capsys.readouterr().err == "error: no/such/file.py: no such file\n"
+
+
+# -- check -------------------------------------------------------------------------------------
+
+def test_check_example(capsys):
+    assert main(["check", HGRN, "--length", "7", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "hgrn.py:hgrn" in out and "recurrence" in out and "L=7" in out and "finite" in out
+
+
+def test_check_bad_spec_is_one_line_naming_file_and_line(tmp_path, capsys):
+    path = write_spec(tmp_path, "bad_spec.py", """
+        @ssmc.recurrence
+        def bad(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+            h = h + x.sum("zz")
+            return h, h
+    """)
+    assert main(["check", str(path)]) == 1
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"bad_spec.py:{line_of(path, 'zz')}:" in err and "'zz'" in err
+    assert "Traceback" not in err + captured.out
+
+
+def test_check_file_that_raises_is_one_line(tmp_path, capsys):
+    path = write_spec(tmp_path, "broken.py", "x = 1\ny = undefined_name\n")
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {path}:{line_of(path, 'undefined_name')}: NameError: " \
+                  "name 'undefined_name' is not defined\n"
+
+
+def test_check_non_finite_output_fails(tmp_path, capsys):
+    path = write_spec(tmp_path, "nan_spec.py", """
+        @ssmc.recurrence
+        def nan_spec(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+            h = h + ssmc.log(x - 10.0)       # log of a negative number
+            return h, h
+    """)
+    assert main(["check", str(path)]) == 1
+    assert "NOT FINITE" in capsys.readouterr().out
+
+
+def test_check_runs_every_file_and_attention(tmp_path, capsys):
+    bad = write_spec(tmp_path, "bad.py", "raise ValueError('nope')\n")
+    attn = write_spec(tmp_path, "attn.py", """
+        def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):
+            return score - slope * (q_idx - kv_idx)
+
+        attn = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal)
+    """)
+    assert main(["check", str(bad), HGRN, str(attn)]) == 1
+    captured = capsys.readouterr()
+    assert f"bad.py:{line_of(bad, 'nope')}: ValueError: nope" in captured.err
+    assert "hgrn.py:hgrn" in captured.out
+    assert "attn.py:attn  attention" in captured.out and "out[64," in captured.out
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+def test_demo_runs_every_example(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    names = [m.name for m in pkgutil.iter_modules(examples.__path__) if not m.name.startswith("_")]
+    assert "hgrn" in names
+    for name in names:
+        assert any(line.startswith(name + " ") and line.endswith("OK") for line in out.splitlines()), name
+    assert f"backend {ssmc.default_backend()}" in out
+    assert f"{len(names)} of {len(names)} examples OK" in out
+
+
+# -- as a program ------------------------------------------------------------------------------
+
+def test_version_and_entry_point():
+    (script,) = entry_points(group="console_scripts", name="ssmc")
+    assert script.value == "ssmc.cli:main" and script.load() is main
+    done = subprocess.run([sys.executable, "-m", "ssmc", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"ssmc {ssmc.__version__}"
+    done = subprocess.run([sys.executable, "-m", "ssmc", "show", HGRN + ":nope"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
