@@ -82,7 +82,7 @@ class Grad:
                 order = layout_of(layout, d.name, d.axes)
                 canonical = (TIME, *d.axes)
                 g = g.transpose([canonical.index(a) for a in order])
-            out[d.name] = np.ascontiguousarray(g)
+            out[d.name] = np.require(g, requirements="C")
         for s in fwd.states:
             out[s.name] = grads[s.name]
         return out
@@ -146,7 +146,7 @@ class AttentionGrad:
         for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes)):
             order = layout_of(layout, name, axes)
             canonical = (TIME, *axes)
-            grads[name] = np.ascontiguousarray(grads[name].transpose([canonical.index(a) for a in order]))
+            grads[name] = np.require(grads[name].transpose([canonical.index(a) for a in order]), requirements="C")
         return grads
 
 

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch_oracle
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
 
 import ssmc
 from ssmc.passes.autodiff import derive_backward
@@ -19,9 +22,16 @@ RECURRENCES = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet
 REL_TOL = 1e-7  # float64; the derived gradients are exact up to rounding
 
 
-def rel_err(a, b) -> float:
+def rel_err(a, b, floor: float = 1e-30) -> float:
+    """max |a - b| / max |b|; `floor` bounds the scale from below (for gradients that are tiny
+    differences of O(1) terms, where rounding is relative to the terms, not to the result)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    if a.size == 0:
+        return 0.0
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), floor))
+
+
+RANDOM_FLOOR = 1e-4  # random specs: inputs and cotangents are O(1), so gradients below this are cancellations
 
 
 def canonical_call(module, length: int, seed: int = 0):
@@ -45,7 +55,8 @@ def torch_gradients(program, bound, kwargs, cot_y, cot_h) -> dict[str, np.ndarra
     ys, finals = torch_oracle.run(program, seqs, params, initial, bound.sizes, bound.length)
     loss = sum((ys[n] * torch.tensor(cot_y[n])).sum() for n in ys)
     loss = loss + sum((finals[n] * torch.tensor(cot_h[n])).sum() for n in finals)
-    loss.backward()
+    if torch.is_tensor(loss) and loss.requires_grad:  # else nothing depends on the inputs
+        loss.backward()
     return {k: v.grad.numpy() if v.grad is not None else np.zeros(v.shape) for k, v in leaves.items()}
 
 
@@ -274,3 +285,74 @@ def test_a_renamed_axis_takes_the_size_of_the_axis_it_renames():
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     for key in want:
         assert rel_err(got[key], want[key]) <= REL_TOL, key
+
+
+# -- random recurrences (hypothesis) -----------------------------------------------------------------
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
+def _random_call(spec, length: int, seed: int):
+    program = spec.program
+    kwargs = draw_inputs(spec, length, seed)
+    bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", program.static_sizes,
+                        program.name, program.roots)
+    rng = np.random.default_rng(seed + 1)
+    cot_y = {n: rng.standard_normal((length, *(bound.sizes[a] for a in y.axes))) for n, y in program.outputs}
+    cot_h = {s.name: rng.standard_normal([bound.sizes[a] for a in s.axes]) for s in program.states}
+    return program, bound, kwargs, cot_y, cot_h
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(spec=recurrences(), length=st.sampled_from([1, 7, 30]), seed=st.integers(0, 2**16))
+def test_random_recurrence_gradients_match_torch_autograd(spec, length, seed):
+    program, bound, kwargs, cot_y, cot_h = _random_call(spec, length, seed)
+    got = ssmc.grad(program, chunk=4)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key], RANDOM_FLOOR) <= REL_TOL, (key, rel_err(got[key], want[key]))
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
+def test_random_long_sequence_gradients(spec, seed):
+    program, bound, kwargs, cot_y, cot_h = _random_call(spec, 180, seed)
+    got = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
+    for key in want:
+        assert rel_err(got[key], want[key], RANDOM_FLOOR) <= REL_TOL, key
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(spec=recurrences(), seed=st.integers(0, 2**16))
+def test_random_recurrence_gradients_match_finite_differences(spec, seed):
+    program, _, kwargs, cot_y, cot_h = _random_call(spec, 5, seed)
+    fn = ssmc.compile(program)
+
+    def loss(args):
+        outs, finals = fn.run(**args)
+        return sum((outs[n] * cot_y[n]).sum() for n in outs) + sum((finals[n] * cot_h[n]).sum() for n in finals)
+
+    grads = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    rng = np.random.default_rng(seed)
+    direction = {k: rng.standard_normal(v.shape) for k, v in kwargs.items()}
+    eps = 1e-6
+    numeric = (loss({k: v + eps * direction[k] for k, v in kwargs.items()})
+               - loss({k: v - eps * direction[k] for k, v in kwargs.items()})) / (2 * eps)
+    analytic = sum((grads[k] * direction[k]).sum() for k in kwargs)
+    # non-smooth points (relu, max, where) are met with probability zero by random inputs
+    assert abs(numeric - analytic) <= REL_TOL * max(abs(analytic), 1.0), (numeric, analytic)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(spec=diagonal_linear_recurrences())
+def test_adjoint_of_a_random_diagonal_linear_recurrence_is_diagonal_linear_in_reverse(spec):
+    forward = classify(spec.program)
+    assert forward.family in ("diagonal linear", "matrix linear")
+    adjoint = classify(derive_backward(spec.program).adjoint)
+    assert adjoint.reverse
+    assert adjoint.family in ("diagonal linear", "matrix linear")
+    adjoint_states = {s.state: s for s in adjoint.states}
+    for s in spec.program.states:
+        assert adjoint_states[f"grad_{s.name}"].family in ("diagonal linear", "matrix linear")

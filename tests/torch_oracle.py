@@ -52,7 +52,7 @@ def _node(node, args, env, sizes):
             out = BINARY[op](*xs)
         else:
             out = torch.where(*xs)
-        return out.expand(*[sizes[a] for a in node.axes]) if node.axes else out
+        return out.expand(torch.Size([sizes[a] for a in node.axes])) if node.axes else out
     (x,) = args
     axes = node.args[0].axes
     if op is Op.SUM:
@@ -72,7 +72,7 @@ def _node(node, args, env, sizes):
         before = [0, 0] * (x.dim() - 1 - dim) + [start, sizes[axis] - start - sizes[new_axis]]
         return torch.nn.functional.pad(x, before)
     if op is Op.EXPAND:
-        return _to(x, axes, node.axes).expand(*[sizes[a] for a in node.axes])
+        return _to(x, axes, node.axes).expand(torch.Size([sizes[a] for a in node.axes]))
     raise NotImplementedError(op)
 
 
@@ -88,7 +88,7 @@ def run(program, seqs: dict, params: dict, initial: dict, sizes: dict, length: i
             vals[n] = _node(n, [vals[a] for a in n.args], env, sizes)
         for name, y in program.outputs:
             ys[name].append(vals[y])
-        carry = {s.name: _to(vals[u], u.axes, s.axes).expand(*[sizes[a] for a in s.axes])
+        carry = {s.name: _to(vals[u], u.axes, s.axes).expand(torch.Size([sizes[a] for a in s.axes]))
                  for s, u in zip(program.states, program.updates)}
     return {k: torch.stack(v) for k, v in ys.items()}, carry
 

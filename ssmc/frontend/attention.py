@@ -128,7 +128,7 @@ class CompiledAttention:
             return out
         lse_order = layout_of(layout, "lse", p.batch_axes)
         canonical = (TIME, *p.batch_axes)
-        return out, np.ascontiguousarray(lse.transpose([canonical.index(a) for a in lse_order]))
+        return out, np.require(lse.transpose([canonical.index(a) for a in lse_order]), requirements="C")
 
 
 def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",

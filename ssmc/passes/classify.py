@@ -34,6 +34,7 @@ from ..ir.program import Recurrence
 from .symbolic import from_sympy, to_sympy
 
 FAMILIES = ("diagonal linear", "matrix linear", "general linear", "nonlinear")
+_POINTWISE = ELEMENTWISE | {Op.EXPAND}  # broadcasting mixes no elements
 _LINEAR_MAPS = {Op.SUM, Op.RENAME, Op.SELECT, Op.SLICE, Op.PAD, Op.EXPAND}
 _SIMPLIFY_LIMIT = 200  # ops; beyond this a non-zero second derivative is taken at its word
 
@@ -98,7 +99,7 @@ class _Regions:
 
     def leaf(self, node: Node) -> sp.Symbol | None:
         """Region boundary: carry-free subtrees and carry-dependent non-elementwise nodes."""
-        if node not in self.dependent or node.op in LEAVES or node.op not in ELEMENTWISE:
+        if node not in self.dependent or node.op in LEAVES or node.op not in _POINTWISE:
             return self.symbol(node)
         return None
 

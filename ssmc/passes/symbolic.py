@@ -83,6 +83,8 @@ def to_sympy(roots: list[Node], leaf: Callable[[Node], sp.Basic | None]) -> list
             out = _UNARY_TO_SYMPY[node.op](conv(node.args[0]))
         elif node.op in _BINARY_TO_SYMPY:
             out = _BINARY_TO_SYMPY[node.op](conv(node.args[0]), conv(node.args[1]))
+        elif node.op is Op.EXPAND:  # broadcasting: the same value at every element
+            out = conv(node.args[0])
         elif node.op is Op.WHERE:
             c, a, b = (conv(x) for x in node.args)
             out = sp.Piecewise((a, c), (b, True))
