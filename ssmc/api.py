@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends import interpreter
+from .backends.registry import BACKENDS, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
 from .ir.program import Recurrence
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of
 
-BACKENDS = ("interpreter",)
-
-
-def default_backend() -> str:
-    """The backend `compile` uses when none is named (the fastest one this machine can run)."""
-    return "interpreter"
+__all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
 
 
 def _program(spec) -> Recurrence:
@@ -41,10 +36,11 @@ def _single(values: tuple):
 class Compiled:
     """A recurrence bound to a backend; call it on arrays."""
 
-    def __init__(self, program: Recurrence, backend: str, layout):
+    def __init__(self, program: Recurrence, backend: str, layout, dtype=None):
         self.program = program
         self.backend = backend
         self.layout = layout
+        self.dtype = dtype
 
     def __repr__(self) -> str:
         return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
@@ -54,9 +50,12 @@ class Compiled:
         p = self.program
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
                             p.roots)
-        seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
-        params = {d.name: bound.arrays[d.name] for d in p.params}
-        return interpreter.run_recurrence(p, seqs, params, bound.initial, bound.sizes, bound.length)
+        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
+        seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.seqs}
+        params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.params}
+        initial = {k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}
+        run = runner(self.backend, p, dtype)
+        return run(seqs, params, initial, bound.sizes, bound.length)
 
     def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
         outs, finals = self.run(*args, layout=layout, **kwargs)
@@ -72,15 +71,15 @@ class Compiled:
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
 
 
-def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT):
-    """Compile a spec for a backend ("interpreter"; the default picks the fastest available).
+def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None):
+    """Compile a spec for a backend: "numba" (CPU, the default here) or "interpreter" (float64).
 
     `layout` places the time axis in sequence arrays: a template like ``"b t ..."`` (one for all)
     or a dict from input/output name to template; the default ``"t ..."`` puts time first.
+    `dtype` (float32 / float64) fixes the compute type; by default it follows the inputs (float32
+    when all are float32). The interpreter always computes in float64.
     """
     if isinstance(spec, AttentionSpec):
         return spec.compile(backend, layout=layout)
-    backend = backend or default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    return Compiled(_program(spec), backend, layout)
+    backend = check_backend(backend or default_backend())
+    return Compiled(_program(spec), backend, layout, dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backends import interpreter
+from .backends.registry import check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .passes.attention_grad import derive_attention_backward
@@ -38,11 +39,13 @@ def _as_dict(values, names: list[str], what: str) -> dict:
 class Grad:
     """Gradients of a recurrence's inputs given cotangents of its outputs and final states."""
 
-    def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK,
+                 dtype=None):
         if chunk < 1:
             raise ValueError("chunk must be at least 1")
         self.backward: Backward = derive_backward(program, chunk)
-        self.backend = backend
+        self.backend = check_backend(backend)
+        self.dtype = dtype
         self.layout = layout
         self.chunk = chunk
 
@@ -74,7 +77,8 @@ class Grad:
             if arr.shape != shape:
                 raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
             lam[s.name] = arr
-        grads = self._run(bound, cot, lam)
+        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
+        grads = self._run(bound, cot, lam, dtype)
         out = {}
         for d in fwd.inputs:
             g = grads[d.name]
@@ -87,32 +91,37 @@ class Grad:
             out[s.name] = grads[s.name]
         return out
 
-    def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
         bw = self.backward
         fwd, sizes, length, chunk = bw.forward, bound.sizes, bound.length, self.chunk
-        seqs = {d.name: bound.arrays[d.name] for d in fwd.seqs}
-        params = {d.name: bound.arrays[d.name] for d in fwd.params}
+        seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in fwd.seqs}
+        params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in fwd.params}
+        cot = {k: v.astype(dtype, copy=False) for k, v in cot.items()}
+        lam = {k: v.astype(dtype, copy=False) for k, v in lam.items()}
+        run_forward = runner(self.backend, fwd, dtype)
+        run_carries = runner(self.backend, bw.carries, dtype)
+        run_adjoint = runner(self.backend, bw.adjoint, dtype)
         bounds = list(range(0, length, chunk))
         if fwd.reverse:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         # forward: keep the carry at each chunk boundary only
-        saved = [bound.initial]
+        saved = [{k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}]
         for start in bounds[:-1]:
             part = {k: v[start:start + chunk] for k, v in seqs.items()}
-            _, finals = interpreter.run_recurrence(fwd, part, params, saved[-1], sizes, chunk)
+            _, finals = run_forward(part, params, saved[-1], sizes, chunk)
             saved.append(finals)
         # backward: chunks last to first, recomputing each chunk's carries from its boundary
-        acc = {GRAD + p.name: np.zeros(params[p.name].shape) for p in fwd.params}
+        acc = {GRAD + p.name: np.zeros(params[p.name].shape, dtype=dtype) for p in fwd.params}
         carry = {GRAD + k: v for k, v in lam.items()} | acc
         seq_grads: dict[str, list[np.ndarray]] = {d.name: [] for d in fwd.seqs}
         for start, init in zip(reversed(bounds), reversed(saved)):
             n = min(chunk, length - start)
             part = {k: v[start:start + n] for k, v in seqs.items()}
-            prev, _ = interpreter.run_recurrence(bw.carries, part, params, init, sizes, n)
+            prev, _ = run_carries(part, params, init, sizes, n)
             adj_seqs = dict(part)
             adj_seqs.update({s.name: prev[f"prev_{s.name}"] for s in fwd.states})
             adj_seqs.update({GRAD + k: v[start:start + n] for k, v in cot.items()})
-            outs, carry = interpreter.run_recurrence(bw.adjoint, adj_seqs, params, carry, sizes, n)
+            outs, carry = run_adjoint(adj_seqs, params, carry, sizes, n)
             for d in fwd.seqs:
                 seq_grads[d.name].append(outs[GRAD + d.name])
         grads = {name: np.concatenate(parts[::-1], axis=0) for name, parts in seq_grads.items()}
@@ -150,10 +159,13 @@ class AttentionGrad:
         return grads
 
 
-def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK):
-    """Gradients of a spec (see the module docstring); `chunk` sets a recurrence's memory plan."""
+def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK, dtype=None):
+    """Gradients of a spec (see the module docstring) on a backend (default: as `ssmc.compile`).
+
+    `chunk` sets a recurrence's memory plan; `dtype` as in `ssmc.compile`.
+    """
     from .api import _program
 
     if isinstance(spec, AttentionSpec):
         return AttentionGrad(spec, layout)
-    return Grad(_program(spec), backend or "interpreter", layout, chunk)
+    return Grad(_program(spec), backend or default_backend(), layout, chunk, dtype)

@@ -65,7 +65,7 @@ def torch_gradients(program, bound, kwargs, cot_y, cot_h) -> dict[str, np.ndarra
 def test_example_gradients_match_torch_autograd(name, length):
     module = importlib.import_module(f"ssmc.examples.{name}")
     program, bound, kwargs, cot_y, cot_h = canonical_call(module, length)
-    got = ssmc.grad(program, chunk=16)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    got = ssmc.grad(program, chunk=16, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     assert set(got) == set(want)
     for key in want:
@@ -77,7 +77,7 @@ def test_example_gradients_match_torch_autograd(name, length):
 def test_long_sequence_gradients(name):
     module = importlib.import_module(f"ssmc.examples.{name}")
     program, bound, kwargs, cot_y, cot_h = canonical_call(module, 1000)
-    got = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    got = ssmc.grad(program, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     for key in want:
         assert rel_err(got[key], want[key]) <= REL_TOL, key
@@ -88,13 +88,13 @@ def test_example_gradients_match_finite_differences(name):
     """Directional derivative along a random direction, central differences in float64."""
     module = importlib.import_module(f"ssmc.examples.{name}")
     program, _, kwargs, cot_y, cot_h = canonical_call(module, 7, seed=3)
-    fn = ssmc.compile(program)
+    fn = ssmc.compile(program, backend="interpreter")
 
     def loss(args):
         outs, finals = fn.run(**args)
         return sum((outs[n] * cot_y[n]).sum() for n in outs) + sum((finals[n] * cot_h[n]).sum() for n in finals)
 
-    grads = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    grads = ssmc.grad(program, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     rng = np.random.default_rng(7)
     direction = {k: rng.standard_normal(v.shape) for k, v in kwargs.items()}
     eps = 1e-6
@@ -108,7 +108,7 @@ def test_example_gradients_match_finite_differences(name):
 def test_chunk_size_does_not_change_gradients():
     module = importlib.import_module("ssmc.examples.lstm")
     program, _, kwargs, cot_y, cot_h = canonical_call(module, 50)
-    results = [ssmc.grad(program, chunk=c)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    results = [ssmc.grad(program, chunk=c, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
                for c in (1, 7, 50, 64)]
     for other in results[1:]:
         for key in results[0]:
@@ -122,7 +122,8 @@ def test_mamba1_against_a_hand_written_torch_loop():
     inputs = module.make_inputs(rng, 23)  # layout "b d t"
     d_y = rng.standard_normal(inputs["u"].shape)
     d_h = rng.standard_normal(inputs["h"].shape)
-    got = ssmc.grad(module.SPEC, layout=module.LAYOUT)(**inputs, grad_outputs=d_y, grad_final_states=d_h)
+    grad = ssmc.grad(module.SPEC, layout=module.LAYOUT, backend="interpreter")
+    got = grad(**inputs, grad_outputs=d_y, grad_final_states=d_h)
     t = {k: torch.tensor(v, requires_grad=True) for k, v in inputs.items()}
     h, ys = t["h"], []
     for step in range(inputs["u"].shape[-1]):
@@ -144,7 +145,7 @@ def test_attention_gradients_match_torch(length):
     program = module.SPEC.program
     q, k, v = (np.moveaxis(inputs[n], 2, 0) for n in "qkv")  # layout "b h t ..." -> time first
     d_out = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
-    got = ssmc.grad(module.SPEC)(q, k, v, grad_outputs=d_out, slope=inputs["slope"])
+    got = ssmc.grad(module.SPEC, backend="interpreter")(q, k, v, grad_outputs=d_out, slope=inputs["slope"])
     leaves = {"q": q, "k": k, "v": v, "slope": inputs["slope"]}
     t = {n: torch.tensor(a, requires_grad=True) for n, a in leaves.items()}
     sizes = {"b": q.shape[1], "h": q.shape[2], "d": q.shape[3]}
@@ -159,7 +160,7 @@ def test_attention_with_sliding_window_and_no_score_mod():
     rng = np.random.default_rng(0)
     q, k = rng.standard_normal((9, 2, 4)), rng.standard_normal((9, 2, 4))
     v, d_out = rng.standard_normal((9, 2, 5)), rng.standard_normal((9, 2, 5))
-    got = ssmc.grad(attn)(q, k, v, grad_outputs=d_out)
+    got = ssmc.grad(attn, backend="interpreter")(q, k, v, grad_outputs=d_out)
     t = {n: torch.tensor(a, requires_grad=True) for n, a in {"q": q, "k": k, "v": v}.items()}
     out = torch_oracle.attention(attn.program, t["q"], t["k"], t["v"], {}, {"h": 2, "d": 4, "e": 5})
     (out * torch.tensor(d_out)).sum().backward()
@@ -218,7 +219,7 @@ def _grads_at(step_body, values: dict[str, np.ndarray]):
         return h, {"out": step_body(x, y)}
 
     x, y = (values[n][None] for n in "xy")
-    g = ssmc.grad(spec)(x, y, grad_outputs=np.ones_like(x))
+    g = ssmc.grad(spec, backend="interpreter")(x, y, grad_outputs=np.ones_like(x))
     return g["x"][0], g["y"][0]
 
 
@@ -251,7 +252,7 @@ def test_reduce_max_ties_share_the_gradient():
         return h, x.max("d")
 
     x = np.array([[[1.0, 3.0, 3.0]]])
-    g = ssmc.grad(spec)(x, grad_outputs=np.ones((1, 1)))
+    g = ssmc.grad(spec, backend="interpreter")(x, grad_outputs=np.ones((1, 1)))
     np.testing.assert_array_equal(g["x"], [[[0.0, 0.5, 0.5]]])
 
 
@@ -261,7 +262,7 @@ def test_gradient_name_clash_is_a_spec_error():
         return h + x + grad_x, h
 
     with pytest.raises(ssmc.SpecError, match="would clash"):
-        ssmc.grad(spec)
+        ssmc.grad(spec, backend="interpreter")
 
 
 def test_show_backward_of_mamba1_is_labelled_diagonal_linear_reverse():
@@ -280,7 +281,7 @@ def test_a_renamed_axis_takes_the_size_of_the_axis_it_renames():
     x, h0 = rng.standard_normal((5, 2, 3)), rng.standard_normal((2, 3))
     program, kwargs = mix.program, {"x": x, "h": h0}
     cot_y, cot_h = {"y": rng.standard_normal((5, 2, 3))}, {"h": rng.standard_normal((2, 3))}
-    got = ssmc.grad(mix)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    got = ssmc.grad(mix, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", {}, "mix", program.roots)
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     for key in want:
@@ -307,7 +308,7 @@ def _random_call(spec, length: int, seed: int):
 @given(spec=recurrences(), length=st.sampled_from([1, 7, 30]), seed=st.integers(0, 2**16))
 def test_random_recurrence_gradients_match_torch_autograd(spec, length, seed):
     program, bound, kwargs, cot_y, cot_h = _random_call(spec, length, seed)
-    got = ssmc.grad(program, chunk=4)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    got = ssmc.grad(program, chunk=4, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     for key in want:
         assert got[key].shape == want[key].shape, key
@@ -318,7 +319,7 @@ def test_random_recurrence_gradients_match_torch_autograd(spec, length, seed):
 @given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
 def test_random_long_sequence_gradients(spec, seed):
     program, bound, kwargs, cot_y, cot_h = _random_call(spec, 180, seed)
-    got = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    got = ssmc.grad(program, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     want = torch_gradients(program, bound, kwargs, cot_y, cot_h)
     for key in want:
         assert rel_err(got[key], want[key], RANDOM_FLOOR) <= REL_TOL, key
@@ -328,13 +329,13 @@ def test_random_long_sequence_gradients(spec, seed):
 @given(spec=recurrences(), seed=st.integers(0, 2**16))
 def test_random_recurrence_gradients_match_finite_differences(spec, seed):
     program, _, kwargs, cot_y, cot_h = _random_call(spec, 5, seed)
-    fn = ssmc.compile(program)
+    fn = ssmc.compile(program, backend="interpreter")
 
     def loss(args):
         outs, finals = fn.run(**args)
         return sum((outs[n] * cot_y[n]).sum() for n in outs) + sum((finals[n] * cot_h[n]).sum() for n in finals)
 
-    grads = ssmc.grad(program)(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
+    grads = ssmc.grad(program, backend="interpreter")(**kwargs, grad_outputs=cot_y, grad_final_states=cot_h)
     rng = np.random.default_rng(seed)
     direction = {k: rng.standard_normal(v.shape) for k, v in kwargs.items()}
     eps = 1e-6

@@ -80,7 +80,7 @@ def test_initial_states_given(name):
 def test_recurrence_matches_reference(name, length):
     m = load(name)
     inputs = m.make_inputs(np.random.default_rng(1234), length)
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT)(**inputs, return_final_states=True)
+    got = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
     want = m.reference(**inputs)
     assert isinstance(got, tuple) and len(got) == 2
     check(got, want)
@@ -93,7 +93,7 @@ def test_recurrence_zero_initial_states(name):
     inputs = m.make_inputs(np.random.default_rng(99), 7)
     for s in m.SPEC.program.states:
         del inputs[s.name]
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT)(**inputs, return_final_states=True)
+    got = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
     check(got, m.reference(**inputs))
 
 
@@ -102,7 +102,7 @@ def test_recurrence_zero_initial_states(name):
 def test_attention_matches_reference(name, length):
     m = load(name)
     inputs = m.make_inputs(np.random.default_rng(1234), length)
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT)(**inputs)
+    got = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
     check(got, m.reference(**inputs))
 
 

@@ -171,7 +171,8 @@ def classify_state(program: Recurrence, regions: _Regions, index: int) -> StateC
     others = [v for v in expr.free_symbols if v != own and regions.symbols.get(v) in regions.dependent]
     a_expr, b_expr = sp.diff(expr, own), expr.subs(own, 0)
     if a_expr == 1 and index in _write_only(program):
-        return StateClass(state.name, "accumulator")
+        b = from_sympy(b_expr, regions.symbols) if b_expr.free_symbols else build.const(float(b_expr))
+        return StateClass(state.name, "accumulator", "one", build.ONE, b)
     if others:  # mixes elements (a contraction / rename) or other states
         return StateClass(state.name, "general linear")
     a = from_sympy(a_expr, regions.symbols) if a_expr.free_symbols else build.const(float(a_expr))

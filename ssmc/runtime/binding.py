@@ -6,7 +6,7 @@ that names the argument, before any work is done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,8 +34,11 @@ def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, .
     return order
 
 
-def to_float64(x, name: str) -> np.ndarray:
-    """A NumPy float64 copy of an array-like (NumPy, PyTorch, CuPy, lists), checking its dtype."""
+def to_array(x, name: str) -> np.ndarray:
+    """A NumPy view or copy of an array-like (NumPy, PyTorch, CuPy, lists), checking its dtype.
+
+    float32 and float64 stay as they are; integers and booleans become float64, float16 float32.
+    """
     if hasattr(x, "detach"):  # torch
         x = x.detach().cpu().numpy()
     elif hasattr(x, "get") and hasattr(x, "__cuda_array_interface__"):  # cupy
@@ -44,17 +47,27 @@ def to_float64(x, name: str) -> np.ndarray:
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"argument {name!r} has dtype {arr.dtype}; ssmc takes real numbers "
                          "(floating point, or integers converted to float)")
-    return arr.astype(np.float64)
+    if arr.dtype.kind != "f":
+        return arr.astype(np.float64)
+    return arr if arr.dtype.itemsize >= 4 else arr.astype(np.float32)
+
+
+def to_float64(x, name: str) -> np.ndarray:
+    return to_array(x, name).astype(np.float64)
 
 
 @dataclass
 class Bound:
-    """A checked call: arrays in canonical layout (time first, then declared axes), float64."""
+    """A checked call: arrays in canonical layout (time first, then declared axes), as given.
+
+    `dtype` is float32 when every array given is float32, float64 otherwise.
+    """
 
     length: int
     sizes: dict[str, int]
     arrays: dict[str, np.ndarray]     # inputs: (L, *axes) for sequences, axes for params
     initial: dict[str, np.ndarray]    # states, zeros unless given
+    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float64))
 
 
 def check_axis_relations(roots, sizes: dict[str, int], source: dict[str, str]) -> None:
@@ -115,7 +128,7 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
         source.setdefault(axis, repr(name))
 
     for d in (*decls, *(s for s in states if s.name in given)):
-        arr = to_float64(given[d.name], d.name)
+        arr = to_array(given[d.name], d.name)
         timed = d.role in (Role.SEQ,)
         order = layout_of(layout, d.name, d.axes) if timed else d.axes
         if arr.ndim != len(order):
@@ -145,4 +158,7 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
             raise ValueError(f"{what}: the size of axis {unknown[0]!r} of state {s.name!r} is unknown; "
                              f"pass an initial value {s.name}=...")
         initial[s.name] = arrays.pop(s.name) if s.name in given else np.zeros([sizes[a] for a in s.axes])
-    return Bound(length, sizes, arrays, initial)
+    given_dtypes = [a.dtype for a in arrays.values()] + [initial[s].dtype for s in initial if s in given]
+    all32 = given_dtypes and all(d == np.float32 for d in given_dtypes)
+    dtype = np.dtype(np.float32 if all32 else np.float64)
+    return Bound(length, sizes, arrays, initial, dtype)

@@ -1,0 +1,99 @@
+"""Loop nests -> Python source for Numba (one module per lowered program, from a Jinja template)."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import jinja2
+
+from ... import __version__
+from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
+from ...lowering.plan import Kernel, Lowered, size_var
+
+_FUNCS = {"abs": "abs_", "max": "max_", "min": "min_", "pow": "pow_"}
+
+
+def expr(e) -> str:
+    if isinstance(e, Num):
+        v = e.value
+        if math.isinf(v):
+            return "F(np.inf)" if v > 0 else "F(-np.inf)"
+        if math.isnan(v):
+            return "F(np.nan)"
+        return f"F({v!r})"
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, Load):
+        return f"{e.array}[{', '.join(e.index)}]"
+    if isinstance(e, Call):
+        if e.fn == "not":
+            return f"(not {expr(e.args[0])})"
+        return f"{_FUNCS.get(e.fn, e.fn)}({', '.join(expr(a) for a in e.args)})"
+    if isinstance(e, Bin):
+        return f"({expr(e.a)} {e.op} {expr(e.b)})"
+    if isinstance(e, Select):
+        return f"({expr(e.a)} if {expr(e.cond)} else {expr(e.b)})"
+    if isinstance(e, InRange):
+        return f"({e.lo} <= {e.index} < {e.hi})"
+    raise TypeError(e)
+
+
+def statements(stmts, depth: int) -> list[str]:
+    pad = "    " * depth
+    out: list[str] = []
+    for s in stmts:
+        if isinstance(s, Loop):
+            out.append(f"{pad}for {s.var} in range({s.extent}):")
+            out.extend(statements(s.body, depth + 1) or [f"{pad}    pass"])
+        elif isinstance(s, Buffer):
+            shape = ", ".join(s.shape) + ("," if len(s.shape) == 1 else "")
+            out.append(f"{pad}{s.name} = np.empty(({shape}), dtype=F)")
+        elif isinstance(s, Assign):
+            target, value = expr(s.target), expr(s.value)
+            if s.op == "=":
+                out.append(f"{pad}{target} = {value}")
+            elif s.op == "+=":
+                out.append(f"{pad}{target} += {value}")
+            else:  # max=
+                out.append(f"{pad}{target} = max_({target}, {value})")
+        else:
+            raise TypeError(s)
+    return out
+
+
+def _unflatten(parallel: tuple[str, ...]) -> list[str]:
+    """p -> one index per parallel axis (the last axis varies fastest)."""
+    lines = []
+    rest = "p"
+    for a in reversed(parallel):
+        lines.append(f"p_{a} = {rest} % {size_var(a)}")
+        lines.append(f"rest_{a} = {rest} // {size_var(a)}")
+        rest = f"rest_{a}"
+    return lines
+
+
+def _kernel_context(k: Kernel) -> dict:
+    return {
+        "name": k.name,
+        "sizes": [size_var(a) for a in k.sizes],
+        "arrays": [a.name for a in k.arrays],
+        "total": " * ".join(size_var(a) for a in k.parallel) or "1",
+        "unflatten": _unflatten(k.parallel),
+        "reverse": k.reverse,
+        "setup": "\n".join(statements(k.setup, 2)),
+        "step": "\n".join(statements(k.step, 3)) or "            pass",
+        "finish": "\n".join(statements(k.finish, 2)),
+    }
+
+
+@cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("ssmc", "templates"), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    return env.get_template("numba_module.py.j2")
+
+
+def module_source(lowered: Lowered, dtype: str) -> str:
+    return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
+                              strategy=lowered.strategy, kernels=[_kernel_context(k) for k in lowered.kernels])

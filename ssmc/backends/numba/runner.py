@@ -1,0 +1,109 @@
+"""Running a lowered program through Numba, with the interpreter's calling contract.
+
+`NumbaRunner.run` takes and returns what `interpreter.run_recurrence` does (time-first arrays,
+name -> array dicts), in float32 or float64.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+
+from ...lowering.plan import Kernel, Lowered, lower
+from ...runtime.cache import store
+from ...runtime.progress import progress
+from .codegen import module_source
+
+
+def _load(path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # numba's cache locates functions through their module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flat(arr: np.ndarray) -> np.ndarray:
+    """Axis-less arrays travel as one-element vectors (kernels index them with [0])."""
+    return arr.reshape(1) if arr.ndim == 0 else arr
+
+
+class NumbaRunner:
+    def __init__(self, program, dtype: str = "float64"):
+        self.program = program
+        self.dtype = np.dtype(dtype)
+        self.lowered: Lowered = lower(program)
+        self.source = module_source(self.lowered, self.dtype.name)
+        self.path = store("numba", self.source, ".py")
+        self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
+        self.compiled: set[str] = set()
+
+    def _call(self, k: Kernel, arrays: dict[str, np.ndarray], sizes: dict[str, int], length: int,
+              nblk: int = 1) -> dict[str, np.ndarray]:
+        """Run kernel `k`; allocates its outputs (final / out / prev) and returns them by name."""
+        dt = self.dtype
+        args = []
+        made = {}
+        for a in k.arrays:
+            if a.role in ("seq", "param", "init"):
+                args.append(_flat(np.ascontiguousarray(arrays[a.name], dtype=dt)))
+                continue
+            shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
+            made[a.name] = np.empty(shape, dtype=dt)
+            args.append(_flat(made[a.name]))
+        fn = getattr(self.module, k.name)
+        if k.name not in self.compiled:
+            with progress(f"compiling {k.name} with Numba"):
+                fn(length, nblk, *(sizes[a] for a in k.sizes), *args)
+            self.compiled.add(k.name)
+        else:
+            fn(length, nblk, *(sizes[a] for a in k.sizes), *args)
+        return made
+
+    def run(self, seqs, params, initial, sizes, length):
+        """Same contract as `interpreter.run_recurrence`."""
+        low = self.lowered
+        p = self.program
+        if low.strategy == "fused":
+            (k,) = low.kernels
+            made = self._call(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes, length)
+            outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
+            finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
+            return outs, finals
+        finals = {}
+        prev = {}
+        kernels = list(low.kernels)
+        if low.core_states:
+            core = kernels.pop(0)
+            made = self._call(core, {**seqs, **params, **{f"init_{s}": initial[s] for s in low.core_states}},
+                              sizes, length)
+            for s in low.core_states:
+                prev[s] = made[f"prev_{s}"]
+                finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
+        (epi,) = kernels
+        nblk = max(1, min(length, 4 * _threads()))
+        inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
+        made = self._call(epi, inputs, sizes, length, nblk)
+        for s in low.accumulators:
+            shape = [sizes[a] for a in p.decl(s).axes]
+            finals[s] = initial[s] + made[f"final_{s}"].reshape([nblk, *shape]).sum(axis=0)
+        outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
+        return outs, {s.name: finals[s.name] for s in p.states}
+
+
+def _threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+_RUNNERS: dict[tuple, NumbaRunner] = {}
+
+
+def runner_for(program, dtype: str) -> NumbaRunner:
+    key = (program, np.dtype(dtype).name)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = NumbaRunner(program, dtype)
+    return _RUNNERS[key]

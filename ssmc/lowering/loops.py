@@ -1,0 +1,108 @@
+"""A small loop-nest IR that every compiled backend prints: scalar expressions and statements.
+
+The lowering (`plan.py`) turns the step graph into these; a backend prints them as Python for
+Numba or as CUDA C. Index expressions are plain strings (``"i_n"``, ``"(i_e + o3)"``) whose
+syntax Python and C share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -- scalar expressions --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Num:
+    value: float
+
+
+@dataclass(frozen=True)
+class Var:
+    """A scalar variable: a local, a size, or an index used as a number."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Load:
+    """``array[index...]``."""
+
+    array: str
+    index: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """A math function (``exp``, ``sigmoid``, ...) applied to scalars."""
+
+    fn: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Bin:
+    """``a op b`` with op one of + - * / < <= > >= == != and or."""
+
+    op: str
+    a: object
+    b: object
+
+
+@dataclass(frozen=True)
+class Select:
+    """``a if cond else b``."""
+
+    cond: object
+    a: object
+    b: object
+
+
+@dataclass(frozen=True)
+class InRange:
+    """``lo <= index < hi`` for index expressions (the bounds of a split block)."""
+
+    index: str
+    lo: str
+    hi: str
+
+
+Expr = Num | Var | Load | Call | Bin | Select | InRange
+
+
+# -- statements ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Loop:
+    var: str
+    extent: str
+    body: list = field(default_factory=list)
+    reverse: bool = False
+
+
+@dataclass
+class Assign:
+    """``target = value`` (target a Var or a Load); ``op="+="`` / ``"max="`` accumulate."""
+
+    target: Var | Load
+    value: Expr
+    op: str = "="
+
+
+@dataclass
+class Buffer:
+    """A scratch array of the given shape (size expressions), allocated before the time loop."""
+
+    name: str
+    shape: tuple[str, ...]
+
+
+Stmt = Loop | Assign | Buffer
+
+
+def walk(stmts):
+    for s in stmts:
+        yield s
+        if isinstance(s, Loop):
+            yield from walk(s.body)

@@ -1,0 +1,428 @@
+"""Lowering a recurrence to loop nests: the "sequential in time" strategies every backend shares.
+
+A program is split into independent recurrences along its *independent axes*: the axes every
+state and output has and no op reduces, renames, unbinds or splits (Mamba-1's ``b d``; an LSTM's
+``b``). One kernel then runs, as a plain loop:
+
+    for p in parallel(product of independent axes):        # prange / one CUDA thread each
+        setup: load the carry of p; compute what depends on params only
+        for t in range(L):                                  # reversed for adjoints
+            step: per-step loop nests over the other axes, one per materialised value
+        finish: store the final carry of p
+
+When nothing is independent (an adjoint whose param-gradient accumulators sum over the batch),
+the program is *split*: a **core** kernel runs the states that feed back (parallel over the core's
+independent axes) and writes each carry before its step; an **epilogue** kernel then computes the
+outputs and the accumulators (sums over time) from those carries, parallel over blocks of time
+(each block sums privately; the blocks are added afterwards).
+
+Inside a step, elementwise regions are inlined into one expression per materialised value. A value
+is materialised when it is a root (update, output), a reduction, used twice, or used inside a loop
+over an axis it does not have (so it is not recomputed there); values that depend on params only
+are computed once per `p`, before the time loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import build
+from ..ir.node import BOOL, Node, toposort
+from ..ir.ops import ELEMENTWISE, LEAVES, Op
+from ..ir.program import Decl, Recurrence, Role
+from ..passes.classify import classify
+from .loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
+
+_VIEWS = {Op.RENAME, Op.SELECT, Op.SLICE, Op.PAD, Op.EXPAND}
+_BINOPS = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=", Op.GT: ">",
+           Op.GE: ">=", Op.EQ: "==", Op.NE: "!=", Op.AND: "and", Op.OR: "or"}
+_CALLS = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SQRT: "sqrt", Op.RSQRT: "rsqrt", Op.ABS: "abs",
+          Op.SIGMOID: "sigmoid", Op.TANH: "tanh", Op.SOFTPLUS: "softplus", Op.SILU: "silu", Op.GELU: "gelu",
+          Op.RELU: "relu", Op.ERF: "erf", Op.NOT: "not", Op.MAX: "max", Op.MIN: "min", Op.POW: "pow"}
+
+
+def size_var(axis: str) -> str:
+    return f"n_{axis}"
+
+
+def independent_axes(program: Recurrence) -> tuple[str, ...]:
+    """Axes along which `program` is a family of independent recurrences (see module docstring)."""
+    roots = program.roots
+    if not roots:
+        return ()
+    common = [a for a in roots[0].axes]
+    for r in roots[1:]:
+        common = [a for a in common if a in r.axes]
+    for s in program.states:
+        common = [a for a in common if a in s.axes]
+    for n in toposort(roots):
+        if n.op in (Op.SUM, Op.REDUCE_MAX):
+            touched = {n.arg}
+        elif n.op is Op.RENAME:
+            touched = {a for pair in n.arg for a in pair}
+        elif n.op is Op.SELECT:
+            touched = {n.arg[0]}
+        elif n.op in (Op.SLICE, Op.PAD):
+            touched = {n.arg[0], n.arg[1]}
+        else:
+            continue
+        common = [a for a in common if a not in touched]
+    order = program.states[0].axes if program.states else roots[0].axes
+    return tuple(a for a in order if a in common)
+
+
+@dataclass
+class Array:
+    """An array a kernel reads or writes: its name, what it is, and its axes ("t" for time)."""
+
+    name: str
+    role: str          # seq | param | init | final | out | prev
+    axes: tuple[str, ...]
+
+
+@dataclass
+class Kernel:
+    """One loop-nest kernel (module docstring): parallel over `parallel`, time inside."""
+
+    name: str
+    program: Recurrence
+    parallel: tuple[str, ...]
+    time_blocks: bool = False         # also parallel over blocks of time (states are sums over time)
+    store_prev: tuple[str, ...] = ()  # states written out before each step ("prev_<name>")
+    arrays: list[Array] = field(default_factory=list)
+    setup: list = field(default_factory=list)
+    step: list = field(default_factory=list)
+    finish: list = field(default_factory=list)
+    sizes: tuple[str, ...] = ()       # axes whose sizes the kernel takes
+
+    @property
+    def reverse(self) -> bool:
+        return self.program.reverse
+
+
+@dataclass
+class Lowered:
+    """The kernels for a program and how they connect: one fused kernel, or a core and an epilogue."""
+
+    program: Recurrence
+    strategy: str                     # "fused" | "split"
+    kernels: list[Kernel]
+    core_states: tuple[str, ...] = ()
+    accumulators: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        lines = [f"strategy: {self.strategy}"]
+        for k in self.kernels:
+            par = " ".join(k.parallel) or "-"
+            tb = " + blocks of time" if k.time_blocks else ""
+            lines.append(f"  kernel {k.name}: parallel over [{par}]{tb}, time {'reversed' if k.reverse else 'forward'}")
+        return "\n".join(lines)
+
+
+# -- the step builder ------------------------------------------------------------------------------
+
+
+class StepBuilder:
+    """Loop nests for one kernel: which values are materialised, and the code computing each."""
+
+    def __init__(self, kernel: Kernel):
+        self.k = kernel
+        p = kernel.program
+        self.parallel = set(kernel.parallel)
+        self.roles = {d.name: d.role for d in p.decls}
+        self.nodes = toposort(p.roots)
+        self.users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            for a in n.args:
+                if n not in self.users[a]:
+                    self.users[a].append(n)
+        self.invariant = self._invariant()
+        self.names: dict[Node, str] = {}
+        for s, u in zip(p.states, p.updates):
+            self.names.setdefault(u, f"nx_{s.name}")
+        self.state_of = {u: s for s, u in zip(p.states, p.updates)}
+        self.materialised = self._choose()
+
+    def _invariant(self) -> set[Node]:
+        """Nodes that depend on params only (computed once per parallel index, before time)."""
+        timed = {d.name for d in self.k.program.decls if d.role in (Role.SEQ, Role.STATE)}
+        out = set()
+        for n in self.nodes:
+            if n.op is Op.INPUT:
+                if n.arg not in timed:
+                    out.add(n)
+            elif n.op is Op.IOTA:
+                out.add(n)  # depends on its axis index only
+            elif all(a in out for a in n.args) and not (n.op is Op.IOTA and n.arg in self.parallel):
+                out.add(n)
+        return out
+
+    def local(self, node: Node) -> tuple[str, ...]:
+        return tuple(a for a in node.axes if a not in self.parallel)
+
+    def _choose(self) -> list[Node]:
+        roots = set(self.k.program.roots)
+        chosen: list[Node] = []
+        for n in self.nodes:
+            if n.op in LEAVES or (n.op in _VIEWS and n not in roots):
+                continue
+            keep = n in roots or n.op in (Op.SUM, Op.REDUCE_MAX)
+            if not keep and n.op in ELEMENTWISE:
+                consumers = self.users[n]
+                keep = len(consumers) > 1 or any(set(self._loop_axes(c)) - set(self.local(n)) for c in consumers)
+                if n in self.invariant and any(c not in self.invariant for c in consumers):
+                    keep = True  # hoist out of the time loop
+            if keep:
+                chosen.append(n)
+        for i, n in enumerate(chosen):
+            self.names.setdefault(n, f"m{i}")
+        return chosen
+
+    def _loop_axes(self, node: Node) -> tuple[str, ...]:
+        """Local axes a consumer loops over while it reads its operands."""
+        if node.op in (Op.SUM, Op.REDUCE_MAX):
+            return self.local(node.args[0])
+        if node.op in _VIEWS:  # views are inlined: their consumers' loops are what count
+            users = self.users.get(node, [])
+            return tuple({a for c in users for a in self._loop_axes(c)}) if users else self.local(node)
+        return self.local(node)
+
+    # -- expressions ---------------------------------------------------------------------------
+    def layout(self, node: Node) -> tuple[str, ...]:
+        """The axes of a materialised node's buffer, in order (an update's: its state's order)."""
+        if node in self.state_of:
+            return self.local_of_state(self.state_of[node])
+        return self.local(node)
+
+    def ref(self, node: Node, env: dict[str, str]):
+        """The value of a materialised node or a leaf at the indices `env` (axis -> index expr)."""
+        name = self.names[node]
+        idx = tuple(env[a] for a in self.layout(node))
+        return Load(name, idx) if idx else Var(name)
+
+    def leaf(self, node: Node, env: dict[str, str]):
+        role = self.roles[node.arg]
+        full = tuple(env[a] for a in node.axes)
+        if role is Role.STATE:
+            idx = tuple(env[a] for a in self.local(node))
+            return Load(f"st_{node.arg}", idx) if idx else Var(f"st_{node.arg}")
+        if role is Role.SEQ:
+            return Load(node.arg, ("t", *full))
+        return Load(node.arg, full) if full else Load(node.arg, ("0",))
+
+    def expr(self, node: Node, env: dict[str, str], inline_root: bool = False):
+        if node in self.names and node in self.materialised_set and not inline_root:
+            return self.ref(node, env)
+        op = node.op
+        if op is Op.INPUT:
+            return self.leaf(node, env)
+        if op is Op.CONST:
+            return Num(node.arg)
+        if op is Op.IOTA:
+            return Var(env[node.arg])
+        if op is Op.SIZE:
+            return Var(size_var(node.arg))
+        if op is Op.WHERE:
+            c, a, b = (self.expr(x, env) for x in node.args)
+            return Select(c, a, b)
+        if op in _BINOPS:
+            return Bin(_BINOPS[op], self.expr(node.args[0], env), self.expr(node.args[1], env))
+        if op in _CALLS:
+            return Call(_CALLS[op], tuple(self.expr(a, env) for a in node.args))
+        (x,) = node.args
+        if op is Op.EXPAND:
+            return self.expr(x, env)
+        if op is Op.RENAME:
+            back = {new: old for old, new in node.arg}
+            return self.expr(x, {back.get(a, a): v for a, v in env.items()})
+        if op is Op.SELECT:
+            axis, index = node.arg
+            return self.expr(x, {**env, axis: str(index)})
+        if op is Op.SLICE:
+            axis, new, parts, i = node.arg
+            return self.expr(x, {**env, axis: f"({env[new]} + {_offset(parts, i)})"})
+        if op is Op.PAD:
+            axis, new, parts, i = node.arg
+            off = _offset(parts, i)
+            inner = self.expr(x, {**env, new: f"({env[axis]} - {off})"})
+            return Select(InRange(env[axis], off, f"{off} + {size_var(new)}"), inner, Num(0.0))
+        raise NotImplementedError(f"lowering: {op}")  # reductions are always materialised
+
+    # -- statements ----------------------------------------------------------------------------
+    def env_for(self, axes) -> dict[str, str]:
+        env = {a: f"p_{a}" for a in self.parallel}
+        env.update({a: f"i_{a}" for a in axes if a not in self.parallel})
+        return env
+
+    def nest(self, axes: tuple[str, ...], body: list) -> list:
+        """Loops over the local `axes` (outermost first) around `body`."""
+        for a in reversed([a for a in axes if a not in self.parallel]):
+            body = [Loop(f"i_{a}", size_var(a), body)]
+        return body
+
+    def compute(self, node: Node) -> list:
+        """Statements computing a materialised node into its buffer (or scalar)."""
+        env = self.env_for(node.axes)
+        name = self.names[node]
+        local = self.layout(node)
+        target = Load(name, tuple(env[a] for a in local)) if local else Var(name)
+        if node.op in (Op.SUM, Op.REDUCE_MAX):
+            (x,) = node.args
+            axis = node.arg
+            inner_env = {**env, axis: f"i_{axis}"} if axis not in self.parallel else env
+            acc = Var(f"acc_{name}")
+            init = Num(0.0) if node.op is Op.SUM else Num(float("-inf"))
+            body = [Assign(acc, init),
+                    Loop(f"i_{axis}", size_var(axis), [Assign(acc, self.expr(x, inner_env),
+                                                              "+=" if node.op is Op.SUM else "max=")]),
+                    Assign(target, acc)]
+            return self.nest(local, body)
+        value = self.expr(node, env, inline_root=True)
+        if node.dtype == BOOL:
+            value = Select(value, Num(1.0), Num(0.0))
+        return self.nest(local, [Assign(target, value)])
+
+    def buffers(self) -> list:
+        out = []
+        for n in self.materialised:
+            local = self.layout(n)
+            if local:
+                out.append(Buffer(self.names[n], tuple(size_var(a) for a in local)))
+        return out
+
+    def local_of_state(self, s: Decl) -> tuple[str, ...]:
+        return tuple(a for a in s.axes if a not in self.parallel)
+
+    @property
+    def materialised_set(self) -> set[Node]:
+        cached = getattr(self, "_mset", None)
+        if cached is None:
+            cached = self._mset = set(self.materialised)
+        return cached
+
+
+def _offset(parts, i) -> str:
+    return " + ".join(size_var(p) for p in parts[:i]) or "0"
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+
+def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time_blocks: bool = False,
+                 store_prev: tuple[str, ...] = ()) -> Kernel:
+    """A scan kernel for `program` (module docstring), its loop nests filled in."""
+    k = Kernel(name, program, parallel, time_blocks, store_prev)
+    b = StepBuilder(k)
+    axes_used = set()
+    for n in b.nodes:
+        axes_used.update(n.axes)
+        if n.op in (Op.SLICE, Op.PAD):
+            axes_used.update(n.arg[2])
+            axes_used.add(n.arg[0])
+    for d in program.decls:
+        axes_used.update(d.axes)
+    k.sizes = tuple(sorted(axes_used))
+    k.arrays = [Array(d.name, "seq", ("t", *d.axes)) for d in program.seqs]
+    k.arrays += [Array(d.name, "param", d.axes) for d in program.params]
+    k.arrays += [Array(f"init_{s.name}", "init", s.axes) for s in program.states]
+    k.arrays += [Array(f"final_{s.name}", "final", (("block",) if time_blocks else ()) + s.axes)
+                 for s in program.states]
+    k.arrays += [Array(f"out_{n}", "out", ("t", *y.axes)) for n, y in program.outputs]
+    k.arrays += [Array(f"prev_{s}", "prev", ("t", *program.decl(s).axes)) for s in store_prev]
+
+    # setup: state buffers, scratch buffers, the carry loaded (or zeroed for time blocks), invariants
+    setup: list = []
+    for s in program.states:
+        local = b.local_of_state(s)
+        if local:
+            setup.append(Buffer(f"st_{s.name}", tuple(size_var(a) for a in local)))
+    setup += b.buffers()
+    for s in program.states:
+        env = b.env_for(s.axes)
+        local = b.local_of_state(s)
+        target = Load(f"st_{s.name}", tuple(env[a] for a in local)) if local else Var(f"st_{s.name}")
+        value = Num(0.0) if time_blocks else Load(f"init_{s.name}", tuple(env[a] for a in s.axes) or ("0",))
+        setup += b.nest(s.axes, [Assign(target, value)])
+    step: list = []
+    for n in b.materialised:
+        stmts = b.compute(n)
+        (setup if n in b.invariant else step).extend(stmts)
+
+    # outputs, the previous carry (before the update is applied), then the carry update
+    outs: list = []
+    for out_name, y in program.outputs:
+        env = b.env_for(y.axes)
+        value = b.expr(y, env)
+        if y.dtype == BOOL:
+            value = Select(value, Num(1.0), Num(0.0))
+        outs += b.nest(y.axes, [Assign(Load(f"out_{out_name}", ("t", *(env[a] for a in y.axes))), value)])
+    prev: list = []
+    for s_name in store_prev:
+        s = program.decl(s_name)
+        env = b.env_for(s.axes)
+        local = b.local_of_state(s)
+        cur = Load(f"st_{s_name}", tuple(env[a] for a in local)) if local else Var(f"st_{s_name}")
+        prev += b.nest(s.axes, [Assign(Load(f"prev_{s_name}", ("t", *(env[a] for a in s.axes))), cur)])
+    swap: list = []
+    for s, u in zip(program.states, program.updates):
+        env = b.env_for(s.axes)
+        local = b.local_of_state(s)
+        idx = tuple(env[a] for a in local)
+        cur = Load(f"st_{s.name}", idx) if local else Var(f"st_{s.name}")
+        swap += b.nest(s.axes, [Assign(cur, b.ref(u, env) if u in b.materialised_set else b.expr(u, env))])
+    k.setup = setup
+    k.step = prev + step + outs + swap
+    finish: list = []
+    for s in program.states:
+        env = b.env_for(s.axes)
+        local = b.local_of_state(s)
+        cur = Load(f"st_{s.name}", tuple(env[a] for a in local)) if local else Var(f"st_{s.name}")
+        idx = (("blk",) if time_blocks else ()) + tuple(env[a] for a in s.axes)
+        finish += b.nest(s.axes, [Assign(Load(f"final_{s.name}", idx or ("0",)), cur)])
+    k.finish = finish
+    return k
+
+
+def lower(program: Recurrence) -> Lowered:
+    """Choose the strategy for `program` and build its kernels (module docstring)."""
+    parallel = independent_axes(program)
+    if parallel or not program.states:
+        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
+    classes = {c.state: c for c in classify(program).states}
+    acc = tuple(s.name for s in program.states if classes[s.name].family == "accumulator")
+    core_states = tuple(s.name for s in program.states if s.name not in acc)
+    kernels = []
+    if core_states:
+        core = _subprogram(program, core_states, with_outputs=False, name=f"{program.name}_core")
+        kernels.append(build_kernel(core.name, core, independent_axes(core), store_prev=core_states))
+    epilogue = _epilogue(program, core_states, acc, classes)
+    kernels.append(build_kernel(epilogue.name, epilogue, (), time_blocks=True))
+    return Lowered(program, "split", kernels, core_states, acc)
+
+
+def _subprogram(program: Recurrence, states: tuple[str, ...], with_outputs: bool, name: str) -> Recurrence:
+    keep = [i for i, s in enumerate(program.states) if s.name in states]
+    updates = tuple(program.updates[i] for i in keep)
+    used = {n.arg for n in toposort(updates) if n.op is Op.INPUT}
+    decls = tuple(d for d in program.decls
+                  if (d.role is Role.STATE and d.name in states) or (d.role is not Role.STATE and d.name in used))
+    return Recurrence(name=name, decls=decls, updates=updates, outputs=program.outputs if with_outputs else (),
+                      sizes=program.sizes, reverse=program.reverse, loc=program.loc)
+
+
+def _epilogue(program: Recurrence, core_states, acc, classes) -> Recurrence:
+    """Outputs and accumulators, with the core's carries (before each step) as sequences."""
+    updates = tuple(build.add(Node.make(Op.INPUT, (), s, program.decl(s).axes), classes[s].b) for s in acc)
+    updates = tuple(build.expand(u, program.decl(s).axes) for u, s in zip(updates, acc))
+    roots = updates + tuple(y for _, y in program.outputs)
+    used = {n.arg for n in toposort(roots) if n.op is Op.INPUT}
+    decls = []
+    for d in program.decls:
+        if d.role is Role.STATE and d.name in acc:
+            decls.append(d)
+        elif d.role is Role.STATE and d.name in core_states and d.name in used:
+            decls.append(Decl(d.name, Role.SEQ, d.axes, d.loc))
+        elif d.role is not Role.STATE and d.name in used:
+            decls.append(d)
+    return Recurrence(name=f"{program.name}_epilogue", decls=tuple(decls), updates=updates,
+                      outputs=program.outputs, sizes=program.sizes, reverse=program.reverse, loc=program.loc)

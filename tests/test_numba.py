@@ -1,0 +1,143 @@
+"""The Numba backend against the interpreter: every example and random recurrences, forward and backward."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
+
+import ssmc
+from ssmc.lowering.plan import lower
+
+RECURRENCES = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+TOL = {"float64": 1e-10, "float32": 2e-4}  # relative to the largest magnitude of the reference
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size == 0:
+        return 0.0
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def flat(values) -> list:
+    return list(values) if isinstance(values, tuple) else [values]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_forward_matches_the_interpreter(name, length, dtype):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    inputs = {k: v.astype(dtype) for k, v in m.make_inputs(np.random.default_rng(length), length).items()}
+    got = ssmc.compile(m.SPEC, "numba", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    for g, w in zip(flat(got[0]) + flat(got[1]), flat(want[0]) + flat(want[1])):
+        assert g.dtype == np.dtype(dtype) and g.shape == w.shape
+        assert rel_err(g, w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("name", ["hgrn", "mamba1", "lstm"])
+def test_long_sequence(name):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    inputs = m.make_inputs(np.random.default_rng(0), 1000)
+    got = ssmc.compile(m.SPEC, "numba", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    want = m.reference(**inputs)
+    for g, w in zip(flat(got[0]) + flat(got[1]), flat(want[0]) + flat(want[1])):
+        assert rel_err(g, w) <= TOL["float64"]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_gradients_match_the_interpreter(name, dtype):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(1)
+    inputs = {k: v.astype(dtype) for k, v in m.make_inputs(rng, 37).items()}
+    outs = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    cot = [rng.standard_normal(o.shape).astype(dtype) for o in flat(outs)]
+    cot = cot[0] if len(cot) == 1 else tuple(cot)
+    got = ssmc.grad(m.SPEC, "numba", layout=m.LAYOUT, chunk=16)(**inputs, grad_outputs=cot)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT, chunk=16)(**inputs, grad_outputs=cot)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key]) <= TOL[dtype] * (10 if dtype == "float32" else 1), key
+
+
+def test_split_strategy_is_used_when_nothing_is_independent():
+    m = importlib.import_module("ssmc.examples.mamba1")
+    from ssmc.passes.autodiff import derive_backward
+
+    assert lower(m.SPEC.program).strategy == "fused"
+    low = lower(derive_backward(m.SPEC.program).adjoint)
+    assert low.strategy == "split"
+    assert low.core_states == ("grad_h",)
+    assert set(low.accumulators) == {"grad_A", "grad_D", "grad_delta_bias"}
+
+
+def test_torch_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    m = importlib.import_module("ssmc.examples.hgrn")
+    inputs = m.make_inputs(np.random.default_rng(0), 11)
+    got = ssmc.compile(m.SPEC, "numba", layout=m.LAYOUT)(**{k: torch.tensor(v) for k, v in inputs.items()})
+    want = m.reference(**inputs)[0]
+    assert rel_err(got, want) <= TOL["float64"]
+
+
+def test_default_backend_is_numba_on_a_cpu_machine():
+    assert ssmc.default_backend() == "numba"
+    m = importlib.import_module("ssmc.examples.hgrn")
+    assert ssmc.compile(m.SPEC).backend == "numba"
+
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(spec=recurrences(), length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16))
+def test_random_recurrences_forward(spec, length, seed):
+    inputs = draw_inputs(spec, length, seed)
+    got = ssmc.compile(spec, "numba").run(**inputs)
+    want = ssmc.compile(spec, "interpreter").run(**inputs)
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert g.shape == w.shape
+        assert rel_err(g, w) <= 1e-10
+
+
+@settings(max_examples=3, **SETTINGS)
+@given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
+def test_random_recurrence_gradients(spec, seed):
+    inputs = draw_inputs(spec, 9, seed)
+    outs, _ = ssmc.compile(spec, "interpreter").run(**inputs)
+    rng = np.random.default_rng(seed)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    got = ssmc.grad(spec, "numba", chunk=4)(**inputs, grad_outputs=cot)
+    want = ssmc.grad(spec, "interpreter", chunk=4)(**inputs, grad_outputs=cot)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-9, key
+
+
+def test_a_second_process_loads_the_compiled_kernel_from_the_cache(tmp_path):
+    script = textwrap.dedent("""
+        import numpy as np, ssmc
+        from ssmc.examples import hgrn
+        from ssmc.backends.numba import runner_for
+        fn = ssmc.compile(hgrn.SPEC, "numba", layout=hgrn.LAYOUT)
+        fn(**hgrn.make_inputs(np.random.default_rng(0), 5))
+        runner = runner_for(hgrn.SPEC.program, "float64")
+        kernel = getattr(runner.module, runner.lowered.kernels[0].name)
+        print("hits", sum(kernel.stats.cache_hits.values()), "misses", sum(kernel.stats.cache_misses.values()))
+    """)
+    env = {**os.environ, "SSMC_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert "hits 0 misses 1" in first.stdout, first.stdout + first.stderr
+    assert "hits 1 misses 0" in second.stdout, second.stdout + second.stderr
