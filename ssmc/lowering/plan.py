@@ -232,9 +232,9 @@ class StepBuilder:
         (x,) = node.args
         if op is Op.EXPAND:
             return self.expr(x, env)
-        if op is Op.RENAME:
-            back = {new: old for old, new in node.arg}
-            return self.expr(x, {back.get(a, a): v for a, v in env.items()})
+        if op is Op.RENAME:  # the operand's axis `old` is indexed like this node's axis `new`
+            forward = dict(node.arg)
+            return self.expr(x, {**self.env_for(()), **{a: env[forward.get(a, a)] for a in x.axes}})
         if op is Op.SELECT:
             axis, index = node.arg
             return self.expr(x, {**env, axis: str(index)})
@@ -266,6 +266,13 @@ class StepBuilder:
         name = self.names[node]
         local = self.layout(node)
         target = Load(name, tuple(env[a] for a in local)) if local else Var(name)
+        if node.op is Op.SUM and local:
+            # zero, then accumulate in the operand's axis order: the innermost loop runs along
+            # the operand's last axis (contiguous in its inputs), not along the reduced one
+            (x,) = node.args
+            arg_env = self.env_for(x.axes)
+            return self.nest(local, [Assign(target, Num(0.0))]) + self.nest(
+                x.axes, [Assign(Load(name, tuple(arg_env[a] for a in local)), self.expr(x, arg_env), "+=")])
         if node.op in (Op.SUM, Op.REDUCE_MAX):
             (x,) = node.args
             axis = node.arg
