@@ -498,24 +498,54 @@ def _default_prepare(inp: dict[str, torch.Tensor], dout: torch.Tensor) -> Any:
 
 
 def ssmc_candidates(workload: Workload) -> list:
-    """Hook for ssmc's own kernels (filled in later); returns [] for now.
+    """ssmc's kernels for a workload: ``(name, fwd_fn, fwdbwd_fn)`` triples (see `Impl`).
 
-    Return a list of ``(name, fwd_fn, fwdbwd_fn)`` triples, or of :class:`Impl` objects for
-    full control (e.g. an untimed layout change in ``prepare``). For a triple:
-
-    * ``fwd_fn(inputs) -> Tensor``: ``inputs`` is a dict of the workload's canonical tensors
-      (keys ``workload.input_keys``, layouts ``workload.layout``, fp32 CUDA, contiguous; those of
-      ``workload.grad_keys`` have ``requires_grad=True``). Called under ``torch.no_grad()``;
-      returns the output in the canonical layout, shape ``workload.out_shape``.
-    * ``fwdbwd_fn(inputs, dout) -> dict[str, Tensor]``: runs forward and backward for the output
-      gradient ``dout`` and returns the gradient of every key of ``workload.grad_keys``. Or
-      ``None`` if the candidate has no backward.
-
-    Both are checked against the float64 reference before being timed, and each row gets its
-    ratio to the best peer of the same run.
+    Each reads the workload's canonical (B, D, L) tensors in place (layout "b d t"); the scan also
+    runs on a time-major copy ("b t d", made untimed in `prepare`) to show what coalescing buys.
     """
-    del workload
-    return []
+    import ssmc
+
+    if workload.key == "scan1":
+        spec = _first_order_scan()
+        names = ["a", "x"]
+    elif workload.key.startswith("mamba1"):
+        from ssmc.examples import mamba1
+
+        spec = mamba1.SPEC
+        names = workload.input_keys
+    else:
+        return []
+    fwd = ssmc.compile(spec, "cuda", layout="b d t")
+    grad = ssmc.grad(spec, "cuda", layout="b d t")
+
+    def run_fwd(inp):
+        return fwd(**{k: inp[k] for k in names})
+
+    def run_fwdbwd(inp, dout):
+        g = grad(**{k: inp[k].detach() for k in names}, grad_outputs=dout)
+        return {k: g[k] for k in workload.grad_keys}
+
+    cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd)]
+    if workload.key == "scan1":
+        fwd_tm = ssmc.compile(spec, "cuda", layout="b t d")
+        cands.append(Impl(
+            name="cuda-time-major", label="ssmc: cuda (b t d, transposed untimed)",
+            prepare=lambda inp, dout: {k: inp[k].detach().transpose(1, 2).contiguous() for k in names},
+            fwd=lambda p: fwd_tm(**p),
+            out_to_canon=lambda out, p: out.transpose(1, 2)))
+    return cands
+
+
+def _first_order_scan():
+    global ssmc  # the step's annotations are evaluated in this module's globals
+    import ssmc
+
+    @ssmc.recurrence
+    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
+        h = a * h + x
+        return h, h
+
+    return scan
 
 
 def _wrap_ssmc(workload: Workload, cand: Any) -> Impl:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends.registry import BACKENDS, check_backend, compute_dtype, default_backend, runner
+from .backends.registry import BACKENDS, array_support, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
@@ -27,6 +27,10 @@ def _program(spec) -> Recurrence:
     if isinstance(spec, Recurrence):
         return spec
     raise TypeError(f"expected an @ssmc.recurrence spec, got {type(spec).__name__}")
+
+
+def _permute(arr, perm):
+    return arr.permute(*perm) if hasattr(arr, "permute") else arr.transpose(perm)
 
 
 def _single(values: tuple):
@@ -48,13 +52,20 @@ class Compiled:
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
         p = self.program
+        convert, zeros = array_support(self.backend)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
-                            p.roots)
+                            p.roots, convert, zeros)
+        run = runner(self.backend, p, compute_dtype(self.backend, bound.dtype, self.dtype))
+        if self.backend == "cuda":  # kernels read any float dtype and strides in place
+            first = next(iter(bound.arrays.values()), None)
+            out_dtype = first.dtype if first is not None else None
+            seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
+            params = {d.name: bound.arrays[d.name] for d in p.params}
+            return run(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype=out_dtype)
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.seqs}
         params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.params}
         initial = {k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}
-        run = runner(self.backend, p, dtype)
         return run(seqs, params, initial, bound.sizes, bound.length)
 
     def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
@@ -64,7 +75,7 @@ class Compiled:
         for name, y in self.program.outputs:
             order = layout_of(layout, name, y.axes)
             canonical = (TIME, *y.axes)
-            ys.append(outs[name].transpose([canonical.index(a) for a in order]))
+            ys.append(_permute(outs[name], [canonical.index(a) for a in order]))
         ys = _single(tuple(ys)) if ys else None
         if not return_final_states:
             return ys

@@ -13,12 +13,74 @@ from __future__ import annotations
 import numpy as np
 
 from .backends import interpreter
-from .backends.registry import check_backend, compute_dtype, default_backend, runner
+from .backends.registry import array_support, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
+
+
+class _HostArrays:
+    """The few array operations the driver needs, on NumPy arrays (interpreter, numba)."""
+
+    convert = staticmethod(to_float64)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def cast(x, dtype):
+        return x.astype(dtype, copy=False)
+
+    @staticmethod
+    def cat(parts):
+        return np.concatenate(parts, axis=0)
+
+    @staticmethod
+    def permute(x, perm):
+        return x.transpose(perm)
+
+    @staticmethod
+    def contiguous(x):
+        return np.require(x, requirements="C")
+
+
+class _DeviceArrays:
+    """The same on torch CUDA tensors (the cuda backend)."""
+
+    @staticmethod
+    def convert(x, name):
+        from .backends.cuda.runner import to_device
+
+        return to_device(x, name)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        import torch
+
+        return torch.zeros(tuple(shape), device="cuda", dtype=torch.float64 if dtype == np.float64 else torch.float32)
+
+    @staticmethod
+    def cast(x, dtype):
+        import torch
+
+        return x.to(torch.float64 if dtype == np.float64 else torch.float32)
+
+    @staticmethod
+    def cat(parts):
+        import torch
+
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def permute(x, perm):
+        return x.permute(*perm)
+
+    @staticmethod
+    def contiguous(x):
+        return x.contiguous()
 
 
 def _as_dict(values, names: list[str], what: str) -> dict:
@@ -45,6 +107,7 @@ class Grad:
             raise ValueError("chunk must be at least 1")
         self.backward: Backward = derive_backward(program, chunk)
         self.backend = check_backend(backend)
+        self.xp = _DeviceArrays if self.backend == "cuda" else _HostArrays
         self.dtype = dtype
         self.layout = layout
         self.chunk = chunk
@@ -53,8 +116,12 @@ class Grad:
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
         fwd = self.backward.forward
         layout = layout or self.layout
-        bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name, fwd.roots)
+        xp = self.xp
+        convert, zeros = array_support(self.backend)
+        bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name, fwd.roots,
+                            convert, zeros)
         sizes, length = bound.sizes, bound.length
+        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         out_names = [n for n, _ in fwd.outputs]
         gy = _as_dict(grad_outputs, out_names, "grad_outputs")
         gh = _as_dict(grad_final_states, [s.name for s in fwd.states], "grad_final_states")
@@ -62,22 +129,21 @@ class Grad:
         for name, y in fwd.outputs:
             order = layout_of(layout, name, y.axes)
             if name in gy:
-                arr = to_float64(gy[name], f"grad_outputs[{name!r}]")
+                arr = xp.convert(gy[name], f"grad_outputs[{name!r}]")
                 want = tuple(length if a == TIME else sizes[a] for a in order)
-                if arr.shape != want:
+                if tuple(arr.shape) != want:
                     raise ValueError(f"grad_outputs[{name!r}] has shape {arr.shape}, expected {want} "
                                      f"for axes {' '.join(order)}")
-                cot[name] = arr.transpose([order.index(a) for a in (TIME, *y.axes)])
+                cot[name] = xp.permute(arr, [order.index(a) for a in (TIME, *y.axes)])
             else:
-                cot[name] = np.zeros((length, *(sizes[a] for a in y.axes)))
+                cot[name] = xp.zeros((length, *(sizes[a] for a in y.axes)), dtype)
         lam = {}
         for s in fwd.states:
             shape = tuple(sizes[a] for a in s.axes)
-            arr = to_float64(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else np.zeros(shape)
-            if arr.shape != shape:
+            arr = xp.convert(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else xp.zeros(shape, dtype)
+            if tuple(arr.shape) != shape:
                 raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
             lam[s.name] = arr
-        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         grads = self._run(bound, cot, lam, dtype)
         out = {}
         for d in fwd.inputs:
@@ -85,8 +151,8 @@ class Grad:
             if d in fwd.seqs:
                 order = layout_of(layout, d.name, d.axes)
                 canonical = (TIME, *d.axes)
-                g = g.transpose([canonical.index(a) for a in order])
-            out[d.name] = np.require(g, requirements="C")
+                g = xp.permute(g, [canonical.index(a) for a in order])
+            out[d.name] = xp.contiguous(g)
         for s in fwd.states:
             out[s.name] = grads[s.name]
         return out
@@ -94,10 +160,11 @@ class Grad:
     def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
         bw = self.backward
         fwd, sizes, length, chunk = bw.forward, bound.sizes, bound.length, self.chunk
-        seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in fwd.seqs}
-        params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in fwd.params}
-        cot = {k: v.astype(dtype, copy=False) for k, v in cot.items()}
-        lam = {k: v.astype(dtype, copy=False) for k, v in lam.items()}
+        xp = self.xp
+        seqs = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.seqs}
+        params = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.params}
+        cot = {k: xp.cast(v, dtype) for k, v in cot.items()}
+        lam = {k: xp.cast(v, dtype) for k, v in lam.items()}
         run_forward = runner(self.backend, fwd, dtype)
         run_carries = runner(self.backend, bw.carries, dtype)
         run_adjoint = runner(self.backend, bw.adjoint, dtype)
@@ -105,13 +172,13 @@ class Grad:
         if fwd.reverse:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         # forward: keep the carry at each chunk boundary only
-        saved = [{k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}]
+        saved = [{k: xp.cast(v, dtype) for k, v in bound.initial.items()}]
         for start in bounds[:-1]:
             part = {k: v[start:start + chunk] for k, v in seqs.items()}
             _, finals = run_forward(part, params, saved[-1], sizes, chunk)
             saved.append(finals)
         # backward: chunks last to first, recomputing each chunk's carries from its boundary
-        acc = {GRAD + p.name: np.zeros(params[p.name].shape, dtype=dtype) for p in fwd.params}
+        acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
         carry = {GRAD + k: v for k, v in lam.items()} | acc
         seq_grads: dict[str, list[np.ndarray]] = {d.name: [] for d in fwd.seqs}
         for start, init in zip(reversed(bounds), reversed(saved)):
@@ -124,7 +191,7 @@ class Grad:
             outs, carry = run_adjoint(adj_seqs, params, carry, sizes, n)
             for d in fwd.seqs:
                 seq_grads[d.name].append(outs[GRAD + d.name])
-        grads = {name: np.concatenate(parts[::-1], axis=0) for name, parts in seq_grads.items()}
+        grads = {name: xp.cat(parts[::-1]) for name, parts in seq_grads.items()}
         grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
         return grads

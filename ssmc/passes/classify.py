@@ -199,9 +199,18 @@ def _write_only(program: Recurrence) -> set[int]:
     return out
 
 
+def _classify_state_or_general(program: Recurrence, regions: _Regions, index: int) -> StateClass:
+    """`classify_state`, or "general linear" / "nonlinear" when a coefficient has no IR form."""
+    try:
+        return classify_state(program, regions, index)
+    except TypeError:  # SymPy gave a form `from_sympy` cannot translate: claim nothing diagonal
+        family = "general linear" if regions.affine(program.updates[index]) else "nonlinear"
+        return StateClass(program.states[index].name, family)
+
+
 def classify(program: Recurrence) -> Classification:
     regions = _Regions(program)
-    states = tuple(classify_state(program, regions, i) for i in range(len(program.states)))
+    states = tuple(_classify_state_or_general(program, regions, i) for i in range(len(program.states)))
     ranked = [s.family for s in states if s.family in FAMILIES] or ["diagonal linear"]
     family = max(ranked, key=FAMILIES.index)
     return Classification(family, program.reverse, states)

@@ -190,6 +190,12 @@ def _convert(e: sp.Basic, conv: Callable, symbols: dict) -> Node:
         for a in e.args[1:]:
             acc = Node.make(op, (acc, conv(a)))
         return acc
+    if isinstance(e, sp.ITE):  # boolean if-then-else: (c & a) | (~c & b)
+        c, a, b = (conv(x) for x in e.args)
+        not_c = Node.make(Op.NOT, (c,))
+        return Node.make(Op.OR, (Node.make(Op.AND, (c, a)), Node.make(Op.AND, (not_c, b))))
+    if e in (sp.true, sp.false):
+        return Node.make(Op.EQ, (build.ZERO, build.ZERO if e == sp.true else build.ONE))
     if isinstance(e, sp.Not):
         return Node.make(Op.NOT, (conv(e.args[0]),))
     raise TypeError(f"from_sympy: cannot translate {e!r} ({type(e).__name__})")

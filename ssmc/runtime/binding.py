@@ -60,7 +60,7 @@ def to_float64(x, name: str) -> np.ndarray:
 class Bound:
     """A checked call: arrays in canonical layout (time first, then declared axes), as given.
 
-    `dtype` is float32 when every array given is float32, float64 otherwise.
+    `dtype` is float64 when an array given is float64, float32 otherwise.
     """
 
     length: int
@@ -94,12 +94,20 @@ def check_axis_relations(roots, sizes: dict[str, int], source: dict[str, str]) -
                                      f"{list(parts)} of total size {total}")
 
 
+def _permute(arr, perm):
+    return arr.permute(*perm) if hasattr(arr, "permute") else arr.transpose(perm)
+
+
 def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, kwargs: dict,
-                layout, static: dict[str, int], what: str, roots=()) -> Bound:
+                layout, static: dict[str, int], what: str, roots=(), convert=None, zeros=None) -> Bound:
     """Match positional / keyword arrays to `decls` (inputs) and `states` (optional initial values).
 
     `roots` (the program's graph) lets the sizes be checked against the ops that relate axes.
+    `convert(x, name)` makes each argument an array (default: NumPy, `to_array`); `zeros(shape)`
+    makes the initial states not given (default: NumPy float64 zeros).
     """
+    convert = convert or to_array
+    zeros = zeros or np.zeros
     names = [d.name for d in decls]
     if len(args) > len(decls):
         raise ValueError(f"{what} takes {len(decls)} inputs {names}, got {len(args)} positional arguments")
@@ -128,7 +136,7 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
         source.setdefault(axis, repr(name))
 
     for d in (*decls, *(s for s in states if s.name in given)):
-        arr = to_array(given[d.name], d.name)
+        arr = convert(given[d.name], d.name)
         timed = d.role in (Role.SEQ,)
         order = layout_of(layout, d.name, d.axes) if timed else d.axes
         if arr.ndim != len(order):
@@ -144,7 +152,7 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
             else:
                 learn(axis, n, d.name)
         if timed:
-            arr = arr.transpose([order.index(a) for a in (TIME, *d.axes)])
+            arr = _permute(arr, [order.index(a) for a in (TIME, *d.axes)])
         arrays[d.name] = arr
     check_axis_relations(roots, sizes, source)
     if length is None:
@@ -157,8 +165,9 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
         if unknown:
             raise ValueError(f"{what}: the size of axis {unknown[0]!r} of state {s.name!r} is unknown; "
                              f"pass an initial value {s.name}=...")
-        initial[s.name] = arrays.pop(s.name) if s.name in given else np.zeros([sizes[a] for a in s.axes])
+        initial[s.name] = arrays.pop(s.name) if s.name in given else zeros([sizes[a] for a in s.axes])
     given_dtypes = [a.dtype for a in arrays.values()] + [initial[s].dtype for s in initial if s in given]
-    all32 = given_dtypes and all(d == np.float32 for d in given_dtypes)
-    dtype = np.dtype(np.float32 if all32 else np.float64)
+    # float64 as soon as one array is (or when nothing was given); else float32 (fp16 / bf16 compute in fp32)
+    any64 = not given_dtypes or any(str(d) in ("float64", "torch.float64") for d in given_dtypes)
+    dtype = np.dtype(np.float64 if any64 else np.float32)
     return Bound(length, sizes, arrays, initial, dtype)

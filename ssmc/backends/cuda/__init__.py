@@ -1,0 +1,1 @@
+"""The CUDA backend: kernels generated as CUDA C, compiled with NVRTC."""

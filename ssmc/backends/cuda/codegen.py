@@ -1,0 +1,172 @@
+"""Loop nests -> CUDA C (one thread per parallel index; sizes and strides baked in as constants).
+
+A kernel is specialised to one shape: sizes become ``constexpr`` so per-thread buffers (a state
+row of N values) are fixed-size arrays the compiler keeps in registers when loops over them are
+unrolled; strides become constants so any layout (time contiguous or not) is read in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import jinja2
+
+from ... import __version__
+from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, walk
+from ...lowering.plan import Kernel, Lowered, size_var
+
+BLOCK = 128
+UNROLL_LIMIT = 64  # loop nests of at most this many iterations are unrolled (buffers stay in registers)
+
+C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+_FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
+          "erf": "erf_", "max": "max_", "min": "min_", "pow": "pow_"}
+_OPS = {"and": "&&", "or": "||"}
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """How one global array is laid out: element type and element strides per (kernel) axis."""
+
+    dtype: str                     # float32 | float64 | float16 | bfloat16
+    strides: tuple[int, ...]
+
+
+class CPrinter:
+    def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int]):
+        self.k = k
+        self.arrays = arrays
+        self.sizes = sizes
+        self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
+
+    def index(self, e: Load) -> str:
+        spec = self.arrays[e.array]
+        terms = [f"({i}) * {s}LL" if s != 1 else f"({i})" for i, s in zip(e.index, spec.strides) if s != 0]
+        return " + ".join(terms) or "0"
+
+    def expr(self, e) -> str:
+        if isinstance(e, Num):
+            v = e.value
+            if math.isinf(v):  # by bit pattern: NVRTC without headers has no INFINITY / NAN
+                return "F(__int_as_float(0x7f800000))" if v > 0 else "F(-__int_as_float(0x7f800000))"
+            if math.isnan(v):
+                return "F(__int_as_float(0x7fc00000))"
+            return f"F({v!r})"
+        if isinstance(e, Var):
+            return e.name
+        if isinstance(e, Load):
+            if e.array in self.buffers:
+                return e.array + "".join(f"[{i}]" for i in e.index)
+            return f"F(to_f({e.array}[{self.index(e)}]))"
+        if isinstance(e, Call):
+            if e.fn == "not":
+                return f"(!{self.expr(e.args[0])})"
+            return f"{_FUNCS.get(e.fn, e.fn)}({', '.join(self.expr(a) for a in e.args)})"
+        if isinstance(e, Bin):
+            return f"({self.expr(e.a)} {_OPS.get(e.op, e.op)} {self.expr(e.b)})"
+        if isinstance(e, Select):
+            return f"(({self.expr(e.cond)}) ? ({self.expr(e.a)}) : ({self.expr(e.b)}))"
+        if isinstance(e, InRange):
+            return f"(({e.lo}) <= ({e.index}) && ({e.index}) < ({e.hi}))"
+        raise TypeError(e)
+
+    def target(self, t) -> str:
+        if isinstance(t, Var) or t.array in self.buffers:
+            return self.expr(t)
+        return f"{t.array}[{self.index(t)}]"
+
+    def stmts(self, stmts, depth: int, unrolled: int = 1) -> list[str]:
+        """C lines; `unrolled` is the trip count of the unrolled loops around these statements."""
+        pad = "    " * depth
+        out: list[str] = []
+        for s in stmts:
+            if isinstance(s, Loop):
+                extent = self.sizes.get(s.extent[2:], None) if s.extent.startswith("n_") else None
+                inner = unrolled
+                if extent is not None and unrolled * extent <= UNROLL_LIMIT:
+                    out.append(f"{pad}#pragma unroll")
+                    inner = unrolled * extent
+                else:  # a big nest stays a loop: its buffers live in local memory instead of spilling
+                    out.append(f"{pad}#pragma unroll 1")
+                out.append(f"{pad}for (int {s.var} = 0; {s.var} < {s.extent}; ++{s.var}) {{")
+                out.extend(self.stmts(s.body, depth + 1, inner))
+                out.append(f"{pad}}}")
+            elif isinstance(s, Buffer):
+                out.append(f"{pad}F {s.name}" + "".join(f"[{d}]" for d in s.shape) + ";")
+            elif isinstance(s, Assign):
+                value = self.expr(s.value)
+                target = self.target(s.target)
+                global_store = isinstance(s.target, Load) and s.target.array not in self.buffers
+                if global_store:
+                    ctype = C_TYPES[self.arrays[s.target.array].dtype]
+                    value = f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
+                if s.op == "=":
+                    out.append(f"{pad}{target} = {value};")
+                elif s.op == "+=":
+                    out.append(f"{pad}{target} += {value};")
+                else:
+                    out.append(f"{pad}{target} = max_({target}, {value});")
+            else:
+                raise TypeError(s)
+        return out
+
+    def scalars(self) -> list[str]:
+        names = []
+        for s in walk(self.k.setup + self.k.step + self.k.finish):
+            if isinstance(s, Assign) and isinstance(s.target, Var) and s.target.name not in names:
+                names.append(s.target.name)
+        return [f"F {n} = F(0);" for n in names]
+
+
+def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int]) -> dict:
+    pr = CPrinter(k, arrays, sizes)
+    params = []
+    for a in k.arrays:
+        ctype = C_TYPES[arrays[a.name].dtype]
+        const = "const " if a.role in ("seq", "param", "init") else ""
+        params.append(f"{const}{ctype}* __restrict__ {a.name}")
+    constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
+    total = " * ".join(str(sizes[a]) for a in k.parallel) or "1"
+    constants.append(f"constexpr long long total = {total};")
+    unflatten, rest = [], "p"
+    for a in reversed(k.parallel):
+        unflatten.append(f"const int p_{a} = (int)({rest} % {size_var(a)});")
+        unflatten.append(f"const long long rest_{a} = {rest} / {size_var(a)};")
+        rest = f"rest_{a}"
+    par = " ".join(k.parallel) or "-"
+    return {
+        "name": k.name,
+        "comment": f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else ""),
+        "params": params,
+        "constants": constants,
+        "unflatten": unflatten,
+        "declarations": pr.scalars(),
+        "reverse": k.reverse,
+        "setup": "\n".join(pr.stmts(k.setup, 1)),
+        "step": "\n".join(pr.stmts(k.step, 2)),
+        "finish": "\n".join(pr.stmts(k.finish, 1)),
+    }
+
+
+@cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("ssmc", "templates"), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    return env.get_template("cuda_module.cu.j2")
+
+
+@cache
+def math_header() -> str:
+    return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
+
+
+def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
+                  sizes: dict[str, int]) -> str:
+    """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays."""
+    contexts = [kernel_context(k, specs, sizes) for k, specs in kernels]
+    half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
+    return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
+                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half)

@@ -1,0 +1,59 @@
+// ssmc's scalar math for generated kernels: one overload per compute type (float, double).
+// Stable forms where the naive one overflows (sigmoid, softplus); NaN-propagating max / min
+// (as NumPy's maximum / minimum, which the interpreter uses).
+// Half types only when a kernel reads or writes them (SSMC_HALF): NVRTC without a CUDA toolkit
+// beside it has no headers, and float / double kernels need none.
+#pragma once
+#ifdef SSMC_HALF
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#endif
+
+namespace ssmc {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ double to_f(double x) { return x; }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+#ifdef SSMC_HALF
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+#endif
+
+#define SSMC_UNARY(NAME, F_EXPR, D_EXPR) \
+    __device__ __forceinline__ float NAME(float x) { return F_EXPR; } \
+    __device__ __forceinline__ double NAME(double x) { return D_EXPR; }
+
+SSMC_UNARY(neg, -x, -x)
+SSMC_UNARY(exp_, expf(x), ::exp(x))
+SSMC_UNARY(log_, logf(x), ::log(x))
+SSMC_UNARY(sqrt_, sqrtf(x), ::sqrt(x))
+SSMC_UNARY(rsqrt_, rsqrtf(x), 1.0 / ::sqrt(x))
+SSMC_UNARY(abs_, fabsf(x), ::fabs(x))
+SSMC_UNARY(tanh_, tanhf(x), ::tanh(x))
+SSMC_UNARY(erf_, erff(x), ::erf(x))
+SSMC_UNARY(relu, (x > 0.0f ? x : (x != x ? x : 0.0f)), (x > 0.0 ? x : (x != x ? x : 0.0)))
+
+__device__ __forceinline__ float sigmoid(float x) {
+    float e = expf(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+__device__ __forceinline__ double sigmoid(double x) {
+    double e = ::exp(-::fabs(x));
+    return x >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+}
+__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+__device__ __forceinline__ double softplus(double x) { return ::fmax(x, 0.0) + ::log1p(::exp(-::fabs(x))); }
+__device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
+__device__ __forceinline__ double silu(double x) { return x * sigmoid(x); }
+__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ double gelu(double x) { return 0.5 * x * (1.0 + ::erf(x * 0.70710678118654752)); }
+
+template <typename T> __device__ __forceinline__ T max_(T a, T b) { return (a != a || a >= b) ? a : b; }
+template <typename T> __device__ __forceinline__ T min_(T a, T b) { return (a != a || a <= b) ? a : b; }
+__device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double pow_(double a, double b) { return ::pow(a, b); }
+
+}  // namespace ssmc

@@ -1,0 +1,102 @@
+"""PyTorch integration: a recurrence as a differentiable function of torch tensors.
+
+    f = ssmc.torch.function(spec, layout="b t ...")          # backend: cuda on GPU tensors, else numba
+    y = f(x, gate, h=h0)                                     # h: optional initial state
+    y, h_last = ssmc.torch.function(spec, return_final_states=True)(x, gate)
+    loss(y).backward()                                       # gradients from the derived backward
+
+Backward re-runs the forward chunk by chunk from saved boundaries (`ssmc.grad`'s memory plan), so
+nothing but the inputs is kept between forward and backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .api import _program, compile
+from .grad import Grad
+from .passes.autodiff import DEFAULT_CHUNK
+
+
+def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device=like.device)
+
+
+class _Recurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: SsmcFunction, n_given: int, *tensors):
+        names = fn.names[:n_given]
+        kwargs = dict(zip(names, tensors))
+        ys, finals = fn.compiled(**kwargs, return_final_states=True)
+        ctx.fn, ctx.names = fn, names
+        ctx.save_for_backward(*tensors)
+        outs = [] if ys is None else list(ys) if isinstance(ys, tuple) else [ys]
+        finals = list(finals) if isinstance(finals, tuple) else [finals]
+        like = tensors[0]
+        return tuple(_to_torch(v, like) for v in outs + finals)
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        fn = ctx.fn
+        tensors = ctx.saved_tensors
+        kwargs = dict(zip(ctx.names, tensors))
+        n_out = len(fn.program.outputs)
+        grad_y = {name: (c if c is not None else torch.zeros_like(c)) for (name, _), c in
+                  zip(fn.program.outputs, cotangents[:n_out])}
+        grad_h = {s.name: c for s, c in zip(fn.program.states, cotangents[n_out:]) if c is not None}
+        grads = fn.grad(**kwargs, grad_outputs=grad_y, grad_final_states=grad_h)
+        like = tensors[0]
+        return (None, None, *(_to_torch(grads[n], like).to(t.dtype) for n, t in zip(ctx.names, tensors)))
+
+
+class SsmcFunction:
+    """A spec as a differentiable function of torch tensors (see the module docstring)."""
+
+    def __init__(self, spec, backend=None, layout="t ...", chunk: int = DEFAULT_CHUNK,
+                 return_final_states: bool = False):
+        self.program = _program(spec)
+        self.layout = layout
+        self.backend = backend
+        self.chunk = chunk
+        self.return_final_states = return_final_states
+        self.names = [d.name for d in self.program.inputs] + [s.name for s in self.program.states]
+        self._by_backend: dict[str, tuple] = {}
+
+    def _for(self, backend: str):
+        if backend not in self._by_backend:
+            self._by_backend[backend] = (compile(self.program, backend, layout=self.layout),
+                                         Grad(self.program, backend, self.layout, self.chunk))
+        return self._by_backend[backend]
+
+    def __call__(self, *args, **kwargs):
+        inputs = list(args) + [kwargs.pop(d.name) for d in self.program.inputs[len(args):] if d.name in kwargs]
+        if len(inputs) != len(self.program.inputs):
+            names = [d.name for d in self.program.inputs]
+            raise ValueError(f"{self.program.name} takes the inputs {names}; got {len(inputs)}")
+        states = []
+        for s in self.program.states:
+            if s.name in kwargs:
+                states.append(kwargs.pop(s.name))
+            else:
+                break  # initial states are given as a prefix, by name
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)}")
+        tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
+        backend = self.backend or ("cuda" if tensors[0].is_cuda else "numba")
+        self.compiled, self.grad = self._for(backend)
+        results = _Recurrence.apply(self, len(tensors), *tensors)
+        n_out = len(self.program.outputs)
+        ys, finals = results[:n_out], results[n_out:]
+        ys = ys[0] if len(ys) == 1 else tuple(ys)
+        if not self.return_final_states:
+            return ys
+        return ys, finals[0] if len(finals) == 1 else tuple(finals)
+
+
+def function(spec, backend=None, *, layout="t ...", chunk: int = DEFAULT_CHUNK,
+             return_final_states: bool = False) -> SsmcFunction:
+    """Wrap a recurrence spec as a differentiable torch function (module docstring)."""
+    return SsmcFunction(spec, backend, layout, chunk, return_final_states)

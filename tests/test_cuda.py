@@ -1,0 +1,152 @@
+"""The CUDA backend against the interpreter (GPU only: marked `gpu`, skipped elsewhere)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
+
+import ssmc
+
+pytestmark = pytest.mark.gpu
+
+RECURRENCES = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+def rel_err(a, b) -> float:
+    a = a.detach().double().cpu().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
+
+
+def flat(values) -> list:
+    return list(values) if isinstance(values, tuple) else [values]
+
+
+def on_gpu(inputs: dict, dtype: str) -> dict:
+    import torch
+
+    return {k: torch.tensor(v, device="cuda").to(getattr(torch, dtype)) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_forward_matches_the_interpreter(name, length, dtype):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    inputs = m.make_inputs(np.random.default_rng(length), length)
+    gpu = on_gpu(inputs, dtype)
+    got = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**gpu, return_final_states=True)
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}  # the rounded inputs, in float64
+    want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
+    for g, w in zip(flat(got[0]) + flat(got[1]), flat(want[0]) + flat(want[1])):
+        assert tuple(g.shape) == w.shape
+        assert rel_err(g, w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("length", [1000, 4097])
+@pytest.mark.parametrize("name", ["hgrn", "mamba1"])
+def test_long_sequences(name, length):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    inputs = m.make_inputs(np.random.default_rng(0), length)
+    got = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**on_gpu(inputs, "float32"), return_final_states=True)
+    want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    for g, w in zip(flat(got[0]) + flat(got[1]), flat(want[0]) + flat(want[1])):
+        assert rel_err(g, w) <= TOL["float32"]
+
+
+@pytest.mark.parametrize("layout", ["t ...", "b t ...", "... t"])
+def test_layouts_are_read_in_place(layout):
+    import torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    inputs = m.make_inputs(np.random.default_rng(1), 33)   # layout "b d t"
+    moved = {}
+    for d in m.SPEC.program.seqs:  # put each sequence into `layout` as a strided view of a "b d t" array
+        order = ssmc.runtime.binding.layout_of(layout, d.name, d.axes)
+        src = ssmc.runtime.binding.layout_of(m.LAYOUT, d.name, d.axes)
+        moved[d.name] = torch.tensor(inputs[d.name], device="cuda", dtype=torch.float32).permute(
+            *[src.index(a) for a in order])
+    others = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in inputs.items() if k not in moved}
+    got = ssmc.compile(m.SPEC, "cuda", layout=layout)(**moved, **others)
+    want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    order = ssmc.runtime.binding.layout_of(layout, "y", ("b", "d"))
+    src = ssmc.runtime.binding.layout_of(m.LAYOUT, "y", ("b", "d"))
+    assert rel_err(got, np.transpose(want, [src.index(a) for a in order])) <= TOL["float32"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_example_gradients_match_the_interpreter(name, dtype):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(2)
+    inputs = m.make_inputs(rng, 37)
+    outs = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    cot = [rng.standard_normal(o.shape) for o in flat(outs)]
+    cot = cot[0] if len(cot) == 1 else tuple(cot)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT, chunk=16)(**inputs, grad_outputs=cot)
+    import torch
+
+    gpu_cot = [torch.tensor(c, device="cuda").to(getattr(torch, dtype)) for c in flat(cot)]
+    got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT, chunk=16)(
+        **on_gpu(inputs, dtype), grad_outputs=gpu_cot[0] if len(gpu_cot) == 1 else tuple(gpu_cot))
+    for key in want:
+        assert rel_err(got[key], want[key]) <= (1e-9 if dtype == "float64" else 1e-3), key
+
+
+def test_torch_gradcheck_in_float64():
+    import torch
+
+    import ssmc.torch as st_torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    inputs = m.make_inputs(np.random.default_rng(3), 5, batch=1, dim=2, state=3)
+    f = st_torch.function(m.SPEC, "cuda", layout=m.LAYOUT)
+    names = [d.name for d in m.SPEC.program.inputs]
+    tensors = [torch.tensor(inputs[n], device="cuda", dtype=torch.float64, requires_grad=True) for n in names]
+    assert torch.autograd.gradcheck(lambda *xs: f(*xs), tensors)
+
+
+def test_bad_input_is_a_value_error_naming_the_argument():
+    import torch
+
+    m = importlib.import_module("ssmc.examples.hgrn")
+    inputs = on_gpu(m.make_inputs(np.random.default_rng(0), 5), "float32")
+    inputs["x"] = inputs["x"][:, :, :2]
+    with pytest.raises(ValueError, match=r"'x'|'f'"):
+        ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**inputs)
+    inputs = on_gpu(m.make_inputs(np.random.default_rng(0), 5), "float32")
+    inputs["x"] = inputs["x"].to(torch.complex64)
+    with pytest.raises(ValueError, match="'x'"):
+        ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**inputs)
+
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(spec=recurrences(), length=st.sampled_from([1, 7, 180, 1000]), seed=st.integers(0, 2**16))
+def test_random_recurrences_forward(spec, length, seed):
+    inputs = draw_inputs(spec, length, seed)
+    got = ssmc.compile(spec, "cuda", dtype="float64").run(**on_gpu(inputs, "float64"))
+    want = ssmc.compile(spec, "interpreter").run(**inputs)
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert rel_err(g, w) <= 1e-9
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
+def test_random_recurrence_gradients(spec, seed):
+    inputs = draw_inputs(spec, 9, seed)
+    outs, _ = ssmc.compile(spec, "interpreter").run(**inputs)
+    rng = np.random.default_rng(seed)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    want = ssmc.grad(spec, "interpreter", chunk=4)(**inputs, grad_outputs=cot)
+    got = ssmc.grad(spec, "cuda", chunk=4)(**on_gpu(inputs, "float64"), grad_outputs=on_gpu(cot, "float64"))
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-9, key
