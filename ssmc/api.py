@@ -55,14 +55,14 @@ class Compiled:
         convert, zeros = array_support(self.backend)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
                             p.roots, convert, zeros)
-        run = runner(self.backend, p, compute_dtype(self.backend, bound.dtype, self.dtype))
+        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
+        run = runner(self.backend, p, dtype)
         if self.backend == "cuda":  # kernels read any float dtype and strides in place
             first = next(iter(bound.arrays.values()), None)
             out_dtype = first.dtype if first is not None else None
             seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
             params = {d.name: bound.arrays[d.name] for d in p.params}
             return run(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype=out_dtype)
-        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.seqs}
         params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.params}
         initial = {k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}

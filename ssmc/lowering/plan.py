@@ -142,6 +142,7 @@ class StepBuilder:
             self.names.setdefault(u, f"nx_{s.name}")
         self.state_of = {u: s for s, u in zip(p.states, p.updates)}
         self.materialised = self._choose()
+        self.materialised_set = set(self.materialised)
 
     def _invariant(self) -> set[Node]:
         """Nodes that depend on params only (computed once per parallel index, before time)."""
@@ -153,7 +154,7 @@ class StepBuilder:
                     out.add(n)
             elif n.op is Op.IOTA:
                 out.add(n)  # depends on its axis index only
-            elif all(a in out for a in n.args) and not (n.op is Op.IOTA and n.arg in self.parallel):
+            elif all(a in out for a in n.args):
                 out.add(n)
         return out
 
@@ -299,13 +300,6 @@ class StepBuilder:
 
     def local_of_state(self, s: Decl) -> tuple[str, ...]:
         return tuple(a for a in s.axes if a not in self.parallel)
-
-    @property
-    def materialised_set(self) -> set[Node]:
-        cached = getattr(self, "_mset", None)
-        if cached is None:
-            cached = self._mset = set(self.materialised)
-        return cached
 
 
 def _offset(parts, i) -> str:
