@@ -526,6 +526,9 @@ def ssmc_candidates(workload: Workload) -> list:
         return {k: g[k] for k in workload.grad_keys}
 
     cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd)]
+    for nblk in (1, 8, 32, 128):  # the time-block heuristic against fixed counts (forward only)
+        cands.append(Impl(name=f"cuda-tb{nblk}", label=f"ssmc: cuda, SSMC_CUDA_TIME_BLOCKS={nblk}",
+                          fwd=_with_time_blocks(nblk, run_fwd)))
     if workload.key == "scan1":
         fwd_tm = ssmc.compile(spec, "cuda", layout="b t d")
         cands.append(Impl(
@@ -534,6 +537,16 @@ def ssmc_candidates(workload: Workload) -> list:
             fwd=lambda p: fwd_tm(**p),
             out_to_canon=lambda out, p: out.transpose(1, 2)))
     return cands
+
+
+def _with_time_blocks(nblk: int, run):
+    def fwd(prep):
+        os.environ["SSMC_CUDA_TIME_BLOCKS"] = str(nblk)
+        try:
+            return run(prep["inp"])
+        finally:
+            del os.environ["SSMC_CUDA_TIME_BLOCKS"]
+    return fwd
 
 
 def _first_order_scan():

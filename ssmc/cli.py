@@ -1,6 +1,8 @@
 """The ``ssmc`` command line.
 
     ssmc show SPEC.py[:NAME] [--stage STAGE]     print a spec's program after a compiler stage
+    ssmc inspect SPEC.py[:NAME] [--sizes b=8,d=64] [--length L] [--dtype T] [--arch sm_90]
+                                                 the CUDA kernels: launch shape, registers, spills
     ssmc check SPEC.py [SPEC.py ...]             run every spec in the files on random inputs
     ssmc demo [--backend B]                      run the bundled examples against their references
 
@@ -97,6 +99,41 @@ def load_specs(target: str, required: bool = True) -> list[tuple[str, Recurrence
 def cmd_show(args) -> int:
     specs = load_specs(args.spec)
     print("\n\n".join(pipeline.show(spec.program, args.stage) for _, spec in specs))
+    return 0
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+def parse_sizes(text: str | None) -> dict[str, int]:
+    """``"b=8,d=1536"`` -> {"b": 8, "d": 1536}."""
+    sizes = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        axis, sep, value = item.partition("=")
+        if not sep or not axis.isidentifier() or not value.isdigit() or int(value) < 1:
+            raise UsageError(f"--sizes: expected axis=N items separated by commas (N >= 1), got {item!r}")
+        sizes[axis] = int(value)
+    return sizes
+
+
+def cmd_inspect(args) -> int:
+    from .backends.cuda.report import default_sizes, format_reports, kernel_reports
+
+    given = parse_sizes(args.sizes)
+    for label, spec in load_specs(args.spec):
+        if isinstance(spec, AttentionSpec):
+            print(f"{label}: attention runs on the interpreter on every backend; no CUDA kernels yet")
+            continue
+        program = spec.program
+        unknown = sorted(set(given) - {a for d in program.decls for a in d.axes})
+        if unknown:
+            raise UsageError(f"--sizes: {label} has no axes {unknown}")
+        sizes = default_sizes(program, given)
+        shape = " ".join(f"{a}={n}" for a, n in sizes.items())
+        print(f"{label}: {shape} L={args.length} {args.dtype}, {args.arch}")
+        print(format_reports(kernel_reports(program, sizes, args.length, args.dtype, args.arch,
+                                            backward=not args.forward_only)))
     return 0
 
 
@@ -254,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--stage", default="ir", choices=list(pipeline.STAGES),
                       help="the stage whose output to print (default: ir)")
     show.set_defaults(run=cmd_show)
+
+    inspect = sub.add_parser("inspect", help="the CUDA kernels of a spec: launch shape, registers, spills "
+                                            "(no GPU needed)")
+    inspect.add_argument("spec", metavar="SPEC.py[:NAME]")
+    inspect.add_argument("--sizes", help="axis sizes, e.g. b=8,d=1536,n=16 (others: 16)")
+    inspect.add_argument("--length", type=int, default=1024, help="number of time steps (default: 1024)")
+    inspect.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    inspect.add_argument("--arch", default="sm_90", help="GPU architecture for ptxas (default: sm_90)")
+    inspect.add_argument("--forward-only", action="store_true", help="skip the gradient's kernels")
+    inspect.set_defaults(run=cmd_inspect)
 
     check = sub.add_parser("check", help="run every spec in the files on random inputs")
     check.add_argument("specs", nargs="+", metavar="SPEC.py")

@@ -5,7 +5,9 @@
     grads["x"], grads["f"], grads["h"]          # same shapes and layout as the inputs
 
 The forward saves the carry at chunk boundaries only; each chunk's carries are recomputed from its
-boundary when the backward reaches it (`autodiff.MemoryPlan`).
+boundary when the backward reaches it (`autodiff.MemoryPlan`). The chunk is `DEFAULT_CHUNK` steps
+on the CPU; on the GPU it is about L / GPU_CHUNKS steps, since every chunk costs a few kernel
+launches there (extra memory: states x (GPU_CHUNKS + L / GPU_CHUNKS) values).
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from .ir.axes import TIME
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
+
+GPU_CHUNKS = 8
+
+
+def default_chunk(backend: str, length: int) -> int:
+    """Steps per recomputed chunk when the caller gives none (module docstring)."""
+    if backend == "cuda":
+        return max(DEFAULT_CHUNK, -(-length // GPU_CHUNKS))
+    return DEFAULT_CHUNK
 
 
 class _HostArrays:
@@ -101,11 +112,11 @@ def _as_dict(values, names: list[str], what: str) -> dict:
 class Grad:
     """Gradients of a recurrence's inputs given cotangents of its outputs and final states."""
 
-    def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK,
+    def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int | None = None,
                  dtype=None):
-        if chunk < 1:
+        if chunk is not None and chunk < 1:
             raise ValueError("chunk must be at least 1")
-        self.backward: Backward = derive_backward(program, chunk)
+        self.backward: Backward = derive_backward(program, chunk or DEFAULT_CHUNK)
         self.backend = check_backend(backend)
         self.xp = _DeviceArrays if self.backend == "cuda" else _HostArrays
         self.dtype = dtype
@@ -159,7 +170,8 @@ class Grad:
 
     def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
         bw = self.backward
-        fwd, sizes, length, chunk = bw.forward, bound.sizes, bound.length, self.chunk
+        fwd, sizes, length = bw.forward, bound.sizes, bound.length
+        chunk = self.chunk or default_chunk(self.backend, length)
         xp = self.xp
         seqs = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.seqs}
         params = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.params}
@@ -226,10 +238,10 @@ class AttentionGrad:
         return grads
 
 
-def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int = DEFAULT_CHUNK, dtype=None):
+def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int | None = None, dtype=None):
     """Gradients of a spec (see the module docstring) on a backend (default: as `ssmc.compile`).
 
-    `chunk` sets a recurrence's memory plan; `dtype` as in `ssmc.compile`.
+    `chunk` sets a recurrence's memory plan (default: `default_chunk`); `dtype` as in `ssmc.compile`.
     """
     from .api import _program
 

@@ -3,9 +3,9 @@
     ir        the traced IR, one line per node
     classify  the recurrence family of each state (decides the lowering)
     backward  the derived backward: adjoint IR, its family, memory plan and C expressions
+    cuda      the generated CUDA source of the forward's kernels (at default sizes)
 
-`ssmc show --stage NAME` prints one stage; later stages (lowering, kernels) join the list as they
-are built.
+`ssmc show --stage NAME` prints one stage.
 """
 
 from __future__ import annotations
@@ -53,11 +53,20 @@ def _attention_backward(program: Attention) -> str:
     ])
 
 
+def _cuda(program) -> str:
+    if isinstance(program, Attention):
+        return "// attention runs on the interpreter on every backend: no CUDA kernels are generated yet"
+    from .backends.cuda.report import forward_source
+
+    return forward_source(program)
+
+
 # name -> (description, function from program to printable text)
 STAGES: dict[str, tuple[str, Callable[[Recurrence | Attention], str]]] = {
     "ir": ("the traced IR, one line per node", format_program),
     "classify": ("the recurrence family of each state, which decides the lowering", _classify),
     "backward": ("the derived backward: adjoint IR, family, memory plan, C expressions", _backward),
+    "cuda": ("the generated CUDA source of the forward's kernels, at default sizes", _cuda),
 }
 
 

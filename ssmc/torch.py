@@ -16,7 +16,6 @@ import torch
 
 from .api import _program, compile
 from .grad import Grad
-from .passes.autodiff import DEFAULT_CHUNK
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -55,7 +54,7 @@ class _Recurrence(torch.autograd.Function):
 class SsmcFunction:
     """A spec as a differentiable function of torch tensors (see the module docstring)."""
 
-    def __init__(self, spec, backend=None, layout="t ...", chunk: int = DEFAULT_CHUNK,
+    def __init__(self, spec, backend=None, layout="t ...", chunk: int | None = None,
                  return_final_states: bool = False):
         self.program = _program(spec)
         self.layout = layout
@@ -96,7 +95,7 @@ class SsmcFunction:
         return ys, finals[0] if len(finals) == 1 else tuple(finals)
 
 
-def function(spec, backend=None, *, layout="t ...", chunk: int = DEFAULT_CHUNK,
+def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,
              return_final_states: bool = False) -> SsmcFunction:
     """Wrap a recurrence spec as a differentiable torch function (module docstring)."""
     return SsmcFunction(spec, backend, layout, chunk, return_final_states)

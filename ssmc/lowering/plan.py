@@ -88,6 +88,7 @@ class Kernel:
     program: Recurrence
     parallel: tuple[str, ...]
     time_blocks: bool = False         # also parallel over blocks of time (states are sums over time)
+    blocked_init: bool = False        # with time_blocks: each block starts from its own carry init[blk]
     store_prev: tuple[str, ...] = ()  # states written out before each step ("prev_<name>")
     arrays: list[Array] = field(default_factory=list)
     setup: list = field(default_factory=list)
@@ -310,9 +311,13 @@ def _offset(parts, i) -> str:
 
 
 def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time_blocks: bool = False,
-                 store_prev: tuple[str, ...] = ()) -> Kernel:
-    """A scan kernel for `program` (module docstring), its loop nests filled in."""
-    k = Kernel(name, program, parallel, time_blocks, store_prev)
+                 store_prev: tuple[str, ...] = (), blocked_init: bool = False) -> Kernel:
+    """A scan kernel for `program` (module docstring), its loop nests filled in.
+
+    With `time_blocks` the kernel is also parallel over blocks of time; each block starts from
+    zero (sums over time), or from its own carry ``init_<state>[blk]`` when `blocked_init`.
+    """
+    k = Kernel(name, program, parallel, time_blocks, store_prev, blocked_init)
     b = StepBuilder(k)
     axes_used = set()
     for n in b.nodes:
@@ -325,7 +330,8 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
     k.sizes = tuple(sorted(axes_used))
     k.arrays = [Array(d.name, "seq", ("t", *d.axes)) for d in program.seqs]
     k.arrays += [Array(d.name, "param", d.axes) for d in program.params]
-    k.arrays += [Array(f"init_{s.name}", "init", s.axes) for s in program.states]
+    k.arrays += [Array(f"init_{s.name}", "init", (("block",) if blocked_init else ()) + s.axes)
+                 for s in program.states]
     k.arrays += [Array(f"final_{s.name}", "final", (("block",) if time_blocks else ()) + s.axes)
                  for s in program.states]
     k.arrays += [Array(f"out_{n}", "out", ("t", *y.axes)) for n, y in program.outputs]
@@ -342,7 +348,12 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
         env = b.env_for(s.axes)
         local = b.local_of_state(s)
         target = Load(f"st_{s.name}", tuple(env[a] for a in local)) if local else Var(f"st_{s.name}")
-        value = Num(0.0) if time_blocks else Load(f"init_{s.name}", tuple(env[a] for a in s.axes) or ("0",))
+        if blocked_init:
+            value = Load(f"init_{s.name}", ("blk", *(env[a] for a in s.axes)))
+        elif time_blocks:
+            value = Num(0.0)
+        else:
+            value = Load(f"init_{s.name}", tuple(env[a] for a in s.axes) or ("0",))
         setup += b.nest(s.axes, [Assign(target, value)])
     step: list = []
     for n in b.materialised:
@@ -384,8 +395,14 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
     return k
 
 
-def lower(program: Recurrence) -> Lowered:
-    """Choose the strategy for `program` and build its kernels (module docstring)."""
+def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
+    """Choose the strategy for `program` and build its kernels (module docstring).
+
+    `map_reduce` splits a split program's epilogue into one kernel per output and per accumulator,
+    each parallel over that root's own independent axes (and blocks of time), instead of one kernel
+    that computes a whole step per block: what a GPU needs, where a step's buffers are too big for
+    one thread.
+    """
     parallel = independent_axes(program)
     if parallel or not program.states:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
@@ -394,21 +411,22 @@ def lower(program: Recurrence) -> Lowered:
     core_states = tuple(s.name for s in program.states if s.name not in acc)
     kernels = []
     if core_states:
-        core = _subprogram(program, core_states, with_outputs=False, name=f"{program.name}_core")
+        core = _subprogram(program, f"{program.name}_core", core_states, ())
         kernels.append(build_kernel(core.name, core, independent_axes(core), store_prev=core_states))
     epilogue = _epilogue(program, core_states, acc, classes)
-    kernels.append(build_kernel(epilogue.name, epilogue, (), time_blocks=True))
+    parts = _per_root(epilogue) if map_reduce else [epilogue]
+    kernels += [build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True) for e in parts]
     return Lowered(program, "split", kernels, core_states, acc)
 
 
-def _subprogram(program: Recurrence, states: tuple[str, ...], with_outputs: bool, name: str) -> Recurrence:
-    keep = [i for i, s in enumerate(program.states) if s.name in states]
-    updates = tuple(program.updates[i] for i in keep)
-    used = {n.arg for n in toposort(updates) if n.op is Op.INPUT}
+def _subprogram(program: Recurrence, name: str, states: tuple[str, ...], outputs) -> Recurrence:
+    """`program` restricted to some of its states and outputs (and the inputs those read)."""
+    updates = tuple(u for s, u in zip(program.states, program.updates) if s.name in states)
+    used = {n.arg for n in toposort(list(updates) + [y for _, y in outputs]) if n.op is Op.INPUT}
     decls = tuple(d for d in program.decls
                   if (d.role is Role.STATE and d.name in states) or (d.role is not Role.STATE and d.name in used))
-    return Recurrence(name=name, decls=decls, updates=updates, outputs=program.outputs if with_outputs else (),
-                      sizes=program.sizes, reverse=program.reverse, loc=program.loc)
+    return Recurrence(name=name, decls=decls, updates=updates, outputs=tuple(outputs), sizes=program.sizes,
+                      reverse=program.reverse, loc=program.loc)
 
 
 def _epilogue(program: Recurrence, core_states, acc, classes) -> Recurrence:
@@ -427,3 +445,10 @@ def _epilogue(program: Recurrence, core_states, acc, classes) -> Recurrence:
             decls.append(d)
     return Recurrence(name=f"{program.name}_epilogue", decls=tuple(decls), updates=updates,
                       outputs=program.outputs, sizes=program.sizes, reverse=program.reverse, loc=program.loc)
+
+
+def _per_root(epilogue: Recurrence) -> list[Recurrence]:
+    """The epilogue as one program per accumulator and per output (each reads only what it uses)."""
+    parts = [_subprogram(epilogue, f"{epilogue.name}_{s.name}", (s.name,), ()) for s in epilogue.states]
+    parts += [_subprogram(epilogue, f"{epilogue.name}_{name}", (), ((name, y),)) for name, y in epilogue.outputs]
+    return parts

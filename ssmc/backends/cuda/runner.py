@@ -10,10 +10,12 @@ interpreter's contract: time-first arrays (any strides; nothing is copied), name
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...lowering.plan import Kernel, Lowered, lower
+from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
 from .codegen import BLOCK, ArraySpec, module_source
@@ -62,14 +64,56 @@ def _as_1d(t):
     return t.reshape(1) if t.dim() == 0 else t
 
 
+# Time-parallel scans (lowering/time_blocks.py) are used when the independent recurrences give fewer
+# than FILL_THREADS threads (about one full wave of an H100 / H200: 132 SMs x 2048), splitting time
+# into as many blocks as make up the difference, each at least MIN_BLOCK_STEPS long.
+FILL_THREADS = 1 << 18
+MIN_BLOCK_STEPS = 32
+
+
+def time_block_count(total: int, length: int) -> int:
+    """How many blocks of time a scan over `total` independent recurrences runs in (1: sequential).
+
+    `SSMC_CUDA_TIME_BLOCKS` overrides it (a count; 1 or 0 turns time-parallel scans off).
+    """
+    forced = os.environ.get("SSMC_CUDA_TIME_BLOCKS")
+    if forced:
+        return max(1, min(int(forced), length))
+    if total >= FILL_THREADS:
+        return 1
+    return max(1, min(-(-FILL_THREADS // max(total, 1)), length // MIN_BLOCK_STEPS))
+
+
+def accumulator_blocks(total: int, length: int) -> int:
+    """Blocks of time for an epilogue kernel summing over time (partial sums added afterwards)."""
+    return max(1, min(length, -(-FILL_THREADS // max(total, 1))))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all."""
+
+    kernel: Kernel
+    length: int
+    nblk: int
+    threads: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(blocks, threads per block)."""
+        return max(1, -(-self.threads // BLOCK)), BLOCK
+
+
 class CudaRunner:
     """A lowered program whose kernels are built per shape (sizes, strides, dtypes) and cached."""
 
     def __init__(self, program, compute: str = "float32"):
         self.program = program
         self.compute = compute                          # float32 | float64
-        self.lowered: Lowered = lower(program)
+        self.lowered: Lowered = lower(program, map_reduce=True)
+        self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
         self.modules: dict[str, object] = {}
+        self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
@@ -87,6 +131,38 @@ class CudaRunner:
                 module.compile()
             self.modules[source] = module
         return module.get_function(name)
+
+    # -- planning ----------------------------------------------------------------------------
+    def _threads(self, k: Kernel, sizes: dict[str, int]) -> int:
+        return int(np.prod([sizes[a] for a in k.parallel], dtype=np.int64))
+
+    def strategy(self, sizes: dict[str, int], length: int) -> str:
+        """The strategy a run of these sizes takes: "time blocks" or the lowering's "fused" / "split"."""
+        tb = self.time_blocks
+        if tb is not None and time_block_count(self._threads(tb.summary, sizes), length) > 1:
+            return "time blocks"
+        return self.lowered.strategy
+
+    def launches(self, sizes: dict[str, int], length: int) -> list[Launch]:
+        """The launches `run` makes for these sizes, in order (what `ssmc inspect` reports)."""
+        strategy = self.strategy(sizes, length)
+        if strategy == "time blocks":
+            tb = self.time_blocks
+            nblk = time_block_count(self._threads(tb.summary, sizes), length)
+            total = self._threads(tb.summary, sizes)
+            return [Launch(tb.summary, length, nblk, total * nblk), Launch(tb.combine, nblk, 1, total),
+                    Launch(tb.rescan, length, nblk, total * nblk)]
+        out = []
+        for k in self.lowered.kernels:
+            total = self._threads(k, sizes)
+            if not k.time_blocks:
+                nblk = 1
+            elif k.program.states:
+                nblk = accumulator_blocks(total, length)
+            else:  # an output of the epilogue: one step per block of time
+                nblk = max(1, length)
+            out.append(Launch(k, length, nblk, total * nblk))
+        return out
 
     # -- running -----------------------------------------------------------------------------
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
@@ -107,19 +183,24 @@ class CudaRunner:
                 t = _as_1d(made[a.name])
             tensors.append((a, t))
         specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in tensors}
-        source = self.source_for(k, specs, sizes)
-        fn = self._function(source, k.name)
-        total = int(np.prod([sizes[a] for a in k.parallel], dtype=np.int64)) * nblk
-        grid = (max(1, (total + BLOCK - 1) // BLOCK),)
+        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())))
+        fn = self.functions.get(key)
+        if fn is None:  # rendering the source costs more than a launch: once per shape
+            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes), k.name)
+        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * nblk).grid
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t in tensors))
-        fn(grid, (BLOCK,), args, stream=stream)
+        fn((blocks,), (threads,), args, stream=stream)
         return made
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch CUDA tensors in and out)."""
 
         low, p = self.lowered, self.program
+        plan = self.launches(sizes, length)
+        if self.strategy(sizes, length) == "time blocks":
+            return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
+                                   initial, sizes, length, plan[0].nblk)
         if low.strategy == "fused":
             (k,) = low.kernels
             made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
@@ -128,23 +209,37 @@ class CudaRunner:
             finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
             return outs, finals
         finals, prev = {}, {}
-        kernels = list(low.kernels)
         if low.core_states:
-            core = kernels.pop(0)
+            core = plan.pop(0).kernel
             made = self._launch(core, {**seqs, **params, **{f"init_{s}": initial[s] for s in low.core_states}},
                                 sizes, length)
             for s in low.core_states:
                 prev[s] = made[f"prev_{s}"]
                 finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
-        (epi,) = kernels
-        nblk = max(1, length)  # one thread per step (and per accumulator block of one step)
+        # the epilogue, one kernel per root (map/reduce): outputs one step per block of time, accumulators
+        # in as many blocks as fill the GPU, their partial sums added afterwards
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
-        made = self._launch(epi, inputs, sizes, length, nblk, out_dtype=out_dtype)
-        for s in low.accumulators:
-            shape = [sizes[a] for a in p.decl(s).axes]
-            finals[s] = initial[s].to(made[f"final_{s}"].dtype) + made[f"final_{s}"].reshape([nblk, *shape]).sum(0)
-        outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
-        return outs, {s.name: finals[s.name] for s in p.states}
+        outs = {}
+        for launch in plan:
+            epi, nblk = launch.kernel, launch.nblk
+            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype=out_dtype)
+            for s in epi.program.states:
+                shape = [sizes[a] for a in s.axes]
+                part = made[f"final_{s.name}"].reshape([nblk, *shape]).sum(0)
+                finals[s.name] = initial[s.name].to(part.dtype) + part
+            outs.update({n: made[f"out_{n}"] for n, _ in epi.program.outputs})
+        return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
+
+    def _launcher(self, sizes, out_dtype):
+        def launch(k: Kernel, arrays: dict, length: int, nblk: int) -> dict:
+            return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
+        return launch
+
+
+def _full(shape, value: float):
+    import torch
+
+    return torch.full((1,) * len(shape), value, device="cuda", dtype=torch.float32).expand(*shape)
 
 
 _RUNNERS: dict[tuple, CudaRunner] = {}

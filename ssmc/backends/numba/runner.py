@@ -31,10 +31,10 @@ def _flat(arr: np.ndarray) -> np.ndarray:
 
 
 class NumbaRunner:
-    def __init__(self, program, dtype: str = "float64"):
+    def __init__(self, program, dtype: str = "float64", lowered: Lowered | None = None):
         self.program = program
         self.dtype = np.dtype(dtype)
-        self.lowered: Lowered = lower(program)
+        self.lowered: Lowered = lowered or lower(program)
         self.source = module_source(self.lowered, self.dtype.name)
         self.path = store("numba", self.source, ".py")
         self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
@@ -82,14 +82,16 @@ class NumbaRunner:
             for s in low.core_states:
                 prev[s] = made[f"prev_{s}"]
                 finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
-        (epi,) = kernels
-        nblk = max(1, min(length, 4 * _threads()))
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
-        made = self._call(epi, inputs, sizes, length, nblk)
-        for s in low.accumulators:
-            shape = [sizes[a] for a in p.decl(s).axes]
-            finals[s] = initial[s] + made[f"final_{s}"].reshape([nblk, *shape]).sum(axis=0)
-        outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
+        outs = {}
+        for epi in kernels:  # one epilogue, or one per root (`lower(map_reduce=True)`)
+            nblk = max(1, min(length, 4 * _threads()))
+            made = self._call(epi, inputs, sizes, length, nblk)
+            for s in epi.program.states:
+                shape = [sizes[a] for a in s.axes]
+                finals[s.name] = initial[s.name] + made[f"final_{s.name}"].reshape([nblk, *shape]).sum(axis=0)
+            outs.update({n: made[f"out_{n}"] for n, _ in epi.program.outputs})
+        outs = {n: outs[n] for n, _ in p.outputs}
         return outs, {s.name: finals[s.name] for s in p.states}
 
 

@@ -1,0 +1,118 @@
+"""What the CUDA backend generates for a program at given sizes: kernels, launches, ptxas resources.
+
+Used by ``ssmc inspect`` and ``ssmc show --stage cuda``; needs no GPU. Every kernel the forward and
+the gradient (`ssmc.grad`'s recompute and adjoint programs) launch is rendered with contiguous
+arrays (the layout "t ...") in the given input dtype, written to the source cache, and compiled by
+NVRTC for `arch` when `nvrtc.available()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...grad import default_chunk
+from ...passes.autodiff import derive_backward
+from ...runtime.cache import store
+from ...runtime.random_inputs import axis_sizes
+from . import nvrtc
+from .codegen import ArraySpec
+from .runner import CudaRunner, Launch
+
+
+@dataclass
+class KernelReport:
+    """One generated kernel: where it comes from, how it is launched, what ptxas said."""
+
+    program: str              # forward | recompute | adjoint
+    strategy: str             # fused | split | time blocks
+    launch: Launch
+    source: str
+    path: str                 # the source file in the cache
+    resources: nvrtc.KernelResources | None = None
+    error: str = ""           # why `resources` is missing
+
+    @property
+    def name(self) -> str:
+        return self.launch.kernel.name
+
+
+DEFAULT_SIZE = 16
+DEFAULT_LENGTH = 1024
+
+
+def default_sizes(program, given: dict[str, int] | None = None) -> dict[str, int]:
+    """Every axis `DEFAULT_SIZE` unless `given` or declared static (renamed axes share a size)."""
+    return axis_sizes(program, np.random.default_rng(0), DEFAULT_SIZE, DEFAULT_SIZE, given)
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str) -> dict[str, ArraySpec]:
+    specs = {}
+    for a in launch.kernel.arrays:
+        shape = [launch.length if ax == "t" else launch.nblk if ax == "block" else sizes[ax] for ax in a.axes]
+        io = a.role in ("seq", "param", "init", "out")
+        specs[a.name] = ArraySpec(dtype if io else compute, _contiguous(shape or [1]))
+    return specs
+
+
+def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "float32", arch: str = "sm_90",
+                   backward: bool = True, compile_kernels: bool = True) -> list[KernelReport]:
+    """Reports for the kernels of `program`'s forward (and gradient) at `sizes` and `length` steps."""
+    compute = "float64" if dtype == "float64" else "float32"
+    programs = [("forward", program, length)]
+    if backward:
+        bw = derive_backward(program)
+        chunk = min(length, default_chunk("cuda", length))
+        programs += [("recompute", bw.carries, chunk), ("adjoint", bw.adjoint, chunk)]
+    reports = []
+    for role, prog, steps in programs:
+        runner = CudaRunner(prog, compute)
+        strategy = runner.strategy(sizes, steps)
+        for launch in runner.launches(sizes, steps):
+            source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes)
+            report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
+            if compile_kernels and nvrtc.available():
+                try:
+                    built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
+                    report.resources = built.resources[launch.kernel.name]
+                except nvrtc.NvrtcError as err:
+                    report.error = str(err).splitlines()[0]
+            elif compile_kernels:
+                report.error = nvrtc.unavailable_reason()
+            reports.append(report)
+    return reports
+
+
+def format_reports(reports: list[KernelReport]) -> str:
+    """A table: one row per kernel, then the source paths."""
+    rows = [["program", "strategy", "kernel", "grid x block", "time blocks", "regs", "smem B", "spills B"]]
+    for r in reports:
+        blocks, threads = r.launch.grid
+        res = r.resources
+        usage = ([str(res.registers), str(res.shared_bytes), str(res.spill_store_bytes + res.spill_load_bytes)]
+                 if res else ["-", "-", "-"])
+        rows.append([r.program, r.strategy, r.name, f"{blocks} x {threads}", str(r.launch.nblk), *usage])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"{r.name}: {r.path}" for r in reports]
+    errors = sorted({r.error for r in reports if r.error})
+    lines += [f"note: {e}" for e in errors]
+    return "\n".join(lines)
+
+
+def forward_source(program, sizes: dict[str, int] | None = None, length: int = DEFAULT_LENGTH) -> str:
+    """The CUDA source of the forward's kernels at `sizes` (default: `default_sizes`), for reading."""
+    sizes = sizes or default_sizes(program)
+    reports = kernel_reports(program, sizes, length, backward=False, compile_kernels=False)
+    shape = " ".join(f"{a}={n}" for a, n in sizes.items())
+    head = f"// {program.name} at {shape} L={length}, float32 (`ssmc inspect --sizes` for others)"
+    return "\n\n".join([head] + [f"// ---- {r.name} ({r.path})\n{r.source}" for r in reports])

@@ -1,0 +1,116 @@
+"""Time-parallel lowering of diagonal-linear programs: summarise blocks of time, combine, rescan.
+
+When every state is updated as ``h_t = a_t ⊙ h_{t-1} + b_t`` with `a`, `b` free of the carry
+(classification's diagonal- and matrix-linear families), the time axis splits into `nblk` blocks
+that run in parallel, as three plain loops:
+
+    # 1. summary: each block run from h = 0, with the product of its coefficients
+    for k in parallel(nblk):  P[k], H[k] = 1, 0;  for t in block k: P = a_t P;  H = a_t H + b_t
+    # 2. combine: the carry into each block (a recurrence of nblk steps)
+    c = h0;  for k in range(nblk): carry_in[k] = c;  c = P[k] c + H[k]          # c: final state
+    # 3. rescan: the program itself, each block from its own carry (outputs written)
+    for k in parallel(nblk):  h = carry_in[k];  for t in block k: step(h, t)
+
+(for reverse programs blocks and steps run from the end). Each phase is an ordinary `Kernel`
+from `build_kernel`, so it prints for every backend; the CUDA backend uses it when the
+independent recurrences alone are too few to fill the GPU (a long scan over few channels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import build
+from ..ir.node import Node, toposort
+from ..ir.ops import Op
+from ..ir.program import Decl, Recurrence, Role
+from ..passes.classify import classify
+from .plan import Kernel, build_kernel, independent_axes
+
+_LINEAR = ("diagonal linear", "matrix linear")
+
+
+def product_name(state: str) -> str:
+    return f"blockprod_{state}"
+
+
+def partial_name(state: str) -> str:
+    return f"blockpart_{state}"
+
+
+@dataclass
+class TimeBlocks:
+    """The three kernels of the time-parallel scan (module docstring), for one program."""
+
+    program: Recurrence
+    summary: Kernel      # init: product 1 / partial 0 per block; finals: [nblk, ...] summaries
+    combine: Kernel      # sequences: the summaries; prev_<state>: the carry into each block
+    rescan: Kernel       # init_<state>[blk]: the carry into block blk; writes the outputs
+
+
+def time_blocks(program: Recurrence) -> TimeBlocks | None:
+    """The time-parallel kernels for `program`, or None where it does not apply."""
+    parallel = independent_axes(program)
+    if not program.states or (not parallel and program.states[0].axes):
+        return None
+    states = {s.name for s in program.states}
+    classes = classify(program).states
+    for c in classes:
+        if c.family not in _LINEAR or c.a is None or c.b is None:
+            return None
+        if any(n.op is Op.INPUT and n.arg in states for n in toposort([c.a, c.b])):
+            return None
+    decls: list[Decl] = []
+    updates: list[Node] = []
+    for s, c in zip(program.states, classes):
+        prod = Node.make(Op.INPUT, (), product_name(s.name), s.axes)
+        part = Node.make(Op.INPUT, (), partial_name(s.name), s.axes)
+        decls += [Decl(prod.arg, Role.STATE, s.axes, s.loc), Decl(part.arg, Role.STATE, s.axes, s.loc)]
+        updates += [build.expand(build.mul(c.a, prod), s.axes),
+                    build.expand(build.add(build.mul(c.a, part), c.b), s.axes)]
+    used = {n.arg for n in toposort(updates) if n.op is Op.INPUT}
+    inputs = tuple(d for d in program.decls if d.role is not Role.STATE and d.name in used)
+    summary = Recurrence(f"{program.name}_summary", inputs + tuple(decls), tuple(updates), (), program.sizes,
+                         program.reverse, program.loc)
+
+    decls, updates = [], []
+    for s in program.states:
+        carry = Node.make(Op.INPUT, (), s.name, s.axes)
+        prod = Node.make(Op.INPUT, (), product_name(s.name), s.axes)
+        part = Node.make(Op.INPUT, (), partial_name(s.name), s.axes)
+        decls += [Decl(prod.arg, Role.SEQ, s.axes, s.loc), Decl(part.arg, Role.SEQ, s.axes, s.loc)]
+        updates.append(build.add(build.mul(prod, carry), part))
+    combine = Recurrence(f"{program.name}_combine", tuple(decls) + program.states, tuple(updates), (),
+                         program.sizes, program.reverse, program.loc)
+    names = tuple(s.name for s in program.states)
+    return TimeBlocks(
+        program,
+        summary=build_kernel(summary.name, summary, parallel, time_blocks=True, blocked_init=True),
+        combine=build_kernel(combine.name, combine, parallel, store_prev=names),
+        rescan=build_kernel(f"{program.name}_rescan", program, parallel, time_blocks=True, blocked_init=True),
+    )
+
+
+def run_time_blocks(tb: TimeBlocks, launch, full, seqs, params, initial, sizes, length: int, nblk: int):
+    """Runs the three phases; same contract as `interpreter.run_recurrence`.
+
+    `launch(kernel, arrays, length, nblk) -> {name: array}` runs one kernel (the backend's), and
+    `full(shape, value)` makes a filled array (a broadcast view is enough: it is only read).
+    """
+    p = tb.program
+    init = {}
+    for s in p.states:
+        shape = (nblk, *(sizes[a] for a in s.axes))
+        init[f"init_{product_name(s.name)}"] = full(shape, 1.0)
+        init[f"init_{partial_name(s.name)}"] = full(shape, 0.0)
+    made = launch(tb.summary, {**seqs, **params, **init}, length, nblk)
+    summaries = {}
+    for s in p.states:
+        for name in (product_name(s.name), partial_name(s.name)):
+            summaries[name] = made[f"final_{name}"]
+    carries = launch(tb.combine, {**summaries, **{f"init_{s}": v for s, v in initial.items()}}, nblk, 1)
+    made = launch(tb.rescan, {**seqs, **params, **{f"init_{s.name}": carries[f"prev_{s.name}"] for s in p.states}},
+                  length, nblk)
+    outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
+    finals = {s.name: carries[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
+    return outs, finals

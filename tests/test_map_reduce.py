@@ -1,0 +1,75 @@
+"""The map/reduce epilogue (`lower(program, map_reduce=True)`: one kernel per output and per
+accumulator, the CUDA backend's) against the interpreter, run through Numba on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, draw_inputs
+
+import ssmc
+from ssmc.backends.numba.runner import NumbaRunner
+from ssmc.lowering.plan import lower
+from ssmc.passes.autodiff import derive_backward
+from ssmc.runtime.binding import bind_arrays
+from ssmc.runtime.random_inputs import random_recurrence_inputs
+
+TOL = 1e-10  # float64, relative to the largest magnitude of the reference
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if a.size else 0.0
+
+
+def check(program, kwargs, layout="t ..."):
+    low = lower(program, map_reduce=True)
+    assert low.strategy == "split"
+    bound = bind_arrays(program.inputs, program.states, (), kwargs, layout, program.static_sizes, program.name,
+                        program.roots)
+    seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
+    params = {d.name: bound.arrays[d.name] for d in program.params}
+    got_y, got_h = NumbaRunner(program, "float64", low).run(seqs, params, bound.initial, bound.sizes, bound.length)
+    want_y, want_h = ssmc.compile(program, "interpreter", layout=layout).run(**kwargs)
+    for name in want_y:
+        assert rel_err(got_y[name], want_y[name]) <= TOL, name
+    for name in want_h:
+        assert rel_err(got_h[name], want_h[name]) <= TOL, name
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("name", ["mamba1", "lstm", "gru"])
+def test_example_adjoints(name, length):
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    adjoint = derive_backward(m.SPEC.program).adjoint
+    low = lower(adjoint, map_reduce=True)
+    # one kernel per output and per accumulator after the core
+    assert len(low.kernels) == bool(low.core_states) + len(low.accumulators) + len(adjoint.outputs)
+    check(adjoint, random_recurrence_inputs(adjoint, length, np.random.default_rng(length)))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=diagonal_linear_recurrences(), length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16))
+def test_random_gradients_through_the_map_reduce_epilogue(spec, length, seed):
+    """Whole gradients of random specs with the numba runner lowered map/reduce, vs the interpreter."""
+    from ssmc.backends.numba import runner as numba_runner
+
+    inputs = draw_inputs(spec, length, seed)
+    outs, _ = ssmc.compile(spec, "interpreter").run(**inputs)
+    rng = np.random.default_rng(seed)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    want = ssmc.grad(spec, "interpreter", chunk=64)(**inputs, grad_outputs=cot)
+    saved = dict(numba_runner._RUNNERS)
+    try:
+        program = derive_backward(spec.program, 64).adjoint
+        numba_runner._RUNNERS[(program, "float64")] = NumbaRunner(program, "float64", lower(program, map_reduce=True))
+        got = ssmc.grad(spec, "numba", chunk=64)(**inputs, grad_outputs=cot)
+    finally:
+        numba_runner._RUNNERS.clear()
+        numba_runner._RUNNERS.update(saved)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-9, key
