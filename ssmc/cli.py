@@ -133,7 +133,8 @@ def cmd_inspect(args) -> int:
         shape = " ".join(f"{a}={n}" for a, n in sizes.items())
         print(f"{label}: {shape} L={args.length} {args.dtype}, {args.arch}")
         print(format_reports(kernel_reports(program, sizes, args.length, args.dtype, args.arch,
-                                            backward=not args.forward_only)))
+                                            backward=not args.forward_only,
+                                            time_contiguous=args.time_contiguous)))
     return 0
 
 
@@ -300,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     inspect.add_argument("--arch", default="sm_90", help="GPU architecture for ptxas (default: sm_90)")
     inspect.add_argument("--forward-only", action="store_true", help="skip the gradient's kernels")
+    inspect.add_argument("--time-contiguous", action="store_true",
+                         help="sequences with time as their contiguous axis (layouts like \"b d t\")")
     inspect.set_defaults(run=cmd_inspect)
 
     check = sub.add_parser("check", help="run every spec in the files on random inputs")

@@ -126,7 +126,7 @@ class Lowered:
 class StepBuilder:
     """Loop nests for one kernel: which values are materialised, and the code computing each."""
 
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, prefix: str = ""):
         self.k = kernel
         p = kernel.program
         self.parallel = set(kernel.parallel)
@@ -140,7 +140,8 @@ class StepBuilder:
         self.invariant = self._invariant()
         self.names: dict[Node, str] = {}
         for s, u in zip(p.states, p.updates):
-            self.names.setdefault(u, f"nx_{s.name}")
+            self.names.setdefault(u, f"{prefix}nx_{s.name}")
+        self.prefix = prefix
         self.state_of = {u: s for s, u in zip(p.states, p.updates)}
         self.materialised = self._choose()
         self.materialised_set = set(self.materialised)
@@ -177,7 +178,7 @@ class StepBuilder:
             if keep:
                 chosen.append(n)
         for i, n in enumerate(chosen):
-            self.names.setdefault(n, f"m{i}")
+            self.names.setdefault(n, f"{self.prefix}m{i}")
         return chosen
 
     def _loop_axes(self, node: Node) -> tuple[str, ...]:
@@ -311,14 +312,17 @@ def _offset(parts, i) -> str:
 
 
 def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time_blocks: bool = False,
-                 store_prev: tuple[str, ...] = (), blocked_init: bool = False) -> Kernel:
+                 store_prev: tuple[str, ...] = (), blocked_init: bool = False, prefix: str = "",
+                 load_init: bool = True) -> Kernel:
     """A scan kernel for `program` (module docstring), its loop nests filled in.
 
     With `time_blocks` the kernel is also parallel over blocks of time; each block starts from
     zero (sums over time), or from its own carry ``init_<state>[blk]`` when `blocked_init`.
+    `prefix` starts the names of its scratch values (two kernels' steps can then share one body);
+    without `load_init` the setup leaves the carry unset (whoever splices the step sets it).
     """
     k = Kernel(name, program, parallel, time_blocks, store_prev, blocked_init)
-    b = StepBuilder(k)
+    b = StepBuilder(k, prefix)
     axes_used = set()
     for n in b.nodes:
         axes_used.update(n.axes)
@@ -344,7 +348,7 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
         if local:
             setup.append(Buffer(f"st_{s.name}", tuple(size_var(a) for a in local)))
     setup += b.buffers()
-    for s in program.states:
+    for s in program.states if load_init else ():
         env = b.env_for(s.axes)
         local = b.local_of_state(s)
         target = Load(f"st_{s.name}", tuple(env[a] for a in local)) if local else Var(f"st_{s.name}")

@@ -14,6 +14,11 @@ that run in parallel, as three plain loops:
 (for reverse programs blocks and steps run from the end). Each phase is an ordinary `Kernel`
 from `build_kernel`, so it prints for every backend; the CUDA backend uses it when the
 independent recurrences alone are too few to fill the GPU (a long scan over few channels).
+
+The same summary and rescan steps also make one *warp* kernel (`lane_summary`, `lane_rescan`):
+a warp per recurrence, its 32 lanes taking consecutive blocks of K steps, the combine done by a
+scan of the (product, partial) pairs across lanes (`__shfl_up_sync`), round after round of 32 K
+steps. Lanes then read neighbouring steps: what a layout with time contiguous needs.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class TimeBlocks:
     summary: Kernel      # init: product 1 / partial 0 per block; finals: [nblk, ...] summaries
     combine: Kernel      # sequences: the summaries; prev_<state>: the carry into each block
     rescan: Kernel       # init_<state>[blk]: the carry into block blk; writes the outputs
+    lane_summary: Kernel  # the summary's step for the warp kernel (no carry loaded; names "s_...")
+    lane_rescan: Kernel   # the program's step for the warp kernel (one carry per recurrence)
 
 
 def time_blocks(program: Recurrence) -> TimeBlocks | None:
@@ -88,6 +95,8 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
         summary=build_kernel(summary.name, summary, parallel, time_blocks=True, blocked_init=True),
         combine=build_kernel(combine.name, combine, parallel, store_prev=names),
         rescan=build_kernel(f"{program.name}_rescan", program, parallel, time_blocks=True, blocked_init=True),
+        lane_summary=build_kernel(summary.name, summary, parallel, prefix="s_", load_init=False),
+        lane_rescan=build_kernel(f"{program.name}_warp", program, parallel),
     )
 
 

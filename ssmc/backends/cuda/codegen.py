@@ -17,8 +17,10 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, walk
 from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.time_blocks import TimeBlocks, partial_name, product_name
 
 BLOCK = 128
+WARP = 32
 UNROLL_LIMIT = 64  # loop nests of at most this many iterations are unrolled (buffers stay in registers)
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -151,6 +153,57 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     }
 
 
+def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+                        steps_per_lane: int) -> dict:
+    """The warp kernel of `tb` (lowering/time_blocks.py): the summary and the program's step spliced
+    around a scan of the (product, partial) pairs across the warp's lanes."""
+    k, summary = tb.lane_rescan, tb.lane_summary
+    ctx = kernel_context(k, arrays, sizes)
+    ps = CPrinter(summary, arrays, sizes)
+    declared = set(ctx["declarations"])
+    ctx["declarations"] += [d for d in ps.scalars() if d not in declared]
+    ctx["comment"] = (f"{tb.program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
+                      f"of {steps_per_lane} steps")
+    ctx["steps_per_lane"] = steps_per_lane
+    ctx["summary_setup"] = "\n".join(ps.stmts(summary.setup, 1))
+    ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
+    ctx["step"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.step, 3))
+    ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
+    carry, reset, combine, final = [], [], [], []
+    parallel = set(k.parallel)
+    for s in tb.program.states:
+        local = [a for a in s.axes if a not in parallel]
+        idx = "".join(f"[i_{a}]" for a in local)
+        loops = [f"for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a})" for a in local]
+        head = "".join(f"{loop} " for loop in loops)
+        carry.append(f"F cr_{s.name}{''.join(f'[{size_var(a)}]' for a in local)};")
+        carry.append(f"{head}cr_{s.name}{idx} = st_{s.name}{idx};")
+        prod, part = f"st_{product_name(s.name)}{idx}", f"st_{partial_name(s.name)}{idx}"
+        reset.append(f"{head}{{ {prod} = F(1); {part} = F(0); }}")
+        combine += [
+            f"{head}{{",
+            f"    F P = {prod}, H = {part};",
+            "    #pragma unroll",
+            f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive scan: lanes before compose first",
+            "        const F Pb = __shfl_up_sync(0xffffffffu, P, off), Hb = __shfl_up_sync(0xffffffffu, H, off);",
+            "        if (lane >= off) { H = P * Hb + H; P = P * Pb; }",
+            "    }",
+            "    F Pe = __shfl_up_sync(0xffffffffu, P, 1), He = __shfl_up_sync(0xffffffffu, H, 1);",
+            "    if (lane == 0) { Pe = F(1); He = F(0); }",
+            f"    st_{s.name}{idx} = Pe * cr_{s.name}{idx} + He;  // the carry into this lane's steps",
+            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, P, {WARP - 1}) * cr_{s.name}{idx}"
+            f" + __shfl_sync(0xffffffffu, H, {WARP - 1});",
+            "}",
+        ]
+        final.append(f"{head}st_{s.name}{idx} = cr_{s.name}{idx};")
+    pad = "    "
+    ctx["carry"] = "\n".join(pad + line for line in carry)
+    ctx["reset"] = "\n".join(2 * pad + line for line in reset)
+    ctx["combine"] = "\n".join(2 * pad + line for line in combine)
+    ctx["final_carry"] = "\n".join(pad + line for line in final)
+    return ctx
+
+
 @cache
 def _template() -> jinja2.Template:
     env = jinja2.Environment(loader=jinja2.PackageLoader("ssmc", "templates"), keep_trailing_newline=True,
@@ -164,9 +217,15 @@ def math_header() -> str:
 
 
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
-                  sizes: dict[str, int]) -> str:
-    """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays."""
-    contexts = [kernel_context(k, specs, sizes) for k, specs in kernels]
+                  sizes: dict[str, int], warp: tuple[TimeBlocks, int] | None = None) -> str:
+    """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays; with `warp`
+    (time blocks, steps per lane), the warp kernel instead (its arrays: the one kernel's)."""
+    if warp is not None:
+        (_, specs), = kernels
+        contexts = [warp_kernel_context(warp[0], specs, sizes, warp[1])]
+    else:
+        contexts = [kernel_context(k, specs, sizes) for k, specs in kernels]
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
-                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half)
+                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
+                              warp=WARP)

@@ -65,8 +65,10 @@ def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str) -> d
 
 
 def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "float32", arch: str = "sm_90",
-                   backward: bool = True, compile_kernels: bool = True) -> list[KernelReport]:
-    """Reports for the kernels of `program`'s forward (and gradient) at `sizes` and `length` steps."""
+                   backward: bool = True, compile_kernels: bool = True,
+                   time_contiguous: bool = False) -> list[KernelReport]:
+    """Reports for the kernels of `program`'s forward (and gradient) at `sizes` and `length` steps,
+    for sequences with time outermost, or contiguous (`time_contiguous`: layouts like "b d t")."""
     compute = "float64" if dtype == "float64" else "float32"
     programs = [("forward", program, length)]
     if backward:
@@ -76,8 +78,8 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     reports = []
     for role, prog, steps in programs:
         runner = CudaRunner(prog, compute)
-        strategy = runner.strategy(sizes, steps)
-        for launch in runner.launches(sizes, steps):
+        strategy = runner.strategy(sizes, steps, time_contiguous)
+        for launch in runner.launches(sizes, steps, time_contiguous):
             source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes)
             report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
             if compile_kernels and nvrtc.available():

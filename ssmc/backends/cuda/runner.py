@@ -18,7 +18,7 @@ from ...lowering.plan import Kernel, Lowered, lower
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
-from .codegen import BLOCK, ArraySpec, module_source
+from .codegen import BLOCK, WARP, ArraySpec, module_source
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -84,6 +84,14 @@ def time_block_count(total: int, length: int) -> int:
     return max(1, min(-(-FILL_THREADS // max(total, 1)), length // MIN_BLOCK_STEPS))
 
 
+STEPS_PER_LANE = 8   # the warp kernel's consecutive steps per lane (SSMC_CUDA_STEPS_PER_LANE overrides)
+STRATEGIES = ("fused", "time blocks", "warp")
+
+
+def steps_per_lane() -> int:
+    return max(1, int(os.environ.get("SSMC_CUDA_STEPS_PER_LANE") or STEPS_PER_LANE))
+
+
 def accumulator_blocks(total: int, length: int) -> int:
     """Blocks of time for an epilogue kernel summing over time (partial sums added afterwards)."""
     return max(1, min(length, -(-FILL_THREADS // max(total, 1))))
@@ -119,7 +127,9 @@ class CudaRunner:
     # -- building ----------------------------------------------------------------------------
     def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
         ctype = "double" if self.compute == "float64" else "float"
-        return module_source(self.lowered, ctype, [(k, specs)], sizes)
+        tb = self.time_blocks
+        warp = (tb, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
+        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp)
 
     def _function(self, source: str, name: str):
         module = self.modules.get(source)
@@ -136,16 +146,32 @@ class CudaRunner:
     def _threads(self, k: Kernel, sizes: dict[str, int]) -> int:
         return int(np.prod([sizes[a] for a in k.parallel], dtype=np.int64))
 
-    def strategy(self, sizes: dict[str, int], length: int) -> str:
-        """The strategy a run of these sizes takes: "time blocks" or the lowering's "fused" / "split"."""
+    def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> str:
+        """How a run goes: "split" (plan.py) for split programs; for fused ones "fused" (a thread per
+        recurrence), "time blocks" or "warp" (time_blocks.py) when the recurrences are too few to
+        fill the GPU: "warp" where the sequences have time contiguous (lanes read neighbouring
+        steps), "time blocks" where not. `SSMC_CUDA_STRATEGY` forces one of those three."""
         tb = self.time_blocks
-        if tb is not None and time_block_count(self._threads(tb.summary, sizes), length) > 1:
+        if tb is None:
+            return self.lowered.strategy
+        forced = os.environ.get("SSMC_CUDA_STRATEGY")
+        if forced:
+            if forced not in STRATEGIES:
+                raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
+            return forced
+        total = self._threads(tb.summary, sizes)
+        if time_contiguous and length >= 2 * WARP and total < FILL_THREADS:
+            return "warp"
+        if time_block_count(total, length) > 1:
             return "time blocks"
-        return self.lowered.strategy
+        return "fused"
 
-    def launches(self, sizes: dict[str, int], length: int) -> list[Launch]:
+    def launches(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> list[Launch]:
         """The launches `run` makes for these sizes, in order (what `ssmc inspect` reports)."""
-        strategy = self.strategy(sizes, length)
+        strategy = self.strategy(sizes, length, time_contiguous)
+        if strategy == "warp":
+            k = self.time_blocks.lane_rescan
+            return [Launch(k, length, 1, self._threads(k, sizes) * WARP)]
         if strategy == "time blocks":
             tb = self.time_blocks
             nblk = time_block_count(self._threads(tb.summary, sizes), length)
@@ -172,6 +198,7 @@ class CudaRunner:
 
         made = {}
         tensors = []
+        warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
                 t = _as_1d(arrays[a.name])
@@ -183,11 +210,11 @@ class CudaRunner:
                 t = _as_1d(made[a.name])
             tensors.append((a, t))
         specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in tensors}
-        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())))
+        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane())
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             fn = self.functions[key] = self._function(self.source_for(k, specs, sizes), k.name)
-        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * nblk).grid
+        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * (WARP if warp else nblk)).grid
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t in tensors))
         fn((blocks,), (threads,), args, stream=stream)
@@ -197,12 +224,14 @@ class CudaRunner:
         """Same contract as `interpreter.run_recurrence` (torch CUDA tensors in and out)."""
 
         low, p = self.lowered, self.program
-        plan = self.launches(sizes, length)
-        if self.strategy(sizes, length) == "time blocks":
+        contiguous = bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
+        strategy = self.strategy(sizes, length, contiguous)
+        plan = self.launches(sizes, length, contiguous)
+        if strategy == "time blocks":
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
                                    initial, sizes, length, plan[0].nblk)
-        if low.strategy == "fused":
-            (k,) = low.kernels
+        if strategy in ("fused", "warp"):
+            k = plan[0].kernel
             made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
                                 length, out_dtype=out_dtype)
             outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
