@@ -526,9 +526,12 @@ def ssmc_candidates(workload: Workload) -> list:
         return {k: g[k] for k in workload.grad_keys}
 
     cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd)]
-    for nblk in (1, 8, 32, 128):  # the time-block heuristic against fixed counts (forward only)
-        cands.append(Impl(name=f"cuda-tb{nblk}", label=f"ssmc: cuda, SSMC_CUDA_TIME_BLOCKS={nblk}",
-                          fwd=_with_time_blocks(nblk, run_fwd)))
+    # the strategy heuristic against each strategy forced (forward only)
+    variants = [{"SSMC_CUDA_STRATEGY": "fused"}, {"SSMC_CUDA_STRATEGY": "time blocks"},
+                *({"SSMC_CUDA_STRATEGY": "warp", "SSMC_CUDA_STEPS_PER_LANE": str(k)} for k in (4, 8, 16))]
+    for env in variants:
+        text = ", ".join(f"{k}={v}" for k, v in env.items())
+        cands.append(Impl(name="cuda " + text, label=f"ssmc: cuda, {text}", fwd=_with_env(env, run_fwd)))
     if workload.key == "scan1":
         fwd_tm = ssmc.compile(spec, "cuda", layout="b t d")
         cands.append(Impl(
@@ -539,13 +542,14 @@ def ssmc_candidates(workload: Workload) -> list:
     return cands
 
 
-def _with_time_blocks(nblk: int, run):
+def _with_env(env: dict[str, str], run):
     def fwd(prep):
-        os.environ["SSMC_CUDA_TIME_BLOCKS"] = str(nblk)
+        os.environ.update(env)
         try:
             return run(prep["inp"])
         finally:
-            del os.environ["SSMC_CUDA_TIME_BLOCKS"]
+            for k in env:
+                del os.environ[k]
     return fwd
 
 
