@@ -38,10 +38,14 @@ class ArraySpec:
 
 
 class CPrinter:
-    def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int]):
+    """C text for a kernel's loop nests; `staged` arrays (the warp kernel's) are read from / written
+    to shared memory at the lane's slot instead of global memory."""
+
+    def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset()):
         self.k = k
         self.arrays = arrays
         self.sizes = sizes
+        self.staged = staged
         self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
 
     def index(self, e: Load) -> str:
@@ -62,6 +66,8 @@ class CPrinter:
         if isinstance(e, Load):
             if e.array in self.buffers:
                 return e.array + "".join(f"[{i}]" for i in e.index)
+            if e.array in self.staged:
+                return f"sm_{e.array}[w][slot]"
             return f"F(to_f({e.array}[{self.index(e)}]))"
         if isinstance(e, Call):
             if e.fn == "not":
@@ -76,7 +82,7 @@ class CPrinter:
         raise TypeError(e)
 
     def target(self, t) -> str:
-        if isinstance(t, Var) or t.array in self.buffers:
+        if isinstance(t, Var) or t.array in self.buffers or t.array in self.staged:
             return self.expr(t)
         return f"{t.array}[{self.index(t)}]"
 
@@ -101,7 +107,8 @@ class CPrinter:
             elif isinstance(s, Assign):
                 value = self.expr(s.value)
                 target = self.target(s.target)
-                global_store = isinstance(s.target, Load) and s.target.array not in self.buffers
+                global_store = (isinstance(s.target, Load) and s.target.array not in self.buffers
+                                and s.target.array not in self.staged)
                 if global_store:
                     ctype = C_TYPES[self.arrays[s.target.array].dtype]
                     value = f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
@@ -158,8 +165,17 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
     """The warp kernel of `tb` (lowering/time_blocks.py): the summary and the program's step spliced
     around a scan of the (product, partial) pairs across the warp's lanes."""
     k, summary = tb.lane_rescan, tb.lane_summary
+    staged = _stageable(k, summary)
     ctx = kernel_context(k, arrays, sizes)
-    ps = CPrinter(summary, arrays, sizes)
+    ps = CPrinter(summary, arrays, sizes, staged)
+    pr = CPrinter(k, arrays, sizes, staged)
+    stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
+    ctx["shared"] = [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)]
+    index = {a.name: a for a in k.arrays}
+    ctx["stage_in"] = [f"sm_{a}[w][slot] = valid ? F(to_f({a}[{pr.index(_at_t(index[a]))}])) : F(0);"
+                       for a in sorted(staged) if index[a].role == "seq"]
+    ctx["stage_out"] = [f"if (valid) {a}[{pr.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
+                        for a in sorted(staged) if index[a].role == "out"]
     declared = set(ctx["declarations"])
     ctx["declarations"] += [d for d in ps.scalars() if d not in declared]
     ctx["comment"] = (f"{tb.program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
@@ -167,7 +183,7 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
     ctx["steps_per_lane"] = steps_per_lane
     ctx["summary_setup"] = "\n".join(ps.stmts(summary.setup, 1))
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
-    ctx["step"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.step, 3))
+    ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
     carry, reset, combine, final = [], [], [], []
     parallel = set(k.parallel)
@@ -202,6 +218,49 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
     ctx["combine"] = "\n".join(2 * pad + line for line in combine)
     ctx["final_carry"] = "\n".join(pad + line for line in final)
     return ctx
+
+
+def _loads(stmts):
+    """Every global or buffer access in `stmts` (reads and write targets)."""
+    def visit(e):
+        if isinstance(e, Load):
+            yield e
+        elif isinstance(e, Call):
+            for a in e.args:
+                yield from visit(a)
+        elif isinstance(e, Bin):
+            yield from visit(e.a)
+            yield from visit(e.b)
+        elif isinstance(e, Select):
+            for a in (e.cond, e.a, e.b):
+                yield from visit(a)
+    for s in walk(stmts):
+        if isinstance(s, Assign):
+            yield from visit(s.target)
+            yield from visit(s.value)
+
+
+def _at_t(array) -> Load:
+    """`array` (axes "t" then parallel axes) at step t of this thread's recurrence."""
+    return Load(array.name, ("t", *(f"p_{a}" for a in array.axes[1:])))
+
+
+def _stageable(k: Kernel, summary: Kernel) -> frozenset[str]:
+    """Sequences and outputs with one value per step of a recurrence, only ever accessed at step t:
+    the warp kernel moves them through shared memory, so that the lanes' global reads and writes of
+    a round are coalesced (lane j touches step j, j + 32, ...), whatever the steps per lane."""
+    parallel = set(k.parallel)
+    candidates = {a.name: a for a in k.arrays
+                  if a.role in ("seq", "out") and a.axes[:1] == ("t",) and set(a.axes[1:]) <= parallel}
+    for e in _loads(summary.step + k.step):
+        if e.array in candidates and e != _at_t(candidates[e.array]):
+            del candidates[e.array]
+    return frozenset(candidates)
+
+
+def _store(dtype: str, value: str) -> str:
+    ctype = C_TYPES[dtype]
+    return f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
 
 
 @cache

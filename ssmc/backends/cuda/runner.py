@@ -84,7 +84,7 @@ def time_block_count(total: int, length: int) -> int:
     return max(1, min(-(-FILL_THREADS // max(total, 1)), length // MIN_BLOCK_STEPS))
 
 
-STEPS_PER_LANE = 8   # the warp kernel's consecutive steps per lane (SSMC_CUDA_STEPS_PER_LANE overrides)
+STEPS_PER_LANE = 4   # the warp kernel's consecutive steps per lane (SSMC_CUDA_STEPS_PER_LANE overrides)
 STRATEGIES = ("fused", "time blocks", "warp")
 
 
@@ -206,7 +206,11 @@ class CudaRunner:
                 shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
                 state_dtype = torch.float64 if self.compute == "float64" else torch.float32
                 dtype = out_dtype if a.role == "out" and out_dtype is not None else state_dtype
-                made[a.name] = torch.empty(shape, device="cuda", dtype=dtype)
+                if warp and a.role == "out" and len(shape) > 1:
+                    # time contiguous, as the warp kernel's inputs: its lanes write neighbouring steps
+                    made[a.name] = torch.empty([*shape[1:], shape[0]], device="cuda", dtype=dtype).movedim(-1, 0)
+                else:
+                    made[a.name] = torch.empty(shape, device="cuda", dtype=dtype)
                 t = _as_1d(made[a.name])
             tensors.append((a, t))
         specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in tensors}
