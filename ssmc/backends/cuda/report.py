@@ -73,7 +73,7 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     programs = [("forward", program, length)]
     if backward:
         bw = derive_backward(program)
-        chunk = min(length, default_chunk("cuda", length))
+        chunk = min(length, default_chunk("cuda", length, program, sizes))
         programs += [("recompute", bw.carries, chunk), ("adjoint", bw.adjoint, chunk)]
     reports = []
     for role, prog, steps in programs:
