@@ -166,3 +166,34 @@ def test_version_and_entry_point():
     done = subprocess.run([sys.executable, "-m", "ssmc", "show", HGRN + ":nope"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
+
+
+def test_inspect_lists_every_kernel_with_its_launch_and_resources(capsys):
+    from ssmc.backends.cuda import nvrtc
+
+    assert main(["inspect", HGRN, "--sizes", "b=2,d=64", "--length", "4096", "--time-contiguous"]) == 0
+    out = capsys.readouterr().out
+    assert "hgrn: b=2 d=64 L=4096 float32, sm_90" in out
+    for kernel in ("hgrn_warp", "hgrn_carries_warp", "hgrn_backward_warp"):
+        row = next(line for line in out.splitlines() if line.split()[2:3] == [kernel])
+        assert "warp" in row and "32 x 128" in row  # 2 * 64 recurrences, one warp each
+        if nvrtc.available():
+            registers = int(row.split()[-3])
+            assert registers > 0
+        assert f"{kernel}: " in out and ".cu" in out
+    assert main(["inspect", HGRN, "--sizes", "b=2,d=64", "--length", "16", "--forward-only"]) == 0
+    out = capsys.readouterr().out
+    assert "hgrn_fused" in out and "backward" not in out
+
+
+def test_inspect_rejects_bad_sizes(capsys):
+    assert main(["inspect", HGRN, "--sizes", "b=two"]) == 1
+    assert "--sizes" in capsys.readouterr().err
+    assert main(["inspect", HGRN, "--sizes", "q=3"]) == 1
+    assert "no axes ['q']" in capsys.readouterr().err
+
+
+def test_show_cuda_prints_the_generated_source(capsys):
+    assert main(["show", "--stage", "cuda", HGRN]) == 0
+    out = capsys.readouterr().out
+    assert 'extern "C" __global__ void hgrn_' in out and "constexpr int n_b = 16;" in out
