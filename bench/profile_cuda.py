@@ -4,7 +4,7 @@
     python bench/profile_cuda.py --batch 32 --dim 512 --length 180
 
 Prints one line per kernel name (calls, total and mean time) and the call's wall time, after a
-warm-up call (compilation excluded).
+warm-up call (compilation excluded), and the peak memory the call allocated beyond its inputs.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def main() -> None:
                                                              lambda: grad(**inputs, grad_outputs=dy))):
         call()
         torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             call()
@@ -45,8 +50,10 @@ def main() -> None:
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         events.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events)
+        state = args.batch * args.dim * args.state * args.length * 4
         print(f"\n{label}: wall {wall * 1e3:.2f} ms, GPU busy {total / 1e3:.2f} ms "
-              f"(B{args.batch} D{args.dim} N{args.state} L{args.length} fp32)")
+              f"(B{args.batch} D{args.dim} N{args.state} L{args.length} fp32); peak memory beyond the inputs "
+              f"{extra / 2**20:.0f} MiB (all states over L would be {state / 2**20:.0f} MiB)")
         for e in events[:args.top]:
             print(f"  {e.device_time_total / 1e3:8.3f} ms  {e.count:5d} calls  {e.key[:90]}")
 
