@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from ...lowering.hoist import Hoisted, compute_post, compute_pre, hoist
 from ...lowering.plan import Kernel, Lowered, lower
 from ...runtime.cache import store
 from ...runtime.progress import progress
@@ -34,7 +35,8 @@ class NumbaRunner:
     def __init__(self, program, dtype: str = "float64"):
         self.program = program
         self.dtype = np.dtype(dtype)
-        self.lowered: Lowered = lower(program)
+        self.hoisted: Hoisted = hoist(program)
+        self.lowered: Lowered = lower(self.hoisted.program)
         self.source = module_source(self.lowered, self.dtype.name)
         self.path = store("numba", self.source, ".py")
         self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
@@ -63,9 +65,29 @@ class NumbaRunner:
         return made
 
     def run(self, seqs, params, initial, sizes, length):
-        """Same contract as `interpreter.run_recurrence`."""
+        """Same contract as `interpreter.run_recurrence`.
+
+        Contractions hoisted out of the time loop (`lowering/hoist.py`) run as NumPy matrix products
+        in the run's dtype before (new sequences) and after (outputs, accumulators) the kernels."""
+        h = self.hoisted
+        if not h.changed:
+            return self._run_lowered(seqs, params, initial, sizes, length)
+        dt = self.dtype
+        seqs = {k: np.asarray(v).astype(dt, copy=False) for k, v in seqs.items()}
+        params = {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}
+        initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
+        seqs.update(compute_pre(h, seqs, params))
+        outs, finals = self._run_lowered(seqs, params, initial, sizes, length)
+        post_outs, post_finals = compute_post(h, seqs, params, outs, initial)
+        outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
+        finals = {s.name: post_finals[s.name] if s.name in post_finals else finals[s.name]
+                  for s in self.program.states}
+        return outs, finals
+
+    def _run_lowered(self, seqs, params, initial, sizes, length):
+        """`run` of the hoisted program through its kernels."""
         low = self.lowered
-        p = self.program
+        p = self.hoisted.program
         if low.strategy == "fused":
             (k,) = low.kernels
             made = self._call(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes, length)

@@ -1,0 +1,164 @@
+"""The hoisting pass (`ssmc/lowering/hoist.py`): hoisted == unhoisted, and it fires where it should.
+
+Relative error = max|got - want| / max|want| against the float64 interpreter on the original
+program; thresholds: 1e-12 (hoisted program through the interpreter, float64), 1e-10 (Numba,
+float64), 2e-4 forward / 2e-3 gradients (Numba, float32).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ssmc
+from ssmc.backends import interpreter
+from ssmc.backends.numba.runner import runner_for
+from ssmc.lowering.hoist import compute_post, compute_pre, gemm_like, hoist, split_contraction
+from ssmc.lowering.plan import lower
+from ssmc.passes.autodiff import derive_backward
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "derandomize": True}
+lstm = importlib.import_module("ssmc.examples.lstm")
+
+
+@ssmc.recurrence
+def projected_gate(h: ssmc.State["b d"], x: ssmc.Seq["b e"], Wf: ssmc.Param["e d"], Wx: ssmc.Param["e d"],
+                   Wo: ssmc.Param["d o"]):
+    """A gated linear RNN with input and output projections: pre (x Wf, x Wx) and post (h Wo)."""
+    h = ssmc.sigmoid(ssmc.dot(x, Wf, over="e")) * h + ssmc.tanh(ssmc.dot(x, Wx, over="e"))
+    return h, ssmc.dot(h, Wo, over="d")
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def random_run(program, rng, sizes, length):
+    seqs = {d.name: rng.standard_normal((length, *(sizes[a] for a in d.axes))) for d in program.seqs}
+    params = {d.name: 0.3 * rng.standard_normal([sizes[a] for a in d.axes]) for d in program.params}
+    initial = {d.name: 0.5 * rng.standard_normal([sizes[a] for a in d.axes]) for d in program.states}
+    return seqs, params, initial
+
+
+def hoisted_through_interpreter(h, seqs, params, initial, sizes, length):
+    """The hoisted program run by the interpreter, with the pass's own pre / post evaluation."""
+    seqs = {**seqs, **compute_pre(h, seqs, params)}
+    outs, finals = interpreter.run_recurrence(h.program, seqs, params, initial, sizes, length)
+    post_outs, post_finals = compute_post(h, seqs, params, outs, initial)
+    return {**outs, **post_outs}, {**finals, **post_finals}
+
+
+def programs():
+    """(label, program, sizes) of every form the tests run: forwards, carries and adjoints."""
+    out = []
+    for label, spec, base in (("lstm", lstm.SPEC, {"g": 4}), ("projected_gate", projected_gate, {})):
+        bw = derive_backward(spec.program)
+        for part, p in (("forward", spec.program), ("carries", bw.carries), ("adjoint", bw.adjoint)):
+            out.append((f"{label}-{part}", p, base))
+    return out
+
+
+def lstm_sizes(b, i, k):
+    return {"b": b, "i": i, "k": k, "j": k, "g": 4}
+
+
+def gate_sizes(b, e, d, o):
+    return {"b": b, "e": e, "d": d, "o": o}
+
+
+def _sizes(label, b, i, k):
+    return lstm_sizes(b, i, k) if label.startswith("lstm") else gate_sizes(b, i, k, i + 2)
+
+
+# -- the pass fires where it should ----------------------------------------------------------------
+
+
+def test_the_lstm_gate_projection_is_hoisted_before_the_time_loop():
+    h = hoist(lstm.SPEC.program)
+    assert [n for n, _ in h.pre] == ["hz0"]
+    assert split_contraction(h.pre[0][1])[0] == ("i",)
+    assert not h.factors and not h.post_outputs
+
+
+def test_the_lstm_adjoint_hoists_every_param_gradient_and_grad_x_and_needs_no_split():
+    adj = derive_backward(lstm.SPEC.program).adjoint
+    assert lower(adj).strategy == "split"
+    h = hoist(adj)
+    assert len(h.pre) == 2                                      # x W and h U of the recomputed gates
+    assert {n for n, _ in h.post_outputs} == {"grad_x"}
+    assert {s for s, _ in h.post_accumulators} == {"grad_W", "grad_U", "grad_bias"}
+    assert [s.name for s in h.program.states] == ["grad_h", "grad_c"]
+    assert lower(h.program).strategy == "fused"
+    assert runner_for(adj, "float32").hoisted.changed          # the Numba backend uses it
+
+
+def test_diagonal_scans_are_left_alone():
+    mamba1 = importlib.import_module("ssmc.examples.mamba1")
+    h = hoist(mamba1.SPEC.program)
+    assert not h.changed and h.program is mamba1.SPEC.program
+
+
+def test_gemm_like_needs_two_sides_with_free_axes():
+    p = projected_gate.program
+    summed, fs = split_contraction(hoist(p).pre[0][1])
+    assert gemm_like(summed, fs)
+    assert not gemm_like(summed, fs[:1])
+    assert not gemm_like((), fs)
+
+
+# -- hoisted == unhoisted -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("label,program,base", programs(), ids=[p[0] for p in programs()])
+def test_hoisted_program_through_the_interpreter_equals_the_original(label, program, base, length):
+    rng = np.random.default_rng(length)
+    sizes = {**_sizes(label, 3, 5, 6), **base}
+    seqs, params, initial = random_run(program, rng, sizes, length)
+    want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
+    got = hoisted_through_interpreter(hoist(program), seqs, params, initial, sizes, length)
+    for w, g in zip(want, got):
+        assert set(g) >= set(w)
+        for k in w:
+            assert g[k].shape == w[k].shape, k
+            assert rel_err(g[k], w[k]) <= 1e-12, k
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(data=st.data(), length=st.sampled_from([1, 7, 180]), dtype=st.sampled_from(["float64", "float32"]))
+def test_numba_with_hoisting_matches_the_interpreter_at_awkward_sizes(data, length, dtype):
+    """Contraction axes 1..37 (not powers of two), forward / carries / adjoint programs."""
+    label, program, base = data.draw(st.sampled_from(programs()), label="program")
+    b, i, k = (data.draw(st.integers(1, 37), label=n) for n in "bik")
+    sizes = {**_sizes(label, b, i, k), **base}
+    rng = np.random.default_rng(length + b)
+    seqs, params, initial = random_run(program, rng, sizes, length)
+    want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
+    cast = {n: {k: v.astype(dtype) for k, v in d.items()} for n, d in
+            (("seqs", seqs), ("params", params), ("initial", initial))}
+    got = runner_for(program, dtype).run(cast["seqs"], cast["params"], cast["initial"], sizes, length)
+    tol = 1e-10 if dtype == "float64" else 2e-4 * (10 if "adjoint" in label else 1)
+    for w, g in zip(want, got):
+        for key in w:
+            assert g[key].dtype == np.dtype(dtype) and g[key].shape == w[key].shape, key
+            assert rel_err(g[key], w[key]) <= tol, (key, rel_err(g[key], w[key]))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_projected_gate_gradients_match_the_interpreter(length, dtype):
+    rng = np.random.default_rng(length)
+    inputs = {"x": rng.standard_normal((3, length, 13)), "Wf": 0.3 * rng.standard_normal((13, 7)),
+              "Wx": 0.3 * rng.standard_normal((13, 7)), "Wo": 0.3 * rng.standard_normal((7, 5)),
+              "h": rng.standard_normal((3, 7))}
+    inputs = {k: v.astype(dtype) for k, v in inputs.items()}
+    dy = rng.standard_normal((3, length, 5)).astype(dtype)
+    got = ssmc.grad(projected_gate, "numba", layout="b t ...", chunk=16)(**inputs, grad_outputs=dy)
+    want = ssmc.grad(projected_gate, "interpreter", layout="b t ...", chunk=16)(**inputs, grad_outputs=dy)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= (1e-10 if dtype == "float64" else 2e-3), key
