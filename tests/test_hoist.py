@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import ssmc
 from ssmc.backends import interpreter
 from ssmc.backends.numba.runner import runner_for
-from ssmc.lowering.hoist import compute_post, compute_pre, gemm_like, hoist, split_contraction
+from ssmc.lowering.hoist import compute_params, compute_post, compute_pre, gemm_like, hoist, split_contraction
 from ssmc.lowering.plan import lower
 from ssmc.passes.autodiff import derive_backward
 
@@ -48,7 +48,8 @@ def random_run(program, rng, sizes, length):
 def hoisted_through_interpreter(h, seqs, params, initial, sizes, length):
     """The hoisted program run by the interpreter, with the pass's own pre / post evaluation."""
     seqs = {**seqs, **compute_pre(h, seqs, params)}
-    outs, finals = interpreter.run_recurrence(h.program, seqs, params, initial, sizes, length)
+    outs, finals = interpreter.run_recurrence(h.program, seqs, {**params, **compute_params(h, params)}, initial,
+                                              sizes, length)
     post_outs, post_finals = compute_post(h, seqs, params, outs, initial)
     return {**outs, **post_outs}, {**finals, **post_finals}
 

@@ -10,6 +10,7 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
 from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.unroll import unroll_sums
 
 _FUNCS = {"abs": "abs_", "max": "max_", "min": "min_", "pow": "pow_"}
 
@@ -81,8 +82,8 @@ def _kernel_context(k: Kernel) -> dict:
         "total": " * ".join(size_var(a) for a in k.parallel) or "1",
         "unflatten": _unflatten(k.parallel),
         "reverse": k.reverse,
-        "setup": "\n".join(statements(k.setup, 2)),
-        "step": "\n".join(statements(k.step, 3)) or "            pass",
+        "setup": "\n".join(statements(unroll_sums(k.setup), 2)),
+        "step": "\n".join(statements(unroll_sums(k.step), 3)) or "            pass",
         "finish": "\n".join(statements(k.finish, 2)),
     }
 

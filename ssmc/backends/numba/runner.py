@@ -11,11 +11,12 @@ import sys
 
 import numpy as np
 
-from ...lowering.hoist import Hoisted, compute_post, compute_pre, hoist
+from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist
 from ...lowering.plan import Kernel, Lowered, lower
 from ...runtime.cache import store
 from ...runtime.progress import progress
 from .codegen import module_source
+from .gemm import matmul
 
 
 def _load(path, name: str):
@@ -67,8 +68,9 @@ class NumbaRunner:
     def run(self, seqs, params, initial, sizes, length):
         """Same contract as `interpreter.run_recurrence`.
 
-        Contractions hoisted out of the time loop (`lowering/hoist.py`) run as NumPy matrix products
-        in the run's dtype before (new sequences) and after (outputs, accumulators) the kernels."""
+        Contractions hoisted out of the time loop (`lowering/hoist.py`) run as matrix products
+        (`gemm.py`, on Numba's threads) in the run's dtype before (new sequences) and after
+        (outputs, accumulators) the kernels."""
         h = self.hoisted
         if not h.changed:
             return self._run_lowered(seqs, params, initial, sizes, length)
@@ -76,9 +78,9 @@ class NumbaRunner:
         seqs = {k: np.asarray(v).astype(dt, copy=False) for k, v in seqs.items()}
         params = {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}
         initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
-        seqs.update(compute_pre(h, seqs, params))
-        outs, finals = self._run_lowered(seqs, params, initial, sizes, length)
-        post_outs, post_finals = compute_post(h, seqs, params, outs, initial)
+        seqs.update(compute_pre(h, seqs, params, matmul))
+        outs, finals = self._run_lowered(seqs, {**params, **compute_params(h, params)}, initial, sizes, length)
+        post_outs, post_finals = compute_post(h, seqs, params, outs, initial, matmul)
         outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
         finals = {s.name: post_finals[s.name] if s.name in post_finals else finals[s.name]
                   for s in self.program.states}
