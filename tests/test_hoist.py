@@ -163,3 +163,62 @@ def test_projected_gate_gradients_match_the_interpreter(length, dtype):
     want = ssmc.grad(projected_gate, "interpreter", layout="b t ...", chunk=16)(**inputs, grad_outputs=dy)
     for key in want:
         assert rel_err(got[key], want[key]) <= (1e-10 if dtype == "float64" else 2e-3), key
+
+
+# -- the LSTM lowering picks the fast strategies ------------------------------------------------------
+
+
+def _source(program, dtype="float32") -> str:
+    return runner_for(program, dtype).source
+
+
+def test_the_lstm_lowering_unrolls_its_recurrent_products_and_transposes_U_for_the_adjoint():
+    """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T."""
+    fwd = _source(lstm.SPEC.program)
+    assert "for u_j in range((n_j) // 8):" in fwd                 # h U, 8 terms per pass
+    assert "hz0[t, p_b" in fwd and "x[t" not in fwd               # x W hoisted out of the loop
+    adj_program = derive_backward(lstm.SPEC.program).adjoint
+    h = runner_for(adj_program, "float32").hoisted
+    assert [(n, p, a) for n, p, a in h.transposed] == [("hp0", "U", ("g", "k", "j"))]
+    adj = _source(adj_program)
+    assert "for u_k in range((n_k) // 8):" in adj                 # grad_h = sum_{g,k} gz U, one nest
+    assert "+= (((" in adj and "hp0[i_g, (8 * u_k + 0), i_j]" in adj
+    assert runner_for(adj_program, "float32").lowered.strategy == "fused"
+
+
+def test_numba_matmul_matches_numpy_at_awkward_shapes():
+    from ssmc.backends.numba.gemm import matmul
+
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 1, 1), (1, 9, 1), (7, 1, 3), (9, 17, 1030), (37, 256, 5), (8, 0, 4)]:
+        for dtype, tol in (("float64", 1e-13), ("float32", 1e-5)):
+            a = rng.standard_normal((m, k)).astype(dtype)
+            b = rng.standard_normal((k, n)).astype(dtype)
+            got = matmul(a, b)
+            want = a.astype(np.float64) @ b.astype(np.float64)
+            assert got.dtype == np.dtype(dtype) and got.shape == (m, n)
+            assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()) * max(1, k)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(extent=st.integers(0, 37), inner=st.integers(1, 5))
+def test_unrolled_sums_add_the_same_terms(extent, inner):
+    """The unrolled nest (as Python) equals the plain one for any extent, remainders included."""
+    from ssmc.backends.numba.codegen import statements
+    from ssmc.lowering.loops import Assign, Bin, Load, Loop
+    from ssmc.lowering.unroll import unroll_sums
+
+    nest = [Loop("i_j", "n_j", [Loop("i_k", "n_k", [
+        Assign(Load("m", ("i_k",)), Bin("*", Load("h", ("i_j",)), Load("U", ("i_j", "i_k"))), "+=")])])]
+    unrolled = unroll_sums(nest)
+    assert len(unrolled) == 2 and unrolled[0].var == "u_j"
+    rng = np.random.default_rng(extent)
+    env = {"n_j": extent, "n_k": inner, "h": rng.integers(-9, 9, extent), "U": rng.integers(-9, 9, (extent, inner)),
+           "F": float}
+    results = []
+    for stmts in (nest, unrolled):
+        local = {**env, "m": np.zeros(inner, dtype=np.int64)}
+        exec("\n".join(statements(stmts, 0)), {}, local)
+        results.append(local["m"])
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], env["h"] @ env["U"])

@@ -51,7 +51,7 @@ class NumbaRunner:
         made = {}
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
-                args.append(_flat(np.ascontiguousarray(arrays[a.name], dtype=dt)))
+                args.append(_flat(np.asarray(arrays[a.name], dtype=dt)))  # strided views stay views
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
             made[a.name] = np.empty(shape, dtype=dt)
