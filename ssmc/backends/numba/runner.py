@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from ...runtime.cache import store
 from ...runtime.progress import progress
 from .codegen import module_source
 from .gemm import matmul
+from .strategy import narrow, use_narrow
 
 
 def _load(path, name: str):
@@ -38,7 +40,10 @@ class NumbaRunner:
         self.dtype = np.dtype(dtype)
         self.hoisted: Hoisted = hoist(program)
         self.lowered: Lowered = lower(self.hoisted.program)
-        self.source = module_source(self.lowered, self.dtype.name)
+        self.narrow: Lowered | None = narrow(self.lowered)  # fewer parallel axes (strategy.py)
+        kernels = self.lowered.kernels + ([k for k in self.narrow.kernels if k not in self.lowered.kernels]
+                                          if self.narrow else [])
+        self.source = module_source(replace(self.lowered, kernels=kernels), self.dtype.name)
         self.path = store("numba", self.source, ".py")
         self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
         self.compiled: set[str] = set()
@@ -89,6 +94,8 @@ class NumbaRunner:
     def _run_lowered(self, seqs, params, initial, sizes, length):
         """`run` of the hoisted program through its kernels."""
         low = self.lowered
+        if self.narrow is not None and use_narrow(self.narrow, sizes, _threads()):
+            low = self.narrow
         p = self.hoisted.program
         if low.strategy == "fused":
             (k,) = low.kernels
