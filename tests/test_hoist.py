@@ -176,13 +176,14 @@ def test_the_lstm_lowering_unrolls_its_recurrent_products_and_transposes_U_for_t
     """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T."""
     fwd = _source(lstm.SPEC.program)
     assert "for u_j in range((n_j) // 8):" in fwd                 # h U, 8 terms per pass
-    assert "hz0[t, p_b" in fwd and "x[t" not in fwd               # x W hoisted out of the loop
+    assert "bs_b = " in fwd and "for q_b in range(b0_b_end - b0_b):" in fwd  # blocks of b share U
+    assert "hz0[t, (b0_b + q_b)" in fwd and "x[t" not in fwd      # x W hoisted out of the loop
     adj_program = derive_backward(lstm.SPEC.program).adjoint
     h = runner_for(adj_program, "float32").hoisted
     assert [(n, p, a) for n, p, a in h.transposed] == [("hp0", "U", ("g", "k", "j"))]
     adj = _source(adj_program)
     assert "for u_k in range((n_k) // 8):" in adj                 # grad_h = sum_{g,k} gz U, one nest
-    assert "+= (((" in adj and "hp0[i_g, (8 * u_k + 0), i_j]" in adj
+    assert "hp0[i_g, (8 * u_k + 0), i_j]" in adj and "for q_b in range(b0_b_end - b0_b):" in adj
     assert runner_for(adj_program, "float32").lowered.strategy == "fused"
 
 

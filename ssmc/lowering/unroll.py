@@ -71,16 +71,40 @@ def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
     var, extent = loop.var, f"({loop.extent})"
     block = f"u_{var.removeprefix('i_')}"
     terms = [_subst(assign.value, var, f"({factor} * {block} + {r})") for r in range(factor)]
-    main = _wrap(chain, Assign(assign.target, _pairwise(terms), "+="))
+    hoisted: list[list] = [[] for _ in chain]
+    value = _hoist_loads(_pairwise(terms), [c.var for c in chain], hoisted, f"h{block}")
+    main = _wrap(chain, Assign(assign.target, value, "+="), hoisted)
     rest_index = f"({extent} // {factor} * {factor} + {var})"
     rest = _wrap(chain, Assign(assign.target, _subst(assign.value, var, rest_index), "+="))
     return [Loop(block, f"{extent} // {factor}", main), Loop(var, f"{extent} % {factor}", rest)]
 
 
-def _wrap(chain: list[Loop], stmt) -> list:
+def _hoist_loads(e, chain_vars: list[str], hoisted: list[list], prefix: str):
+    """`e` with every load that is invariant in the innermost chain loops read once into a scalar,
+    just inside the last chain loop it depends on (e.g. ``h[j]`` of ``m[k] += h[j] U[j, k]``): the
+    compiler then need not prove that the accumulator's stores leave it unchanged."""
+    if isinstance(e, Load):
+        tokens = {tok for idx in e.index for tok in re.findall(r"\w+", idx)}
+        depth = max((i + 1 for i, v in enumerate(chain_vars) if v in tokens), default=0)
+        if depth < len(chain_vars):
+            name = f"{prefix}_{sum(len(h) for h in hoisted)}"
+            hoisted[depth].append(Assign(Var(name), e))
+            return Var(name)
+        return e
+    if isinstance(e, Bin):
+        return Bin(e.op, _hoist_loads(e.a, chain_vars, hoisted, prefix), _hoist_loads(e.b, chain_vars, hoisted, prefix))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_hoist_loads(a, chain_vars, hoisted, prefix) for a in e.args))
+    return e  # selects and the rest stay as they are
+
+
+def _wrap(chain: list[Loop], stmt, hoisted: list[list] | None = None) -> list:
+    """The chain's loops around `stmt`; hoisted[i] goes before chain[i] (inside chain[i - 1])."""
+    hoisted = hoisted or [[] for _ in chain]
     body = [stmt]
-    for c in reversed(chain):
-        body = [Loop(c.var, c.extent, body, c.reverse)]
+    for i in reversed(range(len(chain))):
+        c = chain[i]
+        body = hoisted[i] + [Loop(c.var, c.extent, body, c.reverse)]
     return body
 
 
