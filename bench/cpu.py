@@ -13,6 +13,11 @@ Workloads (fp32 inputs):
       (under no_grad) and forward+backward through autograd.
     peer "numba loop": a plain @numba.njit(parallel=True) loop (prange over b*d, time loop, inner loop over
       n; fastmath off), forward only.
+    peer "mamba-ssm selective_scan_ref": the issue's baseline, mamba-ssm's own reference scan (torch ops,
+      autograd for the backward), loaded at run time from the mamba-ssm sdist in --peers (default
+      <repo>/peers; git-ignored): only that function's source is taken from the archive and executed
+      with torch and einops (einops from the peers folder's wheel if not installed), so neither the
+      package nor its CUDA extension is imported. Without the sdist the row is left out with a note.
 - LSTM, B=16 L=180 I=256 H=256: peer torch.nn.LSTM (weights mapped onto `ssmc.examples.lstm`'s W, U, bias).
 
 ssmc runs `ssmc.compile(SPEC, backend=...)` (forward) and forward + `ssmc.grad(SPEC, backend=...)` with the
@@ -37,6 +42,7 @@ timings say nothing about the implementations.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import datetime
 import gc
@@ -47,9 +53,11 @@ import platform
 import shlex
 import statistics
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -124,6 +132,46 @@ def numba_selective_scan(u, delta, A, B, C, D, z, delta_bias):
     return y
 
 
+def load_selective_scan_ref(peers: Path) -> tuple[Callable | None, str]:
+    """mamba-ssm's `selective_scan_ref` from the sdist in `peers` (see the module docstring), or None and why.
+
+    The module it lives in imports mamba-ssm's CUDA extension at its top, so only the function's own
+    source is compiled (its globals: torch, F, rearrange, repeat)."""
+    archives = sorted(peers.glob("mamba_ssm-*.tar.gz"))
+    if not archives:
+        return None, f"mamba-ssm sdist not found in {peers}: mamba-ssm's selective_scan_ref not measured"
+    try:
+        import einops
+    except ImportError:
+        wheels = sorted(peers.glob("einops-*.whl"))
+        if not wheels:
+            return None, "einops is not installed and not in the peers folder: selective_scan_ref not measured"
+        sys.path.append(str(wheels[-1]))  # a pure-Python wheel imports from the zip
+        import einops
+    with tarfile.open(archives[-1]) as tar:
+        member = next((m for m in tar.getmembers()
+                       if m.name.endswith("mamba_ssm/ops/selective_scan_interface.py")), None)
+        if member is None:
+            return None, f"{archives[-1].name} has no selective_scan_interface.py: selective_scan_ref not measured"
+        source = tar.extractfile(member).read().decode()
+    fn = next((n for n in ast.parse(source).body
+               if isinstance(n, ast.FunctionDef) and n.name == "selective_scan_ref"), None)
+    if fn is None:
+        return None, f"{archives[-1].name} defines no selective_scan_ref: not measured"
+    namespace = {"torch": torch, "F": F, "rearrange": einops.rearrange, "repeat": einops.repeat}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), f"{archives[-1].name}:{member.name}", "exec"), namespace)
+    return namespace["selective_scan_ref"], f"mamba-ssm selective_scan_ref from {archives[-1].name}"
+
+
+def mamba_ssm_ref(ref):
+    """`ref` (mamba-ssm's selective_scan_ref) with this bench's argument order."""
+
+    def call(u, delta, A, B, C, D, z, delta_bias):
+        return ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+
+    return call
+
+
 # -- measuring -----------------------------------------------------------------------------------
 
 @dataclass
@@ -134,9 +182,10 @@ class Timing:
     iqr_s: float              # interquartile range of the timed calls
 
 
-def measure(call: Callable[[object], object], make_args: Callable[[int], object], target_s: float) -> Timing:
+def measure(call: Callable[[object], object], make_args: Callable[[int], object], target_s: float,
+            min_repeats: int = MIN_REPEATS) -> Timing:
     """The first call, up to 3 calibration calls, then the median of N calls (N for ~target_s in all, at
-    least MIN_REPEATS; cut short past 3 * target_s). make_args(i) makes call i's inputs outside the timer."""
+    least min_repeats; cut short past 3 * target_s). make_args(i) makes call i's inputs outside the timer."""
 
     def timed(i: int) -> float:
         args = make_args(i)
@@ -149,12 +198,12 @@ def measure(call: Callable[[object], object], make_args: Callable[[int], object]
     while len(calibration) < 3 and sum(calibration) < target_s / 2:
         calibration.append(timed(1 + len(calibration)))
     one = statistics.median(calibration)
-    repeats = min(MAX_REPEATS, max(MIN_REPEATS, round(target_s / max(one, 1e-9))))
+    repeats = min(MAX_REPEATS, max(min_repeats, round(target_s / max(one, 1e-9))))
     times: list[float] = []
     gc.collect()
     for i in range(repeats):
         times.append(timed(4 + i))
-        if len(times) >= MIN_REPEATS and sum(times) > 3 * target_s:
+        if len(times) >= min_repeats and sum(times) > 3 * target_s:
             break
     q1, _, q3 = statistics.quantiles(times, n=4)
     return Timing(first, statistics.median(times), len(times), q3 - q1)
@@ -251,7 +300,9 @@ def mamba_inputs(rng: np.random.Generator, s: dict) -> tuple[dict[str, np.ndarra
     return inputs, dy
 
 
-def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict, seed: int, target: float):
+def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict, seed: int, target: float,
+                ref=None):
+    """`ref`: mamba-ssm's selective_scan_ref in this bench's argument order (None: not measured)."""
     name = f"mamba1 B={s['B']} D={s['D']} L={s['L']} N={s['N']}"
     inputs, dy = mamba_inputs(_rng(seed, "mamba1-check", 0), s)
     as64 = {k: v.astype(np.float64) for k, v in inputs.items()}
@@ -273,6 +324,13 @@ def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict
         report.check(f"mamba1 torch loop d{k}", g, g_ref[k], GRAD_TOL)
 
     report.check("mamba1 numba loop fwd", numba_selective_scan(*(inputs[k] for k in MAMBA_INPUTS)), y_ref, FWD_TOL)
+    if ref is not None:
+        r32 = {k: torch.from_numpy(v).requires_grad_() for k, v in inputs.items()}
+        yr = ref(*(r32[k] for k in MAMBA_INPUTS))
+        report.check("mamba1 mamba-ssm selective_scan_ref fwd", yr, y_ref, FWD_TOL)
+        gr = torch.autograd.grad((yr * torch.from_numpy(dy)).sum(), [r32[k] for k in MAMBA_INPUTS])
+        for k, g in zip(MAMBA_INPUTS, gr):
+            report.check(f"mamba1 mamba-ssm selective_scan_ref d{k}", g, g_ref[k], GRAD_TOL)
 
     y_ssmc = _numpy(fwd(**inputs))
     report.check(f"mamba1 ssmc[{backend}] fwd", y_ssmc, y_ref, FWD_TOL)
@@ -306,6 +364,19 @@ def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict
     report.rows.append(Row(name, "torch loop (autograd)", "float32",
                            measure(torch_fwd, lambda i: torch_args(i, False), target),
                            measure(torch_fwd_bwd, lambda i: torch_args(i, True), target)))
+    if ref is not None:
+        def ref_fwd(a):
+            with torch.no_grad():
+                ref(*a[0])
+
+        def ref_fwd_bwd(a):
+            leaves, cot = a
+            torch.autograd.grad((ref(*leaves) * cot).sum(), leaves)
+
+        # its backward takes ~20 s per call at the full sizes: the median of 2 calls after a warm-up
+        report.rows.append(Row(name, "mamba-ssm selective_scan_ref (autograd)", "float32",
+                               measure(ref_fwd, lambda i: torch_args(i, False), target),
+                               measure(ref_fwd_bwd, lambda i: torch_args(i, True), target, min_repeats=2)))
     report.rows.append(Row(name, "numba loop (prange b*d)", "float32",
                            measure(lambda a: numba_selective_scan(*(a[0][k] for k in MAMBA_INPUTS)), fresh, target)))
     report.rows.append(Row(name, f"ssmc [{backend}]", str(y_ssmc.dtype),
@@ -499,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes and short measurements (smoke run)")
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads (default 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peers", type=Path, default=Path(__file__).resolve().parent.parent / "peers",
+                    help="folder with the mamba-ssm sdist (default <repo>/peers)")
+    ap.add_argument("--no-mamba-ref", action="store_true", help="leave out mamba-ssm's selective_scan_ref")
     ap.add_argument("--target-seconds", type=float, default=None,
                     help=f"time per measurement (default 2; {QUICK_TARGET_SECONDS} with --quick)")
     args = ap.parse_args(argv)
@@ -523,7 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK_SIZES if quick else FULL_SIZES
     target = args.target_seconds if args.target_seconds is not None else (QUICK_TARGET_SECONDS if quick else 2.0)
 
-    bench_mamba(report, mamba_fwd, mamba_grad, backend, mamba_build, sizes["mamba1"], args.seed, target)
+    ref = None
+    if not args.no_mamba_ref:
+        found, why = load_selective_scan_ref(args.peers)
+        ref = None if found is None else mamba_ssm_ref(found)
+        report.notes.append(why)
+    bench_mamba(report, mamba_fwd, mamba_grad, backend, mamba_build, sizes["mamba1"], args.seed, target, ref)
     if all(c.ok for c in report.checks):
         bench_lstm(report, lstm_fwd, lstm_grad, backend, lstm_build, sizes["lstm"], args.seed, target)
     failed = [c for c in report.checks if not c.ok]

@@ -170,6 +170,8 @@ class StepBuilder:
             if n.op in LEAVES or (n.op in _VIEWS and n not in roots):
                 continue
             keep = n in roots or n.op in (Op.SUM, Op.REDUCE_MAX)
+            if n.op is Op.SUM and n not in roots and self._summed_again(n):
+                keep = False  # fused into its consumer's accumulation loop (`sum_chain`)
             if not keep and n.op in ELEMENTWISE:
                 consumers = self.users[n]
                 keep = len(consumers) > 1 or any(set(self._loop_axes(c)) - set(self.local(n)) for c in consumers)
@@ -181,9 +183,26 @@ class StepBuilder:
             self.names.setdefault(n, f"{self.prefix}m{i}")
         return chosen
 
+    def _summed_again(self, node: Node) -> bool:
+        """A sum whose only consumer is another sum (``sum_k sum_g x``): one loop nest does both."""
+        users = self.users[node]
+        return len(users) == 1 and users[0].op is Op.SUM
+
+    def sum_chain(self, node: Node) -> Node:
+        """The operand under a SUM and the unmaterialised SUMs directly below it."""
+        x = node.args[0]
+        while x.op is Op.SUM and x not in self.materialised_set:
+            x = x.args[0]
+        return x
+
     def _loop_axes(self, node: Node) -> tuple[str, ...]:
         """Local axes a consumer loops over while it reads its operands."""
-        if node.op in (Op.SUM, Op.REDUCE_MAX):
+        if node.op is Op.SUM:
+            x = node.args[0]
+            while x.op is Op.SUM and self._summed_again(x) and x not in self.k.program.roots:
+                x = x.args[0]
+            return self.local(x)
+        if node.op is Op.REDUCE_MAX:
             return self.local(node.args[0])
         if node.op in _VIEWS:  # views are inlined: their consumers' loops are what count
             users = self.users.get(node, [])
@@ -269,13 +288,15 @@ class StepBuilder:
         name = self.names[node]
         local = self.layout(node)
         target = Load(name, tuple(env[a] for a in local)) if local else Var(name)
-        if node.op is Op.SUM and local:
+        if node.op is Op.SUM and (local or node.args[0] is not self.sum_chain(node)):
             # zero, then accumulate in the operand's axis order: the innermost loop runs along
-            # the operand's last axis (contiguous in its inputs), not along the reduced one
-            (x,) = node.args
+            # the operand's last axis (contiguous in its inputs), not along the reduced one;
+            # nested sums (sum_k sum_g x) accumulate in one nest over x's axes
+            x = self.sum_chain(node)
             arg_env = self.env_for(x.axes)
+            acc = Load(name, tuple(arg_env[a] for a in local)) if local else Var(name)
             return self.nest(local, [Assign(target, Num(0.0))]) + self.nest(
-                x.axes, [Assign(Load(name, tuple(arg_env[a] for a in local)), self.expr(x, arg_env), "+=")])
+                x.axes, [Assign(acc, self.expr(x, arg_env), "+=")])
         if node.op in (Op.SUM, Op.REDUCE_MAX):
             (x,) = node.args
             axis = node.arg

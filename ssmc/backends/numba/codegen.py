@@ -10,6 +10,9 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
 from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.unroll import unroll_sums
+from . import blocking
+from .blocking import BlockedKernel, block_kernel, wants_blocking
 
 _FUNCS = {"abs": "abs_", "max": "max_", "min": "min_", "pow": "pow_"}
 
@@ -62,27 +65,32 @@ def statements(stmts, depth: int) -> list[str]:
     return out
 
 
-def _unflatten(parallel: tuple[str, ...]) -> list[str]:
+def _unflatten(parallel: tuple[str, ...], extent=size_var) -> list[str]:
     """p -> one index per parallel axis (the last axis varies fastest)."""
     lines = []
     rest = "p"
     for a in reversed(parallel):
-        lines.append(f"p_{a} = {rest} % {size_var(a)}")
-        lines.append(f"rest_{a} = {rest} // {size_var(a)}")
+        lines.append(f"p_{a} = {rest} % {extent(a)}")
+        lines.append(f"rest_{a} = {rest} // {extent(a)}")
         rest = f"rest_{a}"
     return lines
 
 
 def _kernel_context(k: Kernel) -> dict:
+    if wants_blocking(k):
+        k = block_kernel(k)
+    blocked = isinstance(k, BlockedKernel)
+    extent = (lambda a: blocking.extent(k, a)) if blocked else size_var
     return {
         "name": k.name,
         "sizes": [size_var(a) for a in k.sizes],
         "arrays": [a.name for a in k.arrays],
-        "total": " * ".join(size_var(a) for a in k.parallel) or "1",
-        "unflatten": _unflatten(k.parallel),
+        "prelude": blocking.prelude(k) if blocked else [],
+        "total": " * ".join(extent(a) for a in k.parallel) or "1",
+        "unflatten": _unflatten(k.parallel, extent) + (blocking.block_bounds(k) if blocked else []),
         "reverse": k.reverse,
-        "setup": "\n".join(statements(k.setup, 2)),
-        "step": "\n".join(statements(k.step, 3)) or "            pass",
+        "setup": "\n".join(statements(unroll_sums(k.setup), 2)),
+        "step": "\n".join(statements(unroll_sums(k.step), 3)) or "            pass",
         "finish": "\n".join(statements(k.finish, 2)),
     }
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 
 import numpy as np
 
+from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist
 from ...lowering.plan import Kernel, Lowered, lower
 from ...runtime.cache import store
 from ...runtime.progress import progress
 from .codegen import module_source
+from .gemm import matmul
+from .strategy import narrow, use_narrow
 
 
 def _load(path, name: str):
@@ -34,8 +38,13 @@ class NumbaRunner:
     def __init__(self, program, dtype: str = "float64", lowered: Lowered | None = None):
         self.program = program
         self.dtype = np.dtype(dtype)
-        self.lowered: Lowered = lowered or lower(program)
-        self.source = module_source(self.lowered, self.dtype.name)
+        # a given lowering (of `program` itself) runs as it is: no hoisting, no narrower variant
+        self.hoisted: Hoisted = Hoisted(program, program) if lowered else hoist(program)
+        self.lowered: Lowered = lowered or lower(self.hoisted.program)
+        self.narrow: Lowered | None = None if lowered else narrow(self.lowered)  # fewer parallel axes
+        kernels = self.lowered.kernels + ([k for k in self.narrow.kernels if k not in self.lowered.kernels]
+                                          if self.narrow else [])
+        self.source = module_source(replace(self.lowered, kernels=kernels), self.dtype.name)
         self.path = store("numba", self.source, ".py")
         self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
         self.compiled: set[str] = set()
@@ -48,7 +57,7 @@ class NumbaRunner:
         made = {}
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
-                args.append(_flat(np.ascontiguousarray(arrays[a.name], dtype=dt)))
+                args.append(_flat(np.asarray(arrays[a.name], dtype=dt)))  # strided views stay views
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
             made[a.name] = np.empty(shape, dtype=dt)
@@ -63,9 +72,32 @@ class NumbaRunner:
         return made
 
     def run(self, seqs, params, initial, sizes, length):
-        """Same contract as `interpreter.run_recurrence`."""
+        """Same contract as `interpreter.run_recurrence`.
+
+        Contractions hoisted out of the time loop (`lowering/hoist.py`) run as matrix products
+        (`gemm.py`, on Numba's threads) in the run's dtype before (new sequences) and after
+        (outputs, accumulators) the kernels."""
+        h = self.hoisted
+        if not h.changed:
+            return self._run_lowered(seqs, params, initial, sizes, length)
+        dt = self.dtype
+        seqs = {k: np.asarray(v).astype(dt, copy=False) for k, v in seqs.items()}
+        params = {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}
+        initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
+        seqs.update(compute_pre(h, seqs, params, matmul))
+        outs, finals = self._run_lowered(seqs, {**params, **compute_params(h, params)}, initial, sizes, length)
+        post_outs, post_finals = compute_post(h, seqs, params, outs, initial, matmul)
+        outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
+        finals = {s.name: post_finals[s.name] if s.name in post_finals else finals[s.name]
+                  for s in self.program.states}
+        return outs, finals
+
+    def _run_lowered(self, seqs, params, initial, sizes, length):
+        """`run` of the hoisted program through its kernels."""
         low = self.lowered
-        p = self.program
+        if self.narrow is not None and use_narrow(self.narrow, sizes, _threads()):
+            low = self.narrow
+        p = self.hoisted.program
         if low.strategy == "fused":
             (k,) = low.kernels
             made = self._call(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes, length)

@@ -1,0 +1,400 @@
+"""Hoisting contractions out of the time loop, to be done for all steps at once by a matrix product.
+
+A *contraction* is ``sum over R of (f1 * f2 * ...)`` (a chain of SUMs over a product). Two kinds
+do not need the sequential loop:
+
+- **pre**: a contraction whose factors read sequences and params only (through renames and
+  unbinds), e.g. an LSTM's gate term ``z_x[t, b, g, k] = sum_i x[t, b, i] W[i, g, k]``. It becomes a
+  new sequence input ``hz<n>`` of the program, computed before the kernel for every t:
+
+      for t: hz[t, ...] = sum over R of prod(factors at t)          # one einsum over (t, ...)
+
+- **post**: a root that is a contraction of one value `f` the kernel computes (anything, states
+  included) with sequences / params, e.g. an adjoint's ``grad_x[t, b, i] = sum_{g,k} gz[t, g, b, k]
+  W[i, g, k]`` or a param-gradient accumulator ``grad_W += sum_b gz[t, g, b, k] x[t, b, i]``. The
+  kernel then writes `f` as a new per-step output ``hf<n>`` and the root is computed afterwards:
+
+      for t: y[t, ...] = sum over R of f[t] * prod(other factors at t)     # an output
+      acc = init + sum over t, R of f[t] * prod(other factors at t)       # an accumulator
+
+  so an accumulator that sums over the batch and time is one matrix product over (t, b) and leaves
+  the program (which then often needs no split into core + epilogue at all).
+
+Only matrix-product-like contractions are hoisted (`gemm_like`: something is summed and two
+factors each have an axis the others lack), plus plain sums of an `f` that is written anyway.
+The pass is backend-neutral: `hoist` rewrites the IR; `compute_pre` / `compute_post` evaluate the
+hoisted parts with NumPy in the arrays' dtype (a GPU backend would do the same with its einsum).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir.node import Node, substitute, toposort
+from ..ir.ops import Op
+from ..ir.program import Decl, Recurrence, Role
+from ..passes.classify import classify
+
+TIME = "~t"  # the label of the time axis while evaluating
+
+
+@dataclass(frozen=True)
+class Hoisted:
+    """`program` with contractions hoisted (module docstring) and how to compute them.
+
+    pre:          (new sequence name, state-free contraction node of the original program)
+    factors:      (new output name, the value f the kernel writes per step)
+    post_outputs: (output name, contraction node over leaves and INPUT(f's output name))
+    post_accumulators: (state name, increment node, like post_outputs), summed over time
+    transposed:   (new param name, original param name, its axes in the new order)
+    """
+
+    original: Recurrence
+    program: Recurrence
+    pre: tuple[tuple[str, Node], ...] = ()
+    factors: tuple[tuple[str, Node], ...] = ()
+    post_outputs: tuple[tuple[str, Node], ...] = ()
+    post_accumulators: tuple[tuple[str, Node], ...] = ()
+    transposed: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.pre or self.factors or self.transposed)
+
+    def describe(self) -> str:
+        copies = ", ".join(f"{n} = {p}[{' '.join(a)}]" for n, p, a in self.transposed)
+        lines = [f"hoisted before the time loop: {', '.join(n for n, _ in self.pre) or '-'}",
+                 f"params copied in the loop order: {copies or '-'}",
+                 f"per-step values written for after it: {', '.join(n for n, _ in self.factors) or '-'}",
+                 f"computed after it: {', '.join(n for n, _ in self.post_outputs + self.post_accumulators) or '-'}"]
+        return "\n".join(lines)
+
+
+# -- recognising contractions -------------------------------------------------------------------
+
+
+def split_contraction(node: Node) -> tuple[tuple[str, ...], tuple[Node, ...]] | None:
+    """(summed axes, factors) when `node` is ``sum over R of a product`` (R non-empty), else None."""
+    summed = []
+    while node.op is Op.SUM:
+        summed.append(node.arg)
+        node = node.args[0]
+    if not summed:
+        return None
+    factors, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n.op is Op.MUL:
+            stack.extend(reversed(n.args))
+        else:
+            factors.append(n)
+    return tuple(summed), tuple(factors)
+
+
+def gemm_like(summed, factors) -> bool:
+    """Something summed and at least two factors with an axis no other factor has."""
+    if not summed or len(factors) < 2:
+        return False
+    own = 0
+    for i, f in enumerate(factors):
+        others = {a for j, g in enumerate(factors) if j != i for a in g.axes}
+        own += any(a not in others and a not in summed for a in f.axes)
+    return own >= 2
+
+
+def _leafy(node: Node, roles: dict[str, Role]) -> bool:
+    """An input (sequence / param) seen through renames and unbinds only."""
+    while node.op in (Op.RENAME, Op.SELECT):
+        node = node.args[0]
+    return node.op is Op.INPUT and roles.get(node.arg) in (Role.SEQ, Role.PARAM)
+
+
+def _timed(node: Node, roles: dict[str, Role]) -> bool:
+    return any(n.op is Op.INPUT and roles.get(n.arg) is Role.SEQ for n in toposort([node]))
+
+
+# -- the pass ------------------------------------------------------------------------------------
+
+
+def hoist(program: Recurrence) -> Hoisted:
+    """Hoist the program's pre and post contractions (module docstring); unchanged if none."""
+    roles = {d.name: d.role for d in program.decls}
+    pre = _find_pre(program, roles)
+    mapping = {node: Node.make(Op.INPUT, (), name, node.axes) for name, node in pre}
+    updates = substitute(program.updates, mapping) if mapping else program.updates
+    outputs = tuple(zip([n for n, _ in program.outputs],
+                        substitute(tuple(y for _, y in program.outputs), mapping))) if mapping else program.outputs
+    staged = _replace(program, updates, outputs, extra_seqs=[(n, node.axes) for n, node in pre])
+    staged_roles = {d.name: d.role for d in staged.decls}
+
+    factors: dict[Node, str] = {}
+    post_outputs, post_acc = [], []
+
+    def post_form(root: Node, gemm_only: bool) -> Node | None:
+        parts = split_contraction(root)
+        if parts is None:
+            return None
+        summed, fs = parts
+        kernel_values = [f for f in fs if not _leafy(f, staged_roles)]
+        if len(kernel_values) != 1 or kernel_values[0].op is Op.INPUT:
+            return None
+        (f,) = kernel_values
+        if not gemm_like(summed, fs) if gemm_only else f not in factors:
+            return None
+        name = factors.setdefault(f, f"hf{len(factors)}")
+        return substitute((root,), {f: Node.make(Op.INPUT, (), name, f.axes)})[0]
+
+    accs = _accumulators(staged)
+    # two rounds: matrix-product-like roots first, then plain sums of a value already written
+    for gemm_only in (True, False):
+        for name, y in staged.outputs:
+            if name not in dict(post_outputs) and (form := post_form(y, gemm_only)) is not None:
+                post_outputs.append((name, form))
+        for s, b in accs.items():
+            if s not in dict(post_acc) and (form := post_form(b, gemm_only)) is not None:
+                post_acc.append((s, form))
+    if not pre and not post_outputs and not post_acc:
+        program_t, transposed = transpose_params(program)
+        return Hoisted(program, program_t, transposed=transposed)
+    drop_out = {n for n, _ in post_outputs}
+    drop_state = {s for s, _ in post_acc}
+    keep = [i for i, s in enumerate(staged.states) if s.name not in drop_state]
+    updates = tuple(staged.updates[i] for i in keep)
+    outputs = tuple((n, y) for n, y in staged.outputs if n not in drop_out)
+    outputs += tuple((name, f) for f, name in factors.items())
+    final, transposed = transpose_params(_replace(staged, updates, outputs, drop_states=drop_state))
+    return Hoisted(program, final, tuple(pre), tuple((n, f) for f, n in factors.items()),
+                   tuple(post_outputs), tuple(post_acc), transposed)
+
+
+def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
+    """Params read by a per-step contraction, copied into the contraction's loop order.
+
+    A sum accumulates in its operand's axis order (`plan.StepBuilder.compute`), so for
+    ``sum_{g,k} f[g, k] U[j, g, k]`` (operand axes g k j) the innermost loop runs along j, which
+    is strided in U. A copy ``hp[g, k, j] = U[j, g, k]`` made once per run makes it contiguous.
+    """
+    roles = {d.name: d.role for d in program.decls}
+    nodes = toposort(program.roots)
+    users: dict[Node, list[Node]] = {}
+    for n in nodes:
+        for a in n.args:
+            users.setdefault(a, []).append(n)
+    mapping: dict[Node, Node] = {}
+    transposed: list[tuple[str, str, tuple[str, ...]]] = []
+    for n in nodes:
+        if n.op is not Op.SUM or any(u.op is Op.SUM for u in users.get(n, [])):
+            continue
+        x = n
+        while x.op is Op.SUM:
+            x = x.args[0]
+        factors = split_contraction(n)[1]
+        for f in factors:
+            renames, leaf = [], f
+            while leaf.op is Op.RENAME:
+                renames.append(dict(leaf.arg))
+                leaf = leaf.args[0]
+            if leaf.op is not Op.INPUT or roles.get(leaf.arg) is not Role.PARAM or f in mapping:
+                continue
+            back = {}  # the factor's axis name -> the param's own name
+            for a in leaf.axes:
+                name = a
+                for r in reversed(renames):
+                    name = r.get(name, name)
+                back[name] = a
+            want = tuple(back[a] for a in x.axes if a in back)
+            if want == leaf.axes or len(want) != len(leaf.axes):
+                continue
+            name = f"hp{len(transposed)}"
+            transposed.append((name, leaf.arg, want))
+            new_leaf = Node.make(Op.INPUT, (), name, want)
+            mapping[f] = substitute((f,), {leaf: new_leaf})[0]
+    if not mapping:
+        return program, ()
+    updates = substitute(program.updates, mapping)
+    outs = substitute(tuple(y for _, y in program.outputs), mapping)
+    decls = [d for d in program.decls]
+    decls += [Decl(name, Role.PARAM, axes) for name, _, axes in transposed]
+    staged = Recurrence(name=program.name, decls=tuple(decls), updates=updates,
+                        outputs=tuple(zip([n for n, _ in program.outputs], outs)), sizes=program.sizes,
+                        reverse=program.reverse, loc=program.loc, doc=program.doc)
+    return _replace(staged, staged.updates, staged.outputs), tuple(transposed)
+
+
+def _find_pre(program: Recurrence, roles) -> list[tuple[str, Node]]:
+    """State-free, time-varying, matrix-product-like contractions; the outermost of each SUM chain."""
+    stateful = {d.name for d in program.states}
+    nodes = toposort(program.roots)
+    free = set()
+    for n in nodes:
+        if n.op is Op.INPUT:
+            if n.arg not in stateful:
+                free.add(n)
+        elif n.op not in (Op.IOTA,) and all(a in free for a in n.args):
+            free.add(n)
+    inner = {n.args[0] for n in nodes if n.op is Op.SUM and n in free}  # a sum summed again
+    found = []
+    for n in nodes:
+        if n.op is not Op.SUM or n not in free:
+            continue
+        if n in inner:
+            continue
+        summed, fs = split_contraction(n)
+        if all(_leafy(f, roles) for f in fs) and gemm_like(summed, fs) and _timed(n, roles):
+            found.append((f"hz{len(found)}", n))
+    return found
+
+
+def _accumulators(program: Recurrence) -> dict[str, Node]:
+    """state name -> per-step increment `b` for states updated as ``s = s + b`` (nothing else reads s)."""
+    out = {}
+    for c in classify(program).states:
+        if c.family != "accumulator" or c.b is None:
+            continue
+        decl = program.decl(c.state)
+        if set(c.b.axes) == set(decl.axes):
+            out[c.state] = c.b
+    return out
+
+
+def _replace(program: Recurrence, updates, outputs, extra_seqs=(), drop_states=()) -> Recurrence:
+    """`program` with new roots; declarations trimmed to what the roots read, new sequences added."""
+    used = {n.arg for n in toposort(updates + tuple(y for _, y in outputs)) if n.op is Op.INPUT}
+    decls = [d for d in program.decls
+             if (d.role is Role.STATE and d.name not in drop_states) or (d.role is not Role.STATE and d.name in used)]
+    decls += [Decl(name, Role.SEQ, axes) for name, axes in extra_seqs]
+    return Recurrence(name=program.name, decls=tuple(decls), updates=tuple(updates), outputs=tuple(outputs),
+                      sizes=program.sizes, reverse=program.reverse, loc=program.loc, doc=program.doc)
+
+
+# -- evaluating the hoisted parts (NumPy, in the arrays' dtype) -----------------------------------
+
+
+def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], sum_time: bool = False,
+              matmul=None):
+    """(array, axis labels) of a leafy contraction; TIME labels the time axis of sequences.
+
+    `matmul(a, b)` (2-D arrays) computes two-factor contractions; None: `np.einsum` does all."""
+    if node.op is Op.INPUT:
+        return env[node.arg]
+    if node.op is Op.RENAME:
+        arr, labels = _evaluate(node.args[0], env, matmul=matmul)
+        mapping = dict(node.arg)
+        return arr, tuple(mapping.get(a, a) for a in labels)
+    if node.op is Op.SELECT:
+        arr, labels = _evaluate(node.args[0], env, matmul=matmul)
+        axis, index = node.arg
+        pos = labels.index(axis)
+        return np.take(arr, index, axis=pos), labels[:pos] + labels[pos + 1:]
+    _, fs = split_contraction(node)
+    operands = [_evaluate(f, env, matmul=matmul) for f in fs]
+    timed = any(TIME in labels for _, labels in operands)
+    out = ((TIME,) if timed and not sum_time else ()) + tuple(node.axes)
+    if matmul is not None and len(operands) == 2:
+        done = _as_matmul(operands, out, matmul)
+        if done is not None:
+            return done
+    letters = {}
+    for _, labels in operands:
+        for a in labels:
+            letters.setdefault(a, string.ascii_letters[len(letters)])
+    spec = ",".join("".join(letters[a] for a in labels) for _, labels in operands)
+    spec += "->" + "".join(letters[a] for a in out)
+    return np.einsum(spec, *(arr for arr, _ in operands), optimize=True), out
+
+
+def _as_matmul(operands, out: tuple[str, ...], matmul):
+    """``sum over shared of a * b`` as one matrix product; None for other forms (batched axes)."""
+    (a, la), (b, lb) = operands
+    a, la = _sum_out(a, la, set(lb) | set(out))
+    b, lb = _sum_out(b, lb, set(la) | set(out))
+    shared = [x for x in la if x in lb]
+    if any(x in out for x in shared):
+        return None
+    fa = [x for x in la if x not in lb]
+    fb = [x for x in lb if x not in la]
+    if set(fa + fb) != set(out):
+        return None
+    size = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
+    a2 = a.transpose([la.index(x) for x in fa + shared]).reshape(_prod(size, fa), _prod(size, shared))
+    b2 = b.transpose([lb.index(x) for x in shared + fb]).reshape(_prod(size, shared), _prod(size, fb))
+    c = matmul(a2, b2)
+    return c.reshape([size[x] for x in fa + fb]), tuple(fa + fb)
+
+
+def _sum_out(arr, labels, keep):
+    drop = [i for i, x in enumerate(labels) if x not in keep]
+    if not drop:
+        return arr, labels
+    return arr.sum(axis=tuple(drop)), tuple(x for x in labels if x in keep)
+
+
+def _prod(size, axes) -> int:
+    out = 1
+    for x in axes:
+        out *= size[x]
+    return out
+
+
+def _env(h: Hoisted, seqs: dict, params: dict) -> dict:
+    """name -> (array, labels) for the original program's sequences and params and the ``hz<n>``."""
+    env = {}
+    for d in h.original.decls:
+        if d.role is Role.SEQ and d.name in seqs:
+            env[d.name] = (seqs[d.name], (TIME, *d.axes))
+        elif d.role is Role.PARAM and d.name in params:
+            env[d.name] = (params[d.name], d.axes)
+    for name, node in h.pre:
+        if name in seqs:
+            env[name] = (seqs[name], (TIME, *node.axes))
+    return env
+
+
+def _ordered(arr: np.ndarray, labels: tuple[str, ...], want: tuple[str, ...], dtype) -> np.ndarray:
+    return np.ascontiguousarray(arr.transpose([labels.index(a) for a in want]), dtype=dtype)
+
+
+def compute_params(h: Hoisted, params: dict) -> dict[str, np.ndarray]:
+    """The transposed param copies ``hp<n>`` (contiguous, in the params' dtype)."""
+    out = {}
+    for name, source, axes in h.transposed:
+        own = h.original.decl(source).axes
+        out[name] = np.ascontiguousarray(params[source].transpose([own.index(a) for a in axes]))
+    return out
+
+
+def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None) -> dict[str, np.ndarray]:
+    """The hoisted sequences ``hz<n>`` [t, *axes] from the run's sequences and params.
+
+    `matmul`: as in `_evaluate` (a backend's own matrix product; None: `np.einsum`)."""
+    env = _env(h, seqs, params)
+    out = {}
+    for name, node in h.pre:
+        dtype = np.result_type(*(env[n.arg][0] for n in toposort([node]) if n.op is Op.INPUT))
+        arr, labels = _evaluate(node, env, matmul=matmul)
+        out[name] = _ordered(arr, labels, (TIME, *node.axes), dtype)
+    return out
+
+
+def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None):
+    """(outputs [t, *axes], final accumulators) of the post contractions, from the kernel's ``hf<n>``.
+
+    `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs."""
+    env = _env(h, seqs, params)
+    for name, f in h.factors:
+        env[name] = (written[name], (TIME, *f.axes))
+    outs, finals = {}, {}
+    for name, node in h.post_outputs:
+        arr, labels = _evaluate(node, env, matmul=matmul)
+        outs[name] = _ordered(arr, labels, (TIME, *node.axes), written[h.factors[0][0]].dtype)
+    for s, node in h.post_accumulators:
+        axes = h.original.decl(s).axes
+        init = initial[s]
+        arr, labels = _evaluate(node, env, sum_time=True, matmul=matmul)
+        if TIME in labels:
+            arr, labels = arr.sum(axis=labels.index(TIME)), tuple(a for a in labels if a != TIME)
+        finals[s] = init + _ordered(arr, labels, axes, init.dtype)
+    return outs, finals

@@ -1,0 +1,137 @@
+"""Unrolling the summed loop of a per-step contraction, so each pass over the accumulator does 8 terms.
+
+`plan.StepBuilder` writes a contraction such as an LSTM's ``m[g, k] = sum_j h[j] U[j, g, k]`` as
+
+    for j in range(n_j):                 # summed: not an index of the target
+        for g in range(n_g):             # the target's axes, innermost contiguous
+            for k in range(n_k):
+                m[g, k] += h[j] * U[j, g, k]
+
+which compilers vectorise along k, but every term loads and stores the accumulator (the loop is
+bound by those memory operations, not by arithmetic). `unroll_sums` rewrites it as
+
+    for u_j in range(n_j // 8):
+        for g, k:  m[g, k] += ((t(8 u_j) + t(8 u_j + 1)) + ...) + ...     # 8 terms, pairwise
+    for j in range(n_j % 8):
+        for g, k:  m[g, k] += t(n_j // 8 * 8 + j)
+
+so the accumulator is loaded and stored once per 8 terms (about 2x faster on the LSTM's
+recurrent product). Only the order of the additions changes. Backend-neutral: it rewrites the
+loop-nest IR (`loops.py`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var
+
+FACTOR = 8
+
+
+def unroll_sums(stmts: list, factor: int | None = None) -> list:
+    """`stmts` with every accumulation nest of the form above unrolled by `factor`."""
+    factor = factor or FACTOR
+    if factor <= 1:
+        return stmts
+    out = []
+    for s in stmts:
+        if isinstance(s, Loop):
+            chain = _axpy_chain(s)
+            if chain is not None:
+                out.extend(_unrolled(s, chain, factor))
+            else:
+                out.append(Loop(s.var, s.extent, unroll_sums(s.body, factor), s.reverse))
+        else:
+            out.append(s)
+    return out
+
+
+def _axpy_chain(loop: Loop) -> list[Loop] | None:
+    """The loops under `loop` down to one ``+=``, when they all index the target and `loop` does not."""
+    chain, body = [], loop.body
+    while len(body) == 1 and isinstance(body[0], Loop):
+        chain.append(body[0])
+        body = body[0].body
+    if not chain or len(body) != 1 or not isinstance(body[0], Assign) or body[0].op != "+=":
+        return None
+    target = body[0].target
+    if not isinstance(target, Load):
+        return None
+    used = {tok for idx in target.index for tok in re.findall(r"\w+", idx)}
+    if loop.var in used or any(c.var not in used for c in chain) or loop.reverse:
+        return None
+    if not target.index or chain[-1].var not in re.findall(r"\w+", target.index[-1]):
+        return None  # the innermost loop must run along the target's last (contiguous) axis
+    return chain
+
+
+def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
+    assign = chain[-1].body[0]
+    var, extent = loop.var, f"({loop.extent})"
+    block = f"u_{var.removeprefix('i_')}"
+    terms = [_subst(assign.value, var, f"({factor} * {block} + {r})") for r in range(factor)]
+    hoisted: list[list] = [[] for _ in chain]
+    value = _hoist_loads(_pairwise(terms), [c.var for c in chain], hoisted, f"h{block}")
+    main = _wrap(chain, Assign(assign.target, value, "+="), hoisted)
+    rest_index = f"({extent} // {factor} * {factor} + {var})"
+    rest = _wrap(chain, Assign(assign.target, _subst(assign.value, var, rest_index), "+="))
+    return [Loop(block, f"{extent} // {factor}", main), Loop(var, f"{extent} % {factor}", rest)]
+
+
+def _hoist_loads(e, chain_vars: list[str], hoisted: list[list], prefix: str):
+    """`e` with every load that is invariant in the innermost chain loops read once into a scalar,
+    just inside the last chain loop it depends on (e.g. ``h[j]`` of ``m[k] += h[j] U[j, k]``): the
+    compiler then need not prove that the accumulator's stores leave it unchanged."""
+    if isinstance(e, Load):
+        tokens = {tok for idx in e.index for tok in re.findall(r"\w+", idx)}
+        depth = max((i + 1 for i, v in enumerate(chain_vars) if v in tokens), default=0)
+        if depth < len(chain_vars):
+            name = f"{prefix}_{sum(len(h) for h in hoisted)}"
+            hoisted[depth].append(Assign(Var(name), e))
+            return Var(name)
+        return e
+    if isinstance(e, Bin):
+        return Bin(e.op, _hoist_loads(e.a, chain_vars, hoisted, prefix), _hoist_loads(e.b, chain_vars, hoisted, prefix))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_hoist_loads(a, chain_vars, hoisted, prefix) for a in e.args))
+    return e  # selects and the rest stay as they are
+
+
+def _wrap(chain: list[Loop], stmt, hoisted: list[list] | None = None) -> list:
+    """The chain's loops around `stmt`; hoisted[i] goes before chain[i] (inside chain[i - 1])."""
+    hoisted = hoisted or [[] for _ in chain]
+    body = [stmt]
+    for i in reversed(range(len(chain))):
+        c = chain[i]
+        body = hoisted[i] + [Loop(c.var, c.extent, body, c.reverse)]
+    return body
+
+
+def _pairwise(terms: list):
+    while len(terms) > 1:
+        terms = [Bin("+", terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _subst(e, var: str, new: str):
+    """Expression `e` with the loop variable `var` replaced by the index expression `new`."""
+    pattern = re.compile(rf"\b{re.escape(var)}\b")
+
+    def idx(s: str) -> str:
+        return pattern.sub(new, s)
+
+    if isinstance(e, Load):
+        return Load(e.array, tuple(idx(i) for i in e.index))
+    if isinstance(e, Var):
+        return Var(new) if e.name == var else e
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_subst(a, var, new) for a in e.args))
+    if isinstance(e, Bin):
+        return Bin(e.op, _subst(e.a, var, new), _subst(e.b, var, new))
+    if isinstance(e, Select):
+        return Select(_subst(e.cond, var, new), _subst(e.a, var, new), _subst(e.b, var, new))
+    if isinstance(e, InRange):
+        return InRange(idx(e.index), idx(e.lo), idx(e.hi))
+    return e  # Num

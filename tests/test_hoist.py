@@ -1,0 +1,225 @@
+"""The hoisting pass (`ssmc/lowering/hoist.py`): hoisted == unhoisted, and it fires where it should.
+
+Relative error = max|got - want| / max|want| against the float64 interpreter on the original
+program; thresholds: 1e-12 (hoisted program through the interpreter, float64), 1e-10 (Numba,
+float64), 2e-4 forward / 2e-3 gradients (Numba, float32).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ssmc
+from ssmc.backends import interpreter
+from ssmc.backends.numba.runner import runner_for
+from ssmc.lowering.hoist import compute_params, compute_post, compute_pre, gemm_like, hoist, split_contraction
+from ssmc.lowering.plan import lower
+from ssmc.passes.autodiff import derive_backward
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "derandomize": True}
+lstm = importlib.import_module("ssmc.examples.lstm")
+
+
+@ssmc.recurrence
+def projected_gate(h: ssmc.State["b d"], x: ssmc.Seq["b e"], Wf: ssmc.Param["e d"], Wx: ssmc.Param["e d"],
+                   Wo: ssmc.Param["d o"]):
+    """A gated linear RNN with input and output projections: pre (x Wf, x Wx) and post (h Wo)."""
+    h = ssmc.sigmoid(ssmc.dot(x, Wf, over="e")) * h + ssmc.tanh(ssmc.dot(x, Wx, over="e"))
+    return h, ssmc.dot(h, Wo, over="d")
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def random_run(program, rng, sizes, length):
+    seqs = {d.name: rng.standard_normal((length, *(sizes[a] for a in d.axes))) for d in program.seqs}
+    params = {d.name: 0.3 * rng.standard_normal([sizes[a] for a in d.axes]) for d in program.params}
+    initial = {d.name: 0.5 * rng.standard_normal([sizes[a] for a in d.axes]) for d in program.states}
+    return seqs, params, initial
+
+
+def hoisted_through_interpreter(h, seqs, params, initial, sizes, length):
+    """The hoisted program run by the interpreter, with the pass's own pre / post evaluation."""
+    seqs = {**seqs, **compute_pre(h, seqs, params)}
+    outs, finals = interpreter.run_recurrence(h.program, seqs, {**params, **compute_params(h, params)}, initial,
+                                              sizes, length)
+    post_outs, post_finals = compute_post(h, seqs, params, outs, initial)
+    return {**outs, **post_outs}, {**finals, **post_finals}
+
+
+def programs():
+    """(label, program, sizes) of every form the tests run: forwards, carries and adjoints."""
+    out = []
+    for label, spec, base in (("lstm", lstm.SPEC, {"g": 4}), ("projected_gate", projected_gate, {})):
+        bw = derive_backward(spec.program)
+        for part, p in (("forward", spec.program), ("carries", bw.carries), ("adjoint", bw.adjoint)):
+            out.append((f"{label}-{part}", p, base))
+    return out
+
+
+def lstm_sizes(b, i, k):
+    return {"b": b, "i": i, "k": k, "j": k, "g": 4}
+
+
+def gate_sizes(b, e, d, o):
+    return {"b": b, "e": e, "d": d, "o": o}
+
+
+def _sizes(label, b, i, k):
+    return lstm_sizes(b, i, k) if label.startswith("lstm") else gate_sizes(b, i, k, i + 2)
+
+
+# -- the pass fires where it should ----------------------------------------------------------------
+
+
+def test_the_lstm_gate_projection_is_hoisted_before_the_time_loop():
+    h = hoist(lstm.SPEC.program)
+    assert [n for n, _ in h.pre] == ["hz0"]
+    assert split_contraction(h.pre[0][1])[0] == ("i",)
+    assert not h.factors and not h.post_outputs
+
+
+def test_the_lstm_adjoint_hoists_every_param_gradient_and_grad_x_and_needs_no_split():
+    adj = derive_backward(lstm.SPEC.program).adjoint
+    assert lower(adj).strategy == "split"
+    h = hoist(adj)
+    assert len(h.pre) == 2                                      # x W and h U of the recomputed gates
+    assert {n for n, _ in h.post_outputs} == {"grad_x"}
+    assert {s for s, _ in h.post_accumulators} == {"grad_W", "grad_U", "grad_bias"}
+    assert [s.name for s in h.program.states] == ["grad_h", "grad_c"]
+    assert lower(h.program).strategy == "fused"
+    assert runner_for(adj, "float32").hoisted.changed          # the Numba backend uses it
+
+
+def test_diagonal_scans_are_left_alone():
+    mamba1 = importlib.import_module("ssmc.examples.mamba1")
+    h = hoist(mamba1.SPEC.program)
+    assert not h.changed and h.program is mamba1.SPEC.program
+
+
+def test_gemm_like_needs_two_sides_with_free_axes():
+    p = projected_gate.program
+    summed, fs = split_contraction(hoist(p).pre[0][1])
+    assert gemm_like(summed, fs)
+    assert not gemm_like(summed, fs[:1])
+    assert not gemm_like((), fs)
+
+
+# -- hoisted == unhoisted -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("label,program,base", programs(), ids=[p[0] for p in programs()])
+def test_hoisted_program_through_the_interpreter_equals_the_original(label, program, base, length):
+    rng = np.random.default_rng(length)
+    sizes = {**_sizes(label, 3, 5, 6), **base}
+    seqs, params, initial = random_run(program, rng, sizes, length)
+    want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
+    got = hoisted_through_interpreter(hoist(program), seqs, params, initial, sizes, length)
+    for w, g in zip(want, got):
+        assert set(g) >= set(w)
+        for k in w:
+            assert g[k].shape == w[k].shape, k
+            assert rel_err(g[k], w[k]) <= 1e-12, k
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(data=st.data(), length=st.sampled_from([1, 7, 180]), dtype=st.sampled_from(["float64", "float32"]))
+def test_numba_with_hoisting_matches_the_interpreter_at_awkward_sizes(data, length, dtype):
+    """Contraction axes 1..37 (not powers of two), forward / carries / adjoint programs."""
+    label, program, base = data.draw(st.sampled_from(programs()), label="program")
+    b, i, k = (data.draw(st.integers(1, 37), label=n) for n in "bik")
+    sizes = {**_sizes(label, b, i, k), **base}
+    rng = np.random.default_rng(length + b)
+    seqs, params, initial = random_run(program, rng, sizes, length)
+    want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
+    cast = {n: {k: v.astype(dtype) for k, v in d.items()} for n, d in
+            (("seqs", seqs), ("params", params), ("initial", initial))}
+    got = runner_for(program, dtype).run(cast["seqs"], cast["params"], cast["initial"], sizes, length)
+    tol = 1e-10 if dtype == "float64" else 2e-4 * (10 if "adjoint" in label else 1)
+    for w, g in zip(want, got):
+        for key in w:
+            assert g[key].dtype == np.dtype(dtype) and g[key].shape == w[key].shape, key
+            assert rel_err(g[key], w[key]) <= tol, (key, rel_err(g[key], w[key]))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_projected_gate_gradients_match_the_interpreter(length, dtype):
+    rng = np.random.default_rng(length)
+    inputs = {"x": rng.standard_normal((3, length, 13)), "Wf": 0.3 * rng.standard_normal((13, 7)),
+              "Wx": 0.3 * rng.standard_normal((13, 7)), "Wo": 0.3 * rng.standard_normal((7, 5)),
+              "h": rng.standard_normal((3, 7))}
+    inputs = {k: v.astype(dtype) for k, v in inputs.items()}
+    dy = rng.standard_normal((3, length, 5)).astype(dtype)
+    got = ssmc.grad(projected_gate, "numba", layout="b t ...", chunk=16)(**inputs, grad_outputs=dy)
+    want = ssmc.grad(projected_gate, "interpreter", layout="b t ...", chunk=16)(**inputs, grad_outputs=dy)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= (1e-10 if dtype == "float64" else 2e-3), key
+
+
+# -- the LSTM lowering picks the fast strategies ------------------------------------------------------
+
+
+def _source(program, dtype="float32") -> str:
+    return runner_for(program, dtype).source
+
+
+def test_the_lstm_lowering_unrolls_its_recurrent_products_and_transposes_U_for_the_adjoint():
+    """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T."""
+    fwd = _source(lstm.SPEC.program)
+    assert "for u_j in range((n_j) // 8):" in fwd                 # h U, 8 terms per pass
+    assert "bs_b = " in fwd and "for q_b in range(b0_b_end - b0_b):" in fwd  # blocks of b share U
+    assert "hz0[t, (b0_b + q_b)" in fwd and "x[t" not in fwd      # x W hoisted out of the loop
+    adj_program = derive_backward(lstm.SPEC.program).adjoint
+    h = runner_for(adj_program, "float32").hoisted
+    assert [(n, p, a) for n, p, a in h.transposed] == [("hp0", "U", ("g", "k", "j"))]
+    adj = _source(adj_program)
+    assert "for u_k in range((n_k) // 8):" in adj                 # grad_h = sum_{g,k} gz U, one nest
+    assert "hp0[i_g, (8 * u_k + 0), i_j]" in adj and "for q_b in range(b0_b_end - b0_b):" in adj
+    assert runner_for(adj_program, "float32").lowered.strategy == "fused"
+
+
+def test_numba_matmul_matches_numpy_at_awkward_shapes():
+    from ssmc.backends.numba.gemm import matmul
+
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 1, 1), (1, 9, 1), (7, 1, 3), (9, 17, 1030), (37, 256, 5), (8, 0, 4)]:
+        for dtype, tol in (("float64", 1e-13), ("float32", 1e-5)):
+            a = rng.standard_normal((m, k)).astype(dtype)
+            b = rng.standard_normal((k, n)).astype(dtype)
+            got = matmul(a, b)
+            want = a.astype(np.float64) @ b.astype(np.float64)
+            assert got.dtype == np.dtype(dtype) and got.shape == (m, n)
+            assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()) * max(1, k)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(extent=st.integers(0, 37), inner=st.integers(1, 5))
+def test_unrolled_sums_add_the_same_terms(extent, inner):
+    """The unrolled nest (as Python) equals the plain one for any extent, remainders included."""
+    from ssmc.backends.numba.codegen import statements
+    from ssmc.lowering.loops import Assign, Bin, Load, Loop
+    from ssmc.lowering.unroll import unroll_sums
+
+    nest = [Loop("i_j", "n_j", [Loop("i_k", "n_k", [
+        Assign(Load("m", ("i_k",)), Bin("*", Load("h", ("i_j",)), Load("U", ("i_j", "i_k"))), "+=")])])]
+    unrolled = unroll_sums(nest)
+    assert len(unrolled) == 2 and unrolled[0].var == "u_j"
+    rng = np.random.default_rng(extent)
+    env = {"n_j": extent, "n_k": inner, "h": rng.integers(-9, 9, extent), "U": rng.integers(-9, 9, (extent, inner)),
+           "F": float}
+    results = []
+    for stmts in (nest, unrolled):
+        local = {**env, "m": np.zeros(inner, dtype=np.int64)}
+        exec("\n".join(statements(stmts, 0)), {}, local)
+        results.append(local["m"])
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], env["h"] @ env["U"])
