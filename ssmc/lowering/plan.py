@@ -342,7 +342,7 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
     `prefix` starts the names of its scratch values (two kernels' steps can then share one body);
     without `load_init` the setup leaves the carry unset (whoever splices the step sets it).
     """
-    k = Kernel(name, program, parallel, time_blocks, store_prev, blocked_init)
+    k = Kernel(name, program, parallel, time_blocks=time_blocks, blocked_init=blocked_init, store_prev=store_prev)
     b = StepBuilder(k, prefix)
     axes_used = set()
     for n in b.nodes:

@@ -95,8 +95,9 @@ def block_kernel(k: Kernel) -> BlockedKernel:
         return out
 
     setup = [Buffer(name, (per_block,)) for name in sorted(scalars)] + wrap(k.setup)
-    blocked = BlockedKernel(k.name, k.program, k.parallel, k.time_blocks, k.store_prev, k.arrays,
-                            setup, wrap(k.step), wrap(k.finish), k.sizes, blocked=axis)
+    blocked = BlockedKernel(k.name, k.program, k.parallel, time_blocks=k.time_blocks, store_prev=k.store_prev,
+                            blocked_init=k.blocked_init, arrays=k.arrays, setup=setup, step=wrap(k.step),
+                            finish=wrap(k.finish), sizes=k.sizes, blocked=axis)
     return blocked
 
 

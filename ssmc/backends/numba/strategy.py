@@ -28,7 +28,8 @@ def narrow(lowered: Lowered) -> Lowered | None:
     """`lowered` with kernels parallel over at most MAX_PARALLEL_AXES axes; None when none has more."""
     if not any(len(k.parallel) > MAX_PARALLEL_AXES for k in lowered.kernels):
         return None
-    kernels = [build_kernel(k.name + SUFFIX, k.program, k.parallel[:MAX_PARALLEL_AXES], k.time_blocks, k.store_prev)
+    kernels = [build_kernel(k.name + SUFFIX, k.program, k.parallel[:MAX_PARALLEL_AXES], time_blocks=k.time_blocks,
+                            store_prev=k.store_prev, blocked_init=k.blocked_init)
                if len(k.parallel) > MAX_PARALLEL_AXES else k for k in lowered.kernels]
     return replace(lowered, kernels=kernels)
 
