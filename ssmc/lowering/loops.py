@@ -106,3 +106,18 @@ def walk(stmts):
         yield s
         if isinstance(s, Loop):
             yield from walk(s.body)
+
+
+def loads(e):
+    """Every `Load` inside the expression `e`."""
+    if isinstance(e, Load):
+        yield e
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from loads(a)
+    elif isinstance(e, Bin):
+        yield from loads(e.a)
+        yield from loads(e.b)
+    elif isinstance(e, Select):
+        for a in (e.cond, e.a, e.b):
+            yield from loads(a)

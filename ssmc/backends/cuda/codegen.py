@@ -15,7 +15,7 @@ from importlib import resources
 import jinja2
 
 from ... import __version__
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, walk
+from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, loads, walk
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.time_blocks import TimeBlocks, partial_name, product_name
 
@@ -222,22 +222,10 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
 
 def _loads(stmts):
     """Every global or buffer access in `stmts` (reads and write targets)."""
-    def visit(e):
-        if isinstance(e, Load):
-            yield e
-        elif isinstance(e, Call):
-            for a in e.args:
-                yield from visit(a)
-        elif isinstance(e, Bin):
-            yield from visit(e.a)
-            yield from visit(e.b)
-        elif isinstance(e, Select):
-            for a in (e.cond, e.a, e.b):
-                yield from visit(a)
     for s in walk(stmts):
         if isinstance(s, Assign):
-            yield from visit(s.target)
-            yield from visit(s.value)
+            yield from loads(s.target)
+            yield from loads(s.value)
 
 
 def _at_t(array) -> Load:

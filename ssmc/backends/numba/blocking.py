@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Select, Var, walk
+from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Select, Var, loads, walk
 from ...lowering.plan import Kernel, size_var
 
 BLOCK = 8        # at most this many indices per block
@@ -57,17 +57,7 @@ def _accumulates_param(loop: Loop, params: set[str]) -> bool:
 
 
 def _arrays(e):
-    if isinstance(e, Load):
-        yield e.array
-    elif isinstance(e, Call):
-        for a in e.args:
-            yield from _arrays(a)
-    elif isinstance(e, Bin):
-        yield from _arrays(e.a)
-        yield from _arrays(e.b)
-    elif isinstance(e, Select):
-        for a in (e.cond, e.a, e.b):
-            yield from _arrays(a)
+    return (x.array for x in loads(e))
 
 
 def block_kernel(k: Kernel) -> BlockedKernel:
