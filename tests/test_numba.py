@@ -17,7 +17,7 @@ from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
 import ssmc
 from ssmc.lowering.plan import lower
 
-RECURRENCES = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+RECURRENCES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
 TOL = {"float64": 1e-10, "float32": 2e-4}  # relative to the largest magnitude of the reference
 
 

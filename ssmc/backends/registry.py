@@ -11,6 +11,7 @@ from functools import partial
 
 import numpy as np
 
+from ..lowering.stages import Fused, fuse
 from . import interpreter
 
 BACKENDS = ("interpreter", "numba", "cuda")
@@ -45,8 +46,17 @@ def compute_dtype(backend: str, given: np.dtype, requested=None) -> np.dtype:
 
 
 def runner(backend: str, program, dtype: np.dtype) -> Runner:
+    """The run function for `program`: the interpreter runs it as written (the ground truth);
+    compiled backends run its fusion stages (`lowering/stages.py`), each a program of its own."""
     if backend == "interpreter":
         return partial(interpreter.run_recurrence, program)
+    fused = fuse(program)
+    if not fused.staged:
+        return _compiled(backend, program, dtype)
+    return partial(run_stages, fused, [_compiled(backend, st.program, dtype) for st in fused.stages])
+
+
+def _compiled(backend: str, program, dtype: np.dtype) -> Runner:
     if backend == "cuda":
         from .cuda.runner import runner_for as cuda_runner
 
@@ -54,6 +64,26 @@ def runner(backend: str, program, dtype: np.dtype) -> Runner:
     from .numba import runner_for
 
     return runner_for(program, dtype.name).run
+
+
+def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, length, out_dtype=None):
+    """Run the stages in order, each stage's intermediates (``row<k>``, ``cut<k>``) becoming the
+    sequences of the next; the runner contract. Intermediates stay in the compute dtype (norm
+    statistics in fp32 whatever the inputs); results are cast to `out_dtype` at the end."""
+    seqs = dict(seqs)
+    outs, finals = {}, {}
+    for stage, run in zip(fused.stages, runs):
+        p = stage.program
+        got, fin = run({d.name: seqs[d.name] for d in p.seqs}, {d.name: params[d.name] for d in p.params},
+                       {s.name: initial[s.name] for s in p.states}, sizes, length)
+        finals.update(fin)
+        for name, value in got.items():
+            if name in stage.writes:
+                seqs[name] = value
+            else:
+                outs[name] = value if out_dtype is None else value.to(out_dtype)
+    program = fused.program
+    return {n: outs[n] for n, _ in program.outputs}, {s.name: finals[s.name] for s in program.states}
 
 
 def array_support(backend: str):

@@ -69,3 +69,56 @@ def mean(x, axes=None) -> Tensor:
 
 def max(x, axes=None) -> Tensor:
     return as_tensor(x).max(axes)
+
+
+# -- layer functions: norms over a named feature axis --------------------------------------------
+# Written with the ops above, so autodiff, the interpreter and every backend see plain IR; the
+# fusion stage (lowering/stages.py) recognises the reduction over a feature axis and gives it
+# its own row kernel when the recurrences run along that axis.
+
+
+def _feature_axis(x: Tensor, over, fn: str) -> str:
+    names = _axes_arg(over)
+    if len(names) != 1:
+        raise SpecError(f"{fn} normalises over one named axis, got {over!r}", user_loc(3))
+    if names[0] not in x.axes:
+        raise SpecError(f"{fn} over axis {names[0]!r}: the value has axes {list(x.axes)}", user_loc(3))
+    return names[0]
+
+
+def _scale_axes(param, axis: str, what: str, fn: str) -> None:
+    if param is not None and tuple(as_tensor(param).axes) != (axis,):
+        raise SpecError(f"{fn}: {what} must be a param over the normalised axis [{axis}], "
+                        f"got axes {list(as_tensor(param).axes)}", user_loc(3))
+
+
+def rmsnorm(x, over, weight=None, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the feature axis `over`: ``x / sqrt(mean(x**2, over) + eps) * weight``.
+
+    As a plain loop, for every index r of x's other axes:
+        rstd = 1 / sqrt(sum_i x[r, i]**2 / n + eps);   y[r, i] = x[r, i] * rstd * weight[i]
+    `weight` (optional) is a param with the one axis `over`.
+    """
+    x = as_tensor(x)
+    axis = _feature_axis(x, over, "rmsnorm")
+    _scale_axes(weight, axis, "weight", "rmsnorm")
+    y = x * rsqrt((x * x).mean(axis) + float(eps))
+    return y if weight is None else y * weight
+
+
+def layernorm(x, over, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the feature axis `over`: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    As a plain loop, for every index r of x's other axes (biased variance, as torch):
+        mu = sum_i x[r, i] / n;   var = sum_i (x[r, i] - mu)**2 / n
+        y[r, i] = (x[r, i] - mu) / sqrt(var + eps) * weight[i] + bias[i]
+    """
+    x = as_tensor(x)
+    axis = _feature_axis(x, over, "layernorm")
+    _scale_axes(weight, axis, "weight", "layernorm")
+    _scale_axes(bias, axis, "bias", "layernorm")
+    centred = x - x.mean(axis)
+    y = centred * rsqrt((centred * centred).mean(axis) + float(eps))
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias

@@ -45,6 +45,19 @@ def size_var(axis: str) -> str:
     return f"n_{axis}"
 
 
+def touched_axes(node: Node) -> set[str]:
+    """Axes `node` reduces, renames, unbinds or splits: along those, values mix across indices."""
+    if node.op in (Op.SUM, Op.REDUCE_MAX):
+        return {node.arg}
+    if node.op is Op.RENAME:
+        return {a for pair in node.arg for a in pair}
+    if node.op is Op.SELECT:
+        return {node.arg[0]}
+    if node.op in (Op.SLICE, Op.PAD):
+        return {node.arg[0], node.arg[1]}
+    return set()
+
+
 def independent_axes(program: Recurrence) -> tuple[str, ...]:
     """Axes along which `program` is a family of independent recurrences (see module docstring)."""
     roots = program.roots
@@ -56,16 +69,7 @@ def independent_axes(program: Recurrence) -> tuple[str, ...]:
     for s in program.states:
         common = [a for a in common if a in s.axes]
     for n in toposort(roots):
-        if n.op in (Op.SUM, Op.REDUCE_MAX):
-            touched = {n.arg}
-        elif n.op is Op.RENAME:
-            touched = {a for pair in n.arg for a in pair}
-        elif n.op is Op.SELECT:
-            touched = {n.arg[0]}
-        elif n.op in (Op.SLICE, Op.PAD):
-            touched = {n.arg[0], n.arg[1]}
-        else:
-            continue
+        touched = touched_axes(n)
         common = [a for a in common if a not in touched]
     order = program.states[0].axes if program.states else roots[0].axes
     return tuple(a for a in order if a in common)
@@ -106,7 +110,7 @@ class Lowered:
     """The kernels for a program and how they connect: one fused kernel, or a core and an epilogue."""
 
     program: Recurrence
-    strategy: str                     # "fused" | "split"
+    strategy: str                     # "fused" | "split" | "map" (no states: per-output kernels)
     kernels: list[Kernel]
     core_states: tuple[str, ...] = ()
     accumulators: tuple[str, ...] = ()
@@ -426,8 +430,11 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     `map_reduce` splits a split program's epilogue into one kernel per output and per accumulator,
     each parallel over that root's own independent axes (and blocks of time), instead of one kernel
     that computes a whole step per block: what a GPU needs, where a step's buffers are too big for
-    one thread.
+    one thread. A program without states then becomes such "map" kernels alone, one per output.
     """
+    if not program.states and map_reduce:  # nothing carried: every step is a map, parallel over time too
+        kernels = [build_kernel(p.name, p, independent_axes(p), time_blocks=True) for p in _per_root(program)]
+        return Lowered(program, "map", kernels)
     parallel = independent_axes(program)
     if parallel or not program.states:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])

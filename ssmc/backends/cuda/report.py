@@ -1,7 +1,8 @@
 """What the CUDA backend generates for a program at given sizes: kernels, launches, ptxas resources.
 
 Used by ``ssmc inspect`` and ``ssmc show --stage cuda``; needs no GPU. Every kernel the forward and
-the gradient (`ssmc.grad`'s recompute and adjoint programs) launch is rendered with contiguous
+the gradient (`ssmc.grad`'s recompute and adjoint programs) launch, through their fusion stages
+(`lowering/stages.py`), is rendered with contiguous
 arrays (the layout "t ...") in the given input dtype, written to the source cache, and compiled by
 NVRTC for `arch` when `nvrtc.available()`.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...grad import default_chunk
+from ...lowering.stages import fuse
 from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import axis_sizes
@@ -26,7 +28,7 @@ class KernelReport:
     """One generated kernel: where it comes from, how it is launched, what ptxas said."""
 
     program: str              # forward | recompute | adjoint
-    strategy: str             # fused | split | time blocks
+    strategy: str             # fused | split | map | time blocks | warp; "post: map" in a fusion stage
     launch: Launch
     source: str
     path: str                 # the source file in the cache
@@ -76,21 +78,33 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
         chunk = min(length, default_chunk("cuda", length, program, sizes))
         programs += [("recompute", bw.carries, chunk), ("adjoint", bw.adjoint, chunk)]
     reports = []
-    for role, prog, steps in programs:
-        runner = CudaRunner(prog, compute)
-        strategy = runner.strategy(sizes, steps, time_contiguous)
-        for launch in runner.launches(sizes, steps, time_contiguous):
-            source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes)
-            report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
-            if compile_kernels and nvrtc.available():
-                try:
-                    built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
-                    report.resources = built.resources[launch.kernel.name]
-                except nvrtc.NvrtcError as err:
-                    report.error = str(err).splitlines()[0]
-            elif compile_kernels:
-                report.error = nvrtc.unavailable_reason()
-            reports.append(report)
+    for role, whole, steps in programs:
+        fused = fuse(whole)
+        for stage in fused.stages:
+            runner = CudaRunner(stage.program, compute)
+            strategy = runner.strategy(sizes, steps, time_contiguous)
+            if fused.staged:  # which fusion stage (lowering/stages.py) the kernel belongs to
+                strategy = f"{stage.kind}: {strategy}"
+            reports += _reports(runner, role, strategy, sizes, steps, time_contiguous, dtype, compute, arch,
+                                compile_kernels)
+    return reports
+
+
+def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, time_contiguous: bool, dtype: str,
+             compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
+    reports = []
+    for launch in runner.launches(sizes, steps, time_contiguous):
+        source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes)
+        report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
+        if compile_kernels and nvrtc.available():
+            try:
+                built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
+                report.resources = built.resources[launch.kernel.name]
+            except nvrtc.NvrtcError as err:
+                report.error = str(err).splitlines()[0]
+        elif compile_kernels:
+            report.error = nvrtc.unavailable_reason()
+        reports.append(report)
     return reports
 
 

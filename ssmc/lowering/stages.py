@@ -1,0 +1,240 @@
+"""The fusion stage: a layer's step cut into kernels only where it needs a whole row of a step.
+
+A layer written as one step (scan, skip, gate, a norm over the channels, a residual add) mixes
+two kinds of work. The scan runs each channel as an independent recurrence (a thread or a warp
+per (b, d)); a norm needs every channel of a step at once. Everything elementwise already fuses
+into the recurrence's kernel (plan.py): the prologue (softplus, the skip) is inlined into its
+loads, the epilogue (the gate) into its stores. What cannot be is a *row statistic*: a reduction
+over an axis ``a`` whose result is broadcast back along ``a`` (the norm's ``mean_d(y**2)``,
+multiplied into ``y``). This pass moves row statistics out of the recurrence:
+
+    pre   row statistics that read no state (in an adjoint the forward's values are sequences):
+          a state-free program computes them for every step, the recurrence reads them as new
+          sequences ``row<k>`` [t, the statistic's axes]
+    core  the recurrence with everything else fused in; it also writes the values the rows
+          need (``cut<k>``: the norm's input y, [t b d]) as extra outputs
+    post  the outputs that take row statistics of state-dependent values (the forward's norm
+          and the residual add after it): a state-free program over the cut values
+
+Pre and post programs have no states: each backend runs them parallel over time as well as over
+their own independent axes (on CUDA a thread per (b, t) row; `plan.lower`). A row statistic
+inside a state update (a norm inside the recurrence) stays: that recurrence then runs a thread
+per row (b) rather than per (b, d), which is correct but not parallel over the normalised axis.
+
+As a plain loop the staged program is the original: pre for all t, then the recurrence over t,
+then post for all t; `fuse` only decides where values are stored between kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.node import BOOL, Node, substitute, toposort
+from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
+from ..ir.program import Decl, Recurrence, Role
+from ..passes.classify import classify
+
+_INTRODUCES_AXIS = (Op.RENAME, Op.SLICE, Op.PAD)   # ops whose result can name an axis its operand lacks
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One program of a staged run: "pre", "core" or "post", and the intermediates it writes."""
+
+    kind: str
+    program: Recurrence
+    writes: tuple[str, ...] = ()      # outputs that are sequences of a later stage, not results
+
+
+@dataclass(frozen=True)
+class Fused:
+    """`program` as stages run in order; one "core" stage when nothing needed moving."""
+
+    program: Recurrence
+    stages: tuple[Stage, ...]
+    moved: tuple[Node, ...] = ()      # row statistics taken out of the recurrence
+    left_in: tuple[Node, ...] = ()    # row statistics inside state updates, left in the recurrence
+
+    @property
+    def staged(self) -> bool:
+        return len(self.stages) > 1
+
+    def describe(self) -> str:
+        lines = []
+        for st in self.stages:
+            p = st.program
+            outs = [n for n, _ in p.outputs]
+            writes = [f"{n} [t {' '.join(dict(p.outputs)[n].axes)}]" for n in st.writes]
+            reads = [d.name for d in p.seqs if d.name.startswith(("row", "cut"))]
+            line = f"  {st.kind:<5} {p.name}: " + (f"{len(p.states)} states, " if p.states else "no states, ")
+            line += f"outputs {', '.join(o for o in outs if o not in st.writes) or '-'}"
+            if writes:
+                line += f"; writes {', '.join(writes)}"
+            if reads:
+                line += f"; reads {', '.join(reads)}"
+            lines.append(line)
+        for r in self.left_in:
+            lines.append(f"  left in the recurrence (a row statistic inside a state update): sum over {r.arg}")
+        return "\n".join(lines)
+
+
+def _users(nodes: list[Node]) -> dict[Node, list[Node]]:
+    users: dict[Node, list[Node]] = {n: [] for n in nodes}
+    for n in nodes:
+        for a in set(n.args):
+            users[a].append(n)
+    return users
+
+
+def _broadcast_back(node: Node, users: dict[Node, list[Node]]) -> bool:
+    """Does the reduction `node` (over axis a) meet axis a again above it, not through a rename?"""
+    axis = node.arg
+    seen: set[Node] = set()
+    stack = list(users[node])
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if axis in u.axes:
+            if u.op not in _INTRODUCES_AXIS:
+                return True
+            continue  # another axis renamed or cut into that name: a different index
+        stack.extend(users[u])
+    return False
+
+
+def row_statistics(program: Recurrence) -> list[Node]:
+    """Reductions whose result is broadcast back along the reduced axis (module docstring)."""
+    nodes = toposort(program.roots)
+    users = _users(nodes)
+    return [n for n in nodes if n.op in REDUCTIONS and _broadcast_back(n, users)]
+
+
+def _reaching(nodes: list[Node], names: set[str]) -> set[Node]:
+    """Nodes that depend on an input named in `names`."""
+    out: set[Node] = set()
+    for n in nodes:
+        if (n.op is Op.INPUT and n.arg in names) or any(a in out for a in n.args):
+            out.add(n)
+    return out
+
+
+def _recurrence_axes(program: Recurrence) -> set[str]:
+    """Axes every state that feeds back has (accumulators, sums over time, aside): the axes along
+    which the recurrences could be independent. A statistic over any other axis (an adjoint's
+    ``x W`` summed over the input axis, then transposed back) costs the recurrence no parallelism."""
+    families = {c.state: c.family for c in classify(program).states}
+    feeding = [s for s in program.states if families[s.name] != "accumulator"] or list(program.states)
+    common = set(feeding[0].axes)
+    for s in feeding[1:]:
+        common &= set(s.axes)
+    return common
+
+
+def _frontier(roots: tuple[Node, ...], stateful: set[Node], stats: set[Node]) -> list[Node]:
+    """The state-dependent values a post program needs from the recurrence, fewest first.
+
+    A node is *moved* when it contains a statistic in `stats`; the frontier is the state-dependent
+    nodes that are not moved and have a moved user. A frontier value computed elementwise from
+    other frontier values (``y * y`` next to ``y``) is recomputed in post instead of stored.
+    """
+    nodes = toposort(roots)
+    moved: set[Node] = set()
+    for n in nodes:
+        if n in stats or any(a in moved for a in n.args):
+            moved.add(n)
+    cut: list[Node] = []
+    for n in nodes:
+        if n in moved:
+            cut += [a for a in n.args if a in stateful and a not in moved and a not in cut]
+    changed = True
+    while changed:
+        changed = False
+        for f in list(cut):
+            if f.op in LEAVES or not (f.op in ELEMENTWISE or f.op in STRUCTURAL):
+                continue
+            deps = [a for a in f.args if a in stateful]
+            if f.dtype == BOOL or all(a in cut for a in deps):  # booleans are not stored: recompute them
+                cut.remove(f)
+                cut += [a for a in deps if a not in cut]
+                changed = True
+    return [f for f in nodes if f in cut]
+
+
+def _program(base: Recurrence, name: str, updates, outputs, new_seqs: dict[str, Node], states: bool) -> Recurrence:
+    """A program over `base`'s inputs that the roots read, plus new sequences (name -> node whose axes)."""
+    roots = tuple(updates) + tuple(y for _, y in outputs)
+    used = {n.arg for n in toposort(roots) if n.op is Op.INPUT}
+    decls = [d for d in base.decls
+             if (d.role is Role.STATE and states) or (d.role is not Role.STATE and d.name in used)]
+    decls += [Decl(n, Role.SEQ, node.axes) for n, node in new_seqs.items() if n in used]
+    return Recurrence(name=name, decls=tuple(decls), updates=tuple(updates), outputs=tuple(outputs),
+                      sizes=base.sizes, reverse=base.reverse, loc=base.loc, doc=base.doc)
+
+
+def fuse(program: Recurrence) -> Fused:
+    """Stage `program` (module docstring): pre, core and post programs, or the core alone."""
+    nodes = toposort(program.roots)
+    state_names = {s.name for s in program.states}
+    stateful = _reaching(nodes, state_names)
+    timed = _reaching(nodes, state_names | {d.name for d in program.seqs})
+    stats = [r for r in row_statistics(program) if r in timed]  # param-only ones run once, before time
+    if stats:
+        recurrence_axes = _recurrence_axes(program)
+        stats = [r for r in stats if r.arg in recurrence_axes]
+    if not program.states or not stats:
+        return Fused(program, (Stage("core", program),))
+    in_updates = set(toposort(program.updates))
+    post_stats = {r for r in stats if r in stateful and r not in in_updates}
+    left_in = tuple(r for r in stats if r in stateful and r in in_updates)
+
+    # post: outputs reading a row statistic of a state-dependent value, over values cut from the core
+    moved = [(n, y) for n, y in program.outputs if any(x in post_stats for x in toposort([y]))]
+    kept = [(n, y) for n, y in program.outputs if (n, y) not in moved]
+    cuts = _frontier(tuple(y for _, y in moved), stateful, post_stats)
+    taken = {n for n, _ in program.outputs}
+    cut_names = _fresh("cut", len(cuts), taken | {d.name for d in program.decls})
+    cut_inputs = {f: Node.make(Op.INPUT, (), name, f.axes) for f, name in zip(cuts, cut_names)}
+
+    # pre: state-free row statistics the core still reads, as sequences
+    core_roots = program.updates + tuple(y for _, y in kept) + tuple(cuts)
+    reachable = set(toposort(core_roots))
+    pre_stats = [r for r in stats if r not in stateful and r in reachable]
+    row_names = _fresh("row", len(pre_stats), taken | set(cut_names) | {d.name for d in program.decls})
+    row_inputs = {r: Node.make(Op.INPUT, (), name, r.axes) for r, name in zip(pre_stats, row_names)}
+    new_roots = substitute(core_roots, row_inputs)
+    k = len(program.updates)
+    updates, outs = new_roots[:k], new_roots[k:]
+    core_outputs = [(n, y) for (n, _), y in zip(kept, outs)] + list(zip(cut_names, outs[len(kept):]))
+    read = {n.arg for n in toposort(new_roots) if n.op is Op.INPUT}
+    rows = {name: r for r, name in zip(pre_stats, row_names) if name in read}
+
+    stages = []
+    if rows:
+        pre = _program(program, f"{program.name}_pre", (), list(rows.items()), {}, states=False)
+        stages.append(Stage("pre", pre, tuple(rows)))
+    core = _program(program, program.name, updates, core_outputs, rows, states=True)
+    stages.append(Stage("core", core, tuple(cut_names)))
+    if moved:
+        post_roots = substitute(tuple(y for _, y in moved), cut_inputs)
+        post = _program(program, f"{program.name}_post", (), list(zip((n for n, _ in moved), post_roots)),
+                        {name: f for f, name in zip(cuts, cut_names)}, states=False)
+        assert not (input_names_of(post) & state_names), "post reads a state: the frontier is incomplete"
+        stages.append(Stage("post", post))
+    if len(stages) == 1:
+        return Fused(program, (Stage("core", program),), left_in=left_in)
+    return Fused(program, tuple(stages), tuple(r for r in stats if r in post_stats or r in rows.values()), left_in)
+
+
+def input_names_of(program: Recurrence) -> set[str]:
+    return {n.arg for n in toposort(program.roots) if n.op is Op.INPUT}
+
+
+def _fresh(prefix: str, count: int, taken: set[str]) -> list[str]:
+    names, i = [], 0
+    while len(names) < count:
+        if f"{prefix}{i}" not in taken:
+            names.append(f"{prefix}{i}")
+        i += 1
+    return names
