@@ -3,6 +3,7 @@
     ir        the traced IR, one line per node
     classify  the recurrence family of each state (decides the lowering)
     backward  the derived backward: adjoint IR, its family, memory plan and C expressions
+    fused     the fusion stage: the kernels of the forward and of the adjoint, what each fuses
     cuda      the generated CUDA source of the forward's kernels (at default sizes)
 
 `ssmc show --stage NAME` prints one stage.
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 from .ir.printer import format_attention, format_nodes, format_program, format_recurrence
 from .ir.program import Attention, Recurrence
+from .lowering.stages import fuse
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import derive_backward
 from .passes.c_printer import c_statements
@@ -53,6 +55,14 @@ def _attention_backward(program: Attention) -> str:
     ])
 
 
+def _fused(program) -> str:
+    if isinstance(program, Attention):
+        return "// attention runs on the interpreter on every backend: no kernels to fuse yet"
+    return "\n".join([f"forward ({program.name}):", fuse(program).describe(),
+                      "backward (the adjoint; the recompute of the carries is one more kernel):",
+                      fuse(derive_backward(program).adjoint).describe()])
+
+
 def _cuda(program) -> str:
     if isinstance(program, Attention):
         return "// attention runs on the interpreter on every backend: no CUDA kernels are generated yet"
@@ -66,6 +76,7 @@ STAGES: dict[str, tuple[str, Callable[[Recurrence | Attention], str]]] = {
     "ir": ("the traced IR, one line per node", format_program),
     "classify": ("the recurrence family of each state, which decides the lowering", _classify),
     "backward": ("the derived backward: adjoint IR, family, memory plan, C expressions", _backward),
+    "fused": ("the fusion stage: kernels of the forward and the adjoint, what each fuses", _fused),
     "cuda": ("the generated CUDA source of the forward's kernels, at default sizes", _cuda),
 }
 

@@ -60,22 +60,67 @@ class Fused:
         return len(self.stages) > 1
 
     def describe(self) -> str:
+        """Each stage: its kernels (`plan.lower` as the CUDA backend lowers), and the ops fused into
+        them; then the kernel count against running the layer op by op (module docstring)."""
+        from .plan import lower
+
         lines = []
+        total = 0
         for st in self.stages:
             p = st.program
-            outs = [n for n, _ in p.outputs]
-            writes = [f"{n} [t {' '.join(dict(p.outputs)[n].axes)}]" for n in st.writes]
-            reads = [d.name for d in p.seqs if d.name.startswith(("row", "cut"))]
-            line = f"  {st.kind:<5} {p.name}: " + (f"{len(p.states)} states, " if p.states else "no states, ")
-            line += f"outputs {', '.join(o for o in outs if o not in st.writes) or '-'}"
-            if writes:
-                line += f"; writes {', '.join(writes)}"
+            kernels = lower(p, map_reduce=True).kernels
+            total += len(kernels)
+            head = f"  {st.kind:<5} {p.name}: {len(kernels)} kernel{'s' * (len(kernels) != 1)}"
+            outs = [n for n, _ in p.outputs if n not in st.writes]
+            head += f"; outputs {', '.join(outs) or '-'}"
+            if st.writes:
+                head += "; writes " + ", ".join(f"{n} [t {' '.join(dict(p.outputs)[n].axes)}]" for n in st.writes)
+            reads = [d.name for d in p.seqs if d.name not in {x.name for x in self.program.decls}]
             if reads:
-                line += f"; reads {', '.join(reads)}"
-            lines.append(line)
+                head += f"; reads {', '.join(reads)}"
+            lines.append(head)
+            for what, ops in _fused_ops(p):
+                if ops:
+                    lines.append(f"        {what}: {', '.join(ops)}")
         for r in self.left_in:
-            lines.append(f"  left in the recurrence (a row statistic inside a state update): sum over {r.arg}")
+            lines.append(f"  left in the recurrence (inside a state update): sum over {r.arg}; the recurrence"
+                         f" runs without {r.arg} among its parallel axes")
+        lines.append(f"  kernels: {total} (op by op: {op_by_op_kernels(self.program)})")
         return "\n".join(lines)
+
+
+def _name(node: Node) -> str:
+    if node.op in REDUCTIONS:
+        return f"{node.op.value} over {node.arg}"
+    return node.op.value
+
+
+def _ops(nodes) -> list[str]:
+    return [_name(n) for n in nodes if n.op not in LEAVES and n.op not in STRUCTURAL]
+
+
+def _fused_ops(program: Recurrence) -> list[tuple[str, list[str]]]:
+    """The ops of each part of a stage: the prologue (what reads no state), the scan (the updates),
+    the epilogue (outputs computed from the states)."""
+    nodes = toposort(program.roots)
+    if not program.states:
+        return [("ops", _ops(nodes))]
+    stateful = _reaching(nodes, {s.name for s in program.states})
+    in_updates = set(toposort(program.updates))
+    prologue = [n for n in nodes if n not in stateful]
+    scan = [n for n in nodes if n in stateful and n in in_updates]
+    epilogue = [n for n in nodes if n in stateful and n not in in_updates]
+    return [("prologue, inlined into the loads", _ops(prologue)), ("scan", _ops(scan)),
+            ("epilogue, inlined into the stores", _ops(epilogue))]
+
+
+def op_by_op_kernels(program: Recurrence) -> int:
+    """Kernels if the layer ran op by op (as eager PyTorch): one for the scan, one per other op."""
+    nodes = toposort(program.roots)
+    stateful = _reaching(nodes, {s.name for s in program.states})
+    in_updates = set(toposort(program.updates))
+    scan = {n for n in nodes if n in stateful and n in in_updates}
+    return bool(scan) + len(_ops([n for n in nodes if n not in scan]))
 
 
 def _users(nodes: list[Node]) -> dict[Node, list[Node]]:
