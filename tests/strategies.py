@@ -302,3 +302,41 @@ def draw_inputs(spec, length: int, seed: int, sizes: dict[str, int] | None = Non
     """Keyword arguments (layout "t ...") for `spec`: sequences, params and initial states, float64."""
     program = getattr(spec, "program", spec)
     return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=sizes)
+
+
+@st.composite
+def layers(draw):
+    """A random layer (an `ssmc.recurrence`): a scan over [b d] or [b d n] (linear, gated or tanh),
+    the D skip, an optional gate, an RMSNorm or LayerNorm over d (optional weight and bias), an
+    optional residual add; sometimes the un-normalised value as a second output."""
+    with_n = draw(st.booleans())
+    kind = draw(st.sampled_from(["linear", "gated", "tanh"]))
+    norm = draw(st.sampled_from(["rmsnorm", "layernorm"]))
+    gate = draw(st.sampled_from([None, "silu", "sigmoid", "gelu"]))
+    residual, weight, raw_too = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    bias = norm == "layernorm" and draw(st.booleans())
+    state = "b d n" if with_n else "b d"
+    args = [f"h: ssmc.State[{state!r}]", "x: ssmc.Seq['b d']", "a: ssmc.Seq['b d']", "D: ssmc.Param['d']"]
+    args += ["C: ssmc.Seq['b n']"] * with_n + ["z: ssmc.Seq['b d']"] * bool(gate)
+    args += ["res: ssmc.Seq['b d']"] * residual + ["w: ssmc.Param['d']"] * weight + ["beta: ssmc.Param['d']"] * bias
+    update = {"linear": "decay * h + x",
+              "gated": "decay * h + (1 - decay) * ssmc.tanh(x + 0.5 * h)",
+              "tanh": "ssmc.tanh(0.5 * h + x)"}[kind]
+    body = ["    decay = ssmc.sigmoid(a)", f"    h = {update}",
+            "    y = " + ("ssmc.dot(h, C, over='n')" if with_n else "h") + " + D * x"]
+    if gate:
+        body.append(f"    y = y * ssmc.{gate}(z)")
+    extra = ", weight=w" * weight + ", bias=beta" * bias
+    body.append(f"    out = ssmc.{norm}(y, over='d'{extra})")
+    if residual:
+        body.append("    out = out + res")
+    body.append("    return h, (out, y)" if raw_too else "    return h, out")
+    text = "\n".join(["import ssmc", "", "", f"def step({', '.join(args)}):", *body, ""])
+    path = os.path.join(_DIR, f"layer_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
+    with open(path, "w") as f:
+        f.write(text)
+    namespace: dict = {}
+    exec(compile(text, path, "exec"), namespace)
+    with contextlib.suppress(Exception):  # not inside a Hypothesis test
+        note(text)
+    return ssmc.recurrence(namespace["step"])

@@ -9,14 +9,13 @@ an optional residual add.
 from __future__ import annotations
 
 import importlib
-import os
-import tempfile
 from functools import partial
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import layers
 
 import ssmc
 from ssmc.backends import interpreter
@@ -37,45 +36,7 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if a.size else 0.0
 
 
-# -- random layers --------------------------------------------------------------------------------
-
-
-_DIR = tempfile.mkdtemp(prefix="ssmc_layers_")
-
-
-@st.composite
-def layers(draw):
-    """Source of a random layer step: scan over [b d] or [b d n], gate, norm over d, residual."""
-    with_n = draw(st.booleans())
-    kind = draw(st.sampled_from(["linear", "gated", "tanh"]))
-    norm = draw(st.sampled_from(["rmsnorm", "layernorm"]))
-    gate = draw(st.sampled_from([None, "silu", "sigmoid", "gelu"]))
-    residual, weight, raw_too = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
-    bias = norm == "layernorm" and draw(st.booleans())
-    state = "b d n" if with_n else "b d"
-    args = [f"h: ssmc.State[{state!r}]", "x: ssmc.Seq['b d']", "a: ssmc.Seq['b d']", "D: ssmc.Param['d']"]
-    args += ["C: ssmc.Seq['b n']"] * with_n + ["z: ssmc.Seq['b d']"] * bool(gate)
-    args += ["res: ssmc.Seq['b d']"] * residual + ["w: ssmc.Param['d']"] * weight + ["beta: ssmc.Param['d']"] * bias
-    update = {"linear": "decay * h + x",
-              "gated": "decay * h + (1 - decay) * ssmc.tanh(x + 0.5 * h)",
-              "tanh": "ssmc.tanh(0.5 * h + x)"}[kind]
-    body = ["    decay = ssmc.sigmoid(a)", f"    h = {update}",
-            "    y = " + ("ssmc.dot(h, C, over='n')" if with_n else "h") + " + D * x"]
-    if gate:
-        body.append(f"    y = y * ssmc.{gate}(z)")
-    extra = ", weight=w" * weight + ", bias=beta" * bias
-    body.append(f"    out = ssmc.{norm}(y, over='d'{extra})")
-    if residual:
-        body.append("    out = out + res")
-    body.append("    return h, (out, y)" if raw_too else "    return h, out")
-    text = "\n".join(["import ssmc", "", "", f"def step({', '.join(args)}):", *body, ""])
-    path = os.path.join(_DIR, f"layer_{abs(hash(text))}.py")
-    with open(path, "w") as f:
-        f.write(text)
-    namespace: dict = {}
-    exec(compile(text, path, "exec"), namespace)
-    note(text)
-    return ssmc.recurrence(namespace["step"])
+# -- random layers (strategies.layers) ---------------------------------------------------------------
 
 
 def inputs_for(program, length: int, seed: int, d: int) -> dict:
