@@ -354,6 +354,8 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
         if n.op in (Op.SLICE, Op.PAD):
             axes_used.update(n.arg[2])
             axes_used.add(n.arg[0])
+        if n.op is Op.SIZE:  # a mean over an axis the kernel's arrays may no longer have
+            axes_used.add(n.arg)
     for d in program.decls:
         axes_used.update(d.axes)
     k.sizes = tuple(sorted(axes_used))

@@ -74,7 +74,8 @@ class Fused:
             outs = [n for n, _ in p.outputs if n not in st.writes]
             head += f"; outputs {', '.join(outs) or '-'}"
             if st.writes:
-                head += "; writes " + ", ".join(f"{n} [t {' '.join(dict(p.outputs)[n].axes)}]" for n in st.writes)
+                head += "; writes " + ", ".join(f"{n} [{' '.join(('t', *dict(p.outputs)[n].axes))}]"
+                                                for n in st.writes)
             reads = [d.name for d in p.seqs if d.name not in {x.name for x in self.program.decls}]
             if reads:
                 head += f"; reads {', '.join(reads)}"
