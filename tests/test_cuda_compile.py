@@ -47,6 +47,16 @@ def test_example_kernels_compile_without_spills(name, arch):
             assert not r.resources.spills, r.resources.summary()
 
 
+def test_map_kernels_along_time_compile():
+    """With time contiguous (layout "b d t") the norm's row kernel runs consecutive threads along time."""
+    program = importlib.import_module("ssmc.examples.mamba1_block").SPEC.program
+    sizes = {"b": 8, "d": 1536, "n": 16}
+    reports = kernel_reports(program, sizes, 2048, time_contiguous=True)
+    rows = [r for r in reports if r.strategy.endswith(": map")]
+    assert rows and all(r.resources is not None and not r.resources.spills for r in rows)
+    assert all("consecutive threads along time" in r.source for r in rows if r.launch.nblk == 2048)
+
+
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 

@@ -130,7 +130,10 @@ class CPrinter:
         return [f"F {n} = F(0);" for n in names]
 
 
-def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int]) -> dict:
+def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], time_fastest: bool = False) -> dict:
+    """The template's fields for one kernel. Consecutive threads take consecutive indices of the
+    last parallel axis; with `time_fastest` (a time-blocked kernel whose arrays have time
+    contiguous) consecutive blocks of time instead, so that their loads and stores coalesce."""
     pr = CPrinter(k, arrays, sizes)
     params = []
     for a in k.arrays:
@@ -148,7 +151,9 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     par = " ".join(k.parallel) or "-"
     return {
         "name": k.name,
-        "comment": f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else ""),
+        "comment": f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
+        + (", consecutive threads along time" if time_fastest else ""),
+        "time_fastest": time_fastest,
         "params": params,
         "constants": constants,
         "unflatten": unflatten,
@@ -264,14 +269,16 @@ def math_header() -> str:
 
 
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
-                  sizes: dict[str, int], warp: tuple[TimeBlocks, int] | None = None) -> str:
+                  sizes: dict[str, int], warp: tuple[TimeBlocks, int] | None = None,
+                  time_fastest: bool = False) -> str:
     """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays; with `warp`
-    (time blocks, steps per lane), the warp kernel instead (its arrays: the one kernel's)."""
+    (time blocks, steps per lane), the warp kernel instead (its arrays: the one kernel's);
+    `time_fastest` as in `kernel_context`."""
     if warp is not None:
         (_, specs), = kernels
         contexts = [warp_kernel_context(warp[0], specs, sizes, warp[1])]
     else:
-        contexts = [kernel_context(k, specs, sizes) for k, specs in kernels]
+        contexts = [kernel_context(k, specs, sizes, time_fastest) for k, specs in kernels]
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,

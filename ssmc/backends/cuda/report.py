@@ -20,7 +20,7 @@ from ...runtime.cache import store
 from ...runtime.random_inputs import axis_sizes
 from . import nvrtc
 from .codegen import ArraySpec
-from .runner import CudaRunner, Launch
+from .runner import CudaRunner, Launch, one_step_per_thread
 
 
 @dataclass
@@ -94,7 +94,8 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
              compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
     reports = []
     for launch in runner.launches(sizes, steps, time_contiguous):
-        source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes)
+        along_time = time_contiguous and one_step_per_thread(launch.kernel, steps, launch.nblk)
+        source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes, along_time)
         report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
         if compile_kernels and nvrtc.available():
             try:

@@ -125,11 +125,12 @@ class CudaRunner:
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
-    def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
+    def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int],
+                   time_fastest: bool = False) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         tb = self.time_blocks
         warp = (tb, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
-        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp)
+        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, time_fastest)
 
     def _function(self, source: str, name: str):
         module = self.modules.get(source)
@@ -199,6 +200,7 @@ class CudaRunner:
         made = {}
         tensors = []
         warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
+        along_time = _along_time(k, arrays, length, nblk)
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
                 t = _as_1d(arrays[a.name])
@@ -206,18 +208,18 @@ class CudaRunner:
                 shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
                 state_dtype = torch.float64 if self.compute == "float64" else torch.float32
                 dtype = out_dtype if a.role == "out" and out_dtype is not None else state_dtype
-                if warp and a.role == "out" and len(shape) > 1:
-                    # time contiguous, as the warp kernel's inputs: its lanes write neighbouring steps
+                if (warp or along_time) and a.role == "out" and len(shape) > 1:
+                    # time contiguous, as the kernel's inputs: neighbouring lanes write neighbouring steps
                     made[a.name] = torch.empty([*shape[1:], shape[0]], device="cuda", dtype=dtype).movedim(-1, 0)
                 else:
                     made[a.name] = torch.empty(shape, device="cuda", dtype=dtype)
                 t = _as_1d(made[a.name])
             tensors.append((a, t))
         specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in tensors}
-        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane())
+        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane(), along_time)
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
-            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes), k.name)
+            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, along_time), k.name)
         blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * (WARP if warp else nblk)).grid
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t in tensors))
@@ -267,6 +269,21 @@ class CudaRunner:
         def launch(k: Kernel, arrays: dict, length: int, nblk: int) -> dict:
             return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
         return launch
+
+
+def one_step_per_thread(k: Kernel, length: int, nblk: int) -> bool:
+    """A map kernel (no states) launched with a thread per step."""
+    return k.time_blocks and not k.program.states and nblk == length > 1
+
+
+def _along_time(k: Kernel, arrays: dict, length: int, nblk: int) -> bool:
+    """Should consecutive threads take consecutive steps? For a map kernel (no states, one step per
+    thread) whose sequences mostly have time contiguous (layouts like "b d t"): then its loads and
+    stores coalesce, where threads along the last parallel axis would stride over whole sequences."""
+    if not one_step_per_thread(k, length, nblk):
+        return False
+    seqs = [arrays[a.name] for a in k.arrays if a.role == "seq" and arrays[a.name].dim() > 1]
+    return 2 * sum(t.stride(0) == 1 for t in seqs) > len(seqs)
 
 
 def _full(shape, value: float):
