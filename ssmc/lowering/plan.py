@@ -93,6 +93,7 @@ class Kernel:
     parallel: tuple[str, ...]
     time_blocks: bool = False         # also parallel over blocks of time (states are sums over time)
     blocked_init: bool = False        # with time_blocks: each block starts from its own carry init[blk]
+    sum_over_time: bool = False       # with time_blocks: states are plain sums over time (any steps, any order)
     store_prev: tuple[str, ...] = ()  # states written out before each step ("prev_<name>")
     arrays: list[Array] = field(default_factory=list)
     setup: list = field(default_factory=list)
@@ -149,6 +150,7 @@ class StepBuilder:
         self.state_of = {u: s for s, u in zip(p.states, p.updates)}
         self.materialised = self._choose()
         self.materialised_set = set(self.materialised)
+        self.lets = self._lets()
 
     def _invariant(self) -> set[Node]:
         """Nodes that depend on params only (computed once per parallel index, before time)."""
@@ -186,6 +188,49 @@ class StepBuilder:
         for i, n in enumerate(chosen):
             self.names.setdefault(n, f"{self.prefix}m{i}")
         return chosen
+
+    def _lets(self) -> dict[Node, list[Node]]:
+        """Values used twice inside one sum's loop body only, made scalars of that body: {sum: lets}.
+
+        ``sum_d f(s[d]) * g(s[d])`` with ``s = softplus(delta[d])``: instead of a buffer ``s[n_d]``
+        filled by its own loop, ``s`` is computed once per iteration of the sum's loop (a buffer as
+        long as a reduced axis is local memory on a GPU). Consumers first, so a let's operands
+        can become lets of the same sum.
+        """
+        lets: dict[Node, list[Node]] = {}
+        sums = [n for n in self.materialised if n.op in (Op.SUM, Op.REDUCE_MAX)]
+        for n in reversed(list(self.materialised)):
+            if n.op not in ELEMENTWISE or n in self.state_of or n in self.invariant or n in self.k.program.roots:
+                continue
+            if len(self.users[n]) < 2 or any(set(self._loop_axes(c)) - set(self.local(n)) for c in self.users[n]):
+                continue
+            self.materialised_set.discard(n)  # as if inlined, to find the region it falls in
+            owner = next((s for s in sums if set(self.users[n]) <= self._region(s)), None)
+            if owner is None:
+                self.materialised_set.add(n)
+                continue
+            lets.setdefault(owner, []).insert(0, n)
+        self.materialised = [n for n in self.materialised if n in self.materialised_set]
+        return lets
+
+    def _region(self, node: Node) -> set[Node]:
+        """The nodes inlined into the loop body of a SUM (elementwise ops reached without crossing a
+        materialised value or a view that changes indices)."""
+        seen: set[Node] = set()
+        stack = [self.sum_chain(node)]
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op in ELEMENTWISE or m.op is Op.EXPAND:
+                stack += [a for a in m.args if a not in self.materialised_set]
+        return seen
+
+    def body(self, node: Node, env: dict[str, str], stmt) -> list:
+        """`stmt` of a SUM's loop body, after the lets of that sum (scalars computed per iteration)."""
+        lets = self.lets.get(node, ())
+        return [Assign(Var(self.names[n]), self.expr(n, env, inline_root=True)) for n in lets] + [stmt]
 
     def _summed_again(self, node: Node) -> bool:
         """A sum whose only consumer is another sum (``sum_k sum_g x``): one loop nest does both."""
@@ -237,8 +282,11 @@ class StepBuilder:
         return Load(node.arg, full) if full else Load(node.arg, ("0",))
 
     def expr(self, node: Node, env: dict[str, str], inline_root: bool = False):
-        if node in self.names and node in self.materialised_set and not inline_root:
-            return self.ref(node, env)
+        if node in self.names and not inline_root:
+            if node in self.materialised_set:
+                return self.ref(node, env)
+            if any(node in ls for ls in self.lets.values()):
+                return Var(self.names[node])
         op = node.op
         if op is Op.INPUT:
             return self.leaf(node, env)
@@ -300,7 +348,7 @@ class StepBuilder:
             arg_env = self.env_for(x.axes)
             acc = Load(name, tuple(arg_env[a] for a in local)) if local else Var(name)
             return self.nest(local, [Assign(target, Num(0.0))]) + self.nest(
-                x.axes, [Assign(acc, self.expr(x, arg_env), "+=")])
+                x.axes, self.body(node, arg_env, Assign(acc, self.expr(x, arg_env), "+=")))
         if node.op in (Op.SUM, Op.REDUCE_MAX):
             (x,) = node.args
             axis = node.arg
@@ -308,8 +356,8 @@ class StepBuilder:
             acc = Var(f"acc_{name}")
             init = Num(0.0) if node.op is Op.SUM else Num(float("-inf"))
             body = [Assign(acc, init),
-                    Loop(f"i_{axis}", size_var(axis), [Assign(acc, self.expr(x, inner_env),
-                                                              "+=" if node.op is Op.SUM else "max=")]),
+                    Loop(f"i_{axis}", size_var(axis), self.body(node, inner_env, Assign(
+                        acc, self.expr(x, inner_env), "+=" if node.op is Op.SUM else "max="))),
                     Assign(target, acc)]
             return self.nest(local, body)
         value = self.expr(node, env, inline_root=True)
@@ -449,7 +497,10 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         kernels.append(build_kernel(core.name, core, independent_axes(core), store_prev=core_states))
     epilogue = _epilogue(program, core_states, acc, classes)
     parts = _per_root(epilogue) if map_reduce else [epilogue]
-    kernels += [build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True) for e in parts]
+    for e in parts:
+        k = build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True)
+        k.sum_over_time = True  # the epilogue's states are accumulators: blocks may take any steps
+        kernels.append(k)
     return Lowered(program, "split", kernels, core_states, acc)
 
 
