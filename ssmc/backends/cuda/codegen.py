@@ -169,15 +169,41 @@ class CPrinter:
 
 
 def _scalar_sum(loop: Loop) -> bool:
-    """A loop whose body only computes scalars and adds into scalar accumulators (no inner loops)."""
+    """An innermost loop that accumulates (its iterations' terms are independent until added)."""
     body = loop.body
-    return (all(isinstance(s, Assign) and isinstance(s.target, Var) for s in body)
-            and any(s.op == "+=" for s in body))
+    return all(isinstance(s, Assign) for s in body) and any(s.op == "+=" for s in body)
+
+
+def _staged_prev(k: Kernel, arrays: dict[str, ArraySpec]) -> list[str]:
+    """Carries `prev_*` a thread-per-recurrence kernel writes one value of per step, into an array
+    with time contiguous: written through shared memory, 32 steps at a time, so that a warp's
+    writes are coalesced (a thread writing its own steps would touch a line per lane and step)."""
+    if k.time_blocks:
+        return []
+    parallel = set(k.parallel)
+    return [a.name for a in k.arrays if a.role == "prev" and set(a.axes[1:]) <= parallel
+            and arrays[a.name].strides[0] == 1 and len(a.axes) > 1]
+
+
+def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
+    """C lines writing row `r`'s staged steps (`count` from `base`) of every staged carry, the warp's
+    active lanes taking consecutive steps."""
+    step = "t1 - 1 - (base + s)" if k.reverse else "t0 + base + s"
+    index = {a.name: a for a in k.arrays}
+    out = []
+    for name in staged:
+        a = index[name]
+        at_zero = pr.index(Load(name, ("0", *(f"p_{ax}" for ax in a.axes[1:]))))
+        value = _store(pr.arrays[name].dtype, f"sm_{name}[row0 + r][s]")
+        out += [f"const long long o_{name} = __shfl_sync(lanes, (long long)({at_zero}), r);",
+                f"for (int s = lane; s < count; s += nact) {name}[o_{name} + ({step})] = {value};"]
+    return out
 
 
 def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                    threads: Threads = ONE_GROUP) -> dict:
-    pr = CPrinter(k, arrays, sizes, threads=threads)
+    staged = _staged_prev(k, arrays)
+    pr = CPrinter(k, arrays, sizes, frozenset(staged), threads=threads)
     params = []
     for a in k.arrays:
         ctype = C_TYPES[arrays[a.name].dtype]
@@ -209,6 +235,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         "setup": "\n".join(pr.stmts(k.setup, 1)),
         "step": "\n".join(pr.stmts(k.step, 2)),
         "finish": "\n".join(pr.stmts(k.finish, 1)),
+        "stage_prev": [f"__shared__ F sm_{a}[{BLOCK}][{WARP + 1}];" for a in staged],
+        "flush_prev": _flush_prev(k, pr, staged),
     }
 
 
