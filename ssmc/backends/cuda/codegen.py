@@ -221,6 +221,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     comment = f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
     if threads.groups > 1:
         comment += f" and group of {threads.split} ({threads.groups} groups, partial sums)"
+    if threads.time_fastest:
+        comment += ", consecutive threads along time"
     return {
         "name": k.name,
         "comment": comment,

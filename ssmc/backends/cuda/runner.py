@@ -275,8 +275,11 @@ class CudaRunner:
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
         outs = {}
         for launch in plan:
+            if launch.kernel.time_blocks:  # threads along time where its own sequences mostly have it contiguous
+                launch = self._epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
             epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
-            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype, contiguous, launch.mapping)
+            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype, launch.mapping.time_fastest,
+                                launch.mapping)
             for s in epi.program.states:
                 shape = [sizes[a] for a in s.axes]
                 part = made[f"final_{s.name}"].reshape([groups * nblk, *shape]).sum(0)
@@ -293,6 +296,15 @@ class CudaRunner:
         def launch(k: Kernel, arrays: dict, length: int, nblk: int) -> dict:
             return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
         return launch
+
+
+def _along_time(k: Kernel, arrays: dict) -> bool:
+    """Should consecutive threads of a time-blocked kernel (map/reduce epilogue, map) take
+    consecutive steps? When most of its sequences have time contiguous (layouts like "b d t"): then
+    its loads and stores coalesce, where threads along the last parallel axis would stride over
+    whole sequences."""
+    seqs = [arrays[a.name] for a in k.arrays if a.role == "seq" and arrays[a.name].dim() > 1]
+    return 2 * sum(t.stride(0) == 1 for t in seqs) > len(seqs)
 
 
 def _full(shape, value: float):
