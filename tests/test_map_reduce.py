@@ -89,6 +89,9 @@ def test_values_used_twice_in_a_sum_are_scalars_of_its_loop():
 
     k = _mamba1_epilogue()["grad_C"]
     assert not [s for s in walk(k.setup + k.step) if isinstance(s, Buffer)]
+    # grad_delta_bias: m1[b, n] is read by two sums over n into [b]; they share one nest, m1 is a let
+    k = _mamba1_epilogue()["grad_delta_bias"]
+    assert all(len(s.shape) < 2 for s in walk(k.setup + k.step) if isinstance(s, Buffer))
 
 
 def test_split_axis_of_the_epilogue_sums():
