@@ -73,3 +73,33 @@ def test_random_gradients_through_the_map_reduce_epilogue(spec, length, seed):
         numba_runner._RUNNERS.update(saved)
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-9, key
+
+
+def _mamba1_epilogue():
+    from ssmc.examples import mamba1
+
+    low = lower(derive_backward(mamba1.SPEC.program).adjoint, map_reduce=True)
+    return {k.name.rsplit("_epilogue_", 1)[-1]: k for k in low.kernels if k.time_blocks}
+
+
+def test_values_used_twice_in_a_sum_are_scalars_of_its_loop():
+    """grad_C = sum_d f(s[d]) g(s[d]) with s = softplus(delta + bias): s is computed per iteration of
+    the loop over d, not into a buffer as long as d (local memory on a GPU)."""
+    from ssmc.lowering.loops import Buffer, walk
+
+    k = _mamba1_epilogue()["grad_C"]
+    assert not [s for s in walk(k.setup + k.step) if isinstance(s, Buffer)]
+    # grad_delta_bias: m1[b, n] is read by two sums over n into [b]; they share one nest, m1 is a let
+    k = _mamba1_epilogue()["grad_delta_bias"]
+    assert all(len(s.shape) < 2 for s in walk(k.setup + k.step) if isinstance(s, Buffer))
+
+
+def test_split_axis_of_the_epilogue_sums():
+    """Only a sum that nothing else reads along its axis, over a long axis, is split across threads."""
+    from ssmc.lowering.split_sum import split_axis
+
+    sizes = {"b": 8, "d": 1536, "n": 16}
+    got = {name: split_axis(k, sizes) for name, k in _mamba1_epilogue().items()}
+    assert got == {"grad_A": None, "grad_D": None, "grad_delta_bias": None, "grad_u": None, "grad_delta": None,
+                   "grad_B": "d", "grad_C": "d", "grad_z": None}
+    assert split_axis(_mamba1_epilogue()["grad_C"], {**sizes, "d": 64}) is None  # short: stays in one thread

@@ -93,6 +93,7 @@ class Kernel:
     parallel: tuple[str, ...]
     time_blocks: bool = False         # also parallel over blocks of time (states are sums over time)
     blocked_init: bool = False        # with time_blocks: each block starts from its own carry init[blk]
+    sum_over_time: bool = False       # with time_blocks: states are plain sums over time (any steps, any order)
     store_prev: tuple[str, ...] = ()  # states written out before each step ("prev_<name>")
     arrays: list[Array] = field(default_factory=list)
     setup: list = field(default_factory=list)
@@ -149,6 +150,8 @@ class StepBuilder:
         self.state_of = {u: s for s, u in zip(p.states, p.updates)}
         self.materialised = self._choose()
         self.materialised_set = set(self.materialised)
+        self.sum_groups = self._sum_groups()
+        self.lets = self._lets()
 
     def _invariant(self) -> set[Node]:
         """Nodes that depend on params only (computed once per parallel index, before time)."""
@@ -186,6 +189,84 @@ class StepBuilder:
         for i, n in enumerate(chosen):
             self.names.setdefault(n, f"{self.prefix}m{i}")
         return chosen
+
+    def _lets(self) -> dict[Node, list[Node]]:
+        """Values used twice inside one sum's loop body only, made scalars of that body: {sum: lets}.
+
+        ``sum_d f(s[d]) * g(s[d])`` with ``s = softplus(delta[d])``: instead of a buffer ``s[n_d]``
+        filled by its own loop, ``s`` is computed once per iteration of the sum's loop (a buffer as
+        long as a reduced axis is local memory on a GPU). Consumers first, so a let's operands
+        can become lets of the same sum.
+        """
+        lets: dict[Node, list[Node]] = {}
+        sums = [n for n in self.materialised if n.op in (Op.SUM, Op.REDUCE_MAX)
+                and self.sum_groups.get(n, (n,))[-1] is n]  # a group of sums: its last one owns the loop
+        for n in reversed(list(self.materialised)):
+            if n.op not in ELEMENTWISE or n in self.state_of or n in self.invariant or n in self.k.program.roots:
+                continue
+            if len(self.users[n]) < 2 or any(set(self._loop_axes(c)) - set(self.local(n)) for c in self.users[n]):
+                continue
+            self.materialised_set.discard(n)  # as if inlined, to find the region it falls in
+            owner = next((s for s in sums if set(self.users[n]) <= self._group_region(s)), None)
+            if owner is None:
+                self.materialised_set.add(n)
+                continue
+            lets.setdefault(owner, []).insert(0, n)
+        self.materialised = [n for n in self.materialised if n in self.materialised_set]
+        return lets
+
+    def _accumulates(self, node: Node) -> bool:
+        """A SUM computed by zeroing its buffer and adding in a nest over its operand's axes."""
+        return node.op is Op.SUM and bool(self.layout(node) or node.args[0] is not self.sum_chain(node))
+
+    def _sum_groups(self) -> dict[Node, tuple[Node, ...]]:
+        """Sums that add into buffers of one layout in one nest over the same axes, none reading
+        another (``m2[b] = sum_n m1[b,n] B[b,n]`` and ``m5[b] = sum_n m1[b,n] h[b,n]``), accumulated
+        together in one loop nest at the place of the last one (so ``m1`` can be a let of that loop):
+        {member: group}. Nothing materialised between the members may read them."""
+        order = {n: i for i, n in enumerate(self.materialised)}
+        groups: list[list[Node]] = []
+        for n in self.materialised:
+            if not self._accumulates(n) or n in self.state_of:
+                continue
+            key = (self.sum_chain(n).axes, self.layout(n), n in self.invariant)
+            for g in groups:
+                head = g[0]
+                if (self.sum_chain(head).axes, self.layout(head), head in self.invariant) != key:
+                    continue
+                between = self.materialised[order[g[0]] + 1:order[n] + 1]
+                if not any(m in toposort([b]) for m in g for b in between):
+                    g.append(n)
+                    break
+            else:
+                groups.append([n])
+        return {n: tuple(g) for g in groups if len(g) > 1 for n in g}
+
+    def _group_region(self, node: Node) -> set[Node]:
+        """The nodes inlined into the loop body `node` (a SUM, the last of its group) owns."""
+        return set().union(*(self._region(m) for m in self.sum_groups.get(node, (node,))))
+
+    def _region(self, node: Node) -> set[Node]:
+        """The nodes inlined into the loop body of a SUM (elementwise ops reached without crossing a
+        materialised value or a view that changes indices)."""
+        seen: set[Node] = set()
+        x = self.sum_chain(node)
+        if x in self.materialised_set:
+            return seen  # the loop reads x's buffer; nothing is inlined into it
+        stack = [x]
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op in ELEMENTWISE or m.op is Op.EXPAND:
+                stack += [a for a in m.args if a not in self.materialised_set]
+        return seen
+
+    def body(self, node: Node, env: dict[str, str], stmts: list) -> list:
+        """`stmts` of a SUM's loop body, after the lets of that sum (scalars computed per iteration)."""
+        lets = self.lets.get(node, ())
+        return [Assign(Var(self.names[n]), self.expr(n, env, inline_root=True)) for n in lets] + stmts
 
     def _summed_again(self, node: Node) -> bool:
         """A sum whose only consumer is another sum (``sum_k sum_g x``): one loop nest does both."""
@@ -237,8 +318,11 @@ class StepBuilder:
         return Load(node.arg, full) if full else Load(node.arg, ("0",))
 
     def expr(self, node: Node, env: dict[str, str], inline_root: bool = False):
-        if node in self.names and node in self.materialised_set and not inline_root:
-            return self.ref(node, env)
+        if node in self.names and not inline_root:
+            if node in self.materialised_set:
+                return self.ref(node, env)
+            if any(node in ls for ls in self.lets.values()):
+                return Var(self.names[node])
         op = node.op
         if op is Op.INPUT:
             return self.leaf(node, env)
@@ -292,15 +376,23 @@ class StepBuilder:
         name = self.names[node]
         local = self.layout(node)
         target = Load(name, tuple(env[a] for a in local)) if local else Var(name)
-        if node.op is Op.SUM and (local or node.args[0] is not self.sum_chain(node)):
+        if self._accumulates(node):
             # zero, then accumulate in the operand's axis order: the innermost loop runs along
             # the operand's last axis (contiguous in its inputs), not along the reduced one;
-            # nested sums (sum_k sum_g x) accumulate in one nest over x's axes
-            x = self.sum_chain(node)
-            arg_env = self.env_for(x.axes)
-            acc = Load(name, tuple(arg_env[a] for a in local)) if local else Var(name)
-            return self.nest(local, [Assign(target, Num(0.0))]) + self.nest(
-                x.axes, [Assign(acc, self.expr(x, arg_env), "+=")])
+            # nested sums (sum_k sum_g x) accumulate in one nest over x's axes; a group of sums
+            # (`_sum_groups`) in one nest, where its last member is computed
+            group = self.sum_groups.get(node, (node,))
+            if node is not group[-1]:
+                return []
+            arg_env = self.env_for(self.sum_chain(node).axes)
+            zero, accumulate = [], []
+            for m in group:
+                env_m, local_m = self.env_for(m.axes), self.layout(m)
+                target_m = Load(self.names[m], tuple(env_m[a] for a in local_m)) if local_m else Var(self.names[m])
+                zero += self.nest(local_m, [Assign(target_m, Num(0.0))])
+                acc = Load(self.names[m], tuple(arg_env[a] for a in local_m)) if local_m else Var(self.names[m])
+                accumulate.append(Assign(acc, self.expr(self.sum_chain(m), arg_env), "+="))
+            return zero + self.nest(self.sum_chain(node).axes, self.body(node, arg_env, accumulate))
         if node.op in (Op.SUM, Op.REDUCE_MAX):
             (x,) = node.args
             axis = node.arg
@@ -308,8 +400,8 @@ class StepBuilder:
             acc = Var(f"acc_{name}")
             init = Num(0.0) if node.op is Op.SUM else Num(float("-inf"))
             body = [Assign(acc, init),
-                    Loop(f"i_{axis}", size_var(axis), [Assign(acc, self.expr(x, inner_env),
-                                                              "+=" if node.op is Op.SUM else "max=")]),
+                    Loop(f"i_{axis}", size_var(axis), self.body(node, inner_env, [Assign(
+                        acc, self.expr(x, inner_env), "+=" if node.op is Op.SUM else "max=")])),
                     Assign(target, acc)]
             return self.nest(local, body)
         value = self.expr(node, env, inline_root=True)
@@ -449,7 +541,10 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         kernels.append(build_kernel(core.name, core, independent_axes(core), store_prev=core_states))
     epilogue = _epilogue(program, core_states, acc, classes)
     parts = _per_root(epilogue) if map_reduce else [epilogue]
-    kernels += [build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True) for e in parts]
+    for e in parts:
+        k = build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True)
+        k.sum_over_time = True  # the epilogue's states are accumulators: blocks may take any steps
+        kernels.append(k)
     return Lowered(program, "split", kernels, core_states, acc)
 
 

@@ -17,11 +17,15 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, loads, walk
 from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.split_sum import split_axis
 from ...lowering.time_blocks import TimeBlocks, partial_name, product_name
 
 BLOCK = 128
 WARP = 32
 UNROLL_LIMIT = 64  # loop nests of at most this many iterations are unrolled (buffers stay in registers)
+SUM_UNROLL = 4     # a long loop accumulating into scalars runs this many iterations' loads at once
+MAX_GROUPS = 16    # split-K (lowering/split_sum.py): at most this many groups of threads per sum...
+GROUP_STEPS = 64   # ...each with at least this many terms
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
@@ -35,22 +39,50 @@ class ArraySpec:
 
     dtype: str                     # float32 | float64 | float16 | bfloat16
     strides: tuple[int, ...]
+    group_stride: int = 0          # split-K partials: the offset between groups' copies (0: one copy)
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How a time-blocked kernel maps its threads: `time_fastest` puts consecutive blocks of time on
+    consecutive threads (for arrays with time contiguous; a sum over time then takes every nblk-th
+    step, so that lanes read neighbouring steps), `groups` divide the sum over `split` (split-K)."""
+
+    time_fastest: bool = False
+    groups: int = 1
+    split: str | None = None
+
+
+ONE_GROUP = Threads()  # the default mapping: the last parallel axis fastest, one group
+
+
+def split_groups(k: Kernel, sizes: dict[str, int]) -> tuple[str | None, int]:
+    """The axis a kernel's sum is divided along and into how many groups (1: not divided)."""
+    axis = split_axis(k, sizes)
+    if axis is None:
+        return None, 1
+    return axis, max(1, min(MAX_GROUPS, sizes[axis] // GROUP_STEPS))
 
 
 class CPrinter:
     """C text for a kernel's loop nests; `staged` arrays (the warp kernel's) are read from / written
     to shared memory at the lane's slot instead of global memory."""
 
-    def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset()):
+    def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
+                 threads: Threads = ONE_GROUP):
         self.k = k
         self.arrays = arrays
         self.sizes = sizes
         self.staged = staged
+        self.split = threads.split if threads.groups > 1 else None
+        self.groups = threads.groups
         self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
 
     def index(self, e: Load) -> str:
         spec = self.arrays[e.array]
         terms = [f"({i}) * {s}LL" if s != 1 else f"({i})" for i, s in zip(e.index, spec.strides) if s != 0]
+        if spec.group_stride:
+            terms.append(f"(grp) * {spec.group_stride}LL")
         return " + ".join(terms) or "0"
 
     def expr(self, e) -> str:
@@ -94,12 +126,18 @@ class CPrinter:
             if isinstance(s, Loop):
                 extent = self.sizes.get(s.extent[2:], None) if s.extent.startswith("n_") else None
                 inner = unrolled
-                if extent is not None and unrolled * extent <= UNROLL_LIMIT:
+                split = self.split is not None and s.var == f"i_{self.split}"
+                if extent is not None and unrolled * extent <= UNROLL_LIMIT and not split:
                     out.append(f"{pad}#pragma unroll")
                     inner = unrolled * extent
+                elif _scalar_sum(s):  # independent terms: several iterations' loads in flight at once
+                    out.append(f"{pad}#pragma unroll {SUM_UNROLL}")
                 else:  # a big nest stays a loop: its buffers live in local memory instead of spilling
                     out.append(f"{pad}#pragma unroll 1")
-                out.append(f"{pad}for (int {s.var} = 0; {s.var} < {s.extent}; ++{s.var}) {{")
+                if split:  # this group's terms of the split sum (lowering/split_sum.py)
+                    out.append(f"{pad}for (int {s.var} = grp; {s.var} < {s.extent}; {s.var} += {self.groups}) {{")
+                else:
+                    out.append(f"{pad}for (int {s.var} = 0; {s.var} < {s.extent}; ++{s.var}) {{")
                 out.extend(self.stmts(s.body, depth + 1, inner))
                 out.append(f"{pad}}}")
             elif isinstance(s, Buffer):
@@ -130,11 +168,42 @@ class CPrinter:
         return [f"F {n} = F(0);" for n in names]
 
 
-def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], time_fastest: bool = False) -> dict:
-    """The template's fields for one kernel. Consecutive threads take consecutive indices of the
-    last parallel axis; with `time_fastest` (a time-blocked kernel whose arrays have time
-    contiguous) consecutive blocks of time instead, so that their loads and stores coalesce."""
-    pr = CPrinter(k, arrays, sizes)
+def _scalar_sum(loop: Loop) -> bool:
+    """An innermost loop that accumulates (its iterations' terms are independent until added)."""
+    body = loop.body
+    return all(isinstance(s, Assign) for s in body) and any(s.op == "+=" for s in body)
+
+
+def _staged_prev(k: Kernel, arrays: dict[str, ArraySpec]) -> list[str]:
+    """Carries `prev_*` a thread-per-recurrence kernel writes one value of per step, into an array
+    with time contiguous: written through shared memory, 32 steps at a time, so that a warp's
+    writes are coalesced (a thread writing its own steps would touch a line per lane and step)."""
+    if k.time_blocks:
+        return []
+    parallel = set(k.parallel)
+    return [a.name for a in k.arrays if a.role == "prev" and set(a.axes[1:]) <= parallel
+            and arrays[a.name].strides[0] == 1 and len(a.axes) > 1]
+
+
+def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
+    """C lines writing row `r`'s staged steps (`count` from `base`) of every staged carry, the warp's
+    active lanes taking consecutive steps."""
+    step = "t1 - 1 - (base + s)" if k.reverse else "t0 + base + s"
+    index = {a.name: a for a in k.arrays}
+    out = []
+    for name in staged:
+        a = index[name]
+        at_zero = pr.index(Load(name, ("0", *(f"p_{ax}" for ax in a.axes[1:]))))
+        value = _store(pr.arrays[name].dtype, f"sm_{name}[row0 + r][s]")
+        out += [f"const long long o_{name} = __shfl_sync(lanes, (long long)({at_zero}), r);",
+                f"for (int s = lane; s < count; s += nact) {name}[o_{name} + ({step})] = {value};"]
+    return out
+
+
+def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+                   threads: Threads = ONE_GROUP) -> dict:
+    staged = _staged_prev(k, arrays)
+    pr = CPrinter(k, arrays, sizes, frozenset(staged), threads=threads)
     params = []
     for a in k.arrays:
         ctype = C_TYPES[arrays[a.name].dtype]
@@ -149,11 +218,17 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         unflatten.append(f"const long long rest_{a} = {rest} / {size_var(a)};")
         rest = f"rest_{a}"
     par = " ".join(k.parallel) or "-"
+    comment = f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
+    if threads.groups > 1:
+        comment += f" and group of {threads.split} ({threads.groups} groups, partial sums)"
+    if threads.time_fastest:
+        comment += ", consecutive threads along time"
     return {
         "name": k.name,
-        "comment": f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
-        + (", consecutive threads along time" if time_fastest else ""),
-        "time_fastest": time_fastest,
+        "comment": comment,
+        "time_fastest": threads.time_fastest,
+        "interleaved": threads.time_fastest and k.sum_over_time,
+        "groups": threads.groups,
         "params": params,
         "constants": constants,
         "unflatten": unflatten,
@@ -162,6 +237,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         "setup": "\n".join(pr.stmts(k.setup, 1)),
         "step": "\n".join(pr.stmts(k.step, 2)),
         "finish": "\n".join(pr.stmts(k.finish, 1)),
+        "stage_prev": [f"__shared__ F sm_{a}[{BLOCK}][{WARP + 1}];" for a in staged],
+        "flush_prev": _flush_prev(k, pr, staged),
     }
 
 
@@ -270,15 +347,16 @@ def math_header() -> str:
 
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
                   sizes: dict[str, int], warp: tuple[TimeBlocks, int] | None = None,
-                  time_fastest: bool = False) -> str:
-    """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays; with `warp`
-    (time blocks, steps per lane), the warp kernel instead (its arrays: the one kernel's);
-    `time_fastest` as in `kernel_context`."""
+                  threads: dict[str, Threads] | None = None) -> str:
+    """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays and its thread
+    mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (time blocks, steps per
+    lane), the warp kernel instead (its arrays: the one kernel's)."""
     if warp is not None:
         (_, specs), = kernels
         contexts = [warp_kernel_context(warp[0], specs, sizes, warp[1])]
     else:
-        contexts = [kernel_context(k, specs, sizes, time_fastest) for k, specs in kernels]
+        threads = threads or {}
+        contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,

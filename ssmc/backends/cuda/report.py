@@ -20,7 +20,7 @@ from ...runtime.cache import store
 from ...runtime.random_inputs import axis_sizes
 from . import nvrtc
 from .codegen import ArraySpec
-from .runner import CudaRunner, Launch, one_step_per_thread
+from .runner import CudaRunner, Launch
 
 
 @dataclass
@@ -57,12 +57,23 @@ def _contiguous(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str) -> dict[str, ArraySpec]:
+def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str,
+           time_contiguous: bool = False) -> dict[str, ArraySpec]:
+    """The layouts `CudaRunner.run` gives the kernel's arrays: time outermost, or (`time_contiguous`)
+    time innermost for sequences and per-step results; split-K partials one copy per group."""
     specs = {}
+    groups = launch.mapping.groups
     for a in launch.kernel.arrays:
         shape = [launch.length if ax == "t" else launch.nblk if ax == "block" else sizes[ax] for ax in a.axes]
         io = a.role in ("seq", "param", "init", "out")
-        specs[a.name] = ArraySpec(dtype if io else compute, _contiguous(shape or [1]))
+        partial = groups > 1 and a.role in ("out", "final")
+        if time_contiguous and a.role in ("seq", "out", "prev") and len(shape) > 1:
+            inner = _contiguous([*shape[1:], shape[0]])
+            strides = (inner[-1], *inner[:-1])
+        else:
+            strides = _contiguous(shape or [1])
+        group_stride = int(np.prod(shape)) if partial else 0
+        specs[a.name] = ArraySpec(compute if partial or not io else dtype, strides, group_stride)
     return specs
 
 
@@ -94,8 +105,8 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
              compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
     reports = []
     for launch in runner.launches(sizes, steps, time_contiguous):
-        along_time = time_contiguous and one_step_per_thread(launch.kernel, steps, launch.nblk)
-        source = runner.source_for(launch.kernel, _specs(launch, sizes, dtype, compute), sizes, along_time)
+        specs = _specs(launch, sizes, dtype, compute, time_contiguous)
+        source = runner.source_for(launch.kernel, specs, sizes, launch.mapping)
         report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
         if compile_kernels and nvrtc.available():
             try:

@@ -18,7 +18,7 @@ from ...lowering.plan import Kernel, Lowered, lower
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
-from .codegen import BLOCK, WARP, ArraySpec, module_source
+from .codegen import BLOCK, ONE_GROUP, WARP, ArraySpec, Threads, module_source, split_groups
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -97,14 +97,19 @@ def accumulator_blocks(total: int, length: int) -> int:
     return max(1, min(length, -(-FILL_THREADS // max(total, 1))))
 
 
+MAX_THREADS = (1 << 31) - 1  # time-fastest kernels divide the thread index in 32 bits
+
+
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all."""
+    """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all (and, for
+    the epilogue's kernels, their thread mapping: codegen.Threads)."""
 
     kernel: Kernel
     length: int
     nblk: int
     threads: int
+    mapping: Threads = ONE_GROUP
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -126,11 +131,11 @@ class CudaRunner:
 
     # -- building ----------------------------------------------------------------------------
     def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int],
-                   time_fastest: bool = False) -> str:
+                   mapping: Threads = ONE_GROUP) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         tb = self.time_blocks
         warp = (tb, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
-        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, time_fastest)
+        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping})
 
     def _function(self, source: str, name: str):
         module = self.modules.get(source)
@@ -179,50 +184,64 @@ class CudaRunner:
             total = self._threads(tb.summary, sizes)
             return [Launch(tb.summary, length, nblk, total * nblk), Launch(tb.combine, nblk, 1, total),
                     Launch(tb.rescan, length, nblk, total * nblk)]
-        out = []
-        for k in self.lowered.kernels:
-            total = self._threads(k, sizes)
-            if not k.time_blocks:
-                nblk = 1
-            elif k.program.states:
-                nblk = accumulator_blocks(total, length)
-            else:  # an output of the epilogue: one step per block of time
-                nblk = max(1, length)
-            out.append(Launch(k, length, nblk, total * nblk))
-        return out
+        return [self._epilogue_launch(k, sizes, length, time_contiguous) if k.time_blocks
+                else Launch(k, length, 1, self._threads(k, sizes)) for k in self.lowered.kernels]
+
+    def _epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int, time_contiguous: bool) -> Launch:
+        """A map/reduce epilogue kernel's launch: an output one step per block of time, an accumulator
+        in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
+        sum split into groups of threads (split-K, codegen.split_groups)."""
+        total = self._threads(k, sizes)
+        if k.program.states:
+            nblk = accumulator_blocks(total, length)
+            if time_contiguous:  # lanes of a warp on neighbouring steps
+                nblk = min(length, -(-nblk // WARP) * WARP)
+        else:
+            nblk = max(1, length)
+        split, groups = split_groups(k, sizes)
+        fastest = time_contiguous and total * nblk * groups <= MAX_THREADS
+        return Launch(k, length, nblk, total * nblk * groups, Threads(fastest, groups, split))
 
     # -- running -----------------------------------------------------------------------------
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
-                out_dtype=None) -> dict:
+                out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP) -> dict:
+        """Launch `k`; returns the arrays it wrote. With `time_contiguous` its per-step outputs (and
+        carries `prev_*`) are allocated with time contiguous, as their readers take them; with
+        `mapping.groups` > 1 its outputs and finals are partials, one copy per group (`made[name]`
+        then has the groups first)."""
         import cupy
         import torch
 
         made = {}
         tensors = []
         warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
-        along_time = _along_time(k, arrays, length, nblk)
+        groups = mapping.groups
+        state_dtype = torch.float64 if self.compute == "float64" else torch.float32
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
                 t = _as_1d(arrays[a.name])
+                tensors.append((a, t, 0))
+                continue
+            shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
+            partial = groups > 1 and a.role in ("out", "final")
+            dtype = out_dtype if a.role == "out" and out_dtype is not None and not partial else state_dtype
+            lead = [groups] if partial else []
+            if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1:
+                # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
+                full = torch.empty([*lead, *shape[1:], shape[0]], device="cuda", dtype=dtype).movedim(-1, len(lead))
             else:
-                shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
-                state_dtype = torch.float64 if self.compute == "float64" else torch.float32
-                dtype = out_dtype if a.role == "out" and out_dtype is not None else state_dtype
-                if (warp or along_time) and a.role == "out" and len(shape) > 1:
-                    # time contiguous, as the kernel's inputs: neighbouring lanes write neighbouring steps
-                    made[a.name] = torch.empty([*shape[1:], shape[0]], device="cuda", dtype=dtype).movedim(-1, 0)
-                else:
-                    made[a.name] = torch.empty(shape, device="cuda", dtype=dtype)
-                t = _as_1d(made[a.name])
-            tensors.append((a, t))
-        specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in tensors}
-        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane(), along_time)
+                full = torch.empty([*lead, *shape], device="cuda", dtype=dtype)
+            made[a.name] = full
+            tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
+        specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
+        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane(), mapping)
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
-            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, along_time), k.name)
-        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * (WARP if warp else nblk)).grid
+            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, mapping), k.name)
+        per = WARP if warp else nblk * groups
+        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per).grid
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t in tensors))
+        args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
         fn((blocks,), (threads,), args, stream=stream)
         return made
 
@@ -247,7 +266,7 @@ class CudaRunner:
         if low.core_states:
             core = plan.pop(0).kernel
             made = self._launch(core, {**seqs, **params, **{f"init_{s}": initial[s] for s in low.core_states}},
-                                sizes, length)
+                                sizes, length, time_contiguous=contiguous)
             for s in low.core_states:
                 prev[s] = made[f"prev_{s}"]
                 finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
@@ -256,13 +275,21 @@ class CudaRunner:
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
         outs = {}
         for launch in plan:
-            epi, nblk = launch.kernel, launch.nblk
-            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype=out_dtype)
+            if launch.kernel.time_blocks:  # threads along time where its own sequences mostly have it contiguous
+                launch = self._epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
+            epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
+            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype, launch.mapping.time_fastest,
+                                launch.mapping)
             for s in epi.program.states:
                 shape = [sizes[a] for a in s.axes]
-                part = made[f"final_{s.name}"].reshape([nblk, *shape]).sum(0)
+                part = made[f"final_{s.name}"].reshape([groups * nblk, *shape]).sum(0)
                 finals[s.name] = initial[s.name].to(part.dtype) + part
-            outs.update({n: made[f"out_{n}"] for n, _ in epi.program.outputs})
+            for n, _ in epi.program.outputs:
+                out = made[f"out_{n}"]
+                if groups > 1:  # split-K partials
+                    out = out.sum(0)
+                    out = out.to(out_dtype) if out_dtype is not None else out
+                outs[n] = out
         return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
 
     def _launcher(self, sizes, out_dtype):
@@ -271,17 +298,11 @@ class CudaRunner:
         return launch
 
 
-def one_step_per_thread(k: Kernel, length: int, nblk: int) -> bool:
-    """A map kernel (no states) launched with a thread per step."""
-    return k.time_blocks and not k.program.states and nblk == length > 1
-
-
-def _along_time(k: Kernel, arrays: dict, length: int, nblk: int) -> bool:
-    """Should consecutive threads take consecutive steps? For a map kernel (no states, one step per
-    thread) whose sequences mostly have time contiguous (layouts like "b d t"): then its loads and
-    stores coalesce, where threads along the last parallel axis would stride over whole sequences."""
-    if not one_step_per_thread(k, length, nblk):
-        return False
+def _along_time(k: Kernel, arrays: dict) -> bool:
+    """Should consecutive threads of a time-blocked kernel (map/reduce epilogue, map) take
+    consecutive steps? When most of its sequences have time contiguous (layouts like "b d t"): then
+    its loads and stores coalesce, where threads along the last parallel axis would stride over
+    whole sequences."""
     seqs = [arrays[a.name] for a in k.arrays if a.role == "seq" and arrays[a.name].dim() > 1]
     return 2 * sum(t.stride(0) == 1 for t in seqs) > len(seqs)
 
