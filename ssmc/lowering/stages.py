@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from ..ir.node import BOOL, Node, substitute, toposort
 from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
 from ..ir.program import Decl, Recurrence, Role
-from ..passes.classify import classify
 
 _INTRODUCES_AXIS = (Op.RENAME, Op.SLICE, Op.PAD)   # ops whose result can name an axis its operand lacks
 
@@ -170,12 +169,29 @@ def _recurrence_axes(program: Recurrence) -> set[str]:
     """Axes every state that feeds back has (accumulators, sums over time, aside): the axes along
     which the recurrences could be independent. A statistic over any other axis (an adjoint's
     ``x W`` summed over the input axis, then transposed back) costs the recurrence no parallelism."""
-    families = {c.state: c.family for c in classify(program).states}
-    feeding = [s for s in program.states if families[s.name] != "accumulator"] or list(program.states)
+    feeding = [s for s, u in zip(program.states, program.updates) if not _accumulates(program, s.name, u)]
+    feeding = feeding or list(program.states)
     common = set(feeding[0].axes)
     for s in feeding[1:]:
         common &= set(s.axes)
     return common
+
+
+def _accumulates(program: Recurrence, state: str, update: Node) -> bool:
+    """Is `update` ``state + b`` with nothing else reading `state` (b included)? The adjoint's
+    param-gradient accumulators: a write-only state, as classify says, read off the structure."""
+    while update.op is Op.EXPAND:
+        update = update.args[0]
+    if update.op is Op.INPUT:
+        increment = ()
+    elif update.op is Op.ADD and any(a.op is Op.INPUT and a.arg == state for a in update.args):
+        increment = [a for a in update.args if not (a.op is Op.INPUT and a.arg == state)][:1]
+    else:
+        return False
+    if update.op is Op.INPUT and update.arg != state:
+        return False
+    others = [r for r in program.roots if r is not update] + list(increment)
+    return not any(n.op is Op.INPUT and n.arg == state for n in toposort(others))
 
 
 def _frontier(roots: tuple[Node, ...], stateful: set[Node], stats: set[Node]) -> list[Node]:
