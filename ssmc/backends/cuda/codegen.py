@@ -194,7 +194,7 @@ def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
     for name in staged:
         a = index[name]
         at_zero = pr.index(Load(name, ("0", *(f"p_{ax}" for ax in a.axes[1:]))))
-        value = _store(pr.arrays[name].dtype, f"sm_{name}[row0 + r][s]")
+        value = _store(pr.arrays[name].dtype, f"sm_{name}[ssmc_row0 + r][s]")
         out += [f"const long long o_{name} = __shfl_sync(lanes, (long long)({at_zero}), r);",
                 f"for (int s = lane; s < count; s += nact) {name}[o_{name} + ({step})] = {value};"]
     return out
