@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.node import BOOL, Node, substitute, toposort
+from ..ir.node import BOOL, Node, input_names, substitute, toposort
 from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
 from ..ir.program import Decl, Recurrence, Role
 
@@ -83,7 +83,7 @@ class Fused:
                 if ops:
                     lines.append(f"        {what}: {', '.join(ops)}")
         for r in self.left_in:
-            lines.append(f"  left in the recurrence (inside a state update): sum over {r.arg}; the recurrence"
+            lines.append(f"  left in the recurrence (inside a state update): {_name(r)}; the recurrence"
                          f" runs without {r.arg} among its parallel axes")
         lines.append(f"  kernels: {total} (op by op: {op_by_op_kernels(self.program)})")
         return "\n".join(lines)
@@ -182,20 +182,22 @@ def _accumulates(program: Recurrence, state: str, update: Node) -> bool:
     param-gradient accumulators: a write-only state, as classify says, read off the structure."""
     while update.op is Op.EXPAND:
         update = update.args[0]
-    if update.op is Op.INPUT:
-        increment = ()
-    elif update.op is Op.ADD and any(a.op is Op.INPUT and a.arg == state for a in update.args):
-        increment = [a for a in update.args if not (a.op is Op.INPUT and a.arg == state)][:1]
+
+    def is_carry(n: Node) -> bool:
+        return n.op is Op.INPUT and n.arg == state
+
+    if is_carry(update):
+        increment: list[Node] = []     # nothing added: a zero gradient
+    elif update.op is Op.ADD and any(is_carry(a) for a in update.args):
+        increment = [a for a in update.args if not is_carry(a)][:1]
     else:
         return False
-    if update.op is Op.INPUT and update.arg != state:
-        return False
-    others = [r for r in program.roots if r is not update] + list(increment)
-    return not any(n.op is Op.INPUT and n.arg == state for n in toposort(others))
+    others = [r for r in program.roots if r is not update] + increment
+    return not any(is_carry(n) for n in toposort(others))
 
 
 def _frontier(roots: tuple[Node, ...], stateful: set[Node], stats: set[Node]) -> list[Node]:
-    """The state-dependent values a post program needs from the recurrence, fewest first.
+    """The state-dependent values a post program needs from the recurrence (as few as it can).
 
     A node is *moved* when it contains a statistic in `stats`; the frontier is the state-dependent
     nodes that are not moved and have a moved user. A frontier value computed elementwise from
@@ -282,15 +284,11 @@ def fuse(program: Recurrence) -> Fused:
         post_roots = substitute(tuple(y for _, y in moved), cut_inputs)
         post = _program(program, f"{program.name}_post", (), list(zip((n for n, _ in moved), post_roots)),
                         {name: f for f, name in zip(cuts, cut_names)}, states=False)
-        assert not (input_names_of(post) & state_names), "post reads a state: the frontier is incomplete"
+        assert not (input_names(post.roots) & state_names), "post reads a state: the frontier is incomplete"
         stages.append(Stage("post", post))
     if len(stages) == 1:
         return Fused(program, (Stage("core", program),), left_in=left_in)
     return Fused(program, tuple(stages), tuple(r for r in stats if r in post_stats or r in rows.values()), left_in)
-
-
-def input_names_of(program: Recurrence) -> set[str]:
-    return {n.arg for n in toposort(program.roots) if n.op is Op.INPUT}
 
 
 def _fresh(prefix: str, count: int, taken: set[str]) -> list[str]:
