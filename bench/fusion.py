@@ -77,9 +77,8 @@ def unfused(ext):
 
 def fused():
     """ssmc's compiled Mamba-1 block (layout b d t, read in place): (fwd, fwdbwd)."""
-    from ssmc.examples import mamba1_block
-
     import ssmc
+    from ssmc.examples import mamba1_block
 
     assert mamba1_block.EPS == EPS
     f = ssmc.compile(mamba1_block.SPEC, "cuda", layout="b d t")
@@ -104,9 +103,8 @@ def kernel_count(fn) -> int:
 
 def ssmc_bytes(B, D, L, N, backward: bool) -> int:
     """Bytes the ssmc kernel plan moves: every array of every launch once (fp32), from `launches()`."""
-    from ssmc.examples import mamba1_block
-
     from ssmc.backends.cuda.runner import CudaRunner
+    from ssmc.examples import mamba1_block
     from ssmc.grad import default_chunk
     from ssmc.lowering.stages import fuse
     from ssmc.passes.autodiff import derive_backward

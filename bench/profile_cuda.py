@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 import torch
-from ssmc.examples import mamba1
 
 import ssmc
+from ssmc.examples import mamba1
 
 
 def main() -> None:

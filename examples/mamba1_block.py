@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 import ssmc
+from ssmc.examples import mamba1
 
 EPS = 1e-5
 
@@ -36,39 +37,20 @@ FAMILY = "diagonal linear"
 
 
 def make_inputs(rng: np.random.Generator, length: int, batch: int = 2, dim: int = 5, state: int = 3) -> dict:
-    """Keyword arguments for SPEC (layout LAYOUT), initial state included."""
-    return {
-        "u": rng.standard_normal((batch, dim, length)),
-        "delta": rng.standard_normal((batch, dim, length)),
-        "A": -np.exp(rng.uniform(-1.0, 1.0, (dim, state))),
-        "B": rng.standard_normal((batch, state, length)),
-        "C": rng.standard_normal((batch, state, length)),
-        "D": rng.standard_normal(dim),
-        "z": rng.standard_normal((batch, dim, length)),
-        "delta_bias": rng.uniform(-2.0, 0.0, dim),
-        "res": rng.standard_normal((batch, dim, length)),
-        "norm_weight": rng.uniform(0.5, 1.5, dim),
-        "h": 0.5 * rng.standard_normal((batch, dim, state)),
-    }
-
-
-def _softplus(x):
-    return np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x)))
+    """Keyword arguments for SPEC (layout LAYOUT), initial state included: mamba1's, plus the
+    residual stream and the norm's weight."""
+    inputs = mamba1.make_inputs(rng, length, batch, dim, state)
+    inputs["res"] = rng.standard_normal((batch, dim, length))
+    inputs["norm_weight"] = rng.uniform(0.5, 1.5, dim)
+    return inputs
 
 
 def reference(u, delta, A, B, C, D, z, delta_bias, res, norm_weight, h=None):
-    """Plain NumPy, written without ssmc: returns (out [b d t], final h [b d n])."""
-    batch, dim, length = u.shape
-    h = np.zeros((batch, dim, A.shape[1])) if h is None else h.copy()
-    out = np.empty_like(u)
-    for t in range(length):
-        dt = _softplus(delta[:, :, t] + delta_bias[None, :])
-        h = np.exp(dt[:, :, None] * A[None]) * h + (dt * u[:, :, t])[:, :, None] * B[:, None, :, t]
-        zt = z[:, :, t]
-        y = (np.einsum("bdn,bn->bd", h, C[:, :, t]) + D[None, :] * u[:, :, t]) * zt / (1.0 + np.exp(-zt))
-        rstd = 1.0 / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + EPS)
-        out[:, :, t] = res[:, :, t] + y * rstd * norm_weight[None, :]
-    return out, h
+    """Plain NumPy, written without ssmc: mamba1's reference for the gated y, then the norm over d
+    and the residual. Returns (out [b d t], final h [b d n])."""
+    y, h = mamba1.reference(u, delta, A, B, C, D, z, delta_bias, h)
+    rstd = 1.0 / np.sqrt(np.mean(y * y, axis=1, keepdims=True) + EPS)      # [b 1 t]
+    return res + y * rstd * norm_weight[None, :, None], h
 
 
 def main() -> float:

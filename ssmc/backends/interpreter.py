@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..ir.node import Node, toposort
+from ..ir.node import Node, depending_on, toposort
 from ..ir.ops import Op
 from ..ir.program import Attention, Recurrence
 
@@ -165,14 +165,6 @@ def _block(sizes: dict[str, int], axis: str, parts: tuple[str, ...], index: int)
     return start, start + sizes[parts[index]]
 
 
-def _depends_on(nodes: list[Node], names: set[str]) -> set[Node]:
-    dep: set[Node] = set()
-    for n in nodes:
-        if (n.op is Op.INPUT and n.arg in names) or any(a in dep for a in n.args):
-            dep.add(n)
-    return dep
-
-
 def _at(value: Value, t: int) -> Value:
     arr, axes = value
     if axes and axes[0] == "~t":
@@ -191,7 +183,7 @@ def run_recurrence(program: Recurrence, seqs: dict[str, np.ndarray], params: dic
     ev = Evaluator(sizes, {"~t": length})
     nodes = program.nodes()
     state_names = {s.name for s in program.states}
-    stateful = _depends_on(nodes, state_names)
+    stateful = depending_on(nodes, state_names)
     free = [n for n in nodes if n not in stateful]
 
     env: dict[str, Value] = {d.name: (seqs[d.name], ("~t", *d.axes)) for d in program.seqs}

@@ -161,6 +161,15 @@ def input_names(roots: Iterable[Node]) -> set[str]:
     return {n.arg for n in leaves(roots) if n.op is Op.INPUT}
 
 
+def depending_on(nodes: Iterable[Node], names: set[str]) -> set[Node]:
+    """The nodes of `nodes` (in topological order) that depend on an input named in `names`."""
+    out: set[Node] = set()
+    for n in nodes:
+        if (n.op is Op.INPUT and n.arg in names) or any(a in out for a in n.args):
+            out.add(n)
+    return out
+
+
 def substitute(roots: tuple[Node, ...], mapping: dict[Node, Node],
                rewrite: Callable[[Node], Node] | None = None) -> tuple[Node, ...]:
     """Rebuild `roots` with nodes replaced per `mapping` (then `rewrite` applied bottom-up)."""

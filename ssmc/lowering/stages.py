@@ -28,10 +28,12 @@ then post for all t; `fuse` only decides where values are stored between kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from ..ir.node import BOOL, Node, input_names, substitute, toposort
+from ..ir.node import BOOL, Node, depending_on, input_names, substitute, toposort
 from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
 from ..ir.program import Decl, Recurrence, Role
+from .plan import lower
 
 _INTRODUCES_AXIS = (Op.RENAME, Op.SLICE, Op.PAD)   # ops whose result can name an axis its operand lacks
 
@@ -51,7 +53,6 @@ class Fused:
 
     program: Recurrence
     stages: tuple[Stage, ...]
-    moved: tuple[Node, ...] = ()      # row statistics taken out of the recurrence
     left_in: tuple[Node, ...] = ()    # row statistics inside state updates, left in the recurrence
 
     @property
@@ -61,8 +62,6 @@ class Fused:
     def describe(self) -> str:
         """Each stage: its kernels (`plan.lower` as the CUDA backend lowers), and the ops fused into
         them; then the kernel count against running the layer op by op (module docstring)."""
-        from .plan import lower
-
         lines = []
         total = 0
         for st in self.stages:
@@ -105,22 +104,24 @@ def _fused_ops(program: Recurrence) -> list[tuple[str, list[str]]]:
     nodes = toposort(program.roots)
     if not program.states:
         return [("ops", _ops(nodes))]
-    stateful = _reaching(nodes, {s.name for s in program.states})
-    in_updates = set(toposort(program.updates))
+    stateful, scan = _scan(program, nodes)
     prologue = [n for n in nodes if n not in stateful]
-    scan = [n for n in nodes if n in stateful and n in in_updates]
-    epilogue = [n for n in nodes if n in stateful and n not in in_updates]
-    return [("prologue, inlined into the loads", _ops(prologue)), ("scan", _ops(scan)),
+    epilogue = [n for n in nodes if n in stateful and n not in scan]
+    return [("prologue, inlined into the loads", _ops(prologue)), ("scan", _ops([n for n in nodes if n in scan])),
             ("epilogue, inlined into the stores", _ops(epilogue))]
 
 
 def op_by_op_kernels(program: Recurrence) -> int:
     """Kernels if the layer ran op by op (as eager PyTorch): one for the scan, one per other op."""
     nodes = toposort(program.roots)
-    stateful = _reaching(nodes, {s.name for s in program.states})
-    in_updates = set(toposort(program.updates))
-    scan = {n for n in nodes if n in stateful and n in in_updates}
+    _, scan = _scan(program, nodes)
     return bool(scan) + len(_ops([n for n in nodes if n not in scan]))
+
+
+def _scan(program: Recurrence, nodes: list[Node]) -> tuple[set[Node], set[Node]]:
+    """(the nodes that read a state, those of them the updates use: the scan proper)."""
+    stateful = depending_on(nodes, {s.name for s in program.states})
+    return stateful, stateful & set(toposort(program.updates))
 
 
 def _users(nodes: list[Node]) -> dict[Node, list[Node]]:
@@ -154,15 +155,6 @@ def row_statistics(program: Recurrence) -> list[Node]:
     nodes = toposort(program.roots)
     users = _users(nodes)
     return [n for n in nodes if n.op in REDUCTIONS and _broadcast_back(n, users)]
-
-
-def _reaching(nodes: list[Node], names: set[str]) -> set[Node]:
-    """Nodes that depend on an input named in `names`."""
-    out: set[Node] = set()
-    for n in nodes:
-        if (n.op is Op.INPUT and n.arg in names) or any(a in out for a in n.args):
-            out.add(n)
-    return out
 
 
 def _recurrence_axes(program: Recurrence) -> set[str]:
@@ -237,12 +229,14 @@ def _program(base: Recurrence, name: str, updates, outputs, new_seqs: dict[str, 
                       sizes=base.sizes, reverse=base.reverse, loc=base.loc, doc=base.doc)
 
 
+@lru_cache(maxsize=256)
 def fuse(program: Recurrence) -> Fused:
-    """Stage `program` (module docstring): pre, core and post programs, or the core alone."""
+    """Stage `program` (module docstring): pre, core and post programs, or the core alone.
+    Cached: every compiled call asks (`registry.runner`)."""
     nodes = toposort(program.roots)
     state_names = {s.name for s in program.states}
-    stateful = _reaching(nodes, state_names)
-    timed = _reaching(nodes, state_names | {d.name for d in program.seqs})
+    stateful = depending_on(nodes, state_names)
+    timed = depending_on(nodes, state_names | {d.name for d in program.seqs})
     stats = [r for r in row_statistics(program) if r in timed]  # param-only ones run once, before time
     if stats:
         recurrence_axes = _recurrence_axes(program)
@@ -288,7 +282,7 @@ def fuse(program: Recurrence) -> Fused:
         stages.append(Stage("post", post))
     if len(stages) == 1:
         return Fused(program, (Stage("core", program),), left_in=left_in)
-    return Fused(program, tuple(stages), tuple(r for r in stats if r in post_stats or r in rows.values()), left_in)
+    return Fused(program, tuple(stages), left_in)
 
 
 def _fresh(prefix: str, count: int, taken: set[str]) -> list[str]:
