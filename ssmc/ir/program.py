@@ -18,6 +18,7 @@ from enum import Enum
 
 from ..errors import Loc
 from .node import Node, toposort
+from .ops import Op
 
 
 class Role(Enum):
@@ -81,6 +82,18 @@ class Recurrence:
     @property
     def static_sizes(self) -> dict[str, int]:
         return dict(self.sizes)
+
+    def with_roots(self, updates, outputs, new_seqs=(), states=None, name: str | None = None) -> Recurrence:
+        """This program with other roots: its inputs trimmed to those the roots read, sequences
+        `new_seqs` ((name, axes) pairs) added, the states named in `states` kept (default: all;
+        `updates` gives one per kept state, in order)."""
+        used = {n.arg for n in toposort(tuple(updates) + tuple(y for _, y in outputs)) if n.op is Op.INPUT}
+        keep = {d.name for d in self.states} if states is None else set(states)
+        decls = [d for d in self.decls if (d.name in keep if d.role is Role.STATE else d.name in used)]
+        decls += [Decl(n, Role.SEQ, axes) for n, axes in new_seqs]
+        return Recurrence(name=name or self.name, decls=tuple(decls), updates=tuple(updates),
+                          outputs=tuple(outputs), sizes=self.sizes, reverse=self.reverse, loc=self.loc,
+                          doc=self.doc)
 
 
 @dataclass(frozen=True)

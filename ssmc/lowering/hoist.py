@@ -127,7 +127,7 @@ def hoist(program: Recurrence) -> Hoisted:
     updates = substitute(program.updates, mapping) if mapping else program.updates
     outputs = tuple(zip([n for n, _ in program.outputs],
                         substitute(tuple(y for _, y in program.outputs), mapping))) if mapping else program.outputs
-    staged = _replace(program, updates, outputs, extra_seqs=[(n, node.axes) for n, node in pre])
+    staged = program.with_roots(updates, outputs, new_seqs=[(n, node.axes) for n, node in pre])
     staged_roles = {d.name: d.role for d in staged.decls}
 
     factors: dict[Node, str] = {}
@@ -165,7 +165,8 @@ def hoist(program: Recurrence) -> Hoisted:
     updates = tuple(staged.updates[i] for i in keep)
     outputs = tuple((n, y) for n, y in staged.outputs if n not in drop_out)
     outputs += tuple((name, f) for f, name in factors.items())
-    final, transposed = transpose_params(_replace(staged, updates, outputs, drop_states=drop_state))
+    kept = [staged.states[i].name for i in keep]
+    final, transposed = transpose_params(staged.with_roots(updates, outputs, states=kept))
     return Hoisted(program, final, tuple(pre), tuple((n, f) for f, n in factors.items()),
                    tuple(post_outputs), tuple(post_acc), transposed)
 
@@ -221,7 +222,7 @@ def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
     staged = Recurrence(name=program.name, decls=tuple(decls), updates=updates,
                         outputs=tuple(zip([n for n, _ in program.outputs], outs)), sizes=program.sizes,
                         reverse=program.reverse, loc=program.loc, doc=program.doc)
-    return _replace(staged, staged.updates, staged.outputs), tuple(transposed)
+    return staged.with_roots(staged.updates, staged.outputs), tuple(transposed)
 
 
 def _find_pre(program: Recurrence, roles) -> list[tuple[str, Node]]:
@@ -258,16 +259,6 @@ def _accumulators(program: Recurrence) -> dict[str, Node]:
         if set(c.b.axes) == set(decl.axes):
             out[c.state] = c.b
     return out
-
-
-def _replace(program: Recurrence, updates, outputs, extra_seqs=(), drop_states=()) -> Recurrence:
-    """`program` with new roots; declarations trimmed to what the roots read, new sequences added."""
-    used = {n.arg for n in toposort(updates + tuple(y for _, y in outputs)) if n.op is Op.INPUT}
-    decls = [d for d in program.decls
-             if (d.role is Role.STATE and d.name not in drop_states) or (d.role is not Role.STATE and d.name in used)]
-    decls += [Decl(name, Role.SEQ, axes) for name, axes in extra_seqs]
-    return Recurrence(name=program.name, decls=tuple(decls), updates=tuple(updates), outputs=tuple(outputs),
-                      sizes=program.sizes, reverse=program.reverse, loc=program.loc, doc=program.doc)
 
 
 # -- evaluating the hoisted parts (NumPy, in the arrays' dtype) -----------------------------------

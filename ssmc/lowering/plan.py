@@ -551,11 +551,7 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
 def _subprogram(program: Recurrence, name: str, states: tuple[str, ...], outputs) -> Recurrence:
     """`program` restricted to some of its states and outputs (and the inputs those read)."""
     updates = tuple(u for s, u in zip(program.states, program.updates) if s.name in states)
-    used = {n.arg for n in toposort(list(updates) + [y for _, y in outputs]) if n.op is Op.INPUT}
-    decls = tuple(d for d in program.decls
-                  if (d.role is Role.STATE and d.name in states) or (d.role is not Role.STATE and d.name in used))
-    return Recurrence(name=name, decls=decls, updates=updates, outputs=tuple(outputs), sizes=program.sizes,
-                      reverse=program.reverse, loc=program.loc)
+    return program.with_roots(updates, outputs, states=states, name=name)
 
 
 def _epilogue(program: Recurrence, core_states, acc, classes) -> Recurrence:

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 from ..ir.node import BOOL, Node, depending_on, input_names, substitute, toposort
 from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
-from ..ir.program import Decl, Recurrence, Role
+from ..ir.program import Recurrence
 from .plan import lower
 
 _INTRODUCES_AXIS = (Op.RENAME, Op.SLICE, Op.PAD)   # ops whose result can name an axis its operand lacks
@@ -218,17 +218,6 @@ def _frontier(roots: tuple[Node, ...], stateful: set[Node], stats: set[Node]) ->
     return [f for f in nodes if f in cut]
 
 
-def _program(base: Recurrence, name: str, updates, outputs, new_seqs: dict[str, Node], states: bool) -> Recurrence:
-    """A program over `base`'s inputs that the roots read, plus new sequences (name -> node whose axes)."""
-    roots = tuple(updates) + tuple(y for _, y in outputs)
-    used = {n.arg for n in toposort(roots) if n.op is Op.INPUT}
-    decls = [d for d in base.decls
-             if (d.role is Role.STATE and states) or (d.role is not Role.STATE and d.name in used)]
-    decls += [Decl(n, Role.SEQ, node.axes) for n, node in new_seqs.items() if n in used]
-    return Recurrence(name=name, decls=tuple(decls), updates=tuple(updates), outputs=tuple(outputs),
-                      sizes=base.sizes, reverse=base.reverse, loc=base.loc, doc=base.doc)
-
-
 @lru_cache(maxsize=256)
 def fuse(program: Recurrence) -> Fused:
     """Stage `program` (module docstring): pre, core and post programs, or the core alone.
@@ -270,14 +259,16 @@ def fuse(program: Recurrence) -> Fused:
 
     stages = []
     if rows:
-        pre = _program(program, f"{program.name}_pre", (), list(rows.items()), {}, states=False)
+        pre = program.with_roots((), list(rows.items()), states=(), name=f"{program.name}_pre")
         stages.append(Stage("pre", pre, tuple(rows)))
-    core = _program(program, program.name, updates, core_outputs, rows, states=True)
+    core = program.with_roots(updates, core_outputs, [(n, r.axes) for n, r in rows.items()])
     stages.append(Stage("core", core, tuple(cut_names)))
     if moved:
         post_roots = substitute(tuple(y for _, y in moved), cut_inputs)
-        post = _program(program, f"{program.name}_post", (), list(zip((n for n, _ in moved), post_roots)),
-                        {name: f for f, name in zip(cuts, cut_names)}, states=False)
+        read_post = input_names(post_roots)
+        post = program.with_roots((), list(zip((n for n, _ in moved), post_roots)),
+                                  [(name, f.axes) for f, name in zip(cuts, cut_names) if name in read_post],
+                                  states=(), name=f"{program.name}_post")
         assert not (input_names(post.roots) & state_names), "post reads a state: the frontier is incomplete"
         stages.append(Stage("post", post))
     if len(stages) == 1:
