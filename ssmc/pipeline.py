@@ -5,6 +5,7 @@
     backward  the derived backward: adjoint IR, its family, memory plan and C expressions
     fused     the fusion stage: the kernels of the forward and of the adjoint, what each fuses
     cuda      the generated CUDA source of the forward's kernels (at default sizes)
+    numba     the generated Numba source of the forward's kernels (float32)
 
 `ssmc show --stage NAME` prints one stage.
 """
@@ -71,6 +72,16 @@ def _cuda(program) -> str:
     return forward_source(program)
 
 
+def _numba(program) -> str:
+    if isinstance(program, Attention):
+        return "// attention runs on the interpreter on every backend: no Numba kernels are generated yet"
+    from .backends.numba.runner import NumbaRunner
+
+    fused = fuse(program)
+    programs = [st.program for st in fused.stages] if fused.staged else [program]
+    return "\n\n".join(NumbaRunner(p, "float32").source for p in programs)
+
+
 # name -> (description, function from program to printable text)
 STAGES: dict[str, tuple[str, Callable[[Recurrence | Attention], str]]] = {
     "ir": ("the traced IR, one line per node", format_program),
@@ -78,6 +89,7 @@ STAGES: dict[str, tuple[str, Callable[[Recurrence | Attention], str]]] = {
     "backward": ("the derived backward: adjoint IR, family, memory plan, C expressions", _backward),
     "fused": ("the fusion stage: kernels of the forward and the adjoint, what each fuses", _fused),
     "cuda": ("the generated CUDA source of the forward's kernels, at default sizes", _cuda),
+    "numba": ("the generated Numba source of the forward's kernels, float32", _numba),
 }
 
 

@@ -197,3 +197,10 @@ def test_show_cuda_prints_the_generated_source(capsys):
     assert main(["show", "--stage", "cuda", HGRN]) == 0
     out = capsys.readouterr().out
     assert 'extern "C" __global__ void hgrn_' in out and "constexpr int n_b = 16;" in out
+
+
+def test_show_numba_prints_the_generated_source(capsys):
+    assert main(["show", "--stage", "numba", str(ROOT / "examples" / "mamba1.py")]) == 0
+    out = capsys.readouterr().out
+    assert "def mamba1_fused(" in out and "numba.prange" in out
+    assert "ah_m0[t - c0] = m0" in out  # softplus(delta + bias) computed ahead of the sequential steps

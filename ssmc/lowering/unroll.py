@@ -16,8 +16,11 @@ bound by those memory operations, not by arithmetic). `unroll_sums` rewrites it 
         for g, k:  m[g, k] += t(n_j // 8 * 8 + j)
 
 so the accumulator is loaded and stored once per 8 terms (about 2x faster on the LSTM's
-recurrent product). Only the order of the additions changes. Backend-neutral: it rewrites the
-loop-nest IR (`loops.py`).
+recurrent product). A sum into a scalar, ``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain
+of dependent additions, one per term; it is rewritten the same way with `SCALAR_FACTOR` terms per
+pass, so the chain is 4x shorter and the terms of a pass are independent. Only the order of the
+additions changes, and it is fixed (no reassociation by the compiler). Backend-neutral: it
+rewrites the loop-nest IR (`loops.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import re
 from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var
 
 FACTOR = 8
+SCALAR_FACTOR = 4
 
 
 def unroll_sums(stmts: list, factor: int | None = None) -> list:
@@ -40,6 +44,8 @@ def unroll_sums(stmts: list, factor: int | None = None) -> list:
             chain = _axpy_chain(s)
             if chain is not None:
                 out.extend(_unrolled(s, chain, factor))
+            elif _scalar_sum(s):
+                out.extend(_unrolled_scalar(s, SCALAR_FACTOR))
             else:
                 out.append(Loop(s.var, s.extent, unroll_sums(s.body, factor), s.reverse))
         else:
@@ -77,6 +83,23 @@ def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
     rest_index = f"({extent} // {factor} * {factor} + {var})"
     rest = _wrap(chain, Assign(assign.target, _subst(assign.value, var, rest_index), "+="))
     return [Loop(block, f"{extent} // {factor}", main), Loop(var, f"{extent} % {factor}", rest)]
+
+
+def _scalar_sum(loop: Loop) -> bool:
+    """``for j: acc += value`` with a scalar accumulator."""
+    body = loop.body
+    return (len(body) == 1 and isinstance(body[0], Assign) and body[0].op == "+=" and isinstance(body[0].target, Var)
+            and not loop.reverse)
+
+
+def _unrolled_scalar(loop: Loop, factor: int) -> list:
+    (assign,) = loop.body
+    var, extent = loop.var, f"({loop.extent})"
+    block = f"u_{var.removeprefix('i_')}"
+    terms = [_subst(assign.value, var, f"({factor} * {block} + {r})") for r in range(factor)]
+    rest_index = f"({extent} // {factor} * {factor} + {var})"
+    return [Loop(block, f"{extent} // {factor}", [Assign(assign.target, _pairwise(terms), "+=")]),
+            Loop(var, f"{extent} % {factor}", [Assign(assign.target, _subst(assign.value, var, rest_index), "+=")])]
 
 
 def _hoist_loads(e, chain_vars: list[str], hoisted: list[list], prefix: str):

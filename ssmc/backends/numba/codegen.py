@@ -12,6 +12,7 @@ from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Nu
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.unroll import unroll_sums
 from . import blocking
+from .ahead import TILE, split_ahead
 from .blocking import BlockedKernel, block_kernel, wants_blocking
 
 _FUNCS = {"abs": "abs_", "max": "max_", "min": "min_", "pow": "pow_"}
@@ -81,6 +82,19 @@ def _kernel_context(k: Kernel) -> dict:
         k = block_kernel(k)
     blocked = isinstance(k, BlockedKernel)
     extent = (lambda a: blocking.extent(k, a)) if blocked else size_var
+    ahead = None if blocked else split_ahead(k)
+    if ahead is not None:
+        setup = [Buffer(b, (str(TILE),)) for b in ahead.buffers] + k.setup
+        return {
+            **_common_context(k, extent, blocked, setup), "tile": TILE,
+            "ahead": "\n".join(statements(ahead.ahead, 4)),
+            "step": "\n".join(statements(unroll_sums(ahead.step), 4)) or "                pass",
+        }
+    return {**_common_context(k, extent, blocked, k.setup), "tile": 0, "ahead": "",
+            "step": "\n".join(statements(unroll_sums(k.step), 3)) or "            pass"}
+
+
+def _common_context(k: Kernel, extent, blocked: bool, setup: list) -> dict:
     return {
         "name": k.name,
         "sizes": [size_var(a) for a in k.sizes],
@@ -89,8 +103,7 @@ def _kernel_context(k: Kernel) -> dict:
         "total": " * ".join(extent(a) for a in k.parallel) or "1",
         "unflatten": _unflatten(k.parallel, extent) + (blocking.block_bounds(k) if blocked else []),
         "reverse": k.reverse,
-        "setup": "\n".join(statements(unroll_sums(k.setup), 2)),
-        "step": "\n".join(statements(unroll_sums(k.step), 3)) or "            pass",
+        "setup": "\n".join(statements(unroll_sums(setup), 2)),
         "finish": "\n".join(statements(k.finish, 2)),
     }
 
