@@ -20,8 +20,10 @@ Workloads (fp32 inputs):
       package nor its CUDA extension is imported. Without the sdist the row is left out with a note.
 - LSTM, B=16 L=180 I=256 H=256: peer torch.nn.LSTM (weights mapped onto `ssmc.examples.lstm`'s W, U, bias).
 
-ssmc runs `ssmc.compile(SPEC, backend=...)` (forward) and forward + `ssmc.grad(SPEC, backend=...)` with the
-same cotangent dy (loss = sum(y * dy)). If the requested backend does not exist (ValueError from
+ssmc runs `ssmc.compile(SPEC, backend=...)` (forward) and, for forward+backward, a training step through
+`ssmc.torch.function(SPEC, backend)` (its forward keeps the tape its backward reads; torch tensors that
+require grad, then torch.autograd.grad), with the same cotangent dy (loss = sum(y * dy)), as the torch
+peers are measured. If the requested backend does not exist (ValueError from
 ssmc.compile) the run falls back to "interpreter". The interpreter computes in float64 and is slow at the
 full sizes (the LSTM takes ~40 s per forward+backward), so whenever ssmc runs on the interpreter the quick
 sizes are used; the output says so.
@@ -65,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmc
+import ssmc.torch as ssmc_torch
 
 # the repository's examples/, installed as ssmc.examples
 mamba1_example = importlib.import_module("ssmc.examples.mamba1")
@@ -247,7 +250,7 @@ class Row:
     dtype: str
     fwd: Timing | None = None
     fwd_bwd: Timing | None = None
-    build_s: float | None = None  # ssmc.compile + ssmc.grad construction
+    build_s: float | None = None  # ssmc.compile + ssmc.torch.function construction
 
 
 @dataclass
@@ -334,7 +337,7 @@ def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict
 
     y_ssmc = _numpy(fwd(**inputs))
     report.check(f"mamba1 ssmc[{backend}] fwd", y_ssmc, y_ref, FWD_TOL)
-    g_ssmc = grad(**inputs, grad_outputs=dy)
+    g_ssmc = train_step(grad, inputs, dy)
     for k in MAMBA_INPUTS:
         report.check(f"mamba1 ssmc[{backend}] d{k}", g_ssmc[k], g_ref[k], GRAD_TOL)
     if not all(c.ok for c in report.checks):
@@ -357,9 +360,7 @@ def bench_mamba(report: Report, fwd, grad, backend: str, build_s: float, s: dict
         torch.autograd.grad((torch_selective_scan(*leaves) * cot).sum(), leaves)
 
     def ssmc_fwd_bwd(a):
-        arrays, cot = a
-        fwd(**arrays)
-        grad(**arrays, grad_outputs=cot)
+        train_step(grad, *a)
 
     report.rows.append(Row(name, "torch loop (autograd)", "float32",
                            measure(torch_fwd, lambda i: torch_args(i, False), target),
@@ -438,7 +439,7 @@ def bench_lstm(report: Report, fwd, grad, backend: str, build_s: float, s: dict,
 
     y_ssmc = _numpy(fwd(x=x, **weights))
     report.check(f"lstm ssmc[{backend}] fwd", y_ssmc, y_ref, FWD_TOL)
-    g_ssmc = grad(x=x, **weights, grad_outputs=dy)
+    g_ssmc = train_step(grad, {"x": x, **weights}, dy)
     for k in ("x", "W", "U", "bias"):
         report.check(f"lstm ssmc[{backend}] d{k}", g_ssmc[k], g_ref[k], GRAD_TOL)
     if not all(c.ok for c in report.checks):
@@ -461,8 +462,7 @@ def bench_lstm(report: Report, fwd, grad, backend: str, build_s: float, s: dict,
 
     def ssmc_fwd_bwd(a):
         xi, dyi = a
-        fwd(x=xi, **weights)
-        grad(x=xi, **weights, grad_outputs=dyi)
+        train_step(grad, {"x": xi, **weights}, dyi)
 
     report.rows.append(Row(name, "torch.nn.LSTM", "float32",
                            measure(torch_fwd, lambda i: torch_args(i, False), target),
@@ -475,11 +475,20 @@ def bench_lstm(report: Report, fwd, grad, backend: str, build_s: float, s: dict,
 # -- ssmc ----------------------------------------------------------------------------------------
 
 def build(spec, backend: str, layout: str):
-    """ssmc.compile + ssmc.grad for a backend, and the seconds they took."""
+    """ssmc.compile (the forward) and ssmc.torch.function (a training step) for a backend, and the
+    seconds they took."""
     start = time.perf_counter()
     fwd = ssmc.compile(spec, backend=backend, layout=layout)
-    grad = ssmc.grad(spec, backend=backend, layout=layout)
-    return fwd, grad, time.perf_counter() - start
+    train = ssmc_torch.function(spec, backend, layout=layout)
+    return fwd, train, time.perf_counter() - start
+
+
+def train_step(train, arrays: dict, cot: np.ndarray) -> dict:
+    """A training step through `ssmc.torch` (its forward keeps the tape the backward reads):
+    y = f(**arrays); gradients of sum(y * cot) by input name, as NumPy arrays."""
+    leaves = {k: torch.from_numpy(v).requires_grad_() for k, v in arrays.items()}
+    grads = torch.autograd.grad((train(**leaves) * torch.from_numpy(cot)).sum(), list(leaves.values()))
+    return {k: g.numpy() for k, g in zip(leaves, grads)}
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -547,7 +556,8 @@ def render(report: Report, args, backend: str, sizes: dict, target: float) -> st
                    f"{_ratio(r.fwd, ours.fwd)} | {_ratio(r.fwd_bwd, ours.fwd_bwd)} |")
     out += ["", "ratio = peer time / ssmc time: above 1 means ssmc is faster.", "",
             "First calls (compilation included; not part of the medians above):", "",
-            "| workload | implementation | ssmc.compile + ssmc.grad s | first fwd call s | first fwd+bwd call s |",
+            "| workload | implementation | ssmc.compile + ssmc.torch.function s | first fwd call s "
+            "| first fwd+bwd call s |",
             "|---|---|---|---|---|"]
     for r in report.rows:
         build_s = "—" if r.build_s is None else f"{r.build_s:.3f}"

@@ -4,16 +4,23 @@
     grads = g(x, f, h=h0, grad_outputs=dy, grad_final_states=dh_last)
     grads["x"], grads["f"], grads["h"]          # same shapes and layout as the inputs
 
+    outs, finals, tape = g.forward(x, f, h=h0)   # a training step: the forward once ...
+    grads = g.backward(tape, grad_outputs=dy)    # ... and the backward from what it kept
+
 The forward saves the carry at chunk boundaries only; each chunk's carries are recomputed from its
-boundary when the backward reaches it (`autodiff.MemoryPlan`). The chunk is `DEFAULT_CHUNK` steps
-on the CPU. On the GPU every chunk costs a few kernel launches, so the chunk is as long as keeps
-the recomputed carries no bigger than the sequences given (`default_chunk`): one chunk for a
-scan whose state is as big as its input, about L / 5 steps for Mamba-1 (state N = 16 per channel).
+boundary when the backward reaches it (`autodiff.MemoryPlan`). The chunk (`default_chunk`) is, on
+the CPU, as long as keeps one chunk's carries within `CPU_CARRIES_BUDGET` (64 MiB), and at least
+`DEFAULT_CHUNK` steps; when one chunk covers the sequence, `Grad.forward` runs the recording
+forward (outputs and every carry) and the backward recomputes nothing. On the GPU every chunk
+costs a few kernel launches, so the chunk is as long as keeps the recomputed carries no bigger
+than the sequences given: one chunk for a scan whose state is as big as its input, about L / 5
+steps for Mamba-1 (state N = 16 per channel); the GPU always recomputes the carries.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,12 +32,14 @@ from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
 
+CPU_CARRIES_BUDGET = 64 << 20  # bytes of carries one chunk may recompute (or keep) on the CPU
 
-def default_chunk(backend: str, length: int, program, sizes: dict[str, int]) -> int:
+
+def default_chunk(backend: str, length: int, program, sizes: dict[str, int], itemsize: int = 4) -> int:
     """Steps per recomputed chunk when the caller gives none (module docstring)."""
-    if backend != "cuda":
-        return DEFAULT_CHUNK
     per_step_state = sum(math.prod(sizes[a] for a in s.axes) for s in program.states)
+    if backend != "cuda":
+        return max(DEFAULT_CHUNK, min(length, CPU_CARRIES_BUDGET // max(per_step_state * itemsize, 1)))
     per_step_seqs = sum(math.prod(sizes[a] for a in d.axes) for d in program.seqs)
     return max(DEFAULT_CHUNK, min(length, length * per_step_seqs // max(per_step_state, 1)))
 
@@ -112,14 +121,38 @@ def _as_dict(values, names: list[str], what: str) -> dict:
     return dict(zip(names, values))
 
 
+@dataclass
+class Tape:
+    """What `Grad.forward` keeps for `Grad.backward`: arrays in the compute dtype, time first.
+
+    `boundaries[c]` is the carry before chunk c; `carries` holds ``prev_<state>`` of every step
+    when one chunk covers the sequence and the backend ran the recording forward (then the
+    backward recomputes nothing)."""
+
+    seqs: dict
+    params: dict
+    sizes: dict[str, int]
+    length: int
+    dtype: np.dtype
+    layout: object
+    chunk: int
+    boundaries: list[dict]
+    carries: dict | None = None
+
+
 class Grad:
-    """Gradients of a recurrence's inputs given cotangents of its outputs and final states."""
+    """Gradients of a recurrence's inputs given cotangents of its outputs and final states.
+
+    ``g(*inputs, grad_outputs=..., grad_final_states=...)`` runs the forward (keeping chunk
+    boundaries) and the backward. ``g.forward(*inputs)`` returns the outputs and final states and
+    a `Tape`, and ``g.backward(tape, ...)`` the gradients: a training step runs the forward once
+    (`ssmc.torch` does this)."""
 
     def __init__(self, program, backend: str = "interpreter", layout=DEFAULT_LAYOUT, chunk: int | None = None,
                  dtype=None):
         if chunk is not None and chunk < 1:
             raise ValueError("chunk must be at least 1")
-        self.backward: Backward = derive_backward(program, chunk or DEFAULT_CHUNK)
+        self.backward_program: Backward = derive_backward(program, chunk or DEFAULT_CHUNK)
         self.backend = check_backend(backend)
         self.xp = _DeviceArrays if self.backend == "cuda" else _HostArrays
         self.dtype = dtype
@@ -128,7 +161,16 @@ class Grad:
 
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
-        fwd = self.backward.forward
+        tape = self._forward(args, kwargs, layout, outputs=False)[2]
+        return self.backward(tape, grad_outputs=grad_outputs, grad_final_states=grad_final_states)
+
+    def forward(self, *args, layout=None, **kwargs):
+        """(outputs, final states, tape): outputs as name -> array [L, *axes] (time first) and final
+        states by name, in the compute dtype; the tape for `backward`."""
+        return self._forward(args, kwargs, layout, outputs=True)
+
+    def _forward(self, args, kwargs, layout, outputs: bool):
+        fwd = self.backward_program.forward
         layout = layout or self.layout
         xp = self.xp
         convert, zeros = array_support(self.backend)
@@ -136,6 +178,40 @@ class Grad:
                             convert, zeros)
         sizes, length = bound.sizes, bound.length
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
+        chunk = self.chunk or default_chunk(self.backend, length, fwd, sizes, np.dtype(dtype).itemsize)
+        seqs = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.seqs}
+        params = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.params}
+        initial = {k: xp.cast(v, dtype) for k, v in bound.initial.items()}
+        tape = Tape(seqs, params, sizes, length, dtype, layout, chunk, [initial])
+        recording = self.backward_program.recording
+        if fwd.reverse:
+            raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
+        if chunk >= length and recording is not None and self.backend != "cuda":
+            # one chunk: the forward keeps every carry, the backward recomputes nothing
+            outs, finals = runner(self.backend, recording, dtype)(seqs, params, initial, sizes, length)
+            tape.carries = {f"prev_{s.name}": outs.pop(f"prev_{s.name}") for s in fwd.states}
+            return outs, finals, tape
+        run_forward = runner(self.backend, fwd, dtype)
+        bounds = list(range(0, length, chunk))
+        parts: dict[str, list] = {n: [] for n, _ in fwd.outputs}
+        finals = initial
+        for i, start in enumerate(bounds):
+            if i == len(bounds) - 1 and not outputs:
+                break  # the last chunk's carries are recomputed by the backward anyway
+            part = {k: v[start:start + chunk] for k, v in seqs.items()}
+            outs, finals = run_forward(part, params, finals, sizes, min(chunk, length - start))
+            for n in parts:
+                parts[n].append(outs[n])
+            if i < len(bounds) - 1:
+                tape.boundaries.append(finals)
+        outs = {n: (v[0] if len(v) == 1 else xp.cat(v)) for n, v in parts.items()} if outputs else {}
+        return outs, finals, tape
+
+    def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
+        """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
+        of its outputs and final states (given in the forward's layout; missing ones are zero)."""
+        fwd = self.backward_program.forward
+        xp, dtype, sizes, length, layout = self.xp, tape.dtype, tape.sizes, tape.length, tape.layout
         out_names = [n for n, _ in fwd.outputs]
         gy = _as_dict(grad_outputs, out_names, "grad_outputs")
         gh = _as_dict(grad_final_states, [s.name for s in fwd.states], "grad_final_states")
@@ -148,7 +224,7 @@ class Grad:
                 if tuple(arr.shape) != want:
                     raise ValueError(f"grad_outputs[{name!r}] has shape {arr.shape}, expected {want} "
                                      f"for axes {' '.join(order)}")
-                cot[name] = xp.permute(arr, [order.index(a) for a in (TIME, *y.axes)])
+                cot[name] = xp.cast(xp.permute(arr, [order.index(a) for a in (TIME, *y.axes)]), dtype)
             else:
                 cot[name] = xp.zeros((length, *(sizes[a] for a in y.axes)), dtype)
         lam = {}
@@ -157,8 +233,8 @@ class Grad:
             arr = xp.convert(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else xp.zeros(shape, dtype)
             if tuple(arr.shape) != shape:
                 raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
-            lam[s.name] = arr
-        grads = self._run(bound, cot, lam, dtype)
+            lam[s.name] = xp.cast(arr, dtype)
+        grads = self._adjoint(tape, cot, lam)
         out = {}
         for d in fwd.inputs:
             g = grads[d.name]
@@ -171,42 +247,30 @@ class Grad:
             out[s.name] = grads[s.name]
         return out
 
-    def _run(self, bound, cot: dict[str, np.ndarray], lam: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
-        bw = self.backward
-        fwd, sizes, length = bw.forward, bound.sizes, bound.length
-        chunk = self.chunk or default_chunk(self.backend, length, fwd, sizes)
-        xp = self.xp
-        seqs = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.seqs}
-        params = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.params}
-        cot = {k: xp.cast(v, dtype) for k, v in cot.items()}
-        lam = {k: xp.cast(v, dtype) for k, v in lam.items()}
-        run_forward = runner(self.backend, fwd, dtype)
-        run_carries = runner(self.backend, bw.carries, dtype)
+    def _adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
+        """The adjoint over the chunks, last to first, each chunk's carries recomputed from its
+        boundary (or taken from the tape)."""
+        bw = self.backward_program
+        fwd, xp, dtype, sizes, length, chunk = bw.forward, self.xp, tape.dtype, tape.sizes, tape.length, tape.chunk
+        seqs, params = tape.seqs, tape.params
         run_adjoint = runner(self.backend, bw.adjoint, dtype)
-        bounds = list(range(0, length, chunk))
-        if fwd.reverse:
-            raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
-        # forward: keep the carry at each chunk boundary only
-        saved = [{k: xp.cast(v, dtype) for k, v in bound.initial.items()}]
-        for start in bounds[:-1]:
-            part = {k: v[start:start + chunk] for k, v in seqs.items()}
-            _, finals = run_forward(part, params, saved[-1], sizes, chunk)
-            saved.append(finals)
-        # backward: chunks last to first, recomputing each chunk's carries from its boundary
         acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
         carry = {GRAD + k: v for k, v in lam.items()} | acc
-        seq_grads: dict[str, list[np.ndarray]] = {d.name: [] for d in fwd.seqs}
-        for start, init in zip(reversed(bounds), reversed(saved)):
+        seq_grads: dict[str, list] = {d.name: [] for d in fwd.seqs}
+        for start, init in zip(reversed(range(0, length, chunk)), reversed(tape.boundaries)):
             n = min(chunk, length - start)
             part = {k: v[start:start + n] for k, v in seqs.items()}
-            prev, _ = run_carries(part, params, init, sizes, n)
+            if tape.carries is not None:
+                prev = tape.carries
+            else:
+                prev, _ = runner(self.backend, bw.carries, dtype)(part, params, init, sizes, n)
             adj_seqs = dict(part)
             adj_seqs.update({s.name: prev[f"prev_{s.name}"] for s in fwd.states})
             adj_seqs.update({GRAD + k: v[start:start + n] for k, v in cot.items()})
             outs, carry = run_adjoint(adj_seqs, params, carry, sizes, n)
             for d in fwd.seqs:
                 seq_grads[d.name].append(outs[GRAD + d.name])
-        grads = {name: xp.cat(parts[::-1]) for name, parts in seq_grads.items()}
+        grads = {name: (parts[0] if len(parts) == 1 else xp.cat(parts[::-1])) for name, parts in seq_grads.items()}
         grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
         return grads

@@ -5,8 +5,9 @@
     y, h_last = ssmc.torch.function(spec, return_final_states=True)(x, gate)
     loss(y).backward()                                       # gradients from the derived backward
 
-Backward re-runs the forward chunk by chunk from saved boundaries (`ssmc.grad`'s memory plan), so
-nothing but the inputs is kept between forward and backward.
+The forward runs through `ssmc.grad`'s `Grad.forward` and keeps its tape (the inputs in the
+compute dtype and the carries at chunk boundaries, or, when one chunk covers the sequence on the
+CPU, every carry); the backward runs the adjoint from it, recomputing only what the tape lacks.
 """
 
 from __future__ import annotations
@@ -16,39 +17,43 @@ import torch
 
 from .api import _program, compile
 from .grad import Grad
+from .ir.axes import TIME
+from .runtime.binding import layout_of
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
-        return x
+        return x.contiguous()
     return torch.from_numpy(np.ascontiguousarray(x)).to(device=like.device)
+
+
+def _permute(x, perm):
+    return x.permute(*perm) if isinstance(x, torch.Tensor) else x.transpose(perm)
 
 
 class _Recurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: SsmcFunction, n_given: int, *tensors):
         names = fn.names[:n_given]
-        kwargs = dict(zip(names, tensors))
-        ys, finals = fn.compiled(**kwargs, return_final_states=True)
-        ctx.fn, ctx.names = fn, names
-        ctx.save_for_backward(*tensors)
-        outs = [] if ys is None else list(ys) if isinstance(ys, tuple) else [ys]
-        finals = list(finals) if isinstance(finals, tuple) else [finals]
+        kwargs = {n: t.detach() for n, t in zip(names, tensors)}
+        outs, finals, tape = fn.grad.forward(**kwargs)
+        ctx.fn, ctx.names, ctx.tape = fn, names, tape
+        ctx.dtypes = [t.dtype for t in tensors]
         like = tensors[0]
-        return tuple(_to_torch(v, like) for v in outs + finals)
+        program, layout = fn.program, fn.layout
+        ys = [_to_torch(_permute(outs[name], [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)]),
+                        like).to(like.dtype) for name, y in program.outputs]  # as `ssmc.compile` returns them
+        return tuple(ys + [_to_torch(finals[s.name], like) for s in program.states])
 
     @staticmethod
     def backward(ctx, *cotangents):
         fn = ctx.fn
-        tensors = ctx.saved_tensors
-        kwargs = dict(zip(ctx.names, tensors))
         n_out = len(fn.program.outputs)
-        grad_y = {name: (c if c is not None else torch.zeros_like(c)) for (name, _), c in
-                  zip(fn.program.outputs, cotangents[:n_out])}
+        grad_y = {name: c for (name, _), c in zip(fn.program.outputs, cotangents[:n_out]) if c is not None}
         grad_h = {s.name: c for s, c in zip(fn.program.states, cotangents[n_out:]) if c is not None}
-        grads = fn.grad(**kwargs, grad_outputs=grad_y, grad_final_states=grad_h)
-        like = tensors[0]
-        return (None, None, *(_to_torch(grads[n], like).to(t.dtype) for n, t in zip(ctx.names, tensors)))
+        grads = fn.grad.backward(ctx.tape, grad_outputs=grad_y, grad_final_states=grad_h)
+        like = cotangents[0]
+        return (None, None, *(_to_torch(grads[n], like).to(dt) for n, dt in zip(ctx.names, ctx.dtypes)))
 
 
 class SsmcFunction:
@@ -86,7 +91,16 @@ class SsmcFunction:
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
         backend = self.backend or ("cuda" if tensors[0].is_cuda else "numba")
         self.compiled, self.grad = self._for(backend)
-        results = _Recurrence.apply(self, len(tensors), *tensors)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            # inference: the plain forward, no tape
+            names = self.names[:len(tensors)]
+            ys, finals = self.compiled(**dict(zip(names, tensors)), return_final_states=True)
+            like = tensors[0]
+            ys = tuple(_to_torch(y, like) for y in (ys if isinstance(ys, tuple) else (ys,))) if ys is not None else ()
+            finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
+            results = ys + finals
+        else:
+            results = _Recurrence.apply(self, len(tensors), *tensors)
         n_out = len(self.program.outputs)
         ys, finals = results[:n_out], results[n_out:]
         ys = ys[0] if len(ys) == 1 else tuple(ys)

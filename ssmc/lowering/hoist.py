@@ -310,10 +310,17 @@ def _as_matmul(operands, out: tuple[str, ...], matmul):
     if set(fa + fb) != set(out):
         return None
     size = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
+    # free axes in the order the result is wanted in (no transposed copy of the result after);
+    # the summed ones in the order b lies in memory (largest stride first), b's rows being read as
+    # vectors: its 2-D reshape is then a view wherever the memory allows. `matmul` reads `a` at any
+    # strides.
+    fa, fb = sorted(fa, key=out.index), sorted(fb, key=out.index)
+    shared = sorted(shared, key=lambda x: -b.strides[lb.index(x)])
     a2 = a.transpose([la.index(x) for x in fa + shared]).reshape(_prod(size, fa), _prod(size, shared))
     b2 = b.transpose([lb.index(x) for x in shared + fb]).reshape(_prod(size, shared), _prod(size, fb))
     c = matmul(a2, b2)
     return c.reshape([size[x] for x in fa + fb]), tuple(fa + fb)
+
 
 
 def _sum_out(arr, labels, keep):

@@ -140,14 +140,17 @@ class Backward:
     """The derived backward of a recurrence and how its values map to gradients.
 
     `carries` is the forward with the carry before each step as outputs (to recompute a chunk);
-    `adjoint` runs in reverse. After it ran: ``grad_x`` outputs are the sequence gradients, final
-    ``grad_θ`` states the param gradients, final ``grad_h`` states the initial-state gradients.
+    `recording` is the forward with its outputs and those carries (a forward that keeps what the
+    backward needs, when one chunk covers the sequence); `adjoint` runs in reverse. After it ran:
+    ``grad_x`` outputs are the sequence gradients, final ``grad_θ`` states the param gradients,
+    final ``grad_h`` states the initial-state gradients.
     """
 
     forward: Recurrence
     carries: Recurrence
     adjoint: Recurrence
     plan: MemoryPlan = field(compare=False)
+    recording: Recurrence | None = field(default=None, compare=False)
 
     def grad_name(self, name: str) -> str:
         return GRAD + name
@@ -195,6 +198,10 @@ def derive_backward(program: Recurrence, chunk: int = DEFAULT_CHUNK) -> Backward
     carries = Recurrence(name=f"{program.name}_carries", decls=program.decls, updates=program.updates,
                          outputs=tuple((f"prev_{s.name}", leaf[s.name]) for s in states), sizes=program.sizes,
                          reverse=program.reverse, loc=program.loc)
+    clash = {n for n, _ in program.outputs} & {n for n, _ in carries.outputs}
+    recording = None if clash else Recurrence(
+        name=f"{program.name}_recording", decls=program.decls, updates=program.updates,
+        outputs=program.outputs + carries.outputs, sizes=program.sizes, reverse=program.reverse, loc=program.loc)
     plan = MemoryPlan(chunk, saved=tuple(s.name for s in states),
                       recomputed=(*(f"{s.name}[t]" for s in states), "every intermediate of the step"))
-    return Backward(program, carries, adjoint, plan)
+    return Backward(program, carries, adjoint, plan, recording)

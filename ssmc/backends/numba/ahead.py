@@ -17,7 +17,7 @@ that moved; and, inside the other top-level statements, each largest state-free 
 that calls a math function (``silu(z[t])`` in ``y = (acc + D u) * silu(z[t])``). The split is
 made when something that calls a math function moves. Nothing is reordered within a step, so
 the results are the same bit for bit. Measured on 2 cores, Mamba-1 B2 D256 L1024 N16 fp32
-forward: 17.0 -> 9.3 ms (with the vectorisable fp32 math of the module template).
+forward: 17.0 -> 10.3 ms (with the vectorisable fp32 math of the module template).
 """
 
 from __future__ import annotations

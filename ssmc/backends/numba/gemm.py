@@ -4,7 +4,7 @@ Why not NumPy's BLAS: its threads spin for a while after each call, and on a mac
 cores they then fight the Numba threads of the next kernel (measured on 2 cores: forward+backward
 of the LSTM 1.5-2x slower than the sum of its parts). This product runs on Numba's own threads.
 
-    C[m, n] = sum_k A[m, k] B[k, n]         A (M, K), B (K, N), C-contiguous, float32 or float64
+    C[m, n] = sum_k A[m, k] B[k, n]         A (M, K) any strides, B (K, N) and C C-contiguous, float32 or float64
 
 As a loop: parallel over blocks of 8 rows of C and tiles of 1024 columns; inside, k advances 4 at
 a time, two rows of C at once, and each C element takes the 4 terms as one pairwise sum (C is
@@ -70,9 +70,12 @@ def _gemm(A, B, C):
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` for 2-D arrays of one float dtype (copied to C order if needed)."""
-    a = np.ascontiguousarray(a)
-    b = np.ascontiguousarray(b, dtype=a.dtype)
+    """``a @ b`` for 2-D arrays of one float dtype. `a` is read an element at a time and may have
+    any strides (a transposed view: no copy); `b` is copied to C order if its rows are not."""
+    if a.dtype != b.dtype:
+        b = b.astype(a.dtype)
+    if b.strides[1] != b.itemsize or b.strides[0] != b.shape[1] * b.itemsize:
+        b = np.ascontiguousarray(b)
     c = np.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     if a.shape[1] == 0:
         c[...] = 0
