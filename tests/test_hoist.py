@@ -223,3 +223,29 @@ def test_unrolled_sums_add_the_same_terms(extent, inner):
         results.append(local["m"])
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], env["h"] @ env["U"])
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(rows=st.integers(0, 7), extent=st.integers(0, 19), inner=st.integers(1, 5))
+def test_paired_rows_add_the_same_terms(rows, extent, inner):
+    """A blocked nest (rows q inside the summed loop j, sharing U's loads) runs rows in pairs and an
+    odd last row alone; the sums equal the plain nest's for any number of rows."""
+    from ssmc.backends.numba.codegen import statements
+    from ssmc.lowering.loops import Assign, Bin, Load, Loop
+    from ssmc.lowering.unroll import unroll_sums
+
+    nest = [Loop("i_j", "n_j", [Loop("q_b", "n_q", [Loop("i_k", "n_k", [
+        Assign(Load("m", ("q_b", "i_k")), Bin("*", Load("h", ("q_b", "i_j")), Load("U", ("i_j", "i_k"))), "+=")])])])]
+    unrolled = unroll_sums(nest)
+    source = "\n".join(statements(unrolled, 0))
+    assert "for q_b2 in range((n_q) // 2):" in source and "for q_b in range((n_q) % 2):" in source
+    rng = np.random.default_rng(extent)
+    env = {"n_j": extent, "n_q": rows, "n_k": inner, "h": rng.integers(-9, 9, (rows, extent)),
+           "U": rng.integers(-9, 9, (extent, inner)), "F": float}
+    results = []
+    for stmts in (nest, unrolled):
+        local = {**env, "m": np.zeros((rows, inner), dtype=np.int64)}
+        exec("\n".join(statements(stmts, 0)), {}, local)
+        results.append(local["m"])
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], env["h"] @ env["U"])

@@ -18,19 +18,21 @@ bound by those memory operations, not by arithmetic). `unroll_sums` rewrites it 
 so the accumulator is loaded and stored once per 8 terms (about 2x faster on the LSTM's
 recurrent product). A sum into a scalar, ``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain
 of dependent additions, one per term; it is rewritten the same way with `SCALAR_FACTOR` terms per
-pass, so the chain is 4x shorter and the terms of a pass are independent. Only the order of the
-additions changes, and it is fixed (no reassociation by the compiler). Backend-neutral: it
-rewrites the loop-nest IR (`loops.py`).
+pass, so the chain is 4x shorter and the terms of a pass are independent. In a blocked kernel,
+whose rows q of a batch block all read the same ``U[j, g, k]``, `ROWS` rows go per pass and
+share those loads (`_paired`). Only the order of the additions changes, and it is fixed (no
+reassociation by the compiler). Backend-neutral: it rewrites the loop-nest IR (`loops.py`).
 """
 
 from __future__ import annotations
 
 import re
 
-from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var
+from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var, loads
 
 FACTOR = 8
 SCALAR_FACTOR = 4
+ROWS = 2
 
 
 def unroll_sums(stmts: list, factor: int | None = None) -> list:
@@ -77,12 +79,71 @@ def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
     var, extent = loop.var, f"({loop.extent})"
     block = f"u_{var.removeprefix('i_')}"
     terms = [_subst(assign.value, var, f"({factor} * {block} + {r})") for r in range(factor)]
-    hoisted: list[list] = [[] for _ in chain]
-    value = _hoist_loads(_pairwise(terms), [c.var for c in chain], hoisted, f"h{block}")
-    main = _wrap(chain, Assign(assign.target, value, "+="), hoisted)
+    value = _pairwise(terms)
+    main = _paired(chain, assign.target, value, f"h{block}") or _nest(chain, assign.target, value, f"h{block}")
     rest_index = f"({extent} // {factor} * {factor} + {var})"
     rest = _wrap(chain, Assign(assign.target, _subst(assign.value, var, rest_index), "+="))
     return [Loop(block, f"{extent} // {factor}", main), Loop(var, f"{extent} % {factor}", rest)]
+
+
+def _nest(chain: list[Loop], target, value, prefix: str) -> list:
+    """The chain's loops around ``target += value``, invariant loads read once at their level."""
+    hoisted: list[list] = [[] for _ in chain]
+    value = _hoist_loads(value, [c.var for c in chain], hoisted, prefix)
+    return _wrap(chain, Assign(target, value, "+="), hoisted)
+
+
+def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
+    """The nest with the outermost chain loop's iterations `ROWS` at a time, when they share loads.
+
+    In a blocked kernel's ``for q: for g, k: m[q, g, k] += h[q, j] U[j, g, k] + ...`` (an LSTM's
+    ``h U`` for a block of batch rows) every row q reads the same ``U[j, g, k]``. Two rows per
+    pass read them once into scalars in the innermost loop and add to both rows' accumulators
+    (the compiler cannot do it: the stores to ``m`` might change ``U``). Each element's sum is
+    the same expression as before, so the result is too; odd rows run as a single-row nest."""
+    rows, inner = chain[0], chain[1:]
+    inner_vars = {c.var for c in inner}
+    if not inner or rows.reverse or rows.var not in _tokens_of(target):
+        return None
+    shared = list(dict.fromkeys(ld for ld in loads(value)
+                                if rows.var not in _tokens_of(ld) and _tokens_of(ld) & inner_vars))
+    if not shared:
+        return None
+    names = {ld: Var(f"{prefix}s{i}") for i, ld in enumerate(shared)}
+    value = _replace_loads(value, names)
+    pair = f"{rows.var}2"
+    hoisted: list[list] = [[] for _ in chain]
+    innermost = [Assign(name, ld) for ld, name in names.items()]
+    for r in range(ROWS):
+        row = f"({ROWS} * {pair} + {r})"
+        v = _hoist_loads(_subst(value, rows.var, row), [pair, *(c.var for c in inner)], hoisted, f"{prefix}r{r}")
+        innermost.append(Assign(_subst(target, rows.var, row), v, "+="))
+    body = innermost
+    for i in reversed(range(len(inner))):
+        body = hoisted[i + 1] + [Loop(inner[i].var, inner[i].extent, body, inner[i].reverse)]
+    paired = hoisted[0] + [Loop(pair, f"({rows.extent}) // {ROWS}", body)]
+    last = f"(({rows.extent}) // {ROWS} * {ROWS} + {rows.var})"
+    odd = Loop(rows.var, f"({rows.extent}) % {ROWS}", [])
+    single = _nest([odd, *inner], _subst(target, rows.var, last), _subst(_replace_loads(value, {
+        name: ld for ld, name in names.items()}), rows.var, last), f"{prefix}o")
+    return paired + single
+
+
+def _tokens_of(e) -> set[str]:
+    return {tok for ld in loads(e) for idx in ld.index for tok in re.findall(r"\w+", idx)}
+
+
+def _replace_loads(e, mapping: dict):
+    """`e` with loads (or variables) replaced by `mapping`'s values."""
+    if e in mapping:
+        return mapping[e]
+    if isinstance(e, Bin):
+        return Bin(e.op, _replace_loads(e.a, mapping), _replace_loads(e.b, mapping))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_replace_loads(a, mapping) for a in e.args))
+    if isinstance(e, Select):
+        return Select(_replace_loads(e.cond, mapping), _replace_loads(e.a, mapping), _replace_loads(e.b, mapping))
+    return e
 
 
 def _scalar_sum(loop: Loop) -> bool:
