@@ -83,20 +83,28 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size():
     assert reports["mamba1_block_backward_epilogue_grad_B"].strategy.endswith("split-K d/16")
 
 
+@pytest.mark.parametrize("groups", ["", "512"])
 @pytest.mark.parametrize("contiguous", [False, True])
 @pytest.mark.parametrize("name", ["softmax_layer", "layernorm_layer"])
-def test_row_kernels_of_a_softmax_and_a_layernorm_compile(name, contiguous):
+def test_row_kernels_of_a_softmax_and_a_layernorm_compile(name, contiguous, groups, monkeypatch):
     """A max and a sum (softmax), two sums in turn (LayerNorm) over d = 300: every row kernel of the
-    forward and the adjoint compiles without spills, each statistic combined across the groups."""
+    forward and the adjoint compiles without spills, each statistic combined across the groups; in
+    float64 with 512 threads per row (forced) too, within its launch bounds (seen on an H200: the
+    adjoint's softmax row kernel asked for 255 registers x 512 threads and could not launch)."""
     from row_layers import LAYERS
 
-    reports = kernel_reports(LAYERS[name].program, {"b": 2, "d": 300}, 37, time_contiguous=contiguous)
+    if groups:
+        monkeypatch.setenv("SSMC_CUDA_ROW_GROUPS", groups)
+    g = int(groups or 8)
+    reports = kernel_reports(LAYERS[name].program, {"b": 2, "d": 300}, 37, dtype="float64" if groups else "float32",
+                             time_contiguous=contiguous)
     rows = [r for r in reports if r.launch.mapping.row]
     assert {r.program for r in rows} == {"forward", "adjoint"}
     for r in rows:
         assert r.resources is not None and not r.resources.spills, r.error
+        assert r.resources.registers * 512 <= 65536 and "__launch_bounds__(512, 1)" in r.source
     post = next(r for r in rows if r.program == "forward")
-    assert post.source.count("row_sum<8>(") + post.source.count("row_max<8>(") == 2
+    assert post.source.count(f"row_sum<{g}>(") + post.source.count(f"row_max<{g}>(") == 2
 
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
