@@ -55,9 +55,56 @@ def test_map_kernels_along_time_compile():
     sizes = {"b": 8, "d": 1536, "n": 16}
     reports = kernel_reports(program, sizes, 2048, time_contiguous=True)
     assert all(r.resources is not None for r in reports), [r.error for r in reports if r.error]
-    rows = [r for r in reports if r.strategy.endswith(": map")]
+    rows = [r for r in reports if ": map" in r.strategy]
     assert rows and all(r.resources is not None and not r.resources.spills for r in rows)
     assert all("consecutive threads along time" in r.source for r in rows if r.launch.nblk == 2048)
+
+
+def test_the_block_norm_is_a_row_kernel_at_benchmark_size():
+    """B8 D1536 L2048, layout "b d t": the norm's kernel shares each (b, t) row among 16 threads of
+    a block (32 rows of 16 threads, consecutive threads along time), each summing every 16th channel,
+    the partials combined in shared memory; no buffer as long as the row; `ssmc inspect` says so.
+    The adjoint's row statistics over d (pre stage) are row kernels too; its sums over n are short."""
+    from ssmc.backends.cuda.codegen import Threads
+
+    program = importlib.import_module("ssmc.examples.mamba1_block").SPEC.program
+    sizes = {"b": 8, "d": 1536, "n": 16}
+    reports = {r.name: r for r in kernel_reports(program, sizes, 2048, time_contiguous=True)}
+    post = reports["mamba1_block_post_y"]
+    assert post.launch.mapping == Threads(time_fastest=True, groups=16, split="d", row=True)
+    assert post.launch.grid == (8 * 2048 // 32, 512)
+    assert post.strategy == "post: map, rows d/16"
+    assert "row_sum<16>(acc_" in post.source and "[n_d]" not in post.source
+    assert post.resources.shared_bytes >= 512 * 4 and not post.resources.spills
+    for name in ("mamba1_block_backward_pre_row1", "mamba1_block_backward_pre_row2"):
+        assert reports[name].launch.mapping.row and reports[name].strategy.startswith("pre: map, rows d/")
+    assert not reports["mamba1_block_backward_pre_row0"].launch.mapping.row
+    # an epilogue's sum over d that split-K takes stays split-K (partials added by the runner)
+    assert reports["mamba1_block_backward_epilogue_grad_B"].strategy.endswith("split-K d/16")
+
+
+@pytest.mark.parametrize("groups", ["", "512"])
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("name", ["softmax_layer", "layernorm_layer"])
+def test_row_kernels_of_a_softmax_and_a_layernorm_compile(name, contiguous, groups, monkeypatch):
+    """A max and a sum (softmax), two sums in turn (LayerNorm) over d = 300: every row kernel of the
+    forward and the adjoint compiles without spills, each statistic combined across the groups; in
+    float64 with 512 threads per row (forced) too, within its launch bounds (seen on an H200: the
+    adjoint's softmax row kernel asked for 255 registers x 512 threads and could not launch)."""
+    from row_layers import LAYERS
+
+    if groups:
+        monkeypatch.setenv("SSMC_CUDA_ROW_GROUPS", groups)
+    g = int(groups or 8)
+    reports = kernel_reports(LAYERS[name].program, {"b": 2, "d": 300}, 37, dtype="float64" if groups else "float32",
+                             time_contiguous=contiguous)
+    rows = [r for r in reports if r.launch.mapping.row]
+    assert {r.program for r in rows} == {"forward", "adjoint"}
+    for r in rows:
+        assert r.resources is not None and not r.resources.spills, r.error
+        assert r.resources.registers * 512 <= 65536 and "__launch_bounds__(512, 1)" in r.source
+    post = next(r for r in rows if r.program == "forward")
+    assert post.source.count(f"row_sum<{g}>(") + post.source.count(f"row_max<{g}>(") == 2
 
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}

@@ -172,11 +172,14 @@ class StepBuilder:
 
     def _choose(self) -> list[Node]:
         roots = set(self.k.program.roots)
+        # a map kernel (no states, one step per block of time) computes an output where it stores it:
+        # no buffer as long as the output's local axes (a norm's whole row) between the two
+        kept_roots = set() if self.k.time_blocks and not self.k.program.states else roots
         chosen: list[Node] = []
         for n in self.nodes:
-            if n.op in LEAVES or (n.op in _VIEWS and n not in roots):
+            if n.op in LEAVES or (n.op in _VIEWS and n not in kept_roots):
                 continue
-            keep = n in roots or n.op in (Op.SUM, Op.REDUCE_MAX)
+            keep = n in kept_roots or n.op in (Op.SUM, Op.REDUCE_MAX)
             if n.op is Op.SUM and n not in roots and self._summed_again(n):
                 keep = False  # fused into its consumer's accumulation loop (`sum_chain`)
             if not keep and n.op in ELEMENTWISE:

@@ -17,7 +17,7 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, loads, walk
 from ...lowering.plan import Kernel, Lowered, size_var
-from ...lowering.split_sum import split_axis
+from ...lowering.split_sum import row_accumulators, split_axis
 from ...lowering.time_blocks import TimeBlocks, partial_name, product_name
 
 BLOCK = 128
@@ -26,6 +26,7 @@ UNROLL_LIMIT = 64  # loop nests of at most this many iterations are unrolled (bu
 SUM_UNROLL = 4     # a long loop accumulating into scalars runs this many iterations' loads at once
 MAX_GROUPS = 16    # split-K (lowering/split_sum.py): at most this many groups of threads per sum...
 GROUP_STEPS = 64   # ...each with at least this many terms
+ROW_THREADS = 512  # a row kernel's block (lowering/split_sum.py, cooperative rows): ROW_THREADS / G rows of G threads
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
@@ -46,11 +47,25 @@ class ArraySpec:
 class Threads:
     """How a time-blocked kernel maps its threads: `time_fastest` puts consecutive blocks of time on
     consecutive threads (for arrays with time contiguous; a sum over time then takes every nblk-th
-    step, so that lanes read neighbouring steps), `groups` divide the sum over `split` (split-K)."""
+    step, so that lanes read neighbouring steps), `groups` divide the sum over `split` (split-K).
+    With `row`, the groups are threads of one block sharing each row of a map kernel along `split`
+    (cooperative rows, lowering/split_sum.py): their partial sums are combined in shared memory and
+    every group goes on with the row's total; nothing is left for the runner to add."""
 
     time_fastest: bool = False
     groups: int = 1
     split: str | None = None
+    row: bool = False
+
+    @property
+    def rows_per_block(self) -> int:
+        return max(1, ROW_THREADS // self.groups)
+
+    def describe(self) -> str:
+        """What `ssmc inspect` adds to the kernel's strategy ("" for the default mapping)."""
+        if self.groups == 1:
+            return ""
+        return f"{'rows' if self.row else 'split-K'} {self.split}/{self.groups}"
 
 
 ONE_GROUP = Threads()  # the default mapping: the last parallel axis fastest, one group
@@ -77,6 +92,15 @@ class CPrinter:
         self.split = threads.split if threads.groups > 1 else None
         self.groups = threads.groups
         self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
+        # a row kernel: after each top-level loop over the row axis, its accumulators combined
+        self.row = threads.row and self.split is not None
+        self.combine = row_accumulators(k, self.split) if self.row else {}
+        if self.row and self.combine is None:
+            raise ValueError(f"{k.name}: rows along {self.split} cannot be shared (lowering/split_sum.py)")
+        row_extent = size_var(self.split) if self.row else None
+        # a row kernel's buffer along the row axis holds its group's indices only: [i / G]
+        self.compact = {s.name: tuple(d == row_extent for d in s.shape)
+                        for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer) and row_extent in s.shape}
 
     def index(self, e: Load) -> str:
         spec = self.arrays[e.array]
@@ -96,6 +120,9 @@ class CPrinter:
         if isinstance(e, Var):
             return e.name
         if isinstance(e, Load):
+            if e.array in self.compact:
+                return e.array + "".join(f"[({i}) / {self.groups}]" if c else f"[{i}]"
+                                         for i, c in zip(e.index, self.compact[e.array]))
             if e.array in self.buffers:
                 return e.array + "".join(f"[{i}]" for i in e.index)
             if e.array in self.staged:
@@ -118,8 +145,9 @@ class CPrinter:
             return self.expr(t)
         return f"{t.array}[{self.index(t)}]"
 
-    def stmts(self, stmts, depth: int, unrolled: int = 1) -> list[str]:
-        """C lines; `unrolled` is the trip count of the unrolled loops around these statements."""
+    def stmts(self, stmts, depth: int, unrolled: int = 1, in_row: bool = False) -> list[str]:
+        """C lines; `unrolled` is the trip count of the unrolled loops around these statements;
+        `in_row`: inside a row kernel's loop over the row axis (each group's own indices)."""
         pad = "    " * depth
         out: list[str] = []
         for s in stmts:
@@ -130,7 +158,8 @@ class CPrinter:
                 if extent is not None and unrolled * extent <= UNROLL_LIMIT and not split:
                     out.append(f"{pad}#pragma unroll")
                     inner = unrolled * extent
-                elif _scalar_sum(s):  # independent terms: several iterations' loads in flight at once
+                elif _scalar_sum(s) or (self.row and split and all(isinstance(b, Assign) for b in s.body)):
+                    # independent terms (or a row kernel's independent stores): several loads in flight
                     out.append(f"{pad}#pragma unroll {SUM_UNROLL}")
                 else:  # a big nest stays a loop: its buffers live in local memory instead of spilling
                     out.append(f"{pad}#pragma unroll 1")
@@ -138,10 +167,15 @@ class CPrinter:
                     out.append(f"{pad}for (int {s.var} = grp; {s.var} < {s.extent}; {s.var} += {self.groups}) {{")
                 else:
                     out.append(f"{pad}for (int {s.var} = 0; {s.var} < {s.extent}; ++{s.var}) {{")
-                out.extend(self.stmts(s.body, depth + 1, inner))
+                out.extend(self.stmts(s.body, depth + 1, inner, in_row or (self.row and split)))
                 out.append(f"{pad}}}")
+                for name, op in self.combine.get(id(s), ()):  # the groups' partials: the row's total
+                    fn = "row_sum" if op == "+=" else "row_max"
+                    out.append(f"{pad}{name} = {fn}<{self.groups}>({name}, ssmc_part, ssmc_first, ssmc_stride);")
             elif isinstance(s, Buffer):
-                out.append(f"{pad}F {s.name}" + "".join(f"[{d}]" for d in s.shape) + ";")
+                shape = [f"(({d}) + {self.groups - 1}) / {self.groups}" if c else d
+                         for d, c in zip(s.shape, self.compact.get(s.name, [False] * len(s.shape)))]
+                out.append(f"{pad}F {s.name}" + "".join(f"[{d}]" for d in shape) + ";")
             elif isinstance(s, Assign):
                 value = self.expr(s.value)
                 target = self.target(s.target)
@@ -150,12 +184,16 @@ class CPrinter:
                 if global_store:
                     ctype = C_TYPES[self.arrays[s.target.array].dtype]
                     value = f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
-                if s.op == "=":
-                    out.append(f"{pad}{target} = {value};")
-                elif s.op == "+=":
-                    out.append(f"{pad}{target} += {value};")
+                if global_store and self.row:  # past the rows: no store; a value the row shares: one
+                    pad_if = f"{pad}if ({'valid' if in_row else 'lead'}) "
                 else:
-                    out.append(f"{pad}{target} = max_({target}, {value});")
+                    pad_if = pad
+                if s.op == "=":
+                    out.append(f"{pad_if}{target} = {value};")
+                elif s.op == "+=":
+                    out.append(f"{pad_if}{target} += {value};")
+                else:
+                    out.append(f"{pad_if}{target} = max_({target}, {value});")
             else:
                 raise TypeError(s)
         return out
@@ -219,7 +257,10 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         rest = f"rest_{a}"
     par = " ".join(k.parallel) or "-"
     comment = f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
-    if threads.groups > 1:
+    if threads.row and threads.groups > 1:
+        comment = (f"{k.program.name}: a row per [{par}] and step, {threads.groups} threads per row, each taking "
+                   f"every {threads.groups}-th {threads.split}; {threads.rows_per_block} rows per block")
+    elif threads.groups > 1:
         comment += f" and group of {threads.split} ({threads.groups} groups, partial sums)"
     if threads.time_fastest:
         comment += ", consecutive threads along time"
@@ -229,6 +270,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         "time_fastest": threads.time_fastest,
         "interleaved": threads.time_fastest and k.sum_over_time,
         "groups": threads.groups,
+        "row": threads.row and threads.groups > 1,
+        "rows_per_block": threads.rows_per_block,
         "params": params,
         "constants": constants,
         "unflatten": unflatten,
@@ -360,4 +403,4 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
-                              warp=WARP)
+                              warp=WARP, rows=any(c.get("row") for c in contexts))

@@ -66,7 +66,7 @@ def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str,
     for a in launch.kernel.arrays:
         shape = [launch.length if ax == "t" else launch.nblk if ax == "block" else sizes[ax] for ax in a.axes]
         io = a.role in ("seq", "param", "init", "out")
-        partial = groups > 1 and a.role in ("out", "final")
+        partial = groups > 1 and not launch.mapping.row and a.role in ("out", "final")
         if time_contiguous and a.role in ("seq", "out", "prev") and len(shape) > 1:
             inner = _contiguous([*shape[1:], shape[0]])
             strides = (inner[-1], *inner[:-1])
@@ -107,7 +107,8 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
     for launch in runner.launches(sizes, steps, time_contiguous):
         specs = _specs(launch, sizes, dtype, compute, time_contiguous)
         source = runner.source_for(launch.kernel, specs, sizes, launch.mapping)
-        report = KernelReport(role, strategy, launch, source, str(store("cuda", source, ".cu")))
+        label = f"{strategy}, {launch.mapping.describe()}" if launch.mapping.describe() else strategy
+        report = KernelReport(role, label, launch, source, str(store("cuda", source, ".cu")))
         if compile_kernels and nvrtc.available():
             try:
                 built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...lowering.plan import Kernel, Lowered, lower
+from ...lowering.split_sum import row_axis
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
-from .codegen import BLOCK, ONE_GROUP, WARP, ArraySpec, Threads, module_source, split_groups
+from .codegen import BLOCK, ONE_GROUP, ROW_THREADS, WARP, ArraySpec, Threads, module_source, split_groups
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -99,6 +100,35 @@ def accumulator_blocks(total: int, length: int) -> int:
 
 MAX_THREADS = (1 << 31) - 1  # time-fastest kernels divide the thread index in 32 bits
 
+# Row kernels (lowering/split_sum.py, cooperative rows): a map kernel reducing over a long axis r
+# (a norm over d, once per (b, t)) gives each row G threads of one block, G a power of two doubled
+# while the rows give fewer than ROW_FILL threads and every thread keeps at least ROW_TERMS indices
+# of r, at most MAX_ROW_GROUPS. Mamba-1's block at B 8, L 2048, D 1536: 16384 rows, G = 16.
+ROW_FILL = FILL_THREADS
+ROW_TERMS = 32
+MAX_ROW_GROUPS = 32
+
+
+def row_groups(k: Kernel, sizes: dict[str, int], rows: int) -> tuple[str | None, int]:
+    """The axis `rows` rows of map kernel `k` are shared along and by how many threads each (1: a
+    thread per row). `SSMC_CUDA_ROW_GROUPS` overrides the count (a power of two; 1: off)."""
+    axis = row_axis(k, sizes)
+    if axis is None:
+        return None, 1
+    forced = os.environ.get("SSMC_CUDA_ROW_GROUPS")
+    if forced:
+        groups = int(forced)
+        if groups < 1 or groups & (groups - 1) or groups > ROW_THREADS:
+            raise ValueError(f"SSMC_CUDA_ROW_GROUPS={forced!r}: expected a power of two up to {ROW_THREADS}")
+    else:
+        groups = 1
+        while (groups < MAX_ROW_GROUPS and rows * groups < ROW_FILL
+               and sizes[axis] >= 2 * groups * ROW_TERMS):
+            groups *= 2
+    if groups == 1 or rows * groups > MAX_THREADS:
+        return None, 1
+    return axis, groups
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -113,7 +143,11 @@ class Launch:
 
     @property
     def grid(self) -> tuple[int, int]:
-        """(blocks, threads per block)."""
+        """(blocks, threads per block); a row kernel's blocks hold whole rows."""
+        if self.mapping.row:
+            per = self.mapping.rows_per_block
+            rows = self.threads // self.mapping.groups
+            return max(1, -(-rows // per)), per * self.mapping.groups
         return max(1, -(-self.threads // BLOCK)), BLOCK
 
 
@@ -190,7 +224,8 @@ class CudaRunner:
     def _epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int, time_contiguous: bool) -> Launch:
         """A map/reduce epilogue kernel's launch: an output one step per block of time, an accumulator
         in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
-        sum split into groups of threads (split-K, codegen.split_groups)."""
+        sum split into groups of threads (split-K, codegen.split_groups), or else a map kernel's long
+        rows shared by groups of threads (`row_groups`)."""
         total = self._threads(k, sizes)
         if k.program.states:
             nblk = accumulator_blocks(total, length)
@@ -199,8 +234,12 @@ class CudaRunner:
         else:
             nblk = max(1, length)
         split, groups = split_groups(k, sizes)
+        row = False
+        if groups == 1 and not k.program.states:
+            split, groups = row_groups(k, sizes, total * nblk)
+            row = groups > 1
         fastest = time_contiguous and total * nblk * groups <= MAX_THREADS
-        return Launch(k, length, nblk, total * nblk * groups, Threads(fastest, groups, split))
+        return Launch(k, length, nblk, total * nblk * groups, Threads(fastest, groups, split, row))
 
     # -- running -----------------------------------------------------------------------------
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
@@ -223,7 +262,7 @@ class CudaRunner:
                 tensors.append((a, t, 0))
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
-            partial = groups > 1 and a.role in ("out", "final")
+            partial = groups > 1 and not mapping.row and a.role in ("out", "final")
             dtype = out_dtype if a.role == "out" and out_dtype is not None and not partial else state_dtype
             lead = [groups] if partial else []
             if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1:
@@ -239,7 +278,7 @@ class CudaRunner:
         if fn is None:  # rendering the source costs more than a launch: once per shape
             fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, mapping), k.name)
         per = WARP if warp else nblk * groups
-        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per).grid
+        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per, mapping).grid
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
         fn((blocks,), (threads,), args, stream=stream)
@@ -286,7 +325,7 @@ class CudaRunner:
                 finals[s.name] = initial[s.name].to(part.dtype) + part
             for n, _ in epi.program.outputs:
                 out = made[f"out_{n}"]
-                if groups > 1:  # split-K partials
+                if groups > 1 and not launch.mapping.row:  # split-K partials
                     out = out.sum(0)
                     out = out.to(out_dtype) if out_dtype is not None else out
                 outs[n] = out
