@@ -7,6 +7,7 @@ carry a static size, ``"g=4"``, which `unbind` needs. The name ``t`` is reserved
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 TIME = "t"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -38,6 +39,7 @@ def format_axes(axes: tuple[str, ...]) -> str:
     return "[" + " ".join(axes) + "]"
 
 
+@lru_cache(maxsize=1024)  # asked for every array of every call
 def resolve_layout(template: str, axes: tuple[str, ...]) -> tuple[str, ...]:
     """Order of an array's axes, time included, from a layout template.
 

@@ -7,6 +7,7 @@ that names the argument, before any work is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, .
     else:
         template = layout or DEFAULT_LAYOUT
     try:
-        order = resolve_layout(template, axes)
+        order = resolve_layout(template, tuple(axes))
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     extra = [a for a in order if a != TIME and a not in axes]
@@ -76,7 +77,7 @@ def check_axis_relations(roots, sizes: dict[str, int], source: dict[str, str]) -
     def where(a):
         return source.get(a, "no input")
 
-    for node in toposort(roots):
+    for node in _relating_nodes(tuple(roots)):
         if node.op is Op.RENAME:
             for old, new in node.arg:
                 if old in sizes and new not in sizes:  # the new name takes the old one's size
@@ -92,6 +93,19 @@ def check_axis_relations(roots, sizes: dict[str, int], source: dict[str, str]) -
                 if total != sizes[axis]:
                     raise ValueError(f"axis {axis!r} (size {sizes[axis]}, from {where(axis)}) is split into "
                                      f"{list(parts)} of total size {total}")
+
+
+@lru_cache(maxsize=256)  # once per program, not per call
+def _relating_nodes(roots: tuple) -> tuple:
+    """The renames and slices of a graph, in topological order."""
+    return tuple(n for n in toposort(roots) if n.op in (Op.RENAME, Op.SLICE))
+
+
+def _is_float64(dtype) -> bool:
+    """A NumPy or torch dtype that is float64 (without `str(dtype)`, slow on NumPy dtypes)."""
+    if isinstance(dtype, np.dtype):
+        return dtype.kind == "f" and dtype.itemsize == 8
+    return str(dtype) == "torch.float64"
 
 
 def _permute(arr, perm):
@@ -168,6 +182,6 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
         initial[s.name] = arrays.pop(s.name) if s.name in given else zeros([sizes[a] for a in s.axes])
     given_dtypes = [a.dtype for a in arrays.values()] + [initial[s].dtype for s in initial if s in given]
     # float64 as soon as one array is (or when nothing was given); else float32 (fp16 / bf16 compute in fp32)
-    any64 = not given_dtypes or any(str(d) in ("float64", "torch.float64") for d in given_dtypes)
+    any64 = not given_dtypes or any(_is_float64(d) for d in given_dtypes)
     dtype = np.dtype(np.float64 if any64 else np.float32)
     return Bound(length, sizes, arrays, initial, dtype)

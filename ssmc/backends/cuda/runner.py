@@ -9,6 +9,7 @@ interpreter's contract: time-first arrays (any strides; nothing is copied), name
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -184,7 +185,7 @@ class CudaRunner:
 
     # -- planning ----------------------------------------------------------------------------
     def _threads(self, k: Kernel, sizes: dict[str, int]) -> int:
-        return int(np.prod([sizes[a] for a in k.parallel], dtype=np.int64))
+        return math.prod(sizes[a] for a in k.parallel)
 
     def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> str:
         """How a run goes: "split" (plan.py) for split programs; for fused ones "fused" (a thread per
