@@ -135,12 +135,30 @@ class _Regions:
 def _is_zero(e: sp.Basic) -> bool:
     if e == 0:
         return True
-    if sp.count_ops(e) > _SIMPLIFY_LIMIT:
+    if sp.count_ops(e) > _SIMPLIFY_LIMIT or _nonzero_somewhere(e):
         return False
     try:
         return sp.simplify(e) == 0
     except (ValueError, TypeError):  # SymPy cannot order some terms (Max of exp(-softplus(0))): not shown zero
         return False
+
+
+_PROBES = (0.3710, -1.2130, 0.8290, -0.4470, 1.6810, -0.0930, 1.1070)  # fixed: classification is deterministic
+
+
+def _nonzero_somewhere(e: sp.Basic) -> bool:
+    """A cheap disproof before `simplify` (which can take minutes on some Max / Min expressions):
+    `e` at three fixed points, evaluated to 30 digits, is clearly nonzero at one of them."""
+    symbols = sorted(e.free_symbols, key=str)
+    for shift in range(3):
+        point = {s: sp.Float(_PROBES[(i + 2 * shift) % len(_PROBES)] * (1 + shift), 30) for i, s in enumerate(symbols)}
+        try:
+            value = complex(e.xreplace(point).evalf(30))
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue
+        if value == value and abs(value) != float("inf") and abs(value) > 1e-12:
+            return True
+    return False
 
 
 def _factors(node: Node) -> list[Node]:
