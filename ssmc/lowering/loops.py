@@ -108,16 +108,20 @@ def walk(stmts):
             yield from walk(s.body)
 
 
-def loads(e):
-    """Every `Load` inside the expression `e`."""
-    if isinstance(e, Load):
-        yield e
-    elif isinstance(e, Call):
+def subexpressions(e):
+    """`e` and every expression inside it, outermost first."""
+    yield e
+    if isinstance(e, Call):
         for a in e.args:
-            yield from loads(a)
+            yield from subexpressions(a)
     elif isinstance(e, Bin):
-        yield from loads(e.a)
-        yield from loads(e.b)
+        yield from subexpressions(e.a)
+        yield from subexpressions(e.b)
     elif isinstance(e, Select):
         for a in (e.cond, e.a, e.b):
-            yield from loads(a)
+            yield from subexpressions(a)
+
+
+def loads(e):
+    """Every `Load` inside the expression `e`."""
+    return (x for x in subexpressions(e) if isinstance(x, Load))

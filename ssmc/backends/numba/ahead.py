@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...lowering.loops import Assign, Bin, Call, Load, Loop, Num, Select, Var, walk
+from ...lowering.loops import Assign, Bin, Call, Load, Loop, Num, Select, Var, subexpressions, walk
 from ...lowering.plan import Kernel, size_var
 
 TILE = 64  # steps per tile: the tile's buffers stay in L1
@@ -115,13 +115,7 @@ def _tokens(index: str) -> set[str]:
 
 
 def _calls(e) -> bool:
-    if isinstance(e, Call):
-        return True
-    if isinstance(e, Bin):
-        return _calls(e.a) or _calls(e.b)
-    if isinstance(e, Select):
-        return _calls(e.cond) or _calls(e.a) or _calls(e.b)
-    return False
+    return any(isinstance(x, Call) for x in subexpressions(e))
 
 
 def _names(s):
@@ -132,17 +126,7 @@ def _names(s):
 
 
 def _vars(e):
-    if isinstance(e, Var):
-        yield e.name
-    elif isinstance(e, Call):
-        for a in e.args:
-            yield from _vars(a)
-    elif isinstance(e, Bin):
-        yield from _vars(e.a)
-        yield from _vars(e.b)
-    elif isinstance(e, Select):
-        for a in (e.cond, e.a, e.b):
-            yield from _vars(a)
+    return (x.name for x in subexpressions(e) if isinstance(x, Var))
 
 
 def _read_buffers(s, keep: set[str]):
