@@ -20,7 +20,7 @@ steps for Mamba-1 (state N = 16 per channel); the GPU always recomputes the carr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -127,7 +127,8 @@ class Tape:
 
     `boundaries[c]` is the carry before chunk c; `carries` holds ``prev_<state>`` of every step
     when one chunk covers the sequence and the backend ran the recording forward (then the
-    backward recomputes nothing)."""
+    backward recomputes nothing, and takes the matrix products the forward hoisted from
+    `products`: an LSTM's ``x W``)."""
 
     seqs: dict
     params: dict
@@ -138,6 +139,7 @@ class Tape:
     chunk: int
     boundaries: list[dict]
     carries: dict | None = None
+    products: dict = field(default_factory=dict)
 
 
 class Grad:
@@ -188,7 +190,7 @@ class Grad:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         if chunk >= length and recording is not None and self.backend != "cuda":
             # one chunk: the forward keeps every carry, the backward recomputes nothing
-            outs, finals = runner(self.backend, recording, dtype)(seqs, params, initial, sizes, length)
+            outs, finals = runner(self.backend, recording, dtype, tape.products)(seqs, params, initial, sizes, length)
             tape.carries = {f"prev_{s.name}": outs.pop(f"prev_{s.name}") for s in fwd.states}
             return outs, finals, tape
         run_forward = runner(self.backend, fwd, dtype)
@@ -253,7 +255,7 @@ class Grad:
         bw = self.backward_program
         fwd, xp, dtype, sizes, length, chunk = bw.forward, self.xp, tape.dtype, tape.sizes, tape.length, tape.chunk
         seqs, params = tape.seqs, tape.params
-        run_adjoint = runner(self.backend, bw.adjoint, dtype)
+        run_adjoint = runner(self.backend, bw.adjoint, dtype, tape.products if tape.carries is not None else None)
         acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
         carry = {GRAD + k: v for k, v in lam.items()} | acc
         seq_grads: dict[str, list] = {d.name: [] for d in fwd.seqs}

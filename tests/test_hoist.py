@@ -175,15 +175,17 @@ def _source(program, dtype="float32") -> str:
 def test_the_lstm_lowering_unrolls_its_recurrent_products_and_transposes_U_for_the_adjoint():
     """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T."""
     fwd = _source(lstm.SPEC.program)
-    assert "for u_j in range((n_j) // 8):" in fwd                 # h U, 8 terms per pass
+    assert "for u_j in range((n_j) // 4):" in fwd                 # h U, 4 terms per pass ...
+    assert "for q_b2 in range((b0_b_end - b0_b) // 4):" in fwd     # ... for 4 rows of a block of b
     assert "bs_b = " in fwd and "for q_b in range(b0_b_end - b0_b):" in fwd  # blocks of b share U
     assert "hz0[t, (b0_b + q_b)" in fwd and "x[t" not in fwd      # x W hoisted out of the loop
     adj_program = derive_backward(lstm.SPEC.program).adjoint
     h = runner_for(adj_program, "float32").hoisted
     assert [(n, p, a) for n, p, a in h.transposed] == [("hp0", "U", ("g", "k", "j"))]
     adj = _source(adj_program)
-    assert "for u_k in range((n_k) // 8):" in adj                 # grad_h = sum_{g,k} gz U, one nest
-    assert "hp0[i_g, (8 * u_k + 0), i_j]" in adj and "for q_b in range(b0_b_end - b0_b):" in adj
+    assert "for u_k in range((n_k) // 4):" in adj                 # grad_h = sum_{g,k} gz U, one nest,
+    assert "for q_b2 in range((b0_b_end - b0_b) // 4):" in adj     # 4 rows of b at a time
+    assert "hp0[i_g, (4 * u_k + 0), i_j]" in adj and "for q_b in range(b0_b_end - b0_b):" in adj
     assert runner_for(adj_program, "float32").lowered.strategy == "fused"
 
 
@@ -199,6 +201,49 @@ def test_numba_matmul_matches_numpy_at_awkward_shapes():
             want = a.astype(np.float64) @ b.astype(np.float64)
             assert got.dtype == np.dtype(dtype) and got.shape == (m, n)
             assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()) * max(1, k)
+
+
+def test_lstm_adjoint_reads_its_gate_gradient_as_matrices_without_copies():
+    """The gate gradient gz [g b k] is reordered once to (t, b, g, k): grad_x = gz (t b, g k) W and
+    grad_W = gz^T (g k, t b) x then read it as views (the old order copied it for each product)."""
+    from ssmc.lowering.hoist import _copied, _product_order
+
+    h = hoist(derive_backward(lstm.SPEC.program).adjoint)
+    ((name, f),) = h.factors
+    assert f.axes == ("g", "b", "k") and _product_order(h, name, f) == ("b", "g", "k")
+    gz = np.zeros((5, 3, 4, 6))                      # (t, b, g, k), C order
+    labels = ("~t", "b", "g", "k")
+    assert _copied(gz, labels, ("~t", "b"), ("g", "k"), contiguous=True) == 0
+    assert _copied(gz, labels, ("g", "k"), ("~t", "b"), contiguous=False) == 0
+    assert _copied(gz, labels, ("g", "k"), ("b", "~t"), contiguous=False) == gz.nbytes
+    assert _copied(gz, labels, ("b", "~t"), ("g", "k"), contiguous=True) == gz.nbytes
+
+
+def test_a_training_step_computes_the_lstm_input_product_once():
+    """The recording forward keeps x W in the tape and the adjoint takes it from there: one matrix
+    product fewer per step, same gradients as a backward that recomputes it."""
+    import ssmc.backends.numba.runner as numba_runner
+
+    rng = np.random.default_rng(3)
+    inputs = lstm.make_inputs(rng, 23, batch=3, inp=5, hidden=4)
+    g = ssmc.grad(lstm.SPEC, "numba", layout=lstm.LAYOUT)
+    calls = []
+    real = numba_runner.matmul
+    numba_runner.matmul = lambda a, b: (calls.append((a.shape, b.shape)), real(a, b))[1]
+    try:
+        _, _, tape = g.forward(**inputs)
+        forward_calls = len(calls)
+        ((node, product),) = tape.products.items()
+        cot = {"y": rng.standard_normal((3, 23, 4))}
+        got = g.backward(tape, grad_outputs=cot)
+    finally:
+        numba_runner.matmul = real
+    assert node.op.value == "sum" and product.shape == (23, 3, 4, 4)
+    assert forward_calls == 1 and len(calls) == 1 + 4   # adjoint: h U, grad_x, grad_W, grad_U
+    del tape.products[node]                              # now the adjoint recomputes x W
+    want = g.backward(tape, grad_outputs=cot)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
 
 
 @settings(max_examples=20, **SETTINGS)
@@ -228,8 +273,8 @@ def test_unrolled_sums_add_the_same_terms(extent, inner):
 @settings(max_examples=20, **SETTINGS)
 @given(rows=st.integers(0, 7), extent=st.integers(0, 19), inner=st.integers(1, 5))
 def test_paired_rows_add_the_same_terms(rows, extent, inner):
-    """A blocked nest (rows q inside the summed loop j, sharing U's loads) runs rows in pairs and an
-    odd last row alone; the sums equal the plain nest's for any number of rows."""
+    """A blocked nest (rows q inside the summed loop j, sharing U's loads) runs rows 4 at a time and
+    the last ones alone; the sums equal the plain nest's for any number of rows."""
     from ssmc.backends.numba.codegen import statements
     from ssmc.lowering.loops import Assign, Bin, Load, Loop
     from ssmc.lowering.unroll import unroll_sums
@@ -238,7 +283,7 @@ def test_paired_rows_add_the_same_terms(rows, extent, inner):
         Assign(Load("m", ("q_b", "i_k")), Bin("*", Load("h", ("q_b", "i_j")), Load("U", ("i_j", "i_k"))), "+=")])])])]
     unrolled = unroll_sums(nest)
     source = "\n".join(statements(unrolled, 0))
-    assert "for q_b2 in range((n_q) // 2):" in source and "for q_b in range((n_q) % 2):" in source
+    assert "for q_b2 in range((n_q) // 4):" in source and "for q_b in range((n_q) % 4):" in source
     rng = np.random.default_rng(extent)
     env = {"n_j": extent, "n_q": rows, "n_k": inner, "h": rng.integers(-9, 9, (rows, extent)),
            "U": rng.integers(-9, 9, (extent, inner)), "F": float}
@@ -249,3 +294,31 @@ def test_paired_rows_add_the_same_terms(rows, extent, inner):
         results.append(local["m"])
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], env["h"] @ env["U"])
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(rows=st.integers(0, 9), outer=st.integers(0, 3), extent=st.integers(0, 11), inner=st.integers(1, 5))
+def test_rows_outside_the_summed_loop_add_the_same_terms(rows, outer, extent, inner):
+    """An LSTM adjoint's nest ``for g: for q: for k: for j: m[q, j] += gz[q, g, k] U[g, k, j]`` runs
+    rows 4 at a time inside g; every element adds the same terms in the same order (integers:
+    exact), for any number of rows and any remainder of k."""
+    from ssmc.backends.numba.codegen import statements
+    from ssmc.lowering.loops import Assign, Bin, Load, Loop
+    from ssmc.lowering.unroll import unroll_sums
+
+    nest = [Loop("i_g", "n_g", [Loop("q_b", "n_q", [Loop("i_k", "n_k", [Loop("i_j", "n_j", [
+        Assign(Load("m", ("q_b", "i_j")), Bin("*", Load("gz", ("q_b", "i_g", "i_k")), Load("U", ("i_g", "i_k", "i_j"))),
+               "+=")])])])])]
+    unrolled = unroll_sums(nest)
+    source = "\n".join(statements(unrolled, 0))
+    assert "for q_b2 in range((n_q) // 4):" in source and "for u_k in range((n_k) // 4):" in source
+    rng = np.random.default_rng(extent)
+    env = {"n_g": outer, "n_q": rows, "n_k": extent, "n_j": inner, "F": float,
+           "gz": rng.integers(-9, 9, (rows, outer, extent)), "U": rng.integers(-9, 9, (outer, extent, inner))}
+    results = []
+    for stmts in (nest, unrolled):
+        local = {**env, "m": np.zeros((rows, inner), dtype=np.int64)}
+        exec("\n".join(statements(stmts, 0)), {}, local)
+        results.append(local["m"])
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], np.einsum("qgk,gkj->qj", env["gz"], env["U"]))

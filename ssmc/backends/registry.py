@@ -45,25 +45,30 @@ def compute_dtype(backend: str, given: np.dtype, requested=None) -> np.dtype:
     return dtype
 
 
-def runner(backend: str, program, dtype: np.dtype) -> Runner:
+def runner(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
     """The run function for `program`: the interpreter runs it as written (the ground truth);
-    compiled backends run its fusion stages (`lowering/stages.py`), each a program of its own."""
+    compiled backends run its fusion stages (`lowering/stages.py`), each a program of its own.
+
+    `products`: where the Numba backend keeps the matrix products it hoists out of the time loop
+    (`hoist.compute_pre`) for a later run over the same sequences and params to reuse; other
+    backends, and programs run in stages, ignore it."""
     if backend == "interpreter":
         return partial(interpreter.run_recurrence, program)
     fused = fuse(program)
     if not fused.staged:
-        return _compiled(backend, program, dtype)
+        return _compiled(backend, program, dtype, products)
     return partial(run_stages, fused, [_compiled(backend, st.program, dtype) for st in fused.stages])
 
 
-def _compiled(backend: str, program, dtype: np.dtype) -> Runner:
+def _compiled(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
     if backend == "cuda":
         from .cuda.runner import runner_for as cuda_runner
 
         return cuda_runner(program, dtype.name).run
     from .numba import runner_for
 
-    return runner_for(program, dtype.name).run
+    run = runner_for(program, dtype.name).run
+    return run if products is None else partial(run, products=products)
 
 
 def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, length, out_dtype=None):

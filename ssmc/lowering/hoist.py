@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -311,16 +312,31 @@ def _as_matmul(operands, out: tuple[str, ...], matmul):
         return None
     size = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
     # free axes in the order the result is wanted in (no transposed copy of the result after);
-    # the summed ones in the order b lies in memory (largest stride first), b's rows being read as
-    # vectors: its 2-D reshape is then a view wherever the memory allows. `matmul` reads `a` at any
-    # strides.
+    # the summed ones in the order a or b lies in memory (largest stride first), whichever copies
+    # fewer bytes: a 2-D reshape is a view wherever the memory allows; `matmul` reads `a` at any
+    # strides, `b` C-contiguous.
     fa, fb = sorted(fa, key=out.index), sorted(fb, key=out.index)
-    shared = sorted(shared, key=lambda x: -b.strides[lb.index(x)])
+    orders = [sorted(shared, key=lambda x: -b.strides[lb.index(x)]),
+              sorted(shared, key=lambda x: -a.strides[la.index(x)])]
+    shared = min(orders, key=lambda order: _copied(a, la, fa, order, False) + _copied(b, lb, order, fb, True))
     a2 = a.transpose([la.index(x) for x in fa + shared]).reshape(_prod(size, fa), _prod(size, shared))
     b2 = b.transpose([lb.index(x) for x in shared + fb]).reshape(_prod(size, shared), _prod(size, fb))
     c = matmul(a2, b2)
     return c.reshape([size[x] for x in fa + fb]), tuple(fa + fb)
 
+
+
+def _copied(arr: np.ndarray, labels, rows, cols, contiguous: bool) -> int:
+    """Bytes copied to read `arr` as the matrix (rows, cols): 0 when that is a view (and, with
+    `contiguous`, a C-contiguous one)."""
+    if contiguous:
+        return 0 if arr.transpose([labels.index(x) for x in (*rows, *cols)]).flags.c_contiguous else arr.nbytes
+
+    def merges(group) -> bool:  # the group's axes, outer to inner, flatten to one strided axis
+        dims = [labels.index(x) for x in group if arr.shape[labels.index(x)] != 1]
+        return all(arr.strides[i] == arr.strides[j] * arr.shape[j] for i, j in pairwise(dims))
+
+    return 0 if merges(rows) and merges(cols) else arr.nbytes
 
 
 def _sum_out(arr, labels, keep):
@@ -364,16 +380,25 @@ def compute_params(h: Hoisted, params: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None) -> dict[str, np.ndarray]:
+def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None, products: dict | None = None
+                ) -> dict[str, np.ndarray]:
     """The hoisted sequences ``hz<n>`` [t, *axes] from the run's sequences and params.
 
-    `matmul`: as in `_evaluate` (a backend's own matrix product; None: `np.einsum`)."""
+    `matmul`: as in `_evaluate` (a backend's own matrix product; None: `np.einsum`). `products`:
+    contraction node -> its array, read and filled, shared by runs of several programs over the
+    same sequences and params (nodes are interned: a recording forward's ``x W`` is the very node
+    its adjoint recomputes, which then takes it from here)."""
     env = _env(h, seqs, params)
     out = {}
     for name, node in h.pre:
+        if products is not None and node in products:
+            out[name] = products[node]
+            continue
         dtype = np.result_type(*(env[n.arg][0] for n in toposort([node]) if n.op is Op.INPUT))
         arr, labels = _evaluate(node, env, matmul=matmul)
         out[name] = _ordered(arr, labels, (TIME, *node.axes), dtype)
+        if products is not None:
+            products[node] = out[name]
     return out
 
 
@@ -383,7 +408,11 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
     `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs."""
     env = _env(h, seqs, params)
     for name, f in h.factors:
-        env[name] = (written[name], (TIME, *f.axes))
+        order = _product_order(h, name, f)
+        arr = written[name]
+        if order != f.axes:  # one copy, instead of one per product that reads it
+            arr = np.ascontiguousarray(arr.transpose([0, *(1 + f.axes.index(a) for a in order)]))
+        env[name] = (arr, (TIME, *order))
     outs, finals = {}, {}
     for name, node in h.post_outputs:
         arr, labels = _evaluate(node, env, matmul=matmul)
@@ -396,3 +425,22 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
             arr, labels = arr.sum(axis=labels.index(TIME)), tuple(a for a in labels if a != TIME)
         finals[s] = init + _ordered(arr, labels, axes, init.dtype)
     return outs, finals
+
+
+def _product_order(h: Hoisted, name: str, f: Node) -> tuple[str, ...]:
+    """The order of a written factor's axes in which the post products read it as a matrix without
+    a copy: the axes it shares with a sequence factor first, then the others (in f's order).
+
+    An LSTM adjoint's gate gradient gz [g b k]: ``grad_x = gz (t b, g k) @ W`` and
+    ``grad_W = gz^T (g k, t b) @ x (t b, i)`` both read (t, b, g, k) as a 2-D view."""
+    seq_axes = set()
+    roles = {d.name: d.role for d in h.original.decls}
+    for _, node in h.post_outputs + h.post_accumulators:
+        parts = split_contraction(node)
+        if parts is None or not any(x.op is Op.INPUT and x.arg == name for x in toposort(parts[1])):
+            continue
+        for x in parts[1]:
+            if _timed(x, roles):
+                seq_axes.update(a for a in x.axes)
+    first = tuple(a for a in f.axes if a in seq_axes)
+    return first + tuple(a for a in f.axes if a not in seq_axes)

@@ -74,12 +74,12 @@ class NumbaRunner:
             fn(length, nblk, *(sizes[a] for a in k.sizes), *args)
         return made
 
-    def run(self, seqs, params, initial, sizes, length):
+    def run(self, seqs, params, initial, sizes, length, products: dict | None = None):
         """Same contract as `interpreter.run_recurrence`.
 
         Contractions hoisted out of the time loop (`lowering/hoist.py`) run as matrix products
         (`gemm.py`, on Numba's threads) in the run's dtype before (new sequences) and after
-        (outputs, accumulators) the kernels."""
+        (outputs, accumulators) the kernels. `products`: as in `hoist.compute_pre`."""
         h = self.hoisted
         if not h.changed:
             return self._run_lowered(seqs, params, initial, sizes, length)
@@ -87,7 +87,7 @@ class NumbaRunner:
         seqs = {k: np.asarray(v).astype(dt, copy=False) for k, v in seqs.items()}
         params = {k: np.asarray(v).astype(dt, copy=False) for k, v in params.items()}
         initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
-        seqs.update(compute_pre(h, seqs, params, matmul))
+        seqs.update(compute_pre(h, seqs, params, matmul, products))
         outs, finals = self._run_lowered(seqs, {**params, **compute_params(h, params)}, initial, sizes, length)
         post_outs, post_finals = compute_post(h, seqs, params, outs, initial, matmul)
         outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
