@@ -144,7 +144,7 @@ def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
     the same expression as before, so the result is too; odd rows run as a single-row nest."""
     rows, inner = chain[0], chain[1:]
     inner_vars = {c.var for c in inner}
-    if not inner or rows.reverse or rows.var not in _tokens_of(target):
+    if not inner or rows.reverse or rows.var not in _tokens_of(target) or not _product_of_loads(value):
         return None
     shared = list(dict.fromkeys(ld for ld in loads(value)
                                 if rows.var not in _tokens_of(ld) and _tokens_of(ld) & inner_vars))
@@ -168,6 +168,14 @@ def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
     single = _nest([odd, *inner], _subst(target, rows.var, last), _subst(_replace_loads(value, {
         name: ld for ld, name in names.items()}), rows.var, last), f"{prefix}o")
     return paired + single
+
+
+def _product_of_loads(e) -> bool:
+    """A sum of products of loads: a contraction's terms, cheap to repeat for every row (a general
+    expression, repeated ROWS x ROW_FACTOR times, would only make the kernel long to compile)."""
+    if isinstance(e, Bin) and e.op in ("+", "*"):
+        return _product_of_loads(e.a) and _product_of_loads(e.b)
+    return isinstance(e, (Load, Var))
 
 
 def _tokens_of(e) -> set[str]:

@@ -162,6 +162,8 @@ class CudaRunner:
         self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
         self.modules: dict[str, object] = {}
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
+        self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
+        self.streams: dict[int, object] = {}            # torch stream pointer -> CuPy's view of it
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
@@ -207,8 +209,21 @@ class CudaRunner:
             return "time blocks"
         return "fused"
 
+    def _planned(self, what: str, make, *key):
+        """`make()`, once per `key` and setting of the overrides (a plan is a pure function of
+        them; planning walks the kernels' IR, which costs more than a small launch)."""
+        full = (what, *key, *(os.environ.get(v) for v in OVERRIDES))
+        plan = self.plans.get(full)
+        if plan is None:
+            plan = self.plans[full] = make()
+        return plan
+
     def launches(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> list[Launch]:
         """The launches `run` makes for these sizes, in order (what `ssmc inspect` reports)."""
+        return list(self._planned("launches", lambda: tuple(self._uncached_launches(sizes, length, time_contiguous)),
+                                  _sizes_key(sizes), length, time_contiguous))
+
+    def _uncached_launches(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> list[Launch]:
         strategy = self.strategy(sizes, length, time_contiguous)
         if strategy == "warp":
             k = self.time_blocks.lane_rescan
@@ -227,6 +242,11 @@ class CudaRunner:
         in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
         sum split into groups of threads (split-K, codegen.split_groups), or else a map kernel's long
         rows shared by groups of threads (`row_groups`)."""
+        return self._planned("epilogue", lambda: self._uncached_epilogue_launch(k, sizes, length, time_contiguous),
+                             k.name, _sizes_key(sizes), length, time_contiguous)
+
+    def _uncached_epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int,
+                                  time_contiguous: bool) -> Launch:
         total = self._threads(k, sizes)
         if k.program.states:
             nblk = accumulator_blocks(total, length)
@@ -273,14 +293,18 @@ class CudaRunner:
                 full = torch.empty([*lead, *shape], device="cuda", dtype=dtype)
             made[a.name] = full
             tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
-        specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
-        key = (k.name, tuple(specs.items()), tuple(sorted(sizes.items())), warp and steps_per_lane(), mapping)
+        layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
+        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(), mapping)
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
+            specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
             fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, mapping), k.name)
         per = WARP if warp else nblk * groups
         blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per, mapping).grid
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        pointer = torch.cuda.current_stream().cuda_stream
+        stream = self.streams.get(pointer)
+        if stream is None:
+            stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
         fn((blocks,), (threads,), args, stream=stream)
         return made
@@ -290,7 +314,8 @@ class CudaRunner:
 
         low, p = self.lowered, self.program
         contiguous = bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
-        strategy = self.strategy(sizes, length, contiguous)
+        strategy = self._planned("strategy", lambda: self.strategy(sizes, length, contiguous),
+                                 _sizes_key(sizes), length, contiguous)
         plan = self.launches(sizes, length, contiguous)
         if strategy == "time blocks":
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
@@ -336,6 +361,14 @@ class CudaRunner:
         def launch(k: Kernel, arrays: dict, length: int, nblk: int) -> dict:
             return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
         return launch
+
+
+# the environment variables that change a launch plan (read when planning, part of its cache key)
+OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS")
+
+
+def _sizes_key(sizes: dict[str, int]) -> tuple:
+    return tuple(sorted(sizes.items()))
 
 
 def _along_time(k: Kernel, arrays: dict) -> bool:
