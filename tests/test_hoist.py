@@ -260,7 +260,7 @@ def test_unrolled_sums_add_the_same_terms(extent, inner):
     assert len(unrolled) == 2 and unrolled[0].var == "u_j"
     rng = np.random.default_rng(extent)
     env = {"n_j": extent, "n_k": inner, "h": rng.integers(-9, 9, extent), "U": rng.integers(-9, 9, (extent, inner)),
-           "F": float}
+           "F": float, "fma": lambda a, b, c: a * b + c}
     results = []
     for stmts in (nest, unrolled):
         local = {**env, "m": np.zeros(inner, dtype=np.int64)}
@@ -286,7 +286,7 @@ def test_paired_rows_add_the_same_terms(rows, extent, inner):
     assert "for q_b2 in range((n_q) // 4):" in source and "for q_b in range((n_q) % 4):" in source
     rng = np.random.default_rng(extent)
     env = {"n_j": extent, "n_q": rows, "n_k": inner, "h": rng.integers(-9, 9, (rows, extent)),
-           "U": rng.integers(-9, 9, (extent, inner)), "F": float}
+           "U": rng.integers(-9, 9, (extent, inner)), "F": float, "fma": lambda a, b, c: a * b + c}
     results = []
     for stmts in (nest, unrolled):
         local = {**env, "m": np.zeros((rows, inner), dtype=np.int64)}
@@ -313,7 +313,7 @@ def test_rows_outside_the_summed_loop_add_the_same_terms(rows, outer, extent, in
     source = "\n".join(statements(unrolled, 0))
     assert "for q_b2 in range((n_q) // 4):" in source and "for u_k in range((n_k) // 4):" in source
     rng = np.random.default_rng(extent)
-    env = {"n_g": outer, "n_q": rows, "n_k": extent, "n_j": inner, "F": float,
+    env = {"n_g": outer, "n_q": rows, "n_k": extent, "n_j": inner, "F": float, "fma": lambda a, b, c: a * b + c,
            "gz": rng.integers(-9, 9, (rows, outer, extent)), "U": rng.integers(-9, 9, (outer, extent, inner))}
     results = []
     for stmts in (nest, unrolled):

@@ -85,18 +85,26 @@ def _axpy_chain(loop: Loop) -> list[Loop] | None:
 def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
     assign = chain[-1].body[0]
     block = f"u_{loop.var.removeprefix('i_')}"
-    main = _paired(chain, assign.target, _terms(loop, assign, ROW_FACTOR), f"h{block}")
+    main = _paired(chain, _accumulation(loop, assign, ROW_FACTOR), f"h{block}")
     if main is None:
-        main = _nest(chain, assign.target, _terms(loop, assign, factor), f"h{block}")
+        main = _nest(chain, _accumulation(loop, assign, factor), f"h{block}")
     else:
         factor = ROW_FACTOR
     return [Loop(block, f"({loop.extent}) // {factor}", main), _remainder(loop, chain, assign, factor)]
 
 
-def _terms(loop: Loop, assign: Assign, factor: int):
-    """The pairwise sum of `factor` consecutive terms of the summed loop, block ``u_<axis>``."""
+def _accumulation(loop: Loop, assign: Assign, factor: int) -> Assign:
+    """`factor` consecutive terms of the summed loop (block ``u_<axis>``) added to the target: by
+    fused multiply-adds in order when every term is a product (one rounding per term), else as
+    one pairwise sum."""
     block = f"u_{loop.var.removeprefix('i_')}"
-    return _pairwise([_subst(assign.value, loop.var, f"({factor} * {block} + {r})") for r in range(factor)])
+    terms = [_subst(assign.value, loop.var, f"({factor} * {block} + {r})") for r in range(factor)]
+    if all(isinstance(t, Bin) and t.op == "*" for t in terms):
+        value = assign.target
+        for t in terms:
+            value = Call("fma", (t.a, t.b, value))
+        return Assign(assign.target, value)
+    return Assign(assign.target, _pairwise(terms), "+=")
 
 
 def _remainder(loop: Loop, chain: list[Loop], assign: Assign, factor: int) -> Loop:
@@ -121,20 +129,20 @@ def _rows_outside(rows: Loop) -> list | None:
     assign = chain[-1].body[0]
     block = f"u_{loop.var.removeprefix('i_')}"
     blocks = Loop(block, f"({loop.extent}) // {ROW_FACTOR}", [])
-    main = _paired([rows, blocks, *chain], assign.target, _terms(loop, assign, ROW_FACTOR), f"h{block}")
+    main = _paired([rows, blocks, *chain], _accumulation(loop, assign, ROW_FACTOR), f"h{block}")
     if main is None:
         return None
     return [*main, Loop(rows.var, rows.extent, [_remainder(loop, chain, assign, ROW_FACTOR)])]
 
 
-def _nest(chain: list[Loop], target, value, prefix: str) -> list:
-    """The chain's loops around ``target += value``, invariant loads read once at their level."""
+def _nest(chain: list[Loop], acc: Assign, prefix: str) -> list:
+    """The chain's loops around the accumulation, invariant loads read once at their level."""
     hoisted: list[list] = [[] for _ in chain]
-    value = _hoist_loads(value, [c.var for c in chain], hoisted, prefix)
-    return _wrap(chain, Assign(target, value, "+="), hoisted)
+    value = _hoist_loads(acc.value, [c.var for c in chain], hoisted, prefix)
+    return _wrap(chain, Assign(acc.target, value, acc.op), hoisted)
 
 
-def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
+def _paired(chain: list[Loop], acc: Assign, prefix: str) -> list | None:
     """The nest with the outermost chain loop's iterations `ROWS` at a time, when they share loads.
 
     In a blocked kernel's ``for q: for g, k: m[q, g, k] += h[q, j] U[j, g, k] + ...`` (an LSTM's
@@ -144,6 +152,7 @@ def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
     the same expression as before, so the result is too; odd rows run as a single-row nest."""
     rows, inner = chain[0], chain[1:]
     inner_vars = {c.var for c in inner}
+    target, value = acc.target, acc.value
     if not inner or rows.reverse or rows.var not in _tokens_of(target) or not _product_of_loads(value):
         return None
     shared = list(dict.fromkeys(ld for ld in loads(value)
@@ -158,15 +167,15 @@ def _paired(chain: list[Loop], target, value, prefix: str) -> list | None:
     for r in range(ROWS):
         row = f"({ROWS} * {pair} + {r})"
         v = _hoist_loads(_subst(value, rows.var, row), [pair, *(c.var for c in inner)], hoisted, f"{prefix}r{r}")
-        innermost.append(Assign(_subst(target, rows.var, row), v, "+="))
+        innermost.append(Assign(_subst(target, rows.var, row), v, acc.op))
     body = innermost
     for i in reversed(range(len(inner))):
         body = hoisted[i + 1] + [Loop(inner[i].var, inner[i].extent, body, inner[i].reverse)]
     paired = hoisted[0] + [Loop(pair, f"({rows.extent}) // {ROWS}", body)]
     last = f"(({rows.extent}) // {ROWS} * {ROWS} + {rows.var})"
     odd = Loop(rows.var, f"({rows.extent}) % {ROWS}", [])
-    single = _nest([odd, *inner], _subst(target, rows.var, last), _subst(_replace_loads(value, {
-        name: ld for ld, name in names.items()}), rows.var, last), f"{prefix}o")
+    single = _nest([odd, *inner], Assign(_subst(target, rows.var, last), _subst(_replace_loads(value, {
+        name: ld for ld, name in names.items()}), rows.var, last), acc.op), f"{prefix}o")
     return paired + single
 
 
@@ -175,6 +184,8 @@ def _product_of_loads(e) -> bool:
     expression, repeated ROWS x ROW_FACTOR times, would only make the kernel long to compile)."""
     if isinstance(e, Bin) and e.op in ("+", "*"):
         return _product_of_loads(e.a) and _product_of_loads(e.b)
+    if isinstance(e, Call) and e.fn == "fma":
+        return all(_product_of_loads(a) for a in e.args)
     return isinstance(e, (Load, Var))
 
 
