@@ -28,6 +28,9 @@ from .backends import interpreter
 from .backends.registry import array_support, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
+from .ir.node import Node, toposort
+from .ir.ops import Op
+from .ir.program import Recurrence
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
@@ -156,6 +159,7 @@ class Grad:
             raise ValueError("chunk must be at least 1")
         self.backward_program: Backward = derive_backward(program, chunk or DEFAULT_CHUNK)
         self.backend = check_backend(backend)
+        self.recording, self.saved = _recording(self.backward_program, self.backend)
         self.xp = _DeviceArrays if self.backend == "cuda" else _HostArrays
         self.dtype = dtype
         self.layout = layout
@@ -185,13 +189,14 @@ class Grad:
         params = {d.name: xp.cast(bound.arrays[d.name], dtype) for d in fwd.params}
         initial = {k: xp.cast(v, dtype) for k, v in bound.initial.items()}
         tape = Tape(seqs, params, sizes, length, dtype, layout, chunk, [initial])
-        recording = self.backward_program.recording
+        recording = self.recording
         if fwd.reverse:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         if chunk >= length and recording is not None and self.backend != "cuda":
             # one chunk: the forward keeps every carry, the backward recomputes nothing
             outs, finals = runner(self.backend, recording, dtype, tape.products)(seqs, params, initial, sizes, length)
             tape.carries = {f"prev_{s.name}": outs.pop(f"prev_{s.name}") for s in fwd.states}
+            tape.products.update((node, outs.pop(name)) for name, node in self.saved)
             return outs, finals, tape
         run_forward = runner(self.backend, fwd, dtype)
         bounds = list(range(0, length, chunk))
@@ -276,6 +281,32 @@ class Grad:
         grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
         return grads
+
+
+def _recording(bw: Backward, backend: str) -> tuple[Recurrence | None, tuple[tuple[str, Node], ...]]:
+    """The recording forward a backend runs, and the (output name, node) pairs it saves for the
+    adjoint. On Numba: the products the adjoint would hoist out of its loop and recompute from
+    the carries (an LSTM's ``h U``), which the forward's loop computes anyway; written per step,
+    they reach the adjoint through `Tape.products`."""
+    rec = bw.recording
+    if rec is None or backend != "numba":
+        return rec, ()
+    from .lowering.hoist import hoist
+
+    states = {s.name for s in bw.forward.states}
+    known = {d.name for d in bw.forward.decls}
+    taken = {n for n, _ in rec.outputs}
+    saved = []
+    for _, node in hoist(bw.adjoint).pre:
+        leaves = {n.arg for n in toposort([node]) if n.op is Op.INPUT}
+        if leaves & states and leaves <= known:
+            name = f"saved_{len(saved)}"
+            while name in taken:
+                name += "_"
+            saved.append((name, node))
+    if not saved:
+        return rec, ()
+    return rec.with_roots(rec.updates, rec.outputs + tuple(saved)), tuple(saved)
 
 
 class AttentionGrad:

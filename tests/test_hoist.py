@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import ssmc
 from ssmc.backends import interpreter
 from ssmc.backends.numba.runner import runner_for
+from ssmc.ir.node import toposort
 from ssmc.lowering.hoist import compute_params, compute_post, compute_pre, gemm_like, hoist, split_contraction
 from ssmc.lowering.plan import lower
 from ssmc.passes.autodiff import derive_backward
@@ -219,9 +220,11 @@ def test_lstm_adjoint_reads_its_gate_gradient_as_matrices_without_copies():
     assert _copied(gz, labels, ("b", "~t"), ("g", "k"), contiguous=True) == gz.nbytes
 
 
-def test_a_training_step_computes_the_lstm_input_product_once():
-    """The recording forward keeps x W in the tape and the adjoint takes it from there: one matrix
-    product fewer per step, same gradients as a backward that recomputes it."""
+def test_a_training_step_computes_the_lstm_products_once():
+    """The recording forward keeps x W in the tape and writes h U, which its loop computes anyway,
+    per step; the adjoint takes both from there instead of recomputing them by matrix products:
+    4 products a training step (x W; grad_x, grad_W, grad_U), same gradients as a backward that
+    recomputes them."""
     import ssmc.backends.numba.runner as numba_runner
 
     rng = np.random.default_rng(3)
@@ -233,14 +236,15 @@ def test_a_training_step_computes_the_lstm_input_product_once():
     try:
         _, _, tape = g.forward(**inputs)
         forward_calls = len(calls)
-        ((node, product),) = tape.products.items()
+        (node, product), (saved, h_u) = tape.products.items()
         cot = {"y": rng.standard_normal((3, 23, 4))}
         got = g.backward(tape, grad_outputs=cot)
     finally:
         numba_runner.matmul = real
-    assert node.op.value == "sum" and product.shape == (23, 3, 4, 4)
-    assert forward_calls == 1 and len(calls) == 1 + 4   # adjoint: h U, grad_x, grad_W, grad_U
-    del tape.products[node]                              # now the adjoint recomputes x W
+    assert node.op.value == "sum" and product.shape == (23, 3, 4, 4) and h_u.shape == (23, 3, 4, 4)
+    assert {n.arg for n in toposort([saved]) if n.op.value == "input"} == {"h", "U"}
+    assert forward_calls == 1 and len(calls) == 1 + 3   # adjoint: grad_x, grad_W, grad_U
+    tape.products.clear()                                # now the adjoint recomputes x W and h U
     want = g.backward(tape, grad_outputs=cot)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])

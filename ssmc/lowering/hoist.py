@@ -133,10 +133,13 @@ def hoist(program: Recurrence) -> Hoisted:
 
     factors: dict[Node, str] = {}
     post_outputs, post_acc = [], []
+    accs = _accumulators(staged)
+    # what the loop computes for the states it keeps whatever is hoisted (not the accumulators)
+    in_loop = set(toposort([u for s, u in zip(staged.states, staged.updates) if s.name not in accs]))
 
     def post_form(root: Node, gemm_only: bool) -> Node | None:
         parts = split_contraction(root)
-        if parts is None:
+        if parts is None or root in in_loop:  # the loop computes it anyway: a product after it would repeat it
             return None
         summed, fs = parts
         kernel_values = [f for f in fs if not _leafy(f, staged_roles)]
@@ -148,7 +151,6 @@ def hoist(program: Recurrence) -> Hoisted:
         name = factors.setdefault(f, f"hf{len(factors)}")
         return substitute((root,), {f: Node.make(Op.INPUT, (), name, f.axes)})[0]
 
-    accs = _accumulators(staged)
     # two rounds: matrix-product-like roots first, then plain sums of a value already written
     for gemm_only in (True, False):
         for name, y in staged.outputs:

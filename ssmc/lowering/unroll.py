@@ -1,4 +1,4 @@
-"""Unrolling the summed loop of a per-step contraction, so each pass over the accumulator does 8 terms.
+"""Unrolling the summed loop of a per-step contraction, so each pass over the accumulator does several terms.
 
 `plan.StepBuilder` writes a contraction such as an LSTM's ``m[g, k] = sum_j h[j] U[j, g, k]`` as
 
@@ -11,12 +11,14 @@ which compilers vectorise along k, but every term loads and stores the accumulat
 bound by those memory operations, not by arithmetic). `unroll_sums` rewrites it as
 
     for u_j in range(n_j // 8):
-        for g, k:  m[g, k] += ((t(8 u_j) + t(8 u_j + 1)) + ...) + ...     # 8 terms, pairwise
+        for g, k:  m[g, k] = fma(h[8 u_j + 7], U[..], ... fma(h[8 u_j], U[8 u_j, g, k], m[g, k]))
     for j in range(n_j % 8):
         for g, k:  m[g, k] += t(n_j // 8 * 8 + j)
 
 so the accumulator is loaded and stored once per 8 terms (about 2x faster on the LSTM's
-recurrent product). A sum into a scalar, ``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain
+recurrent product). Products are added by explicit fused multiply-adds in order (`fma`: one
+rounding per term, one instruction where fastmath-free code has two); other terms as one
+pairwise sum. A sum into a scalar, ``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain
 of dependent additions, one per term; it is rewritten the same way with `SCALAR_FACTOR` terms per
 pass, so the chain is 4x shorter and the terms of a pass are independent. In a blocked kernel,
 whose rows q of a batch block all read the same ``U[j, g, k]``, `ROWS` rows go per pass and
@@ -146,10 +148,11 @@ def _paired(chain: list[Loop], acc: Assign, prefix: str) -> list | None:
     """The nest with the outermost chain loop's iterations `ROWS` at a time, when they share loads.
 
     In a blocked kernel's ``for q: for g, k: m[q, g, k] += h[q, j] U[j, g, k] + ...`` (an LSTM's
-    ``h U`` for a block of batch rows) every row q reads the same ``U[j, g, k]``. Two rows per
-    pass read them once into scalars in the innermost loop and add to both rows' accumulators
+    ``h U`` for a block of batch rows) every row q reads the same ``U[j, g, k]``. `ROWS` rows per
+    pass read them once into scalars in the innermost loop and add to every row's accumulator
     (the compiler cannot do it: the stores to ``m`` might change ``U``). Each element's sum is
-    the same expression as before, so the result is too; odd rows run as a single-row nest."""
+    the same expression as before, so the result is too; the last rows (fewer than `ROWS`) run
+    as a single-row nest."""
     rows, inner = chain[0], chain[1:]
     inner_vars = {c.var for c in inner}
     target, value = acc.target, acc.value
