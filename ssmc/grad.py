@@ -130,8 +130,8 @@ class Tape:
 
     `boundaries[c]` is the carry before chunk c; `carries` holds ``prev_<state>`` of every step
     when one chunk covers the sequence and the backend ran the recording forward (then the
-    backward recomputes nothing, and takes the matrix products the forward hoisted from
-    `products`: an LSTM's ``x W``)."""
+    backward recomputes nothing, and takes from `products` the matrix products its Numba adjoint
+    would recompute: an LSTM's ``x W``, hoisted by the forward, and ``h U``, saved per step)."""
 
     seqs: dict
     params: dict

@@ -37,8 +37,8 @@ from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var, loads
 FACTOR = 8
 SCALAR_FACTOR = 4
 # rows per pass and terms per row when rows share loads: 4 x 4 keeps the 16 per-row scalars and
-# the 4 shared ones in registers (LSTM B16 H256 recurrent product, one core: 8 x 2 21.6 ms,
-# 4 x 4 18.2, 8 x 4 20.7, 4 x 2 25.9)
+# the 4 shared ones in registers (LSTM B16 H256 recording kernel, one core, pairwise sums:
+# terms x rows 8 x 2 21.6 ms, 4 x 4 18.2, 8 x 4 20.7, 4 x 2 25.9)
 ROWS = 4
 ROW_FACTOR = 4
 
