@@ -304,8 +304,8 @@ def test_paired_rows_add_the_same_terms(rows, extent, inner):
 @given(rows=st.integers(0, 9), outer=st.integers(0, 3), extent=st.integers(0, 11), inner=st.integers(1, 5))
 def test_rows_outside_the_summed_loop_add_the_same_terms(rows, outer, extent, inner):
     """An LSTM adjoint's nest ``for g: for q: for k: for j: m[q, j] += gz[q, g, k] U[g, k, j]`` runs
-    rows 4 at a time inside g; every element adds the same terms in the same order (integers:
-    exact), for any number of rows and any remainder of k."""
+    rows 4 at a time inside g; every element gets the same sum (integers, so exactly), for any
+    number of rows and any remainder of k."""
     from ssmc.backends.numba.codegen import statements
     from ssmc.lowering.loops import Assign, Bin, Load, Loop
     from ssmc.lowering.unroll import unroll_sums
