@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 
 from ..errors import Loc
 from .node import Node, toposort
@@ -50,19 +49,19 @@ class Recurrence:
     loc: Loc | None = field(default=None, compare=False)
     doc: str = field(default="", compare=False)
 
-    @cached_property  # the program is immutable; run paths ask for these on every call
+    @property
     def states(self) -> tuple[Decl, ...]:
         return tuple(d for d in self.decls if d.role is Role.STATE)
 
-    @cached_property
+    @property
     def seqs(self) -> tuple[Decl, ...]:
         return tuple(d for d in self.decls if d.role is Role.SEQ)
 
-    @cached_property
+    @property
     def params(self) -> tuple[Decl, ...]:
         return tuple(d for d in self.decls if d.role is Role.PARAM)
 
-    @cached_property
+    @property
     def inputs(self) -> tuple[Decl, ...]:
         """What the caller passes: sequences and params, in signature order."""
         return tuple(d for d in self.decls if d.role is not Role.STATE)
@@ -73,7 +72,7 @@ class Recurrence:
                 return d
         raise KeyError(name)
 
-    @cached_property
+    @property
     def roots(self) -> tuple[Node, ...]:
         return self.updates + tuple(y for _, y in self.outputs)
 
