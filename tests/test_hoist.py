@@ -250,11 +250,23 @@ def test_a_training_step_computes_the_lstm_products_once():
         np.testing.assert_array_equal(got[name], want[name])
 
 
+def _run_nests(env: dict, shape, *nests) -> list[np.ndarray]:
+    """The accumulator ``m`` (int64 zeros of `shape`) after each nest, run as the printed Python."""
+    from ssmc.backends.numba.codegen import statements
+
+    env = {**env, "F": float, "fma": lambda a, b, c: a * b + c}
+    results = []
+    for stmts in nests:
+        local = {**env, "m": np.zeros(shape, dtype=np.int64)}
+        exec("\n".join(statements(stmts, 0)), {}, local)
+        results.append(local["m"])
+    return results
+
+
 @settings(max_examples=20, **SETTINGS)
 @given(extent=st.integers(0, 37), inner=st.integers(1, 5))
 def test_unrolled_sums_add_the_same_terms(extent, inner):
     """The unrolled nest (as Python) equals the plain one for any extent, remainders included."""
-    from ssmc.backends.numba.codegen import statements
     from ssmc.lowering.loops import Assign, Bin, Load, Loop
     from ssmc.lowering.unroll import unroll_sums
 
@@ -263,13 +275,8 @@ def test_unrolled_sums_add_the_same_terms(extent, inner):
     unrolled = unroll_sums(nest)
     assert len(unrolled) == 2 and unrolled[0].var == "u_j"
     rng = np.random.default_rng(extent)
-    env = {"n_j": extent, "n_k": inner, "h": rng.integers(-9, 9, extent), "U": rng.integers(-9, 9, (extent, inner)),
-           "F": float, "fma": lambda a, b, c: a * b + c}
-    results = []
-    for stmts in (nest, unrolled):
-        local = {**env, "m": np.zeros(inner, dtype=np.int64)}
-        exec("\n".join(statements(stmts, 0)), {}, local)
-        results.append(local["m"])
+    env = {"n_j": extent, "n_k": inner, "h": rng.integers(-9, 9, extent), "U": rng.integers(-9, 9, (extent, inner))}
+    results = _run_nests(env, inner, nest, unrolled)
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], env["h"] @ env["U"])
 
@@ -290,12 +297,8 @@ def test_paired_rows_add_the_same_terms(rows, extent, inner):
     assert "for q_b2 in range((n_q) // 4):" in source and "for q_b in range((n_q) % 4):" in source
     rng = np.random.default_rng(extent)
     env = {"n_j": extent, "n_q": rows, "n_k": inner, "h": rng.integers(-9, 9, (rows, extent)),
-           "U": rng.integers(-9, 9, (extent, inner)), "F": float, "fma": lambda a, b, c: a * b + c}
-    results = []
-    for stmts in (nest, unrolled):
-        local = {**env, "m": np.zeros((rows, inner), dtype=np.int64)}
-        exec("\n".join(statements(stmts, 0)), {}, local)
-        results.append(local["m"])
+           "U": rng.integers(-9, 9, (extent, inner))}
+    results = _run_nests(env, (rows, inner), nest, unrolled)
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], env["h"] @ env["U"])
 
@@ -317,12 +320,8 @@ def test_rows_outside_the_summed_loop_add_the_same_terms(rows, outer, extent, in
     source = "\n".join(statements(unrolled, 0))
     assert "for q_b2 in range((n_q) // 4):" in source and "for u_k in range((n_k) // 4):" in source
     rng = np.random.default_rng(extent)
-    env = {"n_g": outer, "n_q": rows, "n_k": extent, "n_j": inner, "F": float, "fma": lambda a, b, c: a * b + c,
+    env = {"n_g": outer, "n_q": rows, "n_k": extent, "n_j": inner,
            "gz": rng.integers(-9, 9, (rows, outer, extent)), "U": rng.integers(-9, 9, (outer, extent, inner))}
-    results = []
-    for stmts in (nest, unrolled):
-        local = {**env, "m": np.zeros((rows, inner), dtype=np.int64)}
-        exec("\n".join(statements(stmts, 0)), {}, local)
-        results.append(local["m"])
+    results = _run_nests(env, (rows, inner), nest, unrolled)
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], np.einsum("qgk,gkj->qj", env["gz"], env["U"]))

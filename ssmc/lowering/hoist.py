@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from itertools import pairwise
 
 import numpy as np
@@ -64,6 +65,11 @@ class Hoisted:
     @property
     def changed(self) -> bool:
         return bool(self.pre or self.factors or self.transposed)
+
+    @cached_property  # read by every run's compute_post
+    def product_orders(self) -> dict[str, tuple[str, ...]]:
+        """Written factor name -> the axis order its post products read it in (`_product_order`)."""
+        return {name: _product_order(self, name, f) for name, f in self.factors}
 
     def describe(self) -> str:
         copies = ", ".join(f"{n} = {p}[{' '.join(a)}]" for n, p, a in self.transposed)
@@ -120,6 +126,7 @@ def _timed(node: Node, roles: dict[str, Role]) -> bool:
 # -- the pass ------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=256)  # a program is hoisted by its runner and, for an adjoint, by `grad._recording`
 def hoist(program: Recurrence) -> Hoisted:
     """Hoist the program's pre and post contractions (module docstring); unchanged if none."""
     roles = {d.name: d.role for d in program.decls}
@@ -410,7 +417,7 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
     `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs."""
     env = _env(h, seqs, params)
     for name, f in h.factors:
-        order = _product_order(h, name, f)
+        order = h.product_orders[name]
         arr = written[name]
         if order != f.axes:  # one copy, instead of one per product that reads it
             arr = np.ascontiguousarray(arr.transpose([0, *(1 + f.axes.index(a) for a in order)]))
