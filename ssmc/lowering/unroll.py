@@ -97,11 +97,12 @@ def _unrolled(loop: Loop, chain: list[Loop], factor: int) -> list:
 
 def _accumulation(loop: Loop, assign: Assign, factor: int) -> Assign:
     """`factor` consecutive terms of the summed loop (block ``u_<axis>``) added to the target: by
-    fused multiply-adds in order when every term is a product (one rounding per term), else as
-    one pairwise sum."""
+    fused multiply-adds in order when every term is a product of loads (one rounding per term),
+    else as one pairwise sum (a chain of calls over general terms made Numba's parfor passes take
+    minutes on a random spec's adjoint)."""
     block = f"u_{loop.var.removeprefix('i_')}"
     terms = [_subst(assign.value, loop.var, f"({factor} * {block} + {r})") for r in range(factor)]
-    if all(isinstance(t, Bin) and t.op == "*" for t in terms):
+    if all(isinstance(t, Bin) and t.op == "*" and _product_of_loads(t) for t in terms):
         value = assign.target
         for t in terms:
             value = Call("fma", (t.a, t.b, value))
