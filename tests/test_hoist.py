@@ -194,9 +194,15 @@ def test_numba_matmul_matches_numpy_at_awkward_shapes():
     from ssmc.backends.numba.gemm import matmul
 
     rng = np.random.default_rng(0)
-    for m, k, n in [(1, 1, 1), (1, 9, 1), (7, 1, 3), (9, 17, 1030), (37, 256, 5), (8, 0, 4)]:
+    # tiles are 6 rows x 2 vectors, k runs in blocks of 256: shapes that overhang both, several
+    # blocks of k (the later ones add to C), and a transposed (column-major) A
+    shapes = [(1, 1, 1), (1, 9, 1), (7, 1, 3), (9, 17, 1030), (37, 256, 5), (8, 0, 4),
+              (13, 300, 100), (6, 513, 64), (200, 700, 33)]
+    for m, k, n in shapes:
         for dtype, tol in (("float64", 1e-13), ("float32", 1e-5)):
             a = rng.standard_normal((m, k)).astype(dtype)
+            if m % 2:
+                a = np.ascontiguousarray(a.T).T
             b = rng.standard_normal((k, n)).astype(dtype)
             got = matmul(a, b)
             want = a.astype(np.float64) @ b.astype(np.float64)

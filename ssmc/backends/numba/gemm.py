@@ -6,78 +6,121 @@ of the LSTM 1.5-2x slower than the sum of its parts). This product runs on Numba
 
     C[m, n] = sum_k A[m, k] B[k, n]         A (M, K) any strides, B (K, N) and C C-contiguous, float32 or float64
 
-As a loop: parallel over blocks of 8 rows of C and tiles of 1024 columns; inside, k advances 4 at
-a time, two rows of C at once, and each C element takes the 4 terms by fused multiply-adds in
-order (C is loaded and stored once per 4 terms, each B element loaded once per 2 rows; the
-innermost loop runs along n, contiguous in B and C). Fastmath is off; the FMAs are explicit.
-Measured on the bench machine's 2 cores, fp32, (M, K, N) = (2880, 256, 1024), (2880, 1024, 256)
-and a transposed A (1024, 2880, 256): 195, 163, 151 GF/s (a pairwise sum of products instead:
-156, 147, 145; 4 rows per pass: slower; NumPy's OpenBLAS: 216-222, with the thread fight above).
+As a loop (the register-tiled form of BLAS libraries): C is cut into tiles of MR = 6 rows by
+NR = 2 SIMD vectors of columns (32 float32). A tile's 12 vectors stay in registers (`simd.py`)
+while k runs; each step loads two vectors of B, broadcasts six elements of A and does 12 vector
+FMAs. Jobs (parallel): 32 row tiles x 4 column panels. A job copies its panels of B for a block of
+KC = 256 values of k into one contiguous buffer first, so the tiles stream B from L1 instead of
+striding across B's rows; with several blocks of k, a tile adds to what the previous block stored.
+Each element of C is a chain of fused multiply-adds in the order of k. Fastmath is off.
+
+Measured on the bench machine's 2 cores (Zen 5), fp32, best of 7, for the LSTM's shapes
+(M, K, N) = (2880, 256, 1024), (2880, 1024, 256) and transposed A (1024, 2880, 256),
+(256, 2880, 1024): 416, 393, 249, 241 GF/s (the previous row-streaming loop: 150-250 GF/s;
+NumPy's OpenBLAS: 204-223).
 """
 
 from __future__ import annotations
 
 import numba
-import numba.extending
 import numpy as np
 
-ROWS = 8
-COLS = 1024
+from .simd import fma, load, splat, store, zeros
+from .simd import lanes as simd_lanes
 
-
-@numba.extending.intrinsic
-def fma(typingctx, a, b, c):
-    """a * b + c rounded once (LLVM's fma; a vector FMA in the vectorised loops)."""
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-    return a(a, b, c), codegen
+MR = 6  # rows of a tile: 12 accumulators + 2 vectors of B + 1 broadcast fit 16 vector registers
+ROW_TILES = 32  # row tiles per job
+PANELS = 4  # column panels per job
+KC = 256  # values of k per packed block of B
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False, nogil=True)
-def _gemm(A, B, C):
+def _gemm(A, B, C, NR):
+    """C = A @ B with panels NR (= 2 vectors) wide; B and C C-contiguous."""
     M, K = A.shape
-    N = B.shape[1]
-    row_blocks = (M + ROWS - 1) // ROWS
-    col_tiles = (N + COLS - 1) // COLS
-    k4 = K // 4 * 4
-    for job in numba.prange(row_blocks * col_tiles):
-        r0 = (job // col_tiles) * ROWS
-        r1 = min(M, r0 + ROWS)
-        c0 = (job % col_tiles) * COLS
-        c1 = min(N, c0 + COLS)
-        w = c1 - c0
-        for r in range(r0, r1):
-            Cr = C[r, c0:c1]
-            for n in range(w):
-                Cr[n] = 0
-        for k in range(0, k4, 4):  # rows of B as 1-D views: the n loops vectorise
-            B0 = B[k, c0:c1]
-            B1 = B[k + 1, c0:c1]
-            B2 = B[k + 2, c0:c1]
-            B3 = B[k + 3, c0:c1]
-            r = r0
-            while r + 1 < r1:  # two rows of C per pass share the loads of B
-                a0, a1, a2, a3 = A[r, k], A[r, k + 1], A[r, k + 2], A[r, k + 3]
-                e0, e1, e2, e3 = A[r + 1, k], A[r + 1, k + 1], A[r + 1, k + 2], A[r + 1, k + 3]
-                Cr = C[r, c0:c1]
-                Cs = C[r + 1, c0:c1]
-                for n in range(w):
-                    b0, b1, b2, b3 = B0[n], B1[n], B2[n], B3[n]
-                    Cr[n] = fma(a3, b3, fma(a2, b2, fma(a1, b1, fma(a0, b0, Cr[n]))))
-                    Cs[n] = fma(e3, b3, fma(e2, b2, fma(e1, b1, fma(e0, b0, Cs[n]))))
-                r += 2
-            if r < r1:
-                a0, a1, a2, a3 = A[r, k], A[r, k + 1], A[r, k + 2], A[r, k + 3]
-                Cr = C[r, c0:c1]
-                for n in range(w):
-                    Cr[n] = fma(a3, B3[n], fma(a2, B2[n], fma(a1, B1[n], fma(a0, B0[n], Cr[n]))))
-        for k in range(k4, K):
-            Bk = B[k, c0:c1]
-            for r in range(r0, r1):
-                a = A[r, k]
-                Cr = C[r, c0:c1]
-                for n in range(w):
-                    Cr[n] = fma(a, Bk[n], Cr[n])
+    N = C.shape[1]
+    L = NR // 2
+    panels = (N + NR - 1) // NR
+    tiles = (M + MR - 1) // MR
+    b_flat = B.reshape(-1)
+    c_flat = C.reshape(-1)
+    row_groups = (tiles + ROW_TILES - 1) // ROW_TILES
+    col_groups = (panels + PANELS - 1) // PANELS
+    for job in numba.prange(row_groups * col_groups):
+        packed = np.empty(PANELS * KC * NR, dtype=C.dtype)  # [panel, k, NR]
+        edge = np.empty(MR * NR, dtype=C.dtype)  # a tile that overhangs C
+        t0 = (job // col_groups) * ROW_TILES
+        t1 = min(tiles, t0 + ROW_TILES)
+        p0 = (job % col_groups) * PANELS
+        p1 = min(panels, p0 + PANELS)
+        for k0 in range(0, K, KC):
+            k1 = min(K, k0 + KC)
+            for k in range(k0, k1):
+                for p in range(p0, p1):
+                    n0 = p * NR
+                    at = ((p - p0) * KC + k - k0) * NR
+                    if n0 + NR <= N:
+                        store(packed, at, load(b_flat, k * N + n0))
+                        store(packed, at + L, load(b_flat, k * N + n0 + L))
+                    else:  # the last panel, zero-padded
+                        for j in range(NR):
+                            packed[at + j] = b_flat[k * N + n0 + j] if n0 + j < N else 0
+            for p in range(p0, p1):
+                n0 = p * NR
+                for t in range(t0, t1):
+                    r0 = t * MR
+                    inside = r0 + MR <= M and n0 + NR <= N
+                    out, at, stride = (c_flat, r0 * N + n0, N) if inside else (edge, 0, NR)
+                    if k0 == 0:
+                        c00 = c01 = c10 = c11 = c20 = c21 = zeros(c_flat)
+                        c30 = c31 = c40 = c41 = c50 = c51 = zeros(c_flat)
+                    else:  # add to the previous blocks of k
+                        if not inside:
+                            edge[:] = 0
+                            for i in range(min(MR, M - r0)):
+                                for j in range(min(NR, N - n0)):
+                                    edge[i * NR + j] = C[r0 + i, n0 + j]
+                        c00, c01 = load(out, at), load(out, at + L)
+                        c10, c11 = load(out, at + stride), load(out, at + stride + L)
+                        c20, c21 = load(out, at + 2 * stride), load(out, at + 2 * stride + L)
+                        c30, c31 = load(out, at + 3 * stride), load(out, at + 3 * stride + L)
+                        c40, c41 = load(out, at + 4 * stride), load(out, at + 4 * stride + L)
+                        c50, c51 = load(out, at + 5 * stride), load(out, at + 5 * stride + L)
+                    # rows past M repeat the last row; their results are dropped
+                    a0, a1, a2 = A[min(r0, M - 1)], A[min(r0 + 1, M - 1)], A[min(r0 + 2, M - 1)]
+                    a3, a4, a5 = A[min(r0 + 3, M - 1)], A[min(r0 + 4, M - 1)], A[min(r0 + 5, M - 1)]
+                    bi = (p - p0) * KC * NR
+                    for k in range(k0, k1):
+                        b0, b1 = load(packed, bi), load(packed, bi + L)
+                        bi += NR
+                        a = splat(a0[k])
+                        c00, c01 = fma(a, b0, c00), fma(a, b1, c01)
+                        a = splat(a1[k])
+                        c10, c11 = fma(a, b0, c10), fma(a, b1, c11)
+                        a = splat(a2[k])
+                        c20, c21 = fma(a, b0, c20), fma(a, b1, c21)
+                        a = splat(a3[k])
+                        c30, c31 = fma(a, b0, c30), fma(a, b1, c31)
+                        a = splat(a4[k])
+                        c40, c41 = fma(a, b0, c40), fma(a, b1, c41)
+                        a = splat(a5[k])
+                        c50, c51 = fma(a, b0, c50), fma(a, b1, c51)
+                    store(out, at, c00)
+                    store(out, at + L, c01)
+                    store(out, at + stride, c10)
+                    store(out, at + stride + L, c11)
+                    store(out, at + 2 * stride, c20)
+                    store(out, at + 2 * stride + L, c21)
+                    store(out, at + 3 * stride, c30)
+                    store(out, at + 3 * stride + L, c31)
+                    store(out, at + 4 * stride, c40)
+                    store(out, at + 4 * stride + L, c41)
+                    store(out, at + 5 * stride, c50)
+                    store(out, at + 5 * stride + L, c51)
+                    if not inside:
+                        for i in range(min(MR, M - r0)):
+                            for j in range(min(NR, N - n0)):
+                                C[r0 + i, n0 + j] = edge[i * NR + j]
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -92,5 +135,5 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         c[...] = 0
         return c
     if c.size:
-        _gemm(a, b, c)
+        _gemm(a, b, c, 2 * simd_lanes(a.dtype))
     return c
