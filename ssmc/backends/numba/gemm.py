@@ -44,15 +44,15 @@ def _gemm(A, B, C, NR):
     tiles = (M + MR - 1) // MR
     b_flat = B.reshape(-1)
     c_flat = C.reshape(-1)
+    # groups of equal size (prange hands each thread a contiguous range of jobs)
     row_groups = (tiles + ROW_TILES - 1) // ROW_TILES
     col_groups = (panels + PANELS - 1) // PANELS
     for job in numba.prange(row_groups * col_groups):
         packed = np.empty(PANELS * KC * NR, dtype=C.dtype)  # [panel, k, NR]
         edge = np.empty(MR * NR, dtype=C.dtype)  # a tile that overhangs C
-        t0 = (job // col_groups) * ROW_TILES
-        t1 = min(tiles, t0 + ROW_TILES)
-        p0 = (job % col_groups) * PANELS
-        p1 = min(panels, p0 + PANELS)
+        g, h = job // col_groups, job % col_groups
+        t0, t1 = g * tiles // row_groups, (g + 1) * tiles // row_groups
+        p0, p1 = h * panels // col_groups, (h + 1) * panels // col_groups
         for k0 in range(0, K, KC):
             k1 = min(K, k0 + KC)
             for k in range(k0, k1):
