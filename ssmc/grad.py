@@ -33,7 +33,7 @@ from .ir.ops import Op
 from .ir.program import Recurrence
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_float64
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_array, to_float64
 
 CPU_CARRIES_BUDGET = 64 << 20  # bytes of carries one chunk may recompute (or keep) on the CPU
 
@@ -50,7 +50,7 @@ def default_chunk(backend: str, length: int, program, sizes: dict[str, int], ite
 class _HostArrays:
     """The few array operations the driver needs, on NumPy arrays (interpreter, numba)."""
 
-    convert = staticmethod(to_float64)
+    convert = staticmethod(to_array)  # cast to the compute dtype afterwards (no float64 detour)
 
     @staticmethod
     def zeros(shape, dtype):

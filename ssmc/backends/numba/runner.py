@@ -48,6 +48,11 @@ class NumbaRunner:
         self.path = store("numba", self.source, ".py")
         self.module = _load(self.path, f"ssmc_numba_{self.path.stem}")
         self.compiled: set[str] = set()
+        # a written factor the post products read in another axis order is allocated in that
+        # order (the kernel writes it through a transposed view): no reordering copy after
+        factors = dict(self.hoisted.factors)
+        self.out_orders = {f"out_{name}": ("t", *order) for name, order in self.hoisted.product_orders.items()
+                           if order != factors[name].axes}
 
     def _call(self, k: Kernel, arrays: dict[str, np.ndarray], sizes: dict[str, int], length: int,
               nblk: int = 1) -> dict[str, np.ndarray]:
@@ -62,8 +67,11 @@ class NumbaRunner:
                     arr = np.ascontiguousarray(arr)
                 args.append(_flat(arr))
                 continue
-            shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
-            made[a.name] = np.empty(shape, dtype=dt)
+            order = self.out_orders.get(a.name, a.axes)
+            if sorted(order) != sorted(a.axes):
+                order = a.axes
+            shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in order]
+            made[a.name] = np.empty(shape, dtype=dt).transpose([order.index(ax) for ax in a.axes])
             args.append(_flat(made[a.name]))
         fn = getattr(self.module, k.name)
         if k.name not in self.compiled:
