@@ -115,6 +115,9 @@ class Lowered:
     kernels: list[Kernel]
     core_states: tuple[str, ...] = ()
     accumulators: tuple[str, ...] = ()
+    # accumulators that are sums of an output (map/reduce only): (accumulator, output, axes summed
+    # besides time); the runner sums the output instead of launching a kernel (`_sums_of_outputs`)
+    from_outputs: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def describe(self) -> str:
         lines = [f"strategy: {self.strategy}"]
@@ -543,12 +546,30 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         core = _subprogram(program, f"{program.name}_core", core_states, ())
         kernels.append(build_kernel(core.name, core, independent_axes(core), store_prev=core_states))
     epilogue = _epilogue(program, core_states, acc, classes)
-    parts = _per_root(epilogue) if map_reduce else [epilogue]
+    from_outputs = _sums_of_outputs(program, acc, classes) if map_reduce else ()
+    parts = _per_root(epilogue, skip={s for s, _, _ in from_outputs}) if map_reduce else [epilogue]
     for e in parts:
         k = build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True)
         k.sum_over_time = True  # the epilogue's states are accumulators: blocks may take any steps
         kernels.append(k)
-    return Lowered(program, "split", kernels, core_states, acc)
+    return Lowered(program, "split", kernels, core_states, acc, from_outputs)
+
+
+def _sums_of_outputs(program: Recurrence, acc, classes) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """Accumulators whose increment is an output summed over some of its axes: an adjoint's
+    ``grad_bias += sum_b grad_x`` where x + bias was used (Mamba-1's delta_bias). Summing the
+    written output afterwards reads it once; a kernel of its own would compute it all again."""
+    found = []
+    for s in acc:
+        node, summed = classes[s].b, []
+        while node.op is Op.SUM:
+            summed.append(node.arg)
+            node = node.args[0]
+        for name, y in program.outputs:
+            if y is node and set(y.axes) - set(summed) == set(program.decl(s).axes):
+                found.append((s, name, tuple(summed)))
+                break
+    return tuple(found)
 
 
 def _subprogram(program: Recurrence, name: str, states: tuple[str, ...], outputs) -> Recurrence:
@@ -575,8 +596,10 @@ def _epilogue(program: Recurrence, core_states, acc, classes) -> Recurrence:
                       outputs=program.outputs, sizes=program.sizes, reverse=program.reverse, loc=program.loc)
 
 
-def _per_root(epilogue: Recurrence) -> list[Recurrence]:
-    """The epilogue as one program per accumulator and per output (each reads only what it uses)."""
-    parts = [_subprogram(epilogue, f"{epilogue.name}_{s.name}", (s.name,), ()) for s in epilogue.states]
+def _per_root(epilogue: Recurrence, skip=frozenset()) -> list[Recurrence]:
+    """The epilogue as one program per accumulator (but those in `skip`) and per output (each reads
+    only what it uses)."""
+    parts = [_subprogram(epilogue, f"{epilogue.name}_{s.name}", (s.name,), ())
+             for s in epilogue.states if s.name not in skip]
     parts += [_subprogram(epilogue, f"{epilogue.name}_{name}", (), ((name, y),)) for name, y in epilogue.outputs]
     return parts

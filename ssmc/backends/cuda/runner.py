@@ -339,11 +339,14 @@ class CudaRunner:
         # in as many blocks as fill the GPU, their partial sums added afterwards
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
         outs = {}
+        summed = {name for _, name, _ in low.from_outputs}
         for launch in plan:
             if launch.kernel.time_blocks:  # threads along time where its own sequences mostly have it contiguous
                 launch = self._epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
             epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
-            made = self._launch(epi, inputs, sizes, length, nblk, out_dtype, launch.mapping.time_fastest,
+            # an output an accumulator is summed from stays in the compute dtype until then
+            own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
+            made = self._launch(epi, inputs, sizes, length, nblk, own_dtype, launch.mapping.time_fastest,
                                 launch.mapping)
             for s in epi.program.states:
                 shape = [sizes[a] for a in s.axes]
@@ -355,6 +358,14 @@ class CudaRunner:
                     out = out.sum(0)
                     out = out.to(out_dtype) if out_dtype is not None else out
                 outs[n] = out
+        for s, name, axes in low.from_outputs:
+            out, order = outs[name], ("t", *dict(p.outputs)[name].axes)
+            part = out.sum([order.index(a) for a in ("t", *axes)])  # in the compute dtype (own_dtype)
+            left = [a for a in order if a not in ("t", *axes)]
+            part = part.permute([left.index(a) for a in p.decl(s).axes])
+            finals[s] = initial[s].to(part.dtype) + part
+            if out_dtype is not None:
+                outs[name] = out.to(out_dtype)
         return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
 
     def _launcher(self, sizes, out_dtype):

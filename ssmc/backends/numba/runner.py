@@ -134,6 +134,11 @@ class NumbaRunner:
                 shape = [sizes[a] for a in s.axes]
                 finals[s.name] = initial[s.name] + made[f"final_{s.name}"].reshape([nblk, *shape]).sum(axis=0)
             outs.update({n: made[f"out_{n}"] for n, _ in epi.program.outputs})
+        for s, name, axes in low.from_outputs:  # accumulators that are sums of an output
+            order = ("t", *dict(p.outputs)[name].axes)
+            part = outs[name].sum(axis=tuple(order.index(a) for a in ("t", *axes)))
+            left = [a for a in order if a not in ("t", *axes)]
+            finals[s] = initial[s] + part.transpose([left.index(a) for a in p.decl(s).axes])
         outs = {n: outs[n] for n, _ in p.outputs}
         return outs, {s.name: finals[s.name] for s in p.states}
 
