@@ -125,6 +125,31 @@ def test_random_recurrence_gradients(spec, seed):
         assert rel_err(got[key], want[key]) <= 1e-9, key
 
 
+def _reordered_param_step(h0: ssmc.State["b d"], x0: ssmc.Seq["n k b"], p0: ssmc.Param["n d k b"]):
+    v3 = ssmc.exp(-ssmc.softplus(ssmc.where(p0 / (1 + ssmc.softplus(p0)) < 2.0, x0 - x0, p0)))
+    v8 = ssmc.dot(ssmc.sum(p0, "n"), p0, over="k")
+    v13 = ssmc.where(ssmc.where(p0 <= x0, p0, p0) <= ssmc.dot(x0, x0, over="b"),
+                     ssmc.where(p0 < x0, -0.75, x0), ssmc.tanh(p0))
+    v17 = ssmc.tanh(v3.mean("k").max("n")) * h0 + ssmc.sum(ssmc.dot(v8, v13, over="b"), "k").max("n")
+    return v17, (v17, h0)
+
+
+def test_gradient_keeps_its_axis_order_when_a_param_is_read_reordered():
+    """Found by hypothesis: the adjoint reads p0 through a reordered copy (hp0 = p0[d k b n]), and
+    axis order follows the operands, so the hoisted program's grad_x0 came out as [k b n], not the
+    declared [n k b]. The runner transposes it back."""
+    spec = ssmc.recurrence(_reordered_param_step)
+    inputs = draw_inputs(spec, 7, 3970)
+    outs, _ = ssmc.compile(spec, "interpreter").run(**inputs)
+    rng = np.random.default_rng(3970)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    got = ssmc.grad(spec, "numba", chunk=64)(**inputs, grad_outputs=cot)
+    want = ssmc.grad(spec, "interpreter", chunk=64)(**inputs, grad_outputs=cot)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key]) <= 1e-9, key
+
+
 def test_a_second_process_loads_the_compiled_kernel_from_the_cache(tmp_path):
     script = textwrap.dedent("""
         import numpy as np, ssmc

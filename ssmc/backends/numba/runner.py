@@ -97,6 +97,13 @@ class NumbaRunner:
         initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
         seqs.update(compute_pre(h, seqs, params, matmul, products))
         outs, finals = self._run_lowered(seqs, {**params, **compute_params(h, params)}, initial, sizes, length)
+        # a rewritten output may list its axes in another order (axis order follows the operands, and
+        # a param read through its reordered copy hp<n> has another): back to the program's order
+        hoisted_axes = dict(h.program.outputs)
+        for name, y in self.program.outputs:
+            own = hoisted_axes[name].axes if name in hoisted_axes else y.axes
+            if own != y.axes:
+                outs[name] = outs[name].transpose([0, *(1 + own.index(a) for a in y.axes)])
         post_outs, post_finals = compute_post(h, seqs, params, outs, initial, matmul)
         outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
         finals = {s.name: post_finals[s.name] if s.name in post_finals else finals[s.name]
