@@ -419,7 +419,7 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
     for name, f in h.factors:
         order = h.product_orders[name]
         arr = written[name]
-        if order != f.axes:  # one copy, instead of one per product that reads it
+        if order != f.axes:  # at most one copy (none where the runner allocated it in this order)
             arr = np.ascontiguousarray(arr.transpose([0, *(1 + f.axes.index(a) for a in order)]))
         env[name] = (arr, (TIME, *order))
     outs, finals = {}, {}
