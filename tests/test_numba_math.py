@@ -131,3 +131,28 @@ def test_moving_work_ahead_changes_no_bit(length, dtype):
     runner._RUNNERS.clear()
     for a, b in zip(with_split, without):
         np.testing.assert_array_equal(a, b)
+
+
+def test_simd_vectors_load_store_splat_and_fma():
+    """`backends/numba/simd.py`: 64-byte vectors (16 float32 / 8 float64 lanes) as Numba values."""
+    import numba
+
+    from ssmc.backends.numba import simd
+
+    @numba.njit
+    def axpy(a, x, y, out, lanes):  # out = a * x + y, one vector at a time
+        for i in range(0, x.size, lanes):
+            simd.store(out, i, simd.fma(simd.splat(a), simd.load(x, i), simd.load(y, i)))
+        simd.store(out, x.size, simd.zeros(out))
+
+    for dtype, lanes in (("float32", 16), ("float64", 8)):
+        assert simd.lanes(np.dtype(dtype)) == lanes
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal(2 * lanes).astype(dtype), rng.standard_normal(2 * lanes).astype(dtype)
+        out = np.ones(3 * lanes, dtype)
+        axpy(x.dtype.type(1.5), x, y, out, lanes)
+        assert not out[2 * lanes:].any()
+        if dtype == "float32":  # one rounding: the exact float64 result rounded once
+            assert np.array_equal(out[:2 * lanes], (1.5 * x.astype(np.float64) + y).astype(dtype))
+        else:
+            assert np.allclose(out[:2 * lanes], 1.5 * x + y, rtol=1e-15, atol=0)

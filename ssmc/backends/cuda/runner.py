@@ -356,7 +356,7 @@ class CudaRunner:
                 out = made[f"out_{n}"]
                 if groups > 1 and not launch.mapping.row:  # split-K partials
                     out = out.sum(0)
-                    out = out.to(out_dtype) if out_dtype is not None else out
+                    out = out.to(own_dtype) if own_dtype is not None else out
                 outs[n] = out
         for s, name, axes in low.from_outputs:
             out, order = outs[name], ("t", *dict(p.outputs)[name].axes)

@@ -14,6 +14,9 @@ on an AVX2 machine). Loads and stores are unaligned and unchecked: the caller ke
     v = splat(x)            # v[j] = x
     v = zeros(a)            # v[j] = 0, of the array a's dtype
     v = fma(a, b, c)        # v[j] = a[j] * b[j] + c[j], rounded once
+
+Numba's on-disk cache of a function that uses these is keyed by that function's file alone: after
+changing the code generation here, clear the cache (or touch `gemm.py`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ class _VectorModel(models.PrimitiveModel):
 
 
 def _check_float_array(a):
-    if not (isinstance(a, types.Array) and a.ndim == 1 and isinstance(a.dtype, types.Float)):
-        raise TypeError(f"simd: expected a 1-D float array, got {a}")
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and isinstance(a.dtype, types.Float)):
+        raise TypeError(f"simd: expected a contiguous 1-D float array, got {a}")
 
 
 def _vector_pointer(context, builder, array_type, array, index):
