@@ -411,6 +411,21 @@ def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None, products: dic
     return out
 
 
+def in_original_order(h: Hoisted, outs: dict) -> dict:
+    """The hoisted program's outputs [t, *axes] with their axes in the original program's order.
+
+    A rewritten output may list its axes in another order: axis order follows the operands, and a
+    param read through its reordered copy ``hp<n>`` has another (a random spec's grad_x0 came out
+    as [k b n], not [n k b])."""
+    rewritten = dict(h.program.outputs)
+    out = dict(outs)
+    for name, y in h.original.outputs:
+        own = rewritten[name].axes if name in rewritten else y.axes
+        if name in out and own != y.axes:
+            out[name] = out[name].transpose([0, *(1 + own.index(a) for a in y.axes)])
+    return out
+
+
 def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None):
     """(outputs [t, *axes], final accumulators) of the post contractions, from the kernel's ``hf<n>``.
 

@@ -572,6 +572,14 @@ def _sums_of_outputs(program: Recurrence, acc, classes) -> tuple[tuple[str, str,
     return tuple(found)
 
 
+def sum_of_output(program: Recurrence, acc: str, output: str, summed: tuple[str, ...]):
+    """For an entry of `Lowered.from_outputs`: the dims of the output's array ([t, *axes]) to sum,
+    and the permutation that puts what is left in the accumulator's axis order."""
+    order = ("t", *dict(program.outputs)[output].axes)
+    left = [a for a in order if a not in ("t", *summed)]
+    return tuple(order.index(a) for a in ("t", *summed)), tuple(left.index(a) for a in program.decl(acc).axes)
+
+
 def _subprogram(program: Recurrence, name: str, states: tuple[str, ...], outputs) -> Recurrence:
     """`program` restricted to some of its states and outputs (and the inputs those read)."""
     updates = tuple(u for s, u in zip(program.states, program.updates) if s.name in states)

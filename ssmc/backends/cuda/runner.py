@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...lowering.plan import Kernel, Lowered, lower
+from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
@@ -359,10 +359,9 @@ class CudaRunner:
                     out = out.to(own_dtype) if own_dtype is not None else out
                 outs[n] = out
         for s, name, axes in low.from_outputs:
-            out, order = outs[name], ("t", *dict(p.outputs)[name].axes)
-            part = out.sum([order.index(a) for a in ("t", *axes)])  # in the compute dtype (own_dtype)
-            left = [a for a in order if a not in ("t", *axes)]
-            part = part.permute([left.index(a) for a in p.decl(s).axes])
+            out = outs[name]
+            dims, perm = sum_of_output(p, s, name, axes)
+            part = out.sum(dims).permute(perm)  # in the compute dtype (own_dtype)
             finals[s] = initial[s].to(part.dtype) + part
             if out_dtype is not None:
                 outs[name] = out.to(out_dtype)

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist
-from ...lowering.plan import Kernel, Lowered, lower
+from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
+from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...runtime.cache import store
 from ...runtime.progress import progress
 from .codegen import module_source
@@ -68,8 +68,6 @@ class NumbaRunner:
                 args.append(_flat(arr))
                 continue
             order = self.out_orders.get(a.name, a.axes)
-            if sorted(order) != sorted(a.axes):
-                order = a.axes
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in order]
             made[a.name] = np.empty(shape, dtype=dt).transpose([order.index(ax) for ax in a.axes])
             args.append(_flat(made[a.name]))
@@ -97,13 +95,7 @@ class NumbaRunner:
         initial = {k: np.asarray(v).astype(dt, copy=False) for k, v in initial.items()}
         seqs.update(compute_pre(h, seqs, params, matmul, products))
         outs, finals = self._run_lowered(seqs, {**params, **compute_params(h, params)}, initial, sizes, length)
-        # a rewritten output may list its axes in another order (axis order follows the operands, and
-        # a param read through its reordered copy hp<n> has another): back to the program's order
-        hoisted_axes = dict(h.program.outputs)
-        for name, y in self.program.outputs:
-            own = hoisted_axes[name].axes if name in hoisted_axes else y.axes
-            if own != y.axes:
-                outs[name] = outs[name].transpose([0, *(1 + own.index(a) for a in y.axes)])
+        outs = in_original_order(h, outs)
         post_outs, post_finals = compute_post(h, seqs, params, outs, initial, matmul)
         outs = {n: post_outs[n] if n in post_outs else outs[n] for n, _ in self.program.outputs}
         finals = {s.name: post_finals[s.name] if s.name in post_finals else finals[s.name]
@@ -142,10 +134,8 @@ class NumbaRunner:
                 finals[s.name] = initial[s.name] + made[f"final_{s.name}"].reshape([nblk, *shape]).sum(axis=0)
             outs.update({n: made[f"out_{n}"] for n, _ in epi.program.outputs})
         for s, name, axes in low.from_outputs:  # accumulators that are sums of an output
-            order = ("t", *dict(p.outputs)[name].axes)
-            part = outs[name].sum(axis=tuple(order.index(a) for a in ("t", *axes)))
-            left = [a for a in order if a not in ("t", *axes)]
-            finals[s] = initial[s] + part.transpose([left.index(a) for a in p.decl(s).axes])
+            dims, perm = sum_of_output(p, s, name, axes)
+            finals[s] = initial[s] + outs[name].sum(axis=dims).transpose(perm)
         outs = {n: outs[n] for n, _ in p.outputs}
         return outs, {s.name: finals[s.name] for s in p.states}
 
