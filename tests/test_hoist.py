@@ -173,21 +173,26 @@ def _source(program, dtype="float32") -> str:
     return runner_for(program, dtype).source
 
 
-def test_the_lstm_lowering_unrolls_its_recurrent_products_and_transposes_U_for_the_adjoint():
-    """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T."""
+def test_the_lstm_lowering_tiles_its_recurrent_products_and_transposes_U_for_the_adjoint():
+    """Fails if a heuristic silently stops firing: forward h U, adjoint grad_gates U^T, each one
+    register-tiled call (`backends/numba/tiles.py`) on a param packed once per kernel call."""
     fwd = _source(lstm.SPEC.program)
-    assert "for u_j in range((n_j) // 4):" in fwd                 # h U, 4 terms per pass ...
-    assert "for q_b2 in range((b0_b_end - b0_b) // 4):" in fwd     # ... for 4 rows of a block of b
     assert "bs_b = " in fwd and "for q_b in range(b0_b_end - b0_b):" in fwd  # blocks of b share U
+    assert "] = U[i_j, i_g, i_k]" in fwd                            # U packed ...
+    assert _tile_calls(fwd) == ["tile_product(m0.reshape((bs_b, n_g * n_k)), st_h.reshape((bs_b, n_k)), "
+                                "pk0, b0_b_end - b0_b)"]                           # ... for h U
     assert "hz0[t, (b0_b + q_b)" in fwd and "x[t" not in fwd      # x W hoisted out of the loop
     adj_program = derive_backward(lstm.SPEC.program).adjoint
     h = runner_for(adj_program, "float32").hoisted
     assert [(n, p, a) for n, p, a in h.transposed] == [("hp0", "U", ("g", "k", "j"))]
     adj = _source(adj_program)
-    assert "for u_k in range((n_k) // 4):" in adj                 # grad_h = sum_{g,k} gz U, one nest,
-    assert "for q_b2 in range((b0_b_end - b0_b) // 4):" in adj     # 4 rows of b at a time
-    assert "hp0[i_g, (4 * u_k + 0), i_j]" in adj and "for q_b in range(b0_b_end - b0_b):" in adj
+    assert "] = hp0[i_g, i_k, i_j]" in adj                         # grad_h = sum_{g,k} gz U, one call
+    assert len(_tile_calls(adj)) == 1 and "for q_b in range(b0_b_end - b0_b):" in adj
     assert runner_for(adj_program, "float32").lowered.strategy == "fused"
+
+
+def _tile_calls(source: str) -> list[str]:
+    return [line.strip() for line in source.splitlines() if line.strip().startswith("tile_product(")]
 
 
 def test_numba_matmul_matches_numpy_at_awkward_shapes():

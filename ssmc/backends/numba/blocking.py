@@ -5,7 +5,7 @@ U[j, g, k]``: every b streams all of U (1 MB at H=256) through the cache, 16 tim
 B=16. `block_kernel` rewrites the kernel so one prange iteration owns a block of up to `BLOCK`
 b's, as a plain loop:
 
-    bs = max(1, min(BLOCK, n_b // MIN_BLOCKS));  for blk in prange(ceil(n_b / bs)):  b0 = blk * bs ...
+    bs = max(1, min(BLOCK, ceil(n_b / threads)));  for blk in prange(ceil(n_b / bs)):  b0 = blk * bs ...
         for t:
             for j:                                # the summed loop stays outermost
                 for q in range(b1 - b0):          # ... so U[j] is reused by every b of the block
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Select, Var, loads, walk
 from ...lowering.plan import Kernel, size_var
 
-BLOCK = 8        # at most this many indices per block
-MIN_BLOCKS = 4   # and at least this many blocks when the axis allows (a kernel cannot ask for the
-                 # thread count: numba.get_num_threads() in a kernel disables its on-disk cache)
+BLOCK = 8  # at most this many indices per block, and one block per thread where the axis allows
+           # (the runner passes the thread count: numba.get_num_threads() in a kernel disables
+           # its on-disk cache)
 
 
 @dataclass
@@ -143,7 +143,7 @@ def prelude(k: BlockedKernel) -> list[str]:
     """Lines before the prange: the block size of the blocked axis."""
     a = k.blocked
     n = size_var(a)
-    return [f"bs_{a} = max(1, min({BLOCK}, {n} // {MIN_BLOCKS}))"]
+    return [f"bs_{a} = max(1, min({BLOCK}, -(-{n} // threads)))"]
 
 
 def extent(k: BlockedKernel, axis: str) -> str:

@@ -14,6 +14,7 @@ from ...lowering.unroll import unroll_sums
 from . import blocking
 from .ahead import TILE, split_ahead
 from .blocking import BlockedKernel, block_kernel, wants_blocking
+from .tiles import TILE_ROWS, TiledProduct, packing_lines, product_line, tile_products
 
 _FUNCS = {"abs": "abs_", "max": "max_", "min": "min_", "pow": "pow_"}
 
@@ -50,6 +51,8 @@ def statements(stmts, depth: int) -> list[str]:
         if isinstance(s, Loop):
             out.append(f"{pad}for {s.var} in range({s.extent}):")
             out.extend(statements(s.body, depth + 1) or [f"{pad}    pass"])
+        elif isinstance(s, TiledProduct):
+            out.append(f"{pad}{product_line(s)}")
         elif isinstance(s, Buffer):
             shape = ", ".join(s.shape) + ("," if len(s.shape) == 1 else "")
             out.append(f"{pad}{s.name} = np.empty(({shape}), dtype=F)")
@@ -86,20 +89,29 @@ def _kernel_context(k: Kernel) -> dict:
     if ahead is not None:
         setup = [Buffer(b, (str(TILE),)) for b in ahead.buffers] + k.setup
         return {
-            **_common_context(k, extent, blocked, setup), "tile": TILE,
+            **_common_context(k, extent, [], setup), "tile": TILE, "tiled": False,
             "ahead": "\n".join(statements(ahead.ahead, 4)),
             "step": "\n".join(statements(unroll_sums(ahead.step), 4)) or "                pass",
         }
-    return {**_common_context(k, extent, blocked, k.setup), "tile": 0, "ahead": "",
-            "step": "\n".join(statements(unroll_sums(k.step), 3)) or "            pass"}
+    step, prelude = k.step, []
+    if blocked:
+        axis = k.blocked
+        params = {a.name for a in k.arrays if a.role == "param"}
+        step, packings = tile_products(step, k.setup, params, f"q_{axis}", f"b0_{axis}_end - b0_{axis}",
+                                       f"bs_{axis}")
+        prelude = blocking.prelude(k) + [line for p in packings for line in packing_lines(p)]
+    return {**_common_context(k, extent, prelude, k.setup), "tile": 0, "ahead": "",
+            "step": "\n".join(statements(unroll_sums(step), 3)) or "            pass",
+            "tiled": any(isinstance(s, TiledProduct) for s in step)}
 
 
-def _common_context(k: Kernel, extent, blocked: bool, setup: list) -> dict:
+def _common_context(k: Kernel, extent, prelude: list[str], setup: list) -> dict:
+    blocked = isinstance(k, BlockedKernel)
     return {
         "name": k.name,
         "sizes": [size_var(a) for a in k.sizes],
         "arrays": [a.name for a in k.arrays],
-        "prelude": blocking.prelude(k) if blocked else [],
+        "prelude": prelude,
         "total": " * ".join(extent(a) for a in k.parallel) or "1",
         "unflatten": _unflatten(k.parallel, extent) + (blocking.block_bounds(k) if blocked else []),
         "reverse": k.reverse,
@@ -116,5 +128,7 @@ def _template() -> jinja2.Template:
 
 
 def module_source(lowered: Lowered, dtype: str) -> str:
+    kernels = [_kernel_context(k) for k in lowered.kernels]
+    tiled = any(k["tiled"] for k in kernels)
     return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
-                              strategy=lowered.strategy, kernels=[_kernel_context(k) for k in lowered.kernels])
+                              strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else ())

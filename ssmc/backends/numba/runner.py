@@ -74,10 +74,10 @@ class NumbaRunner:
         fn = getattr(self.module, k.name)
         if k.name not in self.compiled:
             with progress(f"compiling {k.name} with Numba"):
-                fn(length, nblk, *(sizes[a] for a in k.sizes), *args)
+                fn(length, nblk, _threads(), *(sizes[a] for a in k.sizes), *args)
             self.compiled.add(k.name)
         else:
-            fn(length, nblk, *(sizes[a] for a in k.sizes), *args)
+            fn(length, nblk, _threads(), *(sizes[a] for a in k.sizes), *args)
         return made
 
     def run(self, seqs, params, initial, sizes, length, products: dict | None = None):
