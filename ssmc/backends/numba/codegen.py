@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from functools import cache
+from pathlib import Path
 
 import jinja2
 
@@ -11,7 +13,7 @@ from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.unroll import unroll_sums
-from . import blocking
+from . import blocking, simd
 from .ahead import TILE, split_ahead
 from .blocking import BlockedKernel, block_kernel, wants_blocking
 from .tiles import TILE_ROWS, TiledProduct, packing_lines, product_line, tile_products
@@ -131,4 +133,12 @@ def module_source(lowered: Lowered, dtype: str) -> str:
     kernels = [_kernel_context(k) for k in lowered.kernels]
     tiled = any(k["tiled"] for k in kernels)
     return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
-                              strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else ())
+                              strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else (),
+                              simd_digest=_digest(simd.__file__) if tiled else "")
+
+
+@cache
+def _digest(path: str) -> str:
+    """A short hash of a file's bytes: a generated module that calls into it names it, so that a
+    change there gives the module a new name and a new Numba cache entry."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]

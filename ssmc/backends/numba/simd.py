@@ -16,7 +16,8 @@ on an AVX2 machine). Loads and stores are unaligned and unchecked: the caller ke
     v = fma(a, b, c)        # v[j] = a[j] * b[j] + c[j], rounded once
 
 Numba's on-disk cache of a function that uses these is keyed by that function's file alone: after
-changing the code generation here, clear the cache (or touch `gemm.py`).
+changing the code generation here, clear the cache (or touch `gemm.py`). Generated modules that use
+them name this file's hash in their source, so they get a new cache entry by themselves.
 """
 
 from __future__ import annotations
