@@ -9,6 +9,8 @@ import importlib
 import numba
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ssmc
 
@@ -30,15 +32,19 @@ def threads(request):
     numba.set_num_threads(before)
 
 
-def _inputs(dtype: str, length: int = 7):
+def _inputs(dtype: str, length: int = 7, batch: int = 13, inp: int = 5, hidden: int = 37, seed: int = 5):
     # H = 37: the forward's 4 H = 148 columns are 4 whole panels of 32 (fp32) and a partial one
-    inputs = lstm.make_inputs(np.random.default_rng(5), length, batch=13, inp=5, hidden=37)
+    inputs = lstm.make_inputs(np.random.default_rng(seed), length, batch=batch, inp=inp, hidden=hidden)
     return {k: v.astype(dtype) for k, v in inputs.items()}
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_tiled_lstm_forward_matches_the_interpreter(dtype, threads):
-    inputs = _inputs(dtype)
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_tiled_lstm_forward_matches_the_interpreter(length, dtype, threads):
+    _check_forward(_inputs(dtype, length), dtype)
+
+
+def _check_forward(inputs, dtype):
     got = ssmc.compile(lstm.SPEC, "numba", layout=lstm.LAYOUT)(**inputs, return_final_states=True)
     want = ssmc.compile(lstm.SPEC, "interpreter", layout=lstm.LAYOUT)(**inputs, return_final_states=True)
     for g, w in zip([got[0], *got[1]], [want[0], *want[1]]):
@@ -47,8 +53,24 @@ def test_tiled_lstm_forward_matches_the_interpreter(dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_tiled_lstm_gradients_match_the_interpreter(dtype, threads):
-    inputs = _inputs(dtype)
+@pytest.mark.parametrize("length", [1, 180])
+def test_tiled_lstm_gradients_match_the_interpreter(length, dtype, threads):
+    _check_gradients(_inputs(dtype, length), dtype)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 19), inp=st.integers(1, 6), hidden=st.integers(1, 41),
+       length=st.sampled_from([1, 7, 180]), dtype=st.sampled_from(["float64", "float32"]),
+       seed=st.integers(0, 2**16))
+def test_tiled_lstm_at_random_sizes(batch, inp, hidden, length, dtype, seed):
+    """Any rows per block (1 to 8: every micro-kernel and mix of them), any columns (whole and partial
+    panels, fewer than one panel), forward and every gradient."""
+    inputs = _inputs(dtype, length, batch, inp, hidden, seed)
+    _check_forward(inputs, dtype)
+    _check_gradients(inputs, dtype)
+
+
+def _check_gradients(inputs, dtype):
     outs = ssmc.compile(lstm.SPEC, "interpreter", layout=lstm.LAYOUT)(**inputs)
     cot = np.random.default_rng(6).standard_normal(outs.shape).astype(dtype)
     got = ssmc.grad(lstm.SPEC, "numba", layout=lstm.LAYOUT)(**inputs, grad_outputs=cot)
