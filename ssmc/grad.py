@@ -131,7 +131,9 @@ class Tape:
     `boundaries[c]` is the carry before chunk c; `carries` holds ``prev_<state>`` of every step
     when one chunk covers the sequence and the backend ran the recording forward (then the
     backward recomputes nothing, and takes from `products` the matrix products its Numba adjoint
-    would recompute: an LSTM's ``x W``, hoisted by the forward, and ``h U``, saved per step)."""
+    would recompute: an LSTM's ``x W``, hoisted by the forward, and ``h U``, saved per step).
+    `rounds` holds the carry into every round of the CUDA warp kernel when the fused backward
+    runs (backends/cuda/fused_backward.py; `boundaries` is then the initial state alone)."""
 
     seqs: dict
     params: dict
@@ -143,6 +145,7 @@ class Tape:
     boundaries: list[dict]
     carries: dict | None = None
     products: dict = field(default_factory=dict)
+    rounds: dict | None = None
 
 
 class Grad:
@@ -192,6 +195,10 @@ class Grad:
         recording = self.recording
         if fwd.reverse:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
+        fused = self._fused_backward(seqs, sizes, length, dtype)
+        if fused is not None:  # one kernel saving the carry every round; the backward is one kernel too
+            outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length)
+            return (outs if outputs else {}), finals, tape
         if chunk >= length and recording is not None and self.backend != "cuda":
             # one chunk: the forward keeps every carry, the backward recomputes nothing
             outs, finals = runner(self.backend, recording, dtype, tape.products)(seqs, params, initial, sizes, length)
@@ -213,6 +220,15 @@ class Grad:
                 tape.boundaries.append(finals)
         outs = {n: (v[0] if len(v) == 1 else xp.cat(v)) for n, v in parts.items()} if outputs else {}
         return outs, finals, tape
+
+    def _fused_backward(self, seqs: dict, sizes: dict[str, int], length: int, dtype):
+        """The CUDA fused backward's runner where it applies at these sizes and layouts, else None."""
+        if self.backend != "cuda":
+            return None
+        from .backends.cuda.fused_backward import fused_backward_runner
+
+        fused = fused_backward_runner(self.backward_program, np.dtype(dtype).name)
+        return fused if fused is not None and fused.applies(seqs, sizes, length) else None
 
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
@@ -260,8 +276,10 @@ class Grad:
         bw = self.backward_program
         fwd, xp, dtype, sizes, length, chunk = bw.forward, self.xp, tape.dtype, tape.sizes, tape.length, tape.chunk
         seqs, params = tape.seqs, tape.params
-        run_adjoint = runner(self.backend, bw.adjoint, dtype, tape.products if tape.carries is not None else None)
         acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
+        if tape.rounds is not None:
+            return self._fused_adjoint(tape, cot, lam, acc)
+        run_adjoint = runner(self.backend, bw.adjoint, dtype, tape.products if tape.carries is not None else None)
         carry = {GRAD + k: v for k, v in lam.items()} | acc
         seq_grads: dict[str, list] = {d.name: [] for d in fwd.seqs}
         for start, init in zip(reversed(range(0, length, chunk)), reversed(tape.boundaries)):
@@ -280,6 +298,20 @@ class Grad:
         grads = {name: (parts[0] if len(parts) == 1 else xp.cat(parts[::-1])) for name, parts in seq_grads.items()}
         grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
+        return grads
+
+
+    def _fused_adjoint(self, tape: Tape, cot: dict, lam: dict, acc: dict) -> dict:
+        """The adjoint as the CUDA fused backward's one kernel (`tape.rounds` from its forward)."""
+        from .backends.cuda.fused_backward import fused_backward_runner
+
+        fwd = self.backward_program.forward
+        fused = fused_backward_runner(self.backward_program, np.dtype(tape.dtype).name)
+        outs, finals = fused.backward(tape.seqs, tape.params, tape.rounds, {GRAD + k: v for k, v in cot.items()},
+                                      {GRAD + k: v for k, v in lam.items()}, acc, tape.sizes, tape.length)
+        grads = {d.name: outs[GRAD + d.name] for d in fwd.seqs}
+        grads.update({p.name: finals[GRAD + p.name] for p in fwd.params})
+        grads.update({s.name: finals[GRAD + s.name] for s in fwd.states})
         return grads
 
 

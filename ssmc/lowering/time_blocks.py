@@ -55,10 +55,11 @@ class TimeBlocks:
     lane_rescan: Kernel   # the program's step for the warp kernel (one carry per recurrence)
 
 
-def time_blocks(program: Recurrence) -> TimeBlocks | None:
-    """The time-parallel kernels for `program`, or None where it does not apply."""
-    parallel = independent_axes(program)
-    if not program.states or (not parallel and program.states[0].axes):
+def summary_program(program: Recurrence) -> Recurrence | None:
+    """The summary of `program`'s steps (module docstring, phase 1): per state, the product of the
+    coefficients `blockprod_<s>` and the partial `blockpart_<s>`, as a recurrence over the same
+    steps; None unless every state is ``h = a ⊙ h + b`` with `a`, `b` free of the carry."""
+    if not program.states:
         return None
     states = {s.name for s in program.states}
     classes = classify(program).states
@@ -77,9 +78,18 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
                     build.expand(build.add(build.mul(c.a, part), c.b), s.axes)]
     used = {n.arg for n in toposort(updates) if n.op is Op.INPUT}
     inputs = tuple(d for d in program.decls if d.role is not Role.STATE and d.name in used)
-    summary = Recurrence(f"{program.name}_summary", inputs + tuple(decls), tuple(updates), (), program.sizes,
-                         program.reverse, program.loc)
+    return Recurrence(f"{program.name}_summary", inputs + tuple(decls), tuple(updates), (), program.sizes,
+                      program.reverse, program.loc)
 
+
+def time_blocks(program: Recurrence) -> TimeBlocks | None:
+    """The time-parallel kernels for `program`, or None where it does not apply."""
+    parallel = independent_axes(program)
+    if not program.states or (not parallel and program.states[0].axes):
+        return None
+    summary = summary_program(program)
+    if summary is None:
+        return None
     decls, updates = [], []
     for s in program.states:
         carry = Node.make(Op.INPUT, (), s.name, s.axes)

@@ -17,8 +17,9 @@ import jinja2
 from ... import __version__
 from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, loads, walk
 from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.reverse_warp import FusedBackward
 from ...lowering.split_sum import row_accumulators, split_axis
-from ...lowering.time_blocks import TimeBlocks, partial_name, product_name
+from ...lowering.time_blocks import partial_name, product_name
 
 BLOCK = 128
 WARP = 32
@@ -84,11 +85,16 @@ class CPrinter:
     to shared memory at the lane's slot instead of global memory."""
 
     def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
-                 threads: Threads = ONE_GROUP):
+                 threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None):
         self.k = k
         self.arrays = arrays
         self.sizes = sizes
         self.staged = staged
+        # arrays a lane keeps in registers, one row per step of its block (the fused backward's
+        # carries): name -> register array; indexed [tt][local indices]
+        self.registers = registers or {}
+        self.local_positions = {a.name: [i for i, ax in enumerate(a.axes) if ax != "t" and ax not in k.parallel]
+                                for a in k.arrays if a.name in self.registers}
         self.split = threads.split if threads.groups > 1 else None
         self.groups = threads.groups
         self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
@@ -127,6 +133,9 @@ class CPrinter:
                 return e.array + "".join(f"[{i}]" for i in e.index)
             if e.array in self.staged:
                 return f"sm_{e.array}[w][slot]"
+            if e.array in self.registers:
+                local = "".join(f"[{e.index[i]}]" for i in self.local_positions[e.array])
+                return f"{self.registers[e.array]}[tt]{local}"
             return f"F(to_f({e.array}[{self.index(e)}]))"
         if isinstance(e, Call):
             if e.fn == "not":
@@ -141,7 +150,7 @@ class CPrinter:
         raise TypeError(e)
 
     def target(self, t) -> str:
-        if isinstance(t, Var) or t.array in self.buffers or t.array in self.staged:
+        if isinstance(t, Var) or t.array in self.buffers or t.array in self.staged or t.array in self.registers:
             return self.expr(t)
         return f"{t.array}[{self.index(t)}]"
 
@@ -180,7 +189,10 @@ class CPrinter:
                 value = self.expr(s.value)
                 target = self.target(s.target)
                 global_store = (isinstance(s.target, Load) and s.target.array not in self.buffers
-                                and s.target.array not in self.staged)
+                                and s.target.array not in self.staged and s.target.array not in self.registers)
+                if s.op == "atomic+=":  # many threads add into it: an array in the compute type
+                    out.append(f"{pad}atomicAdd(&{target}, {value});")
+                    continue
                 if global_store:
                     ctype = C_TYPES[self.arrays[s.target.array].dtype]
                     value = f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
@@ -285,11 +297,13 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     }
 
 
-def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                         steps_per_lane: int) -> dict:
-    """The warp kernel of `tb` (lowering/time_blocks.py): the summary and the program's step spliced
-    around a scan of the (product, partial) pairs across the warp's lanes."""
-    k, summary = tb.lane_rescan, tb.lane_summary
+    """The warp kernel (lowering/time_blocks.py) of the program step `k`: the `summary` step and
+    `k`'s spliced around a scan of the (product, partial) pairs across the warp's lanes. Where `k`
+    has arrays ``rounds_<state>`` (lowering/reverse_warp.py), lane 0 writes the carry into each
+    round there, for the fused backward."""
+    program = k.program
     staged = _stageable(k, summary)
     ctx = kernel_context(k, arrays, sizes)
     ps = CPrinter(summary, arrays, sizes, staged)
@@ -303,20 +317,55 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
                         for a in sorted(staged) if index[a].role == "out"]
     declared = set(ctx["declarations"])
     ctx["declarations"] += [d for d in ps.scalars() if d not in declared]
-    ctx["comment"] = (f"{tb.program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
+    ctx["comment"] = (f"{program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
                       f"of {steps_per_lane} steps")
     ctx["steps_per_lane"] = steps_per_lane
     ctx["summary_setup"] = "\n".join(ps.stmts(summary.setup, 1))
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
+    scan = _lane_scan(program.states, set(k.parallel))
+    save = [f"{head}{name}[{pr.index(Load(name, ('(base / ' + str(WARP * steps_per_lane) + ')', *env)))}]"
+            f" = {_store(arrays[name].dtype, f'cr_{s}{idx}')};"
+            for s, head, idx, env, name in _round_arrays(k)]
+    pad = "    "
+    ctx["carry"] = "\n".join(pad + line for line in scan.carry)
+    ctx["reset"] = "\n".join(2 * pad + line for line in
+                             (["if (lane == 0) {", *(pad + x for x in save), "}"] if save else []) + scan.reset)
+    ctx["combine"] = "\n".join(2 * pad + line for line in scan.combine)
+    ctx["final_carry"] = "\n".join(pad + line for line in scan.final)
+    return ctx
+
+
+@dataclass
+class _LaneScan:
+    """C lines of the scan of (product, partial) pairs across a warp's lanes, per state:
+    `carry` (cr_<s> from st_<s>, after the setup), `reset` (a round's summaries to identity),
+    `combine` (each lane's carry into its steps, st_<s>, and the carry past the round, cr_<s>),
+    `final` (st_<s> = cr_<s>)."""
+
+    carry: list[str]
+    reset: list[str]
+    combine: list[str]
+    final: list[str]
+
+
+def _state_loops(s, parallel: set[str]) -> tuple[str, str, list[str]]:
+    """(loop heads over the state's local axes, its local index, the index of each of its axes)."""
+    local = [a for a in s.axes if a not in parallel]
+    head = "".join(f"for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) " for a in local)
+    return head, "".join(f"[i_{a}]" for a in local), [f"p_{a}" if a in parallel else f"i_{a}" for a in s.axes]
+
+
+def _lane_scan(states, parallel: set[str], reverse: bool = False) -> _LaneScan:
+    """`_LaneScan` for `states`; `reverse`: lane 0 holds the latest steps of the round, the carry
+    comes from the later side (a suffix scan, lanes after compose first)."""
     carry, reset, combine, final = [], [], [], []
-    parallel = set(k.parallel)
-    for s in tb.program.states:
+    shfl, first, last = ("__shfl_down_sync", WARP - 1, 0) if reverse else ("__shfl_up_sync", 0, WARP - 1)
+    before = f"lane + off < {WARP}" if reverse else "lane >= off"
+    for s in states:
+        head, idx, _ = _state_loops(s, parallel)
         local = [a for a in s.axes if a not in parallel]
-        idx = "".join(f"[i_{a}]" for a in local)
-        loops = [f"for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a})" for a in local]
-        head = "".join(f"{loop} " for loop in loops)
         carry.append(f"F cr_{s.name}{''.join(f'[{size_var(a)}]' for a in local)};")
         carry.append(f"{head}cr_{s.name}{idx} = st_{s.name}{idx};")
         prod, part = f"st_{product_name(s.name)}{idx}", f"st_{partial_name(s.name)}{idx}"
@@ -325,24 +374,128 @@ def warp_kernel_context(tb: TimeBlocks, arrays: dict[str, ArraySpec], sizes: dic
             f"{head}{{",
             f"    F P = {prod}, H = {part};",
             "    #pragma unroll",
-            f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive scan: lanes before compose first",
-            "        const F Pb = __shfl_up_sync(0xffffffffu, P, off), Hb = __shfl_up_sync(0xffffffffu, H, off);",
-            "        if (lane >= off) { H = P * Hb + H; P = P * Pb; }",
+            f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
+            f"        const F Pb = {shfl}(0xffffffffu, P, off), Hb = {shfl}(0xffffffffu, H, off);",
+            f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
             "    }",
-            "    F Pe = __shfl_up_sync(0xffffffffu, P, 1), He = __shfl_up_sync(0xffffffffu, H, 1);",
-            "    if (lane == 0) { Pe = F(1); He = F(0); }",
+            f"    F Pe = {shfl}(0xffffffffu, P, 1), He = {shfl}(0xffffffffu, H, 1);",
+            f"    if (lane == {first}) {{ Pe = F(1); He = F(0); }}",
             f"    st_{s.name}{idx} = Pe * cr_{s.name}{idx} + He;  // the carry into this lane's steps",
-            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, P, {WARP - 1}) * cr_{s.name}{idx}"
-            f" + __shfl_sync(0xffffffffu, H, {WARP - 1});",
+            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, P, {last}) * cr_{s.name}{idx}"
+            f" + __shfl_sync(0xffffffffu, H, {last});",
             "}",
         ]
         final.append(f"{head}st_{s.name}{idx} = cr_{s.name}{idx};")
+    return _LaneScan(carry, reset, combine, final)
+
+
+def _round_arrays(k: Kernel):
+    """(state, loop heads, local index, array index, array name) of each ``rounds_<state>`` of `k`."""
+    parallel = set(k.parallel)
+    names = {a.name for a in k.arrays if a.role == "rounds"}
+    for s in k.program.states:
+        if f"rounds_{s.name}" in names:
+            head, idx, env = _state_loops(s, parallel)
+            yield s.name, head, idx, env, f"rounds_{s.name}"
+
+
+def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+                           steps_per_lane: int) -> dict:
+    """The fused backward kernel (lowering/reverse_warp.py): the forward's summary and carries and
+    the adjoint's summary and step spliced around two lane scans, a round at a time, last first."""
+    kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
+    parallel = set(fb.parallel)
+    registers = {f"prev_{s}": f"rg_{s}" for s in fb.carried} | {s: f"rg_{s}" for s in fb.carried}
+    staged = _stageable_in(fb.arrays, kernels, parallel)
+    printers = [CPrinter(k, arrays, sizes, staged, registers=registers) for k in kernels]
+    fs, fc, as_, ad = printers
+    index = {a.name: a for a in fb.arrays}
+    params = []
+    for a in fb.arrays:
+        const = "const " if a.role in ("seq", "param", "init", "rounds") else ""
+        params.append(f"{const}{C_TYPES[arrays[a.name].dtype]}* __restrict__ {a.name}")
+    axes = sorted({a for k in kernels for a in k.sizes})
+    constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in axes]
+    constants.append(f"constexpr long long total = {' * '.join(str(sizes[a]) for a in fb.parallel)};")
+    unflatten, rest = [], "p"
+    for a in reversed(fb.parallel):
+        unflatten += [f"const int p_{a} = (int)({rest} % {size_var(a)});",
+                      f"const long long rest_{a} = {rest} / {size_var(a)};"]
+        rest = f"rest_{a}"
+    declarations = []
+    for pr in printers:
+        declarations += [d for d in pr.scalars() if d not in declarations]
+    stage_len = WARP * (steps_per_lane + 1)
+    fwd_states = fb.backward.forward.states
+    core_states = [s for s in fb.adjoint.program.states if s.name in fb.core]
+    forward_scan = _lane_scan(fwd_states, parallel)
+    adjoint_scan = _lane_scan(core_states, parallel, reverse=True)
+    registers_decl = []
+    load_round = []
+    for s in fwd_states:
+        head, idx, env = _state_loops(s, parallel)
+        local = [size_var(a) for a in s.axes if a not in parallel]
+        registers_decl.append(f"F rg_{s.name}[{steps_per_lane}]" + "".join(f"[{d}]" for d in local) + ";"
+                              "  // the carry before each of this lane's steps")
+        registers_decl.append(f"F cr_{s.name}" + "".join(f"[{d}]" for d in local) + ";")
+        at = fc.index(Load(f"rounds_{s.name}", ("r", *env)))
+        load_round.append(f"{head}cr_{s.name}{idx} = F(to_f(rounds_{s.name}[{at}]));")
+    accumulate = []
+    for name, axes_ in fb.partials.accumulators.items():
+        s = fb.adjoint.program.decl(name)
+        head, idx, _ = _state_loops(s, parallel)
+        at = {a: (f"p_{a}" if a in parallel else f"i_{a}") for a in s.axes}
+        target = f"final_{name}[{ad.index(Load(f'final_{name}', tuple(at[a] for a in axes_) or ('0',)))}]"
+        accumulate += [f"{head}{{  // this warp's sum of its threads' terms, added into the result",
+                       f"    F v = st_{name}{idx};",
+                       "    #pragma unroll",
+                       f"    for (int off = {WARP // 2}; off > 0; off >>= 1)",
+                       "        v += __shfl_xor_sync(0xffffffffu, v, off);",
+                       f"    if (lane == 0) atomicAdd(&{target}, v);",
+                       "}"]
     pad = "    "
-    ctx["carry"] = "\n".join(pad + line for line in carry)
-    ctx["reset"] = "\n".join(2 * pad + line for line in reset)
-    ctx["combine"] = "\n".join(2 * pad + line for line in combine)
-    ctx["final_carry"] = "\n".join(pad + line for line in final)
-    return ctx
+    return {
+        "fused_backward": True,
+        "name": fb.name,
+        "comment": (f"{fb.backward.adjoint.name}: one warp per [{' '.join(fb.parallel)}], its lanes over blocks of "
+                    f"{steps_per_lane} steps, rounds last first; the forward's carries recomputed in registers"),
+        "params": params,
+        "constants": constants,
+        "unflatten": unflatten,
+        "declarations": declarations,
+        "steps_per_lane": steps_per_lane,
+        "shared": [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)],
+        "stage_in": [f"sm_{a}[w][slot] = valid ? F(to_f({a}[{ad.index(_at_t(index[a]))}])) : F(0);"
+                     for a in sorted(staged) if index[a].role == "seq"],
+        "stage_out": [f"if (valid) {a}[{ad.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
+                      for a in sorted(staged) if index[a].role == "out"],
+        "setup": "\n".join(line for pr, k in zip(printers, kernels) for line in pr.stmts(k.setup, 1)),
+        "carry": "\n".join(pad + line for line in adjoint_scan.carry + registers_decl),
+        "load_round": "\n".join(2 * pad + line for line in load_round),
+        "forward_reset": "\n".join(2 * pad + line for line in forward_scan.reset),
+        "forward_summary": "\n".join(fs.stmts(fb.forward_summary.step, 3)),
+        "forward_combine": "\n".join(2 * pad + line for line in forward_scan.combine),
+        "forward_step": "\n".join(fc.stmts(fb.forward_carries.step, 3)),
+        "adjoint_reset": "\n".join(2 * pad + line for line in adjoint_scan.reset),
+        "adjoint_summary": "\n".join(as_.stmts(fb.adjoint_summary.step, 3)),
+        "adjoint_combine": "\n".join(2 * pad + line for line in adjoint_scan.combine),
+        "adjoint_step": "\n".join(ad.stmts(fb.adjoint.step, 3)),
+        "final_carry": "\n".join(pad + line for line in adjoint_scan.final),
+        "finish": "\n".join(CPrinter(fb.adjoint, arrays, sizes).stmts(fb.adjoint.finish, 2)),
+        "accumulate": "\n".join(pad + line for line in accumulate),
+    }
+
+
+def _stageable_in(arrays, kernels, parallel: set[str]) -> frozenset[str]:
+    """`_stageable` for the fused backward: its sequences and outputs with one value per step of a
+    recurrence, only ever accessed at step t by any of its kernels."""
+    candidates = {a.name: a for a in arrays
+                  if a.role in ("seq", "out") and a.axes[:1] == ("t",) and set(a.axes[1:]) <= parallel}
+    for k in kernels:
+        for e in _loads(k.step):
+            if e.array in candidates and e != _at_t(candidates[e.array]):
+                del candidates[e.array]
+    return frozenset(candidates)
 
 
 def _loads(stmts):
@@ -389,14 +542,14 @@ def math_header() -> str:
 
 
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
-                  sizes: dict[str, int], warp: tuple[TimeBlocks, int] | None = None,
+                  sizes: dict[str, int], warp: tuple[Kernel, int] | None = None,
                   threads: dict[str, Threads] | None = None) -> str:
     """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays and its thread
-    mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (time blocks, steps per
-    lane), the warp kernel instead (its arrays: the one kernel's)."""
+    mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (the summary step, steps
+    per lane), the one kernel given as the warp kernel's step instead."""
     if warp is not None:
-        (_, specs), = kernels
-        contexts = [warp_kernel_context(warp[0], specs, sizes, warp[1])]
+        (k, specs), = kernels
+        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1])]
     else:
         threads = threads or {}
         contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
@@ -404,3 +557,13 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
                               warp=WARP, rows=any(c.get("row") for c in contexts))
+
+
+def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+                          steps_per_lane: int) -> str:
+    """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts."""
+    half = any(spec.dtype in ("float16", "bfloat16") for spec in arrays.values())
+    context = fused_backward_context(fb, arrays, sizes, steps_per_lane)
+    return _template().render(version=__version__, program_name=fb.backward.adjoint.name, strategy="fused backward",
+                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=[context], half=half,
+                              warp=WARP, rows=False)

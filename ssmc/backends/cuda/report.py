@@ -20,6 +20,7 @@ from ...runtime.cache import store
 from ...runtime.random_inputs import axis_sizes
 from . import nvrtc
 from .codegen import ArraySpec
+from .fused_backward import fused_backward_runner
 from .runner import CudaRunner, Launch
 
 
@@ -27,7 +28,7 @@ from .runner import CudaRunner, Launch
 class KernelReport:
     """One generated kernel: where it comes from, how it is launched, what ptxas said."""
 
-    program: str              # forward | recompute | adjoint
+    program: str              # forward | recompute | adjoint; or forward (training) | backward (fused)
     strategy: str             # fused | split | map | time blocks | warp; "post: map" in a fusion stage
     launch: Launch
     source: str
@@ -84,11 +85,19 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     for sequences with time outermost, or contiguous (`time_contiguous`: layouts like "b d t")."""
     compute = "float64" if dtype == "float64" else "float32"
     programs = [("forward", program, length)]
+    reports, training = [], []
     if backward:
         bw = derive_backward(program)
+        fused = fused_backward_runner(bw, compute)
+        if fused is not None and fused.applies_at(sizes, length, time_contiguous):
+            # a training step's two kernels: the forward saving round carries, the fused backward
+            for (launch, source), role in zip(fused.sources(sizes, length), ("forward (training)", "backward")):
+                training.append(_report(role, "warp" if role != "backward" else "fused backward", launch, source,
+                                       arch, compile_kernels))
+            backward = False
+    if backward:
         chunk = min(length, default_chunk("cuda", length, program, sizes))
         programs += [("recompute", bw.carries, chunk), ("adjoint", bw.adjoint, chunk)]
-    reports = []
     for role, whole, steps in programs:
         fused = fuse(whole)
         for stage in fused.stages:
@@ -98,7 +107,7 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
                 strategy = f"{stage.kind}: {strategy}"
             reports += _reports(runner, role, strategy, sizes, steps, time_contiguous, dtype, compute, arch,
                                 compile_kernels)
-    return reports
+    return reports + training
 
 
 def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, time_contiguous: bool, dtype: str,
@@ -108,17 +117,22 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
         specs = _specs(launch, sizes, dtype, compute, time_contiguous)
         source = runner.source_for(launch.kernel, specs, sizes, launch.mapping)
         label = f"{strategy}, {launch.mapping.describe()}" if launch.mapping.describe() else strategy
-        report = KernelReport(role, label, launch, source, str(store("cuda", source, ".cu")))
-        if compile_kernels and nvrtc.available():
-            try:
-                built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
-                report.resources = built.resources[launch.kernel.name]
-            except nvrtc.NvrtcError as err:
-                report.error = str(err).splitlines()[0]
-        elif compile_kernels:
-            report.error = nvrtc.unavailable_reason()
-        reports.append(report)
+        reports.append(_report(role, label, launch, source, arch, compile_kernels))
     return reports
+
+
+def _report(role: str, label: str, launch: Launch, source: str, arch: str, compile_kernels: bool) -> KernelReport:
+    """One kernel's report: its source stored, and compiled by NVRTC where asked and possible."""
+    report = KernelReport(role, label, launch, source, str(store("cuda", source, ".cu")))
+    if compile_kernels and nvrtc.available():
+        try:
+            built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
+            report.resources = built.resources[launch.kernel.name]
+        except nvrtc.NvrtcError as err:
+            report.error = str(err).splitlines()[0]
+    elif compile_kernels:
+        report.error = nvrtc.unavailable_reason()
+    return report
 
 
 def format_reports(reports: list[KernelReport]) -> str:

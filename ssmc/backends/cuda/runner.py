@@ -171,7 +171,7 @@ class CudaRunner:
                    mapping: Threads = ONE_GROUP) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         tb = self.time_blocks
-        warp = (tb, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
+        warp = (tb.lane_summary, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping})
 
     def _function(self, source: str, name: str):

@@ -1,0 +1,171 @@
+"""The fused backward on the GPU (lowering/reverse_warp.py): two launches for a training step.
+
+`forward` runs the forward's warp kernel, which also writes the carry into every round of 32 K
+steps (``rounds_<h>``, states × L / (32 K) values: the tape); `backward` runs the one kernel that
+recomputes each round's carries in registers and runs the adjoint over it, the rounds last first.
+It applies where the forward runs as the warp kernel (`CudaRunner.strategy`: sequences with time
+contiguous, too few recurrences to fill the GPU); `SSMC_CUDA_FUSED_BACKWARD=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ...lowering.plan import Array, Kernel, build_kernel
+from ...lowering.reverse_warp import FusedBackward, fused_backward
+from ...lowering.stages import fuse
+from ...passes.autodiff import Backward
+from ...runtime.progress import progress
+from .codegen import BLOCK, WARP, ArraySpec, fused_backward_source, module_source
+from .runner import _DTYPES, Launch, _as_1d, _sizes_key, runner_for, steps_per_lane
+
+
+class FusedBackwardRunner:
+    """The fused backward of one derived backward, built per shape and cached (`runner_for`)."""
+
+    def __init__(self, bw: Backward, plan: FusedBackward, compute: str):
+        self.bw = bw
+        self.plan = plan
+        self.compute = compute
+        self.forward_runner = runner_for(bw.forward, compute)
+        fwd = bw.forward
+        self.forward_kernel: Kernel = build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel)
+        self.forward_kernel.arrays += [Array(f"rounds_{s.name}", "rounds", ("round", *s.axes)) for s in fwd.states]
+        self.functions: dict[tuple, object] = {}
+        self.streams: dict[int, object] = {}
+
+    def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
+        """Whether the forward runs as the warp kernel for these sequences (module docstring)."""
+        contiguous = bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
+        return self.applies_at(sizes, length, contiguous)
+
+    def applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
+        if os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "1") == "0":
+            return False
+        return self.forward_runner.strategy(sizes, length, time_contiguous) == "warp"
+
+    def sources(self, sizes: dict[str, int], length: int) -> list[tuple[Launch, str]]:
+        """The two kernels' launches and sources at these sizes, arrays laid out as the runs
+        allocate them (what `ssmc inspect` reports)."""
+        rounds = -(-length // self.round_steps())
+        threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
+        out = []
+        for k, source in ((self.forward_kernel, self._forward_source), (self.plan, self._backward_source)):
+            specs = {}
+            for a in k.arrays:
+                shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
+                strides = _contiguous([*shape[1:], shape[0]] if a.axes[:1] == ("t",) and len(shape) > 1 else shape)
+                if a.axes[:1] == ("t",) and len(shape) > 1:
+                    strides = (strides[-1], *strides[:-1])
+                specs[a.name] = ArraySpec(self.compute, strides)
+            out.append((Launch(k, length, 1, threads), source(specs, sizes)))
+        return out
+
+    @staticmethod
+    def round_steps() -> int:
+        return WARP * steps_per_lane()
+
+    # -- the two launches ----------------------------------------------------------------------
+    def forward(self, seqs, params, initial, sizes, length):
+        """(outputs, finals, rounds): the forward's results (time first, time contiguous) and the
+        carry into each round, ``rounds[<h>]`` with the round first."""
+        k = self.forward_kernel
+        given = {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}
+        made = self._launch(k, given, sizes, length, self._forward_source)
+        p = self.bw.forward
+        outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
+        finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
+        rounds = {s.name: made[f"rounds_{s.name}"] for s in p.states}
+        return outs, finals, rounds
+
+    def backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
+        """(gradients of the sequences [t, ...], final adjoint states): `grad_states` is the cotangent
+        of the forward's final states (grad_<h>), `grad_params` what the param gradients start from
+        (added into)."""
+        plan = self.plan
+        given = {**seqs, **params, **cotangents}
+        given.update({f"rounds_{s}": v for s, v in rounds.items()})
+        given.update({f"init_{n}": v for n, v in grad_states.items()})
+        given.update({f"final_{n}": v.clone() for n, v in grad_params.items()})
+        made = self._launch(plan, given, sizes, length, self._backward_source)
+        outs = {n: made[f"out_{n}"] for n, _ in plan.adjoint.program.outputs}
+        finals = {n: made[f"final_{n}"].reshape([sizes[a] for a in plan.adjoint.program.decl(n).axes])
+                  for n in plan.core}
+        finals.update({n: made[f"final_{n}"] for n in plan.partials.accumulators})
+        return outs, finals
+
+    # -- building and launching ----------------------------------------------------------------
+    def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
+        ctype = "double" if self.compute == "float64" else "float"
+        fr = self.forward_runner
+        return module_source(fr.lowered, ctype, [(self.forward_kernel, specs)], sizes,
+                             (fr.time_blocks.lane_summary, steps_per_lane()))
+
+    def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
+        ctype = "double" if self.compute == "float64" else "float"
+        return fused_backward_source(self.plan, ctype, specs, sizes, steps_per_lane())
+
+    def _launch(self, k, given: dict, sizes: dict[str, int], length: int, source) -> dict:
+        """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
+        as they are, the others allocated (per-step ones with time contiguous; ``atomic`` ones and
+        accumulated results zeroed); returns the allocated and accumulated ones by name."""
+        import cupy
+        import torch
+
+        state = torch.float64 if self.compute == "float64" else torch.float32
+        rounds = -(-length // self.round_steps())
+        made, tensors = {}, []
+        for a in k.arrays:
+            if a.name in given:
+                t = given[a.name]
+                if a.role in ("accumulate", "final"):
+                    made[a.name] = t
+            else:
+                shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
+                alloc = torch.zeros if a.role == "atomic" else torch.empty
+                if a.axes[:1] == ("t",) and len(shape) > 1:  # lanes touch neighbouring steps
+                    t = alloc([*shape[1:], shape[0]], device="cuda", dtype=state).movedim(-1, 0)
+                else:
+                    t = alloc(shape, device="cuda", dtype=state)
+                made[a.name] = t
+            tensors.append(_as_1d(t))
+        layouts = tuple((t.dtype, t.stride()) for t in tensors)
+        key = (k.name, layouts, _sizes_key(sizes), steps_per_lane())
+        fn = self.functions.get(key)
+        if fn is None:
+            specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
+            with progress(f"compiling {k.name} for CUDA (NVRTC)"):
+                module = cupy.RawModule(code=source(specs, sizes), options=("--std=c++17",))
+                module.compile()
+            fn = self.functions[key] = module.get_function(k.name)
+        threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
+        pointer = torch.cuda.current_stream().cuda_stream
+        stream = self.streams.get(pointer)
+        if stream is None:
+            stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
+        args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
+        fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=stream)
+        return made
+
+
+_RUNNERS: dict[tuple, FusedBackwardRunner | None] = {}
+
+
+def fused_backward_runner(bw: Backward, compute: str = "float32") -> FusedBackwardRunner | None:
+    """The fused backward of `bw`, or None where it does not apply: a forward run in fusion stages
+    (lowering/stages.py), or one that reverse_warp.py cannot fuse."""
+    key = (bw.forward, bw.adjoint, compute)
+    if key not in _RUNNERS:
+        plan = None if fuse(bw.forward).staged or fuse(bw.adjoint).staged else fused_backward(bw)
+        _RUNNERS[key] = None if plan is None else FusedBackwardRunner(bw, plan, compute)
+    return _RUNNERS[key]
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape or [1]):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
