@@ -532,6 +532,12 @@ def ssmc_candidates(workload: Workload) -> list:
     for env in variants:
         text = ", ".join(f"{k}={v}" for k, v in env.items())
         cands.append(Impl(name="cuda " + text, label=f"ssmc: cuda, {text}", fwd=_with_env(env, run_fwd)))
+    # the backward: the fused kernel's steps per lane forced, and the unfused (chunked) backward
+    for env in [{"SSMC_CUDA_BACKWARD_STEPS_PER_LANE": str(k)} for k in (1, 2, 4, 8)] + [
+            {"SSMC_CUDA_FUSED_BACKWARD": "0"}]:
+        text = ", ".join(f"{k}={v}" for k, v in env.items())
+        cands.append(Impl(name="cuda " + text, label=f"ssmc: cuda, {text}", prepare=_default_prepare,
+                          fwdbwd=_with_env(env, run_fwdbwd, grad=True)))
     if workload.key == "scan1":
         fwd_tm = ssmc.compile(spec, "cuda", layout="b t d")
         cands.append(Impl(
@@ -542,15 +548,15 @@ def ssmc_candidates(workload: Workload) -> list:
     return cands
 
 
-def _with_env(env: dict[str, str], run):
-    def fwd(prep):
+def _with_env(env: dict[str, str], run, grad: bool = False):
+    def call(prep):
         os.environ.update(env)
         try:
-            return run(prep["inp"])
+            return run(prep["inp"], prep["dout"]) if grad else run(prep["inp"])
         finally:
             for k in env:
                 del os.environ[k]
-    return fwd
+    return call
 
 
 def _first_order_scan():

@@ -131,8 +131,9 @@ class FusedBackward:
 
 
 def fused_backward(bw: Backward) -> FusedBackward | None:
-    """The fused backward of `bw`, or None where it does not apply (a forward that is not
-    diagonal linear in every state, or an adjoint root that needs more than per-thread terms)."""
+    """The fused backward of `bw`, or None where it does not apply: a forward that is not diagonal
+    linear in every state, an adjoint root that needs more than per-thread terms, or terms along
+    an axis the thread's state lacks."""
     fwd = bw.forward
     parallel = independent_axes(fwd)
     if not parallel or fwd.reverse:
@@ -142,6 +143,14 @@ def fused_backward(bw: Backward) -> FusedBackward | None:
     if f_summary is None or partials is None:
         return None
     adj = partials.program
+    # a thread's terms span only axes its own state has (Mamba-1's grad_B and grad_A terms: [n], as
+    # h): a minGRU's weight gradients [i d] would hold a row of i per thread, its grad_x add i terms
+    # per step; the unfused backward's epilogue kernels suit those better
+    spans = [set(s.axes) for s in fwd.states]
+    partial_roots = [y for n, y in adj.outputs if n in partials.atomic]
+    partial_roots += [adj.decl(n) for n in partials.accumulators]
+    if any(not any(set(r.axes) <= span for span in spans) for r in partial_roots):
+        return None
     core = tuple(s.name for s in adj.states if s.name not in partials.accumulators)
     core_program = adj.with_roots(tuple(u for s, u in zip(adj.states, adj.updates) if s.name in core), (),
                                   states=core, name=f"{adj.name}_core")

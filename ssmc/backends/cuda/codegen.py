@@ -298,11 +298,11 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
 
 
 def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
-                        steps_per_lane: int) -> dict:
+                        steps_per_lane: int, round_steps: int = 0) -> dict:
     """The warp kernel (lowering/time_blocks.py) of the program step `k`: the `summary` step and
     `k`'s spliced around a scan of the (product, partial) pairs across the warp's lanes. Where `k`
-    has arrays ``rounds_<state>`` (lowering/reverse_warp.py), lane 0 writes the carry into each
-    round there, for the fused backward."""
+    has arrays ``rounds_<state>`` (lowering/reverse_warp.py), the lane whose steps start a round of
+    `round_steps` (the fused backward's) writes its carry there."""
     program = k.program
     staged = _stageable(k, summary)
     ctx = kernel_context(k, arrays, sizes)
@@ -325,14 +325,16 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
     scan = _lane_scan(program.states, set(k.parallel))
-    save = [f"{head}{name}[{pr.index(Load(name, ('(base / ' + str(WARP * steps_per_lane) + ')', *env)))}]"
-            f" = {_store(arrays[name].dtype, f'cr_{s}{idx}')};"
+    save = [f"{head}{name}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
+            f" = {_store(arrays[name].dtype, f'st_{s}{idx}')};"
             for s, head, idx, env, name in _round_arrays(k)]
+    if save:  # after the combine: st_<s> is the carry into this lane's steps
+        save = [f"if (t0 < L && t0 % {round_steps} == 0) {{  // this lane's steps start a round of the backward",
+                *(f"    {line}" for line in save), "}"]
     pad = "    "
     ctx["carry"] = "\n".join(pad + line for line in scan.carry)
-    ctx["reset"] = "\n".join(2 * pad + line for line in
-                             (["if (lane == 0) {", *(pad + x for x in save), "}"] if save else []) + scan.reset)
-    ctx["combine"] = "\n".join(2 * pad + line for line in scan.combine)
+    ctx["reset"] = "\n".join(2 * pad + line for line in scan.reset)
+    ctx["combine"] = "\n".join(2 * pad + line for line in scan.combine + save)
     ctx["final_carry"] = "\n".join(pad + line for line in scan.final)
     return ctx
 
@@ -543,13 +545,14 @@ def math_header() -> str:
 
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
                   sizes: dict[str, int], warp: tuple[Kernel, int] | None = None,
-                  threads: dict[str, Threads] | None = None) -> str:
+                  threads: dict[str, Threads] | None = None, round_steps: int = 0) -> str:
     """CUDA C for the given kernels of `lowered`, each with the layouts of its arrays and its thread
     mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (the summary step, steps
-    per lane), the one kernel given as the warp kernel's step instead."""
+    per lane), the one kernel given as the warp kernel's step instead (`round_steps`: see
+    `warp_kernel_context`)."""
     if warp is not None:
         (k, specs), = kernels
-        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1])]
+        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps)]
     else:
         threads = threads or {}
         contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
