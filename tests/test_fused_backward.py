@@ -61,12 +61,12 @@ def _check_partials_add_up(program, seqs, params, initial, sizes, length, rng):
         got = got_outs[name]
         if name in partials.atomic:  # the threads' terms, summed over the axes the output lacks
             got = summed(got, ("t", *y.axes), ("t", *partials.atomic[name]))
-        assert rel_err(got, want_outs[name]) <= 1e-12, name
+        assert rel_err(got, want_outs[name]) <= 1e-10, name  # another order of the sum: rounding only
     for s in p.states:
         got = got_finals[s.name]
         if s.name in partials.accumulators:
             got = init[s.name] + summed(got, s.axes, partials.accumulators[s.name])
-        assert rel_err(got, want_finals[s.name]) <= 1e-12, s.name
+        assert rel_err(got, want_finals[s.name]) <= 1e-10, s.name
 
 
 @pytest.mark.parametrize("length", [1, 7, 180])
@@ -121,6 +121,9 @@ def test_which_programs_fuse():
     assert plan.partials.atomic == {"grad_B": ("b", "n"), "grad_C": ("b", "n")}
     assert set(plan.partials.accumulators) == {"grad_A", "grad_D", "grad_delta_bias"}
     assert plan.core == ("grad_h",)
+    # softplus(delta + bias) and exp(dt A): computed by the forward's summary, read by the three later steps
+    shared = dict(plan.forward_summary.program.outputs)
+    assert [shared[v].op.name for v in plan.shared] == ["SOFTPLUS", "EXP"]
 
 
 def test_when_the_fused_backward_runs(monkeypatch):
@@ -162,6 +165,8 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
         assert set(roles) == {"forward", "forward (training)", "backward"}, name
         assert roles["backward"].strategy == "fused backward"
         assert "atomicAdd" in roles["backward"].source or name == "hgrn"
+        if name == "mamba1":  # exp(dt A) once per step and state, where the four steps would each compute it
+            assert roles["backward"].source.count("exp_(") == 1
         for r in reports:
             assert r.resources is not None, r.error
             assert not r.resources.spills, (name, r.name, r.resources.summary())

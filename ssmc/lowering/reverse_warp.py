@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import build
-from ..ir.node import Node
+from ..ir.node import Node, substitute, toposort
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from ..passes.autodiff import Backward
@@ -78,8 +78,8 @@ def partial_adjoint(adjoint: Recurrence, parallel: tuple[str, ...]) -> Partials 
     outputs, atomic = [], {}
     for name, y in adjoint.outputs:
         split = _split_sums(y, par)
-        if split is None or not par <= set(split[0].axes):
-            return None
+        if split is None or not par | set(y.axes) <= set(split[0].axes):
+            return None  # a root without a recurrence axis, or broadcast along an axis of its own
         outputs.append((name, split[0]))
         if split[1]:
             atomic[name] = y.axes
@@ -92,7 +92,7 @@ def partial_adjoint(adjoint: Recurrence, parallel: tuple[str, ...]) -> Partials 
             updates.append(u)
             continue
         split = _split_sums(c.b, par)
-        if split is None or not par <= set(split[0].axes):
+        if split is None or not par | set(s.axes) <= set(split[0].axes):
             return None
         inc = split[0]
         carry = Node.make(Op.INPUT, (), s.name, inc.axes)
@@ -119,6 +119,7 @@ class FusedBackward:
     adjoint: Kernel             # the partial adjoint's step: outputs (atomic+= where summed), accumulators
     core: tuple[str, ...]       # the adjoint's recurrences (grad_h), carried across lanes and rounds
     arrays: list[Array]         # the fused kernel's arguments, in order
+    shared: tuple[str, ...] = ()  # values the forward's summary writes (out_sv<k>), the others read (sv<k>)
 
     @property
     def name(self) -> str:
@@ -159,6 +160,10 @@ def fused_backward(bw: Backward) -> FusedBackward | None:
         return None
     states = tuple(s.name for s in fwd.states)
     carries = fwd.with_roots(fwd.updates, (), name=f"{fwd.name}_carries")
+    shared = _shared_values(f_summary, [carries, a_summary, adj], fwd, spans)
+    if shared:  # computed by the forward's summary, read from registers by the three later steps
+        f_summary = f_summary.with_roots(f_summary.updates, tuple(shared.items()))
+        carries, a_summary, adj = (_reading(p, shared) for p in (carries, a_summary, adj))
     adjoint = build_kernel(adj.name, adj, parallel)
     _leave_to_threads(adjoint, partials)
     kernels = dict(
@@ -167,8 +172,48 @@ def fused_backward(bw: Backward) -> FusedBackward | None:
         adjoint_summary=build_kernel(a_summary.name, a_summary, parallel, prefix="as_", load_init=False),
         adjoint=adjoint,
     )
-    arrays = _arguments(list(kernels.values()), fwd, partials, set(states))
-    return FusedBackward(bw, parallel, partials, core=core, arrays=arrays, **kernels)
+    arrays = _arguments(list(kernels.values()), fwd, partials, set(states) | set(shared))
+    return FusedBackward(bw, parallel, partials, core=core, arrays=arrays, shared=tuple(shared), **kernels)
+
+
+_COSTLY = {Op.EXP, Op.LOG, Op.SOFTPLUS, Op.SIGMOID, Op.TANH, Op.SILU, Op.GELU, Op.ERF, Op.SQRT, Op.RSQRT,
+           Op.POW, Op.DIV}
+
+
+def _shared_values(first: Recurrence, later: list[Recurrence], fwd: Recurrence, spans) -> dict[str, Node]:
+    """Values of a step that the forward's summary computes and a later step computes again (Mamba-1's
+    ``exp(softplus(delta + bias) A)``, four times a step otherwise): those that read only the
+    forward's sequences and params, are a transcendental or a division, span only axes of a state
+    (a lane keeps one per step in registers), and are not only ever used inside another such value.
+    By name ``sv<k>``, in the order the summary computes them."""
+    free = {d.name for d in fwd.decls if d.role is not Role.STATE}
+    nodes = toposort(first.roots)
+    later_nodes = set().union(*(toposort(p.roots) for p in later))
+    reads: dict[Node, frozenset[str]] = {}
+    for n in nodes:
+        reads[n] = frozenset({n.arg}) if n.op is Op.INPUT else frozenset().union(*(reads[a] for a in n.args))
+    candidates = [n for n in nodes if n.op in _COSTLY
+                  and reads[n] <= free and n in later_nodes and any(set(n.axes) <= span for span in spans)]
+    users: dict[Node, set[Node]] = {}
+    for n in set(nodes) | later_nodes:
+        for a in n.args:
+            users.setdefault(a, set()).add(n)
+    chosen = set(candidates)
+    for n in reversed(candidates):  # consumers first: a value read only by chosen ones is not kept
+        if users.get(n, set()) <= chosen - {n}:
+            chosen.discard(n)
+    return {f"sv{i}": n for i, n in enumerate(n for n in candidates if n in chosen)}
+
+
+def _reading(program: Recurrence, shared: dict[str, Node]) -> Recurrence:
+    """`program` with the shared values read as sequences ``sv<k>`` (the lane's registers)."""
+    leaves = {n: Node.make(Op.INPUT, (), name, n.axes) for name, n in shared.items()}
+    roots = substitute(program.roots, leaves)
+    updates, outputs = roots[:len(program.updates)], roots[len(program.updates):]
+    new = program.with_roots(updates, tuple(zip((n for n, _ in program.outputs), outputs)),
+                             new_seqs=[(name, n.axes) for name, n in shared.items()
+                                       if any(x is leaves[n] for x in toposort(roots))])
+    return new
 
 
 def _leave_to_threads(k: Kernel, partials: Partials) -> None:

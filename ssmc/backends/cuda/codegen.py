@@ -408,6 +408,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
     parallel = set(fb.parallel)
     registers = {f"prev_{s}": f"rg_{s}" for s in fb.carried} | {s: f"rg_{s}" for s in fb.carried}
+    registers |= {f"out_{v}": f"rg_{v}" for v in fb.shared} | {v: f"rg_{v}" for v in fb.shared}
     staged = _stageable_in(fb.arrays, kernels, parallel)
     printers = [CPrinter(k, arrays, sizes, staged, registers=registers) for k in kernels]
     fs, fc, as_, ad = printers
@@ -442,6 +443,11 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         registers_decl.append(f"F cr_{s.name}" + "".join(f"[{d}]" for d in local) + ";")
         at = fc.index(Load(f"rounds_{s.name}", ("r", *env)))
         load_round.append(f"{head}cr_{s.name}{idx} = F(to_f(rounds_{s.name}[{at}]));")
+    for a in fb.forward_summary.arrays:  # values the forward's summary keeps for the later steps
+        if a.role == "out" and a.name[len("out_"):] in fb.shared:
+            local = "".join(f"[{size_var(x)}]" for x in a.axes[1:] if x not in parallel)
+            registers_decl.append(f"F rg_{a.name[len('out_'):]}[{steps_per_lane}]{local};"
+                                  "  // a value of each of this lane's steps, computed once")
     accumulate = []
     for name, axes_ in fb.partials.accumulators.items():
         s = fb.adjoint.program.decl(name)
