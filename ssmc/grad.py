@@ -14,7 +14,9 @@ the CPU, as long as keeps one chunk's carries within `CPU_CARRIES_BUDGET` (64 Mi
 forward (outputs and every carry) and the backward recomputes nothing. On the GPU every chunk
 costs a few kernel launches, so the chunk is as long as keeps the recomputed carries no bigger
 than the sequences given: one chunk for a scan whose state is as big as its input, about L / 5
-steps for Mamba-1 (state N = 16 per channel); the GPU always recomputes the carries.
+steps for Mamba-1 (state N = 16 per channel); the GPU always recomputes the carries. Where the CUDA
+fused backward applies (backends/cuda/fused_backward.py), its round of 32 steps is the chunk and a
+given `chunk` is not used.
 """
 
 from __future__ import annotations
@@ -299,7 +301,6 @@ class Grad:
         grads.update({p.name: carry[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
         return grads
-
 
     def _fused_adjoint(self, tape: Tape, cot: dict, lam: dict, acc: dict) -> dict:
         """The adjoint as the CUDA fused backward's one kernel (`tape.rounds` from its forward)."""

@@ -44,6 +44,15 @@ class ArraySpec:
     group_stride: int = 0          # split-K partials: the offset between groups' copies (0: one copy)
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of `shape` (a 0-d one as one element)."""
+    strides, acc = [], 1
+    for n in reversed(list(shape) or [1]):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class Threads:
     """How a time-blocked kernel maps its threads: `time_fastest` puts consecutive blocks of time on

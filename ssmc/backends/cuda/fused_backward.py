@@ -20,7 +20,7 @@ from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...passes.autodiff import Backward
 from ...runtime.progress import progress
-from .codegen import BLOCK, WARP, ArraySpec, fused_backward_source, module_source
+from .codegen import BLOCK, WARP, ArraySpec, contiguous_strides, fused_backward_source, module_source
 from .runner import _DTYPES, Launch, _as_1d, _sizes_key, runner_for, steps_per_lane
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
@@ -80,9 +80,11 @@ class FusedBackwardRunner:
             specs = {}
             for a in k.arrays:
                 shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
-                strides = _contiguous([*shape[1:], shape[0]] if a.axes[:1] == ("t",) and len(shape) > 1 else shape)
-                if a.axes[:1] == ("t",) and len(shape) > 1:
-                    strides = (strides[-1], *strides[:-1])
+                if a.axes[:1] == ("t",) and len(shape) > 1:  # time innermost, as `_launch` allocates
+                    inner = contiguous_strides([*shape[1:], shape[0]])
+                    strides = (inner[-1], *inner[:-1])
+                else:
+                    strides = contiguous_strides(shape)
                 specs[a.name] = ArraySpec(self.compute, strides)
             out.append((Launch(k, length, 1, threads), source(specs, sizes)))
         return out
@@ -186,10 +188,3 @@ def fused_backward_runner(bw: Backward, compute: str = "float32") -> FusedBackwa
         _RUNNERS[key] = None if plan is None else FusedBackwardRunner(bw, plan, compute)
     return _RUNNERS[key]
 
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape or [1]):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))

@@ -19,7 +19,7 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import axis_sizes
 from . import nvrtc
-from .codegen import ArraySpec
+from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .runner import CudaRunner, Launch
 
@@ -50,14 +50,6 @@ def default_sizes(program, given: dict[str, int] | None = None) -> dict[str, int
     return axis_sizes(program, np.random.default_rng(0), DEFAULT_SIZE, DEFAULT_SIZE, given)
 
 
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
 def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str,
            time_contiguous: bool = False) -> dict[str, ArraySpec]:
     """The layouts `CudaRunner.run` gives the kernel's arrays: time outermost, or (`time_contiguous`)
@@ -69,10 +61,10 @@ def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str,
         io = a.role in ("seq", "param", "init", "out")
         partial = groups > 1 and not launch.mapping.row and a.role in ("out", "final")
         if time_contiguous and a.role in ("seq", "out", "prev") and len(shape) > 1:
-            inner = _contiguous([*shape[1:], shape[0]])
+            inner = contiguous_strides([*shape[1:], shape[0]])
             strides = (inner[-1], *inner[:-1])
         else:
-            strides = _contiguous(shape or [1])
+            strides = contiguous_strides(shape or [1])
         group_stride = int(np.prod(shape)) if partial else 0
         specs[a.name] = ArraySpec(compute if partial or not io else dtype, strides, group_stride)
     return specs
