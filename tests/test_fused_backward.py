@@ -95,6 +95,7 @@ def test_partial_adjoint_terms_add_up_to_the_adjoint(name, length):
 @settings(max_examples=20, **SETTINGS)
 @given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
 def test_random_partial_adjoints_add_up(spec, seed):
+    """And, where the fused backward takes the spec, its two kernels compile through NVRTC."""
     program = spec.program
     bw = derive_backward(program)
     # most random specs have scalar states, or a root the rewrite leaves alone (the unfused path runs them)
@@ -106,6 +107,12 @@ def test_random_partial_adjoints_add_up(spec, seed):
     _check_partials_add_up(program, {d.name: inputs[d.name] for d in program.seqs},
                            {d.name: inputs[d.name] for d in program.params},
                            {s.name: inputs[s.name] for s in program.states}, sizes, 7, rng)
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+
+    fused = fused_backward_runner(bw, "float64")
+    if fused is not None and nvrtc.available():  # its two kernels compile (GPU tests run them)
+        for launch, source in fused.sources(sizes, 7):
+            nvrtc.compile_source(source, arch="sm_90", name=f"{launch.kernel.name}.cu")
 
 
 def test_which_programs_fuse():
