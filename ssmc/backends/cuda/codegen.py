@@ -259,6 +259,16 @@ def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
     return out
 
 
+def _unflatten(parallel) -> list[str]:
+    """C lines splitting the flat index `p` into one index `p_<axis>` per parallel axis (the last fastest)."""
+    lines, rest = [], "p"
+    for a in reversed(parallel):
+        lines += [f"const int p_{a} = (int)({rest} % {size_var(a)});",
+                  f"const long long rest_{a} = {rest} / {size_var(a)};"]
+        rest = f"rest_{a}"
+    return lines
+
+
 def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                    threads: Threads = ONE_GROUP) -> dict:
     staged = _staged_prev(k, arrays)
@@ -271,11 +281,7 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
     total = " * ".join(str(sizes[a]) for a in k.parallel) or "1"
     constants.append(f"constexpr long long total = {total};")
-    unflatten, rest = [], "p"
-    for a in reversed(k.parallel):
-        unflatten.append(f"const int p_{a} = (int)({rest} % {size_var(a)});")
-        unflatten.append(f"const long long rest_{a} = {rest} / {size_var(a)};")
-        rest = f"rest_{a}"
+    unflatten = _unflatten(k.parallel)
     par = " ".join(k.parallel) or "-"
     comment = f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
     if threads.row and threads.groups > 1:
@@ -313,7 +319,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     has arrays ``rounds_<state>`` (lowering/reverse_warp.py), the lane whose steps start a round of
     `round_steps` (the fused backward's) writes its carry there."""
     program = k.program
-    staged = _stageable(k, summary)
+    staged = _stageable(k.arrays, (summary, k), set(k.parallel))
     ctx = kernel_context(k, arrays, sizes)
     ps = CPrinter(summary, arrays, sizes, staged)
     pr = CPrinter(k, arrays, sizes, staged)
@@ -418,7 +424,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     parallel = set(fb.parallel)
     registers = {f"prev_{s}": f"rg_{s}" for s in fb.carried} | {s: f"rg_{s}" for s in fb.carried}
     registers |= {f"out_{v}": f"rg_{v}" for v in fb.shared} | {v: f"rg_{v}" for v in fb.shared}
-    staged = _stageable_in(fb.arrays, kernels, parallel)
+    staged = _stageable(fb.arrays, kernels, parallel)
     printers = [CPrinter(k, arrays, sizes, staged, registers=registers) for k in kernels]
     fs, fc, as_, ad = printers
     index = {a.name: a for a in fb.arrays}
@@ -429,11 +435,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     axes = sorted({a for k in kernels for a in k.sizes})
     constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in axes]
     constants.append(f"constexpr long long total = {' * '.join(str(sizes[a]) for a in fb.parallel)};")
-    unflatten, rest = [], "p"
-    for a in reversed(fb.parallel):
-        unflatten += [f"const int p_{a} = (int)({rest} % {size_var(a)});",
-                      f"const long long rest_{a} = {rest} / {size_var(a)};"]
-        rest = f"rest_{a}"
+    unflatten = _unflatten(fb.parallel)
     declarations = []
     for pr in printers:
         declarations += [d for d in pr.scalars() if d not in declarations]
@@ -503,18 +505,6 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     }
 
 
-def _stageable_in(arrays, kernels, parallel: set[str]) -> frozenset[str]:
-    """`_stageable` for the fused backward: its sequences and outputs with one value per step of a
-    recurrence, only ever accessed at step t by any of its kernels."""
-    candidates = {a.name: a for a in arrays
-                  if a.role in ("seq", "out") and a.axes[:1] == ("t",) and set(a.axes[1:]) <= parallel}
-    for k in kernels:
-        for e in _loads(k.step):
-            if e.array in candidates and e != _at_t(candidates[e.array]):
-                del candidates[e.array]
-    return frozenset(candidates)
-
-
 def _loads(stmts):
     """Every global or buffer access in `stmts` (reads and write targets)."""
     for s in walk(stmts):
@@ -528,16 +518,17 @@ def _at_t(array) -> Load:
     return Load(array.name, ("t", *(f"p_{a}" for a in array.axes[1:])))
 
 
-def _stageable(k: Kernel, summary: Kernel) -> frozenset[str]:
-    """Sequences and outputs with one value per step of a recurrence, only ever accessed at step t:
-    the warp kernel moves them through shared memory, so that the lanes' global reads and writes of
-    a round are coalesced (lane j touches step j, j + 32, ...), whatever the steps per lane."""
-    parallel = set(k.parallel)
-    candidates = {a.name: a for a in k.arrays
+def _stageable(arrays, kernels, parallel: set[str]) -> frozenset[str]:
+    """Sequences and outputs among `arrays` with one value per step of a recurrence, only ever
+    accessed at step t by `kernels`' steps: the warp kernels move them through shared memory, so
+    that the lanes' global reads and writes of a round are coalesced (lane j touches step j, j + 32,
+    ...), whatever the steps per lane."""
+    candidates = {a.name: a for a in arrays
                   if a.role in ("seq", "out") and a.axes[:1] == ("t",) and set(a.axes[1:]) <= parallel}
-    for e in _loads(summary.step + k.step):
-        if e.array in candidates and e != _at_t(candidates[e.array]):
-            del candidates[e.array]
+    for k in kernels:
+        for e in _loads(k.step):
+            if e.array in candidates and e != _at_t(candidates[e.array]):
+                del candidates[e.array]
     return frozenset(candidates)
 
 

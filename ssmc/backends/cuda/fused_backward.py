@@ -19,7 +19,6 @@ from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...passes.autodiff import Backward
-from ...runtime.progress import progress
 from .codegen import BLOCK, WARP, ArraySpec, contiguous_strides, fused_backward_source, module_source
 from .runner import _DTYPES, Launch, _as_1d, _sizes_key, runner_for, steps_per_lane
 
@@ -50,7 +49,6 @@ class FusedBackwardRunner:
         self.forward_kernel: Kernel = build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel)
         self.forward_kernel.arrays += [Array(f"rounds_{s.name}", "rounds", ("round", *s.axes)) for s in fwd.states]
         self.functions: dict[tuple, object] = {}
-        self.streams: dict[int, object] = {}
 
     def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
         """Whether the forward runs as the warp kernel for these sequences (module docstring)."""
@@ -109,12 +107,12 @@ class FusedBackwardRunner:
     def backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
         """(gradients of the sequences [t, ...], final adjoint states): `grad_states` is the cotangent
         of the forward's final states (grad_<h>), `grad_params` what the param gradients start from
-        (added into)."""
+        (added into, in place)."""
         plan = self.plan
         given = {**seqs, **params, **cotangents}
         given.update({f"rounds_{s}": v for s, v in rounds.items()})
         given.update({f"init_{n}": v for n, v in grad_states.items()})
-        given.update({f"final_{n}": v.clone() for n, v in grad_params.items()})
+        given.update({f"final_{n}": v for n, v in grad_params.items()})  # added into in place
         made = self._launch(plan, given, sizes, length, self._backward_source)
         outs = {n: made[f"out_{n}"] for n, _ in plan.adjoint.program.outputs}
         finals = {n: made[f"final_{n}"].reshape([sizes[a] for a in plan.adjoint.program.decl(n).axes])
@@ -137,7 +135,6 @@ class FusedBackwardRunner:
         """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
         as they are, the others allocated (per-step ones with time contiguous; ``atomic`` ones and
         accumulated results zeroed); returns the allocated and accumulated ones by name."""
-        import cupy
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
@@ -160,19 +157,12 @@ class FusedBackwardRunner:
         layouts = tuple((t.dtype, t.stride()) for t in tensors)
         key = (k.name, layouts, _sizes_key(sizes), steps_per_lane(), backward_steps_per_lane(self.plan))
         fn = self.functions.get(key)
-        if fn is None:
+        if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
-            with progress(f"compiling {k.name} for CUDA (NVRTC)"):
-                module = cupy.RawModule(code=source(specs, sizes), options=("--std=c++17",))
-                module.compile()
-            fn = self.functions[key] = module.get_function(k.name)
+            fn = self.functions[key] = self.forward_runner.function(source(specs, sizes), k.name)
         threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
-        pointer = torch.cuda.current_stream().cuda_stream
-        stream = self.streams.get(pointer)
-        if stream is None:
-            stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
         args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
-        fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=stream)
+        fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=self.forward_runner.stream())
         return made
 
 

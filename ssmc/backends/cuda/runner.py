@@ -174,7 +174,7 @@ class CudaRunner:
         warp = (tb.lane_summary, steps_per_lane()) if tb is not None and k is tb.lane_rescan else None
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping})
 
-    def _function(self, source: str, name: str):
+    def function(self, source: str, name: str):
         module = self.modules.get(source)
         if module is None:
             import cupy
@@ -269,7 +269,6 @@ class CudaRunner:
         carries `prev_*`) are allocated with time contiguous, as their readers take them; with
         `mapping.groups` > 1 its outputs and finals are partials, one copy per group (`made[name]`
         then has the groups first)."""
-        import cupy
         import torch
 
         made = {}
@@ -298,16 +297,23 @@ class CudaRunner:
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
-            fn = self.functions[key] = self._function(self.source_for(k, specs, sizes, mapping), k.name)
+            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping), k.name)
         per = WARP if warp else nblk * groups
         blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per, mapping).grid
+        args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
+        fn((blocks,), (threads,), args, stream=self.stream())
+        return made
+
+    def stream(self):
+        """CuPy's view of torch's current stream (launches go there: no host sync)."""
+        import cupy
+        import torch
+
         pointer = torch.cuda.current_stream().cuda_stream
         stream = self.streams.get(pointer)
         if stream is None:
             stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
-        args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
-        fn((blocks,), (threads,), args, stream=stream)
-        return made
+        return stream
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch CUDA tensors in and out)."""
