@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import numpy as np
 import pytest
+import sympy as sp
 import torch
 import torch_oracle
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
 
 import ssmc
+from ssmc.passes import symbolic
 from ssmc.passes.autodiff import derive_backward
 from ssmc.passes.classify import classify
 from ssmc.pipeline import show
@@ -210,6 +213,27 @@ def test_nonlinear_and_general_linear_updates():
     assert classify(square.program).family == "nonlinear"
     assert classify(mixing.program).family == "general linear"
 
+
+
+def test_activations_of_constants_compare_inside_min_max_and_where():
+    """SymPy folds a `where` nested in a condition by substituting 0 for every symbol, which
+    leaves e.g. Min(gelu(0), ...): the opaque activations must evaluate at numbers to compare
+    (a random spec of CI run 0701c12 failed here)."""
+    @ssmc.recurrence
+    def spec(h: ssmc.State["d"], g: ssmc.State["d"], x: ssmc.Seq["d"]):
+        clipped = ssmc.minimum(ssmc.gelu(g), ssmc.where(h <= -0.75, -0.75, 3.0))
+        inner = ssmc.where(clipped > ssmc.maximum(x, h), x + 1.0, g - g)
+        return (ssmc.tanh(ssmc.where(inner > h * h, x, h)), g + x), h
+
+    assert classify(spec.program).family == "nonlinear"
+    x = np.array([-1.5, 0.0, 0.7])
+    want = {"sigmoid": 1 / (1 + np.exp(-x)), "softplus": np.log1p(np.exp(x)), "silu": x / (1 + np.exp(-x)),
+            "gelu": x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))) / 2, "tanh": np.tanh(x),
+            "relu": np.maximum(x, 0)}
+    for name, values in want.items():
+        f = getattr(symbolic, name)
+        got = [float(sp.Min(f(sp.Float(v)), 10)) for v in x]
+        np.testing.assert_allclose(got, values, rtol=1e-14, atol=1e-300, err_msg=name)
 
 # -- conventions at non-smooth points -----------------------------------------------------------------
 

@@ -17,36 +17,65 @@ from ..ir.node import Node
 from ..ir.ops import Op
 
 
-class sigmoid(sp.Function):
+class _Opaque(sp.Function):
+    """An activation SymPy keeps unexpanded. It is real for real arguments and evaluates to a
+    number at a number, so that SymPy can compare it (Min, Max and Piecewise fold at constants)."""
+
+    @staticmethod
+    def definition(x: sp.Expr) -> sp.Expr:
+        raise NotImplementedError
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+    def _eval_evalf(self, prec):
+        if self.args[0].is_number:
+            return self.definition(self.args[0])._eval_evalf(prec)
+        return None
+
+
+class sigmoid(_Opaque):
+    definition = staticmethod(lambda x: 1 / (1 + sp.exp(-x)))
+
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
 
 
-class softplus(sp.Function):
+class softplus(_Opaque):
+    definition = staticmethod(lambda x: sp.log(1 + sp.exp(x)))
+
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
 
-class silu(sp.Function):
+class silu(_Opaque):
+    definition = staticmethod(lambda x: x / (1 + sp.exp(-x)))
+
     def fdiff(self, argindex=1):
         x = self.args[0]
         s = sigmoid(x)
         return s * (1 + x * (1 - s))
 
 
-class gelu(sp.Function):
+class gelu(_Opaque):
+    definition = staticmethod(lambda x: x * (1 + sp.erf(x / sp.sqrt(2))) / 2)
+
     def fdiff(self, argindex=1):
         x = self.args[0]
         return (1 + sp.erf(x / sp.sqrt(2))) / 2 + x * sp.exp(-x**2 / 2) / sp.sqrt(2 * sp.pi)
 
 
-class tanh(sp.Function):
+class tanh(_Opaque):
+    definition = staticmethod(sp.tanh)
+
     def fdiff(self, argindex=1):
         return 1 - tanh(self.args[0]) ** 2
 
 
-class relu(sp.Function):
+class relu(_Opaque):
+    definition = staticmethod(lambda x: sp.Max(x, 0))
+
     def fdiff(self, argindex=1):
         return sp.Heaviside(self.args[0], 0)  # relu'(0) = 0, as in PyTorch
 
