@@ -102,27 +102,28 @@ def kernel_count(fn) -> int:
 
 
 def ssmc_bytes(B, D, L, N, backward: bool) -> int:
-    """Bytes the ssmc kernel plan moves: every array of every launch once (fp32), from `launches()`."""
-    from ssmc.backends.cuda.runner import CudaRunner
+    """Bytes the ssmc kernel plan moves: every array of every kernel the run launches, once (fp32),
+    from `kernel_reports` (what `ssmc inspect` lists). A training step runs, per fusion stage, the
+    forward (the one saving round carries where the stage's fused backward applies) and the
+    stage's backward kernels."""
+    from ssmc.backends.cuda.report import kernel_reports
     from ssmc.examples import mamba1_block
-    from ssmc.grad import default_chunk
-    from ssmc.lowering.stages import fuse
-    from ssmc.passes.autodiff import derive_backward
 
     sizes = {"b": B, "d": D, "n": N}
-    program = mamba1_block.SPEC.program
-    runs = [(program, L, 1)]            # the forward (ssmc.grad's saves chunk boundaries as it goes)
+    reports = kernel_reports(mamba1_block.SPEC.program, sizes, L, time_contiguous=True, compile_kernels=False)
+    forward = [r for r in reports if r.program == "forward"]
     if backward:
-        chunk = min(L, default_chunk("cuda", L, program, sizes))
-        bw = derive_backward(program)
-        runs += [(bw.carries, chunk, -(-L // chunk)), (bw.adjoint, chunk, -(-L // chunk))]
+        trained = {r.strategy.split(":")[0] for r in reports if r.program == "forward (training)"}
+        runs = [r for r in forward if r.strategy.split(":")[0] not in trained]
+        runs += [r for r in reports if r.program != "forward"]
+    else:
+        runs = forward
     total = 0
-    for p, steps, times in runs:
-        for stage in fuse(p).stages:
-            for launch in CudaRunner(stage.program).launches(sizes, steps, time_contiguous=True):
-                for a in launch.kernel.arrays:
-                    shape = [steps if ax == "t" else launch.nblk if ax == "block" else sizes[ax] for ax in a.axes]
-                    total += 4 * times * math.prod(shape)
+    for r in runs:
+        launch = r.launch
+        extent = {"t": launch.length, "block": launch.nblk, "round": -(-launch.length // 32), **sizes}
+        for a in launch.kernel.arrays:
+            total += 4 * math.prod(extent[ax] for ax in a.axes)
     return total
 
 

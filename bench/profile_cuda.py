@@ -2,6 +2,7 @@
 
     python bench/profile_cuda.py                 # Mamba-1 B8 D1536 L2048 N16 fp32, forward + gradient
     python bench/profile_cuda.py --batch 32 --dim 512 --length 180
+    python bench/profile_cuda.py --example mamba1_block   # the block tail (scan, gate, RMSNorm, residual)
 
 Prints one line per kernel name (calls, total and mean time) and the call's wall time, after a
 warm-up call (compilation excluded), and the peak memory the call allocated beyond its inputs.
@@ -10,13 +11,13 @@ warm-up call (compilation excluded), and the peak memory the call allocated beyo
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 
 import numpy as np
 import torch
 
 import ssmc
-from ssmc.examples import mamba1
 
 
 def main() -> None:
@@ -26,13 +27,15 @@ def main() -> None:
     ap.add_argument("--state", type=int, default=16)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--example", default="mamba1", choices=["mamba1", "mamba1_block"])
     args = ap.parse_args()
+    example = importlib.import_module(f"ssmc.examples.{args.example}")  # both in layout "b d t"
     rng = np.random.default_rng(0)
-    inputs = mamba1.make_inputs(rng, args.length, batch=args.batch, dim=args.dim, state=args.state)
+    inputs = example.make_inputs(rng, args.length, batch=args.batch, dim=args.dim, state=args.state)
     inputs = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in inputs.items()}
     dy = torch.randn(args.batch, args.dim, args.length, device="cuda")
-    grad = ssmc.grad(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
-    fwd = ssmc.compile(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
+    grad = ssmc.grad(example.SPEC, "cuda", layout=example.LAYOUT)
+    fwd = ssmc.compile(example.SPEC, "cuda", layout=example.LAYOUT)
     for label, call in (("forward", lambda: fwd(**inputs)), ("forward+gradient",
                                                              lambda: grad(**inputs, grad_outputs=dy))):
         call()

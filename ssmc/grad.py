@@ -111,6 +111,11 @@ class _DeviceArrays:
         return x.contiguous()
 
 
+def array_ops(backend: str):
+    """The array operations of a backend's arrays: torch CUDA tensors for cuda, else NumPy."""
+    return _DeviceArrays if backend == "cuda" else _HostArrays
+
+
 def _as_dict(values, names: list[str], what: str) -> dict:
     if values is None:
         return {}
@@ -125,6 +130,49 @@ def _as_dict(values, names: list[str], what: str) -> dict:
         raise ValueError(f"{what}: expected {len(names)} arrays for {names}, got {len(values)}")
     return dict(zip(names, values))
 
+
+
+def cotangents(program, xp, tape, grad_outputs, grad_final_states) -> tuple[dict, dict]:
+    """The cotangents of `program`'s outputs (time first) and final states, in the tape's compute
+    dtype, from arrays given in the forward's layout; zeros for those not given."""
+    sizes, length, dtype = tape.sizes, tape.length, tape.dtype
+    gy = _as_dict(grad_outputs, [n for n, _ in program.outputs], "grad_outputs")
+    gh = _as_dict(grad_final_states, [s.name for s in program.states], "grad_final_states")
+    cot = {}
+    for name, y in program.outputs:
+        order = layout_of(tape.layout, name, y.axes)
+        if name in gy:
+            arr = xp.convert(gy[name], f"grad_outputs[{name!r}]")
+            want = tuple(length if a == TIME else sizes[a] for a in order)
+            if tuple(arr.shape) != want:
+                raise ValueError(f"grad_outputs[{name!r}] has shape {arr.shape}, expected {want} "
+                                 f"for axes {' '.join(order)}")
+            cot[name] = xp.cast(xp.permute(arr, [order.index(a) for a in (TIME, *y.axes)]), dtype)
+        else:
+            cot[name] = xp.zeros((length, *(sizes[a] for a in y.axes)), dtype)
+    lam = {}
+    for s in program.states:
+        shape = tuple(sizes[a] for a in s.axes)
+        arr = xp.convert(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else xp.zeros(shape, dtype)
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
+        lam[s.name] = xp.cast(arr, dtype)
+    return cot, lam
+
+
+def in_layout(program, grads: dict, layout, xp) -> dict:
+    """`grads` (sequences time first) with each sequence's gradient in its input's layout, contiguous."""
+    out = {}
+    for d in program.inputs:
+        g = grads[d.name]
+        if d in program.seqs:
+            order = layout_of(layout, d.name, d.axes)
+            canonical = (TIME, *d.axes)
+            g = xp.permute(g, [canonical.index(a) for a in order])
+        out[d.name] = xp.contiguous(g)
+    for s in program.states:
+        out[s.name] = grads[s.name]
+    return out
 
 @dataclass
 class Tape:
@@ -165,7 +213,7 @@ class Grad:
         self.backward_program: Backward = derive_backward(program, chunk or DEFAULT_CHUNK)
         self.backend = check_backend(backend)
         self.recording, self.saved = _recording(self.backward_program, self.backend)
-        self.xp = _DeviceArrays if self.backend == "cuda" else _HostArrays
+        self.xp = array_ops(self.backend)
         self.dtype = dtype
         self.layout = layout
         self.chunk = chunk
@@ -236,45 +284,13 @@ class Grad:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
         of its outputs and final states (given in the forward's layout; missing ones are zero)."""
         fwd = self.backward_program.forward
-        xp, dtype, sizes, length, layout = self.xp, tape.dtype, tape.sizes, tape.length, tape.layout
-        out_names = [n for n, _ in fwd.outputs]
-        gy = _as_dict(grad_outputs, out_names, "grad_outputs")
-        gh = _as_dict(grad_final_states, [s.name for s in fwd.states], "grad_final_states")
-        cot = {}
-        for name, y in fwd.outputs:
-            order = layout_of(layout, name, y.axes)
-            if name in gy:
-                arr = xp.convert(gy[name], f"grad_outputs[{name!r}]")
-                want = tuple(length if a == TIME else sizes[a] for a in order)
-                if tuple(arr.shape) != want:
-                    raise ValueError(f"grad_outputs[{name!r}] has shape {arr.shape}, expected {want} "
-                                     f"for axes {' '.join(order)}")
-                cot[name] = xp.cast(xp.permute(arr, [order.index(a) for a in (TIME, *y.axes)]), dtype)
-            else:
-                cot[name] = xp.zeros((length, *(sizes[a] for a in y.axes)), dtype)
-        lam = {}
-        for s in fwd.states:
-            shape = tuple(sizes[a] for a in s.axes)
-            arr = xp.convert(gh[s.name], f"grad_final_states[{s.name!r}]") if s.name in gh else xp.zeros(shape, dtype)
-            if tuple(arr.shape) != shape:
-                raise ValueError(f"grad_final_states[{s.name!r}] has shape {arr.shape}, expected {shape}")
-            lam[s.name] = xp.cast(arr, dtype)
-        grads = self._adjoint(tape, cot, lam)
-        out = {}
-        for d in fwd.inputs:
-            g = grads[d.name]
-            if d in fwd.seqs:
-                order = layout_of(layout, d.name, d.axes)
-                canonical = (TIME, *d.axes)
-                g = xp.permute(g, [canonical.index(a) for a in order])
-            out[d.name] = xp.contiguous(g)
-        for s in fwd.states:
-            out[s.name] = grads[s.name]
-        return out
+        cot, lam = cotangents(fwd, self.xp, tape, grad_outputs, grad_final_states)
+        return in_layout(fwd, self.adjoint(tape, cot, lam), tape.layout, self.xp)
 
-    def _adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
-        """The adjoint over the chunks, last to first, each chunk's carries recomputed from its
-        boundary (or taken from the tape)."""
+    def adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
+        """Gradients {input name: array}, sequences time first, from time-first cotangents of every
+        output (`cot`) and final state (`lam`): the adjoint over the chunks, last to first, each
+        chunk's carries recomputed from its boundary (or taken from the tape)."""
         bw = self.backward_program
         fwd, xp, dtype, sizes, length, chunk = bw.forward, self.xp, tape.dtype, tape.sizes, tape.length, tape.chunk
         seqs, params = tape.seqs, tape.params
@@ -377,7 +393,8 @@ def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int 
     `chunk` sets a recurrence's memory plan (default: `default_chunk`); `dtype` as in `ssmc.compile`.
     """
     from .api import _program
+    from .grad_stages import make_grad
 
     if isinstance(spec, AttentionSpec):
         return AttentionGrad(spec, layout)
-    return Grad(_program(spec), backend or default_backend(), layout, chunk, dtype)
+    return make_grad(_program(spec), backend or default_backend(), layout, chunk, dtype)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .api import _program, compile
-from .grad import Grad
+from .grad_stages import make_grad
 from .ir.axes import TIME
 from .runtime.binding import layout_of
 
@@ -72,7 +72,7 @@ class SsmcFunction:
     def _for(self, backend: str):
         if backend not in self._by_backend:
             self._by_backend[backend] = (compile(self.program, backend, layout=self.layout),
-                                         Grad(self.program, backend, self.layout, self.chunk))
+                                         make_grad(self.program, backend, self.layout, self.chunk))
         return self._by_backend[backend]
 
     def __call__(self, *args, **kwargs):

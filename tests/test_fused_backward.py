@@ -222,6 +222,35 @@ def test_fused_backward_matches_the_interpreter(name, length, dtype, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [7, 180, 1000])
+def test_the_mamba1_block_takes_the_fused_backward_for_its_scan(length, dtype, monkeypatch):
+    """The block's gradient chains its stages (`grad_stages.py`): the scan stage, Mamba-1 itself,
+    by the fused backward; the norm's by row and map kernels. Every gradient, with cotangents of
+    the output and the final state, against the interpreter; d = 40 is not a power of two."""
+    from ssmc.grad_stages import StagedGrad
+
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    m = importlib.import_module("ssmc.examples.mamba1_block")
+    rng = np.random.default_rng(length)
+    gpu = _to_gpu(m.make_inputs(rng, length, batch=2, dim=40, state=5), dtype)
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
+    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
+    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
+                                                             grad_final_states=exact_cot["h"])
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    assert isinstance(g, StagedGrad)
+    ys, _, tape = g.forward(**gpu)
+    assert tape.tapes[0].rounds is not None  # the scan stage ran the forward of the fused backward
+    assert rel_err(ys["y"].movedim(0, -1), outs) <= (1e-10 if dtype == "float64" else 1e-4)
+    got = g.backward(tape, grad_outputs=cot["y"], grad_final_states=cot["h"])
+    tol = {"float64": 1e-9, "float32": 1e-3}[dtype]
+    for key in want:
+        assert rel_err(got[key], want[key]) <= tol, key
+
+@pytest.mark.gpu
 def test_fused_and_unfused_backward_agree_at_benchmark_size(monkeypatch):
     """Mamba-1 at B8 D1536 L2048 N16 float32 (the benchmark's shape): the fused backward against the
     chunked one (recompute + adjoint + epilogue kernels)."""

@@ -20,6 +20,8 @@ from strategies import layers
 import ssmc
 from ssmc.backends import interpreter
 from ssmc.backends.registry import run_stages
+from ssmc.grad import Grad
+from ssmc.grad_stages import StagedGrad, make_grad
 from ssmc.lowering.plan import lower
 from ssmc.lowering.stages import fuse, op_by_op_kernels
 from ssmc.passes.autodiff import derive_backward
@@ -123,6 +125,44 @@ def test_mamba1_block_adjoint_reads_row_statistics_and_runs_its_scan_in_parallel
     low = lower(fused.stages[1].program, map_reduce=True)
     assert low.strategy == "split" and low.kernels[0].parallel == ("b", "d", "n")
 
+
+
+def test_a_staged_layer_takes_its_gradient_stage_by_stage():
+    """Compiled backends chain the stages' gradients (`grad_stages.py`); the interpreter keeps the
+    whole program's adjoint. The block's stages: Mamba-1 itself, then the norm and the residual,
+    whose adjoint sums over time alone (grad_norm_weight) and so is split into map kernels."""
+    m = importlib.import_module("ssmc.examples.mamba1_block")
+    mamba1 = importlib.import_module("ssmc.examples.mamba1")
+    assert isinstance(make_grad(m.SPEC.program, "numba"), StagedGrad)
+    assert isinstance(make_grad(m.SPEC.program, "interpreter"), Grad)
+    assert isinstance(make_grad(mamba1.SPEC.program, "numba"), Grad)
+    core, post = (st.program for st in fuse(m.SPEC.program).stages)
+    assert [d.name for d in core.inputs] == [d.name for d in mamba1.SPEC.program.inputs]
+    post_adjoint = fuse(derive_backward(post).adjoint).stages[-1].program
+    assert lower(post_adjoint).strategy == "fused"
+    low = lower(post_adjoint, map_reduce=True)
+    assert low.strategy == "split" and not low.core_states
+    assert all(k.time_blocks for k in low.kernels)
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_mamba1_block_gradients_through_the_stages_on_numba(length):
+    """Every gradient, initial and final state included, layout "b d t", against the interpreter."""
+    m = importlib.import_module("ssmc.examples.mamba1_block")
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=2, dim=5, state=3)
+    out, h = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    cot = {"grad_outputs": rng.standard_normal(out.shape), "grad_final_states": rng.standard_normal(h.shape)}
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, **cot)
+    g = ssmc.grad(m.SPEC, "numba", layout=m.LAYOUT)
+    assert isinstance(g, StagedGrad)
+    got_y, got_h, tape = g.forward(**inputs)
+    assert rel_err(np.moveaxis(got_y["y"], 0, -1), out) <= TOL and rel_err(got_h["h"], h) <= TOL
+    got = g.backward(tape, **cot)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        assert rel_err(got[key], want[key]) <= TOL, key
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_without_a_norm_are_not_staged(name):

@@ -530,16 +530,22 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     `map_reduce` splits a split program's epilogue into one kernel per output and per accumulator,
     each parallel over that root's own independent axes (and blocks of time), instead of one kernel
     that computes a whole step per block: what a GPU needs, where a step's buffers are too big for
-    one thread. A program without states then becomes such "map" kernels alone, one per output.
+    one thread. A program without states then becomes such "map" kernels alone, one per output, and
+    one whose states are all accumulators is split (an epilogue without a core) even where it has
+    independent axes.
     """
     if not program.states and map_reduce:  # nothing carried: every step is a map, parallel over time too
         kernels = [build_kernel(p.name, p, independent_axes(p), time_blocks=True) for p in _per_root(program)]
         return Lowered(program, "map", kernels)
     parallel = independent_axes(program)
-    if parallel or not program.states:
+    if not program.states:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
     classes = {c.state: c for c in classify(program).states}
     acc = tuple(s.name for s in program.states if classes[s.name].family == "accumulator")
+    # sums over time alone (the adjoint of a state-free stage): on a GPU, map kernels over blocks of
+    # time beat a thread per recurrence walking every step
+    if parallel and not (map_reduce and len(acc) == len(program.states)):
+        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
     core_states = tuple(s.name for s in program.states if s.name not in acc)
     kernels = []
     if core_states:

@@ -227,7 +227,7 @@ def fuse(program: Recurrence) -> Fused:
     stateful = depending_on(nodes, state_names)
     timed = depending_on(nodes, state_names | {d.name for d in program.seqs})
     stats = [r for r in row_statistics(program) if r in timed]  # param-only ones run once, before time
-    if stats:
+    if stats and program.states:
         recurrence_axes = _recurrence_axes(program)
         stats = [r for r in stats if r.arg in recurrence_axes]
     if not program.states or not stats:

@@ -1,10 +1,10 @@
 """What the CUDA backend generates for a program at given sizes: kernels, launches, ptxas resources.
 
 Used by ``ssmc inspect`` and ``ssmc show --stage cuda``; needs no GPU. Every kernel the forward and
-the gradient (`ssmc.grad`'s recompute and adjoint programs) launch, through their fusion stages
-(`lowering/stages.py`), is rendered with contiguous
-arrays (the layout "t ...") in the given input dtype, written to the source cache, and compiled by
-NVRTC for `arch` when `nvrtc.available()`.
+the gradient (`ssmc.grad`'s recompute and adjoint programs, or its fused backward; per fusion stage
+of a staged layer) launch, through their fusion stages (`lowering/stages.py`), is rendered with
+contiguous arrays (the layout "t ...") in the given input dtype, written to the source cache, and
+compiled by NVRTC for `arch` when `nvrtc.available()`.
 """
 
 from __future__ import annotations
@@ -74,32 +74,51 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
                    backward: bool = True, compile_kernels: bool = True,
                    time_contiguous: bool = False) -> list[KernelReport]:
     """Reports for the kernels of `program`'s forward (and gradient) at `sizes` and `length` steps,
-    for sequences with time outermost, or contiguous (`time_contiguous`: layouts like "b d t")."""
+    for sequences with time outermost, or contiguous (`time_contiguous`: layouts like "b d t").
+
+    The gradient's kernels are those `ssmc.grad` runs: of a staged program, each stage's gradient
+    (`grad_stages.py`), labelled with the stage's kind."""
     compute = "float64" if dtype == "float64" else "float32"
-    programs = [("forward", program, length)]
-    reports, training = [], []
+    common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
+    reports = _program_reports("forward", program, length, "", *common)
     if backward:
-        bw = derive_backward(program)
-        fused = fused_backward_runner(bw, compute)
-        if fused is not None and fused.applies_at(sizes, length, time_contiguous):
-            # a training step's two kernels: the forward saving round carries, the fused backward
-            for (launch, source), role in zip(fused.sources(sizes, length), ("forward (training)", "backward")):
-                training.append(_report(role, "warp" if role != "backward" else "fused backward", launch, source,
-                                       arch, compile_kernels))
-            backward = False
-    if backward:
-        chunk = min(length, default_chunk("cuda", length, program, sizes))
-        programs += [("recompute", bw.carries, chunk), ("adjoint", bw.adjoint, chunk)]
-    for role, whole, steps in programs:
-        fused = fuse(whole)
-        for stage in fused.stages:
-            runner = CudaRunner(stage.program, compute)
-            strategy = runner.strategy(sizes, steps, time_contiguous)
-            if fused.staged:  # which fusion stage (lowering/stages.py) the kernel belongs to
-                strategy = f"{stage.kind}: {strategy}"
-            reports += _reports(runner, role, strategy, sizes, steps, time_contiguous, dtype, compute, arch,
-                                compile_kernels)
-    return reports + training
+        stages = fuse(program).stages
+        for stage in stages:
+            kind = f"{stage.kind}: " if len(stages) > 1 else ""
+            reports += _gradient_reports(stage.program, kind, length, *common)
+    return reports
+
+
+def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: bool, dtype: str, compute: str,
+                      arch: str, compile_kernels: bool) -> list[KernelReport]:
+    """The kernels of one (unstaged) program's gradient: the fused backward's two where it applies,
+    else the recompute and the adjoint over the chunks `ssmc.grad` takes on the GPU."""
+    bw = derive_backward(program)
+    fused = fused_backward_runner(bw, compute)
+    if fused is not None and fused.applies_at(sizes, length, time_contiguous):
+        # a training step's two kernels: the forward saving round carries, the fused backward
+        return [_report(role, kind + ("fused backward" if role == "backward" else "warp"), launch, source, arch,
+                        compile_kernels)
+                for (launch, source), role in zip(fused.sources(sizes, length), ("forward (training)", "backward"))]
+    chunk = min(length, default_chunk("cuda", length, program, sizes))
+    common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
+    return (_program_reports("recompute", bw.carries, chunk, kind, *common)
+            + _program_reports("adjoint", bw.adjoint, chunk, kind, *common))
+
+
+def _program_reports(role: str, program, steps: int, kind: str, sizes, time_contiguous: bool, dtype: str,
+                     compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
+    """The kernels of `program` run through its fusion stages (`lowering/stages.py`)."""
+    reports = []
+    fused = fuse(program)
+    for stage in fused.stages:
+        runner = CudaRunner(stage.program, compute)
+        strategy = runner.strategy(sizes, steps, time_contiguous)
+        if fused.staged:  # which fusion stage the kernel belongs to
+            strategy = f"{stage.kind}: {strategy}"
+        reports += _reports(runner, role, kind + strategy, sizes, steps, time_contiguous, dtype, compute, arch,
+                            compile_kernels)
+    return reports
 
 
 def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, time_contiguous: bool, dtype: str,
