@@ -60,11 +60,13 @@ def test_map_kernels_along_time_compile():
     assert all("consecutive threads along time" in r.source for r in rows if r.launch.nblk == 2048)
 
 
-def test_the_block_norm_is_a_row_kernel_at_benchmark_size():
+def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     """B8 D1536 L2048, layout "b d t": the norm's kernel shares each (b, t) row among 16 threads of
     a block (32 rows of 16 threads, consecutive threads along time), each summing every 16th channel,
     the partials combined in shared memory; no buffer as long as the row; `ssmc inspect` says so.
-    The adjoint's row statistics over d (pre stage) are row kernels too; its sums over n are short."""
+    The gradient goes stage by stage: the scan stage's fused backward, then the norm's adjoint, whose
+    row statistics over d (its pre stage) are row kernels too and whose sum over time and b
+    (grad_norm_weight) is split into blocks of time."""
     from ssmc.backends.cuda.codegen import Threads
 
     program = importlib.import_module("ssmc.examples.mamba1_block").SPEC.program
@@ -76,10 +78,14 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size():
     assert post.strategy == "post: map, rows d/16"
     assert "row_sum<16>(acc_" in post.source and "[n_d]" not in post.source
     assert post.resources.shared_bytes >= 512 * 4 and not post.resources.spills
-    for name in ("mamba1_block_backward_pre_row1", "mamba1_block_backward_pre_row2"):
-        assert reports[name].launch.mapping.row and reports[name].strategy.startswith("pre: map, rows d/")
-    assert not reports["mamba1_block_backward_pre_row0"].launch.mapping.row
-    # an epilogue's sum over d that split-K takes stays split-K (partials added by the runner)
+    assert reports["mamba1_block_fused_backward"].strategy == "core: fused backward"
+    for name in ("mamba1_block_post_backward_pre_row0", "mamba1_block_post_backward_pre_row1"):
+        assert reports[name].launch.mapping.row and reports[name].strategy.startswith("post: pre: map, rows d/")
+    weight = reports["mamba1_block_post_backward_epilogue_grad_norm_weight"]
+    assert weight.strategy == "post: core: split" and weight.launch.nblk > 1
+    # without the fused backward, the scan's epilogue sum over d that split-K takes stays split-K
+    monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "0")
+    reports = {r.name: r for r in kernel_reports(program, sizes, 2048, time_contiguous=True, compile_kernels=False)}
     assert reports["mamba1_block_backward_epilogue_grad_B"].strategy.endswith("split-K d/16")
 
 

@@ -214,12 +214,31 @@ class StepBuilder:
                 continue
             self.materialised_set.discard(n)  # as if inlined, to find the region it falls in
             owner = next((s for s in sums if set(self.users[n]) <= self._group_region(s)), None)
-            if owner is None:
+            if owner is None or not self._confined(n, owner):
                 self.materialised_set.add(n)
                 continue
             lets.setdefault(owner, []).insert(0, n)
         self.materialised = [n for n in self.materialised if n in self.materialised_set]
         return lets
+
+    def _confined(self, node: Node, owner: Node) -> bool:
+        """Is every use of `node` inlined into `owner`'s loop body only? A value of that body that
+        reads it and is also a root (stored by its own loop) or read from outside the body would
+        read the let's stale last value there."""
+        region = self._group_region(owner)
+        inside = set(region)
+        for s in self.sum_groups.get(owner, (owner,)):  # the sums themselves, and unmaterialised ones below
+            x = s
+            while x.op is Op.SUM and (x is s or x not in self.materialised_set):
+                inside.add(x)
+                x = x.args[0]
+        roots = set(self.k.program.roots)
+        reading = {node}
+        for m in self.nodes:
+            if m in region and m not in reading and any(a in reading for a in m.args):
+                reading.add(m)
+        return not any(m in roots or any(u not in inside for u in self.users[m])
+                       for m in reading if m is not node)
 
     def _accumulates(self, node: Node) -> bool:
         """A SUM computed by zeroing its buffer and adding in a nest over its operand's axes."""
