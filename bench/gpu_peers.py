@@ -497,11 +497,12 @@ def _default_prepare(inp: dict[str, torch.Tensor], dout: torch.Tensor) -> Any:
     return {"inp": inp, "dout": dout}
 
 
-def ssmc_candidates(workload: Workload) -> list:
+def ssmc_candidates(workload: Workload, variants: bool = True) -> list:
     """ssmc's kernels for a workload: ``(name, fwd_fn, fwdbwd_fn)`` triples (see `Impl`).
 
     Each reads the workload's canonical (B, D, L) tensors in place (layout "b d t"); the scan also
     runs on a time-major copy ("b t d", made untimed in `prepare`) to show what coalescing buys.
+    `variants`: also the rows with a strategy or a steps-per-lane setting forced.
     """
     import ssmc
 
@@ -526,6 +527,8 @@ def ssmc_candidates(workload: Workload) -> list:
         return {k: g[k] for k in workload.grad_keys}
 
     cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd)]
+    if not variants:
+        return cands
     # the strategy heuristic against each strategy forced (forward only)
     variants = [{"SSMC_CUDA_STRATEGY": "fused"}, {"SSMC_CUDA_STRATEGY": "time blocks"},
                 *({"SSMC_CUDA_STRATEGY": "warp", "SSMC_CUDA_STEPS_PER_LANE": str(k)} for k in (4, 8, 16))]
@@ -1031,6 +1034,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: torch's own)")
     ap.add_argument("--no-warp", action="store_true",
                     help="skip accelerated_scan.warp (its import JIT-builds a CUDA kernel)")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="time ssmc's default configuration only (no forced strategies or steps per lane)")
     ap.add_argument("--only", metavar="WORKLOAD",
                     help="comma-separated subset of: scan1, mamba1, mamba1_small")
     ap.add_argument("--peers", type=Path, default=REPO / "peers", help="folder of the peers")
@@ -1101,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
         for wl in selected.values():
             impls = peer_impls(env, wl)
             try:
-                impls += [_wrap_ssmc(wl, c) for c in ssmc_candidates(wl)]
+                impls += [_wrap_ssmc(wl, c) for c in ssmc_candidates(wl, variants=not args.no_variants)]
             except Exception as exc:
                 env.notes.append(f"ssmc_candidates({wl.key}) raised {short_reason(exc)}")
             rows += run_workload(wl, impls, timer, bw, args.seed, args.verbose)

@@ -24,6 +24,12 @@ from ...lowering.time_blocks import partial_name, product_name
 BLOCK = 128
 WARP = 32
 UNROLL_LIMIT = 64  # loop nests of at most this many iterations are unrolled (buffers stay in registers)
+PARAM_REGISTERS = 64  # param values a warp kernel's thread may load once, before time, into registers
+# A warp kernel whose states hold at most STATE_REGISTERS values per lane is built for MIN_BLOCKS blocks
+# per SM (launch bounds: at most 65536 / (MIN_BLOCKS * BLOCK) = 128 registers). Left to itself ptxas gave
+# the Mamba-1 forward (16 states a lane) 168 registers, 3 blocks per SM, and it ran 7% slower (H200).
+STATE_REGISTERS = 16
+MIN_BLOCKS = 4
 SUM_UNROLL = 4     # a long loop accumulating into scalars runs this many iterations' loads at once
 MAX_GROUPS = 16    # split-K (lowering/split_sum.py): at most this many groups of threads per sum...
 GROUP_STEPS = 64   # ...each with at least this many terms
@@ -94,7 +100,8 @@ class CPrinter:
     to shared memory at the lane's slot instead of global memory."""
 
     def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
-                 threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None):
+                 threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None,
+                 param_registers: dict[str, tuple[int, ...]] | None = None):
         self.k = k
         self.arrays = arrays
         self.sizes = sizes
@@ -104,6 +111,8 @@ class CPrinter:
         self.registers = registers or {}
         self.local_positions = {a.name: [i for i, ax in enumerate(a.axes) if ax != "t" and ax not in k.parallel]
                                 for a in k.arrays if a.name in self.registers}
+        # params loaded once into registers rp_<name> (`param_registers`): name -> its local positions
+        self.param_registers = param_registers or {}
         self.split = threads.split if threads.groups > 1 else None
         self.groups = threads.groups
         self.buffers = {s.name for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer)}
@@ -145,6 +154,8 @@ class CPrinter:
             if e.array in self.registers:
                 local = "".join(f"[{e.index[i]}]" for i in self.local_positions[e.array])
                 return f"{self.registers[e.array]}[tt]{local}"
+            if e.array in self.param_registers:
+                return f"rp_{e.array}" + "".join(f"[{e.index[i]}]" for i in self.param_registers[e.array])
             return f"F(to_f({e.array}[{self.index(e)}]))"
         if isinstance(e, Call):
             if e.fn == "not":
@@ -321,12 +332,13 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     program = k.program
     staged = _stageable(k.arrays, (summary, k), set(k.parallel))
     ctx = kernel_context(k, arrays, sizes)
-    ps = CPrinter(summary, arrays, sizes, staged)
-    pr = CPrinter(k, arrays, sizes, staged)
+    in_registers = param_registers((summary, k), set(k.parallel), sizes)
+    ps = CPrinter(summary, arrays, sizes, staged, param_registers=in_registers)
+    pr = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
     stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
     ctx["shared"] = [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)]
     index = {a.name: a for a in k.arrays}
-    ctx["stage_in"] = [f"sm_{a}[w][slot] = valid ? F(to_f({a}[{pr.index(_at_t(index[a]))}])) : F(0);"
+    ctx["stage_in"] = [(a, f"F(to_f({a}[{pr.index(_at_t(index[a]))}]))")
                        for a in sorted(staged) if index[a].role == "seq"]
     ctx["stage_out"] = [f"if (valid) {a}[{pr.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
                         for a in sorted(staged) if index[a].role == "out"]
@@ -335,7 +347,10 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["comment"] = (f"{program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
                       f"of {steps_per_lane} steps")
     ctx["steps_per_lane"] = steps_per_lane
-    ctx["summary_setup"] = "\n".join(ps.stmts(summary.setup, 1))
+    ctx["bounds"] = (f"__launch_bounds__({BLOCK}, {MIN_BLOCKS}) "
+                     if _state_values(program.states, set(k.parallel), sizes) <= STATE_REGISTERS else "")
+    loads = _load_param_registers(in_registers, (summary, k), pr)
+    ctx["summary_setup"] = "\n".join(["    " + line for line in loads] + ps.stmts(summary.setup, 1))
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
@@ -390,20 +405,25 @@ def _lane_scan(states, parallel: set[str], reverse: bool = False) -> _LaneScan:
         combine += [
             f"{head}{{",
             f"    F P = {prod}, H = {part};",
+            f"    if (lane == {first}) H = P * cr_{s.name}{idx} + H;  // the carry enters: H becomes the state past",
             "    #pragma unroll",
             f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
-            f"        const F Pb = {shfl}(0xffffffffu, P, off), Hb = {shfl}(0xffffffffu, H, off);",
+            f"        const F Hb = {shfl}(0xffffffffu, H, off);",
+            f"        const F Pb = off < {WARP // 2} ? {shfl}(0xffffffffu, P, off) : F(1);  // the last P is unused",
             f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
             "    }",
-            f"    F Pe = {shfl}(0xffffffffu, P, 1), He = {shfl}(0xffffffffu, H, 1);",
-            f"    if (lane == {first}) {{ Pe = F(1); He = F(0); }}",
-            f"    st_{s.name}{idx} = Pe * cr_{s.name}{idx} + He;  // the carry into this lane's steps",
-            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, P, {last}) * cr_{s.name}{idx}"
-            f" + __shfl_sync(0xffffffffu, H, {last});",
+            f"    const F into = {shfl}(0xffffffffu, H, 1);  // the state past the previous lane's steps",
+            f"    st_{s.name}{idx} = lane == {first} ? cr_{s.name}{idx} : into;  // the carry into this lane's steps",
+            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, H, {last});",
             "}",
         ]
         final.append(f"{head}st_{s.name}{idx} = cr_{s.name}{idx};")
     return _LaneScan(carry, reset, combine, final)
+
+
+def _state_values(states, parallel: set[str], sizes: dict[str, int]) -> int:
+    """How many state values one thread of a warp kernel holds (the sizes of the states' local axes)."""
+    return sum(math.prod(sizes[a] for a in s.axes if a not in parallel) for s in states)
 
 
 def _round_arrays(k: Kernel):
@@ -484,7 +504,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "declarations": declarations,
         "steps_per_lane": steps_per_lane,
         "shared": [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)],
-        "stage_in": [f"sm_{a}[w][slot] = valid ? F(to_f({a}[{ad.index(_at_t(index[a]))}])) : F(0);"
+        "stage_in": [(a, f"F(to_f({a}[{ad.index(_at_t(index[a]))}]))")
                      for a in sorted(staged) if index[a].role == "seq"],
         "stage_out": [f"if (valid) {a}[{ad.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
                       for a in sorted(staged) if index[a].role == "out"],
@@ -511,6 +531,43 @@ def _loads(stmts):
         if isinstance(s, Assign):
             yield from loads(s.target)
             yield from loads(s.value)
+
+
+def param_registers(kernels, parallel: set[str], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Params the threads of `kernels` read at their own parallel indices only (Mamba-1's A[d, n] at
+    d = p_d), at most `PARAM_REGISTERS` values in all: name -> the positions of their other axes,
+    by which the register copy ``rp_<name>`` is indexed. Loaded once before the time loop, they
+    leave the steps' loads, of which a warp kernel's L1 traffic is made."""
+    axes = {a.name: a.axes for k in kernels for a in k.arrays if a.role == "param"}
+    uniform = dict.fromkeys(axes, True)
+    for k in kernels:
+        for load in _loads(k.setup + k.step + k.finish):
+            if load.array in axes:
+                uniform[load.array] &= all(i == f"p_{ax}" for i, ax in zip(load.index, axes[load.array])
+                                           if ax in parallel)
+    chosen, budget = {}, PARAM_REGISTERS
+    for name in sorted(axes):
+        count = math.prod(sizes[ax] for ax in axes[name] if ax not in parallel)
+        if uniform[name] and count <= budget:
+            chosen[name] = tuple(i for i, ax in enumerate(axes[name]) if ax not in parallel)
+            budget -= count
+    return chosen
+
+
+def _load_param_registers(chosen: dict[str, tuple[int, ...]], kernels, pr: CPrinter) -> list[str]:
+    """Declarations and loads of the register copies `param_registers` chose."""
+    axes = {a.name: a.axes for k in kernels for a in k.arrays if a.role == "param"}
+    lines = []
+    for name, positions in chosen.items():
+        local = [axes[name][i] for i in positions]
+        lines.append(f"F rp_{name}" + "".join(f"[{size_var(a)}]" for a in local) + ";  // loaded once")
+        index = tuple(f"i_{ax}" if i in positions else f"p_{ax}" for i, ax in enumerate(axes[name]))
+        loops = "".join(f"for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) " for a in local)
+        target = f"rp_{name}" + "".join(f"[i_{a}]" for a in local)
+        if local:
+            lines.append("#pragma unroll")
+        lines.append(f"{loops}{target} = F(to_f({name}[{pr.index(Load(name, index))}]));")
+    return lines
 
 
 def _at_t(array) -> Load:
