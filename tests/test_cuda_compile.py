@@ -91,16 +91,16 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
 
 def test_mamba1_warp_kernels_keep_four_blocks_per_sm():
     """B8 D1536 L2048 N16, layout "b d t" (the benchmark's): the forward's warp kernel reads A, D and
-    delta_bias into registers once, before time (rp_<name>); its staged sequences are loaded a round
-    ahead (pf_<name>); its launch bounds hold it to 128 registers without spills (4 blocks of 4 warps
-    per SM: left alone, ptxas took 168 and the kernel ran 7% slower on an H200). The fused backward
-    keeps A in memory: its registers held for the whole kernel cost a block per SM there."""
+    delta_bias into registers once, before time (rp_<name>); it reads B[t, n] along n, so a lane takes
+    2 consecutive steps, not 4; its staged sequences are loaded a round ahead (pf_<name>, 2 a lane);
+    its launch bounds hold it to 128 registers without spills (4 blocks of 4 warps per SM). The fused
+    backward keeps A in memory: its registers held for the whole kernel cost a block per SM there."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = {r.name: r for r in kernel_reports(program, {"b": 8, "d": 1536, "n": 16}, 2048, time_contiguous=True)}
     forward, backward = reports["mamba1_warp"], reports["mamba1_fused_backward"]
     assert "__launch_bounds__(128, 4) mamba1_warp(" in forward.source
     assert all(f"rp_{name}" in forward.source for name in ("A", "D", "delta_bias"))
-    assert all(f"pf_{name}[4]" in forward.source for name in ("delta", "u", "z"))
+    assert all(f"pf_{name}[2]" in forward.source for name in ("delta", "u", "z"))
     assert forward.resources.registers <= 128 and not forward.resources.spills
     assert "rp_A" not in backward.source and "pf_grad_y[1]" in backward.source
     assert backward.resources.registers <= 168 and not backward.resources.spills  # 3 blocks per SM

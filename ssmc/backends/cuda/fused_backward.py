@@ -30,11 +30,12 @@ from .runner import _DTYPES, Launch, _as_1d, _sizes_key, runner_for, steps_per_l
 ATOMIC_STEPS_PER_LANE = 1
 
 
-def backward_steps_per_lane(plan: FusedBackward) -> int:
+def backward_steps_per_lane(plan: FusedBackward, forward_steps: int) -> int:
+    """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's."""
     forced = os.environ.get("SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
     if forced:
         return max(1, int(forced))
-    return ATOMIC_STEPS_PER_LANE if plan.partials.atomic else steps_per_lane()
+    return ATOMIC_STEPS_PER_LANE if plan.partials.atomic else forward_steps
 
 
 class FusedBackwardRunner:
@@ -61,7 +62,7 @@ class FusedBackwardRunner:
         faster: 0.572 against 0.603 ms for a scan at B8 D2048 L4096 fp32 on an H200);
         `SSMC_CUDA_FUSED_BACKWARD` = 0 / 1 turns it off / on wherever it can run."""
         setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
-        if setting == "0" or self.round_steps() % steps_per_lane():
+        if setting == "0" or self.round_steps() % self.forward_steps():
             return False  # turned off, or a forward lane's steps would straddle two rounds
         partials = self.plan.partials
         if setting != "1" and not (partials.atomic or partials.accumulators):
@@ -89,7 +90,11 @@ class FusedBackwardRunner:
 
     def round_steps(self) -> int:
         """Steps per round of the backward kernel: the forward saves its carry every so many steps."""
-        return WARP * backward_steps_per_lane(self.plan)
+        return WARP * backward_steps_per_lane(self.plan, self.forward_steps())
+
+    def forward_steps(self) -> int:
+        """The forward warp kernel's steps per lane."""
+        return steps_per_lane(self.forward_runner.time_blocks)
 
     # -- the two launches ----------------------------------------------------------------------
     def forward(self, seqs, params, initial, sizes, length):
@@ -125,11 +130,12 @@ class FusedBackwardRunner:
         ctype = "double" if self.compute == "float64" else "float"
         fr = self.forward_runner
         return module_source(fr.lowered, ctype, [(self.forward_kernel, specs)], sizes,
-                             (fr.time_blocks.lane_summary, steps_per_lane()), round_steps=self.round_steps())
+                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps())
 
     def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
         ctype = "double" if self.compute == "float64" else "float"
-        return fused_backward_source(self.plan, ctype, specs, sizes, backward_steps_per_lane(self.plan))
+        return fused_backward_source(self.plan, ctype, specs, sizes,
+                                     backward_steps_per_lane(self.plan, self.forward_steps()))
 
     def _launch(self, k, given: dict, sizes: dict[str, int], length: int, source) -> dict:
         """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
@@ -155,7 +161,7 @@ class FusedBackwardRunner:
                 made[a.name] = t
             tensors.append(_as_1d(t))
         layouts = tuple((t.dtype, t.stride()) for t in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), steps_per_lane(), backward_steps_per_lane(self.plan))
+        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(), self.forward_steps())
         fn = self.functions.get(key)
         if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
