@@ -217,6 +217,7 @@ class Grad:
         self.dtype = dtype
         self.layout = layout
         self.chunk = chunk
+        self._fused_runners: dict[str, object] = {}  # compute dtype -> the CUDA fused backward's runner
 
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
@@ -275,10 +276,18 @@ class Grad:
         """The CUDA fused backward's runner where it applies at these sizes and layouts, else None."""
         if self.backend != "cuda":
             return None
-        from .backends.cuda.fused_backward import fused_backward_runner
-
-        fused = fused_backward_runner(self.backward_program, np.dtype(dtype).name)
+        fused = self._fused_runner(dtype)
         return fused if fused is not None and fused.applies(seqs, sizes, length) else None
+
+    def _fused_runner(self, dtype):
+        """The CUDA fused backward's runner of this gradient (None where it cannot fuse), looked up
+        once per dtype: the lookup hashes the forward and adjoint programs, which walks their graphs."""
+        name = np.dtype(dtype).name
+        if name not in self._fused_runners:
+            from .backends.cuda.fused_backward import fused_backward_runner
+
+            self._fused_runners[name] = fused_backward_runner(self.backward_program, name)
+        return self._fused_runners[name]
 
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
@@ -320,10 +329,8 @@ class Grad:
 
     def _fused_adjoint(self, tape: Tape, cot: dict, lam: dict, acc: dict) -> dict:
         """The adjoint as the CUDA fused backward's one kernel (`tape.rounds` from its forward)."""
-        from .backends.cuda.fused_backward import fused_backward_runner
-
         fwd = self.backward_program.forward
-        fused = fused_backward_runner(self.backward_program, np.dtype(tape.dtype).name)
+        fused = self._fused_runner(tape.dtype)
         outs, finals = fused.backward(tape.seqs, tape.params, tape.rounds, {GRAD + k: v for k, v in cot.items()},
                                       {GRAD + k: v for k, v in lam.items()}, acc, tape.sizes, tape.length)
         grads = {d.name: outs[GRAD + d.name] for d in fwd.seqs}

@@ -28,10 +28,11 @@ SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, He
                                                         HealthCheck.filter_too_much]}
 
 
-def rel_err(a, b) -> float:
+def rel_err(a, b, floor: float = 1e-30) -> float:
+    """max |a - b| / max |b|, the scale bounded below by `floor`."""
     a = a.detach().double().cpu().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), floor)) if b.size else 0.0
 
 
 # -- CPU: the rewrite --------------------------------------------------------------------------
@@ -295,8 +296,12 @@ def test_random_specs_through_the_fused_backward(spec, length, seed):
         got = g(**_to_gpu(moved, "float64"), grad_outputs=_to_gpu(cot, "float64"))
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_FUSED_BACKWARD"]
+    # float64 rounding, measured against the largest gradient: a gradient that is itself tiny through
+    # cancellation (1 - tanh(v)^2 at v = -15: 1e-13, where the interpreter and Numba differ by 6e-7 of
+    # it) is compared at that scale, not its own
+    scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
     for key in want:
-        assert rel_err(got[key], want[key]) <= 1e-8, key
+        assert rel_err(got[key], want[key], floor=1e-6 * scale) <= 1e-8, key
 
 
 @pytest.mark.gpu

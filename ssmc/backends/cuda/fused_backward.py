@@ -11,6 +11,7 @@ contiguous, too few recurrences to fill the GPU) and the adjoint sums over the r
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -94,7 +95,7 @@ class FusedBackwardRunner:
 
     def forward_steps(self) -> int:
         """The forward warp kernel's steps per lane."""
-        return steps_per_lane(self.forward_runner.time_blocks)
+        return steps_per_lane(self.forward_runner.lane_steps)
 
     # -- the two launches ----------------------------------------------------------------------
     def forward(self, seqs, params, initial, sizes, length):
@@ -166,7 +167,7 @@ class FusedBackwardRunner:
         if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
             fn = self.functions[key] = self.forward_runner.function(source(specs, sizes), k.name)
-        threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
+        threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
         args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
         fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=self.forward_runner.stream())
         return made

@@ -96,12 +96,15 @@ WIDE_STEPS_PER_LANE = 2
 STRATEGIES = ("fused", "time blocks", "warp")
 
 
-def steps_per_lane(tb: TimeBlocks | None = None) -> int:
+def lane_steps(tb: TimeBlocks | None) -> int:
     """The warp kernel's steps per lane for the program of the time blocks `tb` (see above)."""
-    forced = os.environ.get("SSMC_CUDA_STEPS_PER_LANE")
-    if forced:
-        return max(1, int(forced))
     return WIDE_STEPS_PER_LANE if tb is not None and reads_along_state_axes(tb.lane_rescan) else STEPS_PER_LANE
+
+
+def steps_per_lane(default: int = STEPS_PER_LANE) -> int:
+    """`default` (a runner's `lane_steps`) unless SSMC_CUDA_STEPS_PER_LANE overrides it."""
+    forced = os.environ.get("SSMC_CUDA_STEPS_PER_LANE")
+    return max(1, int(forced)) if forced else default
 
 
 def reads_along_state_axes(k: Kernel) -> bool:
@@ -175,6 +178,7 @@ class CudaRunner:
         self.compute = compute                          # float32 | float64
         self.lowered: Lowered = lower(program, map_reduce=True)
         self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
+        self.lane_steps = lane_steps(self.time_blocks)  # the warp kernel's steps per lane
         self.modules: dict[str, object] = {}
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
@@ -186,7 +190,7 @@ class CudaRunner:
                    mapping: Threads = ONE_GROUP) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         tb = self.time_blocks
-        warp = (tb.lane_summary, steps_per_lane(tb)) if tb is not None and k is tb.lane_rescan else None
+        warp = (tb.lane_summary, steps_per_lane(self.lane_steps)) if tb is not None and k is tb.lane_rescan else None
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping})
 
     def function(self, source: str, name: str):
@@ -308,7 +312,7 @@ class CudaRunner:
             made[a.name] = full
             tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
         layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(self.time_blocks), mapping)
+        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(self.lane_steps), mapping)
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
