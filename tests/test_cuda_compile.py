@@ -89,21 +89,38 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     assert reports["mamba1_block_backward_epilogue_grad_B"].strategy.endswith("split-K d/16")
 
 
-def test_mamba1_warp_kernels_keep_four_blocks_per_sm():
-    """B8 D1536 L2048 N16, layout "b d t" (the benchmark's): the forward's warp kernel reads A, D and
-    delta_bias into registers once, before time (rp_<name>); it reads B[t, n] along n, so a lane takes
-    2 consecutive steps, not 4; its staged sequences are loaded a round ahead (pf_<name>, 2 a lane);
-    its launch bounds hold it to 128 registers without spills (4 blocks of 4 warps per SM). The fused
-    backward keeps A in memory: its registers held for the whole kernel cost a block per SM there."""
+def test_mamba1_warp_kernels_are_state_major_and_keep_four_blocks_per_sm():
+    """B8 D1536 L2048 N16, layout "b d t" (the benchmark's): the forward's warp kernel is state-major
+    (lowering/state_major.py): a lane takes 4 consecutive steps, loads its 4 steps of B[:, n] and
+    C[:, n] as one float4 each in full rounds, computes exp(dt A[n]) once for the summary and the
+    step (sh0), and fits 128 registers without spills (4 blocks of 4 warps per SM) with its params
+    in memory. The training forward keeps them in registers (rp_A); the fused backward does not:
+    its registers held for the whole kernel cost a block per SM there."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = {r.name: r for r in kernel_reports(program, {"b": 8, "d": 1536, "n": 16}, 2048, time_contiguous=True)}
-    forward, backward = reports["mamba1_warp"], reports["mamba1_fused_backward"]
-    assert "__launch_bounds__(128, 4) mamba1_warp(" in forward.source
-    assert all(f"rp_{name}" in forward.source for name in ("A", "D", "delta_bias"))
-    assert all(f"pf_{name}[2]" in forward.source for name in ("delta", "u", "z"))
-    assert forward.resources.registers <= 128 and not forward.resources.spills
+    forward, rounds = reports["mamba1_warp"], reports["mamba1_warp_rounds"]
+    backward = reports["mamba1_fused_backward"]
+    for r in (forward, rounds):
+        assert "one state value at a time" in r.source and "load_steps<4>(ld0, B + " in r.source
+        assert "sh0[tt] = exp_(" in r.source and r.source.count("exp_(") == 2  # full and partial rounds
+        assert all(f"pf_{name}[4]" in r.source for name in ("delta", "u", "z"))
+        assert not r.resources.spills
+    assert "rp_" not in forward.source and forward.resources.registers <= 128
+    assert "rp_A" in rounds.source and "sv_h[i_n] = v_st_h;" in rounds.source
     assert "rp_A" not in backward.source and "pf_grad_y[1]" in backward.source
     assert backward.resources.registers <= 168 and not backward.resources.spills  # 3 blocks per SM
+
+
+@pytest.mark.parametrize("state", [64, 256])
+def test_mamba1_warp_kernels_with_large_states_do_not_spill(state):
+    """Mamba state up to 256: the state-major loop over n stays a loop past 128 values a round
+    (arrays in local memory), and the copies of the carries are not unrolled (unrolled, ptxas kept
+    256 carries in registers and spilled)."""
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    reports = {r.name: r for r in kernel_reports(program, {"b": 2, "d": 64, "n": state}, 300, time_contiguous=True)}
+    for name in ("mamba1_warp", "mamba1_warp_rounds"):
+        assert reports[name].resources is not None and not reports[name].resources.spills, reports[name].error
+    assert "#pragma unroll 1\n            for (int i_n" in reports["mamba1_warp"].source
 
 
 @pytest.mark.parametrize("groups", ["", "512"])

@@ -56,4 +56,25 @@ template <typename T> __device__ __forceinline__ T min_(T a, T b) { return (a !=
 __device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double pow_(double a, double b) { return ::pow(a, b); }
 
+// K consecutive values from `src`, aligned to 16 bytes where K % 4 == 0 (else to 8 where K is
+// even): one vector load per 4 (2) values where a lane reads its K consecutive steps.
+template <int K> __device__ __forceinline__ void load_steps(float* dst, const float* __restrict__ src) {
+    if constexpr (K % 4 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 4; ++i) {
+            const float4 v = reinterpret_cast<const float4*>(src)[i];
+            dst[4 * i] = v.x; dst[4 * i + 1] = v.y; dst[4 * i + 2] = v.z; dst[4 * i + 3] = v.w;
+        }
+    } else if constexpr (K % 2 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 2; ++i) {
+            const float2 v = reinterpret_cast<const float2*>(src)[i];
+            dst[2 * i] = v.x; dst[2 * i + 1] = v.y;
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < K; ++i) dst[i] = src[i];
+    }
+}
+
 }  // namespace ssmc

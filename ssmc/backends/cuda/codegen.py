@@ -8,6 +8,7 @@ unrolled; strides become constants so any layout (time contiguous or not) is rea
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -19,6 +20,7 @@ from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Nu
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.split_sum import row_accumulators, split_axis
+from ...lowering.state_major import StateMajor, scalar_name, share, warp_state_major
 from ...lowering.time_blocks import partial_name, product_name
 
 BLOCK = 128
@@ -101,8 +103,10 @@ class CPrinter:
 
     def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
                  threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None,
-                 param_registers: dict[str, tuple[int, ...]] | None = None):
+                 param_registers: dict[str, tuple[int, ...]] | None = None, vectors: dict | None = None):
         self.k = k
+        # loads a lane made for all its steps at once (`_vector_loads`): (array, index) -> register array
+        self.vectors = vectors or {}
         self.arrays = arrays
         self.sizes = sizes
         self.staged = staged
@@ -151,6 +155,8 @@ class CPrinter:
                 return e.array + "".join(f"[{i}]" for i in e.index)
             if e.array in self.staged:
                 return f"sm_{e.array}[w][slot]"
+            if (e.array, e.index) in self.vectors:
+                return f"{self.vectors[e.array, e.index]}[tt]"
             if e.array in self.registers:
                 local = "".join(f"[{e.index[i]}]" for i in self.local_positions[e.array])
                 return f"{self.registers[e.array]}[tt]{local}"
@@ -333,6 +339,16 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     staged = _stageable(k.arrays, (summary, k), set(k.parallel))
     ctx = kernel_context(k, arrays, sizes)
     in_registers = param_registers((summary, k), set(k.parallel), sizes)
+    major = warp_state_major(summary, k)
+    unrolled = major is not None and _state_loop_unrolled(program.states, set(k.parallel), sizes, steps_per_lane)
+    # Params stay in registers only in the state-major kernel that saves the backward's rounds: the
+    # plain forward then fits 128 registers, 4 blocks per SM (Mamba-1 B8 D1536 L2048 on an H200: 0.62
+    # against 0.96 ms), where the rounds kernel ran faster with them (0.66 against ~0.9 ms). Indexed by
+    # a rolled loop, a register array would be local memory.
+    if major is not None and not round_steps:
+        in_registers = {}
+    elif major is not None and not unrolled:
+        in_registers = {name: local for name, local in in_registers.items() if not local}
     ps = CPrinter(summary, arrays, sizes, staged, param_registers=in_registers)
     pr = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
     stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
@@ -347,14 +363,14 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["comment"] = (f"{program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
                       f"of {steps_per_lane} steps")
     ctx["steps_per_lane"] = steps_per_lane
-    ctx["bounds"] = (f"__launch_bounds__({BLOCK}, {MIN_BLOCKS}) "
-                     if _state_values(program.states, set(k.parallel), sizes) <= STATE_REGISTERS else "")
+    small = _state_values(program.states, set(k.parallel), sizes) <= STATE_REGISTERS
+    ctx["bounds"] = f"__launch_bounds__({BLOCK}, {MIN_BLOCKS}) " if small and major is None else ""
     loads = _load_param_registers(in_registers, (summary, k), pr)
     ctx["summary_setup"] = "\n".join(["    " + line for line in loads] + ps.stmts(summary.setup, 1))
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
-    scan = _lane_scan(program.states, set(k.parallel))
+    scan = _lane_scan(program.states, set(k.parallel), sizes)
     save = [f"{head}{name}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
             f" = {_store(arrays[name].dtype, f'st_{s}{idx}')};"
             for s, head, idx, env, name in _round_arrays(k)]
@@ -366,7 +382,169 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["reset"] = "\n".join(2 * pad + line for line in scan.reset)
     ctx["combine"] = "\n".join(2 * pad + line for line in scan.combine + save)
     ctx["final_carry"] = "\n".join(pad + line for line in scan.final)
+    ctx["state_major"] = ""
+    if major is not None:
+        first, second = share(*major)
+        per_step = list(dict.fromkeys(second.per_step + first.per_step))
+        vectors = _vector_loads(first.body + second.body, k, arrays, steps_per_lane)
+        pm = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
+        pv = CPrinter(k, arrays, sizes, staged, param_registers=in_registers, vectors=vectors)
+        pm.buffers |= set(per_step)
+        pv.buffers |= set(per_step)
+        names = _scalar_names(summary.setup + k.setup + k.finish + second.pre + first.pre + second.post)
+        names += [n for n in first.scalars + second.scalars if n not in names]
+        ctx["declarations"] = ([f"F {n} = F(0);" for n in names if n not in per_step]
+                               + [f"F {n}[{steps_per_lane}];  // one per step of the lane" for n in per_step])
+        ctx["declarations"] += [f"F sv_{s.name}" + "".join(f"[{size_var(a)}]" for a in s.axes if a not in k.parallel)
+                                + ";  // the carries into this lane's steps, for the backward"
+                                for s in program.states if s.name in {n for n, *_ in _round_arrays(k)}]
+        ctx["state_major"] = "\n".join(_state_major_lines(first, second, k, (pv, pm), steps_per_lane,
+                                                          round_steps, unrolled))
+        ctx["comment"] += ", the states' own axes outside the steps"
     return ctx
+
+
+# The state-major warp kernel (lowering/state_major.py) unrolls its loop over the states' own axes
+# (their values in registers) while that loop times the lane's steps is at most this.
+STATE_MAJOR_UNROLL = 128
+
+
+def _state_loop_unrolled(states, parallel: set[str], sizes: dict[str, int], steps_per_lane: int) -> bool:
+    own = [a for a in states[0].axes if a not in parallel]
+    return math.prod(sizes[a] for a in own) * steps_per_lane <= STATE_MAJOR_UNROLL
+
+
+def _scalar_names(stmts) -> list[str]:
+    """The scalars `stmts` assign, in order of first assignment."""
+    names = []
+    for s in walk(stmts):
+        if isinstance(s, Assign) and isinstance(s.target, Var) and s.target.name not in names:
+            names.append(s.target.name)
+    return names
+
+
+def _lane_steps_loop(depth: int, k: Kernel, steps_per_lane: int, body: list[str], mode: str) -> list[str]:
+    """C lines of a loop over this lane's steps (unrolled; `t` and `slot` bound) around `body`.
+    `mode` "full": every lane has all its steps (straight-line code); "exit": the loop ends after
+    the lane's last step; "live": straight-line too, steps past L read the last step (`t` clamped)
+    and `live` is false for them (their results are dropped: `_predicated`)."""
+    pad = "    " * depth
+    at = "min(t0 + tt, L - 1)" if mode == "live" else "t0 + tt"
+    t = f"L - 1 - {at}" if k.reverse else at
+    head = {"full": [], "exit": [f"{pad}    if (tt >= t1 - t0) break;"],
+            "live": [f"{pad}    const bool live = tt < t1 - t0;"]}[mode]
+    return [f"{pad}#pragma unroll",
+            f"{pad}for (int tt = 0; tt < {steps_per_lane}; ++tt) {{",
+            *head,
+            f"{pad}    const int t = {t};",
+            f"{pad}    const int slot = lane * {steps_per_lane + 1} + tt;",
+            *body,
+            f"{pad}}}"]
+
+
+def _predicated(body: list, carried: set[str]) -> list:
+    """`body` with its assignments to the `carried` scalars kept only for live steps."""
+    return [Assign(s.target, Select(Var("live"), s.value, s.target), s.op)
+            if isinstance(s.target, Var) and s.target.name in carried and s.op == "=" else s for s in body]
+
+
+def _vector_loads(body: list, k: Kernel, arrays: dict[str, ArraySpec], steps_per_lane: int) -> dict:
+    """Loads of `body` (state-major: inside the loop over the states' own axes) that a lane can make
+    for its K steps at once, as K // 4 (K // 2) vector loads: float32 sequences with time
+    contiguous whose other strides keep a lane's first step aligned (multiples of K) in a forward
+    program, K even. (array, index) -> the register array ``ld<j>`` (indexed by the step)."""
+    seqs = {a.name for a in k.arrays if a.role == "seq"}
+    if k.reverse or steps_per_lane % 2:
+        return {}
+    out = {}
+    for s in body:
+        for e in loads(s.value):
+            spec = arrays.get(e.array)
+            if (e.array in seqs and spec.dtype == "float32" and spec.strides[0] == 1 and e.index[0] == "t"
+                    and all(st % steps_per_lane == 0 for st in spec.strides[1:])
+                    and not any("t" in _words(i) for i in e.index[1:]) and (e.array, e.index) not in out):
+                out[e.array, e.index] = f"ld{len(out)}"
+    return out
+
+
+def _words(index: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_]\w*", index))
+
+
+def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printers: tuple[CPrinter, CPrinter],
+                       steps_per_lane: int, round_steps: int, unrolled: bool) -> list[str]:
+    """A round of the state-major warp kernel (lowering/state_major.py), twice: for a round whose
+    lanes all have their K steps, straight-line code, in which the scheduler overlaps one state
+    value's scan across the lanes with the next one's chains (with an exit per step in between, the
+    rounds were latency-bound: Mamba-1 B8 D1536 L2048 on an H200 1.57 against 0.96 ms), loads along
+    the states' axes made as vectors (`_vector_loads`) where the arrays are aligned; and for the
+    last, partial, round (and unaligned arrays)."""
+    vector, scalar = printers
+    full = _state_major_round(first, second, k, vector, steps_per_lane, round_steps, unrolled, "full")
+    # the last round straight-line too, unless a step stores along the states' axes (a step past L would)
+    stores = any(isinstance(s.target, Load) and s.target.array not in scalar.buffers
+                 for s in first.body + second.body)
+    partial = _state_major_round(first, second, k, scalar, steps_per_lane, round_steps, unrolled,
+                                 "exit" if stores else "live")
+    names = sorted({a for a, _ in vector.vectors})
+    align = 4 * (4 if steps_per_lane % 4 == 0 else 2)
+    aligned = "".join(f" && (unsigned long long){a} % {align} == 0" for a in names)
+    return [f"        if (base + {WARP * steps_per_lane} <= L{aligned}) {{  // every lane has all its steps",
+            *("    " + line for line in full),
+            "        } else {",
+            *("    " + line for line in partial),
+            "        }"]
+
+
+def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPrinter, steps_per_lane: int,
+                       round_steps: int, unrolled: bool, mode: str) -> list[str]:
+    """One round: the steps' values, then per index of the states' own axes the summary's chain
+    over the lane's steps, the scan across the lanes and the step's chain, then what reads the sums
+    over those axes. `mode`: of the chains' loops (`_lane_steps_loop`); the loops before and after
+    the chains exit after the lane's last step unless the round is full."""
+    parallel = set(k.parallel)
+    states = k.program.states
+    own = [a for a in states[0].axes if a not in parallel]
+    depth = 2 + len(own)
+    outer = "full" if mode == "full" else "exit"
+    summary = first.body
+    if mode == "live":  # a step past L leaves the summary as it was
+        summary = _predicated(summary, {scalar_name(f"st_{f(s.name)}") for s in states
+                                        for f in (product_name, partial_name)})
+    lines = _lane_steps_loop(2, k, steps_per_lane, pm.stmts(second.pre + first.pre, 3), outer)
+    for i, a in enumerate(own):
+        pad = "    " * (2 + i)
+        lines += [f"{pad}#pragma unroll" if unrolled else f"{pad}#pragma unroll 1",
+                  f"{pad}for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) {{  // one state value at a time"]
+    pad = "    " * depth
+    for (array, index), reg in pm.vectors.items():  # this lane's K steps of each, at once
+        first_step = pm.index(Load(array, ("t0", *index[1:])))
+        lines += [f"{pad}F {reg}[{steps_per_lane}];",
+                  f"{pad}load_steps<{steps_per_lane}>({reg}, {array} + {first_step});"]
+    for s in states:
+        prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
+        lines.append(f"{pad}{prod} = F(1); {part} = F(0);")
+    lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(summary, depth + 1), mode)
+    rounds = {name for name, *_ in _round_arrays(k)}
+    for s in states:
+        _, idx, env = _state_loops(s, parallel)
+        prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
+        into = scalar_name(f"st_{s.name}")
+        lines += [f"{pad}{{", *(pad + line for line in _combine_one(prod, part, f"cr_{s.name}{idx}", into)),
+                  f"{pad}}}"]
+        if s.name in rounds:  # kept for the store after the loop (a branch here would split the round)
+            lines.append(f"{pad}sv_{s.name}{idx} = {into};")
+    lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(second.body, depth + 1), mode)
+    lines += ["    " * (depth - 1 - i) + "}" for i in range(len(own))]
+    for s in states:
+        if s.name in rounds:  # this lane's steps start a round of the backward: its carries are saved
+            head, idx, env = _state_loops(s, parallel)
+            at = pm.index(Load(f"rounds_{s.name}", (f"t0 / {round_steps}", *env)))
+            store = _store(pm.arrays[f"rounds_{s.name}"].dtype, f"sv_{s.name}{idx}")
+            lines += [f"        if (t0 < L && t0 % {round_steps} == 0) {{",
+                      f"            {head}rounds_{s.name}[{at}] = {store};", "        }"]
+    lines += _lane_steps_loop(2, k, steps_per_lane, pm.stmts(second.post, 3), outer)
+    return lines
 
 
 @dataclass
@@ -389,36 +567,43 @@ def _state_loops(s, parallel: set[str]) -> tuple[str, str, list[str]]:
     return head, "".join(f"[i_{a}]" for a in local), [f"p_{a}" if a in parallel else f"i_{a}" for a in s.axes]
 
 
-def _lane_scan(states, parallel: set[str], reverse: bool = False) -> _LaneScan:
+def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool = False) -> _LaneScan:
     """`_LaneScan` for `states`; `reverse`: lane 0 holds the latest steps of the round, the carry
     comes from the later side (a suffix scan, lanes after compose first)."""
     carry, reset, combine, final = [], [], [], []
-    shfl, first, last = ("__shfl_down_sync", WARP - 1, 0) if reverse else ("__shfl_up_sync", 0, WARP - 1)
-    before = f"lane + off < {WARP}" if reverse else "lane >= off"
     for s in states:
         head, idx, _ = _state_loops(s, parallel)
         local = [a for a in s.axes if a not in parallel]
+        if math.prod(sizes[a] for a in local) > UNROLL_LIMIT:  # unrolled, ptxas would try registers and spill
+            head = "#pragma unroll 1\n" + head
         carry.append(f"F cr_{s.name}{''.join(f'[{size_var(a)}]' for a in local)};")
-        carry.append(f"{head}cr_{s.name}{idx} = st_{s.name}{idx};")
+        carry += f"{head}cr_{s.name}{idx} = st_{s.name}{idx};".split("\n")
         prod, part = f"st_{product_name(s.name)}{idx}", f"st_{partial_name(s.name)}{idx}"
-        reset.append(f"{head}{{ {prod} = F(1); {part} = F(0); }}")
-        combine += [
-            f"{head}{{",
-            f"    F P = {prod}, H = {part};",
-            f"    if (lane == {first}) H = P * cr_{s.name}{idx} + H;  // the carry enters: H becomes the state past",
-            "    #pragma unroll",
-            f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
-            f"        const F Hb = {shfl}(0xffffffffu, H, off);",
-            f"        const F Pb = off < {WARP // 2} ? {shfl}(0xffffffffu, P, off) : F(1);  // the last P is unused",
-            f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
-            "    }",
-            f"    const F into = {shfl}(0xffffffffu, H, 1);  // the state past the previous lane's steps",
-            f"    st_{s.name}{idx} = lane == {first} ? cr_{s.name}{idx} : into;  // the carry into this lane's steps",
-            f"    cr_{s.name}{idx} = __shfl_sync(0xffffffffu, H, {last});",
-            "}",
-        ]
-        final.append(f"{head}st_{s.name}{idx} = cr_{s.name}{idx};")
+        reset += f"{head}{{ {prod} = F(1); {part} = F(0); }}".split("\n")
+        combine += [*f"{head}{{".split("\n"), *_combine_one(prod, part, f"cr_{s.name}{idx}", f"st_{s.name}{idx}",
+                                                              reverse), "}"]
+        final += f"{head}st_{s.name}{idx} = cr_{s.name}{idx};".split("\n")
     return _LaneScan(carry, reset, combine, final)
+
+
+def _combine_one(prod: str, part: str, carry: str, into: str, reverse: bool = False) -> list[str]:
+    """C lines (indented one level) scanning one state value's (product, partial) pairs across the
+    lanes: `into` becomes the carry into this lane's steps, `carry` the carry past the round."""
+    shfl, first, last = ("__shfl_down_sync", WARP - 1, 0) if reverse else ("__shfl_up_sync", 0, WARP - 1)
+    before = f"lane + off < {WARP}" if reverse else "lane >= off"
+    return [
+        f"    F P = {prod}, H = {part};",
+        f"    if (lane == {first}) H = P * {carry} + H;  // the carry enters: H becomes the state past",
+        "    #pragma unroll",
+        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
+        f"        const F Hb = {shfl}(0xffffffffu, H, off);",
+        f"        const F Pb = off < {WARP // 2} ? {shfl}(0xffffffffu, P, off) : F(1);  // the last P is unused",
+        f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
+        "    }",
+        f"    const F into = {shfl}(0xffffffffu, H, 1);  // the state past the previous lane's steps",
+        f"    {into} = lane == {first} ? {carry} : into;  // the carry into this lane's steps",
+        f"    {carry} = __shfl_sync(0xffffffffu, H, {last});",
+    ]
 
 
 def _state_values(states, parallel: set[str], sizes: dict[str, int]) -> int:
@@ -462,8 +647,8 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     stage_len = WARP * (steps_per_lane + 1)
     fwd_states = fb.backward.forward.states
     core_states = [s for s in fb.adjoint.program.states if s.name in fb.core]
-    forward_scan = _lane_scan(fwd_states, parallel)
-    adjoint_scan = _lane_scan(core_states, parallel, reverse=True)
+    forward_scan = _lane_scan(fwd_states, parallel, sizes)
+    adjoint_scan = _lane_scan(core_states, parallel, sizes, reverse=True)
     registers_decl = []
     load_round = []
     for s in fwd_states:

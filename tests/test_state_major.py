@@ -1,0 +1,252 @@
+"""The state-major interchange of the warp kernel's steps (lowering/state_major.py).
+
+The rewritten statements are run here by a small evaluator of the loop IR, one lane's K steps from a
+given carry, against the statements as lowered (step after step): the outputs, the summaries
+(product, partial) and the state past the steps must agree. The GPU tests run the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from strategies import diagonal_linear_recurrences
+
+from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
+from ssmc.lowering.state_major import STEP, scalar_name, share, state_major, warp_state_major
+from ssmc.lowering.time_blocks import partial_name, product_name, time_blocks
+
+K = 3     # a lane's steps
+SIZE = 3  # every axis
+TOL = 1e-12
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+FUNCS = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs, "sigmoid": _sigmoid,
+         "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))), "silu": lambda x: x * _sigmoid(x),
+         "relu": lambda x: max(x, 0.0), "neg": lambda x: -x, "max": max, "min": min, "rsqrt": lambda x: x ** -0.5,
+         "erf": math.erf, "gelu": lambda x: 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))}
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
+       "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+       "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "and": lambda a, b: a and b, "or": lambda a, b: a or b}
+
+
+class Indices(dict):
+    """Loop variables and step; a parallel index p_<axis> is 1, a size n_<axis> is SIZE."""
+
+    def __missing__(self, name: str) -> int:
+        if name.startswith(("p_", "n_")):
+            return 1 if name.startswith("p_") else SIZE
+        raise KeyError(name)
+
+
+def fixed(seed: int, key) -> float:
+    """A random value that depends on `key` only (not on the order of the reads)."""
+    return random.Random(repr((seed, key))).uniform(0.1, 0.9)
+
+
+class Machine:
+    """Runs loop-IR statements: scalars and buffers in `env`, global arrays read as a fixed random
+    value per (array, index), stores kept in `stored`."""
+
+    def __init__(self, seed: int, buffers: set[str]):
+        self.seed = seed
+        self.stored: dict = {}
+        self.env: dict = {}
+        self.ints = Indices()
+        self.buffers = buffers
+
+    def index(self, i: str) -> int:
+        return int(eval(i, {}, self.ints))  # index expressions are Python too (lowering/loops.py)
+
+    def load(self, e: Load):
+        at = tuple(self.index(i) for i in e.index)
+        if e.array in self.buffers:
+            return self.env.setdefault((e.array, at), 0.0)
+        return fixed(self.seed, (e.array, at))
+
+    def value(self, e):
+        if isinstance(e, Num):
+            return e.value
+        if isinstance(e, Var):
+            if e.name in self.env:
+                return self.env[e.name]
+            return self.ints[e.name]
+        if isinstance(e, Load):
+            return self.load(e)
+        if isinstance(e, Call):
+            if e.fn == "not":
+                return not self.value(e.args[0])
+            return FUNCS[e.fn](*(self.value(a) for a in e.args))
+        if isinstance(e, Bin):
+            return OPS[e.op](self.value(e.a), self.value(e.b))
+        if isinstance(e, Select):
+            return self.value(e.a) if self.value(e.cond) else self.value(e.b)
+        if isinstance(e, InRange):
+            return self.index(e.lo) <= self.index(e.index) < self.index(e.hi)
+        raise TypeError(e)
+
+    def run(self, stmts):
+        for s in stmts:
+            if isinstance(s, Loop):
+                for i in range(SIZE):
+                    self.ints[s.var] = i
+                    self.run(s.body)
+                continue
+            assert isinstance(s, Assign)
+            v = self.value(s.value)
+            if isinstance(s.target, Var):
+                key = s.target.name
+            else:
+                key = (s.target.array, tuple(self.index(i) for i in s.target.index))
+            if isinstance(s.target, Load) and s.target.array not in self.buffers:
+                self.stored[key] = v
+                continue
+            old = self.env.get(key, 0.0)
+            self.env[key] = v if s.op == "=" else old + v if s.op == "+=" else max(old, v)
+
+
+def lane_step_major(tb, seed: int):
+    """The lane's K steps as lowered: the summary over them from (1, 0), then the step from the carry."""
+    summary, step = tb.lane_summary, tb.lane_rescan
+    m = Machine(seed, {s.name for s in summary.setup + step.setup if isinstance(s, Buffer)})
+    m.run(setup(tb))
+    for s in step.program.states:
+        for idx in np.ndindex(*(SIZE,) * _own(s, step)):
+            m.env[f"st_{product_name(s.name)}", idx] = 1.0
+            m.env[f"st_{partial_name(s.name)}", idx] = 0.0
+            m.env[f"st_{s.name}", idx] = fixed(seed, ("carry", s.name, idx))
+    for tt in range(K):
+        m.ints["t"] = tt
+        m.run(summary.step)
+    for tt in range(K):
+        m.ints["t"] = tt
+        m.run(step.step)
+    return m
+
+
+def lane_state_major(tb, seed: int):
+    """The same K steps state-major, as the CUDA kernel runs them (codegen._state_major_round)."""
+    first, second = share(*warp_state_major(tb.lane_summary, tb.lane_rescan))
+    step = tb.lane_rescan
+    buffers = {s.name for s in tb.lane_summary.setup + step.setup if isinstance(s, Buffer)}
+    m = Machine(seed, buffers | set(first.per_step) | set(second.per_step))
+    m.run(setup(tb))  # values hoisted out of the steps
+    own = [a for a in step.program.states[0].axes if a not in step.parallel]
+    carries = {(s.name, idx): fixed(seed, ("carry", s.name, idx))
+               for s in step.program.states for idx in np.ndindex(*(SIZE,) * len(own))}
+    for tt in range(K):
+        m.ints["t"] = m.ints[STEP] = tt
+        m.run(second.pre + first.pre)
+    results = {}
+    for idx in np.ndindex(*(SIZE,) * len(own)):
+        m.ints.update({f"i_{a}": i for a, i in zip(own, idx)})
+        for s in step.program.states:
+            m.env[scalar_name(f"st_{product_name(s.name)}")] = 1.0
+            m.env[scalar_name(f"st_{partial_name(s.name)}")] = 0.0
+        for tt in range(K):
+            m.ints["t"] = m.ints[STEP] = tt
+            m.run(first.body)
+        for s in step.program.states:
+            results[f"st_{product_name(s.name)}", idx] = m.env[scalar_name(f"st_{product_name(s.name)}")]
+            results[f"st_{partial_name(s.name)}", idx] = m.env[scalar_name(f"st_{partial_name(s.name)}")]
+            m.env[scalar_name(f"st_{s.name}")] = carries[s.name, idx]
+        for tt in range(K):
+            m.ints["t"] = m.ints[STEP] = tt
+            m.run(second.body)
+        for s in step.program.states:
+            results[f"st_{s.name}", idx] = m.env[scalar_name(f"st_{s.name}")]
+    for tt in range(K):
+        m.ints["t"] = m.ints[STEP] = tt
+        m.run(second.post)
+    return m, results
+
+
+def setup(tb) -> list:
+    """The statements both kernels run before time (buffers aside)."""
+    return [s for s in tb.lane_summary.setup + tb.lane_rescan.setup if not isinstance(s, Buffer)]
+
+
+def _own(s, k) -> int:
+    return sum(a not in k.parallel for a in s.axes)
+
+
+def check_same(tb, seed: int = 0):
+    before = lane_step_major(tb, seed)
+    after, results = lane_state_major(tb, seed)
+    assert before.stored.keys() == after.stored.keys() and before.stored
+    for key, want in before.stored.items():
+        assert abs(after.stored[key] - want) <= TOL * max(1.0, abs(want)), key
+    for (name, idx), got in results.items():
+        want = before.env[name, idx]
+        assert abs(got - want) <= TOL * max(1.0, abs(want)), (name, idx)
+
+
+def test_mamba1_is_state_major_with_one_exp_and_one_load_of_b_per_state_and_step():
+    """Mamba-1: the step's values (dt, dt u) once per step, exp(dt A[n]) and dt u B[t, n] shared by
+    the summary's body and the step's (sh0, sh1), the sum over n one register per step."""
+    tb = time_blocks(importlib.import_module("ssmc.examples.mamba1").SPEC.program)
+    first, second = share(*warp_state_major(tb.lane_summary, tb.lane_rescan))
+    assert first.pre == [] and first.post == [] and set(second.per_step) == {"m0", "m1", "acc_m3"}
+    assert first.per_step == ("sh0", "sh1")
+    text = repr(first.body)
+    assert text.count("'exp'") == 1 and text.count("array='B'") == 1
+    assert "'exp'" not in repr(second.body) and "array='B'" not in repr(second.body)
+    check_same(tb)
+
+
+@pytest.mark.parametrize("name", ["hgrn", "mingru"])
+def test_states_without_axes_of_their_own_stay_step_major(name):
+    tb = time_blocks(importlib.import_module(f"ssmc.examples.{name}").SPEC.program)
+    assert warp_state_major(tb.lane_summary, tb.lane_rescan) is None
+
+
+def test_a_sum_read_inside_the_state_loop_is_not_interchanged():
+    """y[n] = x[n] * sum_n x: the second loop needs the whole sum first."""
+    x = Load("x", ("t", "i_n"))
+    step = [Assign(Var("acc"), Num(0.0)), Loop("i_n", "n_n", [Assign(Var("acc"), x, "+=")]),
+            Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Bin("*", x, Var("acc")))])]
+    assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
+
+
+def test_a_buffer_read_at_another_index_is_not_interchanged():
+    step = [Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Load("st_h", ("0",)))])]
+    assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
+    ok = [Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Bin("*", Load("st_h", ("i_n",)), Num(0.5)))])]
+    assert state_major(ok, ("i_n",), {"st_h"}, {"st_h"}) is not None
+    # not a state: its value from the step before would be another index's, interchanged
+    assert state_major(ok, ("i_n",), {"st_h"}, set()) is None
+
+
+def test_a_buffer_the_loops_only_read_stays_an_array():
+    """tanh(p[n]), hoisted before time: read inside the loop at its index, it is not a scalar."""
+    step = [Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Bin("*", Load("g", ("i_n",)), Load("st_h", ("i_n",))))])]
+    major = state_major(step, ("i_n",), {"st_h", "g"}, {"st_h"})
+    assert major.body == [Assign(Var("v_st_h"), Bin("*", Load("g", ("i_n",)), Var("v_st_h")))]
+
+
+def test_a_loop_scalar_read_by_another_loop_is_not_interchanged():
+    """Lowered, the second loop sees the first loop's last value of v; interchanged, its own."""
+    step = [Loop("i_n", "n_n", [Assign(Var("v"), Load("x", ("t", "i_n")))]),
+            Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Var("v"))])]
+    assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=diagonal_linear_recurrences())
+def test_random_diagonal_linear_steps_compute_the_same_state_major(spec):
+    """Where the interchange applies to a random diagonal-linear spec, one lane's K steps give the
+    same outputs, summaries and states as the steps run one after another."""
+    tb = time_blocks(spec.program)
+    assume(tb is not None and warp_state_major(tb.lane_summary, tb.lane_rescan) is not None)
+    try:
+        check_same(tb, seed=1)
+    except (OverflowError, ValueError, ZeroDivisionError):  # math domain of a random expression at random values
+        assume(False)
