@@ -45,6 +45,7 @@ class Compiled:
         self.backend = backend
         self.layout = layout
         self.dtype = dtype
+        self._runs: dict = {}  # compute dtype -> run function (finding it hashes the program: host time)
 
     def __repr__(self) -> str:
         return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
@@ -56,7 +57,9 @@ class Compiled:
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
                             p.roots, convert, zeros)
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
-        run = runner(self.backend, p, dtype)
+        run = self._runs.get(dtype)
+        if run is None:
+            run = self._runs[dtype] = runner(self.backend, p, dtype)
         if self.backend == "cuda":  # kernels read any float dtype and strides in place
             first = next(iter(bound.arrays.values()), None)
             out_dtype = first.dtype if first is not None else None

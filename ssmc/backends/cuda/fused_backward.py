@@ -21,7 +21,7 @@ from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, contiguous_strides, fused_backward_source, module_source
-from .runner import _DTYPES, Launch, _as_1d, _sizes_key, runner_for, steps_per_lane
+from .runner import _DTYPES, Launch, _as_1d, _sizes_key, ragged, runner_for, steps_per_lane
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4, so a warp's atomic
@@ -86,7 +86,7 @@ class FusedBackwardRunner:
                 else:
                     strides = contiguous_strides(shape)
                 specs[a.name] = ArraySpec(self.compute, strides)
-            out.append((Launch(k, length, 1, threads), source(specs, sizes)))
+            out.append((Launch(k, length, 1, threads), source(specs, sizes, length)))
         return out
 
     def round_steps(self) -> int:
@@ -127,13 +127,14 @@ class FusedBackwardRunner:
         return outs, finals
 
     # -- building and launching ----------------------------------------------------------------
-    def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
+    def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         fr = self.forward_runner
         return module_source(fr.lowered, ctype, [(self.forward_kernel, specs)], sizes,
-                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps())
+                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps(),
+                             ragged=ragged(length, self.forward_steps()))
 
-    def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int]) -> str:
+    def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         return fused_backward_source(self.plan, ctype, specs, sizes,
                                      backward_steps_per_lane(self.plan, self.forward_steps()))
@@ -162,11 +163,12 @@ class FusedBackwardRunner:
                 made[a.name] = t
             tensors.append(_as_1d(t))
         layouts = tuple((t.dtype, t.stride()) for t in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(), self.forward_steps())
+        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(), self.forward_steps(),
+               ragged(length, self.forward_steps()))
         fn = self.functions.get(key)
         if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
-            fn = self.functions[key] = self.forward_runner.function(source(specs, sizes), k.name)
+            fn = self.functions[key] = self.forward_runner.function(source(specs, sizes, length), k.name)
         threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
         args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
         fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=self.forward_runner.stream())

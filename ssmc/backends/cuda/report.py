@@ -126,7 +126,7 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
     reports = []
     for launch in runner.launches(sizes, steps, time_contiguous):
         specs = _specs(launch, sizes, dtype, compute, time_contiguous)
-        source = runner.source_for(launch.kernel, specs, sizes, launch.mapping)
+        source = runner.source_for(launch.kernel, specs, sizes, launch.mapping, launch.length)
         label = f"{strategy}, {launch.mapping.describe()}" if launch.mapping.describe() else strategy
         reports.append(_report(role, label, launch, source, arch, compile_kernels))
     return reports

@@ -116,6 +116,11 @@ def steps_per_lane(default: int = STEPS_PER_LANE) -> int:
     return max(1, int(forced)) if forced else default
 
 
+def ragged(length: int | None, steps: int) -> bool:
+    """Whether a warp kernel's last round of 32 x `steps` steps may be partial at `length` (None: any)."""
+    return length is None or length % (WARP * steps) != 0
+
+
 def reads_along_state_axes(k: Kernel) -> bool:
     """Whether the step `k` reads a sequence along an axis that is not one of its parallel axes."""
     return any(a.role == "seq" and any(ax != "t" and ax not in k.parallel for ax in a.axes) for a in k.arrays)
@@ -196,11 +201,14 @@ class CudaRunner:
 
     # -- building ----------------------------------------------------------------------------
     def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int],
-                   mapping: Threads = ONE_GROUP) -> str:
+                   mapping: Threads = ONE_GROUP, length: int | None = None) -> str:
+        """`k`'s module source for these layouts; `length` (None: any) tells the warp kernel whether
+        its last round can be partial (`ragged`)."""
         ctype = "double" if self.compute == "float64" else "float"
         tb = self.time_blocks
         warp = (tb.lane_summary, steps_per_lane(self.lane_steps)) if tb is not None and k is tb.lane_rescan else None
-        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping})
+        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping},
+                             ragged=ragged(length, steps_per_lane(self.lane_steps)))
 
     def function(self, source: str, name: str):
         module = self.modules.get(source)
@@ -321,11 +329,12 @@ class CudaRunner:
             made[a.name] = full
             tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
         layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(self.lane_steps), mapping)
+        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(self.lane_steps), mapping,
+               warp and ragged(length, steps_per_lane(self.lane_steps)))
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
-            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping), k.name)
+            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         per = WARP if warp else nblk * groups
         blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per, mapping).grid
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
