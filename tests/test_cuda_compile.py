@@ -111,6 +111,30 @@ def test_mamba1_warp_kernels_are_state_major_and_keep_four_blocks_per_sm():
     assert backward.resources.registers <= 168 and not backward.resources.spills  # 3 blocks per SM
 
 
+def test_state_major_vector_loads_into_a_float64_compute_type():
+    """B and C in float32 with the other inputs float64: the compute type is double and the float4
+    loads of B[:, n] / C[:, n] convert into it (`load_steps` was float-only)."""
+    from ssmc.backends.cuda.codegen import ArraySpec, contiguous_strides
+    from ssmc.backends.cuda.runner import runner_for
+
+    runner = runner_for(importlib.import_module("ssmc.examples.mamba1").SPEC.program, "float64")
+    k = runner.time_blocks.lane_rescan
+    sizes, length = {"b": 2, "d": 8, "n": 16}, 256
+    specs = {}
+    for a in k.arrays:
+        shape = [length if ax == "t" else sizes[ax] for ax in a.axes]
+        if a.axes[:1] == ("t",):  # time contiguous, as the runner allocates and "b d t" gives
+            inner = contiguous_strides([*shape[1:], shape[0]])
+            strides = (inner[-1], *inner[:-1])
+        else:
+            strides = contiguous_strides(shape)
+        specs[a.name] = ArraySpec("float32" if a.name in ("B", "C") else "float64", strides)
+    source = runner.source_for(k, specs, sizes, length=length)
+    assert "typedef double F" in source and "load_steps<4>(ld0, B + " in source
+    resources = nvrtc.compile_source(source, options=("--std=c++17",)).resources["mamba1_warp"]
+    assert not resources.spills
+
+
 @pytest.mark.parametrize("state", [64, 256])
 def test_mamba1_warp_kernels_with_large_states_do_not_spill(state):
     """Mamba state up to 256: the state-major loop over n stays a loop past 128 values a round

@@ -57,8 +57,9 @@ __device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double pow_(double a, double b) { return ::pow(a, b); }
 
 // K consecutive values from `src`, aligned to 16 bytes where K % 4 == 0 (else to 8 where K is
-// even): one vector load per 4 (2) values where a lane reads its K consecutive steps.
-template <int K> __device__ __forceinline__ void load_steps(float* dst, const float* __restrict__ src) {
+// even): one vector load per 4 (2) values where a lane reads its K consecutive steps; `dst` in the
+// compute type (float, or double where another input is float64).
+template <int K, typename T> __device__ __forceinline__ void load_steps(T* dst, const float* __restrict__ src) {
     if constexpr (K % 4 == 0) {
         #pragma unroll
         for (int i = 0; i < K / 4; ++i) {
