@@ -122,6 +122,17 @@ def subexpressions(e):
             yield from subexpressions(a)
 
 
+def map_children(e, fn):
+    """`e` with `fn` applied to each of its direct subexpressions (a leaf as it is)."""
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(fn(a) for a in e.args))
+    if isinstance(e, Bin):
+        return Bin(e.op, fn(e.a), fn(e.b))
+    if isinstance(e, Select):
+        return Select(fn(e.cond), fn(e.a), fn(e.b))
+    return e
+
+
 def loads(e):
     """Every `Load` inside the expression `e`."""
     return (x for x in subexpressions(e) if isinstance(x, Load))

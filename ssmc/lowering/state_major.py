@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Bin, Buffer, Call, Load, Loop, Select, Var, loads, subexpressions
+from .loops import Assign, Bin, Buffer, Call, Load, Loop, Var, loads, map_children, subexpressions
 from .time_blocks import partial_name, product_name
 
 STEP = "tt"  # the index of a lane's step in the printed loops
@@ -171,13 +171,7 @@ def _rewrite(s: Assign, rename: dict[str, Load], buffers: set[str], at_index: tu
             return rename.get(e.name, e)
         if isinstance(e, Load):
             return Var(scalar_name(e.array)) if e.array in buffers and e.index == at_index else e
-        if isinstance(e, Call):
-            return Call(e.fn, tuple(expr(a) for a in e.args))
-        if isinstance(e, Bin):
-            return Bin(e.op, expr(e.a), expr(e.b))
-        if isinstance(e, Select):
-            return Select(expr(e.cond), expr(e.a), expr(e.b))
-        return e
+        return map_children(e, expr)
     return Assign(expr(s.target), expr(s.value), s.op)
 
 
@@ -237,7 +231,7 @@ def share(first: StateMajor, second: StateMajor) -> tuple[StateMajor, StateMajor
             if e not in found:
                 found[e] = Load(f"{SHARED}{len(found)}", (STEP,))
             return found[e]
-        return _map_children(e, replace)
+        return map_children(e, replace)
 
     second_body = [Assign(s.target, replace(s.value), s.op) for s in second.body]
     candidates = set(found)  # the first body computes what the second reads, in terms of registers
@@ -264,19 +258,9 @@ def _shareable(e, local: set[str]) -> bool:
     return not any(isinstance(x, Var) and x.name in local for x in subexpressions(e))
 
 
-def _map_children(e, fn):
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(fn(a) for a in e.args))
-    if isinstance(e, Bin):
-        return Bin(e.op, fn(e.a), fn(e.b))
-    if isinstance(e, Select):
-        return Select(fn(e.cond), fn(e.a), fn(e.b))
-    return e
-
-
 def _substitute(s: Assign, alias: dict[str, Load]) -> Assign:
     def expr(e):
         if isinstance(e, Load) and e.index == (STEP,) and e.array in alias:
             return alias[e.array]
-        return _map_children(e, expr)
+        return map_children(e, expr)
     return Assign(s.target, expr(s.value), s.op)

@@ -205,10 +205,10 @@ class CudaRunner:
         """`k`'s module source for these layouts; `length` (None: any) tells the warp kernel whether
         its last round can be partial (`ragged`)."""
         ctype = "double" if self.compute == "float64" else "float"
-        tb = self.time_blocks
-        warp = (tb.lane_summary, steps_per_lane(self.lane_steps)) if tb is not None and k is tb.lane_rescan else None
+        tb, steps = self.time_blocks, steps_per_lane(self.lane_steps)
+        warp = (tb.lane_summary, steps) if tb is not None and k is tb.lane_rescan else None
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping},
-                             ragged=ragged(length, steps_per_lane(self.lane_steps)))
+                             ragged=ragged(length, steps))
 
     def function(self, source: str, name: str):
         module = self.modules.get(source)
@@ -329,8 +329,8 @@ class CudaRunner:
             made[a.name] = full
             tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
         layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), warp and steps_per_lane(self.lane_steps), mapping,
-               warp and ragged(length, steps_per_lane(self.lane_steps)))
+        steps = warp and steps_per_lane(self.lane_steps)
+        key = (k.name, layouts, _sizes_key(sizes), steps, mapping, warp and ragged(length, steps))
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}

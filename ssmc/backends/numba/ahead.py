@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...lowering.loops import Assign, Bin, Call, Load, Loop, Num, Select, Var, subexpressions, walk
+from ...lowering.loops import Assign, Bin, Call, Load, Loop, Num, Select, Var, map_children, subexpressions, walk
 from ...lowering.plan import Kernel, size_var
 
 TILE = 64  # steps per tile: the tile's buffers stay in L1
@@ -134,13 +134,7 @@ def _read_buffers(s, keep: set[str]):
     def expr(e):
         if isinstance(e, Var) and e.name in keep:
             return Load(f"ah_{e.name}", ("t - c0",))
-        if isinstance(e, Call):
-            return Call(e.fn, tuple(expr(a) for a in e.args))
-        if isinstance(e, Bin):
-            return Bin(e.op, expr(e.a), expr(e.b))
-        if isinstance(e, Select):
-            return Select(expr(e.cond), expr(e.a), expr(e.b))
-        return e  # Num, Load, InRange
+        return map_children(e, expr)  # Num, Load, InRange as they are
 
     if isinstance(s, Loop):
         return Loop(s.var, s.extent, [_read_buffers(x, keep) for x in s.body], s.reverse)
