@@ -150,6 +150,14 @@ def test_when_the_fused_backward_runs(monkeypatch):
     assert not mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # a thread per recurrence fills it
     assert not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
+    # state-major (4 steps per lane) where its longer rounds waste little of the last one; step-major
+    # (1 step per lane) at L = 180: two rounds of 128 steps against six of 32
+    assert mamba.state_major(2048) and mamba.state_major(1000) and not mamba.state_major(180)
+    assert (mamba.round_steps(2048), mamba.round_steps(180)) == (128, 32) and not scan.state_major(4096)
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
+    assert mamba.state_major(180)
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "0")
+    assert not mamba.state_major(2048) and mamba.round_steps(2048) == 32
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
     assert scan.applies_at({"b": 8, "d": 2048}, 4096, True)
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "0")
@@ -174,7 +182,8 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
         assert roles["backward"].strategy == "fused backward"
         assert "atomicAdd" in roles["backward"].source or name == "hgrn"
         if name == "mamba1":  # exp(dt A) once per step and state, where the four steps would each compute it
-            assert roles["backward"].source.count("exp_(") == 1
+            source = roles["backward"].source  # state-major: a round's code for full rounds, one for the rest
+            assert source.count("one state value at a time") == 2 and source.count("exp_(") == 2
         for r in reports:
             assert r.resources is not None, r.error
             assert not r.resources.spills, (name, r.name, r.resources.summary())
@@ -218,6 +227,33 @@ def test_fused_backward_matches_the_interpreter(name, length, dtype, monkeypatch
     assert _fused_tape(g, gpu)
     got = g(**gpu, grad_outputs=cot["y"], grad_final_states=cot["h"])
     tol = {"float64": 1e-9, "float32": 1e-3, "bfloat16": 1e-3}[dtype]  # bf16 inputs: fp32 compute
+    for key in want:
+        assert rel_err(got[key], want[key]) <= tol, key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [1, 7, 180, 2047])
+def test_the_state_major_fused_backward_at_any_length(length, dtype, monkeypatch):
+    """The state-major fused backward forced where it would not be chosen (short sequences: one
+    partial round) and at a length that is no multiple of a lane's 4 steps (rows of grad_B padded);
+    every gradient against the interpreter."""
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=2, dim=5, state=7)
+    gpu = _to_gpu(inputs, dtype)
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
+    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
+    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
+                                                             grad_final_states=exact_cot["h"])
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    assert _fused_tape(g, gpu)
+    got = g(**gpu, grad_outputs=cot["y"], grad_final_states=cot["h"])
+    tol = {"float64": 1e-9, "float32": 1e-3}[dtype]
     for key in want:
         assert rel_err(got[key], want[key]) <= tol, key
 

@@ -16,10 +16,22 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from strategies import diagonal_linear_recurrences
 
+import ssmc
+from ssmc.backends.cuda.codegen import ArraySpec, contiguous_strides, fused_backward_source
 from ssmc.backends.cuda.report import kernel_reports
-from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
-from ssmc.lowering.state_major import STEP, scalar_name, share, state_major, warp_state_major
+from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, map_children
+from ssmc.lowering.reverse_warp import fused_backward
+from ssmc.lowering.state_major import (
+    STEP,
+    StateMajor,
+    fused_state_major,
+    scalar_name,
+    share,
+    state_major,
+    warp_state_major,
+)
 from ssmc.lowering.time_blocks import partial_name, product_name, time_blocks
+from ssmc.passes.autodiff import derive_backward
 
 K = 3     # a lane's steps
 SIZE = 3  # every axis
@@ -240,6 +252,14 @@ def test_a_loop_scalar_read_by_another_loop_is_not_interchanged():
     assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
 
 
+def test_a_chain_over_the_steps_read_in_the_loops_is_not_interchanged():
+    """acc sums over the steps before the loops read it: one register per step would lose the chain."""
+    x = Load("x", ("t",))
+    step = [Assign(Var("nx"), Bin("+", Var("acc"), x)), Assign(Var("acc"), Var("nx")),
+            Loop("i_n", "n_n", [Assign(Load("st_h", ("i_n",)), Bin("*", Load("st_h", ("i_n",)), Var("acc")))])]
+    assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=diagonal_linear_recurrences())
 def test_random_diagonal_linear_steps_compute_the_same_state_major(spec):
@@ -256,3 +276,180 @@ def test_random_diagonal_linear_steps_compute_the_same_state_major(spec):
         check_same(tb, seed=1)
     except (OverflowError, ValueError, ZeroDivisionError):  # math domain of a random expression at random values
         assume(False)
+
+
+# -- the fused backward (lowering/reverse_warp.py), state-major ------------------------------------
+
+def _aliased(stmts, alias: dict[str, str]):
+    """`stmts` with arrays renamed by `alias`: the fused kernel's registers written under one name
+    (prev_h, out_sv0) and read under another (h, sv0)."""
+    def expr(e):
+        if isinstance(e, Load) and e.array in alias:
+            return Load(alias[e.array], e.index)
+        return map_children(e, expr)
+    out = []
+    for s in stmts:
+        if isinstance(s, Loop):
+            out.append(Loop(s.var, s.extent, _aliased(s.body, alias), s.reverse))
+        elif isinstance(s, Assign):
+            out.append(Assign(expr(s.target), expr(s.value), s.op))
+        else:
+            out.append(s)
+    return out
+
+
+def _fused_machine(fb, seed: int, extra=()):
+    kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
+    registers = {f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}
+    buffers = {s.name for k in kernels for s in k.setup if isinstance(s, Buffer)}
+    m = Machine(seed, buffers | set(registers.values()) | set(extra))
+    m.run(_aliased([s for k in kernels for s in k.setup if not isinstance(s, Buffer)], registers))
+    own = len(fused_state_major(fb).local)
+    start = {}  # the carries into the lane's steps, the accumulators so far
+    for s in fb.backward.forward.states + tuple(s for s in fb.adjoint.program.states if s.name in fb.core):
+        for idx in np.ndindex(*(SIZE,) * own):
+            start[s.name, idx] = fixed(seed, ("carry", s.name, idx))
+    for name in fb.partials.accumulators:
+        for idx in np.ndindex(*(SIZE,) * len(fused_state_major(fb).local)):
+            start[name, idx] = fixed(seed, ("sum", name, idx))
+        m.env[f"st_{name}"] = fixed(seed, ("sum", name))
+    return m, registers, start
+
+
+def fused_step_major(fb, seed: int):
+    """The lane's K steps as the step-major fused kernel runs them: the forward summary over them
+    from (1, 0), the forward's carries from a given carry, the adjoint's summary backwards from
+    (1, 0), the adjoint backwards from a given carry."""
+    m, registers, start = _fused_machine(fb, seed)
+    steps = [_aliased(k.step, registers) for k in (fb.forward_summary, fb.forward_carries, fb.adjoint_summary,
+                                                   fb.adjoint)]
+    for (name, idx), v in start.items():
+        m.env[f"st_{name}", idx] = v
+    for s in fb.backward.forward.states + tuple(s for s in fb.adjoint.program.states if s.name in fb.core):
+        for idx in np.ndindex(*(SIZE,) * len(fused_state_major(fb).local)):
+            m.env[f"st_{product_name(s.name)}", idx] = 1.0
+            m.env[f"st_{partial_name(s.name)}", idx] = 0.0
+    for step, order in zip(steps, (range(K), range(K), reversed(range(K)), reversed(range(K)))):
+        for tt in order:
+            m.ints["t"] = tt
+            m.run(step)
+    return m
+
+
+def fused_state_major_run(fb, seed: int):
+    """The same K steps state-major, as codegen._fused_state_major_round runs them."""
+    major = fused_state_major(fb)
+    fs, fc, as_, ad = (StateMajor(*(_aliased(getattr(sm, part), registers) if part in ("pre", "body", "post")
+                                    else getattr(sm, part) for part in ("pre", "body", "post")),
+                                  sm.per_step, sm.scalars)
+                       for sm in major.steps()
+                       for registers in [{f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}])
+    per_step = {n for sm in major.steps() for n in sm.per_step}
+    m, _, start = _fused_machine(fb, seed, per_step)
+    forward = fb.backward.forward.states
+    core = tuple(s for s in fb.adjoint.program.states if s.name in fb.core)
+    for tt in range(K):
+        m.ints["t"] = m.ints[STEP] = tt
+        m.run(fs.pre + fc.pre)
+    for tt in reversed(range(K)):
+        m.ints["t"] = m.ints[STEP] = tt
+        m.run(as_.pre + ad.pre)
+    results = {}
+    for idx in np.ndindex(*(SIZE,) * len(major.local)):
+        m.ints.update(dict(zip(major.local, idx)))
+        for states, first, second, carried, order in ((forward, fs, fc, (), range(K)),
+                                                      (core, as_, ad, major.accumulators, range(K)[::-1])):
+            for s in states:
+                m.env[scalar_name(f"st_{product_name(s.name)}")] = 1.0
+                m.env[scalar_name(f"st_{partial_name(s.name)}")] = 0.0
+            for tt in order:
+                m.ints["t"] = m.ints[STEP] = tt
+                m.run(first.body)
+            for s in states:
+                for name in (product_name(s.name), partial_name(s.name)):
+                    results[f"st_{name}", idx] = m.env[scalar_name(f"st_{name}")]
+                m.env[scalar_name(f"st_{s.name}")] = start[s.name, idx]
+            for n in carried:
+                m.env[scalar_name(f"st_{n}")] = start[n, idx]
+            for tt in order:
+                m.ints["t"] = m.ints[STEP] = tt
+                m.run(second.body)
+            for n in [s.name for s in states] + list(carried):
+                results[f"st_{n}", idx] = m.env[scalar_name(f"st_{n}")]
+    for tt in reversed(range(K)):
+        m.ints["t"] = m.ints[STEP] = tt
+        m.run(ad.post)
+    return m, results
+
+
+def check_fused_same(fb, seed: int = 0):
+    before = fused_step_major(fb, seed)
+    after, results = fused_state_major_run(fb, seed)
+    assert before.stored.keys() == after.stored.keys() and before.stored
+    for key, want in before.stored.items():
+        assert abs(after.stored[key] - want) <= TOL * max(1.0, abs(want)), key
+    for (name, idx), got in results.items():
+        want = before.env[name, idx]
+        assert abs(got - want) <= TOL * max(1.0, abs(want)), (name, idx)
+    for name in fb.partials.accumulators:  # the scalar ones, summed in the steps' own loops
+        if f"st_{name}" in before.env:
+            want = before.env[f"st_{name}"]
+            assert abs(after.env[f"st_{name}"] - want) <= TOL * max(1.0, abs(want)), name
+
+
+def test_mamba1_fused_backward_is_state_major():
+    """Mamba-1's fused backward: the four steps interchange; grad_A (along n) is kept per state index,
+    grad_D and grad_delta_bias (no n) summed in the steps' own loops; one lane's K steps give the
+    same adjoint, atomic terms, outputs, summaries and sums as the steps run one after another."""
+    fb = fused_backward(derive_backward(importlib.import_module("ssmc.examples.mamba1").SPEC.program))
+    major = fused_state_major(fb)
+    assert major.local == ("i_n",) and major.accumulators == ("grad_A",)
+    assert not major.forward_summary.post and major.adjoint.post
+    check_fused_same(fb)
+
+
+@ssmc.recurrence
+def _gated(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], g: ssmc.Seq["b n"], w: ssmc.Param["d n"],
+           q: ssmc.Seq["b n"]):
+    """Decay per state index from a gate and a param; the output a sum over n, gated."""
+    a = ssmc.sigmoid(g + w)
+    h = a * h + (1.0 - a) * x
+    y = ssmc.dot(h, q, over="n") * ssmc.tanh(x)
+    return h, y
+
+
+@ssmc.recurrence
+def _squashed(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], g: ssmc.Seq["b n"], w: ssmc.Param["d n"],
+              q: ssmc.Seq["b n"]):
+    """The sum over n through a tanh: its adjoint needs the whole sum before any n's step."""
+    a = ssmc.sigmoid(g + w)
+    h = a * h + (1.0 - a) * x
+    y = ssmc.tanh(ssmc.dot(h, q, over="n")) * x
+    return h, y
+
+
+@ssmc.recurrence
+def _per_channel(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], k: ssmc.Seq["b d"],
+                 A: ssmc.Param["d n"], c: ssmc.Param["n"]):
+    """B and C per channel: no sums over the recurrences but the params' gradients."""
+    h = ssmc.exp(A * ssmc.softplus(k)) * h + x
+    y = ssmc.dot(h, c, over="n")
+    return h, y
+
+
+@pytest.mark.parametrize("spec", [_gated, _per_channel], ids=["gated", "per_channel"])
+def test_other_fused_backwards_compute_the_same_state_major(spec):
+    """Other diagonal-linear programs with states along n: the same lane's steps agree with the
+    step-major kernel's, and the CUDA source renders (both rounds)."""
+    fb = fused_backward(derive_backward(spec.program))
+    assert fb is not None and fused_state_major(fb) is not None
+    sizes = {a: 5 for s in spec.program.decls for a in s.axes}
+    arrays = {a.name: ArraySpec("float32", contiguous_strides([5] * len(a.axes))) for a in fb.arrays}
+    source = fused_backward_source(fb, "float", arrays, sizes, 4, state_major=True)
+    assert source.count("one state value at a time") == 2
+    check_fused_same(fb, seed=1)
+
+
+def test_a_fused_backward_that_needs_a_whole_sum_first_stays_step_major():
+    fb = fused_backward(derive_backward(_squashed.program))
+    assert fb is not None and fused_state_major(fb) is None

@@ -122,12 +122,24 @@ def state_major(step: list, local: tuple[str, ...], buffers: set[str], carried: 
         return None
     used_later = _reads(flat + post)
     per_step = tuple(sorted((pre_targets & used_later) | sums))
+    if _read_before_assigned(pre) & set(per_step):
+        return None  # a scalar carried from the step before (a chain): one register per step would break it
     rename = {name: Load(name, (STEP,)) for name in per_step}
     scalars = {scalar_name(name) for name in written} | body_scalars
     return StateMajor(pre=[_rewrite(s, rename, written, at_index) for s in pre],
                       body=[_rewrite(s, rename, written, at_index) for s in flat],
                       post=[_rewrite(s, rename, written, at_index) for s in post],
                       per_step=per_step, scalars=tuple(sorted(scalars)))
+
+
+def _read_before_assigned(stmts: list[Assign]) -> set[str]:
+    """The scalars `stmts` read (in order) before they assign them: values of the step before."""
+    assigned, early = set(), set()
+    for s in stmts:
+        early |= _reads([s]) - assigned
+        if isinstance(s.target, Var):
+            assigned.add(s.target.name)
+    return early & assigned
 
 
 def _perfect_nest(loop: Loop, local: tuple[str, ...]) -> list[Assign] | None:
@@ -264,3 +276,48 @@ def _substitute(s: Assign, alias: dict[str, Load]) -> Assign:
             return alias[e.array]
         return map_children(e, expr)
     return Assign(s.target, expr(s.value), s.op)
+
+
+@dataclass
+class FusedStateMajor:
+    """The four steps of the fused backward (reverse_warp.py) state-major: per round, the steps'
+    values (`pre`, the forward's steps in order, then the adjoint's last first), then per index of
+    the states' own axes the forward summary's chain, a scan across the lanes, the forward's
+    carries' chain (the carry before each step, one register per step), the adjoint summary's
+    chain backwards, a reverse scan, the adjoint's chain backwards; then the adjoint's `post`."""
+
+    forward_summary: StateMajor
+    forward_carries: StateMajor
+    adjoint_summary: StateMajor
+    adjoint: StateMajor
+    local: tuple[str, ...]      # the states' own axes (loop variables i_<axis>)
+    accumulators: tuple[str, ...]  # the adjoint's sums over time along those axes (st_grad_A): kept per index
+
+    def steps(self) -> tuple[StateMajor, ...]:
+        return self.forward_summary, self.forward_carries, self.adjoint_summary, self.adjoint
+
+
+def fused_state_major(fb) -> FusedStateMajor | None:
+    """`FusedStateMajor` of the fused backward `fb` (a reverse_warp.FusedBackward), or None: states
+    of the four steps with different own axes (those without own axes, the adjoint's scalar
+    accumulators, aside), forward states without own axes, a step `state_major` does not take, or
+    one but the adjoint that has statements after its loops."""
+    kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
+    parallel = set(fb.parallel)
+    own = {tuple(a for a in s.axes if a not in parallel) for k in kernels for s in k.program.states}
+    own.discard(())
+    forward_own = {tuple(a for a in s.axes if a not in parallel) for s in fb.backward.forward.states}
+    if len(own) != 1 or forward_own != own:
+        return None
+    (axes,) = own
+    local = tuple(f"i_{a}" for a in axes)
+    steps = []
+    for k in kernels:
+        carried = {f"st_{s.name}" for s in k.program.states}
+        sm = state_major(k.step, local, buffer_names(k.setup), carried)
+        if sm is None or (sm.post and k is not fb.adjoint):
+            return None
+        steps.append(sm)
+    accumulators = tuple(n for n in fb.partials.accumulators
+                         if scalar_name(f"st_{n}") in steps[-1].scalars)
+    return FusedStateMajor(*steps, local=local, accumulators=accumulators)

@@ -78,4 +78,28 @@ template <int K, typename T> __device__ __forceinline__ void load_steps(T* dst, 
     }
 }
 
+// dst[0 .. K-1] += v[0 .. K-1] atomically (a lane's K consecutive steps; dst aligned to 16 bytes when K
+// is a multiple of 4, 8 when even): on sm_90 and later one vector reduction per 4 (2) values, which
+// touches the L2 sectors of a warp's 32 K values once; scalar atomic adds elsewhere.
+template <int K> __device__ __forceinline__ void add_steps(float* dst, const float* v) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (K % 4 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 4; ++i)
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                         :: "l"(dst + 4 * i), "f"(v[4 * i]), "f"(v[4 * i + 1]), "f"(v[4 * i + 2]), "f"(v[4 * i + 3])
+                         : "memory");
+        return;
+    } else if constexpr (K % 2 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 2; ++i)
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(dst + 2 * i), "f"(v[2 * i]), "f"(v[2 * i + 1])
+                         : "memory");
+        return;
+    }
+#endif
+    #pragma unroll
+    for (int i = 0; i < K; ++i) atomicAdd(dst + i, v[i]);
+}
+
 }  // namespace ssmc

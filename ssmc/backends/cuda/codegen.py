@@ -20,7 +20,15 @@ from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Nu
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.split_sum import row_accumulators, split_axis
-from ...lowering.state_major import StateMajor, scalar_name, share, warp_state_major
+from ...lowering.state_major import (
+    STEP,
+    FusedStateMajor,
+    StateMajor,
+    fused_state_major,
+    scalar_name,
+    share,
+    warp_state_major,
+)
 from ...lowering.time_blocks import partial_name, product_name
 
 BLOCK = 128
@@ -103,7 +111,8 @@ class CPrinter:
 
     def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
                  threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None,
-                 param_registers: dict[str, tuple[int, ...]] | None = None, vectors: dict | None = None):
+                 param_registers: dict[str, tuple[int, ...]] | None = None, vectors: dict | None = None,
+                 one_value: bool = False):
         self.k = k
         # loads a lane made for all its steps at once (`_vector_loads`): (array, index) -> register array
         self.vectors = vectors or {}
@@ -111,9 +120,11 @@ class CPrinter:
         self.sizes = sizes
         self.staged = staged
         # arrays a lane keeps in registers, one row per step of its block (the fused backward's
-        # carries): name -> register array; indexed [tt][local indices]
+        # carries): name -> register array; indexed [tt][local indices], or [tt] only with `one_value`
+        # (state-major: the registers hold the values of one index of the states' own axes)
         self.registers = registers or {}
-        self.local_positions = {a.name: [i for i, ax in enumerate(a.axes) if ax != "t" and ax not in k.parallel]
+        self.local_positions = {a.name: [] if one_value else
+                                [i for i, ax in enumerate(a.axes) if ax != "t" and ax not in k.parallel]
                                 for a in k.arrays if a.name in self.registers}
         # params loaded once into registers rp_<name> (`param_registers`): name -> its local positions
         self.param_registers = param_registers or {}
@@ -386,7 +397,8 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     if major is not None:
         first, second = share(*major)
         per_step = list(dict.fromkeys(second.per_step + first.per_step))
-        vectors = _vector_loads(first.body + second.body, k, arrays, steps_per_lane)
+        seqs = {a.name for a in k.arrays if a.role == "seq"}
+        vectors = _vector_loads(first.body + second.body, seqs, k.reverse, arrays, steps_per_lane)
         pm = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
         pv = CPrinter(k, arrays, sizes, staged, param_registers=in_registers, vectors=vectors)
         for printer in (pm, pv):  # the summary's buffers (values hoisted before time) are arrays here too
@@ -448,13 +460,14 @@ def _predicated(body: list, carried: set[str]) -> list:
             if isinstance(s.target, Var) and s.target.name in carried and s.op == "=" else s for s in body]
 
 
-def _vector_loads(body: list, k: Kernel, arrays: dict[str, ArraySpec], steps_per_lane: int) -> dict:
+def _vector_loads(body: list, seqs: set[str], reverse: bool, arrays: dict[str, ArraySpec],
+                  steps_per_lane: int) -> dict:
     """Loads of `body` (state-major: inside the loop over the states' own axes) that a lane can make
-    for its K steps at once, as K // 4 (K // 2) vector loads: float32 sequences with time
-    contiguous whose other strides keep a lane's first step aligned (multiples of K) in a forward
-    program, K even. (array, index) -> the register array ``ld<j>`` (indexed by the step)."""
-    seqs = {a.name for a in k.arrays if a.role == "seq"}
-    if k.reverse or steps_per_lane % 2:
+    for its K steps at once, as K // 4 (K // 2) vector loads: float32 sequences (names in `seqs`)
+    with time contiguous whose other strides keep a lane's first step aligned (multiples of K), in
+    a program not `reverse` in time, K even. (array, index) -> the register array ``ld<j>``
+    (indexed by the step)."""
+    if reverse or steps_per_lane % 2:
         return {}
     out = {}
     for s in body:
@@ -490,7 +503,7 @@ def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printer
     partial = _state_major_round(first, second, k, scalar, steps_per_lane, round_steps, unrolled,
                                  "live" if ragged and not stores else "exit")
     names = sorted({a for a, _ in vector.vectors})
-    align = 4 * (4 if steps_per_lane % 4 == 0 else 2)
+    align = 4 * _vector_width(steps_per_lane)
     aligned = "".join(f" && (unsigned long long){a} % {align} == 0" for a in names)
     return [f"        if (base + {WARP * steps_per_lane} <= L{aligned}) {{  // every lane has all its steps",
             *("    " + line for line in full),
@@ -625,9 +638,10 @@ def _round_arrays(k: Kernel):
 
 
 def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], sizes: dict[str, int],
-                           steps_per_lane: int) -> dict:
+                           steps_per_lane: int, state_major: bool = False) -> dict:
     """The fused backward kernel (lowering/reverse_warp.py): the forward's summary and carries and
-    the adjoint's summary and step spliced around two lane scans, a round at a time, last first."""
+    the adjoint's summary and step spliced around two lane scans, a round at a time, last first;
+    with `state_major`, where `fused_state_major` applies, the states' own axes outside those."""
     kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
     parallel = set(fb.parallel)
     registers = {f"prev_{s}": f"rg_{s}" for s in fb.carried} | {s: f"rg_{s}" for s in fb.carried}
@@ -681,7 +695,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
                        f"    if (lane == 0) atomicAdd(&{target}, v);",
                        "}"]
     pad = "    "
-    return {
+    ctx = {
         "fused_backward": True,
         "name": fb.name,
         "comment": (f"{fb.backward.adjoint.name}: one warp per [{' '.join(fb.parallel)}], its lanes over blocks of "
@@ -710,7 +724,218 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "final_carry": "\n".join(pad + line for line in adjoint_scan.final),
         "finish": "\n".join(CPrinter(fb.adjoint, arrays, sizes).stmts(fb.adjoint.finish, 2)),
         "accumulate": "\n".join(pad + line for line in accumulate),
+        "state_major": "",
+        "bounds": "",
     }
+    major = fused_state_major(fb) if state_major else None
+    if major is not None:
+        ctx.update(_fused_state_major(fb, major, arrays, sizes, steps_per_lane, staged, registers))
+        ctx["comment"] += "; the states' own axes outside the steps"
+        # no launch bounds: bounded to 4 blocks per SM (128 registers) it spilled at N = 16 and 256 and
+        # ran about as fast (Mamba-1 B8 D1536 L2048 N16 on an H200: 1.92 against 1.98 ms in 134)
+    return ctx
+
+
+def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[str, ArraySpec],
+                       sizes: dict[str, int], steps_per_lane: int, staged, registers: dict[str, str]) -> dict:
+    """The fused backward's context entries for its state-major round (lowering/state_major.py,
+    `FusedStateMajor`): declarations (a register per step for the per-step values and the forward's
+    carries and shared values, of one state index at a time) and the round, twice: straight-line
+    code with a lane's steps of B[:, n] loaded and its terms of grad_B[:, n] added as vectors,
+    for rounds whose lanes all have their steps and aligned arrays; and with exits after the
+    lane's last step for the others (a partial last round, which runs first)."""
+    kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
+    steps = major.steps()
+    K = steps_per_lane
+    per_step = list(dict.fromkeys(n for sm in steps for n in sm.per_step))
+    seqs = {a.name for a in fb.arrays if a.role == "seq"}
+    vectors = _vector_loads([x for sm in steps for x in sm.body], seqs, False, arrays, K)
+    atomics = _vector_atomics(major.adjoint.body, arrays, K)
+    hoisted = {b.name for k in kernels for b in k.setup if isinstance(b, Buffer)}
+
+    def printers(vec: dict) -> list[CPrinter]:
+        out = []
+        for k in kernels:
+            pr = CPrinter(k, arrays, sizes, staged, registers=registers, vectors=vec, one_value=True)
+            pr.buffers |= set(per_step) | hoisted | set(atomics.values())
+            out.append(pr)
+        return out
+
+    full = _fused_state_major_round(fb, major, printers(vectors), sizes, K, atomics, exits=False)
+    partial = _fused_state_major_round(fb, major, printers({}), sizes, K, atomics, exits=True)
+    names = sorted({a for a, _ in vectors} | {a for a, _ in atomics})
+    aligned = "".join(f" && (unsigned long long){a} % {4 * _vector_width(K)} == 0" for a in names)
+    declarations = []
+    for k, sm in zip(kernels, steps):
+        for n in _scalar_names(k.setup + k.finish + sm.pre + sm.post) + list(sm.scalars):
+            line = f"F {n} = F(0);"
+            if n not in per_step and line not in declarations:
+                declarations.append(line)
+    declarations += [f"F {n}[{K}];  // one per step of the lane" for n in per_step + sorted(set(atomics.values()))]
+    carried = [f"F rg_{s}[{K}];  // the carry before each of this lane's steps, of one state index"
+               for s in fb.carried]
+    carried += [f"F rg_{v}[{K}];  // a value of each of this lane's steps, computed once" for v in fb.shared]
+    pad = "    "
+    core = [s for s in fb.adjoint.program.states if s.name in fb.core]
+    return {
+        "declarations": declarations,
+        "carry": "\n".join(pad + line for line in _lane_scan(core, set(fb.parallel), sizes, reverse=True).carry
+                           + carried),
+        "state_major": "\n".join([f"        if (base + {WARP * K} <= L{aligned}) {{  // every lane has all its steps",
+                                  *("    " + line for line in full), "        } else {",
+                                  *("    " + line for line in partial), "        }"]),
+    }
+
+
+def _vector_width(steps_per_lane: int) -> int:
+    """Values per vector load or reduction of a lane's steps (`load_steps`, `add_steps`)."""
+    return 4 if steps_per_lane % 4 == 0 else 2
+
+
+def _vector_atomics(body: list, arrays: dict[str, ArraySpec], steps_per_lane: int) -> dict:
+    """Atomic adds of `body` (state-major, a lane's steps inside) that a lane can make for its K
+    steps at once (`add_steps`): into float32 arrays with time contiguous at step t whose other
+    strides keep a lane's first step aligned, K even. (array, index) -> the register array ``at<j>``
+    collecting the lane's K terms."""
+    if steps_per_lane % 2:
+        return {}
+    out = {}
+    for s in body:
+        e = s.target
+        if s.op == "atomic+=" and isinstance(e, Load) and (e.array, e.index) not in out:
+            spec = arrays[e.array]
+            if (spec.dtype == "float32" and spec.strides[0] == 1 and e.index[0] == "t"
+                    and all(st % steps_per_lane == 0 for st in spec.strides[1:])
+                    and not any("t" in _words(i) for i in e.index[1:])):
+                out[e.array, e.index] = f"at{len(out)}"
+    return out
+
+
+def _fused_steps_loop(depth: int, steps_per_lane: int, body: list[str], exits: bool, backwards: bool) -> list[str]:
+    """C lines of a loop over this lane's steps (unrolled; `t` and `slot` bound) around `body`, the
+    last step first if `backwards`; with `exits`, steps past the lane's last are skipped."""
+    pad = "    " * depth
+    head = f"for (int tt = {steps_per_lane - 1}; tt >= 0; --tt)" if backwards else \
+        f"for (int tt = 0; tt < {steps_per_lane}; ++tt)"
+    skip = [f"{pad}    if (tt >= nt) {'continue' if backwards else 'break'};"] if exits else []
+    return [f"{pad}#pragma unroll", f"{pad}{head} {{", *skip,
+            f"{pad}    const int t = t0 + tt;",
+            f"{pad}    const int slot = lane * {steps_per_lane + 1} + tt;",
+            *body, f"{pad}}}"]
+
+
+# The state-major fused backward's loop over the states' own axes is unrolled this many times. Each
+# index's chains and scans depend on loads (B[:, n], the round's carry): rolled, with the next index's
+# loaded while one computes (`_next_index_loads`), the kernel keeps fewer registers and more warps in
+# flight. Mamba-1 B8 D1536 L2048 N16 on an H200: 1.94 ms rolled (without those loads ahead) against
+# 3.69 unrolled (185 registers, loads stalled) and 2.34 step-major.
+FUSED_STATE_UNROLL = 1
+
+
+def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers: list[CPrinter],
+                             sizes: dict[str, int], steps_per_lane: int, atomics: dict, exits: bool) -> list[str]:
+    """One round of the state-major fused backward (`_fused_state_major`); `atomics`: the adjoint's
+    atomic adds made per lane as vectors (`_vector_atomics`); `exits`: a round whose lanes may have
+    fewer steps (their vectors' other terms are zeros, added into the rows' padding past L: the
+    arrays are allocated with rows of whole vectors, `fused_backward._row`) or unaligned arrays."""
+    fs, fc, as_, ad = major.steps()
+    pfs, pfc, pas, pad_ = printers
+    K = steps_per_lane
+    parallel = set(fb.parallel)
+    forward_states = fb.backward.forward.states
+    core = [s for s in fb.adjoint.program.states if s.name in fb.core]
+    lines = _fused_steps_loop(2, K, pfs.stmts(fs.pre, 3) + pfc.stmts(fc.pre, 3), exits, False)
+    lines += _fused_steps_loop(2, K, pas.stmts(as_.pre, 3) + pad_.stmts(ad.pre, 3), exits, True)
+    # what each index of the state loop reads before its chains: (register, steps (0: a scalar), load)
+    index = "".join(f"[{v}]" for v in major.local)
+    reads = [(reg, K, f"{array} + {pfs.index(Load(array, ('t0', *at[1:])))}")
+             for (array, at), reg in pfs.vectors.items()]
+    for s in forward_states:  # the carry into the round, as the forward saved it
+        at = pfc.index(Load(f"rounds_{s.name}", ("r", *_state_loops(s, parallel)[2])))
+        reads.append((f"cf_{s.name}", 0, f"F(to_f(rounds_{s.name}[{at}]))"))
+    reads += [(f"ca_{s.name}", 0, f"cr_{s.name}{index}") for s in core]
+    reads += [(scalar_name(f"st_{n}"), 0, f"st_{n}{index}") for n in major.accumulators]
+    own = [v[len("i_"):] for v in major.local]
+    ahead = len(own) == 1  # the next index's reads made while this one computes
+    if ahead:
+        lines += _next_index_loads(2, reads, major.local[0], "0")
+    for i, a in enumerate(own):
+        pad = "    " * (2 + i)
+        lines += [f"{pad}#pragma unroll {FUSED_STATE_UNROLL}",
+                  f"{pad}for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) {{  // one state value at a time"]
+    depth = 2 + len(own)
+    pad = "    " * depth
+    for reg, steps, load in reads:
+        if steps:
+            lines.append(f"{pad}F {reg}[{steps}];")
+            lines += ([f"{pad}#pragma unroll", f"{pad}for (int tt = 0; tt < {steps}; ++tt) {reg}[tt] = next_{reg}[tt];"]
+                      if ahead else [f"{pad}load_steps<{steps}>({reg}, {load});"])
+        else:
+            lines.append(f"{pad}{'' if reg.startswith('v_') else 'F '}{reg} = {f'next_{reg}' if ahead else load};")
+    if ahead:
+        var = major.local[0]
+        lines += [f"{pad}{{",
+                  f"{pad}    const int {_next(var)} = min({var} + 1, {size_var(own[0])} - 1);",
+                  *_next_index_loads(depth + 1, reads, var, _next(var), declare=False), f"{pad}}}"]
+
+    def identity(states):
+        for s in states:
+            prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
+            lines.append(f"{pad}{prod} = F(1); {part} = F(0);")
+
+    def combine(states, carry, backwards):
+        for s in states:
+            prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
+            lines.extend([f"{pad}{{", *(pad + line for line in _combine_one(prod, part, carry(s),
+                                                                              scalar_name(f"st_{s.name}"),
+                                                                              backwards)), f"{pad}}}"])
+
+    identity(forward_states)
+    lines += _fused_steps_loop(depth, K, pfs.stmts(fs.body, depth + 1), exits, False)
+    combine(forward_states, lambda s: f"cf_{s.name}", False)
+    lines += _fused_steps_loop(depth, K, pfc.stmts(fc.body, depth + 1), exits, False)
+    identity(core)
+    lines += _fused_steps_loop(depth, K, pas.stmts(as_.body, depth + 1), exits, True)
+    combine(core, lambda s: f"ca_{s.name}", True)
+    lines += [f"{pad}cr_{s.name}{index} = ca_{s.name};  // the carry past the round" for s in core]
+    body = [Assign(Load(atomics[s.target.array, s.target.index], (STEP,)), s.value)
+            if s.op == "atomic+=" and (s.target.array, s.target.index) in atomics else s for s in ad.body]
+    if exits:
+        lines += [f"{pad}for (int tt = 0; tt < {K}; ++tt) {reg}[tt] = F(0);" for reg in atomics.values()]
+    lines += _fused_steps_loop(depth, K, pad_.stmts(body, depth + 1), exits, True)
+    for (array, at), reg in atomics.items():  # this lane's K terms of each, at once
+        target = f"{array} + {pad_.index(Load(array, ('t0', *at[1:])))}"
+        if exits:
+            lines += [f"{pad}if (t0 < L) {{",
+                      f"{pad}    if ((unsigned long long)({target}) % {4 * _vector_width(K)} == 0) "
+                      f"add_steps<{K}>({target}, {reg});",
+                      f"{pad}    else for (int tt = 0; tt < nt; ++tt) atomicAdd({target} + tt, {reg}[tt]);",
+                      f"{pad}}}"]
+        else:
+            lines.append(f"{pad}add_steps<{K}>({target}, {reg});")
+    lines += [f"{pad}st_{n}{index} = {scalar_name(f'st_{n}')};" for n in major.accumulators]
+    lines += ["    " * (depth - 1 - i) + "}" for i in range(len(own))]
+    lines += _fused_steps_loop(2, K, pad_.stmts(ad.post, 3), exits, True)
+    return lines
+
+
+def _next(var: str) -> str:
+    return f"next_{var}"
+
+
+def _next_index_loads(depth: int, reads: list, var: str, at: str, declare: bool = True) -> list[str]:
+    """C lines loading `reads` (register, steps, load) at index `at` of the state loop variable `var`
+    into ``next_<register>``."""
+    pad = "    " * depth
+    lines = []
+    for reg, steps, load in reads:
+        load = re.sub(rf"\b{var}\b", at, load)
+        if steps:
+            lines += [f"{pad}F next_{reg}[{steps}];"] if declare else []
+            lines.append(f"{pad}load_steps<{steps}>(next_{reg}, {load});")
+        else:
+            lines.append(f"{pad}{'F ' if declare else ''}next_{reg} = {load};")
+    return lines
 
 
 def _loads(stmts):
@@ -814,10 +1039,11 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
 
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
-                          steps_per_lane: int) -> str:
-    """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts."""
+                          steps_per_lane: int, state_major: bool = False) -> str:
+    """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts
+    (`state_major`: see `fused_backward_context`)."""
     half = any(spec.dtype in ("float16", "bfloat16") for spec in arrays.values())
-    context = fused_backward_context(fb, arrays, sizes, steps_per_lane)
+    context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
     return _template().render(version=__version__, program_name=fb.backward.adjoint.name, strategy="fused backward",
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=[context], half=half,
                               warp=WARP, rows=False)

@@ -19,24 +19,32 @@ import numpy as np
 from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
+from ...lowering.state_major import fused_state_major
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, contiguous_strides, fused_backward_source, module_source
 from .runner import _DTYPES, Launch, _as_1d, _sizes_key, ragged, runner_for, steps_per_lane
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
-# (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4, so a warp's atomic
-# adds go to neighbouring steps (one line), and fewer registers (168 against 254 for Mamba-1).
-# Measured on an H200 at B8 D1536 L2048 N16: 2.89 ms against 3.72 (2) and 5.47 (4). Without atomic
-# adds (a scan), the forward's steps per lane.
+# and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
+# so a warp's atomic adds go to neighbouring steps (one line), and fewer registers (168 against 254
+# for Mamba-1). Measured on an H200 at B8 D1536 L2048 N16: 2.89 ms against 3.72 (2) and 5.47 (4).
+# Without atomic adds (a scan), or state-major (a lane's steps added as one vector), the forward's.
 ATOMIC_STEPS_PER_LANE = 1
 
+# The state-major backward's time per step relative to the step-major one's (Mamba-1 B8 D1536 L2048 N16
+# on an H200: 1.83 against 2.34 ms). Its rounds are 4 times longer where the step-major kernel takes
+# one step per lane, so a short sequence wastes more of its last round: it runs where its padded
+# length, at this cost, is at most the step-major kernel's (at B32 D512 L180, two rounds of 128 steps,
+# the second 52 steps, against six of 32: 0.445 against 0.351 ms).
+STATE_MAJOR_STEP_COST = 0.8
 
-def backward_steps_per_lane(plan: FusedBackward, forward_steps: int) -> int:
+
+def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool) -> int:
     """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's."""
     forced = os.environ.get("SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
     if forced:
         return max(1, int(forced))
-    return ATOMIC_STEPS_PER_LANE if plan.partials.atomic else forward_steps
+    return forward_steps if state_major or not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
 
 
 class FusedBackwardRunner:
@@ -51,6 +59,7 @@ class FusedBackwardRunner:
         self.forward_kernel: Kernel = build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel)
         self.forward_kernel.arrays += [Array(f"rounds_{s.name}", "rounds", ("round", *s.axes)) for s in fwd.states]
         self.functions: dict[tuple, object] = {}
+        self.can_run_state_major = fused_state_major(plan) is not None
 
     def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
         """Whether the forward runs as the warp kernel for these sequences (module docstring)."""
@@ -63,7 +72,7 @@ class FusedBackwardRunner:
         faster: 0.572 against 0.603 ms for a scan at B8 D2048 L4096 fp32 on an H200);
         `SSMC_CUDA_FUSED_BACKWARD` = 0 / 1 turns it off / on wherever it can run."""
         setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
-        if setting == "0" or self.round_steps() % self.forward_steps():
+        if setting == "0" or self.round_steps(length) % self.forward_steps():
             return False  # turned off, or a forward lane's steps would straddle two rounds
         partials = self.plan.partials
         if setting != "1" and not (partials.atomic or partials.accumulators):
@@ -73,7 +82,7 @@ class FusedBackwardRunner:
     def sources(self, sizes: dict[str, int], length: int) -> list[tuple[Launch, str]]:
         """The two kernels' launches and sources at these sizes, arrays laid out as the runs
         allocate them (what `ssmc inspect` reports)."""
-        rounds = -(-length // self.round_steps())
+        rounds = -(-length // self.round_steps(length))
         threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
         out = []
         for k, source in ((self.forward_kernel, self._forward_source), (self.plan, self._backward_source)):
@@ -81,7 +90,7 @@ class FusedBackwardRunner:
             for a in k.arrays:
                 shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
                 if a.axes[:1] == ("t",) and len(shape) > 1:  # time innermost, as `_launch` allocates
-                    inner = contiguous_strides([*shape[1:], shape[0]])
+                    inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
                     strides = (inner[-1], *inner[:-1])
                 else:
                     strides = contiguous_strides(shape)
@@ -89,9 +98,25 @@ class FusedBackwardRunner:
             out.append((Launch(k, length, 1, threads), source(specs, sizes, length)))
         return out
 
-    def round_steps(self) -> int:
+    def state_major(self, length: int) -> bool:
+        """Whether the backward kernel runs state-major (lowering/state_major.py, `FusedStateMajor`) at
+        `length`: where it can and its rounds cost less (`STATE_MAJOR_STEP_COST`);
+        SSMC_CUDA_STATE_MAJOR_BACKWARD = 0 / 1 turns it off / on wherever it can run."""
+        setting = os.environ.get("SSMC_CUDA_STATE_MAJOR_BACKWARD", "")
+        if not self.can_run_state_major or setting == "0":
+            return False
+        step_major = backward_steps_per_lane(self.plan, self.forward_steps(), False)
+        steps = backward_steps_per_lane(self.plan, self.forward_steps(), True)
+        padded = {k: -(-length // (WARP * k)) * WARP * k for k in (step_major, steps)}
+        return setting == "1" or padded[steps] * STATE_MAJOR_STEP_COST <= padded[step_major]
+
+    def backward_steps(self, length: int) -> int:
+        """The backward kernel's steps per lane at `length`."""
+        return backward_steps_per_lane(self.plan, self.forward_steps(), self.state_major(length))
+
+    def round_steps(self, length: int) -> int:
         """Steps per round of the backward kernel: the forward saves its carry every so many steps."""
-        return WARP * backward_steps_per_lane(self.plan, self.forward_steps())
+        return WARP * self.backward_steps(length)
 
     def forward_steps(self) -> int:
         """The forward warp kernel's steps per lane."""
@@ -131,13 +156,13 @@ class FusedBackwardRunner:
         ctype = "double" if self.compute == "float64" else "float"
         fr = self.forward_runner
         return module_source(fr.lowered, ctype, [(self.forward_kernel, specs)], sizes,
-                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps(),
+                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps(length),
                              ragged=ragged(length, self.forward_steps()))
 
     def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         ctype = "double" if self.compute == "float64" else "float"
-        return fused_backward_source(self.plan, ctype, specs, sizes,
-                                     backward_steps_per_lane(self.plan, self.forward_steps()))
+        return fused_backward_source(self.plan, ctype, specs, sizes, self.backward_steps(length),
+                                     self.state_major(length))
 
     def _launch(self, k, given: dict, sizes: dict[str, int], length: int, source) -> dict:
         """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
@@ -146,7 +171,7 @@ class FusedBackwardRunner:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
-        rounds = -(-length // self.round_steps())
+        rounds = -(-length // self.round_steps(length))
         made, tensors = {}, []
         for a in k.arrays:
             if a.name in given:
@@ -157,14 +182,15 @@ class FusedBackwardRunner:
                 shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
                 alloc = torch.zeros if a.role == "atomic" else torch.empty
                 if a.axes[:1] == ("t",) and len(shape) > 1:  # lanes touch neighbouring steps
-                    t = alloc([*shape[1:], shape[0]], device="cuda", dtype=state).movedim(-1, 0)
+                    t = alloc([*shape[1:], _row(shape[0], a.role)], device="cuda", dtype=state)
+                    t = t[..., :shape[0]].movedim(-1, 0)
                 else:
                     t = alloc(shape, device="cuda", dtype=state)
                 made[a.name] = t
             tensors.append(_as_1d(t))
         layouts = tuple((t.dtype, t.stride()) for t in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(), self.forward_steps(),
-               ragged(length, self.forward_steps()))
+        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(length), self.forward_steps(),
+               ragged(length, self.forward_steps()), self.state_major(length))
         fn = self.functions.get(key)
         if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
@@ -173,6 +199,13 @@ class FusedBackwardRunner:
         args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
         fn((max(1, -(-threads // BLOCK)),), (BLOCK,), args, stream=self.forward_runner.stream())
         return made
+
+
+def _row(length: int, role: str) -> int:
+    """The row length, time innermost, of an array of `role` the backward allocates: an array added
+    into atomically gets rows of a multiple of 4 steps, so that a lane's 4 steps are one aligned
+    vector (`add_steps`) at any length."""
+    return -(-length // 4) * 4 if role == "atomic" else length
 
 
 _RUNNERS: dict[tuple, FusedBackwardRunner | None] = {}
