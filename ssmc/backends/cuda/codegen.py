@@ -729,7 +729,9 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     }
     major = fused_state_major(fb) if state_major else None
     if major is not None:
-        ctx.update(_fused_state_major(fb, major, arrays, sizes, steps_per_lane, staged, registers))
+        extra = _fused_state_major(fb, major, arrays, sizes, steps_per_lane, staged, registers)
+        ctx["shared"] += extra.pop("shared")
+        ctx.update(extra)
         ctx["comment"] += "; the states' own axes outside the steps"
         # no launch bounds: bounded to 4 blocks per SM (128 registers) it spilled at N = 16 and 256 and
         # ran about as fast (Mamba-1 B8 D1536 L2048 N16 on an H200: 1.92 against 1.98 ms in 134)
@@ -761,8 +763,9 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
             out.append(pr)
         return out
 
-    full = _fused_state_major_round(fb, major, printers(vectors), sizes, K, atomics, exits=False)
-    partial = _fused_state_major_round(fb, major, printers({}), sizes, K, atomics, exits=True)
+    summed = BLOCK_SUMS and _block_sums(fb, atomics, sizes)
+    full = _fused_state_major_round(fb, major, printers(vectors), sizes, K, atomics, False, summed)
+    partial = _fused_state_major_round(fb, major, printers({}), sizes, K, atomics, True, summed)
     names = sorted({a for a, _ in vectors} | {a for a, _ in atomics})
     aligned = "".join(f" && (unsigned long long){a} % {4 * _vector_width(K)} == 0" for a in names)
     declarations = []
@@ -777,14 +780,64 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
     carried += [f"F rg_{v}[{K}];  // a value of each of this lane's steps, computed once" for v in fb.shared]
     pad = "    "
     core = [s for s in fb.adjoint.program.states if s.name in fb.core]
+    shared = [f"__shared__ F sm_sums[2][{len(atomics)}][{BLOCK // WARP}][{WARP * K}];  // the warps' atomic terms"
+              f" of one state index, twice: a barrier per index"] if summed else []
     return {
-        "declarations": declarations,
+        "shared": shared,
+        "declarations": declarations + (["int sums_at = 0;  // which copy of sm_sums"] if summed else []),
         "carry": "\n".join(pad + line for line in _lane_scan(core, set(fb.parallel), sizes, reverse=True).carry
                            + carried),
         "state_major": "\n".join([f"        if (base + {WARP * K} <= L{aligned}) {{  // every lane has all its steps",
                                   *("    " + line for line in full), "        } else {",
                                   *("    " + line for line in partial), "        }"]),
     }
+
+
+# Where the warps of a block take neighbouring indices of the axis an atomic add sums over (Mamba-1's
+# d, for grad_B[b, n, t]), they add their terms up in shared memory first and one reduction per
+# block and vector goes to memory (`_block_sums`).
+BLOCK_SUMS = True
+
+
+def _block_sums(fb: FusedBackward, atomics: dict, sizes: dict[str, int]) -> bool:
+    """Whether the warps of a block may add their atomic terms (`_vector_atomics`) up before the
+    reductions: they differ only in the last parallel axis (its size a multiple of the warps per
+    block, so that no warp leaves early and a block's warps share the other indices), which every
+    such array sums over."""
+    last = fb.parallel[-1]
+    axes = {a.name: a.axes for a in fb.arrays}
+    return bool(atomics) and sizes[last] % (BLOCK // WARP) == 0 and all(last not in axes[a] for a, _ in atomics)
+
+
+def _block_sum_lines(depth: int, atomics: dict, printer: CPrinter, steps_per_lane: int) -> list[str]:
+    """C lines adding the block's warps' terms of each atomic array (`at<j>`, a lane's K steps) up in
+    shared memory, then one vector reduction (`add_steps`) per block and vector of the round, by the
+    first threads; steps past L are not added (their rows are padded to whole vectors only)."""
+    pad = "    " * depth
+    K, width = steps_per_lane, _vector_width(steps_per_lane)
+    per_array = WARP * K // width  # vectors of one array in a round
+    lines = [f"{pad}{{  // the block's warps add their terms up: one reduction per vector of the round"]
+    for j, reg in enumerate(atomics.values()):
+        lines += [f"{pad}    #pragma unroll", f"{pad}    for (int tt = 0; tt < {K}; ++tt) "
+                  f"sm_sums[sums_at][{j}][w][lane * {K} + tt] = {reg}[tt];"]
+    warps = " + ".join(f"sm_sums[sums_at][j][{x}][s + e]" for x in range(BLOCK // WARP))
+    targets = [f"({array} + {printer.index(Load(array, ('base + s', *at[1:])))})" for array, at in atomics]
+    target = targets[-1]
+    for j in reversed(range(len(targets) - 1)):
+        target = f"j == {j} ? {targets[j]} : {target}"
+    lines += [f"{pad}    __syncthreads();",
+              f"{pad}    const int j = threadIdx.x / {per_array}, s = threadIdx.x % {per_array} * {width};",
+              f"{pad}    if (j < {len(atomics)} && base + s < L) {{",
+              f"{pad}        F v[{width}];",
+              f"{pad}        #pragma unroll",
+              f"{pad}        for (int e = 0; e < {width}; ++e) v[e] = {warps};",
+              f"{pad}        F* to = {target};",
+              f"{pad}        if ((unsigned long long)to % {4 * width} == 0) add_steps<{width}>(to, v);",
+              f"{pad}        else for (int e = 0; e < {width} && base + s + e < L; ++e) atomicAdd(to + e, v[e]);",
+              f"{pad}    }}",
+              f"{pad}    sums_at ^= 1;  // the next index writes the other copy: no second barrier",
+              f"{pad}}}"]
+    return lines
 
 
 def _vector_width(steps_per_lane: int) -> int:
@@ -833,11 +886,13 @@ FUSED_STATE_UNROLL = 1
 
 
 def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers: list[CPrinter],
-                             sizes: dict[str, int], steps_per_lane: int, atomics: dict, exits: bool) -> list[str]:
+                             sizes: dict[str, int], steps_per_lane: int, atomics: dict, exits: bool,
+                             summed: bool) -> list[str]:
     """One round of the state-major fused backward (`_fused_state_major`); `atomics`: the adjoint's
     atomic adds made per lane as vectors (`_vector_atomics`); `exits`: a round whose lanes may have
     fewer steps (their vectors' other terms are zeros, added into the rows' padding past L: the
-    arrays are allocated with rows of whole vectors, `fused_backward._row`) or unaligned arrays."""
+    arrays are allocated with rows of whole vectors, `fused_backward._row`) or unaligned arrays;
+    `summed`: the block's warps add those terms up first (`_block_sums`)."""
     fs, fc, as_, ad = major.steps()
     pfs, pfc, pas, pad_ = printers
     K = steps_per_lane
@@ -903,7 +958,9 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     if exits:
         lines += [f"{pad}for (int tt = 0; tt < {K}; ++tt) {reg}[tt] = F(0);" for reg in atomics.values()]
     lines += _fused_steps_loop(depth, K, pad_.stmts(body, depth + 1), exits, True)
-    for (array, at), reg in atomics.items():  # this lane's K terms of each, at once
+    if summed:
+        lines += _block_sum_lines(depth, atomics, pad_, K)
+    for (array, at), reg in ({} if summed else atomics).items():  # this lane's K terms of each, at once
         target = f"{array} + {pad_.index(Load(array, ('t0', *at[1:])))}"
         if exits:
             lines += [f"{pad}if (t0 < L) {{",
