@@ -151,11 +151,11 @@ def test_when_the_fused_backward_runs(monkeypatch):
     assert not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
     # state-major (4 steps per lane) where its longer rounds waste little of the last one; step-major
-    # (1 step per lane) at L = 180: two rounds of 128 steps against six of 32
-    assert mamba.state_major(2048) and mamba.state_major(1000) and not mamba.state_major(180)
-    assert (mamba.round_steps(2048), mamba.round_steps(180)) == (128, 32) and not scan.state_major(4096)
+    # (1 step per lane) at L = 40: one round of 128 steps against two of 32
+    assert mamba.state_major(2048) and mamba.state_major(180) and not mamba.state_major(40)
+    assert (mamba.round_steps(2048), mamba.round_steps(40)) == (128, 32) and not scan.state_major(4096)
     monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
-    assert mamba.state_major(180)
+    assert mamba.state_major(40)
     monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "0")
     assert not mamba.state_major(2048) and mamba.round_steps(2048) == 32
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")

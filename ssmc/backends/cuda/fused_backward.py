@@ -31,12 +31,13 @@ from .runner import _DTYPES, Launch, _as_1d, _sizes_key, ragged, runner_for, ste
 # Without atomic adds (a scan), or state-major (a lane's steps added as one vector), the forward's.
 ATOMIC_STEPS_PER_LANE = 1
 
-# The state-major backward's time per step relative to the step-major one's (Mamba-1 B8 D1536 L2048 N16
-# on an H200: 1.83 against 2.34 ms). Its rounds are 4 times longer where the step-major kernel takes
-# one step per lane, so a short sequence wastes more of its last round: it runs where its padded
-# length, at this cost, is at most the step-major kernel's (at B32 D512 L180, two rounds of 128 steps,
-# the second 52 steps, against six of 32: 0.445 against 0.351 ms).
-STATE_MAJOR_STEP_COST = 0.8
+# The state-major backward's time per step relative to the step-major one's, measured on an H200:
+# Mamba-1 B8 D1536 L2048 N16 1.35 against 2.34 ms (0.58); B32 D512 L180 N16, two rounds of 128 steps
+# (the second 52 steps) against six of 32, 0.313 against 0.352 ms (0.67 per step of the padded
+# lengths). Its rounds are 4 times longer where the step-major kernel takes one step per lane, so a
+# short sequence wastes more of its last round: it runs where its padded length, at this cost, is
+# at most the step-major kernel's.
+STATE_MAJOR_STEP_COST = 0.65
 
 
 def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool) -> int:
