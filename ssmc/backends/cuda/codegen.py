@@ -725,7 +725,6 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "finish": "\n".join(CPrinter(fb.adjoint, arrays, sizes).stmts(fb.adjoint.finish, 2)),
         "accumulate": "\n".join(pad + line for line in accumulate),
         "state_major": "",
-        "bounds": "",
     }
     major = fused_state_major(fb) if state_major else None
     if major is not None:
