@@ -107,10 +107,12 @@ def test_mamba1_warp_kernels_are_state_major_and_keep_four_blocks_per_sm():
         assert not r.resources.spills
     assert "rp_" not in forward.source and forward.resources.registers <= 128
     assert "rp_A" in rounds.source and "sv_h[i_n] = v_st_h;" in rounds.source
-    # the fused backward state-major too, 4 steps per lane, a lane's terms of grad_B / grad_C added as
-    # one vector each; the loop over n rolled, the next n's loads made while one computes
+    # the fused backward state-major too, 4 steps per lane, the block's terms of grad_B / grad_C added
+    # up in shared memory and then as one vector each; the loop over n rolled, the next n's loads made
+    # while one computes
     assert "rp_A" not in backward.source and "pf_grad_y[4]" in backward.source
-    assert "add_steps<4>(out_grad_B + " in backward.source and "load_steps<4>(next_ld0, B + " in backward.source
+    assert "sm_sums[sums_at][1][w][lane * 4 + tt] = at1[tt];" in backward.source
+    assert "add_steps<4>(to, v);" in backward.source and "load_steps<4>(next_ld0, B + " in backward.source
     assert backward.resources.registers <= 168 and not backward.resources.spills  # 3 blocks per SM
 
 
