@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 
-from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var, loads
+from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var, loads, map_children
 
 FACTOR = 8
 SCALAR_FACTOR = 4
@@ -201,13 +201,7 @@ def _replace_loads(e, mapping: dict):
     """`e` with loads (or variables) replaced by `mapping`'s values."""
     if e in mapping:
         return mapping[e]
-    if isinstance(e, Bin):
-        return Bin(e.op, _replace_loads(e.a, mapping), _replace_loads(e.b, mapping))
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_replace_loads(a, mapping) for a in e.args))
-    if isinstance(e, Select):
-        return Select(_replace_loads(e.cond, mapping), _replace_loads(e.a, mapping), _replace_loads(e.b, mapping))
-    return e
+    return map_children(e, lambda a: _replace_loads(a, mapping))
 
 
 def _scalar_sum(loop: Loop) -> bool:
@@ -239,11 +233,9 @@ def _hoist_loads(e, chain_vars: list[str], hoisted: list[list], prefix: str):
             hoisted[depth].append(Assign(Var(name), e))
             return Var(name)
         return e
-    if isinstance(e, Bin):
-        return Bin(e.op, _hoist_loads(e.a, chain_vars, hoisted, prefix), _hoist_loads(e.b, chain_vars, hoisted, prefix))
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_hoist_loads(a, chain_vars, hoisted, prefix) for a in e.args))
-    return e  # selects and the rest stay as they are
+    if isinstance(e, Select):
+        return e  # a select's loads stay where they are (each may be guarded by its condition)
+    return map_children(e, lambda a: _hoist_loads(a, chain_vars, hoisted, prefix))
 
 
 def _wrap(chain: list[Loop], stmt, hoisted: list[list] | None = None) -> list:
@@ -274,12 +266,6 @@ def _subst(e, var: str, new: str):
         return Load(e.array, tuple(idx(i) for i in e.index))
     if isinstance(e, Var):
         return Var(new) if e.name == var else e
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_subst(a, var, new) for a in e.args))
-    if isinstance(e, Bin):
-        return Bin(e.op, _subst(e.a, var, new), _subst(e.b, var, new))
-    if isinstance(e, Select):
-        return Select(_subst(e.cond, var, new), _subst(e.a, var, new), _subst(e.b, var, new))
     if isinstance(e, InRange):
         return InRange(idx(e.index), idx(e.lo), idx(e.hi))
-    return e  # Num
+    return map_children(e, lambda a: _subst(a, var, new))  # a number as it is

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Select, Var, loads, walk
+from ...lowering.loops import Assign, Buffer, InRange, Load, Loop, Var, loads, map_children, walk
 from ...lowering.plan import Kernel, size_var
 
 BLOCK = 8  # at most this many indices per block, and one block per thread where the axis allows
@@ -121,15 +121,9 @@ class _Rewrite:
             if e.name in self.scalars:
                 return Load(e.name, (self.q,))
             return Var(self.idx(e.name))
-        if isinstance(e, Call):
-            return Call(e.fn, tuple(self.expr(a) for a in e.args))
-        if isinstance(e, Bin):
-            return Bin(e.op, self.expr(e.a), self.expr(e.b))
-        if isinstance(e, Select):
-            return Select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
         if isinstance(e, InRange):
             return InRange(self.idx(e.index), self.idx(e.lo), self.idx(e.hi))
-        return e
+        return map_children(e, self.expr)
 
     def stmt(self, s):
         if isinstance(s, Loop):
