@@ -2,7 +2,8 @@
 
 The rewritten statements are run here by a small evaluator of the loop IR, one lane's K steps from a
 given carry, against the statements as lowered (step after step): the outputs, the summaries
-(product, partial) and the state past the steps must agree. The GPU tests run the CUDA kernels.
+(product, partial) and the state past the steps must agree; likewise the fused backward's four
+steps (`fused_state_major`). The GPU tests run the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -298,19 +299,25 @@ def _aliased(stmts, alias: dict[str, str]):
     return out
 
 
+def _indices(fb):
+    """Every index of the states' own axes (SIZE each)."""
+    return list(np.ndindex(*(SIZE,) * len(fused_state_major(fb).local)))
+
+
 def _fused_machine(fb, seed: int, extra=()):
+    """A machine after the four steps' setups, the registers aliased; the given carries into the
+    lane's steps and the sums so far, by (name, index)."""
     kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
     registers = {f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}
     buffers = {s.name for k in kernels for s in k.setup if isinstance(s, Buffer)}
     m = Machine(seed, buffers | set(registers.values()) | set(extra))
     m.run(_aliased([s for k in kernels for s in k.setup if not isinstance(s, Buffer)], registers))
-    own = len(fused_state_major(fb).local)
-    start = {}  # the carries into the lane's steps, the accumulators so far
+    start = {}
     for s in fb.backward.forward.states + tuple(s for s in fb.adjoint.program.states if s.name in fb.core):
-        for idx in np.ndindex(*(SIZE,) * own):
+        for idx in _indices(fb):
             start[s.name, idx] = fixed(seed, ("carry", s.name, idx))
     for name in fb.partials.accumulators:
-        for idx in np.ndindex(*(SIZE,) * len(fused_state_major(fb).local)):
+        for idx in _indices(fb):
             start[name, idx] = fixed(seed, ("sum", name, idx))
         m.env[f"st_{name}"] = fixed(seed, ("sum", name))
     return m, registers, start
@@ -326,7 +333,7 @@ def fused_step_major(fb, seed: int):
     for (name, idx), v in start.items():
         m.env[f"st_{name}", idx] = v
     for s in fb.backward.forward.states + tuple(s for s in fb.adjoint.program.states if s.name in fb.core):
-        for idx in np.ndindex(*(SIZE,) * len(fused_state_major(fb).local)):
+        for idx in _indices(fb):
             m.env[f"st_{product_name(s.name)}", idx] = 1.0
             m.env[f"st_{partial_name(s.name)}", idx] = 0.0
     for step, order in zip(steps, (range(K), range(K), reversed(range(K)), reversed(range(K)))):
@@ -339,11 +346,13 @@ def fused_step_major(fb, seed: int):
 def fused_state_major_run(fb, seed: int):
     """The same K steps state-major, as codegen._fused_state_major_round runs them."""
     major = fused_state_major(fb)
-    fs, fc, as_, ad = (StateMajor(*(_aliased(getattr(sm, part), registers) if part in ("pre", "body", "post")
-                                    else getattr(sm, part) for part in ("pre", "body", "post")),
-                                  sm.per_step, sm.scalars)
-                       for sm in major.steps()
-                       for registers in [{f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}])
+    registers = {f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}
+
+    def aliased(sm: StateMajor) -> StateMajor:
+        return StateMajor(_aliased(sm.pre, registers), _aliased(sm.body, registers), _aliased(sm.post, registers),
+                          sm.per_step, sm.scalars)
+
+    fs, fc, as_, ad = (aliased(sm) for sm in major.steps())
     per_step = {n for sm in major.steps() for n in sm.per_step}
     m, _, start = _fused_machine(fb, seed, per_step)
     forward = fb.backward.forward.states
@@ -355,7 +364,7 @@ def fused_state_major_run(fb, seed: int):
         m.ints["t"] = m.ints[STEP] = tt
         m.run(as_.pre + ad.pre)
     results = {}
-    for idx in np.ndindex(*(SIZE,) * len(major.local)):
+    for idx in _indices(fb):
         m.ints.update(dict(zip(major.local, idx)))
         for states, first, second, carried, order in ((forward, fs, fc, (), range(K)),
                                                       (core, as_, ad, major.accumulators, range(K)[::-1])):
