@@ -202,6 +202,29 @@ def _fused_tape(g, gpu: dict) -> bool:
     return g.forward(**gpu)[2].rounds is not None
 
 
+def _interpreter_gradients(m, gpu: dict, rng, dtype: str):
+    """(outputs, cotangents on the GPU, gradients): the example `m` on the interpreter in float64 at the
+    rounded inputs `gpu`, with random cotangents of its output y and final state h."""
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}  # the rounded inputs, in float64
+    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
+    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
+    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
+                                                             grad_final_states=exact_cot["h"])
+    return outs, cot, want
+
+
+def _check_fused_gradients(m, gpu: dict, rng, dtype: str):
+    """The CUDA gradient of example `m` at `gpu` (through the fused backward) against the interpreter's."""
+    _, cot, want = _interpreter_gradients(m, gpu, rng, dtype)
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    assert _fused_tape(g, gpu)
+    got = g(**gpu, grad_outputs=cot["y"], grad_final_states=cot["h"])
+    tol = {"float64": 1e-9, "float32": 1e-3, "bfloat16": 1e-3}[dtype]  # bf16 inputs: fp32 compute
+    for key in want:
+        assert rel_err(got[key], want[key]) <= tol, key
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
@@ -217,18 +240,7 @@ def test_fused_backward_matches_the_interpreter(name, length, dtype, monkeypatch
     rng = np.random.default_rng(length)
     inputs = m.make_inputs(rng, length)
     gpu = _to_gpu(inputs, dtype)
-    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}  # the rounded inputs, in float64
-    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
-    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
-    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
-    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
-                                                             grad_final_states=exact_cot["h"])
-    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
-    assert _fused_tape(g, gpu)
-    got = g(**gpu, grad_outputs=cot["y"], grad_final_states=cot["h"])
-    tol = {"float64": 1e-9, "float32": 1e-3, "bfloat16": 1e-3}[dtype]  # bf16 inputs: fp32 compute
-    for key in want:
-        assert rel_err(got[key], want[key]) <= tol, key
+    _check_fused_gradients(m, gpu, rng, dtype)
 
 
 @pytest.mark.gpu
@@ -244,18 +256,7 @@ def test_the_state_major_fused_backward_at_any_length(length, dtype, monkeypatch
     rng = np.random.default_rng(length)
     inputs = m.make_inputs(rng, length, batch=2, dim=5, state=7)
     gpu = _to_gpu(inputs, dtype)
-    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
-    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
-    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
-    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
-    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
-                                                             grad_final_states=exact_cot["h"])
-    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
-    assert _fused_tape(g, gpu)
-    got = g(**gpu, grad_outputs=cot["y"], grad_final_states=cot["h"])
-    tol = {"float64": 1e-9, "float32": 1e-3}[dtype]
-    for key in want:
-        assert rel_err(got[key], want[key]) <= tol, key
+    _check_fused_gradients(m, gpu, rng, dtype)
 
 
 @pytest.mark.gpu
@@ -271,12 +272,7 @@ def test_the_mamba1_block_takes_the_fused_backward_for_its_scan(length, dtype, m
     m = importlib.import_module("ssmc.examples.mamba1_block")
     rng = np.random.default_rng(length)
     gpu = _to_gpu(m.make_inputs(rng, length, batch=2, dim=40, state=5), dtype)
-    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
-    outs, finals = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
-    cot = _to_gpu({"y": rng.standard_normal(np.shape(outs)), "h": rng.standard_normal(np.shape(finals))}, dtype)
-    exact_cot = {k: v.double().cpu().numpy() for k, v in cot.items()}
-    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=exact_cot["y"],
-                                                             grad_final_states=exact_cot["h"])
+    outs, cot, want = _interpreter_gradients(m, gpu, rng, dtype)
     g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
     assert isinstance(g, StagedGrad)
     ys, _, tape = g.forward(**gpu)

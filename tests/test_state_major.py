@@ -192,15 +192,20 @@ def _own(s, k) -> int:
     return sum(a not in k.parallel for a in s.axes)
 
 
-def check_same(tb, seed: int = 0):
-    before = lane_step_major(tb, seed)
-    after, results = lane_state_major(tb, seed)
+def _assert_agree(before: Machine, after: Machine, results: dict):
+    """The same stores, and the state-major `results` (name, index) equal to the step-major values."""
     assert before.stored.keys() == after.stored.keys() and before.stored
     for key, want in before.stored.items():
         assert abs(after.stored[key] - want) <= TOL * max(1.0, abs(want)), key
     for (name, idx), got in results.items():
         want = before.env[name, idx]
         assert abs(got - want) <= TOL * max(1.0, abs(want)), (name, idx)
+
+
+def check_same(tb, seed: int = 0):
+    before = lane_step_major(tb, seed)
+    after, results = lane_state_major(tb, seed)
+    _assert_agree(before, after, results)
 
 
 def test_mamba1_is_state_major_with_one_exp_and_one_load_of_b_per_state_and_step():
@@ -394,12 +399,7 @@ def fused_state_major_run(fb, seed: int):
 def check_fused_same(fb, seed: int = 0):
     before = fused_step_major(fb, seed)
     after, results = fused_state_major_run(fb, seed)
-    assert before.stored.keys() == after.stored.keys() and before.stored
-    for key, want in before.stored.items():
-        assert abs(after.stored[key] - want) <= TOL * max(1.0, abs(want)), key
-    for (name, idx), got in results.items():
-        want = before.env[name, idx]
-        assert abs(got - want) <= TOL * max(1.0, abs(want)), (name, idx)
+    _assert_agree(before, after, results)
     for name in fb.partials.accumulators:  # the scalar ones, summed in the steps' own loops
         if f"st_{name}" in before.env:
             want = before.env[f"st_{name}"]

@@ -502,9 +502,14 @@ def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printer
                  for s in first.body + second.body)
     partial = _state_major_round(first, second, k, scalar, steps_per_lane, round_steps, unrolled,
                                  "live" if ragged and not stores else "exit")
-    names = sorted({a for a, _ in vector.vectors})
+    return _full_or_partial(full, partial, steps_per_lane, {a for a, _ in vector.vectors})
+
+
+def _full_or_partial(full: list[str], partial: list[str], steps_per_lane: int, vectors: set[str]) -> list[str]:
+    """C lines running the round's `full` code where every lane has all its steps and the arrays
+    accessed as vectors (`vectors`) are aligned, its `partial` code otherwise."""
     align = 4 * _vector_width(steps_per_lane)
-    aligned = "".join(f" && (unsigned long long){a} % {align} == 0" for a in names)
+    aligned = "".join(f" && (unsigned long long){a} % {align} == 0" for a in sorted(vectors))
     return [f"        if (base + {WARP * steps_per_lane} <= L{aligned}) {{  // every lane has all its steps",
             *("    " + line for line in full),
             "        } else {",
@@ -537,19 +542,14 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
         first_step = pm.index(Load(array, ("t0", *index[1:])))
         lines += [f"{pad}F {reg}[{steps_per_lane}];",
                   f"{pad}load_steps<{steps_per_lane}>({reg}, {array} + {first_step});"]
-    for s in states:
-        prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
-        lines.append(f"{pad}{prod} = F(1); {part} = F(0);")
+    lines += _summary_identity(states, pad)
     lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(summary, depth + 1), mode)
     rounds = {name for name, *_ in _round_arrays(k)}
     for s in states:
         _, idx, env = _state_loops(s, parallel)
-        prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
-        into = scalar_name(f"st_{s.name}")
-        lines += [f"{pad}{{", *(pad + line for line in _combine_one(prod, part, f"cr_{s.name}{idx}", into)),
-                  f"{pad}}}"]
+        lines += _combine_state_value(s.name, f"cr_{s.name}{idx}", pad)
         if s.name in rounds:  # kept for the store after the loop (a branch here would split the round)
-            lines.append(f"{pad}sv_{s.name}{idx} = {into};")
+            lines.append(f"{pad}sv_{s.name}{idx} = {scalar_name(f'st_{s.name}')};")
     lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(second.body, depth + 1), mode)
     lines += ["    " * (depth - 1 - i) + "}" for i in range(len(own))]
     for s in states:
@@ -561,6 +561,20 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
                       f"            {head}rounds_{s.name}[{at}] = {store};", "        }"]
     lines += _lane_steps_loop(2, k, steps_per_lane, pm.stmts(second.post, 3), outer)
     return lines
+
+
+def _summary_identity(states, pad: str) -> list[str]:
+    """C lines starting the state-major summaries (scalars, one state index) of `states` at (1, 0)."""
+    names = [(scalar_name(f"st_{product_name(s.name)}"), scalar_name(f"st_{partial_name(s.name)}")) for s in states]
+    return [f"{pad}{prod} = F(1); {part} = F(0);" for prod, part in names]
+
+
+def _combine_state_value(state: str, carry: str, pad: str, reverse: bool = False) -> list[str]:
+    """C lines scanning one state value's summary across the lanes (`_combine_one`, state-major
+    scalars): the carry into this lane's steps becomes ``v_st_<state>``, `carry` the one past the round."""
+    prod, part = (scalar_name(f"st_{name(state)}") for name in (product_name, partial_name))
+    return [f"{pad}{{", *(pad + line for line in _combine_one(prod, part, carry, scalar_name(f"st_{state}"), reverse)),
+            f"{pad}}}"]
 
 
 @dataclass
@@ -765,8 +779,6 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
     summed = BLOCK_SUMS and _block_sums(fb, atomics, sizes)
     full = _fused_state_major_round(fb, major, printers(vectors), sizes, K, atomics, False, summed)
     partial = _fused_state_major_round(fb, major, printers({}), sizes, K, atomics, True, summed)
-    names = sorted({a for a, _ in vectors} | {a for a, _ in atomics})
-    aligned = "".join(f" && (unsigned long long){a} % {4 * _vector_width(K)} == 0" for a in names)
     declarations = []
     for k, sm in zip(kernels, steps):
         for n in _scalar_names(k.setup + k.finish + sm.pre + sm.post) + list(sm.scalars):
@@ -786,9 +798,7 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
         "declarations": declarations + (["int sums_at = 0;  // which copy of sm_sums"] if summed else []),
         "carry": "\n".join(pad + line for line in _lane_scan(core, set(fb.parallel), sizes, reverse=True).carry
                            + carried),
-        "state_major": "\n".join([f"        if (base + {WARP * K} <= L{aligned}) {{  // every lane has all its steps",
-                                  *("    " + line for line in full), "        } else {",
-                                  *("    " + line for line in partial), "        }"]),
+        "state_major": "\n".join(_full_or_partial(full, partial, K, {a for a, _ in vectors} | {a for a, _ in atomics})),
     }
 
 
@@ -931,26 +941,15 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
         lines += [f"{pad}{{",
                   f"{pad}    const int {_next(var)} = min({var} + 1, {size_var(own[0])} - 1);",
                   *_next_index_loads(depth + 1, reads, var, _next(var), declare=False), f"{pad}}}"]
-
-    def identity(states):
-        for s in states:
-            prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
-            lines.append(f"{pad}{prod} = F(1); {part} = F(0);")
-
-    def combine(states, carry, backwards):
-        for s in states:
-            prod, part = (scalar_name(f"st_{name(s.name)}") for name in (product_name, partial_name))
-            lines.extend([f"{pad}{{", *(pad + line for line in _combine_one(prod, part, carry(s),
-                                                                              scalar_name(f"st_{s.name}"),
-                                                                              backwards)), f"{pad}}}"])
-
-    identity(forward_states)
+    lines += _summary_identity(forward_states, pad)
     lines += _fused_steps_loop(depth, K, pfs.stmts(fs.body, depth + 1), exits, False)
-    combine(forward_states, lambda s: f"cf_{s.name}", False)
+    for s in forward_states:
+        lines += _combine_state_value(s.name, f"cf_{s.name}", pad)
     lines += _fused_steps_loop(depth, K, pfc.stmts(fc.body, depth + 1), exits, False)
-    identity(core)
+    lines += _summary_identity(core, pad)
     lines += _fused_steps_loop(depth, K, pas.stmts(as_.body, depth + 1), exits, True)
-    combine(core, lambda s: f"ca_{s.name}", True)
+    for s in core:
+        lines += _combine_state_value(s.name, f"ca_{s.name}", pad, reverse=True)
     lines += [f"{pad}cr_{s.name}{index} = ca_{s.name};  // the carry past the round" for s in core]
     body = [Assign(Load(atomics[s.target.array, s.target.index], (STEP,)), s.value)
             if s.op == "atomic+=" and (s.target.array, s.target.index) in atomics else s for s in ad.body]
