@@ -13,14 +13,21 @@ against each other first), the CUDA kernels one call launches (torch.profiler), 
 kernels must move at least (each array read or written once per kernel that touches it).
 
     python bench/fusion.py [--build-mamba | --mamba-so PATH] [--peers peers] [--quick] [--out DIR]
+                           [--shape B,D,L,N]
+
+At shapes where ssmc's forward runs the whole layer as one kernel (a block of threads per b owning
+the channels, time inside: `backends/cuda/runner.py`, `one_kernel`), a third row times ssmc's
+staged forward (SSMC_CUDA_ROW_RECURRENCE=0) against it; a training step runs the stages either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -75,17 +82,49 @@ def unfused(ext):
     return fwd, fwdbwd
 
 
-def fused():
-    """ssmc's compiled Mamba-1 block (layout b d t, read in place): (fwd, fwdbwd)."""
+@contextlib.contextmanager
+def row_recurrence(setting: str | None):
+    """SSMC_CUDA_ROW_RECURRENCE set to `setting` (None: as it was) while the block runs."""
+    old = os.environ.get("SSMC_CUDA_ROW_RECURRENCE")
+    if setting is not None:
+        os.environ["SSMC_CUDA_ROW_RECURRENCE"] = setting
+    try:
+        yield
+    finally:
+        if setting is not None:
+            if old is None:
+                del os.environ["SSMC_CUDA_ROW_RECURRENCE"]
+            else:
+                os.environ["SSMC_CUDA_ROW_RECURRENCE"] = old
+
+
+def fused(setting: str | None = None):
+    """ssmc's compiled Mamba-1 block (layout b d t, read in place): (fwd, fwdbwd); `setting`:
+    SSMC_CUDA_ROW_RECURRENCE during the calls ("0": the forward's stages even where one kernel would run)."""
     import ssmc
     from ssmc.examples import mamba1_block
 
     assert mamba1_block.EPS == EPS
     f = ssmc.compile(mamba1_block.SPEC, "cuda", layout="b d t")
     g = ssmc.grad(mamba1_block.SPEC, "cuda", layout="b d t")
-    return (lambda i: f(**{k: i[k] for k in KEYS}),
-            lambda i, dout: {k: v for k, v in g(**{k: i[k].detach() for k in KEYS}, grad_outputs=dout).items()
-                             if k in KEYS})
+
+    def fwd(i):
+        with row_recurrence(setting):
+            return f(**{k: i[k] for k in KEYS})
+
+    def fwdbwd(i, dout):
+        with row_recurrence(setting):
+            return {k: v for k, v in g(**{k: i[k].detach() for k in KEYS}, grad_outputs=dout).items() if k in KEYS}
+    return fwd, fwdbwd
+
+
+def one_kernel_forward(B, D, L, N) -> bool:
+    """Whether ssmc's forward runs the block as one kernel at this shape (time contiguous)."""
+    from ssmc.backends.cuda.runner import one_kernel
+    from ssmc.examples import mamba1_block
+    from ssmc.lowering.stages import fuse
+
+    return one_kernel(fuse(mamba1_block.SPEC.program), "float32", {"b": B, "d": D, "n": N}, L, True)
 
 
 def kernel_count(fn) -> int:
@@ -101,16 +140,17 @@ def kernel_count(fn) -> int:
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
 
 
-def ssmc_bytes(B, D, L, N, backward: bool) -> int:
+def ssmc_bytes(B, D, L, N, backward: bool, staged: bool = False) -> int:
     """Bytes the ssmc kernel plan moves: every array of every kernel the run launches, once (fp32),
     from `kernel_reports` (what `ssmc inspect` lists). A training step runs, per fusion stage, the
     forward (the one saving round carries where the stage's fused backward applies) and the
-    stage's backward kernels."""
+    stage's backward kernels; `staged`: the forward's stages where it would be one kernel."""
     from ssmc.backends.cuda.report import kernel_reports
     from ssmc.examples import mamba1_block
 
     sizes = {"b": B, "d": D, "n": N}
-    reports = kernel_reports(mamba1_block.SPEC.program, sizes, L, time_contiguous=True, compile_kernels=False)
+    with row_recurrence("0" if backward or staged else None):  # a training step's forward runs the stages
+        reports = kernel_reports(mamba1_block.SPEC.program, sizes, L, time_contiguous=True, compile_kernels=False)
     forward = [r for r in reports if r.program == "forward"]
     if backward:
         trained = {r.strategy.split(":")[0] for r in reports if r.program == "forward (training)"}
@@ -150,8 +190,9 @@ def main() -> int:
     ap.add_argument("--mamba-so")
     ap.add_argument("--quick", action="store_true", help="B2 D64 L256 (a smoke test)")
     ap.add_argument("--out", default=None, help="write results.json and table.md here")
+    ap.add_argument("--shape", default="8,1536,2048,16", help="B,D,L,N (default: the benchmark's)")
     args = ap.parse_args()
-    B, D, L, N = (2, 64, 256, 16) if args.quick else (8, 1536, 2048, 16)
+    B, D, L, N = (2, 64, 256, 16) if args.quick else tuple(int(x) for x in args.shape.split(","))
     peers = Path(args.peers).resolve()
     env = gp.PeerEnv(peers, peers / "_site", peers / "_src", peers / "_ext")
     gp.setup_peers(env)
@@ -160,16 +201,20 @@ def main() -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     ext = gp.load_mamba_ext(env, args.mamba_so, args.build_mamba, out_dir)
     timer = gp.Timer(warmup_ms=50, rep_ms=400)
-    impls = {"ssmc fused (examples/mamba1_block.py)": fused(),
+    one = one_kernel_forward(B, D, L, N)
+    impls = {f"ssmc fused (examples/mamba1_block.py){', forward in one kernel' * one}": fused(),
              "mamba-ssm selective_scan_cuda + torch rms_norm + add": unfused(ext)}
+    if one:
+        impls["ssmc, forward staged (SSMC_CUDA_ROW_RECURRENCE=0)"] = fused("0")
 
     # check: outputs and every gradient, fused against unfused, on the same inputs
     inp = make_inputs(B, D, L, N, 0)
     dout = torch.randn_like(inp["u"])
     leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
-    (f_fwd, f_bwd), (u_fwd, u_bwd) = impls.values()
+    (f_fwd, f_bwd), (u_fwd, u_bwd), *others = impls.values()
     with torch.no_grad():
         err = {"out": rel(f_fwd(inp), u_fwd(inp))}
+        err.update({f"out (impl {j + 3})": rel(o_fwd(inp), u_fwd(inp)) for j, (o_fwd, _) in enumerate(others)})
     gf, gu = f_bwd(leaves, dout), u_bwd(leaves, dout)
     err.update({k: rel(gf[k], gu[k]) for k in KEYS})
     bad = {k: v for k, v in err.items() if not v <= TOL}
@@ -191,8 +236,7 @@ def main() -> int:
         with torch.no_grad():
             k_fwd = kernel_count(partial(fwd, inp))
         k_bwd = kernel_count(partial(fwdbwd, leaves, dout))
-        fused_run = name.startswith("ssmc")
-        by = (ssmc_bytes if fused_run else unfused_bytes)
+        by = (partial(ssmc_bytes, staged="RECURRENCE=0" in name) if name.startswith("ssmc") else unfused_bytes)
         rows.append({"impl": name, "fwd_ms": sorted(times["fwd"])[1], "fwdbwd_ms": sorted(times["fwdbwd"])[1],
                      "fwd_kernels": k_fwd, "fwdbwd_kernels": k_bwd,
                      "fwd_MB": by(B, D, L, N, False) / 1e6, "fwdbwd_MB": by(B, D, L, N, True) / 1e6})

@@ -1,5 +1,7 @@
-"""Layers whose fusion stages have row kernels (a norm or a softmax over d after a scan), for the
-row-kernel tests (tests/test_map_reduce.py on the CPU, tests/test_cuda.py on the GPU)."""
+"""Layers with row statistics: a norm or a softmax over d after a scan (their fusion stages have row
+kernels; on CUDA the layer may also run as one kernel, a block of threads per row), and a norm
+inside the state update (the recurrence itself shares each row). For the row tests
+(tests/test_map_reduce.py, tests/test_row_recurrence.py on the CPU, tests/test_cuda.py on the GPU)."""
 
 from __future__ import annotations
 
@@ -23,4 +25,11 @@ def layernorm_layer(h: ssmc.State["b d"], x: ssmc.Seq["b d"], a: ssmc.Seq["b d"]
     return h, res + ssmc.layernorm(h, over="d", weight=w, bias=beta)
 
 
-LAYERS = {"softmax_layer": softmax_layer, "layernorm_layer": layernorm_layer}
+@ssmc.recurrence
+def norm_inside(h: ssmc.State["b d"], x: ssmc.Seq["b d"], a: ssmc.Seq["b d"], w: ssmc.Param["d"]):
+    """An RMSNorm inside the state update: the recurrence needs the whole row of d every step."""
+    h = ssmc.rmsnorm(ssmc.sigmoid(a) * h + x, over="d", weight=w)
+    return h, h * ssmc.silu(x)
+
+
+LAYERS = {"softmax_layer": softmax_layer, "layernorm_layer": layernorm_layer, "norm_inside": norm_inside}

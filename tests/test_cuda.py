@@ -277,6 +277,7 @@ def test_row_kernels_match_the_interpreter(name, layout, groups, monkeypatch):
     from ssmc.backends.cuda.runner import runner_for
     from ssmc.lowering.stages import fuse
 
+    monkeypatch.setenv("SSMC_CUDA_ROW_RECURRENCE", "0")  # the stages (at L 37 the layer could be one kernel)
     if groups:
         monkeypatch.setenv("SSMC_CUDA_ROW_GROUPS", groups)
     spec = LAYERS[name] if name in LAYERS else importlib.import_module(f"ssmc.examples.{name}").SPEC
@@ -306,3 +307,96 @@ def test_row_kernels_match_the_interpreter(name, layout, groups, monkeypatch):
     got = ssmc.grad(spec, "cuda")(**gpu, grad_outputs=on_gpu(cot, "float64"))
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-8, key
+
+
+def _row_layer(name):
+    from row_layers import LAYERS
+
+    return LAYERS[name] if name in LAYERS else importlib.import_module(f"ssmc.examples.{name}").SPEC
+
+
+def _row_layer_inputs(name, spec, length: int, d: int, seed: int) -> dict:
+    """Time-first inputs: the example's own (a stable scan) for an example, random ones for a test layer."""
+    if name == "mamba1_block":
+        m = importlib.import_module("ssmc.examples.mamba1_block")
+        inputs = m.make_inputs(np.random.default_rng(seed), length, batch=3, dim=d, state=4)
+        seqs = {s.name for s in spec.program.seqs}
+        return {k: np.moveaxis(v, -1, 0) if k in seqs else v for k, v in inputs.items()}
+    return draw_inputs(spec, length, seed, sizes={"b": 3, "d": d})
+
+
+@pytest.mark.parametrize("d", [5, 96, 300, 1000])
+@pytest.mark.parametrize("length", [1, 7, 180, 1000])
+@pytest.mark.parametrize("name", ["mamba1_block", "softmax_layer", "layernorm_layer"])
+def test_layers_in_one_kernel_match_the_interpreter(name, length, d, monkeypatch):
+    """SSMC_CUDA_ROW_RECURRENCE=1: the scan and its norm / softmax over d as one kernel, a block of
+    G threads per b, each owning every G-th channel (G = 8 ... 512: one or two channels a thread),
+    sums and maxima over d combined every step. Float64 against the interpreter; float32 at d = 300;
+    time contiguous ("... t" views) at odd lengths."""
+    import torch
+
+    from ssmc.backends.cuda.runner import one_kernel
+    from ssmc.lowering.stages import fuse
+
+    monkeypatch.setenv("SSMC_CUDA_ROW_RECURRENCE", "1")
+    spec = _row_layer(name)
+    assert one_kernel(fuse(spec.program), "float64", {"b": 3, "d": d, "n": 4}, length, False)
+    inputs = _row_layer_inputs(name, spec, length, d, length + d)
+    seqs = {s.name for s in spec.program.seqs}
+    want_y, want_h = ssmc.compile(spec, "interpreter").run(**inputs)
+    for dtype in ("float64", "float32") if d == 300 else ("float64",):
+        gpu = on_gpu(inputs, dtype)
+        if length % 2:
+            gpu = {k: v.movedim(0, -1).contiguous().movedim(-1, 0) if k in seqs else v for k, v in gpu.items()}
+        got_y, got_h = ssmc.compile(spec, "cuda").run(**gpu)
+        for n in want_y:
+            assert rel_err(got_y[n], want_y[n]) <= TOL[dtype], (n, dtype)
+        for n in want_h:
+            assert rel_err(got_h[n], want_h[n]) <= TOL[dtype], (n, dtype)
+        assert got_y[next(iter(want_y))].dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("d", [5, 300, 1000])
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_a_norm_inside_the_update_shares_its_rows(length, d):
+    """A norm inside the state update: the forward, the recompute and the adjoint's core run a block of
+    threads per b sharing d ("rows"); forward and every gradient against the interpreter, float64."""
+    from row_layers import norm_inside
+
+    from ssmc.backends.cuda.runner import runner_for
+
+    assert runner_for(norm_inside.program, "float64").strategy({"b": 3, "d": d}, length) == "rows"
+    rng = np.random.default_rng(length + d)
+    inputs = draw_inputs(norm_inside, length, length + d, sizes={"b": 3, "d": d})
+    want_y, _ = ssmc.compile(norm_inside, "interpreter").run(**inputs)
+    got_y, _ = ssmc.compile(norm_inside, "cuda").run(**on_gpu(inputs, "float64"))
+    assert rel_err(got_y["y"], want_y["y"]) <= 1e-10
+    cot = {n: rng.standard_normal(v.shape) for n, v in want_y.items()}
+    want = ssmc.grad(norm_inside, "interpreter")(**inputs, grad_outputs=cot)
+    got = ssmc.grad(norm_inside, "cuda")(**on_gpu(inputs, "float64"), grad_outputs=on_gpu(cot, "float64"))
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-8, key
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(spec=layers(), length=st.sampled_from([1, 7, 180, 1000]), d=st.sampled_from([3, 12, 129, 700]),
+       seed=st.integers(0, 2**16))
+def test_random_layers_in_one_kernel(spec, length, d, seed):
+    """Random layers (scan, gate, RMSNorm / LayerNorm over d, residual) forced into one kernel
+    (SSMC_CUDA_ROW_RECURRENCE=1), float64, against the interpreter."""
+    import os
+
+    from ssmc.runtime.random_inputs import axis_sizes
+
+    program = spec.program
+    inputs = draw_inputs(spec, length, seed, sizes=axis_sizes(program, np.random.default_rng(seed), given={"d": d}))
+    want_y, want_h = ssmc.compile(spec, "interpreter").run(**inputs)
+    os.environ["SSMC_CUDA_ROW_RECURRENCE"] = "1"
+    try:
+        got_y, got_h = ssmc.compile(spec, "cuda").run(**on_gpu(inputs, "float64"))
+    finally:
+        del os.environ["SSMC_CUDA_ROW_RECURRENCE"]
+    for name in want_y:
+        assert rel_err(got_y[name], want_y[name]) <= 1e-10, name
+    for name in want_h:
+        assert rel_err(got_h[name], want_h[name]) <= 1e-10, name

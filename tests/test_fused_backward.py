@@ -135,9 +135,9 @@ def test_which_programs_fuse():
 
 
 def test_when_the_fused_backward_runs(monkeypatch):
-    """Where the forward is the warp kernel (time contiguous, too few recurrences to fill the GPU)
-    and the adjoint sums over recurrences (Mamba-1); a plain scan (hgrn) only when forced; never
-    with time outermost, when turned off, or for a program run in fusion stages (the block)."""
+    """Where the forward is the warp kernel (time contiguous, at least two rounds) and the adjoint
+    sums over recurrences (Mamba-1); a plain scan (hgrn) only when forced; never with time
+    outermost, when turned off, or for a program run in fusion stages (the block)."""
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
 
     def runner(name):
@@ -147,7 +147,7 @@ def test_when_the_fused_backward_runs(monkeypatch):
     mamba, scan = runner("mamba1"), runner("hgrn")
     big = {"b": 8, "d": 1536, "n": 16}
     assert mamba.applies_at(big, 2048, True) and not mamba.applies_at(big, 2048, False)
-    assert not mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # a thread per recurrence fills it
+    assert mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # warps whatever the count
     assert not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
     # state-major (4 steps per lane) where its longer rounds waste little of the last one; step-major

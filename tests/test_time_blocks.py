@@ -114,5 +114,8 @@ def test_the_cuda_heuristic_blocks_time_only_when_recurrences_are_too_few(monkey
     assert launches[0].threads >= FILL_THREADS and launches[0].nblk == FILL_THREADS // (8 * 2048)
     assert runner.strategy({"b": 8, "d": 2048}, 31) == "fused"          # too short to split
     assert runner.strategy({"b": 64, "d": 4096}, 4096) == "fused"       # enough recurrences
+    # time contiguous ("b d t"): a warp per recurrence whatever their count, lanes on neighbouring steps
+    assert runner.strategy({"b": 64, "d": 4096}, 4096, time_contiguous=True) == "warp"
+    assert runner.strategy({"b": 64, "d": 4096}, 63, time_contiguous=True) == "fused"  # under two rounds
     monkeypatch.setenv("SSMC_CUDA_TIME_BLOCKS", "1")
     assert runner.strategy({"b": 8, "d": 2048}, 4096) == "fused"

@@ -57,7 +57,12 @@ def runner(backend: str, program, dtype: np.dtype, products: dict | None = None)
     fused = fuse(program)
     if not fused.staged:
         return _compiled(backend, program, dtype, products)
-    return partial(run_stages, fused, [_compiled(backend, st.program, dtype) for st in fused.stages])
+    staged = partial(run_stages, fused, [_compiled(backend, st.program, dtype) for st in fused.stages])
+    if backend == "cuda":  # or where one block of threads owns each row: the layer in one kernel
+        from .cuda.runner import layer_runner
+
+        return layer_runner(fused, dtype.name, staged)
+    return staged
 
 
 def _compiled(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:

@@ -32,6 +32,24 @@ selects, slices or pads ``r``), so a group reads and writes only its own indices
 buffer along ``r``; when every loop over ``r`` is a top-level statement of the kernel (so all the
 block's threads reach each combine, once); and when what such a loop accumulates across its
 iterations is a scalar (a sum or a max, combined across the groups right after the loop).
+
+Rows of a recurrence (`recurrence_row_axis`). The same holds for a recurrence that runs a thread
+per row with time inside (a layer's scan and the norm over its channels as one kernel, or a norm
+inside the state update): the G threads of a row each own the indices ``r = grp, grp + G, ...``
+of every state and buffer along ``r``, for the whole sequence, as plain loops
+
+    for p in rows:                                         # parallel
+        for grp in range(G):                               # parallel, threads of one CUDA block
+            h = init[p, grp::G]                            # this group's part of the state
+        for t in range(L):
+            for grp in range(G):
+                part[grp] = sum(y(h[r], x[t, p, r]) ** 2 for r in range(grp, n_r, G))
+            for grp in range(G):                           # after the combine: one total per row
+                s = sum(part[g] for g in range(G))
+                h[grp::G], out[t, p, grp::G] = ...(s)
+
+under the conditions above: nothing moves ``r``, every loop over it is top-level in the setup,
+the step and the finish, and what one accumulates is a scalar.
 """
 
 from __future__ import annotations
@@ -99,6 +117,20 @@ def row_axis(k: Kernel, sizes: dict[str, int]) -> str | None:
         return None
     axis = max(candidates, key=lambda a: (sizes[a], a))
     return axis if row_accumulators(k, axis) is not None else None
+
+
+def recurrence_row_axis(k: Kernel, axes: tuple[str, ...]) -> str | None:
+    """The axis among `axes` (the row statistics' axes: `stages.Fused.row_axes`) whose indices the
+    threads of a thread-per-row recurrence kernel may share (module docstring), if any."""
+    p = k.program
+    if not p.states or k.time_blocks or k.sum_over_time:
+        return None
+    nodes = toposort(list(p.roots))
+    moved = set().union(*(touched_axes(n) for n in nodes if n.op not in (Op.SUM, Op.REDUCE_MAX)))
+    for axis in axes:
+        if axis not in k.parallel and axis not in moved and row_accumulators(k, axis) is not None:
+            return axis
+    return None
 
 
 def row_accumulators(k: Kernel, axis: str) -> dict[int, tuple[tuple[str, str], ...]] | None:

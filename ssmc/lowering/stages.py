@@ -34,6 +34,7 @@ from ..ir.node import BOOL, Node, depending_on, input_names, substitute, toposor
 from ..ir.ops import ELEMENTWISE, LEAVES, REDUCTIONS, STRUCTURAL, Op
 from ..ir.program import Recurrence
 from .plan import lower
+from .split_sum import recurrence_row_axis
 
 _INTRODUCES_AXIS = (Op.RENAME, Op.SLICE, Op.PAD)   # ops whose result can name an axis its operand lacks
 
@@ -54,10 +55,15 @@ class Fused:
     program: Recurrence
     stages: tuple[Stage, ...]
     left_in: tuple[Node, ...] = ()    # row statistics inside state updates, left in the recurrence
+    row_axes: tuple[str, ...] = ()    # the axes of the row statistics of states and sequences, if any
 
     @property
     def staged(self) -> bool:
         return len(self.stages) > 1
+
+    @property
+    def core(self) -> Stage:
+        return next(st for st in self.stages if st.kind == "core")
 
     def describe(self) -> str:
         """Each stage: its kernels (`plan.lower` as the CUDA backend lowers), and the ops fused into
@@ -81,11 +87,25 @@ class Fused:
             for what, ops in _fused_ops(p):
                 if ops:
                     lines.append(f"        {what}: {', '.join(ops)}")
+        shared = self.shared_row_axis()
         for r in self.left_in:
             lines.append(f"  left in the recurrence (inside a state update): {_name(r)}; the recurrence"
-                         f" runs without {r.arg} among its parallel axes")
+                         f" runs without {r.arg} among its parallel axes"
+                         + (f" (on CUDA a block of threads shares each row along {shared})" if shared else ""))
         lines.append(f"  kernels: {total} (op by op: {op_by_op_kernels(self.program)})")
+        if shared and self.staged:
+            lines.append(f"  or on CUDA 1 kernel, the layer as written, where a block of threads owns each row"
+                         f" along {shared} and the scan would run a thread per recurrence anyway (many rows, time"
+                         " outermost; `ssmc inspect` tells which runs)")
         return "\n".join(lines)
+
+    def shared_row_axis(self) -> str | None:
+        """The axis along which a block of threads may share each row of the program as written (one
+        kernel, time inside: lowering/split_sum.py, `recurrence_row_axis`), if any."""
+        if not self.row_axes:
+            return None
+        low = lower(self.program, map_reduce=True)
+        return recurrence_row_axis(low.kernels[0], self.row_axes) if low.strategy == "fused" else None
 
 
 def _name(node: Node) -> str:
@@ -232,6 +252,7 @@ def fuse(program: Recurrence) -> Fused:
         stats = [r for r in stats if r.arg in recurrence_axes]
     if not program.states or not stats:
         return Fused(program, (Stage("core", program),))
+    row_axes = tuple(sorted({r.arg for r in stats}))
     in_updates = set(toposort(program.updates))
     post_stats = {r for r in stats if r in stateful and r not in in_updates}
     left_in = tuple(r for r in stats if r in stateful and r in in_updates)
@@ -272,8 +293,8 @@ def fuse(program: Recurrence) -> Fused:
         assert not (input_names(post.roots) & state_names), "post reads a state: the frontier is incomplete"
         stages.append(Stage("post", post))
     if len(stages) == 1:
-        return Fused(program, (Stage("core", program),), left_in=left_in)
-    return Fused(program, tuple(stages), left_in)
+        return Fused(program, (Stage("core", program),), left_in, row_axes)
+    return Fused(program, tuple(stages), left_in, row_axes)
 
 
 def _fresh(prefix: str, count: int, taken: set[str]) -> list[str]:

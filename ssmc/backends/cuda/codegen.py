@@ -44,6 +44,8 @@ SUM_UNROLL = 4     # a long loop accumulating into scalars runs this many iterat
 MAX_GROUPS = 16    # split-K (lowering/split_sum.py): at most this many groups of threads per sum...
 GROUP_STEPS = 64   # ...each with at least this many terms
 ROW_THREADS = 512  # a row kernel's block (lowering/split_sum.py, cooperative rows): ROW_THREADS / G rows of G threads
+RECURRENCE_ROW_THREADS = 128  # a recurrence's rows (time inside): at least this many threads per block
+ROW_UNROLL = 8     # a recurrence row's thread unrolls its loops over the row axis up to this many indices
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
@@ -76,16 +78,20 @@ class Threads:
     step, so that lanes read neighbouring steps), `groups` divide the sum over `split` (split-K).
     With `row`, the groups are threads of one block sharing each row of a map kernel along `split`
     (cooperative rows, lowering/split_sum.py): their partial sums are combined in shared memory and
-    every group goes on with the row's total; nothing is left for the runner to add."""
+    every group goes on with the row's total; nothing is left for the runner to add. With
+    `recurrence` as well, a row is a recurrence with time inside each thread (split_sum.py,
+    `recurrence_row_axis`): its G threads are consecutive and own their indices of the row axis
+    for the whole sequence."""
 
     time_fastest: bool = False
     groups: int = 1
     split: str | None = None
     row: bool = False
+    recurrence: bool = False
 
     @property
     def rows_per_block(self) -> int:
-        return max(1, ROW_THREADS // self.groups)
+        return max(1, (RECURRENCE_ROW_THREADS if self.recurrence else ROW_THREADS) // self.groups)
 
     def describe(self) -> str:
         """What `ssmc inspect` adds to the kernel's strategy ("" for the default mapping)."""
@@ -137,7 +143,10 @@ class CPrinter:
         if self.row and self.combine is None:
             raise ValueError(f"{k.name}: rows along {self.split} cannot be shared (lowering/split_sum.py)")
         row_extent = size_var(self.split) if self.row else None
-        # a row kernel's buffer along the row axis holds its group's indices only: [i / G]
+        # a recurrence row's thread: its indices of the row axis, one per unrolled iteration j
+        self.per_thread = -(-sizes[self.split] // self.groups) if self.row and threads.recurrence else 0
+        # a row kernel's buffer along the row axis holds its group's indices only: [i / G] (a
+        # recurrence's: [j], the iteration of the loop over its own indices)
         self.compact = {s.name: tuple(d == row_extent for d in s.shape)
                         for s in walk(k.setup + k.step + k.finish) if isinstance(s, Buffer) and row_extent in s.shape}
 
@@ -160,7 +169,8 @@ class CPrinter:
             return e.name
         if isinstance(e, Load):
             if e.array in self.compact:
-                return e.array + "".join(f"[({i}) / {self.groups}]" if c else f"[{i}]"
+                own = f"[j_{self.split}]" if self.per_thread else None
+                return e.array + "".join((own or f"[({i}) / {self.groups}]") if c else f"[{i}]"
                                          for i, c in zip(e.index, self.compact[e.array]))
             if e.array in self.buffers:
                 return e.array + "".join(f"[{i}]" for i in e.index)
@@ -201,6 +211,16 @@ class CPrinter:
                 extent = self.sizes.get(s.extent[2:], None) if s.extent.startswith("n_") else None
                 inner = unrolled
                 split = self.split is not None and s.var == f"i_{self.split}"
+                if split and self.per_thread:  # a recurrence row's own indices, unrolled (registers)
+                    j, n = f"j_{self.split}", self.per_thread
+                    out += [f"{pad}#pragma unroll{'' if n <= ROW_UNROLL else ' 1'}",
+                            f"{pad}for (int {j} = 0; {j} < {n}; ++{j}) {{",
+                            f"{pad}    const int {s.var} = grp + {j} * {self.groups};",
+                            f"{pad}    if ({s.var} >= {s.extent}) break;"]
+                    out.extend(self.stmts(s.body, depth + 1, unrolled * min(n, ROW_UNROLL), True))
+                    out.append(f"{pad}}}")
+                    out.extend(self._combine(s, pad))
+                    continue
                 if extent is not None and unrolled * extent <= UNROLL_LIMIT and not split:
                     out.append(f"{pad}#pragma unroll")
                     inner = unrolled * extent
@@ -215,11 +235,10 @@ class CPrinter:
                     out.append(f"{pad}for (int {s.var} = 0; {s.var} < {s.extent}; ++{s.var}) {{")
                 out.extend(self.stmts(s.body, depth + 1, inner, in_row or (self.row and split)))
                 out.append(f"{pad}}}")
-                for name, op in self.combine.get(id(s), ()):  # the groups' partials: the row's total
-                    fn = "row_sum" if op == "+=" else "row_max"
-                    out.append(f"{pad}{name} = {fn}<{self.groups}>({name}, ssmc_part, ssmc_first, ssmc_stride);")
+                out.extend(self._combine(s, pad))
             elif isinstance(s, Buffer):
-                shape = [f"(({d}) + {self.groups - 1}) / {self.groups}" if c else d
+                own = str(self.per_thread) if self.per_thread else None
+                shape = [(own or f"(({d}) + {self.groups - 1}) / {self.groups}") if c else d
                          for d, c in zip(s.shape, self.compact.get(s.name, [False] * len(s.shape)))]
                 out.append(f"{pad}F {s.name}" + "".join(f"[{d}]" for d in shape) + ";")
             elif isinstance(s, Assign):
@@ -245,6 +264,19 @@ class CPrinter:
                     out.append(f"{pad_if}{target} = max_({target}, {value});")
             else:
                 raise TypeError(s)
+        return out
+
+    def _combine(self, loop: Loop, pad: str) -> list[str]:
+        """After a top-level loop over the row axis: the groups' partials of what it accumulates,
+        combined into the row's total (every thread of the block reaches this line)."""
+        out = []
+        for name, op in self.combine.get(id(loop), ()):
+            if self.per_thread:  # consecutive threads: shuffles in a warp, then across its warps
+                fn = "group_sum" if op == "+=" else "group_max"
+                out.append(f"{pad}{name} = {fn}<{self.groups}>({name}, ssmc_part);")
+            else:
+                fn = "row_sum" if op == "+=" else "row_max"
+                out.append(f"{pad}{name} = {fn}<{self.groups}>({name}, ssmc_part, ssmc_first, ssmc_stride);")
         return out
 
     def scalars(self) -> list[str]:
@@ -312,7 +344,12 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     unflatten = _unflatten(k.parallel)
     par = " ".join(k.parallel) or "-"
     comment = f"{k.program.name}: one thread per [{par}]" + (" and block of time" if k.time_blocks else "")
-    if threads.row and threads.groups > 1:
+    row = threads.row and threads.groups > 1
+    if row and threads.recurrence:
+        comment = (f"{k.program.name}: a recurrence per [{par}], time inside, {threads.groups} threads per "
+                   f"recurrence, each owning every {threads.groups}-th {threads.split}; "
+                   f"{threads.rows_per_block} per block")
+    elif row:
         comment = (f"{k.program.name}: a row per [{par}] and step, {threads.groups} threads per row, each taking "
                    f"every {threads.groups}-th {threads.split}; {threads.rows_per_block} rows per block")
     elif threads.groups > 1:
@@ -325,7 +362,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
         "time_fastest": threads.time_fastest,
         "interleaved": threads.time_fastest and k.sum_over_time,
         "groups": threads.groups,
-        "row": threads.row and threads.groups > 1,
+        "row": row and not threads.recurrence,
+        "row_recurrence": row and threads.recurrence,
         "rows_per_block": threads.rows_per_block,
         "params": params,
         "constants": constants,
@@ -1090,7 +1128,7 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
-                              warp=WARP, rows=any(c.get("row") for c in contexts))
+                              warp=WARP, rows=any(c.get("row") or c.get("row_recurrence") for c in contexts))
 
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],

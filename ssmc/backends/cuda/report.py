@@ -21,7 +21,7 @@ from ...runtime.random_inputs import axis_sizes
 from . import nvrtc
 from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
-from .runner import CudaRunner, Launch
+from .runner import CudaRunner, Launch, one_kernel
 
 
 @dataclass
@@ -111,6 +111,9 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
     """The kernels of `program` run through its fusion stages (`lowering/stages.py`)."""
     reports = []
     fused = fuse(program)
+    if one_kernel(fused, compute, sizes, steps, time_contiguous):  # a block of threads owns each row
+        return _reports(CudaRunner(program, compute), role, kind + "rows (the layer in one kernel)", sizes, steps,
+                        time_contiguous, dtype, compute, arch, compile_kernels)
     for stage in fused.stages:
         runner = CudaRunner(stage.program, compute)
         strategy = runner.strategy(sizes, steps, time_contiguous)

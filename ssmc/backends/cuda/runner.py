@@ -17,6 +17,7 @@ import numpy as np
 
 from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
+from ...lowering.stages import Fused, fuse
 from ...lowering.state_major import warp_state_major
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
@@ -98,7 +99,7 @@ def time_block_count(total: int, length: int) -> int:
 STEPS_PER_LANE = 4
 WIDE_STEPS_PER_LANE = 2
 STATE_MAJOR_STEPS_PER_LANE = 4
-STRATEGIES = ("fused", "time blocks", "warp")
+STRATEGIES = ("fused", "time blocks", "warp", "rows")
 
 
 def lane_steps(tb: TimeBlocks | None) -> int:
@@ -163,6 +164,35 @@ def row_groups(k: Kernel, sizes: dict[str, int], rows: int) -> tuple[str | None,
     return axis, groups
 
 
+# Rows of a recurrence (lowering/split_sum.py, `recurrence_row_axis`): a recurrence whose step takes
+# a row statistic (a norm over d) runs a block of G threads per row (b), G about the axis' size (in
+# whole warps, at most MAX_ROW_RECURRENCE_GROUPS: `row_recurrence_groups`); a thread owns every G-th
+# index for the whole sequence. One block then *owns the normalised axis* when each thread holds at most
+# MAX_ROW_INDICES of it: a staged layer (scan kernel, then the norm's row kernel) runs as this one
+# kernel there, where its scan would run a thread per recurrence anyway (`layer_runner`).
+# `SSMC_CUDA_ROW_RECURRENCE` = 0 / 1 turns it off / on wherever the loops allow it.
+MAX_ROW_RECURRENCE_GROUPS = 512
+MAX_ROW_INDICES = 2
+
+
+def row_recurrence_groups(size: int) -> int:
+    """Threads per row for a row axis of `size`: up to a warp a power of two (shuffles within it);
+    above, the fewest whole warps, at most MAX_ROW_RECURRENCE_GROUPS, that give each thread as many
+    indices as the most loaded one (300: 320 threads, one each; 1536: 512, three each)."""
+    if size <= WARP:
+        return 1 << max(0, size - 1).bit_length()
+    per_thread = -(-size // MAX_ROW_RECURRENCE_GROUPS)
+    threads = -(-size // per_thread)
+    return -(-threads // WARP) * WARP
+
+
+def _row_recurrence_setting() -> str | None:
+    forced = os.environ.get("SSMC_CUDA_ROW_RECURRENCE")
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"SSMC_CUDA_ROW_RECURRENCE={forced!r}: expected 0 or 1")
+    return forced or None
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all (and, for
@@ -197,6 +227,9 @@ class CudaRunner:
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
         self.streams: dict[int, object] = {}            # torch stream pointer -> CuPy's view of it
+        # the axis a recurrence's row statistics reduce, if a block of threads may share each row
+        # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
+        self.row_axis = fuse(program).shared_row_axis()
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
@@ -225,21 +258,42 @@ class CudaRunner:
     def _threads(self, k: Kernel, sizes: dict[str, int]) -> int:
         return math.prod(sizes[a] for a in k.parallel)
 
+    def row_threads(self, sizes: dict[str, int]) -> Threads | None:
+        """The thread mapping of the "rows" strategy at `sizes` (None where it cannot run)."""
+        if self.row_axis is None or _row_recurrence_setting() == "0":
+            return None
+        return Threads(groups=row_recurrence_groups(sizes[self.row_axis]), split=self.row_axis, row=True,
+                       recurrence=True)
+
+    def owns_rows(self, sizes: dict[str, int]) -> bool:
+        """Whether a block of the "rows" strategy holds a whole row with few indices per thread."""
+        threads = self.row_threads(sizes)
+        return threads is not None and sizes[self.row_axis] <= MAX_ROW_INDICES * threads.groups
+
     def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> str:
-        """How a run goes: "split" (plan.py) for split programs; for fused ones "fused" (a thread per
+        """How a run goes: "split" (plan.py) for split programs; for fused ones "rows" where a row
+        statistic's axis can be shared by a block (`row_threads`), else "fused" (a thread per
         recurrence), "time blocks" or "warp" (time_blocks.py) when the recurrences are too few to
         fill the GPU: "warp" where the sequences have time contiguous (lanes read neighbouring
-        steps), "time blocks" where not. `SSMC_CUDA_STRATEGY` forces one of those three."""
+        steps), "time blocks" where not. `SSMC_CUDA_STRATEGY` forces one of those four."""
+        forced = os.environ.get("SSMC_CUDA_STRATEGY")
+        if forced and forced not in STRATEGIES:
+            raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
+        rows = self.row_threads(sizes) is not None
+        if forced == "rows" or (rows and not forced):
+            if not rows:
+                raise ValueError(f"SSMC_CUDA_STRATEGY=rows: {self.program.name} has no row statistic a block "
+                                 "of threads can share (lowering/split_sum.py)")
+            return "rows"
         tb = self.time_blocks
         if tb is None:
             return self.lowered.strategy
-        forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced:
-            if forced not in STRATEGIES:
-                raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
             return forced
         total = self._threads(tb.summary, sizes)
-        if time_contiguous and length >= 2 * WARP and total < FILL_THREADS:
+        if time_contiguous and length >= 2 * WARP:
+            # whatever the count: a thread per recurrence would read a line per thread and step
+            # (Mamba-1 block B256 D1024 L1024, H200: its forward 34 ms against mamba-ssm's 14)
             return "warp"
         if time_block_count(total, length) > 1:
             return "time blocks"
@@ -261,6 +315,9 @@ class CudaRunner:
 
     def _uncached_launches(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> list[Launch]:
         strategy = self.strategy(sizes, length, time_contiguous)
+        if strategy == "rows":
+            k, threads = self.lowered.kernels[0], self.row_threads(sizes)
+            return [Launch(k, length, 1, self._threads(k, sizes) * threads.groups, threads)]
         if strategy == "warp":
             k = self.time_blocks.lane_rescan
             return [Launch(k, length, 1, self._threads(k, sizes) * WARP)]
@@ -356,17 +413,17 @@ class CudaRunner:
         """Same contract as `interpreter.run_recurrence` (torch CUDA tensors in and out)."""
 
         low, p = self.lowered, self.program
-        contiguous = bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
+        contiguous = time_contiguous(seqs)
         strategy = self._planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
         plan = self.launches(sizes, length, contiguous)
         if strategy == "time blocks":
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
                                    initial, sizes, length, plan[0].nblk)
-        if strategy in ("fused", "warp"):
+        if strategy in ("fused", "warp", "rows"):
             k = plan[0].kernel
             made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
-                                length, out_dtype=out_dtype)
+                                length, out_dtype=out_dtype, mapping=plan[0].mapping)
             outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
             finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
             return outs, finals
@@ -417,7 +474,13 @@ class CudaRunner:
 
 
 # the environment variables that change a launch plan (read when planning, part of its cache key)
-OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS")
+OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS",
+             "SSMC_CUDA_ROW_RECURRENCE")
+
+
+def time_contiguous(seqs: dict) -> bool:
+    """Whether every sequence has time contiguous (layouts like "b d t")."""
+    return bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
 
 
 def _sizes_key(sizes: dict[str, int]) -> tuple:
@@ -437,6 +500,38 @@ def _full(shape, value: float):
     import torch
 
     return torch.full((1,) * len(shape), value, device="cuda", dtype=torch.float32).expand(*shape)
+
+
+def one_kernel(fused: Fused, compute: str, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
+    """Whether the staged layer `fused` runs as one "rows" kernel at these sizes (see
+    MAX_ROW_RECURRENCE_GROUPS): where a block owns each row and its core would run a thread per
+    recurrence anyway (time-parallel scans want more threads than one block per row gives);
+    `SSMC_CUDA_ROW_RECURRENCE=1` wherever the loops allow it."""
+    if not fused.staged:
+        return False
+    whole = runner_for(fused.program, compute)
+    if whole.row_threads(sizes) is None:
+        return False
+    if _row_recurrence_setting() == "1":
+        return True
+    core = runner_for(fused.core.program, compute)
+    return whole.owns_rows(sizes) and core.strategy(sizes, length, time_contiguous) == "fused"
+
+
+def layer_runner(fused: Fused, compute: str, staged):
+    """The run function of a staged layer (runner contract): its `staged` run, or where
+    `one_kernel` says so the whole program as one "rows" kernel."""
+    whole = runner_for(fused.program, compute)
+    if whole.row_axis is None:
+        return staged
+
+    def run(seqs, params, initial, sizes, length, out_dtype=None):
+        contiguous = time_contiguous(seqs)
+        if whole._planned("one kernel", lambda: one_kernel(fused, compute, sizes, length, contiguous),
+                          _sizes_key(sizes), length, contiguous):
+            return whole.run(seqs, params, initial, sizes, length, out_dtype)
+        return staged(seqs, params, initial, sizes, length, out_dtype)
+    return run
 
 
 _RUNNERS: dict[tuple, CudaRunner] = {}
