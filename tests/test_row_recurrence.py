@@ -98,6 +98,10 @@ def test_the_one_kernel_source():
     assert "st_h[j_d][i_n]" in src and "F st_h[2][n_n];" in src
     assert "if (valid) out_y[" in src and "if (valid) final_h[" in src
     assert "__launch_bounds__(512)" in src
+    # a training step's forward runs the stages (each stage's backward reads its own tape)
+    reports = kernel_reports(BLOCK, {"b": 256, "d": 1024, "n": 16}, 1024, compile_kernels=False)
+    training = [r.strategy.split(":")[0] for r in reports if r.program == "forward (training)"]
+    assert training == ["core", "post"]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())

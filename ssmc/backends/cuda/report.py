@@ -81,6 +81,9 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     compute = "float64" if dtype == "float64" else "float32"
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     reports = _program_reports("forward", program, length, "", *common)
+    if backward and one_kernel(fuse(program), compute, sizes, length, time_contiguous):
+        # a training step's forward runs the stages: each stage's backward reads its own tape
+        reports += _program_reports("forward (training)", program, length, "", *common, whole=False)
     if backward:
         stages = fuse(program).stages
         for stage in stages:
@@ -107,11 +110,12 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
 
 
 def _program_reports(role: str, program, steps: int, kind: str, sizes, time_contiguous: bool, dtype: str,
-                     compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
-    """The kernels of `program` run through its fusion stages (`lowering/stages.py`)."""
+                     compute: str, arch: str, compile_kernels: bool, whole: bool = True) -> list[KernelReport]:
+    """The kernels of `program` run through its fusion stages (`lowering/stages.py`), or (`whole`)
+    as one kernel where the CUDA runner takes it so (`runner.one_kernel`)."""
     reports = []
     fused = fuse(program)
-    if one_kernel(fused, compute, sizes, steps, time_contiguous):  # a block of threads owns each row
+    if whole and one_kernel(fused, compute, sizes, steps, time_contiguous):  # a block owns each row
         return _reports(CudaRunner(program, compute), role, kind + "rows (the layer in one kernel)", sizes, steps,
                         time_contiguous, dtype, compute, arch, compile_kernels)
     for stage in fused.stages:
