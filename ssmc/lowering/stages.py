@@ -18,8 +18,10 @@ multiplied into ``y``). This pass moves row statistics out of the recurrence:
 
 Pre and post programs have no states: each backend runs them parallel over time as well as over
 their own independent axes (on CUDA a thread per (b, t) row; `plan.lower`). A row statistic
-inside a state update (a norm inside the recurrence) stays: that recurrence then runs a thread
-per row (b) rather than per (b, d), which is correct but not parallel over the normalised axis.
+inside a state update (a norm inside the recurrence) stays: that recurrence then runs per row (b)
+rather than per (b, d); on CUDA a block of threads shares each row along the normalised axis
+(`Fused.shared_row_axis`, split_sum.py), which also runs a staged layer as the program written,
+one kernel, where that pays (backends/cuda/runner.py, `one_kernel`).
 
 As a plain loop the staged program is the original: pre for all t, then the recurrence over t,
 then post for all t; `fuse` only decides where values are stored between kernels.

@@ -272,10 +272,10 @@ class CudaRunner:
 
     def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> str:
         """How a run goes: "split" (plan.py) for split programs; for fused ones "rows" where a row
-        statistic's axis can be shared by a block (`row_threads`), else "fused" (a thread per
-        recurrence), "time blocks" or "warp" (time_blocks.py) when the recurrences are too few to
-        fill the GPU: "warp" where the sequences have time contiguous (lanes read neighbouring
-        steps), "time blocks" where not. `SSMC_CUDA_STRATEGY` forces one of those four."""
+        statistic's axis can be shared by a block (`row_threads`); else, for scans time_blocks.py
+        can split, "warp" where the sequences have time contiguous (lanes read neighbouring steps;
+        at least two rounds), "time blocks" where not and the recurrences are too few to fill the
+        GPU, and "fused" (a thread per recurrence) otherwise. `SSMC_CUDA_STRATEGY` forces one."""
         forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced and forced not in STRATEGIES:
             raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
