@@ -22,7 +22,7 @@ from ...lowering.stages import fuse
 from ...lowering.state_major import fused_state_major
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, contiguous_strides, fused_backward_source, module_source
-from .runner import _DTYPES, Launch, _as_1d, _sizes_key, ragged, runner_for, steps_per_lane
+from .runner import _DTYPES, Launch, _as_1d, _sizes_key, ragged, runner_for, steps_per_lane, time_contiguous
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
@@ -64,8 +64,7 @@ class FusedBackwardRunner:
 
     def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
         """Whether the forward runs as the warp kernel for these sequences (module docstring)."""
-        contiguous = bool(seqs) and all(v.dim() > 1 and v.stride(0) == 1 for v in seqs.values())
-        return self.applies_at(sizes, length, contiguous)
+        return self.applies_at(sizes, length, time_contiguous(seqs))
 
     def applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
         """See the module docstring: where the forward is the warp kernel, and the adjoint has sums
@@ -172,7 +171,10 @@ class FusedBackwardRunner:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
-        rounds = -(-length // self.round_steps(length))
+        # what shapes this length's kernels, read once per launch (the overrides are environment reads)
+        major, forward_steps = self.state_major(length), self.forward_steps()
+        round_steps = WARP * backward_steps_per_lane(self.plan, forward_steps, major)
+        rounds = -(-length // round_steps)
         made, tensors = {}, []
         for a in k.arrays:
             if a.name in given:
@@ -190,8 +192,7 @@ class FusedBackwardRunner:
                 made[a.name] = t
             tensors.append(_as_1d(t))
         layouts = tuple((t.dtype, t.stride()) for t in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), self.round_steps(length), self.forward_steps(),
-               ragged(length, self.forward_steps()), self.state_major(length))
+        key = (k.name, layouts, _sizes_key(sizes), round_steps, forward_steps, ragged(length, forward_steps), major)
         fn = self.functions.get(key)
         if fn is None:  # built through the forward's runner: its module cache and progress line
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
