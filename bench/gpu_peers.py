@@ -541,7 +541,12 @@ def ssmc_candidates(workload: Workload, variants: bool = True) -> list:
         text = ", ".join(f"{k}={v}" for k, v in env.items())
         cands.append(Impl(name="cuda " + text, label=f"ssmc: cuda, {text}", prepare=_default_prepare,
                           fwdbwd=_with_env(env, run_fwdbwd, grad=True)))
-    if workload.key == "scan1":
+    if workload.key == "scan1":  # warps of a block sharing each channel (default: 8 at L4096)
+        for w in ("1", "2", "4"):
+            env = {"SSMC_CUDA_RECURRENCE_WARPS": w}
+            cands.append(Impl(name=f"cuda SSMC_CUDA_RECURRENCE_WARPS={w}",
+                              label=f"ssmc: cuda, {w} warp(s) a channel", prepare=_default_prepare,
+                              fwd=_with_env(env, run_fwd), fwdbwd=_with_env(env, run_fwdbwd, grad=True)))
         fwd_tm = ssmc.compile(spec, "cuda", layout="b t d")
         cands.append(Impl(
             name="cuda-time-major", label="ssmc: cuda (b t d, transposed untimed)",

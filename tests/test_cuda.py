@@ -400,3 +400,66 @@ def test_random_layers_in_one_kernel(spec, length, d, seed):
         assert rel_err(got_y[name], want_y[name]) <= 1e-10, name
     for name in want_h:
         assert rel_err(got_h[name], want_h[name]) <= 1e-10, name
+
+
+def _time_last(spec, arrays: dict) -> dict:
+    """`arrays` (layout "t ...") with each sequence's time axis moved last (layout "... t")."""
+    seqs = {d.name for d in spec.program.seqs}
+    return {k: np.ascontiguousarray(np.moveaxis(v, 0, -1)) if k in seqs else v for k, v in arrays.items()}
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(spec=diagonal_linear_recurrences(), length=st.sampled_from([1, 7, 180, 1000, 4097]),
+       warps=st.sampled_from(["1", "2", "3", "8"]), seed=st.integers(0, 2**16))
+def test_warps_sharing_a_recurrence(spec, length, warps, seed):
+    """The warp kernel with a block of `warps` warps per recurrence (forced; where its states are
+    scalars, `codegen.shares_recurrence`, else one), time contiguous, float64: outputs, final states
+    and every gradient (its recompute and adjoint warp kernels share the recurrence too) against the
+    interpreter."""
+    import os
+
+    inputs = _time_last(spec, draw_inputs(spec, length, seed))
+    want = ssmc.compile(spec, "interpreter", layout="... t").run(**inputs)
+    rng = np.random.default_rng(seed)
+    # `run` gives outputs time first; the gradient takes them in the layout, time last
+    cot = {n: np.moveaxis(rng.standard_normal(v.shape), 0, -1) for n, v in want[0].items()}
+    want_grads = ssmc.grad(spec, "interpreter", layout="... t")(**inputs, grad_outputs=cot)
+    os.environ.update(SSMC_CUDA_STRATEGY="warp", SSMC_CUDA_RECURRENCE_WARPS=warps)
+    try:
+        got = ssmc.compile(spec, "cuda", dtype="float64", layout="... t").run(**on_gpu(inputs, "float64"))
+        grads = ssmc.grad(spec, "cuda", layout="... t")(**on_gpu(inputs, "float64"),
+                                                        grad_outputs=on_gpu(cot, "float64"))
+    finally:
+        del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_RECURRENCE_WARPS"]
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert rel_err(g, w) <= 1e-9
+    for key in want_grads:  # 1e-8: see test_random_recurrence_gradients
+        assert rel_err(grads[key], want_grads[key]) <= 1e-8, key
+
+
+@pytest.mark.parametrize("length", [1000, 4097])
+def test_first_order_scan_with_warps_sharing_each_channel_in_float32(length):
+    """h = a*h + x at B3 D50 ("b d t", the benchmark's layout), the default plan (8 warps a channel):
+    float32 against the interpreter, forward and gradients."""
+    import torch
+
+    @ssmc.recurrence
+    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):
+        h = a * h + x
+        return h, h
+
+    rng = np.random.default_rng(length)
+    a, x = rng.uniform(0.5, 1.0, (3, 50, length)), rng.standard_normal((3, 50, length))
+    dy = rng.standard_normal((3, 50, length))
+    want = ssmc.compile(scan, "interpreter", layout="b d t")(a=a, x=x)
+    want_g = ssmc.grad(scan, "interpreter", layout="b d t")(a=a, x=x, grad_outputs=dy)
+    gpu = on_gpu({"a": a, "x": x}, "float32")
+    from ssmc.backends.cuda.runner import runner_for
+
+    assert runner_for(scan.program).recurrence_warps(length) == 8
+    got = ssmc.compile(scan, "cuda", layout="b d t")(**gpu)
+    got_g = ssmc.grad(scan, "cuda", layout="b d t")(**gpu, grad_outputs=torch.tensor(dy, device="cuda",
+                                                                                     dtype=torch.float32))
+    assert rel_err(got, want) <= TOL["float32"]
+    for key in want_g:
+        assert rel_err(got_g[key], want_g[key]) <= 1e-3, key

@@ -7,7 +7,8 @@ import importlib
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import recurrences
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, recurrences
 
 from ssmc.backends.cuda import nvrtc
 from ssmc.backends.cuda.report import kernel_reports
@@ -186,3 +187,50 @@ def test_random_recurrence_kernels_compile(spec):
     """Every random spec's kernels compile (spills are a speed matter here; examples must not spill)."""
     for r in kernels(spec.program, lengths=(4096,)):
         assert r.resources is not None, r.error
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(spec=diagonal_linear_recurrences(), dtype=st.sampled_from(["float32", "float64"]),
+       warps=st.sampled_from(["", "8"]))
+def test_random_time_contiguous_warp_kernels_compile(spec, dtype, warps):
+    """Time contiguous at L4096 (the warp kernels, their warps sharing a recurrence as many as fit
+    the static shared memory, even where forced to 8): every kernel compiles, forward and gradient."""
+    import os
+
+    sizes = axis_sizes(spec.program, np.random.default_rng(0), low=8, high=8)
+    os.environ["SSMC_CUDA_RECURRENCE_WARPS"] = warps
+    try:
+        reports = kernel_reports(spec.program, sizes, 4096, dtype, time_contiguous=True)
+    finally:
+        del os.environ["SSMC_CUDA_RECURRENCE_WARPS"]
+    for r in reports:
+        assert r.resources is not None, r.error
+
+
+@pytest.mark.parametrize("length", [180, 1000, 4096])
+@pytest.mark.parametrize("name", ["hgrn", "mingru"])
+def test_warps_sharing_a_recurrence_compile_without_spills(name, length):
+    """Time contiguous (the warp kernel): a scalar state per recurrence is shared by a block of up to
+    8 warps (a power of two, at most the sequence's rounds of one warp: 180 steps are 2 rounds of
+    128), forward and gradient; their totals combined through shared memory behind one barrier a
+    round."""
+    program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
+    reports = [r for r in kernel_reports(program, {"b": 4, "d": 96, "i": 16}, length, time_contiguous=True)
+               if r.launch.kernel.name.endswith("_warp")]
+    forward, = (r for r in reports if r.program == "forward")
+    assert forward.launch.mapping.warps == {180: 2, 1000: 8, 4096: 8}[length]
+    assert len(reports) >= 2  # the recompute's too (hgrn's adjoint as well)
+    for r in reports:
+        warps = r.launch.mapping.warps
+        assert r.launch.grid == (4 * 96, 32 * warps) if warps > 1 else r.launch.grid[1] == 128
+        assert ("__syncthreads();" in r.source) == (warps > 1)
+        assert r.resources is not None and not r.resources.spills, r.name
+
+
+def test_state_major_warp_kernels_keep_one_warp_a_recurrence(monkeypatch):
+    """Mamba-1's states have their own axis n: its warp kernels stay one warp per (b, d), even forced."""
+    from ssmc.backends.cuda.runner import CudaRunner
+
+    runner = CudaRunner(importlib.import_module("ssmc.examples.mamba1").SPEC.program)
+    monkeypatch.setenv("SSMC_CUDA_RECURRENCE_WARPS", "4")
+    assert runner.recurrence_warps(4096) == 1

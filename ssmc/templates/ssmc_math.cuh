@@ -78,6 +78,22 @@ template <int K, typename T> __device__ __forceinline__ void load_steps(T* dst, 
     }
 }
 
+// dst[0 .. K-1] = v[0 .. K-1] (a lane's K consecutive steps; dst aligned as for `load_steps`): one
+// vector store per 4 (2) values.
+template <int K, typename T> __device__ __forceinline__ void store_steps(float* __restrict__ dst, const T* v) {
+    if constexpr (K % 4 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 4; ++i)
+            reinterpret_cast<float4*>(dst)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    } else if constexpr (K % 2 == 0) {
+        #pragma unroll
+        for (int i = 0; i < K / 2; ++i) reinterpret_cast<float2*>(dst)[i] = make_float2(v[2 * i], v[2 * i + 1]);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < K; ++i) dst[i] = v[i];
+    }
+}
+
 // dst[0 .. K-1] += v[0 .. K-1] atomically (a lane's K consecutive steps; dst aligned to 16 bytes when K
 // is a multiple of 4, 8 when even): on sm_90 and later one vector reduction per 4 (2) values, which
 // touches the L2 sectors of a warp's 32 K values once; scalar atomic adds elsewhere.

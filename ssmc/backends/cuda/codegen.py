@@ -46,6 +46,7 @@ GROUP_STEPS = 64   # ...each with at least this many terms
 ROW_THREADS = 512  # a row kernel's block (lowering/split_sum.py, cooperative rows): ROW_THREADS / G rows of G threads
 RECURRENCE_ROW_THREADS = 128  # a recurrence's rows (time inside): at least this many threads per block
 ROW_UNROLL = 8     # a recurrence row's thread unrolls its loops over the row axis up to this many indices
+STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
@@ -81,13 +82,15 @@ class Threads:
     every group goes on with the row's total; nothing is left for the runner to add. With
     `recurrence` as well, a row is a recurrence with time inside each thread (split_sum.py,
     `recurrence_row_axis`): its G threads are consecutive and own their indices of the row axis
-    for the whole sequence."""
+    for the whole sequence. `warps` > 1: the warp kernel's block of that many warps shares one
+    recurrence, each round's steps split among them (`_combine_across_warps`)."""
 
     time_fastest: bool = False
     groups: int = 1
     split: str | None = None
     row: bool = False
     recurrence: bool = False
+    warps: int = 1
 
     @property
     def rows_per_block(self) -> int:
@@ -95,6 +98,8 @@ class Threads:
 
     def describe(self) -> str:
         """What `ssmc inspect` adds to the kernel's strategy ("" for the default mapping)."""
+        if self.warps > 1:
+            return f"{self.warps} warps a recurrence"
         if self.groups == 1:
             return ""
         return f"{'rows' if self.row else 'split-K'} {self.split}/{self.groups}"
@@ -296,12 +301,20 @@ def _scalar_sum(loop: Loop) -> bool:
 def _staged_prev(k: Kernel, arrays: dict[str, ArraySpec]) -> list[str]:
     """Carries `prev_*` a thread-per-recurrence kernel writes one value of per step, into an array
     with time contiguous: written through shared memory, 32 steps at a time, so that a warp's
-    writes are coalesced (a thread writing its own steps would touch a line per lane and step)."""
+    writes are coalesced (a thread writing its own steps would touch a line per lane and step). As
+    many as the block's static shared memory holds (the others are written directly)."""
     if k.time_blocks:
         return []
     parallel = set(k.parallel)
-    return [a.name for a in k.arrays if a.role == "prev" and set(a.axes[1:]) <= parallel
-            and arrays[a.name].strides[0] == 1 and len(a.axes) > 1]
+    staged, room = [], STATIC_SHARED
+    for a in k.arrays:
+        if (a.role == "prev" and set(a.axes[1:]) <= parallel and arrays[a.name].strides[0] == 1
+                and len(a.axes) > 1):
+            need = BLOCK * (WARP + 1) * (8 if arrays[a.name].dtype == "float64" else 4)
+            if need <= room:
+                staged.append(a.name)
+                room -= need
+    return staged
 
 
 def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
@@ -379,12 +392,16 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
 
 
 def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
-                        steps_per_lane: int, round_steps: int = 0, ragged: bool = True) -> dict:
+                        steps_per_lane: int, round_steps: int = 0, ragged: bool = True, warps: int = 1) -> dict:
     """The warp kernel (lowering/time_blocks.py) of the program step `k`: the `summary` step and
     `k`'s spliced around a scan of the (product, partial) pairs across the warp's lanes. Where `k`
     has arrays ``rounds_<state>`` (lowering/reverse_warp.py), the lane whose steps start a round of
-    `round_steps` (the fused backward's) writes its carry there."""
+    `round_steps` (the fused backward's) writes its carry there. `warps` > 1 (`shares_recurrence`):
+    a block of that many warps per recurrence, a round of warps x 32 x K steps."""
     program = k.program
+    if warps > 1 and not shares_recurrence(k, summary):
+        raise ValueError(f"{k.name}: only a warp kernel with scalar states, without rounds, can share a "
+                         "recurrence among warps")
     staged = _stageable(k.arrays, (summary, k), set(k.parallel))
     ctx = kernel_context(k, arrays, sizes)
     in_registers = param_registers((summary, k), set(k.parallel), sizes)
@@ -401,25 +418,39 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ps = CPrinter(summary, arrays, sizes, staged, param_registers=in_registers)
     pr = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
     stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
-    ctx["shared"] = [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)]
+    block_warps = warps if warps > 1 else BLOCK // WARP
+    ctx["shared"] = [f"__shared__ F sm_{a}[{block_warps}][{stage_len}];" for a in sorted(staged)]
+    ctx["shared"] += [f"__shared__ F sm_agg_{s.name}[2][{warps}][2];  // the warps' (product, partial), two rounds"
+                      for s in program.states if warps > 1]
+    ctx["warps"] = warps
     index = {a.name: a for a in k.arrays}
     ctx["stage_in"] = [(a, f"F(to_f({a}[{pr.index(_at_t(index[a]))}]))")
                        for a in sorted(staged) if index[a].role == "seq"]
     ctx["stage_out"] = [f"if (valid) {a}[{pr.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
                         for a in sorted(staged) if index[a].role == "out"]
+    ctx["vector_stage"] = major is None and _vector_stage(k, staged, arrays, steps_per_lane)
+    if ctx["vector_stage"]:
+        at = {a: f"{a} + ({pr.index(_at_t(index[a]))})" for a in staged}
+        ctx["stage_in_at"] = [(a, at[a]) for a in sorted(staged) if index[a].role == "seq"]
+        ctx["stage_out_at"] = [(a, at[a]) for a in sorted(staged) if index[a].role == "out"]
+        width = 4 * _vector_width(steps_per_lane)
+        ctx["aligned"] = " && ".join(f"(unsigned long long){a} % {width} == 0" for a in sorted(staged))
     declared = set(ctx["declarations"])
     ctx["declarations"] += [d for d in ps.scalars() if d not in declared]
-    ctx["comment"] = (f"{program.name}: one warp per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
+    per = f"a block of {warps} warps" if warps > 1 else "one warp"
+    ctx["comment"] = (f"{program.name}: {per} per [{' '.join(k.parallel) or '-'}], its lanes over blocks "
                       f"of {steps_per_lane} steps")
     ctx["steps_per_lane"] = steps_per_lane
     small = _state_values(program.states, set(k.parallel), sizes) <= STATE_REGISTERS
     ctx["bounds"] = f"__launch_bounds__({BLOCK}, {MIN_BLOCKS}) " if small and major is None else ""
+    if warps > 1:
+        ctx["bounds"] = f"__launch_bounds__({warps * WARP}) "
     loads = _load_param_registers(in_registers, (summary, k), pr)
     ctx["summary_setup"] = "\n".join(["    " + line for line in loads] + ps.stmts(summary.setup, 1))
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
-    scan = _lane_scan(program.states, set(k.parallel), sizes)
+    scan = _lane_scan(program.states, set(k.parallel), sizes, warps=warps)
     save = [f"{head}{name}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
             f" = {_store(arrays[name].dtype, f'st_{s}{idx}')};"
             for s, head, idx, env, name in _round_arrays(k)]
@@ -635,9 +666,11 @@ def _state_loops(s, parallel: set[str]) -> tuple[str, str, list[str]]:
     return head, "".join(f"[i_{a}]" for a in local), [f"p_{a}" if a in parallel else f"i_{a}" for a in s.axes]
 
 
-def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool = False) -> _LaneScan:
+def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool = False,
+               warps: int = 1) -> _LaneScan:
     """`_LaneScan` for `states`; `reverse`: lane 0 holds the latest steps of the round, the carry
-    comes from the later side (a suffix scan, lanes after compose first)."""
+    comes from the later side (a suffix scan, lanes after compose first); `warps` > 1: the block's
+    warps share the recurrence (scalar states only: `_combine_across_warps`)."""
     carry, reset, combine, final = [], [], [], []
     for s in states:
         head, idx, _ = _state_loops(s, parallel)
@@ -648,8 +681,9 @@ def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool 
         carry += f"{head}cr_{s.name}{idx} = st_{s.name}{idx};".split("\n")
         prod, part = f"st_{product_name(s.name)}{idx}", f"st_{partial_name(s.name)}{idx}"
         reset += f"{head}{{ {prod} = F(1); {part} = F(0); }}".split("\n")
-        combine += [*f"{head}{{".split("\n"), *_combine_one(prod, part, f"cr_{s.name}{idx}", f"st_{s.name}{idx}",
-                                                              reverse), "}"]
+        lines = (_combine_across_warps(prod, part, f"cr_{s.name}", f"st_{s.name}", f"sm_agg_{s.name}", warps)
+                 if warps > 1 else _combine_one(prod, part, f"cr_{s.name}{idx}", f"st_{s.name}{idx}", reverse))
+        combine += [*f"{head}{{".split("\n"), *lines, "}"]
         final += f"{head}st_{s.name}{idx} = cr_{s.name}{idx};".split("\n")
     return _LaneScan(carry, reset, combine, final)
 
@@ -672,6 +706,65 @@ def _combine_one(prod: str, part: str, carry: str, into: str, reverse: bool = Fa
         f"    {into} = lane == {first} ? {carry} : into;  // the carry into this lane's steps",
         f"    {carry} = __shfl_sync(0xffffffffu, H, {last});",
     ]
+
+
+def _combine_across_warps(prod: str, part: str, carry: str, into: str, totals: str, warps: int) -> list[str]:
+    """C lines (indented one level) scanning one scalar state's (product, partial) pairs across the
+    `warps` warps of a block that share its recurrence, the earlier steps on the lower warps: each
+    warp's inclusive scan over its lanes, the warps' totals through shared memory (`totals`, two
+    rounds' worth, so one barrier a round suffices), then the carry folded through the warps before
+    this one. `into` becomes the carry into this lane's steps, `carry` the carry past the round (the
+    same in every warp)."""
+    return [
+        f"    F P = {prod}, H = {part};",
+        "    #pragma unroll",
+        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive, within the warp",
+        "        const F Hb = __shfl_up_sync(0xffffffffu, H, off);",
+        "        const F Pb = __shfl_up_sync(0xffffffffu, P, off);",
+        "        if (lane >= off) { H = P * Hb + H; P = P * Pb; }",
+        "    }",
+        f"    if (lane == {WARP - 1}) {{ {totals}[par][wr][0] = P; {totals}[par][wr][1] = H; }}  // the warp's",
+        "    const F Pe = __shfl_up_sync(0xffffffffu, P, 1), He = __shfl_up_sync(0xffffffffu, H, 1);  // exclusive",
+        "    __syncthreads();",
+        f"    F c = {carry};",
+        "    #pragma unroll",
+        f"    for (int j = 0; j < {warps}; ++j) {{  // c: the state past warps 0 .. j - 1",
+        f"        if (j == wr) {into} = lane == 0 ? c : Pe * c + He;",
+        f"        c = {totals}[par][j][0] * c + {totals}[par][j][1];",
+        "    }",
+        f"    {carry} = c;",
+    ]
+
+
+def _vector_stage(k: Kernel, staged, arrays: dict[str, ArraySpec], steps_per_lane: int) -> bool:
+    """Whether the warp kernel moves its `staged` arrays a lane's own K steps at a time, as vectors
+    (K // 4 float4 or K // 2 float2 per array), instead of K coalesced scalars: all float32, time
+    contiguous, their other strides multiples of K (each lane's first step aligned; the pointers are
+    checked when the kernel starts), K even, forward in time, and not state-major (which loads its
+    own vectors, `_vector_loads`). The scan B8 D2048 L4096 on an H200 (hand-edited kernels,
+    2026-11-25): 8 warps a channel 0.198 ms with scalars, 0.192 with vectors in."""
+    if k.reverse or steps_per_lane % 2 or not staged:
+        return False
+    specs = [arrays[a] for a in staged]
+    return all(s.dtype == "float32" and s.strides[0] == 1 and all(st % steps_per_lane == 0 for st in s.strides[1:])
+               for s in specs)
+
+
+def shares_recurrence(k: Kernel, summary: Kernel) -> bool:
+    """Whether the warp kernel of `k` can spread one recurrence over several warps of a block
+    (`_combine_across_warps`): its states scalar per recurrence (no own axes), not state-major, no
+    carries saved for the fused backward's rounds."""
+    parallel = set(k.parallel)
+    return (warp_state_major(summary, k) is None and not any(a.role == "rounds" for a in k.arrays)
+            and all(a in parallel for s in k.program.states for a in s.axes))
+
+
+def recurrence_warps_fit(k: Kernel, summary: Kernel, steps_per_lane: int, value_bytes: int) -> int:
+    """How many warps sharing one recurrence fit the static shared memory of a block: each stages a
+    round of its sequences and outputs (`_stageable`) and keeps its states' totals."""
+    staged = len(_stageable(k.arrays, (summary, k), set(k.parallel)))
+    per_warp = (staged * WARP * (steps_per_lane + 1) + 4 * len(k.program.states)) * value_bytes
+    return max(1, STATIC_SHARED // max(1, per_warp))
 
 
 def _state_values(states, parallel: set[str], sizes: dict[str, int]) -> int:
@@ -757,6 +850,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "unflatten": unflatten,
         "declarations": declarations,
         "steps_per_lane": steps_per_lane,
+        "vector_stage": False,
         "shared": [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)],
         "stage_in": [(a, f"F(to_f({a}[{ad.index(_at_t(index[a]))}]))")
                      for a in sorted(staged) if index[a].role == "seq"],
@@ -1121,7 +1215,8 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     `warp_kernel_context`; `ragged`: its last round may be partial, `_state_major_lines`)."""
     if warp is not None:
         (k, specs), = kernels
-        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged)]
+        warps = (threads or {}).get(k.name, ONE_GROUP).warps
+        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged, warps)]
     else:
         threads = threads or {}
         contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
