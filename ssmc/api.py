@@ -53,7 +53,7 @@ class Compiled:
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
         p = self.program
-        convert, zeros = array_support(self.backend)
+        convert, zeros = array_support(self.backend, read_only_zeros=True)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
                             p.roots, convert, zeros)
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)

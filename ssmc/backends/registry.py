@@ -96,10 +96,12 @@ def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, l
     return {n: outs[n] for n, _ in program.outputs}, {s.name: finals[s.name] for s in program.states}
 
 
-def array_support(backend: str):
-    """(convert, zeros) for binding arguments: NumPy on the host, torch CUDA tensors for cuda."""
+def array_support(backend: str, read_only_zeros: bool = False):
+    """(convert, zeros) for binding arguments: NumPy on the host, torch CUDA tensors for cuda.
+    `read_only_zeros`: the caller never writes nor returns the zero initial states (a forward), so
+    cuda may share one tensor per shape between calls (`shared_device_zeros`)."""
     if backend == "cuda":
-        from .cuda.runner import device_zeros, to_device
+        from .cuda.runner import device_zeros, shared_device_zeros, to_device
 
-        return to_device, device_zeros
+        return to_device, shared_device_zeros if read_only_zeros else device_zeros
     return None, None

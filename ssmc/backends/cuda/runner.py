@@ -75,6 +75,22 @@ def device_zeros(shape):
     return torch.zeros(shape, device="cuda", dtype=torch.float32)
 
 
+def shared_device_zeros(shape):
+    """Zeros for an initial state not given to a forward: its kernels only read initial states
+    (``init_*``) and its final states are new tensors, so one tensor per shape and device is shared
+    by every call (a fill kernel and host time saved)."""
+    import torch
+
+    key = (tuple(shape), torch.cuda.current_device())
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = _ZEROS[key] = torch.zeros(shape, device="cuda", dtype=torch.float32)
+    return zeros
+
+
+_ZEROS: dict = {}
+
+
 def _as_1d(t):
     return t.reshape(1) if t.dim() == 0 else t
 
@@ -441,7 +457,9 @@ class CudaRunner:
         import cupy
         import torch
 
-        pointer = torch.cuda.current_stream().cuda_stream
+        # the device as an int: without one torch looks up the device type and index (host time
+        # per launch, which bounds the small shapes)
+        pointer = torch.cuda.current_stream(torch.cuda.current_device()).cuda_stream
         stream = self.streams.get(pointer)
         if stream is None:
             stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
