@@ -692,19 +692,32 @@ def _combine_one(prod: str, part: str, carry: str, into: str, reverse: bool = Fa
     """C lines (indented one level) scanning one state value's (product, partial) pairs across the
     lanes: `into` becomes the carry into this lane's steps, `carry` the carry past the round."""
     shfl, first, last = ("__shfl_down_sync", WARP - 1, 0) if reverse else ("__shfl_up_sync", 0, WARP - 1)
-    before = f"lane + off < {WARP}" if reverse else "lane >= off"
     return [
         f"    F P = {prod}, H = {part};",
         f"    if (lane == {first}) H = P * {carry} + H;  // the carry enters: H becomes the state past",
-        "    #pragma unroll",
-        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
-        f"        const F Hb = {shfl}(0xffffffffu, H, off);",
-        f"        const F Pb = off < {WARP // 2} ? {shfl}(0xffffffffu, P, off) : F(1);  // the last P is unused",
-        f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
-        "    }",
+        *_inclusive_lane_scan(reverse, "inclusive: the lanes nearer the carry first", total_product=False),
         f"    const F into = {shfl}(0xffffffffu, H, 1);  // the state past the previous lane's steps",
         f"    {into} = lane == {first} ? {carry} : into;  // the carry into this lane's steps",
         f"    {carry} = __shfl_sync(0xffffffffu, H, {last});",
+    ]
+
+
+def _inclusive_lane_scan(reverse: bool, comment: str, total_product: bool) -> list[str]:
+    """C lines (indented one level) of the shuffle scan of the (P, H) pairs across a warp's lanes
+    (from lane 0 up, or `reverse` from lane 31 down): each lane's H becomes the state past its own
+    and the earlier lanes' steps. `total_product`: P too becomes the whole prefix's product (the
+    warp's total is used); else its last shuffle is skipped."""
+    shfl = "__shfl_down_sync" if reverse else "__shfl_up_sync"
+    before = f"lane + off < {WARP}" if reverse else "lane >= off"
+    pb = (f"{shfl}(0xffffffffu, P, off);" if total_product
+          else f"off < {WARP // 2} ? {shfl}(0xffffffffu, P, off) : F(1);  // the last P is unused")
+    return [
+        "    #pragma unroll",
+        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // {comment}",
+        f"        const F Hb = {shfl}(0xffffffffu, H, off);",
+        f"        const F Pb = {pb}",
+        f"        if ({before}) {{ H = P * Hb + H; P = P * Pb; }}",
+        "    }",
     ]
 
 
@@ -717,12 +730,7 @@ def _combine_across_warps(prod: str, part: str, carry: str, into: str, totals: s
     same in every warp)."""
     return [
         f"    F P = {prod}, H = {part};",
-        "    #pragma unroll",
-        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive, within the warp",
-        "        const F Hb = __shfl_up_sync(0xffffffffu, H, off);",
-        "        const F Pb = __shfl_up_sync(0xffffffffu, P, off);",
-        "        if (lane >= off) { H = P * Hb + H; P = P * Pb; }",
-        "    }",
+        *_inclusive_lane_scan(False, "inclusive, within the warp", total_product=True),
         f"    if (lane == {WARP - 1}) {{ {totals}[par][wr][0] = P; {totals}[par][wr][1] = H; }}  // the warp's",
         "    const F Pe = __shfl_up_sync(0xffffffffu, P, 1), He = __shfl_up_sync(0xffffffffu, H, 1);  // exclusive",
         "    __syncthreads();",
