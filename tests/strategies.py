@@ -106,37 +106,40 @@ def _const(draw) -> Expr:
     return Expr(f"({value!r})", frozenset(), abs(value), number=True)
 
 
-def expression(draw, src: Source, leaves: list[Expr], depth: int) -> Expr:
-    """A random expression over `leaves` (and constants), at most `depth` ops deep."""
+def expression(draw, src: Source, leaves: list[Expr], depth: int, over: frozenset[str] | None = None) -> Expr:
+    """A random expression over `leaves` (and constants), at most `depth` ops deep; reductions and dots
+    over the axes `over` only, where given."""
     kind = draw(st.sampled_from(("leaf", "unary", "binary", "binary", "where", "reduce", "dot"))) \
         if depth > 0 else "leaf"
     if kind == "leaf":
         return draw(st.sampled_from(leaves)) if draw(st.integers(0, 5)) else _const(draw)
     if kind == "unary":
-        x = expression(draw, src, leaves, depth - 1)
+        x = expression(draw, src, leaves, depth - 1, over)
         if x.number and draw(st.integers(0, 3)):  # a function of a constant now and then
             return x
         template, bound, lip = draw(st.sampled_from(UNARY))
         number = x.number and not template.startswith("ssmc.")  # -c and np.tanh(c) stay numbers
         return src.emit(template.format(x.code), x.axes, bound(x.bound), lip * x.lip, number)
     if kind == "reduce":
-        x = expression(draw, src, leaves, depth - 1)
-        if not x.axes:
+        x = expression(draw, src, leaves, depth - 1, over)
+        axes = x.axes if over is None else x.axes & over
+        if not axes:
             return x
-        return reduce_axis(draw, src, x, draw(st.sampled_from(sorted(x.axes))))
-    a = expression(draw, src, leaves, depth - 1)
-    b = expression(draw, src, leaves, depth - 1)
-    if kind == "dot" and a.axes & b.axes:
-        axis = draw(st.sampled_from(sorted(a.axes & b.axes)))
+        return reduce_axis(draw, src, x, draw(st.sampled_from(sorted(axes))))
+    a = expression(draw, src, leaves, depth - 1, over)
+    b = expression(draw, src, leaves, depth - 1, over)
+    shared = a.axes & b.axes if over is None else a.axes & b.axes & over
+    if kind == "dot" and shared:
+        axis = draw(st.sampled_from(sorted(shared)))
         return src.emit(f"ssmc.dot({a.code}, {b.code}, over={axis!r})", (a.axes | b.axes) - {axis},
                         MAX_SIZE * a.bound * b.bound, MAX_SIZE * (a.lip * b.bound + b.lip * a.bound))
     if kind == "where":
-        c0 = expression(draw, src, leaves, depth - 1)
+        c0 = expression(draw, src, leaves, depth - 1, over)
         if a.number and c0.number:  # Python would compare the numbers: compare with a tensor
             c0 = draw(st.sampled_from(leaves))
         cmp = draw(st.sampled_from((">", "<", ">=", "<=")))
         cond = f"{a.code} {cmp} {c0.code}"
-        x, y = b, expression(draw, src, leaves, depth - 1)
+        x, y = b, expression(draw, src, leaves, depth - 1, over)
         return src.emit(f"ssmc.where({cond}, {x.code}, {y.code})", a.axes | c0.axes | x.axes | y.axes,
                         max(x.bound, y.bound), max(x.lip, y.lip))
     template, bound, lip = draw(st.sampled_from(BINARY))
@@ -340,3 +343,49 @@ def layers(draw):
     with contextlib.suppress(Exception):  # not inside a Hypothesis test
         note(text)
     return ssmc.recurrence(namespace["step"])
+
+
+@st.composite
+def state_axis_recurrences(draw, max_depth: int = 2):
+    """A random recurrence shaped like Mamba-1's: states over [b d n], sequences over [b d] and [b n],
+    params over [d n] (and [d]). Each update is ``a * h + (1 - a) * b`` (a a gate in (0, 1), b free of
+    states: diagonal linear) or ``a * h + (1 - a) * tanh(c * (w * h + b))`` (nonlinear); each output
+    a reduction over n of a new state times an expression of the inputs, sometimes plus one of the
+    inputs alone. Expressions of the inputs reduce over n only, so every row [b d] is a recurrence of
+    its own."""
+    extra_seqs = draw(st.sampled_from([[], [("x1", ("b", "d"))], [("s1", ("b", "n"))]]))
+    sig = Signature(states=[(f"h{i}", ("b", "d", "n")) for i in range(draw(st.integers(1, 2)))],
+                    seqs=[("x0", ("b", "d")), ("s0", ("b", "n")), *extra_seqs],
+                    params=[("p0", ("d", "n")), *draw(st.sampled_from([[], [("p1", ("d",))]]))])
+    src = Source()
+    free = sig.free_leaves()
+
+    def inputs(axes) -> Expr:  # reducing over n only: every row [b d] stays its own recurrence
+        return reduce_to(draw, src, expression(draw, src, free, max_depth, frozenset("n")), axes)
+
+    updates = []
+    def gate(axes) -> Expr:
+        g = inputs(axes)
+        return src.emit(draw(st.sampled_from(GATES)).format(g.code), g.axes, 1.0, 0.0)
+
+    for name, axes in sig.states:
+        a = gate(axes)
+        b = inputs(axes)
+        if draw(st.booleans()):
+            updates.append(src.emit(f"{a.code} * {name} + (1 - {a.code}) * {b.code}", set(axes),
+                                    max(STATE_BOUND, b.bound), 1.0))
+        else:
+            w = gate(axes)
+            c = float(f"{0.9 / (1.0 + b.bound):.3g}")
+            t = src.emit(f"ssmc.tanh({c!r} * ({w.code} * {name} + {b.code}))", set(axes), 1.0, c)
+            updates.append(src.emit(f"{a.code} * {name} + (1 - {a.code}) * {t.code}", set(axes), STATE_BOUND, 1.0))
+    outputs = []
+    for _ in range(draw(st.integers(1, 2))):
+        new = draw(st.sampled_from(updates))
+        e = inputs(("b", "d", "n"))
+        y = reduce_axis(draw, src, src.emit(f"{new.code} * {e.code}", set(new.axes), new.bound * e.bound, 0.0), "n")
+        if draw(st.booleans()):
+            x = inputs(("b", "d"))
+            y = src.emit(f"{y.code} + {x.code}", y.axes | x.axes, y.bound + x.bound, 0.0)
+        outputs.append(y)
+    return build_spec(sig, src, updates, outputs)

@@ -6,9 +6,9 @@ import importlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, draw_inputs, layers, recurrences
+from strategies import diagonal_linear_recurrences, draw_inputs, layers, recurrences, state_axis_recurrences
 
 import ssmc
 
@@ -463,3 +463,56 @@ def test_first_order_scan_with_warps_sharing_each_channel_in_float32(length):
     assert rel_err(got, want) <= TOL["float32"]
     for key in want_g:
         assert rel_err(got_g[key], want_g[key]) <= 1e-3, key
+
+
+# most random specs do not split along n (state_major.py's conditions): filtered out, so more are drawn
+LANES_SETTINGS = {**SETTINGS,
+                  "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}
+
+
+@settings(max_examples=25, **LANES_SETTINGS)
+@given(spec=state_axis_recurrences(), length=st.sampled_from([1, 7, 180, 1000, 4097]),
+       n=st.sampled_from([1, 3, 16, 33]), d=st.sampled_from([5, 37]), layout=st.sampled_from(["t ...", "... t"]),
+       seed=st.integers(0, 2**16))
+def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
+    """The lanes kernel (forced; lowering/state_lanes.py) on random specs shaped like Mamba-1, linear
+    or not, float64, time outermost or contiguous: outputs and final states against the interpreter.
+    n = 33 leaves lanes without a last value (a guard); d = 37 a partial block of rows; L = 1, 7 and
+    4097 a partial chunk of steps."""
+    import os
+
+    from ssmc.backends.cuda.runner import runner_for
+
+    sizes = {"b": 2, "d": d, "n": n}
+    assume(runner_for(spec.program, "float64").lane_threads(sizes) is not None)
+    inputs = draw_inputs(spec, length, seed, sizes=sizes)
+    if layout == "... t":
+        inputs = _time_last(spec, inputs)
+    want = ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
+    os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
+    try:
+        got = ssmc.compile(spec, "cuda", dtype="float64", layout=layout).run(**on_gpu(inputs, "float64"))
+    finally:
+        del os.environ["SSMC_CUDA_STRATEGY"]
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert rel_err(g, w) <= 1e-9
+
+
+@pytest.mark.parametrize("layout,length,dtype", [("b d t", 1000, "float32"), ("b d t", 4097, "float32"),
+                                                 ("t b d", 181, "float32"), ("b d t", 180, "bfloat16")])
+def test_mamba1_forward_runs_as_lanes_at_scale(layout, length, dtype):
+    """Mamba-1 at B8 D1024 N16: 32768 lanes, so the default plan is the lanes kernel; against the
+    interpreter in float32 (and bf16 inputs, which it stages by plain loads instead of cp.async)."""
+    from ssmc.backends.cuda.runner import runner_for
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    sizes = {"b": 8, "d": 1024, "n": 16}
+    assert runner_for(m.SPEC.program).strategy(sizes, length, layout == "b d t") == "lanes"
+    inputs = m.make_inputs(np.random.default_rng(length), length, batch=8, dim=1024, state=16)
+    if layout == "t b d":
+        inputs = {k: np.ascontiguousarray(np.moveaxis(v, -1, 0)) if k in ("u", "delta", "z", "B", "C") else v
+                  for k, v in inputs.items()}
+    want = ssmc.compile(m.SPEC, "interpreter", layout=layout)(**inputs, return_final_states=True)
+    got = ssmc.compile(m.SPEC, "cuda", layout=layout)(**on_gpu(inputs, dtype), return_final_states=True)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= TOL[dtype]

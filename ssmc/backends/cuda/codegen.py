@@ -91,6 +91,8 @@ class Threads:
     row: bool = False
     recurrence: bool = False
     warps: int = 1
+    lanes: int = 0
+    block: int = 0
 
     @property
     def rows_per_block(self) -> int:
@@ -100,6 +102,8 @@ class Threads:
         """What `ssmc inspect` adds to the kernel's strategy ("" for the default mapping)."""
         if self.warps > 1:
             return f"{self.warps} warps a recurrence"
+        if self.lanes:
+            return f"{self.lanes} lanes a row"
         if self.groups == 1:
             return ""
         return f"{'rows' if self.row else 'split-K'} {self.split}/{self.groups}"
@@ -123,8 +127,11 @@ class CPrinter:
     def __init__(self, k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int], staged=frozenset(),
                  threads: Threads = ONE_GROUP, registers: dict[str, str] | None = None,
                  param_registers: dict[str, tuple[int, ...]] | None = None, vectors: dict | None = None,
-                 one_value: bool = False):
+                 one_value: bool = False, views: dict | None = None):
         self.k = k
+        # arrays printed another way than their kind says (the lanes kernel's shared-memory stages and
+        # per-lane registers): name -> function of the Load giving its C text
+        self.views = views or {}
         # loads a lane made for all its steps at once (`_vector_loads`): (array, index) -> register array
         self.vectors = vectors or {}
         self.arrays = arrays
@@ -173,6 +180,8 @@ class CPrinter:
         if isinstance(e, Var):
             return e.name
         if isinstance(e, Load):
+            if e.array in self.views:
+                return self.views[e.array](e)
             if e.array in self.compact:
                 own = f"[j_{self.split}]" if self.per_thread else None
                 return e.array + "".join((own or f"[({i}) / {self.groups}]") if c else f"[{i}]"
@@ -202,7 +211,8 @@ class CPrinter:
         raise TypeError(e)
 
     def target(self, t) -> str:
-        if isinstance(t, Var) or t.array in self.buffers or t.array in self.staged or t.array in self.registers:
+        if (isinstance(t, Var) or t.array in self.buffers or t.array in self.staged or t.array in self.registers
+                or t.array in self.views):
             return self.expr(t)
         return f"{t.array}[{self.index(t)}]"
 
@@ -250,7 +260,8 @@ class CPrinter:
                 value = self.expr(s.value)
                 target = self.target(s.target)
                 global_store = (isinstance(s.target, Load) and s.target.array not in self.buffers
-                                and s.target.array not in self.staged and s.target.array not in self.registers)
+                                and s.target.array not in self.staged and s.target.array not in self.registers
+                                and s.target.array not in self.views)
                 if s.op == "atomic+=":  # many threads add into it: an array in the compute type
                     out.append(f"{pad}atomicAdd(&{target}, {value});")
                     continue
@@ -1221,7 +1232,14 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (the summary step, steps
     per lane), the one kernel given as the warp kernel's step instead (`round_steps`: see
     `warp_kernel_context`; `ragged`: its last round may be partial, `_state_major_lines`)."""
-    if warp is not None:
+    lanes = [(k, specs, m) for k, specs in kernels if (m := (threads or {}).get(k.name, ONE_GROUP)).lanes]
+    if lanes:
+        from ...lowering.state_lanes import state_lanes
+        from .lanes import state_lanes_context
+
+        (k, specs, m), = lanes
+        contexts = [state_lanes_context(k, state_lanes(k), specs, sizes, m.lanes, m.block, ctype)]
+    elif warp is not None:
         (k, specs), = kernels
         warps = (threads or {}).get(k.name, ONE_GROUP).warps
         contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged, warps)]
@@ -1231,7 +1249,8 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
     return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
-                              warp=WARP, rows=any(c.get("row") or c.get("row_recurrence") for c in contexts))
+                              warp=WARP, rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
+                              lanes=any(c.get("lanes") for c in contexts))
 
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
@@ -1242,4 +1261,4 @@ def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, Array
     context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
     return _template().render(version=__version__, program_name=fb.backward.adjoint.name, strategy="fused backward",
                               ctype=ctype, math_header=math_header(), block=BLOCK, kernels=[context], half=half,
-                              warp=WARP, rows=False)
+                              warp=WARP, rows=False, lanes=False)

@@ -4,9 +4,9 @@
 backward kernel, 32 K' steps (``rounds_<h>``, states × L / (32 K') values: the tape; K' the
 backward's steps per lane, `backward_steps_per_lane`); `backward` runs the one kernel that
 recomputes each round's carries in registers and runs the adjoint over it, the rounds last first.
-It applies where the forward runs as the warp kernel (`CudaRunner.strategy`: sequences with time
-contiguous, too few recurrences to fill the GPU) and the adjoint sums over the recurrences
-(`FusedBackwardRunner.applies_at`).
+It applies where the forward runs as the warp kernel, or would but for the lanes kernel
+(`CudaRunner.strategy`: sequences with time contiguous, too few recurrences to fill the GPU), and the
+adjoint sums over the recurrences (`FusedBackwardRunner.applies_at`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class FusedBackwardRunner:
         partials = self.plan.partials
         if setting != "1" and not (partials.atomic or partials.accumulators):
             return False
-        return self.forward_runner.strategy(sizes, length, time_contiguous) == "warp"
+        # the plain forward may run as the lanes kernel; a training step's forward is the warp kernel
+        return self.forward_runner.strategy(sizes, length, time_contiguous, lanes=False) == "warp"
 
     def sources(self, sizes: dict[str, int], length: int) -> list[tuple[Launch, str]]:
         """The two kernels' launches and sources at these sizes, arrays laid out as the runs

@@ -18,6 +18,7 @@ import numpy as np
 from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
+from ...lowering.state_lanes import state_lanes
 from ...lowering.state_major import warp_state_major
 from ...lowering.time_blocks import TimeBlocks, run_time_blocks, time_blocks
 from ...runtime.cache import cache_dir
@@ -34,6 +35,7 @@ from .codegen import (
     shares_recurrence,
     split_groups,
 )
+from .lanes import lane_groups, lanes_block
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -127,7 +129,13 @@ STEPS_PER_LANE = 4
 WIDE_STEPS_PER_LANE = 2
 STATE_MAJOR_STEPS_PER_LANE = 4
 MAX_RECURRENCE_WARPS = 8  # warps of a block sharing one recurrence (`CudaRunner.recurrence_warps`)
-STRATEGIES = ("fused", "time blocks", "warp", "rows")
+STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
+
+# The lanes kernel (lanes.py) runs where a program's states have an axis of their own, its step splits
+# around the loops over it (lowering/state_lanes.py) and rows x lanes give at least LANES_FILL threads;
+# fewer recurrences want the time-parallel warp kernel. Mamba-1 B8 D1536 L2048 N16 on an H200: 12288 rows
+# of 4 lanes, 0.24 ms against the warp kernel's 0.62 (hand-written probes, 2026-11-25).
+LANES_FILL = 1 << 15
 
 
 def lane_steps(tb: TimeBlocks | None) -> int:
@@ -236,6 +244,8 @@ class Launch:
     def grid(self) -> tuple[int, int]:
         """(blocks, threads per block); a row kernel's blocks hold whole rows, a warp kernel's whose
         warps share a recurrence one recurrence."""
+        if self.mapping.lanes:
+            return self.threads // self.mapping.block, self.mapping.block
         if self.mapping.warps > 1:
             per = WARP * self.mapping.warps
             return max(1, self.threads // per), per
@@ -262,6 +272,8 @@ class CudaRunner:
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
+        # a fused kernel whose states' own axis can be split among lanes (lowering/state_lanes.py)
+        self.state_lanes = state_lanes(self.lowered.kernels[0]) if self.lowered.strategy == "fused" else None
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
@@ -302,12 +314,24 @@ class CudaRunner:
         threads = self.row_threads(sizes)
         return threads is not None and sizes[self.row_axis] <= MAX_ROW_INDICES * threads.groups
 
-    def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> str:
+    def lane_threads(self, sizes: dict[str, int]) -> Threads | None:
+        """The thread mapping of the "lanes" strategy at `sizes` (None where it cannot run)."""
+        if self.state_lanes is None:
+            return None
+        groups = lane_groups(sizes[self.state_lanes.axis])
+        block = lanes_block(self.state_lanes, sizes, groups, 8 if self.compute == "float64" else 4)
+        return None if block is None else Threads(lanes=groups, block=block)
+
+    def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False, lanes: bool = True) -> str:
         """How a run goes: "split" (plan.py) for split programs; for fused ones "rows" where a row
-        statistic's axis can be shared by a block (`row_threads`); else, for scans time_blocks.py
+        statistic's axis can be shared by a block (`row_threads`); "lanes" where the states have an
+        axis of their own to split among lanes (`lane_threads`) and rows x lanes fill the GPU (at least
+        LANES_FILL threads, any layout); else, for scans time_blocks.py
         can split, "warp" where the sequences have time contiguous (lanes read neighbouring steps;
         at least two rounds), "time blocks" where not and the recurrences are too few to fill the
-        GPU, and "fused" (a thread per recurrence) otherwise. `SSMC_CUDA_STRATEGY` forces one."""
+        GPU, and "fused" (a thread per recurrence) otherwise. `SSMC_CUDA_STRATEGY` forces one. With
+        `lanes` false, the choice without the lanes kernel (the fused backward's, whose training forward
+        is a warp kernel saving round carries)."""
         forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced and forced not in STRATEGIES:
             raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
@@ -317,6 +341,13 @@ class CudaRunner:
                 raise ValueError(f"SSMC_CUDA_STRATEGY=rows: {self.program.name} has no row statistic a block "
                                  "of threads can share (lowering/split_sum.py)")
             return "rows"
+        threads = self.lane_threads(sizes)
+        if forced == "lanes" and threads is None:
+            raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
+                             "split (lowering/state_lanes.py), or its chunks do not fit shared memory")
+        if lanes and (forced == "lanes" or (threads is not None and not forced and self._threads(
+                self.lowered.kernels[0], sizes) * threads.lanes >= LANES_FILL)):
+            return "lanes"
         tb = self.time_blocks
         if tb is None:
             return self.lowered.strategy
@@ -371,6 +402,9 @@ class CudaRunner:
         if strategy == "rows":
             k, threads = self.lowered.kernels[0], self.row_threads(sizes)
             return [Launch(k, length, 1, self._threads(k, sizes) * threads.groups, threads)]
+        if strategy == "lanes":
+            k, threads = self.lowered.kernels[0], self.lane_threads(sizes)
+            return [Launch(k, length, 1, _lane_block_count(k, sizes, threads) * threads.block, threads)]
         if strategy == "warp":
             k = self.time_blocks.lane_rescan
             warps = self.recurrence_warps(length)
@@ -447,7 +481,9 @@ class CudaRunner:
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
             fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         per = WARP * mapping.warps if warp else nblk * groups
-        blocks, threads = Launch(k, length, nblk, self._threads(k, sizes) * per, mapping).grid
+        total = (_lane_block_count(k, sizes, mapping) * mapping.block if mapping.lanes
+                 else self._threads(k, sizes) * per)
+        blocks, threads = Launch(k, length, nblk, total, mapping).grid
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
         fn((blocks,), (threads,), args, stream=self.stream())
         return made
@@ -476,10 +512,12 @@ class CudaRunner:
         if strategy == "time blocks":
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
                                    initial, sizes, length, plan[0].nblk)
-        if strategy in ("fused", "warp", "rows"):
+        if strategy in ("fused", "warp", "rows", "lanes"):
             k = plan[0].kernel
+            # the lanes kernel writes its outputs along time where the sequences have it contiguous
             made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
-                                length, out_dtype=out_dtype, mapping=plan[0].mapping)
+                                length, out_dtype=out_dtype, mapping=plan[0].mapping,
+                                time_contiguous=contiguous and strategy == "lanes")
             outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
             finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
             return outs, finals
@@ -532,6 +570,14 @@ class CudaRunner:
 # the environment variables that change a launch plan (read when planning, part of its cache key)
 OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS",
              "SSMC_CUDA_ROW_RECURRENCE", "SSMC_CUDA_RECURRENCE_WARPS")
+
+
+def _lane_block_count(k: Kernel, sizes: dict[str, int], mapping: Threads) -> int:
+    """Blocks of the lanes kernel: one per index of the parallel axes but the last, times the blocks
+    of rows (mapping.block / mapping.lanes a block) along the last."""
+    last = sizes[k.parallel[-1]]
+    rows = mapping.block // mapping.lanes
+    return math.prod(sizes[a] for a in k.parallel[:-1]) * -(-last // rows)
 
 
 def time_contiguous(seqs: dict) -> bool:

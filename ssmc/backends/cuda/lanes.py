@@ -1,0 +1,277 @@
+"""CUDA C of the "lanes" kernel (lowering/state_lanes.py): G lanes a row, each owning S values of the
+states' own axis for the whole sequence, time in order, chunks of CHUNK steps through shared memory.
+
+A block holds R = threads / G rows: consecutive indices of the last parallel axis (Mamba-1's d) under
+one index of the others (b), so the sequences along the states' axis (B[b, n, t], C) are staged once
+for all of them. Per chunk (buffers of two chunks: the next one's copies are in flight, `cp.async`,
+while this one computes):
+
+    pre   the block's threads over rows x steps: the step's values (dt, dt u) into shared memory
+    body  each lane, G steps at a time: per state value, its chain over the G steps (registers),
+          the sums over the states' axis one register per step, then across the row's G lanes by
+          a reduce-scatter (lane g gets step g's sum), into shared memory
+    post  the block's threads over rows x steps: the outputs, stored along the arrays' contiguous axis
+
+Measured on an H200 (hand-written probes of this kernel, 2026-11-25, Mamba-1 B8 D1536 L2048 N16 fp32):
+0.457 ms with synchronous staging and per-step shuffles of the sums, 0.240 with this staging and
+4 state values a lane; the warp kernel 0.620, mamba-ssm 0.879.
+"""
+
+from __future__ import annotations
+
+from ...lowering.loops import Assign, Buffer, Load, Loop, loads
+from ...lowering.plan import Kernel, size_var
+from ...lowering.state_lanes import StateLanes
+from ...lowering.state_major import scalar_name
+from .codegen import C_TYPES, STATIC_SHARED, ArraySpec, CPrinter, _predicated, _scalar_names, _unflatten
+
+CHUNK = 32              # steps a chunk stages (a multiple of every G)
+PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
+STATES_PER_LANE = 4     # state values a lane owns where the axis allows (0.240 ms against 0.245 with 2, probes)
+MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step value (registers)
+LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
+LANES_BLOCKS = (128, 64, 32)  # threads per block, the first whose shared memory fits
+
+
+def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
+    """Lanes per row for a state axis of `n` values: a power of two, about n / per_lane, at most MAX_LANES."""
+    groups = 1
+    while groups < MAX_LANES and groups * per_lane < n:
+        groups *= 2
+    return groups
+
+
+def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_bytes: int) -> int | None:
+    """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks and
+    per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's register arrays (G steps of
+    each per-step value and sequence along the states' axis, S values of each buffer and param along
+    it) would take more than LANE_REGISTERS."""
+    per_lane = -(-sizes[lanes.axis] // groups)
+    arrays = (groups * (len(lanes.major.per_step) + len(lanes.state_seqs))
+              + per_lane * (len(lanes.lane_buffers) + len(lanes.lane_params)))
+    if arrays * value_bytes // 4 > LANE_REGISTERS:
+        return None
+    for block in LANES_BLOCKS:
+        rows = block // groups
+        if rows < 1:
+            continue
+        values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
+                  + rows * len(lanes.major.per_step))
+        if values * PITCH * value_bytes <= STATIC_SHARED:
+            return block
+    return None
+
+
+def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int],
+                        groups: int, block: int, ctype: str) -> dict:
+    """The template's context for the lanes kernel of `k` (module docstring)."""
+    axis, row = lanes.axis, lanes.row_axis
+    n, var = size_var(axis), lanes.var
+    rows = block // groups
+    per_lane = -(-sizes[axis] // groups)
+    major = lanes.major
+    sums = dict(lanes.sums)
+    index = {a.name: a for a in k.arrays}
+    vector = ctype == "float"
+
+    def pv(where: str):
+        return lambda e: f"pv_{e.array}[{where}][tt]"
+
+    per_step_views = {name: pv("r") for name in major.per_step}
+    row_views = {a: (lambda e: f"sr_{e.array}[buf][r][tt]") for a in lanes.row_seqs}
+    pp = CPrinter(k, arrays, sizes, views={**per_step_views, **row_views})
+
+    # the body: per-step values in registers (name[tt]), sequences along the states' axis loaded as
+    # vectors of the G steps (ld<j>[tt]), the lane's buffers and params at its own indices ([j])
+    vectors = {}
+    for s in major.body:
+        for e in _loads(s):
+            if e.array in lanes.state_seqs and (e.array, e.index) not in vectors:
+                vectors[e.array, e.index] = f"ld{len(vectors)}"
+    own = {name: (lambda e: f"{e.array}[j]") for name in lanes.lane_buffers}
+    own |= {name: (lambda e: f"rp_{e.array}[j]") for name in lanes.lane_params}
+    own |= {a: (lambda e: f"sr_{e.array}[buf][ch][tb + tt]") for a in lanes.row_seqs}
+    pb = CPrinter(k, arrays, sizes, vectors=vectors, views=own)
+    pb.buffers |= set(major.per_step)
+    read_in_body = [name for name in major.per_step if name not in sums
+                    and any(e.array == name for s in major.body for e in _loads(s))]
+    carried = {scalar_name(b): b for b in lanes.carried}
+    body_scalars = [name for name in _scalar_names(major.body) if name not in carried]
+
+    def body_phase(partial: bool) -> list[str]:
+        body = _predicated(major.body, set(carried)) if partial else major.body
+        lines = ["#pragma unroll 1", f"for (int tb = 0; tb < {CHUNK}; tb += G) {{  // G steps: one reduce-scatter"]
+        for name in read_in_body:
+            lines += [f"    F {name}[G];", f"    {_load_steps(name, f'&pv_{name}[ch][tb]', vector)}"]
+        for name, op in sums.items():
+            start = "F(0)" if op == "+=" else "F(-__int_as_float(0x7f800000))"
+            lines += [f"    F {name}[G];", "    #pragma unroll",
+                      f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {start};"]
+        lines += ["    #pragma unroll", "    for (int j = 0; j < S; ++j) {  // this lane's state values, one at a time",
+                  f"        const int {var} = g + j * G;"]
+        guard = sizes[axis] % groups != 0
+        inner = "            " if guard else "        "
+        if guard:
+            lines.append(f"        if ({var} < {n}) {{")
+        lines += [f"{inner}F {scalar} = {buffer}[j];" for scalar, buffer in carried.items()]
+        lines += [f"{inner}F {name};" for name in body_scalars]
+        for (array, _), reg in vectors.items():
+            lines += [f"{inner}F {reg}[G];", f"{inner}{_load_steps(reg, f'&sl_{array}[buf][{var}][tb]', vector)}"]
+        lines += [f"{inner}#pragma unroll", f"{inner}for (int tt = 0; tt < G; ++tt) {{"]
+        if partial:
+            lines.append(f"{inner}    const bool live = t0 + tb + tt < L;  // a step past L changes no state")
+        lines += pb.stmts(body, len(inner) // 4 + 1)
+        lines.append(f"{inner}}}")
+        lines += [f"{inner}{buffer}[j] = {scalar};" for scalar, buffer in carried.items()]
+        if guard:
+            lines.append("        }")
+        lines.append("    }")
+        for name, op in sums.items():
+            fn = "SumOp" if op == "+=" else "MaxOp"
+            lines.append(f"    pv_{name}[ch][tb + g] = reduce_scatter<G>({name}, g, {fn}());")
+        lines.append("}")
+        return lines
+
+    # the sums start in the body
+    pre = [s for s in major.pre if not (isinstance(s.target, Load) and s.target.array in sums)]
+    out_arrays = [a for a in k.arrays if a.role == "out"]
+    along_time = bool(out_arrays) and arrays[out_arrays[0].name].strides[0] == 1
+
+    own_printer = CPrinter(k, arrays, sizes, views=own)
+    vector_copies = vector_stages(lanes, arrays, ctype)
+    return {
+        "name": k.name,
+        "block": block,
+        "lanes": True,
+        "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "
+                    f"{axis} for the whole sequence; {rows} rows per block, chunks of {CHUNK} steps"),
+        "params": [("const " if a.role in ("seq", "param", "init") else "") + f"{C_TYPES[arrays[a.name].dtype]}* "
+                   f"__restrict__ {a.name}" for a in k.arrays],
+        "constants": [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
+        + [f"constexpr long long total = {' * '.join(str(sizes[a]) for a in k.parallel)};",
+           f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, "
+           f"BLOCK = {block};  // lanes a row, state values a lane, rows a block, steps a chunk"],
+        "row_size": size_var(row),
+        "shared": [f"__shared__ __align__(16) F sr_{a}[2][R][P];  // two chunks of each row's steps"
+                   for a in lanes.row_seqs]
+        + [f"__shared__ __align__(16) F sl_{a}[2][{n}][P];  // two chunks, shared by the block's rows"
+           for a in lanes.state_seqs]
+        + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk"
+           for name in major.per_step],
+        "unflatten": _unflatten(k.parallel),
+        "declarations": [f"F {name} = F(0);" for name in _scalar_names(k.setup + pre + major.post)]
+        + [f"F {name}[S];" for name in lanes.lane_buffers]
+        + [f"F rp_{name}[S];" for name in lanes.lane_params],
+        "setup": _lane_loops(k.setup, lanes, own_printer, False),
+        "finish": _lane_loops(k.finish, lanes, own_printer, True),
+        "params_once": _lane_params(lanes, own_printer),
+        "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
+        "aligned": " && ".join(f"(unsigned long long){a} % 16 == 0" for a in sorted(vector_copies)) or "false",
+        "pre": ["const int r = i / T, tt = i % T, t = t0 + tt;  (void)t;",
+                f"const int p_{row} = min(r0 + r, {size_var(row)} - 1);", *pp.stmts(pre, 0)],
+        "body_full": body_phase(False),
+        "body_partial": body_phase(True),
+        "post_map": "const int r = i / T, tt = i % T;" if along_time else "const int r = i % R, tt = i / R;",
+        "post": [f"const int p_{row} = r0 + r;", *pp.stmts(major.post, 0)],
+    }
+
+
+def _load_steps(reg: str, src: str, vector: bool) -> str:
+    if vector:
+        return f"load_steps<G>({reg}, {src});"
+    return f"for (int q = 0; q < G; ++q) {reg}[q] = ({src})[q];"
+
+
+def _loads(s: Assign):
+    yield from loads(s.value)
+    if isinstance(s.target, Load):
+        yield s.target
+
+
+def _lane_loops(stmts: list, lanes: StateLanes, pr: CPrinter, stores: bool) -> list[str]:
+    """The setup's (finish's) scalars, and its loops over the states' axis, each lane over its own indices."""
+    var, n = lanes.var, size_var(lanes.axis)
+    out = []
+    for s in stmts:
+        if isinstance(s, Buffer):
+            continue
+        if isinstance(s, Assign):
+            out += pr.stmts([s], 0)
+            continue
+        assert isinstance(s, Loop)
+        out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
+                f"    if ({var} < {n}{' && valid' if stores else ''}) {{", *pr.stmts(s.body, 2), "    }", "}"]
+    return out
+
+
+def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:
+    """Loads of the params the body reads along the states' axis, this lane's S values of each."""
+    var, n = lanes.var, size_var(lanes.axis)
+    seen, out = set(), []
+    for s in lanes.major.body:
+        for e in _loads(s):
+            if e.array in lanes.lane_params and e.array not in seen:
+                seen.add(e.array)
+                out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
+                        f"    rp_{e.array}[j] = {var} < {n} ? F(to_f({e.array}[{pr.index(e)}])) : F(0);", "}"]
+    return out
+
+
+def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPrinter, ctype: str,
+           vector: set[str]) -> list[str]:
+    """C lines copying the chunk that starts at step `tn` into buffer `nb`: each staged sequence's
+    rows x steps, consecutive threads along its contiguous axis; `cp.async` where the array holds the
+    compute type (else loads and stores), 16 bytes at a time for the arrays in `vector` (time
+    contiguous, rows of whole vectors) where `vec` (their pointers aligned), one value a copy
+    else. The loops run a fixed count of iterations per thread: unrolled."""
+    row, axis = lanes.row_axis, lanes.axis
+    same = "float32" if ctype == "float" else "float64"
+    out = []
+    for name in lanes.row_seqs + lanes.state_seqs:
+        a = index[name]
+        spec = arrays[name]
+        per_row = name in lanes.row_seqs
+        count, rowvar = ("R", "r") if per_row else (size_var(axis), "s")
+        at = {"t": "t", row: "(r0 + r)"} if per_row else {"t": "t", axis: "s"}
+        src = f"{name} + ({pr.index(Load(name, tuple(at.get(ax, f'p_{ax}') for ax in a.axes)))})"
+        dst = f"&{'sr' if per_row else 'sl'}_{name}[nb][{rowvar}][tt]"
+        rows = f" && r0 + r < {size_var(row)}" if per_row else ""
+        asynchronous = spec.dtype == same
+        along_time = spec.strides[0] == 1
+        scalar = _copy_loop(f"{count} * T", f"const int {rowvar} = i / T, tt = i % T;" if along_time
+                            else f"const int {rowvar} = i % {count}, tt = i / {count};",
+                            [f"if (t < L{rows}) {_copy(asynchronous, dst, src)}"])
+        if name not in vector:
+            out += scalar
+            continue
+        steps = "(16 / sizeof(F))"  # values a 16-byte copy moves
+        out += ["if (vec) {",
+                *("    " + line for line in _copy_loop(
+                    f"{count} * (T / {steps})",
+                    f"const int {rowvar} = i / (T / {steps}), tt = (i % (T / {steps})) * {steps};",
+                    [f"if (t + {steps} <= L{rows}) copy_async<16>({dst}, {src});",
+                     f"else if (t < L{rows}) for (int q = 0; q < {steps} && t + q < L; ++q) "
+                     + _copy(asynchronous, dst + " + q", src + " + q")])),
+                "} else {", *("    " + line for line in scalar), "}"]
+    return out
+
+
+def _copy(asynchronous: bool, dst: str, src: str) -> str:
+    """One value from global `src` to shared `dst` (pointers)."""
+    return f"copy_async<sizeof(F)>({dst}, {src});" if asynchronous else f"*{dst} = F(to_f(*({src})));"
+
+
+def _copy_loop(items: str, mapping: str, body: list[str]) -> list[str]:
+    """C lines of the block's threads taking `items` copies, each thread a fixed count (unrolled)."""
+    return ["#pragma unroll", f"for (int k = 0; k < ({items} + BLOCK - 1) / BLOCK; ++k) {{",
+            "    const int i = threadIdx.x + k * BLOCK;", f"    if (i >= {items}) break;",
+            f"    {mapping}", "    const int t = tn + tt;", *("    " + line for line in body), "}"]
+
+
+def vector_stages(lanes: StateLanes, arrays: dict[str, ArraySpec], ctype: str) -> set[str]:
+    """The staged sequences the lanes kernel copies 16 bytes at a time where aligned: holding the compute
+    type, time contiguous, every other stride a whole number of 16 bytes."""
+    same, values = ("float32", 4) if ctype == "float" else ("float64", 2)
+    return {name for name in lanes.row_seqs + lanes.state_seqs
+            if arrays[name].dtype == same and arrays[name].strides[0] == 1
+            and all(st % values == 0 for st in arrays[name].strides[1:])}
