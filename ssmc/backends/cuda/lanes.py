@@ -12,9 +12,10 @@ while this one computes):
           a reduce-scatter (lane g gets step g's sum), into shared memory
     post  the block's threads over rows x steps: the outputs, stored along the arrays' contiguous axis
 
-Measured on an H200 (hand-written probes of this kernel, 2026-11-25, Mamba-1 B8 D1536 L2048 N16 fp32):
-0.457 ms with synchronous staging and per-step shuffles of the sums, 0.240 with this staging and
-4 state values a lane; the warp kernel 0.620, mamba-ssm 0.879.
+Measured on an H200 (2026-11-25, Mamba-1 B8 D1536 L2048 N16 fp32): hand-written probes of this kernel
+0.457 ms with synchronous staging and per-step shuffles of the sums, 0.240 with this staging, 4 state
+values a lane and fast softplus / silu; generated, 0.366 (bench/gpu_peers.py); the warp kernel 0.620,
+mamba-ssm 0.878.
 """
 
 from __future__ import annotations

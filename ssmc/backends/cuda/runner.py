@@ -134,7 +134,7 @@ STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 # The lanes kernel (lanes.py) runs where a program's states have an axis of their own, its step splits
 # around the loops over it (lowering/state_lanes.py) and rows x lanes give at least LANES_FILL threads;
 # fewer recurrences want the time-parallel warp kernel. Mamba-1 B8 D1536 L2048 N16 on an H200: 12288 rows
-# of 4 lanes, 0.24 ms against the warp kernel's 0.62 (hand-written probes, 2026-11-25).
+# of 4 lanes, 0.366 ms against the warp kernel's 0.620 (bench/gpu_peers.py, 2026-11-25).
 LANES_FILL = 1 << 15
 
 
