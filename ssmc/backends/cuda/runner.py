@@ -617,7 +617,8 @@ def one_kernel(fused: Fused, compute: str, sizes: dict[str, int], length: int, t
     if _row_recurrence_setting() == "1":
         return True
     core = runner_for(fused.core.program, compute)
-    return whole.owns_rows(sizes) and core.strategy(sizes, length, time_contiguous) == "fused"
+    # measured against the thread-per-recurrence core (5.1x); the lanes core is not measured here yet
+    return whole.owns_rows(sizes) and core.strategy(sizes, length, time_contiguous, lanes=False) == "fused"
 
 
 def layer_runner(fused: Fused, compute: str, staged):
