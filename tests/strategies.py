@@ -199,8 +199,8 @@ def signatures(draw) -> Signature:
                      params=[(f"p{i}", axes()) for i in range(draw(st.integers(0, 2)))])
 
 
-def _gate(draw, src: Source, free: list[Expr], axes, depth: int) -> Expr:
-    g = reduce_to(draw, src, expression(draw, src, free, depth), axes)
+def _gate(draw, src: Source, free: list[Expr], axes, depth: int, over: frozenset[str] | None = None) -> Expr:
+    g = reduce_to(draw, src, expression(draw, src, free, depth, over), axes)
     return src.emit(draw(st.sampled_from(GATES)).format(g.code), g.axes, 1.0, 0.0)
 
 
@@ -359,15 +359,15 @@ def state_axis_recurrences(draw, max_depth: int = 2):
                     params=[("p0", ("d", "n")), *draw(st.sampled_from([[], [("p1", ("d",))]]))])
     src = Source()
     free = sig.free_leaves()
+    only_n = frozenset("n")  # reductions over n only: every row [b d] stays its own recurrence
 
-    def inputs(axes) -> Expr:  # reducing over n only: every row [b d] stays its own recurrence
-        return reduce_to(draw, src, expression(draw, src, free, max_depth, frozenset("n")), axes)
+    def inputs(axes) -> Expr:
+        return reduce_to(draw, src, expression(draw, src, free, max_depth, only_n), axes)
+
+    def gate(axes) -> Expr:
+        return _gate(draw, src, free, axes, max_depth, only_n)
 
     updates = []
-    def gate(axes) -> Expr:
-        g = inputs(axes)
-        return src.emit(draw(st.sampled_from(GATES)).format(g.code), g.axes, 1.0, 0.0)
-
     for name, axes in sig.states:
         a = gate(axes)
         b = inputs(axes)

@@ -136,3 +136,15 @@ def map_children(e, fn):
 def loads(e):
     """Every `Load` inside the expression `e`."""
     return (x for x in subexpressions(e) if isinstance(x, Load))
+
+
+def accesses(s: Assign):
+    """Every `Load` the assignment `s` reads, then its target where that is a `Load`."""
+    yield from loads(s.value)
+    if isinstance(s.target, Load):
+        yield s.target
+
+
+def scalars_read(s: Assign) -> set[str]:
+    """The names of the scalars (`Var`s) the value of the assignment `s` reads."""
+    return {e.name for e in subexpressions(s.value) if isinstance(e, Var)}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Buffer, Load, Loop, Num, Var, loads, subexpressions
+from .loops import Assign, Buffer, Load, Loop, Num, Var, accesses, scalars_read
 from .plan import Kernel, size_var
 from .state_major import StateMajor, buffer_names, state_major
 
@@ -87,7 +87,7 @@ def state_lanes(k: Kernel) -> StateLanes | None:
         if len(start) != 1 or start[0].value != Num(identity):
             return None  # a sum that starts from something else than its identity
     row_seqs, state_seqs, lane_params = set(), set(), set()
-    for e in (e for s in major.pre + major.body + major.post for e in _loads(s)):
+    for e in (e for s in major.pre + major.body + major.post for e in accesses(s)):
         a = roles.get(e.array)
         if a is None:
             continue
@@ -107,7 +107,7 @@ def state_lanes(k: Kernel) -> StateLanes | None:
     # pre and post run for the block's rows, not the lane's own: nothing from the setup
     setup_scalars = {s.target.name for s in k.setup if isinstance(s, Assign)}
     for s in major.pre + major.post:
-        if any(e.array in buffers for e in _loads(s)) or _names(s) & setup_scalars:
+        if any(e.array in buffers for e in accesses(s)) or scalars_read(s) & setup_scalars:
             return None
     lane_buffers = tuple(sorted(buffers))
     return StateLanes(major, axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
@@ -119,24 +119,15 @@ def _lane_loops(stmts: list, var: str, buffers: set[str]) -> bool:
     buffers only, every index of a buffer `var` itself (each lane then runs them for its own indices)."""
     for s in stmts:
         if isinstance(s, Buffer) or (isinstance(s, Assign) and isinstance(s.target, Var)
-                                     and not any(e.array in buffers for e in _loads(s))):
+                                     and not any(e.array in buffers for e in accesses(s))):
             continue
         if not isinstance(s, Loop) or s.var != var or not all(isinstance(b, Assign) for b in s.body):
             return False
         for b in s.body:
             if isinstance(b.target, Var):
                 return False
-            if any(e.array in buffers and e.index != (var,) for e in _loads(b)):
+            if any(e.array in buffers and e.index != (var,) for e in accesses(b)):
                 return False
     return True
 
 
-def _names(s: Assign) -> set[str]:
-    """The scalars `s` reads."""
-    return {e.name for e in subexpressions(s.value) if isinstance(e, Var)}
-
-
-def _loads(s: Assign):
-    yield from loads(s.value)
-    if isinstance(s.target, Load):
-        yield s.target

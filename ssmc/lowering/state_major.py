@@ -25,7 +25,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Bin, Buffer, Call, Load, Loop, Var, loads, map_children, subexpressions
+from .loops import (
+    Assign,
+    Bin,
+    Buffer,
+    Call,
+    Load,
+    Loop,
+    Var,
+    accesses,
+    loads,
+    map_children,
+    scalars_read,
+    subexpressions,
+)
 from .time_blocks import partial_name, product_name
 
 STEP = "tt"  # the index of a lane's step in the printed loops
@@ -77,7 +90,7 @@ def state_major(step: list, local: tuple[str, ...], buffers: set[str], carried: 
     written = {s.target.array for s in flat if isinstance(s.target, Load) and s.target.array in buffers}
     seen = set()
     for s in flat:
-        for e in _all_loads(s):
+        for e in accesses(s):
             if e.array in written and e.index != at_index:
                 return None
         if any(e.array in written - seen - carried for e in loads(s.value)):
@@ -99,7 +112,7 @@ def state_major(step: list, local: tuple[str, ...], buffers: set[str], carried: 
     for i, names in enumerate(own):
         if any(names & _reads(other) for j, other in enumerate(bodies) if j != i):
             return None
-    if any(sums & _value_reads(s) for s in flat):
+    if any(sums & scalars_read(s) for s in flat):
         return None  # a partial sum read inside the loops
     assigned = [s.target.name for s in top if isinstance(s.target, Var)]
     if len(assigned) != len(set(assigned)):
@@ -107,7 +120,7 @@ def state_major(step: list, local: tuple[str, ...], buffers: set[str], carried: 
     pre, post, late = [], [], set(sums)
     for s in top:
         read = _reads([s])
-        if read & body_scalars or any(e.array in written for e in _all_loads(s)):
+        if read & body_scalars or any(e.array in written for e in accesses(s)):
             return None
         if read & late:
             post.append(s)
@@ -157,21 +170,11 @@ def _perfect_nest(loop: Loop, local: tuple[str, ...]) -> list[Assign] | None:
     return list(s.body)
 
 
-def _all_loads(s: Assign):
-    yield from loads(s.value)
-    if isinstance(s.target, Load):
-        yield s.target
-
-
-def _value_reads(s: Assign) -> set[str]:
-    return {e.name for e in subexpressions(s.value) if isinstance(e, Var)}
-
-
 def _reads(stmts) -> set[str]:
     """The scalar names `stmts` read (an accumulation reads its target too)."""
     out = set()
     for s in stmts:
-        out |= _value_reads(s)
+        out |= scalars_read(s)
         if s.op != "=" and isinstance(s.target, Var):
             out.add(s.target.name)
     return out

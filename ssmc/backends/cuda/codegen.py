@@ -1225,6 +1225,21 @@ def math_header() -> str:
     return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
 
 
+def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:
+    """The CUDA module of the kernels' template `contexts`: the math header, the helpers they use (row
+    combines, the lanes kernel's reduce-scatter), one kernel per context; `half` where an array is
+    fp16 / bf16 (their headers)."""
+    return _template().render(version=__version__, program_name=program_name, strategy=strategy, ctype=ctype,
+                              math_header=math_header(), block=BLOCK, kernels=contexts, half=half, warp=WARP,
+                              rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
+                              lanes=any(c.get("lanes") for c in contexts))
+
+
+def has_half(arrays: dict[str, ArraySpec]) -> bool:
+    """Whether any of the arrays is fp16 or bf16."""
+    return any(spec.dtype in ("float16", "bfloat16") for spec in arrays.values())
+
+
 def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict[str, ArraySpec]]],
                   sizes: dict[str, int], warp: tuple[Kernel, int] | None = None,
                   threads: dict[str, Threads] | None = None, round_steps: int = 0, ragged: bool = True) -> str:
@@ -1232,33 +1247,20 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (the summary step, steps
     per lane), the one kernel given as the warp kernel's step instead (`round_steps`: see
     `warp_kernel_context`; `ragged`: its last round may be partial, `_state_major_lines`)."""
-    lanes = [(k, specs, m) for k, specs in kernels if (m := (threads or {}).get(k.name, ONE_GROUP)).lanes]
-    if lanes:
-        from ...lowering.state_lanes import state_lanes
-        from .lanes import state_lanes_context
-
-        (k, specs, m), = lanes
-        contexts = [state_lanes_context(k, state_lanes(k), specs, sizes, m.lanes, m.block, ctype)]
-    elif warp is not None:
+    if warp is not None:
         (k, specs), = kernels
         warps = (threads or {}).get(k.name, ONE_GROUP).warps
         contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged, warps)]
     else:
         threads = threads or {}
         contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
-    half = any(spec.dtype in ("float16", "bfloat16") for _, specs in kernels for spec in specs.values())
-    return _template().render(version=__version__, program_name=lowered.program.name, strategy=lowered.strategy,
-                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=contexts, half=half,
-                              warp=WARP, rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
-                              lanes=any(c.get("lanes") for c in contexts))
+    return render(lowered.program.name, lowered.strategy, ctype, contexts,
+                  any(has_half(specs) for _, specs in kernels))
 
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                           steps_per_lane: int, state_major: bool = False) -> str:
     """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts
     (`state_major`: see `fused_backward_context`)."""
-    half = any(spec.dtype in ("float16", "bfloat16") for spec in arrays.values())
     context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
-    return _template().render(version=__version__, program_name=fb.backward.adjoint.name, strategy="fused backward",
-                              ctype=ctype, math_header=math_header(), block=BLOCK, kernels=[context], half=half,
-                              warp=WARP, rows=False, lanes=False)
+    return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays))

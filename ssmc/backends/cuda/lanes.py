@@ -20,11 +20,22 @@ mamba-ssm 0.878.
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Buffer, Load, Loop, loads
-from ...lowering.plan import Kernel, size_var
+from ...lowering.loops import Assign, Buffer, Load, Loop, accesses
+from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
-from .codegen import C_TYPES, STATIC_SHARED, ArraySpec, CPrinter, _predicated, _scalar_names, _unflatten
+from .codegen import (
+    C_TYPES,
+    STATIC_SHARED,
+    ArraySpec,
+    CPrinter,
+    Threads,
+    _predicated,
+    _scalar_names,
+    _unflatten,
+    has_half,
+    render,
+)
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
@@ -63,6 +74,13 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
     return None
 
 
+def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[str, ArraySpec],
+                 sizes: dict[str, int], mapping: Threads, ctype: str) -> str:
+    """CUDA C of the lanes kernel of `k` (lowered's fused kernel, split as `lanes`) for these layouts."""
+    context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype)
+    return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays))
+
+
 def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                         groups: int, block: int, ctype: str) -> dict:
     """The template's context for the lanes kernel of `k` (module docstring)."""
@@ -86,7 +104,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     # vectors of the G steps (ld<j>[tt]), the lane's buffers and params at its own indices ([j])
     vectors = {}
     for s in major.body:
-        for e in _loads(s):
+        for e in accesses(s):
             if e.array in lanes.state_seqs and (e.array, e.index) not in vectors:
                 vectors[e.array, e.index] = f"ld{len(vectors)}"
     own = {name: (lambda e: f"{e.array}[j]") for name in lanes.lane_buffers}
@@ -95,7 +113,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     pb = CPrinter(k, arrays, sizes, vectors=vectors, views=own)
     pb.buffers |= set(major.per_step)
     read_in_body = [name for name in major.per_step if name not in sums
-                    and any(e.array == name for s in major.body for e in _loads(s))]
+                    and any(e.array == name for s in major.body for e in accesses(s))]
     carried = {scalar_name(b): b for b in lanes.carried}
     body_scalars = [name for name in _scalar_names(major.body) if name not in carried]
 
@@ -183,12 +201,6 @@ def _load_steps(reg: str, src: str, vector: bool) -> str:
     return f"for (int q = 0; q < G; ++q) {reg}[q] = ({src})[q];"
 
 
-def _loads(s: Assign):
-    yield from loads(s.value)
-    if isinstance(s.target, Load):
-        yield s.target
-
-
 def _lane_loops(stmts: list, lanes: StateLanes, pr: CPrinter, stores: bool) -> list[str]:
     """The setup's (finish's) scalars, and its loops over the states' axis, each lane over its own indices."""
     var, n = lanes.var, size_var(lanes.axis)
@@ -210,7 +222,7 @@ def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:
     var, n = lanes.var, size_var(lanes.axis)
     seen, out = set(), []
     for s in lanes.major.body:
-        for e in _loads(s):
+        for e in accesses(s):
             if e.array in lanes.lane_params and e.array not in seen:
                 seen.add(e.array)
                 out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",

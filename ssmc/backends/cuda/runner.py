@@ -35,7 +35,7 @@ from .codegen import (
     shares_recurrence,
     split_groups,
 )
-from .lanes import lane_groups, lanes_block
+from .lanes import lane_groups, lanes_block, lanes_source
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -282,6 +282,8 @@ class CudaRunner:
         """`k`'s module source for these layouts; `length` (None: any) tells the warp kernel whether
         its last round can be partial (`ragged`)."""
         ctype = "double" if self.compute == "float64" else "float"
+        if mapping.lanes:
+            return lanes_source(self.lowered, self.state_lanes, k, specs, sizes, mapping, ctype)
         tb, steps = self.time_blocks, steps_per_lane(self.lane_steps)
         warp = (tb.lane_summary, steps) if tb is not None and k is tb.lane_rescan else None
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping},
@@ -341,7 +343,7 @@ class CudaRunner:
                 raise ValueError(f"SSMC_CUDA_STRATEGY=rows: {self.program.name} has no row statistic a block "
                                  "of threads can share (lowering/split_sum.py)")
             return "rows"
-        threads = self.lane_threads(sizes)
+        threads = self.lane_threads(sizes) if lanes or forced == "lanes" else None
         if forced == "lanes" and threads is None:
             raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
                              "split (lowering/state_lanes.py), or its chunks do not fit shared memory")
@@ -445,11 +447,12 @@ class CudaRunner:
 
     # -- running -----------------------------------------------------------------------------
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
-                out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP) -> dict:
+                out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
+                grid: tuple[int, int] | None = None) -> dict:
         """Launch `k`; returns the arrays it wrote. With `time_contiguous` its per-step outputs (and
         carries `prev_*`) are allocated with time contiguous, as their readers take them; with
         `mapping.groups` > 1 its outputs and finals are partials, one copy per group (`made[name]`
-        then has the groups first)."""
+        then has the groups first). `grid`: the planned launch's (else worked out here)."""
         import torch
 
         made = {}
@@ -480,10 +483,9 @@ class CudaRunner:
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
             fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
-        per = WARP * mapping.warps if warp else nblk * groups
-        total = (_lane_block_count(k, sizes, mapping) * mapping.block if mapping.lanes
-                 else self._threads(k, sizes) * per)
-        blocks, threads = Launch(k, length, nblk, total, mapping).grid
+        if grid is None:  # the time blocks' kernels (run_time_blocks launches them)
+            grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
+        blocks, threads = grid
         args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
         fn((blocks,), (threads,), args, stream=self.stream())
         return made
@@ -517,15 +519,15 @@ class CudaRunner:
             # the lanes kernel writes its outputs along time where the sequences have it contiguous
             made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
                                 length, out_dtype=out_dtype, mapping=plan[0].mapping,
-                                time_contiguous=contiguous and strategy == "lanes")
+                                time_contiguous=contiguous and strategy == "lanes", grid=plan[0].grid)
             outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
             finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
             return outs, finals
         finals, prev = {}, {}
         if low.core_states:
-            core = plan.pop(0).kernel
-            made = self._launch(core, {**seqs, **params, **{f"init_{s}": initial[s] for s in low.core_states}},
-                                sizes, length, time_contiguous=contiguous)
+            core = plan.pop(0)
+            made = self._launch(core.kernel, {**seqs, **params, **{f"init_{s}": initial[s] for s in low.core_states}},
+                                sizes, length, time_contiguous=contiguous, grid=core.grid)
             for s in low.core_states:
                 prev[s] = made[f"prev_{s}"]
                 finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
@@ -541,7 +543,7 @@ class CudaRunner:
             # an output an accumulator is summed from stays in the compute dtype until then
             own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
             made = self._launch(epi, inputs, sizes, length, nblk, own_dtype, launch.mapping.time_fastest,
-                                launch.mapping)
+                                launch.mapping, launch.grid)
             for s in epi.program.states:
                 shape = [sizes[a] for a in s.axes]
                 part = made[f"final_{s.name}"].reshape([groups * nblk, *shape]).sum(0)
