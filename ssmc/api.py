@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends.registry import BACKENDS, array_support, check_backend, compute_dtype, default_backend, runner
+from .backends.registry import (
+    BACKENDS,
+    array_support,
+    call_key,
+    check_backend,
+    compute_dtype,
+    default_backend,
+    preparer,
+    runner,
+)
 from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
@@ -19,6 +28,8 @@ from .ir.program import Recurrence
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of
 
 __all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
+
+MAX_PREPARED_CALLS = 64  # prepared runs a Compiled keeps (one per shape, layout and dtypes called with)
 
 
 def _program(spec) -> Recurrence:
@@ -46,6 +57,8 @@ class Compiled:
         self.layout = layout
         self.dtype = dtype
         self._runs: dict = {}  # compute dtype -> run function (finding it hashes the program: host time)
+        self._calls: dict = {}  # call key (registry.call_key) -> a prepared run taking (args, kwargs)
+        self._output_perms: dict = {}  # layout -> (output, its axes' order from time-first)
 
     def __repr__(self) -> str:
         return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
@@ -53,9 +66,15 @@ class Compiled:
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
         p = self.program
+        layout = layout or self.layout
+        key = call_key(self.backend, args, kwargs)
+        if key is not None:  # a call like an earlier one: bound and planned then (host time: small shapes)
+            key = (_hashable(layout), *key)
+            call = self._calls.get(key)
+            if call:
+                return call(args, kwargs)
         convert, zeros = array_support(self.backend, read_only_zeros=True)
-        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout or self.layout, p.static_sizes, p.name,
-                            p.roots, convert, zeros)
+        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout, p.static_sizes, p.name, p.roots, convert, zeros)
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         run = self._runs.get(dtype)
         if run is None:
@@ -65,6 +84,15 @@ class Compiled:
             out_dtype = first.dtype if first is not None else None
             seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
             params = {d.name: bound.arrays[d.name] for d in p.params}
+            prepare = preparer(self.backend, p, dtype) if key is not None and key not in self._calls else None
+            prepared = prepare and prepare(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype)
+            if prepare is not None:
+                if len(self._calls) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: keep the newest
+                    self._calls.clear()
+                # False: runs of more than one launch take the full path (the key says so quickly)
+                self._calls[key] = prepared and _bound_call(p, layout, bound.initial, prepared, given=set(kwargs))
+            if prepared:
+                return prepared(seqs, params, bound.initial)
             return run(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype=out_dtype)
         seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.seqs}
         params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.params}
@@ -74,15 +102,43 @@ class Compiled:
     def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
         outs, finals = self.run(*args, layout=layout, **kwargs)
         layout = layout or self.layout
-        ys = []
-        for name, y in self.program.outputs:
-            order = layout_of(layout, name, y.axes)
-            canonical = (TIME, *y.axes)
-            ys.append(_permute(outs[name], [canonical.index(a) for a in order]))
+        perms = self._output_perms.get(_hashable(layout))
+        if perms is None:
+            perms = self._output_perms[_hashable(layout)] = [
+                (name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
+                for name, y in self.program.outputs]
+        ys = [_permute(outs[name], perm) for name, perm in perms]
         ys = _single(tuple(ys)) if ys else None
         if not return_final_states:
             return ys
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
+
+
+def _hashable(layout):
+    return tuple(sorted(layout.items())) if isinstance(layout, dict) else layout
+
+
+def _bound_call(p: Recurrence, layout, initial: dict, prepared, given: set[str]):
+    """`prepared` (a backend's run worked out for one call) as a function of a call's (args, kwargs)
+    alike (same `registry.call_key`, so the same keywords `given`): binding them is matching names and
+    permuting sequences to time first, the checks `bind_arrays` made for the first such call holding
+    for them all."""
+    names = [d.name for d in p.inputs]
+    perms = {}
+    for d in p.seqs:
+        order = layout_of(layout, d.name, d.axes)
+        perms[d.name] = [order.index(a) for a in (TIME, *d.axes)]
+    params = [d.name for d in p.params]
+    zeros = {s.name: initial[s.name] for s in p.states if s.name not in given}  # shared, read only
+    states = [s.name for s in p.states if s.name in given]
+
+    def call(args, kwargs):
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        given = {k: v.detach() if v.requires_grad else v for k, v in given.items()}
+        return prepared({n: given[n].permute(*perm) for n, perm in perms.items()}, {n: given[n] for n in params},
+                        {**zeros, **{s: given[s] for s in states}})
+    return call
 
 
 def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None):

@@ -516,3 +516,104 @@ def test_mamba1_forward_runs_as_lanes_at_scale(layout, length, dtype):
     got = ssmc.compile(m.SPEC, "cuda", layout=layout)(**on_gpu(inputs, dtype), return_final_states=True)
     for g, w in zip(got, want):
         assert rel_err(g, w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("length", [200, 1000, 4097])
+def test_mamba1_training_forward_runs_as_lanes(length, monkeypatch):
+    """Where the plain forward is the lanes kernel (B8 D1024 N16: 32768 lanes), so is a training step's,
+    which also saves the fused backward's round carries (rounds of 128 steps, chunks of 32: L = 200 and
+    4097 end in partial ones): float64 gradients against those through the warp kernel's forward
+    (forced), whose own gradients the tests above check against the interpreter."""
+    import torch
+
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.passes.autodiff import derive_backward
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    sizes = {"b": 8, "d": 1024, "n": 16}
+    fused = fused_backward_runner(derive_backward(m.SPEC.program), "float64")
+    assert fused.applies_at(sizes, length, True) and fused.forward_lanes(sizes, length, True) is not None
+    rng = np.random.default_rng(length)
+    inputs = on_gpu(m.make_inputs(rng, length, batch=8, dim=1024, state=16), "float64")
+    dy = torch.tensor(rng.standard_normal((8, 1024, length)), device="cuda")
+    got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**inputs, grad_outputs=dy)
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    assert fused.forward_lanes(sizes, length, True) is None
+    want = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**inputs, grad_outputs=dy)
+    for key in want:
+        assert rel_err(got[key], want[key].cpu().numpy()) <= 1e-9, key
+
+
+@settings(max_examples=15, **LANES_SETTINGS)
+@given(spec=state_axis_recurrences(), length=st.sampled_from([70, 180, 1000]), n=st.sampled_from([3, 16, 33]),
+       seed=st.integers(0, 2**16))
+def test_random_training_forwards_as_lanes(spec, length, n, seed):
+    """Random Mamba-shaped specs whose training step takes the fused backward, its forward the lanes
+    kernel (made the default at small sizes by lowering LANES_FILL): float64 gradients of every input
+    against the interpreter's (time contiguous: the fused backward's layout)."""
+    from ssmc.backends.cuda import runner
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.passes.autodiff import derive_backward
+
+    sizes = {"b": 2, "d": 37, "n": n}
+    fused = fused_backward_runner(derive_backward(spec.program), "float64")
+    fill, runner.LANES_FILL = runner.LANES_FILL, 1
+    try:
+        assume(fused is not None and fused.applies_at(sizes, length, True)
+               and fused.forward_lanes(sizes, length, True) is not None)
+        inputs = _time_last(spec, draw_inputs(spec, length, seed, sizes=sizes))
+        outs, _ = ssmc.compile(spec, "interpreter", layout="... t").run(**inputs)
+        rng = np.random.default_rng(seed)
+        cot = {k: np.moveaxis(rng.standard_normal(v.shape), 0, -1) for k, v in outs.items()}
+        want = ssmc.grad(spec, "interpreter", layout="... t")(**inputs, grad_outputs=cot)
+        got = ssmc.grad(spec, "cuda", layout="... t")(**on_gpu(inputs, "float64"), grad_outputs=on_gpu(cot, "float64"))
+    finally:
+        runner.LANES_FILL = fill
+    for key in want:  # 1e-8: see test_random_recurrence_gradients
+        assert rel_err(got[key], want[key]) <= 1e-8, key
+
+
+def test_calls_alike_take_the_prepared_run(monkeypatch):
+    """A call with arrays of the shapes, strides, dtypes and devices of an earlier one takes the run
+    prepared then (api.Compiled.run: no binding, planning or kernel lookup): results right with new
+    values, with a state given or not, inputs that require grad; other layouts, strides, sizes and
+    overrides bound afresh; bad input still a ValueError naming the argument; a run of several
+    launches (time blocks at L = 37) keeps the full path."""
+    import torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    f = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)
+    want_f = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)
+
+    def check(length, seed, state=False, transform=lambda k, v: v, **call):
+        inputs = m.make_inputs(np.random.default_rng(seed), length, batch=2, dim=8, state=4)
+        h = inputs.pop("h")
+        if state:
+            inputs["h"] = h
+        want = want_f(**inputs, return_final_states=True)
+        gpu = {k: transform(k, v) for k, v in on_gpu(inputs, "float32").items()}
+        got = f(**gpu, return_final_states=True, **call)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) <= TOL["float32"]
+
+    for seed in range(3):  # the warp kernel: one launch
+        check(100, seed)
+    assert len(f._calls) == 1 and all(f._calls.values())
+    check(100, 3, state=True)
+    check(100, 4, transform=lambda k, v: v.requires_grad_() if k == "u" else v)
+    def time_strided(k, v):
+        if k not in ("u", "delta", "z"):
+            return v
+        return torch.empty((*v.shape[:-1], 2 * v.shape[-1]), device="cuda")[..., ::2].copy_(v)
+
+    check(100, 5, transform=time_strided)
+    check(37, 6)
+    check(37, 7)  # time blocks: three launches
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "fused")
+    check(100, 8)
+    assert len(f._calls) == 5 and sum(not c for c in f._calls.values()) == 1
+    inputs = on_gpu(m.make_inputs(np.random.default_rng(9), 100, batch=2, dim=8, state=4), "float32")
+    inputs.pop("h")
+    inputs["D"] = inputs["D"][:5]
+    with pytest.raises(ValueError, match="'D'"):
+        f(**inputs)

@@ -256,6 +256,21 @@ def test_mamba1_forward_runs_as_lanes_along_n_without_spills(sizes, length, layo
     assert forward.resources is not None and not forward.resources.spills, forward.error
 
 
+@pytest.mark.parametrize("sizes,length", [({"b": 8, "d": 1536, "n": 16}, 2048), ({"b": 32, "d": 512, "n": 16}, 180)])
+def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, length):
+    """A training step at the benchmark shapes: its forward is the lanes kernel too, which writes the
+    carry into each round of the fused backward (128 steps, every 4th chunk) and does not spill."""
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    reports = kernel_reports(program, sizes, length, time_contiguous=True)
+    assert [(r.program, r.name) for r in reports] == [
+        ("forward", "mamba1_fused"), ("forward (training)", "mamba1_lanes_rounds"),
+        ("backward", "mamba1_fused_backward")]
+    training = reports[1]
+    assert training.strategy == "lanes, 4 lanes a row" and training.launch.mapping.lanes == 4
+    assert "if (valid && t0 % 128 == 0) {" in training.source and "rounds_h[(t0 / 128) * " in training.source
+    assert training.resources is not None and not training.resources.spills, training.error
+
+
 # most random specs do not split along n (state_major.py's conditions): filtered out, so more are drawn
 LANES_SETTINGS = {**SETTINGS,
                   "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}

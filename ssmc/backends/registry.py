@@ -65,6 +65,27 @@ def runner(backend: str, program, dtype: np.dtype, products: dict | None = None)
     return staged
 
 
+def preparer(backend: str, program, dtype: np.dtype):
+    """Where a backend can work a run out once for many calls alike (CUDA, a program run as one
+    kernel): ``prepare(seqs, params, initial, sizes, length, out_dtype) -> call or None``
+    (`CudaRunner.prepare`); else None."""
+    if backend != "cuda" or fuse(program).staged:
+        return None
+    from .cuda.runner import runner_for
+
+    return runner_for(program, dtype.name).prepare
+
+
+def call_key(backend: str, args: tuple, kwargs: dict):
+    """What binding and running a call depend on besides its layout, where the backend prepares
+    runs (`preparer`) and every argument is an array it takes as it is; else None (no shortcut)."""
+    if backend != "cuda":
+        return None
+    from .cuda.runner import call_key as cuda_call_key
+
+    return cuda_call_key(args, kwargs)
+
+
 def _compiled(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
     if backend == "cuda":
         from .cuda.runner import runner_for as cuda_runner

@@ -32,6 +32,7 @@ from .codegen import (
     Threads,
     _predicated,
     _scalar_names,
+    _store,
     _unflatten,
     has_half,
     render,
@@ -75,15 +76,19 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
 
 
 def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[str, ArraySpec],
-                 sizes: dict[str, int], mapping: Threads, ctype: str) -> str:
-    """CUDA C of the lanes kernel of `k` (lowered's fused kernel, split as `lanes`) for these layouts."""
-    context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype)
+                 sizes: dict[str, int], mapping: Threads, ctype: str, round_steps: int = 0) -> str:
+    """CUDA C of the lanes kernel of `k` (lowered's fused kernel, split as `lanes`) for these layouts;
+    `round_steps` where `k` also saves the fused backward's round carries (`rounds_<state>`)."""
+    context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype, round_steps)
     return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays))
 
 
 def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int],
-                        groups: int, block: int, ctype: str) -> dict:
-    """The template's context for the lanes kernel of `k` (module docstring)."""
+                        groups: int, block: int, ctype: str, round_steps: int = 0) -> dict:
+    """The template's context for the lanes kernel of `k` (module docstring); where `k` has arrays
+    ``rounds_<state>`` (a training step's forward, backends/cuda/fused_backward.py), each lane writes
+    its values of the state into them at every chunk that starts a round of `round_steps` steps (a
+    multiple of CHUNK): the carry into the round."""
     axis, row = lanes.axis, lanes.row_axis
     n, var = size_var(axis), lanes.var
     rows = block // groups
@@ -183,6 +188,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         + [f"F rp_{name}[S];" for name in lanes.lane_params],
         "setup": _lane_loops(k.setup, lanes, own_printer, False),
         "finish": _lane_loops(k.finish, lanes, own_printer, True),
+        "save": _save_rounds(k, lanes, arrays, own_printer, round_steps),
         "params_once": _lane_params(lanes, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
         "aligned": " && ".join(f"(unsigned long long){a} % 16 == 0" for a in sorted(vector_copies)) or "false",
@@ -215,6 +221,28 @@ def _lane_loops(stmts: list, lanes: StateLanes, pr: CPrinter, stores: bool) -> l
         out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
                 f"    if ({var} < {n}{' && valid' if stores else ''}) {{", *pr.stmts(s.body, 2), "    }", "}"]
     return out
+
+
+def _save_rounds(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], pr: CPrinter,
+                 round_steps: int) -> list[str]:
+    """C lines storing this lane's values of each state into ``rounds_<state>`` where the chunk
+    starting at `t0` starts a round (the states hold the carry into step t0 there)."""
+    names = [a.name for a in k.arrays if a.role == "rounds"]
+    if not names:
+        return []
+    if round_steps <= 0 or round_steps % CHUNK:
+        raise ValueError(f"{k.name}: rounds of {round_steps} steps are not whole chunks of {CHUNK}")
+    var, n = lanes.var, size_var(lanes.axis)
+    lines = []
+    for s in k.program.states:
+        name = f"rounds_{s.name}"
+        if name not in names:
+            continue
+        at = pr.index(Load(name, (f"t0 / {round_steps}", *(var if a == lanes.axis else f"p_{a}" for a in s.axes))))
+        lines.append(f"        if ({var} < {n}) {name}[{at}] = {_store(arrays[name].dtype, f'st_{s.name}[j]')};")
+    return [f"if (valid && t0 % {round_steps} == 0) {{  // the carry into a round of the fused backward",
+            "    #pragma unroll", "    for (int j = 0; j < S; ++j) {", f"        const int {var} = g + j * G;",
+            *lines, "    }", "}"]
 
 
 def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:

@@ -100,13 +100,20 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
     fused = fused_backward_runner(bw, compute)
     if fused is not None and fused.applies_at(sizes, length, time_contiguous):
         # a training step's two kernels: the forward saving round carries, the fused backward
-        return [_report(role, kind + ("fused backward" if role == "backward" else "warp"), launch, source, arch,
-                        compile_kernels)
+        return [_report(role, kind + _fused_label(role, launch), launch, source, arch, compile_kernels)
                 for (launch, source), role in zip(fused.sources(sizes, length), ("forward (training)", "backward"))]
     chunk = min(length, default_chunk("cuda", length, program, sizes))
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     return (_program_reports("recompute", bw.carries, chunk, kind, *common)
             + _program_reports("adjoint", bw.adjoint, chunk, kind, *common))
+
+
+def _fused_label(role: str, launch) -> str:
+    """The strategy a fused backward's kernel is reported under: its forward is the lanes kernel or
+    the warp kernel, each saving the round carries."""
+    if role == "backward":
+        return "fused backward"
+    return f"lanes, {launch.mapping.describe()}" if launch.mapping.lanes else "warp"
 
 
 def _program_reports(role: str, program, steps: int, kind: str, sizes, time_contiguous: bool, dtype: str,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -406,7 +408,7 @@ class CudaRunner:
             return [Launch(k, length, 1, self._threads(k, sizes) * threads.groups, threads)]
         if strategy == "lanes":
             k, threads = self.lowered.kernels[0], self.lane_threads(sizes)
-            return [Launch(k, length, 1, _lane_block_count(k, sizes, threads) * threads.block, threads)]
+            return [Launch(k, length, 1, lane_block_count(k, sizes, threads) * threads.block, threads)]
         if strategy == "warp":
             k = self.time_blocks.lane_rescan
             warps = self.recurrence_warps(length)
@@ -449,33 +451,42 @@ class CudaRunner:
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                 out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
                 grid: tuple[int, int] | None = None) -> dict:
-        """Launch `k`; returns the arrays it wrote. With `time_contiguous` its per-step outputs (and
-        carries `prev_*`) are allocated with time contiguous, as their readers take them; with
-        `mapping.groups` > 1 its outputs and finals are partials, one copy per group (`made[name]`
-        then has the groups first). `grid`: the planned launch's (else worked out here)."""
+        """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`)."""
+        prepared, made = self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous, mapping,
+                                              grid)
+        self._execute(prepared, arrays, made)
+        return made
+
+    def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
+                        out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
+                        grid: tuple[int, int] | None = None) -> tuple[Prepared, dict]:
+        """`k`'s launch over `arrays` (the inputs) worked out, and the arrays it writes, allocated. With
+        `time_contiguous` its per-step outputs (and carries `prev_*`) are allocated with time
+        contiguous, as their readers take them; with `mapping.groups` > 1 its outputs and finals are
+        partials, one copy per group (`made[name]` then has the groups first). `grid`: the planned
+        launch's (else worked out here)."""
         import torch
 
-        made = {}
-        tensors = []
+        made, tensors, items = {}, [], []
         warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
         groups = mapping.groups
         state_dtype = torch.float64 if self.compute == "float64" else torch.float32
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
-                t = _as_1d(arrays[a.name])
-                tensors.append((a, t, 0))
+                tensors.append((a, _as_1d(arrays[a.name]), 0))
+                items.append(a.name)
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
             partial = groups > 1 and not mapping.row and a.role in ("out", "final")
             dtype = out_dtype if a.role == "out" and out_dtype is not None and not partial else state_dtype
             lead = [groups] if partial else []
-            if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1:
-                # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
-                full = torch.empty([*lead, *shape[1:], shape[0]], device="cuda", dtype=dtype).movedim(-1, len(lead))
-            else:
-                full = torch.empty([*lead, *shape], device="cuda", dtype=dtype)
-            made[a.name] = full
+            # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
+            item = (Allocation(a.name, (*lead, *shape[1:], shape[0]), dtype, len(lead))
+                    if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1
+                    else Allocation(a.name, (*lead, *shape), dtype))
+            full = made[a.name] = item.allocate()
             tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
+            items.append(item)
         layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
         steps = warp and steps_per_lane(self.lane_steps)
         key = (k.name, layouts, _sizes_key(sizes), steps, mapping, warp and ragged(length, steps))
@@ -485,9 +496,17 @@ class CudaRunner:
             fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         if grid is None:  # the time blocks' kernels (run_time_blocks launches them)
             grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
-        blocks, threads = grid
-        args = (np.int32(length), np.int32(nblk), *(np.uint64(t.data_ptr()) for _, t, _ in tensors))
-        fn((blocks,), (threads,), args, stream=self.stream())
+        return Prepared(fn, grid, np.int32(length), np.int32(nblk), tuple(items)), made
+
+    def _execute(self, prepared: Prepared, arrays: dict, made: dict | None = None) -> dict:
+        """Launch a prepared kernel over `arrays` (its inputs by name), into `made` (the arrays it
+        writes, by name) or new ones; returns those."""
+        if made is None:
+            made = {item.name: item.allocate() for item in prepared.items if type(item) is Allocation}
+        pointers = [np.uint64((arrays[item] if type(item) is str else made[item.name]).data_ptr())
+                    for item in prepared.items]
+        blocks, threads = prepared.grid
+        prepared.function((blocks,), (threads,), (prepared.length, prepared.nblk, *pointers), stream=self.stream())
         return made
 
     def stream(self):
@@ -514,15 +533,8 @@ class CudaRunner:
         if strategy == "time blocks":
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
                                    initial, sizes, length, plan[0].nblk)
-        if strategy in ("fused", "warp", "rows", "lanes"):
-            k = plan[0].kernel
-            # the lanes kernel writes its outputs along time where the sequences have it contiguous
-            made = self._launch(k, {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}, sizes,
-                                length, out_dtype=out_dtype, mapping=plan[0].mapping,
-                                time_contiguous=contiguous and strategy == "lanes", grid=plan[0].grid)
-            outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
-            finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
-            return outs, finals
+        if strategy in ONE_LAUNCH:
+            return self.prepare(seqs, params, initial, sizes, length, out_dtype)(seqs, params, initial)
         finals, prev = {}, {}
         if low.core_states:
             core = plan.pop(0)
@@ -563,10 +575,93 @@ class CudaRunner:
                 outs[name] = out.to(out_dtype)
         return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
 
+    def prepare(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """A run for calls like this one (every array of the same dtype, shape and strides, the same
+        overrides): ``call(seqs, params, initial) -> (outputs, finals)`` that only allocates the outputs
+        and launches (`run` plans, checks and looks the kernel up on every call: host time that bounds
+        small shapes); None where the run takes more than one launch."""
+        contiguous = time_contiguous(seqs)
+        strategy = self._planned("strategy", lambda: self.strategy(sizes, length, contiguous),
+                                 _sizes_key(sizes), length, contiguous)
+        if strategy not in ONE_LAUNCH:
+            return None
+        launch, = self.launches(sizes, length, contiguous)
+        # the lanes kernel writes its outputs along time where the sequences have it contiguous
+        prepared, _ = self._prepare_launch(launch.kernel, {**seqs, **params, **_init(initial)}, sizes, length,
+                                           out_dtype=out_dtype, time_contiguous=contiguous and strategy == "lanes",
+                                           mapping=launch.mapping, grid=launch.grid)
+        p = self.program
+        outputs = [(n, f"out_{n}") for n, _ in p.outputs]
+        finals = [(s.name, f"final_{s.name}", [sizes[a] for a in s.axes]) for s in p.states]
+
+        def call(seqs, params, initial):
+            made = self._execute(prepared, {**seqs, **params, **_init(initial)})
+            return {n: made[a] for n, a in outputs}, {n: made[a].reshape(shape) for n, a, shape in finals}
+        return call
+
     def _launcher(self, sizes, out_dtype):
         def launch(k: Kernel, arrays: dict, length: int, nblk: int) -> dict:
             return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
         return launch
+
+
+# the strategies whose run is one launch of one kernel (`CudaRunner.prepare`)
+ONE_LAUNCH = ("fused", "warp", "rows", "lanes")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """An array a launch writes: allocated with `shape`; with `time_last` (the index of the time axis,
+    else -1) time is innermost in memory and moved to that place (the caller's time-first view)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: object         # a torch dtype
+    time_last: int = -1
+
+    def allocate(self):
+        import torch
+
+        t = torch.empty(self.shape, device="cuda", dtype=self.dtype)
+        return t if self.time_last < 0 else t.movedim(-1, self.time_last)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A kernel launch worked out but for its arrays: per kernel array (in order) an input's name or
+    the `Allocation` of an array it writes."""
+
+    function: object
+    grid: tuple[int, int]
+    length: np.int32
+    nblk: np.int32
+    items: tuple[str | Allocation, ...]
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """What binding and running a call depend on besides its layout (shapes, strides, dtypes and
+    devices of the arrays, the overrides), where every argument is a torch CUDA tensor of a dtype the
+    kernels read in place; else None. Calls with equal keys bind alike, so a prepared run serves them
+    (`api.Compiled.run`)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor, floats = torch.Tensor, _torch_floats(torch)
+    parts = []
+    for name, x in (*enumerate(args), *kwargs.items()):
+        if not isinstance(x, tensor) or not x.is_cuda or x.dtype not in floats:
+            return None
+        parts.append((name, x.shape, x.stride(), x.dtype, x.device))
+    return (*parts, *(os.environ.get(v) for v in OVERRIDES))
+
+
+@cache
+def _torch_floats(torch) -> frozenset:
+    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+
+
+def _init(initial: dict) -> dict:
+    return {f"init_{s}": v for s, v in initial.items()}
 
 
 # the environment variables that change a launch plan (read when planning, part of its cache key)
@@ -574,7 +669,7 @@ OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER
              "SSMC_CUDA_ROW_RECURRENCE", "SSMC_CUDA_RECURRENCE_WARPS")
 
 
-def _lane_block_count(k: Kernel, sizes: dict[str, int], mapping: Threads) -> int:
+def lane_block_count(k: Kernel, sizes: dict[str, int], mapping: Threads) -> int:
     """Blocks of the lanes kernel: one per index of the parallel axes but the last, times the blocks
     of rows (mapping.block / mapping.lanes a block) along the last."""
     last = sizes[k.parallel[-1]]
