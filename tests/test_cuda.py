@@ -149,9 +149,11 @@ def test_random_recurrence_gradients(spec, seed):
     want = ssmc.grad(spec, "interpreter", chunk=4)(**inputs, grad_outputs=cot)
     got = ssmc.grad(spec, "cuda", chunk=4)(**on_gpu(inputs, "float64"), grad_outputs=on_gpu(cot, "float64"))
     # 1e-8, not 1e-9: nvcc contracts a*b+c into FMAs, numpy rounds twice, and random specs sum
-    # terms that cancel (seen: 2.4e-9 on a param gradient, 2026-11-21)
+    # terms that cancel (seen: 2.4e-9 on a param gradient, 2026-11-21); a gradient that cancels to
+    # roundoff (seen: grad p1 of where(x > 0.5, p1, p1) ~ 1e-15, 2026-11-25) by 1e-12 absolute
     for key in want:
-        assert rel_err(got[key], want[key]) <= 1e-8, key
+        err = np.abs(got[key].cpu().numpy() - want[key]).max()
+        assert rel_err(got[key], want[key]) <= 1e-8 or err <= 1e-12, key
 
 
 @pytest.mark.parametrize("name", ["hgrn", "mamba1", "mingru", "retnet"])
@@ -544,33 +546,34 @@ def test_mamba1_training_forward_runs_as_lanes(length, monkeypatch):
         assert rel_err(got[key], want[key].cpu().numpy()) <= 1e-9, key
 
 
-@settings(max_examples=15, **LANES_SETTINGS)
-@given(spec=state_axis_recurrences(), length=st.sampled_from([70, 180, 1000]), n=st.sampled_from([3, 16, 33]),
-       seed=st.integers(0, 2**16))
-def test_random_training_forwards_as_lanes(spec, length, n, seed):
-    """Random Mamba-shaped specs whose training step takes the fused backward, its forward the lanes
-    kernel (made the default at small sizes by lowering LANES_FILL): float64 gradients of every input
-    against the interpreter's (time contiguous: the fused backward's layout)."""
+@pytest.mark.parametrize("n,d,length,dtype", [(16, 37, 70, "float64"), (16, 64, 4097, "float64"),
+                                              (3, 37, 1000, "float32"), (33, 5, 180, "float32")])
+def test_mamba1_training_forward_as_lanes_at_awkward_sizes(n, d, length, dtype):
+    """The lanes kernel saving round carries, made the default at small sizes (LANES_FILL lowered): n
+    no multiple of the lanes (3, 33: a guard), a partial block of rows (d = 37), partial chunks and
+    rounds (L = 70, 180, 4097); gradients of every input against the interpreter's, to 1e-9 in float64
+    and 1e-3 in float32 (where float64's lanes do not fit in registers or shared memory). (Random
+    Mamba-shaped specs rarely take the fused backward: these are Mamba-1's.)"""
     from ssmc.backends.cuda import runner
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
     from ssmc.passes.autodiff import derive_backward
 
-    sizes = {"b": 2, "d": 37, "n": n}
-    fused = fused_backward_runner(derive_backward(spec.program), "float64")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    sizes = {"b": 2, "d": d, "n": n}
+    fused = fused_backward_runner(derive_backward(m.SPEC.program), dtype)
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=2, dim=d, state=n)
+    dy = rng.standard_normal((2, d, length))
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=dy)
     fill, runner.LANES_FILL = runner.LANES_FILL, 1
     try:
-        assume(fused is not None and fused.applies_at(sizes, length, True)
-               and fused.forward_lanes(sizes, length, True) is not None)
-        inputs = _time_last(spec, draw_inputs(spec, length, seed, sizes=sizes))
-        outs, _ = ssmc.compile(spec, "interpreter", layout="... t").run(**inputs)
-        rng = np.random.default_rng(seed)
-        cot = {k: np.moveaxis(rng.standard_normal(v.shape), 0, -1) for k, v in outs.items()}
-        want = ssmc.grad(spec, "interpreter", layout="... t")(**inputs, grad_outputs=cot)
-        got = ssmc.grad(spec, "cuda", layout="... t")(**on_gpu(inputs, "float64"), grad_outputs=on_gpu(cot, "float64"))
+        assert fused.applies_at(sizes, length, True) and fused.forward_lanes(sizes, length, True) is not None
+        got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**on_gpu(inputs, dtype),
+                                                         grad_outputs=on_gpu({"dy": dy}, dtype)["dy"])
     finally:
         runner.LANES_FILL = fill
-    for key in want:  # 1e-8: see test_random_recurrence_gradients
-        assert rel_err(got[key], want[key]) <= 1e-8, key
+    for key in want:
+        assert rel_err(got[key], want[key]) <= (1e-9 if dtype == "float64" else 1e-3), key
 
 
 def test_calls_alike_take_the_prepared_run(monkeypatch):
@@ -617,3 +620,28 @@ def test_calls_alike_take_the_prepared_run(monkeypatch):
     inputs["D"] = inputs["D"][:5]
     with pytest.raises(ValueError, match="'D'"):
         f(**inputs)
+
+
+@pytest.mark.parametrize("fn", ["exp", "softplus", "sigmoid", "silu"])
+def test_float32_math_within_a_few_ulp(fn):
+    """The kernels' float32 math (ssmc_math.cuh: exp by ex2.approx, softplus's log1p by a series,
+    sigmoid's division by __fdividef) against float64 over |x| <= 80, by relative error: within
+    8 + 1.5 |x| ulp: exp's argument, x log2 e, is rounded to half an ulp of itself (up to |x| ulp in
+    exp(x)) and log2 e to float32 (|x| / 5 ulp); measured 62 ulp at x = 45 and 79 on an H200, and
+    the same through softplus, sigmoid and silu at x near -45."""
+    import torch
+
+    f = getattr(ssmc, fn)
+
+    @ssmc.recurrence
+    def apply(h: ssmc.State["b"], x: ssmc.Seq["b"]):
+        h = h + x
+        return h, f(x)
+
+    x = np.concatenate([np.linspace(-80.0, 80.0, 400001), np.geomspace(1e-8, 80.0, 100000),
+                        -np.geomspace(1e-8, 80.0, 100000)]).astype(np.float32)
+    want = ssmc.compile(apply, "interpreter")(x[None].astype(np.float64))
+    got = ssmc.compile(apply, "cuda")(torch.tensor(x[None], device="cuda")).double().cpu().numpy()
+    ulps = np.abs(got - want) / np.maximum(np.abs(want), 1e-30) / 2.0**-24
+    allowed = 8 + 1.5 * np.abs(x[None])
+    assert (ulps <= allowed).all(), (ulps.max(), x[np.argmax(ulps - allowed)])

@@ -22,9 +22,9 @@ or None where it does not: the CUDA backend (`codegen.state_lanes_context`) prin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .loops import Assign, Buffer, Load, Loop, Num, Var, accesses, scalars_read
+from .loops import Assign, Bin, Buffer, Call, Load, Loop, Num, Var, accesses, map_children, scalars_read, subexpressions
 from .plan import Kernel, size_var
 from .state_major import StateMajor, buffer_names, state_major
 
@@ -43,6 +43,8 @@ class StateLanes:
     lane_buffers: tuple[str, ...]      # the setup's buffers along `axis` (the states'): S values per lane
     carried: tuple[str, ...]           # the states' buffers (st_<state>): their scalars carry from step to step
     lane_params: tuple[str, ...]       # params the body reads along `axis`: S values per lane, loaded once
+    log2e_params: tuple[str, ...] = ()  # lane params the body reads only as exp(x * P), now exp2(x * P):
+                                        # loaded times log2 e (ex2 takes base 2: a multiply per step saved)
 
     @property
     def var(self) -> str:
@@ -110,8 +112,34 @@ def state_lanes(k: Kernel) -> StateLanes | None:
         if any(e.array in buffers for e in accesses(s)) or scalars_read(s) & setup_scalars:
             return None
     lane_buffers = tuple(sorted(buffers))
-    return StateLanes(major, axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
-                      tuple(sorted(sums.items())), lane_buffers, tuple(sorted(carried)), tuple(sorted(lane_params)))
+    body, log2e = _exp2_of_params(major.body, lane_params)
+    return StateLanes(replace(major, body=body), axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
+                      tuple(sorted(sums.items())), lane_buffers, tuple(sorted(carried)), tuple(sorted(lane_params)),
+                      log2e)
+
+
+def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
+    """`body` with ``exp(x * P)`` as ``exp2(x * P)`` for each param P it reads only so (Mamba-1's
+    ``exp(dt * A[n])``), and those params, which the kernel then loads times log2 e."""
+
+    def factor(e) -> str | None:  # P where e is exp(x * P) or exp(P * x)
+        if isinstance(e, Call) and e.fn == "exp" and isinstance(e.args[0], Bin) and e.args[0].op == "*":
+            for side in (e.args[0].a, e.args[0].b):
+                if isinstance(side, Load) and side.array in params:
+                    return side.array
+        return None
+
+    values = [e for s in body for e in subexpressions(s.value)]
+    in_exp = {factor(e) for e in values} - {None}
+    other = {e.array for s in body for e in accesses(s) if e.array in params} - in_exp
+    scaled = {p for p in in_exp if p not in other and sum(factor(e) == p for e in values)
+              == sum(e.array == p for s in body for e in accesses(s))}
+
+    def rewrite(e):
+        e = map_children(e, rewrite)
+        return Call("exp2", e.args) if factor(e) in scaled else e
+
+    return [replace(s, value=rewrite(s.value)) for s in body], tuple(sorted(scaled))
 
 
 def _lane_loops(stmts: list, var: str, buffers: set[str]) -> bool:

@@ -27,12 +27,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
     __device__ __forceinline__ double NAME(double x) { return D_EXPR; }
 
 // float exp as exp2f(x log2 e): ex2.approx and a multiply, where expf is about 8 instructions (the
-// lanes kernel's Mamba-1 forward at B8 D1536 L2048 on an H200: 0.418 against 0.492 ms); within a few
-// ulp for |x| < 80 (the product's rounding adds |x| 2^-24 relative), far inside float32's tolerances.
+// lanes kernel's Mamba-1 forward at B8 D1536 L2048 on an H200: 0.418 against 0.492 ms); within
+// 8 + 1.5 |x| ulp for |x| <= 80 (the product x log2 e is rounded: up to |x| ulp; 62 ulp measured at
+// x = 45, tests/test_cuda.py), far inside float32's tolerances.
 __device__ __forceinline__ float exp2e(float x) { return exp2f(x * 1.4426950408889634f); }
 
 SSMC_UNARY(neg, -x, -x)
 SSMC_UNARY(exp_, exp2e(x), ::exp(x))
+SSMC_UNARY(exp2_, exp2f(x), ::exp2(x))  // exp(y) as exp2(y log2 e), the factor folded into a param (state_lanes.py)
 SSMC_UNARY(log_, logf(x), ::log(x))
 SSMC_UNARY(sqrt_, sqrtf(x), ::sqrt(x))
 SSMC_UNARY(rsqrt_, rsqrtf(x), 1.0 / ::sqrt(x))
@@ -49,7 +51,22 @@ __device__ __forceinline__ double sigmoid(double x) {
     double e = ::exp(-::fabs(x));
     return x >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
 }
-__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(exp2e(-fabsf(x))); }
+// log1p(e) for e in [0, 1] (softplus's, e = exp(-|x|)): 2 atanh(s), s = e / (2 + e) in [0, 1/3], by
+// its odd series to s^13 (the rest below 2^-26 relative); softplus so is within 4 ulp over |x| <= 80
+// (float32 emulation against float64) in about 12 instructions, where log1pf takes about 40 (the
+// Mamba-1 forward computes one per channel and step)
+__device__ __forceinline__ float log1p_unit(float e) {
+    const float s = __fdividef(e, 2.0f + e), s2 = s * s;  // 2 + e is in [2, 3]: __fdividef's 2 ulp hold
+    float p = 1.0f / 13.0f;
+    p = fmaf(p, s2, 1.0f / 11.0f);
+    p = fmaf(p, s2, 1.0f / 9.0f);
+    p = fmaf(p, s2, 1.0f / 7.0f);
+    p = fmaf(p, s2, 1.0f / 5.0f);
+    p = fmaf(p, s2, 1.0f / 3.0f);
+    p = fmaf(p, s2, 1.0f);
+    return 2.0f * s * p;
+}
+__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1p_unit(exp2e(-fabsf(x))); }
 __device__ __forceinline__ double softplus(double x) { return ::fmax(x, 0.0) + ::log1p(::exp(-::fabs(x))); }
 __device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
 __device__ __forceinline__ double silu(double x) { return x * sigmoid(x); }

@@ -49,8 +49,8 @@ ROW_UNROLL = 8     # a recurrence row's thread unrolls its loops over the row ax
 STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 
 C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-_FUNCS = {"exp": "exp_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_", "tanh": "tanh_",
-          "erf": "erf_", "max": "max_", "min": "min_", "pow": "pow_"}
+_FUNCS = {"exp": "exp_", "exp2": "exp2_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_",
+          "tanh": "tanh_", "erf": "erf_", "max": "max_", "min": "min_", "pow": "pow_"}
 _OPS = {"and": "&&", "or": "||"}
 
 

@@ -20,7 +20,7 @@ mamba-ssm 0.878.
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Buffer, Load, Loop, accesses
+from ...lowering.loops import Assign, Buffer, Load, Loop, accesses, loads
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
@@ -44,6 +44,7 @@ STATES_PER_LANE = 4     # state values a lane owns where the axis allows (0.240 
 MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step value (registers)
 LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
 LANES_BLOCKS = (128, 64, 32)  # threads per block, the first whose shared memory fits
+POST_STEPS = 4          # consecutive steps of a row a thread takes in the post phase (vectors of 16 bytes)
 
 
 def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
@@ -196,9 +197,54 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
                 f"const int p_{row} = min(r0 + r, {size_var(row)} - 1);", *pp.stmts(pre, 0)],
         "body_full": body_phase(False),
         "body_partial": body_phase(True),
-        "post_map": "const int r = i / T, tt = i % T;" if along_time else "const int r = i % R, tt = i / R;",
-        "post": [f"const int p_{row} = r0 + r;", *pp.stmts(major.post, 0)],
+        **_post_phase(k, lanes, arrays, sizes, major.post, along_time, vector),
     }
+
+
+def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int], post: list,
+                along_time: bool, vector: bool) -> dict:
+    """The template's `post_steps` (steps a thread takes per row, consecutive) and `post` lines: the
+    outputs per row and step of the chunk, consecutive threads along the outputs' contiguous axis
+    (`along_time`: time). With `vector` (float) and `along_time` a thread takes
+    POST_STEPS consecutive steps of a row: what it reads per step from shared memory as vectors
+    (``vp_<name>``), its outputs into registers (``o_<name>``), then stored as one vector where aligned
+    (Mamba-1 B8 D1536 L2048 on an H200: 0.333 against 0.288 ms with the pre phase vectorised too)."""
+    row = lanes.row_axis
+    rows = size_var(row)
+    scalar_views = {a: (lambda e: f"sr_{e.array}[buf][r][tt]") for a in lanes.row_seqs}
+    scalar_views |= {name: (lambda e: f"pv_{e.array}[r][tt]") for name in lanes.major.per_step}
+    if not (vector and along_time):
+        return {"post_steps": 1, "post": [
+            "const int r = i / T, tt = i % T;" if along_time else "const int r = i % R, tt = i / R;",
+            "const int t = t0 + tt;", f"if (t < L && r0 + r < {rows}) {{", f"    const int p_{row} = r0 + r;",
+            *CPrinter(k, arrays, sizes, views=scalar_views).stmts(post, 1), "}"]}
+    steps = POST_STEPS
+    read = list(dict.fromkeys(e.array for s in post for e in loads(s.value) if e.array in scalar_views))
+    stores = list({s.target.array: s.target for s in post if isinstance(s.target, Load)}.values())
+    views = {a: (lambda e: f"vp_{e.array}[q]") for a in read}
+    views |= {t.array: (lambda e: f"o_{e.array}[q]") for t in stores}
+    pr = CPrinter(k, arrays, sizes, views=views)
+    lines = [f"const int r = i / (T / {steps}), t4 = (i % (T / {steps})) * {steps};  // {steps} steps of a row",
+             f"if (r0 + r < {rows}) {{", f"    const int p_{row} = r0 + r;"]
+    for a in read:
+        src = f"&sr_{a}[buf][r][t4]" if a in lanes.row_seqs else f"&pv_{a}[r][t4]"
+        lines += [f"    F vp_{a}[{steps}];", f"    load_steps<{steps}>(vp_{a}, {src});"]
+    lines += [f"    F o_{t.array}[{steps}];" for t in stores]
+    lines += ["    #pragma unroll", f"    for (int q = 0; q < {steps}; ++q) {{",
+              "        const int tt = t4 + q, t = t0 + tt;  (void)t;", *pr.stmts(post, 2), "    }"]
+    plain = CPrinter(k, arrays, sizes)
+    for t in stores:
+        at, spec = plain.index(t), arrays[t.array]
+        whole = spec.dtype == "float32" and all(st % steps == 0 for st in spec.strides[1:])
+        scalar = [f"for (int q = 0; q < {steps}; ++q) {{", "    const int t = t0 + t4 + q;",
+                  f"    if (t < L) {t.array}[{at}] = {_store(spec.dtype, f'o_{t.array}[q]')};", "}"]
+        if not whole:
+            lines += ["    " + line for line in scalar]
+            continue
+        lines += [f"    if (t0 + t4 + {steps} <= L && (unsigned long long){t.array} % 16 == 0) {{",
+                  "        const int t = t0 + t4;", f"        store_steps<{steps}>(&{t.array}[{at}], o_{t.array});",
+                  "    } else {", *("        " + line for line in scalar), "    }"]
+    return {"post_steps": steps, "post": [*lines, "}"]}
 
 
 def _load_steps(reg: str, src: str, vector: bool) -> str:
@@ -253,8 +299,11 @@ def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:
         for e in accesses(s):
             if e.array in lanes.lane_params and e.array not in seen:
                 seen.add(e.array)
+                value = f"F(to_f({e.array}[{pr.index(e)}]))"
+                if e.array in lanes.log2e_params:  # read as exp2(x * P): exp(x * P) is exp2(x * P log2 e)
+                    value += " * F(1.4426950408889634)"
                 out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
-                        f"    rp_{e.array}[j] = {var} < {n} ? F(to_f({e.array}[{pr.index(e)}])) : F(0);", "}"]
+                        f"    rp_{e.array}[j] = {var} < {n} ? {value} : F(0);", "}"]
     return out
 
 
