@@ -303,9 +303,9 @@ class Grad:
         bw = self.backward_program
         fwd, xp, dtype, sizes, length, chunk = bw.forward, self.xp, tape.dtype, tape.sizes, tape.length, tape.chunk
         seqs, params = tape.seqs, tape.params
-        acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
         if tape.rounds is not None:
-            return self._fused_adjoint(tape, cot, lam, acc)
+            return self._fused_adjoint(tape, cot, lam)
+        acc = {GRAD + p.name: xp.zeros(tuple(params[p.name].shape), dtype) for p in fwd.params}
         run_adjoint = runner(self.backend, bw.adjoint, dtype, tape.products if tape.carries is not None else None)
         carry = {GRAD + k: v for k, v in lam.items()} | acc
         seq_grads: dict[str, list] = {d.name: [] for d in fwd.seqs}
@@ -327,12 +327,13 @@ class Grad:
         grads.update({s.name: carry[GRAD + s.name] for s in fwd.states})
         return grads
 
-    def _fused_adjoint(self, tape: Tape, cot: dict, lam: dict, acc: dict) -> dict:
-        """The adjoint as the CUDA fused backward's one kernel (`tape.rounds` from its forward)."""
+    def _fused_adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
+        """The adjoint as the CUDA fused backward's one kernel (`tape.rounds` from its forward; the
+        param gradients start from zeros it allocates)."""
         fwd = self.backward_program.forward
         fused = self._fused_runner(tape.dtype)
         outs, finals = fused.backward(tape.seqs, tape.params, tape.rounds, {GRAD + k: v for k, v in cot.items()},
-                                      {GRAD + k: v for k, v in lam.items()}, acc, tape.sizes, tape.length)
+                                      {GRAD + k: v for k, v in lam.items()}, {}, tape.sizes, tape.length)
         grads = {d.name: outs[GRAD + d.name] for d in fwd.seqs}
         grads.update({p.name: finals[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: finals[GRAD + s.name] for s in fwd.states})

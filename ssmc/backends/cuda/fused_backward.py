@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_
 from .lanes import lanes_source
 from .runner import (
     _DTYPES,
+    OVERRIDES,
     Launch,
     _as_1d,
     _sizes_key,
@@ -75,7 +77,8 @@ class FusedBackwardRunner:
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
-        self.functions: dict[tuple, object] = {}
+        self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
+        self._decisions: dict[tuple, object] = {}  # applies_at, forward_lanes by shape and overrides
         self.can_run_state_major = fused_state_major(plan) is not None
 
     def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
@@ -87,6 +90,17 @@ class FusedBackwardRunner:
         over the recurrences (without them the unfused backward is two warp scans and measured
         faster: 0.572 against 0.603 ms for a scan at B8 D2048 L4096 fp32 on an H200);
         `SSMC_CUDA_FUSED_BACKWARD` = 0 / 1 turns it off / on wherever it can run."""
+        return self._decided("applies", lambda: self._applies_at(sizes, length, time_contiguous), sizes, length,
+                             time_contiguous)
+
+    def _decided(self, what: str, decide, sizes: dict[str, int], length: int, time_contiguous: bool):
+        """`decide()` once per shape and setting of the overrides (asked on every training step)."""
+        key = (what, _sizes_key(sizes), length, time_contiguous, *(os.environ.get(v) for v in _OVERRIDES))
+        if key not in self._decisions:
+            self._decisions[key] = decide()
+        return self._decisions[key]
+
+    def _applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
         setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
         if setting == "0" or self.round_steps(length) % self.forward_steps():
             return False  # turned off, or a forward lane's steps would straddle two rounds
@@ -99,10 +113,12 @@ class FusedBackwardRunner:
     def forward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
         """The lanes kernel's threads where a training step's forward runs as it: where the plain
         forward does (`CudaRunner.strategy`); None where the forward runs as the warp kernel."""
-        fr = self.forward_runner
-        if self.lanes is None or fr.strategy(sizes, length, time_contiguous) != "lanes":
-            return None
-        return fr.lane_threads(sizes)
+        def decide():
+            fr = self.forward_runner
+            if self.lanes is None or fr.strategy(sizes, length, time_contiguous) != "lanes":
+                return None
+            return fr.lane_threads(sizes)
+        return self._decided("lanes", decide, sizes, length, time_contiguous)
 
     def sources(self, sizes: dict[str, int], length: int) -> list[tuple[Launch, str]]:
         """The two kernels' launches and sources at these sizes (sequences with time contiguous),
@@ -173,7 +189,7 @@ class FusedBackwardRunner:
     def backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
         """(gradients of the sequences [t, ...], final adjoint states): `grad_states` is the cotangent
         of the forward's final states (grad_<h>), `grad_params` what the param gradients start from
-        (added into, in place)."""
+        (added into, in place; zeros allocated for those not given)."""
         plan = self.plan
         given = {**seqs, **params, **cotangents}
         given.update({f"rounds_{s}": v for s, v in rounds.items()})
@@ -209,43 +225,93 @@ class FusedBackwardRunner:
                 grid: tuple[int, int] | None = None) -> dict:
         """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
         as they are, the others allocated (per-step ones with time contiguous; ``atomic`` ones and
-        accumulated results zeroed); returns the allocated and accumulated ones by name. `grid`:
-        (blocks, threads a block); by default a warp per recurrence."""
+        accumulators not given zeroed); returns the allocated and accumulated ones by name. `grid`:
+        (blocks, threads a block); by default a warp per recurrence. The launch is worked out once per
+        kernel, sizes, length, layouts of the given arrays and overrides (`_plan_launch`): a training
+        step's host time bounds the small shapes."""
+        key = (k.name, _sizes_key(sizes), length,
+               tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
+               *(os.environ.get(v) for v in _OVERRIDES))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid)
+        made = plan.allocate()
+        made.update((name, given[name]) for name in plan.kept)
+        pointers = [np.uint64((given[name] if name in given else made[name]).data_ptr()) for name in plan.names]
+        plan.function((plan.grid[0],), (plan.grid[1],), (np.int32(length), np.int32(1), *pointers),
+                      stream=self.forward_runner.stream())
+        return made
+
+    def _plan_launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
+                     grid: tuple[int, int] | None) -> _BackwardLaunch:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
-        # what shapes this length's kernels, read once per launch (the overrides are environment reads)
-        major, forward_steps = self.state_major(length), self.forward_steps()
-        round_steps = WARP * backward_steps_per_lane(self.plan, forward_steps, major)
-        rounds = -(-length // round_steps)
-        made, tensors = {}, []
+        rounds = -(-length // self.round_steps(length))
+        allocations, kept, specs = [], [], {}
+        offset = {False: 0, True: 0}  # elements of the buffers allocated so far: plain, zeroed
         for a in k.arrays:
             if a.name in given:
                 t = given[a.name]
                 if a.role in ("accumulate", "final"):
-                    made[a.name] = t
+                    kept.append(a.name)
+                specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
+                continue
+            shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
+            if a.axes[:1] == ("t",) and len(shape) > 1:  # lanes touch neighbouring steps: time innermost
+                inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
+                strides, size = (inner[-1], *inner[:-1]), inner[0] * shape[1]
             else:
-                shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
-                alloc = torch.zeros if a.role == "atomic" else torch.empty
-                if a.axes[:1] == ("t",) and len(shape) > 1:  # lanes touch neighbouring steps
-                    t = alloc([*shape[1:], _row(shape[0], a.role)], device="cuda", dtype=state)
-                    t = t[..., :shape[0]].movedim(-1, 0)
-                else:
-                    t = alloc(shape, device="cuda", dtype=state)
-                made[a.name] = t
-            tensors.append(_as_1d(t))
-        layouts = tuple((t.dtype, t.stride()) for t in tensors)
-        key = (k.name, layouts, _sizes_key(sizes), round_steps, forward_steps, ragged(length, forward_steps), major)
-        fn = self.functions.get(key)
-        if fn is None:  # built through the forward's runner: its module cache and progress line
-            specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride())) for a, t in zip(k.arrays, tensors)}
-            fn = self.functions[key] = self.forward_runner.function(source(specs, sizes, length), k.name)
+                strides, size = contiguous_strides(shape) if shape else (), math.prod(shape)
+            zeroed = a.role in ("atomic", "accumulate")
+            allocations.append(_Allocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
+            offset[zeroed] += -(-size // _ALIGN) * _ALIGN
+            specs[a.name] = ArraySpec(_DTYPES[str(state)], tuple(strides) or (1,))
+        fn = self.forward_runner.function(source(specs, sizes, length), k.name)
         if grid is None:
             threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
             grid = (max(1, -(-threads // BLOCK)), BLOCK)
-        args = (np.int32(length), np.int32(1), *(np.uint64(t.data_ptr()) for t in tensors))
-        fn((grid[0],), (grid[1],), args, stream=self.forward_runner.stream())
-        return made
+        return _BackwardLaunch(fn, grid, tuple(a.name for a in k.arrays), tuple(allocations), tuple(kept),
+                               offset[False], offset[True], state)
+
+
+# the environment variables a fused backward's launch depends on (read per launch, part of its key)
+_OVERRIDES = (*OVERRIDES, "SSMC_CUDA_FUSED_BACKWARD", "SSMC_CUDA_STATE_MAJOR_BACKWARD",
+              "SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
+_ALIGN = 64  # elements: every array a launch allocates starts 256 bytes into its buffer (vector adds, loads)
+
+
+@dataclass(frozen=True)
+class _Allocation:
+    """An array a launch allocates: a view of `shape` and `strides` at `offset` of its buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    zeroed: bool
+
+
+@dataclass(frozen=True)
+class _BackwardLaunch:
+    """A launch of the fused backward's forward or backward kernel worked out but for its arrays: the
+    arrays it allocates come from two buffers (one zeroed: one fill for all), views into them."""
+
+    function: object
+    grid: tuple[int, int]
+    names: tuple[str, ...]              # the kernel's arrays, in order
+    allocations: tuple[_Allocation, ...]
+    kept: tuple[str, ...]               # given arrays it adds into (returned with the allocated ones)
+    plain: int                          # elements of the buffer left as allocated
+    zeroed: int                         # elements of the zeroed buffer
+    dtype: object
+
+    def allocate(self) -> dict:
+        import torch
+
+        buffers = {False: torch.empty(self.plain, device="cuda", dtype=self.dtype) if self.plain else None,
+                   True: torch.zeros(self.zeroed, device="cuda", dtype=self.dtype) if self.zeroed else None}
+        return {a.name: torch.as_strided(buffers[a.zeroed], a.shape, a.strides, a.offset) for a in self.allocations}
 
 
 def _with_rounds(k: Kernel) -> Kernel:

@@ -387,9 +387,10 @@ class CudaRunner:
             warps *= 2
         return warps
 
-    def _planned(self, what: str, make, *key):
+    def planned(self, what: str, make, *key):
         """`make()`, once per `key` and setting of the overrides (a plan is a pure function of
-        them; planning walks the kernels' IR, which costs more than a small launch)."""
+        them; planning walks the kernels' IR, which costs more than a small launch). Also for the
+        decisions of other runners built on this one (the fused backward's, a staged layer's)."""
         full = (what, *key, *(os.environ.get(v) for v in OVERRIDES))
         plan = self.plans.get(full)
         if plan is None:
@@ -398,7 +399,7 @@ class CudaRunner:
 
     def launches(self, sizes: dict[str, int], length: int, time_contiguous: bool = False) -> list[Launch]:
         """The launches `run` makes for these sizes, in order (what `ssmc inspect` reports)."""
-        return list(self._planned("launches", lambda: tuple(self._uncached_launches(sizes, length, time_contiguous)),
+        return list(self.planned("launches", lambda: tuple(self._uncached_launches(sizes, length, time_contiguous)),
                                   _sizes_key(sizes), length, time_contiguous))
 
     def _uncached_launches(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> list[Launch]:
@@ -427,7 +428,7 @@ class CudaRunner:
         in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
         sum split into groups of threads (split-K, codegen.split_groups), or else a map kernel's long
         rows shared by groups of threads (`row_groups`)."""
-        return self._planned("epilogue", lambda: self._uncached_epilogue_launch(k, sizes, length, time_contiguous),
+        return self.planned("epilogue", lambda: self._uncached_epilogue_launch(k, sizes, length, time_contiguous),
                              k.name, _sizes_key(sizes), length, time_contiguous)
 
     def _uncached_epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int,
@@ -527,7 +528,7 @@ class CudaRunner:
 
         low, p = self.lowered, self.program
         contiguous = time_contiguous(seqs)
-        strategy = self._planned("strategy", lambda: self.strategy(sizes, length, contiguous),
+        strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
         plan = self.launches(sizes, length, contiguous)
         if strategy == "time blocks":
@@ -581,7 +582,7 @@ class CudaRunner:
         and launches (`run` plans, checks and looks the kernel up on every call: host time that bounds
         small shapes); None where the run takes more than one launch."""
         contiguous = time_contiguous(seqs)
-        strategy = self._planned("strategy", lambda: self.strategy(sizes, length, contiguous),
+        strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
         if strategy not in ONE_LAUNCH:
             return None
@@ -727,7 +728,7 @@ def layer_runner(fused: Fused, compute: str, staged):
 
     def run(seqs, params, initial, sizes, length, out_dtype=None):
         contiguous = time_contiguous(seqs)
-        if whole._planned("one kernel", lambda: one_kernel(fused, compute, sizes, length, contiguous),
+        if whole.planned("one kernel", lambda: one_kernel(fused, compute, sizes, length, contiguous),
                           _sizes_key(sizes), length, contiguous):
             return whole.run(seqs, params, initial, sizes, length, out_dtype)
         return staged(seqs, params, initial, sizes, length, out_dtype)
