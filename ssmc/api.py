@@ -133,11 +133,11 @@ def _bound_call(p: Recurrence, layout, initial: dict, prepared, given: set[str])
     states = [s.name for s in p.states if s.name in given]
 
     def call(args, kwargs):
-        given = dict(zip(names, args))
-        given.update(kwargs)
-        given = {k: v.detach() if v.requires_grad else v for k, v in given.items()}
-        return prepared({n: given[n].permute(*perm) for n, perm in perms.items()}, {n: given[n] for n in params},
-                        {**zeros, **{s: given[s] for s in states}})
+        arrays = dict(zip(names, args))
+        arrays.update(kwargs)
+        arrays = {k: v.detach() if v.requires_grad else v for k, v in arrays.items()}
+        return prepared({n: arrays[n].permute(*perm) for n, perm in perms.items()}, {n: arrays[n] for n in params},
+                        {**zeros, **{s: arrays[s] for s in states}})
     return call
 
 

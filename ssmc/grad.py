@@ -182,8 +182,9 @@ class Tape:
     when one chunk covers the sequence and the backend ran the recording forward (then the
     backward recomputes nothing, and takes from `products` the matrix products its Numba adjoint
     would recompute: an LSTM's ``x W``, hoisted by the forward, and ``h U``, saved per step).
-    `rounds` holds the carry into every round of the CUDA warp kernel when the fused backward
-    runs (backends/cuda/fused_backward.py; `boundaries` is then the initial state alone)."""
+    `rounds` holds the carry into every round of the CUDA fused backward's kernel, written by the
+    forward's warp or lanes kernel (backends/cuda/fused_backward.py; `boundaries` is then the
+    initial state alone)."""
 
     seqs: dict
     params: dict

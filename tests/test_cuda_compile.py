@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import diagonal_linear_recurrences, recurrences, state_axis_recurrences
 
+import ssmc
 from ssmc.backends.cuda import nvrtc
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.runtime.random_inputs import axis_sizes
@@ -269,6 +270,27 @@ def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, lengt
     assert training.strategy == "lanes, 4 lanes a row" and training.launch.mapping.lanes == 4
     assert "if (valid && t0 % 128 == 0) {" in training.source and "rounds_h[(t0 / 128) * " in training.source
     assert training.resources is not None and not training.resources.spills, training.error
+
+
+def test_lanes_kernel_with_one_lane_a_row_does_not_spill(monkeypatch):
+    """n = 3: one lane a row (G = 1), so the block's loops over rows x steps have 32 iterations a
+    thread; fully unrolled, this spec's tanh / sigmoid took 255 registers and spilled (found by
+    test_random_lanes_kernels_compile_without_spills, 2026-11-25): they unroll 8 at most."""
+
+    @ssmc.recurrence
+    def step(h0: ssmc.State["b d n"], x0: ssmc.Seq["b d"], s0: ssmc.Seq["b n"], x1: ssmc.Seq["b d"],
+             p0: ssmc.Param["d n"]):
+        v2 = ssmc.sigmoid(ssmc.tanh(p0 + 0.5))
+        v6 = ssmc.tanh(0.45 * (ssmc.sigmoid(0.5) * h0 + ssmc.tanh(0.5 + x0)))
+        v7 = v2 * h0 + (1 - v2) * v6
+        return v7, (v7 * (x0 + s0)).sum("n")
+
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
+    for contiguous in (False, True):
+        forward, = kernel_reports(step.program, {"b": 3, "d": 37, "n": 3}, 100, backward=False,
+                                  time_contiguous=contiguous)
+        assert forward.launch.mapping.lanes == 1 and "#pragma unroll 8" in forward.source
+        assert forward.resources is not None and not forward.resources.spills, forward.resources.summary()
 
 
 # most random specs do not split along n (state_major.py's conditions): filtered out, so more are drawn

@@ -14,8 +14,10 @@ while this one computes):
 
 Measured on an H200 (2026-11-25, Mamba-1 B8 D1536 L2048 N16 fp32): hand-written probes of this kernel
 0.457 ms with synchronous staging and per-step shuffles of the sums, 0.240 with this staging, 4 state
-values a lane and fast softplus / silu; generated, 0.366 (bench/gpu_peers.py); the warp kernel 0.620,
-mamba-ssm 0.878.
+values a lane and fast softplus / silu; generated, 0.366 (bench/gpu_peers.py), 0.315 with exp2 of a
+param scaled by log2 e, softplus's series and the vector post phase; the warp kernel 0.620, mamba-ssm
+0.878. Where a training step's forward runs so, it also saves the fused backward's round carries
+(`_save_rounds`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step val
 LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
 LANES_BLOCKS = (128, 64, 32)  # threads per block, the first whose shared memory fits
 POST_STEPS = 4          # consecutive steps of a row a thread takes in the post phase (vectors of 16 bytes)
+# The block's loops over rows x steps (copies, pre, post) run T / G iterations a thread: unrolled up
+# to this many (Mamba-1's G = 4: 8, all of them; G = 1 unrolled all 32 and a random spec's kernel
+# took 255 registers and spilled)
+PHASE_UNROLL = 8
 
 
 def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
@@ -168,6 +174,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "name": k.name,
         "block": block,
         "lanes": True,
+        "unroll": PHASE_UNROLL,
         "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "
                     f"{axis} for the whole sequence; {rows} rows per block, chunks of {CHUNK} steps"),
         "params": [("const " if a.role in ("seq", "param", "init") else "") + f"{C_TYPES[arrays[a.name].dtype]}* "
@@ -353,7 +360,7 @@ def _copy(asynchronous: bool, dst: str, src: str) -> str:
 
 def _copy_loop(items: str, mapping: str, body: list[str]) -> list[str]:
     """C lines of the block's threads taking `items` copies, each thread a fixed count (unrolled)."""
-    return ["#pragma unroll", f"for (int k = 0; k < ({items} + BLOCK - 1) / BLOCK; ++k) {{",
+    return [f"#pragma unroll {PHASE_UNROLL}", f"for (int k = 0; k < ({items} + BLOCK - 1) / BLOCK; ++k) {{",
             "    const int i = threadIdx.x + k * BLOCK;", f"    if (i >= {items}) break;",
             f"    {mapping}", "    const int t = tn + tt;", *("    " + line for line in body), "}"]
 

@@ -32,6 +32,7 @@ from .codegen import (
     WARP,
     ArraySpec,
     Threads,
+    contiguous_strides,
     module_source,
     recurrence_warps_fit,
     shares_recurrence,
@@ -453,28 +454,27 @@ class CudaRunner:
                 out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
                 grid: tuple[int, int] | None = None) -> dict:
         """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`)."""
-        prepared, made = self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous, mapping,
-                                              grid)
-        self._execute(prepared, arrays, made)
-        return made
+        return self._execute(self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
+                                                  mapping, grid), arrays)
 
     def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                         out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
-                        grid: tuple[int, int] | None = None) -> tuple[Prepared, dict]:
-        """`k`'s launch over `arrays` (the inputs) worked out, and the arrays it writes, allocated. With
-        `time_contiguous` its per-step outputs (and carries `prev_*`) are allocated with time
-        contiguous, as their readers take them; with `mapping.groups` > 1 its outputs and finals are
-        partials, one copy per group (`made[name]` then has the groups first). `grid`: the planned
-        launch's (else worked out here)."""
+                        grid: tuple[int, int] | None = None) -> Prepared:
+        """`k`'s launch over `arrays` (the inputs) worked out: the function for these layouts, the
+        grid, the arrays it writes. With `time_contiguous` its per-step outputs (and carries `prev_*`)
+        are allocated with time contiguous, as their readers take them; with `mapping.groups` > 1 its
+        outputs and finals are partials, one copy per group (they then have the groups first).
+        `grid`: the planned launch's (else worked out here)."""
         import torch
 
-        made, tensors, items = {}, [], []
+        layouts, items = [], []  # per kernel array: (dtype, strides as the kernel sees it, group stride)
         warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
         groups = mapping.groups
         state_dtype = torch.float64 if self.compute == "float64" else torch.float32
         for a in k.arrays:
             if a.role in ("seq", "param", "init"):
-                tensors.append((a, _as_1d(arrays[a.name]), 0))
+                t = arrays[a.name]
+                layouts.append((t.dtype, tuple(t.stride()) or (1,), 0))
                 items.append(a.name)
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
@@ -485,25 +485,24 @@ class CudaRunner:
             item = (Allocation(a.name, (*lead, *shape[1:], shape[0]), dtype, len(lead))
                     if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1
                     else Allocation(a.name, (*lead, *shape), dtype))
-            full = made[a.name] = item.allocate()
-            tensors.append((a, _as_1d(full[0] if partial else full), full.stride(0) if partial else 0))
+            strides = item.strides()
+            layouts.append((dtype, (strides[1:] if partial else strides) or (1,), strides[0] if partial else 0))
             items.append(item)
-        layouts = tuple((t.dtype, t.stride(), g) for _, t, g in tensors)
         steps = warp and steps_per_lane(self.lane_steps)
-        key = (k.name, layouts, _sizes_key(sizes), steps, mapping, warp and ragged(length, steps))
+        key = (k.name, tuple(layouts), _sizes_key(sizes), steps, mapping, warp and ragged(length, steps))
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
-            specs = {a.name: ArraySpec(_DTYPES[str(t.dtype)], tuple(t.stride()), g) for a, t, g in tensors}
+            specs = {a.name: ArraySpec(_DTYPES[str(dtype)], strides, g)
+                     for a, (dtype, strides, g) in zip(k.arrays, layouts)}
             fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         if grid is None:  # the time blocks' kernels (run_time_blocks launches them)
             grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
-        return Prepared(fn, grid, np.int32(length), np.int32(nblk), tuple(items)), made
+        return Prepared(fn, grid, np.int32(length), np.int32(nblk), tuple(items))
 
-    def _execute(self, prepared: Prepared, arrays: dict, made: dict | None = None) -> dict:
-        """Launch a prepared kernel over `arrays` (its inputs by name), into `made` (the arrays it
-        writes, by name) or new ones; returns those."""
-        if made is None:
-            made = {item.name: item.allocate() for item in prepared.items if type(item) is Allocation}
+    def _execute(self, prepared: Prepared, arrays: dict) -> dict:
+        """Launch a prepared kernel over `arrays` (its inputs by name) into arrays it allocates;
+        returns those by name."""
+        made = {item.name: item.allocate() for item in prepared.items if type(item) is Allocation}
         pointers = [np.uint64((arrays[item] if type(item) is str else made[item.name]).data_ptr())
                     for item in prepared.items]
         blocks, threads = prepared.grid
@@ -588,9 +587,9 @@ class CudaRunner:
             return None
         launch, = self.launches(sizes, length, contiguous)
         # the lanes kernel writes its outputs along time where the sequences have it contiguous
-        prepared, _ = self._prepare_launch(launch.kernel, {**seqs, **params, **_init(initial)}, sizes, length,
-                                           out_dtype=out_dtype, time_contiguous=contiguous and strategy == "lanes",
-                                           mapping=launch.mapping, grid=launch.grid)
+        prepared = self._prepare_launch(launch.kernel, {**seqs, **params, **_init(initial)}, sizes, length,
+                                        out_dtype=out_dtype, time_contiguous=contiguous and strategy == "lanes",
+                                        mapping=launch.mapping, grid=launch.grid)
         p = self.program
         outputs = [(n, f"out_{n}") for n, _ in p.outputs]
         finals = [(s.name, f"final_{s.name}", [sizes[a] for a in s.axes]) for s in p.states]
@@ -625,6 +624,13 @@ class Allocation:
 
         t = torch.empty(self.shape, device="cuda", dtype=self.dtype)
         return t if self.time_last < 0 else t.movedim(-1, self.time_last)
+
+    def strides(self) -> tuple[int, ...]:
+        """The strides of the array `allocate` returns (without allocating it)."""
+        strides = list(contiguous_strides(list(self.shape))) if self.shape else []
+        if self.time_last >= 0:
+            strides.insert(self.time_last, strides.pop())
+        return tuple(strides)
 
 
 @dataclass(frozen=True)
