@@ -22,7 +22,7 @@ param scaled by log2 e, softplus's series and the vector post phase; the warp ke
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Buffer, Load, Loop, accesses, loads
+from ...lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads, subexpressions
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
@@ -46,7 +46,7 @@ STATES_PER_LANE = 4     # state values a lane owns where the axis allows (0.240 
 MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step value (registers)
 LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
 LANES_BLOCKS = (128, 64, 32)  # threads per block, the first whose shared memory fits
-POST_STEPS = 4          # consecutive steps of a row a thread takes in the post phase (vectors of 16 bytes)
+STEPS_A_THREAD = 4      # consecutive steps of a row a thread takes in the pre and post phases (16-byte vectors)
 # The block's loops over rows x steps (copies, pre, post) run T / G iterations a thread: unrolled up
 # to this many (Mamba-1's G = 4: 8, all of them; G = 1 unrolled all 32 and a random spec's kernel
 # took 255 registers and spilled)
@@ -65,11 +65,16 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
     """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks and
     per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's register arrays (G steps of
     each per-step value and sequence along the states' axis, S values of each buffer and param along
-    it) would take more than LANE_REGISTERS."""
+    it) would take more than LANE_REGISTERS, or (float64) the body calls a function other than exp:
+    libdevice's double tanh / erf, unrolled over the S x G values and steps, overflow the registers
+    (a random spec's gelu of a sequence along n spilled 44 bytes at n = 33, found 2026-11-25)."""
     per_lane = -(-sizes[lanes.axis] // groups)
     arrays = (groups * (len(lanes.major.per_step) + len(lanes.state_seqs))
               + per_lane * (len(lanes.lane_buffers) + len(lanes.lane_params)))
     if arrays * value_bytes // 4 > LANE_REGISTERS:
+        return None
+    if value_bytes == 8 and any(isinstance(e, Call) and e.fn not in ("exp", "exp2")
+                                for s in lanes.major.body for e in subexpressions(s.value)):
         return None
     for block in LANES_BLOCKS:
         rows = block // groups
@@ -200,12 +205,44 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "params_once": _lane_params(lanes, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
         "aligned": " && ".join(f"(unsigned long long){a} % 16 == 0" for a in sorted(vector_copies)) or "false",
-        "pre": ["const int r = i / T, tt = i % T, t = t0 + tt;  (void)t;",
-                f"const int p_{row} = min(r0 + r, {size_var(row)} - 1);", *pp.stmts(pre, 0)],
+        **_pre_phase(k, lanes, arrays, sizes, pre, pp, vector),
         "body_full": body_phase(False),
         "body_partial": body_phase(True),
         **_post_phase(k, lanes, arrays, sizes, major.post, along_time, vector),
     }
+
+
+def _pre_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int], pre: list,
+               scalar_printer: CPrinter, vector: bool) -> dict:
+    """The template's `pre_steps` and `pre` lines: the steps' values per row and step of the chunk
+    into shared memory (rows past the last compute the last one: the body reads them). With `vector`
+    (float) a thread takes STEPS_A_THREAD consecutive steps of a row: the staged sequences read as
+    vectors, the values kept in registers (``w_<name>``) and stored as vectors (Mamba-1 B8 D1536
+    L2048 on an H200: 0.315 against 0.288 ms with the post phase so too, kernel only)."""
+    row = lanes.row_axis
+    clamp = f"const int p_{row} = min(r0 + r, {size_var(row)} - 1);"
+    if not vector:
+        return {"pre_steps": 1, "pre": ["const int r = i / T, tt = i % T, t = t0 + tt;  (void)t;", clamp,
+                                        *scalar_printer.stmts(pre, 0)]}
+    steps = STEPS_A_THREAD
+    per_step = set(lanes.major.per_step)
+    written = list(dict.fromkeys(s.target.array for s in pre if isinstance(s.target, Load)
+                                 and s.target.array in per_step))
+    read = list(dict.fromkeys(e.array for s in pre for e in loads(s.value)
+                              if e.array in lanes.row_seqs or (e.array in per_step and e.array not in written)))
+    views = {a: (lambda e: f"vp_{e.array}[q]") for a in read}
+    views |= {name: (lambda e: f"w_{e.array}[q]") for name in written}
+    lines = [f"const int r = i / (T / {steps}), t4 = (i % (T / {steps})) * {steps};  // {steps} steps of a row",
+             clamp]
+    for a in read:
+        src = f"&sr_{a}[buf][r][t4]" if a in lanes.row_seqs else f"&pv_{a}[r][t4]"
+        lines += [f"F vp_{a}[{steps}];", f"load_steps<{steps}>(vp_{a}, {src});"]
+    lines += [f"F w_{name}[{steps}];" for name in written]
+    lines += ["#pragma unroll", f"for (int q = 0; q < {steps}; ++q) {{",
+              "    const int tt = t4 + q, t = t0 + tt;  (void)t;",
+              *CPrinter(k, arrays, sizes, views=views).stmts(pre, 1), "}"]
+    lines += [f"store_steps<{steps}>(&pv_{name}[r][t4], w_{name});" for name in written]
+    return {"pre_steps": steps, "pre": lines}
 
 
 def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int], post: list,
@@ -213,7 +250,7 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
     """The template's `post_steps` (steps a thread takes per row, consecutive) and `post` lines: the
     outputs per row and step of the chunk, consecutive threads along the outputs' contiguous axis
     (`along_time`: time). With `vector` (float) and `along_time` a thread takes
-    POST_STEPS consecutive steps of a row: what it reads per step from shared memory as vectors
+    STEPS_A_THREAD consecutive steps of a row: what it reads per step from shared memory as vectors
     (``vp_<name>``), its outputs into registers (``o_<name>``), then stored as one vector where aligned
     (Mamba-1 B8 D1536 L2048 on an H200: 0.333 against 0.288 ms with the pre phase vectorised too)."""
     row = lanes.row_axis
@@ -225,7 +262,7 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
             "const int r = i / T, tt = i % T;" if along_time else "const int r = i % R, tt = i / R;",
             "const int t = t0 + tt;", f"if (t < L && r0 + r < {rows}) {{", f"    const int p_{row} = r0 + r;",
             *CPrinter(k, arrays, sizes, views=scalar_views).stmts(post, 1), "}"]}
-    steps = POST_STEPS
+    steps = STEPS_A_THREAD
     read = list(dict.fromkeys(e.array for s in post for e in loads(s.value) if e.array in scalar_views))
     stores = list({s.target.array: s.target for s in post if isinstance(s.target, Load)}.values())
     views = {a: (lambda e: f"vp_{e.array}[q]") for a in read}

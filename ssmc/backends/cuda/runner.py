@@ -349,7 +349,8 @@ class CudaRunner:
         threads = self.lane_threads(sizes) if lanes or forced == "lanes" else None
         if forced == "lanes" and threads is None:
             raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
-                             "split (lowering/state_lanes.py), or its chunks do not fit shared memory")
+                             "split (lowering/state_lanes.py), or its chunks do not fit shared memory or its step the "
+                             "registers (lanes.lanes_block)")
         if lanes and (forced == "lanes" or (threads is not None and not forced and self._threads(
                 self.lowered.kernels[0], sizes) * threads.lanes >= LANES_FILL)):
             return "lanes"
