@@ -61,6 +61,20 @@ def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
     return groups
 
 
+def hosted_sums(lanes: StateLanes) -> dict[str, str]:
+    """The body's sums over the states' axis (by name) kept in the chunk buffer of a row sequence
+    that only the pre phase reads (Mamba-1's sum_n h C in delta's): the pre phase is done with
+    that buffer when the body writes the sums, the post phase reads them, and the buffer takes the
+    chunk after next only once every thread is past the post phase (the barrier at the chunk's
+    start). One [R][P] array of shared memory less a sum: Mamba-1's block 29952 -> 27648 bytes,
+    so 8 blocks of 64 threads fit an SM (228 KiB, 1 KiB reserved a block) where 7 did; at B32
+    D512 (1024 blocks) the grid then runs in one wave on 132 SMs instead of two (kernel 0.060 ms
+    at B32 against 0.041 at B28, 896 blocks, on an H100, 2026-11-25)."""
+    later = {e.array for s in lanes.major.body + lanes.major.post for e in accesses(s)}
+    hosts = [a for a in lanes.row_seqs if a not in later]
+    return dict(zip((name for name, _ in lanes.sums), hosts))
+
+
 def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_bytes: int) -> int | None:
     """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks and
     per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's register arrays (G steps of
@@ -81,7 +95,7 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
         if rows < 1:
             continue
         values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
-                  + rows * len(lanes.major.per_step))
+                  + rows * (len(lanes.major.per_step) - len(hosted_sums(lanes))))
         if values * PITCH * value_bytes <= STATIC_SHARED:
             return block
     return None
@@ -175,6 +189,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
 
     own_printer = CPrinter(k, arrays, sizes, views=own)
     vector_copies = vector_stages(lanes, arrays, ctype)
+    hosted = hosted_sums(lanes)
     return {
         "name": k.name,
         "block": block,
@@ -194,7 +209,9 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         + [f"__shared__ __align__(16) F sl_{a}[2][{n}][P];  // two chunks, shared by the block's rows"
            for a in lanes.state_seqs]
         + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk"
-           for name in major.per_step],
+           for name in major.per_step if name not in hosted],
+        "chunk_views": [f"F (* const pv_{name})[P] = sr_{host}[buf];  // the sums in {host}'s chunk, which only "
+                        "the pre phase reads" for name, host in hosted.items()],
         "unflatten": _unflatten(k.parallel),
         "declarations": [f"F {name} = F(0);" for name in _scalar_names(k.setup + pre + major.post)]
         + [f"F {name}[S];" for name in lanes.lane_buffers]
