@@ -11,7 +11,7 @@ last first; per chunk:
     stage u, delta, z, grad_y (rows) and B, C (along n) into shared memory
     pre    (block, rows x steps): dt = softplus(delta + bias), dt u, m0 = grad_y silu(z)
     lanes  from the state saved at the chunk's start (a forward that saves every chunk):
-             the chunk's forward in registers, the state kept at every G steps (T / G x S values);
+             the chunk's forward, the state kept at every G steps (T / G x S values a lane);
              then per G steps, last first, per state value: those G steps again (the carries
              h_{t-1}, the decays), the adjoint over them backwards:
                  lam = lam_next + m0 C;  grad_A += lam h_{t-1} e dt;  lam_next = lam e
@@ -25,9 +25,17 @@ last first; per chunk:
 
 Float32, layout "b d t" (time contiguous), L a multiple of T, D of R; the chunk states come from a
 plain float32 loop here (a training forward would write them, as the lanes kernel writes its
-rounds now). Prints the probe's time, ssmc's fused backward kernel's and its training step's.
+rounds now). Prints each variant's registers, shared memory and time, and ssmc's training step's
+kernels (its fused backward's time among them); exits non-zero where a variant disagrees.
 
-    python bench/lanes_backward_probe.py [--batch 8 --dim 1536 --length 2048]
+Variants (`VARIANTS`): where a lane keeps the chunk's states (registers or shared memory), whether
+the loops over a chunk's groups of G steps are unrolled, how many blocks an SM __launch_bounds__
+asks for, and "lean" (dt u recomputed rather than staged, one slab for the block added to by shared
+atomics: 37.6 KB of shared memory, so 6 blocks an SM). The first probe ("registers": 255 registers,
+8 warps an SM, 1.45 waves at B8 D1536) ran as fast as the fused backward there, 1.30 ms on an H100,
+and 2.1x faster at B32 D512 L192 (docs/benchmarks.md, 2026-11-25).
+
+    python bench/lanes_backward_probe.py [--batch 8 --dim 1536 --length 2048] [--variant NAME]
 """
 
 from __future__ import annotations
@@ -48,6 +56,24 @@ SOURCE = r"""
 #define P 36
 #define BLOCK (R * G)
 #define GROUPS (T / G)
+// CKPT_SHARED, GROUP_UNROLL and MIN_BLOCKS come from the variant (VARIANTS below)
+#if CKPT_SHARED
+#define CK(gb, j) s_ck[gb][j][threadIdx.x]
+#else
+#define CK(gb, j) ck[gb][j]
+#endif
+#if LEAN  // dt u recomputed from the staged u; one slab for the block, added to by shared atomics
+#define DTU(r, t) (p_dt[r][t] * s_u[r][t])
+#define SLABS 1
+#else
+#define DTU(r, t) p_dtu[r][t]
+#define SLABS 2
+#endif
+#if GROUP_UNROLL
+#define GROUP_LOOP _Pragma("unroll")
+#else
+#define GROUP_LOOP _Pragma("unroll 1")
+#endif
 
 __device__ __forceinline__ float softplus_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 __device__ __forceinline__ float sigmoid_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
@@ -68,7 +94,7 @@ __device__ __forceinline__ float row_sum_scatter(float* v, int g)
     return v[0];
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS) mamba1_lanes_backward(
     int L, int Bn, int Dn,
     const float* __restrict__ u, const float* __restrict__ delta, const float* __restrict__ z,
     const float* __restrict__ gy, const float* __restrict__ Bm, const float* __restrict__ Cm,
@@ -80,9 +106,15 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
 {
     __shared__ __align__(16) float s_u[R][P], s_delta[R][P], s_z[R][P], s_gy[R][P];
     __shared__ __align__(16) float s_B[N][P], s_C[N][P];
-    __shared__ __align__(16) float p_dt[R][P], p_dtu[R][P], p_m0[R][P];
+    __shared__ __align__(16) float p_dt[R][P], p_m0[R][P];
+#if !LEAN
+    __shared__ __align__(16) float p_dtu[R][P];
+#endif
     __shared__ __align__(16) float p_s6[R][P], p_s7[R][P], p_s15[R][P];
-    __shared__ __align__(16) float slab[2][2][N][T];  // [warp][grad_B or grad_C][n][step]: over the warp's rows
+    __shared__ __align__(16) float slab[SLABS][2][N][T];  // [warp][grad_B or grad_C][n][step]: over the warp's rows
+#if CKPT_SHARED
+    __shared__ float s_ck[GROUPS][S][BLOCK];  // the chunk's states every G steps, each thread its own column
+#endif
     const int ch = threadIdx.x / G, g = threadIdx.x % G, lane = threadIdx.x % 32, w = threadIdx.x / 32;
     const int row_blocks = Dn / R;
     const int b = blockIdx.x / row_blocks, r0 = (blockIdx.x % row_blocks) * R, d = r0 + ch;
@@ -115,42 +147,50 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
             *reinterpret_cast<float4*>(&s_B[s][t4]) = *reinterpret_cast<const float4*>(Bm + off);
             *reinterpret_cast<float4*>(&s_C[s][t4]) = *reinterpret_cast<const float4*>(Cm + off);
         }
+#if LEAN
+        for (int i = threadIdx.x; i < 2 * N * T; i += BLOCK) (&slab[0][0][0][0])[i] = 0.f;
+#endif
         __syncthreads();
         #pragma unroll 4
         for (int i = threadIdx.x; i < R * T; i += BLOCK) {  // pre: per row and step
             const int r = i / T, tt = i % T;
             const float dt = softplus_(s_delta[r][tt] + bias[r0 + r]);
             p_dt[r][tt] = dt;
+#if !LEAN
             p_dtu[r][tt] = dt * s_u[r][tt];
+#endif
             const float zz = s_z[r][tt];
             p_m0[r][tt] = s_gy[r][tt] * zz * sigmoid_(zz);
         }
         __syncthreads();
         // the chunk's forward, its state kept every G steps
-        float h[S], ck[GROUPS][S];
+        float h[S];
+#if !CKPT_SHARED
+        float ck[GROUPS][S];
+#endif
         #pragma unroll
         for (int j = 0; j < S; ++j) h[j] = chunks[(((long long)c * Bn + b) * Dn + d) * N + g + j * G];
-        #pragma unroll
+        GROUP_LOOP
         for (int gb = 0; gb < GROUPS; ++gb) {
             float dt[G], dtu[G];
             #pragma unroll
-            for (int tt = 0; tt < G; ++tt) { dt[tt] = p_dt[ch][gb * G + tt]; dtu[tt] = p_dtu[ch][gb * G + tt]; }
+            for (int tt = 0; tt < G; ++tt) { dt[tt] = p_dt[ch][gb * G + tt]; dtu[tt] = DTU(ch, gb * G + tt); }
             #pragma unroll
             for (int j = 0; j < S; ++j) {
-                ck[gb][j] = h[j];
+                CK(gb, j) = h[j];
                 const int n = g + j * G;
                 #pragma unroll
                 for (int tt = 0; tt < G; ++tt) h[j] = exp2f(dt[tt] * rpA[j]) * h[j] + dtu[tt] * s_B[n][gb * G + tt];
             }
         }
         // the adjoint, G steps at a time, last first
-        #pragma unroll
+        GROUP_LOOP
         for (int gb = GROUPS - 1; gb >= 0; --gb) {
             float dt[G], dtu[G], m0[G], s6[G], s7[G], s15[G];
             #pragma unroll
             for (int tt = 0; tt < G; ++tt) {
                 dt[tt] = p_dt[ch][gb * G + tt];
-                dtu[tt] = p_dtu[ch][gb * G + tt];
+                dtu[tt] = DTU(ch, gb * G + tt);
                 m0[tt] = p_m0[ch][gb * G + tt];
                 s6[tt] = s7[tt] = s15[tt] = 0.f;
             }
@@ -158,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
             for (int j = 0; j < S; ++j) {
                 const int n = g + j * G;
                 float Bv[G], Cv[G], hp[G], e[G];
-                float hh = ck[gb][j];
+                float hh = CK(gb, j);
                 #pragma unroll
                 for (int tt = 0; tt < G; ++tt) {
                     Bv[tt] = s_B[n][gb * G + tt];
@@ -193,7 +233,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
                     }
                 }
                 const int which = ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
+#if LEAN
+                atomicAdd(&slab[0][which / G][n][gb * G + which % G], v[0]);
+#else
                 slab[w][which / G][n][gb * G + which % G] = v[0];
+#endif
             }
             p_s6[ch][gb * G + g] = row_sum_scatter(s6, g);
             p_s7[ch][gb * G + g] = row_sum_scatter(s7, g);
@@ -205,7 +249,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
             const int i = threadIdx.x + k * BLOCK, arr = i / (N * T / 4), rem = i % (N * T / 4);
             const int n = rem / (T / 4), t4 = (rem % (T / 4)) * 4;
             const float4 a0 = *reinterpret_cast<const float4*>(&slab[0][arr][n][t4]);
-            const float4 a1 = *reinterpret_cast<const float4*>(&slab[1][arr][n][t4]);
+            const float4 a1 = SLABS == 2 ? *reinterpret_cast<const float4*>(&slab[SLABS - 1][arr][n][t4])
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
             float* dst = (arr ? g_C : g_B) + ((long long)b * N + n) * L + t0 + t4;
             atomicAdd(dst, a0.x + a1.x);
             atomicAdd(dst + 1, a0.y + a1.y);
@@ -251,10 +296,30 @@ extern "C" __global__ void __launch_bounds__(BLOCK) mamba1_lanes_backward(
 """
 
 
-def build():
+# Where a lane keeps the chunk's states (one every G steps, GROUPS x S values) and how the kernel is
+# bounded. "registers" is the first probe (255 registers, 4 blocks an SM, 1.45 waves at B8 D1536 on
+# an H100); the others keep them in shared memory (8 KiB a block), their loops over the chunk's
+# groups rolled or not, with __launch_bounds__ asking for 6 or 8 blocks an SM (<= 168 / 128 registers).
+VARIANTS = {
+    "registers": {"CKPT_SHARED": 0, "GROUP_UNROLL": 1, "MIN_BLOCKS": 1, "LEAN": 0},
+    "shared": {"CKPT_SHARED": 1, "GROUP_UNROLL": 1, "MIN_BLOCKS": 1, "LEAN": 0},
+    "shared-rolled": {"CKPT_SHARED": 1, "GROUP_UNROLL": 0, "MIN_BLOCKS": 1, "LEAN": 0},
+    "shared-rolled-6": {"CKPT_SHARED": 1, "GROUP_UNROLL": 0, "MIN_BLOCKS": 6, "LEAN": 0},
+    "lean-rolled-6": {"CKPT_SHARED": 1, "GROUP_UNROLL": 0, "MIN_BLOCKS": 6, "LEAN": 1},
+    "shared-rolled-8": {"CKPT_SHARED": 1, "GROUP_UNROLL": 0, "MIN_BLOCKS": 8, "LEAN": 0},
+    "lean-6": {"CKPT_SHARED": 1, "GROUP_UNROLL": 1, "MIN_BLOCKS": 6, "LEAN": 1},
+}
+
+
+def source(variant: str) -> str:
+    """The probe's CUDA source for one of `VARIANTS`."""
+    return "".join(f"#define {k} {v}\n" for k, v in VARIANTS[variant].items()) + SOURCE
+
+
+def build(variant: str):
     import cupy
 
-    return cupy.RawModule(code=SOURCE, options=("-std=c++17",)).get_function("mamba1_lanes_backward")
+    return cupy.RawModule(code=source(variant), options=("-std=c++17",)).get_function("mamba1_lanes_backward")
 
 
 def inputs(B: int, D: int, L: int, seed: int) -> dict:
@@ -325,6 +390,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--dim", type=int, default=1536)
     ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--variant", default="all", choices=["all", *VARIANTS],
+                    help="where the chunk's states live and how the kernel is bounded (VARIANTS)")
     args = ap.parse_args(argv)
     import triton
 
@@ -334,32 +401,37 @@ def main(argv=None) -> int:
     B, D, L = args.batch, args.dim, args.length
     if L % T or D % R:
         raise SystemExit(f"the probe takes lengths of whole chunks ({T}) and channels of whole blocks ({R})")
-    kernel = build()
     grad = ssmc.grad(mamba1.SPEC, "cuda", layout="b d t")
     names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
-    x = inputs(B, D, L, 0)
+    checked = inputs(B, D, L, 0)
     dy = torch.randn(B, D, L, device="cuda")
-    want = grad(**x, grad_outputs=dy)
-    got = Probe(kernel, x, dy, chunk_states(x))()
-    torch.cuda.synchronize()
-    errors = {k: ((got[k] - want[k]).norm() / want[k].norm()).item() for k in names}
-    print("relative error against ssmc's gradients: " + ", ".join(f"{k} {e:.1e}" for k, e in errors.items()))
-    if not max(errors.values()) < TOL:
-        raise SystemExit(f"the probe disagrees with ssmc beyond {TOL}")
+    want = grad(**checked, grad_outputs=dy)
+    checked_chunks = chunk_states(checked)
     x = inputs(B, D, L, 1)  # fresh inputs for the timings
-    probe = Probe(kernel, x, dy, chunk_states(x))
-    step = lambda: grad(**x, grad_outputs=dy)  # noqa: E731
-    t_probe = triton.testing.do_bench(probe, warmup=50, rep=200)
-    t_step = triton.testing.do_bench(step, warmup=50, rep=200)
-    kernels = kernel_times(step)
-    probe_kernels = kernel_times(probe)
+    chunks = chunk_states(x)
     device = torch.cuda.get_device_name()
     print(f"Mamba-1 B{B} D{D} L{L} N{N} fp32, {device}")
-    print(f"probe (zero fills + the lanes backward kernel): {t_probe:.3f} ms; its kernels: "
-          + ", ".join(f"{k[:40]} {v:.3f}" for k, v in probe_kernels.items()))
+    failed = []
+    for variant in VARIANTS if args.variant == "all" else [args.variant]:
+        kernel = build(variant)
+        got = Probe(kernel, checked, dy, checked_chunks)()
+        torch.cuda.synchronize()
+        error = max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in names)
+        if not error < TOL:
+            print(f"{variant}: relative error {error:.1e} against ssmc's gradients (tolerance {TOL}): not timed")
+            failed.append(variant)
+            continue
+        probe = Probe(kernel, x, dy, chunks)
+        t_probe = triton.testing.do_bench(probe, warmup=50, rep=200)
+        t_kernel = kernel_times(probe).get("mamba1_lanes_backward", float("nan"))
+        print(f"{variant}: {kernel.num_regs} registers, {kernel.shared_size_bytes} B shared; kernel {t_kernel:.3f} ms, "
+              f"with the zero fills {t_probe:.3f} ms; largest relative error {error:.1e}")
+    step = lambda: grad(**x, grad_outputs=dy)  # noqa: E731
+    t_step = triton.testing.do_bench(step, warmup=50, rep=200)
+    kernels = kernel_times(step)
     print(f"ssmc training step (forward + fused backward): {t_step:.3f} ms; its kernels: "
           + ", ".join(f"{k[:40]} {v:.3f}" for k, v in kernels.items()))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end at small sizes (a real process, as a user would run it):
-bench/cpu.py anywhere, bench/block_scan.py's kernels compiled by NVRTC anywhere and run on a GPU."""
+bench/cpu.py anywhere; bench/block_scan.py's and bench/lanes_backward_probe.py's kernels compiled by
+NVRTC anywhere and run on a GPU."""
 
 from __future__ import annotations
 
@@ -31,17 +32,26 @@ def test_cpu_bench_quick_interpreter_runs():
     assert "FAIL" not in out
 
 
-def test_block_scan_kernels_compile_without_spills():
-    """bench/block_scan.py's three block scans (Hillis-Steele, Blelloch, warp shuffles) for sm_90."""
+def _bench_module(name: str):
+    """A script of bench/ imported as a module (its kernels' sources), or a skip without NVRTC."""
+    import importlib
+
     from ssmc.backends.cuda import nvrtc
 
     if not nvrtc.available():
         pytest.skip(f"NVRTC: {nvrtc.unavailable_reason()}")
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import block_scan
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+def test_block_scan_kernels_compile_without_spills():
+    """bench/block_scan.py's three block scans (Hillis-Steele, Blelloch, warp shuffles) for sm_90."""
+    from ssmc.backends.cuda import nvrtc
+
+    block_scan = _bench_module("block_scan")
     built = nvrtc.compile_source(block_scan.source(), "sm_90", ("-std=c++17",))
     assert set(built.resources) == set(block_scan.VARIANTS.values())
     for name, usage in built.resources.items():
@@ -59,3 +69,32 @@ def test_block_scan_bench_runs_and_checks_its_outputs(tmp_path):
     table = (tmp_path / "block_scan.md").read_text()
     for variant in ("hillis", "blelloch", "warp"):
         assert f"| {variant} |" in table
+
+
+def test_lanes_backward_probe_variants_compile():
+    """Every variant of the hand-written lanes backward compiles for sm_90; those that do not ask
+    ptxas for a register bound, and the lean ones, spill nothing; the lean ones fit 6 blocks of 64
+    threads an SM (<= 168 registers, <= 228 KiB / 6 - 1 KiB of shared memory), which puts Mamba-1's
+    B8 D1536 (768 blocks) on an H100's 132 SMs in one wave."""
+    from ssmc.backends.cuda import nvrtc
+
+    probe = _bench_module("lanes_backward_probe")
+    for variant, flags in probe.VARIANTS.items():
+        usage = nvrtc.compile_source(probe.source(variant), "sm_90", ("-std=c++17",)).resources[
+            "mamba1_lanes_backward"]
+        if flags["MIN_BLOCKS"] == 1 or flags["LEAN"]:
+            assert not usage.spill_store_bytes and not usage.spill_load_bytes, (variant, usage)
+        if flags["LEAN"]:
+            assert usage.registers <= 168 and usage.shared_bytes <= 233472 // 6 - 1024, (variant, usage)
+
+
+@pytest.mark.gpu
+def test_lanes_backward_probe_runs_and_agrees():
+    """At B2 D32 L96 (3 chunks, 2 blocks of rows): every variant's gradients agree with ssmc's
+    (the script exits non-zero otherwise)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "lanes_backward_probe.py"), "--batch", "2", "--dim", "32",
+           "--length", "96"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for variant in ("registers", "lean-6"):
+        assert f"{variant}: " in proc.stdout and "registers," in proc.stdout
