@@ -4,6 +4,8 @@
     ssmc inspect SPEC.py[:NAME] [--sizes b=8,d=64] [--length L] [--dtype T] [--arch sm_90]
                                                  the CUDA kernels: launch shape, registers, spills
     ssmc check SPEC.py [SPEC.py ...]             run every spec in the files on random inputs
+    ssmc bench SPEC.py[:NAME] [--backend B] [--sizes b=8,d=64] [--length L] [--layout "b d t"]
+                                                 check a spec against the interpreter, then time it
     ssmc demo [--backend B]                      run the bundled examples against their references
 
 A spec file is any Python file that defines ``@ssmc.recurrence`` / ``ssmc.attention`` objects at
@@ -208,10 +210,53 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+# -- bench -------------------------------------------------------------------------------------
+
+def cmd_bench(args) -> int:
+    from .runtime.benchmark import TOLERANCE, bench
+
+    backend = args.backend or api.default_backend()
+    given = parse_sizes(args.sizes)
+    specs = load_specs(args.spec)
+    what = "forward" if args.forward_only else "forward and forward + backward"
+    print(f"ssmc {__version__} bench: backend {backend}, device {_device(backend)}, {args.dtype}, "
+          f"layout {args.layout!r}; {what}: medians of {args.repeat} calls on fresh random inputs, wall clock")
+    rows = [["spec", "sizes", "length", "fwd ms", "fwd+bwd ms", "max rel err", ""]]
+    ok = True
+    for label, spec in specs:
+        if isinstance(spec, AttentionSpec):
+            print(f"{label}: attention runs on the interpreter only; nothing to time yet")
+            continue
+        try:
+            r = bench(spec, backend, sizes=given, length=args.length, layout=args.layout, dtype=args.dtype,
+                      repeat=args.repeat, with_grad=not args.forward_only, check_length=args.check_length,
+                      seed=args.seed, scale=args.scale, label=label)
+        except ValueError as err:  # this spec cannot be checked so; the others still run
+            print(f"error: {label}: {err}", file=sys.stderr)
+            ok = False
+            continue
+        ok &= r.ok
+        verdict = "OK" if r.ok else f"FAIL ({r.worst}; tolerance {TOLERANCE[args.dtype]:g}; not timed)"
+        if r.ok and not r.finite:
+            verdict += f" (outputs over {r.length} steps not finite: the inputs make it grow; see --scale)"
+        rows.append([label, " ".join(f"{a}={n}" for a, n in r.sizes.items()), str(r.length),
+                     "-" if r.forward_ms is None else f"{r.forward_ms:.3f}",
+                     "-" if r.grad_ms is None else f"{r.grad_ms:.3f}", f"{r.error:.1e} (L={r.check_length})", verdict])
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0 if ok else 1
+
+
 # -- demo --------------------------------------------------------------------------------------
 
 def _device(backend: str) -> str:
-    """Where `backend` runs (every backend so far runs on the CPU; a GPU backend names its GPU here)."""
+    """Where `backend` runs: the GPU's name for cuda, else the CPU."""
+    if backend == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
@@ -310,6 +355,24 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--length", type=int, default=64, help="number of time steps (default: 64)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     check.set_defaults(run=cmd_check)
+
+    bench = sub.add_parser("bench", help="check a spec against the interpreter, then time its forward and gradient")
+    bench.add_argument("spec", metavar="SPEC.py[:NAME]", help="a spec file; :NAME picks one spec by its variable name")
+    bench.add_argument("--backend", choices=api.BACKENDS, help="default: the fastest available")
+    bench.add_argument("--sizes", help="axis sizes, e.g. b=8,d=1536,n=16 (others: 16)")
+    bench.add_argument("--length", type=int, default=1024, help="number of time steps (default: 1024)")
+    bench.add_argument("--layout", default="t ...",
+                       help='where time sits in sequence arrays, e.g. "b t ..." or "b d t" (default: "t ...")')
+    bench.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                       help="the inputs' and the computation's type (default: float32)")
+    bench.add_argument("--repeat", type=int, default=10, help="timed calls after the first (default: 10)")
+    bench.add_argument("--forward-only", action="store_true", help="time the forward alone")
+    bench.add_argument("--check-length", type=int, default=64,
+                       help="steps of the check against the interpreter (default: 64)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    bench.add_argument("--scale", type=float, default=0.5,
+                       help="the random inputs' standard deviation (default: 0.5)")
+    bench.set_defaults(run=cmd_bench)
 
     demo = sub.add_parser("demo", help="run the bundled examples and compare them with their references")
     demo.add_argument("--backend", choices=api.BACKENDS, help="default: the fastest available")

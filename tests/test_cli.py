@@ -9,6 +9,8 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 import ssmc
 from ssmc import examples, pipeline
 from ssmc.cli import main
@@ -140,6 +142,82 @@ def test_check_runs_every_file_and_attention(tmp_path, capsys):
     assert f"bad.py:{line_of(bad, 'nope')}: ValueError: nope" in captured.err
     assert "hgrn.py:hgrn" in captured.out
     assert "attn.py:attn  attention" in captured.out and "out[64," in captured.out
+
+
+# -- bench -------------------------------------------------------------------------------------
+
+def _bench_rows(out: str) -> dict[str, str]:
+    """The table's rows by spec name (its first column)."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("spec "))
+    return {line.split()[0]: line for line in lines[head + 1:] if line.strip()}
+
+
+def test_bench_checks_then_times_forward_and_gradient(capsys):
+    assert main(["bench", HGRN, "--backend", "numba", "--sizes", "b=3,d=5", "--length", "180", "--repeat", "2",
+                 "--check-length", "7", "--layout", "b t ..."]) == 0
+    out = capsys.readouterr().out
+    assert "backend numba" in out and "layout 'b t ...'" in out and "medians of 2 calls" in out
+    row = _bench_rows(out)["hgrn"].split()
+    assert row[1:4] == ["b=3", "d=5", "180"]
+    fwd, grad, err = float(row[4]), float(row[5]), float(row[6])
+    assert fwd > 0 and grad > 0 and err < 1e-3 and row[7] == "(L=7)" and row[-1] == "OK"
+
+
+def test_bench_forward_only_in_float64_on_the_interpreter(capsys):
+    assert main(["bench", HGRN, "--backend", "interpreter", "--dtype", "float64", "--length", "7", "--repeat", "1",
+                 "--forward-only"]) == 0
+    row = _bench_rows(capsys.readouterr().out)["hgrn"].split()
+    assert float(row[4]) > 0 and row[5] == "-" and float(row[6]) == 0.0 and row[-1] == "OK"
+
+
+def test_bench_a_backend_that_disagrees_fails_untimed(monkeypatch, capsys):
+    from ssmc.runtime import benchmark
+
+    monkeypatch.setattr(benchmark, "check", lambda *args: (0.5, "grad x"))
+    assert main(["bench", HGRN, "--backend", "numba", "--length", "7", "--repeat", "1"]) == 1
+    row = _bench_rows(capsys.readouterr().out)["hgrn"]
+    assert "FAIL (grad x; tolerance 0.001; not timed)" in row and row.split()[3:6] == ["7", "-", "-"]
+
+
+def test_bench_growing_recurrence_is_one_line_and_the_others_run(tmp_path, capsys):
+    path = write_spec(tmp_path, "grow.py", """
+        @ssmc.recurrence
+        def grow(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+            h = 4.0 * h + x                   # grows without bound on any input
+            return h, h
+
+        @ssmc.recurrence
+        def slow_growth(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+            h = 1.5 * h + x                   # within float32 over 40 steps, past it over 400
+            return h, h
+    """)
+    assert main(["bench", str(path), "--backend", "numba", "--length", "400", "--check-length", "40",
+                 "--repeat", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: grow: on random inputs of scale 0.5 its outputs reach ")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    rows = _bench_rows(captured.out)
+    assert "grow" not in rows  # checked over 40 steps (1.5^40 ~ 1e7), timed over 400 (past float32)
+    assert "OK (outputs over 400 steps not finite: the inputs make it grow; see --scale)" in rows["slow_growth"]
+
+
+@pytest.mark.gpu
+def test_bench_on_the_gpu_checks_and_times_mamba1(capsys):
+    """Mamba-1 on the cuda backend, channels before time, at an awkward length and channel count."""
+    assert main(["bench", str(ROOT / "examples" / "mamba1.py"), "--backend", "cuda", "--layout", "b d t",
+                 "--sizes", "b=2,d=37,n=16", "--length", "1000", "--repeat", "3", "--scale", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "backend cuda" in out
+    row = _bench_rows(out)["mamba1"].split()
+    assert float(row[5]) > 0 and float(row[6]) > 0 and float(row[7]) < 1e-3 and "OK" in row
+
+
+def test_bench_rejects_unknown_axes_and_skips_attention(capsys):
+    assert main(["bench", HGRN, "--sizes", "q=3"]) == 1
+    assert capsys.readouterr().err == "error: hgrn: --sizes: no axes ['q'] (its axes: b d)\n"
+    assert main(["bench", str(ROOT / "examples" / "alibi_attention.py"), "--backend", "interpreter"]) == 0
+    assert "attention runs on the interpreter only" in capsys.readouterr().out
 
 
 # -- demo --------------------------------------------------------------------------------------
