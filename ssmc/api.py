@@ -87,7 +87,7 @@ class Compiled:
             prepare = preparer(self.backend, p, dtype) if key is not None and key not in self._calls else None
             prepared = prepare and prepare(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype)
             if prepare is not None:
-                if len(self._calls) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: keep the newest
+                if len(self._calls) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
                     self._calls.clear()
                 # False: runs of more than one launch take the full path (the key says so quickly)
                 self._calls[key] = prepared and _bound_call(p, layout, bound.initial, prepared, given=set(kwargs))

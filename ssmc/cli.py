@@ -236,7 +236,8 @@ def cmd_bench(args) -> int:
             ok = False
             continue
         ok &= r.ok
-        verdict = "OK" if r.ok else f"FAIL ({r.worst}; tolerance {TOLERANCE[args.dtype]:g}; not timed)"
+        tolerance = TOLERANCE["float64" if backend == "interpreter" else args.dtype]
+        verdict = "OK" if r.ok else f"FAIL ({r.worst}; tolerance {tolerance:g}; not timed)"
         if r.ok and not r.finite:
             verdict += f" (outputs over {r.length} steps not finite: the inputs make it grow; see --scale)"
         rows.append([label, " ".join(f"{a}={n}" for a, n in r.sizes.items()), str(r.length),
@@ -254,6 +255,9 @@ def cmd_bench(args) -> int:
 def _device(backend: str) -> str:
     """Where `backend` runs: the GPU's name for cuda, else the CPU."""
     if backend == "cuda":
+        from .backends.cuda.runner import require_gpu
+
+        require_gpu()  # a ValueError (one line) where there is none
         import torch
 
         return torch.cuda.get_device_name()
@@ -367,8 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the inputs' and the computation's type (default: float32)")
     bench.add_argument("--repeat", type=int, default=10, help="timed calls after the first (default: 10)")
     bench.add_argument("--forward-only", action="store_true", help="time the forward alone")
-    bench.add_argument("--check-length", type=int, default=64,
-                       help="steps of the check against the interpreter (default: 64)")
+    bench.add_argument("--check-length", type=int, default=None,
+                       help="steps of the check against the interpreter (default: --length; fewer check faster, "
+                            "but a length can pick other kernels than those timed)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     bench.add_argument("--scale", type=float, default=0.5,
                        help="the random inputs' standard deviation (default: 0.5)")

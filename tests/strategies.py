@@ -389,3 +389,13 @@ def state_axis_recurrences(draw, max_depth: int = 2):
             y = src.emit(f"{y.code} + {x.code}", y.axes | x.axes, y.bound + x.bound, 0.0)
         outputs.append(y)
     return build_spec(sig, src, updates, outputs)
+
+
+@ssmc.recurrence
+def param_in_setup(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["b d"], A: ssmc.Param["d n"],
+                   B: ssmc.Seq["b n"], C: ssmc.Seq["b n"]):
+    """Mamba-shaped, A read as exp(dt A) and as tanh(A), which the lanes kernel hoists into its setup:
+    the body's exp(dt A) as exp2 of A loaded times log2 e must leave the setup's A as it is."""
+    dt = ssmc.softplus(delta)
+    h = ssmc.exp(dt * A) * h + ssmc.tanh(A) * u * B
+    return h, ssmc.dot(h, C, over="n")

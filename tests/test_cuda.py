@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, draw_inputs, layers, recurrences, state_axis_recurrences
+from strategies import (
+    diagonal_linear_recurrences,
+    draw_inputs,
+    layers,
+    param_in_setup,
+    recurrences,
+    state_axis_recurrences,
+)
 
 import ssmc
 
@@ -498,6 +505,31 @@ def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
         del os.environ["SSMC_CUDA_STRATEGY"]
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
         assert rel_err(g, w) <= 1e-9
+
+
+@pytest.mark.parametrize("layout", ["t ...", "... t"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("length", [7, 1000])
+def test_lanes_kernel_with_a_param_read_by_its_setup_too(layout, dtype, length):
+    """A read as exp(dt A) in the body and as tanh(A) in the setup (strategies.param_in_setup): the
+    lanes kernel (forced) against the interpreter, outputs and final states. The setup once read A
+    scaled by log2 e, which only the body's exp2 wants."""
+    import os
+
+    sizes = {"b": 2, "d": 37, "n": 16}
+    inputs = draw_inputs(param_in_setup, length, length, sizes=sizes)
+    inputs["A"] = -np.exp(inputs["A"])  # decays in (0, 1), as Mamba's: bounded over any length
+    if layout == "... t":
+        inputs = _time_last(param_in_setup, inputs)
+    want = ssmc.compile(param_in_setup, "interpreter", layout=layout).run(**inputs)
+    os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
+    try:
+        got = ssmc.compile(param_in_setup, "cuda", dtype=dtype, layout=layout).run(**on_gpu(inputs, dtype))
+    finally:
+        del os.environ["SSMC_CUDA_STRATEGY"]
+    tolerance = 1e-9 if dtype == "float64" else 1e-4
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert rel_err(g, w) <= tolerance
 
 
 @pytest.mark.parametrize("layout,length,dtype", [("b d t", 1000, "float32"), ("b d t", 4097, "float32"),

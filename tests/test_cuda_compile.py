@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, recurrences, state_axis_recurrences
+from strategies import diagonal_linear_recurrences, param_in_setup, recurrences, state_axis_recurrences
 
 import ssmc
 from ssmc.backends.cuda import nvrtc
@@ -257,6 +257,22 @@ def test_mamba1_forward_runs_as_lanes_along_n_without_spills(sizes, length, layo
     assert forward.resources is not None and not forward.resources.spills, forward.error
 
 
+@pytest.mark.parametrize("layout", [False, True])
+def test_lanes_params_scaled_by_log2e_only_where_the_body_alone_reads_them(layout):
+    """Mamba-1's A, read only as exp(dt A), is loaded times log2 e for the body's exp2; a spec whose
+    setup also reads A (tanh(A), hoisted) loads it as it is and keeps exp (the setup read the
+    scaled value before: a silently wrong tanh)."""
+    mamba1 = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    sizes = {"b": 8, "d": 1536, "n": 16}
+    for program, scaled in ((mamba1, True), (param_in_setup.program, False)):
+        forward, = kernel_reports(program, sizes, 2048, backward=False, time_contiguous=layout, compile_kernels=False)
+        assert forward.strategy.startswith("lanes"), forward.strategy
+        src = forward.source
+        assert ("rp_A[j] = i_n < n_n ? F(to_f(A[(p_d) * 16LL + (i_n)])) * F(1.4426950408889634)" in src) == scaled
+        assert ("exp2_(" in src) == scaled
+    assert "tanh_(rp_A[j])" in src
+
+
 def _blocks_per_sm(registers: int, shared: int, threads: int) -> int:
     """Blocks of a kernel resident at once on one SM of an H100 / H200 (sm_90): 64 K registers
     (allocated 8 a thread, 256 a warp), 228 KiB of shared memory with 1 KiB reserved a block,
@@ -269,9 +285,10 @@ def _blocks_per_sm(registers: int, shared: int, threads: int) -> int:
 @pytest.mark.parametrize("layout", [False, True])
 def test_mamba1_small_forward_runs_in_one_wave(layout):
     """Mamba-1 at B32 D512 L180: the body's sum over n lives in delta's chunk buffer (which only the
-    pre phase reads, lanes.hosted_sums), so the lanes kernel's grid is resident on an H100's 132 SMs
-    at once (as the training forward's is, time contiguous). Before, 7 blocks of 64 threads fit an
-    SM and the 1024 blocks ran in two waves: 0.060 ms against 0.041 at B28 (896 blocks), H100."""
+    pre phase reads, lanes.hosted_sums), so the lanes kernel takes blocks of 128 threads and its
+    grid is resident on an H100's 132 SMs at once (as the training forward's is, time contiguous).
+    Before, 7 blocks of 64 threads fit an SM and the 1024 blocks ran in two waves: 0.060 ms against
+    0.041 at B28 (896 blocks), H100."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, {"b": 32, "d": 512, "n": 16}, 180, time_contiguous=layout,
                              backward=layout)

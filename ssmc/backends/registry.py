@@ -118,11 +118,13 @@ def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, l
 
 
 def array_support(backend: str, read_only_zeros: bool = False):
-    """(convert, zeros) for binding arguments: NumPy on the host, torch CUDA tensors for cuda.
+    """(convert, zeros) for binding arguments: NumPy on the host, torch CUDA tensors for cuda (a
+    ValueError where this machine cannot run cuda).
     `read_only_zeros`: the caller never writes nor returns the zero initial states (a forward), so
     cuda may share one tensor per shape between calls (`shared_device_zeros`)."""
     if backend == "cuda":
-        from .cuda.runner import device_zeros, shared_device_zeros, to_device
+        from .cuda.runner import device_zeros, require_gpu, shared_device_zeros, to_device
 
+        require_gpu()
         return to_device, shared_device_zeros if read_only_zeros else device_zeros
     return None, None

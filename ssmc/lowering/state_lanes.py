@@ -24,7 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .loops import Assign, Bin, Buffer, Call, Load, Loop, Num, Var, accesses, map_children, scalars_read, subexpressions
+from .loops import (
+    Assign,
+    Bin,
+    Buffer,
+    Call,
+    Load,
+    Loop,
+    Num,
+    Var,
+    accesses,
+    map_children,
+    scalars_read,
+    subexpressions,
+    walk,
+)
 from .plan import Kernel, size_var
 from .state_major import StateMajor, buffer_names, state_major
 
@@ -43,7 +57,7 @@ class StateLanes:
     lane_buffers: tuple[str, ...]      # the setup's buffers along `axis` (the states'): S values per lane
     carried: tuple[str, ...]           # the states' buffers (st_<state>): their scalars carry from step to step
     lane_params: tuple[str, ...]       # params the body reads along `axis`: S values per lane, loaded once
-    log2e_params: tuple[str, ...] = ()  # lane params the body reads only as exp(x * P), now exp2(x * P):
+    log2e_params: tuple[str, ...] = ()  # lane params only the body reads, only as exp(x * P), now exp2(x * P):
                                         # loaded times log2 e (ex2 takes base 2: a multiply per step saved)
 
     @property
@@ -112,7 +126,10 @@ def state_lanes(k: Kernel) -> StateLanes | None:
         if any(e.array in buffers for e in accesses(s)) or scalars_read(s) & setup_scalars:
             return None
     lane_buffers = tuple(sorted(buffers))
-    body, log2e = _exp2_of_params(major.body, lane_params)
+    # the setup and finish read lane params as the body's registers do (rp_<P>): one scaled by log2 e
+    # for the body's exp2 would be wrong there (a hoisted tanh(A), say), so such params stay unscaled
+    elsewhere = {e.array for s in walk(k.setup + k.finish) if isinstance(s, Assign) for e in accesses(s)}
+    body, log2e = _exp2_of_params(major.body, lane_params - elsewhere)
     return StateLanes(replace(major, body=body), axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
                       tuple(sorted(sums.items())), lane_buffers, tuple(sorted(carried)), tuple(sorted(lane_params)),
                       log2e)

@@ -1,9 +1,10 @@
 """Timing a recurrence on a backend, as ``ssmc bench`` does: checked against the interpreter first.
 
-    check: the same sizes over `check_length` steps, inputs of `scale` N(0, 1) (the recurrence
-           must not grow on them: `GROWTH_LIMIT`); outputs, final states and every gradient
-           against the float64 interpreter, by relative error (max |got - want| / max |want| per
-           array) within `TOLERANCE` of the compute dtype; a spec that fails is not timed
+    check: the same sizes and steps (or the first `check_length`: quicker, but a length can pick
+           other kernels), inputs of `scale` N(0, 1) (the recurrence must not grow on them:
+           `GROWTH_LIMIT`); outputs, final states and every gradient against the float64
+           interpreter, by relative error (max |got - want| / max |want| per array) within
+           `TOLERANCE` of the compute dtype; a spec that fails is not timed
     time:  for each of `repeat` fresh random inputs (drawn and moved to the device before the clock
            starts):
                start; compiled(inputs); wait for the device; stop                  # forward
@@ -172,7 +173,7 @@ def _timed(call, wait) -> tuple[float, object]:
 
 
 def bench(spec, backend: str, *, sizes: dict[str, int] | None = None, length: int = 1024, layout="t ...",
-          dtype: str = "float32", repeat: int = 10, with_grad: bool = True, check_length: int = 64,
+          dtype: str = "float32", repeat: int = 10, with_grad: bool = True, check_length: int | None = None,
           seed: int = 0, scale: float = 0.5, label: str = "") -> BenchResult:
     """Check `spec` on `backend` against the interpreter, then time it (module docstring); a note
     on stderr says so where either takes more than a moment (`label` names the spec in it)."""
@@ -182,11 +183,11 @@ def bench(spec, backend: str, *, sizes: dict[str, int] | None = None, length: in
     backend = check_backend(backend)
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {sorted(TOLERANCE)}, not {dtype!r}")
-    if length < 1 or repeat < 1 or check_length < 1:
+    if length < 1 or repeat < 1 or (check_length is not None and check_length < 1):
         raise ValueError("length, repeat and check length must be at least 1")
     program = spec.program
     sizes = bench_sizes(program, sizes or {})
-    checked = min(length, check_length)
+    checked = length if check_length is None else min(length, check_length)
     label = label or program.name
     with _quiet(), progress(f"{label}: checking {backend} against the interpreter over {checked} steps"):
         error, worst = check(spec, backend, layout, dtype, sizes, checked, seed, with_grad, scale)

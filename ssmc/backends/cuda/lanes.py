@@ -66,10 +66,12 @@ def hosted_sums(lanes: StateLanes) -> dict[str, str]:
     that only the pre phase reads (Mamba-1's sum_n h C in delta's): the pre phase is done with
     that buffer when the body writes the sums, the post phase reads them, and the buffer takes the
     chunk after next only once every thread is past the post phase (the barrier at the chunk's
-    start). One [R][P] array of shared memory less a sum: Mamba-1's block 29952 -> 27648 bytes,
-    so 8 blocks of 64 threads fit an SM (228 KiB, 1 KiB reserved a block) where 7 did; at B32
-    D512 (1024 blocks) the grid then runs in one wave on 132 SMs instead of two (kernel 0.060 ms
-    at B32 against 0.041 at B28, 896 blocks, on an H100, 2026-11-25)."""
+    start). One [R][P] array of shared memory less a sum: Mamba-1's blocks of 128 threads now fit
+    the 48 KiB of static shared memory (46080 bytes; blocks of 64 took 29952 before), 4 an SM, so
+    at B32 D512 its 512 blocks run in one wave on 132 SMs, where 1024 blocks of 64 threads, 7 an
+    SM, ran in two (kernel 0.060 ms at B32 against 0.041 at B28, on an H100). Measured after, on
+    an H100 (2026-11-25): B8 D1536 L2048 forward 0.282 ms, 3.12x mamba-ssm in the same run; the
+    training forward at B32 D512 L192 0.041 ms."""
     later = {e.array for s in lanes.major.body + lanes.major.post for e in accesses(s)}
     hosts = [a for a in lanes.row_seqs if a not in later]
     return dict(zip((name for name, _ in lanes.sums), hosts))
@@ -296,7 +298,7 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
     plain = CPrinter(k, arrays, sizes)
     for t in stores:
         at, spec = plain.index(t), arrays[t.array]
-        whole = spec.dtype == "float32" and all(st % steps == 0 for st in spec.strides[1:])
+        whole = spec.dtype == "float32" and spec.strides[0] == 1 and all(st % steps == 0 for st in spec.strides[1:])
         scalar = [f"for (int q = 0; q < {steps}; ++q) {{", "    const int t = t0 + t4 + q;",
                   f"    if (t < L) {t.array}[{at}] = {_store(spec.dtype, f'o_{t.array}[q]')};", "}"]
         if not whole:

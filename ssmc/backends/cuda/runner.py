@@ -45,13 +45,42 @@ _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float1
 
 
 def available() -> bool:
+    return missing() is None
+
+
+def missing() -> str | None:
+    """Why the cuda backend cannot run here (no CuPy, no PyTorch, no GPU), or None where it can."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
     try:
         import cupy
-        import torch
+    except ImportError:
+        return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
+    try:
+        if not torch.cuda.is_available():
+            return "PyTorch sees no CUDA GPU"
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA GPU"
+    except Exception as err:  # a driver that does not load, say
+        return f"{type(err).__name__}: {err}"
+    return None
 
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+
+_GPU_FOUND = False  # set once the first call found one: later calls skip the look
+
+
+def require_gpu() -> None:
+    """ValueError naming what is missing where the cuda backend cannot run (before any array moves)."""
+    global _GPU_FOUND
+    if _GPU_FOUND:
+        return
+    reason = missing()
+    if reason is not None:
+        raise ValueError(f"backend 'cuda' needs a CUDA GPU with CuPy and PyTorch: {reason}; "
+                         "backend 'numba' runs on the CPU")
+    _GPU_FOUND = True
 
 
 def to_device(x, name: str):
@@ -335,8 +364,9 @@ class CudaRunner:
         can split, "warp" where the sequences have time contiguous (lanes read neighbouring steps;
         at least two rounds), "time blocks" where not and the recurrences are too few to fill the
         GPU, and "fused" (a thread per recurrence) otherwise. `SSMC_CUDA_STRATEGY` forces one. With
-        `lanes` false, the choice without the lanes kernel (the fused backward's, whose training forward
-        is a warp kernel saving round carries)."""
+        `lanes` false, the choice without the lanes kernel (the fused backward asks so whether it
+        applies: where the warp kernel would run; its training forward is the lanes kernel where the
+        plain forward is, else the warp kernel, each saving round carries)."""
         forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced and forced not in STRATEGIES:
             raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
