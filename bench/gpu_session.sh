@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: everything a session needs measured, into one folder of logs.
+#
+#     bash bench/gpu_session.sh [OUT_DIR]        # default: $OUT, else ./gpu_session_out
+#
+# 1. the GPU tests (pytest -m gpu) side by side with the build of mamba-ssm's CUDA extension
+#    (CPU work; nothing is timed while the tests run)
+# 2. bench/gpu_peers.py: ssmc against accelerated-scan, fla and mamba-ssm (peers/ as its docstring says)
+# 3. bench/lanes_backward_probe.py (every variant) at the two Mamba-1 shapes, bench/block_scan.py
+# 4. ncu of the lanes forward, the fused backward and the probe's variants (first launch of each)
+#
+# Logs: gpu_tests.log, peers.log, probes.log, ncu.log, and the machine in machine.log. Each step has
+# a time limit, so a slow step leaves the others their turn (about 8 minutes in all on an H100).
+set -u
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-gpu_session_out}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv; git log --oneline -1; } \
+    > "$out/machine.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$out/machine.log" 2>&1
+
+timeout 300 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider --durations=10 tests/ > "$out/gpu_tests.log" 2>&1 &
+tests=$!
+timeout 280 python3 bench/gpu_peers.py --build-mamba --quick --only mamba1_small --no-warp --no-variants \
+    --out /tmp/gpu_session_prebuild > /tmp/gpu_session_prebuild.log 2>&1 &
+wait $tests
+echo "pytest exit $?" >> "$out/gpu_tests.log"
+wait
+
+{ date -u; timeout 200 python3 bench/gpu_peers.py --build-mamba --no-warp --no-variants --out /tmp/gpu_session_peers;
+  cat /tmp/gpu_session_peers/gpu_peers.md; } > "$out/peers.log" 2>&1
+
+{ date -u; timeout 120 python3 bench/lanes_backward_probe.py; echo "exit $?";
+  timeout 90 python3 bench/lanes_backward_probe.py --batch 32 --dim 512 --length 192; echo "exit $?";
+  timeout 60 python3 bench/block_scan.py --out /tmp/gpu_session_block_scan; echo "exit $?"; } > "$out/probes.log" 2>&1
+
+cat > /tmp/gpu_session_step.py <<'PY'
+import numpy as np, torch, ssmc
+from ssmc.examples import mamba1 as ex
+x = ex.make_inputs(np.random.default_rng(0), 2048, batch=8, dim=1536, state=16)
+x = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in x.items()}
+dy = torch.randn(8, 1536, 2048, device="cuda")
+ssmc.compile(ex.SPEC, "cuda", layout=ex.LAYOUT)(**x)
+ssmc.grad(ex.SPEC, "cuda", layout=ex.LAYOUT)(**x, grad_outputs=dy)
+torch.cuda.synchronize()
+PY
+sections="--section SpeedOfLight --section WarpStateStats --section InstructionStats --section Occupancy
+          --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+# shellcheck disable=SC2086
+{ timeout 90 ncu --clock-control none $sections -k 'regex:mamba1_fused$|mamba1_fused_backward' -c 2 \
+      python3 /tmp/gpu_session_step.py;
+  timeout 120 ncu --clock-control none $sections -k mamba1_lanes_backward -c 7 \
+      python3 bench/lanes_backward_probe.py; date -u; } > "$out/ncu.log" 2>&1
