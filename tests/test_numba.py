@@ -172,6 +172,57 @@ def test_gradient_keeps_its_axis_order_when_a_param_is_read_reordered():
         assert rel_err(got[key], want[key]) <= 1e-9, key
 
 
+def _names_the_module_uses(c: ssmc.State["b d"], F: ssmc.Seq["b d"], L: ssmc.Seq["b d"], tanh: ssmc.Seq["b d"],
+                           m0: ssmc.Seq["b d"], threads: ssmc.Param["d"], np: ssmc.Param["d"]):
+    # c: the template's loop over tiles of steps; F: its compute type; L, threads: its kernels'
+    # parameters; tanh: a math function; m0: a temporary's name (plan.py); np: NumPy
+    c = ssmc.sigmoid(threads) * c + ssmc.tanh(F * m0 + L) * tanh
+    return c, c * np + F
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_arrays_named_as_the_module_names_its_own_things(dtype):
+    """A state `c` (an LSTM's cell), a sequence `F`, `L`, `tanh` or `m0`, a param `threads` or `np`:
+    each is a name the generated module uses too; printed under another name (codegen.array_names),
+    forward and every gradient agree with the interpreter (before: a Numba typing error in the
+    backward for `c`, a syntax error for `L`)."""
+    from ssmc.backends.numba.codegen import array_names
+    from ssmc.backends.numba.runner import runner_for
+
+    spec = ssmc.recurrence(_names_the_module_uses)
+    renamed = array_names(runner_for(spec.program, dtype).lowered, dtype)
+    assert set(renamed) == {"F", "L", "np", "tanh", "threads"}, renamed  # m0: the step's temporaries avoid it
+    inputs = {k: v.astype(dtype) for k, v in draw_inputs(spec, 7, 5).items()}
+    want = ssmc.compile(spec, "interpreter").run(**inputs)
+    got = ssmc.compile(spec, "numba").run(**inputs)
+    tolerance = 1e-12 if dtype == "float64" else 1e-5
+    for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
+        assert rel_err(g, w) <= tolerance
+    rng = np.random.default_rng(5)
+    cot = {n: rng.standard_normal(v.shape).astype(dtype) for n, v in want[0].items()}
+    got = ssmc.grad(spec, "numba", chunk=4)(**inputs, grad_outputs=cot)
+    want = ssmc.grad(spec, "interpreter", chunk=4)(**inputs, grad_outputs=cot)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= tolerance * 10, key
+
+
+def _cell(c: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+    c = ssmc.tanh(0.5 * c + x)
+    return c, c
+
+
+def test_a_state_named_as_the_loop_over_tiles_of_steps():
+    """A state `c`, whose backward reads its carries `c` inside the template's loop over tiles of
+    steps `for c in range(...)` (backends/numba/ahead.py): a Numba typing error before."""
+    spec = ssmc.recurrence(_cell)
+    inputs = draw_inputs(spec, 40, 1)
+    cot = {"y": np.random.default_rng(1).standard_normal((40, *inputs["x"].shape[1:]))}
+    got = ssmc.grad(spec, "numba")(**inputs, grad_outputs=cot)
+    want = ssmc.grad(spec, "interpreter")(**inputs, grad_outputs=cot)
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-12, key
+
+
 def test_a_second_process_loads_the_compiled_kernel_from_the_cache(tmp_path):
     script = textwrap.dedent("""
         import numpy as np, ssmc

@@ -148,3 +148,21 @@ def accesses(s: Assign):
 def scalars_read(s: Assign) -> set[str]:
     """The names of the scalars (`Var`s) the value of the assignment `s` reads."""
     return {e.name for e in subexpressions(s.value) if isinstance(e, Var)}
+
+
+def rename_arrays(stmts: list, names: dict[str, str]) -> list:
+    """`stmts` with every `Load` of an array in `names` reading (or writing) ``names[array]``."""
+    def expr(e):
+        if isinstance(e, Load):
+            return Load(names.get(e.array, e.array), e.index)
+        return map_children(e, expr)
+
+    out = []
+    for s in stmts:
+        if isinstance(s, Loop):
+            s = Loop(s.var, s.extent, rename_arrays(s.body, names), s.reverse)
+        elif isinstance(s, Assign):
+            s = Assign(expr(s.target), expr(s.value), s.op)
+        out.append(s)
+    return out
+

@@ -192,8 +192,12 @@ class StepBuilder:
                     keep = True  # hoist out of the time loop
             if keep:
                 chosen.append(n)
+        taken = {d.name for d in self.k.program.decls}  # a user's sequence `m0` is not a temporary
         for i, n in enumerate(chosen):
-            self.names.setdefault(n, f"{self.prefix}m{i}")
+            name = f"{self.prefix}m{i}"
+            while name in taken:
+                name += "_"
+            self.names.setdefault(n, name)
         return chosen
 
     def _lets(self) -> dict[Node, list[Node]]:

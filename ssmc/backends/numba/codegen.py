@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import hashlib
+import keyword
 import math
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
 import jinja2
 
 from ... import __version__
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
+from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, rename_arrays
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.unroll import unroll_sums
 from . import blocking, simd
@@ -130,11 +134,61 @@ def _template() -> jinja2.Template:
 
 
 def module_source(lowered: Lowered, dtype: str) -> str:
-    kernels = [_kernel_context(k) for k in lowered.kernels]
+    """The Numba module of `lowered`'s kernels, their arrays printed by `array_names` (the user's
+    names, but where the module uses one for something else too)."""
+    return _render(lowered, dtype, array_names(lowered, dtype))
+
+
+def _render(lowered: Lowered, dtype: str, names: dict[str, str]) -> str:
+    kernels = [_kernel_context(_renamed(k, names)) for k in lowered.kernels]
     tiled = any(k["tiled"] for k in kernels)
     return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
                               strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else (),
                               simd_digest=_digest(simd.__file__) if tiled else "")
+
+
+_MARK = "ssmc_array_"  # marks the arrays' names in the probe render of `array_names`
+
+
+def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
+    """Arrays (the user's sequences, params and states, and what derives from them) whose names the
+    module also uses for something else, each with a free name to print it by: a state `c` and the
+    loop over tiles `c`, a sequence `F` and the compute type `F`, a param `tanh` and the function.
+    Found by rendering the module once with every array's name marked: the module's globals and
+    every name inside the kernels' functions (and Python's keywords and builtins) are taken; the
+    helpers' own locals are not. The kernels take their arrays by position, so the runner binds
+    them as before."""
+    arrays = {a.name for k in lowered.kernels for a in k.arrays}
+    tree = ast.parse(_render(lowered, dtype, {name: _MARK + name for name in arrays}))
+    kernels = {k.name for k in lowered.kernels}
+    taken = set(keyword.kwlist) | set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            taken.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            taken |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        else:
+            taken |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if isinstance(node, ast.FunctionDef) and node.name in kernels:
+            taken |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            taken |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    taken = {name for name in taken if not name.startswith(_MARK)}
+    names = {}
+    for name in sorted(arrays & taken):
+        new = name + "_"
+        while new in taken or new in arrays:
+            new += "_"
+        names[name] = new
+    return names
+
+
+def _renamed(k: Kernel, names: dict[str, str]) -> Kernel:
+    """`k` with its arrays called by `names` (those not in it as they are)."""
+    if not any(a.name in names for a in k.arrays):
+        return k
+    return replace(k, arrays=[replace(a, name=names.get(a.name, a.name)) for a in k.arrays],
+                   setup=rename_arrays(k.setup, names), step=rename_arrays(k.step, names),
+                   finish=rename_arrays(k.finish, names))
 
 
 @cache
