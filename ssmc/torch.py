@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from .api import _program, compile
 from .grad_stages import make_grad
@@ -37,6 +38,9 @@ class _Recurrence(torch.autograd.Function):
         names = fn.names[:n_given]
         kwargs = {n: t.detach() for n, t in zip(names, tensors)}
         outs, finals, tape = fn.grad.forward(**kwargs)
+        # the tape holds views of the inputs: saved, so an input changed in place before the backward
+        # is torch's "modified by an inplace operation" error, not a wrong gradient
+        ctx.save_for_backward(*tensors)
         ctx.fn, ctx.names, ctx.tape = fn, names, tape
         ctx.dtypes = [t.dtype for t in tensors]
         like = tensors[0]
@@ -46,7 +50,9 @@ class _Recurrence(torch.autograd.Function):
         return tuple(ys + [_to_torch(finals[s.name], like) for s in program.states])
 
     @staticmethod
+    @once_differentiable  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
+        ctx.saved_tensors  # noqa: B018 - torch checks here that no input changed in place since the forward
         fn = ctx.fn
         n_out = len(fn.program.outputs)
         grad_y = {name: c for (name, _), c in zip(fn.program.outputs, cotangents[:n_out]) if c is not None}
@@ -96,7 +102,8 @@ class SsmcFunction:
             names = self.names[:len(tensors)]
             ys, finals = self.compiled(**dict(zip(names, tensors)), return_final_states=True)
             like = tensors[0]
-            ys = tuple(_to_torch(y, like) for y in (ys if isinstance(ys, tuple) else (ys,))) if ys is not None else ()
+            ys = tuple(_to_torch(y, like).to(like.dtype) for y in (ys if isinstance(ys, tuple) else (ys,))
+                       ) if ys is not None else ()  # in the first input's dtype, as with a tape
             finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
             results = ys + finals
         else:

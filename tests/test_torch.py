@@ -47,6 +47,47 @@ def test_inference_runs_the_plain_forward_and_matches():
     assert y.requires_grad and float((y.detach().numpy() - want).__abs__().max() / abs(want).max()) <= 1e-10
 
 
+def _hgrn_tensors(dtypes=None, requires_grad=True):
+    values = _inputs(hgrn, 7)
+    names = [d.name for d in hgrn.SPEC.program.inputs]
+    dtypes = dtypes or {}
+    return [torch.tensor(values[n], dtype=dtypes.get(n, torch.float64), requires_grad=requires_grad) for n in names]
+
+
+def test_an_input_changed_in_place_before_the_backward_is_an_error():
+    """The tape holds views of the inputs: changed in place after the forward, the gradient would
+    be silently wrong; torch's version check says so instead."""
+    f = st.function(hgrn.SPEC, "numba", layout=hgrn.LAYOUT)
+    x, gate = _hgrn_tensors()
+    moved = gate.detach().clone().requires_grad_()
+    y = f(x, moved * 1.0)  # an intermediate (not a leaf) the caller may change in place
+    y2 = f(x, gate)
+    with torch.no_grad():
+        gate.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y2.sum().backward()
+    y.sum().backward()  # untouched: fine
+    assert moved.grad is not None
+
+
+def test_a_second_derivative_is_an_error_not_zeros():
+    f = st.function(hgrn.SPEC, "numba", layout=hgrn.LAYOUT)
+    x, gate = _hgrn_tensors()
+    (gx,) = torch.autograd.grad(f(x, gate).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
+def test_outputs_have_the_first_inputs_dtype_with_or_without_a_tape():
+    """Mixed dtypes (x float32, the rest float64): the same output dtype for inference and training."""
+    f = st.function(hgrn.SPEC, "numba", layout=hgrn.LAYOUT)
+    with torch.no_grad():
+        inference = f(*_hgrn_tensors({"x": torch.float32}, requires_grad=False))
+    training = f(*_hgrn_tensors({"x": torch.float32}))
+    assert inference.dtype == training.dtype == torch.float32
+    assert torch.allclose(inference, training.detach())
+
+
 @pytest.mark.parametrize("length", [1, 7, 180, 1000])
 def test_tape_gives_the_gradients_of_a_fresh_run(length):
     """forward + backward from the tape == the one-call gradient with chunks recomputed, at awkward L."""
