@@ -25,7 +25,7 @@ from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
 from .ir.program import Recurrence
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout, layout_of
 
 __all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
 
@@ -73,6 +73,7 @@ class Compiled:
             call = self._calls.get(key)
             if call:
                 return call(args, kwargs)
+        check_layout(layout, p)
         convert, zeros = array_support(self.backend, read_only_zeros=True)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout, p.static_sizes, p.name, p.roots, convert, zeros)
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)

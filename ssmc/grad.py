@@ -35,7 +35,7 @@ from .ir.ops import Op
 from .ir.program import Recurrence
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, layout_of, to_array, to_float64
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout, layout_of, to_array, to_float64
 
 CPU_CARRIES_BUDGET = 64 << 20  # bytes of carries one chunk may recompute (or keep) on the CPU
 
@@ -234,6 +234,7 @@ class Grad:
         fwd = self.backward_program.forward
         layout = layout or self.layout
         xp = self.xp
+        check_layout(layout, fwd)
         convert, zeros = array_support(self.backend)
         bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name, fwd.roots,
                             convert, zeros)

@@ -25,7 +25,7 @@ import numpy as np
 from .backends.registry import array_support, check_backend, compute_dtype
 from .grad import Grad, Tape, array_ops, cotangents, in_layout
 from .lowering.stages import fuse
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays
+from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout
 
 
 @dataclass
@@ -70,6 +70,7 @@ class StagedGrad:
     def forward(self, *args, layout=None, **kwargs):
         """(outputs, final states, tape) as `Grad.forward`: outputs time first, compute dtype."""
         p, layout = self.program, layout or self.layout
+        check_layout(layout, p)
         convert, zeros = array_support(self.backend)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout, p.static_sizes, p.name, p.roots,
                             convert, zeros)

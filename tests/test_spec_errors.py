@@ -422,3 +422,25 @@ def test_call_complex_input():
 def test_call_bad_initial_state():
     with pytest.raises(ValueError, match=r"'h'"):
         _call(h=np.zeros((2, 4)))
+
+
+def test_call_layout_with_a_misspelled_name():
+    """A layout dict's key that names no array would leave that array in the default layout."""
+    with pytest.raises(ValueError, match=r"layout: _gated has no arrays \['X'\] \(its arrays: x, f, w, h, y"):
+        ssmc.compile(_gated, backend="interpreter", layout={"X": "b t d"})(**_inputs())
+    with pytest.raises(ValueError, match=r"layout must be a template"):
+        ssmc.compile(_gated, backend="interpreter")(**_inputs(), layout=3)
+    with pytest.raises(ValueError, match=r"layout\['x'\] must be a template"):
+        ssmc.grad(_gated, backend="interpreter", layout={"x": 3})(**_inputs())
+    y = ssmc.compile(_gated, backend="interpreter", layout={"x": "b t d", "*": "t ..."})(
+        **{**_inputs(), "x": np.ascontiguousarray(np.moveaxis(_inputs()["x"], 0, 1))})
+    assert y.shape == (5, 2, 3)
+
+
+def test_call_bfloat16_torch_tensor_computes_in_float32():
+    torch = pytest.importorskip("torch")
+    inputs = _inputs()
+    got = ssmc.compile(_gated, backend="interpreter")(**{**inputs, "f": torch.tensor(inputs["f"]).bfloat16()})
+    want = ssmc.compile(_gated, backend="interpreter")(**{**inputs, "f": torch.tensor(inputs["f"]).bfloat16().float()})
+    assert np.array_equal(got, want)
+

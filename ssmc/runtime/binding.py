@@ -19,6 +19,25 @@ from ..ir.program import Decl, Role
 DEFAULT_LAYOUT = "t ..."
 
 
+def check_layout(layout, program) -> None:
+    """ValueError for a layout that is neither a template string nor a dict from the program's input,
+    state and output names (or "*") to template strings: a misspelled key would otherwise leave its
+    array in the default layout without a word."""
+    if layout is None or isinstance(layout, str):
+        return
+    if not isinstance(layout, dict):
+        raise ValueError(f"layout must be a template like \"b t ...\" or a dict of them by array name, "
+                         f"not {type(layout).__name__}")
+    names = [d.name for d in program.inputs] + [s.name for s in program.states] + [n for n, _ in program.outputs]
+    unknown = sorted(k for k in layout if k not in names and k != "*")
+    if unknown:
+        raise ValueError(f"layout: {program.name} has no arrays {unknown} (its arrays: {', '.join(names)}; "
+                         "\"*\" for the rest)")
+    for key, template in layout.items():
+        if not isinstance(template, str):
+            raise ValueError(f"layout[{key!r}] must be a template like \"b t ...\", not {template!r}")
+
+
 def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> tuple[str, ...]:
     """Axis order (time included) of the array for input or output `name`."""
     if isinstance(layout, dict):
@@ -38,10 +57,14 @@ def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, .
 def to_array(x, name: str) -> np.ndarray:
     """A NumPy view or copy of an array-like (NumPy, PyTorch, CuPy, lists), checking its dtype.
 
-    float32 and float64 stay as they are; integers and booleans become float64, float16 float32.
+    float32 and float64 stay as they are; integers and booleans become float64, float16 and
+    bfloat16 float32.
     """
     if hasattr(x, "detach"):  # torch
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+            x = x.float()
+        x = x.numpy()
     elif hasattr(x, "get") and hasattr(x, "__cuda_array_interface__"):  # cupy
         x = x.get()
     arr = np.asarray(x)
