@@ -76,6 +76,8 @@ def load_specs(target: str, required: bool = True) -> list[tuple[str, Recurrence
     without specs is an error when `required`, else gives an empty list.
     """
     path, name = split_target(target)
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: a folder; give a spec file (SPEC.py)")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file")
     namespace = _run_file(path)
@@ -115,13 +117,23 @@ def parse_sizes(text: str | None) -> dict[str, int]:
         axis, sep, value = item.partition("=")
         if not sep or not axis.isidentifier() or not value.isdigit() or int(value) < 1:
             raise UsageError(f"--sizes: expected axis=N items separated by commas (N >= 1), got {item!r}")
+        if axis in sizes:
+            raise UsageError(f"--sizes: {axis} given twice")
         sizes[axis] = int(value)
     return sizes
+
+
+def _at_least_one(args, *options: str) -> None:
+    """UsageError naming the first of `options` (attribute names) below 1."""
+    for option in options:
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            raise UsageError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
 
 
 def cmd_inspect(args) -> int:
     from .backends.cuda.report import default_sizes, format_reports, kernel_reports
 
+    _at_least_one(args, "length")
     given = parse_sizes(args.sizes)
     for label, spec in load_specs(args.spec):
         if isinstance(spec, AttentionSpec):
@@ -190,6 +202,7 @@ def _check_spec(label: str, spec, length: int, seed: int) -> bool:
 
 
 def cmd_check(args) -> int:
+    _at_least_one(args, "length")
     print(f"ssmc check: backend {api.default_backend()}, length {args.length}, seed {args.seed}")
     ok, checked = True, 0
     for path in args.specs:
@@ -216,6 +229,9 @@ def cmd_bench(args) -> int:
     from .runtime.benchmark import TOLERANCE, bench
 
     backend = args.backend or api.default_backend()
+    _at_least_one(args, "length", "repeat", "check_length")
+    if not args.scale > 0 or args.scale == float("inf"):
+        raise UsageError(f"--scale must be a positive number, got {args.scale}")
     given = parse_sizes(args.sizes)
     specs = load_specs(args.spec)
     what = "forward" if args.forward_only else "forward and forward + backward"

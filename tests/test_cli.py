@@ -202,6 +202,22 @@ def test_bench_growing_recurrence_is_one_line_and_the_others_run(tmp_path, capsy
     assert "OK (outputs over 400 steps not finite: the inputs make it grow; see --scale)" in rows["slow_growth"]
 
 
+def test_bench_rejects_bad_options_before_any_work(capsys):
+    for argv, message in ((["--repeat", "0"], "--repeat must be at least 1, got 0"),
+                          (["--length", "0"], "--length must be at least 1, got 0"),
+                          (["--check-length", "-2"], "--check-length must be at least 1, got -2"),
+                          (["--scale", "nan"], "--scale must be a positive number, got nan"),
+                          (["--scale", "-1"], "--scale must be a positive number, got -1.0"),
+                          (["--sizes", "b=2,d=4,b=3"], "--sizes: b given twice")):
+        assert main(["bench", HGRN, *argv]) == 1
+        captured = capsys.readouterr()
+        assert captured.err == f"error: {message}\n" and captured.out == "", argv
+    assert main(["inspect", HGRN, "--length", "-3"]) == 1
+    assert capsys.readouterr().err == "error: --length must be at least 1, got -3\n"
+    assert main(["show", str(ROOT / "examples")]) == 1
+    assert "a folder; give a spec file" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 def test_bench_on_the_gpu_checks_and_times_mamba1(capsys):
     """Mamba-1 on the cuda backend, channels before time, at an awkward length and channel count."""
