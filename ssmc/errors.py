@@ -9,6 +9,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import sysconfig
 from dataclasses import dataclass
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -64,23 +65,43 @@ def _is_internal(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
+def _is_library(filename: str) -> bool:
+    """Whether `filename` is Python's own library or a package the step may call into (NumPy's
+    ``np.sum(x)`` raising on a tensor): the user's line is the one that called it."""
+    path = os.path.abspath(filename)
+    return any(path.startswith(d) for d in _library_dirs())
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [sysconfig.get_paths()["stdlib"]]
+    for name in ("numpy", "torch", "sympy"):
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(module.__file__)))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+def _pick(frames) -> Loc | None:
+    """The innermost of `frames` ((file, line), outermost first) in the user's own code: not in ssmc,
+    nor in a library (`_is_library`) unless every frame outside ssmc is."""
+    outside = [(f, line) for f, line in frames if not _is_internal(f) and not f.startswith("<frozen")]
+    own = [(f, line) for f, line in outside if not _is_library(f)] or outside
+    return Loc(*own[-1]) if own else None
+
+
 def user_loc(skip: int = 1) -> Loc | None:
-    """The innermost frame on the current stack that is not inside the ssmc package."""
-    frame = sys._getframe(skip)
+    """The innermost frame on the current stack in the user's code (`_pick`)."""
+    frames, frame = [], sys._getframe(skip)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not _is_internal(name) and not name.startswith("<frozen"):
-            return Loc(name, frame.f_lineno)
+        frames.append((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
-    return None
+    return _pick(frames[::-1])
 
 
 def loc_from_traceback(tb) -> Loc | None:
-    """The innermost traceback entry in user code (where a user's exception surfaced)."""
-    found = None
+    """The innermost traceback entry in the user's code (where a user's exception surfaced, `_pick`)."""
+    frames = []
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not _is_internal(name) and not name.startswith("<frozen"):
-            found = Loc(name, tb.tb_lineno)
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
-    return found
+    return _pick(frames)

@@ -5,6 +5,7 @@ this file's own source, so the tests check the exact line number the error repor
 """
 
 import os
+import runpy
 from pathlib import Path
 
 import numpy as np
@@ -443,4 +444,15 @@ def test_call_bfloat16_torch_tensor_computes_in_float32():
     got = ssmc.compile(_gated, backend="interpreter")(**{**inputs, "f": torch.tensor(inputs["f"]).bfloat16()})
     want = ssmc.compile(_gated, backend="interpreter")(**{**inputs, "f": torch.tensor(inputs["f"]).bfloat16().float()})
     assert np.array_equal(got, want)
+
+
+def test_an_error_inside_numpy_names_the_users_line(tmp_path):
+    """np.sum(x) on a tensor raises inside NumPy: the error names the spec's line, not NumPy's file."""
+    path = tmp_path / "numpy_in_step.py"
+    path.write_text("import numpy as np\nimport ssmc\n\n@ssmc.recurrence\n"
+                    "def bad(h: ssmc.State[\"b d\"], x: ssmc.Seq[\"b d\"]):\n"
+                    "    h = h + np.sum(x)\n    return h, h\n")
+    with pytest.raises(ssmc.SpecError) as info:
+        runpy.run_path(str(path))
+    assert "numpy_in_step.py:6" in str(info.value) and "np.sum(x)" in str(info.value)
 
