@@ -456,3 +456,19 @@ def test_an_error_inside_numpy_names_the_users_line(tmp_path):
         runpy.run_path(str(path))
     assert "numpy_in_step.py:6" in str(info.value) and "np.sum(x)" in str(info.value)
 
+
+def test_a_spec_without_sequences_is_refused_where_it_is_defined():
+    with pytest.raises(ssmc.SpecError, match="declares no sequence: the number of steps comes from"):
+        @ssmc.recurrence
+        def params_only(h: ssmc.State["d"], w: ssmc.Param["d"]):
+            return h * w, h
+
+
+def test_recurrence_of_something_else_than_a_function():
+    with pytest.raises(TypeError, match=r"@ssmc.recurrence takes a step function .* not int"):
+        ssmc.recurrence(3)
+
+
+def test_call_initial_state_none_starts_at_zeros():
+    assert np.array_equal(_call(h=None), _call())
+

@@ -247,11 +247,17 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
     """Turn a step function into a recurrence (see the module docstring)."""
     if fn is None:
         return lambda f: recurrence(f, name=name)
+    if not callable(fn) or not hasattr(fn, "__code__"):
+        raise TypeError(f"@ssmc.recurrence takes a step function (def step(h: ssmc.State[...], ...)), "
+                        f"not {type(fn).__name__}")
     src = SourceInfo(fn)
     decls, sizes = read_signature(fn, src, (Role.STATE, Role.SEQ, Role.PARAM))
     states = [d for d in decls if d.role is Role.STATE]
     if not states:
         raise SpecError(f"{fn.__name__} declares no state: annotate the carry as ssmc.State[...]", src.def_loc)
+    if not any(d.role is Role.SEQ for d in decls):
+        raise SpecError(f"{fn.__name__} declares no sequence: the number of steps comes from the inputs "
+                        "annotated ssmc.Seq[...] (one slice per step)", src.def_loc)
     locs: dict[Node, Loc] = {}
     result = trace(fn, [input_leaf(d) for d in decls], sizes, src, locs)
     ret = src.return_loc

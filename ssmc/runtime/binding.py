@@ -151,6 +151,8 @@ def bind_arrays(decls: tuple[Decl, ...], states: tuple[Decl, ...], args: tuple, 
     given = dict(zip(names, args))
     state_names = {s.name for s in states}
     for key, value in kwargs.items():
+        if value is None and key in state_names:
+            continue  # h=None: the state starts at zeros, as when not given
         if key in given:
             raise ValueError(f"{what}: argument {key!r} given twice")
         if key not in names and key not in state_names:
