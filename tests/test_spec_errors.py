@@ -473,3 +473,19 @@ def test_call_initial_state_none_starts_at_zeros():
     scan = ssmc.compile(_gated, backend="interpreter")
     assert np.array_equal(scan(**_inputs(), h=None), scan(**_inputs()))
 
+
+def test_attention_params_positionally_and_bad_modifier_arguments():
+    from ssmc.examples import alibi_attention as ex
+
+    x = ex.make_inputs(np.random.default_rng(0), 9)
+    run = ex.SPEC.compile(layout=ex.LAYOUT)
+    assert np.array_equal(run(x["q"], x["k"], x["v"], x["slope"]), run(**x))
+    with pytest.raises(ValueError, match="argument 'slope' given twice"):
+        run(x["q"], x["k"], x["v"], x["slope"], slope=x["slope"])
+    with pytest.raises(ValueError, match="sliding_window takes a whole number of keys >= 1, got 0"):
+        ssmc.sliding_window(0)
+    with pytest.raises(ValueError, match=r"got 1\.5"):
+        ssmc.sliding_window(1.5)
+    with pytest.raises(ssmc.SpecError, match="attention scale must be a number, got 'x'"):
+        ssmc.attention(scale="x")
+

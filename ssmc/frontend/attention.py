@@ -34,7 +34,10 @@ def causal(q_idx, kv_idx):
 
 
 def sliding_window(size: int):
-    """Mask: a query sees the `size` most recent keys, itself included."""
+    """Mask: a query sees the `size` most recent keys, itself included (`size` a whole number >= 1)."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"sliding_window takes a whole number of keys >= 1, got {size!r}")
+
     def mask(q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < size)
     mask.__name__ = f"sliding_window_{size}"
@@ -86,8 +89,8 @@ class AttentionSpec:
         # attention runs through the interpreter on every backend until its kernels are built
         return CompiledAttention(self.program, layout)
 
-    def __call__(self, q, k, v, layout="t ...", return_lse=False, **params):
-        return CompiledAttention(self.program, layout)(q, k, v, return_lse=return_lse, **params)
+    def __call__(self, q, k, v, *args, layout="t ...", return_lse=False, **params):
+        return CompiledAttention(self.program, layout)(q, k, v, *args, return_lse=return_lse, **params)
 
 
 class CompiledAttention:
@@ -111,12 +114,20 @@ class CompiledAttention:
                 raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")
         return qb, kv
 
-    def __call__(self, q, k, v, layout=None, return_lse=False, **params):
+    def __call__(self, q, k, v, *args, layout=None, return_lse=False, **params):
+        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
         from ..backends.interpreter import run_attention
         from ..runtime.binding import layout_of
 
         p = self.program
         layout = layout or self.layout
+        names = [d.name for d in p.params]
+        if len(args) > len(names):
+            raise ValueError(f"{p.name} takes q, k, v and the params {names}, got {3 + len(args)} positional arguments")
+        for name, value in zip(names, args):
+            if name in params:
+                raise ValueError(f"{p.name}: argument {name!r} given twice")
+            params[name] = value
         qb, kv = self.bind(q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         out, lse = run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
@@ -178,6 +189,8 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
     })
     roots = [n for n in traced.values() if n is not None]
     verify_nodes(roots, all_decls, set(sizes), None, locs)
+    if scale is not None and (isinstance(scale, (bool, str)) or not isinstance(scale, (int, float, np.number))):
+        raise SpecError(f"attention scale must be a number, got {scale!r}", loc)
     if scale is not None and not np.isfinite(scale):
         raise SpecError(f"attention scale must be a finite number, got {scale}", loc)
     program = Attention(name=name or (getattr(score_mod, "__name__", None) or "attention"),
