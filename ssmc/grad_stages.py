@@ -112,7 +112,10 @@ class StagedGrad:
 
 
 def make_grad(program, backend: str, layout=DEFAULT_LAYOUT, chunk: int | None = None, dtype=None):
-    """`StagedGrad` where a compiled backend runs `program` in stages, else `Grad`."""
+    """`StagedGrad` where a compiled backend runs `program` in stages, else `Grad`; ValueError for
+    a `chunk` that is not a whole number of steps >= 1."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1):
+        raise ValueError(f"chunk must be a whole number of steps >= 1, got {chunk!r}")
     if backend != "interpreter" and fuse(program).staged:
         return StagedGrad(program, backend, layout, chunk, dtype)
     return Grad(program, backend, layout, chunk, dtype)

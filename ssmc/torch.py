@@ -25,7 +25,10 @@ from .runtime.binding import layout_of
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.contiguous()
-    return torch.from_numpy(np.ascontiguousarray(x)).to(device=like.device)
+    x = np.ascontiguousarray(x)
+    if not x.flags.writeable:  # torch warns of tensors over read-only memory
+        x = x.copy()
+    return torch.from_numpy(x).to(device=like.device)
 
 
 def _permute(x, perm):

@@ -489,3 +489,14 @@ def test_attention_params_positionally_and_bad_modifier_arguments():
     with pytest.raises(ssmc.SpecError, match="attention scale must be a number, got 'x'"):
         ssmc.attention(scale="x")
 
+
+@pytest.mark.parametrize("chunk", [2.5, "x", 0, True])
+def test_grad_chunk_that_is_no_whole_number_of_steps(chunk):
+    with pytest.raises(ValueError, match="chunk must be a whole number of steps >= 1"):
+        ssmc.grad(_gated, "interpreter", chunk=chunk)
+
+
+def test_call_ragged_list_names_the_argument():
+    with pytest.raises(ValueError, match="argument 'x' is not an array"):
+        _call(x=[[[1.0, 2.0, 3.0]], [[1.0]]])
+

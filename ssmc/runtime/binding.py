@@ -67,7 +67,10 @@ def to_array(x, name: str) -> np.ndarray:
         x = x.numpy()
     elif hasattr(x, "get") and hasattr(x, "__cuda_array_interface__"):  # cupy
         x = x.get()
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as err:  # a ragged nested list, say
+        raise ValueError(f"argument {name!r} is not an array: {err}") from None
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"argument {name!r} has dtype {arr.dtype}; ssmc takes real numbers "
                          "(floating point, or integers converted to float)")
