@@ -6,6 +6,7 @@ formats as one line: ``path:line: message — in `source``` .
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -72,8 +73,13 @@ def _is_library(filename: str) -> bool:
     return any(path.startswith(d) for d in _library_dirs())
 
 
+@functools.cache
+def _stdlib() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [sysconfig.get_paths()["stdlib"]]
+    dirs = [_stdlib()]
     for name in ("numpy", "torch", "sympy"):
         module = sys.modules.get(name)
         if getattr(module, "__file__", None):
@@ -82,20 +88,25 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _pick(frames) -> Loc | None:
-    """The innermost of `frames` ((file, line), outermost first) in the user's own code: not in ssmc,
-    nor in a library (`_is_library`) unless every frame outside ssmc is."""
-    outside = [(f, line) for f, line in frames if not _is_internal(f) and not f.startswith("<frozen")]
-    own = [(f, line) for f, line in outside if not _is_library(f)] or outside
-    return Loc(*own[-1]) if own else None
+    """The first of `frames` ((file, line), innermost first) in the user's own code: not in ssmc, nor
+    in a library (`_is_library`) unless every frame outside ssmc is."""
+    fallback = None
+    for name, line in frames:
+        if _is_internal(name) or name.startswith("<frozen"):
+            continue
+        if not _is_library(name):
+            return Loc(name, line)
+        fallback = fallback or Loc(name, line)
+    return fallback
 
 
 def user_loc(skip: int = 1) -> Loc | None:
     """The innermost frame on the current stack in the user's code (`_pick`)."""
-    frames, frame = [], sys._getframe(skip)
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno))
-        frame = frame.f_back
-    return _pick(frames[::-1])
+    def frames(frame=sys._getframe(skip)):  # evaluated here: the frames from this function's caller out
+        while frame is not None:
+            yield frame.f_code.co_filename, frame.f_lineno
+            frame = frame.f_back
+    return _pick(frames())
 
 
 def loc_from_traceback(tb) -> Loc | None:
@@ -104,4 +115,4 @@ def loc_from_traceback(tb) -> Loc | None:
     while tb is not None:
         frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
         tb = tb.tb_next
-    return _pick(frames)
+    return _pick(frames[::-1])
