@@ -102,11 +102,11 @@ def _pick(frames) -> Loc | None:
 
 def user_loc(skip: int = 1) -> Loc | None:
     """The innermost frame on the current stack in the user's code (`_pick`)."""
-    def frames(frame=sys._getframe(skip)):  # evaluated here: the frames from this function's caller out
+    def frames(frame):
         while frame is not None:
             yield frame.f_code.co_filename, frame.f_lineno
             frame = frame.f_back
-    return _pick(frames())
+    return _pick(frames(sys._getframe(skip)))
 
 
 def loc_from_traceback(tb) -> Loc | None:
