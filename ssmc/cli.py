@@ -260,10 +260,15 @@ def cmd_bench(args) -> int:
                      "-" if r.forward_ms is None else f"{r.forward_ms:.3f}",
                      "-" if r.grad_ms is None else f"{r.grad_ms:.3f}", f"{r.error:.1e} (L={r.check_length})", verdict])
     if len(rows) > 1:
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        _print_table(rows)
     return 0 if ok else 1
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    """Rows of cells as columns aligned on their widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 # -- demo --------------------------------------------------------------------------------------
@@ -330,9 +335,7 @@ def cmd_demo(args) -> int:
         rows.append(row)
         if error:
             errors.append(f"{name}: {error}")
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    _print_table(rows)
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
     passed = sum(r[-1] == "OK" for r in rows)
