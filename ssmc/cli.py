@@ -31,7 +31,7 @@ from . import __version__, api, pipeline
 from .errors import SpecError
 from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
-from .runtime.random_inputs import axis_sizes, random_recurrence_inputs
+from .runtime.random_inputs import axis_sizes, default_sizes, random_recurrence_inputs
 
 SPEC_TYPES = (RecurrenceSpec, AttentionSpec)
 DEMO_LENGTH = 256
@@ -131,7 +131,7 @@ def _at_least_one(args, *options: str) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from .backends.cuda.report import default_sizes, format_reports, kernel_reports
+    from .backends.cuda.report import format_reports, kernel_reports
 
     _at_least_one(args, "length")
     given = parse_sizes(args.sizes)

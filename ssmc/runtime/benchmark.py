@@ -28,9 +28,8 @@ from ..ir.axes import TIME
 from ..ir.program import Recurrence
 from .binding import layout_of
 from .progress import progress
-from .random_inputs import axis_sizes, random_recurrence_inputs
+from .random_inputs import default_sizes, random_recurrence_inputs
 
-DEFAULT_SIZE = 16  # every axis not given or declared static
 TOLERANCE = {"float32": 1e-3, "float64": 1e-9}  # largest relative error the check accepts
 # Where the reference's outputs pass this, random inputs have made the recurrence grow (a decay
 # above one): float32 would overflow and the check would measure that, not the backend
@@ -53,13 +52,13 @@ class BenchResult:
 
 
 def bench_sizes(program: Recurrence, given: dict[str, int]) -> dict[str, int]:
-    """`given` sizes, static ones as declared, every other axis `DEFAULT_SIZE`; ValueError for a
+    """`given` sizes, static ones as declared, every other axis as `default_sizes` gives it; ValueError for a
     given axis the program does not have."""
     axes = {a for d in program.decls for a in d.axes}
     unknown = sorted(set(given) - axes)
     if unknown:
         raise ValueError(f"--sizes: no axes {unknown} (its axes: {' '.join(sorted(axes))})")
-    return axis_sizes(program, np.random.default_rng(0), DEFAULT_SIZE, DEFAULT_SIZE, given)
+    return default_sizes(program, given)
 
 
 class _Arrays:

@@ -52,6 +52,14 @@ def axis_sizes(program: Recurrence | Attention, rng: np.random.Generator, low: i
     return sizes
 
 
+DEFAULT_SIZE = 16  # an axis neither given nor declared static, where a command needs one size
+
+
+def default_sizes(program: Recurrence | Attention, given: dict[str, int] | None = None) -> dict[str, int]:
+    """Every axis `DEFAULT_SIZE` unless `given` or declared static (renamed axes share a size)."""
+    return axis_sizes(program, np.random.default_rng(0), DEFAULT_SIZE, DEFAULT_SIZE, given)
+
+
 def random_recurrence_inputs(program: Recurrence, length: int, rng: np.random.Generator,
                              sizes: dict[str, int] | None = None, with_initial: bool = True,
                              scale: float = 0.5) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from ...grad import default_chunk
 from ...lowering.stages import fuse
 from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
-from ...runtime.random_inputs import axis_sizes
+from ...runtime.random_inputs import default_sizes
 from . import nvrtc
 from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
@@ -41,13 +41,7 @@ class KernelReport:
         return self.launch.kernel.name
 
 
-DEFAULT_SIZE = 16
 DEFAULT_LENGTH = 1024
-
-
-def default_sizes(program, given: dict[str, int] | None = None) -> dict[str, int]:
-    """Every axis `DEFAULT_SIZE` unless `given` or declared static (renamed axes share a size)."""
-    return axis_sizes(program, np.random.default_rng(0), DEFAULT_SIZE, DEFAULT_SIZE, given)
 
 
 def _specs(launch: Launch, sizes: dict[str, int], dtype: str, compute: str,
