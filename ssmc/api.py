@@ -25,11 +25,10 @@ from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
 from .ir.program import Recurrence
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout, layout_of
+from .runtime.binding import DEFAULT_LAYOUT, MAX_PREPARED_CALLS, bind_arrays, check_layout, hashable_layout, layout_of
 
 __all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
 
-MAX_PREPARED_CALLS = 64  # prepared runs a Compiled keeps (one per shape, layout and dtypes called with)
 
 
 def _program(spec) -> Recurrence:
@@ -69,7 +68,7 @@ class Compiled:
         layout = layout or self.layout
         key = call_key(self.backend, args, kwargs)
         if key is not None:  # a call like an earlier one: bound and planned then (host time: small shapes)
-            key = (_hashable(layout), *key)
+            key = (hashable_layout(layout), *key)
             call = self._calls.get(key)
             if call:
                 return call(args, kwargs)
@@ -103,9 +102,9 @@ class Compiled:
     def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
         outs, finals = self.run(*args, layout=layout, **kwargs)
         layout = layout or self.layout
-        perms = self._output_perms.get(_hashable(layout))
+        perms = self._output_perms.get(hashable_layout(layout))
         if perms is None:
-            perms = self._output_perms[_hashable(layout)] = [
+            perms = self._output_perms[hashable_layout(layout)] = [
                 (name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
                 for name, y in self.program.outputs]
         ys = [_permute(outs[name], perm) for name, perm in perms]
@@ -113,10 +112,6 @@ class Compiled:
         if not return_final_states:
             return ys
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
-
-
-def _hashable(layout):
-    return tuple(sorted(layout.items())) if isinstance(layout, dict) else layout
 
 
 def _bound_call(p: Recurrence, layout, initial: dict, prepared, given: set[str]):

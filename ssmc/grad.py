@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import interpreter
-from .backends.registry import array_support, check_backend, compute_dtype, default_backend, runner
+from .backends.registry import array_support, call_key, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .ir.node import Node, toposort
@@ -35,7 +35,16 @@ from .ir.ops import Op
 from .ir.program import Recurrence
 from .passes.attention_grad import derive_attention_backward
 from .passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
-from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout, layout_of, to_array, to_float64
+from .runtime.binding import (
+    DEFAULT_LAYOUT,
+    MAX_PREPARED_CALLS,
+    bind_arrays,
+    check_layout,
+    hashable_layout,
+    layout_of,
+    to_array,
+    to_float64,
+)
 
 CPU_CARRIES_BUDGET = 64 << 20  # bytes of carries one chunk may recompute (or keep) on the CPU
 
@@ -197,6 +206,7 @@ class Tape:
     carries: dict | None = None
     products: dict = field(default_factory=dict)
     rounds: dict | None = None
+    step: object = None  # the `grad_prepared.PreparedStep` whose forward made it (its backward's path)
 
 
 class Grad:
@@ -219,6 +229,7 @@ class Grad:
         self.layout = layout
         self.chunk = chunk
         self._fused_runners: dict[str, object] = {}  # compute dtype -> the CUDA fused backward's runner
+        self._steps: dict = {}  # call key (registry.call_key) and layout -> its `PreparedStep` (CUDA)
 
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
@@ -233,6 +244,12 @@ class Grad:
     def _forward(self, args, kwargs, layout, outputs: bool):
         fwd = self.backward_program.forward
         layout = layout or self.layout
+        key = call_key(self.backend, args, kwargs)
+        if key is not None:  # a call like an earlier one: its step was worked out then (grad_prepared.py)
+            key = (hashable_layout(layout), *key)
+            step = self._steps.get(key)
+            if step is not None:
+                return step.forward(args, kwargs, outputs)
         xp = self.xp
         check_layout(layout, fwd)
         convert, zeros = array_support(self.backend)
@@ -250,6 +267,13 @@ class Grad:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         fused = self._fused_backward(seqs, sizes, length, dtype)
         if fused is not None:  # one kernel saving the carry every round; the backward is one kernel too
+            if key is not None:
+                from .grad_prepared import PreparedStep
+
+                if len(self._steps) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
+                    self._steps.clear()
+                tape.step = self._steps[key] = PreparedStep(self, layout, bound, set(kwargs), fused, seqs, params,
+                                                            initial, chunk)
             outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length)
             return (outs if outputs else {}), finals, tape
         if chunk >= length and recording is not None and self.backend != "cuda":
@@ -294,6 +318,10 @@ class Grad:
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
         of its outputs and final states (given in the forward's layout; missing ones are zero)."""
+        if tape.step is not None:  # a prepared step's tape: its path, where the cotangents suit it
+            grads = tape.step.backward(tape, grad_outputs, grad_final_states)
+            if grads is not None:
+                return grads
         fwd = self.backward_program.forward
         cot, lam = cotangents(fwd, self.xp, tape, grad_outputs, grad_final_states)
         return in_layout(fwd, self.adjoint(tape, cot, lam), tape.layout, self.xp)

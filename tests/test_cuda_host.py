@@ -59,3 +59,85 @@ def test_the_cuda_backend_without_a_gpu_is_one_line_on_the_command_line(capsys):
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: backend 'cuda' needs a CUDA GPU") and err.count("\n") == 1, err
+
+
+# -- launches through the driver (backends/cuda/launch.py) --------------------------------------------
+class _Function:
+    """Stands for CuPy's kernel: the CUfunction handle, and the launch the fallback makes."""
+
+    ptr = 0xF00
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, stream=None):
+        self.calls.append((grid, block, [int(a) for a in args], stream))
+
+
+def _fake_driver(seen: list, result: int = 0):
+    import ctypes
+
+    def cu_launch_kernel(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        ints = [ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_int32))[0] for i in (0, 1)]
+        pointers = [ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(2, len(params))]
+        seen.append((handle, (gx, gy, gz), (bx, by, bz), shared, stream, ints, pointers, extra))
+        return result
+    return cu_launch_kernel
+
+
+def test_a_driver_launch_passes_the_two_ints_and_every_pointer(monkeypatch):
+    """The kernel reads `int length, int nblk` then one pointer per array from the argument slots."""
+    from ssmc.backends.cuda import launch
+
+    seen: list = []
+    monkeypatch.setattr(launch, "_driver", _fake_driver(seen))
+    monkeypatch.setattr(launch, "current_stream", lambda: 0x5EA)
+    pointers = [2**40 + 256, 2**33, 7 * 2**20]
+    launch.launch_kernel(_Function(), (13, 128), 180, np.int32(3), pointers)
+    assert seen == [(0xF00, (13, 1, 1), (128, 1, 1), 0, 0x5EA, [180, 3], pointers, None)]
+
+
+def test_a_failed_driver_launch_goes_through_cupy(monkeypatch):
+    """A launch the driver refuses (no context current on this thread, say) is made by CuPy instead,
+    with the same arguments on the same stream."""
+    from ssmc.backends.cuda import launch
+
+    seen: list = []
+    monkeypatch.setattr(launch, "_driver", _fake_driver(seen, result=201))
+    monkeypatch.setattr(launch, "current_stream", lambda: 0x5EA)
+    monkeypatch.setattr(launch, "_cupy_stream", lambda pointer: ("cupy stream", pointer))
+    fn = _Function()
+    launch.launch_kernel(fn, (2, 64), 7, 1, [16, 32])
+    assert len(seen) == 1
+    assert fn.calls == [((2,), (64,), [7, 1, 16, 32], ("cupy stream", 0x5EA))]
+
+
+def test_overrides_follow_the_environment(monkeypatch):
+    """Settings read through the environment's table see a variable set or removed between calls."""
+    from ssmc.backends.cuda.settings import NAMES, overrides
+
+    monkeypatch.delenv("SSMC_CUDA_STRATEGY", raising=False)
+    before = overrides()
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    after = overrides()
+    assert before != after and len(after) == len(NAMES)
+    assert after[NAMES.index("SSMC_CUDA_STRATEGY")] in ("warp", b"warp")
+    monkeypatch.delenv("SSMC_CUDA_STRATEGY")
+    assert overrides() == before
+
+
+def test_the_backward_takes_half_rounds_where_the_last_one_would_be_mostly_padding(monkeypatch):
+    """Mamba-1's state-major backward: 2 steps a lane at L 180 (192 padded steps against 256), the
+    forward's 4 where the lengths fill whole rounds; rounds always hold whole forward lanes."""
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.examples import mamba1
+    from ssmc.passes.autodiff import derive_backward
+
+    monkeypatch.delenv("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", raising=False)
+    runner = fused_backward_runner(derive_backward(mamba1.SPEC.program, 64))
+    assert runner.forward_steps() == 4
+    assert [runner.backward_steps(n) for n in (180, 192, 1000, 2048, 4097)] == [2, 2, 4, 4, 4]
+    for n in (1, 7, 40, 100, 180, 1000, 4097):
+        assert runner.round_steps(n) % runner.forward_steps() == 0

@@ -353,3 +353,50 @@ def test_gradcheck_through_the_fused_backward(monkeypatch):
     g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
     assert _fused_tape(g, {n: t.detach() for n, t in zip(names, tensors)})
     assert torch.autograd.gradcheck(lambda *xs: f(*xs), tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["b d t", "b t d"])
+@pytest.mark.parametrize("length", [7, 180, 1000])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_prepared_training_steps_match_the_interpreter(length, layout, dtype, with_state):
+    """A call like an earlier one takes its prepared step (grad_prepared.py: no binding, no checks):
+    the third call, on fresh values, through `Grad` (cotangent as one tensor and as a dict) and
+    through ssmc.torch, every gradient against the interpreter's at those values."""
+    import torch
+
+    import ssmc.torch as st_torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    perm = {"b d t": None, "b t d": (0, 2, 1)}[layout]
+
+    def draw(seed):
+        rng = np.random.default_rng(seed)
+        inputs = m.make_inputs(rng, length, batch=3, dim=37, state=16)
+        if not with_state:
+            inputs.pop("h")
+        gpu = _to_gpu(inputs, dtype)
+        if perm is not None:  # time before the channels: the same values, another layout
+            gpu = {k: (v.permute(*perm).contiguous() if k in ("u", "delta", "z", "B", "C") else v)
+                   for k, v in gpu.items()}
+        dy = torch.tensor(rng.standard_normal((3, 37, length)), device="cuda").to(getattr(torch, dtype))
+        return gpu, dy if perm is None else dy.permute(*perm).contiguous()
+
+    g = ssmc.grad(m.SPEC, "cuda", layout=layout)
+    for seed in (1, 2):
+        g(**draw(seed)[0], grad_outputs=draw(seed)[1])
+    gpu, dy = draw(3)
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+    want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**exact, grad_outputs=dy.double().cpu().numpy())
+    tol = 1e-3
+    for got in (g(**gpu, grad_outputs=dy), g(**gpu, grad_outputs={"y": dy})):
+        assert g._steps and set(got) == set(want)
+        for key in want:
+            assert rel_err(got[key], want[key]) <= tol, key
+    f = st_torch.function(m.SPEC, "cuda", layout=layout)
+    for seed in (4, 3):  # the second step is a prepared one
+        leaves = {k: v.clone().requires_grad_(True) for k, v in (draw(seed)[0] if seed != 3 else gpu).items()}
+        f(**leaves).backward(draw(seed)[1] if seed != 3 else dy)
+    for key in want:
+        assert rel_err(leaves[key].grad, want[key]) <= tol, key

@@ -17,6 +17,8 @@ from ..ir.ops import Op
 from ..ir.program import Decl, Role
 
 DEFAULT_LAYOUT = "t ..."
+# prepared calls a compiled function or a gradient keeps (one per shape, layout and dtypes called with)
+MAX_PREPARED_CALLS = 64
 
 
 def check_layout(layout, program) -> None:
@@ -36,6 +38,11 @@ def check_layout(layout, program) -> None:
     for key, template in layout.items():
         if not isinstance(template, str):
             raise ValueError(f"layout[{key!r}] must be a template like \"b t ...\", not {template!r}")
+
+
+def hashable_layout(layout):
+    """`layout` as part of a cache key (a dict's items, sorted)."""
+    return tuple(sorted(layout.items())) if isinstance(layout, dict) else layout
 
 
 def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> tuple[str, ...]:

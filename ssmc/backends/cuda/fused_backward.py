@@ -27,9 +27,9 @@ from ...lowering.state_major import fused_state_major
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_backward_source, module_source
 from .lanes import lanes_source
+from .launch import launch_kernel
 from .runner import (
     _DTYPES,
-    OVERRIDES,
     Launch,
     _as_1d,
     _sizes_key,
@@ -39,6 +39,7 @@ from .runner import (
     steps_per_lane,
     time_contiguous,
 )
+from .settings import overrides
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
@@ -54,14 +55,31 @@ ATOMIC_STEPS_PER_LANE = 1
 # short sequence wastes more of its last round: it runs where its padded length, at this cost, is
 # at most the step-major kernel's.
 STATE_MAJOR_STEP_COST = 0.65
+# The state-major backward with half the forward's steps per lane (rounds half as long) costs this
+# much more per step; it runs where its padded length, at this cost, is less than the full rounds'.
+# Measured on an H100 (2026-11-25, bench/host_profile.py), Mamba-1 B32 D512 L180 N16: 2 steps a lane
+# (192 padded steps) 0.252 ms against 0.300 with 4 (256): 1.12 a padded step.
+HALF_ROUND_STEP_COST = 1.12
 
 
-def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool) -> int:
-    """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's."""
+def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool,
+                            length: int | None = None) -> int:
+    """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's. State-major
+    at `length`, half of them where the shorter rounds waste less of the last one."""
     forced = os.environ.get("SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
     if forced:
         return max(1, int(forced))
-    return forward_steps if state_major or not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
+    if not state_major:
+        return forward_steps if not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
+    half = forward_steps // 2
+    if length is not None and half >= 1 and padded(length, half) * HALF_ROUND_STEP_COST < padded(length, forward_steps):
+        return half
+    return forward_steps
+
+
+def padded(length: int, steps: int) -> int:
+    """`length` padded to whole rounds of the backward kernel at `steps` per lane."""
+    return -(-length // (WARP * steps)) * WARP * steps
 
 
 class FusedBackwardRunner:
@@ -95,7 +113,7 @@ class FusedBackwardRunner:
 
     def _decided(self, what: str, decide, sizes: dict[str, int], length: int, time_contiguous: bool):
         """`decide()` once per shape and setting of the overrides (asked on every training step)."""
-        key = (what, _sizes_key(sizes), length, time_contiguous, *(os.environ.get(v) for v in _OVERRIDES))
+        key = (what, _sizes_key(sizes), length, time_contiguous, *overrides())
         if key not in self._decisions:
             self._decisions[key] = decide()
         return self._decisions[key]
@@ -152,13 +170,13 @@ class FusedBackwardRunner:
         if not self.can_run_state_major or setting == "0":
             return False
         step_major = backward_steps_per_lane(self.plan, self.forward_steps(), False)
-        steps = backward_steps_per_lane(self.plan, self.forward_steps(), True)
-        padded = {k: -(-length // (WARP * k)) * WARP * k for k in (step_major, steps)}
-        return setting == "1" or padded[steps] * STATE_MAJOR_STEP_COST <= padded[step_major]
+        steps = backward_steps_per_lane(self.plan, self.forward_steps(), True, length)
+        cost = STATE_MAJOR_STEP_COST * (HALF_ROUND_STEP_COST if steps < self.forward_steps() else 1.0)
+        return setting == "1" or padded(length, steps) * cost <= padded(length, step_major)
 
     def backward_steps(self, length: int) -> int:
         """The backward kernel's steps per lane at `length`."""
-        return backward_steps_per_lane(self.plan, self.forward_steps(), self.state_major(length))
+        return backward_steps_per_lane(self.plan, self.forward_steps(), self.state_major(length), length)
 
     def round_steps(self, length: int) -> int:
         """Steps per round of the backward kernel: the forward saves its carry every so many steps."""
@@ -172,35 +190,54 @@ class FusedBackwardRunner:
     def forward(self, seqs, params, initial, sizes, length):
         """(outputs, finals, rounds): the forward's results (time first, time contiguous) and the
         carry into each round, ``rounds[<h>]`` with the round first."""
-        given = {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}
+        return self.prepare_forward(seqs, params, initial, sizes, length)(seqs, params, initial)
+
+    def prepare_forward(self, seqs, params, initial, sizes, length):
+        """`forward` worked out for calls like this one (arrays of the same dtypes and strides):
+        ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
+        given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
         if lanes is None:
-            made = self._launch(self.forward_kernel, given, sizes, length, self._forward_source)
+            plan = self._planned(self.forward_kernel, given, sizes, length, self._forward_source)
         else:
             k = self.lanes_kernel
-            made = self._launch(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
+            plan = self._planned(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
                 specs, sizes, length, lanes), (lane_block_count(k, sizes, lanes), lanes.block))
         p = self.bw.forward
-        outs = {n: made[f"out_{n}"] for n, _ in p.outputs}
-        finals = {s.name: made[f"final_{s.name}"].reshape([sizes[a] for a in s.axes]) for s in p.states}
-        rounds = {s.name: made[f"rounds_{s.name}"] for s in p.states}
-        return outs, finals, rounds
+        outs = [(n, f"out_{n}") for n, _ in p.outputs]
+        finals = [(s.name, f"final_{s.name}", [sizes[a] for a in s.axes]) for s in p.states]
+        rounds = [(s.name, f"rounds_{s.name}") for s in p.states]
+
+        def call(seqs, params, initial):
+            made = plan.run(_forward_arrays(seqs, params, initial), length)
+            return ({n: made[a] for n, a in outs}, {n: made[a].reshape(shape) for n, a, shape in finals},
+                    {n: made[a] for n, a in rounds})
+        return call
 
     def backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
         """(gradients of the sequences [t, ...], final adjoint states): `grad_states` is the cotangent
         of the forward's final states (grad_<h>), `grad_params` what the param gradients start from
         (added into, in place; zeros allocated for those not given)."""
+        return self.prepare_backward(seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length)(
+            seqs, params, rounds, cotangents, grad_states, grad_params)
+
+    def prepare_backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
+        """`backward` worked out for calls like this one: ``call(seqs, params, rounds, cotangents,
+        grad_states, grad_params) -> (gradients, finals)`` that only allocates and launches."""
         plan = self.plan
-        given = {**seqs, **params, **cotangents}
-        given.update({f"rounds_{s}": v for s, v in rounds.items()})
-        given.update({f"init_{n}": v for n, v in grad_states.items()})
-        given.update({f"final_{n}": v for n, v in grad_params.items()})  # added into in place
-        made = self._launch(plan, given, sizes, length, self._backward_source)
-        outs = {n: made[f"out_{n}"] for n, _ in plan.adjoint.program.outputs}
-        finals = {n: made[f"final_{n}"].reshape([sizes[a] for a in plan.adjoint.program.decl(n).axes])
-                  for n in plan.core}
-        finals.update({n: made[f"final_{n}"] for n in plan.partials.accumulators})
-        return outs, finals
+        launch = self._planned(plan, _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params),
+                               sizes, length, self._backward_source)
+        adjoint = plan.adjoint.program
+        outs = [(n, f"out_{n}") for n, _ in adjoint.outputs]
+        core = [(n, f"final_{n}", [sizes[a] for a in adjoint.decl(n).axes]) for n in plan.core]
+        accumulators = [(n, f"final_{n}") for n in plan.partials.accumulators]
+
+        def call(seqs, params, rounds, cotangents, grad_states, grad_params):
+            made = launch.run(_backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params), length)
+            finals = {n: made[a].reshape(shape) for n, a, shape in core}
+            finals.update((n, made[a]) for n, a in accumulators)
+            return {n: made[a] for n, a in outs}, finals
+        return call
 
     # -- building and launching ----------------------------------------------------------------
     def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
@@ -221,26 +258,20 @@ class FusedBackwardRunner:
         return fused_backward_source(self.plan, ctype, specs, sizes, self.backward_steps(length),
                                      self.state_major(length))
 
-    def _launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                grid: tuple[int, int] | None = None) -> dict:
-        """Launch kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in `given`
-        as they are, the others allocated (per-step ones with time contiguous; ``atomic`` ones and
-        accumulators not given zeroed); returns the allocated and accumulated ones by name. `grid`:
-        (blocks, threads a block); by default a warp per recurrence. The launch is worked out once per
-        kernel, sizes, length, layouts of the given arrays and overrides (`_plan_launch`): a training
-        step's host time bounds the small shapes."""
+    def _planned(self, k, given: dict, sizes: dict[str, int], length: int, source,
+                 grid: tuple[int, int] | None = None) -> _BackwardLaunch:
+        """The launch of kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in
+        `given` as they are, the others allocated (per-step ones with time contiguous; ``atomic``
+        ones and accumulators not given zeroed). `grid`: (blocks, threads a block); by default a
+        warp per recurrence. Worked out once per kernel, sizes, length, layouts of the given arrays
+        and overrides (`_plan_launch`)."""
         key = (k.name, _sizes_key(sizes), length,
                tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
-               *(os.environ.get(v) for v in _OVERRIDES))
+               *overrides())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid)
-        made = plan.allocate()
-        made.update((name, given[name]) for name in plan.kept)
-        pointers = [np.uint64((given[name] if name in given else made[name]).data_ptr()) for name in plan.names]
-        plan.function((plan.grid[0],), (plan.grid[1],), (np.int32(length), np.int32(1), *pointers),
-                      stream=self.forward_runner.stream())
-        return made
+        return plan
 
     def _plan_launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
                      grid: tuple[int, int] | None) -> _BackwardLaunch:
@@ -275,9 +306,6 @@ class FusedBackwardRunner:
                                offset[False], offset[True], state)
 
 
-# the environment variables a fused backward's launch depends on (read per launch, part of its key)
-_OVERRIDES = (*OVERRIDES, "SSMC_CUDA_FUSED_BACKWARD", "SSMC_CUDA_STATE_MAJOR_BACKWARD",
-              "SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
 _ALIGN = 64  # elements: every array a launch allocates starts 256 bytes into its buffer (vector adds, loads)
 
 
@@ -312,6 +340,29 @@ class _BackwardLaunch:
         buffers = {False: torch.empty(self.plain, device="cuda", dtype=self.dtype) if self.plain else None,
                    True: torch.zeros(self.zeroed, device="cuda", dtype=self.dtype) if self.zeroed else None}
         return {a.name: torch.as_strided(buffers[a.zeroed], a.shape, a.strides, a.offset) for a in self.allocations}
+
+    def run(self, given: dict, length: int) -> dict:
+        """Launch over the arrays `given` (by name) and those `allocate` makes; returns the allocated
+        ones and the given ones the kernel adds into, by name."""
+        made = self.allocate()
+        made.update((name, given[name]) for name in self.kept)
+        launch_kernel(self.function, self.grid, length, 1,
+                      [(given[name] if name in given else made[name]).data_ptr() for name in self.names])
+        return made
+
+
+def _forward_arrays(seqs: dict, params: dict, initial: dict) -> dict:
+    """The forward kernel's inputs by its names for them."""
+    return {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}
+
+
+def _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params) -> dict:
+    """The backward kernel's inputs by its names for them (the param gradients given are added into)."""
+    given = {**seqs, **params, **cotangents}
+    given.update({f"rounds_{s}": v for s, v in rounds.items()})
+    given.update({f"init_{n}": v for n, v in grad_states.items()})
+    given.update({f"final_{n}": v for n, v in grad_params.items()})
+    return given
 
 
 def _with_rounds(k: Kernel) -> Kernel:

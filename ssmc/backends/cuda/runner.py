@@ -39,6 +39,8 @@ from .codegen import (
     split_groups,
 )
 from .lanes import lane_groups, lanes_block, lanes_source
+from .launch import launch_kernel
+from .settings import overrides
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -300,7 +302,6 @@ class CudaRunner:
         self.modules: dict[str, object] = {}
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
-        self.streams: dict[int, object] = {}            # torch stream pointer -> CuPy's view of it
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
@@ -423,7 +424,7 @@ class CudaRunner:
         """`make()`, once per `key` and setting of the overrides (a plan is a pure function of
         them; planning walks the kernels' IR, which costs more than a small launch). Also for the
         decisions of other runners built on this one (the fused backward's, a staged layer's)."""
-        full = (what, *key, *(os.environ.get(v) for v in OVERRIDES))
+        full = (what, *key, *overrides())
         plan = self.plans.get(full)
         if plan is None:
             plan = self.plans[full] = make()
@@ -528,30 +529,15 @@ class CudaRunner:
             fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         if grid is None:  # the time blocks' kernels (run_time_blocks launches them)
             grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
-        return Prepared(fn, grid, np.int32(length), np.int32(nblk), tuple(items))
+        return Prepared(fn, grid, length, nblk, tuple(items))
 
     def _execute(self, prepared: Prepared, arrays: dict) -> dict:
         """Launch a prepared kernel over `arrays` (its inputs by name) into arrays it allocates;
         returns those by name."""
         made = {item.name: item.allocate() for item in prepared.items if type(item) is Allocation}
-        pointers = [np.uint64((arrays[item] if type(item) is str else made[item.name]).data_ptr())
-                    for item in prepared.items]
-        blocks, threads = prepared.grid
-        prepared.function((blocks,), (threads,), (prepared.length, prepared.nblk, *pointers), stream=self.stream())
+        launch_kernel(prepared.function, prepared.grid, prepared.length, prepared.nblk,
+               [(arrays[item] if type(item) is str else made[item.name]).data_ptr() for item in prepared.items])
         return made
-
-    def stream(self):
-        """CuPy's view of torch's current stream (launches go there: no host sync)."""
-        import cupy
-        import torch
-
-        # the device as an int: without one torch looks up the device type and index (host time
-        # per launch, which bounds the small shapes)
-        pointer = torch.cuda.current_stream(torch.cuda.current_device()).cuda_stream
-        stream = self.streams.get(pointer)
-        if stream is None:
-            stream = self.streams[pointer] = cupy.cuda.ExternalStream(pointer)
-        return stream
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch CUDA tensors in and out)."""
@@ -671,8 +657,8 @@ class Prepared:
 
     function: object
     grid: tuple[int, int]
-    length: np.int32
-    nblk: np.int32
+    length: int
+    nblk: int
     items: tuple[str | Allocation, ...]
 
 
@@ -690,7 +676,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple | None:
         if not isinstance(x, tensor) or not x.is_cuda or x.dtype not in floats:
             return None
         parts.append((name, x.shape, x.stride(), x.dtype, x.device))
-    return (*parts, *(os.environ.get(v) for v in OVERRIDES))
+    return (*parts, *overrides())
 
 
 @cache
@@ -700,11 +686,6 @@ def _torch_floats(torch) -> frozenset:
 
 def _init(initial: dict) -> dict:
     return {f"init_{s}": v for s, v in initial.items()}
-
-
-# the environment variables that change a launch plan (read when planning, part of its cache key)
-OVERRIDES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS",
-             "SSMC_CUDA_ROW_RECURRENCE", "SSMC_CUDA_RECURRENCE_WARPS")
 
 
 def lane_block_count(k: Kernel, sizes: dict[str, int], mapping: Threads) -> int:

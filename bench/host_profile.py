@@ -1,0 +1,122 @@
+"""Where a small Mamba-1 call spends host time on the GPU path: per-call host time and a profile.
+
+    python3 bench/host_profile.py [--batch 32 --dim 512 --length 180] [--calls 300] [--top 25]
+
+For the forward (`ssmc.compile`), a training step (`ssmc.grad`) and the torch op (`ssmc.torch`,
+forward + `backward()`), each on the same inputs (layout "b d t", fp32):
+
+    host µs a call   `calls` calls back to back, one synchronize at the end: where the host is
+                     slower than the kernels this is its time per call (else the kernels')
+    kernels µs       the CUDA time of one call (torch.profiler, averaged)
+    profile          cProfile of the back-to-back calls, the `top` functions by own time
+
+The host times again with every launch through CuPy instead of the driver (backends/cuda/launch.py),
+then the fused backward's kernel time with its steps per lane forced (SSMC_CUDA_BACKWARD_STEPS_PER_LANE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+import numpy as np
+import torch
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def kernel_us(fn, reps: int = 20) -> tuple[float, dict[str, float]]:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_type.name == "CUDA"}
+    return sum(kernels.values()), kernels
+
+
+def profile(fn, calls: int, top: int) -> str:
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--length", type=int, default=180)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    import ssmc
+    import ssmc.torch
+    from ssmc.examples import mamba1
+
+    x = mamba1.make_inputs(np.random.default_rng(0), args.length, batch=args.batch, dim=args.dim, state=16)
+    x = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in x.items() if k != "h"}
+    dy = torch.randn(args.batch, args.dim, args.length, device="cuda")
+    fwd = ssmc.compile(mamba1.SPEC, "cuda", layout="b d t")
+    grad = ssmc.grad(mamba1.SPEC, "cuda", layout="b d t")
+    op = ssmc.torch.function(mamba1.SPEC, layout="b d t")
+    leaves = {k: v.clone().requires_grad_(True) for k, v in x.items()}
+
+    def torch_step():
+        y = op(**leaves)
+        y.backward(dy)
+
+    calls = {"forward": lambda: fwd(**x), "training step (ssmc.grad)": lambda: grad(**x, grad_outputs=dy),
+             "torch op forward + backward": torch_step}
+    print(f"Mamba-1 B{args.batch} D{args.dim} L{args.length} N16 fp32, {torch.cuda.get_device_name()}")
+    print("| call | host µs a call (back to back) | kernels µs | kernels |\n|---|---|---|---|")
+    for name, fn in calls.items():
+        total, kernels = kernel_us(fn)
+        listed = ", ".join(f"{k[:32]} {v:.1f}" for k, v in kernels.items())
+        print(f"| {name} | {per_call_us(fn, args.calls):.1f} | {total:.1f} | {listed} |")
+    from ssmc.backends.cuda import launch
+
+    launch.use_driver = False  # the same calls, every launch through CuPy
+    for name, fn in calls.items():
+        print(f"| {name}, CuPy launches | {per_call_us(fn, args.calls):.1f} | | |")
+    launch.use_driver = True
+    for name, fn in calls.items():
+        print(f"\n## profile: {name}\n")
+        print(profile(fn, args.calls, args.top))
+    print("\n| SSMC_CUDA_BACKWARD_STEPS_PER_LANE | kernels µs of a training step |\n|---|---|")
+    for k in ("", "1", "2", "4", "8"):
+        if k:
+            os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = k
+        try:
+            total, kernels = kernel_us(lambda: grad(**x, grad_outputs=dy))
+            listed = ", ".join(f"{n[:32]} {v:.1f}" for n, v in kernels.items())
+            print(f"| {k or 'default'} | {total:.1f}: {listed} |")
+        except Exception as exc:
+            print(f"| {k} | {type(exc).__name__}: {str(exc)[:100]} |")
+        finally:
+            os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

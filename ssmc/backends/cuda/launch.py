@@ -1,0 +1,81 @@
+"""Kernel launches on torch's current stream, through the CUDA driver's ``cuLaunchKernel`` (ctypes).
+
+Every kernel ssmc generates takes ``(int length, int nblk, T* array...)``. CuPy's launch works out
+each argument's C type on every call, and its stream must be wrapped per torch stream; at a small
+shape (Mamba-1 B32 D512 L180: kernels of 40 and 300 µs) that host time bounded the call
+(bench/host_profile.py). Here the arguments are one array of 8-byte slots (the two ints in the low
+half of theirs: little-endian hosts, as CUDA's are) and a call costs a few µs. Where the driver
+cannot be loaded, or a launch through it fails (no context current on this thread, say), the same
+launch goes through CuPy, which sets the context up or raises its own error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+_UNLOADED = object()
+_driver = _UNLOADED
+_handles: dict = {}        # CuPy function -> its CUfunction
+_cupy_streams: dict = {}   # torch stream pointer -> CuPy's view of it
+use_driver = True          # False: every launch through CuPy (bench/host_profile.py compares the two)
+
+
+def _load_driver():
+    """libcuda's cuLaunchKernel with its argument types, or None where there is no driver library."""
+    global _driver
+    if _driver is _UNLOADED:
+        try:
+            lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+            fn = lib.cuLaunchKernel
+        except (OSError, AttributeError):
+            fn = None
+        else:
+            u = ctypes.c_uint
+            fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        _driver = fn
+    return _driver
+
+
+def _handle(function) -> int:
+    """The CUfunction of a CuPy kernel (`RawModule.get_function`'s result, or its `kernel`)."""
+    handle = _handles.get(function)
+    if handle is None:
+        inner = getattr(function, "kernel", function)
+        handle = _handles[function] = int(inner.ptr)
+    return handle
+
+
+def current_stream() -> int:
+    """torch's current stream on the current device, as the driver's pointer (0: the legacy default)."""
+    import torch
+
+    return torch.cuda.current_stream(torch.cuda.current_device()).cuda_stream
+
+
+def _cupy_stream(pointer: int):
+    stream = _cupy_streams.get(pointer)
+    if stream is None:
+        import cupy
+
+        stream = _cupy_streams[pointer] = cupy.cuda.ExternalStream(pointer)
+    return stream
+
+
+def launch_kernel(function, grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
+    """Launch `function` with `grid` = (blocks, threads a block) on torch's current stream, with the
+    arguments (length, nblk, *pointers): two ints, then one device address per array."""
+    stream = current_stream()
+    driver = _load_driver() if use_driver else None
+    if driver is not None:
+        n = 2 + len(pointers)
+        values = (ctypes.c_uint64 * n)(length, nblk, *pointers)
+        base = ctypes.addressof(values)
+        params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        if driver(_handle(function), grid[0], 1, 1, grid[1], 1, 1, 0, stream, params, None) == 0:
+            return
+    import numpy as np
+
+    function((grid[0],), (grid[1],), (np.int32(length), np.int32(nblk), *(np.uint64(p) for p in pointers)),
+             stream=_cupy_stream(stream))
