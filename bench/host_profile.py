@@ -26,6 +26,8 @@ import time
 import numpy as np
 import torch
 
+import ssmc  # the scan's annotations are evaluated in this module's globals
+
 
 def per_call_us(fn, calls: int) -> float:
     fn()
@@ -62,6 +64,31 @@ def profile(fn, calls: int, top: int) -> str:
     return out.getvalue()
 
 
+def scan_times() -> None:
+    """The first-order scan of bench/gpu_peers.py (B8 D2048 L4096 fp32, "b d t"): a training step's
+    do_bench median and host time a call, launches through the driver and through CuPy."""
+    import triton
+
+    from ssmc.backends.cuda import launch
+
+    @ssmc.recurrence
+    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
+        h = a * h + x
+        return h, h
+
+    a = torch.rand(8, 2048, 4096, device="cuda") * 0.5 + 0.5
+    x, dy = torch.randn_like(a), torch.randn_like(a)
+    grad = ssmc.grad(scan, "cuda", layout="b d t")
+    print("\n| scan B8 D2048 L4096 training step | do_bench ms | host µs a call | kernels µs |\n|---|---|---|---|")
+    for driver in (True, False, True):
+        launch.use_driver = driver
+        step = lambda: grad(a=a, x=x, grad_outputs=dy)  # noqa: E731
+        ms = triton.testing.do_bench(step, warmup=50, rep=200)
+        total, _ = kernel_us(step)
+        print(f"| {'driver' if driver else 'CuPy'} launches | {ms:.3f} | {per_call_us(step, 50):.1f} | {total:.1f} |")
+    launch.use_driver = True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -69,8 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=180)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--scan", action="store_true", help="only the first-order scan's training step (scan_times)")
     args = ap.parse_args(argv)
-    import ssmc
+    if args.scan:
+        scan_times()
+        return 0
     import ssmc.torch
     from ssmc.examples import mamba1
 

@@ -73,8 +73,8 @@ class PreparedStep:
         only (by name, or one tensor for the one output); else None (the general path)."""
         import torch
 
-        if grad_final_states:
-            return None
+        if grad_final_states is not None and not (isinstance(grad_final_states, dict) and not grad_final_states):
+            return None  # cotangents of the final states: the general path
         names = [n for n, _ in self.program.outputs]
         given = {names[0]: grad_outputs} if isinstance(grad_outputs, torch.Tensor) and len(names) == 1 else grad_outputs
         if not isinstance(given, dict) or not given:

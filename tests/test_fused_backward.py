@@ -150,12 +150,14 @@ def test_when_the_fused_backward_runs(monkeypatch):
     assert mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # warps whatever the count
     assert not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
-    # state-major (4 steps per lane) where its longer rounds waste little of the last one; step-major
-    # (1 step per lane) at L = 40: one round of 128 steps against two of 32
-    assert mamba.state_major(2048) and mamba.state_major(180) and not mamba.state_major(40)
-    assert (mamba.round_steps(2048), mamba.round_steps(40)) == (128, 32) and not scan.state_major(4096)
+    # state-major (4 steps per lane) where its longer rounds waste little of the last one, 2 where
+    # rounds of 64 steps pad less (L = 40, 180); step-major (1 step per lane) at L = 7: one round of
+    # 32 steps against one of 64
+    assert mamba.state_major(2048) and mamba.state_major(180) and mamba.state_major(40)
+    assert not mamba.state_major(7)
+    assert [mamba.round_steps(n) for n in (2048, 180, 40, 7)] == [128, 64, 64, 32] and not scan.state_major(4096)
     monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
-    assert mamba.state_major(40)
+    assert mamba.state_major(7)
     monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "0")
     assert not mamba.state_major(2048) and mamba.round_steps(2048) == 32
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
@@ -390,13 +392,16 @@ def test_prepared_training_steps_match_the_interpreter(length, layout, dtype, wi
     exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
     want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**exact, grad_outputs=dy.double().cpu().numpy())
     tol = 1e-3
+    fused = _fused_tape(g, gpu)
+    assert fused or (layout, length) != ("b d t", 180)  # the benchmark's small shape takes it
     for got in (g(**gpu, grad_outputs=dy), g(**gpu, grad_outputs={"y": dy})):
-        assert g._steps and set(got) == set(want)
+        assert bool(g._steps) == fused and set(got) == set(want)
         for key in want:
             assert rel_err(got[key], want[key]) <= tol, key
     f = st_torch.function(m.SPEC, "cuda", layout=layout)
     for seed in (4, 3):  # the second step is a prepared one
         leaves = {k: v.clone().requires_grad_(True) for k, v in (draw(seed)[0] if seed != 3 else gpu).items()}
         f(**leaves).backward(draw(seed)[1] if seed != 3 else dy)
-    for key in want:
-        assert rel_err(leaves[key].grad, want[key]) <= tol, key
+    tol = {"float32": 1e-3, "bfloat16": 1e-2}[dtype]  # the op's gradients come in the inputs' dtype
+    for key, leaf in leaves.items():
+        assert rel_err(leaf.grad, want[key]) <= tol, key
