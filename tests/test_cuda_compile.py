@@ -366,3 +366,32 @@ def test_random_lanes_kernels_compile_without_spills(spec, n, dtype, time_contig
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"]
     assert forward.resources is not None and not forward.resources.spills, forward.error or forward.source
+
+
+def _scan_with_an_argument(name: str):
+    namespace: dict = {}
+    exec(f"""
+import ssmc
+
+@ssmc.recurrence
+def scan(h: ssmc.State["b d"], {name}: ssmc.Seq["b d"], x: ssmc.Seq["b d"], wp: ssmc.Param["d"]):
+    h = ssmc.sigmoid({name}) * h + x * wp
+    return h, h
+""", namespace)
+    return namespace["scan"].program
+
+
+@pytest.mark.parametrize("name", ["w", "L", "F", "st_h"])
+def test_an_argument_named_like_the_generated_code_s_own_variables_is_a_clear_error(name):
+    """The CUDA backend does not rename arrays named like its own variables (a warp's index `w`, the
+    length `L`, the compute type `F`, the state's registers `st_h`): where NVRTC then fails, the
+    report (and a run, through `CudaRunner.function`) says which argument to rename."""
+    errors = {r.error for L in (7, 1000) for r in kernel_reports(_scan_with_an_argument(name), {"b": 2, "d": 64}, L,
+                                                                 time_contiguous=True) if r.error}
+    assert errors and all(f"'{name}'" in e and "rename it" in e for e in errors), errors
+
+
+def test_the_same_spec_with_other_names_compiles():
+    reports = [r for L in (7, 1000) for r in kernel_reports(_scan_with_an_argument("gate"), {"b": 2, "d": 64}, L,
+                                                            time_contiguous=True)]
+    assert reports and not [r.error for r in reports if r.error]

@@ -1225,6 +1225,32 @@ def math_header() -> str:
     return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
 
 
+# Names every kernel module declares itself: the compute type, the kernels' two int parameters, the
+# step's index (the time axis)
+MODULE_NAMES = frozenset({"F", "L", "nblk", "t"})
+
+
+def name_clashes(kernel, log: str) -> list[str]:
+    """The arrays of `kernel` (a `Kernel` or the fused backward) named like something the generated
+    module declares itself (`w` for a warp's index, `L` for the length, `F` for the compute type),
+    as far as a failed compile's NVRTC `log` tells: names it quotes, and the module's own names.
+    The backend does not rename them (the Numba backend does), so such a spec does not compile for
+    CUDA; the error says which argument to rename."""
+    quoted = set(re.findall(r'"(\w+)"', log))
+    names = {a.name for a in kernel.arrays}
+    return sorted(names & (quoted | MODULE_NAMES))
+
+
+def clash_message(kernel, log: str) -> str | None:
+    """A one-line hint for a failed compile that `name_clashes` explains, else None."""
+    clashes = name_clashes(kernel, log)
+    if not clashes:
+        return None
+    listed = ", ".join(repr(c) for c in clashes)
+    return (f"{kernel.name}: the generated CUDA code names its own variables {listed} too, so a spec argument "
+            f"of that name does not compile for CUDA; rename it (the interpreter and numba backends take it)")
+
+
 def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:
     """The CUDA module of the kernels' template `contexts`: the math header, the helpers they use (row
     combines, the lanes kernel's reduce-scatter), one kernel per context; `half` where an array is
