@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -197,7 +198,7 @@ class CPrinter:
                 return f"{self.registers[e.array]}[tt]{local}"
             if e.array in self.param_registers:
                 return f"rp_{e.array}" + "".join(f"[{e.index[i]}]" for i in self.param_registers[e.array])
-            return f"F(to_f({e.array}[{self.index(e)}]))"
+            return f"F(to_f({c_array(e.array)}[{self.index(e)}]))"
         if isinstance(e, Call):
             if e.fn == "not":
                 return f"(!{self.expr(e.args[0])})"
@@ -214,7 +215,7 @@ class CPrinter:
         if (isinstance(t, Var) or t.array in self.buffers or t.array in self.staged or t.array in self.registers
                 or t.array in self.views):
             return self.expr(t)
-        return f"{t.array}[{self.index(t)}]"
+        return f"{c_array(t.array)}[{self.index(t)}]"
 
     def stmts(self, stmts, depth: int, unrolled: int = 1, in_row: bool = False) -> list[str]:
         """C lines; `unrolled` is the trip count of the unrolled loops around these statements;
@@ -339,7 +340,7 @@ def _flush_prev(k: Kernel, pr: CPrinter, staged: list[str]) -> list[str]:
         at_zero = pr.index(Load(name, ("0", *(f"p_{ax}" for ax in a.axes[1:]))))
         value = _store(pr.arrays[name].dtype, f"sm_{name}[ssmc_row0 + r][s]")
         out += [f"const long long o_{name} = __shfl_sync(lanes, (long long)({at_zero}), r);",
-                f"for (int s = lane; s < count; s += nact) {name}[o_{name} + ({step})] = {value};"]
+                f"for (int s = lane; s < count; s += nact) {c_array(name)}[o_{name} + ({step})] = {value};"]
     return out
 
 
@@ -361,7 +362,7 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     for a in k.arrays:
         ctype = C_TYPES[arrays[a.name].dtype]
         const = "const " if a.role in ("seq", "param", "init") else ""
-        params.append(f"{const}{ctype}* __restrict__ {a.name}")
+        params.append(f"{const}{ctype}* __restrict__ {c_array(a.name)}")
     constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
     total = " * ".join(str(sizes[a]) for a in k.parallel) or "1"
     constants.append(f"constexpr long long total = {total};")
@@ -435,17 +436,18 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
                       for s in program.states if warps > 1]
     ctx["warps"] = warps
     index = {a.name: a for a in k.arrays}
-    ctx["stage_in"] = [(a, f"F(to_f({a}[{pr.index(_at_t(index[a]))}]))")
+    ctx["stage_in"] = [(a, f"F(to_f({c_array(a)}[{pr.index(_at_t(index[a]))}]))")
                        for a in sorted(staged) if index[a].role == "seq"]
-    ctx["stage_out"] = [f"if (valid) {a}[{pr.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
+    ctx["stage_out"] = [f"if (valid) {c_array(a)}[{pr.index(_at_t(index[a]))}] = "
+                        f"{_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
                         for a in sorted(staged) if index[a].role == "out"]
     ctx["vector_stage"] = major is None and _vector_stage(k, staged, arrays, steps_per_lane)
     if ctx["vector_stage"]:
-        at = {a: f"{a} + ({pr.index(_at_t(index[a]))})" for a in staged}
+        at = {a: f"{c_array(a)} + ({pr.index(_at_t(index[a]))})" for a in staged}
         ctx["stage_in_at"] = [(a, at[a]) for a in sorted(staged) if index[a].role == "seq"]
         ctx["stage_out_at"] = [(a, at[a]) for a in sorted(staged) if index[a].role == "out"]
         width = 4 * _vector_width(steps_per_lane)
-        ctx["aligned"] = " && ".join(f"(unsigned long long){a} % {width} == 0" for a in sorted(staged))
+        ctx["aligned"] = " && ".join(f"(unsigned long long){c_array(a)} % {width} == 0" for a in sorted(staged))
     declared = set(ctx["declarations"])
     ctx["declarations"] += [d for d in ps.scalars() if d not in declared]
     per = f"a block of {warps} warps" if warps > 1 else "one warp"
@@ -462,7 +464,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
     scan = _lane_scan(program.states, set(k.parallel), sizes, warps=warps)
-    save = [f"{head}{name}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
+    save = [f"{head}{c_array(name)}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
             f" = {_store(arrays[name].dtype, f'st_{s}{idx}')};"
             for s, head, idx, env, name in _round_arrays(k)]
     if save:  # after the combine: st_<s> is the carry into this lane's steps
@@ -589,7 +591,7 @@ def _full_or_partial(full: list[str], partial: list[str], steps_per_lane: int, v
     """C lines running the round's `full` code where every lane has all its steps and the arrays
     accessed as vectors (`vectors`) are aligned, its `partial` code otherwise."""
     align = 4 * _vector_width(steps_per_lane)
-    aligned = "".join(f" && (unsigned long long){a} % {align} == 0" for a in sorted(vectors))
+    aligned = "".join(f" && (unsigned long long){c_array(a)} % {align} == 0" for a in sorted(vectors))
     return [f"        if (base + {WARP * steps_per_lane} <= L{aligned}) {{  // every lane has all its steps",
             *("    " + line for line in full),
             "        } else {",
@@ -621,7 +623,7 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
     for (array, index), reg in pm.vectors.items():  # this lane's K steps of each, at once
         first_step = pm.index(Load(array, ("t0", *index[1:])))
         lines += [f"{pad}F {reg}[{steps_per_lane}];",
-                  f"{pad}load_steps<{steps_per_lane}>({reg}, {array} + {first_step});"]
+                  f"{pad}load_steps<{steps_per_lane}>({reg}, {c_array(array)} + {first_step});"]
     lines += _summary_identity(states, pad)
     lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(summary, depth + 1), mode)
     rounds = {name for name, *_ in _round_arrays(k)}
@@ -638,7 +640,7 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
             at = pm.index(Load(f"rounds_{s.name}", (f"t0 / {round_steps}", *env)))
             store = _store(pm.arrays[f"rounds_{s.name}"].dtype, f"sv_{s.name}{idx}")
             lines += [f"        if (t0 < L && t0 % {round_steps} == 0) {{",
-                      f"            {head}rounds_{s.name}[{at}] = {store};", "        }"]
+                      f"            {head}{c_array(f'rounds_{s.name}')}[{at}] = {store};", "        }"]
     lines += _lane_steps_loop(2, k, steps_per_lane, pm.stmts(second.post, 3), outer)
     return lines
 
@@ -817,7 +819,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     params = []
     for a in fb.arrays:
         const = "const " if a.role in ("seq", "param", "init", "rounds") else ""
-        params.append(f"{const}{C_TYPES[arrays[a.name].dtype]}* __restrict__ {a.name}")
+        params.append(f"{const}{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}")
     axes = sorted({a for k in kernels for a in k.sizes})
     constants = [f"constexpr int {size_var(a)} = {sizes[a]};" for a in axes]
     constants.append(f"constexpr long long total = {' * '.join(str(sizes[a]) for a in fb.parallel)};")
@@ -839,7 +841,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
                               "  // the carry before each of this lane's steps")
         registers_decl.append(f"F cr_{s.name}" + "".join(f"[{d}]" for d in local) + ";")
         at = fc.index(Load(f"rounds_{s.name}", ("r", *env)))
-        load_round.append(f"{head}cr_{s.name}{idx} = F(to_f(rounds_{s.name}[{at}]));")
+        load_round.append(f"{head}cr_{s.name}{idx} = F(to_f({c_array(f'rounds_{s.name}')}[{at}]));")
     for a in fb.forward_summary.arrays:  # values the forward's summary keeps for the later steps
         if a.role == "out" and a.name[len("out_"):] in fb.shared:
             local = "".join(f"[{size_var(x)}]" for x in a.axes[1:] if x not in parallel)
@@ -850,7 +852,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         s = fb.adjoint.program.decl(name)
         head, idx, _ = _state_loops(s, parallel)
         at = {a: (f"p_{a}" if a in parallel else f"i_{a}") for a in s.axes}
-        target = f"final_{name}[{ad.index(Load(f'final_{name}', tuple(at[a] for a in axes_) or ('0',)))}]"
+        target = f"{c_array(f'final_{name}')}[{ad.index(Load(f'final_{name}', tuple(at[a] for a in axes_) or ('0',)))}]"
         accumulate += [f"{head}{{  // this warp's sum of its threads' terms, added into the result",
                        f"    F v = st_{name}{idx};",
                        "    #pragma unroll",
@@ -871,9 +873,10 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "steps_per_lane": steps_per_lane,
         "vector_stage": False,
         "shared": [f"__shared__ F sm_{a}[{BLOCK // WARP}][{stage_len}];" for a in sorted(staged)],
-        "stage_in": [(a, f"F(to_f({a}[{ad.index(_at_t(index[a]))}]))")
+        "stage_in": [(a, f"F(to_f({c_array(a)}[{ad.index(_at_t(index[a]))}]))")
                      for a in sorted(staged) if index[a].role == "seq"],
-        "stage_out": [f"if (valid) {a}[{ad.index(_at_t(index[a]))}] = {_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
+        "stage_out": [f"if (valid) {c_array(a)}[{ad.index(_at_t(index[a]))}] = "
+                      f"{_store(arrays[a].dtype, f'sm_{a}[w][slot]')};"
                       for a in sorted(staged) if index[a].role == "out"],
         "setup": "\n".join(line for pr, k in zip(printers, kernels) for line in pr.stmts(k.setup, 1)),
         "carry": "\n".join(pad + line for line in adjoint_scan.carry + registers_decl),
@@ -981,7 +984,7 @@ def _block_sum_lines(depth: int, atomics: dict, printer: CPrinter, steps_per_lan
         lines += [f"{pad}    #pragma unroll", f"{pad}    for (int tt = 0; tt < {K}; ++tt) "
                   f"sm_sums[sums_at][{j}][w][lane * {K} + tt] = {reg}[tt];"]
     warps = " + ".join(f"sm_sums[sums_at][j][{x}][s + e]" for x in range(BLOCK // WARP))
-    targets = [f"({array} + {printer.index(Load(array, ('base + s', *at[1:])))})" for array, at in atomics]
+    targets = [f"({c_array(array)} + {printer.index(Load(array, ('base + s', *at[1:])))})" for array, at in atomics]
     target = targets[-1]
     for j in reversed(range(len(targets) - 1)):
         target = f"j == {j} ? {targets[j]} : {target}"
@@ -1063,11 +1066,11 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     lines += _fused_steps_loop(2, K, pas.stmts(as_.pre, 3) + pad_.stmts(ad.pre, 3), exits, True)
     # what each index of the state loop reads before its chains: (register, steps (0: a scalar), load)
     index = "".join(f"[{v}]" for v in major.local)
-    reads = [(reg, K, f"{array} + {pfs.index(Load(array, ('t0', *at[1:])))}")
+    reads = [(reg, K, f"{c_array(array)} + {pfs.index(Load(array, ('t0', *at[1:])))}")
              for (array, at), reg in pfs.vectors.items()]
     for s in forward_states:  # the carry into the round, as the forward saved it
         at = pfc.index(Load(f"rounds_{s.name}", ("r", *_state_loops(s, parallel)[2])))
-        reads.append((f"cf_{s.name}", 0, f"F(to_f(rounds_{s.name}[{at}]))"))
+        reads.append((f"cf_{s.name}", 0, f"F(to_f({c_array(f'rounds_{s.name}')}[{at}]))"))
     reads += [(f"ca_{s.name}", 0, f"cr_{s.name}{index}") for s in core]
     reads += [(scalar_name(f"st_{n}"), 0, f"st_{n}{index}") for n in major.accumulators]
     own = [v[len("i_"):] for v in major.local]
@@ -1110,7 +1113,7 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     if summed:
         lines += _block_sum_lines(depth, atomics, pad_, K)
     for (array, at), reg in ({} if summed else atomics).items():  # this lane's K terms of each, at once
-        target = f"{array} + {pad_.index(Load(array, ('t0', *at[1:])))}"
+        target = f"{c_array(array)} + {pad_.index(Load(array, ('t0', *at[1:])))}"
         if exits:
             lines += [f"{pad}if (t0 < L) {{",
                       f"{pad}    if ((unsigned long long)({target}) % {4 * _vector_width(K)} == 0) "
@@ -1185,7 +1188,7 @@ def _load_param_registers(chosen: dict[str, tuple[int, ...]], kernels, pr: CPrin
         target = f"rp_{name}" + "".join(f"[i_{a}]" for a in local)
         if local:
             lines.append("#pragma unroll")
-        lines.append(f"{loops}{target} = F(to_f({name}[{pr.index(Load(name, index))}]));")
+        lines.append(f"{loops}{target} = F(to_f({c_array(name)}[{pr.index(Load(name, index))}]));")
     return lines
 
 
@@ -1225,30 +1228,46 @@ def math_header() -> str:
     return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
 
 
-# Names every kernel module declares itself: the compute type, the kernels' two int parameters, the
-# step's index (the time axis)
-MODULE_NAMES = frozenset({"F", "L", "nblk", "t"})
+# The name each kernel array is printed by while a module is built (`with_free_array_names`)
+_ARRAY_NAMES: ContextVar[dict[str, str] | None] = ContextVar("ssmc_cuda_array_names", default=None)
+_MARK = "ssmc_array_"  # marks the arrays' names in the text `with_free_array_names` reads
 
 
-def name_clashes(kernel, log: str) -> list[str]:
-    """The arrays of `kernel` (a `Kernel` or the fused backward) named like something the generated
-    module declares itself (`w` for a warp's index, `L` for the length, `F` for the compute type),
-    as far as a failed compile's NVRTC `log` tells: names it quotes, and the module's own names.
-    The backend does not rename them (the Numba backend does), so such a spec does not compile for
-    CUDA; the error says which argument to rename."""
-    quoted = set(re.findall(r'"(\w+)"', log))
-    names = {a.name for a in kernel.arrays}
-    return sorted(names & (quoted | MODULE_NAMES))
+def c_array(name: str) -> str:
+    """How kernel array `name` is printed in the module being built."""
+    names = _ARRAY_NAMES.get()
+    return name if names is None else names.get(name, name)
 
 
-def clash_message(kernel, log: str) -> str | None:
-    """A one-line hint for a failed compile that `name_clashes` explains, else None."""
-    clashes = name_clashes(kernel, log)
-    if not clashes:
-        return None
-    listed = ", ".join(repr(c) for c in clashes)
-    return (f"{kernel.name}: the generated CUDA code names its own variables {listed} too, so a spec argument "
-            f"of that name does not compile for CUDA; rename it (the interpreter and numba backends take it)")
+def free_name(name: str, taken: set[str], arrays: set[str]) -> str:
+    """`name`, with underscores appended while a kernel uses it for something else or another array
+    is called so."""
+    free = name
+    while free in taken or (free != name and free in arrays):
+        free += "_"
+    return free
+
+
+def with_free_array_names(arrays: set[str], build) -> str:
+    """`build()`, a module's source, with each kernel array printed by a name its kernels use for
+    nothing else: its own, or with underscores appended where a kernel also declares that name
+    (a warp's index `w`, the length `L`, the compute type `F`, a state's registers `st_h`). Built
+    once with every array's name marked; the kernels' identifiers outside comments and members,
+    marks excluded, are taken (the helpers before them have scopes of their own). Kernels take their arrays by
+    position, so nothing else changes; a spec without such names gets the same text as before."""
+    token = _ARRAY_NAMES.set({name: _MARK + name for name in arrays})
+    try:
+        text = build()
+    finally:
+        _ARRAY_NAMES.reset(token)
+    kernels = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[text.find("__global__"):], flags=re.S)
+    # identifiers, not members (blockIdx.x does not take x)
+    taken = {word for word in re.findall(r"(?<![.\w])(?<!->)[A-Za-z_]\w*", kernels) if not word.startswith(_MARK)}
+    names = {}
+    for name in sorted(arrays):
+        names[name] = free = free_name(name, taken, arrays)
+        taken.add(free)
+    return re.sub(_MARK + r"(\w+)", lambda m: names[m.group(1)], text)
 
 
 def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:
@@ -1273,20 +1292,23 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     mapping (`threads`, by kernel name; default: `Threads()`); with `warp` (the summary step, steps
     per lane), the one kernel given as the warp kernel's step instead (`round_steps`: see
     `warp_kernel_context`; `ragged`: its last round may be partial, `_state_major_lines`)."""
-    if warp is not None:
-        (k, specs), = kernels
-        warps = (threads or {}).get(k.name, ONE_GROUP).warps
-        contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged, warps)]
-    else:
-        threads = threads or {}
-        contexts = [kernel_context(k, specs, sizes, threads.get(k.name, ONE_GROUP)) for k, specs in kernels]
-    return render(lowered.program.name, lowered.strategy, ctype, contexts,
-                  any(has_half(specs) for _, specs in kernels))
+    def build():
+        if warp is not None:
+            (k, specs), = kernels
+            warps = (threads or {}).get(k.name, ONE_GROUP).warps
+            contexts = [warp_kernel_context(k, warp[0], specs, sizes, warp[1], round_steps, ragged, warps)]
+        else:
+            contexts = [kernel_context(k, specs, sizes, (threads or {}).get(k.name, ONE_GROUP)) for k, specs in kernels]
+        return render(lowered.program.name, lowered.strategy, ctype, contexts,
+                      any(has_half(specs) for _, specs in kernels))
+    return with_free_array_names({name for _, specs in kernels for name in specs}, build)
 
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                           steps_per_lane: int, state_major: bool = False) -> str:
     """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts
     (`state_major`: see `fused_backward_context`)."""
-    context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
-    return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays))
+    def build():
+        context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
+        return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays))
+    return with_free_array_names(set(arrays), build)

@@ -298,7 +298,7 @@ class FusedBackwardRunner:
             allocations.append(_Allocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
             offset[zeroed] += -(-size // _ALIGN) * _ALIGN
             specs[a.name] = ArraySpec(_DTYPES[str(state)], tuple(strides) or (1,))
-        fn = self.forward_runner.function(source(specs, sizes, length), k.name, k)
+        fn = self.forward_runner.function(source(specs, sizes, length), k.name)
         if grid is None:
             threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
             grid = (max(1, -(-threads // BLOCK)), BLOCK)

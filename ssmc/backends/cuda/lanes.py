@@ -36,8 +36,10 @@ from .codegen import (
     _scalar_names,
     _store,
     _unflatten,
+    c_array,
     has_half,
     render,
+    with_free_array_names,
 )
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
@@ -107,8 +109,10 @@ def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[st
                  sizes: dict[str, int], mapping: Threads, ctype: str, round_steps: int = 0) -> str:
     """CUDA C of the lanes kernel of `k` (lowered's fused kernel, split as `lanes`) for these layouts;
     `round_steps` where `k` also saves the fused backward's round carries (`rounds_<state>`)."""
-    context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype, round_steps)
-    return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays))
+    def build():
+        context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype, round_steps)
+        return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays))
+    return with_free_array_names(set(arrays), build)
 
 
 def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int],
@@ -200,7 +204,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "
                     f"{axis} for the whole sequence; {rows} rows per block, chunks of {CHUNK} steps"),
         "params": [("const " if a.role in ("seq", "param", "init") else "") + f"{C_TYPES[arrays[a.name].dtype]}* "
-                   f"__restrict__ {a.name}" for a in k.arrays],
+                   f"__restrict__ {c_array(a.name)}" for a in k.arrays],
         "constants": [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
         + [f"constexpr long long total = {' * '.join(str(sizes[a]) for a in k.parallel)};",
            f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, "
@@ -223,7 +227,8 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "save": _save_rounds(k, lanes, arrays, own_printer, round_steps),
         "params_once": _lane_params(lanes, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
-        "aligned": " && ".join(f"(unsigned long long){a} % 16 == 0" for a in sorted(vector_copies)) or "false",
+        "aligned": " && ".join(f"(unsigned long long){c_array(a)} % 16 == 0" for a in sorted(vector_copies))
+        or "false",
         **_pre_phase(k, lanes, arrays, sizes, pre, pp, vector),
         "body_full": body_phase(False),
         "body_partial": body_phase(True),
@@ -300,12 +305,13 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
         at, spec = plain.index(t), arrays[t.array]
         whole = spec.dtype == "float32" and spec.strides[0] == 1 and all(st % steps == 0 for st in spec.strides[1:])
         scalar = [f"for (int q = 0; q < {steps}; ++q) {{", "    const int t = t0 + t4 + q;",
-                  f"    if (t < L) {t.array}[{at}] = {_store(spec.dtype, f'o_{t.array}[q]')};", "}"]
+                  f"    if (t < L) {c_array(t.array)}[{at}] = {_store(spec.dtype, f'o_{t.array}[q]')};", "}"]
         if not whole:
             lines += ["    " + line for line in scalar]
             continue
-        lines += [f"    if (t0 + t4 + {steps} <= L && (unsigned long long){t.array} % 16 == 0) {{",
-                  "        const int t = t0 + t4;", f"        store_steps<{steps}>(&{t.array}[{at}], o_{t.array});",
+        out = c_array(t.array)
+        lines += [f"    if (t0 + t4 + {steps} <= L && (unsigned long long){out} % 16 == 0) {{",
+                  "        const int t = t0 + t4;", f"        store_steps<{steps}>(&{out}[{at}], o_{t.array});",
                   "    } else {", *("        " + line for line in scalar), "    }"]
     return {"post_steps": steps, "post": [*lines, "}"]}
 
@@ -348,7 +354,8 @@ def _save_rounds(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], pr:
         if name not in names:
             continue
         at = pr.index(Load(name, (f"t0 / {round_steps}", *(var if a == lanes.axis else f"p_{a}" for a in s.axes))))
-        lines.append(f"        if ({var} < {n}) {name}[{at}] = {_store(arrays[name].dtype, f'st_{s.name}[j]')};")
+        store = _store(arrays[name].dtype, f"st_{s.name}[j]")
+        lines.append(f"        if ({var} < {n}) {c_array(name)}[{at}] = {store};")
     return [f"if (valid && t0 % {round_steps} == 0) {{  // the carry into a round of the fused backward",
             "    #pragma unroll", "    for (int j = 0; j < S; ++j) {", f"        const int {var} = g + j * G;",
             *lines, "    }", "}"]
@@ -362,7 +369,7 @@ def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:
         for e in accesses(s):
             if e.array in lanes.lane_params and e.array not in seen:
                 seen.add(e.array)
-                value = f"F(to_f({e.array}[{pr.index(e)}]))"
+                value = f"F(to_f({c_array(e.array)}[{pr.index(e)}]))"
                 if e.array in lanes.log2e_params:  # read as exp2(x * P): exp(x * P) is exp2(x * P log2 e)
                     value += " * F(1.4426950408889634)"
                 out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
@@ -386,7 +393,7 @@ def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPr
         per_row = name in lanes.row_seqs
         count, rowvar = ("R", "r") if per_row else (size_var(axis), "s")
         at = {"t": "t", row: "(r0 + r)"} if per_row else {"t": "t", axis: "s"}
-        src = f"{name} + ({pr.index(Load(name, tuple(at.get(ax, f'p_{ax}') for ax in a.axes)))})"
+        src = f"{c_array(name)} + ({pr.index(Load(name, tuple(at.get(ax, f'p_{ax}') for ax in a.axes)))})"
         dst = f"&{'sr' if per_row else 'sl'}_{name}[nb][{rowvar}][tt]"
         rows = f" && r0 + r < {size_var(row)}" if per_row else ""
         asynchronous = spec.dtype == same

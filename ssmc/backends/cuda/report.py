@@ -19,7 +19,7 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
-from .codegen import ArraySpec, clash_message, contiguous_strides
+from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .runner import CudaRunner, Launch, one_kernel
 
@@ -148,7 +148,7 @@ def _report(role: str, label: str, launch: Launch, source: str, arch: str, compi
             built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu")
             report.resources = built.resources[launch.kernel.name]
         except nvrtc.NvrtcError as err:
-            report.error = clash_message(launch.kernel, err.log) or str(err).splitlines()[0]
+            report.error = str(err).splitlines()[0]
     elif compile_kernels:
         report.error = nvrtc.unavailable_reason()
     return report

@@ -32,7 +32,6 @@ from .codegen import (
     WARP,
     ArraySpec,
     Threads,
-    clash_message,
     contiguous_strides,
     module_source,
     recurrence_warps_fit,
@@ -323,23 +322,14 @@ class CudaRunner:
         return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping},
                              ragged=ragged(length, steps))
 
-    def function(self, source: str, name: str, kernel=None):
-        """The kernel `name` of `source`, compiled once; a compile that fails on an array of `kernel`
-        (a `Kernel` or the fused backward) named like one of the module's own names
-        (`codegen.clash_message`) is a ValueError saying so."""
+    def function(self, source: str, name: str):
         module = self.modules.get(source)
         if module is None:
             import cupy
 
             with progress(f"compiling {self.lowered.program.name} for CUDA (NVRTC)"):
                 module = cupy.RawModule(code=source, options=("--std=c++17",))
-                try:
-                    module.compile()
-                except cupy.cuda.compiler.CompileException as err:
-                    hint = kernel is not None and clash_message(kernel, str(err))
-                    if hint:
-                        raise ValueError(hint) from None
-                    raise
+                module.compile()
             self.modules[source] = module
         return module.get_function(name)
 
@@ -536,7 +526,7 @@ class CudaRunner:
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(dtype)], strides, g)
                      for a, (dtype, strides, g) in zip(k.arrays, layouts)}
-            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name, k)
+            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
         if grid is None:  # the time blocks' kernels (run_time_blocks launches them)
             grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
         return Prepared(fn, grid, length, nblk, tuple(items))
