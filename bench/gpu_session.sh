@@ -6,11 +6,12 @@
 # 1. the GPU tests (pytest -m gpu) side by side with the build of mamba-ssm's CUDA extension
 #    (CPU work; nothing is timed while the tests run)
 # 2. bench/gpu_peers.py: ssmc against accelerated-scan, fla and mamba-ssm (peers/ as its docstring says)
-# 3. bench/lanes_backward_probe.py (every variant) at the two Mamba-1 shapes, bench/block_scan.py
+# 3. bench/lanes_backward_probe.py (every variant) at the two Mamba-1 shapes, bench/block_scan.py,
+#    bench/host_profile.py (host time of a small step; the scan's training step, driver against CuPy)
 # 4. ncu of the lanes forward, the fused backward and the probe's variants (first launch of each)
 #
-# Logs: gpu_tests.log, peers.log, probes.log, ncu.log, and the machine in machine.log. Each step has
-# a time limit, so a slow step leaves the others their turn (about 8 minutes in all on an H100).
+# Logs: gpu_tests.log, peers.log, probes.log, host_profile.log, ncu.log, and the machine in machine.log. Each step has
+# a time limit, so a slow step leaves the others their turn (about 9 minutes in all on an H100).
 set -u
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_session_out}}"
@@ -34,6 +35,9 @@ wait
 { date -u; timeout 120 python3 bench/lanes_backward_probe.py; echo "exit $?";
   timeout 90 python3 bench/lanes_backward_probe.py --batch 32 --dim 512 --length 192; echo "exit $?";
   timeout 60 python3 bench/block_scan.py --out /tmp/gpu_session_block_scan; echo "exit $?"; } > "$out/probes.log" 2>&1
+
+{ timeout 100 python3 bench/host_profile.py; timeout 60 python3 bench/host_profile.py --scan; } \
+    > "$out/host_profile.log" 2>&1
 
 cat > /tmp/gpu_session_step.py <<'PY'
 import numpy as np, torch, ssmc
