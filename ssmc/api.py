@@ -30,7 +30,6 @@ from .runtime.binding import DEFAULT_LAYOUT, MAX_PREPARED_CALLS, bind_arrays, ch
 __all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
 
 
-
 def _program(spec) -> Recurrence:
     if isinstance(spec, RecurrenceSpec):
         return spec.program

@@ -1253,8 +1253,9 @@ def with_free_array_names(arrays: set[str], build) -> str:
     nothing else: its own, or with underscores appended where a kernel also declares that name
     (a warp's index `w`, the length `L`, the compute type `F`, a state's registers `st_h`). Built
     once with every array's name marked; the kernels' identifiers outside comments and members,
-    marks excluded, are taken (the helpers before them have scopes of their own). Kernels take their arrays by
-    position, so nothing else changes; a spec without such names gets the same text as before."""
+    marks excluded, are taken (the helpers before them have scopes of their own). Kernels take
+    their arrays by position, so nothing else changes; a spec without such names gets the same
+    text as before."""
     token = _ARRAY_NAMES.set({name: _MARK + name for name in arrays})
     try:
         text = build()

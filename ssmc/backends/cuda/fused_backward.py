@@ -71,8 +71,8 @@ def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major
         return max(1, int(forced))
     if not state_major:
         return forward_steps if not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
-    half = forward_steps // 2
-    if length is not None and half >= 1 and padded(length, half) * HALF_ROUND_STEP_COST < padded(length, forward_steps):
+    half = forward_steps // 2  # at least 2 (one step a lane state-major is unmeasured)
+    if length is not None and half >= 2 and padded(length, half) * HALF_ROUND_STEP_COST < padded(length, forward_steps):
         return half
     return forward_steps
 
