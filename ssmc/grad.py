@@ -272,8 +272,8 @@ class Grad:
 
                 if len(self._steps) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
                     self._steps.clear()
-                tape.step = self._steps[key] = PreparedStep(self, layout, bound, set(kwargs), fused, seqs, params,
-                                                            initial, chunk)
+                tape.step = self._steps[key] = PreparedStep(self, layout, bound, dtype, set(kwargs), fused, seqs,
+                                                            params, initial, chunk)
             outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length)
             return (outs if outputs else {}), finals, tape
         if chunk >= length and recording is not None and self.backend != "cuda":

@@ -28,15 +28,17 @@ from .runtime.binding import Bound, layout_of
 
 class PreparedStep:
     """`Grad.forward` / `Grad.backward` for calls like a first one (module docstring). `bound`: that
-    call's binding; `seqs`, `params`, `initial`: its arrays in the compute dtype, time first."""
+    call's binding; `dtype`: its compute dtype (the inputs', or the one `ssmc.grad` was given);
+    `seqs`, `params`, `initial`: its arrays in that dtype, time first."""
 
-    def __init__(self, grad, layout, bound: Bound, given: set[str], fused, seqs, params, initial, chunk: int):
+    def __init__(self, grad, layout, bound: Bound, dtype, given: set[str], fused, seqs, params, initial,
+                 chunk: int):
         import torch
 
         fwd = grad.backward_program.forward
         self.program, self.fused, self.layout, self.chunk = fwd, fused, layout, chunk
-        self.sizes, self.length, self.dtype = bound.sizes, bound.length, bound.dtype
-        self.compute = torch.float64 if bound.dtype == np.float64 else torch.float32
+        self.sizes, self.length, self.dtype = bound.sizes, bound.length, np.dtype(dtype)
+        self.compute = torch.float64 if self.dtype == np.float64 else torch.float32
         self.names = [d.name for d in fwd.inputs]
         # time-first views of the sequences, and back to their layouts for their gradients
         self.to_time_first, self.to_layout = {}, {}

@@ -44,6 +44,9 @@ class _Recurrence(torch.autograd.Function):
         # the tape holds views of the inputs: saved, so an input changed in place before the backward
         # is torch's "modified by an inplace operation" error, not a wrong gradient
         ctx.save_for_backward(*tensors)
+        # outputs the loss does not use get None, not zeros torch fills in: without a cotangent of the
+        # final states the backward takes its prepared path (grad_prepared.py)
+        ctx.set_materialize_grads(False)
         ctx.fn, ctx.names, ctx.tape = fn, names, tape
         ctx.dtypes = [t.dtype for t in tensors]
         like = tensors[0]
@@ -55,13 +58,12 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
-        ctx.saved_tensors  # noqa: B018 - torch checks here that no input changed in place since the forward
+        like = ctx.saved_tensors[0]  # torch checks here that no input changed in place since the forward
         fn = ctx.fn
         n_out = len(fn.program.outputs)
         grad_y = {name: c for (name, _), c in zip(fn.program.outputs, cotangents[:n_out]) if c is not None}
         grad_h = {s.name: c for s, c in zip(fn.program.states, cotangents[n_out:]) if c is not None}
-        grads = fn.grad.backward(ctx.tape, grad_outputs=grad_y, grad_final_states=grad_h)
-        like = cotangents[0]
+        grads = fn.grad.backward(ctx.tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
         return (None, None, *(_to_torch(grads[n], like).to(dt) for n, dt in zip(ctx.names, ctx.dtypes)))
 
 

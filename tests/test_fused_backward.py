@@ -405,3 +405,12 @@ def test_prepared_training_steps_match_the_interpreter(length, layout, dtype, wi
     tol = {"float32": 1e-3, "bfloat16": 1e-2}[dtype]  # the op's gradients come in the inputs' dtype
     for key, leaf in leaves.items():
         assert rel_err(leaf.grad, want[key]) <= tol, key
+    if fused:  # the op's backward took the prepared path too (no cotangent of the final state)
+        assert any(step.backwards for step in f.grad._steps.values())
+    if dtype == "float32":  # float64 compute asked for: the prepared calls cast the float32 inputs
+        g64 = ssmc.grad(m.SPEC, "cuda", layout=layout, dtype=np.float64)
+        for seed in (1, 2):
+            g64(**draw(seed)[0], grad_outputs=draw(seed)[1])
+        got = g64(**gpu, grad_outputs=dy)
+        for key in want:
+            assert got[key].dtype == torch.float64 and rel_err(got[key], want[key]) <= 1e-8, key

@@ -1228,6 +1228,18 @@ def math_header() -> str:
     return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
 
 
+# C++'s keywords and the names ssmc's headers define: never an array's name in a kernel
+_CPP_WORDS = """
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t char32_t char8_t class
+    compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield decltype
+    default delete do double dynamic_cast else enum explicit export extern false float for friend goto if inline
+    int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private protected public register
+    reinterpret_cast requires return short signed sizeof static static_assert static_cast struct switch template
+    this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile wchar_t
+    while xor xor_eq SSMC_HALF
+"""
+CPP_KEYWORDS = frozenset(_CPP_WORDS.split())
+
 # The name each kernel array is printed by while a module is built (`with_free_array_names`)
 _ARRAY_NAMES: ContextVar[dict[str, str] | None] = ContextVar("ssmc_cuda_array_names", default=None)
 _MARK = "ssmc_array_"  # marks the arrays' names in the text `with_free_array_names` reads
@@ -1252,8 +1264,9 @@ def with_free_array_names(arrays: set[str], build) -> str:
     """`build()`, a module's source, with each kernel array printed by a name its kernels use for
     nothing else: its own, or with underscores appended where a kernel also declares that name
     (a warp's index `w`, the length `L`, the compute type `F`, a state's registers `st_h`). Built
-    once with every array's name marked; the kernels' identifiers outside comments and members,
-    marks excluded, are taken (the helpers before them have scopes of their own). Kernels take
+    once with every array's name marked; C++'s keywords and the kernels' identifiers outside
+    comments and members, marks excluded, are taken (the helpers before the kernels have scopes of
+    their own). Kernels take
     their arrays by position, so nothing else changes; a spec without such names gets the same
     text as before."""
     token = _ARRAY_NAMES.set({name: _MARK + name for name in arrays})
@@ -1264,11 +1277,12 @@ def with_free_array_names(arrays: set[str], build) -> str:
     kernels = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[text.find("__global__"):], flags=re.S)
     # identifiers, not members (blockIdx.x does not take x)
     taken = {word for word in re.findall(r"(?<![.\w])(?<!->)[A-Za-z_]\w*", kernels) if not word.startswith(_MARK)}
+    taken |= CPP_KEYWORDS
     names = {}
     for name in sorted(arrays):
         names[name] = free = free_name(name, taken, arrays)
         taken.add(free)
-    return re.sub(_MARK + r"(\w+)", lambda m: names[m.group(1)], text)
+    return re.sub(r"(?<!\w)" + _MARK + r"(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
 
 
 def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:
