@@ -404,7 +404,7 @@ def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
     from ssmc.backends.cuda import codegen
     from ssmc.runtime.random_inputs import default_sizes
 
-    renamed = lambda name, taken, arrays: name + "_zz"  # noqa: E731
+    renamed = lambda arrays, taken: {name: name + "_zz" for name in arrays}  # noqa: E731
     cases = [("mamba1", 1000, True, "float32"), ("mamba1", 180, True, "float64"), ("mamba1", 7, False, "float32"),
              ("linear_attention", 180, True, "float32"), ("lstm", 7, False, "float32")]
     for example, length, contiguous, dtype in cases:
@@ -412,7 +412,7 @@ def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
         both = []
         for rename in (False, True):
             if rename:
-                monkeypatch.setattr(codegen, "free_name", renamed)
+                monkeypatch.setattr(codegen, "free_names", renamed)
             both.append(kernel_reports(program, default_sizes(program), length, dtype=dtype, compile_kernels=False,
                                        time_contiguous=contiguous))
         monkeypatch.undo()

@@ -166,3 +166,16 @@ def rename_arrays(stmts: list, names: dict[str, str]) -> list:
         out.append(s)
     return out
 
+
+def free_names(arrays: set[str], taken: set[str]) -> dict[str, str]:
+    """A name to print each array by: its own, or with underscores appended while the printed module
+    uses that name for something else (`taken`) or another array is called so. The backends'
+    kernels take their arrays by position, so printing them by other names changes nothing else."""
+    names, used = {}, set(taken)
+    for name in sorted(arrays):
+        free = name
+        while free in used or (free != name and free in arrays):
+            free += "_"
+        names[name] = free
+        used.add(free)
+    return names

@@ -17,7 +17,21 @@ from importlib import resources
 import jinja2
 
 from ... import __version__
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, loads, walk
+from ...lowering.loops import (
+    Assign,
+    Bin,
+    Buffer,
+    Call,
+    InRange,
+    Load,
+    Loop,
+    Num,
+    Select,
+    Var,
+    free_names,
+    loads,
+    walk,
+)
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.split_sum import row_accumulators, split_axis
@@ -1251,15 +1265,6 @@ def c_array(name: str) -> str:
     return name if names is None else names.get(name, name)
 
 
-def free_name(name: str, taken: set[str], arrays: set[str]) -> str:
-    """`name`, with underscores appended while a kernel uses it for something else or another array
-    is called so."""
-    free = name
-    while free in taken or (free != name and free in arrays):
-        free += "_"
-    return free
-
-
 def with_free_array_names(arrays: set[str], build) -> str:
     """`build()`, a module's source, with each kernel array printed by a name its kernels use for
     nothing else: its own, or with underscores appended where a kernel also declares that name
@@ -1278,10 +1283,7 @@ def with_free_array_names(arrays: set[str], build) -> str:
     # identifiers, not members (blockIdx.x does not take x)
     taken = {word for word in re.findall(r"(?<![.\w])(?<!->)[A-Za-z_]\w*", kernels) if not word.startswith(_MARK)}
     taken |= CPP_KEYWORDS
-    names = {}
-    for name in sorted(arrays):
-        names[name] = free = free_name(name, taken, arrays)
-        taken.add(free)
+    names = free_names(arrays, taken)
     return re.sub(r"(?<!\w)" + _MARK + r"(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
 
 

@@ -14,7 +14,20 @@ from pathlib import Path
 import jinja2
 
 from ... import __version__
-from ...lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, rename_arrays
+from ...lowering.loops import (
+    Assign,
+    Bin,
+    Buffer,
+    Call,
+    InRange,
+    Load,
+    Loop,
+    Num,
+    Select,
+    Var,
+    free_names,
+    rename_arrays,
+)
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.unroll import unroll_sums
 from . import blocking, simd
@@ -173,13 +186,7 @@ def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
             taken |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             taken |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
     taken = {name for name in taken if not name.startswith(_MARK)}
-    names = {}
-    for name in sorted(arrays & taken):
-        new = name + "_"
-        while new in taken or new in arrays:
-            new += "_"
-        names[name] = new
-    return names
+    return {name: free for name, free in free_names(arrays, taken).items() if free != name}
 
 
 def _renamed(k: Kernel, names: dict[str, str]) -> Kernel:
