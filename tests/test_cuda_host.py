@@ -141,3 +141,16 @@ def test_the_backward_takes_half_rounds_where_the_last_one_would_be_mostly_paddi
     assert [runner.backward_steps(n) for n in (180, 192, 1000, 2048, 4097)] == [2, 2, 4, 4, 4]
     for n in (1, 7, 40, 100, 180, 1000, 4097):
         assert runner.round_steps(n) % runner.forward_steps() == 0
+
+
+def test_a_runner_s_plans_stay_bounded_over_ever_new_lengths():
+    """Variable-length batches plan once per length: the plans kept start over at MAX_PLANS."""
+    from ssmc.backends.cuda.runner import MAX_PLANS, runner_for
+    from ssmc.examples import hgrn
+
+    runner = runner_for(hgrn.SPEC.program)
+    runner.plans.clear()
+    for length in range(1, MAX_PLANS + 10):
+        assert runner.planned("probe", lambda n=length: n * 2, length) == 2 * length
+    assert len(runner.plans) <= MAX_PLANS
+    assert runner.planned("probe", lambda: -1, MAX_PLANS + 9) == 2 * (MAX_PLANS + 9)  # the newest are kept

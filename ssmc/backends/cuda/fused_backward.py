@@ -30,6 +30,7 @@ from .lanes import lanes_source
 from .launch import launch_kernel
 from .runner import (
     _DTYPES,
+    MAX_PLANS,
     Launch,
     _as_1d,
     _sizes_key,
@@ -115,6 +116,8 @@ class FusedBackwardRunner:
         """`decide()` once per shape and setting of the overrides (asked on every training step)."""
         key = (what, _sizes_key(sizes), length, time_contiguous, *overrides())
         if key not in self._decisions:
+            if len(self._decisions) >= MAX_PLANS:  # ever new lengths or shapes: start over
+                self._decisions.clear()
             self._decisions[key] = decide()
         return self._decisions[key]
 
@@ -270,6 +273,8 @@ class FusedBackwardRunner:
                *overrides())
         plan = self._plans.get(key)
         if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
             plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid)
         return plan
 

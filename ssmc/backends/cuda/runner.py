@@ -427,6 +427,8 @@ class CudaRunner:
         full = (what, *key, *overrides())
         plan = self.plans.get(full)
         if plan is None:
+            if len(self.plans) >= MAX_PLANS:  # ever new lengths or shapes: start over
+                self.plans.clear()
             plan = self.plans[full] = make()
         return plan
 
@@ -621,6 +623,9 @@ class CudaRunner:
             return self._launch(k, arrays, sizes, length, nblk, out_dtype=out_dtype if k.program.outputs else None)
         return launch
 
+
+# plans and decisions a runner keeps (by shape, length and overrides), before it starts over
+MAX_PLANS = 4096
 
 # the strategies whose run is one launch of one kernel (`CudaRunner.prepare`)
 ONE_LAUNCH = ("fused", "warp", "rows", "lanes")
