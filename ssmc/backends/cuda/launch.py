@@ -4,7 +4,8 @@ Every kernel ssmc generates takes ``(int length, int nblk, T* array...)``. CuPy'
 each argument's C type on every call, and its stream must be wrapped per torch stream; at a small
 shape (Mamba-1 B32 D512 L180: kernels of 40 and 300 µs) that host time bounded the call
 (bench/host_profile.py). Here the arguments are one array of 8-byte slots (the two ints in the low
-half of theirs: little-endian hosts, as CUDA's are) and a call costs a few µs. Where the driver
+half of theirs: little-endian hosts, as CUDA's are): that step's host time was 315 µs against 428
+through CuPy (H100, 2026-11-25). Where the driver
 cannot be loaded, or a launch through it fails (no context current on this thread, say), the same
 launch goes through CuPy, which sets the context up or raises its own error.
 """
