@@ -154,3 +154,16 @@ def test_a_runner_s_plans_stay_bounded_over_ever_new_lengths():
         assert runner.planned("probe", lambda n=length: n * 2, length) == 2 * length
     assert len(runner.plans) <= MAX_PLANS
     assert runner.planned("probe", lambda: -1, MAX_PLANS + 9) == 2 * (MAX_PLANS + 9)  # the newest are kept
+
+
+def test_any_layout_makes_a_cache_key():
+    """The prepared paths key calls by their layout before checking it: a bad layout (a list where a
+    template belongs) is a key too, so the check that binds the call names it (ValueError)."""
+    from ssmc.runtime.binding import hashable_layout
+
+    good = {"x": "b t ...", "y": "t ..."}
+    assert hashable_layout(good) == hashable_layout(dict(reversed(good.items())))
+    assert hashable_layout(good) != hashable_layout({"x": "t ...", "y": "t ..."})
+    for bad in ({"x": ["b", "t"]}, ["b", "t"]):
+        hash(hashable_layout(bad))
+    assert hashable_layout("b t ...") == "b t ..." and hashable_layout(None) is None

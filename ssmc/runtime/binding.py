@@ -41,8 +41,11 @@ def check_layout(layout, program) -> None:
 
 
 def hashable_layout(layout):
-    """`layout` as part of a cache key (a dict's items, sorted)."""
-    return tuple(sorted(layout.items())) if isinstance(layout, dict) else layout
+    """`layout` as part of a cache key: a dict's items sorted, as text (a bad value, a list say, is
+    then a key like any other, and `check_layout` names it on the call that binds)."""
+    if isinstance(layout, dict):
+        return tuple(sorted((str(k), repr(v)) for k, v in layout.items()))
+    return layout if isinstance(layout, str) or layout is None else repr(layout)
 
 
 def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> tuple[str, ...]:
