@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
 
 import ssmc  # the scan's annotations are evaluated in this module's globals
 
@@ -40,13 +41,8 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def kernel_us(fn, reps: int = 20) -> tuple[float, dict[str, float]]:
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_type.name == "CUDA"}
+    """The CUDA time of one call of `fn` and of each kernel it launches, µs (`kernel_times`)."""
+    kernels = {name: ms * 1000 for name, ms in kernel_times(fn, reps).items()}
     return sum(kernels.values()), kernels
 
 

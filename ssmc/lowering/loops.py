@@ -167,6 +167,11 @@ def rename_arrays(stmts: list, names: dict[str, str]) -> list:
     return out
 
 
+# marks the arrays' names in a module rendered to find what else it names (the backends' printers:
+# `free_names` then picks the names to print the arrays by)
+ARRAY_MARK = "ssmc_array_"
+
+
 def free_names(arrays: set[str], taken: set[str]) -> dict[str, str]:
     """A name to print each array by: its own, or with underscores appended while the printed module
     uses that name for something else (`taken`) or another array is called so. The backends'

@@ -18,6 +18,7 @@ import jinja2
 
 from ... import __version__
 from ...lowering.loops import (
+    ARRAY_MARK,
     Assign,
     Bin,
     Buffer,
@@ -1256,7 +1257,6 @@ CPP_KEYWORDS = frozenset(_CPP_WORDS.split())
 
 # The name each kernel array is printed by while a module is built (`with_free_array_names`)
 _ARRAY_NAMES: ContextVar[dict[str, str] | None] = ContextVar("ssmc_cuda_array_names", default=None)
-_MARK = "ssmc_array_"  # marks the arrays' names in the text `with_free_array_names` reads
 
 
 def c_array(name: str) -> str:
@@ -1274,17 +1274,17 @@ def with_free_array_names(arrays: set[str], build) -> str:
     their own). Kernels take
     their arrays by position, so nothing else changes; a spec without such names gets the same
     text as before."""
-    token = _ARRAY_NAMES.set({name: _MARK + name for name in arrays})
+    token = _ARRAY_NAMES.set({name: ARRAY_MARK + name for name in arrays})
     try:
         text = build()
     finally:
         _ARRAY_NAMES.reset(token)
     kernels = re.sub(r"//[^\n]*|/\*.*?\*/", "", text[text.find("__global__"):], flags=re.S)
     # identifiers, not members (blockIdx.x does not take x)
-    taken = {word for word in re.findall(r"(?<![.\w])(?<!->)[A-Za-z_]\w*", kernels) if not word.startswith(_MARK)}
+    taken = {word for word in re.findall(r"(?<![.\w])(?<!->)[A-Za-z_]\w*", kernels) if not word.startswith(ARRAY_MARK)}
     taken |= CPP_KEYWORDS
     names = free_names(arrays, taken)
-    return re.sub(r"(?<!\w)" + _MARK + r"(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
+    return re.sub(r"(?<!\w)" + ARRAY_MARK + r"(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
 
 
 def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:

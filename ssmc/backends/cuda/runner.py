@@ -538,7 +538,7 @@ class CudaRunner:
         returns those by name."""
         made = {item.name: item.allocate() for item in prepared.items if type(item) is Allocation}
         launch_kernel(prepared.function, prepared.grid, prepared.length, prepared.nblk,
-               [(arrays[item] if type(item) is str else made[item.name]).data_ptr() for item in prepared.items])
+                      [(arrays[item] if type(item) is str else made[item.name]).data_ptr() for item in prepared.items])
         return made
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):

@@ -15,6 +15,7 @@ import jinja2
 
 from ... import __version__
 from ...lowering.loops import (
+    ARRAY_MARK,
     Assign,
     Bin,
     Buffer,
@@ -160,7 +161,6 @@ def _render(lowered: Lowered, dtype: str, names: dict[str, str]) -> str:
                               simd_digest=_digest(simd.__file__) if tiled else "")
 
 
-_MARK = "ssmc_array_"  # marks the arrays' names in the probe render of `array_names`
 
 
 def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
@@ -172,7 +172,7 @@ def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
     helpers' own locals are not. The kernels take their arrays by position, so the runner binds
     them as before."""
     arrays = {a.name for k in lowered.kernels for a in k.arrays}
-    tree = ast.parse(_render(lowered, dtype, {name: _MARK + name for name in arrays}))
+    tree = ast.parse(_render(lowered, dtype, {name: ARRAY_MARK + name for name in arrays}))
     kernels = {k.name for k in lowered.kernels}
     taken = set(keyword.kwlist) | set(dir(builtins))
     for node in tree.body:
@@ -185,7 +185,7 @@ def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
         if isinstance(node, ast.FunctionDef) and node.name in kernels:
             taken |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             taken |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
-    taken = {name for name in taken if not name.startswith(_MARK)}
+    taken = {name for name in taken if not name.startswith(ARRAY_MARK)}
     return {name: free for name, free in free_names(arrays, taken).items() if free != name}
 
 
