@@ -505,6 +505,7 @@ def ssmc_candidates(workload: Workload, variants: bool = True) -> list:
     `variants`: also the rows with a strategy or a steps-per-lane setting forced.
     """
     import ssmc
+    import ssmc.torch
 
     if workload.key == "scan1":
         spec = _first_order_scan()
@@ -526,7 +527,14 @@ def ssmc_candidates(workload: Workload, variants: bool = True) -> list:
         g = grad(**{k: inp[k].detach() for k in names}, grad_outputs=dout)
         return {k: g[k] for k in workload.grad_keys}
 
-    cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd)]
+    op = ssmc.torch.function(spec, layout="b d t")
+
+    def run_op(inp, dout):  # what a PyTorch user runs, through autograd as mamba-ssm's wrapper is
+        args = [inp[k] for k in names]
+        grads = torch.autograd.grad(op(*args), args, dout)
+        return {k: g for k, g in zip(names, grads) if k in workload.grad_keys}
+
+    cands: list = [("cuda (b d t in place)", run_fwd, run_fwdbwd), ("ssmc.torch op (autograd.grad)", None, run_op)]
     if not variants:
         return cands
     # the strategy heuristic against each strategy forced (forward only)

@@ -65,6 +65,7 @@ def scan_times() -> None:
     do_bench median and host time a call, launches through the driver and through CuPy."""
     import triton
 
+    import ssmc.torch as ssmc_torch
     from ssmc.backends.cuda import launch
 
     @ssmc.recurrence
@@ -83,6 +84,27 @@ def scan_times() -> None:
         total, _ = kernel_us(step)
         print(f"| {'driver' if driver else 'CuPy'} launches | {ms:.3f} | {per_call_us(step, 50):.1f} | {total:.1f} |")
     launch.use_driver = True
+    op = ssmc_torch.function(scan, layout="b d t")
+    leaves = [a.clone().requires_grad_(True), x.clone().requires_grad_(True)]
+    op_step = lambda: torch.autograd.grad(op(*leaves), leaves, dy)  # noqa: E731
+    total, kernels = kernel_us(op_step)
+    listed = ", ".join(f"{k[:40]} {v:.1f}" for k, v in kernels.items())
+    print(f"| torch op, autograd.grad | {triton.testing.do_bench(op_step, warmup=50, rep=200):.3f} "
+          f"| {per_call_us(op_step, 50):.1f} | {total:.1f}: {listed} |")
+    print(f"\n## profile: scan training step\n\n{profile(step, 50, 25)}")
+
+
+class _Floor(torch.autograd.Function):
+    """A Function whose forward and backward launch nothing: what torch's autograd costs a call."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.like = tensors
+        return torch.empty_like(tensors[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        return tuple(torch.empty_like(t) for t in ctx.like)
 
 
 def main(argv=None) -> int:
@@ -112,8 +134,17 @@ def main(argv=None) -> int:
         y = op(**leaves)
         y.backward(dy)
 
+    tensors = list(leaves.values())
+
+    def torch_grad():  # as bench/gpu_peers.py times the op and mamba-ssm's wrapper
+        torch.autograd.grad(op(*tensors), tensors, dy)
+
+    def floor_grad():  # torch's own cost of a Function of as many inputs: kernels-free, the same calls
+        torch.autograd.grad(_Floor.apply(*tensors), tensors, dy)
+
     calls = {"forward": lambda: fwd(**x), "training step (ssmc.grad)": lambda: grad(**x, grad_outputs=dy),
-             "torch op forward + backward": torch_step}
+             "torch op forward + backward()": torch_step, "torch op, autograd.grad": torch_grad,
+             "empty autograd.Function, autograd.grad": floor_grad}
     print(f"Mamba-1 B{args.batch} D{args.dim} L{args.length} N16 fp32, {torch.cuda.get_device_name()}")
     print("| call | host µs a call (back to back) | kernels µs | kernels |\n|---|---|---|---|")
     for name, fn in calls.items():

@@ -89,7 +89,7 @@ class Compiled:
                 if len(self._calls) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
                     self._calls.clear()
                 # False: runs of more than one launch take the full path (the key says so quickly)
-                self._calls[key] = prepared and _bound_call(p, layout, bound.initial, prepared, given=set(kwargs))
+                self._calls[key] = prepared and _bound_call(p, bound.initial, prepared, given=set(kwargs))
             if prepared:
                 return prepared(seqs, params, bound.initial)
             return run(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype=out_dtype)
@@ -113,25 +113,21 @@ class Compiled:
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
 
 
-def _bound_call(p: Recurrence, layout, initial: dict, prepared, given: set[str]):
+def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):
     """`prepared` (a backend's run worked out for one call) as a function of a call's (args, kwargs)
-    alike (same `registry.call_key`, so the same keywords `given`): binding them is matching names and
-    permuting sequences to time first, the checks `bind_arrays` made for the first such call holding
-    for them all."""
+    alike (same `registry.call_key`, so the same keywords `given`): binding them is matching names, the
+    checks `bind_arrays` made for the first such call holding for them all. The prepared run reads only
+    the arrays' addresses (`CudaRunner.prepare`: their layouts are in the key), so the arrays go as
+    given, not as time-first views (a permute costs host time: about 5 µs on the GPU machines)."""
     names = [d.name for d in p.inputs]
-    perms = {}
-    for d in p.seqs:
-        order = layout_of(layout, d.name, d.axes)
-        perms[d.name] = [order.index(a) for a in (TIME, *d.axes)]
-    params = [d.name for d in p.params]
+    seqs, params = [d.name for d in p.seqs], [d.name for d in p.params]
     zeros = {s.name: initial[s.name] for s in p.states if s.name not in given}  # shared, read only
     states = [s.name for s in p.states if s.name in given]
 
     def call(args, kwargs):
         arrays = dict(zip(names, args))
         arrays.update(kwargs)
-        arrays = {k: v.detach() if v.requires_grad else v for k, v in arrays.items()}
-        return prepared({n: arrays[n].permute(*perm) for n, perm in perms.items()}, {n: arrays[n] for n in params},
+        return prepared({n: arrays[n] for n in seqs}, {n: arrays[n] for n in params},
                         {**zeros, **{s: arrays[s] for s in states}})
     return call
 

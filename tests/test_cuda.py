@@ -106,6 +106,50 @@ def test_example_gradients_match_the_interpreter(name, dtype):
         assert rel_err(got[key], want[key]) <= (1e-9 if dtype == "float64" else 1e-3), key
 
 
+@pytest.mark.parametrize("length", [1, 7, 180, 1000])
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_torch_op_training_steps_match_the_interpreter(name, length):
+    """ssmc.torch's forward (`Grad.forward`: the recording forward where one chunk covers the sequence
+    and no fused backward applies) and backward through autograd, against the interpreter."""
+    import torch
+
+    import ssmc.torch as st_torch
+
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length)
+    names = [d.name for d in m.SPEC.program.inputs] + [s.name for s in m.SPEC.program.states if s.name in inputs]
+    want_out = flat(ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs))
+    cot = [rng.standard_normal(o.shape) for o in want_out]
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot[0] if len(cot) == 1
+                                                             else tuple(cot))
+    tensors = [torch.tensor(inputs[n], device="cuda", dtype=torch.float32, requires_grad=True) for n in names]
+    f = st_torch.function(m.SPEC, "cuda", layout=m.LAYOUT)
+    for _ in range(2):  # the second call of a signature may take a prepared path
+        got_out = flat(f(**dict(zip(names, tensors))))
+        got = torch.autograd.grad(got_out, tensors, [torch.tensor(c, device="cuda", dtype=torch.float32)
+                                                      for c in cot], allow_unused=True)
+        for g, w in zip(got_out, want_out):
+            assert rel_err(g, w) <= TOL["float32"]
+        for n, g in zip(names, got):
+            assert g is not None and rel_err(g, want[n]) <= 1e-3, n
+
+
+def test_a_training_steps_forward_keeps_the_carries_where_one_chunk_covers_the_sequence():
+    """`Grad.forward` on the GPU runs the recording forward (its outputs are wanted), so the backward
+    recomputes nothing; `Grad.__call__` skips the forward and recomputes them."""
+    m = importlib.import_module("ssmc.examples.hgrn")
+    inputs = on_gpu(m.make_inputs(np.random.default_rng(0), 180), "float32")
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    outs, _, tape = g.forward(**inputs)
+    assert tape.carries is not None and tape.rounds is None and set(tape.carries) == {"prev_h"}
+    dy = outs["y"].permute(1, 0, 2)  # time first -> the layout "b t d"
+    want = g(**inputs, grad_outputs=dy)
+    got = g.backward(tape, grad_outputs=dy)
+    for k in want:
+        assert rel_err(got[k], want[k].double().cpu().numpy()) <= 1e-5, k
+
+
 def test_torch_gradcheck_in_float64():
     import torch
 

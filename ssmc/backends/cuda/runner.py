@@ -598,7 +598,9 @@ class CudaRunner:
         """A run for calls like this one (every array of the same dtype, shape and strides, the same
         overrides): ``call(seqs, params, initial) -> (outputs, finals)`` that only allocates the outputs
         and launches (`run` plans, checks and looks the kernel up on every call: host time that bounds
-        small shapes); None where the run takes more than one launch."""
+        small shapes); None where the run takes more than one launch. The call reads only its arrays'
+        addresses (their dtypes and strides are this call's), so any view that starts where this
+        call's arrays start will do: `api.Compiled` passes the arrays in the caller's layout."""
         contiguous = time_contiguous(seqs)
         strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
