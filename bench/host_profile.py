@@ -2,8 +2,10 @@
 
     python3 bench/host_profile.py [--batch 32 --dim 512 --length 180] [--calls 300] [--top 25]
 
-For the forward (`ssmc.compile`), a training step (`ssmc.grad`) and the torch op (`ssmc.torch`,
-forward + `backward()`), each on the same inputs (layout "b d t", fp32):
+For the forward (`ssmc.compile`), a training step (`ssmc.grad`) and its forward (`Grad.forward`),
+the torch op (`ssmc.torch`: its forward alone, forward + `backward()` into the leaves' `.grad`, and
+through `torch.autograd.grad` as bench/gpu_peers.py times it), and an empty `autograd.Function` of
+as many inputs (torch's own cost a call), each on the same inputs (layout "b d t", fp32):
 
     host µs a call   `calls` calls back to back, one synchronize at the end: where the host is
                      slower than the kernels this is its time per call (else the kernels')
@@ -12,6 +14,7 @@ forward + `backward()`), each on the same inputs (layout "b d t", fp32):
 
 The host times again with every launch through CuPy instead of the driver (backends/cuda/launch.py),
 then the fused backward's kernel time with its steps per lane forced (SSMC_CUDA_BACKWARD_STEPS_PER_LANE).
+`--scan`: the first-order scan's training step (`ssmc.grad` and the torch op) instead.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
         torch.autograd.grad(_Floor.apply(*tensors), tensors, dy)
 
     calls = {"forward": lambda: fwd(**x), "training step (ssmc.grad)": lambda: grad(**x, grad_outputs=dy),
+             "training forward (Grad.forward)": lambda: grad.forward(**x),
+             "torch op forward (graph kept, no backward)": lambda: op(*tensors),
              "torch op forward + backward()": torch_step, "torch op, autograd.grad": torch_grad,
              "empty autograd.Function, autograd.grad": floor_grad}
     print(f"Mamba-1 B{args.batch} D{args.dim} L{args.length} N16 fp32, {torch.cuda.get_device_name()}")

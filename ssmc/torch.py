@@ -31,6 +31,10 @@ def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x).to(device=like.device)
 
 
+def _in_dtype(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _permute(x, perm):
     return x.permute(*perm) if isinstance(x, torch.Tensor) else x.transpose(perm)
 
@@ -50,21 +54,20 @@ class _Recurrence(torch.autograd.Function):
         ctx.fn, ctx.names, ctx.tape = fn, names, tape
         ctx.dtypes = [t.dtype for t in tensors]
         like = tensors[0]
-        program, layout = fn.program, fn.layout
-        ys = [_to_torch(_permute(outs[name], [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)]),
-                        like).to(like.dtype) for name, y in program.outputs]  # as `ssmc.compile` returns them
-        return tuple(ys + [_to_torch(finals[s.name], like) for s in program.states])
+        ys = [_in_dtype(_to_torch(_permute(outs[name], perm), like), like.dtype)
+              for name, perm in fn.output_perms]  # as `ssmc.compile` returns them
+        return tuple(ys + [_to_torch(finals[s], like) for s in fn.state_names])
 
     @staticmethod
     @once_differentiable  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
         like = ctx.saved_tensors[0]  # torch checks here that no input changed in place since the forward
         fn = ctx.fn
-        n_out = len(fn.program.outputs)
-        grad_y = {name: c for (name, _), c in zip(fn.program.outputs, cotangents[:n_out]) if c is not None}
-        grad_h = {s.name: c for s, c in zip(fn.program.states, cotangents[n_out:]) if c is not None}
+        n_out = len(fn.output_perms)
+        grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
+        grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
         grads = fn.grad.backward(ctx.tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
-        return (None, None, *(_to_torch(grads[n], like).to(dt) for n, dt in zip(ctx.names, ctx.dtypes)))
+        return (None, None, *(_in_dtype(_to_torch(grads[n], like), dt) for n, dt in zip(ctx.names, ctx.dtypes)))
 
 
 class SsmcFunction:
@@ -78,6 +81,10 @@ class SsmcFunction:
         self.chunk = chunk
         self.return_final_states = return_final_states
         self.names = [d.name for d in self.program.inputs] + [s.name for s in self.program.states]
+        self.state_names = [s.name for s in self.program.states]
+        # per output: its name and the permutation from time first to its layout (`ssmc.compile`'s)
+        self.output_perms = [(name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
+                             for name, y in self.program.outputs]
         self._by_backend: dict[str, tuple] = {}
 
     def _for(self, backend: str):
@@ -107,7 +114,7 @@ class SsmcFunction:
             names = self.names[:len(tensors)]
             ys, finals = self.compiled(**dict(zip(names, tensors)), return_final_states=True)
             like = tensors[0]
-            ys = tuple(_to_torch(y, like).to(like.dtype) for y in (ys if isinstance(ys, tuple) else (ys,))
+            ys = tuple(_in_dtype(_to_torch(y, like), like.dtype) for y in (ys if isinstance(ys, tuple) else (ys,))
                        ) if ys is not None else ()  # in the first input's dtype, as with a tape
             finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
             results = ys + finals
