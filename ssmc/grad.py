@@ -209,7 +209,7 @@ class Tape:
     carries: dict | None = None
     products: dict = field(default_factory=dict)
     rounds: dict | None = None
-    step: object = None  # the `grad_prepared.PreparedStep` whose forward made it (its backward's path)
+    step: object = None  # the `grad_prepared` step whose forward made it (its backward's path)
 
 
 class Grad:
@@ -232,7 +232,7 @@ class Grad:
         self.layout = layout
         self.chunk = chunk
         self._fused_runners: dict[str, object] = {}  # compute dtype -> the CUDA fused backward's runner
-        self._steps: dict = {}  # call key (registry.call_key) and layout -> its `PreparedStep` (CUDA)
+        self._steps: dict = {}  # call key (registry.call_key) and layout -> its step (CUDA, grad_prepared.py)
 
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
@@ -273,18 +273,14 @@ class Grad:
             if key is not None:
                 from .grad_prepared import PreparedStep
 
-                if len(self._steps) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
-                    self._steps.clear()
-                tape.step = self._steps[key] = PreparedStep(self, layout, bound, dtype, set(kwargs), fused, seqs,
-                                                            params, initial, chunk)
+                tape.step = self._remember(key, PreparedStep(self, layout, bound, dtype, set(kwargs), fused, seqs,
+                                                             params, initial, chunk))
             outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length)
             return (outs if outputs else {}), finals, tape
         if key is not None and chunk >= length:  # CUDA, one chunk: runs worked out once (grad_prepared.py)
             from .grad_prepared import PreparedChunk
 
-            if len(self._steps) >= MAX_PREPARED_CALLS:
-                self._steps.clear()
-            step = self._steps[key] = PreparedChunk(self, layout, bound, dtype, set(kwargs), initial, chunk)
+            step = self._remember(key, PreparedChunk(self, layout, bound, dtype, set(kwargs), initial, chunk))
             return step.forward(args, kwargs, outputs)
         if chunk >= length and recording is not None and (outputs or self.backend != "cuda"):
             # one chunk: the forward keeps every carry, the backward recomputes nothing. On the GPU
@@ -310,6 +306,13 @@ class Grad:
                 tape.boundaries.append(finals)
         outs = {n: (v[0] if len(v) == 1 else xp.cat(v)) for n, v in parts.items()} if outputs else {}
         return outs, finals, tape
+
+    def _remember(self, key, step):
+        """Keep `step` for calls of `key`: at most MAX_PREPARED_CALLS (calls of ever new shapes: start over)."""
+        if len(self._steps) >= MAX_PREPARED_CALLS:
+            self._steps.clear()
+        self._steps[key] = step
+        return step
 
     def _fused_backward(self, seqs: dict, sizes: dict[str, int], length: int, dtype):
         """The CUDA fused backward's runner where it applies at these sizes and layouts, else None."""

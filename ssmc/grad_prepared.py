@@ -55,7 +55,7 @@ class _Signature:
         self.outputs_to_time_first = {n: [layout_of(layout, n, y.axes).index(a) for a in (TIME, *y.axes)]
                                       for n, y in fwd.outputs}
         self.params = [d.name for d in fwd.params]
-        self.states = [s.name for s in fwd.states if s.name in given]
+        self.given_states = [s.name for s in fwd.states if s.name in given]
         self.zeros = {s.name: initial[s.name] for s in fwd.states if s.name not in given}  # only read
         self.backwards: dict = {}  # signature of the output cotangents -> what its backward launches
 
@@ -70,7 +70,7 @@ class _Signature:
         cast = self._cast
         seqs = {n: cast(arrays[n].permute(*perm)) for n, perm in self.to_time_first.items()}
         params = {n: cast(arrays[n]) for n in self.params}
-        initial = {**self.zeros, **{s: cast(arrays[s]) for s in self.states}}
+        initial = {**self.zeros, **{s: cast(arrays[s]) for s in self.given_states}}
         tape = Tape(seqs, params, self.sizes, self.length, self.dtype, self.layout, self.chunk, [initial], step=self)
         return seqs, params, initial, tape
 
@@ -163,7 +163,7 @@ class PreparedChunk(_Signature):
     def __init__(self, grad, layout, bound: Bound, dtype, given: set[str], initial: dict, chunk: int):
         super().__init__(grad, layout, bound, dtype, given, initial, chunk)
         self.records = grad.recording is not None
-        self.states_of = [s.name for s in self.program.states]
+        self.state_names = [s.name for s in self.program.states]
         self.runs: dict = {}  # "forward" / "carries" -> its planned run
 
     def _run(self, name: str, program, seqs, params, initial):
@@ -180,7 +180,7 @@ class PreparedChunk(_Signature):
             return {}, initial, tape
         outs, finals = self._run("forward", self.grad.recording or self.program, seqs, params, initial)
         if self.records:
-            tape.carries = {f"prev_{s}": outs.pop(f"prev_{s}") for s in self.states_of}
+            tape.carries = {f"prev_{s}": outs.pop(f"prev_{s}") for s in self.state_names}
         return outs, finals, tape
 
     def backward(self, tape: Tape, grad_outputs, grad_final_states) -> dict | None:
@@ -200,7 +200,7 @@ class PreparedChunk(_Signature):
             prev = self._run("carries", self.grad.backward_program.carries, tape.seqs, tape.params,
                              tape.boundaries[0])[0]
         seqs = dict(tape.seqs)
-        seqs.update((s, prev[f"prev_{s}"]) for s in self.states_of)
+        seqs.update((s, prev[f"prev_{s}"]) for s in self.state_names)
         seqs.update(cot)
         return seqs
 

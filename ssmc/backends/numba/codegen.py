@@ -161,8 +161,6 @@ def _render(lowered: Lowered, dtype: str, names: dict[str, str]) -> str:
                               simd_digest=_digest(simd.__file__) if tiled else "")
 
 
-
-
 def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:
     """Arrays (the user's sequences, params and states, and what derives from them) whose names the
     module also uses for something else, each with a free name to print it by: a state `c` and the
