@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backends.cuda.devices import check_one_device, on_arrays_device
 from .backends.registry import (
     BACKENDS,
     array_support,
@@ -61,8 +62,10 @@ class Compiled:
     def __repr__(self) -> str:
         return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
 
+    @on_arrays_device(lambda args, kwargs: (*args, kwargs))
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts."""
+        """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts (on the
+        CUDA backend, on the device of the arguments)."""
         p = self.program
         layout = layout or self.layout
         key = call_key(self.backend, args, kwargs)
@@ -79,6 +82,7 @@ class Compiled:
         if run is None:
             run = self._runs[dtype] = runner(self.backend, p, dtype)
         if self.backend == "cuda":  # kernels read any float dtype and strides in place
+            check_one_device({**bound.arrays, **bound.initial})
             first = next(iter(bound.arrays.values()), None)
             out_dtype = first.dtype if first is not None else None
             seqs = {d.name: bound.arrays[d.name] for d in p.seqs}

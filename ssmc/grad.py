@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import interpreter
+from .backends.cuda.devices import check_one_device, on_arrays_device
 from .backends.registry import array_support, call_key, check_backend, compute_dtype, default_backend, runner
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
@@ -244,6 +245,7 @@ class Grad:
         states by name, in the compute dtype; the tape for `backward`."""
         return self._forward(args, kwargs, layout, outputs=True)
 
+    @on_arrays_device(lambda a, kw: (*a[0], a[1]))  # (args, kwargs, layout, outputs)
     def _forward(self, args, kwargs, layout, outputs: bool):
         fwd = self.backward_program.forward
         layout = layout or self.layout
@@ -258,6 +260,8 @@ class Grad:
         convert, zeros = array_support(self.backend)
         bound = bind_arrays(fwd.inputs, fwd.states, args, kwargs, layout, fwd.static_sizes, fwd.name, fwd.roots,
                             convert, zeros)
+        if self.backend == "cuda":
+            check_one_device({**bound.arrays, **bound.initial})
         sizes, length = bound.sizes, bound.length
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         chunk = self.chunk or default_chunk(self.backend, length, fwd, sizes, np.dtype(dtype).itemsize)
@@ -331,6 +335,7 @@ class Grad:
             self._fused_runners[name] = fused_backward_runner(self.backward_program, name)
         return self._fused_runners[name]
 
+    @on_arrays_device(lambda a, kw: _tape_arrays(a[0] if a else kw["tape"]))
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
         of its outputs and final states (given in the forward's layout; missing ones are zero)."""
@@ -384,6 +389,11 @@ class Grad:
         grads.update({p.name: finals[GRAD + p.name] for p in fwd.params})
         grads.update({s.name: finals[GRAD + s.name] for s in fwd.states})
         return grads
+
+
+def _tape_arrays(tape: Tape) -> tuple[dict, dict]:
+    """The arrays a tape holds (the device its backward runs on: `on_arrays_device`)."""
+    return tape.seqs, tape.params
 
 
 def _recording(bw: Backward, backend: str) -> tuple[Recurrence | None, tuple[tuple[str, Node], ...]]:

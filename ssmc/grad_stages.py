@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backends.cuda.devices import check_one_device, on_arrays_device
 from .backends.registry import array_support, check_backend, compute_dtype
-from .grad import Grad, Tape, array_ops, cotangents, in_layout
+from .grad import Grad, Tape, _tape_arrays, array_ops, cotangents, in_layout
 from .lowering.stages import fuse
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout
 
@@ -67,6 +68,7 @@ class StagedGrad:
         tape = self.forward(*args, layout=layout, **kwargs)[2]
         return self.backward(tape, grad_outputs=grad_outputs, grad_final_states=grad_final_states)
 
+    @on_arrays_device(lambda args, kwargs: (*args, kwargs))
     def forward(self, *args, layout=None, **kwargs):
         """(outputs, final states, tape) as `Grad.forward`: outputs time first, compute dtype."""
         p, layout = self.program, layout or self.layout
@@ -74,6 +76,8 @@ class StagedGrad:
         convert, zeros = array_support(self.backend)
         bound = bind_arrays(p.inputs, p.states, args, kwargs, layout, p.static_sizes, p.name, p.roots,
                             convert, zeros)
+        if self.backend == "cuda":
+            check_one_device({**bound.arrays, **bound.initial})
         dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
         values = dict(bound.arrays)      # the layer's inputs (sequences time first), then intermediates
         given_states = {s.name: bound.initial[s.name] for s in p.states if s.name in kwargs}
@@ -91,6 +95,7 @@ class StagedGrad:
         finals = {s.name: finals[s.name] for s in p.states}
         return results, finals, StagedTape(tapes, bound.sizes, bound.length, dtype, layout)
 
+    @on_arrays_device(lambda a, kw: _tape_arrays((a[0] if a else kw["tape"]).tapes[0]))
     def backward(self, tape: StagedTape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts), as `Grad.backward`."""
         p, xp = self.program, self.xp

@@ -26,6 +26,7 @@ from ...lowering.state_lanes import StateLanes, state_lanes
 from ...lowering.state_major import fused_state_major
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_backward_source, module_source
+from .devices import current_device
 from .lanes import lanes_source
 from .launch import launch_kernel
 from .runner import (
@@ -266,11 +267,11 @@ class FusedBackwardRunner:
         """The launch of kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in
         `given` as they are, the others allocated (per-step ones with time contiguous; ``atomic``
         ones and accumulators not given zeroed). `grid`: (blocks, threads a block); by default a
-        warp per recurrence. Worked out once per kernel, sizes, length, layouts of the given arrays
-        and overrides (`_plan_launch`)."""
+        warp per recurrence. Worked out once per kernel, sizes, length, layouts of the given arrays,
+        overrides and device (`_plan_launch`; its function is loaded there)."""
         key = (k.name, _sizes_key(sizes), length,
                tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
-               *overrides())
+               current_device(), *overrides())
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:

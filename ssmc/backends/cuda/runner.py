@@ -38,6 +38,7 @@ from .codegen import (
     shares_recurrence,
     split_groups,
 )
+from .devices import current_device
 from .lanes import lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
 from .settings import overrides
@@ -117,7 +118,7 @@ def shared_device_zeros(shape):
     by every call (a fill kernel and host time saved)."""
     import torch
 
-    key = (tuple(shape), torch.cuda.current_device())
+    key = (tuple(shape), current_device())
     zeros = _ZEROS.get(key)
     if zeros is None:
         zeros = _ZEROS[key] = torch.zeros(shape, device="cuda", dtype=torch.float32)
@@ -299,8 +300,8 @@ class CudaRunner:
         self.lowered: Lowered = lower(program, map_reduce=True)
         self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
         self.lane_steps = lane_steps(self.time_blocks)  # the warp kernel's steps per lane
-        self.modules: dict[str, object] = {}
-        self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes) -> function
+        self.modules: dict[tuple, object] = {}          # (device, source) -> its module, loaded there
+        self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes, device) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
@@ -323,14 +324,17 @@ class CudaRunner:
                              ragged=ragged(length, steps))
 
     def function(self, source: str, name: str):
-        module = self.modules.get(source)
+        """Kernel `name` of `source`, compiled (NVRTC, CuPy's disk cache) and loaded on the current
+        device: one module per device, since a function launches only in its own device's context."""
+        key = (current_device(), source)
+        module = self.modules.get(key)
         if module is None:
             import cupy
 
             with progress(f"compiling {self.lowered.program.name} for CUDA (NVRTC)"):
                 module = cupy.RawModule(code=source, options=("--std=c++17",))
                 module.compile()
-            self.modules[source] = module
+            self.modules[key] = module
         return module.get_function(name)
 
     # -- planning ----------------------------------------------------------------------------
@@ -523,7 +527,8 @@ class CudaRunner:
             layouts.append((dtype, (strides[1:] if partial else strides) or (1,), strides[0] if partial else 0))
             items.append(item)
         steps = warp and steps_per_lane(self.lane_steps)
-        key = (k.name, tuple(layouts), _sizes_key(sizes), steps, mapping, warp and ragged(length, steps))
+        key = (k.name, tuple(layouts), _sizes_key(sizes), steps, mapping, warp and ragged(length, steps),
+               current_device())
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
             specs = {a.name: ArraySpec(_DTYPES[str(dtype)], strides, g)

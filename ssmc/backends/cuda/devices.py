@@ -1,0 +1,72 @@
+"""Calls run on the GPU that holds their arrays.
+
+torch allocates ``device="cuda"`` tensors on the current device, CuPy loads a module into the current
+device's context, and ``cuLaunchKernel`` launches into the current context. A call whose tensors are
+on another GPU than the current one (``cuda:1`` from a process whose current device is 0) therefore
+switches to their device for its duration (`on_arrays_device`); everything the backend builds per
+device (modules, functions, launch plans) is keyed by the device it was built on (`current_device`).
+Arguments on two GPUs are an error naming the argument (`check_one_device`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+_getter = None  # torch's raw current-device getter, once torch is imported
+
+
+def current_device() -> int:
+    """The current CUDA device's index (torch's raw getter: `torch.cuda.current_device` checks its
+    lazy initialisation on every call, host time a small call pays per launch)."""
+    global _getter
+    if _getter is None:
+        import torch
+
+        _getter = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    return _getter()
+
+
+def device_of(values) -> int | None:
+    """The device index of the first torch CUDA tensor among `values` (tensors, or dicts of them,
+    looked into one level); None where there is none. The first one decides (arguments on the CPU
+    are copied to it): `check_one_device` makes sure of the rest where a call is bound."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
+    for v in values:
+        for x in (v.values() if isinstance(v, dict) else (v,)):
+            if isinstance(x, tensor) and x.is_cuda:
+                return x.get_device()
+    return None
+
+
+def on_arrays_device(arrays_of):
+    """Decorator of a method of an object with a `backend`: where it is "cuda" and the arrays
+    ``arrays_of(args, kwargs)`` of a call (the method's own arguments) are on another device than
+    the current one, the call runs with theirs current."""
+    def decorate(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if self.backend == "cuda":
+                device = device_of(arrays_of(args, kwargs))
+                if device is not None and device != current_device():
+                    import torch
+
+                    with torch.cuda.device(device):
+                        return method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+        return call
+    return decorate
+
+
+def check_one_device(arrays: dict) -> None:
+    """ValueError naming the first of `arrays` (name -> torch tensor) on another GPU than the first."""
+    first = None
+    for name, t in arrays.items():
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"argument {name!r} is on {t.device}, argument {first[0]!r} on {first[1]}: "
+                             "a call's arrays must be on one GPU")
