@@ -335,7 +335,7 @@ class Grad:
             self._fused_runners[name] = fused_backward_runner(self.backward_program, name)
         return self._fused_runners[name]
 
-    @on_arrays_device(lambda a, kw: _tape_arrays(a[0] if a else kw["tape"]))
+    @on_arrays_device(lambda a, kw: tape_arrays(a[0] if a else kw["tape"]))
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
         of its outputs and final states (given in the forward's layout; missing ones are zero)."""
@@ -391,7 +391,7 @@ class Grad:
         return grads
 
 
-def _tape_arrays(tape: Tape) -> tuple[dict, dict]:
+def tape_arrays(tape: Tape) -> tuple[dict, dict]:
     """The arrays a tape holds (the device its backward runs on: `on_arrays_device`)."""
     return tape.seqs, tape.params
 

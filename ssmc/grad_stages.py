@@ -24,7 +24,7 @@ import numpy as np
 
 from .backends.cuda.devices import check_one_device, on_arrays_device
 from .backends.registry import array_support, check_backend, compute_dtype
-from .grad import Grad, Tape, _tape_arrays, array_ops, cotangents, in_layout
+from .grad import Grad, Tape, array_ops, cotangents, in_layout, tape_arrays
 from .lowering.stages import fuse
 from .runtime.binding import DEFAULT_LAYOUT, bind_arrays, check_layout
 
@@ -95,7 +95,7 @@ class StagedGrad:
         finals = {s.name: finals[s.name] for s in p.states}
         return results, finals, StagedTape(tapes, bound.sizes, bound.length, dtype, layout)
 
-    @on_arrays_device(lambda a, kw: _tape_arrays((a[0] if a else kw["tape"]).tapes[0]))
+    @on_arrays_device(lambda a, kw: tape_arrays((a[0] if a else kw["tape"]).tapes[0]))
     def backward(self, tape: StagedTape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts), as `Grad.backward`."""
         p, xp = self.program, self.xp
