@@ -98,3 +98,25 @@ def test_lanes_backward_probe_runs_and_agrees():
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     for variant in ("registers", "lean-6"):
         assert f"{variant}: " in proc.stdout and "registers," in proc.stdout
+
+
+def test_lanes_variants_edit_the_generated_forward_and_compile():
+    """bench/lanes_variants.py's edits each find their text in the generated Mamba-1 lanes forward
+    (B8 D1536 L2048 N16, "b d t"): were the generator to change it, a variant would time the unedited
+    kernel and report no change. The variants that keep the results compile for sm_90 without spills."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.report import kernel_reports
+    from ssmc.examples import mamba1
+
+    variants = _bench_module("lanes_variants")
+    report, = kernel_reports(mamba1.SPEC.program, {"b": 8, "d": 1536, "n": 16}, 2048, backward=False,
+                             compile_kernels=False, time_contiguous=True)
+    assert report.strategy.startswith("lanes"), report.strategy
+    for name, (edit, _, drops) in variants.VARIANTS.items():
+        if edit is None:
+            continue
+        edited = edit(report.source)
+        assert edited != report.source, name
+        if not drops:
+            usage = nvrtc.compile_source(edited, "sm_90", name="lanes_variant.cu").resources[report.name]
+            assert not usage.spill_store_bytes and not usage.spill_load_bytes, (name, usage)
