@@ -43,8 +43,8 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: SsmcFunction, n_given: int, *tensors):
         names = fn.names[:n_given]
-        kwargs = {n: t.detach() for n, t in zip(names, tensors)}
-        outs, finals, tape = fn.grad.forward(**kwargs)
+        # as given: `Grad` detaches what it keeps (binding, or a prepared step's casts)
+        outs, finals, tape = fn.grad.forward(**dict(zip(names, tensors)))
         # the tape holds views of the inputs: saved, so an input changed in place before the backward
         # is torch's "modified by an inplace operation" error, not a wrong gradient
         ctx.save_for_backward(*tensors)

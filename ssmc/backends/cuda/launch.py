@@ -16,11 +16,13 @@ import ctypes
 import sys
 import threading
 
+from .devices import current_device
+
 _UNLOADED = object()
 _driver = _UNLOADED
 _handles: dict = {}        # CuPy function -> its CUfunction
 _cupy_streams: dict = {}   # torch stream pointer -> CuPy's view of it
-_raw_stream = _UNLOADED    # torch's (device -> current stream pointer) and current device, where it has them
+_raw_stream = _UNLOADED    # torch's raw getter of a device's current stream pointer, where it has one
 _slots = threading.local() # per thread: argument count -> (values, pointers to them), filled per launch
 use_driver = True          # False: every launch through CuPy (bench/host_profile.py compares the two)
 
@@ -59,14 +61,12 @@ def current_stream() -> int:
     if _raw_stream is _UNLOADED:
         import torch
 
-        raw, device = (getattr(torch._C, name, None) for name in ("_cuda_getCurrentRawStream", "_cuda_getDevice"))
-        _raw_stream = (raw, device) if raw is not None and device is not None else None
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if _raw_stream is not None:
-        raw, device = _raw_stream
-        return raw(device())
+        return _raw_stream(current_device())
     import torch
 
-    return torch.cuda.current_stream(torch.cuda.current_device()).cuda_stream
+    return torch.cuda.current_stream(current_device()).cuda_stream
 
 
 def _argument_slots(n: int):
