@@ -1,6 +1,7 @@
 """Where a small Mamba-1 call spends host time on the GPU path: per-call host time and a profile.
 
     python3 bench/host_profile.py [--batch 32 --dim 512 --length 180] [--calls 300] [--top 25]
+                                  [--sort tottime|cumulative] [--only NAME]
 
 For the forward (`ssmc.compile`), a training step (`ssmc.grad`) and its forward (`Grad.forward`),
 the torch op (`ssmc.torch`: its forward alone, forward + `backward()` into the leaves' `.grad`, and
@@ -49,7 +50,7 @@ def kernel_us(fn, reps: int = 20) -> tuple[float, dict[str, float]]:
     return sum(kernels.values()), kernels
 
 
-def profile(fn, calls: int, top: int) -> str:
+def profile(fn, calls: int, top: int, sort: str = "tottime") -> str:
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -59,7 +60,7 @@ def profile(fn, calls: int, top: int) -> str:
     torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
     return out.getvalue()
 
 
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=180)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="the profiles' order")
+    ap.add_argument("--only", default=None, help="profile only the calls whose name contains this")
     ap.add_argument("--scan", action="store_true", help="only the first-order scan's training step (scan_times)")
     args = ap.parse_args(argv)
     if args.scan:
@@ -163,8 +166,9 @@ def main(argv=None) -> int:
         print(f"| {name}, CuPy launches | {per_call_us(fn, args.calls):.1f} | | |")
     launch.use_driver = True
     for name, fn in calls.items():
-        print(f"\n## profile: {name}\n")
-        print(profile(fn, args.calls, args.top))
+        if args.only is None or args.only in name:
+            print(f"\n## profile: {name}\n")
+            print(profile(fn, args.calls, args.top, args.sort))
     print("\n| SSMC_CUDA_BACKWARD_STEPS_PER_LANE | kernels µs of a training step |\n|---|---|")
     for k in ("", "1", "2", "4", "8"):
         if k:

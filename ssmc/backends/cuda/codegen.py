@@ -908,6 +908,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "finish": "\n".join(CPrinter(fb.adjoint, arrays, sizes).stmts(fb.adjoint.finish, 2)),
         "accumulate": "\n".join(pad + line for line in accumulate),
         "state_major": "",
+        "spread": 0,
     }
     major = fused_state_major(fb) if state_major else None
     if major is not None:
@@ -963,6 +964,7 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
     shared = [f"__shared__ F sm_sums[2][{len(atomics)}][{BLOCK // WARP}][{WARP * K}];  // the warps' atomic terms"
               f" of one state index, twice: a barrier per index"] if summed else []
     return {
+        "spread": _spread(fb, sizes, summed),
         "shared": shared,
         "declarations": declarations + (["int sums_at = 0;  // which copy of sm_sums"] if summed else []),
         "carry": "\n".join(pad + line for line in _lane_scan(core, set(fb.parallel), sizes, reverse=True).carry
@@ -1090,12 +1092,21 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     reads += [(scalar_name(f"st_{n}"), 0, f"st_{n}{index}") for n in major.accumulators]
     own = [v[len("i_"):] for v in major.local]
     ahead = len(own) == 1  # the next index's reads made while this one computes
+    spread = _spread(fb, sizes, summed)
+    # each block starts the state loop at its own index (`_turned_index`), where many blocks add into one address
+    turned = ahead and spread > 0 and sizes[fb.parallel[-1]] // (BLOCK // WARP) >= TURN_MIN_BLOCKS
+    if turned:
+        lines.append(f"        const int turn = (int)(blockIdx.x / {spread}u % {size_var(own[0])});"
+                     "  // the blocks running at once start at different indices")
     if ahead:
-        lines += _next_index_loads(2, reads, major.local[0], "0")
+        lines += _next_index_loads(2, reads, major.local[0], "turn" if turned else "0")
     for i, a in enumerate(own):
         pad = "    " * (2 + i)
+        loop = f"ord_{a}" if turned else f"i_{a}"
         lines += [f"{pad}#pragma unroll {FUSED_STATE_UNROLL}",
-                  f"{pad}for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) {{  // one state value at a time"]
+                  f"{pad}for (int {loop} = 0; {loop} < {size_var(a)}; ++{loop}) {{  // one state value at a time"]
+        if turned:
+            lines.append(f"{pad}    const int i_{a} = {_turned_index(f'ord_{a}', size_var(a))};")
     depth = 2 + len(own)
     pad = "    " * depth
     for reg, steps, load in reads:
@@ -1106,9 +1117,11 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
         else:
             lines.append(f"{pad}{'' if reg.startswith('v_') else 'F '}{reg} = {f'next_{reg}' if ahead else load};")
     if ahead:
-        var = major.local[0]
+        var, size = major.local[0], size_var(own[0])
+        following = (_turned_index(f"min(ord_{own[0]} + 1, {size} - 1)", size) if turned
+                     else f"min({var} + 1, {size} - 1)")
         lines += [f"{pad}{{",
-                  f"{pad}    const int {_next(var)} = min({var} + 1, {size_var(own[0])} - 1);",
+                  f"{pad}    const int {_next(var)} = {following};",
                   *_next_index_loads(depth + 1, reads, var, _next(var), declare=False), f"{pad}}}"]
     lines += _summary_identity(forward_states, pad)
     lines += _fused_steps_loop(depth, K, pfs.stmts(fs.body, depth + 1), exits, False)
@@ -1141,6 +1154,29 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     lines += ["    " * (depth - 1 - i) + "}" for i in range(len(own))]
     lines += _fused_steps_loop(2, K, pad_.stmts(ad.post, 3), exits, True)
     return lines
+
+
+# Where at least this many blocks add into one address (the last parallel axis' size over the warps a
+# block), each block starts the state loop at its own index (`turn`). Mamba-1 on an H200, fused
+# backward ms (bench/backward_variants.py, 2026-11-26), blocks in order / spread over b (`_spread`):
+#   B8 D1536 L2048 (384 blocks an address): from 0 1.279 / 1.248, turned 1.225 / 1.220
+#   B32 D512 L180 (128 blocks an address):  from 0 0.2353 / 0.2352, turned 0.254 / 0.252
+TURN_MIN_BLOCKS = 256
+
+
+def _spread(fb: FusedBackward, sizes: dict[str, int], summed: bool) -> int:
+    """How many indices of the parallel axes but the last the fused backward's blocks take in turn
+    (0: blocks in order). Where the block sums (`_block_sums`) add into arrays over the last axis
+    (Mamba-1's grad_B[b, n, t], summed over d), a grid in order has the blocks running at once take
+    neighbouring d of one b and add into the same addresses; in turns over b they spread over the
+    batch, fewer of them adding into one address at once (measured: `TURN_MIN_BLOCKS`)."""
+    spread = math.prod(sizes[a] for a in fb.parallel[:-1]) if summed else 0
+    return spread if spread > 1 else 0
+
+
+def _turned_index(order: str, size: str) -> str:
+    """The state index a block takes `order`-th: its `turn`-th first, wrapping around."""
+    return f"({order} + turn < {size} ? {order} + turn : {order} + turn - {size})"
 
 
 def _next(var: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_backward_source, module_source
 from .devices import current_device
 from .lanes import lanes_source
-from .launch import launch_kernel
+from .launch import launch_kernel, zero_bytes
 from .runner import (
     _DTYPES,
     MAX_PLANS,
@@ -209,12 +209,13 @@ class FusedBackwardRunner:
                 specs, sizes, length, lanes), (lane_block_count(k, sizes, lanes), lanes.block))
         p = self.bw.forward
         outs = [(n, f"out_{n}") for n, _ in p.outputs]
-        finals = [(s.name, f"final_{s.name}", [sizes[a] for a in s.axes]) for s in p.states]
+        finals = [(s.name, f"final_{s.name}", plan.reshaped(f"final_{s.name}", [sizes[a] for a in s.axes]))
+                  for s in p.states]
         rounds = [(s.name, f"rounds_{s.name}") for s in p.states]
 
         def call(seqs, params, initial):
             made = plan.run(_forward_arrays(seqs, params, initial), length)
-            return ({n: made[a] for n, a in outs}, {n: made[a].reshape(shape) for n, a, shape in finals},
+            return ({n: made[a] for n, a in outs}, {n: _shaped(made[a], shape) for n, a, shape in finals},
                     {n: made[a] for n, a in rounds})
         return call
 
@@ -233,12 +234,13 @@ class FusedBackwardRunner:
                                sizes, length, self._backward_source)
         adjoint = plan.adjoint.program
         outs = [(n, f"out_{n}") for n, _ in adjoint.outputs]
-        core = [(n, f"final_{n}", [sizes[a] for a in adjoint.decl(n).axes]) for n in plan.core]
+        core = [(n, f"final_{n}", launch.reshaped(f"final_{n}", [sizes[a] for a in adjoint.decl(n).axes]))
+                for n in plan.core]
         accumulators = [(n, f"final_{n}") for n in plan.partials.accumulators]
 
         def call(seqs, params, rounds, cotangents, grad_states, grad_params):
             made = launch.run(_backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params), length)
-            finals = {n: made[a].reshape(shape) for n, a, shape in core}
+            finals = {n: _shaped(made[a], shape) for n, a, shape in core}
             finals.update((n, made[a]) for n, a in accumulators)
             return {n: made[a] for n, a in outs}, finals
         return call
@@ -308,6 +310,8 @@ class FusedBackwardRunner:
         if grid is None:
             threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
             grid = (max(1, -(-threads // BLOCK)), BLOCK)
+        # one buffer: the plain arrays, then the zeroed ones
+        allocations = [replace(a, offset=a.offset + offset[False]) if a.zeroed else a for a in allocations]
         return _BackwardLaunch(fn, grid, tuple(a.name for a in k.arrays), tuple(allocations), tuple(kept),
                                offset[False], offset[True], state)
 
@@ -329,7 +333,7 @@ class _Allocation:
 @dataclass(frozen=True)
 class _BackwardLaunch:
     """A launch of the fused backward's forward or backward kernel worked out but for its arrays: the
-    arrays it allocates come from two buffers (one zeroed: one fill for all), views into them."""
+    arrays it allocates are views of one buffer, whose tail (`zeroed` elements) one memset clears."""
 
     function: object
     grid: tuple[int, int]
@@ -337,15 +341,26 @@ class _BackwardLaunch:
     allocations: tuple[_Allocation, ...]
     kept: tuple[str, ...]               # given arrays it adds into (returned with the allocated ones)
     plain: int                          # elements of the buffer left as allocated
-    zeroed: int                         # elements of the zeroed buffer
+    zeroed: int                         # elements after them, zeroed
     dtype: object
 
     def allocate(self) -> dict:
+        """The allocated arrays by name: one allocation and at most one memset a launch (a small
+        step's host time is a few µs per torch call, bench/host_profile.py)."""
         import torch
 
-        buffers = {False: torch.empty(self.plain, device="cuda", dtype=self.dtype) if self.plain else None,
-                   True: torch.zeros(self.zeroed, device="cuda", dtype=self.dtype) if self.zeroed else None}
-        return {a.name: torch.as_strided(buffers[a.zeroed], a.shape, a.strides, a.offset) for a in self.allocations}
+        buffer = torch.empty(self.plain + self.zeroed, device="cuda", dtype=self.dtype)
+        if self.zeroed:
+            zero_bytes(buffer.data_ptr() + self.plain * buffer.element_size(), self.zeroed * buffer.element_size(),
+                       lambda: buffer[self.plain:].zero_())
+        return {a.name: torch.as_strided(buffer, a.shape, a.strides, a.offset) for a in self.allocations}
+
+    def reshaped(self, name: str, shape) -> tuple[int, ...] | None:
+        """`shape` where array `name` must be reshaped to it, None where it is allocated in that shape
+        (a reshape is a torch call per launch)."""
+        shape = tuple(shape)
+        same = any(a.name == name and a.shape == shape for a in self.allocations)
+        return None if same else shape
 
     def run(self, given: dict, length: int) -> dict:
         """Launch over the arrays `given` (by name) and those `allocate` makes; returns the allocated
@@ -355,6 +370,10 @@ class _BackwardLaunch:
         launch_kernel(self.function, self.grid, length, 1,
                       [(given[name] if name in given else made[name]).data_ptr() for name in self.names])
         return made
+
+
+def _shaped(x, shape):
+    return x if shape is None else x.reshape(shape)
 
 
 def _forward_arrays(seqs: dict, params: dict, initial: dict) -> dict:

@@ -20,6 +20,7 @@ from .devices import current_device
 
 _UNLOADED = object()
 _driver = _UNLOADED
+_memset = _UNLOADED        # the driver's cuMemsetD32Async, or None
 _handles: dict = {}        # CuPy function -> its CUfunction
 _cupy_streams: dict = {}   # torch stream pointer -> CuPy's view of it
 _raw_stream = _UNLOADED    # torch's raw getter of a device's current stream pointer, where it has one
@@ -42,6 +43,32 @@ def _load_driver():
             fn.restype = ctypes.c_int
         _driver = fn
     return _driver
+
+
+def _load_memset():
+    """libcuda's cuMemsetD32Async with its argument types, or None."""
+    global _memset
+    if _memset is _UNLOADED:
+        _memset = None
+        if _load_driver() is not None:
+            try:
+                fn = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1").cuMemsetD32Async
+            except (OSError, AttributeError):
+                pass
+            else:
+                fn.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                _memset = fn
+    return _memset
+
+
+def zero_bytes(pointer: int, nbytes: int, fallback) -> None:
+    """Zero `nbytes` (a multiple of 4) of device memory at `pointer` on torch's current stream: one
+    driver call where the driver is loaded (a torch ``zeros`` or ``zero_`` costs a few µs of host
+    time more), else ``fallback()``."""
+    memset = _load_memset() if use_driver else None
+    if memset is None or memset(pointer, 0, nbytes // 4, current_stream()) != 0:
+        fallback()
 
 
 def _handle(function) -> int:

@@ -1,0 +1,175 @@
+"""What the fused backward of Mamba-1 spends its time on (GPU): the generated kernel timed against
+variants of its own source, edited as text before it compiles, and against other steps per lane.
+
+Each variant runs a training step of Mamba-1 (`ssmc.grad`: the lanes forward saving its rounds, then
+the fused backward) at B8 D1536 L2048 N16 (and, with --small, B32 D512 L180), fp32, layout "b d t",
+and reports the fused backward kernel's own time (torch.profiler). Some variants keep the results
+(a loop unrolled, another exp instruction, other steps per lane); the others drop work the kernel
+needs (marked "drops": their gradients are wrong and say how wrong) to measure what that work costs,
+together with whatever the compiler then finds dead. Every variant's gradients are compared with the
+unedited kernel's; a variant that keeps the results and changes them makes the script exit non-zero.
+
+    python3 bench/backward_variants.py [--small] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import numpy as np
+import torch
+from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
+
+import ssmc
+from ssmc.backends.cuda import fused_backward, runner
+from ssmc.examples import mamba1
+
+KERNEL = "_fused_backward("  # the kernel whose source the edits apply to
+
+
+class NotInSource(ValueError):
+    """An edit's pattern is not in the generated kernel (its generator changed, or the piece it edits
+    is not generated at this shape: the turned state loop, say)."""
+
+
+def _sub(pattern: str, new: str):
+    """An edit replacing every match of `pattern` (a regex) by `new`; it must match."""
+    def edit(source: str) -> str:
+        out, n = re.subn(pattern, new, source)
+        if not n:
+            raise NotInSource(f"the edit's pattern is not in the generated source: {pattern!r}")
+        return out
+    return edit
+
+
+def _both(*edits):
+    def edit(source: str) -> str:
+        for e in edits:
+            source = e(source)
+        return source
+    return edit
+
+
+_N_LOOP = r"#pragma unroll 1(\s*for \(int (\w+) = 0; \2 < n_n; \+\+\2\) \{  // one state value at a time)"
+_SCAN = r"off < 32; off <<= 1\) \{(  //[^\n]*)?(\s*const F Hb = __shfl_DIRECTION_sync)"
+_NO_FORWARD_SCAN = _sub(_SCAN.replace("DIRECTION", "up"), r"off < 1; off <<= 1) {\1\2")
+_NO_ADJOINT_SCAN = _sub(_SCAN.replace("DIRECTION", "down"), r"off < 1; off <<= 1) {\1\2")
+
+
+def _bounds(blocks: int):
+    """`__launch_bounds__` asking ptxas for registers that fit `blocks` blocks of 128 threads an SM."""
+    return _sub(r'extern "C" __global__ void (\w+_fused_backward)\(',
+                rf'extern "C" __global__ void __launch_bounds__(128, {blocks}) \1(')
+
+
+_IN_ORDER = _sub(r"// consecutive blocks take turns[^\n]*\n[^\n]*\n\s*const long long blk = [^\n]*\n"
+                 r"\s*const long long p = [^\n]*",
+                 "const long long p = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;")
+_FROM_0 = _sub(r"const int turn = \(int\)\(blockIdx.x / \d+u % \w+\);", "const int turn = 0;")
+_FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
+        ': "f"(x)); return r; }\n')
+
+# name -> (edit of the backward's source or None, SSMC_CUDA_BACKWARD_STEPS_PER_LANE or None, drops work)
+VARIANTS = {
+    "generated": (None, None, False),
+    "loop over n unrolled 2": (_sub(_N_LOOP, r"#pragma unroll 2\1"), None, False),
+    "exp2 as ex2.approx.ftz (1 SASS instruction, not 4)": (_sub(
+        re.escape("__device__ __forceinline__ float exp2e(float x) { return exp2f("),
+        _FTZ.replace("\\", "\\\\") + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("), None, False),
+    "registers for 5 blocks an SM (__launch_bounds__)": (_bounds(5), None, False),
+    "registers for 7 blocks an SM (__launch_bounds__)": (_bounds(7), None, False),
+    "blocks in order (not spread over b: more blocks adding to one address at once)": (_IN_ORDER, None, False),
+    "every block's state loop from index 0 (more blocks adding to one address at once)": (_FROM_0, None, False),
+    "blocks in order, state loop from index 0": (_both(_IN_ORDER, _FROM_0), None, False),
+    "2 steps a lane": (None, "2", False),
+    "8 steps a lane": (None, "8", False),
+    "drops: the forward's scan over the lanes": (_NO_FORWARD_SCAN, None, True),
+    "drops: the adjoint's scan over the lanes": (_NO_ADJOINT_SCAN, None, True),
+    "drops: both scans": (_both(_NO_FORWARD_SCAN, _NO_ADJOINT_SCAN), None, True),
+    "drops: the block's sums of the grad_B / grad_C terms": (_sub(
+        r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&",
+        r"\1if (false &&"), None, True),
+    "drops: the exp of the decay": (_sub(r"v_fs_m1 = exp_\(", "v_fs_m1 = F(1) - ("), None, True),
+}
+
+_edit = {"source": None}
+_function = runner.CudaRunner.function
+
+
+def _edited_function(self, source: str, name: str):
+    edit = _edit["source"]
+    return _function(self, edit(source) if edit and KERNEL in source else source, name)
+
+
+def run_variant(name: str, x: dict, dy: torch.Tensor) -> tuple[dict, float]:
+    """(gradients, the fused backward kernel's ms) of a training step with variant `name` (fresh runners)."""
+    edit, steps, _ = VARIANTS[name]
+    runner._RUNNERS.clear()
+    fused_backward._RUNNERS.clear()
+    _edit["source"] = edit
+    if steps:
+        os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = steps
+    try:
+        g = ssmc.grad(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
+        grads = g(**x, grad_outputs=dy)
+        kernels = kernel_times(lambda: g(**x, grad_outputs=dy), 20)
+    finally:
+        _edit["source"] = None
+        os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
+        runner._RUNNERS.clear()
+        fused_backward._RUNNERS.clear()
+    backward = [ms for k, ms in kernels.items() if "backward" in k]
+    if len(backward) != 1:
+        raise RuntimeError(f"expected one backward kernel among {sorted(kernels)}")
+    return grads, backward[0]
+
+
+def _rel_diff(got: dict, want: dict) -> float:
+    worst = 0.0
+    for k, w in want.items():
+        scale = float(w.abs().max()) or 1.0
+        worst = max(worst, float((got[k] - w).abs().max()) / scale)
+    return worst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="also B32 D512 L180")
+    ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="these variants (and the generated kernel)")
+    ap.add_argument("--repeat", type=int, default=1, help="time the list of variants this many times, in turn")
+    args = ap.parse_args(argv)
+    runner.CudaRunner.function = _edited_function
+    names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]] * args.repeat
+    shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
+    print(f"Mamba-1 fused backward, {torch.cuda.get_device_name()}\n")
+    print("| shape | variant | backward kernel ms | vs generated | gradients' rel. diff |")
+    print("|---|---|---|---|---|")
+    failed = False
+    for batch, dim, length in shapes:
+        values = mamba1.make_inputs(np.random.default_rng(0), length, batch=batch, dim=dim, state=16)
+        x = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in values.items()}
+        dy = torch.randn(batch, dim, length, device="cuda")
+        want = base = None
+        for name in names:
+            try:
+                grads, ms = run_variant(name, x, dy)
+            except NotInSource:
+                print(f"| B{batch} D{dim} L{length} | {name} | not in this shape's kernel | | |")
+                continue
+            except Exception as exc:  # a variant that does not build or run: said, the others still run
+                print(f"| B{batch} D{dim} L{length} | {name} | {type(exc).__name__}: {str(exc)[:80]} | | |")
+                failed = failed or not VARIANTS[name][2]
+                continue
+            want = grads if want is None else want
+            base = ms if base is None else base
+            diff = _rel_diff(grads, want)
+            if not VARIANTS[name][2] and not diff <= 1e-4:
+                failed = True  # a variant that keeps the results did not
+            print(f"| B{batch} D{dim} L{length} | {name} | {ms:.4f} | {ms / base:.3f} | {diff:.1e} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
