@@ -71,7 +71,8 @@ _FROM_0 = _sub(r"const int turn = \(int\)\(blockIdx.x / \d+u % \w+\);", "const i
 _FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
         ': "f"(x)); return r; }\n')
 
-# name -> (edit of the backward's source or None, SSMC_CUDA_BACKWARD_STEPS_PER_LANE or None, drops work)
+# name -> (edit of the backward's source or None, SSMC_CUDA_BACKWARD_STEPS_PER_LANE or None, drops work
+#          [, threads a block of the backward, where not codegen.BLOCK])
 VARIANTS = {
     "generated": (None, None, False),
     "loop over n unrolled 2": (_sub(_N_LOOP, r"#pragma unroll 2\1"), None, False),
@@ -83,6 +84,13 @@ VARIANTS = {
     "blocks in order (not spread over b: more blocks adding to one address at once)": (_IN_ORDER, None, False),
     "every block's state loop from index 0 (more blocks adding to one address at once)": (_FROM_0, None, False),
     "blocks in order, state loop from index 0": (_both(_IN_ORDER, _FROM_0), None, False),
+    "256 threads a block (8 rows: half the block sums' adds; one copy of the sums, two barriers)": (_both(
+        _sub(r"__shared__ F sm_(\w+)\[4\]\[(\d+)\];", r"__shared__ F sm_\1[8][\2];"),
+        _sub(r"__shared__ F sm_sums\[2\]\[(\d+)\]\[4\]", r"__shared__ F sm_sums[1][\1][8]"),
+        _sub(r"sums_at \^= 1;", "__syncthreads();"),
+        _sub(r"(sm_sums\[sums_at\]\[j\]\[3\]\[s \+ e\])",
+             r"\1 + sm_sums[sums_at][j][4][s + e] + sm_sums[sums_at][j][5][s + e] + sm_sums[sums_at][j][6][s + e]"
+             r" + sm_sums[sums_at][j][7][s + e]")), None, False, 256),
     "2 steps a lane": (None, "2", False),
     "8 steps a lane": (None, "8", False),
     "drops: the forward's scan over the lanes": (_NO_FORWARD_SCAN, None, True),
@@ -91,10 +99,16 @@ VARIANTS = {
     "drops: the block's sums of the grad_B / grad_C terms": (_sub(
         r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&",
         r"\1if (false &&"), None, True),
+    "drops: the block sums' barrier (their terms race)": (_sub(
+        r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;)", r"\1"), None, True),
+    "drops: the block sums' adds into memory (the barrier kept)": (_sub(
+        r"(const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&", r"\1if (L < 0 &&"),
+        None, True),
     "drops: the exp of the decay": (_sub(r"v_fs_m1 = exp_\(", "v_fs_m1 = F(1) - ("), None, True),
 }
 
 _edit = {"source": None}
+_BLOCK = fused_backward.BLOCK
 _function = runner.CudaRunner.function
 
 
@@ -105,10 +119,11 @@ def _edited_function(self, source: str, name: str):
 
 def run_variant(name: str, x: dict, dy: torch.Tensor) -> tuple[dict, float]:
     """(gradients, the fused backward kernel's ms) of a training step with variant `name` (fresh runners)."""
-    edit, steps, _ = VARIANTS[name]
+    edit, steps, _, *threads = VARIANTS[name]
     runner._RUNNERS.clear()
     fused_backward._RUNNERS.clear()
     _edit["source"] = edit
+    fused_backward.BLOCK = threads[0] if threads else _BLOCK  # its launch's grid (the source's edit the rest)
     if steps:
         os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = steps
     try:
@@ -117,6 +132,7 @@ def run_variant(name: str, x: dict, dy: torch.Tensor) -> tuple[dict, float]:
         kernels = kernel_times(lambda: g(**x, grad_outputs=dy), 20)
     finally:
         _edit["source"] = None
+        fused_backward.BLOCK = _BLOCK
         os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
         runner._RUNNERS.clear()
         fused_backward._RUNNERS.clear()

@@ -17,9 +17,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import _program, compile
+from .backends.cuda.devices import current_device
+from .backends.cuda.settings import overrides
+from .grad_prepared import LeanStep
 from .grad_stages import make_grad
 from .ir.axes import TIME
-from .runtime.binding import layout_of
+from .runtime.binding import MAX_PREPARED_CALLS, layout_of
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -51,8 +54,8 @@ class _Recurrence(torch.autograd.Function):
         # outputs the loss does not use get None, not zeros torch fills in: without a cotangent of the
         # final states the backward takes its prepared path (grad_prepared.py)
         ctx.set_materialize_grads(False)
-        ctx.fn, ctx.names, ctx.tape = fn, names, tape
-        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.fn, ctx.tape = fn, tape
+        fn.last_step = getattr(tape, "step", None)  # the step a `LeanStep` serves calls like this one from
         like = tensors[0]
         ys = [_in_dtype(_to_torch(_permute(outs[name], perm), like), like.dtype)
               for name, perm in fn.output_perms]  # as `ssmc.compile` returns them
@@ -61,13 +64,40 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
-        like = ctx.saved_tensors[0]  # torch checks here that no input changed in place since the forward
-        fn = ctx.fn
-        n_out = len(fn.output_perms)
-        grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
-        grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
-        grads = fn.grad.backward(ctx.tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
-        return (None, None, *(_in_dtype(_to_torch(grads[n], like), dt) for n, dt in zip(ctx.names, ctx.dtypes)))
+        tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
+        return (None, None, *_general_backward(ctx.fn, ctx.tape, tensors, cotangents))
+
+
+class _LeanRecurrence(torch.autograd.Function):
+    """`_Recurrence` for calls like an earlier one that a `grad_prepared.LeanStep` serves."""
+
+    @staticmethod
+    def forward(ctx, fn: SsmcFunction, lean, *tensors):
+        results, buffer = lean.forward(tensors)
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        ctx.fn, ctx.lean, ctx.buffer = fn, lean, buffer
+        return results
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *cotangents):
+        tensors = ctx.saved_tensors
+        lean = ctx.lean
+        grads = lean.backward(tensors, ctx.buffer, cotangents)
+        if grads is None:  # cotangents it does not take: the general path, from a tape made now
+            grads = _general_backward(ctx.fn, lean.tape(tensors, ctx.buffer), tensors, cotangents)
+        return (None, None, *grads)
+
+
+def _general_backward(fn: SsmcFunction, tape, tensors, cotangents) -> tuple:
+    """The gradients of `tensors` through `Grad.backward`, each as a torch tensor of its argument's dtype."""
+    n_out = len(fn.output_perms)
+    grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
+    grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
+    grads = fn.grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
+    like = tensors[0]
+    return tuple(_in_dtype(_to_torch(grads[n], like), t.dtype) for n, t in zip(fn.names, tensors))
 
 
 class SsmcFunction:
@@ -86,6 +116,8 @@ class SsmcFunction:
         self.output_perms = [(name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
                              for name, y in self.program.outputs]
         self._by_backend: dict[str, tuple] = {}
+        self._lean: dict = {}  # call signature (`_signature`) -> its LeanStep, or None (the general path)
+        self.last_step = None
 
     def _for(self, backend: str):
         if backend not in self._by_backend:
@@ -119,13 +151,34 @@ class SsmcFunction:
             finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
             results = ys + finals
         else:
-            results = _Recurrence.apply(self, len(tensors), *tensors)
+            key = _signature(tensors) if backend == "cuda" else None
+            lean = self._lean.get(key)
+            if lean is not None:
+                results = _LeanRecurrence.apply(self, lean, *tensors)
+            else:
+                self.last_step = None
+                results = _Recurrence.apply(self, len(tensors), *tensors)
+                if key is not None and key not in self._lean:
+                    if len(self._lean) >= MAX_PREPARED_CALLS:
+                        self._lean.clear()
+                    self._lean[key] = LeanStep.build(self.last_step, self.names[:len(tensors)], self.output_perms,
+                                                    tensors)
         n_out = len(self.program.outputs)
         ys, finals = results[:n_out], results[n_out:]
         ys = ys[0] if len(ys) == 1 else tuple(ys)
         if not self.return_final_states:
             return ys
         return ys, finals[0] if len(finals) == 1 else tuple(finals)
+
+
+def _signature(tensors: list) -> tuple | None:
+    """What a `LeanStep` depends on of a call: shapes, strides, dtypes and devices of its tensors, and
+    the overrides; None where its first tensor is not on the current CUDA device (the general path
+    switches devices)."""
+    device = tensors[0].get_device()
+    if device < 0 or device != current_device():
+        return None
+    return (*((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), *overrides())
 
 
 def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,

@@ -135,6 +135,46 @@ def test_torch_op_training_steps_match_the_interpreter(name, length):
             assert g is not None and rel_err(g, want[n]) <= 1e-3, n
 
 
+@pytest.mark.parametrize("length", [7, 180, 1000])
+def test_the_torch_ops_lean_steps_match_the_interpreter(length):
+    """Calls of a signature the fused backward serves, after the first, take `LeanStep`'s path (one
+    allocation and launch a forward and a backward); its outputs and every gradient (the initial
+    state's too) match the interpreter's, with a cotangent of other strides (made contiguous), and
+    with one of the final states as well (the general path, from a tape `LeanStep` makes then).
+    Where the fused backward does not serve the shape (L 7 here), every call takes the general path."""
+    import torch
+
+    import ssmc.torch as st_torch
+    from ssmc.examples import mamba1 as m
+    from ssmc.grad_prepared import LeanStep
+
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=2, dim=8, state=4)
+    names = [d.name for d in m.SPEC.program.inputs] + ["h"]
+    y_want, h_want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    dy, dh = rng.standard_normal(y_want.shape), rng.standard_normal(h_want.shape)
+    want_y = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=dy)
+    want_yh = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=dy, grad_final_states=dh)
+    tensors = [torch.tensor(inputs[n], device="cuda", dtype=torch.float32, requires_grad=True) for n in names]
+    dy_t, dh_t = (torch.tensor(v, device="cuda", dtype=torch.float32) for v in (dy, dh))
+    dy_strided = dy_t.permute(2, 1, 0).contiguous().permute(2, 1, 0)  # the same values, other strides
+    fused = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT).forward(**dict(zip(names, tensors)))[2].rounds is not None
+    assert fused or length == 7
+    f = st_torch.function(m.SPEC, "cuda", layout=m.LAYOUT, return_final_states=True)
+    steps = [(dy_t, None, want_y), (dy_t, None, want_y), (dy_strided, None, want_y), (dy_t, dh_t, want_yh),
+             (dy_t, None, want_y)]
+    for i, (cy, ch, want) in enumerate(steps):
+        y, h_last = f(**dict(zip(names, tensors)))
+        lean = type(y.grad_fn).__name__.startswith("_LeanRecurrence")
+        assert lean == (fused and i > 0), (i, type(y.grad_fn).__name__)
+        assert rel_err(y, y_want) <= TOL["float32"] and rel_err(h_last, h_want) <= TOL["float32"]
+        got = torch.autograd.grad([y] + ([h_last] if ch is not None else []), tensors,
+                                  [cy] + ([ch] if ch is not None else []))
+        for n, g in zip(names, got):
+            assert g.shape == tensors[names.index(n)].shape and rel_err(g, want[n]) <= 1e-3, (i, n)
+    assert [type(v) for v in f._lean.values()] == [LeanStep if fused else type(None)]
+
+
 def test_a_training_steps_forward_keeps_the_carries_where_one_chunk_covers_the_sequence():
     """`Grad.forward` on the GPU runs the recording forward (its outputs are wanted), so the backward
     recomputes nothing; `Grad.__call__` skips the forward and recomputes them."""

@@ -217,7 +217,7 @@ class FusedBackwardRunner:
             made = plan.run(_forward_arrays(seqs, params, initial), length)
             return ({n: made[a] for n, a in outs}, {n: _shaped(made[a], shape) for n, a, shape in finals},
                     {n: made[a] for n, a in rounds})
-        return call
+        return PreparedLaunch(call, plan, length)
 
     def backward(self, seqs, params, rounds, cotangents, grad_states, grad_params, sizes, length):
         """(gradients of the sequences [t, ...], final adjoint states): `grad_states` is the cotangent
@@ -243,7 +243,7 @@ class FusedBackwardRunner:
             finals = {n: _shaped(made[a], shape) for n, a, shape in core}
             finals.update((n, made[a]) for n, a in accumulators)
             return {n: made[a] for n, a in outs}, finals
-        return call
+        return PreparedLaunch(call, launch, length)
 
     # -- building and launching ----------------------------------------------------------------
     def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
@@ -320,6 +320,19 @@ _ALIGN = 64  # elements: every array a launch allocates starts 256 bytes into it
 
 
 @dataclass(frozen=True)
+class PreparedLaunch:
+    """`prepare_forward`'s or `prepare_backward`'s result: called as the run it prepared; `launch` and
+    `length` for callers that launch it themselves (grad_prepared.LeanStep)."""
+
+    call: object
+    launch: _BackwardLaunch
+    length: int
+
+    def __call__(self, *arrays):
+        return self.call(*arrays)
+
+
+@dataclass(frozen=True)
 class _Allocation:
     """An array a launch allocates: a view of `shape` and `strides` at `offset` of its buffer."""
 
@@ -361,6 +374,10 @@ class _BackwardLaunch:
         shape = tuple(shape)
         same = any(a.name == name and a.shape == shape for a in self.allocations)
         return None if same else shape
+
+    def launch_pointers(self, pointers: list[int], length: int) -> None:
+        """Launch over device addresses of the kernel's arrays, in order (`names`)."""
+        launch_kernel(self.function, self.grid, length, 1, pointers)
 
     def run(self, given: dict, length: int) -> dict:
         """Launch over the arrays `given` (by name) and those `allocate` makes; returns the allocated
