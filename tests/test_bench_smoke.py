@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end at small sizes (a real process, as a user would run it):
 bench/cpu.py anywhere; bench/block_scan.py's and bench/lanes_backward_probe.py's kernels compiled by
-NVRTC anywhere and run on a GPU."""
+NVRTC anywhere and run on a GPU; the edits of bench/lanes_variants.py and bench/backward_variants.py
+find their text in the generated kernels, which compile."""
 
 from __future__ import annotations
 
