@@ -228,7 +228,6 @@ def planned_run(program, dtype, seqs, params, initial, sizes: dict[str, int], le
     return lambda seqs, params, initial: general(seqs, params, initial, sizes, length)
 
 
-
 # Where each of a kernel's arrays comes from, per call (`LeanStep`): an argument, an offset of the
 # call's buffer, an array the step keeps (its address), a cotangent, an offset of the forward's buffer
 ARGUMENT, BUFFER, KEPT, COTANGENT, FORWARD_BUFFER = range(5)
@@ -286,15 +285,14 @@ class LeanStep:
         """Per kernel array of `launch` (in order): (kind, value) as the kinds above say; `cotangents`
         and `forward_buffer` (byte offsets) by kernel array name."""
         offsets = {a.name: a.offset * _itemsize(launch.dtype) for a in launch.allocations}
-        rounds = forward_buffer
         out = []
         for name in launch.names:
             if name in self.arguments:
                 out.append((ARGUMENT, self.arguments[name]))
             elif name in cotangents:
                 out.append((COTANGENT, cotangents[name]))
-            elif name in rounds:
-                out.append((FORWARD_BUFFER, rounds[name]))
+            elif name in forward_buffer:
+                out.append((FORWARD_BUFFER, forward_buffer[name]))
             elif name in offsets:
                 out.append((BUFFER, offsets[name]))
             else:
@@ -354,7 +352,9 @@ class LeanStep:
             perm = self.step.to_layout.get(name)
             self.gradients.append(_view(a, perm, None if perm else list(t.shape)))
         self.backward_launch = launch
-        lean = all(_contiguous(shape, strides) for shape, strides, _ in self.gradients)
+        # the kernel reads the cotangents as they are: in the compute dtype only
+        lean = all(_contiguous(shape, strides) for shape, strides, _ in self.gradients) and \
+            all(dtype == self.step.compute for _, _, dtype in self.cotangent_like)
         self.backward = self._lean_backward if lean else (lambda *args: None)
 
     def _lean_backward(self, tensors: tuple, buffer, cotangents: tuple):
