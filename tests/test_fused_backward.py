@@ -328,6 +328,7 @@ def test_random_specs_through_the_fused_backward(spec, length, seed):
     try:
         g = ssmc.grad(spec, "cuda", layout="... t")
         got = g(**_to_gpu(moved, "float64"), grad_outputs=_to_gpu(cot, "float64"))
+        op_grads = _op_steps(spec, _to_gpu(moved, "float64"), _to_gpu(cot, "float64"), [n for n, _ in program.outputs])
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_FUSED_BACKWARD"]
     # float64 rounding, measured against the largest gradient: a gradient that is itself tiny through
@@ -338,6 +339,25 @@ def test_random_specs_through_the_fused_backward(spec, length, seed):
     scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
     for key in want:
         assert rel_err(got[key], want[key], floor=max(1e-6 * scale, 1e-30)) <= 1e-8, key
+        for step, grads in enumerate(op_grads):  # ssmc.torch's steps: the general path, then lean ones
+            assert rel_err(grads[key], want[key], floor=max(1e-6 * scale, 1e-30)) <= 1e-8, (key, step)
+
+
+def _op_steps(spec, arrays: dict, cot: dict, outputs: list[str], steps: int = 3) -> list[dict]:
+    """The gradients of `steps` training steps through `ssmc.torch` (layout "... t"), by argument name."""
+    import torch
+
+    import ssmc.torch as st_torch
+
+    f = st_torch.function(spec, "cuda", layout="... t")
+    leaves = {k: v.clone().requires_grad_(True) for k, v in arrays.items()}
+    out = []
+    for _ in range(steps):
+        ys = f(**leaves)
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        grads = torch.autograd.grad(ys, list(leaves.values()), [cot[n] for n in outputs], allow_unused=True)
+        out.append(dict(zip(leaves, grads)))
+    return out
 
 
 @pytest.mark.gpu
