@@ -9,7 +9,7 @@ needs (marked "drops": their gradients are wrong and say how wrong) to measure w
 together with whatever the compiler then finds dead. Every variant's gradients are compared with the
 unedited kernel's; a variant that keeps the results and changes them makes the script exit non-zero.
 
-    python3 bench/backward_variants.py [--small] [--only NAME ...]
+    python3 bench/backward_variants.py [--small] [--shape BxDxL ...] [--only NAME ...] [--repeat K]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ KERNEL = "_fused_backward("  # the kernel whose source the edits apply to
 
 class NotInSource(ValueError):
     """An edit's pattern is not in the generated kernel (its generator changed, or the piece it edits
-    is not generated at this shape: the turned state loop, say)."""
+    is not generated at this shape: the blocks spread over b where there is one b, say)."""
 
 
 def _sub(pattern: str, new: str):
@@ -67,7 +67,6 @@ def _bounds(blocks: int):
 _IN_ORDER = _sub(r"// consecutive blocks take turns[^\n]*\n[^\n]*\n\s*const long long blk = [^\n]*\n"
                  r"\s*const long long p = [^\n]*",
                  "const long long p = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;")
-_FROM_0 = _sub(r"const int turn = \(int\)\(blockIdx.x / \d+u % \w+\);", "const int turn = 0;")
 _FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
         ': "f"(x)); return r; }\n')
 
@@ -82,8 +81,6 @@ VARIANTS = {
     "registers for 5 blocks an SM (__launch_bounds__)": (_bounds(5), None, False),
     "registers for 7 blocks an SM (__launch_bounds__)": (_bounds(7), None, False),
     "blocks in order (not spread over b: more blocks adding to one address at once)": (_IN_ORDER, None, False),
-    "every block's state loop from index 0 (more blocks adding to one address at once)": (_FROM_0, None, False),
-    "blocks in order, state loop from index 0": (_both(_IN_ORDER, _FROM_0), None, False),
     "256 threads a block (8 rows: half the block sums' adds; one copy of the sums, two barriers)": (_both(
         _sub(r"__shared__ F sm_(\w+)\[4\]\[(\d+)\];", r"__shared__ F sm_\1[8][\2];"),
         _sub(r"__shared__ F sm_sums\[2\]\[(\d+)\]\[4\]", r"__shared__ F sm_sums[1][\1][8]"),
@@ -155,10 +152,13 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="also B32 D512 L180")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="these variants (and the generated kernel)")
     ap.add_argument("--repeat", type=int, default=1, help="time the list of variants this many times, in turn")
+    ap.add_argument("--shape", action="append", default=[], metavar="BxDxL",
+                    help="another shape to time (B x D x L, N 16); may be given more than once")
     args = ap.parse_args(argv)
     runner.CudaRunner.function = _edited_function
     names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]] * args.repeat
     shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
+    shapes += [tuple(int(v) for v in shape.lower().split("x")) for shape in args.shape]
     print(f"Mamba-1 fused backward, {torch.cuda.get_device_name()}\n")
     print("| shape | variant | backward kernel ms | vs generated | gradients' rel. diff |")
     print("|---|---|---|---|---|")

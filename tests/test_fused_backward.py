@@ -286,15 +286,17 @@ def test_the_mamba1_block_takes_the_fused_backward_for_its_scan(length, dtype, m
         assert rel_err(got[key], want[key]) <= tol, key
 
 @pytest.mark.gpu
-def test_fused_and_unfused_backward_agree_at_benchmark_size(monkeypatch):
-    """Mamba-1 at B8 D1536 L2048 N16 float32 (the benchmark's shape): the fused backward against the
-    chunked one (recompute + adjoint + epilogue kernels)."""
+@pytest.mark.parametrize("batch, dim, length", [(8, 1536, 2048), (1, 1024, 300), (3, 1028, 130)])
+def test_fused_and_unfused_backward_agree_at_benchmark_size(monkeypatch, batch, dim, length):
+    """Mamba-1 at B8 D1536 L2048 N16 float32 (the benchmark's shape: blocks spread over b), at B1
+    D1024 (blocks in order: one b) and B3 D1028 (spread over 3 b, the last round partial): the
+    fused backward against the chunked one (recompute + adjoint + epilogue kernels)."""
     import torch
 
     m = importlib.import_module("ssmc.examples.mamba1")
     rng = np.random.default_rng(8)
-    gpu = _to_gpu(m.make_inputs(rng, 2048, batch=8, dim=1536, state=16), "float32")
-    dy = torch.tensor(rng.standard_normal((8, 1536, 2048)), device="cuda", dtype=torch.float32)
+    gpu = _to_gpu(m.make_inputs(rng, length, batch=batch, dim=dim, state=16), "float32")
+    dy = torch.tensor(rng.standard_normal((batch, dim, length)), device="cuda", dtype=torch.float32)
     g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
     assert _fused_tape(g, gpu)
     fused = g(**gpu, grad_outputs=dy)

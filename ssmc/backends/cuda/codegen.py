@@ -1092,21 +1092,12 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     reads += [(scalar_name(f"st_{n}"), 0, f"st_{n}{index}") for n in major.accumulators]
     own = [v[len("i_"):] for v in major.local]
     ahead = len(own) == 1  # the next index's reads made while this one computes
-    spread = _spread(fb, sizes, summed)
-    # each block starts the state loop at its own index (`_turned_index`), where many blocks add into one address
-    turned = ahead and spread > 0 and sizes[fb.parallel[-1]] // (BLOCK // WARP) >= TURN_MIN_BLOCKS
-    if turned:
-        lines.append(f"        const int turn = (int)(blockIdx.x / {spread}u % {size_var(own[0])});"
-                     "  // the blocks running at once start at different indices")
     if ahead:
-        lines += _next_index_loads(2, reads, major.local[0], "turn" if turned else "0")
+        lines += _next_index_loads(2, reads, major.local[0], "0")
     for i, a in enumerate(own):
         pad = "    " * (2 + i)
-        loop = f"ord_{a}" if turned else f"i_{a}"
         lines += [f"{pad}#pragma unroll {FUSED_STATE_UNROLL}",
-                  f"{pad}for (int {loop} = 0; {loop} < {size_var(a)}; ++{loop}) {{  // one state value at a time"]
-        if turned:
-            lines.append(f"{pad}    const int i_{a} = {_turned_index(f'ord_{a}', size_var(a))};")
+                  f"{pad}for (int i_{a} = 0; i_{a} < {size_var(a)}; ++i_{a}) {{  // one state value at a time"]
     depth = 2 + len(own)
     pad = "    " * depth
     for reg, steps, load in reads:
@@ -1117,11 +1108,9 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
         else:
             lines.append(f"{pad}{'' if reg.startswith('v_') else 'F '}{reg} = {f'next_{reg}' if ahead else load};")
     if ahead:
-        var, size = major.local[0], size_var(own[0])
-        following = (_turned_index(f"min(ord_{own[0]} + 1, {size} - 1)", size) if turned
-                     else f"min({var} + 1, {size} - 1)")
+        var = major.local[0]
         lines += [f"{pad}{{",
-                  f"{pad}    const int {_next(var)} = {following};",
+                  f"{pad}    const int {_next(var)} = min({var} + 1, {size_var(own[0])} - 1);",
                   *_next_index_loads(depth + 1, reads, var, _next(var), declare=False), f"{pad}}}"]
     lines += _summary_identity(forward_states, pad)
     lines += _fused_steps_loop(depth, K, pfs.stmts(fs.body, depth + 1), exits, False)
@@ -1156,27 +1145,18 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
     return lines
 
 
-# Where at least this many blocks add into one address (the last parallel axis' size over the warps a
-# block), each block starts the state loop at its own index (`turn`). Mamba-1 on an H200, fused
-# backward ms (bench/backward_variants.py, 2026-11-26), blocks in order / spread over b (`_spread`):
-#   B8 D1536 L2048 (384 blocks an address): from 0 1.279 / 1.248, turned 1.225 / 1.220
-#   B32 D512 L180 (128 blocks an address):  from 0 0.2353 / 0.2352, turned 0.254 / 0.252
-TURN_MIN_BLOCKS = 256
-
-
 def _spread(fb: FusedBackward, sizes: dict[str, int], summed: bool) -> int:
     """How many indices of the parallel axes but the last the fused backward's blocks take in turn
     (0: blocks in order). Where the block sums (`_block_sums`) add into arrays over the last axis
     (Mamba-1's grad_B[b, n, t], summed over d), a grid in order has the blocks running at once take
     neighbouring d of one b and add into the same addresses; in turns over b they spread over the
-    batch, fewer of them adding into one address at once (measured: `TURN_MIN_BLOCKS`)."""
+    batch, fewer of them adding into one address at once. Mamba-1 backward on an H100, in order ->
+    spread (bench/backward_variants.py, 2026-11-26): B8 D1536 L2048 1.318 -> 1.284 ms, B32 D512 L180
+    0.2473 -> 0.2414, B4 D2048 L2048 0.810 -> 0.808, B16 D1024 L1024 0.803 -> 0.811. (Each block
+    starting its loop over n at its own index as well took 5% off B8 D1536 L2048 on an H100, 2.4% on
+    an H200, but added 0.3-7% at five other shapes, B1 to B32, on an H200: not kept.)"""
     spread = math.prod(sizes[a] for a in fb.parallel[:-1]) if summed else 0
     return spread if spread > 1 else 0
-
-
-def _turned_index(order: str, size: str) -> str:
-    """The state index a block takes `order`-th: its `turn`-th first, wrapping around."""
-    return f"({order} + turn < {size} ? {order} + turn : {order} + turn - {size})"
 
 
 def _next(var: str) -> str:
