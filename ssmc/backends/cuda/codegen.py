@@ -909,6 +909,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         "accumulate": "\n".join(pad + line for line in accumulate),
         "state_major": "",
         "spread": 0,
+        "spread_blocks": 0,
     }
     major = fused_state_major(fb) if state_major else None
     if major is not None:
@@ -965,6 +966,7 @@ def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[s
               f" of one state index, twice: a barrier per index"] if summed else []
     return {
         "spread": _spread(fb, sizes, summed),
+        "spread_blocks": sizes[fb.parallel[-1]] // (BLOCK // WARP),
         "shared": shared,
         "declarations": declarations + (["int sums_at = 0;  // which copy of sm_sums"] if summed else []),
         "carry": "\n".join(pad + line for line in _lane_scan(core, set(fb.parallel), sizes, reverse=True).carry
