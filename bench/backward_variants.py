@@ -65,7 +65,7 @@ def _bounds(blocks: int):
 
 
 _IN_ORDER = _sub(r"// consecutive blocks take turns[^\n]*\n[^\n]*\n\s*const unsigned bx = [^\n]*\n"
-                 r"\s*const long long blk = [^\n]*\n\s*const long long p = [^\n]*",
+                 r"\s*const unsigned blk = [^\n]*\n\s*const long long p = [^\n]*",
                  "const long long p = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;")
 _FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
         ': "f"(x)); return r; }\n')
