@@ -10,6 +10,8 @@ together with whatever the compiler then finds dead. Every variant's gradients a
 unedited kernel's; a variant that keeps the results and changes them makes the script exit non-zero.
 
     python3 bench/backward_variants.py [--small] [--shape BxDxL ...] [--only NAME ...] [--repeat K]
+
+Results and what they say: docs/benchmarks.md, session of 2026-11-26.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ VARIANTS = {
     "registers for 5 blocks an SM (__launch_bounds__)": (_bounds(5), None, False),
     "registers for 7 blocks an SM (__launch_bounds__)": (_bounds(7), None, False),
     "blocks in order (not spread over b: more blocks adding to one address at once)": (_IN_ORDER, None, False),
+    # (blocks in order: the spread's mapping is worked out for blocks of 4 rows)
     "256 threads a block (8 rows: half the block sums' adds; one copy of the sums, two barriers)": (_both(
-        _sub(r"__shared__ F sm_(\w+)\[4\]\[(\d+)\];", r"__shared__ F sm_\1[8][\2];"),
+        _IN_ORDER, _sub(r"__shared__ F sm_(\w+)\[4\]\[(\d+)\];", r"__shared__ F sm_\1[8][\2];"),
         _sub(r"__shared__ F sm_sums\[2\]\[(\d+)\]\[4\]", r"__shared__ F sm_sums[1][\1][8]"),
         _sub(r"sums_at \^= 1;", "__syncthreads();"),
         _sub(r"(sm_sums\[sums_at\]\[j\]\[3\]\[s \+ e\])",
