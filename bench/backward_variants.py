@@ -23,6 +23,7 @@ import re
 import numpy as np
 import torch
 from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
+from source_edits import FTZ, both, editing, install
 
 import ssmc
 from ssmc.backends.cuda import fused_backward, runner
@@ -46,14 +47,6 @@ def _sub(pattern: str, new: str):
     return edit
 
 
-def _both(*edits):
-    def edit(source: str) -> str:
-        for e in edits:
-            source = e(source)
-        return source
-    return edit
-
-
 _N_LOOP = r"#pragma unroll 1(\s*for \(int (\w+) = 0; \2 < n_n; \+\+\2\) \{  // one state value at a time)"
 _SCAN = r"off < 32; off <<= 1\) \{(  //[^\n]*)?(\s*const F Hb = __shfl_DIRECTION_sync)"
 _NO_FORWARD_SCAN = _sub(_SCAN.replace("DIRECTION", "up"), r"off < 1; off <<= 1) {\1\2")
@@ -69,8 +62,6 @@ def _bounds(blocks: int):
 _IN_ORDER = _sub(r"// consecutive blocks take turns[^\n]*\n[^\n]*\n\s*const unsigned bx = [^\n]*\n"
                  r"\s*const unsigned blk = [^\n]*\n\s*const long long p = [^\n]*",
                  "const long long p = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;")
-_FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
-        ': "f"(x)); return r; }\n')
 
 # name -> (edit of the backward's source or None, SSMC_CUDA_BACKWARD_STEPS_PER_LANE or None, drops work
 #          [, threads a block of the backward, where not codegen.BLOCK])
@@ -79,12 +70,12 @@ VARIANTS = {
     "loop over n unrolled 2": (_sub(_N_LOOP, r"#pragma unroll 2\1"), None, False),
     "exp2 as ex2.approx.ftz (1 SASS instruction, not 4)": (_sub(
         re.escape("__device__ __forceinline__ float exp2e(float x) { return exp2f("),
-        _FTZ.replace("\\", "\\\\") + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("), None, False),
+        FTZ.replace("\\", "\\\\") + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("), None, False),
     "registers for 5 blocks an SM (__launch_bounds__)": (_bounds(5), None, False),
     "registers for 7 blocks an SM (__launch_bounds__)": (_bounds(7), None, False),
     "blocks in order (not spread over b: more blocks adding to one address at once)": (_IN_ORDER, None, False),
     # (blocks in order: the spread's mapping is worked out for blocks of 4 rows)
-    "256 threads a block (8 rows: half the block sums' adds; one copy of the sums, two barriers)": (_both(
+    "256 threads a block (8 rows: half the block sums' adds; one copy of the sums, two barriers)": (both(
         _IN_ORDER, _sub(r"__shared__ F sm_(\w+)\[4\]\[(\d+)\];", r"__shared__ F sm_\1[8][\2];"),
         _sub(r"__shared__ F sm_sums\[2\]\[(\d+)\]\[4\]", r"__shared__ F sm_sums[1][\1][8]"),
         _sub(r"sums_at \^= 1;", "__syncthreads();"),
@@ -95,7 +86,7 @@ VARIANTS = {
     "8 steps a lane": (None, "8", False),
     "drops: the forward's scan over the lanes": (_NO_FORWARD_SCAN, None, True),
     "drops: the adjoint's scan over the lanes": (_NO_ADJOINT_SCAN, None, True),
-    "drops: both scans": (_both(_NO_FORWARD_SCAN, _NO_ADJOINT_SCAN), None, True),
+    "drops: both scans": (both(_NO_FORWARD_SCAN, _NO_ADJOINT_SCAN), None, True),
     "drops: the block's sums of the grad_B / grad_C terms": (_sub(
         r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&",
         r"\1if (false &&"), None, True),
@@ -107,14 +98,7 @@ VARIANTS = {
     "drops: the exp of the decay": (_sub(r"v_fs_m1 = exp_\(", "v_fs_m1 = F(1) - ("), None, True),
 }
 
-_edit = {"source": None}
 _BLOCK = fused_backward.BLOCK
-_function = runner.CudaRunner.function
-
-
-def _edited_function(self, source: str, name: str):
-    edit = _edit["source"]
-    return _function(self, edit(source) if edit and KERNEL in source else source, name)
 
 
 def run_variant(name: str, x: dict, dy: torch.Tensor) -> tuple[dict, float]:
@@ -122,16 +106,15 @@ def run_variant(name: str, x: dict, dy: torch.Tensor) -> tuple[dict, float]:
     edit, steps, _, *threads = VARIANTS[name]
     runner._RUNNERS.clear()
     fused_backward._RUNNERS.clear()
-    _edit["source"] = edit
     fused_backward.BLOCK = threads[0] if threads else _BLOCK  # its launch's grid (the source's edit the rest)
     if steps:
         os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = steps
     try:
-        g = ssmc.grad(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
-        grads = g(**x, grad_outputs=dy)
-        kernels = kernel_times(lambda: g(**x, grad_outputs=dy), 20)
+        with editing(edit, only=KERNEL):
+            g = ssmc.grad(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
+            grads = g(**x, grad_outputs=dy)
+            kernels = kernel_times(lambda: g(**x, grad_outputs=dy), 20)
     finally:
-        _edit["source"] = None
         fused_backward.BLOCK = _BLOCK
         os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
         runner._RUNNERS.clear()
@@ -158,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", action="append", default=[], metavar="BxDxL",
                     help="another shape to time (B x D x L, N 16); may be given more than once")
     args = ap.parse_args(argv)
-    runner.CudaRunner.function = _edited_function
+    install()
     names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]] * args.repeat
     shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
     shapes += [tuple(int(v) for v in shape.lower().split("x")) for shape in args.shape]

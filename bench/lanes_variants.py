@@ -20,6 +20,7 @@ import argparse
 import numpy as np
 import torch
 from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
+from source_edits import FTZ, both, editing, install
 
 import ssmc
 from ssmc.backends.cuda import fused_backward, runner
@@ -34,19 +35,9 @@ def _replace(old: str, new: str, count: int = -1):
     return edit
 
 
-def _both(*edits):
-    def edit(source: str) -> str:
-        for e in edits:
-            source = e(source)
-        return source
-    return edit
-
-
 _NO_SOFTPLUS = _replace("w_m0[q] = softplus(", "w_m0[q] = (")
 _NO_SILU = _replace("silu(vp_z[q])", "(vp_z[q])")
 _NO_EXP = _replace("exp2_((m0[tt] * rp_A[j]))", "(1.0f - (m0[tt] * rp_A[j]))")
-_FTZ = ('__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) '
-        ': "f"(x)); return r; }\n')
 
 # name -> (edit of the source or None, state values a lane, drops work the kernel needs)
 VARIANTS = {
@@ -55,18 +46,18 @@ VARIANTS = {
                                                       4, False),
     "body's loop unrolled 8 (all)": (_replace(_BODY_LOOP, _BODY_LOOP.replace("1\n", "8\n"), 1), 4, False),
     "2 state values a lane (8 lanes a row)": (None, 2, False),
-    "exp2 as ex2.approx.ftz (1 SASS instruction, not 4)": (_both(
+    "exp2 as ex2.approx.ftz (1 SASS instruction, not 4)": (both(
         _replace("__device__ __forceinline__ float exp2e(float x) { return exp2f(",
-                 _FTZ + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("),
+                 FTZ + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("),
         _replace("SSMC_UNARY(exp2_, exp2f(x)", "SSMC_UNARY(exp2_, ex2_ftz(x)")), 4, False),
-    "drops: B and C read from shared memory": (_both(
+    "drops: B and C read from shared memory": (both(
         _replace("load_steps<G>(ld1, &sl_C[buf][i_n][tb]);", "for (int q = 0; q < G; ++q) ld1[q] = ld0[q] * 0.5f;"),
         _replace("load_steps<G>(ld0, &sl_B[buf][i_n][tb]);", "for (int q = 0; q < G; ++q) ld0[q] = m1[q] * rp_A[j];")),
         4, True),
     "drops: softplus (pre phase)": (_NO_SOFTPLUS, 4, True),
     "drops: silu (post phase)": (_NO_SILU, 4, True),
     "drops: exp of the body": (_NO_EXP, 4, True),
-    "drops: softplus, silu and the body's exp": (_both(_NO_SOFTPLUS, _NO_SILU, _NO_EXP), 4, True),
+    "drops: softplus, silu and the body's exp": (both(_NO_SOFTPLUS, _NO_SILU, _NO_EXP), 4, True),
     "drops: the reduce-scatter of the sums over n": (_replace(
         "pv_acc_m3[ch][tb + g] = reduce_scatter<G>(acc_m3, g, SumOp());",
         "pv_acc_m3[ch][tb + g] = acc_m3[0] + acc_m3[1] + acc_m3[2] + acc_m3[3];"), 4, True),
@@ -74,13 +65,7 @@ VARIANTS = {
                                                                "        if (t0 + T <= L) {"), 4, True),
 }
 
-_edit = {"source": None}
-_function = runner.CudaRunner.function
 _lane_groups = runner.lane_groups
-
-
-def _edited_function(self, source: str, name: str):
-    return _function(self, _edit["source"](source) if _edit["source"] else source, name)
 
 
 def run_variant(name: str, x: dict) -> tuple[torch.Tensor, float, float]:
@@ -90,15 +75,14 @@ def run_variant(name: str, x: dict) -> tuple[torch.Tensor, float, float]:
     edit, per_lane, _ = VARIANTS[name]
     runner._RUNNERS.clear()
     fused_backward._RUNNERS.clear()
-    _edit["source"] = edit
     runner.lane_groups = lambda n: _lane_groups(n, per_lane)
     try:
-        f = ssmc.compile(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
-        y = f(**x)
-        ms = triton.testing.do_bench(lambda: f(**x), warmup=25, rep=200)
-        kernels = kernel_times(lambda: f(**x), 20)
+        with editing(edit):
+            f = ssmc.compile(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
+            y = f(**x)
+            ms = triton.testing.do_bench(lambda: f(**x), warmup=25, rep=200)
+            kernels = kernel_times(lambda: f(**x), 20)
     finally:
-        _edit["source"] = None
         runner.lane_groups = _lane_groups
         runner._RUNNERS.clear()
     return y, ms, sum(kernels.values())
@@ -109,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="also B32 D512 L180")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="these variants (and the generated kernel)")
     args = ap.parse_args(argv)
-    runner.CudaRunner.function = _edited_function
+    install()
     names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]]
     shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
     print(f"Mamba-1 forward, lanes kernel, {torch.cuda.get_device_name()}\n")
