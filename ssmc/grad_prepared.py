@@ -284,7 +284,7 @@ class LeanStep:
     def _sources(self, launch, cotangents: dict, forward_buffer: dict) -> tuple:
         """Per kernel array of `launch` (in order): (kind, value) as the kinds above say; `cotangents`
         and `forward_buffer` (byte offsets) by kernel array name."""
-        offsets = {a.name: a.offset * _itemsize(launch.dtype) for a in launch.allocations}
+        offsets = {a.name: a.offset * launch.dtype.itemsize for a in launch.allocations}
         out = []
         for name in launch.names:
             if name in self.arguments:
@@ -303,7 +303,7 @@ class LeanStep:
         import torch
 
         launch = self.forward_launch
-        buffer = _buffer(launch)
+        buffer = launch.buffer()
         base = buffer.data_ptr()
         launch.launch_pointers([tensors[v].data_ptr() if k == ARGUMENT else base + v if k == BUFFER else v
                                 for k, v in self.forward_sources], self.length)
@@ -343,7 +343,7 @@ class LeanStep:
     def _plan_backward(self, launch, tensors: tuple) -> None:
         """Where the backward's arrays come from, and its gradients' views in the arguments' layouts;
         the later backwards lean where those are contiguous (the general path copies them else)."""
-        rounds = {f"rounds_{s}": a.offset * _itemsize(self.forward_launch.dtype) for s, a in self.rounds.items()}
+        rounds = {f"rounds_{s}": a.offset * self.forward_launch.dtype.itemsize for s, a in self.rounds.items()}
         self.backward_sources = self._sources(launch, {GRAD + n: i for i, n in enumerate(self.output_names)}, rounds)
         allocated = {a.name: a for a in launch.allocations}
         self.gradients = []
@@ -372,7 +372,7 @@ class LeanStep:
                 if c.stride() != strides:
                     return None
         launch = self.backward_launch
-        grads = _buffer(launch)
+        grads = launch.buffer()
         base, forward = grads.data_ptr(), buffer.data_ptr()
         pointers = []
         for k, v in self.backward_sources:
@@ -392,10 +392,6 @@ def _contiguous(shape, strides) -> bool:
     return True
 
 
-def _itemsize(dtype) -> int:
-    return 8 if "64" in str(dtype) else 4
-
-
 def _view(a, perm: list[int] | None, shape: list[int] | None = None) -> tuple:
     """(shape, strides, offset) of allocation `a` in another layout: its axes permuted by `perm`, or
     (contiguous as it is) reshaped to `shape`."""
@@ -403,21 +399,8 @@ def _view(a, perm: list[int] | None, shape: list[int] | None = None) -> tuple:
         return [a.shape[i] for i in perm], [a.strides[i] for i in perm], a.offset
     if shape is None or list(a.shape) == list(shape):
         return list(a.shape), list(a.strides), a.offset
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.insert(0, step)
-        step *= n
-    return list(shape), strides, a.offset
+    from .backends.cuda.codegen import contiguous_strides
+
+    return list(shape), list(contiguous_strides(shape)) if shape else [], a.offset
 
 
-def _buffer(launch):
-    """One call's buffer of `launch` (`_BackwardLaunch.allocate`'s, without views)."""
-    import torch
-
-    from .backends.cuda.launch import zero_bytes
-
-    buffer = torch.empty(launch.plain + launch.zeroed, device="cuda", dtype=launch.dtype)
-    if launch.zeroed:
-        size = buffer.element_size()
-        zero_bytes(buffer.data_ptr() + launch.plain * size, launch.zeroed * size, lambda: buffer[launch.plain:].zero_())
-    return buffer

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from .api import _program, compile
 from .backends.cuda.devices import current_device
-from .backends.cuda.settings import overrides
+from .backends.registry import call_key
 from .grad_prepared import LeanStep
 from .grad_stages import make_grad
 from .ir.axes import TIME
@@ -172,13 +172,13 @@ class SsmcFunction:
 
 
 def _signature(tensors: list) -> tuple | None:
-    """What a `LeanStep` depends on of a call: shapes, strides, dtypes and devices of its tensors, and
-    the overrides; None where its first tensor is not on the current CUDA device (the general path
-    switches devices)."""
+    """What a `LeanStep` depends on of a call (`registry.call_key`: shapes, strides, dtypes and devices
+    of its tensors, the overrides); None where its first tensor is not on the current CUDA device (the
+    general path switches devices) or the call has no key."""
     device = tensors[0].get_device()
     if device < 0 or device != current_device():
         return None
-    return (*((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), *overrides())
+    return call_key("cuda", tuple(tensors), {})
 
 
 def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,

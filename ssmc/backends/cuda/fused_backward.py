@@ -357,15 +357,22 @@ class _BackwardLaunch:
     zeroed: int                         # elements after them, zeroed
     dtype: object
 
-    def allocate(self) -> dict:
-        """The allocated arrays by name: one allocation and at most one memset a launch (a small
-        step's host time is a few µs per torch call, bench/host_profile.py)."""
+    def buffer(self):
+        """One launch's buffer: one allocation and at most one memset (a small step's host time is a
+        few µs per torch call, bench/host_profile.py)."""
         import torch
 
         buffer = torch.empty(self.plain + self.zeroed, device="cuda", dtype=self.dtype)
         if self.zeroed:
-            zero_bytes(buffer.data_ptr() + self.plain * buffer.element_size(), self.zeroed * buffer.element_size(),
-                       lambda: buffer[self.plain:].zero_())
+            size = buffer.element_size()
+            zero_bytes(buffer.data_ptr() + self.plain * size, self.zeroed * size, lambda: buffer[self.plain:].zero_())
+        return buffer
+
+    def allocate(self) -> dict:
+        """The allocated arrays by name, views of one `buffer`."""
+        import torch
+
+        buffer = self.buffer()
         return {a.name: torch.as_strided(buffer, a.shape, a.strides, a.offset) for a in self.allocations}
 
     def reshaped(self, name: str, shape) -> tuple[int, ...] | None:
