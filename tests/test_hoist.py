@@ -65,6 +65,14 @@ def programs():
     return out
 
 
+def mingru_programs():
+    """(label, program, sizes) of minGRU's forward, carries and adjoint (`_sizes`: i, then d as k)."""
+    spec = importlib.import_module("ssmc.examples.mingru").SPEC
+    bw = derive_backward(spec.program)
+    return [(f"mingru-{part}", p, {}) for part, p in
+            (("forward", spec.program), ("carries", bw.carries), ("adjoint", bw.adjoint))]
+
+
 def lstm_sizes(b, i, k):
     return {"b": b, "i": i, "k": k, "j": k, "g": 4}
 
@@ -74,6 +82,8 @@ def gate_sizes(b, e, d, o):
 
 
 def _sizes(label, b, i, k):
+    if label.startswith("mingru"):
+        return {"b": b, "i": i, "d": k}
     return lstm_sizes(b, i, k) if label.startswith("lstm") else gate_sizes(b, i, k, i + 2)
 
 
@@ -129,6 +139,58 @@ def test_hoisted_program_through_the_interpreter_equals_the_original(label, prog
         for k in w:
             assert g[k].shape == w[k].shape, k
             assert rel_err(g[k], w[k]) <= 1e-12, k
+
+
+def torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length):
+    """As `hoisted_through_interpreter`, the pre / post products evaluated by torch (on the CPU here;
+    the CUDA backend's `HoistedRunner` passes the same `TorchArrays` its GPU tensors)."""
+    import torch
+
+    from ssmc.backends.cuda.hoisted import TORCH
+
+    t = {n: torch.from_numpy(v) for n, v in seqs.items()}
+    tp = {n: torch.from_numpy(v) for n, v in params.items()}
+    ti = {n: torch.from_numpy(v) for n, v in initial.items()}
+    pre = compute_pre(h, t, tp, xp=TORCH)
+    arrays = {**seqs, **{n: v.numpy() for n, v in pre.items()}}
+    hp = {n: v.numpy() for n, v in compute_params(h, tp, xp=TORCH).items()}
+    outs, finals = interpreter.run_recurrence(h.program, arrays, {**params, **hp}, initial, sizes, length)
+    written = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in outs.items()}
+    post_outs, post_finals = compute_post(h, {**t, **pre}, tp, written, ti, xp=TORCH)
+    return ({**outs, **{n: v.numpy() for n, v in post_outs.items()}},
+            {**finals, **{n: v.numpy() for n, v in post_finals.items()}})
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("label,program,base", programs() + mingru_programs(),
+                         ids=[p[0] for p in programs() + mingru_programs()])
+def test_products_evaluated_by_torch_equal_the_original(label, program, base, length, transpose):
+    """The CUDA backend's path (`hoist(transpose=False)`, torch's einsum) and the Numba one's."""
+    rng = np.random.default_rng(length + 1)
+    sizes = {**_sizes(label, 3, 5, 6), **base}
+    seqs, params, initial = random_run(program, rng, sizes, length)
+    want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
+    h = hoist(program, transpose=transpose)
+    assert h.pre or h.factors
+    got = torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length)
+    for w, g in zip(want, got):
+        for k in w:
+            assert g[k].shape == w[k].shape, k
+            assert rel_err(g[k], w[k]) <= 1e-12, k
+
+
+def test_the_cuda_backend_hoists_the_mingru_products_and_leaves_mamba_alone():
+    from ssmc.backends.cuda.hoisted import hoisted_runner
+    from ssmc.backends.registry import preparer
+
+    mingru = importlib.import_module("ssmc.examples.mingru")
+    mamba1 = importlib.import_module("ssmc.examples.mamba1")
+    run = hoisted_runner(mingru.SPEC.program)
+    assert [n for n, _ in run.hoisted.pre] == ["hz0", "hz1"] and not run.hoisted.transposed
+    assert preparer("cuda", mingru.SPEC.program, np.dtype("float32")) is None  # the general run takes it
+    assert hoisted_runner(mamba1.SPEC.program) is None
+    assert hoisted_runner(derive_backward(mamba1.SPEC.program).adjoint) is None
 
 
 @settings(max_examples=8, **SETTINGS)

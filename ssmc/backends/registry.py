@@ -49,9 +49,9 @@ def runner(backend: str, program, dtype: np.dtype, products: dict | None = None)
     """The run function for `program`: the interpreter runs it as written (the ground truth);
     compiled backends run its fusion stages (`lowering/stages.py`), each a program of its own.
 
-    `products`: where the Numba backend keeps the matrix products it hoists out of the time loop
-    (`hoist.compute_pre`) for a later run over the same sequences and params to reuse; other
-    backends, and programs run in stages, ignore it."""
+    `products`: where the Numba and CUDA backends keep the matrix products they hoist out of the
+    time loop (`hoist.compute_pre`) for a later run over the same sequences and params to reuse;
+    the interpreter, and programs run in stages, ignore it."""
     if backend == "interpreter":
         return partial(interpreter.run_recurrence, program)
     fused = fuse(program)
@@ -71,8 +71,11 @@ def preparer(backend: str, program, dtype: np.dtype):
     (`CudaRunner.prepare`); else None."""
     if backend != "cuda" or fuse(program).staged:
         return None
+    from .cuda.hoisted import hoisted_runner
     from .cuda.runner import runner_for
 
+    if hoisted_runner(program, dtype.name) is not None:  # matrix products around the kernels
+        return None
     return runner_for(program, dtype.name).prepare
 
 
@@ -88,8 +91,12 @@ def call_key(backend: str, args: tuple, kwargs: dict):
 
 def _compiled(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
     if backend == "cuda":
+        from .cuda.hoisted import hoisted_runner
         from .cuda.runner import runner_for as cuda_runner
 
+        hoisted = hoisted_runner(program, dtype.name)
+        if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
+            return hoisted.run if products is None else partial(hoisted.run, products=products)
         return cuda_runner(program, dtype.name).run
     from .numba import runner_for
 

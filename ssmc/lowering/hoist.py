@@ -23,18 +23,20 @@ do not need the sequential loop:
 Only matrix-product-like contractions are hoisted (`gemm_like`: something is summed and two
 factors each have an axis the others lack), plus plain sums of an `f` that is written anyway.
 The pass is backend-neutral: `hoist` rewrites the IR; `compute_pre` / `compute_post` evaluate the
-hoisted parts with NumPy in the arrays' dtype (a GPU backend would do the same with its einsum).
+hoisted parts in the arrays' dtype with NumPy, or with another array library (`NumPyArrays`: the CUDA
+backend passes torch's, whose einsum runs as cuBLAS matrix products: backends/cuda/hoisted.py).
 """
 
 from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, reduce
 from itertools import pairwise
 
 import numpy as np
 
+from ..ir import build
 from ..ir.node import Node, substitute, toposort
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
@@ -127,8 +129,10 @@ def _timed(node: Node, roles: dict[str, Role]) -> bool:
 
 
 @lru_cache(maxsize=256)  # a program is hoisted by its runner and, for an adjoint, by `grad._recording`
-def hoist(program: Recurrence) -> Hoisted:
-    """Hoist the program's pre and post contractions (module docstring); unchanged if none."""
+def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
+    """Hoist the program's pre and post contractions (module docstring); unchanged if none. With
+    `transpose`, params that the loop's own contractions read are copied into its loop order
+    (`transpose_params`: Numba's threads loop along the contraction; CUDA's threads do not)."""
     roles = {d.name: d.role for d in program.decls}
     pre = _find_pre(program, roles)
     mapping = {node: Node.make(Op.INPUT, (), name, node.axes) for name, node in pre}
@@ -145,18 +149,30 @@ def hoist(program: Recurrence) -> Hoisted:
     in_loop = set(toposort([u for s, u in zip(staged.states, staged.updates) if s.name not in accs]))
 
     def post_form(root: Node, gemm_only: bool) -> Node | None:
+        if root.op is Op.ADD and gemm_only:  # a sum of contractions (minGRU's grad_x: g_z Wz^T + g_h Wh^T)
+            forms = [post_form(a, gemm_only) for a in root.args]
+            return None if any(f is None for f in forms) or root in in_loop else build.add(*forms)
         parts = split_contraction(root)
         if parts is None or root in in_loop:  # the loop computes it anyway: a product after it would repeat it
             return None
         summed, fs = parts
         kernel_values = [f for f in fs if not _leafy(f, staged_roles)]
-        if len(kernel_values) != 1 or kernel_values[0].op is Op.INPUT:
+        if not kernel_values:
             return None
-        (f,) = kernel_values
-        if not gemm_like(summed, fs) if gemm_only else f not in factors:
+        # several factors the loop computes (minGRU's g * z (1 - z) ...): their product is the one value
+        # it writes, the same node for every root with those factors
+        f = reduce(build.mul, kernel_values)
+        leafy = [g for g in fs if _leafy(g, staged_roles)]
+        if f.op is Op.INPUT or not (gemm_like(summed, (f, *leafy)) if gemm_only else f in factors):
             return None
         name = factors.setdefault(f, f"hf{len(factors)}")
-        return substitute((root,), {f: Node.make(Op.INPUT, (), name, f.axes)})[0]
+        value = Node.make(Op.INPUT, (), name, f.axes)
+        if len(kernel_values) == 1:
+            return substitute((root,), {f: value})[0]
+        form = reduce(build.mul, leafy, value)
+        for axis in reversed(summed):
+            form = build.reduce_sum(form, axis)
+        return form
 
     # two rounds: matrix-product-like roots first, then plain sums of a value already written
     for gemm_only in (True, False):
@@ -167,6 +183,8 @@ def hoist(program: Recurrence) -> Hoisted:
             if s not in dict(post_acc) and (form := post_form(b, gemm_only)) is not None:
                 post_acc.append((s, form))
     if not pre and not post_outputs and not post_acc:
+        if not transpose:
+            return Hoisted(program, program)
         program_t, transposed = transpose_params(program)
         return Hoisted(program, program_t, transposed=transposed)
     drop_out = {n for n, _ in post_outputs}
@@ -176,7 +194,8 @@ def hoist(program: Recurrence) -> Hoisted:
     outputs = tuple((n, y) for n, y in staged.outputs if n not in drop_out)
     outputs += tuple((name, f) for f, name in factors.items())
     kept = [staged.states[i].name for i in keep]
-    final, transposed = transpose_params(staged.with_roots(updates, outputs, states=kept))
+    final = staged.with_roots(updates, outputs, states=kept)
+    final, transposed = transpose_params(final) if transpose else (final, ())
     return Hoisted(program, final, tuple(pre), tuple((n, f) for f, n in factors.items()),
                    tuple(post_outputs), tuple(post_acc), transposed)
 
@@ -274,24 +293,62 @@ def _accumulators(program: Recurrence) -> dict[str, Node]:
 # -- evaluating the hoisted parts (NumPy, in the arrays' dtype) -----------------------------------
 
 
+class NumPyArrays:
+    """What evaluating the hoisted parts asks of an array library (NumPy here; torch on the GPU:
+    backends/cuda/hoisted.py). Axes are given as positions, permutations as lists."""
+
+    @staticmethod
+    def take(arr, index: int, axis: int):
+        return np.take(arr, index, axis=axis)
+
+    @staticmethod
+    def einsum(spec: str, *arrays):
+        return np.einsum(spec, *arrays, optimize=True)
+
+    @staticmethod
+    def sum(arr, axes: tuple[int, ...]):
+        return arr.sum(axis=axes)
+
+    @staticmethod
+    def permute(arr, perm: list[int]):
+        return arr.transpose(perm)
+
+    @staticmethod
+    def contiguous(arr, dtype=None):
+        """`arr` C-contiguous (a copy only where it is not), in `dtype` where given."""
+        return np.ascontiguousarray(arr, dtype=dtype)
+
+    @staticmethod
+    def dtype_of(*arrays):
+        return np.result_type(*arrays)
+
+
+NUMPY = NumPyArrays()
+
+
 def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], sum_time: bool = False,
-              matmul=None):
+              matmul=None, xp=NUMPY):
     """(array, axis labels) of a leafy contraction; TIME labels the time axis of sequences.
 
-    `matmul(a, b)` (2-D arrays) computes two-factor contractions; None: `np.einsum` does all."""
+    `matmul(a, b)` (2-D NumPy arrays) computes two-factor contractions; None: `xp.einsum` does all."""
     if node.op is Op.INPUT:
         return env[node.arg]
     if node.op is Op.RENAME:
-        arr, labels = _evaluate(node.args[0], env, matmul=matmul)
+        arr, labels = _evaluate(node.args[0], env, matmul=matmul, xp=xp)
         mapping = dict(node.arg)
         return arr, tuple(mapping.get(a, a) for a in labels)
     if node.op is Op.SELECT:
-        arr, labels = _evaluate(node.args[0], env, matmul=matmul)
+        arr, labels = _evaluate(node.args[0], env, matmul=matmul, xp=xp)
         axis, index = node.arg
         pos = labels.index(axis)
-        return np.take(arr, index, axis=pos), labels[:pos] + labels[pos + 1:]
+        return xp.take(arr, index, pos), labels[:pos] + labels[pos + 1:]
+    if node.op is Op.ADD:  # contractions added (`hoist`'s post_form): each, in the first one's axis order
+        (total, labels), *rest = (_evaluate(a, env, sum_time, matmul, xp) for a in node.args)
+        for arr, own in rest:
+            total = total + xp.permute(arr, [own.index(a) for a in labels])
+        return total, labels
     _, fs = split_contraction(node)
-    operands = [_evaluate(f, env, matmul=matmul) for f in fs]
+    operands = [_evaluate(f, env, matmul=matmul, xp=xp) for f in fs]
     timed = any(TIME in labels for _, labels in operands)
     out = ((TIME,) if timed and not sum_time else ()) + tuple(node.axes)
     if matmul is not None and len(operands) == 2:
@@ -304,7 +361,7 @@ def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], su
             letters.setdefault(a, string.ascii_letters[len(letters)])
     spec = ",".join("".join(letters[a] for a in labels) for _, labels in operands)
     spec += "->" + "".join(letters[a] for a in out)
-    return np.einsum(spec, *(arr for arr, _ in operands), optimize=True), out
+    return xp.einsum(spec, *(arr for arr, _ in operands)), out
 
 
 def _as_matmul(operands, out: tuple[str, ...], matmul):
@@ -376,42 +433,42 @@ def _env(h: Hoisted, seqs: dict, params: dict) -> dict:
     return env
 
 
-def _ordered(arr: np.ndarray, labels: tuple[str, ...], want: tuple[str, ...], dtype) -> np.ndarray:
-    return np.ascontiguousarray(arr.transpose([labels.index(a) for a in want]), dtype=dtype)
+def _ordered(arr, labels: tuple[str, ...], want: tuple[str, ...], dtype, xp=NUMPY):
+    return xp.contiguous(xp.permute(arr, [labels.index(a) for a in want]), dtype)
 
 
-def compute_params(h: Hoisted, params: dict) -> dict[str, np.ndarray]:
+def compute_params(h: Hoisted, params: dict, xp=NUMPY) -> dict:
     """The transposed param copies ``hp<n>`` (contiguous, in the params' dtype)."""
     out = {}
     for name, source, axes in h.transposed:
         own = h.original.decl(source).axes
-        out[name] = np.ascontiguousarray(params[source].transpose([own.index(a) for a in axes]))
+        out[name] = xp.contiguous(xp.permute(params[source], [own.index(a) for a in axes]))
     return out
 
 
-def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None, products: dict | None = None
-                ) -> dict[str, np.ndarray]:
+def compute_pre(h: Hoisted, seqs: dict, params: dict, matmul=None, products: dict | None = None,
+                xp=NUMPY) -> dict:
     """The hoisted sequences ``hz<n>`` [t, *axes] from the run's sequences and params.
 
-    `matmul`: as in `_evaluate` (a backend's own matrix product; None: `np.einsum`). `products`:
+    `matmul`: as in `_evaluate` (a backend's own matrix product; None: `xp.einsum`). `products`:
     contraction node -> its array, read and filled, shared by runs of several programs over the
     same sequences and params (nodes are interned: a recording forward's ``x W`` is the very node
-    its adjoint recomputes, which then takes it from here)."""
+    its adjoint recomputes, which then takes it from here). `xp`: the arrays' library (`NumPyArrays`)."""
     env = _env(h, seqs, params)
     out = {}
     for name, node in h.pre:
         if products is not None and node in products:
             out[name] = products[node]
             continue
-        dtype = np.result_type(*(env[n.arg][0] for n in toposort([node]) if n.op is Op.INPUT))
-        arr, labels = _evaluate(node, env, matmul=matmul)
-        out[name] = _ordered(arr, labels, (TIME, *node.axes), dtype)
+        dtype = xp.dtype_of(*(env[n.arg][0] for n in toposort([node]) if n.op is Op.INPUT))
+        arr, labels = _evaluate(node, env, matmul=matmul, xp=xp)
+        out[name] = _ordered(arr, labels, (TIME, *node.axes), dtype, xp)
         if products is not None:
             products[node] = out[name]
     return out
 
 
-def in_original_order(h: Hoisted, outs: dict) -> dict:
+def in_original_order(h: Hoisted, outs: dict, xp=NUMPY) -> dict:
     """The hoisted program's outputs [t, *axes] with their axes in the original program's order.
 
     A rewritten output may list its axes in another order: axis order follows the operands, and a
@@ -422,11 +479,11 @@ def in_original_order(h: Hoisted, outs: dict) -> dict:
     for name, y in h.original.outputs:
         own = rewritten[name].axes if name in rewritten else y.axes
         if name in out and own != y.axes:
-            out[name] = out[name].transpose([0, *(1 + own.index(a) for a in y.axes)])
+            out[name] = xp.permute(out[name], [0, *(1 + own.index(a) for a in y.axes)])
     return out
 
 
-def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None):
+def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None, xp=NUMPY):
     """(outputs [t, *axes], final accumulators) of the post contractions, from the kernel's ``hf<n>``.
 
     `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs."""
@@ -435,19 +492,20 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
         order = h.product_orders[name]
         arr = written[name]
         if order != f.axes:  # at most one copy (none where the runner allocated it in this order)
-            arr = np.ascontiguousarray(arr.transpose([0, *(1 + f.axes.index(a) for a in order)]))
+            arr = xp.contiguous(xp.permute(arr, [0, *(1 + f.axes.index(a) for a in order)]))
         env[name] = (arr, (TIME, *order))
     outs, finals = {}, {}
+    axes = {name: y.axes for name, y in h.original.outputs}  # a rebuilt contraction may list them in another order
     for name, node in h.post_outputs:
-        arr, labels = _evaluate(node, env, matmul=matmul)
-        outs[name] = _ordered(arr, labels, (TIME, *node.axes), written[h.factors[0][0]].dtype)
+        arr, labels = _evaluate(node, env, matmul=matmul, xp=xp)
+        outs[name] = _ordered(arr, labels, (TIME, *axes[name]), written[h.factors[0][0]].dtype, xp)
     for s, node in h.post_accumulators:
         axes = h.original.decl(s).axes
         init = initial[s]
-        arr, labels = _evaluate(node, env, sum_time=True, matmul=matmul)
+        arr, labels = _evaluate(node, env, sum_time=True, matmul=matmul, xp=xp)
         if TIME in labels:
-            arr, labels = arr.sum(axis=labels.index(TIME)), tuple(a for a in labels if a != TIME)
-        finals[s] = init + _ordered(arr, labels, axes, init.dtype)
+            arr, labels = xp.sum(arr, (labels.index(TIME),)), tuple(a for a in labels if a != TIME)
+        finals[s] = init + _ordered(arr, labels, axes, init.dtype, xp)
     return outs, finals
 
 

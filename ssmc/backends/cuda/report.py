@@ -21,6 +21,7 @@ from ...runtime.random_inputs import default_sizes
 from . import nvrtc
 from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
+from .hoisted import hoisted_runner
 from .runner import CudaRunner, Launch, one_kernel
 
 
@@ -120,8 +121,11 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
         return _reports(CudaRunner(program, compute), role, kind + "rows (the layer in one kernel)", sizes, steps,
                         time_contiguous, dtype, compute, arch, compile_kernels)
     for stage in fused.stages:
-        runner = CudaRunner(stage.program, compute)
+        hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
+        runner = CudaRunner(stage.program if hoisted is None else hoisted.hoisted.program, compute)
         strategy = runner.strategy(sizes, steps, time_contiguous)
+        if hoisted is not None:
+            strategy += f" (+ {hoisted.describe()})"
         if fused.staged:  # which fusion stage the kernel belongs to
             strategy = f"{stage.kind}: {strategy}"
         reports += _reports(runner, role, kind + strategy, sizes, steps, time_contiguous, dtype, compute, arch,

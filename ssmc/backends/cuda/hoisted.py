@@ -1,0 +1,110 @@
+"""Contractions hoisted out of the time loop, on the GPU: matrix products through torch (cuBLAS).
+
+`lowering/hoist.py` finds the contractions of a step that need no sequential loop: a minGRU's
+``x_t Wz`` and ``x_t Wh``, an LSTM's ``x_t W`` (state-free: "pre"), an adjoint's ``grad_W += x_t^T g_t``
+(a value the loop computes times sequences: "post"). Kernels that compute them per step and thread
+read the same rows of x and W again for every output (minGRU B32 I512 D512 L180: a training step of
+90 ms on an H100, 2026-11-26). Here they run for all steps at once:
+
+    for t: hz[t] = x[t] @ Wz                         # pre:  one matrix product over (t, b), before
+    outs, finals = kernels of the rest (hz read as a sequence; the loop writes hf[t] = g[t])
+    grad_W = init + sum over t, b of x[t, b]^T hf[t, b]  # post: one matrix product, after
+
+`HoistedRunner.run` has the runner contract (time-first torch CUDA tensors in and out). The products
+are computed in the compute dtype (float32 or float64; torch's default keeps TF32 off, so a float32
+product is a float32 one), whatever the dtype of the sequences the kernels read in place.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
+from .runner import runner_for, time_contiguous
+
+
+class TorchArrays:
+    """`hoist.NumPyArrays` for torch tensors: what evaluating the hoisted parts asks of them."""
+
+    @staticmethod
+    def take(arr, index: int, axis: int):
+        return arr.select(axis, index)
+
+    @staticmethod
+    def einsum(spec: str, *arrays):
+        import torch
+
+        return torch.einsum(spec, *arrays)
+
+    @staticmethod
+    def sum(arr, axes: tuple[int, ...]):
+        return arr.sum(dim=axes)
+
+    @staticmethod
+    def permute(arr, perm: list[int]):
+        return arr.permute(*perm)
+
+    @staticmethod
+    def contiguous(arr, dtype=None):
+        return (arr if dtype is None or arr.dtype == dtype else arr.to(dtype)).contiguous()
+
+    @staticmethod
+    def dtype_of(*arrays):
+        import torch
+
+        return reduce(torch.promote_types, (a.dtype for a in arrays))
+
+
+TORCH = TorchArrays()
+
+
+class HoistedRunner:
+    """A program whose contractions `hoist` takes out of the time loop: the products around the kernels
+    of the hoisted program (module docstring)."""
+
+    def __init__(self, program, compute: str = "float32"):
+        self.program = program
+        self.compute = compute
+        self.hoisted: Hoisted = hoist(program, transpose=False)
+        self.kernels = runner_for(self.hoisted.program, compute)  # the kernels of what is left
+
+    def describe(self) -> str:
+        """The products around the kernels, for `ssmc inspect`: "matrix products: hz0 hz1 before, ..."."""
+        h = self.hoisted
+        after = [n for n, _ in h.post_outputs + h.post_accumulators]
+        return "matrix products: " + "; ".join(
+            part for part in (" ".join(n for n, _ in h.pre) + " before" if h.pre else "",
+                              " ".join(after) + " after" if after else "") if part)
+
+    def run(self, seqs, params, initial, sizes, length, out_dtype=None, products: dict | None = None):
+        """The runner contract. `products`: as in `hoist.compute_pre` (a recording forward's ``x W``
+        for its adjoint to reuse)."""
+        import torch
+
+        h = self.hoisted
+        compute = torch.float64 if self.compute == "float64" else torch.float32
+        cast = {n: TORCH.contiguous(v, compute) if v.dtype != compute else v for n, v in seqs.items()}
+        cast_params = {n: v if v.dtype == compute else v.to(compute) for n, v in params.items()}
+        pre = compute_pre(h, cast, cast_params, products=products, xp=TORCH)
+        if time_contiguous(seqs):  # the kernels take every sequence with time contiguous, or none
+            pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
+        outs, finals = self.kernels.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
+                                        initial, sizes, length)
+        outs = in_original_order(h, outs, xp=TORCH)
+        post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=TORCH)
+        outs.update(post_outs)
+        finals.update(post_finals)
+        outs = {n: outs[n] if out_dtype is None else outs[n].to(out_dtype) for n, _ in self.program.outputs}
+        return outs, {s.name: finals[s.name] for s in self.program.states}
+
+
+_RUNNERS: dict[tuple, HoistedRunner] = {}
+
+
+def hoisted_runner(program, compute: str = "float32") -> HoistedRunner | None:
+    """The runner of `program` with its contractions hoisted, or None where `hoist` finds none."""
+    key = (program, compute)
+    if key not in _RUNNERS:
+        runner = HoistedRunner(program, compute)
+        _RUNNERS[key] = runner if runner.hoisted.pre or runner.hoisted.factors else None
+    return _RUNNERS[key]
