@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import numpy as np
 import pytest
@@ -265,6 +266,61 @@ def test_gradients_of_long_sequences_with_time_blocks(name):
         **on_gpu(inputs, "float64"), grad_outputs=tuple(torch.tensor(c, device="cuda") for c in cot))
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-9, key
+
+
+HOISTED_SIZES = {"mingru": {"batch": 3, "inp": 37, "dim": 65}, "lstm": {"batch": 3, "inp": 37, "hidden": 20},
+                 "gru": {"batch": 3, "inp": 37, "hidden": 20}}
+
+
+@pytest.mark.parametrize("layout", ["example", "... t"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("length", [1, 7, 180, 1000])
+@pytest.mark.parametrize("name", ["mingru", "lstm", "gru"])
+def test_products_hoisted_out_of_the_loop_match_the_interpreter(name, length, dtype, layout):
+    """The matrix products `cuda/hoisted.py` runs around the kernels (x W before; an adjoint's x^T g and
+    g W^T after) at contraction sizes that are not powers of two: the forward, the gradients of
+    `ssmc.grad` (general path) and of the torch op (prepared chunk), against the float64 interpreter.
+    "... t": every sequence with time contiguous, so the products are laid out so too."""
+    import torch
+
+    import ssmc.torch as st_torch
+    from ssmc.backends.cuda.hoisted import hoisted_runner
+
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    assert hoisted_runner(m.SPEC.program) is not None
+    rng = np.random.default_rng(length)
+    known = set(inspect.signature(m.make_inputs).parameters)
+    inputs = m.make_inputs(rng, length, **{k: v for k, v in HOISTED_SIZES[name].items() if k in known})
+    for s in m.SPEC.program.states:  # zero initial states
+        inputs.pop(s.name, None)
+    layout = m.LAYOUT if layout == "example" else layout
+    moved = {}
+    for d in m.SPEC.program.seqs:
+        order = ssmc.runtime.binding.layout_of(layout, d.name, d.axes)
+        src = ssmc.runtime.binding.layout_of(m.LAYOUT, d.name, d.axes)
+        moved[d.name] = np.transpose(inputs[d.name], [src.index(a) for a in order])
+    arrays = {**inputs, **moved}
+    want_out = flat(ssmc.compile(m.SPEC, "interpreter", layout=layout)(**arrays))
+    cot = [rng.standard_normal(o.shape) for o in want_out]
+    grad_outputs = cot[0] if len(cot) == 1 else tuple(cot)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**arrays, grad_outputs=grad_outputs)
+    gpu = on_gpu(arrays, dtype)
+    tol = 1e-9 if dtype == "float64" else 1e-4
+    got_out = flat(ssmc.compile(m.SPEC, "cuda", layout=layout)(**gpu))
+    for g, w in zip(got_out, want_out):
+        assert rel_err(g, w) <= tol
+    gpu_cot = [torch.tensor(c, device="cuda", dtype=getattr(torch, dtype)) for c in cot]
+    got = ssmc.grad(m.SPEC, "cuda", layout=layout)(**gpu, grad_outputs=gpu_cot[0] if len(cot) == 1
+                                                   else tuple(gpu_cot))
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 10 * tol, key
+    names = [d.name for d in m.SPEC.program.inputs]
+    tensors = [gpu[n].clone().requires_grad_(True) for n in names]
+    f = st_torch.function(m.SPEC, "cuda", layout=layout)
+    for _ in range(2):  # the second call of a signature takes the prepared chunk
+        grads = torch.autograd.grad(flat(f(*tensors)), tensors, gpu_cot)
+        for n, g in zip(names, grads):
+            assert rel_err(g, want[n]) <= 10 * tol, n
 
 
 def test_mamba1_gradients_at_benchmark_size_run_and_agree_with_float64():
