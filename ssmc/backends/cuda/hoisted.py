@@ -21,7 +21,7 @@ import os
 from functools import reduce
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
-from .runner import runner_for, time_contiguous
+from .runner import batch_outer, runner_for, time_contiguous
 
 
 class TorchArrays:
@@ -89,6 +89,8 @@ class HoistedRunner:
         pre = compute_pre(h, cast, cast_params, products=products, xp=TORCH)
         if time_contiguous(seqs):  # the kernels take every sequence with time contiguous, or none
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
+        elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
+            pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
         outs, finals = self.kernels.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                         initial, sizes, length)
         outs = in_original_order(h, outs, xp=TORCH)

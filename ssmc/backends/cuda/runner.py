@@ -303,6 +303,7 @@ class CudaRunner:
         self.modules: dict[tuple, object] = {}          # (device, source) -> its module, loaded there
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes, device) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
+        self.prepared_launches: dict[tuple, Prepared] = {}  # `_launch`'s, by kernel, layouts, shape, overrides
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
@@ -491,9 +492,19 @@ class CudaRunner:
     def _launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                 out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
                 grid: tuple[int, int] | None = None) -> dict:
-        """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`)."""
-        return self._execute(self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
-                                                  mapping, grid), arrays)
+        """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`). The launch is worked
+        out once per layout of its inputs, shape and overrides (about 25 µs of host time a launch:
+        six a training step of HGRN at B32 D512 L180, run as time blocks)."""
+        key = (k.name, _sizes_key(sizes), length, nblk, out_dtype, time_contiguous, mapping, grid, current_device(),
+               overrides(), *((arrays[a.name].dtype, arrays[a.name].stride()) for a in k.arrays
+                              if a.role in ("seq", "param", "init")))
+        prepared = self.prepared_launches.get(key)
+        if prepared is None:
+            if len(self.prepared_launches) >= MAX_PLANS:
+                self.prepared_launches.clear()
+            prepared = self.prepared_launches[key] = self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype,
+                                                                          time_contiguous, mapping, grid)
+        return self._execute(prepared, arrays)
 
     def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                         out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
@@ -507,6 +518,7 @@ class CudaRunner:
 
         layouts, items = [], []  # per kernel array: (dtype, strides as the kernel sees it, group stride)
         warp = self.time_blocks is not None and k is self.time_blocks.lane_rescan
+        outer = batch_outer([arrays[a.name] for a in k.arrays if a.role == "seq"])
         groups = mapping.groups
         state_dtype = torch.float64 if self.compute == "float64" else torch.float32
         for a in k.arrays:
@@ -519,10 +531,14 @@ class CudaRunner:
             partial = groups > 1 and not mapping.row and a.role in ("out", "final")
             dtype = out_dtype if a.role == "out" and out_dtype is not None and not partial else state_dtype
             lead = [groups] if partial else []
-            # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
-            item = (Allocation(a.name, (*lead, *shape[1:], shape[0]), dtype, len(lead))
-                    if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1
-                    else Allocation(a.name, (*lead, *shape), dtype))
+            if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1:
+                # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
+                item = Allocation(a.name, (*lead, *shape[1:], shape[0]), dtype, len(shape) - 1 + len(lead), len(lead))
+            elif outer and a.role in ("out", "prev") and len(shape) > 2 and not lead:
+                # as the sequences ("b t ..."): a caller's view in that layout is contiguous, no copy
+                item = Allocation(a.name, (shape[1], shape[0], *shape[2:]), dtype, 1, 0)
+            else:
+                item = Allocation(a.name, (*lead, *shape), dtype)
             strides = item.strides()
             layouts.append((dtype, (strides[1:] if partial else strides) or (1,), strides[0] if partial else 0))
             items.append(item)
@@ -640,25 +656,28 @@ ONE_LAUNCH = ("fused", "warp", "rows", "lanes")
 
 @dataclass(frozen=True)
 class Allocation:
-    """An array a launch writes: allocated with `shape`; with `time_last` (the index of the time axis,
-    else -1) time is innermost in memory and moved to that place (the caller's time-first view)."""
+    """An array a launch writes: allocated C-contiguous with `shape`, in which the time axis is at
+    `time_at` (-1: the caller's time-first order as it is); the view returned has it moved to
+    `time_index` (the caller's time-first view, after any leading group axis). Time innermost
+    (layouts like "b d t") or second (after the batch, "b t ..."), as the sequences have it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: object         # a torch dtype
-    time_last: int = -1
+    time_at: int = -1
+    time_index: int = 0
 
     def allocate(self):
         import torch
 
         t = torch.empty(self.shape, device="cuda", dtype=self.dtype)
-        return t if self.time_last < 0 else t.movedim(-1, self.time_last)
+        return t if self.time_at < 0 else t.movedim(self.time_at, self.time_index)
 
     def strides(self) -> tuple[int, ...]:
         """The strides of the array `allocate` returns (without allocating it)."""
         strides = list(contiguous_strides(list(self.shape))) if self.shape else []
-        if self.time_last >= 0:
-            strides.insert(self.time_last, strides.pop())
+        if self.time_at >= 0:
+            strides.insert(self.time_index, strides.pop(self.time_at))
         return tuple(strides)
 
 
@@ -726,10 +745,28 @@ def _along_time(k: Kernel, arrays: dict) -> bool:
     return 2 * sum(t.stride(0) == 1 for t in seqs) > len(seqs)
 
 
-def _full(shape, value: float):
-    import torch
+_FILLED: dict[tuple, object] = {}
 
-    return torch.full((1,) * len(shape), value, device="cuda", dtype=torch.float32).expand(*shape)
+
+def _full(shape, value: float):
+    """A read-only array of `shape` holding `value` (time blocks' initial summaries): a broadcast view
+    of one element kept per value, rank and device (a fill kernel and an allocation per call took
+    about 40 µs of host time each, four a training step of HGRN at B32 D512 L180)."""
+    key = (len(shape), value, current_device())
+    one = _FILLED.get(key)
+    if one is None:
+        import torch
+
+        one = _FILLED[key] = torch.full((1,) * len(shape), value, device="cuda", dtype=torch.float32)
+    return one.expand(*shape)
+
+
+def batch_outer(seqs: list) -> bool:
+    """Whether the time-first sequences (some at least 3-d) all lie with their second axis outermost
+    and time next (layouts like "b t ..."): the order a kernel's per-step outputs are then allocated in."""
+    deep = [v for v in seqs if v.dim() > 2]
+    return bool(deep) and all(v.dim() < 3 or (v.stride(1) >= v.stride(0) >= max(v.stride()[2:]) and v.shape[1] > 1
+                                                and v.shape[0] > 1) for v in seqs)
 
 
 def one_kernel(fused: Fused, compute: str, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
