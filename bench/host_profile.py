@@ -1,7 +1,7 @@
 """Where a small Mamba-1 call spends host time on the GPU path: per-call host time and a profile.
 
     python3 bench/host_profile.py [--batch 32 --dim 512 --length 180] [--calls 300] [--top 25]
-                                  [--sort tottime|cumulative] [--only NAME]
+                                  [--sort tottime|cumulative] [--only NAME] [--scan | --families]
 
 For the forward (`ssmc.compile`), a training step (`ssmc.grad`) and its forward (`Grad.forward`),
 the torch op (`ssmc.torch`: its forward alone, forward + `backward()` into the leaves' `.grad`, and
@@ -15,7 +15,8 @@ as many inputs (torch's own cost a call), each on the same inputs (layout "b d t
 
 The host times again with every launch through CuPy instead of the driver (backends/cuda/launch.py),
 then the fused backward's kernel time with its steps per lane forced (SSMC_CUDA_BACKWARD_STEPS_PER_LANE).
-`--scan`: the first-order scan's training step (`ssmc.grad` and the torch op) instead.
+`--scan`: the first-order scan's training step (`ssmc.grad` and the torch op) instead; `--families`:
+a training step of each family's example at small shapes (`family_times`) instead.
 """
 
 from __future__ import annotations
@@ -98,6 +99,49 @@ def scan_times() -> None:
     print(f"\n## profile: scan training step\n\n{profile(step, 50, 25)}")
 
 
+def family_times(calls: int) -> None:
+    """A training step of each family's example at small shapes (HGRN and minGRU "b t ...", the
+    first-order scan and Mamba-1 "b d t"; B32 D512 L180, minGRU I512; and the scan at B8 D2048
+    L4096): host µs a call and kernels of the op's step (`autograd.grad`), of `ssmc.grad`'s, and of an
+    empty `autograd.Function` of as many inputs."""
+    import ssmc.torch as ssmc_torch
+    from ssmc.examples import hgrn, mamba1, mingru
+
+    @ssmc.recurrence
+    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
+        h = a * h + x
+        return h, h
+
+    rng = np.random.default_rng(0)
+    B, D, L = 32, 512, 180
+    cases = [(f"HGRN B{B} D{D} L{L}", hgrn.SPEC, hgrn.LAYOUT, hgrn.make_inputs(rng, L, batch=B, dim=D), (B, L, D)),
+             (f"minGRU B{B} I{D} D{D} L{L}", mingru.SPEC, mingru.LAYOUT,
+              mingru.make_inputs(rng, L, batch=B, inp=D, dim=D), (B, L, D)),
+             (f"scan B{B} D{D} L{L}", scan, "b d t",
+              {"a": rng.uniform(0.5, 1.0, (B, D, L)), "x": rng.standard_normal((B, D, L))}, (B, D, L)),
+             (f"Mamba-1 B{B} D{D} L{L}", mamba1.SPEC, mamba1.LAYOUT,
+              mamba1.make_inputs(rng, L, batch=B, dim=D, state=16), (B, D, L)),
+             ("scan B8 D2048 L4096", scan, "b d t",
+              {"a": rng.uniform(0.5, 1.0, (8, 2048, 4096)), "x": rng.standard_normal((8, 2048, 4096))},
+              (8, 2048, 4096))]
+    print(f"{torch.cuda.get_device_name()}\n")
+    print("| case | call | host µs a call | kernels µs | kernels |\n|---|---|---|---|---|")
+    for name, spec, layout, inputs, dy_shape in cases:
+        x = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in inputs.items() if k != "h"}
+        for label, fn in _steps(ssmc_torch.function(spec, layout=layout), ssmc.grad(spec, "cuda", layout=layout), x,
+                                torch.randn(*dy_shape, device="cuda")).items():
+            total, kernels = kernel_us(fn)
+            print(f"| {name} | {label} | {per_call_us(fn, calls):.1f} | {total:.1f} | {len(kernels)} |", flush=True)
+
+
+def _steps(op, grad, x: dict, dy) -> dict:
+    """The op's training step, `ssmc.grad`'s, and an empty `autograd.Function`'s, on inputs `x`."""
+    tensors = [v.clone().requires_grad_(True) for v in x.values()]
+    return {"op, autograd.grad": lambda: torch.autograd.grad(op(*tensors), tensors, dy),
+            "ssmc.grad": lambda: grad(**x, grad_outputs=dy),
+            "empty autograd.Function": lambda: torch.autograd.grad(_Floor.apply(*tensors), tensors, dy)}
+
+
 class _Floor(torch.autograd.Function):
     """A Function whose forward and backward launch nothing: what torch's autograd costs a call."""
 
@@ -121,9 +165,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="the profiles' order")
     ap.add_argument("--only", default=None, help="profile only the calls whose name contains this")
     ap.add_argument("--scan", action="store_true", help="only the first-order scan's training step (scan_times)")
+    ap.add_argument("--families", action="store_true", help="only each family's training step (family_times)")
     args = ap.parse_args(argv)
     if args.scan:
         scan_times()
+        return 0
+    if args.families:
+        family_times(min(args.calls, 200))
         return 0
     import ssmc.torch
     from ssmc.examples import mamba1

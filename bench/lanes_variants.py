@@ -8,7 +8,7 @@ kernel needs (marked "drops": their outputs are wrong and say how wrong) to meas
 costs. Every variant's output is compared with the unedited kernel's; times are do_bench medians and
 the kernel's own time (torch.profiler).
 
-    python3 bench/lanes_variants.py [--small] [--only NAME ...]
+    python3 bench/lanes_variants.py [--small] [--only NAME ...] [--lengths L ...]
 
 Results and what they say: docs/benchmarks.md, session of 2026-11-25 from 22:16 UTC.
 """
@@ -92,8 +92,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="also B32 D512 L180")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="these variants (and the generated kernel)")
+    ap.add_argument("--lengths", nargs="*", type=int, help="only the generated kernel at B32 D512 and these lengths")
     args = ap.parse_args(argv)
     install()
+    if args.lengths:
+        print(f"Mamba-1 forward, lanes kernel, {torch.cuda.get_device_name()}\n\n| shape | kernel ms |\n|---|---|")
+        for length in args.lengths:
+            values = mamba1.make_inputs(np.random.default_rng(0), length, batch=32, dim=512, state=16)
+            x = {k: torch.tensor(v, device="cuda", dtype=torch.float32) for k, v in values.items()}
+            print(f"| B32 D512 L{length} | {run_variant('generated', x)[2]:.4f} |", flush=True)
+        return 0
     names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]]
     shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
     print(f"Mamba-1 forward, lanes kernel, {torch.cuda.get_device_name()}\n")

@@ -141,39 +141,46 @@ def test_hoisted_program_through_the_interpreter_equals_the_original(label, prog
             assert rel_err(g[k], w[k]) <= 1e-12, k
 
 
-def torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length):
+def torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length, batch_outer=False):
     """As `hoisted_through_interpreter`, the pre / post products evaluated by torch (on the CPU here;
-    the CUDA backend's `HoistedRunner` passes the same `TorchArrays` its GPU tensors)."""
+    the CUDA backend's `HoistedRunner` passes the same `TorchArrays` its GPU tensors). `batch_outer`:
+    the sequences as time-first views of arrays laid out "b t ..." (the products' reshapes are views)."""
     import torch
 
     from ssmc.backends.cuda.hoisted import TORCH
 
-    t = {n: torch.from_numpy(v) for n, v in seqs.items()}
+    def tensor(v):
+        if batch_outer and v.ndim > 2:
+            return torch.from_numpy(np.ascontiguousarray(v.swapaxes(0, 1))).transpose(0, 1)
+        return torch.from_numpy(v)
+
+    t = {n: tensor(v) for n, v in seqs.items()}
     tp = {n: torch.from_numpy(v) for n, v in params.items()}
     ti = {n: torch.from_numpy(v) for n, v in initial.items()}
     pre = compute_pre(h, t, tp, xp=TORCH)
     arrays = {**seqs, **{n: v.numpy() for n, v in pre.items()}}
     hp = {n: v.numpy() for n, v in compute_params(h, tp, xp=TORCH).items()}
     outs, finals = interpreter.run_recurrence(h.program, arrays, {**params, **hp}, initial, sizes, length)
-    written = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in outs.items()}
+    written = {n: tensor(np.ascontiguousarray(v)) for n, v in outs.items()}
     post_outs, post_finals = compute_post(h, {**t, **pre}, tp, written, ti, xp=TORCH)
     return ({**outs, **{n: v.numpy() for n, v in post_outs.items()}},
             {**finals, **{n: v.numpy() for n, v in post_finals.items()}})
 
 
-@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("transpose,batch_outer", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("label,program,base", programs() + mingru_programs(),
                          ids=[p[0] for p in programs() + mingru_programs()])
-def test_products_evaluated_by_torch_equal_the_original(label, program, base, length, transpose):
-    """The CUDA backend's path (`hoist(transpose=False)`, torch's einsum) and the Numba one's."""
+def test_products_evaluated_by_torch_equal_the_original(label, program, base, length, transpose, batch_outer):
+    """The CUDA backend's path (`hoist(transpose=False)`, torch's matmul over views of the sequences as
+    they lie, or einsum) and the Numba one's."""
     rng = np.random.default_rng(length + 1)
     sizes = {**_sizes(label, 3, 5, 6), **base}
     seqs, params, initial = random_run(program, rng, sizes, length)
     want = interpreter.run_recurrence(program, seqs, params, initial, sizes, length)
     h = hoist(program, transpose=transpose)
     assert h.pre or h.factors
-    got = torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length)
+    got = torch_hoisted_through_interpreter(h, seqs, params, initial, sizes, length, batch_outer)
     for w, g in zip(want, got):
         for k in w:
             assert g[k].shape == w[k].shape, k

@@ -322,6 +322,12 @@ class NumPyArrays:
     def dtype_of(*arrays):
         return np.result_type(*arrays)
 
+    @staticmethod
+    def pair(a, la: tuple[str, ...], b, lb: tuple[str, ...], out: tuple[str, ...]):
+        """``sum over shared of a * b`` as the library's own matrix product, (array, labels); None:
+        `einsum` computes it (NumPy's, or the `matmul` given to `_evaluate`)."""
+        return None
+
 
 NUMPY = NumPyArrays()
 
@@ -351,8 +357,9 @@ def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], su
     operands = [_evaluate(f, env, matmul=matmul, xp=xp) for f in fs]
     timed = any(TIME in labels for _, labels in operands)
     out = ((TIME,) if timed and not sum_time else ()) + tuple(node.axes)
-    if matmul is not None and len(operands) == 2:
-        done = _as_matmul(operands, out, matmul)
+    if len(operands) == 2:
+        (a, la), (b, lb) = operands
+        done = _as_matmul(operands, out, matmul) if matmul is not None else xp.pair(a, la, b, lb, out)
         if done is not None:
             return done
     letters = {}

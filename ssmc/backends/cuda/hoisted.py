@@ -47,13 +47,53 @@ class TorchArrays:
 
     @staticmethod
     def contiguous(arr, dtype=None):
-        return (arr if dtype is None or arr.dtype == dtype else arr.to(dtype)).contiguous()
+        """`arr` in `dtype`, copied only where it is not dense (a permuted view of a contiguous array
+        stays as it lies: the kernels and matrix products read any strides)."""
+        arr = arr if dtype is None or arr.dtype == dtype else arr.to(dtype)
+        by_stride = sorted(range(arr.dim()), key=lambda i: -arr.stride(i))  # a permutation of a contiguous array?
+        return arr if arr.permute(*by_stride).is_contiguous() else arr.contiguous()
 
     @staticmethod
     def dtype_of(*arrays):
         import torch
 
         return reduce(torch.promote_types, (a.dtype for a in arrays))
+
+    @staticmethod
+    def pair(a, la: tuple[str, ...], b, lb: tuple[str, ...], out: tuple[str, ...]):
+        """``sum over the shared axes of a * b`` as one `torch.matmul`, (array, labels); None where an
+        axis both have is kept (a batched product: einsum's). Every axis group in the order its
+        operand lies in memory (largest stride first), so the 2-D views need no copy where the
+        memory allows: minGRU's x [t b i] in the layout "b t ..." is read as [(b t), i], its product
+        comes out [b t d], as the kernels' other sequences lie. (torch.einsum planned each of these
+        in about 90 µs of host time, and copied its operands.)"""
+        import torch
+
+        for axis in [x for x in la if x not in lb and x not in out]:  # summed in one operand only
+            a, la = a.sum(la.index(axis)), tuple(x for x in la if x != axis)
+        for axis in [x for x in lb if x not in la and x not in out]:
+            b, lb = b.sum(lb.index(axis)), tuple(x for x in lb if x != axis)
+        shared = [x for x in la if x in lb]
+        if any(x in out for x in shared):
+            return None
+        size = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
+
+        def in_memory(arr, labels, axes):
+            return sorted(axes, key=lambda x: -arr.stride(labels.index(x)))
+
+        fa = in_memory(a, la, [x for x in la if x not in lb])
+        fb = in_memory(b, lb, [x for x in lb if x not in la])
+        shared = in_memory(a, la, shared)
+
+        def count(axes):
+            n = 1
+            for x in axes:
+                n *= size[x]
+            return n
+
+        a2 = a.permute(*[la.index(x) for x in fa + shared]).reshape(count(fa), count(shared))
+        b2 = b.permute(*[lb.index(x) for x in shared + fb]).reshape(count(shared), count(fb))
+        return torch.matmul(a2, b2).reshape([size[x] for x in fa + fb]), tuple(fa + fb)
 
 
 TORCH = TorchArrays()
