@@ -113,6 +113,8 @@ def test_the_cuda_heuristic_blocks_time_only_when_recurrences_are_too_few(monkey
     assert [x.kernel.name for x in launches] == ["hgrn_summary", "hgrn_combine", "hgrn_rescan"]
     assert launches[0].threads >= FILL_THREADS and launches[0].nblk == FILL_THREADS // (8 * 2048)
     assert runner.strategy({"b": 8, "d": 2048}, 31) == "fused"          # too short to split
+    assert runner.strategy({"b": 32, "d": 512}, 512) == "fused"         # short: one launch, not three
+    assert runner.strategy({"b": 32, "d": 512}, 513) == "time blocks"
     assert runner.strategy({"b": 64, "d": 4096}, 4096) == "fused"       # enough recurrences
     # time contiguous ("b d t"): a warp per recurrence whatever their count, lanes on neighbouring steps
     assert runner.strategy({"b": 64, "d": 4096}, 4096, time_contiguous=True) == "warp"

@@ -137,6 +137,13 @@ def _as_1d(t):
 # into as many blocks as make up the difference, each at least MIN_BLOCK_STEPS long.
 FILL_THREADS = 1 << 18
 MIN_BLOCK_STEPS = 32
+# Up to this many steps a scan runs as a thread per recurrence ("fused", one launch a run, which a
+# call signature prepares) even where time blocks would fill the GPU better: their three launches a
+# run cost more host time than the longer kernel. HGRN "b t d" on an H100 (2026-11-26, µs; forward
+# do_bench / op step's host, time blocks -> fused): B32 D512 L180 224 -> 59 / 624 -> 325, L512 215 ->
+# 102 / 648 -> 407, B128 D1024 L256 253 -> 149 / 886 -> 513; at L1024 time blocks win (138 against
+# 195 / 636 against 812), and at L512 `ssmc.grad`'s step (279 against 351).
+SHORT_SCAN = 512
 
 
 def time_block_count(total: int, length: int) -> int:
@@ -369,10 +376,11 @@ class CudaRunner:
         LANES_FILL threads, any layout); else, for scans time_blocks.py
         can split, "warp" where the sequences have time contiguous (lanes read neighbouring steps;
         at least two rounds), "time blocks" where not and the recurrences are too few to fill the
-        GPU, and "fused" (a thread per recurrence) otherwise. `SSMC_CUDA_STRATEGY` forces one. With
-        `lanes` false, the choice without the lanes kernel (the fused backward asks so whether it
-        applies: where the warp kernel would run; its training forward is the lanes kernel where the
-        plain forward is, else the warp kernel, each saving round carries)."""
+        GPU over more than SHORT_SCAN steps, and "fused" (a thread per recurrence) otherwise.
+        `SSMC_CUDA_STRATEGY` forces one. With `lanes` false, the choice without the lanes kernel (the
+        fused backward asks so whether it applies: where the warp kernel would run; its training
+        forward is the lanes kernel where the plain forward is, else the warp kernel, each saving
+        round carries)."""
         forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced and forced not in STRATEGIES:
             raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
@@ -400,7 +408,7 @@ class CudaRunner:
             # whatever the count: a thread per recurrence would read a line per thread and step
             # (Mamba-1 block B256 D1024 L1024, H200: its forward 34 ms against mamba-ssm's 14)
             return "warp"
-        if time_block_count(total, length) > 1:
+        if time_block_count(total, length) > 1 and (length > SHORT_SCAN or os.environ.get("SSMC_CUDA_TIME_BLOCKS")):
             return "time blocks"
         return "fused"
 
