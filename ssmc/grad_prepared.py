@@ -166,11 +166,11 @@ class PreparedChunk(_Signature):
         self.state_names = [s.name for s in self.program.states]
         self.runs: dict = {}  # "forward" / "carries" -> its planned run
 
-    def _run(self, name: str, program, seqs, params, initial):
+    def _run(self, name: str, program, seqs, params, initial, products: dict | None = None):
         run = self.runs.get(name)
         if run is None:
             run = self.runs[name] = planned_run(program, self.dtype, seqs, params, initial, self.sizes, self.length)
-        return run(seqs, params, initial)
+        return run(seqs, params, initial, products)
 
     def forward(self, args: tuple, kwargs: dict, outputs: bool):
         """What `Grad._forward` returns: with `outputs` the recording forward's outputs (and the carries
@@ -178,7 +178,7 @@ class PreparedChunk(_Signature):
         seqs, params, initial, tape = self._arrays(args, kwargs)
         if not outputs:
             return {}, initial, tape
-        outs, finals = self._run("forward", self.grad.recording or self.program, seqs, params, initial)
+        outs, finals = self._run("forward", self.grad.recording or self.program, seqs, params, initial, tape.products)
         if self.records:
             tape.carries = {f"prev_{s}": outs.pop(f"prev_{s}") for s in self.state_names}
         return outs, finals, tape
@@ -189,7 +189,7 @@ class PreparedChunk(_Signature):
         if found is None:
             return None
         (_, adjoint, init), cot = found
-        outs, finals = adjoint(self._adjoint_seqs(tape, cot), tape.params, init)
+        outs, finals = adjoint(self._adjoint_seqs(tape, cot), tape.params, init, tape.products)
         return self._in_layouts(outs, finals)
 
     def _adjoint_seqs(self, tape: Tape, cot: dict) -> dict:
@@ -198,7 +198,7 @@ class PreparedChunk(_Signature):
         prev = tape.carries
         if prev is None:
             prev = self._run("carries", self.grad.backward_program.carries, tape.seqs, tape.params,
-                             tape.boundaries[0])[0]
+                             tape.boundaries[0], tape.products)[0]
         seqs = dict(tape.seqs)
         seqs.update((s, prev[f"prev_{s}"]) for s in self.state_names)
         seqs.update(cot)
@@ -217,15 +217,17 @@ class PreparedChunk(_Signature):
 
 
 def planned_run(program, dtype, seqs, params, initial, sizes: dict[str, int], length: int):
-    """``run(seqs, params, initial) -> (outputs, finals)`` of `program` on CUDA for arrays like these:
-    prepared (`CudaRunner.prepare`: allocations and one launch) where it is one launch, else the
-    general run at these sizes."""
+    """``run(seqs, params, initial, products=None) -> (outputs, finals)`` of `program` on CUDA for
+    arrays like these: prepared (`CudaRunner.prepare`: allocations and one launch) where it is one
+    launch, else the general run at these sizes, which takes the matrix products hoisted out of the
+    loop from `products` where a run over the same sequences and params put them there (a
+    recording forward's ``x W`` for its adjoint: `registry.runner`)."""
     prepare = preparer("cuda", program, dtype)
     run = prepare and prepare(seqs, params, initial, sizes, length)
     if run:
-        return run
-    general = runner("cuda", program, dtype)
-    return lambda seqs, params, initial: general(seqs, params, initial, sizes, length)
+        return lambda seqs, params, initial, products=None: run(seqs, params, initial)
+    return lambda seqs, params, initial, products=None: runner("cuda", program, dtype, products)(
+        seqs, params, initial, sizes, length)
 
 
 # Where each of a kernel's arrays comes from, per call (`LeanStep`): an argument, an offset of the
