@@ -24,7 +24,7 @@ Only matrix-product-like contractions are hoisted (`gemm_like`: something is sum
 factors each have an axis the others lack), plus plain sums of an `f` that is written anyway.
 The pass is backend-neutral: `hoist` rewrites the IR; `compute_pre` / `compute_post` evaluate the
 hoisted parts in the arrays' dtype with NumPy, or with another array library (`NumPyArrays`: the CUDA
-backend passes torch's, whose einsum runs as cuBLAS matrix products: backends/cuda/hoisted.py).
+backend passes torch's, whose matrix products run on cuBLAS: backends/cuda/hoisted.py).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _accumulators(program: Recurrence) -> dict[str, Node]:
     return out
 
 
-# -- evaluating the hoisted parts (NumPy, in the arrays' dtype) -----------------------------------
+# -- evaluating the hoisted parts (NumPy or torch, in the arrays' dtype) -------------------------------
 
 
 class NumPyArrays:

@@ -310,7 +310,8 @@ class CudaRunner:
         self.modules: dict[tuple, object] = {}          # (device, source) -> its module, loaded there
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes, device) -> function
         self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
-        self.prepared_launches: dict[tuple, object] = {}  # `_launch`'s and `run`'s, by layouts, shape, overrides
+        self.prepared_launches: dict[tuple, Prepared] = {}  # `_launch`'s, by kernel, layouts, shape, overrides
+        self.prepared_runs: dict[tuple, object] = {}     # `run`'s one-launch calls, by layouts, shape, overrides
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
@@ -582,13 +583,13 @@ class CudaRunner:
             return run_time_blocks(self.time_blocks, self._launcher(sizes, out_dtype), _full, seqs, params,
                                    initial, sizes, length, plan[0].nblk)
         if strategy in ONE_LAUNCH:  # prepared once per layout of the arrays, shape and overrides
-            key = ("run", _sizes_key(sizes), length, out_dtype, current_device(), overrides(),
+            key = (_sizes_key(sizes), length, out_dtype, current_device(), overrides(),
                    *((n, v.dtype, v.stride()) for part in (seqs, params, initial) for n, v in part.items()))
-            call = self.prepared_launches.get(key)
+            call = self.prepared_runs.get(key)
             if call is None:
-                if len(self.prepared_launches) >= MAX_PLANS:
-                    self.prepared_launches.clear()
-                call = self.prepared_launches[key] = self.prepare(seqs, params, initial, sizes, length, out_dtype)
+                if len(self.prepared_runs) >= MAX_PLANS:
+                    self.prepared_runs.clear()
+                call = self.prepared_runs[key] = self.prepare(seqs, params, initial, sizes, length, out_dtype)
             return call(seqs, params, initial)
         finals, prev = {}, {}
         if low.core_states:
