@@ -323,6 +323,24 @@ def test_products_hoisted_out_of_the_loop_match_the_interpreter(name, length, dt
             assert rel_err(g, want[n]) <= 10 * tol, n
 
 
+def test_a_kernel_asking_more_local_memory_than_cuda_allows_is_a_value_error(monkeypatch):
+    """An LSTM's adjoint with its products in the kernels (`SSMC_CUDA_HOIST=0`) at hidden 256: its
+    epilogue holds grad_W [i g k] in one thread, 4 MB of local memory; a clear error naming the
+    kernel, not the driver's CUDA_ERROR_INVALID_VALUE at launch. With the products hoisted it runs."""
+    import torch
+
+    m = importlib.import_module("ssmc.examples.lstm")
+    inputs = m.make_inputs(np.random.default_rng(0), 7, batch=2, inp=256, hidden=256)
+    x = {k: v for k, v in on_gpu(inputs, "float32").items() if k not in ("h", "c")}
+    dy = torch.randn(2, 7, 256, device="cuda")
+    monkeypatch.setenv("SSMC_CUDA_HOIST", "0")
+    with pytest.raises(ValueError, match="local memory"):
+        ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**x, grad_outputs=dy)
+    monkeypatch.delenv("SSMC_CUDA_HOIST")
+    got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**x, grad_outputs=dy)
+    assert all(torch.isfinite(g).all() for g in got.values())
+
+
 def test_mamba1_gradients_at_benchmark_size_run_and_agree_with_float64():
     """B8 D1536 L2048 N16 (the benchmark's shape; the first CUDA lowering could not launch it)."""
     import torch

@@ -137,6 +137,10 @@ def _as_1d(t):
 # into as many blocks as make up the difference, each at least MIN_BLOCK_STEPS long.
 FILL_THREADS = 1 << 18
 MIN_BLOCK_STEPS = 32
+# A thread's local memory on sm_80 / sm_90 (CUDA's limit): a kernel whose per-thread arrays need
+# more fails to launch (an LSTM's adjoint epilogue at B32 I256 H256 with its products in the kernels
+# asked for 4 MB a thread, found 2026-11-26), so `CudaRunner.function` refuses it with a ValueError
+MAX_LOCAL_BYTES = 512 << 10
 # Up to this many steps a scan runs as a thread per recurrence ("fused", one launch a run, which a
 # call signature prepares) even where time blocks would fill the GPU better: their three launches a
 # run cost more host time than the longer kernel. HGRN "b t d" on an H100 (2026-11-26, µs; forward
@@ -344,7 +348,15 @@ class CudaRunner:
                 module = cupy.RawModule(code=source, options=("--std=c++17",))
                 module.compile()
             self.modules[key] = module
-        return module.get_function(name)
+        function = module.get_function(name)
+        local = function.local_size_bytes
+        if local > MAX_LOCAL_BYTES:  # the driver's launch would fail with CUDA_ERROR_INVALID_VALUE
+            raise ValueError(
+                f"{name}: each thread of this kernel needs {local} bytes of local memory for its arrays "
+                f"at these sizes, more than the {MAX_LOCAL_BYTES} CUDA allows, so it cannot run on the GPU "
+                "(the numba backend runs it; a state or accumulator along large axes held by one thread, "
+                "as an LSTM's grad_W with its products in the kernels, SSMC_CUDA_HOIST=0)")
+        return function
 
     # -- planning ----------------------------------------------------------------------------
     def _threads(self, k: Kernel, sizes: dict[str, int]) -> int:
