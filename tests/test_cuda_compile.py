@@ -49,6 +49,24 @@ def test_example_kernels_compile_without_spills(name, arch):
             assert not r.resources.spills, r.resources.summary()
 
 
+def test_inspect_says_which_kernel_asks_more_local_memory_than_cuda_allows(monkeypatch):
+    """The LSTM's adjoint with its products in the kernels (`SSMC_CUDA_HOIST=0`) at hidden 256: its
+    epilogue holds grad_W [i g k] in one thread (4 MB); the report says it will not run. Hoisted (the
+    default), every kernel stays under the limit."""
+    from ssmc.backends.cuda.report import format_reports
+    from ssmc.backends.cuda.runner import MAX_LOCAL_BYTES
+
+    program = importlib.import_module("ssmc.examples.lstm").SPEC.program
+    sizes = {"b": 2, "i": 256, "k": 256, "j": 256, "g": 4}
+    monkeypatch.setenv("SSMC_CUDA_HOIST", "0")
+    text = format_reports(kernel_reports(program, sizes, 7))
+    assert "lstm_backward_epilogue_grad_W needs" in text and "will not run on the GPU" in text
+    monkeypatch.delenv("SSMC_CUDA_HOIST")
+    reports = kernel_reports(program, sizes, 7)
+    assert all(r.resources.stack_frame_bytes <= MAX_LOCAL_BYTES for r in reports)
+    assert "will not run" not in format_reports(reports)
+
+
 def test_map_kernels_along_time_compile():
     """At the benchmark size with time contiguous (layout "b d t"): every kernel of the Mamba-1 block
     compiles (the fusion stage's sequences `row<k>` next to the template's own names), and the norm's

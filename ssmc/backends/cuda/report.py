@@ -22,7 +22,7 @@ from . import nvrtc
 from .codegen import ArraySpec, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
-from .runner import CudaRunner, Launch, one_kernel
+from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
 
 
 @dataclass
@@ -172,6 +172,9 @@ def format_reports(reports: list[KernelReport]) -> str:
     lines += [f"{r.name}: {r.path}" for r in reports]
     errors = sorted({r.error for r in reports if r.error})
     lines += [f"note: {e}" for e in errors]
+    lines += [f"note: {r.name} needs {r.resources.stack_frame_bytes} bytes of local memory a thread, more than "
+              f"the {MAX_LOCAL_BYTES} CUDA allows: it will not run on the GPU at these sizes"
+              for r in reports if r.resources and r.resources.stack_frame_bytes > MAX_LOCAL_BYTES]
     return "\n".join(lines)
 
 
