@@ -17,11 +17,13 @@ from ssmc.backends.cuda.runner import Allocation, call_key  # noqa: E402
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (1, 3, 1, 5), (7, 1)])
 def test_allocation_strides_are_those_of_the_tensor_it_allocates(shape):
     """A prepared launch keys its kernel by the strides `Allocation.strides` computes without
-    allocating: they must be the allocated tensor's (time moved from innermost to its place)."""
-    for time_last in (-1, *range(len(shape))):
-        t = torch.empty(shape)
-        t = t if time_last < 0 else t.movedim(-1, time_last)
-        assert Allocation("x", shape, torch.float32, time_last).strides() == tuple(t.stride())
+    allocating: they must be the allocated tensor's (time moved from its place in memory, innermost
+    for "b d t" or second for "b t ...", to its place in the caller's view)."""
+    assert Allocation("x", shape, torch.float32).strides() == tuple(torch.empty(shape).stride())
+    for time_at in range(len(shape)):
+        for time_index in range(len(shape)):
+            t = torch.empty(shape).movedim(time_at, time_index)
+            assert Allocation("x", shape, torch.float32, time_at, time_index).strides() == tuple(t.stride())
 
 
 def test_calls_without_cuda_tensors_have_no_key():
