@@ -55,8 +55,8 @@ def reference(name: str, sizes: dict) -> tuple:
     """(inputs, output cotangents, outputs, gradients): random inputs (zero initial states) and the
     results of the float64 CUDA run (products hoisted: tests/test_cuda.py checks that path against
     the interpreter at awkward sizes; the interpreter itself needs more memory than a 23 GB host
-    has at these sizes, and the float64 run with the products in the kernels fails to launch its
-    adjoint's epilogue at B32 I512 D512, found 2026-11-26)."""
+    has at these sizes, and with the products in the kernels the float64 adjoint's epilogue needs
+    more local memory a thread than CUDA allows at B32 I512 D512, found 2026-11-26)."""
     m = importlib.import_module(f"ssmc.examples.{name}")
     rng = np.random.default_rng(0)
     inputs = m.make_inputs(rng, LENGTH, **sizes)

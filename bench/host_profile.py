@@ -65,6 +65,13 @@ def profile(fn, calls: int, top: int, sort: str = "tottime") -> str:
     return out.getvalue()
 
 
+@ssmc.recurrence
+def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
+    """The first-order scan of bench/gpu_peers.py: h = a * h + x, y = h."""
+    h = a * h + x
+    return h, h
+
+
 def scan_times() -> None:
     """The first-order scan of bench/gpu_peers.py (B8 D2048 L4096 fp32, "b d t"): a training step's
     do_bench median and host time a call, launches through the driver and through CuPy."""
@@ -72,11 +79,6 @@ def scan_times() -> None:
 
     import ssmc.torch as ssmc_torch
     from ssmc.backends.cuda import launch
-
-    @ssmc.recurrence
-    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
-        h = a * h + x
-        return h, h
 
     a = torch.rand(8, 2048, 4096, device="cuda") * 0.5 + 0.5
     x, dy = torch.randn_like(a), torch.randn_like(a)
@@ -106,11 +108,6 @@ def family_times(calls: int) -> None:
     empty `autograd.Function` of as many inputs."""
     import ssmc.torch as ssmc_torch
     from ssmc.examples import hgrn, mamba1, mingru
-
-    @ssmc.recurrence
-    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):  # noqa: F722
-        h = a * h + x
-        return h, h
 
     rng = np.random.default_rng(0)
     B, D, L = 32, 512, 180

@@ -17,6 +17,7 @@ product is a float32 one), whatever the dtype of the sequences the kernels read 
 
 from __future__ import annotations
 
+import math
 import os
 from functools import reduce
 
@@ -84,15 +85,9 @@ class TorchArrays:
         fa = in_memory(a, la, [x for x in la if x not in lb])
         fb = in_memory(b, lb, [x for x in lb if x not in la])
         shared = in_memory(a, la, shared)
-
-        def count(axes):
-            n = 1
-            for x in axes:
-                n *= size[x]
-            return n
-
-        a2 = a.permute(*[la.index(x) for x in fa + shared]).reshape(count(fa), count(shared))
-        b2 = b.permute(*[lb.index(x) for x in shared + fb]).reshape(count(shared), count(fb))
+        rows, inner, cols = (math.prod(size[x] for x in axes) for axes in (fa, shared, fb))
+        a2 = a.permute(*[la.index(x) for x in fa + shared]).reshape(rows, inner)
+        b2 = b.permute(*[lb.index(x) for x in shared + fb]).reshape(inner, cols)
         return torch.matmul(a2, b2).reshape([size[x] for x in fa + fb]), tuple(fa + fb)
 
 

@@ -122,7 +122,7 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
                         time_contiguous, dtype, compute, arch, compile_kernels)
     for stage in fused.stages:
         hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
-        runner = CudaRunner(stage.program if hoisted is None else hoisted.hoisted.program, compute)
+        runner = CudaRunner(stage.program, compute) if hoisted is None else hoisted.kernels
         strategy = runner.strategy(sizes, steps, time_contiguous)
         if hoisted is not None:
             strategy += f" (+ {hoisted.describe()})"
