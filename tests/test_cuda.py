@@ -774,7 +774,7 @@ def test_calls_alike_take_the_prepared_run(monkeypatch):
     prepared then (api.Compiled.run: no binding, planning or kernel lookup): results right with new
     values, with a state given or not, inputs that require grad; other layouts, strides, sizes and
     overrides bound afresh; bad input still a ValueError naming the argument; a run of several
-    launches (time blocks forced at L = 37) keeps the full path."""
+    launches (time blocks forced at L = 37) prepared as well."""
     import torch
 
     m = importlib.import_module("ssmc.examples.mamba1")
@@ -805,12 +805,13 @@ def test_calls_alike_take_the_prepared_run(monkeypatch):
     check(100, 5, transform=time_strided)
     check(37, 6)  # short: a thread per recurrence, one launch
     monkeypatch.setenv("SSMC_CUDA_TIME_BLOCKS", "4")
-    check(37, 7)  # time blocks: three launches
+    check(37, 7)  # time blocks: three launches, prepared too
     check(37, 8)
+    check(37, 9, state=True)
     monkeypatch.delenv("SSMC_CUDA_TIME_BLOCKS")
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "fused")
     check(100, 8)
-    assert len(f._calls) == 6 and sum(not c for c in f._calls.values()) == 1
+    assert len(f._calls) == 7 and all(f._calls.values())
     inputs = on_gpu(m.make_inputs(np.random.default_rng(9), 100, batch=2, dim=8, state=4), "float32")
     inputs.pop("h")
     inputs["D"] = inputs["D"][:5]
