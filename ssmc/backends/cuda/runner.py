@@ -313,9 +313,8 @@ class CudaRunner:
         self.lane_steps = lane_steps(self.time_blocks)  # the warp kernel's steps per lane
         self.modules: dict[tuple, object] = {}          # (device, source) -> its module, loaded there
         self.functions: dict[tuple, object] = {}        # (kernel, array layouts, sizes, device) -> function
-        self.plans: dict[tuple, object] = {}            # launch plans by shape and overrides
-        self.prepared_launches: dict[tuple, Prepared] = {}  # `_launch`'s, by kernel, layouts, shape, overrides
-        self.prepared_runs: dict[tuple, object] = {}     # `run`'s one-launch calls, by layouts, shape, overrides
+        # plans, decisions, prepared launches and runs, by shape, layouts and overrides (`planned`)
+        self.plans: dict[tuple, object] = {}
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
@@ -448,7 +447,8 @@ class CudaRunner:
 
     def planned(self, what: str, make, *key):
         """`make()`, once per `key` and setting of the overrides (a plan is a pure function of
-        them; planning walks the kernels' IR, which costs more than a small launch). Also for the
+        them; planning walks the kernels' IR, which costs more than a small launch): the launches
+        and strategy, each launch worked out (`_launch`), each run prepared (`run`), and the
         decisions of other runners built on this one (the fused backward's, a staged layer's)."""
         full = (what, *key, *overrides())
         plan = self.plans.get(full)
@@ -516,15 +516,11 @@ class CudaRunner:
         """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`). The launch is worked
         out once per layout of its inputs, shape and overrides (about 25 µs of host time a launch:
         six a training step of HGRN at B32 D512 L180, run as time blocks)."""
-        key = (k.name, _sizes_key(sizes), length, nblk, out_dtype, time_contiguous, mapping, grid, current_device(),
-               overrides(), *((arrays[a.name].dtype, arrays[a.name].stride()) for a in k.arrays
-                              if a.role in ("seq", "param", "init")))
-        prepared = self.prepared_launches.get(key)
-        if prepared is None:
-            if len(self.prepared_launches) >= MAX_PLANS:
-                self.prepared_launches.clear()
-            prepared = self.prepared_launches[key] = self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype,
-                                                                          time_contiguous, mapping, grid)
+        prepared = self.planned(
+            "launch", lambda: self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
+                                                   mapping, grid),
+            k.name, _sizes_key(sizes), length, nblk, out_dtype, time_contiguous, mapping, grid, current_device(),
+            *((arrays[a.name].dtype, arrays[a.name].stride()) for a in k.arrays if a.role in ("seq", "param", "init")))
         return self._execute(prepared, arrays)
 
     def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
@@ -592,13 +588,10 @@ class CudaRunner:
                                  _sizes_key(sizes), length, contiguous)
         plan = self.launches(sizes, length, contiguous)
         if strategy in ONE_LAUNCH or strategy == "time blocks":  # prepared once per layout, shape, overrides
-            key = (_sizes_key(sizes), length, out_dtype, current_device(), overrides(),
-                   *((n, v.dtype, v.stride()) for part in (seqs, params, initial) for n, v in part.items()))
-            call = self.prepared_runs.get(key)
-            if call is None:
-                if len(self.prepared_runs) >= MAX_PLANS:
-                    self.prepared_runs.clear()
-                call = self.prepared_runs[key] = self.prepare(seqs, params, initial, sizes, length, out_dtype)
+            call = self.planned(
+                "run", lambda: self.prepare(seqs, params, initial, sizes, length, out_dtype),
+                _sizes_key(sizes), length, out_dtype, current_device(),
+                *((n, v.dtype, v.stride()) for part in (seqs, params, initial) for n, v in part.items()))
             return call(seqs, params, initial)
         finals, prev = {}, {}
         if low.core_states:
