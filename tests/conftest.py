@@ -1,6 +1,11 @@
 """Tests marked `gpu` run only where a CUDA GPU, CuPy and PyTorch are present; elsewhere they skip."""
 
 import pytest
+from hypothesis import Phase, settings
+
+# `pytest --hypothesis-profile=no-shrink`: a failing example reported as found, not shrunk (shrinking
+# a slow GPU property's example can take longer than a device call; rerun with its seed)
+settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 def _gpu() -> bool:

@@ -306,7 +306,8 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
     pre phase reads, lanes.hosted_sums), so the lanes kernel takes blocks of 128 threads and its
     grid is resident on an H100's 132 SMs at once (as the training forward's is, time contiguous).
     Before, 7 blocks of 64 threads fit an SM and the 1024 blocks ran in two waves: 0.060 ms against
-    0.041 at B28 (896 blocks), H100."""
+    0.041 at B28 (896 blocks), H100. Time last ("b t d") it took 160 registers, 3 blocks an SM, until
+    its row params were staged once per block (`lanes.row_params`): 126."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, {"b": 32, "d": 512, "n": 16}, 180, time_contiguous=layout,
                              backward=layout)
@@ -314,12 +315,28 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
     assert len(lanes) == (2 if layout else 1)
     for r in lanes:
         assert "= sr_delta[buf];" in r.source and "pv_acc_" not in r.source.split("for (int t0 = 0")[0]
-        if r.program == "forward" and not layout:
-            continue  # time last ("b t d"): 164 registers, two waves either way
         blocks, threads = r.launch.grid
         res = r.resources
         assert res is not None and not res.spills, r.error
         assert _blocks_per_sm(res.registers, res.shared_bytes, threads) * 132 >= blocks, (r.name, res)
+
+
+@pytest.mark.parametrize("layout", [False, True])
+def test_lanes_row_params_are_staged_once_per_block(layout):
+    """Mamba-1's delta_bias[d] and D[d], which the pre and post phases read at each row's own index,
+    are loaded once per block into shared memory (`lanes.row_params`), not from global memory per
+    row and step inside the time loop."""
+    from ssmc.backends.cuda.lanes import row_params
+    from ssmc.backends.cuda.runner import CudaRunner
+
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    assert row_params(CudaRunner(program).state_lanes) == ["D", "delta_bias"]
+    forward, = kernel_reports(program, {"b": 8, "d": 1536, "n": 16}, 2048, backward=False, time_contiguous=layout,
+                              compile_kernels=False)
+    before, loop = forward.source.split("for (int t0 = 0", 1)
+    assert "sq_delta_bias[i] = F(to_f(delta_bias[(min(r0 + i, n_d - 1))]))" in before
+    assert "sq_delta_bias[r]" in loop and "sq_D[r]" in loop
+    assert "delta_bias[(" not in loop and " D[(" not in loop and "(D[(" not in loop
 
 
 @pytest.mark.parametrize("sizes,length", [({"b": 8, "d": 1536, "n": 16}, 2048), ({"b": 32, "d": 512, "n": 16}, 180)])

@@ -79,6 +79,18 @@ def hosted_sums(lanes: StateLanes) -> dict[str, str]:
     return dict(zip((name for name, _ in lanes.sums), hosts))
 
 
+def row_params(lanes: StateLanes) -> list[str]:
+    """Arrays the pre and post phases read at their row's own index only (params along the row axis:
+    Mamba-1's delta_bias[d] and D[d]), staged once per block in shared memory (``sq_<name>[r]``). Read
+    from global memory per row and step, each was a load the phase then waited on: ncu's source
+    counters of Mamba-1's forward (B8 D1536 L2048, H200, 2026-11-26) put 5.4% of the kernel's stall
+    samples on the add after delta_bias's load, 1.5% on the multiply after D's."""
+    at_row = (f"p_{lanes.row_axis}",)
+    reads = [e for s in lanes.major.pre + lanes.major.post for e in loads(s.value)]
+    named = {e.array for e in reads if e.index == at_row} - set(lanes.row_seqs) - set(lanes.major.per_step)
+    return sorted(n for n in named if all(e.index == at_row for e in reads if e.array == n))
+
+
 def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_bytes: int) -> int | None:
     """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks and
     per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's register arrays (G steps of
@@ -100,7 +112,7 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
             continue
         values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
                   + rows * (len(lanes.major.per_step) - len(hosted_sums(lanes))))
-        if values * PITCH * value_bytes <= STATIC_SHARED:
+        if (values * PITCH + rows * len(row_params(lanes))) * value_bytes <= STATIC_SHARED:
             return block
     return None
 
@@ -135,7 +147,9 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
 
     per_step_views = {name: pv("r") for name in major.per_step}
     row_views = {a: (lambda e: f"sr_{e.array}[buf][r][tt]") for a in lanes.row_seqs}
-    pp = CPrinter(k, arrays, sizes, views={**per_step_views, **row_views})
+    staged_params = row_params(lanes)
+    param_views = {a: (lambda e: f"sq_{e.array}[r]") for a in staged_params}
+    pp = CPrinter(k, arrays, sizes, views={**per_step_views, **row_views, **param_views})
 
     # the body: per-step values in registers (name[tt]), sequences along the states' axis loaded as
     # vectors of the G steps (ld<j>[tt]), the lane's buffers and params at its own indices ([j])
@@ -215,7 +229,8 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         + [f"__shared__ __align__(16) F sl_{a}[2][{n}][P];  // two chunks, shared by the block's rows"
            for a in lanes.state_seqs]
         + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk"
-           for name in major.per_step if name not in hosted],
+           for name in major.per_step if name not in hosted]
+        + [f"__shared__ F sq_{name}[R];  // the block's rows' values, loaded once" for name in staged_params],
         "chunk_views": [f"F (* const pv_{name})[P] = sr_{host}[buf];  // the sums in {host}'s chunk, which only "
                         "the pre phase reads" for name, host in hosted.items()],
         "unflatten": _unflatten(k.parallel),
@@ -225,19 +240,19 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "setup": _lane_loops(k.setup, lanes, own_printer, False),
         "finish": _lane_loops(k.finish, lanes, own_printer, True),
         "save": _save_rounds(k, lanes, arrays, own_printer, round_steps),
-        "params_once": _lane_params(lanes, own_printer),
+        "params_once": _lane_params(lanes, own_printer) + _row_param_loads(k, lanes, staged_params, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
         "aligned": " && ".join(f"(unsigned long long){c_array(a)} % 16 == 0" for a in sorted(vector_copies))
         or "false",
-        **_pre_phase(k, lanes, arrays, sizes, pre, pp, vector),
+        **_pre_phase(k, lanes, arrays, sizes, pre, pp, vector, param_views),
         "body_full": body_phase(False),
         "body_partial": body_phase(True),
-        **_post_phase(k, lanes, arrays, sizes, major.post, along_time, vector),
+        **_post_phase(k, lanes, arrays, sizes, major.post, along_time, vector, param_views),
     }
 
 
 def _pre_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int], pre: list,
-               scalar_printer: CPrinter, vector: bool) -> dict:
+               scalar_printer: CPrinter, vector: bool, param_views: dict) -> dict:
     """The template's `pre_steps` and `pre` lines: the steps' values per row and step of the chunk
     into shared memory (rows past the last compute the last one: the body reads them). With `vector`
     (float) a thread takes STEPS_A_THREAD consecutive steps of a row: the staged sequences read as
@@ -256,6 +271,7 @@ def _pre_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes
                               if e.array in lanes.row_seqs or (e.array in per_step and e.array not in written)))
     views = {a: (lambda e: f"vp_{e.array}[q]") for a in read}
     views |= {name: (lambda e: f"w_{e.array}[q]") for name in written}
+    views |= param_views
     lines = [f"const int r = i / (T / {steps}), t4 = (i % (T / {steps})) * {steps};  // {steps} steps of a row",
              clamp]
     for a in read:
@@ -270,7 +286,7 @@ def _pre_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes
 
 
 def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes: dict[str, int], post: list,
-                along_time: bool, vector: bool) -> dict:
+                along_time: bool, vector: bool, param_views: dict) -> dict:
     """The template's `post_steps` (steps a thread takes per row, consecutive) and `post` lines: the
     outputs per row and step of the chunk, consecutive threads along the outputs' contiguous axis
     (`along_time`: time). With `vector` (float) and `along_time` a thread takes
@@ -281,16 +297,19 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
     rows = size_var(row)
     scalar_views = {a: (lambda e: f"sr_{e.array}[buf][r][tt]") for a in lanes.row_seqs}
     scalar_views |= {name: (lambda e: f"pv_{e.array}[r][tt]") for name in lanes.major.per_step}
+    scalar_views |= param_views
     if not (vector and along_time):
         return {"post_steps": 1, "post": [
             "const int r = i / T, tt = i % T;" if along_time else "const int r = i % R, tt = i / R;",
             "const int t = t0 + tt;", f"if (t < L && r0 + r < {rows}) {{", f"    const int p_{row} = r0 + r;",
             *CPrinter(k, arrays, sizes, views=scalar_views).stmts(post, 1), "}"]}
     steps = STEPS_A_THREAD
-    read = list(dict.fromkeys(e.array for s in post for e in loads(s.value) if e.array in scalar_views))
+    read = list(dict.fromkeys(e.array for s in post for e in loads(s.value)
+                              if e.array in scalar_views and e.array not in param_views))
     stores = list({s.target.array: s.target for s in post if isinstance(s.target, Load)}.values())
     views = {a: (lambda e: f"vp_{e.array}[q]") for a in read}
     views |= {t.array: (lambda e: f"o_{e.array}[q]") for t in stores}
+    views |= param_views
     pr = CPrinter(k, arrays, sizes, views=views)
     lines = [f"const int r = i / (T / {steps}), t4 = (i % (T / {steps})) * {steps};  // {steps} steps of a row",
              f"if (r0 + r < {rows}) {{", f"    const int p_{row} = r0 + r;"]
@@ -375,6 +394,15 @@ def _lane_params(lanes: StateLanes, pr: CPrinter) -> list[str]:
                 out += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
                         f"    rp_{e.array}[j] = {var} < {n} ? {value} : F(0);", "}"]
     return out
+
+
+def _row_param_loads(k: Kernel, lanes: StateLanes, names: list[str], pr: CPrinter) -> list[str]:
+    """Loads of the `row_params` into ``sq_<name>[r]``, the block's R rows (rows past the last take the
+    last one's); the first chunk's barrier orders them before the pre phase."""
+    last = f"{size_var(lanes.row_axis)} - 1"
+    return [f"for (int i = threadIdx.x; i < R; i += BLOCK) "
+            f"sq_{name}[i] = F(to_f({c_array(name)}[{pr.index(Load(name, (f'min(r0 + i, {last})',)))}]));"
+            for name in names]
 
 
 def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPrinter, ctype: str,
