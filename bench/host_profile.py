@@ -103,9 +103,9 @@ def scan_times() -> None:
 
 def family_times(calls: int) -> None:
     """A training step of each family's example at small shapes (HGRN and minGRU "b t ...", the
-    first-order scan and Mamba-1 "b d t"; B32 D512 L180, minGRU I512; and the scan at B8 D2048
-    L4096): host µs a call and kernels of the op's step (`autograd.grad`), of `ssmc.grad`'s, and of an
-    empty `autograd.Function` of as many inputs."""
+    first-order scan and Mamba-1 "b d t"; B32 D512 L180, minGRU I512; HGRN at B2 D512 L4096, which runs
+    as time blocks; and the scan at B8 D2048 L4096): host µs a call and kernels of the op's step
+    (`autograd.grad`), of `ssmc.grad`'s, and of an empty `autograd.Function` of as many inputs."""
     import ssmc.torch as ssmc_torch
     from ssmc.examples import hgrn, mamba1, mingru
 
@@ -118,6 +118,8 @@ def family_times(calls: int) -> None:
               {"a": rng.uniform(0.5, 1.0, (B, D, L)), "x": rng.standard_normal((B, D, L))}, (B, D, L)),
              (f"Mamba-1 B{B} D{D} L{L}", mamba1.SPEC, mamba1.LAYOUT,
               mamba1.make_inputs(rng, L, batch=B, dim=D, state=16), (B, D, L)),
+             ("HGRN B2 D512 L4096 (time blocks)", hgrn.SPEC, hgrn.LAYOUT, hgrn.make_inputs(rng, 4096, batch=2, dim=D),
+              (2, 4096, D)),
              ("scan B8 D2048 L4096", scan, "b d t",
               {"a": rng.uniform(0.5, 1.0, (8, 2048, 4096)), "x": rng.standard_normal((8, 2048, 4096))},
               (8, 2048, 4096))]

@@ -399,3 +399,15 @@ def param_in_setup(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["
     dt = ssmc.softplus(delta)
     h = ssmc.exp(dt * A) * h + ssmc.tanh(A) * u * B
     return h, ssmc.dot(h, C, over="n")
+
+
+@ssmc.recurrence
+def summed_over_batch(h: ssmc.State["b d k"], x: ssmc.Seq["b"], w: ssmc.Seq["b d k"]):
+    """A random spec's shape (test_warps_sharing_a_recurrence, 2026-11-26): a decay per b, a state with
+    axes of its own (d k) and an output summed over the batch. Its staged core's adjoint runs, time
+    contiguous and L >= 64, as the reverse state-major warp kernel, whose steps were read at
+    L - 1 - t0 + tt instead of L - 1 - (t0 + tt): gradients silently wrong."""
+    f = ssmc.exp(-ssmc.softplus(x))
+    h = f * h + (1 - f) * x
+    s = ssmc.dot(w, h, over="k")
+    return h, ssmc.dot(s, x / (1 + ssmc.softplus(w)), over="b")

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, param_in_setup, recurrences, state_axis_recurrences
+from strategies import (
+    diagonal_linear_recurrences,
+    param_in_setup,
+    recurrences,
+    state_axis_recurrences,
+    summed_over_batch,
+)
 
 import ssmc
 from ssmc.backends.cuda import nvrtc
@@ -455,3 +461,21 @@ def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
             assert "_zz" in other.source and plain.source != other.source
             cubins = [nvrtc.compile_source(r.source, name=f"{r.name}.cu").cubin for r in (plain, other)]
             assert cubins[0] == cubins[1], (example, plain.name)
+
+
+def test_reverse_state_major_warp_kernel_takes_its_lanes_steps_backwards():
+    """The adjoint of `strategies.summed_over_batch`'s staged core (reverse time, states with axes of
+    their own) runs time last as the state-major warp kernel: each lane's step tt is at time
+    L - 1 - (t0 + tt). It read L - 1 - t0 + tt (a missing pair of parentheses) until 2026-11-26."""
+    from ssmc.backends.cuda.runner import CudaRunner
+    from ssmc.lowering.stages import fuse
+    from ssmc.passes.autodiff import derive_backward
+
+    adjoint = derive_backward(fuse(summed_over_batch.program).stages[0].program).adjoint
+    sizes = {"b": 2, "d": 4, "k": 2}
+    runner = CudaRunner(adjoint, "float64")
+    assert runner.strategy(sizes, 180, True) == "warp" and adjoint.reverse
+    report, = kernel_reports(adjoint, sizes, 180, dtype="float64", backward=False, time_contiguous=True,
+                             compile_kernels=False)
+    assert "const int t = L - 1 - (t0 + tt);" in report.source
+    assert "L - 1 - t0 + tt" not in report.source

@@ -539,7 +539,7 @@ def _lane_steps_loop(depth: int, k: Kernel, steps_per_lane: int, body: list[str]
     and `live` is false for them (their results are dropped: `_predicated`)."""
     pad = "    " * depth
     at = "min(t0 + tt, L - 1)" if mode == "live" else "t0 + tt"
-    t = f"L - 1 - {at}" if k.reverse else at
+    t = f"L - 1 - ({at})" if k.reverse else at
     head = {"full": [], "exit": [f"{pad}    if (tt >= t1 - t0) break;"],
             "live": [f"{pad}    const bool live = tt < t1 - t0;"]}[mode]
     return [f"{pad}#pragma unroll",
