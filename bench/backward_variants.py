@@ -98,6 +98,49 @@ VARIANTS = {
     "drops: the exp of the decay": (_sub(r"v_fs_m1 = exp_\(", "v_fs_m1 = F(1) - ("), None, True),
 }
 
+_PREFETCH = ('__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" '
+             ':: "l"(p)); }\n')
+_NEXT_LOAD = re.compile(r"(\n\s*)load_steps<(\d+)>\(next_(ld\d+), ([^;]*\(next_i_n\)[^;]*)\);")
+
+
+def _prefetch(ahead: int):
+    """An edit prefetching into L1, where the next index's B and C are loaded into registers, those of
+    the index `ahead` on (ptxas places those loads at the end of the loop's body, just before their
+    use: ncu's source counters put 17% of the stall samples on the moves waiting for them)."""
+    def edit(source: str) -> str:
+        def one(m):
+            at = m.group(4).replace("(next_i_n)", f"(min(i_n + {ahead}, n_n - 1))")
+            pad, steps, reg, load = m.groups()
+            return f"{pad}prefetch_l1({at});{pad}load_steps<{steps}>(next_{reg}, {load});"
+        out, n = _NEXT_LOAD.subn(one, source)
+        if not n:
+            raise NotInSource("the next index's vector loads are not in the generated source")
+        return out.replace('extern "C" __global__', _PREFETCH + 'extern "C" __global__', 1)
+    return edit
+
+
+def _in_shared(*names: str):
+    """An edit moving the per-index register arrays `names` (indexed by the rolled loop over n, so ptxas
+    keeps them in local memory: the kernel's 128-byte stack frame) into shared memory, a slot per
+    thread and index."""
+    def edit(source: str) -> str:
+        for name in names:
+            decl = f"F {name}[n_n];"
+            if decl not in source:
+                raise NotInSource(f"no {decl} in the generated source")
+            source = source.replace(decl, f"__shared__ F sh_{name}[n_n][128];")
+            source = re.sub(rf"\b{name}\[([^\]]+)\]", rf"sh_{name}[\1][threadIdx.x]", source)
+        return source
+    return edit
+
+
+VARIANTS["the carries and grad_A per index in shared memory, not local"] = (
+    _in_shared("cr_grad_h", "st_grad_A"), None, False)
+VARIANTS["the same, registers for 4 blocks an SM (__launch_bounds__)"] = (
+    both(_in_shared("cr_grad_h", "st_grad_A"), _bounds(4)), None, False)
+VARIANTS["the next index's B and C prefetched into L1 first"] = (_prefetch(1), None, False)
+VARIANTS["B and C of the index after next prefetched into L1"] = (_prefetch(2), None, False)
+
 _BLOCK = fused_backward.BLOCK
 
 
