@@ -279,7 +279,7 @@ class Grad:
 
                 tape.step = self._remember(key, PreparedStep(self, layout, bound, dtype, set(kwargs), fused, seqs,
                                                              params, initial, chunk))
-            outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length)
+            outs, finals, tape.rounds = fused.forward(seqs, params, initial, sizes, length, outputs)
             return (outs if outputs else {}), finals, tape
         if key is not None and chunk >= length:  # CUDA, one chunk: runs worked out once (grad_prepared.py)
             from .grad_prepared import PreparedChunk

@@ -129,11 +129,18 @@ class PreparedStep(_Signature):
         super().__init__(grad, layout, bound, dtype, given, initial, chunk)
         self.fused = fused
         self.run_forward = fused.prepare_forward(seqs, params, initial, bound.sizes, bound.length)
+        self.run_summary = None  # the forward without outputs, prepared at the first call that wants none
 
     def forward(self, args: tuple, kwargs: dict, outputs: bool):
         """What `Grad._forward` returns for a call of this signature."""
         seqs, params, initial, tape = self._arrays(args, kwargs)
-        outs, finals, tape.rounds = self.run_forward(seqs, params, initial)
+        if outputs:
+            run = self.run_forward
+        else:
+            if self.run_summary is None:
+                self.run_summary = self.fused.prepare_forward(seqs, params, initial, self.sizes, self.length, False)
+            run = self.run_summary
+        outs, finals, tape.rounds = run(seqs, params, initial)
         return (outs if outputs else {}), finals, tape
 
     def backward(self, tape: Tape, grad_outputs, grad_final_states) -> dict | None:

@@ -148,7 +148,9 @@ def test_when_the_fused_backward_runs(monkeypatch):
     big = {"b": 8, "d": 1536, "n": 16}
     assert mamba.applies_at(big, 2048, True) and not mamba.applies_at(big, 2048, False)
     assert mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # warps whatever the count
-    assert not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
+    # a scan's adjoint (no sums): where a warp per recurrence fills the GPU over a long sequence
+    assert scan.applies_at({"b": 8, "d": 2048}, 4096, True) and scan.applies_at({"b": 8, "d": 512}, 1024, True)
+    assert not scan.applies_at({"b": 2, "d": 512}, 4096, True) and not scan.applies_at({"b": 32, "d": 512}, 180, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
     # state-major (4 steps per lane) where its longer rounds waste little of the last one, 2 where
     # rounds of 64 steps pad less (L = 40, 180); step-major (1 step per lane) at L = 7: one round of
@@ -161,17 +163,17 @@ def test_when_the_fused_backward_runs(monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "0")
     assert not mamba.state_major(2048) and mamba.round_steps(2048) == 32
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
-    assert scan.applies_at({"b": 8, "d": 2048}, 4096, True)
+    assert scan.applies_at({"b": 2, "d": 512}, 4096, True)
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "0")
-    assert not mamba.applies_at(big, 2048, True)
+    assert not mamba.applies_at(big, 2048, True) and not scan.applies_at({"b": 8, "d": 2048}, 4096, True)
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_training_kernels_compile_without_spills(arch, monkeypatch):
-    """At the benchmark shapes with time contiguous, `ssmc inspect` lists a training step's two kernels
-    (the forward saving round carries, the fused backward) and they compile with zero spills (the
-    scan's forced: by default it takes the unfused backward)."""
+    """At the benchmark shapes with time contiguous, `ssmc inspect` lists a training step's kernels (the
+    forward saving round carries, the fused backward; the scan's forward without outputs too) and
+    they compile with zero spills."""
     from ssmc.backends.cuda.report import kernel_reports
 
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
@@ -180,7 +182,12 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
         program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
         reports = kernel_reports(program, sizes, length, arch=arch, time_contiguous=True)
         roles = {r.program: r for r in reports}
-        assert set(roles) == {"forward", "forward (training)", "backward"}, name
+        # the scan's forward (the warp kernel) also without outputs, for steps that want gradients only
+        summary = {"forward (gradients only)"} if name == "hgrn" else set()
+        assert set(roles) == {"forward", "forward (training)", "backward"} | summary, name
+        if summary:
+            assert "out_" not in roles["forward (gradients only)"].source.split("__global__")[-1].split(")")[0]
+            assert "rounds_h" in roles["forward (gradients only)"].source
         assert roles["backward"].strategy == "fused backward"
         assert "atomicAdd" in roles["backward"].source or name == "hgrn"
         if name == "mamba1":  # exp(dt A) once per step and state, where the four steps would each compute it
@@ -306,6 +313,42 @@ def test_fused_and_unfused_backward_agree_at_benchmark_size(monkeypatch, batch, 
     chunked = g(**gpu, grad_outputs=dy)
     for key in chunked:
         assert rel_err(fused[key], chunked[key].double().cpu().numpy()) <= 1e-4, key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [7, 1000, 4097])
+def test_a_scan_that_wants_only_gradients_runs_the_forward_without_outputs(length, monkeypatch):
+    """The first-order scan with time contiguous ("b d t"), float64, the fused backward forced (by
+    default it takes it from 4096 recurrences and 1024 steps): `ssmc.grad`'s call runs the forward
+    without outputs (`summary_kernel`, prepared once per signature), `Grad.forward` the one with
+    them; every gradient against the interpreter, at the first and a later call."""
+    from ssmc.grad_prepared import PreparedStep
+
+    @ssmc.recurrence
+    def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):
+        h = a * h + x
+        return h, h
+
+    monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
+    rng = np.random.default_rng(length)
+    a, x, dy = rng.uniform(0.5, 1.0, (2, 37, length)), *rng.standard_normal((2, 2, 37, length))
+    want = ssmc.grad(scan, "interpreter", layout="b d t")(a=a, x=x, grad_outputs=dy)
+    gpu = _to_gpu({"a": a, "x": x, "dy": dy}, "float64")
+    g = ssmc.grad(scan, "cuda", layout="b d t")
+    for _ in range(2):
+        got = g(a=gpu["a"], x=gpu["x"], grad_outputs=gpu["dy"])
+        for key in want:
+            assert rel_err(got[key], want[key]) <= 1e-10, key
+    step, = g._steps.values()
+    assert isinstance(step, PreparedStep) and step.run_summary is not None
+    assert "rounds_h" in step.run_summary.launch.names and "out_h" not in step.run_summary.launch.names
+    assert "out_h" in step.run_forward.launch.names
+    outs, _, tape = g.forward(a=gpu["a"], x=gpu["x"])
+    y = ssmc.compile(scan, "interpreter", layout="b d t")(a=a, x=x)
+    assert tape.rounds is not None and rel_err(outs["h"].permute(1, 2, 0), y) <= 1e-10
+    got = g.backward(tape, grad_outputs=gpu["dy"])
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-10, key
 
 
 @pytest.mark.gpu

@@ -6,9 +6,11 @@ kernel, 32 K' steps (``rounds_<h>``, states × L / (32 K') values: the tape; K' 
 per lane, `backward_steps_per_lane`); `backward` runs the one kernel that recomputes each round's
 carries in registers and runs the adjoint over it, the rounds last first. It applies where the
 forward would run as the warp kernel without the lanes kernel (`CudaRunner.strategy`: sequences with
-time contiguous, too few recurrences to fill the GPU), and the adjoint sums over the recurrences
-(`FusedBackwardRunner.applies_at`). Mamba-1 B8 D1536 L2048 N16 on an H200: the warp kernel saving
-rounds took 0.834 ms (the lanes kernel without them 0.362), the backward 1.268.
+time contiguous, too few recurrences to fill the GPU; `FusedBackwardRunner.applies_at`). A step that
+wants only the gradients (`ssmc.grad`'s call) runs the warp kernel without outputs: it reads the
+sequences and writes the round carries, so a scan's step moves 7 arrays of its length (a, x; a, x,
+the cotangent, grad a, grad x), where the unfused one moves 8. Mamba-1 B8 D1536 L2048 N16 on an H200:
+the warp kernel saving rounds took 0.834 ms (the lanes kernel without them 0.362), the backward 1.268.
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ STATE_MAJOR_STEP_COST = 0.65
 HALF_ROUND_STEP_COST = 1.12
 
 
+# An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
+# there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
+# kernels, which share a recurrence among up to 8 warps, are faster. The step moves an array less:
+# through the op (outputs wanted) the forward writes no carries; through `ssmc.grad` (gradients only)
+# its forward writes nothing per step (`summary_kernel`). `ssmc.grad`'s step of the scan, "b d t",
+# fp32, on an H200 (2026-11-26), unfused -> fused ms: B8 D2048 L4096 0.511 -> 0.478, B16 D1024 L2048
+# 0.264 -> 0.241, B2 D2048 L4096 0.161 -> 0.142, B8 D512 L1024 0.176 -> 0.169, B4 D2048 L4096 0.264
+# -> 0.259; but B2 D512 L4096 (1024 recurrences) 0.167 -> 0.225 and B32 D512 L180 0.150 -> 0.167.
+# Through the op at B8 D2048 L4096: 0.582 -> 0.543 ms.
+FUSED_SCAN_RECURRENCES = 4096
+FUSED_SCAN_LENGTH = 1024
+
+
 def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool,
                             length: int | None = None) -> int:
     """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's. State-major
@@ -94,6 +109,10 @@ class FusedBackwardRunner:
         self.forward_runner = runner_for(bw.forward, compute)
         fwd = bw.forward
         self.forward_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel))
+        # the same without the outputs, for a step that wants the gradients only (`ssmc.grad`'s call):
+        # it reads the sequences and writes the round carries and final states, nothing per step
+        self.summary_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_summary_rounds",
+                                                        fwd.with_roots(fwd.updates, ()), plan.parallel))
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
@@ -106,10 +125,10 @@ class FusedBackwardRunner:
         return self.applies_at(sizes, length, time_contiguous(seqs))
 
     def applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
-        """See the module docstring: where the forward is the warp kernel, and the adjoint has sums
-        over the recurrences (without them the unfused backward is two warp scans and measured
-        faster: 0.572 against 0.603 ms for a scan at B8 D2048 L4096 fp32 on an H200);
-        `SSMC_CUDA_FUSED_BACKWARD` = 0 / 1 turns it off / on wherever it can run."""
+        """See the module docstring: where the forward is the warp kernel; `SSMC_CUDA_FUSED_BACKWARD`
+        = 0 / 1 turns it off / on wherever it can run. An adjoint without sums over the recurrences
+        (a scan's) takes it where a warp per recurrence fills the GPU over a long sequence
+        (`FUSED_SCAN_RECURRENCES`, `FUSED_SCAN_LENGTH`)."""
         return self._decided("applies", lambda: self._applies_at(sizes, length, time_contiguous), sizes, length,
                              time_contiguous)
 
@@ -127,7 +146,9 @@ class FusedBackwardRunner:
         if setting == "0" or self.round_steps(length) % self.forward_steps():
             return False  # turned off, or a forward lane's steps would straddle two rounds
         partials = self.plan.partials
-        if setting != "1" and not (partials.atomic or partials.accumulators):
+        if setting != "1" and not (partials.atomic or partials.accumulators) and (
+                math.prod(sizes[a] for a in self.plan.parallel) < FUSED_SCAN_RECURRENCES
+                or length < FUSED_SCAN_LENGTH):
             return False
         # the warp kernel's layouts and lengths (the training forward may run as the lanes kernel)
         return self.forward_runner.strategy(sizes, length, time_contiguous, lanes=False) == "warp"
@@ -151,7 +172,10 @@ class FusedBackwardRunner:
         out = []
         forward = (self.forward_kernel, self._forward_source) if lanes is None else (
             self.lanes_kernel, lambda specs, sizes, length: self._lanes_source(specs, sizes, length, lanes))
-        for k, source in (forward, (self.plan, self._backward_source)):
+        kernels = [forward, (self.plan, self._backward_source)]
+        if lanes is None:  # a step that wants the gradients only runs the forward without outputs
+            kernels.append((self.summary_kernel, self._summary_source))
+        for k, source in kernels:
             specs = {}
             for a in k.arrays:
                 shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
@@ -191,24 +215,27 @@ class FusedBackwardRunner:
         return steps_per_lane(self.forward_runner.lane_steps)
 
     # -- the two launches ----------------------------------------------------------------------
-    def forward(self, seqs, params, initial, sizes, length):
+    def forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
         """(outputs, finals, rounds): the forward's results (time first, time contiguous) and the
-        carry into each round, ``rounds[<h>]`` with the round first."""
-        return self.prepare_forward(seqs, params, initial, sizes, length)(seqs, params, initial)
+        carry into each round, ``rounds[<h>]`` with the round first. Without `outputs` the warp
+        kernel writes none (empty outputs; the lanes kernel writes them anyway)."""
+        return self.prepare_forward(seqs, params, initial, sizes, length, outputs)(seqs, params, initial)
 
-    def prepare_forward(self, seqs, params, initial, sizes, length):
+    def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
         """`forward` worked out for calls like this one (arrays of the same dtypes and strides):
         ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
         given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
-        if lanes is None:
+        if lanes is None and not outputs:
+            plan = self._planned(self.summary_kernel, given, sizes, length, self._summary_source)
+        elif lanes is None:
             plan = self._planned(self.forward_kernel, given, sizes, length, self._forward_source)
         else:
             k = self.lanes_kernel
             plan = self._planned(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
                 specs, sizes, length, lanes), (lane_block_count(k, sizes, lanes), lanes.block))
         p = self.bw.forward
-        outs = [(n, f"out_{n}") for n, _ in p.outputs]
+        outs = [(n, f"out_{n}") for n, _ in p.outputs] if outputs or lanes is not None else []
         finals = [(s.name, f"final_{s.name}", plan.reshaped(f"final_{s.name}", [sizes[a] for a in s.axes]))
                   for s in p.states]
         rounds = [(s.name, f"rounds_{s.name}") for s in p.states]
@@ -246,12 +273,16 @@ class FusedBackwardRunner:
         return PreparedLaunch(call, launch, length)
 
     # -- building and launching ----------------------------------------------------------------
-    def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
+    def _forward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int,
+                        kernel: Kernel | None = None) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         fr = self.forward_runner
-        return module_source(fr.lowered, ctype, [(self.forward_kernel, specs)], sizes,
+        return module_source(fr.lowered, ctype, [(kernel or self.forward_kernel, specs)], sizes,
                              (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps(length),
                              ragged=ragged(length, self.forward_steps()))
+
+    def _summary_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
+        return self._forward_source(specs, sizes, length, self.summary_kernel)
 
     def _lanes_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int,
                       lanes: Threads) -> str:

@@ -95,8 +95,9 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
     fused = fused_backward_runner(bw, compute)
     if fused is not None and fused.applies_at(sizes, length, time_contiguous):
         # a training step's two kernels: the forward saving round carries, the fused backward
+        roles = ("forward (training)", "backward", "forward (gradients only)")
         return [_report(role, kind + _fused_label(role, launch), launch, source, arch, compile_kernels)
-                for (launch, source), role in zip(fused.sources(sizes, length), ("forward (training)", "backward"))]
+                for (launch, source), role in zip(fused.sources(sizes, length), roles)]
     chunk = min(length, default_chunk("cuda", length, program, sizes))
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     return (_program_reports("recompute", bw.carries, chunk, kind, *common)
