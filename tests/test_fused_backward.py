@@ -316,12 +316,13 @@ def test_fused_and_unfused_backward_agree_at_benchmark_size(monkeypatch, batch, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [7, 1000, 4097])
+@pytest.mark.parametrize("length", [64, 1000, 4097])
 def test_a_scan_that_wants_only_gradients_runs_the_forward_without_outputs(length, monkeypatch):
     """The first-order scan with time contiguous ("b d t"), float64, the fused backward forced (by
-    default it takes it from 4096 recurrences and 1024 steps): `ssmc.grad`'s call runs the forward
-    without outputs (`summary_kernel`, prepared once per signature), `Grad.forward` the one with
-    them; every gradient against the interpreter, at the first and a later call."""
+    default it takes it from 4096 recurrences and 1024 steps; it needs the warp kernel's two
+    rounds): `ssmc.grad`'s call runs the forward without outputs (`summary_kernel`, prepared once
+    per signature), `Grad.forward` the one with them; every gradient against the interpreter, at
+    the first and a later call."""
     from ssmc.grad_prepared import PreparedStep
 
     @ssmc.recurrence
