@@ -25,7 +25,7 @@ from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...lowering.state_lanes import StateLanes, state_lanes
-from ...lowering.state_major import fused_state_major
+from ...lowering.state_major import fused_state_major, warp_state_major
 from ...passes.autodiff import Backward
 from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_backward_source, module_source
 from .devices import current_device
@@ -110,9 +110,13 @@ class FusedBackwardRunner:
         fwd = bw.forward
         self.forward_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel))
         # the same without the outputs, for a step that wants the gradients only (`ssmc.grad`'s call):
-        # it reads the sequences and writes the round carries and final states, nothing per step
-        self.summary_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_summary_rounds",
-                                                        fwd.with_roots(fwd.updates, ()), plan.parallel))
+        # it reads the sequences and writes the round carries and final states, nothing per step.
+        # Only where the warp kernel is not state-major: that one shares per-step values between the
+        # summary and the step by name, and the two would come from programs numbered apart.
+        summary = _with_rounds(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd.with_roots(fwd.updates, ()),
+                                            plan.parallel))
+        scalar = warp_state_major(self.forward_runner.time_blocks.lane_summary, summary) is None
+        self.summary_kernel: Kernel | None = summary if scalar else None
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
@@ -173,7 +177,7 @@ class FusedBackwardRunner:
         forward = (self.forward_kernel, self._forward_source) if lanes is None else (
             self.lanes_kernel, lambda specs, sizes, length: self._lanes_source(specs, sizes, length, lanes))
         kernels = [forward, (self.plan, self._backward_source)]
-        if lanes is None:  # a step that wants the gradients only runs the forward without outputs
+        if lanes is None and self.summary_kernel is not None:  # a step that wants the gradients only
             kernels.append((self.summary_kernel, self._summary_source))
         for k, source in kernels:
             specs = {}
@@ -218,7 +222,8 @@ class FusedBackwardRunner:
     def forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
         """(outputs, finals, rounds): the forward's results (time first, time contiguous) and the
         carry into each round, ``rounds[<h>]`` with the round first. Without `outputs` the warp
-        kernel writes none (empty outputs; the lanes kernel writes them anyway)."""
+        kernel writes none where it can (`summary_kernel`: empty outputs; else it, or the lanes
+        kernel, writes them anyway)."""
         return self.prepare_forward(seqs, params, initial, sizes, length, outputs)(seqs, params, initial)
 
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
@@ -226,7 +231,8 @@ class FusedBackwardRunner:
         ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
         given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
-        if lanes is None and not outputs:
+        summary = lanes is None and not outputs and self.summary_kernel is not None
+        if summary:
             plan = self._planned(self.summary_kernel, given, sizes, length, self._summary_source)
         elif lanes is None:
             plan = self._planned(self.forward_kernel, given, sizes, length, self._forward_source)
@@ -235,7 +241,7 @@ class FusedBackwardRunner:
             plan = self._planned(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
                 specs, sizes, length, lanes), (lane_block_count(k, sizes, lanes), lanes.block))
         p = self.bw.forward
-        outs = [(n, f"out_{n}") for n, _ in p.outputs] if outputs or lanes is not None else []
+        outs = [] if summary else [(n, f"out_{n}") for n, _ in p.outputs]
         finals = [(s.name, f"final_{s.name}", plan.reshaped(f"final_{s.name}", [sizes[a] for a in s.axes]))
                   for s in p.states]
         rounds = [(s.name, f"rounds_{s.name}") for s in p.states]
