@@ -152,6 +152,10 @@ def test_when_the_fused_backward_runs(monkeypatch):
     assert scan.applies_at({"b": 8, "d": 2048}, 4096, True) and scan.applies_at({"b": 8, "d": 512}, 1024, True)
     assert not scan.applies_at({"b": 2, "d": 512}, 4096, True) and not scan.applies_at({"b": 32, "d": 512}, 180, True)
     assert runner("mamba1_block") is None and runner("lstm") is None
+    # the forward without outputs (a step that wants only gradients) where the warp kernel is not
+    # state-major: the scan's; Mamba-1's warp forward shares per-step values by name with its summary
+    assert scan.summary_kernel is not None and "out_y" not in {a.name for a in scan.summary_kernel.arrays}
+    assert mamba.summary_kernel is None
     # state-major (4 steps per lane) where its longer rounds waste little of the last one, 2 where
     # rounds of 64 steps pad less (L = 40, 180); step-major (1 step per lane) at L = 7: one round of
     # 32 steps against one of 64
