@@ -73,8 +73,9 @@ HALF_ROUND_STEP_COST = 1.12
 # its forward writes nothing per step (`summary_kernel`). `ssmc.grad`'s step of the scan, "b d t",
 # fp32, on an H200 (2026-11-26), unfused -> fused ms: B8 D2048 L4096 0.511 -> 0.478, B16 D1024 L2048
 # 0.264 -> 0.241, B2 D2048 L4096 0.161 -> 0.142, B8 D512 L1024 0.176 -> 0.169, B4 D2048 L4096 0.264
-# -> 0.259; but B2 D512 L4096 (1024 recurrences) 0.167 -> 0.225 and B32 D512 L180 0.150 -> 0.167.
-# Through the op at B8 D2048 L4096: 0.582 -> 0.543 ms.
+# -> 0.259; but B32 D512 L180 0.150 -> 0.167 (H100: 0.078 -> 0.109), and B2 D512 L4096 (1024
+# recurrences) 0.167 -> 0.225, where an H100 gave 0.078 -> 0.071 (not settled: the H200's host
+# was slow). Through the op at B8 D2048 L4096: 0.582 -> 0.543 ms (docs/benchmarks.md).
 FUSED_SCAN_RECURRENCES = 4096
 FUSED_SCAN_LENGTH = 1024
 
@@ -115,7 +116,8 @@ class FusedBackwardRunner:
         # summary and the step by name, and the two would come from programs numbered apart.
         summary = _with_rounds(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd.with_roots(fwd.updates, ()),
                                             plan.parallel))
-        scalar = warp_state_major(self.forward_runner.time_blocks.lane_summary, summary) is None
+        tb = self.forward_runner.time_blocks
+        scalar = tb is not None and warp_state_major(tb.lane_summary, summary) is None
         self.summary_kernel: Kernel | None = summary if scalar else None
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
