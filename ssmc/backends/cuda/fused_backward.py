@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ...lowering.loops import Assign, Load, Loop
 from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
@@ -112,10 +113,11 @@ class FusedBackwardRunner:
         self.forward_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel))
         # the same without the outputs, for a step that wants the gradients only (`ssmc.grad`'s call):
         # it reads the sequences and writes the round carries and final states, nothing per step.
-        # Only where the warp kernel is not state-major: that one shares per-step values between the
-        # summary and the step by name, and the two would come from programs numbered apart.
-        summary = _with_rounds(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd.with_roots(fwd.updates, ()),
-                                            plan.parallel))
+        # Built from the same program, its stores of the outputs dropped, so that its values keep the
+        # names the forward's summary gives them (the compiler drops what only the outputs read);
+        # only where the warp kernel is not state-major.
+        summary = _with_rounds(_without_outputs(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd,
+                                                             plan.parallel)))
         tb = self.forward_runner.time_blocks
         scalar = tb is not None and warp_state_major(tb.lane_summary, summary) is None
         self.summary_kernel: Kernel | None = summary if scalar else None
@@ -457,6 +459,22 @@ def _with_rounds(k: Kernel) -> Kernel:
     """`k` with an array ``rounds_<state>`` per state: the carry into each round of the backward."""
     k.arrays += [Array(f"rounds_{s.name}", "rounds", ("round", *s.axes)) for s in k.program.states]
     return k
+
+
+def _without_outputs(k: Kernel) -> Kernel:
+    """`k` without its per-step outputs: their arrays and the statements that store into them."""
+    outputs = {a.name for a in k.arrays if a.role == "out"}
+
+    def kept(stmts: list) -> list:
+        out = []
+        for s in stmts:
+            if isinstance(s, Assign) and isinstance(s.target, Load) and s.target.array in outputs:
+                continue
+            out.append(replace(s, body=kept(s.body)) if isinstance(s, Loop) else s)
+        return out
+
+    return replace(k, arrays=[a for a in k.arrays if a.name not in outputs], setup=kept(k.setup), step=kept(k.step),
+                   finish=kept(k.finish))
 
 
 def _row(length: int, role: str) -> int:
