@@ -110,23 +110,32 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
     )
 
 
+def summary_names(program) -> list[str]:
+    """The summary kernel's states: each state's product and partial, in state order."""
+    return [n for s in program.states for n in (product_name(s.name), partial_name(s.name))]
+
+
+def summary_inits(program, sizes: dict[str, int], nblk: int, full) -> dict:
+    """The summary kernel's initial states, one per block of time: products 1, partials 0, made by
+    `full(shape, value)` (a broadcast view is enough: they are only read)."""
+    init = {}
+    for s in program.states:
+        shape = (nblk, *(sizes[a] for a in s.axes))
+        init[f"init_{product_name(s.name)}"] = full(shape, 1.0)
+        init[f"init_{partial_name(s.name)}"] = full(shape, 0.0)
+    return init
+
+
 def run_time_blocks(tb: TimeBlocks, launch, full, seqs, params, initial, sizes, length: int, nblk: int):
     """Runs the three phases; same contract as `interpreter.run_recurrence`.
 
     `launch(kernel, arrays, length, nblk) -> {name: array}` runs one kernel (the backend's), and
-    `full(shape, value)` makes a filled array (a broadcast view is enough: it is only read).
+    `full(shape, value)` makes a filled array (`summary_inits`).
     """
     p = tb.program
-    init = {}
-    for s in p.states:
-        shape = (nblk, *(sizes[a] for a in s.axes))
-        init[f"init_{product_name(s.name)}"] = full(shape, 1.0)
-        init[f"init_{partial_name(s.name)}"] = full(shape, 0.0)
+    init = summary_inits(p, sizes, nblk, full)
     made = launch(tb.summary, {**seqs, **params, **init}, length, nblk)
-    summaries = {}
-    for s in p.states:
-        for name in (product_name(s.name), partial_name(s.name)):
-            summaries[name] = made[f"final_{name}"]
+    summaries = {name: made[f"final_{name}"] for name in summary_names(p)}
     carries = launch(tb.combine, {**summaries, **{f"init_{s}": v for s, v in initial.items()}}, nblk, 1)
     made = launch(tb.rescan, {**seqs, **params, **{f"init_{s.name}": carries[f"prev_{s.name}"] for s in p.states}},
                   length, nblk)

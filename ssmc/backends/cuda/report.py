@@ -94,7 +94,8 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
     bw = derive_backward(program)
     fused = fused_backward_runner(bw, compute)
     if fused is not None and fused.applies_at(sizes, length, time_contiguous):
-        # a training step's two kernels: the forward saving round carries, the fused backward
+        # a training step's kernels: the forward saving round carries, the fused backward, and (a scan's)
+        # the forward without outputs that a step wanting only gradients runs
         roles = ("forward (training)", "backward", "forward (gradients only)")
         return [_report(role, kind + _fused_label(role, launch), launch, source, arch, compile_kernels)
                 for (launch, source), role in zip(fused.sources(sizes, length), roles)]

@@ -22,7 +22,7 @@ from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
 from ...lowering.state_lanes import state_lanes
 from ...lowering.state_major import warp_state_major
-from ...lowering.time_blocks import TimeBlocks, partial_name, product_name, time_blocks
+from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
 from .codegen import (
@@ -586,13 +586,13 @@ class CudaRunner:
         contiguous = time_contiguous(seqs)
         strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
-        plan = self.launches(sizes, length, contiguous)
         if strategy in ONE_LAUNCH or strategy == "time blocks":  # prepared once per layout, shape, overrides
             call = self.planned(
                 "run", lambda: self.prepare(seqs, params, initial, sizes, length, out_dtype),
                 _sizes_key(sizes), length, out_dtype, current_device(),
                 *((n, v.dtype, v.stride()) for part in (seqs, params, initial) for n, v in part.items()))
             return call(seqs, params, initial)
+        plan = self.launches(sizes, length, contiguous)
         finals, prev = {}, {}
         if low.core_states:
             core = plan.pop(0)
@@ -671,21 +671,17 @@ class CudaRunner:
         tb, p = self.time_blocks, self.program
         summary, combine, rescan = self.launches(sizes, length, contiguous)
         nblk = summary.nblk
-        init = {}
-        for st in p.states:
-            shape = (nblk, *(sizes[a] for a in st.axes))
-            init[f"init_{product_name(st.name)}"] = _full(shape, 1.0)
-            init[f"init_{partial_name(st.name)}"] = _full(shape, 0.0)
+        init = summary_inits(p, sizes, nblk, _full)
 
-        def planned(prepared: Prepared) -> dict:  # meta tensors laid out as the launch allocates
+        def laid_out(prepared: Prepared) -> dict:  # meta tensors laid out as the launch allocates
             return {a.name: a.allocate("meta") for a in prepared.items if type(a) is Allocation}
 
         first = self._prepare_launch(tb.summary, {**seqs, **params, **init}, sizes, length, nblk, grid=summary.grid)
-        names = [n for st in p.states for n in (product_name(st.name), partial_name(st.name))]
-        made = planned(first)
+        names = summary_names(p)
+        made = laid_out(first)
         given = {**{n: made[f"final_{n}"] for n in names}, **{f"init_{n}": v for n, v in initial.items()}}
         second = self._prepare_launch(tb.combine, given, sizes, nblk, 1, grid=combine.grid)
-        made = planned(second)
+        made = laid_out(second)
         carries = {f"init_{st.name}": made[f"prev_{st.name}"] for st in p.states}
         third = self._prepare_launch(tb.rescan, {**seqs, **params, **carries}, sizes, length, nblk,
                                      out_dtype=out_dtype if p.outputs else None, grid=rescan.grid)
