@@ -50,6 +50,15 @@ VARIANTS = {
         _replace("__device__ __forceinline__ float exp2e(float x) { return exp2f(",
                  FTZ + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("),
         _replace("SSMC_UNARY(exp2_, exp2f(x)", "SSMC_UNARY(exp2_, ex2_ftz(x)")), 4, False),
+    "the reduce-scatter of each group after the next group's chains (software-pipelined)": (both(
+        _replace(_BODY_LOOP, "F late_m3[G] = {};  // the group before's sums, scattered while this one computes\n"
+                 "            " + _BODY_LOOP),
+        _replace("for (int tt = 0; tt < G; ++tt) acc_m3[tt] = F(0);\n",
+                 "for (int tt = 0; tt < G; ++tt) acc_m3[tt] = F(0);\n"
+                 "                pv_acc_m3[ch][((tb + 32 - G) & 31) + g] = reduce_scatter<G>(late_m3, g, SumOp());\n"),
+        _replace("pv_acc_m3[ch][tb + g] = reduce_scatter<G>(acc_m3, g, SumOp());\n            }\n",
+                 "#pragma unroll\n                for (int q = 0; q < G; ++q) late_m3[q] = acc_m3[q];\n            }\n"
+                 "            pv_acc_m3[ch][32 - G + g] = reduce_scatter<G>(late_m3, g, SumOp());\n")), 4, False),
     "drops: B and C read from shared memory": (both(
         _replace("load_steps<G>(ld1, &sl_C[buf][i_n][tb]);", "for (int q = 0; q < G; ++q) ld1[q] = ld0[q] * 0.5f;"),
         _replace("load_steps<G>(ld0, &sl_B[buf][i_n][tb]);", "for (int q = 0; q < G; ++q) ld0[q] = m1[q] * rp_A[j];")),

@@ -9,6 +9,7 @@ bfloat16, with initial and final state cotangents, random specs, and `gradcheck`
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -207,6 +208,50 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
             assert not r.resources.spills, (name, r.name, r.resources.summary())
 
 
+@ssmc.recurrence
+def five_sums(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["b d"], A: ssmc.Param["d n"],  # noqa: F722
+              B: ssmc.Seq["b n"], E: ssmc.Seq["b n"], F: ssmc.Seq["b n"], C: ssmc.Seq["b n"],  # noqa: F722
+              G: ssmc.Seq["b n"]):  # noqa: F722
+    """Mamba-1's scan with five sequences along n: five gradients summed over d (grad_B ... grad_G), so
+    a round's block sums have 5 x 32 K values to add, more than a block's 128 threads at K = 4."""
+    dt = ssmc.softplus(delta)
+    h = ssmc.exp(dt * A) * h + dt * u * B + dt * E + u * F
+    y = ssmc.dot(h, C, over="n") + ssmc.dot(h, G, over="n")
+    return h, y
+
+
+def _five_sums_inputs(rng, length: int, batch: int = 2, dim: int = 8, state: int = 5) -> dict:
+    along_n = {k: rng.standard_normal((batch, state, length)) for k in "BEFCG"}
+    return {"u": rng.standard_normal((batch, dim, length)), "delta": rng.standard_normal((batch, dim, length)),
+            "A": -np.exp(rng.uniform(-1.0, 1.0, (dim, state))), **along_n,
+            "h": 0.5 * rng.standard_normal((batch, dim, state))}
+
+
+FIVE_SUMS = SimpleNamespace(SPEC=five_sums, LAYOUT="b d t", make_inputs=_five_sums_inputs)
+
+
+@pytest.mark.parametrize("name, steps, sums", [("mamba1", 2, 2), ("mamba1", 4, 2), ("mamba1", 6, 2),
+                                               ("mamba1", 8, 2), ("five_sums", 4, 5)])
+def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch):
+    """The block's warps add their terms of each summed array up in shared memory, then its threads add
+    every vector of the round (`sums` arrays x 32 K steps) into memory: 128 threads took one vector
+    each, so where there were more (K = 6 and 8, or five arrays) the rest were lost. Both kernels (full
+    rounds, the partial one) loop over all of them, and compile without spills."""
+    from ssmc.backends.cuda.codegen import _vector_width
+    from ssmc.backends.cuda.report import kernel_reports
+
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
+    monkeypatch.setenv("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", str(steps))
+    spec = FIVE_SUMS.SPEC if name == "five_sums" else importlib.import_module(f"ssmc.examples.{name}").SPEC
+    # float32 with rows of a multiple of K steps: the lanes add their K steps as vectors (`_vector_atomics`)
+    reports = kernel_reports(spec.program, {"b": 2, "d": 8, "n": 5}, 192, arch="sm_90", time_contiguous=True)
+    backward, = [r for r in reports if r.strategy == "fused backward"]
+    vectors = sums * 32 * steps // _vector_width(steps)
+    assert backward.source.count(f"for (int i = threadIdx.x; i < {vectors}; i += 128)") == 2
+    assert backward.resources is not None and not backward.resources.spills, backward.resources.summary()
+
+
 # -- GPU -----------------------------------------------------------------------------------------
 
 
@@ -275,6 +320,26 @@ def test_the_state_major_fused_backward_at_any_length(length, dtype, monkeypatch
     inputs = m.make_inputs(rng, length, batch=2, dim=5, state=7)
     gpu = _to_gpu(inputs, dtype)
     _check_fused_gradients(m, gpu, rng, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [96, 180, 600])
+@pytest.mark.parametrize("name, steps", [("mamba1", 2), ("mamba1", 4), ("mamba1", 6), ("mamba1", 8),
+                                         ("five_sums", 4)])
+def test_block_sums_add_every_step_of_a_round(name, steps, length, monkeypatch):
+    """Every gradient against the interpreter where the block sums have more vectors than threads
+    (`test_block_sums_cover_every_vector_of_a_round`): float32 and lengths of a multiple of K steps
+    (but 180 at K = 8), so that the lanes add their steps as vectors; d = 8, a multiple of the block's
+    4 warps, so that the warps add their terms up in shared memory first; 600 ends in a partial
+    round. Mamba-1 with K = 6 forced lost grad_C's later steps of each round (relative error 0.99 at
+    B32 D512 L180 on an H200, 2026-11-26)."""
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
+    monkeypatch.setenv("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", str(steps))
+    m = FIVE_SUMS if name == "five_sums" else importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(length + steps)
+    gpu = _to_gpu(m.make_inputs(rng, length, batch=2, dim=8, state=5), "float32")
+    _check_fused_gradients(m, gpu, rng, "float32")
 
 
 @pytest.mark.gpu
