@@ -209,9 +209,9 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
 
 
 @ssmc.recurrence
-def five_sums(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["b d"], A: ssmc.Param["d n"],  # noqa: F722
-              B: ssmc.Seq["b n"], E: ssmc.Seq["b n"], F: ssmc.Seq["b n"], C: ssmc.Seq["b n"],  # noqa: F722
-              G: ssmc.Seq["b n"]):  # noqa: F722
+def five_sums(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["b d"], A: ssmc.Param["d n"],
+              B: ssmc.Seq["b n"], E: ssmc.Seq["b n"], F: ssmc.Seq["b n"], C: ssmc.Seq["b n"],
+              G: ssmc.Seq["b n"]):
     """Mamba-1's scan with five sequences along n: five gradients summed over d (grad_B ... grad_G), so
     a round's block sums have 5 x 32 K values to add, more than a block's 128 threads at K = 4."""
     dt = ssmc.softplus(delta)
