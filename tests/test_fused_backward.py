@@ -230,6 +230,52 @@ def _five_sums_inputs(rng, length: int, batch: int = 2, dim: int = 8, state: int
 FIVE_SUMS = SimpleNamespace(SPEC=five_sums, LAYOUT="b d t", make_inputs=_five_sums_inputs)
 
 
+@ssmc.recurrence
+def wide(h: ssmc.State["b d n"], u: ssmc.Seq["b d"], delta: ssmc.Seq["b d"], A: ssmc.Param["d n"],
+         B: ssmc.Seq["b n"], E: ssmc.Seq["b n"], F: ssmc.Seq["b n"], C: ssmc.Seq["b n"], G: ssmc.Seq["b n"],
+         z: ssmc.Seq["b d"], w: ssmc.Seq["b d"], v: ssmc.Seq["b d"], q: ssmc.Seq["b d"]):
+    """`five_sums` with four more sequences per row: the fused backward stages 11 sequences and
+    outputs and sums five arrays, 53760 bytes of shared memory at K = 4 (more than 48 KiB)."""
+    dt = ssmc.softplus(delta)
+    h = ssmc.exp(dt * A) * h + dt * u * B + dt * E * w + u * F * v
+    y = (ssmc.dot(h, C, over="n") + ssmc.dot(h, G, over="n") * q) * ssmc.silu(z)
+    return h, y
+
+
+def _wide_inputs(rng, length: int, batch: int = 2, dim: int = 8, state: int = 5) -> dict:
+    rows = {k: rng.standard_normal((batch, dim, length)) for k in "zwvq"}
+    return {**_five_sums_inputs(rng, length, batch, dim, state), **rows}
+
+
+WIDE = SimpleNamespace(SPEC=wide, LAYOUT="b d t", make_inputs=_wide_inputs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_fused_backward_fits_a_block_shared_memory(dtype):
+    """The fused backward's shared memory, as the runner works it out to choose its rounds
+    (`fused_backward_shared_bytes`), is the compiled kernel's; where K = 4 would not fit 48 KiB
+    (`wide`, float32), the state-major backward takes rounds of K = 2 and compiles. Before, it took K =
+    4 and `ssmc.grad` stopped at ptxas' "uses too much shared data"."""
+    from ssmc.backends.cuda.codegen import STATIC_SHARED, fused_backward_shared_bytes
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.backends.cuda.report import kernel_reports
+
+    value_bytes = 8 if dtype == "float64" else 4
+    sizes = {"b": 8, "d": 1536, "n": 16}
+    for name, spec in [("mamba1", importlib.import_module("ssmc.examples.mamba1").SPEC), ("wide", wide),
+                       ("five_sums", five_sums)]:
+        for length in (180, 2048):
+            runner = fused_backward_runner(derive_backward(spec.program), dtype)
+            steps, major = runner.backward_steps(length), runner.state_major(length)
+            reports = kernel_reports(spec.program, sizes, length, dtype=dtype, time_contiguous=True)
+            backward, = [r for r in reports if r.strategy == "fused backward"]
+            assert backward.resources is not None, (name, length, backward.error)
+            want = fused_backward_shared_bytes(runner.plan, value_bytes, steps, major)
+            assert backward.resources.shared_bytes == want <= STATIC_SHARED, (name, length)
+            if name == "wide" and length == 2048 and dtype == "float32":
+                assert major and steps == 2 and fused_backward_shared_bytes(runner.plan, 4, 4, True) > STATIC_SHARED
+
+
 @pytest.mark.parametrize("name, steps, sums", [("mamba1", 2, 2), ("mamba1", 4, 2), ("mamba1", 6, 2),
                                                ("mamba1", 8, 2), ("five_sums", 4, 5)])
 def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch):
@@ -338,6 +384,17 @@ def test_block_sums_add_every_step_of_a_round(name, steps, length, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", str(steps))
     m = FIVE_SUMS if name == "five_sums" else importlib.import_module(f"ssmc.examples.{name}")
     rng = np.random.default_rng(length + steps)
+    gpu = _to_gpu(m.make_inputs(rng, length, batch=2, dim=8, state=5), "float32")
+    _check_fused_gradients(m, gpu, rng, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [180, 2048])
+def test_a_fused_backward_of_many_sequences_takes_smaller_rounds(length):
+    """`wide` (float32, d = 8: block sums), where rounds of K = 4 would not fit the block's shared
+    memory: every gradient against the interpreter (K = 2). Its ssmc.grad failed to compile before."""
+    m = WIDE
+    rng = np.random.default_rng(length)
     gpu = _to_gpu(m.make_inputs(rng, length, batch=2, dim=8, state=5), "float32")
     _check_fused_gradients(m, gpu, rng, "float32")
 

@@ -1342,6 +1342,20 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
     return with_free_array_names({name for _, specs in kernels for name in specs}, build)
 
 
+def fused_backward_shared_bytes(fb: FusedBackward, value_bytes: int, steps_per_lane: int, state_major: bool) -> int:
+    """Static shared memory the fused backward kernel declares (`fused_backward_context`): each staged
+    sequence and output, a round of 32 K steps (and a pad word every K) per warp; where it runs
+    state-major and adds float32 terms atomically, two copies of the warps' terms of each summed
+    array (the block sums; counted wherever they may run, so an upper bound)."""
+    kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
+    staged = len(_stageable(fb.arrays, kernels, set(fb.parallel)))
+    warps = BLOCK // WARP
+    total = staged * warps * WARP * (steps_per_lane + 1)
+    if state_major and value_bytes == 4 and fb.partials.atomic and fused_state_major(fb) is not None:
+        total += 2 * len(fb.partials.atomic) * warps * WARP * steps_per_lane
+    return total * value_bytes
+
+
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                           steps_per_lane: int, state_major: bool = False) -> str:
     """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts

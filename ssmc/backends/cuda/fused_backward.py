@@ -28,7 +28,17 @@ from ...lowering.stages import fuse
 from ...lowering.state_lanes import StateLanes, state_lanes
 from ...lowering.state_major import fused_state_major, warp_state_major
 from ...passes.autodiff import Backward
-from .codegen import BLOCK, WARP, ArraySpec, Threads, contiguous_strides, fused_backward_source, module_source
+from .codegen import (
+    BLOCK,
+    STATIC_SHARED,
+    WARP,
+    ArraySpec,
+    Threads,
+    contiguous_strides,
+    fused_backward_shared_bytes,
+    fused_backward_source,
+    module_source,
+)
 from .devices import current_device
 from .lanes import lanes_source
 from .launch import launch_kernel, zero_bytes
@@ -82,16 +92,19 @@ FUSED_SCAN_LENGTH = 1024
 
 
 def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major: bool,
-                            length: int | None = None) -> int:
+                            length: int | None = None, fits=None) -> int:
     """The backward kernel's steps per lane; `forward_steps`: the forward warp kernel's. State-major
-    at `length`, half of them where the shorter rounds waste less of the last one."""
+    at `length`, half of them where the shorter rounds waste less of the last one, or where `fits`
+    (steps -> whether the kernel's shared memory fits, `FusedBackwardRunner.fits`) says the full
+    rounds do not fit."""
     forced = os.environ.get("SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
     if forced:
         return max(1, int(forced))
     if not state_major:
         return forward_steps if not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
     half = forward_steps // 2  # at least 2 (one step a lane state-major is unmeasured)
-    if length is not None and half >= 2 and padded(length, half) * HALF_ROUND_STEP_COST < padded(length, forward_steps):
+    if half >= 2 and ((length is not None and padded(length, half) * HALF_ROUND_STEP_COST
+                       < padded(length, forward_steps)) or (fits is not None and not fits(forward_steps))):
         return half
     return forward_steps
 
@@ -127,6 +140,7 @@ class FusedBackwardRunner:
         self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
         self._decisions: dict[tuple, object] = {}  # applies_at, forward_lanes by shape and overrides
         self.can_run_state_major = fused_state_major(plan) is not None
+        self._shared: dict[tuple[int, bool], int] = {}  # (steps a lane, state-major) -> the kernel's shared bytes
 
     def applies(self, seqs: dict, sizes: dict[str, int], length: int) -> bool:
         """Whether the forward runs as the warp kernel for these sequences (module docstring)."""
@@ -151,8 +165,8 @@ class FusedBackwardRunner:
 
     def _applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
         setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
-        if setting == "0" or self.round_steps(length) % self.forward_steps():
-            return False  # turned off, or a forward lane's steps would straddle two rounds
+        if setting == "0" or self.round_steps(length) % self.forward_steps() or not self.fits(length):
+            return False  # turned off, a forward lane's steps would straddle two rounds, or too big a block
         partials = self.plan.partials
         if setting != "1" and not (partials.atomic or partials.accumulators) and (
                 math.prod(sizes[a] for a in self.plan.parallel) < FUSED_SCAN_RECURRENCES
@@ -206,13 +220,33 @@ class FusedBackwardRunner:
         if not self.can_run_state_major or setting == "0":
             return False
         step_major = backward_steps_per_lane(self.plan, self.forward_steps(), False)
-        steps = backward_steps_per_lane(self.plan, self.forward_steps(), True, length)
+        steps = backward_steps_per_lane(self.plan, self.forward_steps(), True, length, self.fits_state_major)
+        if setting != "1" and not self.fits_state_major(steps):
+            return False  # its rounds' staging and block sums take more shared memory than a block has
         cost = STATE_MAJOR_STEP_COST * (HALF_ROUND_STEP_COST if steps < self.forward_steps() else 1.0)
         return setting == "1" or padded(length, steps) * cost <= padded(length, step_major)
 
     def backward_steps(self, length: int) -> int:
         """The backward kernel's steps per lane at `length`."""
-        return backward_steps_per_lane(self.plan, self.forward_steps(), self.state_major(length), length)
+        major = self.state_major(length)
+        return backward_steps_per_lane(self.plan, self.forward_steps(), major, length,
+                                       self.fits_state_major if major else None)
+
+    def fits(self, length: int) -> bool:
+        """Whether the backward kernel chosen at `length` fits a block's static shared memory: a program
+        with many sequences per step or summed arrays may not (it would not compile)."""
+        major = self.state_major(length)
+        return self._fits(self.backward_steps(length), major)
+
+    def fits_state_major(self, steps: int) -> bool:
+        return self._fits(steps, True)
+
+    def _fits(self, steps: int, state_major: bool) -> bool:
+        key = (steps, state_major)
+        if key not in self._shared:
+            value_bytes = 8 if self.compute == "float64" else 4
+            self._shared[key] = fused_backward_shared_bytes(self.plan, value_bytes, steps, state_major)
+        return self._shared[key] <= STATIC_SHARED
 
     def round_steps(self, length: int) -> int:
         """Steps per round of the backward kernel: the forward saves its carry every so many steps."""
