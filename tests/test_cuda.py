@@ -13,6 +13,7 @@ from strategies import (
     diagonal_linear_recurrences,
     draw_inputs,
     layers,
+    many_sequences,
     param_in_setup,
     recurrences,
     state_axis_recurrences,
@@ -878,3 +879,20 @@ def test_float32_math_within_a_few_ulp(fn):
     ulps = np.abs(got - want) / np.maximum(np.abs(want), 1e-30) / 2.0**-24
     allowed = 8 + 1.5 * np.abs(x[None])
     assert (ulps <= allowed).all(), (ulps.max(), x[np.argmax(ulps - allowed)])
+
+
+@pytest.mark.parametrize("length", [7, 192, 1000])
+def test_gradients_of_many_sequences_in_float64(length):
+    """`strategies.many_sequences` in float64 with time contiguous ("b d t"): the adjoint's warp kernel
+    stages only the per-step arrays that fit its shared memory (it did not compile before); forward
+    and every gradient against the interpreter."""
+    rng = np.random.default_rng(length)
+    names = [d.name for d in many_sequences.program.inputs]
+    inputs = {n: rng.uniform(0.5, 1.0, (2, 40, length)) if n == "a" else rng.standard_normal((2, 40, length))
+              for n in names}
+    cot = rng.standard_normal((2, 40, length))
+    want = ssmc.grad(many_sequences, "interpreter", layout="b d t")(**inputs, grad_outputs=cot)
+    got = ssmc.grad(many_sequences, "cuda", layout="b d t")(**on_gpu(inputs, "float64"),
+                                                           grad_outputs=on_gpu({"y": cot}, "float64")["y"])
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-10, key

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import (
     diagonal_linear_recurrences,
+    many_sequences,
     param_in_setup,
     recurrences,
     state_axis_recurrences,
@@ -479,3 +480,17 @@ def test_reverse_state_major_warp_kernel_takes_its_lanes_steps_backwards():
                              compile_kernels=False)
     assert "const int t = L - 1 - (t0 + tt);" in report.source
     assert "L - 1 - t0 + tt" not in report.source
+
+
+@pytest.mark.parametrize("length", [192, 4096])
+def test_kernels_of_many_sequences_fit_the_shared_memory(length):
+    """`strategies.many_sequences` in float64, time contiguous: every kernel of its forward and gradient
+    compiles (the adjoint's warp kernel stages what fits 48 KiB of shared memory and reads the rest in
+    place), the adjoint with some of its per-step arrays staged."""
+    reports = kernel_reports(many_sequences.program, {"b": 8, "d": 2048}, length, "float64", "sm_90",
+                             time_contiguous=True)
+    for r in reports:
+        assert r.resources is not None, (r.name, r.error)
+        assert r.resources.shared_bytes <= 48 * 1024, r.name
+    adjoint, = [r for r in reports if r.program == "adjoint"]
+    assert 0 < adjoint.source.count("__shared__ F sm_") < 26

@@ -429,7 +429,11 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     if warps > 1 and not shares_recurrence(k, summary):
         raise ValueError(f"{k.name}: only a warp kernel with scalar states, without rounds, can share a "
                          "recurrence among warps")
-    staged = _stageable(k.arrays, (summary, k), set(k.parallel))
+    stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
+    block_warps = warps if warps > 1 else BLOCK // WARP
+    value_bytes = 8 if any(a.dtype == "float64" for a in arrays.values()) else 4  # F: double where any is
+    room = STATIC_SHARED - 4 * warps * len(program.states) * value_bytes  # less the warps' aggregates
+    staged = _within(_stageable(k.arrays, (summary, k), set(k.parallel)), block_warps * stage_len * value_bytes, room)
     ctx = kernel_context(k, arrays, sizes)
     in_registers = param_registers((summary, k), set(k.parallel), sizes)
     major = warp_state_major(summary, k)
@@ -444,8 +448,6 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
         in_registers = {name: local for name, local in in_registers.items() if not local}
     ps = CPrinter(summary, arrays, sizes, staged, param_registers=in_registers)
     pr = CPrinter(k, arrays, sizes, staged, param_registers=in_registers)
-    stage_len = WARP * (steps_per_lane + 1)  # a slot skipped after each lane's steps: no bank conflicts
-    block_warps = warps if warps > 1 else BLOCK // WARP
     ctx["shared"] = [f"__shared__ F sm_{a}[{block_warps}][{stage_len}];" for a in sorted(staged)]
     ctx["shared"] += [f"__shared__ F sm_agg_{s.name}[2][{warps}][2];  // the warps' (product, partial), two rounds"
                       for s in program.states if warps > 1]
@@ -1040,7 +1042,9 @@ def _vector_atomics(body: list, arrays: dict[str, ArraySpec], steps_per_lane: in
     out = {}
     for s in body:
         e = s.target
-        if s.op == "atomic+=" and isinstance(e, Load) and (e.array, e.index) not in out:
+        if s.op == "atomic+=" and isinstance(e, Load) and (e.array, e.index) in out:
+            return {}  # two terms into one register a step: the second would replace the first
+        if s.op == "atomic+=" and isinstance(e, Load):
             spec = arrays[e.array]
             if (spec.dtype == "float32" and spec.strides[0] == 1 and e.index[0] == "t"
                     and all(st % steps_per_lane == 0 for st in spec.strides[1:])
@@ -1245,6 +1249,13 @@ def _stageable(arrays, kernels, parallel: set[str]) -> frozenset[str]:
             if e.array in candidates and e != _at_t(candidates[e.array]):
                 del candidates[e.array]
     return frozenset(candidates)
+
+
+def _within(staged: frozenset[str], per_array: int, room: int) -> frozenset[str]:
+    """The first of `staged` (by name) whose `per_array` bytes of shared memory each fit `room`; the
+    others are read and written in place (uncoalesced, but the kernel compiles: a float64 scan of 11
+    sequences staged 26 arrays of 5 KiB and stopped at ptxas' "too much shared data", 2026-11-26)."""
+    return frozenset(sorted(staged)[:max(0, room // max(1, per_array))])
 
 
 def _store(dtype: str, value: str) -> str:
