@@ -65,10 +65,6 @@ _IN_ORDER = _sub(r"// consecutive blocks take turns[^\n]*\n[^\n]*\n\s*const unsi
 
 # name -> (edit of the backward's source or None, SSMC_CUDA_BACKWARD_STEPS_PER_LANE or None, drops work
 #          [, threads a block of the backward, where not codegen.BLOCK])
-# the block sums (codegen._block_sum_lines): the barrier, then the block's threads over the round's vectors
-_SUMS_BARRIER = r"__syncthreads\(\);"
-_SUMS_LOOP = r"(\s*for \(int i = threadIdx.x; i < \d+; i \+= 128\) \{\s*const int j = i / \d+, s = i % \d+ \* \d;\s*)"
-
 VARIANTS = {
     "generated": (None, None, False),
     "loop over n unrolled 2": (_sub(_N_LOOP, r"#pragma unroll 2\1"), None, False),
@@ -92,14 +88,13 @@ VARIANTS = {
     "drops: the adjoint's scan over the lanes": (_NO_ADJOINT_SCAN, None, True),
     "drops: both scans": (both(_NO_FORWARD_SCAN, _NO_ADJOINT_SCAN), None, True),
     "drops: the block's sums of the grad_B / grad_C terms": (_sub(
-        _SUMS_BARRIER + _SUMS_LOOP + r"if \(base \+ s >= L\) continue;", r"\1continue;"), None, True),
-    "drops: the block sums' barrier (their terms race)": (_sub(_SUMS_BARRIER + r"(\s*for \(int i = threadIdx)",
-                                                              r"\1"), None, True),
+        r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&",
+        r"\1if (false &&"), None, True),
+    "drops: the block sums' barrier (their terms race)": (_sub(
+        r"__syncthreads\(\);(\s*const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;)", r"\1"), None, True),
     "drops: the block sums' adds into memory (the barrier kept)": (_sub(
-        _SUMS_LOOP + r"if \(base \+ s >= L\) continue;", r"\1continue;"), None, True),
-    "block sums: one vector a thread, as before 2026-11-26 (wrong where a round has more)": (_sub(
-        r"for \(int i = threadIdx.x; i < (\d+); i \+= 128\)",
-        r"for (int i = threadIdx.x; i < \1 && i < 128; i += 128)"), None, False),
+        r"(const int j = threadIdx.x / 32, s = threadIdx.x % 32 \* \d;\s*)if \(j < 2 &&", r"\1if (L < 0 &&"),
+        None, True),
     "drops: the exp of the decay": (_sub(r"v_fs_m1 = exp_\(", "v_fs_m1 = F(1) - ("), None, True),
 }
 

@@ -105,7 +105,7 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     assert post.strategy == "post: map, rows d/16"
     assert "row_sum<16>(acc_" in post.source and "[n_d]" not in post.source
     assert post.resources.shared_bytes >= 512 * 4 and not post.resources.spills
-    assert reports["mamba1_block_fused_backward"].strategy == "core: fused backward"
+    assert reports["mamba1_block_fused_backward"].strategy.startswith("core: fused backward")
     for name in ("mamba1_block_post_backward_pre_row0", "mamba1_block_post_backward_pre_row1"):
         assert reports[name].launch.mapping.row and reports[name].strategy.startswith("post: pre: map, rows d/")
     weight = reports["mamba1_block_post_backward_epilogue_grad_norm_weight"]

@@ -198,7 +198,7 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
         if summary:
             assert "out_" not in roles["forward (gradients only)"].source.split("__global__")[-1].split(")")[0]
             assert "rounds_h" in roles["forward (gradients only)"].source
-        assert roles["backward"].strategy == "fused backward"
+        assert roles["backward"].strategy.startswith("fused backward")
         assert "atomicAdd" in roles["backward"].source or name == "hgrn"
         if name == "mamba1":  # exp(dt A) once per step and state, where the four steps would each compute it
             source = roles["backward"].source  # state-major: a round's code for full rounds, one for the rest
@@ -268,7 +268,7 @@ def test_the_fused_backward_fits_a_block_shared_memory(dtype):
             runner = fused_backward_runner(derive_backward(spec.program), dtype)
             steps, major = runner.backward_steps(length), runner.state_major(length)
             reports = kernel_reports(spec.program, sizes, length, dtype=dtype, time_contiguous=True)
-            backward, = [r for r in reports if r.strategy == "fused backward"]
+            backward, = [r for r in reports if r.strategy.startswith("fused backward")]
             assert backward.resources is not None, (name, length, backward.error)
             want = fused_backward_shared_bytes(runner.plan, value_bytes, steps, major)
             assert backward.resources.shared_bytes == want <= STATIC_SHARED, (name, length)
@@ -281,8 +281,8 @@ def test_the_fused_backward_fits_a_block_shared_memory(dtype):
 def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch):
     """The block's warps add their terms of each summed array up in shared memory, then its threads add
     every vector of the round (`sums` arrays x 32 K steps) into memory: 128 threads took one vector
-    each, so where there were more (K = 6 and 8, or five arrays) the rest were lost. Both kernels (full
-    rounds, the partial one) loop over all of them, and compile without spills."""
+    each, so where there were more (K = 6 and 8, or five arrays) the rest were lost. There both
+    kernels (full rounds, the partial one) loop over all of them; all compile without spills."""
     from ssmc.backends.cuda.codegen import _vector_width
     from ssmc.backends.cuda.report import kernel_reports
 
@@ -292,9 +292,12 @@ def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch
     spec = FIVE_SUMS.SPEC if name == "five_sums" else importlib.import_module(f"ssmc.examples.{name}").SPEC
     # float32 with rows of a multiple of K steps: the lanes add their K steps as vectors (`_vector_atomics`)
     reports = kernel_reports(spec.program, {"b": 2, "d": 8, "n": 5}, 192, arch="sm_90", time_contiguous=True)
-    backward, = [r for r in reports if r.strategy == "fused backward"]
+    backward, = [r for r in reports if r.strategy.startswith("fused backward")]
     vectors = sums * 32 * steps // _vector_width(steps)
-    assert backward.source.count(f"for (int i = threadIdx.x; i < {vectors}; i += 128)") == 2
+    if vectors <= 128:  # a vector a thread
+        assert backward.source.count(f"if (j < {sums} && base + s < L)") == 2
+    else:
+        assert backward.source.count(f"for (int i = threadIdx.x; i < {vectors}; i += 128)") == 2
     assert backward.resources is not None and not backward.resources.spills, backward.resources.summary()
 
 

@@ -1009,12 +1009,18 @@ def _block_sum_lines(depth: int, atomics: dict, printer: CPrinter, steps_per_lan
     target = targets[-1]
     for j in reversed(range(len(targets) - 1)):
         target = f"j == {j} ? {targets[j]} : {target}"
-    # the arrays' vectors, BLOCK at a time: more than a block's threads where K > 4 or more than four
-    # arrays are summed (Mamba-1 at K = 6 had lost grad_C's later steps, found 2026-11-26)
+    vectors = len(atomics) * per_array
+    if vectors <= BLOCK:  # a vector a thread
+        head = [f"{pad}    const int j = threadIdx.x / {per_array}, s = threadIdx.x % {per_array} * {width};",
+                f"{pad}    if (j < {len(atomics)} && base + s < L) {{"]
+    else:  # BLOCK at a time (one a thread lost the rest: Mamba-1 at K = 6 lost grad_C's later steps,
+        # five summed arrays the fifth; found 2026-11-26). Not everywhere: the loop took Mamba-1's
+        # backward at K = 2 from 80 to 95 registers
+        head = [f"{pad}    for (int i = threadIdx.x; i < {vectors}; i += {BLOCK}) {{",
+                f"{pad}        const int j = i / {per_array}, s = i % {per_array} * {width};",
+                f"{pad}        if (base + s >= L) continue;"]
     lines += [f"{pad}    __syncthreads();",
-              f"{pad}    for (int i = threadIdx.x; i < {len(atomics) * per_array}; i += {BLOCK}) {{",
-              f"{pad}        const int j = i / {per_array}, s = i % {per_array} * {width};",
-              f"{pad}        if (base + s >= L) continue;",
+              *head,
               f"{pad}        F v[{width}];",
               f"{pad}        #pragma unroll",
               f"{pad}        for (int e = 0; e < {width}; ++e) v[e] = {warps};",

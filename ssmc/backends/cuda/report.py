@@ -97,7 +97,7 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
         # a training step's kernels: the forward saving round carries, the fused backward, and (a scan's)
         # the forward without outputs that a step wanting only gradients runs
         roles = ("forward (training)", "backward", "forward (gradients only)")
-        return [_report(role, kind + _fused_label(role, launch), launch, source, arch, compile_kernels)
+        return [_report(role, kind + _fused_label(role, launch, fused, length), launch, source, arch, compile_kernels)
                 for (launch, source), role in zip(fused.sources(sizes, length), roles)]
     chunk = min(length, default_chunk("cuda", length, program, sizes))
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
@@ -105,11 +105,13 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
             + _program_reports("adjoint", bw.adjoint, chunk, kind, *common))
 
 
-def _fused_label(role: str, launch) -> str:
-    """The strategy a fused backward's kernel is reported under: its forward is the lanes kernel or
-    the warp kernel, each saving the round carries."""
+def _fused_label(role: str, launch, fused, length: int) -> str:
+    """The strategy a fused backward's kernel is reported under: the backward with its steps per lane
+    (and whether state-major: chosen to fit the block's shared memory too); its forward, the lanes
+    kernel or the warp kernel, each saving the round carries."""
     if role == "backward":
-        return "fused backward"
+        major = ", state-major" if fused.state_major(length) else ""
+        return f"fused backward, {fused.backward_steps(length)} steps a lane{major}"
     return f"lanes, {launch.mapping.describe()}" if launch.mapping.lanes else "warp"
 
 
