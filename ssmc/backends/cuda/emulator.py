@@ -1,0 +1,103 @@
+"""Generated CUDA kernels run on the CPU, for tests at tiny sizes on machines without a GPU.
+
+The kernel's source is compiled by the host C++ compiler after ``templates/cuda_emulator.h``, which
+emulates a launch: a block at a time, its threads as OS threads, ``__syncthreads`` / ``__syncwarp``
+and the shuffles through barriers (the header says how). What it checks is the kernel's logic: its
+indexing, which thread does what, its barriers and shuffles, its partial rounds and chunks; not
+timing, not races the hardware would lose, and not the sm_80 / sm_90 assembly paths (cp.async, vector
+atomic adds), whose portable fallbacks run instead. A bug of the first kind (the fused backward's
+block sums lost the vectors past a block's threads, 2026-11-26) needed a GPU to show before.
+
+    kernel = emulated(source, "mamba1_fused_backward")       # compiled once per source (cached)
+    kernel((blocks, threads), length, nblk, [a.ctypes.data for a in arrays])   # NumPy arrays
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from importlib import resources
+
+from ...runtime.cache import cache_dir, content_key
+
+_SIGNATURE = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)')
+
+
+class EmulatorUnavailable(RuntimeError):
+    """No C++20 compiler to build emulated kernels with."""
+
+
+def compiler() -> str | None:
+    """The host C++ compiler (``$CXX``, else g++ or clang++), or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def available() -> bool:
+    return compiler() is not None
+
+
+def emulated(source: str, name: str):
+    """Kernel `name` of the generated `source`, compiled for the CPU (cached by source): a function
+    ``(grid, length, nblk, pointers)`` running the launch to completion, `grid` = (blocks, threads a
+    block), `pointers` the host addresses of the kernel's arrays in order."""
+    params = _params(source, name)
+    wrapper = _wrapper(name, params)
+    header = resources.files("ssmc").joinpath("templates/cuda_emulator.h").read_text()
+    text = f"{header}\n// ---- the generated source ----\n{source}\n{wrapper}"
+    lib = ctypes.CDLL(str(_build(text)))
+    fn = lib.ssmc_emulate
+    fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = None
+    count = len(params) - 2
+
+    def launch(grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
+        if len(pointers) != count:
+            raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
+        table = (ctypes.c_void_p * max(1, count))(*pointers)
+        fn(grid[0], grid[1], length, nblk, table)
+
+    return launch
+
+
+def _params(source: str, name: str) -> list[str]:
+    """The C types of kernel `name`'s parameters, in order (two ints, then the arrays' pointers)."""
+    for found, params in _SIGNATURE.findall(source):
+        if found == name:
+            types = [p.rsplit(None, 1)[0].replace("__restrict__", "").strip() for p in params.split(",")]
+            if types[:2] != ["int", "int"]:
+                raise ValueError(f"{name}: expected (int length, int nblk, arrays...), got {params}")
+            return types
+    raise ValueError(f"no kernel {name} in the source")
+
+
+def _wrapper(name: str, params: list[str]) -> str:
+    args = ", ".join(["length", "nblk", *(f"({t})arrays[{i}]" for i, t in enumerate(params[2:]))])
+    return (f'extern "C" void ssmc_emulate(unsigned blocks, unsigned threads, int length, int nblk, void** arrays)\n'
+            f"{{\n    ssmc_emu::run(blocks, threads, [&] {{ {name}({args}); }});\n}}\n")
+
+
+def _build(text: str):
+    """The shared library of `text` (C++), built once per content in the cache (``emulator``)."""
+    cxx = compiler()
+    if cxx is None:
+        raise EmulatorUnavailable("no C++ compiler (set CXX, or install g++ or clang++)")
+    folder = cache_dir("emulator")
+    key = content_key(text + cxx)
+    lib = folder / f"k_{key}.so"
+    if lib.exists():
+        return lib
+    src = folder / f"k_{key}.cpp"
+    src.write_text(text)
+    tmp = folder / f"k_{key}.{os.getpid()}.so"
+    # -fno-strict-aliasing: the kernels read float arrays as float4 vectors; -w: the generated code's
+    # pragmas and unused values are not this compiler's business
+    cmd = [cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-w",
+           str(src), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the emulated kernel did not compile ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    os.replace(tmp, lib)
+    return lib

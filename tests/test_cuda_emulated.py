@@ -1,0 +1,129 @@
+"""CUDA kernels run on the CPU by the emulator (backends/cuda/emulator.py; no GPU needed, a C++20
+compiler is): a training step through the fused backward's two kernels (`emulation.fused_step`), its
+outputs and every gradient against the interpreter at tiny sizes. These check the kernels' logic
+(indexing, partial rounds and chunks, barriers, shuffles, the block sums) in CI; the GPU tests
+(`test_fused_backward.py`) check them on the hardware. The emulated block sums reproduce the bug
+of 2026-11-26 (a round's vectors past the block's threads were never added) on the code before.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from emulation import fused_step
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from strategies import diagonal_linear_recurrences, draw_inputs
+from test_fused_backward import FIVE_SUMS, WIDE
+
+import ssmc
+from ssmc.backends.cuda import emulator, fused_backward, runner
+from ssmc.passes.autodiff import derive_backward
+
+pytestmark = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+
+TOL = {np.float64: 1e-10, np.float32: 1e-4}
+
+
+def _time_last(spec, inputs: dict) -> dict:
+    """`inputs` with the sequences' time axis moved from first to last."""
+    seqs = {d.name for d in spec.program.seqs}
+    return {k: (np.ascontiguousarray(np.moveaxis(v, 0, -1)) if k in seqs else v) for k, v in inputs.items()}
+
+
+def _check(spec, inputs: dict, rng, dtype, tol: float | None = None):
+    """The emulated step's outputs and gradients (`fused_step`) against the interpreter's, inputs time
+    last ("... t"), rounded to `dtype` first; relative to the largest value of each."""
+    rounded = {k: np.asarray(v).astype(dtype).astype(np.float64) for k, v in inputs.items()}
+    f = ssmc.compile(spec, "interpreter", layout="... t")
+    outs, finals = f.run(**rounded)
+    program = spec.program
+    cot = {n: np.moveaxis(rng.standard_normal(outs[n].shape), 0, -1).astype(dtype).astype(np.float64)
+           for n, _ in program.outputs}
+    want = ssmc.grad(spec, "interpreter", layout="... t")(**rounded, grad_outputs=cot)
+    got_outs, got = fused_step(spec, rounded, cot, dtype)
+    tol = tol or TOL[dtype]
+    scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
+    for n, _ in program.outputs:
+        w = np.moveaxis(outs[n], 0, -1)
+        assert np.abs(got_outs[n] - w).max() <= tol * max(np.abs(w).max(), 1e-30), n
+    for s in program.states:  # the final states
+        assert np.abs(got_outs[s.name] - finals[s.name]).max() <= tol * max(np.abs(finals[s.name]).max(), 1e-30)
+    for key, w in want.items():
+        assert np.abs(got[key] - w).max() <= tol * max(np.abs(w).max(), 1e-6 * scale, 1e-30), key
+
+
+@pytest.fixture
+def fresh_runners():
+    """Runners built anew (their decisions are cached per shape and overrides, not per module constant)."""
+    runner._RUNNERS.clear()
+    fused_backward._RUNNERS.clear()
+    yield
+    runner._RUNNERS.clear()
+    fused_backward._RUNNERS.clear()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("length", [7, 70, 200])
+@pytest.mark.parametrize("name", ["mamba1", "hgrn"])
+def test_emulated_fused_backward_matches_the_interpreter(name, length, dtype, monkeypatch):
+    """Mamba-1 (state-major backward from L = 70, step-major at 7) and HGRN (a scan: no sums over
+    the recurrences), the warp kernel forced as the forward so that the fused backward runs at any
+    length; a partial last round at 7, 70 and 200."""
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=2, dim=8, **({"state": 5} if name == "mamba1" else {}))
+    if m.LAYOUT.startswith("b t"):  # time second: last instead
+        seqs = {d.name for d in m.SPEC.program.seqs}
+        inputs = {k: (np.moveaxis(v, 1, -1) if k in seqs else v) for k, v in inputs.items()}
+    _check(m.SPEC, inputs, rng, dtype)
+
+
+@pytest.mark.parametrize("spec, steps, length", [("mamba1", "6", 192), ("mamba1", "8", 256), ("five_sums", "", 64),
+                                                  ("wide", "", 64)])
+def test_emulated_block_sums_add_every_vector(spec, steps, length, monkeypatch):
+    """The block sums where a round has more vectors than the block's 128 threads (K = 6 and 8 forced;
+    five summed arrays; `wide`, which takes K = 2 to fit its shared memory): float32, d = 8 (the block's
+    4 warps share b), rows of whole vectors. On the code before 2026-11-26 the emulated step gave
+    grad_C (K = 6) and grad_G (five_sums, wide) a relative error of 1.0."""
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_STATE_MAJOR_BACKWARD", "1")
+    if steps:
+        monkeypatch.setenv("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", steps)
+    m = {"five_sums": FIVE_SUMS, "wide": WIDE}.get(spec) or importlib.import_module(f"ssmc.examples.{spec}")
+    rng = np.random.default_rng(length)
+    _check(m.SPEC, m.make_inputs(rng, length, batch=2, dim=8, state=5), rng, np.float32)
+
+
+@pytest.mark.parametrize("length", [64, 100])
+def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
+    """Mamba-1's training forward as the lanes kernel (its fill threshold lowered, so that it runs at
+    B2 D8), saving the round carries the fused backward starts from: its outputs and the gradients;
+    100 steps end in a partial chunk."""
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    m = importlib.import_module("ssmc.examples.mamba1")
+    sizes = {"b": 2, "d": 8, "n": 5}
+    fb = fused_backward.fused_backward_runner(derive_backward(m.SPEC.program), "float32")
+    assert fb.forward_lanes(sizes, length, True) is not None and fb.applies_at(sizes, length, True)
+    rng = np.random.default_rng(length)
+    _check(m.SPEC, m.make_inputs(rng, length, batch=2, dim=8, state=5), rng, np.float32)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                                                HealthCheck.data_too_large])
+@given(spec=diagonal_linear_recurrences(), length=st.sampled_from([7, 70]), seed=st.integers(0, 2**16))
+def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
+    """Random diagonal-linear specs that fuse, float64, the warp kernel and the fused backward forced."""
+    import os
+
+    assume(fused_backward.fused_backward_runner(derive_backward(spec.program)) is not None)
+    inputs = _time_last(spec, draw_inputs(spec, length, seed))
+    os.environ.update(SSMC_CUDA_STRATEGY="warp", SSMC_CUDA_FUSED_BACKWARD="1")
+    try:
+        _check(spec, inputs, np.random.default_rng(seed), np.float64, tol=1e-8)
+    finally:
+        del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_FUSED_BACKWARD"]
