@@ -101,7 +101,10 @@ class _DeviceArrays:
     def zeros(shape, dtype):
         import torch
 
-        return torch.zeros(tuple(shape), device="cuda", dtype=torch.float64 if dtype == np.float64 else torch.float32)
+        from .backends.cuda.devices import device_name
+
+        return torch.zeros(tuple(shape), device=device_name(),
+                           dtype=torch.float64 if dtype == np.float64 else torch.float32)
 
     @staticmethod
     def cast(x, dtype):

@@ -1,9 +1,11 @@
 """CUDA kernels run on the CPU by the emulator (backends/cuda/emulator.py; no GPU needed, a C++20
-compiler is): a training step through the fused backward's two kernels (`emulation.fused_step`), its
-outputs and every gradient against the interpreter at tiny sizes. These check the kernels' logic
-(indexing, partial rounds and chunks, barriers, shuffles, the block sums) in CI; the GPU tests
-(`test_fused_backward.py`) check them on the hardware. The emulated block sums reproduce the bug
-of 2026-11-26 (a round's vectors past the block's threads were never added) on the code before.
+compiler is), against the interpreter at tiny sizes: a training step through the fused backward's
+two kernels (`emulation.fused_step`: the block sums, the lanes training forward, random specs), and
+the whole backend with ``SSMC_CUDA_EMULATE=1`` (every example through `ssmc.compile` and `ssmc.grad`
+under the strategies it picks or is forced to, random recurrences). These check the kernels' logic
+(indexing, partial rounds and chunks, barriers, shuffles) and the runners' plans in CI; the GPU tests
+check them on the hardware. The emulated block sums reproduce the bug of 2026-11-26 (a round's
+vectors past the block's threads were never added) on the code before.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from emulation import fused_step
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, draw_inputs
+from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
 from test_fused_backward import FIVE_SUMS, WIDE
 
 import ssmc
@@ -127,3 +129,82 @@ def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
         _check(spec, inputs, np.random.default_rng(seed), np.float64, tol=1e-8)
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_FUSED_BACKWARD"]
+
+
+# -- the whole backend emulated: SSMC_CUDA_EMULATE=1, torch CPU tensors for device memory ---------
+
+EXAMPLES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+
+
+def _example_inputs(name: str, length: int, rng) -> tuple:
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    try:
+        return m, m.make_inputs(rng, length, batch=2, dim=8)
+    except TypeError:  # examples of other sizes' names
+        return m, m.make_inputs(rng, length)
+
+
+def _rel(got, want) -> float:
+    got = got.double().numpy() if hasattr(got, "numpy") else np.asarray(got)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if np.size(want) else 0.0
+
+
+@pytest.mark.parametrize("length, strategy", [(7, ""), (70, ""), (70, "warp"), (70, "time blocks")])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeypatch):
+    """Every example through `ssmc.compile` and `ssmc.grad` on the cuda backend, its kernels emulated
+    (the runners' own plans, launches and allocations, on torch CPU tensors), float64, with the
+    strategy the heuristic picks or one forced where it applies (others fall back as on a GPU):
+    outputs, final states and every gradient against the interpreter."""
+    import torch
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    if strategy:
+        monkeypatch.setenv("SSMC_CUDA_STRATEGY", strategy)
+    rng = np.random.default_rng(length)
+    m, inputs = _example_inputs(name, length, rng)
+    want_y, want_h = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    tensors = {k: torch.tensor(v) for k, v in inputs.items()}
+    got_y, got_h = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, return_final_states=True)
+    pairs = list(zip(_flat(got_y) + _flat(got_h), _flat(want_y) + _flat(want_h)))
+    for g, w in pairs:
+        assert not g.is_cuda and _rel(g, w) <= 1e-10
+    cot = rng.standard_normal(np.shape(_flat(want_y)[0]))
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
+    got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, grad_outputs=torch.tensor(cot))
+    for key in want:
+        assert _rel(got[key], want[key]) <= 1e-9, key
+
+
+def _flat(values) -> list:
+    return list(values) if isinstance(values, tuple) else [values]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=recurrences(), length=st.sampled_from([1, 7, 40]), seed=st.integers(0, 2**16))
+def test_emulated_random_recurrences(spec, length, seed):
+    """Random recurrences (time first, float64) forward and gradient through the emulated cuda backend."""
+    import os
+
+    import torch
+
+    inputs = draw_inputs(spec, length, seed)
+    outs, finals = ssmc.compile(spec, "interpreter").run(**inputs)
+    rng = np.random.default_rng(seed)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    want = ssmc.grad(spec, "interpreter")(**inputs, grad_outputs=cot)
+    os.environ["SSMC_CUDA_EMULATE"] = "1"
+    try:
+        tensors = {k: torch.tensor(v) for k, v in inputs.items()}
+        got_outs, got_finals = ssmc.compile(spec, "cuda").run(**tensors)
+        got = ssmc.grad(spec, "cuda")(**tensors, grad_outputs={n: torch.tensor(v) for n, v in cot.items()})
+    finally:
+        del os.environ["SSMC_CUDA_EMULATE"]
+    for n in outs:
+        assert _rel(got_outs[n], outs[n]) <= 1e-9, n
+    for n in finals:
+        assert _rel(got_finals[n], finals[n]) <= 1e-9, n
+    scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
+    for key in want:  # as test_cuda.py's random gradients: cancellation to roundoff by an absolute bound
+        err = np.abs(got[key].double().numpy() - want[key]).max()
+        assert _rel(got[key], want[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key

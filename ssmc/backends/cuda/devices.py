@@ -6,20 +6,38 @@ on another GPU than the current one (``cuda:1`` from a process whose current dev
 switches to their device for its duration (`on_arrays_device`); everything the backend builds per
 device (modules, functions, launch plans) is keyed by the device it was built on (`current_device`).
 Arguments on two GPUs are an error naming the argument (`check_one_device`).
+
+With ``SSMC_CUDA_EMULATE=1`` the backend runs its kernels on the CPU instead (`emulating`;
+backends/cuda/emulator.py): torch CPU tensors stand for device memory, the device is -1.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 _getter = None  # torch's raw current-device getter, once torch is imported
 
 
+def emulating() -> bool:
+    """Whether the cuda backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for
+    tests of the kernels' logic at tiny sizes on machines without a GPU."""
+    return os.environ.get("SSMC_CUDA_EMULATE") == "1"
+
+
+def device_name() -> str:
+    """Where the backend's tensors live: "cuda", or "cpu" where it is `emulating`."""
+    return "cpu" if emulating() else "cuda"
+
+
 def current_device() -> int:
     """The current CUDA device's index (torch's raw getter: `torch.cuda.current_device` checks its
-    lazy initialisation on every call, host time a small call pays per launch)."""
+    lazy initialisation on every call, host time a small call pays per launch); -1 where emulating
+    (keys of what is built per device then never meet a GPU's)."""
     global _getter
+    if emulating():
+        return -1
     if _getter is None:
         import torch
 

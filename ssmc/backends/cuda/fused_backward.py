@@ -39,7 +39,7 @@ from .codegen import (
     fused_backward_source,
     module_source,
 )
-from .devices import current_device
+from .devices import current_device, device_name
 from .lanes import lanes_source
 from .launch import launch_kernel, zero_bytes
 from .runner import (
@@ -437,7 +437,7 @@ class _BackwardLaunch:
         few µs per torch call, bench/host_profile.py)."""
         import torch
 
-        buffer = torch.empty(self.plain + self.zeroed, device="cuda", dtype=self.dtype)
+        buffer = torch.empty(self.plain + self.zeroed, device=device_name(), dtype=self.dtype)
         if self.zeroed:
             size = buffer.element_size()
             zero_bytes(buffer.data_ptr() + self.plain * size, self.zeroed * size, lambda: buffer[self.plain:].zero_())

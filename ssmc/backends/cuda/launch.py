@@ -16,7 +16,7 @@ import ctypes
 import sys
 import threading
 
-from .devices import current_device
+from .devices import current_device, emulating
 
 _UNLOADED = object()
 _driver = _UNLOADED
@@ -66,7 +66,7 @@ def zero_bytes(pointer: int, nbytes: int, fallback) -> None:
     """Zero `nbytes` (a multiple of 4) of device memory at `pointer` on torch's current stream: one
     driver call where the driver is loaded (a torch ``zeros`` or ``zero_`` costs a few µs of host
     time more), else ``fallback()``."""
-    memset = _load_memset() if use_driver else None
+    memset = _load_memset() if use_driver and not emulating() else None
     if memset is None or memset(pointer, 0, nbytes // 4, current_stream()) != 0:
         fallback()
 
@@ -122,7 +122,11 @@ def _cupy_stream(pointer: int):
 
 def launch_kernel(function, grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
     """Launch `function` with `grid` = (blocks, threads a block) on torch's current stream, with the
-    arguments (length, nblk, *pointers): two ints, then one device address per array."""
+    arguments (length, nblk, *pointers): two ints, then one device address per array (host addresses,
+    and run to completion, where `function` is emulated: backends/cuda/emulator.py)."""
+    if getattr(function, "emulated", False):
+        function(grid, length, nblk, pointers)
+        return
     stream = current_stream()
     driver = _load_driver() if use_driver else None
     if driver is not None:

@@ -38,7 +38,7 @@ from .codegen import (
     shares_recurrence,
     split_groups,
 )
-from .devices import current_device
+from .devices import current_device, device_name, emulating
 from .lanes import lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
 from .settings import overrides
@@ -57,6 +57,10 @@ def missing() -> str | None:
         import torch
     except ImportError:
         return "PyTorch is not installed"
+    if emulating():  # SSMC_CUDA_EMULATE=1: the kernels run on the CPU
+        from .emulator import available
+
+        return None if available() else "no C++ compiler for the emulated kernels (SSMC_CUDA_EMULATE=1)"
     try:
         import cupy
     except ImportError:
@@ -83,21 +87,22 @@ def require_gpu() -> None:
     if reason is not None:
         raise ValueError(f"backend 'cuda' needs a CUDA GPU with CuPy and PyTorch: {reason}; "
                          "backend 'numba' runs on the CPU")
-    _GPU_FOUND = True
+    _GPU_FOUND = not emulating()  # the emulator is looked for again: the setting may change
 
 
 def to_device(x, name: str):
     """A torch CUDA tensor for an argument (torch / CuPy zero-copy; NumPy and lists copied)."""
     import torch
 
+    device = device_name()
     if isinstance(x, torch.Tensor):
         t = x.detach()
-        if not t.is_cuda:
-            t = t.cuda()
+        if t.device.type != device:
+            t = t.to(device)
     elif hasattr(x, "__cuda_array_interface__"):
-        t = torch.as_tensor(x, device="cuda")
+        t = torch.as_tensor(x, device=device)
     else:
-        t = torch.as_tensor(np.asarray(x), device="cuda")
+        t = torch.as_tensor(np.asarray(x), device=device)
     if str(t.dtype) not in _DTYPES:
         if t.is_floating_point() or t.is_complex():
             raise ValueError(f"argument {name!r} has dtype {t.dtype}; the cuda backend takes float32, float64, "
@@ -109,7 +114,7 @@ def to_device(x, name: str):
 def device_zeros(shape):
     import torch
 
-    return torch.zeros(shape, device="cuda", dtype=torch.float32)
+    return torch.zeros(shape, device=device_name(), dtype=torch.float32)
 
 
 def shared_device_zeros(shape):
@@ -121,7 +126,7 @@ def shared_device_zeros(shape):
     key = (tuple(shape), current_device())
     zeros = _ZEROS.get(key)
     if zeros is None:
-        zeros = _ZEROS[key] = torch.zeros(shape, device="cuda", dtype=torch.float32)
+        zeros = _ZEROS[key] = torch.zeros(shape, device=device_name(), dtype=torch.float32)
     return zeros
 
 
@@ -339,6 +344,14 @@ class CudaRunner:
         """Kernel `name` of `source`, compiled (NVRTC, CuPy's disk cache) and loaded on the current
         device: one module per device, since a function launches only in its own device's context."""
         key = (current_device(), source)
+        if emulating():  # compiled for the CPU (backends/cuda/emulator.py)
+            from .emulator import emulated
+
+            named = (*key, name)  # a launcher per kernel of the source
+            if named not in self.modules:
+                with progress(f"compiling {self.lowered.program.name} for the CUDA emulator (C++)"):
+                    self.modules[named] = emulated(source, name)
+            return self.modules[named]
         module = self.modules.get(key)
         if module is None:
             import cupy
@@ -719,10 +732,10 @@ class Allocation:
     time_at: int = -1
     time_index: int = 0
 
-    def allocate(self, device: str = "cuda"):
+    def allocate(self, device: str | None = None):
         import torch
 
-        t = torch.empty(self.shape, device=device, dtype=self.dtype)
+        t = torch.empty(self.shape, device=device or device_name(), dtype=self.dtype)
         return t if self.time_at < 0 else t.movedim(self.time_at, self.time_index)
 
     def strides(self) -> tuple[int, ...]:
@@ -809,7 +822,7 @@ def _full(shape, value: float):
     if one is None:
         import torch
 
-        one = _FILLED[key] = torch.full((1,) * len(shape), value, device="cuda", dtype=torch.float32)
+        one = _FILLED[key] = torch.full((1,) * len(shape), value, device=device_name(), dtype=torch.float32)
     return one.expand(*shape)
 
 
