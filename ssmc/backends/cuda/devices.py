@@ -14,8 +14,9 @@ backends/cuda/emulator.py): torch CPU tensors stand for device memory, the devic
 from __future__ import annotations
 
 import functools
-import os
 import sys
+
+from .settings import emulate
 
 _getter = None  # torch's raw current-device getter, once torch is imported
 
@@ -23,7 +24,7 @@ _getter = None  # torch's raw current-device getter, once torch is imported
 def emulating() -> bool:
     """Whether the cuda backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for
     tests of the kernels' logic at tiny sizes on machines without a GPU."""
-    return os.environ.get("SSMC_CUDA_EMULATE") == "1"
+    return emulate()
 
 
 def device_name() -> str:

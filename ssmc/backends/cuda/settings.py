@@ -23,6 +23,17 @@ _ENCODE = getattr(os.environ, "encodekey", None)
 _KEYS = tuple(map(_ENCODE, NAMES)) if _TABLE is not None and _ENCODE is not None else None
 
 
+_EMULATE = _ENCODE("SSMC_CUDA_EMULATE") if _KEYS is not None else None
+_ONE = os.environ.encodevalue("1") if _KEYS is not None else None
+
+
+def emulate() -> bool:
+    """Whether ``SSMC_CUDA_EMULATE`` is "1" (read as `overrides` reads: it is asked per launch)."""
+    if _EMULATE is not None:
+        return _TABLE.get(_EMULATE) == _ONE
+    return os.environ.get("SSMC_CUDA_EMULATE") == "1"
+
+
 def overrides() -> tuple:
     """The overrides' current values (None where unset), one per name of `NAMES`, comparable between
     calls (encoded as the environment keeps them)."""
