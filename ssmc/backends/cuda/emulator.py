@@ -90,7 +90,7 @@ def _build(text: str):
     lib = folder / f"k_{key}.so"
     if lib.exists():
         return lib
-    src = folder / f"k_{key}.cpp"
+    src = folder / f"k_{key}.{os.getpid()}.cpp"  # per process: test workers may build one source at once
     src.write_text(text)
     tmp = folder / f"k_{key}.{os.getpid()}.so"
     # -fno-strict-aliasing: the kernels read float arrays as float4 vectors; -w: the generated code's
@@ -99,6 +99,8 @@ def _build(text: str):
            str(src), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"the emulated kernel did not compile ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
     os.replace(tmp, lib)
+    src.unlink(missing_ok=True)
     return lib
