@@ -91,7 +91,8 @@ def require_gpu() -> None:
 
 
 def to_device(x, name: str):
-    """A torch CUDA tensor for an argument (torch / CuPy zero-copy; NumPy and lists copied)."""
+    """A torch CUDA tensor for an argument (torch / CuPy zero-copy; NumPy and lists copied); a CPU
+    tensor where the backend is emulated (`devices.emulating`)."""
     import torch
 
     device = device_name()
