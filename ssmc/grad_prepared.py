@@ -81,6 +81,8 @@ class _Signature:
         path checks them (`grad.cotangents`) and prepared by `_prepare_backward(tape, checked)`."""
         import torch
 
+        from .backends.cuda.devices import on_backend_device
+
         if grad_final_states is not None and not (isinstance(grad_final_states, dict) and not grad_final_states):
             return None  # cotangents of the final states: the general path
         names = [n for n, _ in self.program.outputs]
@@ -89,7 +91,7 @@ class _Signature:
             return None
         key = [tape.carries is None]  # a recording forward's carries and recomputed ones: two layouts
         for name, t in given.items():
-            if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            if not isinstance(t, torch.Tensor) or not on_backend_device(t):
                 return None
             key.append((name, t.shape, t.stride(), t.dtype, t.device))
         prepared = self.backwards.get(tuple(key))

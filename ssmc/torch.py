@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import _program, compile
-from .backends.cuda.devices import current_device
+from .backends.cuda.devices import current_device, on_backend_device
 from .backends.registry import call_key
 from .grad_prepared import LeanStep
 from .grad_stages import make_grad
@@ -175,8 +175,7 @@ def _signature(tensors: list) -> tuple | None:
     """What a `LeanStep` depends on of a call (`registry.call_key`: shapes, strides, dtypes and devices
     of its tensors, the overrides); None where its first tensor is not on the current CUDA device (the
     general path switches devices) or the call has no key."""
-    device = tensors[0].get_device()
-    if device < 0 or device != current_device():
+    if not on_backend_device(tensors[0]) or tensors[0].get_device() != current_device():
         return None
     return call_key("cuda", tuple(tensors), {})
 

@@ -208,3 +208,39 @@ def test_emulated_random_recurrences(spec, length, seed):
     for key in want:  # as test_cuda.py's random gradients: cancellation to roundoff by an absolute bound
         err = np.abs(got[key].double().numpy() - want[key]).max()
         assert _rel(got[key], want[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key
+
+
+@pytest.mark.parametrize("length", [7, 70])
+@pytest.mark.parametrize("name", ["hgrn", "mamba1", "mingru", "lstm", "mamba1_block"])
+def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
+    """Calls alike after the first take the prepared paths (`api.Compiled._calls`, `Grad._steps`:
+    `grad_prepared.PreparedStep` / `PreparedChunk`) and the torch op's later steps its lean one
+    (`LeanStep`): three calls of each, emulated, float64, each against the interpreter."""
+    import torch
+
+    import ssmc.torch as ssmc_torch
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    rng = np.random.default_rng(length)
+    m, inputs = _example_inputs(name, length, rng)
+    want_y = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    cot = rng.standard_normal(np.shape(_flat(want_y)[0]))
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
+    tensors = {k: torch.tensor(v) for k, v in inputs.items()}
+    f = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    op = ssmc_torch.function(m.SPEC, "cuda", layout=m.LAYOUT)
+    names = [d.name for d in m.SPEC.program.inputs]
+    for call in range(3):
+        assert _rel(_flat(f(**tensors))[0], _flat(want_y)[0]) <= 1e-10, call
+        got = g(**tensors, grad_outputs=torch.tensor(cot))
+        for key in want:
+            assert _rel(got[key], want[key]) <= 1e-9, (call, key)
+        leaves = {k: tensors[k].clone().requires_grad_(True) for k in inputs}
+        states = {k: v for k, v in leaves.items() if k not in names}  # the initial state, by name
+        ys = _flat(op(*(leaves[k] for k in names), **states))
+        grads = torch.autograd.grad(ys[0], list(leaves.values()), torch.tensor(cot))
+        for key, gr in zip(leaves, grads):
+            assert _rel(gr, want[key]) <= 1e-9, (call, "op", key)
+    if name in ("hgrn", "mamba1"):  # one launch a run, no matrix products, not staged: all prepared
+        assert f._calls and g._steps and op._lean

@@ -32,6 +32,11 @@ def device_name() -> str:
     return "cpu" if emulating() else "cuda"
 
 
+def on_backend_device(t) -> bool:
+    """Whether torch tensor `t` is where the backend's tensors live: on a GPU, or (`emulating`) the CPU."""
+    return t.device.type == "cpu" if emulating() else t.is_cuda
+
+
 def current_device() -> int:
     """The current CUDA device's index (torch's raw getter: `torch.cuda.current_device` checks its
     lazy initialisation on every call, host time a small call pays per launch); -1 where emulating

@@ -38,7 +38,7 @@ from .codegen import (
     shares_recurrence,
     split_groups,
 )
-from .devices import current_device, device_name, emulating
+from .devices import current_device, device_name, emulating, on_backend_device
 from .lanes import lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
 from .settings import overrides
@@ -770,7 +770,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple | None:
     tensor, floats = torch.Tensor, _torch_floats(torch)
     parts = []
     for name, x in (*enumerate(args), *kwargs.items()):
-        if not isinstance(x, tensor) or not x.is_cuda or x.dtype not in floats:
+        if not isinstance(x, tensor) or not on_backend_device(x) or x.dtype not in floats:
             return None
         parts.append((name, x.shape, x.stride(), x.dtype, x.device))
     return (*parts, *overrides())
