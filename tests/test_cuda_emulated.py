@@ -156,7 +156,7 @@ def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeyp
     (the runners' own plans, launches and allocations, on torch CPU tensors), float64, with the
     strategy the heuristic picks or one forced where it applies (others fall back as on a GPU):
     outputs, final states and every gradient against the interpreter."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     if strategy:
@@ -186,7 +186,7 @@ def test_emulated_random_recurrences(spec, length, seed):
     """Random recurrences (time first, float64) forward and gradient through the emulated cuda backend."""
     import os
 
-    import torch
+    torch = pytest.importorskip("torch")
 
     inputs = draw_inputs(spec, length, seed)
     outs, finals = ssmc.compile(spec, "interpreter").run(**inputs)
@@ -216,8 +216,7 @@ def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
     """Calls alike after the first take the prepared paths (`api.Compiled._calls`, `Grad._steps`:
     `grad_prepared.PreparedStep` / `PreparedChunk`) and the torch op's later steps its lean one
     (`LeanStep`): three calls of each, emulated, float64, each against the interpreter."""
-    import torch
-
+    torch = pytest.importorskip("torch")
     import ssmc.torch as ssmc_torch
 
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
