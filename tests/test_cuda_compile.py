@@ -494,3 +494,15 @@ def test_kernels_of_many_sequences_fit_the_shared_memory(length):
         assert r.resources.shared_bytes <= 48 * 1024, r.name
     adjoint, = [r for r in reports if r.program == "adjoint"]
     assert 0 < adjoint.source.count("__shared__ F sm_") < 26
+
+
+@pytest.mark.skipif(nvrtc.toolkit_include() is None, reason="no CUDA toolkit headers (cuda_fp16.h) on this machine")
+@pytest.mark.parametrize("name", ["hgrn", "mamba1"])
+def test_half_type_kernels_compile_with_the_toolkit_headers(name):
+    """bfloat16 inputs: the kernels include cuda_fp16.h / cuda_bf16.h, which NVRTC lacks; `ssmc inspect`
+    passes a CUDA toolkit's include directory (`nvrtc.toolkit_include`), so they compile without a GPU."""
+    program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
+    reports = kernel_reports(program, {"b": 4, "d": 64, "n": 16}, 1024, "bfloat16", "sm_90", time_contiguous=True)
+    assert any("#define SSMC_HALF" in r.source for r in reports)  # the forward's (the training kernels: fp32)
+    for r in reports:
+        assert r.resources is not None, (r.name, r.error)

@@ -211,6 +211,22 @@ def _check(nvrtc, result, what: str) -> None:
 # -- compiling ---------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def toolkit_include() -> str | None:
+    """A CUDA toolkit's header directory on this machine (the one with ``cuda_fp16.h``), or None:
+    ``$CUDA_HOME`` / ``$CUDA_PATH``, then ``/usr/local/cuda`` and ``/usr/local/cuda-*`` (newest first).
+    NVRTC itself has no headers; kernels over half types include these."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    if os.path.isdir("/usr/local"):
+        roots += sorted((os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")),
+                        reverse=True)
+    for root in filter(None, roots):
+        include = os.path.join(root, "include")
+        if os.path.isfile(os.path.join(include, "cuda_fp16.h")):
+            return include
+    return None
+
+
 def compile_source(source: str, arch: str = "sm_90", options: tuple[str, ...] = (), name: str = "kernel.cu",
                    headers: Mapping[str, str] | None = None,
                    name_expressions: tuple[str, ...] = ()) -> Compiled:
