@@ -243,3 +243,15 @@ def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
             assert _rel(gr, want[key]) <= 1e-9, (call, "op", key)
     if name in ("hgrn", "mamba1"):  # one launch a run, no matrix products, not staged: all prepared
         assert f._calls and g._steps and op._lean
+
+
+def test_an_emulated_block_that_never_finishes_is_an_error(monkeypatch):
+    """Threads waiting at barriers the others never reach (half a warp at __syncwarp, the rest at
+    __syncthreads): the launch raises `EmulatedHang` after SSMC_EMULATE_TIMEOUT seconds, not a hung
+    test run."""
+    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "1")
+    source = ('extern "C" __global__ void stuck(int L, int nblk, float* __restrict__ y)\n{\n'
+              "    if (threadIdx.x % 32 < 16) __syncwarp(); else __syncthreads();\n    y[threadIdx.x] = 1.0f;\n}\n")
+    y = np.zeros(64, np.float32)
+    with pytest.raises(emulator.EmulatedHang, match="block 0 of 1"):
+        emulator.emulated(source, "stuck")((1, 64), 1, 1, [y.ctypes.data])

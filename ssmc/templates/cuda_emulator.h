@@ -12,9 +12,12 @@
 #include <atomic>
 #include <barrier>
 #include <bit>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -46,30 +49,49 @@ template <class T> T exchange(T v, int src, bool valid) {
     return out;
 }
 
-// `kernel()` run by `block` threads in each of `grid` blocks, a block at a time
-template <class Kernel> void run(unsigned grid, unsigned block, Kernel&& kernel) {
+// One block's barriers and its count of finished threads. Left allocated where the block does not
+// finish in time: its threads, detached, still wait on its barriers.
+struct Block {
+    std::barrier<> bar;
+    std::vector<Warp> warps;
+    std::mutex mutex;
+    std::condition_variable all_done;
+    unsigned done = 0;
+    Block(unsigned threads, unsigned count) : bar((std::ptrdiff_t)threads), warps(count) {}
+};
+
+// `kernel()` run by `block` threads in each of `grid` blocks, a block at a time; the index of the
+// first block not finished within `timeout` seconds (its threads wait on a barrier that not all
+// of them reach: a kernel bug, or a divergence the emulator cannot follow), else -1
+template <class Kernel> long run(unsigned grid, unsigned block, double timeout, Kernel&& kernel) {
     block_dim = {block, 1, 1};
     grid_dim = {grid, 1, 1};
     const unsigned count = (block + 31) / 32;
     for (unsigned b = 0; b < grid; ++b) {
-        std::barrier<> bar((std::ptrdiff_t)block);
-        std::vector<Warp> ws(count);
+        Block* blk = new Block(block, count);
         for (unsigned w = 0; w < count; ++w)
-            ws[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, block - 32 * w));
-        block_bar = &bar;
-        warps = ws.data();
-        std::vector<std::thread> threads;
-        threads.reserve(block);
+            blk->warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, block - 32 * w));
+        block_bar = &blk->bar;
+        warps = blk->warps.data();
         for (unsigned t = 0; t < block; ++t)
-            threads.emplace_back([&, t, b] {
+            std::thread([&kernel, blk, t, b] {
                 thread_idx = {t, 1, 1};
                 block_idx = {b, 1, 1};
                 kernel();
-                warps[t / 32].bar->arrive_and_drop();
-                block_bar->arrive_and_drop();
-            });
-        for (auto& th : threads) th.join();
+                blk->warps[t / 32].bar->arrive_and_drop();
+                blk->bar.arrive_and_drop();
+                std::lock_guard<std::mutex> lock(blk->mutex);
+                ++blk->done;
+                blk->all_done.notify_one();
+            }).detach();
+        std::unique_lock<std::mutex> lock(blk->mutex);
+        const bool finished = blk->all_done.wait_for(lock, std::chrono::duration<double>(timeout),
+                                                     [&] { return blk->done == block; });
+        if (!finished) return (long)b;  // `blk` stays: its threads still use it
+        lock.unlock();
+        delete blk;
     }
+    return -1;
 }
 }  // namespace ssmc_emu
 

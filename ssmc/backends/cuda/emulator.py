@@ -10,6 +10,9 @@ block sums lost the vectors past a block's threads, 2026-11-26) needed a GPU to 
 
     kernel = emulated(source, "mamba1_fused_backward")       # compiled once per source (cached)
     kernel((blocks, threads), length, nblk, [a.ctypes.data for a in arrays])   # NumPy arrays
+
+A block that does not finish within ``$SSMC_EMULATE_TIMEOUT`` seconds (default 60) raises
+`EmulatedHang`: its threads wait at a barrier or shuffle that not all of them reach.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ _SIGNATURE = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*
 
 class EmulatorUnavailable(RuntimeError):
     """No C++20 compiler to build emulated kernels with."""
+
+
+class EmulatedHang(RuntimeError):
+    """An emulated block whose threads did not all finish: some wait at a barrier or a shuffle that
+    others of the block (or warp) never reach."""
 
 
 def compiler() -> str | None:
@@ -49,15 +57,19 @@ def emulated(source: str, name: str):
     text = f"{header}\n// ---- the generated source ----\n{source}\n{wrapper}"
     lib = ctypes.CDLL(str(_build(text)))
     fn = lib.ssmc_emulate
-    fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = None
+    fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_long
     count = len(params) - 2
 
     def launch(grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
         if len(pointers) != count:
             raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
         table = (ctypes.c_void_p * max(1, count))(*pointers)
-        fn(grid[0], grid[1], length, nblk, table)
+        timeout = float(os.environ.get("SSMC_EMULATE_TIMEOUT", "60"))
+        stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
+        if stuck >= 0:
+            raise EmulatedHang(f"{name}: block {stuck} of {grid[0]} ({grid[1]} threads) did not finish in "
+                               f"{timeout:g} s: its threads wait at a barrier or shuffle not all of them reach")
 
     launch.emulated = True  # launch.launch_kernel calls it in place of the driver
     return launch
@@ -76,8 +88,8 @@ def _params(source: str, name: str) -> list[str]:
 
 def _wrapper(name: str, params: list[str]) -> str:
     args = ", ".join(["length", "nblk", *(f"({t})arrays[{i}]" for i, t in enumerate(params[2:]))])
-    return (f'extern "C" void ssmc_emulate(unsigned blocks, unsigned threads, int length, int nblk, void** arrays)\n'
-            f"{{\n    ssmc_emu::run(blocks, threads, [&] {{ {name}({args}); }});\n}}\n")
+    return (f'extern "C" long ssmc_emulate(unsigned blocks, unsigned threads, double timeout, int length, int nblk, '
+            f"void** arrays)\n{{\n    return ssmc_emu::run(blocks, threads, timeout, [&] {{ {name}({args}); }});\n}}\n")
 
 
 def _build(text: str):
