@@ -281,6 +281,10 @@ def _device(backend: str) -> str:
         require_gpu()  # a ValueError (one line) where there is none
         import torch
 
+        from .backends.cuda.devices import emulating
+
+        if emulating():
+            return f"CPU ({platform.processor() or platform.machine()}), CUDA kernels emulated (SSMC_CUDA_EMULATE=1)"
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()})"
 

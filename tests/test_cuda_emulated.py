@@ -255,3 +255,14 @@ def test_an_emulated_block_that_never_finishes_is_an_error(monkeypatch):
     y = np.zeros(64, np.float32)
     with pytest.raises(emulator.EmulatedHang, match="block 0 of 1"):
         emulator.emulated(source, "stuck")((1, 64), 1, 1, [y.ctypes.data])
+
+
+def test_emulation_is_never_the_default_backend(monkeypatch):
+    """With SSMC_CUDA_EMULATE=1 the cuda backend runs where asked for (`ssmc demo --backend cuda`
+    names the emulation as its device) but is not picked by default: it is for tests, and slow."""
+    from ssmc.backends.registry import default_backend
+    from ssmc.cli import _device
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    assert default_backend() == "numba"
+    assert "emulated" in _device("cuda")

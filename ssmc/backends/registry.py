@@ -20,10 +20,12 @@ Runner = Callable[..., tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
 
 
 def default_backend() -> str:
-    """The fastest backend this machine can run: CUDA when a GPU, CuPy and PyTorch are there, else Numba."""
+    """The fastest backend this machine can run: CUDA when a GPU, CuPy and PyTorch are there, else Numba
+    (the CUDA backend emulated on the CPU, ``SSMC_CUDA_EMULATE=1``, is for tests: never the default)."""
+    from .cuda.devices import emulating
     from .cuda.runner import available
 
-    return "cuda" if available() else "numba"
+    return "cuda" if not emulating() and available() else "numba"
 
 
 def check_backend(name: str) -> str:

@@ -91,13 +91,17 @@ class _Arrays:
         if self.backend == "cuda":
             import torch
 
+            from ..backends.cuda.devices import device_name
+
             dtype = torch.float64 if self.dtype == "float64" else torch.float32
-            return {k: torch.as_tensor(v, dtype=dtype, device="cuda") for k, v in values.items()}
+            return {k: torch.as_tensor(v, dtype=dtype, device=device_name()) for k, v in values.items()}
         return {k: v.astype(self.dtype) for k, v in values.items()}
 
     def wait(self) -> None:
         """Until the device has done what was asked of it (the clock stops after)."""
-        if self.backend == "cuda":
+        from ..backends.cuda.devices import emulating
+
+        if self.backend == "cuda" and not emulating():  # an emulated launch runs to completion
             import torch
 
             torch.cuda.synchronize()
