@@ -8,14 +8,10 @@ the interpreter's by the tests, so the kernels' logic is checked without a GPU a
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ssmc.backends.cuda.codegen import contiguous_strides
 from ssmc.backends.cuda.emulator import emulated
-from ssmc.backends.cuda.fused_backward import _row, fused_backward_runner
-from ssmc.ir.axes import TIME
+from ssmc.backends.cuda.fused_backward import array_layout, fused_backward_runner
 from ssmc.passes.autodiff import GRAD, derive_backward
 
 
@@ -35,20 +31,15 @@ def _sizes(program, inputs: dict) -> tuple[dict[str, int], int]:
 
 
 class _Arrays:
-    """The arrays of one launch, by name: NumPy buffers laid out as `FusedBackwardRunner._plan_launch`
-    allocates them (time innermost, rows of atomic arrays padded to whole vectors), with views of
-    each in its canonical order ([t, *axes] or [round, *axes])."""
+    """The arrays of one launch, by name: NumPy buffers laid out as the runner allocates them
+    (`fused_backward.array_layout`), with views of each in its canonical order ([t, *axes] or
+    [round, *axes])."""
 
     def __init__(self, kernel, sizes: dict[str, int], length: int, rounds: int, dtype):
         self.buffers, self.views = {}, {}
         for a in kernel.arrays:
-            shape = [length if ax == TIME else rounds if ax == "round" else sizes[ax] for ax in a.axes]
-            if a.axes[:1] == (TIME,) and len(shape) > 1:  # time innermost: [*axes, row]
-                inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
-                strides, size = (inner[-1], *inner[:-1]), inner[0] * shape[1]
-            else:
-                strides, size = contiguous_strides(shape) if shape else (1,), max(1, math.prod(shape))
-            buffer = np.zeros(size, dtype)
+            shape, strides, size = array_layout(a, sizes, length, rounds)
+            buffer = np.zeros(max(1, size), dtype)
             itemsize = buffer.itemsize
             self.buffers[a.name] = buffer
             self.views[a.name] = np.lib.stride_tricks.as_strided(

@@ -307,6 +307,12 @@ def draw_inputs(spec, length: int, seed: int, sizes: dict[str, int] | None = Non
     return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=sizes)
 
 
+def time_last(spec, arrays: dict) -> dict:
+    """`arrays` (layout "t ...") with each sequence's time axis moved last (layout "... t")."""
+    seqs = {d.name for d in spec.program.seqs}
+    return {k: np.ascontiguousarray(np.moveaxis(v, 0, -1)) if k in seqs else v for k, v in arrays.items()}
+
+
 @st.composite
 def layers(draw):
     """A random layer (an `ssmc.recurrence`): a scan over [b d] or [b d n] (linear, gated or tanh),

@@ -17,6 +17,7 @@ from strategies import (
     param_in_setup,
     recurrences,
     state_axis_recurrences,
+    time_last,
 )
 
 import ssmc
@@ -573,15 +574,9 @@ def test_random_layers_in_one_kernel(spec, length, d, seed):
         assert rel_err(got_h[name], want_h[name]) <= 1e-10, name
 
 
-def _time_last(spec, arrays: dict) -> dict:
-    """`arrays` (layout "t ...") with each sequence's time axis moved last (layout "... t")."""
-    seqs = {d.name for d in spec.program.seqs}
-    return {k: np.ascontiguousarray(np.moveaxis(v, 0, -1)) if k in seqs else v for k, v in arrays.items()}
-
-
 def _gradients_time_last(spec, length: int, seed: int):
     """(CUDA float64, interpreter) gradients of `spec` at `length` steps, sequences time last."""
-    inputs = _time_last(spec, draw_inputs(spec, length, seed))
+    inputs = time_last(spec, draw_inputs(spec, length, seed))
     want = ssmc.compile(spec, "interpreter", layout="... t").run(**inputs)
     rng = np.random.default_rng(seed)
     cot = {n: np.moveaxis(rng.standard_normal(v.shape), 0, -1) for n, v in want[0].items()}
@@ -625,7 +620,7 @@ def test_warps_sharing_a_recurrence(spec, length, warps, seed):
     interpreter."""
     import os
 
-    inputs = _time_last(spec, draw_inputs(spec, length, seed))
+    inputs = time_last(spec, draw_inputs(spec, length, seed))
     want = ssmc.compile(spec, "interpreter", layout="... t").run(**inputs)
     rng = np.random.default_rng(seed)
     # `run` gives outputs time first; the gradient takes them in the layout, time last
@@ -694,7 +689,7 @@ def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
     assume(runner_for(spec.program, "float64").lane_threads(sizes) is not None)
     inputs = draw_inputs(spec, length, seed, sizes=sizes)
     if layout == "... t":
-        inputs = _time_last(spec, inputs)
+        inputs = time_last(spec, inputs)
     want = ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
     os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
     try:
@@ -718,7 +713,7 @@ def test_lanes_kernel_with_a_param_read_by_its_setup_too(layout, dtype, length):
     inputs = draw_inputs(param_in_setup, length, length, sizes=sizes)
     inputs["A"] = -np.exp(inputs["A"])  # decays in (0, 1), as Mamba's: bounded over any length
     if layout == "... t":
-        inputs = _time_last(param_in_setup, inputs)
+        inputs = time_last(param_in_setup, inputs)
     want = ssmc.compile(param_in_setup, "interpreter", layout=layout).run(**inputs)
     os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
     try:

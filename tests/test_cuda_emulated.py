@@ -17,7 +17,8 @@ import pytest
 from emulation import fused_step
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
+from strategies import diagonal_linear_recurrences, draw_inputs, recurrences, time_last
+from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
 
 import ssmc
@@ -27,12 +28,6 @@ from ssmc.passes.autodiff import derive_backward
 pytestmark = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
 
 TOL = {np.float64: 1e-10, np.float32: 1e-4}
-
-
-def _time_last(spec, inputs: dict) -> dict:
-    """`inputs` with the sequences' time axis moved from first to last."""
-    seqs = {d.name for d in spec.program.seqs}
-    return {k: (np.ascontiguousarray(np.moveaxis(v, 0, -1)) if k in seqs else v) for k, v in inputs.items()}
 
 
 def _check(spec, inputs: dict, rng, dtype, tol: float | None = None):
@@ -123,7 +118,7 @@ def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
     import os
 
     assume(fused_backward.fused_backward_runner(derive_backward(spec.program)) is not None)
-    inputs = _time_last(spec, draw_inputs(spec, length, seed))
+    inputs = time_last(spec, draw_inputs(spec, length, seed))
     os.environ.update(SSMC_CUDA_STRATEGY="warp", SSMC_CUDA_FUSED_BACKWARD="1")
     try:
         _check(spec, inputs, np.random.default_rng(seed), np.float64, tol=1e-8)
@@ -144,11 +139,6 @@ def _example_inputs(name: str, length: int, rng) -> tuple:
         return m, m.make_inputs(rng, length)
 
 
-def _rel(got, want) -> float:
-    got = got.double().numpy() if hasattr(got, "numpy") else np.asarray(got)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if np.size(want) else 0.0
-
-
 @pytest.mark.parametrize("length, strategy", [(7, ""), (70, ""), (70, "warp"), (70, "time blocks")])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeypatch):
@@ -166,18 +156,14 @@ def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeyp
     want_y, want_h = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
     tensors = {k: torch.tensor(v) for k, v in inputs.items()}
     got_y, got_h = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, return_final_states=True)
-    pairs = list(zip(_flat(got_y) + _flat(got_h), _flat(want_y) + _flat(want_h)))
+    pairs = list(zip(flat(got_y) + flat(got_h), flat(want_y) + flat(want_h)))
     for g, w in pairs:
-        assert not g.is_cuda and _rel(g, w) <= 1e-10
-    cot = rng.standard_normal(np.shape(_flat(want_y)[0]))
+        assert not g.is_cuda and rel_err(g, w) <= 1e-10
+    cot = rng.standard_normal(np.shape(flat(want_y)[0]))
     want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
     got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, grad_outputs=torch.tensor(cot))
     for key in want:
-        assert _rel(got[key], want[key]) <= 1e-9, key
-
-
-def _flat(values) -> list:
-    return list(values) if isinstance(values, tuple) else [values]
+        assert rel_err(got[key], want[key]) <= 1e-9, key
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -201,13 +187,13 @@ def test_emulated_random_recurrences(spec, length, seed):
     finally:
         del os.environ["SSMC_CUDA_EMULATE"]
     for n in outs:
-        assert _rel(got_outs[n], outs[n]) <= 1e-9, n
+        assert rel_err(got_outs[n], outs[n]) <= 1e-9, n
     for n in finals:
-        assert _rel(got_finals[n], finals[n]) <= 1e-9, n
+        assert rel_err(got_finals[n], finals[n]) <= 1e-9, n
     scale = max(float(np.abs(w).max(initial=0.0)) for w in want.values())
     for key in want:  # as test_cuda.py's random gradients: cancellation to roundoff by an absolute bound
         err = np.abs(got[key].double().numpy() - want[key]).max()
-        assert _rel(got[key], want[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key
+        assert rel_err(got[key], want[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key
 
 
 @pytest.mark.parametrize("length", [7, 70])
@@ -223,7 +209,7 @@ def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
     rng = np.random.default_rng(length)
     m, inputs = _example_inputs(name, length, rng)
     want_y = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
-    cot = rng.standard_normal(np.shape(_flat(want_y)[0]))
+    cot = rng.standard_normal(np.shape(flat(want_y)[0]))
     want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
     tensors = {k: torch.tensor(v) for k, v in inputs.items()}
     f = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)
@@ -231,16 +217,16 @@ def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
     op = ssmc_torch.function(m.SPEC, "cuda", layout=m.LAYOUT)
     names = [d.name for d in m.SPEC.program.inputs]
     for call in range(3):
-        assert _rel(_flat(f(**tensors))[0], _flat(want_y)[0]) <= 1e-10, call
+        assert rel_err(flat(f(**tensors))[0], flat(want_y)[0]) <= 1e-10, call
         got = g(**tensors, grad_outputs=torch.tensor(cot))
         for key in want:
-            assert _rel(got[key], want[key]) <= 1e-9, (call, key)
+            assert rel_err(got[key], want[key]) <= 1e-9, (call, key)
         leaves = {k: tensors[k].clone().requires_grad_(True) for k in inputs}
         states = {k: v for k, v in leaves.items() if k not in names}  # the initial state, by name
-        ys = _flat(op(*(leaves[k] for k in names), **states))
+        ys = flat(op(*(leaves[k] for k in names), **states))
         grads = torch.autograd.grad(ys[0], list(leaves.values()), torch.tensor(cot))
         for key, gr in zip(leaves, grads):
-            assert _rel(gr, want[key]) <= 1e-9, (call, "op", key)
+            assert rel_err(gr, want[key]) <= 1e-9, (call, "op", key)
     if name in ("hgrn", "mamba1"):  # one launch a run, no matrix products, not staged: all prepared
         assert f._calls and g._steps and op._lean
 

@@ -16,15 +16,11 @@ from __future__ import annotations
 import functools
 import sys
 
-from .settings import emulate
+# whether the backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for tests of
+# the kernels' logic at tiny sizes on machines without a GPU
+from .settings import emulate as emulating
 
 _getter = None  # torch's raw current-device getter, once torch is imported
-
-
-def emulating() -> bool:
-    """Whether the cuda backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for
-    tests of the kernels' logic at tiny sizes on machines without a GPU."""
-    return emulate()
 
 
 def device_name() -> str:

@@ -198,15 +198,8 @@ class FusedBackwardRunner:
         if lanes is None and self.summary_kernel is not None:  # a step that wants the gradients only
             kernels.append((self.summary_kernel, self._summary_source))
         for k, source in kernels:
-            specs = {}
-            for a in k.arrays:
-                shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
-                if a.axes[:1] == ("t",) and len(shape) > 1:  # time innermost, as `_launch` allocates
-                    inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
-                    strides = (inner[-1], *inner[:-1])
-                else:
-                    strides = contiguous_strides(shape)
-                specs[a.name] = ArraySpec(self.compute, strides)
+            specs = {a.name: ArraySpec(self.compute, array_layout(a, sizes, length, rounds)[1] or (1,))
+                     for a in k.arrays}
             launch = (Launch(k, length, 1, threads) if k is not self.lanes_kernel else
                       Launch(k, length, 1, lane_block_count(k, sizes, lanes) * lanes.block, lanes))
             out.append((launch, source(specs, sizes, length)))
@@ -226,9 +219,9 @@ class FusedBackwardRunner:
         cost = STATE_MAJOR_STEP_COST * (HALF_ROUND_STEP_COST if steps < self.forward_steps() else 1.0)
         return setting == "1" or padded(length, steps) * cost <= padded(length, step_major)
 
-    def backward_steps(self, length: int) -> int:
-        """The backward kernel's steps per lane at `length`."""
-        major = self.state_major(length)
+    def backward_steps(self, length: int, major: bool | None = None) -> int:
+        """The backward kernel's steps per lane at `length` (`major`: `state_major(length)`, if known)."""
+        major = self.state_major(length) if major is None else major
         return backward_steps_per_lane(self.plan, self.forward_steps(), major, length,
                                        self.fits_state_major if major else None)
 
@@ -236,7 +229,7 @@ class FusedBackwardRunner:
         """Whether the backward kernel chosen at `length` fits a block's static shared memory: a program
         with many sequences per step or summed arrays may not (it would not compile)."""
         major = self.state_major(length)
-        return self._fits(self.backward_steps(length), major)
+        return self._fits(self.backward_steps(length, major), major)
 
     def fits_state_major(self, steps: int) -> bool:
         return self._fits(steps, True)
@@ -371,12 +364,7 @@ class FusedBackwardRunner:
                     kept.append(a.name)
                 specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
                 continue
-            shape = [length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes]
-            if a.axes[:1] == ("t",) and len(shape) > 1:  # lanes touch neighbouring steps: time innermost
-                inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
-                strides, size = (inner[-1], *inner[:-1]), inner[0] * shape[1]
-            else:
-                strides, size = contiguous_strides(shape) if shape else (), math.prod(shape)
+            shape, strides, size = array_layout(a, sizes, length, rounds)
             zeroed = a.role in ("atomic", "accumulate")
             allocations.append(_Allocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
             offset[zeroed] += -(-size // _ALIGN) * _ALIGN
@@ -509,6 +497,18 @@ def _without_outputs(k: Kernel) -> Kernel:
 
     return replace(k, arrays=[a for a in k.arrays if a.name not in outputs], setup=kept(k.setup), step=kept(k.step),
                    finish=kept(k.finish))
+
+
+def array_layout(a: Array, sizes: dict[str, int], length: int, rounds: int) -> tuple[tuple, tuple, int]:
+    """(shape, element strides, elements) of an array that a launch of the fused backward's kernels
+    allocates: its axes' sizes (``t``: `length`, ``round``: `rounds`); per-step arrays with time
+    innermost, since lanes touch neighbouring steps (rows of atomic arrays padded, `_row`); others
+    contiguous (a 0-d one: no strides, one element)."""
+    shape = tuple(length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes)
+    if a.axes[:1] == ("t",) and len(shape) > 1:
+        inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
+        return shape, (inner[-1], *inner[:-1]), inner[0] * shape[1]
+    return shape, contiguous_strides(shape) if shape else (), math.prod(shape)
 
 
 def _row(length: int, role: str) -> int:

@@ -154,13 +154,14 @@ def _report(role: str, label: str, launch: Launch, source: str, arch: str, compi
     if compile_kernels and nvrtc.available():
         try:
             # half types include the toolkit's cuda_fp16.h / cuda_bf16.h, which NVRTC does not have
-            include = nvrtc.toolkit_include() if "#define SSMC_HALF" in source else None
+            half = "#define SSMC_HALF" in source
+            include = nvrtc.toolkit_include() if half else None
             built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu",
                                          options=(f"-I{include}",) if include else ())
             report.resources = built.resources[launch.kernel.name]
         except nvrtc.NvrtcError as err:
             report.error = str(err).splitlines()[0]
-            if "#define SSMC_HALF" in source and include is None:
+            if half and include is None:
                 report.error += " (half-type kernels need a CUDA toolkit's headers: set CUDA_HOME)"
     elif compile_kernels:
         report.error = nvrtc.unavailable_reason()
