@@ -110,6 +110,57 @@ def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
     _check(m.SPEC, m.make_inputs(rng, length, batch=2, dim=8, state=5), rng, np.float32)
 
 
+@pytest.mark.parametrize("layout", ["b d t", "b t d"])
+@pytest.mark.parametrize("batch, dim, state, length", [
+    (2, 40, 16, 100),   # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk
+    (2, 8, 5, 64),      # 2 lanes a row owning 3 and 2 state values, two whole chunks
+    (1, 3, 8, 1),       # one step
+    (3, 20, 33, 33),    # 8 lanes a row, 5 values each (the last lane 33 - 32 = 1)
+])
+def test_emulated_lanes_backward(batch, dim, state, length, layout, monkeypatch, fresh_runners):
+    """Mamba-1's backward as lanes (backends/cuda/lanes_backward.py) through `ssmc.grad` and the torch
+    op, every kernel emulated: the training forward as the lanes kernel saving every chunk's carry
+    (its fill threshold lowered, so that it runs at these sizes), then the lanes backward, in both
+    layouts (forced in "b d t", the default in "b t d"), the initial state given and its gradient
+    wanted; against the interpreter's gradients.
+    Float32 only: the kernel's staging does not fit a block's shared memory in float64 (the warp
+    kernel's fused backward runs there)."""
+    torch = pytest.importorskip("torch")
+    import ssmc.torch as ssmc_torch
+
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    if layout == "b d t":  # where the warp kernel's fused backward runs by default
+        monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    dtype = "float32"
+    fb = fused_backward.fused_backward_runner(derive_backward(m.SPEC.program), dtype)
+    sizes = {"b": batch, "d": dim, "n": state}
+    assert fb.backward_lanes(sizes, length, layout == "b d t") is not None
+    assert fb.applies_at(sizes, length, layout == "b d t")
+    rng = np.random.default_rng(length + state)
+    inputs = m.make_inputs(rng, length, batch=batch, dim=dim, state=state)
+    if layout == "b t d":
+        inputs = {k: (np.swapaxes(v, 1, 2) if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+    inputs = {k: v.astype(dtype).astype(np.float64) for k, v in inputs.items()}
+    cot = rng.standard_normal(inputs["u"].shape).astype(dtype).astype(np.float64)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**inputs, grad_outputs=cot)
+    tensors = {k: torch.tensor(v, dtype=getattr(torch, dtype)) for k, v in inputs.items()}
+    tol = 1e-4
+    g = ssmc.grad(m.SPEC, "cuda", layout=layout)
+    for call in range(2):  # the second call takes the prepared step
+        got = g(**tensors, grad_outputs=torch.tensor(cot, dtype=getattr(torch, dtype)))
+        for key in want:
+            assert rel_err(got[key], want[key]) <= tol, (call, key)
+    op = ssmc_torch.function(m.SPEC, "cuda", layout=layout)
+    names = [d.name for d in m.SPEC.program.inputs]
+    leaves = {k: t.clone().requires_grad_(True) for k, t in tensors.items()}
+    y = flat(op(*(leaves[k] for k in names), h=leaves["h"]))[0]
+    grads = torch.autograd.grad(y, list(leaves.values()), torch.tensor(cot, dtype=getattr(torch, dtype)))
+    for key, gr in zip(leaves, grads):
+        assert rel_err(gr, want[key]) <= tol, ("op", key)
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                                                 HealthCheck.data_too_large])
 @given(spec=diagonal_linear_recurrences(), length=st.sampled_from([7, 70]), seed=st.integers(0, 2**16))

@@ -1332,7 +1332,7 @@ def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], h
     return _template().render(version=__version__, program_name=program_name, strategy=strategy, ctype=ctype,
                               math_header=math_header(), block=BLOCK, kernels=contexts, half=half, warp=WARP,
                               rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
-                              lanes=any(c.get("lanes") for c in contexts))
+                              lanes=any(c.get("lanes") or c.get("lanes_backward") for c in contexts))
 
 
 def has_half(arrays: dict[str, ArraySpec]) -> bool:

@@ -11,6 +11,11 @@ wants only the gradients (`ssmc.grad`'s call) runs the warp kernel without outpu
 sequences and writes the round carries, so a scan's step moves 7 arrays of its length (a, x; a, x,
 the cotangent, grad a, grad x), where the unfused one moves 8. Mamba-1 B8 D1536 L2048 N16 on an H200:
 the warp kernel saving rounds took 0.834 ms (the lanes kernel without them 0.362), the backward 1.268.
+
+Where the training forward runs as the lanes kernel and the warp kernel's backward does not apply
+(sequences with time strided), the backward runs as lanes too (lanes_backward.py, `backward_lanes`):
+the forward saves its carry into every chunk of its steps, the backward is one kernel over the
+chunks, last first.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from ...lowering.loops import Assign, Load, Loop
 from ...lowering.plan import Array, Kernel, build_kernel
+from ...lowering.reverse_lanes import lanes_backward
 from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...lowering.state_lanes import StateLanes, state_lanes
@@ -40,7 +46,8 @@ from .codegen import (
     module_source,
 )
 from .devices import current_device, device_name
-from .lanes import lanes_source
+from .lanes import CHUNK, lane_groups, lanes_source
+from .lanes_backward import lanes_backward_block, lanes_backward_source
 from .launch import launch_kernel, zero_bytes
 from .runner import (
     _DTYPES,
@@ -76,6 +83,13 @@ STATE_MAJOR_STEP_COST = 0.65
 # (192 padded steps) 0.252 ms against 0.300 with 4 (256): 1.12 a padded step.
 HALF_ROUND_STEP_COST = 1.12
 
+
+# The lanes backward (lanes_backward.py) runs where the training forward runs as the lanes kernel and
+# the warp kernel's fused backward does not (sequences with time strided, "b t d"), there in place of
+# the unfused backward's kernels; where both run, the warp kernel's is faster. Mamba-1 N16 fp32 training
+# step (`ssmc.grad`), lanes backward against the other (bench/lanes_backward.py, H200, 2026-11-26):
+# "b t d" B32 D512 L180 0.504 against 2.421 ms (unfused), B8 D1536 L2048 4.68 against 13.93; "b d t"
+# B32 D512 L180 0.426 against 0.288 (the warp kernel's fused backward), B8 D1536 L2048 4.04 against 1.52.
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
@@ -137,6 +151,8 @@ class FusedBackwardRunner:
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
+        # the backward as lanes too (lowering/reverse_lanes.py), where the forward runs as the lanes kernel
+        self.lanes_backward = None if self.lanes is None else lanes_backward(plan, self.lanes)
         self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
         self._decisions: dict[tuple, object] = {}  # applies_at, forward_lanes by shape and overrides
         self.can_run_state_major = fused_state_major(plan) is not None
@@ -147,10 +163,11 @@ class FusedBackwardRunner:
         return self.applies_at(sizes, length, time_contiguous(seqs))
 
     def applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
-        """See the module docstring: where the forward is the warp kernel; `SSMC_CUDA_FUSED_BACKWARD`
-        = 0 / 1 turns it off / on wherever it can run. An adjoint without sums over the recurrences
-        (a scan's) takes it where a warp per recurrence fills the GPU over a long sequence
-        (`FUSED_SCAN_RECURRENCES`, `FUSED_SCAN_LENGTH`)."""
+        """See the module docstring: where the forward is the warp kernel, or where the lanes backward
+        runs (`backward_lanes`); `SSMC_CUDA_FUSED_BACKWARD` = 0 / 1 turns it off / on wherever it can
+        run. An adjoint without sums over the recurrences (a scan's) takes the warp kernel's where a
+        warp per recurrence fills the GPU over a long sequence (`FUSED_SCAN_RECURRENCES`,
+        `FUSED_SCAN_LENGTH`)."""
         return self._decided("applies", lambda: self._applies_at(sizes, length, time_contiguous), sizes, length,
                              time_contiguous)
 
@@ -164,9 +181,16 @@ class FusedBackwardRunner:
         return self._decisions[key]
 
     def _applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
+        if os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "") == "0":
+            return False
+        return (self._warp_applies_at(sizes, length, time_contiguous)
+                or self.backward_lanes(sizes, length, time_contiguous) is not None)
+
+    def _warp_applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
+        """Whether the warp kernel's fused backward runs at this shape (`applies_at`, the lanes backward aside)."""
         setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
-        if setting == "0" or self.round_steps(length) % self.forward_steps() or not self.fits(length):
-            return False  # turned off, a forward lane's steps would straddle two rounds, or too big a block
+        if self.round_steps(length) % self.forward_steps() or not self.fits(length):
+            return False  # a forward lane's steps would straddle two rounds, or too big a block
         partials = self.plan.partials
         if setting != "1" and not (partials.atomic or partials.accumulators) and (
                 math.prod(sizes[a] for a in self.plan.parallel) < FUSED_SCAN_RECURRENCES
@@ -185,23 +209,49 @@ class FusedBackwardRunner:
             return fr.lane_threads(sizes)
         return self._decided("lanes", decide, sizes, length, time_contiguous)
 
-    def sources(self, sizes: dict[str, int], length: int) -> list[tuple[Launch, str]]:
-        """The two kernels' launches and sources at these sizes (sequences with time contiguous),
-        arrays laid out as the runs allocate them (what `ssmc inspect` reports)."""
-        rounds = -(-length // self.round_steps(length))
+    def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
+        """The lanes backward's threads (backends/cuda/lanes_backward.py) where it runs at this shape: the
+        training forward runs as the lanes kernel (`forward_lanes`), the backward splits so, its
+        block's shared memory fits, and the warp kernel's fused backward does not run here (it is
+        faster where it does: `LANES_BACKWARD`); SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on
+        wherever it can run. None elsewhere."""
+        def decide():
+            setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
+            lanes = self.forward_lanes(sizes, length, time_contiguous)
+            if lanes is None or self.lanes_backward is None or setting == "0":
+                return None
+            if setting != "1" and self._warp_applies_at(sizes, length, time_contiguous):
+                return None
+            value_bytes = 8 if self.compute == "float64" else 4
+            block = lanes_backward_block(self.lanes_backward, sizes, self.lanes.axis, value_bytes)
+            return None if block is None else Threads(lanes=lane_groups(sizes[self.lanes.axis]), block=block)
+        return self._decided("lanes backward", decide, sizes, length, time_contiguous)
+
+    def sources(self, sizes: dict[str, int], length: int, time_contiguous: bool = True) -> list[tuple[Launch, str]]:
+        """The two kernels' launches and sources at these sizes, chosen as for sequences with time
+        contiguous or not, arrays laid out as the runs allocate them (what `ssmc inspect` reports)."""
+        back = self.backward_lanes(sizes, length, time_contiguous)
+        rounds = -(-length // self.round_steps(length, back is not None))
         threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
-        lanes = self.forward_lanes(sizes, length, True)
+        lanes = self.forward_lanes(sizes, length, time_contiguous)
         out = []
         forward = (self.forward_kernel, self._forward_source) if lanes is None else (
-            self.lanes_kernel, lambda specs, sizes, length: self._lanes_source(specs, sizes, length, lanes))
-        kernels = [forward, (self.plan, self._backward_source)]
+            self.lanes_kernel, lambda specs, sizes, length: self._lanes_source(specs, sizes, length, lanes,
+                                                                               back is not None))
+        backward = (self.plan, self._backward_source) if back is None else (
+            self.plan, lambda specs, sizes, length: self._lanes_backward_source(specs, sizes, back))
+        kernels = [forward, backward]
         if lanes is None and self.summary_kernel is not None:  # a step that wants the gradients only
             kernels.append((self.summary_kernel, self._summary_source))
         for k, source in kernels:
             specs = {a.name: ArraySpec(self.compute, array_layout(a, sizes, length, rounds)[1] or (1,))
                      for a in k.arrays}
-            launch = (Launch(k, length, 1, threads) if k is not self.lanes_kernel else
-                      Launch(k, length, 1, lane_block_count(k, sizes, lanes) * lanes.block, lanes))
+            if k is self.lanes_kernel:
+                launch = Launch(k, length, 1, lane_block_count(k, sizes, lanes) * lanes.block, lanes)
+            elif k is self.plan and back is not None:
+                launch = Launch(k, length, 1, lane_block_count(self.lanes_kernel, sizes, back) * back.block, back)
+            else:
+                launch = Launch(k, length, 1, threads)
             out.append((launch, source(specs, sizes, length)))
         return out
 
@@ -241,9 +291,10 @@ class FusedBackwardRunner:
             self._shared[key] = fused_backward_shared_bytes(self.plan, value_bytes, steps, state_major)
         return self._shared[key] <= STATIC_SHARED
 
-    def round_steps(self, length: int) -> int:
-        """Steps per round of the backward kernel: the forward saves its carry every so many steps."""
-        return WARP * self.backward_steps(length)
+    def round_steps(self, length: int, lanes_backward: bool = False) -> int:
+        """Steps per round of the backward kernel: the forward saves its carry every so many steps (a
+        chunk of the lanes backward's, `lanes_backward`)."""
+        return CHUNK if lanes_backward else WARP * self.backward_steps(length)
 
     def forward_steps(self) -> int:
         """The forward warp kernel's steps per lane."""
@@ -262,6 +313,7 @@ class FusedBackwardRunner:
         ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
         given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
+        back = self.backward_lanes(sizes, length, time_contiguous(seqs)) is not None
         summary = lanes is None and not outputs and self.summary_kernel is not None
         if summary:
             plan = self._planned(self.summary_kernel, given, sizes, length, self._summary_source)
@@ -270,7 +322,7 @@ class FusedBackwardRunner:
         else:
             k = self.lanes_kernel
             plan = self._planned(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
-                specs, sizes, length, lanes), (lane_block_count(k, sizes, lanes), lanes.block))
+                specs, sizes, length, lanes, back), (lane_block_count(k, sizes, lanes), lanes.block), back)
         p = self.bw.forward
         outs = [] if summary else [(n, f"out_{n}") for n, _ in p.outputs]
         finals = [(s.name, f"final_{s.name}", plan.reshaped(f"final_{s.name}", [sizes[a] for a in s.axes]))
@@ -294,8 +346,14 @@ class FusedBackwardRunner:
         """`backward` worked out for calls like this one: ``call(seqs, params, rounds, cotangents,
         grad_states, grad_params) -> (gradients, finals)`` that only allocates and launches."""
         plan = self.plan
-        launch = self._planned(plan, _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params),
-                               sizes, length, self._backward_source)
+        given = _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params)
+        back = self.backward_lanes(sizes, length, time_contiguous(seqs))
+        if back is None:
+            launch = self._planned(plan, given, sizes, length, self._backward_source)
+        else:
+            launch = self._planned(plan, given, sizes, length,
+                                   lambda specs, sizes, length: self._lanes_backward_source(specs, sizes, back),
+                                   (lane_block_count(self.lanes_kernel, sizes, back), back.block), True)
         adjoint = plan.adjoint.program
         outs = [(n, f"out_{n}") for n, _ in adjoint.outputs]
         core = [(n, f"final_{n}", launch.reshaped(f"final_{n}", [sizes[a] for a in adjoint.decl(n).axes]))
@@ -322,10 +380,14 @@ class FusedBackwardRunner:
         return self._forward_source(specs, sizes, length, self.summary_kernel)
 
     def _lanes_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int,
-                      lanes: Threads) -> str:
+                      lanes: Threads, lanes_backward: bool) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         return lanes_source(self.forward_runner.lowered, self.lanes, self.lanes_kernel, specs, sizes, lanes, ctype,
-                            self.round_steps(length))
+                            self.round_steps(length, lanes_backward))
+
+    def _lanes_backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], threads: Threads) -> str:
+        ctype = "double" if self.compute == "float64" else "float"
+        return lanes_backward_source(self.plan, self.lanes_backward, self.lanes, specs, sizes, threads.block, ctype)
 
     def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         ctype = "double" if self.compute == "float64" else "float"
@@ -333,28 +395,28 @@ class FusedBackwardRunner:
                                      self.state_major(length))
 
     def _planned(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                 grid: tuple[int, int] | None = None) -> _BackwardLaunch:
+                 grid: tuple[int, int] | None = None, lanes_backward: bool = False) -> _BackwardLaunch:
         """The launch of kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in
         `given` as they are, the others allocated (per-step ones with time contiguous; ``atomic``
         ones and accumulators not given zeroed). `grid`: (blocks, threads a block); by default a
         warp per recurrence. Worked out once per kernel, sizes, length, layouts of the given arrays,
         overrides and device (`_plan_launch`; its function is loaded there)."""
-        key = (k.name, _sizes_key(sizes), length,
+        key = (k.name, lanes_backward, _sizes_key(sizes), length,
                tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
                current_device(), *overrides())
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid)
+            plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid, lanes_backward)
         return plan
 
     def _plan_launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                     grid: tuple[int, int] | None) -> _BackwardLaunch:
+                     grid: tuple[int, int] | None, lanes_backward: bool) -> _BackwardLaunch:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
-        rounds = -(-length // self.round_steps(length))
+        rounds = -(-length // self.round_steps(length, lanes_backward))
         allocations, kept, specs = [], [], {}
         offset = {False: 0, True: 0}  # elements of the buffers allocated so far: plain, zeroed
         for a in k.arrays:

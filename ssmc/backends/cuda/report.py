@@ -98,7 +98,7 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
         # the forward without outputs that a step wanting only gradients runs
         roles = ("forward (training)", "backward", "forward (gradients only)")
         return [_report(role, kind + _fused_label(role, launch, fused, length), launch, source, arch, compile_kernels)
-                for (launch, source), role in zip(fused.sources(sizes, length), roles)]
+                for (launch, source), role in zip(fused.sources(sizes, length, time_contiguous), roles)]
     chunk = min(length, default_chunk("cuda", length, program, sizes))
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     return (_program_reports("recompute", bw.carries, chunk, kind, *common)
@@ -106,9 +106,11 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
 
 
 def _fused_label(role: str, launch, fused, length: int) -> str:
-    """The strategy a fused backward's kernel is reported under: the backward with its steps per lane
-    (and whether state-major: chosen to fit the block's shared memory too); its forward, the lanes
-    kernel or the warp kernel, each saving the round carries."""
+    """The strategy a fused backward's kernel is reported under: the lanes backward, or the warp kernel's
+    with its steps per lane (and whether state-major: chosen to fit the block's shared memory too); its
+    forward, the lanes kernel or the warp kernel, each saving the round carries."""
+    if role == "backward" and launch.mapping.lanes:
+        return f"lanes backward, {launch.mapping.describe()}"
     if role == "backward":
         major = ", state-major" if fused.state_major(length) else ""
         return f"fused backward, {fused.backward_steps(length)} steps a lane{major}"

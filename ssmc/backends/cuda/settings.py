@@ -14,7 +14,7 @@ import os
 NAMES = ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_TIME_BLOCKS", "SSMC_CUDA_STEPS_PER_LANE", "SSMC_CUDA_ROW_GROUPS",
          "SSMC_CUDA_ROW_RECURRENCE", "SSMC_CUDA_RECURRENCE_WARPS", "SSMC_CUDA_FUSED_BACKWARD",
          "SSMC_CUDA_STATE_MAJOR_BACKWARD", "SSMC_CUDA_BACKWARD_STEPS_PER_LANE", "SSMC_CUDA_HOIST",
-         "SSMC_CUDA_EMULATE")
+         "SSMC_CUDA_EMULATE", "SSMC_CUDA_LANES_BACKWARD")
 
 # os.environ keeps its values in a dict of encoded keys (`_data`; bytes on POSIX), which
 # os.environ[...] = ... and del update; where that differs, the public reads

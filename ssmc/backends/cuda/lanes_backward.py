@@ -1,0 +1,287 @@
+"""CUDA C of the lanes backward (lowering/reverse_lanes.py): the fused backward with G lanes a row, each
+owning S values of the states' axis, the chunks of T steps last first.
+
+A block holds R = threads / G rows (consecutive indices of the row axis under one index of the
+others), as the forward's lanes kernel (lanes.py). Per chunk:
+
+    stage   its row sequences (u, delta, z, grad_y) and sequences along the states' axis (B, C) into
+            shared memory (zeros past L)
+    pre     each thread its row's steps g, g + G, ... (consecutive lanes on consecutive steps: no bank
+            conflicts): the per-step values into shared memory; its sums over time (grad_D) in a register
+    lanes   the chunk's forward from the carry the forward saved, the state every G steps into shared
+            memory; then per G steps, last first, per state value: the carries again, the adjoint
+            backwards; its sums over the states' axis a register a step, then across the row's lanes
+            (`reduce_scatter`); its terms of the sums over the rows across the warp's rows
+            (`rows_reduce_scatter`) and into the block's slab (shared atomic adds)
+    post    each thread its row's steps: the gradients of the row sequences
+    flush   the slab into the summed arrays (one atomic add per block, value and step)
+
+A hand-written probe of this kernel for Mamba-1 (bench/lanes_backward_probe.py) ran B32 D512 L192 in
+0.138 ms where the warp kernel's fused backward took 0.295 (H100, 2026-11-25).
+"""
+
+from __future__ import annotations
+
+from ...lowering.loops import Assign, Load, Loop, Select, Var, accesses
+from ...lowering.plan import size_var
+from ...lowering.reverse_lanes import LanesBackward
+from ...lowering.reverse_warp import FusedBackward
+from ...lowering.state_lanes import StateLanes
+from .codegen import (
+    C_TYPES,
+    STATIC_SHARED,
+    WARP,
+    ArraySpec,
+    CPrinter,
+    _unflatten,
+    c_array,
+    has_half,
+    render,
+    with_free_array_names,
+)
+from .lanes import CHUNK, PITCH, lane_groups
+
+BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
+
+
+def shared_bytes(lb: LanesBackward, sizes: dict[str, int], axis: str, groups: int, block: int,
+                 value_bytes: int) -> int:
+    """Static shared memory of the kernel with `block` threads (module docstring's arrays)."""
+    rows = block // groups
+    per_lane = -(-sizes[axis] // groups)
+    values = (rows * PITCH * (len(lb.row_seqs) + len(lb.per_step)) + sizes[axis] * PITCH * len(lb.state_seqs)
+              + len(lb.atomic) * sizes[axis] * CHUNK + (CHUNK // groups) * per_lane * block)
+    return values * value_bytes
+
+
+def lanes_backward_block(lb: LanesBackward, sizes: dict[str, int], axis: str, value_bytes: int) -> int | None:
+    """Threads a block (the most of `BLOCKS` whose shared memory fits `STATIC_SHARED`), or None."""
+    groups = lane_groups(sizes[axis])
+    for block in BLOCKS:
+        if block // groups >= 1 and shared_bytes(lb, sizes, axis, groups, block, value_bytes) <= STATIC_SHARED:
+            return block
+    return None
+
+
+def lanes_backward_source(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
+                          sizes: dict[str, int], block: int, ctype: str) -> str:
+    """CUDA C of the lanes backward of `fb` (split as `lb`, rows and axis as the forward's `lanes`)
+    for these array layouts, `block` threads a block; the forward saved its carry into every chunk
+    of CHUNK steps (``rounds_<h>``)."""
+    def build():
+        context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block)
+        return render(fb.backward.adjoint.name, "lanes backward", ctype, [context], has_half(arrays))
+    return with_free_array_names(set(arrays), build)
+
+
+def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
+                           sizes: dict[str, int], block: int) -> dict:
+    """The template's context for the lanes backward (module docstring)."""
+    k = fb.adjoint
+    axis, row, var = lanes.axis, lanes.row_axis, lanes.var
+    n = size_var(axis)
+    groups = lane_groups(sizes[axis])
+    rows = block // groups
+    per_lane = -(-sizes[axis] // groups)
+    steps_a_thread = CHUNK // groups
+    index = {a.name: a for a in fb.arrays}
+    registers = set(lb.step_registers) | {lb.forward_state[len("st_"):]}
+    sums = dict(lb.sums)
+    atomic_slot = {key: j for j, key in enumerate(lb.atomic)}  # (array, index) -> its place in the slab
+    terms = 1
+    while terms < len(lb.atomic) * groups:
+        terms *= 2
+
+    # printers: per row and step (pre, post: shared memory at [ch][tt]), per state index and step (lanes)
+    per_row = {name: (lambda e: f"pv_{e.array}[ch][tt]") for name in lb.per_step}
+    per_row |= {a: (lambda e: f"sr_{e.array}[ch][tt]") for a in lb.row_seqs}
+    pp = CPrinter(k, arrays, sizes, views=per_row)
+    in_lane = {name: (lambda e: f"{e.array}[tt]") for name in lb.per_step}
+    in_lane |= {name: (lambda e: f"rg_{e.array}[tt]") for name in registers}
+    in_lane |= {a: (lambda e: f"sr_{e.array}[ch][tb + tt]") for a in lb.row_seqs}
+    in_lane |= {a: (lambda e: f"sl_{e.array}[{var}][tb + tt]") for a in lb.state_seqs}
+    in_lane |= {p: (lambda e: f"rp_{e.array}[j]") for p in lb.lane_params}
+    pl = CPrinter(k, arrays, sizes, views=in_lane)
+    lane_buffers = (lb.forward_state, *lb.adjoint_states)
+    own = {name: (lambda e: f"{e.array}[j]") for name in lane_buffers}
+    po = CPrinter(k, arrays, sizes, views=own)
+
+    def live_only(stmts: list, carried: set[str]) -> list:
+        return [Assign(s.target, Select(Var("live"), s.value, s.target), s.op)
+                if isinstance(s.target, Var) and s.target.name in carried and s.op == "=" else s for s in stmts]
+
+    thread_carried = {f"st_{a}" for a in lb.thread_accumulators}
+    pre = pp.stmts(live_only(lb.pre, thread_carried), 0)
+    post = pp.stmts(lb.post, 0)  # for live steps only
+    adjoint_carried = {f"v_{s}" for s in lb.adjoint_states}
+    adjoint = [Assign(Load("av", (f"{atomic_slot[s.target.array, s.target.index]} * G + tt",)), s.value)
+               if s.op == "atomic+=" else s for s in live_only(lb.adjoint, adjoint_carried)]
+    pl.buffers.add("av")
+    lane_params_loads = []
+    for name in lb.lane_params:
+        at = next(e for s in lb.carries + lb.adjoint for e in accesses(s) if e.array == name)
+        lane_params_loads += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
+                              f"    rp_{name}[j] = {var} < {n} ? F(to_f({c_array(name)}[{pl.index(at)}])) : F(0);",
+                              "}"]
+    read_in_lane = [name for name in lb.per_step if name not in sums
+                    and any(e.array == name for s in lb.carries + lb.adjoint for e in accesses(s))]
+    forward_scalar = f"v_{lb.forward_state}"
+
+    def group_values(pad: str) -> list[str]:  # a group's per-step values, from shared memory
+        out = []
+        for name in read_in_lane:
+            out += [f"{pad}F {name}[G];", f"{pad}#pragma unroll",
+                    f"{pad}for (int tt = 0; tt < G; ++tt) {name}[tt] = pv_{name}[ch][tb + tt];"]
+        return out
+
+    def state_loop(pad: str, body: list[str]) -> list[str]:
+        guard = sizes[axis] % groups != 0
+        inner = body if not guard else [f"    if ({var} < {n}) {{", *("    " + b for b in body), "    }"]
+        return [f"{pad}#pragma unroll", f"{pad}for (int j = 0; j < S; ++j) {{  // this lane's state values",
+                f"{pad}    const int {var} = g + j * G;", *(pad + b for b in inner), f"{pad}}}"]
+
+    # the chunk's forward: the state before every G steps into shared memory
+    forward = ["#pragma unroll 1", "for (int tb = 0; tb < T; tb += G) {", *group_values("    ")]
+    forward += [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
+    forward += state_loop("    ", [f"    ck[(tb / G * S + j) * BLOCK + threadIdx.x] = {lb.forward_state}[j];",
+                                   f"    {forward_scalar} = {lb.forward_state}[j];",
+                                   "    #pragma unroll", "    for (int tt = 0; tt < G; ++tt) {",
+                                   *pl.stmts(lb.carries, 2), "    }",
+                                   f"    {lb.forward_state}[j] = {forward_scalar};"])
+    forward.append("}")
+
+    # the adjoint, G steps at a time, last first
+    adj = ["#pragma unroll 1", "for (int tb = T - G; tb >= 0; tb -= G) {", *group_values("    ")]
+    for name, op in sums.items():
+        start = "F(0)" if op == "+=" else "F(-__int_as_float(0x7f800000))"
+        adj += [f"    F {name}[G];", "    #pragma unroll", f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {start};"]
+    body = [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
+    body += [f"    F av[{terms}];  // the terms of the sums over the rows, [array * G + step]" if lb.atomic else "",
+             *(["    #pragma unroll", f"    for (int e = 0; e < {terms}; ++e) av[e] = F(0);"] if lb.atomic else [])]
+    guarded = [f"    {forward_scalar} = ck[(tb / G * S + j) * BLOCK + threadIdx.x];",
+               "    #pragma unroll", "    for (int tt = 0; tt < G; ++tt) {", *pl.stmts(lb.carries, 2), "    }"]
+    guarded += [f"    v_{s} = {s}[j];" for s in lb.adjoint_states]
+    guarded += ["    #pragma unroll", "    for (int tt = G - 1; tt >= 0; --tt) {",
+                "        const bool live = t0 + tb + tt < L;  // a step past L changes nothing",
+                *pl.stmts(adjoint, 2), "    }"]
+    guarded += [f"    {s}[j] = v_{s};" for s in lb.adjoint_states]
+    inner = [b for b in body if b] + (guarded if sizes[axis] % groups == 0
+                                      else [f"    if ({var} < {n}) {{", *("    " + b for b in guarded), "    }"])
+    if lb.atomic:
+        inner += ["    if (!valid) {  // a row past the last: its terms are the last row's again",
+                  "        #pragma unroll", f"        for (int e = 0; e < {terms}; ++e) av[e] = F(0);", "    }",
+                  f"    const int first = rows_reduce_scatter<{terms}, G>(av, lane);",
+                  f"    if (first >= 0 && {var} < {n}) {{",
+                  "        #pragma unroll",
+                  f"        for (int e = 0; e < ({terms} * G + {WARP - 1}) / {WARP}; ++e) {{",
+                  "            const int at = first + e;",
+                  f"            if (at < {len(lb.atomic)} * G) "
+                  f"atomicAdd(&slab[(at / G * {n} + {var}) * T + tb + at % G], av[e]);",
+                  "        }", "    }"]
+    adj += [f"    {line}" for line in [
+        "#pragma unroll", "for (int j = 0; j < S; ++j) {  // this lane's state values",
+        f"    const int {var} = g + j * G;", *inner, "}"]]
+    for name, op in sums.items():
+        fn = "SumOp" if op == "+=" else "MaxOp"
+        adj.append(f"    pv_{name}[ch][tb + g] = reduce_scatter<G>({name}, g, {fn}());")
+    adj.append("}")
+
+    # the block's sums over the rows into memory
+    flush = []
+    if lb.atomic:
+        flush = [f"for (int i = threadIdx.x; i < {len(lb.atomic)} * {n} * T; i += BLOCK) {{",
+                 f"    const int a = i / ({n} * T), {var} = i / T % {n}, tt = i % T, t = t0 + tt;",
+                 "    if (t >= L) continue;",
+                 "    const F v = slab[i];"]
+        for j, (array, at) in enumerate(lb.atomic):
+            flush.append(f"    {'if' if j == 0 else 'else if'} (a == {j}) "
+                         f"atomicAdd(&{c_array(array)}[{po.index(Load(array, at))}], v);")
+        flush.append("}")
+
+    # staging
+    stage = []
+    for name in lb.row_seqs + lb.state_seqs:
+        a, spec = index[name], arrays[name]
+        per_row = name in lb.row_seqs
+        count, rv = ("R", "r") if per_row else (n, "s")
+        at = {"t": "t", row: f"min(r0 + r, {size_var(row)} - 1)"} if per_row else {"t": "t", axis: "s"}
+        src = f"{c_array(name)}[{po.index(Load(name, tuple(at.get(ax, f'p_{ax}') for ax in a.axes)))}]"
+        mapping = (f"const int {rv} = i / T, tt = i % T, t = t0 + tt;" if spec.strides[0] == 1
+                   else f"const int {rv} = i % {count}, tt = i / {count}, t = t0 + tt;")
+        stage += [f"for (int i = threadIdx.x; i < {count} * T; i += BLOCK) {{", f"    {mapping}",
+                  f"    {'sr' if per_row else 'sl'}_{name}[{rv}][tt] = t < L ? F(to_f({src})) : F(0);", "}"]
+    if lb.atomic:
+        stage.append(f"for (int i = threadIdx.x; i < {len(lb.atomic)} * {n} * T; i += BLOCK) slab[i] = F(0);")
+
+    # before the chunks and after them
+    setup = []
+    for s in k.setup:
+        if isinstance(s, Assign):
+            setup += po.stmts([s], 0)
+    setup += [line for s in k.setup if isinstance(s, Loop) for line in state_loop("", po.stmts(s.body, 1))]
+    rounds = f"rounds_{lb.forward_state[len('st_'):]}"
+    at = po.index(Load(rounds, ("c", *_state_index(fb, var))))
+    load_carry = state_loop("", [f"    {lb.forward_state}[j] = F(to_f({c_array(rounds)}[{at}]));"])
+    finish = []
+    for s in k.finish:
+        if isinstance(s, Loop):
+            finish += state_loop("", [f"    if (valid) {x}" for x in po.stmts(s.body, 0)])
+    for name in lb.accumulators:
+        axes_ = fb.partials.accumulators[name]
+        at = tuple(f"p_{a}" if a in fb.parallel else f"i_{a}" for a in axes_) or ("0",)
+        target = f"{c_array(f'final_{name}')}[{po.index(Load(f'final_{name}', at))}]"
+        finish += state_loop("", [f"    if (valid) atomicAdd(&{target}, st_{name}[j]);"])
+    for name in lb.thread_accumulators:
+        axes_ = fb.partials.accumulators[name]
+        at = tuple(f"p_{a}" for a in axes_) or ("0",)
+        target = f"{c_array(f'final_{name}')}[{po.index(Load(f'final_{name}', at))}]"
+        finish += ["{  // the row's lanes' sums, added into the result",
+                   f"    F v = st_{name};", "    #pragma unroll",
+                   "    for (int off = G / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);",
+                   f"    if (valid && g == 0) atomicAdd(&{target}, v);", "}"]
+
+    params = [("const " if index[a.name].role in ("seq", "param", "init", "rounds") else "")
+              + f"{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}" for a in fb.arrays]
+    declared = set(lane_buffers) | {f"v_{s}" for s in lane_buffers}
+    scalars = [f"F {name} = F(0);" for name in lb.scalars if name not in declared]
+    scalars += [f"F v_{s} = F(0);" for s in lane_buffers]
+    scalars += [f"F {name} = F(0);" for name in dict.fromkeys(
+        s.target.name for s in k.setup if isinstance(s, Assign) and isinstance(s.target, Var))
+        if f"F {name} = F(0);" not in scalars]
+    return {
+        "lanes_backward": True,
+        "name": fb.name,
+        "block": block,
+        "comment": (f"{fb.backward.adjoint.name}: {groups} lanes per [{' '.join(fb.parallel)}], each owning "
+                    f"{per_lane} {axis}; {rows} rows per block, chunks of {CHUNK} steps last first"),
+        "params": params,
+        "constants": [f"constexpr int {size_var(a)} = {sizes[a]};" for a in sorted({a for a in sizes})
+                      if a in {x for arr in fb.arrays for x in arr.axes}]
+        + [f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, BLOCK = {block};"
+           f"  // lanes a row, state values a lane, rows a block, steps a chunk"],
+        "row_size": size_var(row),
+        "shared": [f"__shared__ __align__(16) F sr_{a}[R][P];" for a in lb.row_seqs]
+        + [f"__shared__ __align__(16) F sl_{a}[{n}][P];" for a in lb.state_seqs]
+        + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk" for name in lb.per_step]
+        + ([f"__shared__ F slab[{len(lb.atomic)} * {n} * T];  // the block's sums over its rows"] if lb.atomic else [])
+        + ["__shared__ F ck[T / G * S * BLOCK];  // the state before every G steps, a column a thread"],
+        "unflatten": _unflatten(fb.parallel),
+        "declarations": scalars + [f"F {name}[S];" for name in lane_buffers]
+        + [f"F rp_{name}[S];" for name in lb.lane_params],
+        "setup": lane_params_loads + setup,
+        "stage": stage,
+        "load_carry": load_carry,
+        "steps_a_thread": steps_a_thread,
+        "pre": pre,
+        "forward": forward,
+        "adjoint": adj,
+        "flush": flush,
+        "post": post,
+        "finish": finish,
+    }
+
+
+def _state_index(fb: FusedBackward, var: str) -> tuple[str, ...]:
+    """The forward state's index but its round (``rounds_<h>[c, ...]``): p_<parallel>, the lane's state index."""
+    (state,) = fb.backward.forward.states
+    return tuple(f"p_{a}" if a in fb.parallel else var for a in state.axes)
