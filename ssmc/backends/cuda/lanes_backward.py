@@ -12,9 +12,9 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
             memory; then per G steps, last first, per state value: the carries again, the adjoint
             backwards; its sums over the states' axis a register a step, then across the row's lanes
             (`reduce_scatter`); its terms of the sums over the rows across the warp's rows
-            (`rows_reduce_scatter`) and into the block's slab (shared atomic adds)
+            (`rows_reduce_scatter`: each sum then held by one lane), into the warp's slab
     post    each thread its row's steps: the gradients of the row sequences
-    flush   the slab into the summed arrays (one atomic add per block, value and step)
+    flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
 A hand-written probe of this kernel for Mamba-1 (bench/lanes_backward_probe.py) ran B32 D512 L192 in
 0.138 ms where the warp kernel's fused backward took 0.295 (H100, 2026-11-25).
@@ -50,7 +50,7 @@ def shared_bytes(lb: LanesBackward, sizes: dict[str, int], axis: str, groups: in
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
     values = (rows * PITCH * (len(lb.row_seqs) + len(lb.per_step)) + sizes[axis] * PITCH * len(lb.state_seqs)
-              + len(lb.atomic) * sizes[axis] * CHUNK + (CHUNK // groups) * per_lane * block)
+              + len(lb.atomic) * sizes[axis] * CHUNK * (block // WARP) + (CHUNK // groups) * per_lane * block)
     return values * value_bytes
 
 
@@ -176,7 +176,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                   f"        for (int e = 0; e < ({terms} * G + {WARP - 1}) / {WARP}; ++e) {{",
                   "            const int at = first + e;",
                   f"            if (at < {len(lb.atomic)} * G) "
-                  f"atomicAdd(&slab[(at / G * {n} + {var}) * T + tb + at % G], av[e]);",
+                  f"slab[threadIdx.x / {WARP}][(at / G * {n} + {var}) * T + tb + at % G] = av[e];",
                   "        }", "    }"]
     adj += [f"    {line}" for line in [
         "#pragma unroll", "for (int j = 0; j < S; ++j) {  // this lane's state values",
@@ -192,7 +192,9 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         flush = [f"for (int i = threadIdx.x; i < {len(lb.atomic)} * {n} * T; i += BLOCK) {{",
                  f"    const int a = i / ({n} * T), {var} = i / T % {n}, tt = i % T, t = t0 + tt;",
                  "    if (t >= L) continue;",
-                 "    const F v = slab[i];"]
+                 "    F v = F(0);",
+                 "    #pragma unroll",
+                 f"    for (int w = 0; w < BLOCK / {WARP}; ++w) v += slab[w][i];"]
         for j, (array, at) in enumerate(lb.atomic):
             flush.append(f"    {'if' if j == 0 else 'else if'} (a == {j}) "
                          f"atomicAdd(&{c_array(array)}[{po.index(Load(array, at))}], v);")
@@ -210,8 +212,6 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                    else f"const int {rv} = i % {count}, tt = i / {count}, t = t0 + tt;")
         stage += [f"for (int i = threadIdx.x; i < {count} * T; i += BLOCK) {{", f"    {mapping}",
                   f"    {'sr' if per_row else 'sl'}_{name}[{rv}][tt] = t < L ? F(to_f({src})) : F(0);", "}"]
-    if lb.atomic:
-        stage.append(f"for (int i = threadIdx.x; i < {len(lb.atomic)} * {n} * T; i += BLOCK) slab[i] = F(0);")
 
     # before the chunks and after them
     setup = []
@@ -263,7 +263,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "shared": [f"__shared__ __align__(16) F sr_{a}[R][P];" for a in lb.row_seqs]
         + [f"__shared__ __align__(16) F sl_{a}[{n}][P];" for a in lb.state_seqs]
         + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk" for name in lb.per_step]
-        + ([f"__shared__ F slab[{len(lb.atomic)} * {n} * T];  // the block's sums over its rows"] if lb.atomic else [])
+        + ([f"__shared__ F slab[BLOCK / {WARP}][{len(lb.atomic)} * {n} * T];  // each warp's sums over its rows"
+            "  (a lane's store each: no shared atomic adds, which took half the kernel's time)"] if lb.atomic else [])
         + ["__shared__ F ck[T / G * S * BLOCK];  // the state before every G steps, a column a thread"],
         "unflatten": _unflatten(fb.parallel),
         "declarations": scalars + [f"F {name}[S];" for name in lane_buffers]
