@@ -232,8 +232,11 @@ def test_random_recurrences_forward(spec, length, seed):
     inputs = draw_inputs(spec, length, seed)
     got = ssmc.compile(spec, "cuda", dtype="float64").run(**on_gpu(inputs, "float64"))
     want = ssmc.compile(spec, "interpreter").run(**inputs)
+    # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
+    # state of 1.2e-15 off by 3.3e-7 of itself, L = 1000, H100, 2026-11-26)
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
-        assert rel_err(g, w) <= 1e-9
+        err = np.abs(g.cpu().numpy() - w).max()
+        assert rel_err(g, w) <= 1e-9 or err <= 1e-12
 
 
 @settings(max_examples=10, **SETTINGS)
@@ -397,8 +400,11 @@ def test_random_scans_with_time_parallel_strategies(spec, length, strategy, seed
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"]
     want = ssmc.compile(spec, "interpreter").run(**inputs)
+    # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
+    # state of 1.2e-15 off by 3.3e-7 of itself, L = 1000, H100, 2026-11-26)
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
-        assert rel_err(g, w) <= 1e-9
+        err = np.abs(g.cpu().numpy() - w).max()
+        assert rel_err(g, w) <= 1e-9 or err <= 1e-12
 
 
 @settings(max_examples=10, **SETTINGS)
@@ -633,8 +639,11 @@ def test_warps_sharing_a_recurrence(spec, length, warps, seed):
                                                         grad_outputs=on_gpu(cot, "float64"))
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_RECURRENCE_WARPS"]
+    # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
+    # state of 1.2e-15 off by 3.3e-7 of itself, L = 1000, H100, 2026-11-26)
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
-        assert rel_err(g, w) <= 1e-9
+        err = np.abs(g.cpu().numpy() - w).max()
+        assert rel_err(g, w) <= 1e-9 or err <= 1e-12
     for key in want_grads:  # 1e-8: see test_random_recurrence_gradients
         assert rel_err(grads[key], want_grads[key]) <= 1e-8, key
 
@@ -696,8 +705,11 @@ def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
         got = ssmc.compile(spec, "cuda", dtype="float64", layout=layout).run(**on_gpu(inputs, "float64"))
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"]
+    # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
+    # state of 1.2e-15 off by 3.3e-7 of itself, L = 1000, H100, 2026-11-26)
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
-        assert rel_err(g, w) <= 1e-9
+        err = np.abs(g.cpu().numpy() - w).max()
+        assert rel_err(g, w) <= 1e-9 or err <= 1e-12
 
 
 @pytest.mark.parametrize("layout", ["t ...", "... t"])
