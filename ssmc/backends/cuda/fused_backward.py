@@ -86,10 +86,11 @@ HALF_ROUND_STEP_COST = 1.12
 
 # The lanes backward (lanes_backward.py) runs where the training forward runs as the lanes kernel and
 # the warp kernel's fused backward does not (sequences with time strided, "b t d"), there in place of
-# the unfused backward's kernels; where both run, the warp kernel's is faster. Mamba-1 N16 fp32 training
-# step (`ssmc.grad`), lanes backward against the other (bench/lanes_backward.py, H200, 2026-11-26):
-# "b t d" B32 D512 L180 0.504 against 2.421 ms (unfused), B8 D1536 L2048 4.68 against 13.93; "b d t"
-# B32 D512 L180 0.426 against 0.288 (the warp kernel's fused backward), B8 D1536 L2048 4.04 against 1.52.
+# the unfused backward's kernels; where both run, the warp kernel's is as fast or faster. Mamba-1 N16
+# fp32 training step (`ssmc.grad`), lanes backward against the other (bench/lanes_backward.py, H100,
+# 2026-11-26): "b t d" B32 D512 L180 0.382 against 2.553 ms (unfused), B8 D1536 L2048 3.32 against
+# 14.52; "b d t" B32 D512 L180 0.293 against 0.293 (the warp kernel's fused backward), B8 D1536 L2048
+# 2.53 against 1.56.
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
