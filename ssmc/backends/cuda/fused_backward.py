@@ -213,9 +213,9 @@ class FusedBackwardRunner:
     def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
         """The lanes backward's threads (backends/cuda/lanes_backward.py) where it runs at this shape: the
         training forward runs as the lanes kernel (`forward_lanes`), the backward splits so, its
-        block's shared memory fits, and the warp kernel's fused backward does not run here (it is
-        faster where it does: `LANES_BACKWARD`); SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on
-        wherever it can run. None elsewhere."""
+        block's shared memory fits, and the warp kernel's fused backward does not run here (where it
+        does it is as fast or faster: the measurements above `FUSED_SCAN_RECURRENCES`);
+        SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on wherever it can run. None elsewhere."""
         def decide():
             setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
             lanes = self.forward_lanes(sizes, length, time_contiguous)

@@ -16,13 +16,17 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     post    each thread its row's steps: the gradients of the row sequences
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
-A hand-written probe of this kernel for Mamba-1 (bench/lanes_backward_probe.py) ran B32 D512 L192 in
-0.138 ms where the warp kernel's fused backward took 0.295 (H100, 2026-11-25).
+Mamba-1 fp32 (bench/lanes_backward.py, docs/benchmarks.md): this kernel 0.239 ms at B32 D512 L180 on an
+H100 (2026-11-26), as fast as the warp kernel's fused backward (0.241), 2.26 ms at B8 D1536 L2048
+(the warp kernel's 1.29); a hand-written probe of it (bench/lanes_backward_probe.py) ran B32 D512
+L192 in 0.137 ms on an H200, where this one took 0.372 before its sums over the rows stopped going
+through shared atomic adds (0.186 without them). It runs where the warp kernel's fused backward
+does not (`FusedBackwardRunner.backward_lanes`).
 """
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Load, Loop, Select, Var, accesses
+from ...lowering.loops import Assign, Load, Loop, Var, accesses
 from ...lowering.plan import size_var
 from ...lowering.reverse_lanes import LanesBackward
 from ...lowering.reverse_warp import FusedBackward
@@ -33,6 +37,7 @@ from .codegen import (
     WARP,
     ArraySpec,
     CPrinter,
+    _predicated,
     _unflatten,
     c_array,
     has_half,
@@ -106,16 +111,12 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     own = {name: (lambda e: f"{e.array}[j]") for name in lane_buffers}
     po = CPrinter(k, arrays, sizes, views=own)
 
-    def live_only(stmts: list, carried: set[str]) -> list:
-        return [Assign(s.target, Select(Var("live"), s.value, s.target), s.op)
-                if isinstance(s.target, Var) and s.target.name in carried and s.op == "=" else s for s in stmts]
-
     thread_carried = {f"st_{a}" for a in lb.thread_accumulators}
-    pre = pp.stmts(live_only(lb.pre, thread_carried), 0)
+    pre = pp.stmts(_predicated(lb.pre, thread_carried), 0)
     post = pp.stmts(lb.post, 0)  # for live steps only
     adjoint_carried = {f"v_{s}" for s in lb.adjoint_states}
     adjoint = [Assign(Load("av", (f"{atomic_slot[s.target.array, s.target.index]} * G + tt",)), s.value)
-               if s.op == "atomic+=" else s for s in live_only(lb.adjoint, adjoint_carried)]
+               if s.op == "atomic+=" else s for s in _predicated(lb.adjoint, adjoint_carried)]
     pl.buffers.add("av")
     lane_params_loads = []
     for name in lb.lane_params:
