@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Load, Loop, Var, accesses, map_children
+from .loops import Assign, Load, Loop, Num, Var, accesses, map_children
 from .reverse_warp import FusedBackward
 from .state_lanes import StateLanes
 from .state_major import STEP, fused_state_major, scalar_name
@@ -121,7 +121,9 @@ def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None
         s = Assign(aliased(s.target), aliased(s.value), s.op)
         per_step_target = isinstance(s.target, Load) and s.target.index == (STEP,)
         if per_step_target and s.target.array in sums:
-            continue  # a sum starts in the adjoint (a register a step), its identity there
+            if s.value != Num(0.0 if sums[s.target.array] == "+=" else float("-inf")):
+                return None  # a sum that starts from something else than its identity
+            continue  # a sum starts in the adjoint (a register a step), from its identity there
         if per_step_target and s.op == "=":
             value = s.value
             if isinstance(value, Load) and value.index == (STEP,):
