@@ -142,8 +142,9 @@ def test_which_programs_fuse():
 
 def test_when_the_fused_backward_runs(monkeypatch):
     """Where the forward is the warp kernel (time contiguous, at least two rounds) and the adjoint
-    sums over recurrences (Mamba-1); a plain scan (hgrn) only when forced; never with time
-    outermost, when turned off, or for a program run in fusion stages (the block)."""
+    sums over recurrences (Mamba-1); with time outermost as the lanes backward (Mamba-1, where the
+    forward is the lanes kernel); a plain scan (hgrn) only when forced; never when turned off, or
+    for a program run in fusion stages (the block)."""
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
 
     def runner(name):
@@ -152,7 +153,11 @@ def test_when_the_fused_backward_runs(monkeypatch):
 
     mamba, scan = runner("mamba1"), runner("hgrn")
     big = {"b": 8, "d": 1536, "n": 16}
-    assert mamba.applies_at(big, 2048, True) and not mamba.applies_at(big, 2048, False)
+    assert mamba.applies_at(big, 2048, True) and mamba.backward_lanes(big, 2048, True) is None
+    assert mamba.applies_at(big, 2048, False) and mamba.backward_lanes(big, 2048, False) is not None
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
+    assert not mamba.applies_at(big, 2048, False)
+    monkeypatch.delenv("SSMC_CUDA_LANES_BACKWARD")
     assert mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # warps whatever the count
     # a scan's adjoint (no sums): where a warp per recurrence fills the GPU over a long sequence
     assert scan.applies_at({"b": 8, "d": 2048}, 4096, True) and scan.applies_at({"b": 8, "d": 512}, 1024, True)
