@@ -38,6 +38,7 @@ from .codegen import (
     ArraySpec,
     CPrinter,
     _predicated,
+    _store,
     _unflatten,
     c_array,
     has_half,
@@ -47,6 +48,13 @@ from .codegen import (
 from .lanes import CHUNK, PITCH, lane_groups
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
+# A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
+# at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
+# (B and C at n = 64, 8 lanes a row, 32 threads a block: 64 each) spilled, so those load at the
+# chunk's start; so too everything where a lane's body takes more than PREFETCH_LANE_VALUES state values
+# and steps (S x G) at once (n = 64: 8 x 8; with 16 values a thread prefetched it spilled 196 bytes)
+PREFETCH_VALUES = 8
+PREFETCH_LANE_VALUES = 16
 
 
 def shared_bytes(lb: LanesBackward, sizes: dict[str, int], axis: str, groups: int, block: int,
@@ -74,14 +82,14 @@ def lanes_backward_source(fb: FusedBackward, lb: LanesBackward, lanes: StateLane
     for these array layouts, `block` threads a block; the forward saved its carry into every chunk
     of CHUNK steps (``rounds_<h>``)."""
     def build():
-        context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block)
+        context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block, ctype)
         return render(fb.backward.adjoint.name, "lanes backward", ctype, [context], has_half(arrays))
     return with_free_array_names(set(arrays), build)
 
 
 def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
-                           sizes: dict[str, int], block: int) -> dict:
-    """The template's context for the lanes backward (module docstring)."""
+                           sizes: dict[str, int], block: int, ctype: str = "float") -> dict:
+    """The template's context for the lanes backward (module docstring); `ctype` the compute type."""
     k = fb.adjoint
     axis, row, var = lanes.axis, lanes.row_axis, lanes.var
     n = size_var(axis)
@@ -113,7 +121,6 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
 
     thread_carried = {f"st_{a}" for a in lb.thread_accumulators}
     pre = pp.stmts(_predicated(lb.pre, thread_carried), 0)
-    post = pp.stmts(lb.post, 0)  # for live steps only
     adjoint_carried = {f"v_{s}" for s in lb.adjoint_states}
     adjoint = [Assign(Load("av", (f"{atomic_slot[s.target.array, s.target.index]} * G + tt",)), s.value)
                if s.op == "atomic+=" else s for s in _predicated(lb.adjoint, adjoint_carried)]
@@ -201,18 +208,81 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                          f"atomicAdd(&{c_array(array)}[{po.index(Load(array, at))}], v);")
         flush.append("}")
 
-    # staging
-    stage = []
+    # staging: the chunk before's values loaded into registers while this one computes (`prefetch`,
+    # chunk `cc`), stored into shared memory at its start (`stage`)
+    prefetch, stage, declare, aligned = [], [], [], []
+    vector_type = ctype == "float"
     for name in lb.row_seqs + lb.state_seqs:
         a, spec = index[name], arrays[name]
-        per_row = name in lb.row_seqs
-        count, rv = ("R", "r") if per_row else (n, "s")
-        at = {"t": "t", row: f"min(r0 + r, {size_var(row)} - 1)"} if per_row else {"t": "t", axis: "s"}
-        src = f"{c_array(name)}[{po.index(Load(name, tuple(at.get(ax, f'p_{ax}') for ax in a.axes)))}]"
-        mapping = (f"const int {rv} = i / T, tt = i % T, t = t0 + tt;" if spec.strides[0] == 1
-                   else f"const int {rv} = i % {count}, tt = i / {count}, t = t0 + tt;")
-        stage += [f"for (int i = threadIdx.x; i < {count} * T; i += BLOCK) {{", f"    {mapping}",
-                  f"    {'sr' if per_row else 'sl'}_{name}[{rv}][tt] = t < L ? F(to_f({src})) : F(0);", "}"]
+        staged_row = name in lb.row_seqs
+        count, rv = ("R", "r") if staged_row else (n, "s")
+        at = {"t": "t", row: f"min(r0 + {rv}, {size_var(row)} - 1)"} if staged_row else {"t": "t", axis: rv}
+
+        def src(t: str, name=name, at=at, a=a) -> str:  # the array's value at step `t`, the staged row
+            index = tuple(t if ax == "t" else at.get(ax, f"p_{ax}") for ax in a.axes)
+            return f"{c_array(name)}[{po.index(Load(name, index))}]"
+
+        dst = f"{'sr' if staged_row else 'sl'}_{name}"
+        vector = (vector_type and spec.dtype == "float32" and spec.strides[0] == 1
+                  and all(st % 4 == 0 for st in spec.strides[1:]))
+        if vector:  # 4 consecutive steps a load where the arrays are aligned (`vec`)
+            items = f"{count} * (T / 4)"
+            mapping = f"const int {rv} = i / (T / 4), tt = (i % (T / 4)) * 4, t = cc * T + tt;"
+            load = [f"if (vec && t + 4 <= L) load_steps<4>(pf_{name}[k], &{src('t')});",
+                    f"else for (int q = 0; q < 4; ++q) pf_{name}[k][q] = t + q < L ? F(to_f({src('t + q')})) : F(0);"]
+            store = [f"store_steps<4>(&{dst}[{rv}][tt], pf_{name}[k]);"]
+            declare.append(f"F pf_{name}[({items} + BLOCK - 1) / BLOCK][4];  // the next chunk's, 4 steps a load")
+            aligned.append(f"(unsigned long long){c_array(name)} % 16 == 0")
+        else:
+            items = f"{count} * T"
+            mapping = (f"const int {rv} = i / T, tt = i % T, t = cc * T + tt;" if spec.strides[0] == 1
+                       else f"const int {rv} = i % {count}, tt = i / {count}, t = cc * T + tt;")
+            load = [f"pf_{name}[k] = t < L ? F(to_f({src('t')})) : F(0);"]
+            store = [f"{dst}[{rv}][tt] = pf_{name}[k];"]
+            declare.append(f"F pf_{name}[({items} + BLOCK - 1) / BLOCK];  // the next chunk's")
+        values = (rows if staged_row else sizes[axis]) * CHUNK
+        if per_lane * groups > PREFETCH_LANE_VALUES or -(-values // block) > PREFETCH_VALUES:
+            # too many registers: loaded when the chunk starts
+            declare.pop()
+            load = [x.replace(f"pf_{name}[k]", "v") for x in load]
+            load = [f"F v{'[4]' if vector else ''};", *load,
+                    *(x.replace(f"pf_{name}[k]", "v") for x in store)]
+            parts = ((stage, load),)
+        else:
+            parts = ((prefetch, load), (stage, store))
+        for lines, body in parts:
+            # loads at the chunk's start in flight 4 at a time (unrolled whole, n = 64's 32 vectors of
+            # B and C were loaded at once and spilled)
+            unroll = "#pragma unroll" if len(parts) == 2 else "#pragma unroll 4"
+            lines += [unroll, f"for (int k = 0; k < ({items} + BLOCK - 1) / BLOCK; ++k) {{",
+                      "    const int i = threadIdx.x + k * BLOCK;", f"    if (i >= {items}) break;",
+                      f"    {mapping}  (void)t;", *("    " + b for b in body), "}"]
+
+    # the post phase's outputs: a thread's consecutive steps in registers, stored as vectors where the
+    # array is float32 with time contiguous and aligned, its steps all within L (whole 32-byte sectors:
+    # one value a thread every G steps left the sectors of long sequences half written)
+    post_views = dict(per_row)
+    stores = list(dict.fromkeys(s.target.array for s in lb.post if isinstance(s.target, Load)
+                                and index.get(s.target.array) is not None and index[s.target.array].role == "out"))
+    post_views |= {name: (lambda e: f"o_{e.array}[s_q]") for name in stores}
+    post = CPrinter(k, arrays, sizes, views=post_views).stmts(lb.post, 0)
+    post_store = []
+    for name in stores:
+        spec = arrays[name]
+        target = next(s.target for s in lb.post if isinstance(s.target, Load) and s.target.array == name)
+        plain = f"{c_array(name)}[{po.index(target)}]"
+        scalar = [f"for (int s_q = 0; s_q < {steps_a_thread}; ++s_q) {{",
+                  f"    const int t = t0 + g * {steps_a_thread} + s_q;",
+                  f"    if (valid && t < L) {plain} = {_store(spec.dtype, f'o_{name}[s_q]')};", "}"]
+        if (vector_type and spec.dtype == "float32" and spec.strides[0] == 1
+                and all(st % 4 == 0 for st in spec.strides[1:])):
+            first = po.index(Load(name, (f"t0 + g * {steps_a_thread}", *target.index[1:])))
+            post_store += [f"if (valid && t0 + (g + 1) * {steps_a_thread} <= L && "
+                           f"(unsigned long long){c_array(name)} % 16 == 0) {{",
+                           f"    store_steps<{steps_a_thread}>(&{c_array(name)}[{first}], o_{name});",
+                           "} else {", *("    " + x for x in scalar), "}"]
+        else:
+            post_store += scalar
 
     # before the chunks and after them
     setup = []
@@ -272,6 +342,11 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         + [f"F rp_{name}[S];" for name in lb.lane_params],
         "setup": lane_params_loads + setup,
         "stage": stage,
+        "prefetch": prefetch,
+        "prefetch_declarations": declare,
+        "aligned": " && ".join(aligned) or "false",
+        "post_declarations": [f"F o_{name}[{steps_a_thread}];" for name in stores],
+        "post_store": post_store,
         "load_carry": load_carry,
         "steps_a_thread": steps_a_thread,
         "pre": pre,
@@ -287,3 +362,4 @@ def _state_index(fb: FusedBackward, var: str) -> tuple[str, ...]:
     """The forward state's index but its round (``rounds_<h>[c, ...]``): p_<parallel>, the lane's state index."""
     (state,) = fb.backward.forward.states
     return tuple(f"p_{a}" if a in fb.parallel else var for a in state.axes)
+
