@@ -265,6 +265,15 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     stores = list(dict.fromkeys(s.target.array for s in lb.post if isinstance(s.target, Load)
                                 and index.get(s.target.array) is not None and index[s.target.array].role == "out"))
     post_views |= {name: (lambda e: f"o_{e.array}[s_q]") for name in stores}
+    post_reads = []
+    if vector_type:  # a thread's steps read from shared memory as vectors: [ch][g S' + s_q] one value at a
+        # time had 4-way bank conflicts (rows 36 words apart, threads 8 words apart)
+        read = list(dict.fromkeys(e.array for s in lb.post for e in accesses(s)
+                                  if e.array in lb.per_step or e.array in lb.row_seqs))
+        post_views |= {name: (lambda e: f"vp_{e.array}[s_q]") for name in read}
+        for name in read:
+            staged = f"{'pv' if name in lb.per_step else 'sr'}_{name}[ch][g * {steps_a_thread}]"
+            post_reads += [f"F vp_{name}[{steps_a_thread}];", f"load_steps<{steps_a_thread}>(vp_{name}, &{staged});"]
     post = CPrinter(k, arrays, sizes, views=post_views).stmts(lb.post, 0)
     post_store = []
     for name in stores:
@@ -345,7 +354,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "prefetch": prefetch,
         "prefetch_declarations": declare,
         "aligned": " && ".join(aligned) or "false",
-        "post_declarations": [f"F o_{name}[{steps_a_thread}];" for name in stores],
+        "post_declarations": [f"F o_{name}[{steps_a_thread}];" for name in stores] + post_reads,
         "post_store": post_store,
         "load_carry": load_carry,
         "steps_a_thread": steps_a_thread,
