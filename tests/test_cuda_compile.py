@@ -318,7 +318,7 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, {"b": 32, "d": 512, "n": 16}, 180, time_contiguous=layout,
                              backward=layout)
-    lanes = [r for r in reports if r.strategy.startswith("lanes")]
+    lanes = [r for r in reports if r.strategy.startswith("lanes,")]  # the forwards (the backward: test_lanes_backward)
     assert len(lanes) == (2 if layout else 1)
     for r in lanes:
         assert "= sr_delta[buf];" in r.source and "pv_acc_" not in r.source.split("for (int t0 = 0")[0]
@@ -349,8 +349,8 @@ def test_lanes_row_params_are_staged_once_per_block(layout):
 @pytest.mark.parametrize("sizes,length", [({"b": 8, "d": 1536, "n": 16}, 2048), ({"b": 32, "d": 512, "n": 16}, 180)])
 def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, length):
     """A training step at the benchmark shapes: its forward is the lanes kernel too, which writes the
-    carry into each round of the fused backward (128 steps, every 4th chunk; 64 at L 180, where the
-    backward's rounds are half as long) and does not spill."""
+    carry into each round of the fused backward (128 steps, every 4th chunk) and does not spill; at
+    L 180 the backward is the lanes backward, whose rounds are the chunks (32 steps)."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, sizes, length, time_contiguous=True)
     assert [(r.program, r.name) for r in reports] == [
@@ -358,7 +358,8 @@ def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, lengt
         ("backward", "mamba1_fused_backward")]
     training = reports[1]
     assert training.strategy == "lanes, 4 lanes a row" and training.launch.mapping.lanes == 4
-    steps = 128 if length == 2048 else 64
+    assert reports[2].strategy.startswith("fused backward" if length == 2048 else "lanes backward")
+    steps = 128 if length == 2048 else 32
     assert f"if (valid && t0 % {steps} == 0) {{" in training.source and f"rounds_h[(t0 / {steps}) * " in training.source
     assert training.resources is not None and not training.resources.spills, training.error
 

@@ -154,6 +154,8 @@ def test_when_the_fused_backward_runs(monkeypatch):
     mamba, scan = runner("mamba1"), runner("hgrn")
     big = {"b": 8, "d": 1536, "n": 16}
     assert mamba.applies_at(big, 2048, True) and mamba.backward_lanes(big, 2048, True) is None
+    small = {"b": 32, "d": 512, "n": 16}  # short sequences: the lanes backward in any layout
+    assert mamba.backward_lanes(small, 180, True) is not None and mamba.backward_lanes(small, 512, True) is None
     assert mamba.applies_at(big, 2048, False) and mamba.backward_lanes(big, 2048, False) is not None
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     assert not mamba.applies_at(big, 2048, False)
@@ -256,11 +258,13 @@ WIDE = SimpleNamespace(SPEC=wide, LAYOUT="b d t", make_inputs=_wide_inputs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_fused_backward_fits_a_block_shared_memory(dtype):
+def test_the_fused_backward_fits_a_block_shared_memory(dtype, monkeypatch):
     """The fused backward's shared memory, as the runner works it out to choose its rounds
     (`fused_backward_shared_bytes`), is the compiled kernel's; where K = 4 would not fit 48 KiB
     (`wide`, float32), the state-major backward takes rounds of K = 2 and compiles. Before, it took K =
-    4 and `ssmc.grad` stopped at ptxas' "uses too much shared data"."""
+    4 and `ssmc.grad` stopped at ptxas' "uses too much shared data". The warp kernel's (at L = 180
+    the lanes backward runs otherwise)."""
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     from ssmc.backends.cuda.codegen import STATIC_SHARED, fused_backward_shared_bytes
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
     from ssmc.backends.cuda.report import kernel_reports

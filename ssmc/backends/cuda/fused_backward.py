@@ -86,11 +86,14 @@ HALF_ROUND_STEP_COST = 1.12
 
 # The lanes backward (lanes_backward.py) runs where the training forward runs as the lanes kernel and
 # the warp kernel's fused backward does not (sequences with time strided, "b t d"), there in place of
-# the unfused backward's kernels; where both run, the warp kernel's is as fast or faster. Mamba-1 N16
-# fp32 training step (`ssmc.grad`), lanes backward against the other (bench/lanes_backward.py, H100,
-# 2026-11-26): "b t d" B32 D512 L180 0.382 against 2.553 ms (unfused), B8 D1536 L2048 3.32 against
-# 14.52; "b d t" B32 D512 L180 0.293 against 0.293 (the warp kernel's fused backward), B8 D1536 L2048
-# 2.53 against 1.56.
+# the unfused backward's kernels; where both run, at lengths up to LANES_BACKWARD_MAX_LENGTH, where
+# the warp kernel's is slower. Mamba-1 N16 fp32 training step (`ssmc.grad`), lanes backward against
+# the other, bench/lanes_backward.py on an H100 (2026-11-26): "b t d" B32 D512 L180 0.351 against
+# 4.565 ms (the unfused backward), B8 D1536 L2048 2.84 against 14.45; "b d t" against the warp
+# kernel's fused backward, backward kernels: B32 D512 L180 0.200 against 0.241 ms, L192 0.181 / 0.213,
+# but B16 D1024 L256 0.235 / 0.221, B32 D512 L512 0.466 / 0.412, L1024 0.922 / 0.875, B8 D1536
+# L512 0.453 / 0.328, L2048 1.79 / 1.28.
+LANES_BACKWARD_MAX_LENGTH = 192
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
@@ -213,15 +216,16 @@ class FusedBackwardRunner:
     def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
         """The lanes backward's threads (backends/cuda/lanes_backward.py) where it runs at this shape: the
         training forward runs as the lanes kernel (`forward_lanes`), the backward splits so, its
-        block's shared memory fits, and the warp kernel's fused backward does not run here (where it
-        does it is as fast or faster: the measurements above `FUSED_SCAN_RECURRENCES`);
+        block's shared memory fits, and the warp kernel's fused backward does not run here or the
+        sequence is short (`LANES_BACKWARD_MAX_LENGTH`);
         SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on wherever it can run. None elsewhere."""
         def decide():
             setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
             lanes = self.forward_lanes(sizes, length, time_contiguous)
             if lanes is None or self.lanes_backward is None or setting == "0":
                 return None
-            if setting != "1" and self._warp_applies_at(sizes, length, time_contiguous):
+            if setting != "1" and length > LANES_BACKWARD_MAX_LENGTH and self._warp_applies_at(
+                    sizes, length, time_contiguous):
                 return None
             value_bytes = 8 if self.compute == "float64" else 4
             block = lanes_backward_block(self.lanes_backward, sizes, self.lanes.axis, value_bytes)
