@@ -185,6 +185,8 @@ def main(argv=None) -> int:
                     help="another shape to time (B x D x L, N 16); may be given more than once")
     args = ap.parse_args(argv)
     install()
+    # the warp kernel's fused backward, also where the lanes backward would run (L <= 192: B32 D512 L180)
+    os.environ["SSMC_CUDA_LANES_BACKWARD"] = "0"
     names = ["generated", *[n for n in (args.only or VARIANTS) if n != "generated"]] * args.repeat
     shapes = [(8, 1536, 2048)] + ([(32, 512, 180)] if args.small else [])
     shapes += [tuple(int(v) for v in shape.lower().split("x")) for shape in args.shape]

@@ -14,7 +14,7 @@ as many inputs (torch's own cost a call), each on the same inputs (layout "b d t
     profile          cProfile of the back-to-back calls, the `top` functions by own time
 
 The host times again with every launch through CuPy instead of the driver (backends/cuda/launch.py),
-then the fused backward's kernel time with its steps per lane forced (SSMC_CUDA_BACKWARD_STEPS_PER_LANE).
+then the warp kernel's fused backward's time with its steps per lane forced (SSMC_CUDA_BACKWARD_STEPS_PER_LANE).
 `--scan`: the first-order scan's training step (`ssmc.grad` and the torch op) instead; `--families`:
 a training step of each family's example at small shapes (`family_times`) instead.
 """
@@ -218,8 +218,9 @@ def main(argv=None) -> int:
             print(profile(fn, args.calls, args.top, args.sort))
     print("\n| SSMC_CUDA_BACKWARD_STEPS_PER_LANE | kernels µs of a training step |\n|---|---|")
     for k in ("", "1", "2", "4", "8"):
-        if k:
+        if k:  # the warp kernel's fused backward (at L <= 192 the lanes backward runs by default)
             os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = k
+            os.environ["SSMC_CUDA_LANES_BACKWARD"] = "0"
         try:
             total, kernels = kernel_us(lambda: grad(**x, grad_outputs=dy))
             listed = ", ".join(f"{n[:32]} {v:.1f}" for n, v in kernels.items())
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
             print(f"| {k} | {type(exc).__name__}: {str(exc)[:100]} |")
         finally:
             os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
+            os.environ.pop("SSMC_CUDA_LANES_BACKWARD", None)
     return 0
 
 

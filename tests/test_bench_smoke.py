@@ -124,10 +124,12 @@ def test_lanes_variants_edit_the_generated_forward_and_compile():
 
 
 @pytest.mark.parametrize("sizes, length", [({"b": 8, "d": 1536, "n": 16}, 2048), ({"b": 32, "d": 512, "n": 16}, 180)])
-def test_backward_variants_edit_the_generated_backward_and_compile(sizes, length):
+def test_backward_variants_edit_the_generated_backward_and_compile(sizes, length, monkeypatch):
     """bench/backward_variants.py's edits each find their text in the generated Mamba-1 fused backward
     at both benchmark shapes ("b d t"), and every edited kernel compiles for sm_90; those that keep
-    the results without spills, but where they bound the registers (`__launch_bounds__`)."""
+    the results without spills, but where they bound the registers (`__launch_bounds__`). The warp
+    kernel's, as the script takes it (at L 180 the lanes backward runs by default)."""
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.report import kernel_reports
     from ssmc.examples import mamba1
