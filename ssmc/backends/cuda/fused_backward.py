@@ -91,8 +91,9 @@ HALF_ROUND_STEP_COST = 1.12
 # the other, bench/lanes_backward.py on an H100 (2026-11-26): "b t d" B32 D512 L180 0.351 against
 # 4.565 ms (the unfused backward), B8 D1536 L2048 2.84 against 14.45; "b d t" against the warp
 # kernel's fused backward, backward kernels: B32 D512 L180 0.200 against 0.241 ms, L192 0.181 / 0.213,
-# but B16 D1024 L256 0.235 / 0.221, B32 D512 L512 0.466 / 0.412, L1024 0.922 / 0.875, B8 D1536
-# L512 0.453 / 0.328, L2048 1.79 / 1.28.
+# L100 0.126 / 0.205, L40 0.057 / 0.536 (the unfused backward), B64 D1024 L180 0.748 / 0.907, but B8
+# D1536 L180 0.188 / 0.180, and from L 256 on slower: B16 D1024 L256 0.235 / 0.221, B32 D512 L512
+# 0.466 / 0.412, L1024 0.922 / 0.875, B8 D1536 L512 0.453 / 0.328, L2048 1.79 / 1.28.
 LANES_BACKWARD_MAX_LENGTH = 192
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
