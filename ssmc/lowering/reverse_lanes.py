@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .loops import Assign, Load, Loop, Num, Var, accesses, map_children
 from .reverse_warp import FusedBackward
-from .state_lanes import StateLanes
+from .state_lanes import StateLanes, staged_arrays
 from .state_major import STEP, fused_state_major, scalar_name
 
 
@@ -165,36 +165,26 @@ def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None
     thread_acc = tuple(n for n in fb.partials.accumulators if n not in accumulators)
     if any(not set(fb.partials.accumulators[n]) <= set(parallel) for n in thread_acc):
         return None
-    row_seqs, state_seqs, lane_params = set(), set(), set()
-    for s in pre + carries + adjoint + post:
-        for e in accesses(s):
-            a = roles.get(e.array)
-            if a is None:
-                continue
-            if a.role == "seq":
-                if var in e.index:
-                    if f"p_{lanes.row_axis}" in e.index or e.index[0] != "t":
-                        return None
-                    state_seqs.add(a.name)
-                elif e.index[0] != "t" or not all(i.startswith("p_") for i in e.index[1:]):
-                    return None
-                else:
-                    row_seqs.add(a.name)
-            elif a.role == "param" and var in e.index:
-                if not all(i == var or i.startswith("p_") for i in e.index):
-                    return None
-                lane_params.add(a.name)
-            elif a.role not in ("param", "out", "atomic"):
-                return None
-    if row_seqs & state_seqs:
+    stmts = pre + carries + adjoint + post
+    staged = staged_arrays(stmts, roles, var, lanes.row_axis)
+    if staged is None:
         return None
+    row_seqs, state_seqs, lane_params = staged
+    for e in (e for s in stmts for e in accesses(s) if e.array in roles):  # and what the kernel prints
+        role = roles[e.array].role
+        if role == "seq" and e.index[0] != "t":
+            return None  # time first: the staging's index
+        if role == "param" and e.array in lane_params and not all(i == var or i.startswith("p_") for i in e.index):
+            return None  # at the lane's own indices: loaded once per lane
+        if role not in ("seq", "param", "out", "atomic"):
+            return None
     adjoint_states = tuple(f"st_{s.name}" for s in fb.adjoint.program.states
                            if scalar_name(f"st_{s.name}") in ad.scalars)
     for s in fb.adjoint.setup + fb.adjoint.finish:  # loops over the states' axis, at the states' buffers only
         if isinstance(s, Loop) and not _lane_loop(s, var, set(adjoint_states), setup=s in fb.adjoint.setup):
             return None
     scalars = []
-    for s in pre + carries + adjoint + post:
+    for s in stmts:
         if isinstance(s.target, Var) and s.target.name not in scalars:
             scalars.append(s.target.name)
     return LanesBackward(pre=pre, carries=carries, adjoint=adjoint, post=post, per_step=tuple(per_step),

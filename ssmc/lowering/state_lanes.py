@@ -102,8 +102,31 @@ def state_lanes(k: Kernel) -> StateLanes | None:
         identity = 0.0 if op == "+=" else float("-inf")
         if len(start) != 1 or start[0].value != Num(identity):
             return None  # a sum that starts from something else than its identity
+    staged = staged_arrays(major.pre + major.body + major.post, roles, var, row_axis)
+    if staged is None:
+        return None
+    row_seqs, state_seqs, lane_params = staged
+    # pre and post run for the block's rows, not the lane's own: nothing from the setup
+    setup_scalars = {s.target.name for s in k.setup if isinstance(s, Assign)}
+    for s in major.pre + major.post:
+        if any(e.array in buffers for e in accesses(s)) or scalars_read(s) & setup_scalars:
+            return None
+    lane_buffers = tuple(sorted(buffers))
+    # the setup and finish read lane params as the body's registers do (rp_<P>): one scaled by log2 e
+    # for the body's exp2 would be wrong there (a hoisted tanh(A), say), so such params stay unscaled
+    elsewhere = {e.array for s in walk(k.setup + k.finish) if isinstance(s, Assign) for e in accesses(s)}
+    body, log2e = _exp2_of_params(major.body, lane_params - elsewhere)
+    return StateLanes(replace(major, body=body), axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
+                      tuple(sorted(sums.items())), lane_buffers, tuple(sorted(carried)), tuple(sorted(lane_params)),
+                      log2e)
+
+
+def staged_arrays(stmts: list, roles: dict, var: str, row_axis: str) -> tuple[set, set, set] | None:
+    """(row sequences, sequences along the states' axis, params along it) that `stmts` read, by the
+    roles of the kernel's arrays (`roles`: name -> Array); None where a sequence is read along the
+    row axis and the states' axis `var` both, at another index than t first, or both ways."""
     row_seqs, state_seqs, lane_params = set(), set(), set()
-    for e in (e for s in major.pre + major.body + major.post for e in accesses(s)):
+    for e in (e for s in stmts for e in accesses(s)):
         a = roles.get(e.array)
         if a is None:
             continue
@@ -118,21 +141,7 @@ def state_lanes(k: Kernel) -> StateLanes | None:
                 row_seqs.add(a.name)
         elif a.role == "param" and var in e.index:
             lane_params.add(a.name)
-    if row_seqs & state_seqs:
-        return None
-    # pre and post run for the block's rows, not the lane's own: nothing from the setup
-    setup_scalars = {s.target.name for s in k.setup if isinstance(s, Assign)}
-    for s in major.pre + major.post:
-        if any(e.array in buffers for e in accesses(s)) or scalars_read(s) & setup_scalars:
-            return None
-    lane_buffers = tuple(sorted(buffers))
-    # the setup and finish read lane params as the body's registers do (rp_<P>): one scaled by log2 e
-    # for the body's exp2 would be wrong there (a hoisted tanh(A), say), so such params stay unscaled
-    elsewhere = {e.array for s in walk(k.setup + k.finish) if isinstance(s, Assign) for e in accesses(s)}
-    body, log2e = _exp2_of_params(major.body, lane_params - elsewhere)
-    return StateLanes(replace(major, body=body), axis, row_axis, tuple(sorted(row_seqs)), tuple(sorted(state_seqs)),
-                      tuple(sorted(sums.items())), lane_buffers, tuple(sorted(carried)), tuple(sorted(lane_params)),
-                      log2e)
+    return None if row_seqs & state_seqs else (row_seqs, state_seqs, lane_params)
 
 
 def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
