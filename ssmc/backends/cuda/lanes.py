@@ -174,9 +174,8 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         for name in read_in_body:
             lines += [f"    F {name}[G];", f"    {_load_steps(name, f'&pv_{name}[ch][tb]', vector)}"]
         for name, op in sums.items():
-            start = "F(0)" if op == "+=" else "F(-__int_as_float(0x7f800000))"
             lines += [f"    F {name}[G];", "    #pragma unroll",
-                      f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {start};"]
+                      f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {sum_identity(op)};"]
         lines += ["    #pragma unroll", "    for (int j = 0; j < S; ++j) {  // this lane's state values, one at a time",
                   f"        const int {var} = g + j * G;"]
         guard = sizes[axis] % groups != 0
@@ -333,6 +332,11 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
                   "        const int t = t0 + t4;", f"        store_steps<{steps}>(&{out}[{at}], o_{t.array});",
                   "    } else {", *("        " + line for line in scalar), "    }"]
     return {"post_steps": steps, "post": [*lines, "}"]}
+
+
+def sum_identity(op: str) -> str:
+    """C text of the value a per-step sum over the states' axis starts from ("+=": 0; "max=": -inf)."""
+    return "F(0)" if op == "+=" else "F(-__int_as_float(0x7f800000))"
 
 
 def _load_steps(reg: str, src: str, vector: bool) -> str:

@@ -16,17 +16,16 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     post    each thread its row's steps: the gradients of the row sequences
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
-Mamba-1 fp32 (bench/lanes_backward.py, docs/benchmarks.md): this kernel 0.239 ms at B32 D512 L180 on an
-H100 (2026-11-26), as fast as the warp kernel's fused backward (0.241), 2.26 ms at B8 D1536 L2048
-(the warp kernel's 1.29); a hand-written probe of it (bench/lanes_backward_probe.py) ran B32 D512
-L192 in 0.137 ms on an H200, where this one took 0.372 before its sums over the rows stopped going
-through shared atomic adds (0.186 without them). It runs where the warp kernel's fused backward
-does not (`FusedBackwardRunner.backward_lanes`).
+Mamba-1 fp32 "b d t" (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): this kernel
+0.200 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, but 1.79 ms at B8 D1536
+L2048 against 1.28; a hand-written probe of it (bench/lanes_backward_probe.py) ran B32 D512 L192 in
+0.137 ms on an H200. It runs where the warp kernel's fused backward does not, and at short lengths
+(`FusedBackwardRunner.backward_lanes`).
 """
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Load, Loop, Var, accesses
+from ...lowering.loops import Assign, Load, accesses
 from ...lowering.plan import size_var
 from ...lowering.reverse_lanes import LanesBackward
 from ...lowering.reverse_warp import FusedBackward
@@ -38,6 +37,7 @@ from .codegen import (
     ArraySpec,
     CPrinter,
     _predicated,
+    _scalar_names,
     _store,
     _unflatten,
     c_array,
@@ -45,7 +45,7 @@ from .codegen import (
     render,
     with_free_array_names,
 )
-from .lanes import CHUNK, PITCH, lane_groups
+from .lanes import CHUNK, PITCH, _lane_loops, lane_groups, sum_identity
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
@@ -142,39 +142,42 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                     f"{pad}for (int tt = 0; tt < G; ++tt) {name}[tt] = pv_{name}[ch][tb + tt];"]
         return out
 
+    def guarded(body: list[str]) -> list[str]:  # lines (indented once) for the lane's state values only
+        if sizes[axis] % groups == 0:
+            return body
+        return [f"    if ({var} < {n}) {{", *("    " + b for b in body), "    }"]
+
     def state_loop(pad: str, body: list[str]) -> list[str]:
-        guard = sizes[axis] % groups != 0
-        inner = body if not guard else [f"    if ({var} < {n}) {{", *("    " + b for b in body), "    }"]
         return [f"{pad}#pragma unroll", f"{pad}for (int j = 0; j < S; ++j) {{  // this lane's state values",
-                f"{pad}    const int {var} = g + j * G;", *(pad + b for b in inner), f"{pad}}}"]
+                f"{pad}    const int {var} = g + j * G;", *(pad + b for b in guarded(body)), f"{pad}}}"]
+
+    def carries(start: str) -> list[str]:  # a state value's carries over the group's G steps, from `start`
+        return [f"    {forward_scalar} = {start};", "    #pragma unroll", "    for (int tt = 0; tt < G; ++tt) {",
+                *pl.stmts(lb.carries, 2), "    }"]
 
     # the chunk's forward: the state before every G steps into shared memory
     forward = ["#pragma unroll 1", "for (int tb = 0; tb < T; tb += G) {", *group_values("    ")]
     forward += [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
     forward += state_loop("    ", [f"    ck[(tb / G * S + j) * BLOCK + threadIdx.x] = {lb.forward_state}[j];",
-                                   f"    {forward_scalar} = {lb.forward_state}[j];",
-                                   "    #pragma unroll", "    for (int tt = 0; tt < G; ++tt) {",
-                                   *pl.stmts(lb.carries, 2), "    }",
+                                   *carries(f"{lb.forward_state}[j]"),
                                    f"    {lb.forward_state}[j] = {forward_scalar};"])
     forward.append("}")
 
     # the adjoint, G steps at a time, last first
     adj = ["#pragma unroll 1", "for (int tb = T - G; tb >= 0; tb -= G) {", *group_values("    ")]
     for name, op in sums.items():
-        start = "F(0)" if op == "+=" else "F(-__int_as_float(0x7f800000))"
-        adj += [f"    F {name}[G];", "    #pragma unroll", f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {start};"]
-    body = [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
-    body += [f"    F av[{terms}];  // the terms of the sums over the rows, [array * G + step]" if lb.atomic else "",
-             *(["    #pragma unroll", f"    for (int e = 0; e < {terms}; ++e) av[e] = F(0);"] if lb.atomic else [])]
-    guarded = [f"    {forward_scalar} = ck[(tb / G * S + j) * BLOCK + threadIdx.x];",
-               "    #pragma unroll", "    for (int tt = 0; tt < G; ++tt) {", *pl.stmts(lb.carries, 2), "    }"]
-    guarded += [f"    v_{s} = {s}[j];" for s in lb.adjoint_states]
-    guarded += ["    #pragma unroll", "    for (int tt = G - 1; tt >= 0; --tt) {",
-                "        const bool live = t0 + tb + tt < L;  // a step past L changes nothing",
-                *pl.stmts(adjoint, 2), "    }"]
-    guarded += [f"    {s}[j] = v_{s};" for s in lb.adjoint_states]
-    inner = [b for b in body if b] + (guarded if sizes[axis] % groups == 0
-                                      else [f"    if ({var} < {n}) {{", *("    " + b for b in guarded), "    }"])
+        adj += [f"    F {name}[G];", "    #pragma unroll",
+                f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {sum_identity(op)};"]
+    inner = [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
+    if lb.atomic:
+        inner += [f"    F av[{terms}];  // the terms of the sums over the rows, [array * G + step]",
+                  "    #pragma unroll", f"    for (int e = 0; e < {terms}; ++e) av[e] = F(0);"]
+    chain = [*carries("ck[(tb / G * S + j) * BLOCK + threadIdx.x]"),
+             *(f"    v_{s} = {s}[j];" for s in lb.adjoint_states),
+             "    #pragma unroll", "    for (int tt = G - 1; tt >= 0; --tt) {",
+             "        const bool live = t0 + tb + tt < L;  // a step past L changes nothing",
+             *pl.stmts(adjoint, 2), "    }", *(f"    {s}[j] = v_{s};" for s in lb.adjoint_states)]
+    inner += guarded(chain)
     if lb.atomic:
         inner += ["    if (!valid) {  // a row past the last: its terms are the last row's again",
                   "        #pragma unroll", f"        for (int e = 0; e < {terms}; ++e) av[e] = F(0);", "    }",
@@ -294,18 +297,11 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
             post_store += scalar
 
     # before the chunks and after them
-    setup = []
-    for s in k.setup:
-        if isinstance(s, Assign):
-            setup += po.stmts([s], 0)
-    setup += [line for s in k.setup if isinstance(s, Loop) for line in state_loop("", po.stmts(s.body, 1))]
+    setup = _lane_loops(k.setup, lanes, po, False)
     rounds = f"rounds_{lb.forward_state[len('st_'):]}"
     at = po.index(Load(rounds, ("c", *_state_index(fb, var))))
     load_carry = state_loop("", [f"    {lb.forward_state}[j] = F(to_f({c_array(rounds)}[{at}]));"])
-    finish = []
-    for s in k.finish:
-        if isinstance(s, Loop):
-            finish += state_loop("", [f"    if (valid) {x}" for x in po.stmts(s.body, 0)])
+    finish = _lane_loops(k.finish, lanes, po, True)
     for name in lb.accumulators:
         axes_ = fb.partials.accumulators[name]
         at = tuple(f"p_{a}" if a in fb.parallel else f"i_{a}" for a in axes_) or ("0",)
@@ -322,12 +318,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
 
     params = [("const " if index[a.name].role in ("seq", "param", "init", "rounds") else "")
               + f"{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}" for a in fb.arrays]
-    declared = set(lane_buffers) | {f"v_{s}" for s in lane_buffers}
-    scalars = [f"F {name} = F(0);" for name in lb.scalars if name not in declared]
-    scalars += [f"F v_{s} = F(0);" for s in lane_buffers]
-    scalars += [f"F {name} = F(0);" for name in dict.fromkeys(
-        s.target.name for s in k.setup if isinstance(s, Assign) and isinstance(s.target, Var))
-        if f"F {name} = F(0);" not in scalars]
+    scalars = [f"F {name} = F(0);" for name in dict.fromkeys(
+        [*lb.scalars, *(f"v_{s}" for s in lane_buffers), *_scalar_names(k.setup)])]
     return {
         "lanes_backward": True,
         "name": fb.name,
