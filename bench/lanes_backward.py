@@ -42,17 +42,15 @@ def inputs(B: int, D: int, L: int, layout: str, seed: int, dtype=torch.float32) 
     return x
 
 
-def with_setting(value: str | None, fn):
+def with_setting(value: str, fn):
+    """`fn()` with SSMC_CUDA_LANES_BACKWARD set to `value` ("1" forces the lanes backward, "0" turns it off)."""
     old = os.environ.get("SSMC_CUDA_LANES_BACKWARD")
-    if value is None:
-        os.environ.pop("SSMC_CUDA_LANES_BACKWARD", None)
-    else:
-        os.environ["SSMC_CUDA_LANES_BACKWARD"] = value
+    os.environ["SSMC_CUDA_LANES_BACKWARD"] = value
     try:
         return fn()
     finally:
         if old is None:
-            os.environ.pop("SSMC_CUDA_LANES_BACKWARD", None)
+            del os.environ["SSMC_CUDA_LANES_BACKWARD"]
         else:
             os.environ["SSMC_CUDA_LANES_BACKWARD"] = old
 

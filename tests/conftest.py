@@ -20,3 +20,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_runners():
+    """CUDA runners built anew (their decisions are cached per shape and overrides, not per module
+    constant such as `runner.LANES_FILL`), before the test and after it."""
+    from ssmc.backends.cuda import fused_backward, runner
+
+    runner._RUNNERS.clear()
+    fused_backward._RUNNERS.clear()
+    yield
+    runner._RUNNERS.clear()
+    fused_backward._RUNNERS.clear()

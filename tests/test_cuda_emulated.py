@@ -52,16 +52,6 @@ def _check(spec, inputs: dict, rng, dtype, tol: float | None = None):
         assert np.abs(got[key] - w).max() <= tol * max(np.abs(w).max(), 1e-6 * scale, 1e-30), key
 
 
-@pytest.fixture
-def fresh_runners():
-    """Runners built anew (their decisions are cached per shape and overrides, not per module constant)."""
-    runner._RUNNERS.clear()
-    fused_backward._RUNNERS.clear()
-    yield
-    runner._RUNNERS.clear()
-    fused_backward._RUNNERS.clear()
-
-
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("length", [7, 70, 200])
 @pytest.mark.parametrize("name", ["mamba1", "hgrn"])

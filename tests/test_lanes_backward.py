@@ -67,15 +67,13 @@ def test_lanes_backward_kernels_compile_without_spills(sizes, length, arch):
 @pytest.mark.parametrize("layout", ["b d t", "b t d"])
 @pytest.mark.parametrize("batch, dim, state, length", [(2, 40, 16, 1), (3, 24, 16, 7), (2, 72, 16, 180),
                                                        (1, 50, 5, 1000), (2, 16, 33, 97)])
-def test_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatch):
+def test_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatch, fresh_runners):
     """Mamba-1's gradients through the lanes backward (forced; the lanes forward's fill threshold
     lowered) against the interpreter's, fp32 inputs rounded first, by relative error: every input's
     gradient and the initial state's."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(runner, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
-    runner._RUNNERS.clear()
-    fused_backward._RUNNERS.clear()
     fb = _runner(mamba1.SPEC)
     assert fb.backward_lanes({"b": batch, "d": dim, "n": state}, length, layout == "b d t") is not None
     rng = np.random.default_rng(length + dim)
@@ -91,5 +89,3 @@ def test_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatc
         got = g(**gpu, grad_outputs=torch.tensor(cot, dtype=torch.float32, device="cuda"))
         for key in want:
             assert rel_err(got[key], want[key]) <= 1e-4, (call, key)
-    runner._RUNNERS.clear()
-    fused_backward._RUNNERS.clear()
