@@ -104,6 +104,7 @@ def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
 @pytest.mark.parametrize("batch, dim, state, length", [
     (2, 40, 16, 100),   # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk
     (2, 8, 5, 64),      # 2 lanes a row owning 3 and 2 state values, two whole chunks
+    (1, 32, 16, 70),    # two blocks of 16 rows tiling d (no row past the last), whole chunks, then a partial one
     (1, 3, 8, 1),       # one step
     (3, 20, 33, 33),    # 8 lanes a row, 5 values each (the last lane 33 - 32 = 1)
 ])

@@ -143,7 +143,7 @@ def test_which_programs_fuse():
 def test_when_the_fused_backward_runs(monkeypatch):
     """Where the forward is the warp kernel (time contiguous, at least two rounds) and the adjoint
     sums over recurrences (Mamba-1); with time outermost as the lanes backward (Mamba-1, where the
-    forward is the lanes kernel); a plain scan (hgrn) only when forced; never when turned off, or
+    forward is the lanes kernel), and so with time contiguous at short lengths or many rows; a plain scan (hgrn) only when forced; never when turned off, or
     for a program run in fusion stages (the block)."""
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
 
@@ -154,8 +154,10 @@ def test_when_the_fused_backward_runs(monkeypatch):
     mamba, scan = runner("mamba1"), runner("hgrn")
     big = {"b": 8, "d": 1536, "n": 16}
     assert mamba.applies_at(big, 2048, True) and mamba.backward_lanes(big, 2048, True) is None
-    small = {"b": 32, "d": 512, "n": 16}  # short sequences: the lanes backward in any layout
-    assert mamba.backward_lanes(small, 180, True) is not None and mamba.backward_lanes(small, 512, True) is None
+    # "b d t": the lanes backward where the sequence is short or the rows many, else the warp kernel's
+    small = {"b": 32, "d": 512, "n": 16}
+    assert mamba.backward_lanes(small, 180, True) is not None and mamba.backward_lanes(small, 2048, True) is not None
+    assert mamba.backward_lanes(big, 180, True) is not None and mamba.backward_lanes(big, 256, True) is None
     assert mamba.applies_at(big, 2048, False) and mamba.backward_lanes(big, 2048, False) is not None
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     assert not mamba.applies_at(big, 2048, False)

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Load, Loop, Num, Var, accesses, map_children
+from .loops import Assign, Bin, Call, Load, Loop, Num, Var, accesses, map_children
 from .reverse_warp import FusedBackward
-from .state_lanes import StateLanes, staged_arrays
+from .state_lanes import StateLanes, exp_factor, staged_arrays
 from .state_major import STEP, fused_state_major, scalar_name
 
 
@@ -64,6 +64,11 @@ class LanesBackward:
     state_seqs: tuple[str, ...]
     lane_params: tuple[str, ...]        # params read along the states' axis: S values a lane, loaded once
     scalars: tuple[str, ...]            # every scalar the statements assign
+    log2e_params: tuple[str, ...] = ()  # lane params P read in exp(x * P): the carries and adjoint read
+                                        # exp2(x * log2e_P) there, a copy of P loaded times log2 e
+
+
+LOG2E = "log2e_"  # the name of a lane param's copy scaled by log2 e (`log2e_params`)
 
 
 def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None:
@@ -187,12 +192,33 @@ def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None
     for s in stmts:
         if isinstance(s.target, Var) and s.target.name not in scalars:
             scalars.append(s.target.name)
+    carries, log2e = _exp2_of_lane_params(carries, lane_params)
+    adjoint, log2e_adjoint = _exp2_of_lane_params(adjoint, lane_params)
     return LanesBackward(pre=pre, carries=carries, adjoint=adjoint, post=post, per_step=tuple(per_step),
                          sums=tuple(sums.items()), step_registers=tuple(step_registers),
                          forward_state=f"st_{carried}", adjoint_states=adjoint_states, accumulators=accumulators,
                          thread_accumulators=thread_acc, atomic=tuple(atomic), row_seqs=tuple(sorted(row_seqs)),
                          state_seqs=tuple(sorted(state_seqs)), lane_params=tuple(sorted(lane_params)),
-                         scalars=tuple(scalars))
+                         scalars=tuple(scalars), log2e_params=tuple(sorted(set(log2e) | set(log2e_adjoint))))
+
+
+def _exp2_of_lane_params(stmts: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
+    """`stmts` with ``exp(x * P)`` as ``exp2(x * log2e_P)`` for the lane params P (Mamba-1's
+    ``exp(dt * A[n])``: one multiply a step and state value less), and those params. Unlike the
+    forward's rewrite, P may be read elsewhere too (the adjoint's ``m3 * A[n]``): the kernel keeps both."""
+    scaled = set()
+
+    def rewrite(e):
+        e = map_children(e, rewrite)
+        p = exp_factor(e, params)
+        if p is None:
+            return e
+        scaled.add(p)
+        x = e.args[0]
+        return Call("exp2", (Bin("*", *(Load(LOG2E + p, side.index) if isinstance(side, Load) and side.array == p
+                                        else side for side in (x.a, x.b))),))
+
+    return [Assign(s.target, rewrite(s.value), s.op) for s in stmts], tuple(sorted(scaled))
 
 
 def _lane_loop(loop: Loop, var: str, buffers: set[str], setup: bool) -> bool:

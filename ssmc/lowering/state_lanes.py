@@ -144,16 +144,21 @@ def staged_arrays(stmts: list, roles: dict, var: str, row_axis: str) -> tuple[se
     return None if row_seqs & state_seqs else (row_seqs, state_seqs, lane_params)
 
 
+def exp_factor(e, params: set[str]) -> str | None:
+    """P where `e` is ``exp(x * P)`` or ``exp(P * x)`` for a param P of `params`, else None."""
+    if isinstance(e, Call) and e.fn == "exp" and isinstance(e.args[0], Bin) and e.args[0].op == "*":
+        for side in (e.args[0].a, e.args[0].b):
+            if isinstance(side, Load) and side.array in params:
+                return side.array
+    return None
+
+
 def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
     """`body` with ``exp(x * P)`` as ``exp2(x * P)`` for each param P it reads only so (Mamba-1's
     ``exp(dt * A[n])``), and those params, which the kernel then loads times log2 e."""
 
-    def factor(e) -> str | None:  # P where e is exp(x * P) or exp(P * x)
-        if isinstance(e, Call) and e.fn == "exp" and isinstance(e.args[0], Bin) and e.args[0].op == "*":
-            for side in (e.args[0].a, e.args[0].b):
-                if isinstance(side, Load) and side.array in params:
-                    return side.array
-        return None
+    def factor(e) -> str | None:
+        return exp_factor(e, params)
 
     values = [e for s in body for e in subexpressions(s.value)]
     in_exp = {factor(e) for e in values} - {None}

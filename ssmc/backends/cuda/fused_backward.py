@@ -86,15 +86,20 @@ HALF_ROUND_STEP_COST = 1.12
 
 # The lanes backward (lanes_backward.py) runs where the training forward runs as the lanes kernel and
 # the warp kernel's fused backward does not (sequences with time strided, "b t d"), there in place of
-# the unfused backward's kernels; where both run, at lengths up to LANES_BACKWARD_MAX_LENGTH, where
-# the warp kernel's is slower. Mamba-1 N16 fp32 training step (`ssmc.grad`), lanes backward against
-# the other, bench/lanes_backward.py on an H100 (2026-11-26): "b t d" B32 D512 L180 0.351 against
-# 4.565 ms (the unfused backward), B8 D1536 L2048 2.84 against 14.45; "b d t" against the warp
-# kernel's fused backward, backward kernels: B32 D512 L180 0.200 against 0.241 ms, L192 0.181 / 0.213,
-# L100 0.126 / 0.205, L40 0.057 / 0.536 (the unfused backward), B64 D1024 L180 0.748 / 0.907, but B8
-# D1536 L180 0.188 / 0.180, and from L 256 on slower: B16 D1024 L256 0.235 / 0.221, B32 D512 L512
-# 0.466 / 0.412, L1024 0.922 / 0.875, B8 D1536 L512 0.453 / 0.328, L2048 1.79 / 1.28.
+# the unfused backward's kernels. Where both run, it runs up to LANES_BACKWARD_MAX_LENGTH steps, and at
+# any length with at least LANES_BACKWARD_MIN_ROWS rows (recurrences of the state's axis: B x D): its
+# blocks of 16 rows then fill about two waves of 4 blocks an SM on 132 SMs, where fewer rows left the
+# last wave part empty and the warp kernel (a warp a row) ahead. Mamba-1 N16 fp32 "b d t", training
+# step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward, bench/
+# lanes_backward.py on an H100 (2026-11-26, 14:00 UTC; the unfused backward at L40):
+#   rows 16384 and more: B32 D512 L180 0.245 against 0.294 ms, L256 0.244 / 0.279, L512 0.457 / 0.512,
+#     L1024 0.889 / 1.052; B16 D1024 L256 0.244 / 0.279, L2048 1.751 / 2.056; B64 D1024 L180 0.742 /
+#     1.056, L1024 3.435 / 3.878;
+#   fewer rows: B8 D1536 L180 0.198 / 0.226, L256 0.225 / 0.219, L512 0.421 / 0.408, L2048 1.608 /
+#     1.552; B4 D2048 L512 0.324 / 0.306;
+#   and before (12:40): B32 D512 L40 0.203 / 1.045 (the unfused backward), L100 0.180 / 0.312.
 LANES_BACKWARD_MAX_LENGTH = 192
+LANES_BACKWARD_MIN_ROWS = 16384
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
@@ -217,16 +222,17 @@ class FusedBackwardRunner:
     def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
         """The lanes backward's threads (backends/cuda/lanes_backward.py) where it runs at this shape: the
         training forward runs as the lanes kernel (`forward_lanes`), the backward splits so, its
-        block's shared memory fits, and the warp kernel's fused backward does not run here or the
-        sequence is short (`LANES_BACKWARD_MAX_LENGTH`);
+        block's shared memory fits, and the warp kernel's fused backward does not run here, or the
+        sequence is short (`LANES_BACKWARD_MAX_LENGTH`), or the rows many (`LANES_BACKWARD_MIN_ROWS`);
         SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on wherever it can run. None elsewhere."""
         def decide():
             setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
             lanes = self.forward_lanes(sizes, length, time_contiguous)
             if lanes is None or self.lanes_backward is None or setting == "0":
                 return None
-            if setting != "1" and length > LANES_BACKWARD_MAX_LENGTH and self._warp_applies_at(
-                    sizes, length, time_contiguous):
+            rows = math.prod(sizes[a] for a in self.plan.parallel)
+            if (setting != "1" and length > LANES_BACKWARD_MAX_LENGTH and rows < LANES_BACKWARD_MIN_ROWS
+                    and self._warp_applies_at(sizes, length, time_contiguous)):
                 return None
             value_bytes = 8 if self.compute == "float64" else 4
             block = lanes_backward_block(self.lanes_backward, sizes, self.lanes.axis, value_bytes)

@@ -17,9 +17,10 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
 Mamba-1 fp32 "b d t" (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): this kernel
-0.200 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, but 1.79 ms at B8 D1536
-L2048 against 1.28; a hand-written probe of it (bench/lanes_backward_probe.py) ran B32 D512 L192 in
-0.137 ms on an H200. It runs where the warp kernel's fused backward does not, and at short lengths
+0.162 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, 1.41 at B16 D1024 L2048
+against 1.73, but 1.35 ms at B8 D1536 L2048 against 1.28; the hand-written probe of it
+(bench/lanes_backward_probe.py) 0.136 ms at B32 D512 L192, where this one takes 0.144. It runs where
+the warp kernel's fused backward does not, at short lengths and with many rows
 (`FusedBackwardRunner.backward_lanes`).
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from ...lowering.loops import Assign, Load, accesses
 from ...lowering.plan import size_var
-from ...lowering.reverse_lanes import LanesBackward
+from ...lowering.reverse_lanes import LOG2E, LanesBackward
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.state_lanes import StateLanes
 from .codegen import (
@@ -97,6 +98,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
     steps_a_thread = CHUNK // groups
+    rows_whole = sizes[row] % rows == 0  # no block has rows past the last
     index = {a.name: a for a in fb.arrays}
     registers = set(lb.step_registers) | {lb.forward_state[len("st_"):]}
     sums = dict(lb.sums)
@@ -114,6 +116,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     in_lane |= {a: (lambda e: f"sr_{e.array}[ch][tb + tt]") for a in lb.row_seqs}
     in_lane |= {a: (lambda e: f"sl_{e.array}[{var}][tb + tt]") for a in lb.state_seqs}
     in_lane |= {p: (lambda e: f"rp_{e.array}[j]") for p in lb.lane_params}
+    in_lane |= {LOG2E + p: (lambda e: f"rl_{e.array[len(LOG2E):]}[j]") for p in lb.log2e_params}
     pl = CPrinter(k, arrays, sizes, views=in_lane)
     lane_buffers = (lb.forward_state, *lb.adjoint_states)
     own = {name: (lambda e: f"{e.array}[j]") for name in lane_buffers}
@@ -122,15 +125,18 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     thread_carried = {f"st_{a}" for a in lb.thread_accumulators}
     pre = pp.stmts(_predicated(lb.pre, thread_carried), 0)
     adjoint_carried = {f"v_{s}" for s in lb.adjoint_states}
-    adjoint = [Assign(Load("av", (f"{atomic_slot[s.target.array, s.target.index]} * G + tt",)), s.value)
-               if s.op == "atomic+=" else s for s in _predicated(lb.adjoint, adjoint_carried)]
+    adjoint_stmts = [Assign(Load("av", (f"{atomic_slot[s.target.array, s.target.index]} * G + tt",)), s.value)
+                     if s.op == "atomic+=" else s for s in _predicated(lb.adjoint, adjoint_carried)]
     pl.buffers.add("av")
     lane_params_loads = []
     for name in lb.lane_params:
-        at = next(e for s in lb.carries + lb.adjoint for e in accesses(s) if e.array == name)
+        at = next(e for s in lb.carries + lb.adjoint for e in accesses(s) if e.array in (name, LOG2E + name))
+        at = Load(name, at.index)
+        scaled = ([f"    rl_{name}[j] = rp_{name}[j] * F(1.4426950408889634);  // read as exp2(x * P log2 e)"]
+                  if name in lb.log2e_params else [])
         lane_params_loads += ["#pragma unroll", "for (int j = 0; j < S; ++j) {", f"    const int {var} = g + j * G;",
                               f"    rp_{name}[j] = {var} < {n} ? F(to_f({c_array(name)}[{pl.index(at)}])) : F(0);",
-                              "}"]
+                              *scaled, "}"]
     read_in_lane = [name for name in lb.per_step if name not in sums
                     and any(e.array == name for s in lb.carries + lb.adjoint for e in accesses(s))]
     forward_scalar = f"v_{lb.forward_state}"
@@ -163,7 +169,10 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                                    f"    {lb.forward_state}[j] = {forward_scalar};"])
     forward.append("}")
 
-    # the adjoint, G steps at a time, last first
+    # the adjoint, G steps at a time, last first (a second copy for whole chunks, without the steps'
+    # `live` selects, was 0.7% faster at B32 D512 L180 and 0.7% slower at B8 D1536 L2048: not kept)
+    per_lane_writes = (terms * groups + WARP - 1) // WARP  # the sums over the rows a lane holds after the scatter
+
     adj = ["#pragma unroll 1", "for (int tb = T - G; tb >= 0; tb -= G) {", *group_values("    ")]
     for name, op in sums.items():
         adj += [f"    F {name}[G];", "    #pragma unroll",
@@ -176,19 +185,15 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
              *(f"    v_{s} = {s}[j];" for s in lb.adjoint_states),
              "    #pragma unroll", "    for (int tt = G - 1; tt >= 0; --tt) {",
              "        const bool live = t0 + tb + tt < L;  // a step past L changes nothing",
-             *pl.stmts(adjoint, 2), "    }", *(f"    {s}[j] = v_{s};" for s in lb.adjoint_states)]
+             *pl.stmts(adjoint_stmts, 2), "    }", *(f"    {s}[j] = v_{s};" for s in lb.adjoint_states)]
     inner += guarded(chain)
     if lb.atomic:
-        inner += ["    if (!valid) {  // a row past the last: its terms are the last row's again",
-                  "        #pragma unroll", f"        for (int e = 0; e < {terms}; ++e) av[e] = F(0);", "    }",
-                  f"    const int first = rows_reduce_scatter<{terms}, G>(av, lane);",
-                  f"    if (first >= 0 && {var} < {n}) {{",
-                  "        #pragma unroll",
-                  f"        for (int e = 0; e < ({terms} * G + {WARP - 1}) / {WARP}; ++e) {{",
-                  "            const int at = first + e;",
-                  f"            if (at < {len(lb.atomic)} * G) "
-                  f"slab[threadIdx.x / {WARP}][(at / G * {n} + {var}) * T + tb + at % G] = av[e];",
-                  "        }", "    }"]
+        if not rows_whole:  # a row past the last: its terms are the last row's again
+            inner += ["    #pragma unroll", f"    for (int e = 0; e < {terms}; ++e) av[e] = valid ? av[e] : F(0);"]
+        inner += [f"    rows_reduce_scatter<{terms}, G>(av, lane);", "    #pragma unroll",
+                  f"    for (int e = 0; e < {per_lane_writes}; ++e)",
+                  f"        if (slab_at[e] >= 0{'' if sizes[axis] % groups == 0 else f' && {var} < {n}'}) "
+                  "slab_w[slab_at[e] + j * G * T + tb] = av[e];"]
     adj += [f"    {line}" for line in [
         "#pragma unroll", "for (int j = 0; j < S; ++j) {  // this lane's state values",
         f"    const int {var} = g + j * G;", *inner, "}"]]
@@ -197,18 +202,27 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         adj.append(f"    pv_{name}[ch][tb + g] = reduce_scatter<G>({name}, g, {fn}());")
     adj.append("}")
 
-    # the block's sums over the rows into memory
+    slab_setup = []
+    if lb.atomic:  # where the lane's sums go in its warp's slab, [array][state index][step]: -1 for none
+        slab_setup = [f"int slab_at[{per_lane_writes}];  // this lane's sums of the rows: offsets at state index g",
+                      "{", f"    const int first = rows_scatter_first<{terms}, G>(lane);", "    #pragma unroll",
+                      f"    for (int e = 0; e < {per_lane_writes}; ++e) {{", "        const int at = first + e;",
+                      f"        slab_at[e] = first >= 0 && at < {len(lb.atomic)} * G",
+                      f"                     ? (at / G * {n} + g) * T + at % G : -1;",
+                      "    }", "}", f"F* const slab_w = slab[threadIdx.x / {WARP}];"]
+
+    # the block's sums over the rows into memory: consecutive threads on consecutive steps (a warp's
+    # atomic adds one request), the loop's count known (its index arithmetic folds; unrolled 8, "b t d" spilled)
     flush = []
     if lb.atomic:
-        flush = [f"for (int i = threadIdx.x; i < {len(lb.atomic)} * {n} * T; i += BLOCK) {{",
-                 f"    const int a = i / ({n} * T), {var} = i / T % {n}, tt = i % T, t = t0 + tt;",
-                 "    if (t >= L) continue;",
-                 "    F v = F(0);",
-                 "    #pragma unroll",
-                 f"    for (int w = 0; w < BLOCK / {WARP}; ++w) v += slab[w][i];"]
+        flush = ["#pragma unroll 4", f"for (int k = 0; k < ({n} * T + BLOCK - 1) / BLOCK; ++k) {{",
+                 "    const int i = threadIdx.x + k * BLOCK;",
+                 f"    if (({n} * T) % BLOCK != 0 && i >= {n} * T) break;",
+                 f"    const int {var} = i / T, tt = i % T, t = t0 + tt;", "    if (t >= L) continue;"]
         for j, (array, at) in enumerate(lb.atomic):
-            flush.append(f"    {'if' if j == 0 else 'else if'} (a == {j}) "
-                         f"atomicAdd(&{c_array(array)}[{po.index(Load(array, at))}], v);")
+            flush += [f"    F v{j} = F(0);", "    #pragma unroll",
+                      f"    for (int w = 0; w < BLOCK / {WARP}; ++w) v{j} += slab[w][{j} * {n} * T + i];",
+                      f"    atomicAdd(&{c_array(array)}[{po.index(Load(array, at))}], v{j});"]
         flush.append("}")
 
     # staging: the chunk before's values loaded into registers while this one computes (`prefetch`,
@@ -226,8 +240,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
             return f"{c_array(name)}[{po.index(Load(name, index))}]"
 
         dst = f"{'sr' if staged_row else 'sl'}_{name}"
-        vector = (vector_type and spec.dtype == "float32" and spec.strides[0] == 1
-                  and all(st % 4 == 0 for st in spec.strides[1:]))
+        vector = _vector_staged(spec, ctype)
         if vector:  # 4 consecutive steps a load where the arrays are aligned (`vec`)
             items = f"{count} * (T / 4)"
             mapping = f"const int {rv} = i / (T / 4), tt = (i % (T / 4)) * 4, t = cc * T + tt;"
@@ -332,6 +345,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         + [f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, BLOCK = {block};"
            f"  // lanes a row, state values a lane, rows a block, steps a chunk"],
         "row_size": size_var(row),
+        "rows_whole": rows_whole,
         "shared": [f"__shared__ __align__(16) F sr_{a}[R][P];" for a in lb.row_seqs]
         + [f"__shared__ __align__(16) F sl_{a}[{n}][P];" for a in lb.state_seqs]
         + [f"__shared__ __align__(16) F pv_{name}[R][P];  // per row and step of the chunk" for name in lb.per_step]
@@ -340,8 +354,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         + ["__shared__ F ck[T / G * S * BLOCK];  // the state before every G steps, a column a thread"],
         "unflatten": _unflatten(fb.parallel),
         "declarations": scalars + [f"F {name}[S];" for name in lane_buffers]
-        + [f"F rp_{name}[S];" for name in lb.lane_params],
-        "setup": lane_params_loads + setup,
+        + [f"F rp_{name}[S];" for name in lb.lane_params] + [f"F rl_{name}[S];" for name in lb.log2e_params],
+        "setup": lane_params_loads + setup + slab_setup,
         "stage": stage,
         "prefetch": prefetch,
         "prefetch_declarations": declare,
@@ -357,6 +371,13 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "post": post,
         "finish": finish,
     }
+
+
+def _vector_staged(spec: ArraySpec, ctype: str) -> bool:
+    """Whether a staged sequence loads 4 consecutive steps at a time (float32, time contiguous, every
+    other stride a multiple of 4; the kernel checks the pointer's alignment)."""
+    return ctype == "float" and spec.dtype == "float32" and spec.strides[0] == 1 and all(
+        st % 4 == 0 for st in spec.strides[1:])
 
 
 def _state_index(fb: FusedBackward, var: str) -> tuple[str, ...]:
