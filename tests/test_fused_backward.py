@@ -143,8 +143,9 @@ def test_which_programs_fuse():
 def test_when_the_fused_backward_runs(monkeypatch):
     """Where the forward is the warp kernel (time contiguous, at least two rounds) and the adjoint
     sums over recurrences (Mamba-1); with time outermost as the lanes backward (Mamba-1, where the
-    forward is the lanes kernel), and so with time contiguous at short lengths or many rows; a plain scan (hgrn) only when forced; never when turned off, or
-    for a program run in fusion stages (the block)."""
+    forward is the lanes kernel), and so with time contiguous at short lengths or many rows; a plain
+    scan (hgrn) only when forced; never when turned off, or for a program run in fusion stages (the
+    block)."""
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
 
     def runner(name):

@@ -12,6 +12,7 @@ import ssmc
 from ssmc.backends.cuda import fused_backward, nvrtc, runner
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.examples import hgrn, mamba1
+from ssmc.lowering.loops import accesses
 from ssmc.lowering.reverse_lanes import lanes_backward
 from ssmc.passes.autodiff import derive_backward
 
@@ -24,7 +25,7 @@ def test_mamba1_splits_into_the_lanes_backward():
     """Mamba-1's four state-major steps as the lanes backward's parts: dt computed once (the forward
     summary's and the carries' pre both compute it), exp(dt A[n]) and the carry registers of one
     state index, the three sums over n per step, grad_B / grad_C summed over the rows, grad_A per lane
-    and grad_D / grad_delta_bias per thread."""
+    and grad_D / grad_delta_bias per thread; the exponentials base 2 of a scaled copy of A."""
     fb = _runner(mamba1.SPEC)
     lb = fb.lanes_backward
     assert lb is not None
@@ -35,6 +36,11 @@ def test_mamba1_splits_into_the_lanes_backward():
     softplus = [s for s in lb.pre if "softplus" in repr(s.value)]
     assert len(softplus) == 1  # the two pre's dt, once
     assert lb.row_seqs == ("delta", "grad_y", "u", "z") and lb.state_seqs == ("B", "C")
+    # exp(dt A[n]) read as exp2(dt A'[n]), A' = A log2 e; the adjoint's other use of A reads A itself
+    assert lb.lane_params == ("A",) and lb.log2e_params == ("A",)
+    read = [e.array for s in lb.carries + lb.adjoint for e in accesses(s)]
+    assert "log2e_A" in read and "A" in read
+    assert "fn='exp'" not in repr(lb.carries + lb.adjoint) and "fn='exp2'" in repr(lb.carries)
 
 
 def test_a_scan_has_no_lanes_backward():

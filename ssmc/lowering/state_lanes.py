@@ -157,7 +157,7 @@ def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]
     """`body` with ``exp(x * P)`` as ``exp2(x * P)`` for each param P it reads only so (Mamba-1's
     ``exp(dt * A[n])``), and those params, which the kernel then loads times log2 e."""
 
-    def factor(e) -> str | None:
+    def factor(e) -> str | None:  # P where e is exp(x * P) or exp(P * x)
         return exp_factor(e, params)
 
     values = [e for s in body for e in subexpressions(s.value)]
