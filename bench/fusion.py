@@ -23,11 +23,9 @@ staged forward (SSMC_CUDA_ROW_RECURRENCE=0) against it; a training step runs the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_peers as gp
+from overrides import overriding
 
 EPS = 1e-5
 TOL = 1e-3  # fp32 against fp32, relative (norm of the difference / norm)
@@ -82,20 +81,9 @@ def unfused(ext):
     return fwd, fwdbwd
 
 
-@contextlib.contextmanager
 def row_recurrence(setting: str | None):
     """SSMC_CUDA_ROW_RECURRENCE set to `setting` (None: as it was) while the block runs."""
-    old = os.environ.get("SSMC_CUDA_ROW_RECURRENCE")
-    if setting is not None:
-        os.environ["SSMC_CUDA_ROW_RECURRENCE"] = setting
-    try:
-        yield
-    finally:
-        if setting is not None:
-            if old is None:
-                del os.environ["SSMC_CUDA_ROW_RECURRENCE"]
-            else:
-                os.environ["SSMC_CUDA_ROW_RECURRENCE"] = old
+    return overriding(SSMC_CUDA_ROW_RECURRENCE=setting)
 
 
 def fused(setting: str | None = None):

@@ -14,10 +14,10 @@ then both steps timed (`triton.testing.do_bench`, medians, fresh inputs) and the
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
+from overrides import overriding
 
 import ssmc
 from ssmc.examples import mamba1
@@ -44,15 +44,8 @@ def inputs(B: int, D: int, L: int, layout: str, seed: int, dtype=torch.float32) 
 
 def with_setting(value: str, fn):
     """`fn()` with SSMC_CUDA_LANES_BACKWARD set to `value` ("1" forces the lanes backward, "0" turns it off)."""
-    old = os.environ.get("SSMC_CUDA_LANES_BACKWARD")
-    os.environ["SSMC_CUDA_LANES_BACKWARD"] = value
-    try:
+    with overriding(SSMC_CUDA_LANES_BACKWARD=value):
         return fn()
-    finally:
-        if old is None:
-            del os.environ["SSMC_CUDA_LANES_BACKWARD"]
-        else:
-            os.environ["SSMC_CUDA_LANES_BACKWARD"] = old
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
