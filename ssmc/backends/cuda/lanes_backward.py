@@ -17,7 +17,7 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
 Mamba-1 fp32 "b d t" (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): this kernel
-0.162 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, 1.41 at B16 D1024 L2048
+0.159 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, 1.41 at B16 D1024 L2048
 against 1.73, but 1.35 ms at B8 D1536 L2048 against 1.28; the hand-written probe of it
 (bench/lanes_backward_probe.py) 0.136 ms at B32 D512 L192, where this one takes 0.144. It runs where
 the warp kernel's fused backward does not, at short lengths and with many rows
@@ -162,7 +162,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                 *pl.stmts(lb.carries, 2), "    }"]
 
     # the chunk's forward: the state before every G steps into shared memory
-    forward = ["#pragma unroll 1", "for (int tb = 0; tb < T; tb += G) {", *group_values("    ")]
+    # (groups wholly past L, in the last chunk, are skipped: their values are never read)
+    forward = ["#pragma unroll 1", "for (int tb = 0; tb < T && t0 + tb < L; tb += G) {", *group_values("    ")]
     forward += [f"    F rg_{r}[G];  (void)rg_{r};" for r in sorted(registers)]
     forward += state_loop("    ", [f"    ck[(tb / G * S + j) * BLOCK + threadIdx.x] = {lb.forward_state}[j];",
                                    *carries(f"{lb.forward_state}[j]"),
@@ -173,7 +174,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     # `live` selects, was 0.7% faster at B32 D512 L180 and 0.7% slower at B8 D1536 L2048: not kept)
     per_lane_writes = (terms * groups + WARP - 1) // WARP  # the sums over the rows a lane holds after the scatter
 
-    adj = ["#pragma unroll 1", "for (int tb = T - G; tb >= 0; tb -= G) {", *group_values("    ")]
+    adj = ["#pragma unroll 1", "for (int tb = min(T, L - t0 + G - 1) / G * G - G; tb >= 0; tb -= G) {",
+           *group_values("    ")]
     for name, op in sums.items():
         adj += [f"    F {name}[G];", "    #pragma unroll",
                 f"    for (int tt = 0; tt < G; ++tt) {name}[tt] = {sum_identity(op)};"]
