@@ -687,29 +687,41 @@ LANES_SETTINGS = {**SETTINGS,
        seed=st.integers(0, 2**16))
 def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
     """The lanes kernel (forced; lowering/state_lanes.py) on random specs shaped like Mamba-1, linear
-    or not, float64, time outermost or contiguous: outputs and final states against the interpreter.
+    or not, time outermost or contiguous: outputs and final states against the interpreter. Float64
+    where the kernel takes it at these sizes, else float32: in float64 it refuses a body calling
+    anything but exp (`lanes.lanes_block`), which most of these specs' gates do, and a float64-only
+    test found no example at all for 4 of 16 seeds (hypothesis' Unsatisfiable, H100, 2026-11-26);
+    in float32 without comparisons.
     n = 33 leaves lanes without a last value (a guard); d = 37 a partial block of rows; L = 1, 7 and
     4097 a partial chunk of steps."""
     import os
 
     from ssmc.backends.cuda.runner import runner_for
+    from ssmc.ir.ops import COMPARISONS
 
     sizes = {"b": 2, "d": d, "n": n}
-    assume(runner_for(spec.program, "float64").lane_threads(sizes) is not None)
+    dtype = "float64" if runner_for(spec.program, "float64").lane_threads(sizes) is not None else "float32"
+    assume(runner_for(spec.program, dtype).lane_threads(sizes) is not None)
+    if dtype == "float32":  # a comparison of computed values flips with float32's roundoff (seen: where(tanh(x)
+        # > x, 1, 0.5), n = 1, L = 180: outputs off by 0.36 relative, some steps' by the factor 2 a flip gives)
+        assume(not any(node.op in COMPARISONS for node in spec.program.nodes()))
     inputs = draw_inputs(spec, length, seed, sizes=sizes)
     if layout == "... t":
         inputs = time_last(spec, inputs)
+    if dtype == "float32":  # the reference on the values the kernel reads
+        inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
     want = ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
     os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
     try:
-        got = ssmc.compile(spec, "cuda", dtype="float64", layout=layout).run(**on_gpu(inputs, "float64"))
+        got = ssmc.compile(spec, "cuda", dtype=dtype, layout=layout).run(**on_gpu(inputs, dtype))
     finally:
         del os.environ["SSMC_CUDA_STRATEGY"]
     # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
     # state of 1.2e-15 off by 3.3e-7 of itself, L = 1000, H100, 2026-11-26)
+    tol, floor = (1e-9, 1e-12) if dtype == "float64" else (TOL["float32"], 1e-5)
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
         err = np.abs(g.cpu().numpy() - w).max()
-        assert rel_err(g, w) <= 1e-9 or err <= 1e-12
+        assert rel_err(g, w) <= tol or err <= floor, (dtype, rel_err(g, w), err)
 
 
 @pytest.mark.parametrize("layout", ["t ...", "... t"])
