@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Bin, Call, Load, Loop, Num, Var, accesses, map_children
+from .loops import Assign, Load, Loop, Num, Var, accesses, map_children
 from .reverse_warp import FusedBackward
-from .state_lanes import StateLanes, exp_factor, staged_arrays
+from .state_lanes import StateLanes, exp2_of_params, staged_arrays
 from .state_major import STEP, fused_state_major, scalar_name
 
 
@@ -192,33 +192,15 @@ def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None
     for s in stmts:
         if isinstance(s.target, Var) and s.target.name not in scalars:
             scalars.append(s.target.name)
-    carries, log2e = _exp2_of_lane_params(carries, lane_params)
-    adjoint, log2e_adjoint = _exp2_of_lane_params(adjoint, lane_params)
+    # exp(dt A[n]) as exp2(dt A'[n]); the adjoint reads A itself too (m3 A[n]), so A' is a copy
+    carries, log2e = exp2_of_params(carries, lane_params, lambda p: LOG2E + p)
+    adjoint, log2e_adjoint = exp2_of_params(adjoint, lane_params, lambda p: LOG2E + p)
     return LanesBackward(pre=pre, carries=carries, adjoint=adjoint, post=post, per_step=tuple(per_step),
                          sums=tuple(sums.items()), step_registers=tuple(step_registers),
                          forward_state=f"st_{carried}", adjoint_states=adjoint_states, accumulators=accumulators,
                          thread_accumulators=thread_acc, atomic=tuple(atomic), row_seqs=tuple(sorted(row_seqs)),
                          state_seqs=tuple(sorted(state_seqs)), lane_params=tuple(sorted(lane_params)),
                          scalars=tuple(scalars), log2e_params=tuple(sorted(set(log2e) | set(log2e_adjoint))))
-
-
-def _exp2_of_lane_params(stmts: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
-    """`stmts` with ``exp(x * P)`` as ``exp2(x * log2e_P)`` for the lane params P (Mamba-1's
-    ``exp(dt * A[n])``: one multiply a step and state value less), and those params. Unlike the
-    forward's rewrite, P may be read elsewhere too (the adjoint's ``m3 * A[n]``): the kernel keeps both."""
-    scaled = set()
-
-    def rewrite(e):
-        e = map_children(e, rewrite)
-        p = exp_factor(e, params)
-        if p is None:
-            return e
-        scaled.add(p)
-        x = e.args[0]
-        return Call("exp2", (Bin("*", *(Load(LOG2E + p, side.index) if isinstance(side, Load) and side.array == p
-                                        else side for side in (x.a, x.b))),))
-
-    return [Assign(s.target, rewrite(s.value), s.op) for s in stmts], tuple(sorted(scaled))
 
 
 def _lane_loop(loop: Loop, var: str, buffers: set[str], setup: bool) -> bool:

@@ -144,7 +144,7 @@ def staged_arrays(stmts: list, roles: dict, var: str, row_axis: str) -> tuple[se
     return None if row_seqs & state_seqs else (row_seqs, state_seqs, lane_params)
 
 
-def exp_factor(e, params: set[str]) -> str | None:
+def _exp_factor(e, params: set[str]) -> str | None:
     """P where `e` is ``exp(x * P)`` or ``exp(P * x)`` for a param P of `params`, else None."""
     if isinstance(e, Call) and e.fn == "exp" and isinstance(e.args[0], Bin) and e.args[0].op == "*":
         for side in (e.args[0].a, e.args[0].b):
@@ -153,24 +153,36 @@ def exp_factor(e, params: set[str]) -> str | None:
     return None
 
 
-def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
-    """`body` with ``exp(x * P)`` as ``exp2(x * P)`` for each param P it reads only so (Mamba-1's
-    ``exp(dt * A[n])``), and those params, which the kernel then loads times log2 e."""
-
-    def factor(e) -> str | None:  # P where e is exp(x * P) or exp(P * x)
-        return exp_factor(e, params)
-
-    values = [e for s in body for e in subexpressions(s.value)]
-    in_exp = {factor(e) for e in values} - {None}
-    other = {e.array for s in body for e in accesses(s) if e.array in params} - in_exp
-    scaled = {p for p in in_exp if p not in other and sum(factor(e) == p for e in values)
-              == sum(e.array == p for s in body for e in accesses(s))}
+def exp2_of_params(stmts: list, params: set[str], scaled_name=None) -> tuple[list, tuple[str, ...]]:
+    """`stmts` (assignments) with ``exp(x * P)`` as ``exp2(x * P')`` for the params P of `params` it
+    reads so (Mamba-1's ``exp(dt * A[n])``: exp2 is one instruction, exp a multiply more), and those
+    params. P' is the array the kernel loads as P times log2 e: P itself (the default, for a param
+    read only so) or ``scaled_name(P)``, a copy beside P (one read otherwise too)."""
+    found = set()
 
     def rewrite(e):
         e = map_children(e, rewrite)
-        return Call("exp2", e.args) if factor(e) in scaled else e
+        p = _exp_factor(e, params)
+        if p is None:
+            return e
+        found.add(p)
+        if scaled_name is None:
+            return Call("exp2", e.args)
+        sides = (e.args[0].a, e.args[0].b)
+        return Call("exp2", (Bin("*", *(Load(scaled_name(p), x.index) if isinstance(x, Load) and x.array == p else x
+                                        for x in sides)),))
 
-    return [replace(s, value=rewrite(s.value)) for s in body], tuple(sorted(scaled))
+    return [replace(s, value=rewrite(s.value)) for s in stmts], tuple(sorted(found))
+
+
+def _exp2_of_params(body: list, params: set[str]) -> tuple[list, tuple[str, ...]]:
+    """`body` with ``exp(x * P)`` as ``exp2(x * P)`` for each param P it reads only so, and those
+    params, which the kernel then loads times log2 e (`exp2_of_params`)."""
+    values = [e for s in body for e in subexpressions(s.value)]
+    in_exp = {_exp_factor(e, params) for e in values} - {None}
+    scaled = {p for p in in_exp if sum(_exp_factor(e, params) == p for e in values)
+              == sum(e.array == p for s in body for e in accesses(s))}
+    return exp2_of_params(body, scaled)
 
 
 def _lane_loops(stmts: list, var: str, buffers: set[str]) -> bool:
