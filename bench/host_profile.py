@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import time
 
 import numpy as np
 import torch
 from lanes_backward_probe import kernel_times  # bench/ is the script's folder, on sys.path
+from overrides import overriding
 
 import ssmc  # the scan's annotations are evaluated in this module's globals
 
@@ -218,18 +218,14 @@ def main(argv=None) -> int:
             print(profile(fn, args.calls, args.top, args.sort))
     print("\n| SSMC_CUDA_BACKWARD_STEPS_PER_LANE | kernels µs of a training step |\n|---|---|")
     for k in ("", "1", "2", "4", "8"):
-        if k:  # the warp kernel's fused backward (at L <= 192 the lanes backward runs by default)
-            os.environ["SSMC_CUDA_BACKWARD_STEPS_PER_LANE"] = k
-            os.environ["SSMC_CUDA_LANES_BACKWARD"] = "0"
-        try:
-            total, kernels = kernel_us(lambda: grad(**x, grad_outputs=dy))
-            listed = ", ".join(f"{n[:32]} {v:.1f}" for n, v in kernels.items())
-            print(f"| {k or 'default'} | {total:.1f}: {listed} |")
-        except Exception as exc:
-            print(f"| {k} | {type(exc).__name__}: {str(exc)[:100]} |")
-        finally:
-            os.environ.pop("SSMC_CUDA_BACKWARD_STEPS_PER_LANE", None)
-            os.environ.pop("SSMC_CUDA_LANES_BACKWARD", None)
+        # forced steps: the warp kernel's fused backward (at L <= 192 the lanes backward runs by default)
+        with overriding(SSMC_CUDA_BACKWARD_STEPS_PER_LANE=k or None, SSMC_CUDA_LANES_BACKWARD="0" if k else None):
+            try:
+                total, kernels = kernel_us(lambda: grad(**x, grad_outputs=dy))
+                listed = ", ".join(f"{n[:32]} {v:.1f}" for n, v in kernels.items())
+                print(f"| {k or 'default'} | {total:.1f}: {listed} |")
+            except Exception as exc:
+                print(f"| {k} | {type(exc).__name__}: {str(exc)[:100]} |")
     return 0
 
 
