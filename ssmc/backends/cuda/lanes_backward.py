@@ -242,7 +242,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
             return f"{c_array(name)}[{po.index(Load(name, index))}]"
 
         dst = f"{'sr' if staged_row else 'sl'}_{name}"
-        vector = _vector_staged(spec, ctype)
+        vector = _in_vectors(spec, ctype)
         if vector:  # 4 consecutive steps a load where the arrays are aligned (`vec`)
             items = f"{count} * (T / 4)"
             mapping = f"const int {rv} = i / (T / 4), tt = (i % (T / 4)) * 4, t = cc * T + tt;"
@@ -301,8 +301,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         scalar = [f"for (int s_q = 0; s_q < {steps_a_thread}; ++s_q) {{",
                   f"    const int t = t0 + g * {steps_a_thread} + s_q;",
                   f"    if (valid && t < L) {plain} = {_store(spec.dtype, f'o_{name}[s_q]')};", "}"]
-        if (vector_type and spec.dtype == "float32" and spec.strides[0] == 1
-                and all(st % 4 == 0 for st in spec.strides[1:])):
+        if _in_vectors(spec, ctype):
             first = po.index(Load(name, (f"t0 + g * {steps_a_thread}", *target.index[1:])))
             post_store += [f"if (valid && t0 + (g + 1) * {steps_a_thread} <= L && "
                            f"(unsigned long long){c_array(name)} % 16 == 0) {{",
@@ -375,9 +374,10 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     }
 
 
-def _vector_staged(spec: ArraySpec, ctype: str) -> bool:
-    """Whether a staged sequence loads 4 consecutive steps at a time (float32, time contiguous, every
-    other stride a multiple of 4; the kernel checks the pointer's alignment)."""
+def _in_vectors(spec: ArraySpec, ctype: str) -> bool:
+    """Whether a sequence's consecutive steps are read (staging: 4 a load) or written (post phase: a
+    thread's steps) as vectors: float32, time contiguous, every other stride a multiple of 4 (the kernel
+    checks the pointer's alignment)."""
     return ctype == "float" and spec.dtype == "float32" and spec.strides[0] == 1 and all(
         st % 4 == 0 for st in spec.strides[1:])
 
