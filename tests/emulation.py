@@ -60,7 +60,7 @@ def fused_step(spec, inputs: dict, cotangents: dict, dtype=np.float32) -> tuple[
     sizes, length = _sizes(program, inputs)
     if fused is None or not fused.applies_at(sizes, length, True):
         raise ValueError(f"{program.name}: the fused backward does not run at {sizes}, L = {length}")
-    rounds = -(-length // fused.round_steps(length, fused.backward_lanes(sizes, length, True) is not None))
+    rounds = -(-length // fused.round_steps(length, fused.backward_lanes(sizes, length, True)))
     (fwd_launch, fwd_source), (bwd_launch, bwd_source), *_ = fused.sources(sizes, length)
     seqs = {d.name for d in program.seqs}
 

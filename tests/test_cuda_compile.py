@@ -346,22 +346,31 @@ def test_lanes_row_params_are_staged_once_per_block(layout):
     assert "delta_bias[(" not in loop and " D[(" not in loop and "(D[(" not in loop
 
 
-@pytest.mark.parametrize("sizes,length", [({"b": 8, "d": 1536, "n": 16}, 2048), ({"b": 32, "d": 512, "n": 16}, 180)])
-def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, length):
-    """A training step at the benchmark shapes: its forward is the lanes kernel too, which writes the
-    carry into each round of the fused backward (128 steps, every 4th chunk) and does not spill; at
-    L 180 the backward is the lanes backward, whose rounds are the chunks (32 steps)."""
+@pytest.mark.parametrize("sizes,length,chunk", [({"b": 8, "d": 1536, "n": 16}, 2048, 16),
+                                               ({"b": 32, "d": 512, "n": 16}, 180, 16),
+                                               ({"b": 4, "d": 2048, "n": 16}, 512, 32)])
+def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, length, chunk):
+    """A training step at the benchmark shapes (and one of 8192 rows): its forward is the lanes kernel
+    too, which writes the carry into each chunk of the lanes backward, and neither spills. With more
+    rows than one wave of the backward's unbounded kernel takes, that is the bounded kernel (16-step
+    chunks, 8 blocks of 64 threads an SM): the forward's chunks of 32 steps save two carries each, at
+    their start and after their groups reaching step 16."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, sizes, length, time_contiguous=True)
     assert [(r.program, r.name) for r in reports] == [
         ("forward", "mamba1_fused"), ("forward (training)", "mamba1_lanes_rounds"),
         ("backward", "mamba1_fused_backward")]
-    training = reports[1]
+    training, backward = reports[1], reports[2]
     assert training.strategy == "lanes, 4 lanes a row" and training.launch.mapping.lanes == 4
-    assert reports[2].strategy.startswith("fused backward" if length == 2048 else "lanes backward")
-    steps = 128 if length == 2048 else 32
-    assert f"if (valid && t0 % {steps} == 0) {{" in training.source and f"rounds_h[(t0 / {steps}) * " in training.source
-    assert training.resources is not None and not training.resources.spills, training.error
+    assert backward.strategy == f"lanes backward, 4 lanes a row, chunks of {chunk} steps"
+    assert f"if (valid && (t0) % {chunk} == 0) {{" in training.source
+    assert f"rounds_h[((t0) / {chunk}) * " in training.source
+    inside = f"if (valid && (t0 + tb + G) % {chunk} == 0 && tb + G < 32 && t0 + tb + G < L) {{"
+    assert (inside in training.source) == (chunk < 32)
+    assert f"T = {chunk}, P = {chunk + 4}, BLOCK = 64;" in backward.source
+    assert f"__launch_bounds__(64, {8 if chunk == 16 else 1})" in backward.source
+    for r in (training, backward):
+        assert r.resources is not None and not r.resources.spills, r.error
 
 
 def test_lanes_kernel_with_one_lane_a_row_does_not_spill(monkeypatch):

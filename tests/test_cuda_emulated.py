@@ -22,7 +22,7 @@ from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
 
 import ssmc
-from ssmc.backends.cuda import emulator, fused_backward, runner
+from ssmc.backends.cuda import emulator, fused_backward, lanes_backward, runner
 from ssmc.passes.autodiff import derive_backward
 
 pytestmark = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
@@ -116,6 +116,23 @@ def test_emulated_lanes_backward(batch, dim, state, length, layout, monkeypatch,
     wanted; against the interpreter's gradients.
     Float32 only: the kernel's staging does not fit a block's shared memory in float64 (the warp
     kernel's fused backward runs there)."""
+    _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, lanes_backward.CHUNK)
+
+
+@pytest.mark.parametrize("batch, dim, state, length, layout", [
+    (2, 40, 16, 100, "b d t"),  # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk
+    (1, 32, 16, 70, "b t d"),   # rows tiling d, chunks of 16 steps whole, then a partial one
+    (2, 8, 12, 64, "b d t"),    # 3 state values a lane, a block's 16 rows 8 past d, whole chunks
+])
+def test_emulated_bounded_lanes_backward(batch, dim, state, length, layout, monkeypatch, fresh_runners):
+    """The bounded lanes backward (chunks of 16 steps, 8 blocks an SM: `lanes_backward.SHORT_CHUNK`),
+    which runs where the rows are many, forced at these sizes: the training forward then saves a carry
+    every 16 steps, two in each of its chunks of 32."""
+    monkeypatch.setattr(lanes_backward, "UNBOUNDED_WAVE_THREADS", 0)
+    _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, lanes_backward.SHORT_CHUNK)
+
+
+def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk):
     torch = pytest.importorskip("torch")
     import ssmc.torch as ssmc_torch
 
@@ -127,7 +144,7 @@ def test_emulated_lanes_backward(batch, dim, state, length, layout, monkeypatch,
     dtype = "float32"
     fb = fused_backward.fused_backward_runner(derive_backward(m.SPEC.program), dtype)
     sizes = {"b": batch, "d": dim, "n": state}
-    assert fb.backward_lanes(sizes, length, layout == "b d t") is not None
+    assert fb.backward_lanes(sizes, length, layout == "b d t").chunk == chunk
     assert fb.applies_at(sizes, length, layout == "b d t")
     rng = np.random.default_rng(length + state)
     inputs = m.make_inputs(rng, length, batch=batch, dim=dim, state=state)

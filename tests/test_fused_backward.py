@@ -142,10 +142,9 @@ def test_which_programs_fuse():
 
 def test_when_the_fused_backward_runs(monkeypatch):
     """Where the forward is the warp kernel (time contiguous, at least two rounds) and the adjoint
-    sums over recurrences (Mamba-1); with time outermost as the lanes backward (Mamba-1, where the
-    forward is the lanes kernel), and so with time contiguous at short lengths or many rows; a plain
-    scan (hgrn) only when forced; never when turned off, or for a program run in fusion stages (the
-    block)."""
+    sums over recurrences (Mamba-1); as the lanes backward wherever the forward is the lanes kernel
+    (Mamba-1 with many rows, either layout); a plain scan (hgrn) only when forced; never when turned
+    off, or for a program run in fusion stages (the block)."""
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
 
     def runner(name):
@@ -154,14 +153,17 @@ def test_when_the_fused_backward_runs(monkeypatch):
 
     mamba, scan = runner("mamba1"), runner("hgrn")
     big = {"b": 8, "d": 1536, "n": 16}
-    assert mamba.applies_at(big, 2048, True) and mamba.backward_lanes(big, 2048, True) is None
-    # "b d t": the lanes backward where the sequence is short or the rows many, else the warp kernel's
-    small = {"b": 32, "d": 512, "n": 16}
-    assert mamba.backward_lanes(small, 180, True) is not None and mamba.backward_lanes(small, 2048, True) is not None
-    assert mamba.backward_lanes(big, 180, True) is not None and mamba.backward_lanes(big, 256, True) is None
-    assert mamba.applies_at(big, 2048, False) and mamba.backward_lanes(big, 2048, False) is not None
+    # the lanes backward wherever the forward is the lanes kernel (8192 rows and more), in either layout;
+    # the bounded kernel of 16-step chunks where the rows are more than one wave of the unbounded one
+    for sizes, chunk in (({"b": 32, "d": 512, "n": 16}, 16), (big, 16), ({"b": 4, "d": 2048, "n": 16}, 32)):
+        for length in (7, 180, 2048):
+            assert mamba.backward_lanes(sizes, length, True).chunk == chunk
+            assert mamba.backward_lanes(sizes, length, False).chunk == chunk
+    assert mamba.applies_at(big, 2048, True) and mamba.applies_at(big, 2048, False)
+    assert mamba.backward_lanes({"b": 2, "d": 2048, "n": 16}, 2048, True) is None  # the warp kernel's
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
-    assert not mamba.applies_at(big, 2048, False)
+    assert not mamba.applies_at(big, 2048, False) and mamba.backward_lanes(big, 2048, True) is None
+    assert mamba.applies_at(big, 2048, True)
     monkeypatch.delenv("SSMC_CUDA_LANES_BACKWARD")
     assert mamba.applies_at({"b": 64, "d": 4096, "n": 16}, 2048, True)  # warps whatever the count
     # a scan's adjoint (no sums): where a warp per recurrence fills the GPU over a long sequence

@@ -105,7 +105,7 @@ def test_the_one_kernel_source():
     # the core's gradient (Mamba-1's scan, time strided): the lanes forward saving its chunks, the lanes backward
     core = [r.strategy for r in reports if r.strategy.startswith("core") and r.program in ("forward (training)",
                                                                                           "backward")]
-    assert core[-2:] == ["core: lanes, 4 lanes a row", "core: lanes backward, 4 lanes a row"]
+    assert core[-2:] == ["core: lanes, 4 lanes a row", "core: lanes backward, 4 lanes a row, chunks of 16 steps"]
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())

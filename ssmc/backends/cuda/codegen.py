@@ -99,7 +99,8 @@ class Threads:
     `recurrence` as well, a row is a recurrence with time inside each thread (split_sum.py,
     `recurrence_row_axis`): its G threads are consecutive and own their indices of the row axis
     for the whole sequence. `warps` > 1: the warp kernel's block of that many warps shares one
-    recurrence, each round's steps split among them (`_combine_across_warps`)."""
+    recurrence, each round's steps split among them (`_combine_across_warps`). `lanes`: the lanes
+    kernels' lanes a row, `block` their threads a block, `chunk` the lanes backward's steps a chunk."""
 
     time_fastest: bool = False
     groups: int = 1
@@ -109,6 +110,7 @@ class Threads:
     warps: int = 1
     lanes: int = 0
     block: int = 0
+    chunk: int = 0
 
     @property
     def rows_per_block(self) -> int:
@@ -119,7 +121,7 @@ class Threads:
         if self.warps > 1:
             return f"{self.warps} warps a recurrence"
         if self.lanes:
-            return f"{self.lanes} lanes a row"
+            return f"{self.lanes} lanes a row" + (f", chunks of {self.chunk} steps" if self.chunk else "")
         if self.groups == 1:
             return ""
         return f"{'rows' if self.row else 'split-K'} {self.split}/{self.groups}"

@@ -46,8 +46,8 @@ from .codegen import (
     module_source,
 )
 from .devices import current_device, device_name
-from .lanes import CHUNK, lane_groups, lanes_source
-from .lanes_backward import lanes_backward_block, lanes_backward_source
+from .lanes import lane_groups, lanes_source
+from .lanes_backward import lanes_backward_shape, lanes_backward_source
 from .launch import launch_kernel, zero_bytes
 from .runner import (
     _DTYPES,
@@ -84,22 +84,15 @@ STATE_MAJOR_STEP_COST = 0.65
 HALF_ROUND_STEP_COST = 1.12
 
 
-# The lanes backward (lanes_backward.py) runs where the training forward runs as the lanes kernel and
-# the warp kernel's fused backward does not (sequences with time strided, "b t d"), there in place of
-# the unfused backward's kernels. Where both run, it runs up to LANES_BACKWARD_MAX_LENGTH steps, and at
-# any length with at least LANES_BACKWARD_MIN_ROWS rows (recurrences of the state's axis: B x D): its
-# blocks of 16 rows then fill about two waves of 4 blocks an SM on 132 SMs, where fewer rows left the
-# last wave part empty and the warp kernel (a warp a row) ahead. Mamba-1 N16 fp32 "b d t", training
-# step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward, bench/
-# lanes_backward.py on an H100 (2026-11-26, 14:00 UTC; the unfused backward at L40):
-#   rows 16384 and more: B32 D512 L180 0.245 against 0.294 ms, L256 0.244 / 0.279, L512 0.457 / 0.512,
-#     L1024 0.889 / 1.052; B16 D1024 L256 0.244 / 0.279, L2048 1.751 / 2.056; B64 D1024 L180 0.742 /
-#     1.056, L1024 3.435 / 3.878;
-#   fewer rows: B8 D1536 L180 0.198 / 0.226, L256 0.225 / 0.219, L512 0.421 / 0.408, L2048 1.608 /
-#     1.552; B4 D2048 L512 0.324 / 0.306;
-#   and before (12:40): B32 D512 L40 0.203 / 1.045 (the unfused backward), L100 0.180 / 0.312.
-LANES_BACKWARD_MAX_LENGTH = 192
-LANES_BACKWARD_MIN_ROWS = 16384
+# The lanes backward (lanes_backward.py) runs wherever the training forward runs as the lanes kernel
+# (at least runner.LANES_FILL threads: 8192 rows of Mamba-1's 4 lanes), in place of the warp kernel's
+# fused backward ("b d t") or the unfused backward's kernels ("b t d"). Mamba-1 N16 fp32 "b d t",
+# training step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward,
+# bench/lanes_backward.py on an H100 (2026-11-26, 17:35 UTC), ms: B8 D1536 L2048 1.318 / 1.555, L512
+# 0.345 / 0.409, L256 0.182 / 0.219, L180 0.175 / 0.243; B4 D2048 L512 0.393 / 0.500, L2048 0.931 /
+# 1.023; B2 D4096 L1024 0.471 / 0.573; B32 D512 L180 0.195 / 0.293; B16 D1024 L2048 1.670 / 2.052;
+# B64 D1024 L1024 3.246 / 3.870. (Before its bounded kernel of 16-step chunks, with rows fewer than
+# 16384, the warp kernel's was ahead from L256: B8 D1536 L2048 1.608 / 1.552.)
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
@@ -220,36 +213,35 @@ class FusedBackwardRunner:
         return self._decided("lanes", decide, sizes, length, time_contiguous)
 
     def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
-        """The lanes backward's threads (backends/cuda/lanes_backward.py) where it runs at this shape: the
-        training forward runs as the lanes kernel (`forward_lanes`), the backward splits so, its
-        block's shared memory fits, and the warp kernel's fused backward does not run here, or the
-        sequence is short (`LANES_BACKWARD_MAX_LENGTH`), or the rows many (`LANES_BACKWARD_MIN_ROWS`);
-        SSMC_CUDA_LANES_BACKWARD = 0 / 1 turns it off / on wherever it can run. None elsewhere."""
+        """The lanes backward's threads (backends/cuda/lanes_backward.py: its lanes, block and chunk) where
+        it runs at this shape: the training forward runs as the lanes kernel (`forward_lanes`), the
+        backward splits so and its block's shared memory fits; SSMC_CUDA_LANES_BACKWARD = 0 turns it
+        off (the warp kernel's fused backward, or the unfused backward, runs instead). None elsewhere."""
         def decide():
             setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
             lanes = self.forward_lanes(sizes, length, time_contiguous)
             if lanes is None or self.lanes_backward is None or setting == "0":
                 return None
             rows = math.prod(sizes[a] for a in self.plan.parallel)
-            if (setting != "1" and length > LANES_BACKWARD_MAX_LENGTH and rows < LANES_BACKWARD_MIN_ROWS
-                    and self._warp_applies_at(sizes, length, time_contiguous)):
-                return None
             value_bytes = 8 if self.compute == "float64" else 4
-            block = lanes_backward_block(self.lanes_backward, sizes, self.lanes.axis, value_bytes)
-            return None if block is None else Threads(lanes=lane_groups(sizes[self.lanes.axis]), block=block)
+            shape = lanes_backward_shape(self.lanes_backward, sizes, self.lanes.axis, value_bytes, rows)
+            if shape is None:
+                return None
+            block, chunk = shape
+            return Threads(lanes=lane_groups(sizes[self.lanes.axis]), block=block, chunk=chunk)
         return self._decided("lanes backward", decide, sizes, length, time_contiguous)
 
     def sources(self, sizes: dict[str, int], length: int, time_contiguous: bool = True) -> list[tuple[Launch, str]]:
         """The two kernels' launches and sources at these sizes, chosen as for sequences with time
         contiguous or not, arrays laid out as the runs allocate them (what `ssmc inspect` reports)."""
         back = self.backward_lanes(sizes, length, time_contiguous)
-        rounds = -(-length // self.round_steps(length, back is not None))
+        rounds = -(-length // self.round_steps(length, back))
         threads = int(np.prod([sizes[a] for a in self.plan.parallel])) * WARP
         lanes = self.forward_lanes(sizes, length, time_contiguous)
         out = []
         forward = (self.forward_kernel, self._forward_source) if lanes is None else (
             self.lanes_kernel, lambda specs, sizes, length: self._lanes_source(specs, sizes, length, lanes,
-                                                                               back is not None))
+                                                                               back))
         backward = (self.plan, self._backward_source) if back is None else (
             self.plan, lambda specs, sizes, length: self._lanes_backward_source(specs, sizes, back))
         kernels = [forward, backward]
@@ -303,10 +295,10 @@ class FusedBackwardRunner:
             self._shared[key] = fused_backward_shared_bytes(self.plan, value_bytes, steps, state_major)
         return self._shared[key] <= STATIC_SHARED
 
-    def round_steps(self, length: int, lanes_backward: bool = False) -> int:
+    def round_steps(self, length: int, back: Threads | None = None) -> int:
         """Steps per round of the backward kernel: the forward saves its carry every so many steps (a
-        chunk of the lanes backward's, `lanes_backward`)."""
-        return CHUNK if lanes_backward else WARP * self.backward_steps(length)
+        chunk of the lanes backward's, where `back`, its threads, says it runs)."""
+        return back.chunk if back is not None else WARP * self.backward_steps(length)
 
     def forward_steps(self) -> int:
         """The forward warp kernel's steps per lane."""
@@ -325,7 +317,7 @@ class FusedBackwardRunner:
         ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
         given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
-        back = self.backward_lanes(sizes, length, time_contiguous(seqs)) is not None
+        back = self.backward_lanes(sizes, length, time_contiguous(seqs))
         summary = lanes is None and not outputs and self.summary_kernel is not None
         if summary:
             plan = self._planned(self.summary_kernel, given, sizes, length, self._summary_source)
@@ -365,7 +357,7 @@ class FusedBackwardRunner:
         else:
             launch = self._planned(plan, given, sizes, length,
                                    lambda specs, sizes, length: self._lanes_backward_source(specs, sizes, back),
-                                   (lane_block_count(self.lanes_kernel, sizes, back), back.block), True)
+                                   (lane_block_count(self.lanes_kernel, sizes, back), back.block), back)
         adjoint = plan.adjoint.program
         outs = [(n, f"out_{n}") for n, _ in adjoint.outputs]
         core = [(n, f"final_{n}", launch.reshaped(f"final_{n}", [sizes[a] for a in adjoint.decl(n).axes]))
@@ -392,14 +384,15 @@ class FusedBackwardRunner:
         return self._forward_source(specs, sizes, length, self.summary_kernel)
 
     def _lanes_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int,
-                      lanes: Threads, lanes_backward: bool) -> str:
+                      lanes: Threads, back: Threads | None) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         return lanes_source(self.forward_runner.lowered, self.lanes, self.lanes_kernel, specs, sizes, lanes, ctype,
-                            self.round_steps(length, lanes_backward))
+                            self.round_steps(length, back))
 
     def _lanes_backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], threads: Threads) -> str:
         ctype = "double" if self.compute == "float64" else "float"
-        return lanes_backward_source(self.plan, self.lanes_backward, self.lanes, specs, sizes, threads.block, ctype)
+        return lanes_backward_source(self.plan, self.lanes_backward, self.lanes, specs, sizes, threads.block, ctype,
+                                     threads.chunk)
 
     def _backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         ctype = "double" if self.compute == "float64" else "float"
@@ -407,28 +400,29 @@ class FusedBackwardRunner:
                                      self.state_major(length))
 
     def _planned(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                 grid: tuple[int, int] | None = None, lanes_backward: bool = False) -> _BackwardLaunch:
+                 grid: tuple[int, int] | None = None, back: Threads | None = None) -> _BackwardLaunch:
         """The launch of kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in
         `given` as they are, the others allocated (per-step ones with time contiguous; ``atomic``
         ones and accumulators not given zeroed). `grid`: (blocks, threads a block); by default a
-        warp per recurrence. Worked out once per kernel, sizes, length, layouts of the given arrays,
+        warp per recurrence. `back`: the lanes backward's threads where it runs (its chunks are the
+        forward's rounds). Worked out once per kernel, sizes, length, layouts of the given arrays,
         overrides and device (`_plan_launch`; its function is loaded there)."""
-        key = (k.name, lanes_backward, _sizes_key(sizes), length,
+        key = (k.name, back, _sizes_key(sizes), length,
                tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
                current_device(), *overrides())
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid, lanes_backward)
+            plan = self._plans[key] = self._plan_launch(k, given, sizes, length, source, grid, back)
         return plan
 
     def _plan_launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                     grid: tuple[int, int] | None, lanes_backward: bool) -> _BackwardLaunch:
+                     grid: tuple[int, int] | None, back: Threads | None) -> _BackwardLaunch:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
-        rounds = -(-length // self.round_steps(length, lanes_backward))
+        rounds = -(-length // self.round_steps(length, back))
         allocations, kept, specs = [], [], {}
         offset = {False: 0, True: 0}  # elements of the buffers allocated so far: plain, zeroed
         for a in k.arrays:

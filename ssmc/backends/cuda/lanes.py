@@ -161,16 +161,24 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     own = {name: (lambda e: f"{e.array}[j]") for name in lanes.lane_buffers}
     own |= {name: (lambda e: f"rp_{e.array}[j]") for name in lanes.lane_params}
     own |= {a: (lambda e: f"sr_{e.array}[buf][ch][tb + tt]") for a in lanes.row_seqs}
+    own_printer = CPrinter(k, arrays, sizes, views=own)
     pb = CPrinter(k, arrays, sizes, vectors=vectors, views=own)
     pb.buffers |= set(major.per_step)
     read_in_body = [name for name in major.per_step if name not in sums
                     and any(e.array == name for s in major.body for e in accesses(s))]
     carried = {scalar_name(b): b for b in lanes.carried}
     body_scalars = [name for name in _scalar_names(major.body) if name not in carried]
+    # rounds shorter than a chunk: the carries into those that start inside it, after their groups
+    in_body_saves = (_save_rounds(k, lanes, arrays, own_printer, round_steps, "t0 + tb + G",
+                                  f" && tb + G < {CHUNK} && t0 + tb + G < L")
+                     if 0 < round_steps < CHUNK else [])
 
     def body_phase(partial: bool) -> list[str]:
         body = _predicated(major.body, set(carried)) if partial else major.body
-        lines = ["#pragma unroll 1", f"for (int tb = 0; tb < {CHUNK}; tb += G) {{  // G steps: one reduce-scatter"]
+        # the last chunk stops at the group holding step L - 1: the groups wholly past L change no state,
+        # and their sums are outputs past L, which the post phase does not store
+        bound = f"tb < {CHUNK} && t0 + tb < L" if partial else f"tb < {CHUNK}"
+        lines = ["#pragma unroll 1", f"for (int tb = 0; {bound}; tb += G) {{  // G steps: one reduce-scatter"]
         for name in read_in_body:
             lines += [f"    F {name}[G];", f"    {_load_steps(name, f'&pv_{name}[ch][tb]', vector)}"]
         for name, op in sums.items():
@@ -195,6 +203,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         if guard:
             lines.append("        }")
         lines.append("    }")
+        lines += ["    " + line for line in in_body_saves]
         for name, op in sums.items():
             fn = "SumOp" if op == "+=" else "MaxOp"
             lines.append(f"    pv_{name}[ch][tb + g] = reduce_scatter<G>({name}, g, {fn}());")
@@ -206,7 +215,6 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     out_arrays = [a for a in k.arrays if a.role == "out"]
     along_time = bool(out_arrays) and arrays[out_arrays[0].name].strides[0] == 1
 
-    own_printer = CPrinter(k, arrays, sizes, views=own)
     vector_copies = vector_stages(lanes, arrays, ctype)
     hosted = hosted_sums(lanes)
     return {
@@ -362,24 +370,27 @@ def _lane_loops(stmts: list, lanes: StateLanes, pr: CPrinter, stores: bool) -> l
 
 
 def _save_rounds(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], pr: CPrinter,
-                 round_steps: int) -> list[str]:
-    """C lines storing this lane's values of each state into ``rounds_<state>`` where the chunk
-    starting at `t0` starts a round (the states hold the carry into step t0 there)."""
+                 round_steps: int, step: str = "t0", due: str = "") -> list[str]:
+    """C lines storing this lane's values of each state into ``rounds_<state>`` where `step` (C text:
+    the step the states hold the carry into) starts a round of `round_steps` steps: at a chunk's start
+    (`step` t0), or, where the rounds are shorter than a chunk (a divisor of CHUNK: the lanes backward's
+    short chunks), after a group of the body too (`step` t0 + tb + G, `due` its further condition)."""
     names = [a.name for a in k.arrays if a.role == "rounds"]
     if not names:
         return []
-    if round_steps <= 0 or round_steps % CHUNK:
-        raise ValueError(f"{k.name}: rounds of {round_steps} steps are not whole chunks of {CHUNK}")
+    if round_steps <= 0 or (round_steps % CHUNK and CHUNK % round_steps):
+        raise ValueError(f"{k.name}: rounds of {round_steps} steps neither divide nor are whole chunks of {CHUNK}")
     var, n = lanes.var, size_var(lanes.axis)
     lines = []
     for s in k.program.states:
         name = f"rounds_{s.name}"
         if name not in names:
             continue
-        at = pr.index(Load(name, (f"t0 / {round_steps}", *(var if a == lanes.axis else f"p_{a}" for a in s.axes))))
+        at = pr.index(Load(name, (f"({step}) / {round_steps}",
+                                  *(var if a == lanes.axis else f"p_{a}" for a in s.axes))))
         store = _store(arrays[name].dtype, f"st_{s.name}[j]")
         lines.append(f"        if ({var} < {n}) {c_array(name)}[{at}] = {store};")
-    return [f"if (valid && t0 % {round_steps} == 0) {{  // the carry into a round of the fused backward",
+    return [f"if (valid && ({step}) % {round_steps} == 0{due}) {{  // the carry into a round of the fused backward",
             "    #pragma unroll", "    for (int j = 0; j < S; ++j) {", f"        const int {var} = g + j * G;",
             *lines, "    }", "}"]
 

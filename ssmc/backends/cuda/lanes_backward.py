@@ -46,9 +46,26 @@ from .codegen import (
     render,
     with_free_array_names,
 )
-from .lanes import CHUNK, PITCH, _lane_loops, lane_groups, sum_identity
+from .lanes import CHUNK, _lane_loops, lane_groups, sum_identity
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
+
+# The bounded kernel: chunks of SHORT_CHUNK steps, BOUNDED_BLOCK threads a block, at most
+# BOUNDED_REGISTERS registers a thread (`__launch_bounds__`), so that 8 blocks run on an SM where the
+# kernel of 32-step chunks takes about 230 registers and 46 KB of shared memory, 4 an SM. It runs where
+# the rows' lanes are more threads than that kernel runs at once on 132 SMs (UNBOUNDED_WAVE_THREADS),
+# its shared memory fits 8 blocks, and a lane's body holds few values (S x G at most BOUNDED_LANE_VALUES:
+# more would spill at 128 registers). Mamba-1 N16 fp32 "b d t", backward kernel, H100 (2026-11-26,
+# 17:23 UTC, docs/benchmarks.md): B8 D1536 L2048 1.044 against 1.368 ms (the warp kernel's fused
+# backward 1.287), B32 D512 L180 0.138 / 0.158, B64 D1024 L1024 2.587 / 2.800; but B4 D2048 L512 (8192
+# rows, one wave of the unbounded kernel) 0.236 / 0.182.
+SHORT_CHUNK = 16
+BOUNDED_BLOCK = 64
+BOUNDED_REGISTERS = 128
+SM_REGISTERS = 65536
+SM_SHARED = 233472            # bytes of shared memory an SM has for its blocks (H100 / H200), each block 1 KiB more
+UNBOUNDED_WAVE_THREADS = 4 * 64 * 132
+BOUNDED_LANE_VALUES = 16
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
 # at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
 # (B and C at n = 64, 8 lanes a row, 32 threads a block: 64 each) spilled, so those load at the
@@ -59,45 +76,62 @@ PREFETCH_LANE_VALUES = 16
 
 
 def shared_bytes(lb: LanesBackward, sizes: dict[str, int], axis: str, groups: int, block: int,
-                 value_bytes: int) -> int:
-    """Static shared memory of the kernel with `block` threads (module docstring's arrays)."""
+                 value_bytes: int, chunk: int = CHUNK) -> int:
+    """Static shared memory of the kernel with `block` threads and chunks of `chunk` steps (module
+    docstring's arrays)."""
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
-    values = (rows * PITCH * (len(lb.row_seqs) + len(lb.per_step)) + sizes[axis] * PITCH * len(lb.state_seqs)
-              + len(lb.atomic) * sizes[axis] * CHUNK * (block // WARP) + (CHUNK // groups) * per_lane * block)
+    pitch = chunk + 4
+    values = (rows * pitch * (len(lb.row_seqs) + len(lb.per_step)) + sizes[axis] * pitch * len(lb.state_seqs)
+              + len(lb.atomic) * sizes[axis] * chunk * (block // WARP) + (chunk // groups) * per_lane * block)
     return values * value_bytes
 
 
-def lanes_backward_block(lb: LanesBackward, sizes: dict[str, int], axis: str, value_bytes: int) -> int | None:
-    """Threads a block (the most of `BLOCKS` whose shared memory fits `STATIC_SHARED`), or None."""
+def min_blocks(block: int, chunk: int) -> int:
+    """The blocks an SM must hold at once (`__launch_bounds__`): those of the bounded kernel's registers."""
+    return SM_REGISTERS // (block * BOUNDED_REGISTERS) if chunk == SHORT_CHUNK else 1
+
+
+def lanes_backward_shape(lb: LanesBackward, sizes: dict[str, int], axis: str, value_bytes: int,
+                         rows: int) -> tuple[int, int] | None:
+    """(threads a block, steps a chunk) of the lanes backward over `rows` rows (recurrences of the states'
+    axis): the bounded kernel where it applies (SHORT_CHUNK's comment), else chunks of CHUNK steps in the
+    most threads of `BLOCKS` whose shared memory fits `STATIC_SHARED`; None where none fits."""
     groups = lane_groups(sizes[axis])
+    per_lane = -(-sizes[axis] // groups)
+    bounded = shared_bytes(lb, sizes, axis, groups, BOUNDED_BLOCK, value_bytes, SHORT_CHUNK)
+    blocks_an_sm = min_blocks(BOUNDED_BLOCK, SHORT_CHUNK)
+    if (value_bytes == 4 and per_lane * groups <= BOUNDED_LANE_VALUES and BOUNDED_BLOCK // groups >= 1
+            and rows * groups > UNBOUNDED_WAVE_THREADS and (bounded + 1024) * blocks_an_sm <= SM_SHARED):
+        return BOUNDED_BLOCK, SHORT_CHUNK
     for block in BLOCKS:
         if block // groups >= 1 and shared_bytes(lb, sizes, axis, groups, block, value_bytes) <= STATIC_SHARED:
-            return block
+            return block, CHUNK
     return None
 
 
 def lanes_backward_source(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
-                          sizes: dict[str, int], block: int, ctype: str) -> str:
+                          sizes: dict[str, int], block: int, ctype: str, chunk: int = CHUNK) -> str:
     """CUDA C of the lanes backward of `fb` (split as `lb`, rows and axis as the forward's `lanes`)
-    for these array layouts, `block` threads a block; the forward saved its carry into every chunk
-    of CHUNK steps (``rounds_<h>``)."""
+    for these array layouts, `block` threads a block, chunks of `chunk` steps; the forward saved its
+    carry into every chunk (``rounds_<h>``)."""
     def build():
-        context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block, ctype)
+        context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block, ctype, chunk)
         return render(fb.backward.adjoint.name, "lanes backward", ctype, [context], has_half(arrays))
     return with_free_array_names(set(arrays), build)
 
 
 def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
-                           sizes: dict[str, int], block: int, ctype: str = "float") -> dict:
-    """The template's context for the lanes backward (module docstring); `ctype` the compute type."""
+                           sizes: dict[str, int], block: int, ctype: str = "float", chunk: int = CHUNK) -> dict:
+    """The template's context for the lanes backward (module docstring); `ctype` the compute type,
+    `chunk` its steps a chunk (SHORT_CHUNK: the bounded kernel)."""
     k = fb.adjoint
     axis, row, var = lanes.axis, lanes.row_axis, lanes.var
     n = size_var(axis)
     groups = lane_groups(sizes[axis])
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
-    steps_a_thread = CHUNK // groups
+    steps_a_thread = chunk // groups
     rows_whole = sizes[row] % rows == 0  # no block has rows past the last
     index = {a.name: a for a in fb.arrays}
     registers = set(lb.step_registers) | {lb.forward_state[len("st_"):]}
@@ -214,10 +248,12 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                       "    }", "}", f"F* const slab_w = slab[threadIdx.x / {WARP}];"]
 
     # the block's sums over the rows into memory: consecutive threads on consecutive steps (a warp's
-    # atomic adds one request), the loop's count known (its index arithmetic folds; unrolled 8, "b t d" spilled)
+    # atomic adds one request), the loop's count known (its index arithmetic folds; unrolled 8, "b t d"
+    # spilled; the bounded kernel's, unrolled 4, spilled 32 bytes at B32 D512 L180)
     flush = []
     if lb.atomic:
-        flush = ["#pragma unroll 4", f"for (int k = 0; k < ({n} * T + BLOCK - 1) / BLOCK; ++k) {{",
+        flush = ["#pragma unroll 1" if chunk == SHORT_CHUNK else "#pragma unroll 4",
+                 f"for (int k = 0; k < ({n} * T + BLOCK - 1) / BLOCK; ++k) {{",
                  "    const int i = threadIdx.x + k * BLOCK;",
                  f"    if (({n} * T) % BLOCK != 0 && i >= {n} * T) break;",
                  f"    const int {var} = i / T, tt = i % T, t = t0 + tt;", "    if (t >= L) continue;"]
@@ -258,7 +294,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
             load = [f"pf_{name}[k] = t < L ? F(to_f({src('t')})) : F(0);"]
             store = [f"{dst}[{rv}][tt] = pf_{name}[k];"]
             declare.append(f"F pf_{name}[({items} + BLOCK - 1) / BLOCK];  // the next chunk's")
-        values = (rows if staged_row else sizes[axis]) * CHUNK
+        values = (rows if staged_row else sizes[axis]) * chunk
         if per_lane * groups > PREFETCH_LANE_VALUES or -(-values // block) > PREFETCH_VALUES:
             # too many registers: loaded when the chunk starts
             declare.pop()
@@ -338,12 +374,13 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "lanes_backward": True,
         "name": fb.name,
         "block": block,
+        "min_blocks": min_blocks(block, chunk),
         "comment": (f"{fb.backward.adjoint.name}: {groups} lanes per [{' '.join(fb.parallel)}], each owning "
-                    f"{per_lane} {axis}; {rows} rows per block, chunks of {CHUNK} steps last first"),
+                    f"{per_lane} {axis}; {rows} rows per block, chunks of {chunk} steps last first"),
         "params": params,
         "constants": [f"constexpr int {size_var(a)} = {sizes[a]};" for a in sorted({a for a in sizes})
                       if a in {x for arr in fb.arrays for x in arr.axes}]
-        + [f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, BLOCK = {block};"
+        + [f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {chunk}, P = {chunk + 4}, BLOCK = {block};"
            f"  // lanes a row, state values a lane, rows a block, steps a chunk"],
         "row_size": size_var(row),
         "rows_whole": rows_whole,
@@ -365,6 +402,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "post_store": post_store,
         "load_carry": load_carry,
         "steps_a_thread": steps_a_thread,
+        # the bounded kernel's pre phase a step at a time: unrolled, B8 D1536 L2048 spilled 12 bytes
+        "pre_unroll": 1 if chunk == SHORT_CHUNK else 0,
         "pre": pre,
         "forward": forward,
         "adjoint": adj,
