@@ -16,12 +16,13 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     post    each thread its row's steps: the gradients of the row sequences
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
-Mamba-1 fp32 "b d t" (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): this kernel
-0.159 ms at B32 D512 L180 against the warp kernel's fused backward's 0.241, 1.41 at B16 D1024 L2048
-against 1.73, but 1.35 ms at B8 D1536 L2048 against 1.28; the hand-written probe of it
-(bench/lanes_backward_probe.py) 0.136 ms at B32 D512 L192, where this one takes 0.144. It runs where
-the warp kernel's fused backward does not, at short lengths and with many rows
-(`FusedBackwardRunner.backward_lanes`).
+Two forms (`lanes_backward_shape`): chunks of T = 32 steps, and where the rows are many the bounded
+kernel, chunks of 16 steps at 8 blocks an SM (SHORT_CHUNK's comment). Mamba-1 fp32 "b d t", backward
+kernel (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): 0.140 ms at B32 D512 L180
+against the warp kernel's fused backward's 0.241, 1.035 at B8 D1536 L2048 against 1.287, 1.318 at
+B16 D1024 L2048 against 1.721; the hand-written probe of the 32-step form
+(bench/lanes_backward_probe.py) 0.136 ms at B32 D512 L192, where the bounded kernel takes 0.133. It
+runs wherever the training forward is the lanes kernel (`FusedBackwardRunner.backward_lanes`).
 """
 
 from __future__ import annotations
