@@ -10,6 +10,7 @@ from test_cuda import rel_err
 
 import ssmc
 from ssmc.backends.cuda import fused_backward, nvrtc, runner
+from ssmc.backends.cuda import lanes_backward as lanes_kernel
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.examples import hgrn, mamba1
 from ssmc.lowering.loops import accesses
@@ -77,11 +78,26 @@ def test_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatc
     """Mamba-1's gradients through the lanes backward (forced; the lanes forward's fill threshold
     lowered) against the interpreter's, fp32 inputs rounded first, by relative error: every input's
     gradient and the initial state's."""
+    _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, lanes_kernel.CHUNK)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["b d t", "b t d"])
+@pytest.mark.parametrize("batch, dim, state, length", [(2, 40, 16, 1), (3, 24, 16, 7), (2, 72, 16, 180),
+                                                       (1, 50, 12, 1000), (2, 16, 16, 97)])
+def test_bounded_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatch, fresh_runners):
+    """The same through the bounded kernel (chunks of 16 steps, `__launch_bounds__(64, 8)`), which runs
+    with many rows, forced at these sizes; the training forward saving two carries a chunk."""
+    monkeypatch.setattr(lanes_kernel, "UNBOUNDED_WAVE_THREADS", 0)
+    _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, lanes_kernel.SHORT_CHUNK)
+
+
+def _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, chunk):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(runner, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
     fb = _runner(mamba1.SPEC)
-    assert fb.backward_lanes({"b": batch, "d": dim, "n": state}, length, layout == "b d t") is not None
+    assert fb.backward_lanes({"b": batch, "d": dim, "n": state}, length, layout == "b d t").chunk == chunk
     rng = np.random.default_rng(length + dim)
     inputs = mamba1.make_inputs(rng, length, batch=batch, dim=dim, state=state)
     if layout == "b t d":
