@@ -67,6 +67,7 @@ SM_REGISTERS = 65536
 SM_SHARED = 233472            # bytes of shared memory an SM has for its blocks (H100 / H200), each block 1 KiB more
 UNBOUNDED_WAVE_THREADS = 4 * 64 * 132
 BOUNDED_LANE_VALUES = 16
+
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
 # at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
 # (B and C at n = 64, 8 lanes a row, 32 threads a block: 64 each) spilled, so those load at the
