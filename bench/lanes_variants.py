@@ -27,6 +27,9 @@ from ssmc.backends.cuda import fused_backward, runner
 from ssmc.examples import mamba1
 
 _BODY_LOOP = "#pragma unroll 1\n            for (int tb = 0; tb < 32; tb += G)"
+# the last chunk's loop
+_LAST_LOOP = "#pragma unroll 1\n            for (int tb = 0, tb_end = min(T, L - t0); tb < tb_end; tb += G)"
+_LATE = "F late_m3[G] = {};  // the group before's sums, scattered while this one computes\n            "
 
 
 def _replace(old: str, new: str, count: int = -1):
@@ -53,8 +56,8 @@ VARIANTS = {
                  FTZ + "__device__ __forceinline__ float exp2e(float x) { return ex2_ftz("),
         _replace("SSMC_UNARY(exp2_, exp2f(x)", "SSMC_UNARY(exp2_, ex2_ftz(x)")), 4, False),
     "the reduce-scatter of each group after the next group's chains (software-pipelined)": (both(
-        _replace(_BODY_LOOP, "F late_m3[G] = {};  // the group before's sums, scattered while this one computes\n"
-                 "            " + _BODY_LOOP),
+        # the last chunk runs all its groups: its sums' last store is the last group's
+        _replace(_BODY_LOOP, _LATE + _BODY_LOOP), _replace(_LAST_LOOP, _LATE + _BODY_LOOP),
         _replace("for (int tt = 0; tt < G; ++tt) acc_m3[tt] = F(0);\n",
                  "for (int tt = 0; tt < G; ++tt) acc_m3[tt] = F(0);\n"
                  "                pv_acc_m3[ch][((tb + 32 - G) & 31) + g] = reduce_scatter<G>(late_m3, g, SumOp());\n"),

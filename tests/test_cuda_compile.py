@@ -91,7 +91,7 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     """B8 D1536 L2048, layout "b d t": the norm's kernel shares each (b, t) row among 16 threads of
     a block (32 rows of 16 threads, consecutive threads along time), each summing every 16th channel,
     the partials combined in shared memory; no buffer as long as the row; `ssmc inspect` says so.
-    The gradient goes stage by stage: the scan stage's fused backward, then the norm's adjoint, whose
+    The gradient goes stage by stage: the scan stage's lanes backward, then the norm's adjoint, whose
     row statistics over d (its pre stage) are row kernels too and whose sum over time and b
     (grad_norm_weight) is split into blocks of time."""
     from ssmc.backends.cuda.codegen import Threads
@@ -105,7 +105,7 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     assert post.strategy == "post: map, rows d/16"
     assert "row_sum<16>(acc_" in post.source and "[n_d]" not in post.source
     assert post.resources.shared_bytes >= 512 * 4 and not post.resources.spills
-    assert reports["mamba1_block_fused_backward"].strategy.startswith("core: fused backward")
+    assert reports["mamba1_block_fused_backward"].strategy == "core: lanes backward, 4 lanes a row, chunks of 16 steps"
     for name in ("mamba1_block_post_backward_pre_row0", "mamba1_block_post_backward_pre_row1"):
         assert reports[name].launch.mapping.row and reports[name].strategy.startswith("post: pre: map, rows d/")
     weight = reports["mamba1_block_post_backward_epilogue_grad_norm_weight"]

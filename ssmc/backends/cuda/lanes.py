@@ -176,9 +176,10 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     def body_phase(partial: bool) -> list[str]:
         body = _predicated(major.body, set(carried)) if partial else major.body
         # the last chunk stops at the group holding step L - 1: the groups wholly past L change no state,
-        # and their sums are outputs past L, which the post phase does not store
-        bound = f"tb < {CHUNK} && t0 + tb < L" if partial else f"tb < {CHUNK}"
-        lines = ["#pragma unroll 1", f"for (int tb = 0; {bound}; tb += G) {{  // G steps: one reduce-scatter"]
+        # and their sums are outputs past L, which the post phase does not store (its bound worked out
+        # before the loop: as `tb < T && t0 + tb < L`, "b t d" at B32 D512 took 154 registers, not 128)
+        loop = "int tb = 0, tb_end = min(T, L - t0); tb < tb_end" if partial else f"int tb = 0; tb < {CHUNK}"
+        lines = ["#pragma unroll 1", f"for ({loop}; tb += G) {{  // G steps: one reduce-scatter"]
         for name in read_in_body:
             lines += [f"    F {name}[G];", f"    {_load_steps(name, f'&pv_{name}[ch][tb]', vector)}"]
         for name, op in sums.items():
