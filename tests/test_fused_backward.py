@@ -194,11 +194,13 @@ def test_when_the_fused_backward_runs(monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_training_kernels_compile_without_spills(arch, monkeypatch):
     """At the benchmark shapes with time contiguous, `ssmc inspect` lists a training step's kernels (the
-    forward saving round carries, the fused backward; the scan's forward without outputs too) and
-    they compile with zero spills."""
+    forward saving round carries, the warp kernel's fused backward; the scan's forward without outputs
+    too) and they compile with zero spills. (Mamba-1's step there takes the lanes backward by default:
+    turned off here; test_cuda_compile.py checks that one.)"""
     from ssmc.backends.cuda.report import kernel_reports
 
     monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     cases = {"mamba1": ({"b": 8, "d": 1536, "n": 16}, 2048), "hgrn": ({"b": 8, "d": 2048}, 4096)}
     for name, (sizes, length) in cases.items():
         program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
