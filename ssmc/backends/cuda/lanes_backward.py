@@ -134,6 +134,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
     steps_a_thread = chunk // groups
+    bounded = chunk == SHORT_CHUNK  # the bounded kernel (8 blocks an SM): its loops rolled where they spilled
     rows_whole = sizes[row] % rows == 0  # no block has rows past the last
     index = {a.name: a for a in fb.arrays}
     registers = set(lb.step_registers) | {lb.forward_state[len("st_"):]}
@@ -254,7 +255,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     # spilled; the bounded kernel's, unrolled 4, spilled 32 bytes at B32 D512 L180)
     flush = []
     if lb.atomic:
-        flush = ["#pragma unroll 1" if chunk == SHORT_CHUNK else "#pragma unroll 4",
+        flush = ["#pragma unroll 1" if bounded else "#pragma unroll 4",
                  f"for (int k = 0; k < ({n} * T + BLOCK - 1) / BLOCK; ++k) {{",
                  "    const int i = threadIdx.x + k * BLOCK;",
                  f"    if (({n} * T) % BLOCK != 0 && i >= {n} * T) break;",
@@ -405,7 +406,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         "load_carry": load_carry,
         "steps_a_thread": steps_a_thread,
         # the bounded kernel's pre phase a step at a time: unrolled, B8 D1536 L2048 spilled 12 bytes
-        "pre_unroll": 1 if chunk == SHORT_CHUNK else 0,
+        "pre_unroll": 1 if bounded else 0,
         "pre": pre,
         "forward": forward,
         "adjoint": adj,
