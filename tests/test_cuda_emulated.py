@@ -100,6 +100,49 @@ def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
     _check(m.SPEC, m.make_inputs(rng, length, batch=2, dim=8, state=5), rng, np.float32)
 
 
+@pytest.mark.parametrize("batch, dim, length, offset", [
+    (1, 32, 100, 0),   # one block of 32 rows: chunks 1 and 2 copied whole, chunk 3 (steps 96-99) checked
+    (2, 40, 100, 0),   # rows 0-31 a whole block, rows 32-39 one past the row axis: the checked copies
+    (1, 32, 100, 1),   # every array one value past 16 bytes: `vec` false, the checked copies only
+    (1, 32, 64, 0),    # two whole chunks
+])
+def test_emulated_lanes_whole_chunk_copies(batch, dim, length, offset, monkeypatch, fresh_runners):
+    """The lanes forward copies a next chunk that lies wholly inside the sequence and the row axis,
+    its arrays aligned, by 16-byte `cp.async` without bounds checks (`lanes._issue`'s `whole`), else
+    with them: Mamba-1 float32 time last ("b d t"), its kernel emulated, outputs and final states
+    against the interpreter at sizes that take either copies or both in one launch."""
+    torch = pytest.importorskip("torch")
+
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(length + offset)
+    inputs = m.make_inputs(rng, length, batch=batch, dim=dim, state=16)
+    inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
+    want_y, want_h = ssmc.compile(m.SPEC, "interpreter", layout="b d t")(**inputs, return_final_states=True)
+
+    def placed(v):  # a float32 tensor `offset` values into a larger one
+        flat_ = torch.zeros(v.size + offset, dtype=torch.float32)
+        flat_[offset:] = torch.tensor(v.ravel(), dtype=torch.float32)
+        return flat_[offset:].view(v.shape)
+
+    sources = []
+    monkeypatch.setattr(runner, "lanes_source", _recording(runner.lanes_source, sources))
+    got_y, got_h = ssmc.compile(m.SPEC, "cuda", layout="b d t")(**{k: placed(v) for k, v in inputs.items()},
+                                                              return_final_states=True)
+    assert rel_err(got_y, want_y) <= 1e-4 and rel_err(got_h, want_h) <= 1e-4
+    source, = sources
+    assert "if (vec && t0 + 2 * T <= L" in source and "const int tid = fresh_thread_index();" in source
+    assert (" && r0 + R <= n_d)" in source) == (dim % 32 != 0)
+
+
+def _recording(fn, sources: list):
+    def record(*args, **kwargs):
+        sources.append(fn(*args, **kwargs))
+        return sources[-1]
+    return record
+
+
 @pytest.mark.parametrize("layout", ["b d t", "b t d"])
 @pytest.mark.parametrize("batch, dim, state, length", [
     (2, 40, 16, 100),   # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk

@@ -90,6 +90,17 @@ template <int BYTES> __device__ __forceinline__ void copy_async(void* dst, const
     else *(float4*)dst = *(const float4*)src;
 #endif
 }
+// threadIdx.x read again where it is used: what is derived from it cannot be kept across a loop's
+// iterations (the lanes kernel's whole-chunk copies: their addresses, kept, took 24 more registers)
+__device__ __forceinline__ int fresh_thread_index() {
+#ifdef __CUDA_ARCH__
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+#else
+    return (int)threadIdx.x;
+#endif
+}
 __device__ __forceinline__ void copy_async_wait() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;\n" ::: "memory");
