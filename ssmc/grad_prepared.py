@@ -255,39 +255,49 @@ class LeanStep:
     `names`: the op's arguments (the inputs, then the initial states given), as it passes them to
     `Grad.forward`; `output_perms`: per output, its name and permutation from time first to its
     layout. `forward(tensors)` returns (outputs + final states, the forward's buffer);
-    `backward(tensors, buffer, cotangents)` the gradients in the order of `names`, or None where the
-    cotangents do not suit (one of the final states, or one of other shape, strides or dtype than
-    the first backward's): the caller then takes the general path with `tape(tensors, buffer)`."""
+    `backward(tensors, buffer, cotangents)` the gradients in the order of `names`, then of the
+    initial states not among them (`Grad.__call__` returns those too: `states_too`), or None where
+    the cotangents do not suit (one of the final states, or one of other shape, strides or dtype than
+    the first backward's): the caller then takes the general path with `tape(tensors, buffer)`.
+    `gradients_only`: the forward a call that wants no outputs runs (`PreparedStep.run_summary`,
+    which a call through `PreparedStep.forward` prepared), its outputs not returned."""
 
-    def __init__(self, step: PreparedStep, names: list[str], output_perms: list[tuple[str, list[int]]]):
+    def __init__(self, step: PreparedStep, names: list[str], output_perms: list[tuple[str, list[int]]],
+                 gradients_only: bool = False):
         self.step, self.names = step, names
+        self.returned = names + ([s.name for s in step.program.states if s.name not in names] if gradients_only
+                                 else [])
+        # `Grad.__call__`'s gradients in the general path's order: the inputs, then the states
+        self.order = [*(d.name for d in step.program.inputs), *(s.name for s in step.program.states)]
         self.output_names = [n for n, _ in output_perms]
-        prepared = step.run_forward
+        prepared = step.run_summary if gradients_only else step.run_forward
         self.forward_launch, self.length = prepared.launch, prepared.length
         self.arguments = {name: i for i, name in enumerate(names)}
         self.arguments.update((f"init_{s}", self.arguments[s]) for s in step.given_states if s in self.arguments)
         self.kept = {f"init_{s}": t for s, t in step.zeros.items()}  # zero initial states: only read
         self.forward_sources = self._sources(self.forward_launch, {}, {})
         allocated = {a.name: a for a in self.forward_launch.allocations}
-        self.outputs = [_view(allocated[f"out_{n}"], perm) for n, perm in output_perms]
+        self.outputs = [] if gradients_only else [_view(allocated[f"out_{n}"], perm) for n, perm in output_perms]
         self.outputs += [_view(allocated[f"final_{s.name}"], None, [step.sizes[a] for a in s.axes])
                          for s in step.program.states]
         self.rounds = {s.name: allocated[f"rounds_{s.name}"] for s in step.program.states}
         self.backward = self._first_backward
 
     @classmethod
-    def build(cls, step, names: list[str], output_perms: list[tuple[str, list[int]]], tensors: list):
+    def build(cls, step, names: list[str], output_perms: list[tuple[str, list[int]]], tensors: list,
+              gradients_only: bool = False):
         """The lean step of calls like one with `tensors` that `step` served, or None: where the
         tensors are not of the compute dtype (the general path casts them) or the outputs in their
         layouts are not contiguous (the op returns them contiguous: the general path copies them)."""
         from .backends.cuda.fused_backward import PreparedLaunch
 
-        if not isinstance(step, PreparedStep) or not isinstance(step.run_forward, PreparedLaunch):
+        forward = getattr(step, "run_summary" if gradients_only else "run_forward", None)
+        if not isinstance(step, PreparedStep) or not isinstance(forward, PreparedLaunch):
             return None
         if any(t.dtype != step.compute for t in tensors):
             return None
         try:
-            lean = cls(step, names, output_perms)
+            lean = cls(step, names, output_perms, gradients_only)
         except KeyError:  # a kernel array it does not know where from: the general path
             return None
         return lean if all(_contiguous(shape, strides) for shape, strides, _ in lean.outputs) else None
@@ -320,6 +330,12 @@ class LeanStep:
                                 for k, v in self.forward_sources], self.length)
         return tuple(torch.as_strided(buffer, *view) for view in self.outputs), buffer
 
+    @property
+    def lean_backward(self) -> bool:
+        """Whether a backward is (still, or from the second one on) one launch and views: where the first
+        one found the gradients' views not contiguous, or a kernel array it did not know, none is."""
+        return self.backward in (self._first_backward, self._lean_backward)
+
     def tape(self, tensors: tuple, buffer) -> Tape:
         """The tape `Grad.backward` takes for this call (the general path)."""
         import torch
@@ -349,7 +365,7 @@ class LeanStep:
             self._plan_backward(launch.launch, tensors)
         except KeyError:  # a kernel array it does not know where from: the general path from now on
             self.backward = lambda *args: None
-        return tuple(grads[n] for n in self.names)
+        return tuple(grads[n] for n in self.returned)
 
     def _plan_backward(self, launch, tensors: tuple) -> None:
         """Where the backward's arrays come from, and its gradients' views in the arguments' layouts;
@@ -358,10 +374,12 @@ class LeanStep:
         self.backward_sources = self._sources(launch, {GRAD + n: i for i, n in enumerate(self.output_names)}, rounds)
         allocated = {a.name: a for a in launch.allocations}
         self.gradients = []
-        for name, t in zip(self.names, tensors):
+        shapes = [list(t.shape) for t in tensors]
+        shapes += [[self.step.sizes[a] for a in self.step.program.decl(n).axes] for n in self.returned[len(tensors):]]
+        for name, shape in zip(self.returned, shapes):
             a = allocated.get(f"out_{GRAD}{name}") or allocated[f"final_{GRAD}{name}"]
             perm = self.step.to_layout.get(name)
-            self.gradients.append(_view(a, perm, None if perm else list(t.shape)))
+            self.gradients.append(_view(a, perm, None if perm else shape))
         self.backward_launch = launch
         # the kernel reads the cotangents as they are: in the compute dtype only
         lean = all(_contiguous(shape, strides) for shape, strides, _ in self.gradients) and \

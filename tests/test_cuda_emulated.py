@@ -144,6 +144,52 @@ def _recording(fn, sources: list):
 
 
 @pytest.mark.parametrize("layout", ["b d t", "b t d"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_runners):
+    """`ssmc.grad`'s calls like earlier ones (the third on) take a `LeanStep` (grad.py `_lean_call`:
+    one allocation and launch each way), Mamba-1 float32 through the fused backward, its kernels
+    emulated: every call on fresh values against the interpreter, the cotangent as a tensor, as a
+    dict, and in float64 (unlike the first ones: the general backward from the lean forward's tape).
+    Time before the channels ("b t d") the gradients' views are not contiguous: after one lean
+    forward the prepared step's path serves the calls."""
+    torch = pytest.importorskip("torch")
+    from ssmc.grad_prepared import LeanStep
+
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    length = 72  # grad_B's rows a whole number of 16 bytes: the gradients' views contiguous, the lean backward
+    g = ssmc.grad(m.SPEC, "cuda", layout=layout)
+    want_grad = ssmc.grad(m.SPEC, "interpreter", layout=layout)
+    for call in range(6):
+        rng = np.random.default_rng(call)
+        inputs = m.make_inputs(rng, length, batch=2, dim=40, state=16)
+        if not with_state:
+            inputs.pop("h")
+        if layout == "b t d":
+            inputs = {k: (np.swapaxes(v, 1, 2) if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+        inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
+        cot = rng.standard_normal(inputs["u"].shape).astype(np.float32).astype(np.float64)
+        want = want_grad(**inputs, grad_outputs=cot)
+        tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()}
+        dy = torch.tensor(cot, dtype=torch.float32)
+        if call == 4:
+            dy = {"y": dy}
+        elif call == 5:  # another dtype than the first ones'
+            dy = dy.double()
+        got = g(**tensors, grad_outputs=dy)
+        assert list(got) == list(want), call
+        for key in want:
+            assert rel_err(got[key], want[key]) <= 1e-4, (call, key)
+        leans = list(g._leans.values())
+        if layout == "b d t":
+            assert (call >= 2) == (len(leans) == 1 and isinstance(leans[0], LeanStep)), call
+            assert call < 2 or leans[0].backward == leans[0]._lean_backward, call
+        else:  # time before the channels: the gradients' views in that layout are not contiguous
+            assert leans == ([False] if call >= 2 else []), call
+
+
+@pytest.mark.parametrize("layout", ["b d t", "b t d"])
 @pytest.mark.parametrize("batch, dim, state, length", [
     (2, 40, 16, 100),   # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk
     (2, 8, 5, 64),      # 2 lanes a row owning 3 and 2 state values, two whole chunks
