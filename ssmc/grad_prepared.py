@@ -255,8 +255,9 @@ class LeanStep:
     `names`: the op's arguments (the inputs, then the initial states given), as it passes them to
     `Grad.forward`; `output_perms`: per output, its name and permutation from time first to its
     layout. `forward(tensors)` returns (outputs + final states, the forward's buffer);
-    `backward(tensors, buffer, cotangents)` the gradients in the order of `names`, then of the
-    initial states not among them (`Grad.__call__` returns those too: `states_too`), or None where
+    `backward(tensors, buffer, cotangents)` the gradients in the order of `names`, then (with
+    `gradients_only`, for `Grad.__call__`, which returns them too) of the initial states not among
+    them (`returned`), or None where
     the cotangents do not suit (one of the final states, or one of other shape, strides or dtype than
     the first backward's): the caller then takes the general path with `tape(tensors, buffer)`.
     `gradients_only`: the forward a call that wants no outputs runs (`PreparedStep.run_summary`,
