@@ -102,7 +102,7 @@ def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
 
 @pytest.mark.parametrize("batch, dim, length, offset", [
     (1, 32, 100, 0),   # one block of 32 rows: chunks 1 and 2 copied whole, chunk 3 (steps 96-99) checked
-    (2, 40, 100, 0),   # rows 0-31 a whole block, rows 32-39 one past the row axis: the checked copies
+    (2, 40, 100, 0),   # rows 0-31 a whole block; rows 32-39 in a block reaching past the row axis: checked
     (1, 32, 100, 1),   # every array one value past 16 bytes: `vec` false, the checked copies only
     (1, 32, 64, 0),    # two whole chunks
 ])
