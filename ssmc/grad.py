@@ -241,20 +241,22 @@ class Grad:
 
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
+        key = None
         if self.backend == "cuda" and grad_final_states is None:
-            grads = self._lean_call(args, kwargs, layout, grad_outputs)
+            key = call_key(self.backend, args, kwargs)
+            grads = self._lean_call(key, args, kwargs, layout, grad_outputs)
             if grads is not None:
                 return grads
-        tape = self._forward(args, kwargs, layout, outputs=False)[2]
+        tape = self._forward(args, kwargs, layout, outputs=False, key=key)[2]
         return self.backward(tape, grad_outputs=grad_outputs, grad_final_states=grad_final_states)
 
-    def _lean_call(self, args: tuple, kwargs: dict, layout, grad_outputs) -> dict | None:
+    def _lean_call(self, key, args: tuple, kwargs: dict, layout, grad_outputs) -> dict | None:
         """`__call__` through the `LeanStep` of calls like this one (grad_prepared.py: a launch and a
         few views each way, where the prepared step's path binds, permutes and casts; Mamba-1 B32 D512
         L180 on an H200's host: 242 µs a step for 178 of kernels before), once a prepared step has
         served such a call without outputs, on the current device, the cotangents one torch tensor
-        per output; None where it does not apply (the caller takes the general path)."""
-        key = call_key(self.backend, args, kwargs)
+        per output; None where it does not apply (the caller takes the general path). `key`: the
+        call's `registry.call_key`."""
         if key is None or not (args or kwargs):
             return None
         key = (hashable_layout(layout or self.layout), *key)
@@ -305,10 +307,11 @@ class Grad:
         return self._forward(args, kwargs, layout, outputs=True)
 
     @on_arrays_device(lambda a, kw: (*a[0], a[1]))  # (args, kwargs, layout, outputs)
-    def _forward(self, args, kwargs, layout, outputs: bool):
+    def _forward(self, args, kwargs, layout, outputs: bool, key=None):
+        """`forward`'s work; `key`: the call's `registry.call_key` where the caller has it."""
         fwd = self.backward_program.forward
         layout = layout or self.layout
-        key = call_key(self.backend, args, kwargs)
+        key = call_key(self.backend, args, kwargs) if key is None else key
         if key is not None:  # a call like an earlier one: its step was worked out then (grad_prepared.py)
             key = (hashable_layout(layout), *key)
             step = self._steps.get(key)

@@ -257,9 +257,9 @@ class LeanStep:
     layout. `forward(tensors)` returns (outputs + final states, the forward's buffer);
     `backward(tensors, buffer, cotangents)` the gradients in the order of `names`, then (with
     `gradients_only`, for `Grad.__call__`, which returns them too) of the initial states not among
-    them (`returned`), or None where
-    the cotangents do not suit (one of the final states, or one of other shape, strides or dtype than
-    the first backward's): the caller then takes the general path with `tape(tensors, buffer)`.
+    them (`returned`), or None where the cotangents do not suit (one of the final states, or one of
+    other shape, strides or dtype than the first backward's): the caller then takes the general path
+    with `tape(tensors, buffer)`.
     `gradients_only`: the forward a call that wants no outputs runs (`PreparedStep.run_summary`,
     which a call through `PreparedStep.forward` prepared), its outputs not returned."""
 
