@@ -282,8 +282,7 @@ class Grad:
             self._leans[key] = False
         if grads is None:  # cotangents unlike the first ones: the general backward from this forward's tape
             return self.backward(lean.tape(tensors, buffer), grad_outputs=dict(zip(outputs, cotangents)))
-        by_name = dict(zip(lean.returned, grads))
-        return {n: by_name[n] for n in lean.order}
+        return {n: grads[i] for n, i in lean.order}
 
     def _lean_step(self, key, args: tuple, kwargs: dict):
         """The `LeanStep` of `_lean_call` for calls of `key`, False where none applies, None where the

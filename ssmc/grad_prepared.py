@@ -268,8 +268,9 @@ class LeanStep:
         self.step, self.names = step, names
         self.returned = names + ([s.name for s in step.program.states if s.name not in names] if gradients_only
                                  else [])
-        # `Grad.__call__`'s gradients in the general path's order: the inputs, then the states
-        self.order = [*(d.name for d in step.program.inputs), *(s.name for s in step.program.states)]
+        if gradients_only:  # `Grad.__call__`'s gradients in the general path's order (inputs, then states):
+            order = [*(d.name for d in step.program.inputs), *(s.name for s in step.program.states)]
+            self.order = [(n, self.returned.index(n)) for n in order]  # each name and its place in `returned`
         self.output_names = [n for n, _ in output_perms]
         prepared = step.run_summary if gradients_only else step.run_forward
         self.forward_launch, self.length = prepared.launch, prepared.length
