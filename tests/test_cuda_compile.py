@@ -347,6 +347,32 @@ def test_lanes_row_params_are_staged_once_per_block(layout):
     assert "delta_bias[(" not in loop and " D[(" not in loop and "(D[(" not in loop
 
 
+@ssmc.recurrence
+def _gated_toward_a_constant(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], s: ssmc.Seq["b n"], p: ssmc.Param["d n"]):
+    a = ssmc.sigmoid(x + p)
+    h = a * h + (1 - a) * ssmc.where(x > 0.5, s, ssmc.tanh(0.5))  # tanh(0.5): the same every step
+    return h, (h * 0.5).sum("n")
+
+
+def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch):
+    """A value the same every step (here tanh(0.5)) is hoisted into the forward's setup, where the lanes
+    backward's pre phase and carries read it: that kernel declared it but never assigned it, and did
+    not compile (found by the emulated random steps through the lanes, 2026-11-27). Every kernel of
+    the training step, the lanes backward forced, compiles."""
+    from ssmc.backends.cuda import runner
+
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
+    runner._RUNNERS.clear()
+    reports = kernel_reports(_gated_toward_a_constant.program, {"b": 2, "d": 8, "n": 3}, 7, time_contiguous=True)
+    runner._RUNNERS.clear()
+    backward = next(r for r in reports if r.program == "backward")
+    assert backward.strategy.startswith("lanes backward")
+    assert "= tanh_(F(0.5));" in backward.source.split("for (int c = ")[0]
+    for r in reports:
+        assert r.resources is not None, (r.program, r.error)
+
+
 @pytest.mark.parametrize("sizes,length,chunk", [({"b": 8, "d": 1536, "n": 16}, 2048, 16),
                                                ({"b": 32, "d": 512, "n": 16}, 180, 16),
                                                ({"b": 4, "d": 2048, "n": 16}, 512, 32)])
@@ -355,13 +381,14 @@ def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, lengt
     too, which writes the carry into each chunk of the lanes backward, and neither spills. With more
     rows than one wave of the backward's unbounded kernel takes, that is the bounded kernel (16-step
     chunks, 8 blocks of 64 threads an SM): the forward's chunks of 32 steps save two carries each, at
-    their start and after their groups reaching step 16."""
+    their start and after their groups reaching step 16. A step that wants only the gradients runs that
+    forward without its outputs."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, sizes, length, time_contiguous=True)
     assert [(r.program, r.name) for r in reports] == [
         ("forward", "mamba1_fused"), ("forward (training)", "mamba1_lanes_rounds"),
-        ("backward", "mamba1_fused_backward")]
-    training, backward = reports[1], reports[2]
+        ("backward", "mamba1_fused_backward"), ("forward (gradients only)", "mamba1_lanes_summary_rounds")]
+    training, backward, summary = reports[1], reports[2], reports[3]
     assert training.strategy == "lanes, 4 lanes a row" and training.launch.mapping.lanes == 4
     assert backward.strategy == f"lanes backward, 4 lanes a row, chunks of {chunk} steps"
     assert f"if (valid && (t0) % {chunk} == 0) {{" in training.source
@@ -370,7 +397,15 @@ def test_mamba1_training_forward_runs_as_lanes_saving_round_carries(sizes, lengt
     assert (inside in training.source) == (chunk < 32)
     assert f"T = {chunk}, P = {chunk + 4}, BLOCK = 64;" in backward.source
     assert f"__launch_bounds__(64, {8 if chunk == 16 else 1})" in backward.source
-    for r in (training, backward):
+    # the forward of a step that wants only the gradients: the same carries, no outputs, and nothing that
+    # only they read (the sum over n of h C, the post phase: C and z not staged)
+    kernel = summary.source.split("__global__")[-1]
+    assert summary.strategy == training.strategy and summary.launch.mapping == training.launch.mapping
+    assert f"rounds_h[((t0) / {chunk}) * " in kernel and (inside in kernel) == (chunk < 32)
+    for gone in ("out_y", "reduce_scatter", "sl_C", "sr_z", "the outputs, along"):
+        assert gone in training.source.split("__global__")[-1] and gone not in kernel, gone
+    assert kernel.count("__syncthreads()") == 2  # the chunk's start, after the pre phase: no post phase
+    for r in (training, backward, summary):
         assert r.resources is not None and not r.resources.spills, r.error
 
 

@@ -194,8 +194,8 @@ def test_when_the_fused_backward_runs(monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_training_kernels_compile_without_spills(arch, monkeypatch):
     """At the benchmark shapes with time contiguous, `ssmc inspect` lists a training step's kernels (the
-    forward saving round carries, the warp kernel's fused backward; the scan's forward without outputs
-    too) and they compile with zero spills. (Mamba-1's step there takes the lanes backward by default:
+    forward saving round carries, the warp kernel's fused backward, the forward without outputs) and they
+    compile with zero spills. (Mamba-1's step there takes the lanes backward by default:
     turned off here; test_cuda_compile.py checks that one.)"""
     from ssmc.backends.cuda.report import kernel_reports
 
@@ -206,12 +206,11 @@ def test_training_kernels_compile_without_spills(arch, monkeypatch):
         program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
         reports = kernel_reports(program, sizes, length, arch=arch, time_contiguous=True)
         roles = {r.program: r for r in reports}
-        # the scan's forward (the warp kernel) also without outputs, for steps that want gradients only
-        summary = {"forward (gradients only)"} if name == "hgrn" else set()
-        assert set(roles) == {"forward", "forward (training)", "backward"} | summary, name
-        if summary:
-            assert "out_" not in roles["forward (gradients only)"].source.split("__global__")[-1].split(")")[0]
-            assert "rounds_h" in roles["forward (gradients only)"].source
+        # the forward also without outputs, for steps that want gradients only (the scan's as the warp
+        # kernel, Mamba-1's as the lanes kernel)
+        assert set(roles) == {"forward", "forward (training)", "backward", "forward (gradients only)"}, name
+        assert "out_" not in roles["forward (gradients only)"].source.split("__global__")[-1].split(")")[0]
+        assert "rounds_h" in roles["forward (gradients only)"].source
         assert roles["backward"].strategy.startswith("fused backward")
         assert "atomicAdd" in roles["backward"].source or name == "hgrn"
         if name == "mamba1":  # exp(dt A) once per step and state, where the four steps would each compute it

@@ -7,6 +7,7 @@ syntax Python and C share.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # -- scalar expressions --------------------------------------------------------------------------
@@ -148,6 +149,39 @@ def accesses(s: Assign):
 def scalars_read(s: Assign) -> set[str]:
     """The names of the scalars (`Var`s) the value of the assignment `s` reads."""
     return {e.name for e in subexpressions(s.value) if isinstance(e, Var)}
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def reads_of_scalars(stmts: list) -> set[str]:
+    """The names that `stmts` read as scalars: the `Var`s of their values, and every name in their index
+    expressions and loop extents (an index string may name a scalar)."""
+    names: set[str] = set()
+    for s in walk(stmts):
+        if isinstance(s, Loop):
+            names.update(_NAME.findall(s.extent))
+        elif isinstance(s, Assign):
+            names |= scalars_read(s)
+            for e in accesses(s):
+                for index in e.index:
+                    names.update(_NAME.findall(index))
+    return names
+
+
+def drop_unread(stmts: list, read: set[str]) -> list:
+    """`stmts` without the assignments of scalars not in `read`, and without the loops that leaves empty."""
+    out = []
+    for s in stmts:
+        if isinstance(s, Assign) and isinstance(s.target, Var) and s.target.name not in read:
+            continue
+        if isinstance(s, Loop):
+            body = drop_unread(s.body, read)
+            if not body:
+                continue
+            s = Loop(s.var, s.extent, body, s.reverse)
+        out.append(s)
+    return out
 
 
 def rename_arrays(stmts: list, names: dict[str, str]) -> list:

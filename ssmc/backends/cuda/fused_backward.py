@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...lowering.loops import Assign, Load, Loop
+from ...lowering.loops import Assign, Load, Loop, drop_unread, reads_of_scalars
 from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.reverse_lanes import lanes_backward
 from ...lowering.reverse_warp import FusedBackward, fused_backward
@@ -154,6 +154,12 @@ class FusedBackwardRunner:
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
         self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
+        # the lanes kernel without the outputs, for a step that wants the gradients only: the values
+        # only the outputs read go too (Mamba-1's sum over n of h C, its post phase; C and z unread)
+        summary_lanes = _with_rounds(_without_unread(_without_outputs(
+            build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
+        self.lanes_summary_kernel = summary_lanes
+        self.lanes_summary: StateLanes | None = None if self.lanes is None else state_lanes(summary_lanes)
         # the backward as lanes too (lowering/reverse_lanes.py), where the forward runs as the lanes kernel
         self.lanes_backward = None if self.lanes is None else lanes_backward(plan, self.lanes)
         self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
@@ -247,10 +253,13 @@ class FusedBackwardRunner:
         kernels = [forward, backward]
         if lanes is None and self.summary_kernel is not None:  # a step that wants the gradients only
             kernels.append((self.summary_kernel, self._summary_source))
+        elif lanes is not None and self.lanes_summary is not None:
+            kernels.append((self.lanes_summary_kernel, lambda specs, sizes, length: self._lanes_source(
+                specs, sizes, length, lanes, back, summary=True)))
         for k, source in kernels:
             specs = {a.name: ArraySpec(self.compute, array_layout(a, sizes, length, rounds)[1] or (1,))
                      for a in k.arrays}
-            if k is self.lanes_kernel:
+            if k is self.lanes_kernel or k is self.lanes_summary_kernel:
                 launch = Launch(k, length, 1, lane_block_count(k, sizes, lanes) * lanes.block, lanes)
             elif k is self.plan and back is not None:
                 launch = Launch(k, length, 1, lane_block_count(self.lanes_kernel, sizes, back) * back.block, back)
@@ -318,15 +327,14 @@ class FusedBackwardRunner:
         given = _forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
         back = self.backward_lanes(sizes, length, time_contiguous(seqs))
-        summary = lanes is None and not outputs and self.summary_kernel is not None
-        if summary:
-            plan = self._planned(self.summary_kernel, given, sizes, length, self._summary_source)
-        elif lanes is None:
-            plan = self._planned(self.forward_kernel, given, sizes, length, self._forward_source)
+        summary = not outputs and (self.summary_kernel if lanes is None else self.lanes_summary) is not None
+        if lanes is None:
+            k = self.summary_kernel if summary else self.forward_kernel
+            plan = self._planned(k, given, sizes, length, self._summary_source if summary else self._forward_source)
         else:
-            k = self.lanes_kernel
+            k = self.lanes_summary_kernel if summary else self.lanes_kernel
             plan = self._planned(k, given, sizes, length, lambda specs, sizes, length: self._lanes_source(
-                specs, sizes, length, lanes, back), (lane_block_count(k, sizes, lanes), lanes.block), back)
+                specs, sizes, length, lanes, back, summary), (lane_block_count(k, sizes, lanes), lanes.block), back)
         p = self.bw.forward
         outs = [] if summary else [(n, f"out_{n}") for n, _ in p.outputs]
         finals = [(s.name, f"final_{s.name}", plan.reshaped(f"final_{s.name}", [sizes[a] for a in s.axes]))
@@ -384,9 +392,11 @@ class FusedBackwardRunner:
         return self._forward_source(specs, sizes, length, self.summary_kernel)
 
     def _lanes_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int,
-                      lanes: Threads, back: Threads | None) -> str:
+                      lanes: Threads, back: Threads | None, summary: bool = False) -> str:
+        """The lanes kernel's source (`summary`: the one without outputs, `lanes_summary_kernel`)."""
         ctype = "double" if self.compute == "float64" else "float"
-        return lanes_source(self.forward_runner.lowered, self.lanes, self.lanes_kernel, specs, sizes, lanes, ctype,
+        split, k = (self.lanes_summary, self.lanes_summary_kernel) if summary else (self.lanes, self.lanes_kernel)
+        return lanes_source(self.forward_runner.lowered, split, k, specs, sizes, lanes, ctype,
                             self.round_steps(length, back))
 
     def _lanes_backward_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], threads: Threads) -> str:
@@ -565,6 +575,19 @@ def _without_outputs(k: Kernel) -> Kernel:
 
     return replace(k, arrays=[a for a in k.arrays if a.name not in outputs], setup=kept(k.setup), step=kept(k.step),
                    finish=kept(k.finish))
+
+
+def _without_unread(k: Kernel) -> Kernel:
+    """`k` without the assignments of scalars that no statement reads (and loops left empty), until
+    none is left: what only the outputs `_without_outputs` dropped read. Names in index expressions
+    count as read."""
+    while True:
+        read = reads_of_scalars(k.setup + k.step + k.finish)
+        pruned = replace(k, setup=drop_unread(k.setup, read), step=drop_unread(k.step, read),
+                         finish=drop_unread(k.finish, read))
+        if pruned == k:
+            return k
+        k = pruned
 
 
 def array_layout(a: Array, sizes: dict[str, int], length: int, rounds: int) -> tuple[tuple, tuple, int]:

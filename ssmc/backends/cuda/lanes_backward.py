@@ -27,7 +27,7 @@ runs wherever the training forward is the lanes kernel (`FusedBackwardRunner.bac
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Load, accesses
+from ...lowering.loops import Assign, Load, Var, accesses
 from ...lowering.plan import size_var
 from ...lowering.reverse_lanes import LOG2E, LanesBackward
 from ...lowering.reverse_warp import FusedBackward
@@ -349,8 +349,10 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         else:
             post_store += scalar
 
-    # before the chunks and after them
-    setup = _lane_loops(k.setup, lanes, po, False)
+    # before the chunks and after them; first the forward's scalars its lowering hoisted out of the step
+    # (``fs_m4 = tanh(0.5)``), which the pre phase and the carries read
+    hoisted = [s for s in fb.forward_summary.setup if isinstance(s, Assign) and isinstance(s.target, Var)]
+    setup = _lane_loops(hoisted + k.setup, lanes, po, False)
     rounds = f"rounds_{lb.forward_state[len('st_'):]}"
     at = po.index(Load(rounds, ("c", *_state_index(fb, var))))
     load_carry = state_loop("", [f"    {lb.forward_state}[j] = F(to_f({c_array(rounds)}[{at}]));"])
@@ -372,7 +374,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     params = [("const " if index[a.name].role in ("seq", "param", "init", "rounds") else "")
               + f"{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}" for a in fb.arrays]
     scalars = [f"F {name} = F(0);" for name in dict.fromkeys(
-        [*lb.scalars, *(f"v_{s}" for s in lane_buffers), *_scalar_names(k.setup)])]
+        [*lb.scalars, *(f"v_{s}" for s in lane_buffers), *_scalar_names(hoisted + k.setup)])]
     return {
         "lanes_backward": True,
         "name": fb.name,
