@@ -15,7 +15,9 @@ the warp kernel saving rounds took 0.834 ms (the lanes kernel without them 0.362
 Where the training forward runs as the lanes kernel and the warp kernel's backward does not apply
 (sequences with time strided), the backward runs as lanes too (lanes_backward.py, `backward_lanes`):
 the forward saves its carry into every chunk of its steps, the backward is one kernel over the
-chunks, last first.
+chunks, last first. A step that wants only the gradients runs that lanes kernel without its outputs
+and what only they read (`lanes_summary_kernel`: Mamba-1's sum over n of h C and its post phase go,
+C and z are not read): B8 D1536 L2048 0.257 -> 0.178 ms, B32 D512 L180 0.044 -> 0.024 (H100).
 """
 
 from __future__ import annotations
