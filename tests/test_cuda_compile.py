@@ -354,7 +354,7 @@ def _gated_toward_a_constant(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], s: ssmc
     return h, (h * 0.5).sum("n")
 
 
-def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch):
+def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch, fresh_runners):
     """A value the same every step (here tanh(0.5)) is hoisted into the forward's setup, where the lanes
     backward's pre phase and carries read it: that kernel declared it but never assigned it, and did
     not compile (found by the emulated random steps through the lanes, 2026-11-27). Every kernel of
@@ -363,9 +363,7 @@ def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch):
 
     monkeypatch.setattr(runner, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
-    runner._RUNNERS.clear()
     reports = kernel_reports(_gated_toward_a_constant.program, {"b": 2, "d": 8, "n": 3}, 7, time_contiguous=True)
-    runner._RUNNERS.clear()
     backward = next(r for r in reports if r.program == "backward")
     assert backward.strategy.startswith("lanes backward")
     assert "= tanh_(F(0.5));" in backward.source.split("for (int c = ")[0]

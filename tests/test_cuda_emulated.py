@@ -285,14 +285,12 @@ def _gated_toward_a_constant(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], s: ssmc
 
 @pytest.mark.parametrize("length", [7, 70])
 @pytest.mark.parametrize("name, n", [("mamba1", 16), ("mamba1", 5), ("gated_toward_a_constant", 3)])
-def test_emulated_gradients_only_steps_through_the_lanes(name, n, length):
+def test_emulated_gradients_only_steps_through_the_lanes(name, n, length, monkeypatch, fresh_runners):
     """Specs shaped like Mamba-1 whose training step runs as lanes (the forward and the lanes backward,
     forced), float32 "... t": `ssmc.grad`'s call, which wants only the gradients, runs the forward
     without its outputs (`lanes_summary_kernel`: what only the outputs read dropped too); every
     gradient against the interpreter's. The last spec's lanes backward did not compile before
     2026-11-27 (test_cuda_compile.py, `test_the_lanes_backward_assigns_the_forwards_hoisted_values`)."""
-    import os
-
     torch = pytest.importorskip("torch")
     sizes = {"b": 2, "d": 8, "n": n}
     if name == "mamba1":  # its own inputs ("b d t"): random ones make its decays grow without bound
@@ -307,23 +305,15 @@ def test_emulated_gradients_only_steps_through_the_lanes(name, n, length):
     cot = {k: np.moveaxis(rng.standard_normal(v.shape), 0, -1).astype(np.float32).astype(np.float64)
            for k, v in outs.items()}
     want = ssmc.grad(spec, "interpreter", layout="... t")(**inputs, grad_outputs=cot)
-    saved = runner.LANES_FILL
-    runner.LANES_FILL = 1
-    os.environ.update(SSMC_CUDA_EMULATE="1", SSMC_CUDA_LANES_BACKWARD="1")
-    runner._RUNNERS.clear()
-    fused_backward._RUNNERS.clear()
-    try:
-        fb = fused_backward.fused_backward_runner(derive_backward(spec.program), "float32")
-        assert fb.lanes_summary is not None and fb.backward_lanes(sizes, length, True) is not None
-        got = ssmc.grad(spec, "cuda", layout="... t")(
-            **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()},
-            grad_outputs={k: torch.tensor(v, dtype=torch.float32) for k, v in cot.items()})
-        planned = {kernel for kernel, *_ in fb._plans}  # (the forward with outputs is planned, not run)
-    finally:
-        runner.LANES_FILL = saved
-        del os.environ["SSMC_CUDA_EMULATE"], os.environ["SSMC_CUDA_LANES_BACKWARD"]
-        runner._RUNNERS.clear()
-        fused_backward._RUNNERS.clear()
+    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
+    fb = fused_backward.fused_backward_runner(derive_backward(spec.program), "float32")
+    assert fb.lanes_summary is not None and fb.backward_lanes(sizes, length, True) is not None
+    got = ssmc.grad(spec, "cuda", layout="... t")(
+        **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()},
+        grad_outputs={k: torch.tensor(v, dtype=torch.float32) for k, v in cot.items()})
+    planned = {kernel for kernel, *_ in fb._plans}  # (the forward with outputs is planned, not run)
     assert fb.lanes_summary_kernel.name in planned, planned
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-4, key
