@@ -35,7 +35,7 @@ from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
 from ...lowering.state_lanes import StateLanes, state_lanes
 from ...lowering.state_major import fused_state_major, warp_state_major
-from ...passes.autodiff import Backward
+from ...passes.autodiff import GRAD, Backward
 from .codegen import (
     BLOCK,
     STATIC_SHARED,
@@ -445,6 +445,9 @@ class FusedBackwardRunner:
                 specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
                 continue
             shape, strides, size = array_layout(a, sizes, length, rounds)
+            like = given.get(a.name[len("out_" + GRAD):]) if back is not None and a.role == "out" else None
+            if like is not None and like.dim() == len(shape) and like.stride(0) != 1:
+                strides = _in_memory_order_of(like, shape)  # written where the caller wants it (below)
             zeroed = a.role in ("atomic", "accumulate")
             allocations.append(_Allocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
             offset[zeroed] += -(-size // _ALIGN) * _ALIGN
@@ -602,6 +605,21 @@ def array_layout(a: Array, sizes: dict[str, int], length: int, rounds: int) -> t
         inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
         return shape, (inner[-1], *inner[:-1]), inner[0] * shape[1]
     return shape, contiguous_strides(shape) if shape else (), math.prod(shape)
+
+
+def _in_memory_order_of(like, shape: tuple) -> tuple[int, ...]:
+    """Element strides laying out an array of `shape` contiguously in the memory order of the tensor
+    `like` (its axes by decreasing stride). The lanes backward writes a sequence's gradient so, where
+    that sequence has time strided ("b t d"), rather than time innermost: its views in the caller's
+    layout are then contiguous as they come (`_in_layouts`), where torch's copies took 0.62 of a
+    1.98 ms step (Mamba-1 B8 D1536 L2048, H100, 2026-11-27); its stores are scalar, eight rows of a
+    warp's 32 bytes at a time."""
+    order = sorted(range(len(shape)), key=lambda i: (like.stride(i), -i), reverse=True)
+    strides, step = [0] * len(shape), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return tuple(strides)
 
 
 def _row(length: int, role: str) -> int:
