@@ -167,7 +167,8 @@ def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_run
         if not with_state:
             inputs.pop("h")
         if layout == "b t d":
-            inputs = {k: (np.swapaxes(v, 1, 2) if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+            inputs = {k: (np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in ("u", "delta", "z", "B", "C") else v)
+                  for k, v in inputs.items()}
         inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
         cot = rng.standard_normal(inputs["u"].shape).astype(np.float32).astype(np.float64)
         want = want_grad(**inputs, grad_outputs=cot)
@@ -238,7 +239,8 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
     rng = np.random.default_rng(length + state)
     inputs = m.make_inputs(rng, length, batch=batch, dim=dim, state=state)
     if layout == "b t d":
-        inputs = {k: (np.swapaxes(v, 1, 2) if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+        inputs = {k: (np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in ("u", "delta", "z", "B", "C") else v)
+                  for k, v in inputs.items()}
     inputs = {k: v.astype(dtype).astype(np.float64) for k, v in inputs.items()}
     cot = rng.standard_normal(inputs["u"].shape).astype(dtype).astype(np.float64)
     want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**inputs, grad_outputs=cot)
@@ -249,6 +251,9 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
         got = g(**tensors, grad_outputs=torch.tensor(cot, dtype=getattr(torch, dtype)))
         for key in want:
             assert rel_err(got[key], want[key]) <= tol, (call, key)
+    # grad_u written where the caller wants it: time innermost in "b d t", strided by d in "b t d"
+    grad_u, = (a for launch in fb._plans.values() for a in launch.allocations if a.name == "out_grad_u")
+    assert grad_u.strides[0] == (1 if layout == "b d t" else dim), grad_u
     op = ssmc_torch.function(m.SPEC, "cuda", layout=layout)
     names = [d.name for d in m.SPEC.program.inputs]
     leaves = {k: t.clone().requires_grad_(True) for k, t in tensors.items()}

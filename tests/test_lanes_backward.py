@@ -101,7 +101,8 @@ def _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, chunk):
     rng = np.random.default_rng(length + dim)
     inputs = mamba1.make_inputs(rng, length, batch=batch, dim=dim, state=state)
     if layout == "b t d":
-        inputs = {k: (np.swapaxes(v, 1, 2) if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+        inputs = {k: (np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in ("u", "delta", "z", "B", "C") else v)
+                  for k, v in inputs.items()}
     inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
     cot = rng.standard_normal(inputs["u"].shape).astype(np.float32).astype(np.float64)
     want = ssmc.grad(mamba1.SPEC, "interpreter", layout=layout)(**inputs, grad_outputs=cot)

@@ -445,7 +445,8 @@ class FusedBackwardRunner:
                 specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
                 continue
             shape, strides, size = array_layout(a, sizes, length, rounds)
-            like = given.get(a.name[len("out_" + GRAD):]) if back is not None and a.role == "out" else None
+            gradient = k is self.plan and back is not None and a.role == "out"  # of a sequence, by the lanes backward
+            like = given.get(a.name[len("out_" + GRAD):]) if gradient else None
             if like is not None and like.dim() == len(shape) and like.stride(0) != 1:
                 strides = _in_memory_order_of(like, shape)  # written where the caller wants it (below)
             zeroed = a.role in ("atomic", "accumulate")
