@@ -357,8 +357,8 @@ def _gated_toward_a_constant(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], s: ssmc
 def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch, fresh_runners):
     """A value the same every step (here tanh(0.5)) is hoisted into the forward's setup, where the lanes
     backward's pre phase and carries read it: that kernel declared it but never assigned it, and did
-    not compile (found by the emulated random steps through the lanes, 2026-11-27). Every kernel of
-    the training step, the lanes backward forced, compiles."""
+    not compile (a random Mamba-shaped spec's emulated step found it, 2026-11-27). Every kernel of the
+    training step, the lanes backward forced, compiles."""
     from ssmc.backends.cuda import runner
 
     monkeypatch.setattr(runner, "LANES_FILL", 1)

@@ -168,7 +168,7 @@ def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_run
             inputs.pop("h")
         if layout == "b t d":
             inputs = {k: (np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in ("u", "delta", "z", "B", "C") else v)
-                  for k, v in inputs.items()}
+                      for k, v in inputs.items()}
         inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
         cot = rng.standard_normal(inputs["u"].shape).astype(np.float32).astype(np.float64)
         want = want_grad(**inputs, grad_outputs=cot)
@@ -279,7 +279,6 @@ def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
         del os.environ["SSMC_CUDA_STRATEGY"], os.environ["SSMC_CUDA_FUSED_BACKWARD"]
 
 
-
 @ssmc.recurrence
 def _gated_toward_a_constant(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], s: ssmc.Seq["b n"], p: ssmc.Param["d n"]):
     """Its step reads a value the same every step (tanh(0.5), hoisted into the forward's setup)."""
@@ -322,6 +321,7 @@ def test_emulated_gradients_only_steps_through_the_lanes(name, n, length, monkey
     assert fb.lanes_summary_kernel.name in planned, planned
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-4, key
+
 
 # -- the whole backend emulated: SSMC_CUDA_EMULATE=1, torch CPU tensors for device memory ---------
 
