@@ -257,10 +257,13 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
     op = ssmc_torch.function(m.SPEC, "cuda", layout=layout)
     names = [d.name for d in m.SPEC.program.inputs]
     leaves = {k: t.clone().requires_grad_(True) for k, t in tensors.items()}
-    y = flat(op(*(leaves[k] for k in names), h=leaves["h"]))[0]
-    grads = torch.autograd.grad(y, list(leaves.values()), torch.tensor(cot, dtype=getattr(torch, dtype)))
-    for key, gr in zip(leaves, grads):
-        assert rel_err(gr, want[key]) <= tol, ("op", key)
+    for call in range(2):  # the second call through a `LeanStep`: the outputs contiguous in either layout
+        y = flat(op(*(leaves[k] for k in names), h=leaves["h"]))[0]
+        assert y.is_contiguous()
+        grads = torch.autograd.grad(y, list(leaves.values()), torch.tensor(cot, dtype=getattr(torch, dtype)))
+        for key, gr in zip(leaves, grads):
+            assert rel_err(gr, want[key]) <= tol, ("op", call, key)
+    assert [type(lean).__name__ for lean in op._lean.values()] == ["LeanStep"]
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,

@@ -445,8 +445,7 @@ class FusedBackwardRunner:
                 specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
                 continue
             shape, strides, size = array_layout(a, sizes, length, rounds)
-            gradient = k is self.plan and back is not None and a.role == "out"  # of a sequence, by the lanes backward
-            like = given.get(a.name[len("out_" + GRAD):]) if gradient else None
+            like = self._laid_out_like(k, a, given, back)
             if like is not None and like.dim() == len(shape) and like.stride(0) != 1:
                 strides = _in_memory_order_of(like, shape)  # written where the caller wants it (below)
             zeroed = a.role in ("atomic", "accumulate")
@@ -461,6 +460,20 @@ class FusedBackwardRunner:
         allocations = [replace(a, offset=a.offset + offset[False]) if a.zeroed else a for a in allocations]
         return _BackwardLaunch(fn, grid, tuple(a.name for a in k.arrays), tuple(allocations), tuple(kept),
                                offset[False], offset[True], state)
+
+
+    def _laid_out_like(self, k, a: Array, given: dict, back: Threads | None):
+        """The given sequence in whose memory order array `a` of kernel `k` is allocated where that
+        sequence has time strided (`_in_memory_order_of`), or None: a sequence's gradient from the lanes
+        backward, the sequence itself; an output of the lanes forward (with outputs), a sequence of the
+        same axes."""
+        if a.role != "out":
+            return None
+        if k is self.plan and back is not None:
+            return given.get(a.name[len("out_" + GRAD):])
+        if k is self.lanes_kernel:
+            return next((given[b.name] for b in k.arrays if b.role == "seq" and b.axes == a.axes), None)
+        return None
 
 
 _ALIGN = 64  # elements: every array a launch allocates starts 256 bytes into its buffer (vector adds, loads)
@@ -614,7 +627,8 @@ def _in_memory_order_of(like, shape: tuple) -> tuple[int, ...]:
     that sequence has time strided ("b t d"), rather than time innermost: its views in the caller's
     layout are then contiguous as they come (`_in_layouts`), where torch's copies took 0.62 of a
     1.98 ms step (Mamba-1 B8 D1536 L2048, H100, 2026-11-27); its stores are scalar, eight rows of a
-    warp's 32 bytes at a time."""
+    warp's 32 bytes at a time. The lanes forward's outputs too (its post phase then runs along the
+    rows, as the plain forward's does there): the op returns them contiguous without a copy."""
     order = sorted(range(len(shape)), key=lambda i: (like.stride(i), -i), reverse=True)
     strides, step = [0] * len(shape), 1
     for i in reversed(order):
