@@ -644,8 +644,12 @@ def test_warps_sharing_a_recurrence(spec, length, warps, seed):
     for g, w in zip([*got[0].values(), *got[1].values()], [*want[0].values(), *want[1].values()]):
         err = np.abs(g.cpu().numpy() - w).max()
         assert rel_err(g, w) <= 1e-9 or err <= 1e-12
-    for key in want_grads:  # 1e-8: see test_random_recurrence_gradients
-        assert rel_err(grads[key], want_grads[key]) <= 1e-8, key
+    # 1e-8: see test_random_recurrence_gradients; a gradient that cancels to roundoff by an absolute bound
+    # (seen: grad x0 of 1.58e-11 everywhere, off by 5.7e-7 of itself, L = 1, 8 warps, H100, 2026-11-27)
+    scale = max(float(np.abs(w).max(initial=0.0)) for w in want_grads.values())
+    for key in want_grads:
+        err = np.abs(grads[key].cpu().numpy() - want_grads[key]).max()
+        assert rel_err(grads[key], want_grads[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key
 
 
 @pytest.mark.parametrize("length", [1000, 4097])
