@@ -158,10 +158,10 @@ class FusedBackwardRunner:
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
         # the lanes kernel without the outputs, for a step that wants the gradients only: the values
         # only the outputs read go too (Mamba-1's sum over n of h C, its post phase; C and z unread)
-        summary_lanes = _with_rounds(_without_unread(_without_outputs(
-            build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
-        self.lanes_summary_kernel = summary_lanes
-        self.lanes_summary: StateLanes | None = None if self.lanes is None else state_lanes(summary_lanes)
+        self.lanes_summary_kernel: Kernel | None = None if self.lanes is None else _with_rounds(_without_unread(
+            _without_outputs(build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
+        self.lanes_summary: StateLanes | None = (None if self.lanes_summary_kernel is None
+                                                 else state_lanes(self.lanes_summary_kernel))
         # the backward as lanes too (lowering/reverse_lanes.py), where the forward runs as the lanes kernel
         self.lanes_backward = None if self.lanes is None else lanes_backward(plan, self.lanes)
         self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
