@@ -316,7 +316,9 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
     Before, 7 blocks of 64 threads fit an SM and the 1024 blocks ran in two waves: 0.060 ms against
     0.041 at B28 (896 blocks), H100. Time last ("b t d") it took 160 registers, 3 blocks an SM, until
     its row params were staged once per block (`lanes.row_params`): 126. The forward of a step that
-    wants only the gradients runs in one wave too."""
+    wants only the gradients runs in one wave too. Each asks ptxas for 4 blocks an SM
+    (`lanes.lanes_min_blocks`): the device's NVRTC, unbounded, gave the training forward 148
+    registers (H100, 2026-11-27), where this machine's gives 128 or fewer."""
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     reports = kernel_reports(program, {"b": 32, "d": 512, "n": 16}, 180, time_contiguous=layout,
                              backward=layout)
@@ -326,10 +328,23 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
     for r in lanes:
         if r.program != "forward (gradients only)":  # (which has no sums over n)
             assert "= sr_delta[buf];" in r.source and "pv_acc_" not in r.source.split("for (int t0 = 0")[0]
+        assert f"__launch_bounds__(128, 4) {r.name}(" in r.source
         blocks, threads = r.launch.grid
         res = r.resources
         assert res is not None and not res.spills, r.error
         assert _blocks_per_sm(res.registers, res.shared_bytes, threads) * 132 >= blocks, (r.name, res)
+
+
+@pytest.mark.parametrize("n, dtype", [(32, "float32"), (16, "float64")])
+def test_lanes_forwards_stay_unbounded_where_128_registers_would_spill(n, dtype):
+    """A lane holding more than 16 state values x steps (n = 32: 8 lanes of 4 values, each over 8
+    steps), or float64 values, leaves ptxas its registers (`__launch_bounds__(threads, 1)`): bounded to
+    128, Mamba-1's n = 32 forward spilled 48 bytes (NVRTC 13.5, sm_90)."""
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    reports = kernel_reports(program, {"b": 8, "d": 1536, "n": n}, 2048, dtype=dtype, backward=False,
+                             compile_kernels=False)
+    (forward,) = [r for r in reports if r.strategy.startswith("lanes,")]
+    assert f"__launch_bounds__({forward.launch.grid[1]}, 1) {forward.name}(" in forward.source
 
 
 @pytest.mark.parametrize("layout", [False, True])

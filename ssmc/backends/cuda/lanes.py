@@ -27,7 +27,12 @@ from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
 from .codegen import (
+    BOUNDED_LANE_VALUES,
+    BOUNDED_REGISTERS,
     C_TYPES,
+    SM_BLOCK_SHARED,
+    SM_REGISTERS,
+    SM_SHARED,
     STATIC_SHARED,
     ArraySpec,
     CPrinter,
@@ -107,14 +112,33 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
                                 for s in lanes.major.body for e in subexpressions(s.value)):
         return None
     for block in LANES_BLOCKS:
-        rows = block // groups
-        if rows < 1:
-            continue
-        values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
-                  + rows * (len(lanes.major.per_step) - len(hosted_sums(lanes))))
-        if (values * PITCH + rows * len(row_params(lanes))) * value_bytes <= STATIC_SHARED:
+        if block // groups >= 1 and lanes_shared_bytes(lanes, sizes, groups, block, value_bytes) <= STATIC_SHARED:
             return block
     return None
+
+
+def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, value_bytes: int) -> int:
+    """Static shared memory of the lanes kernel at `block` threads: two chunks of each staged sequence,
+    the per-step values of a chunk, the staged row params."""
+    rows = block // groups
+    values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
+              + rows * (len(lanes.major.per_step) - len(hosted_sums(lanes))))
+    return (values * PITCH + rows * len(row_params(lanes))) * value_bytes
+
+
+def lanes_min_blocks(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, ctype: str) -> int:
+    """The blocks an SM must hold at once (`__launch_bounds__`): as many as the kernel's shared memory
+    lets, at most those of BOUNDED_REGISTERS a thread, where the kernel is float and a lane's body
+    holds at most BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the
+    Mamba-1 n = 16 kernels took up to 138 registers (NVRTC 13.5; more under the device's NVRTC):
+    3 blocks an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms against
+    0.0456 bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane (n = 32,
+    64) or float64 spill at 128."""
+    per_lane = -(-sizes[lanes.axis] // groups)
+    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES:
+        return 1
+    shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED
+    return max(1, min(SM_REGISTERS // (block * BOUNDED_REGISTERS), SM_SHARED // shared))
 
 
 def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[str, ArraySpec],
@@ -221,6 +245,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     return {
         "name": k.name,
         "block": block,
+        "min_blocks": lanes_min_blocks(lanes, sizes, groups, block, ctype),
         "lanes": True,
         "unroll": PHASE_UNROLL,
         "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "

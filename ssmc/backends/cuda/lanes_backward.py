@@ -33,7 +33,12 @@ from ...lowering.reverse_lanes import LOG2E, LanesBackward
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.state_lanes import StateLanes
 from .codegen import (
+    BOUNDED_LANE_VALUES,
+    BOUNDED_REGISTERS,
     C_TYPES,
+    SM_BLOCK_SHARED,
+    SM_REGISTERS,
+    SM_SHARED,
     STATIC_SHARED,
     WARP,
     ArraySpec,
@@ -62,11 +67,7 @@ BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # rows, one wave of the unbounded kernel) 0.236 / 0.182.
 SHORT_CHUNK = 16
 BOUNDED_BLOCK = 64
-BOUNDED_REGISTERS = 128
-SM_REGISTERS = 65536
-SM_SHARED = 233472            # bytes of shared memory an SM has for its blocks (H100 / H200), each block 1 KiB more
 UNBOUNDED_WAVE_THREADS = 4 * 64 * 132
-BOUNDED_LANE_VALUES = 16
 
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
 # at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
@@ -104,7 +105,7 @@ def lanes_backward_shape(lb: LanesBackward, sizes: dict[str, int], axis: str, va
     bounded = shared_bytes(lb, sizes, axis, groups, BOUNDED_BLOCK, value_bytes, SHORT_CHUNK)
     blocks_an_sm = min_blocks(BOUNDED_BLOCK, SHORT_CHUNK)
     if (value_bytes == 4 and per_lane * groups <= BOUNDED_LANE_VALUES and BOUNDED_BLOCK // groups >= 1
-            and rows * groups > UNBOUNDED_WAVE_THREADS and (bounded + 1024) * blocks_an_sm <= SM_SHARED):
+            and rows * groups > UNBOUNDED_WAVE_THREADS and (bounded + SM_BLOCK_SHARED) * blocks_an_sm <= SM_SHARED):
         return BOUNDED_BLOCK, SHORT_CHUNK
     for block in BLOCKS:
         if block // groups >= 1 and shared_bytes(lb, sizes, axis, groups, block, value_bytes) <= STATIC_SHARED:
