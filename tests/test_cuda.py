@@ -256,6 +256,31 @@ def test_random_recurrence_gradients(spec, seed):
         assert rel_err(got[key], want[key]) <= 1e-8 or err <= 1e-12, key
 
 
+@ssmc.recurrence
+def max_over_batch(h0: ssmc.State["b n"], x0: ssmc.Seq[""], p0: ssmc.Param["n b"]):
+    v1 = ssmc.sqrt(ssmc.softplus(ssmc.where(p0 <= x0, x0, p0)))
+    v7 = ssmc.where(p0.mean("n") < p0, x0 + p0, 3.0 + p0)
+    h = ssmc.tanh(2.0 - v1) * h0 + ssmc.exp(ssmc.tanh(v7))
+    return h, (h.max("b") - 2.5, h0)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gradient_of_a_max_over_recomputed_values(dtype):
+    """The gradient of a max goes to the values equal to it, each recomputed in its own kernel; with
+    nvcc's FMA contraction one kernel rounded h = tanh(.) * h0 + exp(.) once and another twice, no
+    value equalled its max and the gradients were off by 0.2-0.4 (the random spec of a GPU test run,
+    H100 and H200, 2026-11-27). Such programs build without contraction (`codegen.exact_products`)."""
+    inputs = draw_inputs(max_over_batch, 9, 117)
+    outs, _ = ssmc.compile(max_over_batch, "interpreter").run(**inputs)
+    rng = np.random.default_rng(117)
+    cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
+    want = ssmc.grad(max_over_batch, "interpreter", chunk=4)(**inputs, grad_outputs=cot)
+    got = ssmc.grad(max_over_batch, "cuda", chunk=4, dtype=dtype)(**on_gpu(inputs, dtype),
+                                                                   grad_outputs=on_gpu(cot, dtype))
+    for key in want:
+        assert rel_err(got[key], want[key]) <= (1e-8 if dtype == "float64" else 1e-4), key
+
+
 @pytest.mark.parametrize("name", ["hgrn", "mamba1", "mingru", "retnet"])
 def test_gradients_of_long_sequences_with_time_blocks(name):
     """L = 1000 with the GPU's default chunk: the recompute and adjoint run as time-blocked scans."""

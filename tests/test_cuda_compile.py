@@ -335,6 +335,29 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
         assert _blocks_per_sm(res.registers, res.shared_bytes, threads) * 132 >= blocks, (r.name, res)
 
 
+def test_programs_comparing_recomputed_values_build_without_contraction():
+    """A program with a max over an axis, whose gradient compares each value with the max
+    (`codegen.exact_products`), is built with --fmad=false: every kernel of its forward's and its
+    gradient's programs, so every kernel that holds the max or the comparison (the states' recompute,
+    a program without either, is not: the others read the states it stores); the examples' kernels
+    are built with contraction."""
+    from test_cuda import max_over_batch
+
+    from ssmc.backends.cuda.codegen import compile_options
+
+    reports = kernel_reports(max_over_batch.program, {"b": 2, "n": 5}, 9, dtype="float64")
+    exact = {r.name for r in reports if compile_options(r.source) == ("--fmad=false",)}
+    bodies = {r.name: r.source.split('extern "C"', 1)[1] for r in reports}
+    comparing = {n for n, body in bodies.items() if "max_(" in body or " == " in body}
+    assert len(comparing) >= 4 and comparing <= exact, (comparing, exact)
+    assert all(r.resources is not None and not r.resources.spills for r in reports), [r.error for r in reports]
+    for name, sizes in [("mamba1", {"b": 2, "d": 64, "n": 16}), ("hgrn", {"b": 2, "d": 64}),
+                        ("retnet", {"b": 2, "h": 2, "k": 16, "v": 16})]:
+        program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
+        sources = [r.source for r in kernel_reports(program, sizes, 64, compile_kernels=False)]
+        assert not any(compile_options(s) for s in sources), name
+
+
 @pytest.mark.parametrize("n, dtype", [(32, "float32"), (16, "float64")])
 def test_lanes_forwards_stay_unbounded_where_128_registers_would_spill(n, dtype):
     """A lane holding more than 16 state values x steps (n = 32: 8 lanes of 4 values, each over 8

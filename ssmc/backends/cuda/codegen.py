@@ -17,6 +17,7 @@ from importlib import resources
 import jinja2
 
 from ... import __version__
+from ...ir.ops import LEAVES, Op
 from ...lowering.loops import (
     ARRAY_MARK,
     Assign,
@@ -1332,14 +1333,38 @@ def with_free_array_names(arrays: set[str], build) -> str:
     return re.sub(r"(?<!\w)" + ARRAY_MARK + r"(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
 
 
-def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool) -> str:
+def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool,
+           exact: bool = False) -> str:
     """The CUDA module of the kernels' template `contexts`: the math header, the helpers they use (row
     combines, the lanes kernel's reduce-scatter), one kernel per context; `half` where an array is
-    fp16 / bf16 (their headers)."""
+    fp16 / bf16 (their headers); `exact` where it must be built without FMA contraction
+    (`exact_products`, `compile_options`)."""
     return _template().render(version=__version__, program_name=program_name, strategy=strategy, ctype=ctype,
                               math_header=math_header(), block=BLOCK, kernels=contexts, half=half, warp=WARP,
+                              exact=exact,
                               rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
                               lanes=any(c.get("lanes") or c.get("lanes_backward") for c in contexts))
+
+
+def exact_products(program) -> bool:
+    """Whether `program` takes a max over an axis or compares computed values for equality: a max's
+    gradient asks which values equal it (`x == max(x)`, ties by construction), each recomputed in
+    whichever kernel needs it. nvcc contracts a * b + c into one FMA (one rounding) where the code
+    lets it, which differs from kernel to kernel: a value recomputed one way missed its max computed
+    the other, and its gradient was lost (a random spec's float64 gradients off by 0.2-0.4, H100 and
+    H200, 2026-11-27). Such programs' kernels are built without contraction (`compile_options`), every
+    product rounded as the interpreter rounds it; the comparisons of iotas and constants (a select's
+    gradient) are exact either way."""
+    nodes = getattr(program, "nodes", None)
+    return nodes is not None and any(
+        n.op is Op.REDUCE_MAX or (n.op in (Op.EQ, Op.NE) and not all(a.op in LEAVES for a in n.args))
+        for n in nodes())
+
+
+def compile_options(source: str) -> tuple[str, ...]:
+    """NVRTC options a generated module asks for beyond the architecture: no FMA contraction where
+    `render` marked it exact."""
+    return ("--fmad=false",) if "#define SSMC_NO_CONTRACTION" in source else ()
 
 
 def has_half(arrays: dict[str, ArraySpec]) -> bool:
@@ -1362,7 +1387,7 @@ def module_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
         else:
             contexts = [kernel_context(k, specs, sizes, (threads or {}).get(k.name, ONE_GROUP)) for k, specs in kernels]
         return render(lowered.program.name, lowered.strategy, ctype, contexts,
-                      any(has_half(specs) for _, specs in kernels))
+                      any(has_half(specs) for _, specs in kernels), exact_products(lowered.program))
     return with_free_array_names({name for _, specs in kernels for name in specs}, build)
 
 
@@ -1386,5 +1411,6 @@ def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, Array
     (`state_major`: see `fused_backward_context`)."""
     def build():
         context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)
-        return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays))
+        return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays),
+                      exact_products(fb.backward.adjoint))
     return with_free_array_names(set(arrays), build)

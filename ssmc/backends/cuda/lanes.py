@@ -42,6 +42,7 @@ from .codegen import (
     _store,
     _unflatten,
     c_array,
+    exact_products,
     has_half,
     render,
     with_free_array_names,
@@ -147,7 +148,8 @@ def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[st
     `round_steps` where `k` also saves the fused backward's round carries (`rounds_<state>`)."""
     def build():
         context = state_lanes_context(k, lanes, arrays, sizes, mapping.lanes, mapping.block, ctype, round_steps)
-        return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays))
+        return render(lowered.program.name, lowered.strategy, ctype, [context], has_half(arrays),
+                      exact_products(lowered.program))
     return with_free_array_names(set(arrays), build)
 
 

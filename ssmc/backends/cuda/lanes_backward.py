@@ -48,6 +48,7 @@ from .codegen import (
     _store,
     _unflatten,
     c_array,
+    exact_products,
     has_half,
     render,
     with_free_array_names,
@@ -120,7 +121,8 @@ def lanes_backward_source(fb: FusedBackward, lb: LanesBackward, lanes: StateLane
     carry into every chunk (``rounds_<h>``)."""
     def build():
         context = lanes_backward_context(fb, lb, lanes, arrays, sizes, block, ctype, chunk)
-        return render(fb.backward.adjoint.name, "lanes backward", ctype, [context], has_half(arrays))
+        return render(fb.backward.adjoint.name, "lanes backward", ctype, [context], has_half(arrays),
+                      exact_products(fb.backward.adjoint))
     return with_free_array_names(set(arrays), build)
 
 

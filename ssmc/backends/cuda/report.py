@@ -19,7 +19,7 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
-from .codegen import ArraySpec, contiguous_strides
+from .codegen import ArraySpec, compile_options, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
@@ -159,7 +159,7 @@ def _report(role: str, label: str, launch: Launch, source: str, arch: str, compi
             half = "#define SSMC_HALF" in source
             include = nvrtc.toolkit_include() if half else None
             built = nvrtc.compile_source(source, arch=arch, name=f"{launch.kernel.name}.cu",
-                                         options=(f"-I{include}",) if include else ())
+                                         options=((f"-I{include}",) if include else ()) + compile_options(source))
             report.resources = built.resources[launch.kernel.name]
         except nvrtc.NvrtcError as err:
             report.error = str(err).splitlines()[0]
