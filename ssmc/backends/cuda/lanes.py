@@ -130,11 +130,11 @@ def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, bl
 def lanes_min_blocks(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, ctype: str) -> int:
     """The blocks an SM must hold at once (`__launch_bounds__`): as many as the kernel's shared memory
     lets, at most those of BOUNDED_REGISTERS a thread, where the kernel is float and a lane's body
-    holds at most BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the
-    Mamba-1 n = 16 kernels took up to 138 registers (NVRTC 13.5; more under the device's NVRTC):
-    3 blocks an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms against
-    0.0456 bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane (n = 32,
-    64) or float64 spill at 128."""
+    holds at most BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the GPU's
+    NVRTC gave Mamba-1's n = 16 training forward 148 registers (this machine's NVRTC 13.5 at most
+    132): 3 blocks an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms
+    against 0.0457 bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane
+    (n = 32, 64) or float64 spill at 128."""
     per_lane = -(-sizes[lanes.axis] // groups)
     if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES:
         return 1
