@@ -266,10 +266,11 @@ def max_over_batch(h0: ssmc.State["b n"], x0: ssmc.Seq[""], p0: ssmc.Param["n b"
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gradient_of_a_max_over_recomputed_values(dtype):
-    """The gradient of a max goes to the values equal to it, each recomputed in its own kernel; with
-    nvcc's FMA contraction one kernel rounded h = tanh(.) * h0 + exp(.) once and another twice, no
-    value equalled its max and the gradients were off by 0.2-0.4 (the random spec of a GPU test run,
-    H100 and H200, 2026-11-27). Such programs build without contraction (`codegen.exact_products`)."""
+    """The gradient of a max goes to the values equal to it, each recomputed in its own kernel; built
+    with nvcc's FMA contraction (a * b + c in one rounding where the code lets it, which differs from
+    kernel to kernel) the float64 gradients were off by 0.2-0.4, without it by 4e-16 (the random spec
+    of a GPU test run, H100 and H200, 2026-11-27). Such programs build without contraction
+    (`codegen.exact_products`)."""
     inputs = draw_inputs(max_over_batch, 9, 117)
     outs, _ = ssmc.compile(max_over_batch, "interpreter").run(**inputs)
     rng = np.random.default_rng(117)
