@@ -22,6 +22,8 @@ param scaled by log2 e, softplus's series and the vector post phase; the warp ke
 
 from __future__ import annotations
 
+import math
+
 from ...lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads, subexpressions
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
@@ -31,6 +33,7 @@ from .codegen import (
     BOUNDED_REGISTERS,
     C_TYPES,
     SM_BLOCK_SHARED,
+    SM_COUNT,
     SM_REGISTERS,
     SM_SHARED,
     STATIC_SHARED,
@@ -59,6 +62,7 @@ STEPS_A_THREAD = 4      # consecutive steps of a row a thread takes in the pre a
 # to this many (Mamba-1's G = 4: 8, all of them; G = 1 unrolled all 32 and a random spec's kernel
 # took 255 registers and spilled)
 PHASE_UNROLL = 8
+UNBOUNDED_LANES_BLOCKS = 3  # blocks an SM of an unbounded lanes kernel (up to 148 registers, 128 threads)
 
 
 def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
@@ -127,16 +131,21 @@ def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, bl
     return (values * PITCH + rows * len(row_params(lanes))) * value_bytes
 
 
-def lanes_min_blocks(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, ctype: str) -> int:
+def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups: int, block: int,
+                     ctype: str) -> int:
     """The blocks an SM must hold at once (`__launch_bounds__`): as many as the kernel's shared memory
-    lets, at most those of BOUNDED_REGISTERS a thread, where the kernel is float and a lane's body
-    holds at most BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the GPU's
-    NVRTC gave Mamba-1's n = 16 training forward 148 registers (this machine's NVRTC 13.5 at most
-    132): 3 blocks an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms
-    against 0.0457 bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane
-    (n = 32, 64) or float64 spill at 128."""
+    lets, at most those of BOUNDED_REGISTERS a thread, where the grid has more blocks than the SMs
+    hold at UNBOUNDED_LANES_BLOCKS each, the kernel is float and a lane's body holds at most
+    BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the GPU's NVRTC gave
+    Mamba-1's n = 16 training forward 148 registers (this machine's NVRTC 13.5 at most 132): 3 blocks
+    an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms against 0.0457
+    bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane (n = 32, 64),
+    float64, or bodies heavier than Mamba-1's (random specs) spill at 128: the bound is kept to the
+    grids that need it."""
     per_lane = -(-sizes[lanes.axis] // groups)
-    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES:
+    rows, row_size = math.prod(sizes[a] for a in k.parallel), sizes[lanes.row_axis]
+    blocks = rows // row_size * -(-row_size // (block // groups))
+    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or blocks <= UNBOUNDED_LANES_BLOCKS * SM_COUNT:
         return 1
     shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED
     return max(1, min(SM_REGISTERS // (block * BOUNDED_REGISTERS), SM_SHARED // shared))
@@ -247,7 +256,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     return {
         "name": k.name,
         "block": block,
-        "min_blocks": lanes_min_blocks(lanes, sizes, groups, block, ctype),
+        "min_blocks": lanes_min_blocks(lanes, k, sizes, groups, block, ctype),
         "lanes": True,
         "unroll": PHASE_UNROLL,
         "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "

@@ -37,6 +37,7 @@ from .codegen import (
     BOUNDED_REGISTERS,
     C_TYPES,
     SM_BLOCK_SHARED,
+    SM_COUNT,
     SM_REGISTERS,
     SM_SHARED,
     STATIC_SHARED,
@@ -68,7 +69,7 @@ BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # rows, one wave of the unbounded kernel) 0.236 / 0.182.
 SHORT_CHUNK = 16
 BOUNDED_BLOCK = 64
-UNBOUNDED_WAVE_THREADS = 4 * 64 * 132
+UNBOUNDED_WAVE_THREADS = 4 * 64 * SM_COUNT
 
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
 # at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
