@@ -1347,6 +1347,11 @@ def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], h
                               lanes=any(c.get("lanes") or c.get("lanes_backward") for c in contexts))
 
 
+def bounded_blocks(block: int) -> int:
+    """Blocks of `block` threads an SM holds at BOUNDED_REGISTERS a thread (a `__launch_bounds__` minimum)."""
+    return SM_REGISTERS // (block * BOUNDED_REGISTERS)
+
+
 def exact_products(program) -> bool:
     """Whether `program` takes a max over an axis or compares computed values for equality: a max's
     gradient asks which values equal it (`x == max(x)`, ties by construction), each recomputed in

@@ -30,11 +30,9 @@ from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
 from .codegen import (
     BOUNDED_LANE_VALUES,
-    BOUNDED_REGISTERS,
     C_TYPES,
     SM_BLOCK_SHARED,
     SM_COUNT,
-    SM_REGISTERS,
     SM_SHARED,
     STATIC_SHARED,
     ArraySpec,
@@ -44,6 +42,7 @@ from .codegen import (
     _scalar_names,
     _store,
     _unflatten,
+    bounded_blocks,
     c_array,
     exact_products,
     has_half,
@@ -148,7 +147,7 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or blocks <= UNBOUNDED_LANES_BLOCKS * SM_COUNT:
         return 1
     shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED
-    return max(1, min(SM_REGISTERS // (block * BOUNDED_REGISTERS), SM_SHARED // shared))
+    return max(1, min(bounded_blocks(block), SM_SHARED // shared))
 
 
 def lanes_source(lowered: Lowered, lanes: StateLanes, k: Kernel, arrays: dict[str, ArraySpec],

@@ -34,11 +34,9 @@ from ...lowering.reverse_warp import FusedBackward
 from ...lowering.state_lanes import StateLanes
 from .codegen import (
     BOUNDED_LANE_VALUES,
-    BOUNDED_REGISTERS,
     C_TYPES,
     SM_BLOCK_SHARED,
     SM_COUNT,
-    SM_REGISTERS,
     SM_SHARED,
     STATIC_SHARED,
     WARP,
@@ -48,6 +46,7 @@ from .codegen import (
     _scalar_names,
     _store,
     _unflatten,
+    bounded_blocks,
     c_array,
     exact_products,
     has_half,
@@ -94,7 +93,7 @@ def shared_bytes(lb: LanesBackward, sizes: dict[str, int], axis: str, groups: in
 
 def min_blocks(block: int, chunk: int) -> int:
     """The blocks an SM must hold at once (`__launch_bounds__`): those of the bounded kernel's registers."""
-    return SM_REGISTERS // (block * BOUNDED_REGISTERS) if chunk == SHORT_CHUNK else 1
+    return bounded_blocks(block) if chunk == SHORT_CHUNK else 1
 
 
 def lanes_backward_shape(lb: LanesBackward, sizes: dict[str, int], axis: str, value_bytes: int,
