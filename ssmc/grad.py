@@ -239,6 +239,7 @@ class Grad:
         self._steps: dict = {}  # call key (registry.call_key) and layout -> its step (CUDA, grad_prepared.py)
         self._leans: dict = {}  # the same keys -> the `LeanStep` of `__call__`, or False (none applies)
 
+    @on_arrays_device(lambda args, kwargs: (*args, kwargs))
     def __call__(self, *args, grad_outputs=None, grad_final_states=None, layout=None, **kwargs):
         """Returns {input name: gradient} for every sequence, param and state (initial value)."""
         key = None

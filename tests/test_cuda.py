@@ -44,7 +44,7 @@ def on_gpu(inputs: dict, dtype: str) -> dict:
     return {k: torch.tensor(v, device="cuda").to(getattr(torch, dtype)) for k, v in inputs.items()}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("name", RECURRENCES)
 def test_example_forward_matches_the_interpreter(name, length, dtype):
@@ -207,6 +207,123 @@ def test_torch_gradcheck_in_float64():
     names = [d.name for d in m.SPEC.program.inputs]
     tensors = [torch.tensor(inputs[n], device="cuda", dtype=torch.float64, requires_grad=True) for n in names]
     assert torch.autograd.gradcheck(lambda *xs: f(*xs), tensors)
+
+
+@pytest.mark.parametrize("name", ["mamba1", "hgrn"])
+def test_torch_gradcheck_through_the_initial_and_final_states(name):
+    """gradcheck (float64) of the op returning its final states too, the initial state given: the
+    gradients of the initial state and through the final state's cotangent."""
+    import torch
+
+    import ssmc.torch as st_torch
+
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    inputs = m.make_inputs(np.random.default_rng(4), 6, **({"batch": 1, "dim": 2, "state": 3} if name == "mamba1"
+                                                           else {"batch": 1, "dim": 3}))
+    names = [d.name for d in m.SPEC.program.inputs] + [s.name for s in m.SPEC.program.states]
+    assert set(names) <= set(inputs) and len(m.SPEC.program.states) == 1
+    f = st_torch.function(m.SPEC, "cuda", layout=m.LAYOUT, return_final_states=True)
+    tensors = [torch.tensor(inputs[n], device="cuda", dtype=torch.float64, requires_grad=True) for n in names]
+
+    def call(*xs):
+        y, h_last = f(**dict(zip(names, xs)))
+        return y, h_last
+
+    assert torch.autograd.gradcheck(call, tensors)
+
+
+HALF_GRAD_TOL = {"bfloat16": 6e-2, "float16": 1e-2}
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("length", [7, 180])
+@pytest.mark.parametrize("name", ["mamba1", "hgrn"])
+def test_half_precision_gradients_match_the_interpreter(name, length, dtype, transposed):
+    """Gradients of fp16 / bf16 inputs (fp32 state and sums inside) against the interpreter's on the
+    rounded inputs and cotangents, by relative error: every input's and the initial state's; the
+    sequences in the example's layout and, `transposed`, in the other ("b d t" <-> "b t d": strided
+    views)."""
+    import torch
+
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(5)
+    inputs = m.make_inputs(rng, length, batch=3, dim=40, **({"state": 16} if name == "mamba1" else {}))
+    gpu = on_gpu(inputs, dtype)
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+    seqs = {d.name for d in m.SPEC.program.seqs}
+    layout = m.LAYOUT
+    if transposed:  # the same values with the time axis moved: strided views
+        layout = {"b d t": "b t d", "b t ...": "b d t"}[m.LAYOUT]
+        gpu = {k: (v.transpose(1, 2) if k in seqs else v) for k, v in gpu.items()}
+    cot = torch.tensor(rng.standard_normal(inputs["u" if name == "mamba1" else "x"].shape), device="cuda").to(
+        getattr(torch, dtype))
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=cot.double().cpu().numpy())
+    got = ssmc.grad(m.SPEC, "cuda", layout=layout)(**gpu, grad_outputs=cot.transpose(1, 2) if transposed else cot)
+    for key in want:
+        g = got[key].transpose(1, 2) if transposed and key in seqs else got[key]
+        assert rel_err(g, want[key]) <= HALF_GRAD_TOL[dtype], key
+
+
+@pytest.mark.parametrize("layout", ["b d t", "b t d"])
+@pytest.mark.parametrize("state", [128, 256])
+def test_mamba1_with_mambas_largest_states(state, layout):
+    """Mamba-1 at n = 128 and 256 (Mamba's largest state), fp32: outputs, final state and every
+    gradient against the interpreter's."""
+    import torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(state)
+    inputs = m.make_inputs(rng, 97, batch=2, dim=24, state=state)
+    gpu = on_gpu(inputs, "float32")
+    exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+    seqs = {d.name for d in m.SPEC.program.seqs}
+    if layout == "b t d":
+        gpu = {k: (v.transpose(1, 2) if k in seqs else v) for k, v in gpu.items()}
+    y, h = ssmc.compile(m.SPEC, "cuda", layout=layout)(**gpu, return_final_states=True)
+    y_want, h_want = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, return_final_states=True)
+    assert rel_err(y.transpose(1, 2) if layout == "b t d" else y, y_want) <= TOL["float32"]
+    assert rel_err(h, h_want) <= TOL["float32"]
+    cot = rng.standard_normal(y_want.shape)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**exact, grad_outputs=cot)
+    gpu_cot = torch.tensor(cot, device="cuda", dtype=torch.float32)
+    got = ssmc.grad(m.SPEC, "cuda", layout=layout)(
+        **gpu, grad_outputs=gpu_cot.transpose(1, 2) if layout == "b t d" else gpu_cot)
+    for key in want:
+        g = got[key].transpose(1, 2) if layout == "b t d" and key in seqs else got[key]
+        assert rel_err(g, want[key]) <= 1e-3, key
+
+
+def test_cupy_arrays_run_on_cupys_current_stream(monkeypatch):
+    """A forward and a training step given CuPy arrays, inside a non-blocking CuPy stream: every
+    kernel launches on that stream (not torch's), and the results, read after that stream alone is
+    synchronized, match the interpreter's."""
+    import cupy
+
+    from ssmc.backends.cuda import launch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(6)
+    inputs = m.make_inputs(rng, 45, batch=2, dim=8, state=5)
+    cot = rng.standard_normal((2, 8, 45))
+    want_y = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
+    used = []
+    current = launch.current_stream
+    monkeypatch.setattr(launch, "current_stream", lambda: used.append(current()) or used[-1])
+    f = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        arrays = {k: cupy.asarray(v, dtype=cupy.float32) for k, v in inputs.items()}
+        for _ in range(3):  # the first call, then the prepared ones
+            y = f(**arrays)
+            grads = g(**arrays, grad_outputs=cupy.asarray(cot, dtype=cupy.float32))
+    stream.synchronize()
+    assert used and set(used) == {stream.ptr}, (set(used), stream.ptr)
+    assert rel_err(y, want_y) <= TOL["float32"]
+    for key in want:
+        assert rel_err(grads[key], want[key]) <= 1e-3, key
 
 
 def test_bad_input_is_a_value_error_naming_the_argument():
@@ -387,6 +504,32 @@ def test_mamba1_gradients_at_benchmark_size_run_and_agree_with_float64():
             getattr(torch, dtype)))
     for key, want in results["float64"].items():
         assert rel_err(results["float32"][key], want.cpu().numpy()) <= 1e-3, key
+
+
+@pytest.mark.parametrize("batch, dim, length", [(16, 768, 1024), (4, 512, 4097)])
+def test_a_training_steps_memory_is_its_gradients_and_the_saved_states(batch, dim, length):
+    """The issue's memory plan: a Mamba-1 training step (`ssmc.grad`, fp32 "b d t") allocates, beyond
+    its inputs, its gradients and the states saved every chunk of at least 16 steps (B D N L / 16
+    values; the lanes backward's bounded kernel's chunk), not the states of every step."""
+    import torch
+
+    m = importlib.import_module("ssmc.examples.mamba1")
+    state = 16
+    x = on_gpu(m.make_inputs(np.random.default_rng(7), length, batch=batch, dim=dim, state=state), "float32")
+    dy = torch.randn(batch, dim, length, device="cuda")
+    g = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)
+    g(**x, grad_outputs=dy)  # built and cached: the second call is measured
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = g(**x, grad_outputs=dy)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    gradients = sum(t.numel() * t.element_size() for t in grads.values())
+    saved = batch * dim * state * -(-length // 16) * 4
+    every_step = batch * dim * state * length * 4
+    assert extra <= gradients + saved + 2**22, (extra, gradients, saved)
+    assert extra - gradients < every_step / 8, (extra, gradients, every_step)
 
 
 LINEAR = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet"]

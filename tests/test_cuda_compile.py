@@ -346,7 +346,7 @@ def test_programs_comparing_recomputed_values_build_without_contraction():
     from ssmc.backends.cuda.codegen import compile_options
 
     reports = kernel_reports(max_over_batch.program, {"b": 2, "n": 5}, 9, dtype="float64")
-    exact = {r.name for r in reports if compile_options(r.source) == ("--fmad=false",)}
+    exact = {r.name for r in reports if "--fmad=false" in compile_options(r.source)}
     bodies = {r.name: r.source.split('extern "C"', 1)[1] for r in reports}
     comparing = {n for n, body in bodies.items() if "max_(" in body or " == " in body}
     assert len(comparing) >= 4 and comparing <= exact, (comparing, exact)
@@ -355,7 +355,7 @@ def test_programs_comparing_recomputed_values_build_without_contraction():
                         ("retnet", {"b": 2, "h": 2, "k": 16, "v": 16})]:
         program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
         sources = [r.source for r in kernel_reports(program, sizes, 64, compile_kernels=False)]
-        assert not any(compile_options(s) for s in sources), name
+        assert not any("--fmad=false" in compile_options(s) for s in sources), name
 
 
 @pytest.mark.parametrize("sizes, dtype", [({"b": 8, "d": 1536, "n": 32}, "float32"),

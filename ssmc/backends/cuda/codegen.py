@@ -1368,9 +1368,14 @@ def exact_products(program) -> bool:
 
 
 def compile_options(source: str) -> tuple[str, ...]:
-    """NVRTC options a generated module asks for beyond the architecture: no FMA contraction where
-    `render` marked it exact."""
-    return ("--fmad=false",) if "#define SSMC_NO_CONTRACTION" in source else ()
+    """NVRTC's options for a generated module beyond the architecture, the same for the GPU's build
+    (runner) and the CPU's (report, the CI's spill checks): C++17; subnormal floats flushed to zero,
+    because CuPy's `RawModule` appends ``-ftz=true`` to whatever it is given (NVRTC takes the last),
+    so a CPU build without it compiled other code than the GPU ran (exp2f one instruction, not four;
+    other registers, and spills in the lanes backward that the CPU build did not show); no FMA
+    contraction where `render` marked the module exact."""
+    exact = ("--fmad=false",) if "#define SSMC_NO_CONTRACTION" in source else ()
+    return ("--std=c++17", "-ftz=true", *exact)
 
 
 def has_half(arrays: dict[str, ArraySpec]) -> bool:

@@ -5,7 +5,9 @@ device's context, and ``cuLaunchKernel`` launches into the current context. A ca
 on another GPU than the current one (``cuda:1`` from a process whose current device is 0) therefore
 switches to their device for its duration (`on_arrays_device`); everything the backend builds per
 device (modules, functions, launch plans) is keyed by the device it was built on (`current_device`).
-Arguments on two GPUs are an error naming the argument (`check_one_device`).
+Arguments on two GPUs are an error naming the argument (`check_one_device`). A call given CuPy arrays
+runs on CuPy's current stream (torch's current stream for its duration), as CuPy's own kernels on those
+arrays would: launched on torch's, a non-blocking CuPy stream's work could race with it.
 
 With ``SSMC_CUDA_EMULATE=1`` the backend runs its kernels on the CPU instead (`emulating`;
 backends/cuda/emulator.py): torch CPU tensors stand for device memory, the device is -1.
@@ -62,20 +64,56 @@ def device_of(values) -> int | None:
     return None
 
 
+def first_cupy_array(values):
+    """The first CuPy array among `values` (arrays, or dicts of them, looked into one level), or None."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    for v in values:
+        for x in (v.values() if isinstance(v, dict) else (v,)):
+            if isinstance(x, cupy.ndarray):
+                return x
+    return None
+
+
+def cupy_current_stream():
+    """CuPy's current stream on the current device as a torch stream (one wrapper per stream)."""
+    import cupy
+    import torch
+
+    pointer = cupy.cuda.get_current_stream().ptr
+    key = (current_device(), pointer)
+    stream = _torch_streams.get(key)
+    if stream is None:
+        stream = _torch_streams[key] = torch.cuda.ExternalStream(pointer)
+    return stream
+
+
+_torch_streams: dict = {}  # (device, CuPy stream pointer) -> torch's view of it
+
+
 def on_arrays_device(arrays_of):
     """Decorator of a method of an object with a `backend`: where it is "cuda" and the arrays
     ``arrays_of(args, kwargs)`` of a call (the method's own arguments) are on another device than
-    the current one, the call runs with theirs current."""
+    the current one, the call runs with theirs current; where they include CuPy arrays, on CuPy's
+    current stream of that device."""
     def decorate(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            if self.backend == "cuda":
-                device = device_of(arrays_of(args, kwargs))
-                if device is not None and device != current_device():
+            if self.backend == "cuda" and not emulating():
+                values = arrays_of(args, kwargs)
+                device = device_of(values)
+                cupy_array = first_cupy_array(values)
+                if device is None and cupy_array is not None:
+                    device = cupy_array.device.id
+                if cupy_array is not None or (device is not None and device != current_device()):
                     import torch
 
-                    with torch.cuda.device(device):
-                        return method(self, *args, **kwargs)
+                    with torch.cuda.device(device if device is not None else current_device()):
+                        if cupy_array is None:
+                            return method(self, *args, **kwargs)
+                        with cupy_array.device, torch.cuda.stream(cupy_current_stream()):
+                            return method(self, *args, **kwargs)
             return method(self, *args, **kwargs)
         return call
     return decorate

@@ -373,6 +373,13 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                    f"    F v = st_{name};", "    #pragma unroll",
                    "    for (int off = G / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);",
                    f"    if (valid && g == 0) atomicAdd(&{target}, v);", "}"]
+    # the finish's indices derived anew from the thread index: kept from the kernel's start they held a
+    # register across every chunk, which the bounded kernel spilled (B32 D512 L180, NVRTC 13.5 -ftz=true)
+    row_size = size_var(row)
+    finish = ["{  // the row's indices read anew", "    const int tid_f = fresh_thread_index();",
+              "    const int g = tid_f % G;  (void)g;",
+              f"    const long long p = q * {row_size} + min(r0 + tid_f / G, {row_size} - 1);",
+              *("    " + x for x in _unflatten(fb.parallel)), *("    " + x for x in finish), "}"]
 
     params = [("const " if index[a.name].role in ("seq", "param", "init", "rounds") else "")
               + f"{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}" for a in fb.arrays]

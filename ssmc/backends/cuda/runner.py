@@ -359,7 +359,7 @@ class CudaRunner:
             import cupy
 
             with progress(f"compiling {self.lowered.program.name} for CUDA (NVRTC)"):
-                module = cupy.RawModule(code=source, options=("--std=c++17", *compile_options(source)))
+                module = cupy.RawModule(code=source, options=compile_options(source))
                 module.compile()
             self.modules[key] = module
         function = module.get_function(name)
