@@ -366,6 +366,23 @@ def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeyp
         assert rel_err(got[key], want[key]) <= 1e-9, key
 
 
+@pytest.mark.parametrize("bad", ["abc", [[1.0], [1.0, 2.0]], "meta tensor"])
+def test_emulated_bad_arguments_are_value_errors_naming_them(bad, monkeypatch):
+    """A string, a ragged list or a tensor on another device given to the cuda backend (emulated: its
+    device is the CPU) raises a ValueError naming the argument, from `ssmc.compile` and `ssmc.grad`,
+    before any kernel runs."""
+    torch = pytest.importorskip("torch")
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    m = importlib.import_module("ssmc.examples.hgrn")
+    tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in m.make_inputs(np.random.default_rng(0), 5).items()}
+    tensors["f"] = torch.zeros(tensors["f"].shape, device="meta") if bad == "meta tensor" else bad
+    with pytest.raises(ValueError, match="argument 'f'"):
+        ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors)
+    with pytest.raises(ValueError, match="argument 'f'"):
+        ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, grad_outputs=tensors["x"])
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=recurrences(), length=st.sampled_from([1, 7, 40]), seed=st.integers(0, 2**16))
 def test_emulated_random_recurrences(spec, length, seed):

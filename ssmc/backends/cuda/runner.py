@@ -93,18 +93,28 @@ def require_gpu() -> None:
 
 def to_device(x, name: str):
     """A torch CUDA tensor for an argument (torch / CuPy zero-copy; NumPy and lists copied); a CPU
-    tensor where the backend is emulated (`devices.emulating`)."""
+    tensor where the backend is emulated (`devices.emulating`). A torch tensor elsewhere (on the CPU,
+    or a meta tensor) is a ValueError naming the argument: copying it would hide a host transfer and a
+    synchronisation in every call."""
     import torch
 
     device = device_name()
     if isinstance(x, torch.Tensor):
         t = x.detach()
         if t.device.type != device:
-            t = t.to(device)
+            where = "a GPU" if device == "cuda" else "the CPU (emulated)"
+            raise ValueError(f"argument {name!r} is a tensor on {t.device}; the cuda backend takes tensors on "
+                             f"{where} (NumPy arrays and lists are copied there)")
     elif hasattr(x, "__cuda_array_interface__"):
         t = torch.as_tensor(x, device=device)
     else:
-        t = torch.as_tensor(np.asarray(x), device=device)
+        try:
+            host = np.asarray(x)
+        except (ValueError, TypeError) as err:  # a ragged nested list, say
+            raise ValueError(f"argument {name!r} is not an array: {err}") from None
+        if host.dtype.kind not in "fiubc":
+            raise ValueError(f"argument {name!r} is not an array of numbers (dtype {host.dtype})")
+        t = torch.as_tensor(host, device=device)
     if str(t.dtype) not in _DTYPES:
         if t.is_floating_point() or t.is_complex():
             raise ValueError(f"argument {name!r} has dtype {t.dtype}; the cuda backend takes float32, float64, "
