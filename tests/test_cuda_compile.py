@@ -335,6 +335,24 @@ def test_mamba1_small_forward_runs_in_one_wave(layout):
         assert _blocks_per_sm(res.registers, res.shared_bytes, threads) * 132 >= blocks, (r.name, res)
 
 
+@pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
+def test_reports_build_with_the_options_cupy_builds_with(monkeypatch):
+    """`ssmc inspect` and these tests compile with the options the GPU's build gets: CuPy's
+    `RawModule` appends ``-ftz=true`` to every build, so a report without it read other registers and
+    spills than the GPU ran (the bounded lanes backward's, 2026-11-27). The options NVRTC is given
+    here are recorded and must hold it, as `compile_options` gives the runner."""
+    from ssmc.backends.cuda import nvrtc as nv
+    from ssmc.backends.cuda.codegen import compile_options
+
+    given = []
+    compile_source = nv.compile_source
+    monkeypatch.setattr(nv, "compile_source", lambda *a, **kw: given.append(kw.get("options", ())) or
+                        compile_source(*a, **kw))
+    kernel_reports(importlib.import_module("ssmc.examples.mamba1").SPEC.program, {"b": 2, "d": 72, "n": 16}, 61)
+    assert given and all("-ftz=true" in options and "--std=c++17" in options for options in given), given
+    assert "-ftz=true" in compile_options("") and "--fmad=false" in compile_options("#define SSMC_NO_CONTRACTION\n")
+
+
 def test_programs_comparing_recomputed_values_build_without_contraction():
     """A program with a max over an axis, whose gradient compares each value with the max
     (`codegen.exact_products`), is built with --fmad=false: every kernel of its forward's and its
