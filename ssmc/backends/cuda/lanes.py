@@ -527,7 +527,7 @@ def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPr
 
 def _copy(asynchronous: bool, dst: str, src: str) -> str:
     """One value from global `src` to shared `dst` (pointers)."""
-    return f"copy_async<sizeof(F)>({dst}, {src});" if asynchronous else f"*{dst} = F(to_f(*({src})));"
+    return f"copy_async<sizeof(F)>({dst}, {src});" if asynchronous else f"*({dst}) = F(to_f(*({src})));"
 
 
 def _copy_loop(items: str, mapping: str, body: list[str], ragged: bool = True,
