@@ -64,6 +64,18 @@ def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, .
     return order
 
 
+def numeric_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``; a ValueError naming the argument where `x` is not an array (a ragged nested
+    list, say) or holds no numbers (strings, objects). Complex numbers pass: callers say what they take."""
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"argument {name!r} is not an array: {err}") from None
+    if arr.dtype.kind not in "fiubc":
+        raise ValueError(f"argument {name!r} is not an array of numbers (dtype {arr.dtype})")
+    return arr
+
+
 def to_array(x, name: str) -> np.ndarray:
     """A NumPy view or copy of an array-like (NumPy, PyTorch, CuPy, lists), checking its dtype.
 
@@ -77,10 +89,7 @@ def to_array(x, name: str) -> np.ndarray:
         x = x.numpy()
     elif hasattr(x, "get") and hasattr(x, "__cuda_array_interface__"):  # cupy
         x = x.get()
-    try:
-        arr = np.asarray(x)
-    except (ValueError, TypeError) as err:  # a ragged nested list, say
-        raise ValueError(f"argument {name!r} is not an array: {err}") from None
+    arr = numeric_array(x, name)
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"argument {name!r} has dtype {arr.dtype}; ssmc takes real numbers "
                          "(floating point, or integers converted to float)")

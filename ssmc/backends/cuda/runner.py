@@ -15,14 +15,13 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 
-import numpy as np
-
 from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
 from ...lowering.state_lanes import state_lanes
 from ...lowering.state_major import warp_state_major
 from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, time_blocks
+from ...runtime.binding import numeric_array
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
 from .codegen import (
@@ -108,13 +107,7 @@ def to_device(x, name: str):
     elif hasattr(x, "__cuda_array_interface__"):
         t = torch.as_tensor(x, device=device)
     else:
-        try:
-            host = np.asarray(x)
-        except (ValueError, TypeError) as err:  # a ragged nested list, say
-            raise ValueError(f"argument {name!r} is not an array: {err}") from None
-        if host.dtype.kind not in "fiubc":
-            raise ValueError(f"argument {name!r} is not an array of numbers (dtype {host.dtype})")
-        t = torch.as_tensor(host, device=device)
+        t = torch.as_tensor(numeric_array(x, name), device=device)
     if str(t.dtype) not in _DTYPES:
         if t.is_floating_point() or t.is_complex():
             raise ValueError(f"argument {name!r} has dtype {t.dtype}; the cuda backend takes float32, float64, "
