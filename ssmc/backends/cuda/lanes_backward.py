@@ -373,13 +373,15 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
                    f"    F v = st_{name};", "    #pragma unroll",
                    "    for (int off = G / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);",
                    f"    if (valid && g == 0) atomicAdd(&{target}, v);", "}"]
+    def row_index(ch: str) -> list[str]:  # the flat index p of the lane's row `ch` and its axes' p_<axis>
+        return [f"const long long p = q * {size_var(row)} + min(r0 + {ch}, {size_var(row)} - 1);",
+                *_unflatten(fb.parallel)]
+
     # the finish's indices derived anew from the thread index: kept from the kernel's start they held a
     # register across every chunk, which the bounded kernel spilled (B32 D512 L180, NVRTC 13.5 -ftz=true)
-    row_size = size_var(row)
     finish = ["{  // the row's indices read anew", "    const int tid_f = fresh_thread_index();",
-              "    const int g = tid_f % G;  (void)g;",
-              f"    const long long p = q * {row_size} + min(r0 + tid_f / G, {row_size} - 1);",
-              *("    " + x for x in _unflatten(fb.parallel)), *("    " + x for x in finish), "}"]
+              "    const int g = tid_f % G;  (void)g;", *("    " + x for x in row_index("tid_f / G")),
+              *("    " + x for x in finish), "}"]
 
     params = [("const " if index[a.name].role in ("seq", "param", "init", "rounds") else "")
               + f"{C_TYPES[arrays[a.name].dtype]}* __restrict__ {c_array(a.name)}" for a in fb.arrays]
@@ -405,7 +407,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
         + ([f"__shared__ F slab[BLOCK / {WARP}][{len(lb.atomic)} * {n} * T];  // each warp's sums over its rows"
             "  (a lane's store each: no shared atomic adds, which took half the kernel's time)"] if lb.atomic else [])
         + ["__shared__ F ck[T / G * S * BLOCK];  // the state before every G steps, a column a thread"],
-        "unflatten": _unflatten(fb.parallel),
+        "row_index": row_index("ch"),
         "declarations": scalars + [f"F {name}[S];" for name in lane_buffers]
         + [f"F rp_{name}[S];" for name in lb.lane_params] + [f"F rl_{name}[S];" for name in lb.log2e_params],
         "setup": lane_params_loads + setup + slab_setup,
