@@ -130,6 +130,13 @@ def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, bl
     return (values * PITCH + rows * len(row_params(lanes))) * value_bytes
 
 
+def lane_blocks(k: Kernel, sizes: dict[str, int], groups: int, block: int) -> int:
+    """Blocks of the lanes kernel `k` (`groups` lanes a row, `block` threads a block): one per index of
+    the parallel axes but the last, times the blocks of rows (block / groups a block) along the last."""
+    last = sizes[k.parallel[-1]]
+    return math.prod(sizes[a] for a in k.parallel[:-1]) * -(-last // (block // groups))
+
+
 def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups: int, block: int,
                      ctype: str) -> int:
     """The blocks an SM must hold at once (`__launch_bounds__`): as many as the kernel's shared memory
@@ -142,8 +149,7 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     float64 spilled at 128, and so may bodies heavier than Mamba-1's (a random spec's kernel failed
     the spill test under the bound, local CI): the bound is kept to the grids that need it."""
     per_lane = -(-sizes[lanes.axis] // groups)
-    rows, row_size = math.prod(sizes[a] for a in k.parallel), sizes[lanes.row_axis]
-    blocks = rows // row_size * -(-row_size // (block // groups))
+    blocks = lane_blocks(k, sizes, groups, block)
     if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or blocks <= UNBOUNDED_LANES_BLOCKS * SM_COUNT:
         return 1
     shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED

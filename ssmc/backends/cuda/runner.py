@@ -39,7 +39,7 @@ from .codegen import (
     split_groups,
 )
 from .devices import current_device, device_name, emulating, on_backend_device
-from .lanes import lane_groups, lanes_block, lanes_source
+from .lanes import lane_blocks, lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
 from .settings import overrides
 
@@ -790,11 +790,8 @@ def _init(initial: dict) -> dict:
 
 
 def lane_block_count(k: Kernel, sizes: dict[str, int], mapping: Threads) -> int:
-    """Blocks of the lanes kernel: one per index of the parallel axes but the last, times the blocks
-    of rows (mapping.block / mapping.lanes a block) along the last."""
-    last = sizes[k.parallel[-1]]
-    rows = mapping.block // mapping.lanes
-    return math.prod(sizes[a] for a in k.parallel[:-1]) * -(-last // rows)
+    """Blocks of the lanes kernel launched with `mapping` (`lanes.lane_blocks`)."""
+    return lane_blocks(k, sizes, mapping.lanes, mapping.block)
 
 
 def time_contiguous(seqs: dict) -> bool:
