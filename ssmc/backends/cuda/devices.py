@@ -15,7 +15,6 @@ backends/cuda/emulator.py): torch CPU tensors stand for device memory, the devic
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -50,30 +49,31 @@ def current_device() -> int:
     return _getter()
 
 
-def arrays_device(values) -> tuple[int | None, object]:
-    """(device index, first CuPy array) of a call's `values` (arrays, or dicts of them, looked into one
-    level), in one pass: the device of the first torch CUDA tensor, else of the first CuPy array, None
-    where there is neither; the first CuPy array, None where there is none. The first one decides
-    (arguments on the CPU are copied to it): `check_one_device` makes sure of the rest where a call is
-    bound."""
-    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")
-    tensor = torch.Tensor if torch is not None else ()
-    ndarray = cupy.ndarray if cupy is not None else ()
-    device = first_cupy = None
+def device_of(values) -> int | None:
+    """The device index of the first torch CUDA tensor among `values` (tensors, or dicts of them,
+    looked into one level); None where there is none. The first one decides (arguments on the CPU
+    are copied to it): `check_one_device` makes sure of the rest where a call is bound."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
     for v in values:
         for x in (v.values() if isinstance(v, dict) else (v,)):
-            if device is None and isinstance(x, tensor) and x.is_cuda:
-                device = x.get_device()
-            elif first_cupy is None and isinstance(x, ndarray):
-                first_cupy = x
-    if device is None and first_cupy is not None:
-        device = first_cupy.device.id
-    return device, first_cupy
+            if isinstance(x, tensor) and x.is_cuda:
+                return x.get_device()
+    return None
 
 
-def device_of(values) -> int | None:
-    """The device index of `values`' first CUDA array (`arrays_device`), None where there is none."""
-    return arrays_device(values)[0]
+def first_cupy_array(values):
+    """The first CuPy array among `values` (arrays, or dicts of them, looked into one level), or None."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return None
+    for v in values:
+        for x in (v.values() if isinstance(v, dict) else (v,)):
+            if isinstance(x, cupy.ndarray):
+                return x
+    return None
 
 
 def cupy_current_stream():
@@ -100,21 +100,21 @@ def on_arrays_device(arrays_of):
     def decorate(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            if self.backend != "cuda" or emulating():
-                return method(self, *args, **kwargs)
-            device, cupy_array = arrays_device(arrays_of(args, kwargs))
-            switch = device is not None and device != current_device()
-            if not switch and cupy_array is None:
-                return method(self, *args, **kwargs)
-            import torch
+            if self.backend == "cuda" and not emulating():
+                values = arrays_of(args, kwargs)
+                device = device_of(values)
+                cupy_array = first_cupy_array(values)
+                if device is None and cupy_array is not None:
+                    device = cupy_array.device.id
+                if cupy_array is not None or (device is not None and device != current_device()):
+                    import torch
 
-            with contextlib.ExitStack() as stack:
-                if switch:
-                    stack.enter_context(torch.cuda.device(device))
-                if cupy_array is not None:
-                    stack.enter_context(cupy_array.device)
-                    stack.enter_context(torch.cuda.stream(cupy_current_stream()))
-                return method(self, *args, **kwargs)
+                    with torch.cuda.device(device if device is not None else current_device()):
+                        if cupy_array is None:
+                            return method(self, *args, **kwargs)
+                        with cupy_array.device, torch.cuda.stream(cupy_current_stream()):
+                            return method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
         return call
     return decorate
 
