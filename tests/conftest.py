@@ -33,3 +33,10 @@ def fresh_runners():
     yield
     runner._RUNNERS.clear()
     fused_backward._RUNNERS.clear()
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """The CUDA backend emulated on the CPU (``SSMC_CUDA_EMULATE=1``) for the test's duration."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    return monkeypatch

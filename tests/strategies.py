@@ -433,3 +433,91 @@ def many_sequences(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x1: ssmc.Seq["b d"]
     max); it now stages those that fit and reads the others in place."""
     h = a * h + x1 * x2 + x3 * x4 + x5 * x6 + x7 * x8 + x9 * x10 + x11
     return h, h * x1
+
+
+@st.composite
+def coupled_recurrences(draw):
+    """A random recurrence whose states feed each other: 2-4 states over [b k] (a [b] one now and
+    then), each updated as one of
+
+    - ``shift``: another state's old value (a shift register, or two states swapped), or its own;
+    - ``rotate`` (two states): a complex state as a real pair, ``(re, im) <- lam * (re, im) + x`` with
+      ``lam = lr + i li``, ``|lam| < 0.85`` from two params;
+    - ``cell``: an LSTM-like cell, ``z = dot(s.rename(k="j"), U, over="j") + dot(x1, W, over="i")`` over
+      a gate axis ``g`` of static size, unbound into its gates, with a norm inside the update (a
+      layernorm or rmsnorm over k, a mean over the two axes "g k", or another state's sum over k
+      subtracted) and a sigmoid gate mixing the own state with ``tanh`` of the rest;
+    - ``linear``: ``a * h + (1 - a) * x0``, a gate of the inputs.
+
+    Params of rank 2 (U [j g k], W [i g k]) and 1 (the rotation's [k]). The coefficients keep each
+    step close to non-expansive in the states (|U|, |W| < 3 on the inputs drawn), so float64 rounding
+    stays small over a few hundred steps.
+    """
+    gates = draw(st.sampled_from((1, 2, 4)))
+    count = draw(st.integers(2, 4))
+    scalar = draw(st.integers(0, 4)) == 0  # the last state over [b] alone
+    states = [(f"h{i}", ("b",) if scalar and i == count - 1 else ("b", "k")) for i in range(count)]
+    seqs = [("x0", ("b", "k")), ("x1", ("b", "i"))]
+    params = [("U", ("j", f"g={gates}", "k")), ("W", ("i", f"g={gates}", "k")), ("lr", ("k",)), ("li", ("k",))]
+    sig = Signature(states, seqs, params)
+    src = Source()
+    names = [n for n, _ in states]
+    full = [n for n, axes in states if axes == ("b", "k")]
+    updates: list[str | None] = [None] * count
+    i = 0
+    while i < count:
+        kinds = ["shift", "cell", "linear"] + ["rotate"] * (i + 1 < count and states[i + 1][1] == states[i][1])
+        kind = draw(st.sampled_from(kinds))
+        name, axes = states[i]
+        if kind == "rotate":
+            re, im = name, names[i + 1]
+            src.lines += [f"    lam_r{i} = 0.6 * ssmc.tanh(lr)", f"    lam_i{i} = 0.6 * ssmc.tanh(li)"]
+            updates[i] = f"lam_r{i} * {re} - lam_i{i} * {im} + x0"
+            updates[i + 1] = f"lam_r{i} * {im} + lam_i{i} * {re}"
+            i += 2
+            continue
+        if kind == "shift":
+            same = [n for n, a in states if a == axes]
+            updates[i] = draw(st.sampled_from(same))
+        elif kind == "linear":
+            x = "x0.mean('k')" if axes == ("b",) else "x0"
+            src.lines.append(f"    a{i} = ssmc.sigmoid({x})")
+            updates[i] = f"a{i} * {name} + (1 - a{i}) * 0.5 * {x}"
+        else:
+            s = draw(st.sampled_from(full))
+            norm = draw(st.sampled_from(("layernorm", "rmsnorm", "mean2", "subsum", "none")))
+            src.lines.append(f"    z{i} = 0.1 * ssmc.dot({s}.rename(k='j'), U, over='j') "
+                             "+ 0.2 * ssmc.dot(x1, W, over='i')")
+            if norm == "mean2":
+                src.lines.append(f"    z{i} = z{i} - z{i}.mean('g k')")
+            parts = [f"z{i}_{g}" for g in range(gates)]
+            src.lines.append(f"    {', '.join(parts)}{',' if gates == 1 else ''} = z{i}.unbind('g')")
+            c = f"ssmc.tanh({parts[-1]} + 0.5 * x0)"
+            if norm in ("layernorm", "rmsnorm"):
+                c = f"ssmc.tanh(0.5 * ssmc.{norm}({parts[-1]} + 0.5 * x0, over='k'))"
+            elif norm == "subsum":
+                other = draw(st.sampled_from(full))
+                c = f"ssmc.tanh({parts[-1]} + 0.1 * ({other} - {other}.sum('k')))"
+            src.lines.append(f"    c{i} = {c}")
+            gate = f"ssmc.sigmoid({parts[0]})"
+            if axes == ("b",):
+                src.lines.append(f"    c{i} = c{i}.mean('k')")
+                gate = f"ssmc.sigmoid({parts[0]}.sum('k'))"
+            src.lines.append(f"    f{i} = {gate}")
+            updates[i] = f"f{i} * {name} + (1 - f{i}) * c{i}"
+        i += 1
+    bounds = [STATE_BOUND] * count
+    new = [Expr(u, frozenset(axes), b, 1.0) for u, (_, axes), b in zip(updates, states, bounds)]
+    for j, u in enumerate(new):  # every update a name of its own, so outputs can read it
+        src.lines.append(f"    n{j} = {u.code}")
+        new[j] = Expr(f"n{j}", u.axes, u.bound, 1.0)
+    old = [Expr(n, frozenset(axes), STATE_BOUND, 1.0) for n, axes in states]
+    outputs = []
+    for _ in range(draw(st.integers(1, 2))):
+        kind = draw(st.sampled_from(("new", "old", "sum")))
+        if kind == "sum":
+            a, b = draw(st.sampled_from(new)), draw(st.sampled_from(old))
+            outputs.append(src.emit(f"{a.code} * 0.5 + {b.code}", a.axes | b.axes, 4.5, 0.0))
+        else:
+            outputs.append(draw(st.sampled_from(new if kind == "new" else old)))
+    return build_spec(sig, src, new, outputs)

@@ -180,6 +180,9 @@ class StepBuilder:
         kept_roots = set() if self.k.time_blocks and not self.k.program.states else roots
         chosen: list[Node] = []
         for n in self.nodes:
+            if n in self._carried_over():
+                chosen.append(n)
+                continue
             if n.op in LEAVES or (n.op in _VIEWS and n not in kept_roots):
                 continue
             keep = n in kept_roots or n.op in (Op.SUM, Op.REDUCE_MAX)
@@ -200,6 +203,17 @@ class StepBuilder:
             self.names.setdefault(n, name)
         return chosen
 
+    def _carried_over(self) -> set[Node]:
+        """Updates that are another state's old value (``return (b, a), ...``; a shift register).
+
+        The step assigns the new carries one state after another, so every update must be computed
+        from the old carries before the first assignment: an update that is any other expression is
+        materialised in the step (a root is), but a leaf would be read at the assignment, where an
+        earlier state's may already have been overwritten. These leaves are copied in the step too.
+        """
+        return {u for s, u in zip(self.k.program.states, self.k.program.updates)
+                if u.op is Op.INPUT and self.roles.get(u.arg) is Role.STATE and u.arg != s.name}
+
     def _lets(self) -> dict[Node, list[Node]]:
         """Values used twice inside one sum's loop body only, made scalars of that body: {sum: lets}.
 
@@ -218,7 +232,10 @@ class StepBuilder:
                 continue
             self.materialised_set.discard(n)  # as if inlined, to find the region it falls in
             owner = next((s for s in sums if set(self.users[n]) <= self._group_region(s)), None)
-            if owner is None or not self._confined(n, owner):
+            # a let is one scalar an iteration: it may not have an axis the body's loops do not run
+            # over (an unbind's SELECTs read a pre-activation z[g, k] at several g in one iteration)
+            if owner is None or set(self.local(n)) - set(self.local(self.sum_chain(owner))) \
+                    or not self._confined(n, owner):
                 self.materialised_set.add(n)
                 continue
             lets.setdefault(owner, []).insert(0, n)
