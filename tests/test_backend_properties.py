@@ -105,3 +105,20 @@ def test_layernorm_lstm_gradients(backend, emulated_cuda):
     sizes = {"b": 2, "k": 5, "j": 5, "i": 3, "g": 4}
     err, where = check(layernorm_lstm, backend, "b t ...", "float64", sizes, 7, 0, with_grad=True)
     assert err <= TOL, f"{where}: {err:.2e}"
+
+
+@ssmc.recurrence
+def projected_gate(h: ssmc.State["b d"], x: ssmc.Seq["b d"], a: ssmc.Seq["b d"], Wx: ssmc.Param["e d"]):
+    """An input projection inside a gate, read again beside it: the gradient of Wx is a matrix product
+    of a written value (g x) with x (lowering/hoist.py), not a kernel holding a row of Wx a thread."""
+    f = ssmc.sigmoid(a)
+    h = f * h + (1 - f) * ssmc.silu(ssmc.dot(x.rename(d="e"), Wx, over="e")) * x
+    return h, ssmc.rmsnorm(h, over="d")
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_projected_gate_gradients(backend, length, emulated_cuda):
+    sizes = {"b": 3, "d": 5, "e": 5}
+    err, where = check(projected_gate, backend, "b t ...", "float64", sizes, length, length, with_grad=True)
+    assert err <= TOL, f"{where}: {err:.2e}"

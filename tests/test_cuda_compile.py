@@ -74,6 +74,53 @@ def test_inspect_says_which_kernel_asks_more_local_memory_than_cuda_allows(monke
     assert "will not run" not in format_reports(reports)
 
 
+PROJECTED_GATE = """
+import ssmc
+
+@ssmc.recurrence
+def projected_gate(h: ssmc.State["b d"], x: ssmc.Seq["b d"], a: ssmc.Seq["b d"], Wx: ssmc.Param["e d"]):
+    f = ssmc.sigmoid(a)
+    h = f * h + (1 - f) * ssmc.silu(ssmc.dot(x.rename(d="e"), Wx, over="e")) * x
+    return h, ssmc.rmsnorm(h, over="d")
+"""
+
+
+def _projected_gate(tmp_path):
+    path = tmp_path / "projected_gate.py"
+    path.write_text(PROJECTED_GATE)
+    namespace = {}
+    exec(compile(PROJECTED_GATE, str(path), "exec"), namespace)
+    return namespace["projected_gate"]
+
+
+@pytest.mark.parametrize("case", ["mamba2 B4 L4096 H32 P64 N128 bf16", "mamba2 B2 L1024 H8 P64 N64",
+                                  "projected gate b8 d1024 L2048"])
+def test_backward_kernels_fit_cudas_local_memory_at_real_sizes(case, tmp_path):
+    """Kernels that asked more local memory a thread than CUDA allows, so the backward refused: the
+    Mamba-2 adjoint fused with its parameter gradients (a thread per head walking b p n: 12.7 MB), now
+    split into a core over every state axis and epilogues; a gate's input projection whose gradient
+    reads x beside the projection (grad_Wx += sum_b g[b, d] x[b, d] x[b, e], a thread per (e, d) holding
+    the rest: 12.6 MB), now a matrix product of the written g x with x."""
+    from ssmc.backends.cuda.report import format_reports
+    from ssmc.backends.cuda.runner import MAX_LOCAL_BYTES
+
+    if case.startswith("mamba2"):
+        program = importlib.import_module("ssmc.examples.mamba2").SPEC.program
+        big = "B4" in case
+        sizes = {"b": 4, "g": 1, "r": 32, "p": 64, "n": 128} if big else {"b": 2, "g": 1, "r": 8, "p": 64, "n": 64}
+        length, dtype = (4096, "bfloat16") if big else (1024, "float32")
+    else:
+        program = _projected_gate(tmp_path).program
+        sizes, length, dtype = {"b": 8, "d": 1024, "e": 1024}, 2048, "float32"
+    reports = kernel_reports(program, sizes, length, dtype)
+    assert all(r.resources is not None for r in reports), [r.error for r in reports if r.error]
+    assert all(r.resources.stack_frame_bytes <= MAX_LOCAL_BYTES for r in reports), format_reports(reports)
+    if case.startswith("mamba2"):
+        assert {r.strategy for r in reports if r.program == "adjoint"} == {"split"}
+    else:
+        assert any("grad_Wx after" in r.strategy for r in reports if r.program == "adjoint")
+
+
 def test_map_kernels_along_time_compile():
     """At the benchmark size with time contiguous (layout "b d t"): every kernel of the Mamba-1 block
     compiles (the fusion stage's sequences `row<k>` next to the template's own names), and the norm's

@@ -163,6 +163,14 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
         # it writes, the same node for every root with those factors
         f = reduce(build.mul, kernel_values)
         leafy = [g for g in fs if _leafy(g, staged_roles)]
+        if gemm_only and not gemm_like(summed, (f, *leafy)):
+            # an input elementwise with the loop's values (x in sum_b g[b, d] x[b, d] x[b, e]) is written
+            # with them: the product is then a matrix product of the written value and what is left
+            within = [g for g in leafy if set(g.axes) <= set(f.axes)]
+            if within:
+                kernel_values += within
+                leafy = [g for g in leafy if g not in within]
+                f = reduce(build.mul, kernel_values)
         if f.op is Op.INPUT or not (gemm_like(summed, (f, *leafy)) if gemm_only else f in factors):
             return None
         name = factors.setdefault(f, f"hf{len(factors)}")

@@ -582,11 +582,14 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
     classes = {c.state: c for c in classify(program).states}
     acc = tuple(s.name for s in program.states if classes[s.name].family == "accumulator")
-    # sums over time alone (the adjoint of a state-free stage): on a GPU, map kernels over blocks of
-    # time beat a thread per recurrence walking every step
-    if parallel and not (map_reduce and len(acc) == len(program.states)):
-        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
     core_states = tuple(s.name for s in program.states if s.name not in acc)
+    # on a GPU, split where accumulators (sums over time) keep a fused kernel from parallelism: sums
+    # over time alone (the adjoint of a state-free stage: map kernels over blocks of time beat a
+    # thread per recurrence walking every step), or a core independent along axes the accumulators
+    # sum over (an adjoint's parameter gradients sum over the batch: fused, each thread would walk
+    # whole states, Mamba-2's b p n, through local memory)
+    if parallel and not (map_reduce and acc and (not core_states or _core_spreads_wider(program, core_states, parallel))):
+        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
     kernels = []
     if core_states:
         core = _subprogram(program, f"{program.name}_core", core_states, ())
@@ -599,6 +602,12 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         k.sum_over_time = True  # the epilogue's states are accumulators: blocks may take any steps
         kernels.append(k)
     return Lowered(program, "split", kernels, core_states, acc, from_outputs)
+
+
+def _core_spreads_wider(program: Recurrence, core_states: tuple[str, ...], parallel: tuple[str, ...]) -> bool:
+    """Is the core (the states that feed back) independent along an axis the whole program is not?"""
+    core = _subprogram(program, f"{program.name}_core", core_states, ())
+    return bool(set(independent_axes(core)) - set(parallel))
 
 
 def _sums_of_outputs(program: Recurrence, acc, classes) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
