@@ -118,6 +118,7 @@ class Lowered:
     # accumulators that are sums of an output (map/reduce only): (accumulator, output, axes summed
     # besides time); the runner sums the output instead of launching a kernel (`_sums_of_outputs`)
     from_outputs: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    reason: str = ""                  # why this strategy (`ssmc inspect` prints it)
 
     def describe(self) -> str:
         lines = [f"strategy: {self.strategy}"]
@@ -576,10 +577,11 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     """
     if not program.states and map_reduce:  # nothing carried: every step is a map, parallel over time too
         kernels = [build_kernel(p.name, p, independent_axes(p), time_blocks=True) for p in _per_root(program)]
-        return Lowered(program, "map", kernels)
+        return Lowered(program, "map", kernels, reason="no states: every step a map, parallel over time too")
     parallel = independent_axes(program)
     if not program.states:
-        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
+        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)],
+                       reason=f"no states: independent along [{' '.join(parallel)}]")
     classes = {c.state: c for c in classify(program).states}
     acc = tuple(s.name for s in program.states if classes[s.name].family == "accumulator")
     core_states = tuple(s.name for s in program.states if s.name not in acc)
@@ -588,8 +590,10 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     # thread per recurrence walking every step), or a core independent along axes the accumulators
     # sum over (an adjoint's parameter gradients sum over the batch: fused, each thread would walk
     # whole states, Mamba-2's b p n, through local memory)
-    if parallel and not (map_reduce and acc and (not core_states or _core_spreads_wider(program, core_states, parallel))):
-        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)])
+    spread = map_reduce and acc and (not core_states or _core_spreads_wider(program, core_states, parallel))
+    if parallel and not spread:
+        return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)],
+                       reason=f"independent along [{' '.join(parallel)}]")
     kernels = []
     if core_states:
         core = _subprogram(program, f"{program.name}_core", core_states, ())
@@ -601,7 +605,14 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         k = build_kernel(e.name, e, independent_axes(e) if map_reduce else (), time_blocks=True)
         k.sum_over_time = True  # the epilogue's states are accumulators: blocks may take any steps
         kernels.append(k)
-    return Lowered(program, "split", kernels, core_states, acc, from_outputs)
+    if not parallel:
+        reason = "no axis along which every state and output is independent"
+    elif not core_states:
+        reason = "every state a sum over time: map kernels over blocks of time"
+    else:
+        reason = (f"the sums over time ({', '.join(acc)}) reduce axes the core's states are independent along: "
+                  f"a core over [{' '.join(independent_axes(kernels[0].program))}], then the sums over blocks of time")
+    return Lowered(program, "split", kernels, core_states, acc, from_outputs, reason)
 
 
 def _core_spreads_wider(program: Recurrence, core_states: tuple[str, ...], parallel: tuple[str, ...]) -> bool:

@@ -19,7 +19,7 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
-from .codegen import ArraySpec, compile_options, contiguous_strides
+from .codegen import SM_COUNT, ArraySpec, compile_options, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
@@ -36,6 +36,7 @@ class KernelReport:
     path: str                 # the source file in the cache
     resources: nvrtc.KernelResources | None = None
     error: str = ""           # why `resources` is missing
+    reason: str = ""          # why the strategy was chosen
 
     @property
     def name(self) -> str:
@@ -97,8 +98,13 @@ def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: b
         # a training step's kernels: the forward saving round carries, the fused backward, and (a scan's)
         # the forward without outputs that a step wanting only gradients runs
         roles = ("forward (training)", "backward", "forward (gradients only)")
-        return [_report(role, kind + _fused_label(role, launch, fused, length), launch, source, arch, compile_kernels)
-                for (launch, source), role in zip(fused.sources(sizes, length, time_contiguous), roles)]
+        why = ("the forward, saving the carry into each round of the fused backward",
+               "a diagonal-linear adjoint whose sums over the recurrences each thread adds atomically: one kernel "
+               "walks the rounds backward, recomputing the forward's carries from those saved per round",
+               "the forward without outputs, saving the round carries, for a step that wants gradients only")
+        return [_report(role, kind + _fused_label(role, launch, fused, length), launch, source, arch, compile_kernels,
+                        reason) for (launch, source), role, reason in zip(fused.sources(sizes, length, time_contiguous),
+                                                                           roles, why)]
     chunk = min(length, default_chunk("cuda", length, program, sizes))
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     return (_program_reports("recompute", bw.carries, chunk, kind, *common)
@@ -125,34 +131,36 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
     fused = fuse(program)
     if whole and one_kernel(fused, compute, sizes, steps, time_contiguous):  # a block owns each row
         return _reports(CudaRunner(program, compute), role, kind + "rows (the layer in one kernel)", sizes, steps,
-                        time_contiguous, dtype, compute, arch, compile_kernels)
+                        time_contiguous, dtype, compute, arch, compile_kernels,
+                        "a row statistic of the whole layer: a block owns each row, scan and norm in one kernel")
     for stage in fused.stages:
         hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
         runner = CudaRunner(stage.program, compute) if hoisted is None else hoisted.kernels
-        strategy = runner.strategy(sizes, steps, time_contiguous)
+        strategy, reason = runner.decide(sizes, steps, time_contiguous)
         if hoisted is not None:
             strategy += f" (+ {hoisted.describe()})"
         if fused.staged:  # which fusion stage the kernel belongs to
             strategy = f"{stage.kind}: {strategy}"
         reports += _reports(runner, role, kind + strategy, sizes, steps, time_contiguous, dtype, compute, arch,
-                            compile_kernels)
+                            compile_kernels, reason)
     return reports
 
 
 def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, time_contiguous: bool, dtype: str,
-             compute: str, arch: str, compile_kernels: bool) -> list[KernelReport]:
+             compute: str, arch: str, compile_kernels: bool, reason: str) -> list[KernelReport]:
     reports = []
     for launch in runner.launches(sizes, steps, time_contiguous):
         specs = _specs(launch, sizes, dtype, compute, time_contiguous)
         source = runner.source_for(launch.kernel, specs, sizes, launch.mapping, launch.length)
         label = f"{strategy}, {launch.mapping.describe()}" if launch.mapping.describe() else strategy
-        reports.append(_report(role, label, launch, source, arch, compile_kernels))
+        reports.append(_report(role, label, launch, source, arch, compile_kernels, reason))
     return reports
 
 
-def _report(role: str, label: str, launch: Launch, source: str, arch: str, compile_kernels: bool) -> KernelReport:
+def _report(role: str, label: str, launch: Launch, source: str, arch: str, compile_kernels: bool,
+            reason: str) -> KernelReport:
     """One kernel's report: its source stored, and compiled by NVRTC where asked and possible."""
-    report = KernelReport(role, label, launch, source, str(store("cuda", source, ".cu")))
+    report = KernelReport(role, label, launch, source, str(store("cuda", source, ".cu")), reason=reason)
     if compile_kernels and nvrtc.available():
         try:
             # half types include the toolkit's cuda_fp16.h / cuda_bf16.h, which NVRTC does not have
@@ -182,6 +190,11 @@ def format_reports(reports: list[KernelReport]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"{r.name}: {r.path}" for r in reports]
+    why = dict.fromkeys((r.program, r.strategy.split(" (+")[0].split(", ")[0], r.reason) for r in reports if r.reason)
+    lines += [f"why {program} is {strategy}: {reason}" for program, strategy, reason in why]
+    lines += [f"warning: {r.name} launches {r.launch.grid[0]} block{'s' * (r.launch.grid[0] > 1)} of "
+              f"{r.launch.grid[1]} threads, fewer than the {SM_COUNT} SMs of the GPU: it cannot fill it"
+              for r in reports if r.launch.grid[0] < SM_COUNT]
     errors = sorted({r.error for r in reports if r.error})
     lines += [f"note: {e}" for e in errors]
     lines += [f"note: {r.name} needs {r.resources.stack_frame_bytes} bytes of local memory a thread, more than "

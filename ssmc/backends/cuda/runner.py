@@ -400,7 +400,12 @@ class CudaRunner:
         return None if block is None else Threads(lanes=groups, block=block)
 
     def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False, lanes: bool = True) -> str:
-        """How a run goes: "split" (plan.py) for split programs; for fused ones "rows" where a row
+        """How a run goes (`decide`, without its reason)."""
+        return self.decide(sizes, length, time_contiguous, lanes)[0]
+
+    def decide(self, sizes: dict[str, int], length: int, time_contiguous: bool = False,
+               lanes: bool = True) -> tuple[str, str]:
+        """How a run goes, and why: "split" (plan.py) for split programs; for fused ones "rows" where a row
         statistic's axis can be shared by a block (`row_threads`); "lanes" where the states have an
         axis of their own to split among lanes (`lane_threads`) and rows x lanes fill the GPU (at least
         LANES_FILL threads, any layout); else, for scans time_blocks.py
@@ -414,33 +419,41 @@ class CudaRunner:
         forced = os.environ.get("SSMC_CUDA_STRATEGY")
         if forced and forced not in STRATEGIES:
             raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
+        because = f"forced by SSMC_CUDA_STRATEGY={forced}" if forced else ""
         rows = self.row_threads(sizes) is not None
         if forced == "rows" or (rows and not forced):
             if not rows:
                 raise ValueError(f"SSMC_CUDA_STRATEGY=rows: {self.program.name} has no row statistic a block "
                                  "of threads can share (lowering/split_sum.py)")
-            return "rows"
+            return "rows", because or f"a row statistic over {self.row_axis} that a block of threads shares"
         threads = self.lane_threads(sizes) if lanes or forced == "lanes" else None
         if forced == "lanes" and threads is None:
             raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
                              "split (lowering/state_lanes.py), or its chunks do not fit shared memory or its step the "
                              "registers (lanes.lanes_block)")
-        if lanes and (forced == "lanes" or (threads is not None and not forced and self._threads(
-                self.lowered.kernels[0], sizes) * threads.lanes >= LANES_FILL)):
-            return "lanes"
+        rows_x_lanes = self._threads(self.lowered.kernels[0], sizes) * threads.lanes if threads else 0
+        if lanes and (forced == "lanes" or (threads is not None and not forced and rows_x_lanes >= LANES_FILL)):
+            return "lanes", because or (f"the states' axis {self.state_lanes.axis} split among lanes: "
+                                        f"{rows_x_lanes} threads (at least {LANES_FILL})")
         tb = self.time_blocks
         if tb is None:
-            return self.lowered.strategy
+            if self.lowered.strategy != "fused":
+                return self.lowered.strategy, self.lowered.reason
+            threads = self._threads(self.lowered.kernels[0], sizes)
+            return "fused", f"{self.lowered.reason}: a thread per recurrence, {threads}"
         if forced:
-            return forced
+            return forced, because
         total = self._threads(tb.summary, sizes)
         if time_contiguous and length >= 2 * WARP:
             # whatever the count: a thread per recurrence would read a line per thread and step
             # (Mamba-1 block B256 D1024 L1024, H200: its forward 34 ms against mamba-ssm's 14)
-            return "warp"
+            return "warp", f"a diagonal-linear scan with time contiguous: a warp shares each of the {total} recurrences"
         if time_block_count(total, length) > 1 and (length > SHORT_SCAN or os.environ.get("SSMC_CUDA_TIME_BLOCKS")):
-            return "time blocks"
-        return "fused"
+            return "time blocks", (f"a diagonal-linear scan of {total} recurrences, too few to fill the GPU "
+                                   f"alone over {length} steps: blocks of time, combined")
+        why = f"{total} recurrences fill the GPU" if time_block_count(total, length) == 1 \
+            else f"{length} steps are too few for blocks of time"
+        return "fused", f"a thread per recurrence ({self.lowered.reason}): {why}"
 
     def recurrence_warps(self, length: int) -> int:
         """Warps of a block sharing one recurrence in the warp kernel at `length` steps: where its
