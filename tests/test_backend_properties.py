@@ -9,6 +9,7 @@ CI runs a few examples of each property; ``SSMC_PROPERTY_EXAMPLES=10000`` runs t
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -122,3 +123,45 @@ def test_projected_gate_gradients(backend, length, emulated_cuda):
     sizes = {"b": 3, "d": 5, "e": 5}
     err, where = check(projected_gate, backend, "b t ...", "float64", sizes, length, length, with_grad=True)
     assert err <= TOL, f"{where}: {err:.2e}"
+
+
+# -- on the GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+@pytest.mark.parametrize("spec", [second_order, layernorm_lstm, projected_gate], ids=lambda s: s.program.name)
+def test_regressions_on_the_gpu(spec, length):
+    sizes = axis_sizes(spec.program, np.random.default_rng(length), 3, 6)
+    err, where = check(spec, "cuda", "b t ...", "float64", sizes, length, length, with_grad=True)
+    assert err <= TOL, f"{where}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@settings(max_examples=EXAMPLES or 12, **SETTINGS)
+@given(spec=coupled_recurrences(), length=st.sampled_from([1, 7, 180, 1000]), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(["b t ...", "b d t"]))
+def test_coupled_specs_on_the_gpu(spec, length, seed, layout):
+    err, where = _worst(spec, "cuda", length, seed, layout)
+    assert err <= TOL, f"{where}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, sizes", [("mamba2", {"batch": 2, "groups": 1, "heads": 8, "headdim": 64, "state": 64}),
+                                         ("retnet", {"batch": 2, "heads": 4, "dk": 64, "dv": 64})])
+def test_matrix_state_backward_runs_at_real_head_sizes(name, sizes):
+    """The adjoints that asked more local memory a thread than CUDA allows (Mamba-2 at P64 N64: 0.8 MB):
+    split, they run, in float32, every gradient against the float64 interpreter's."""
+    import torch
+
+    m = importlib.import_module(f"ssmc.examples.{name}")
+    rng = np.random.default_rng(0)
+    inputs = m.make_inputs(rng, 256, **sizes)
+    want_y = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs)
+    cot = rng.standard_normal(want_y.shape)
+    want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
+    on_gpu = {k: torch.tensor(v, dtype=torch.float32, device="cuda") for k, v in inputs.items()}
+    got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**on_gpu, grad_outputs=torch.tensor(cot, device="cuda"))
+    for key, w in want.items():
+        g = got[key].double().cpu().numpy()
+        assert np.abs(g - w).max() <= 2e-3 * np.abs(w).max(), key

@@ -585,12 +585,14 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     classes = {c.state: c for c in classify(program).states}
     acc = tuple(s.name for s in program.states if classes[s.name].family == "accumulator")
     core_states = tuple(s.name for s in program.states if s.name not in acc)
-    # on a GPU, split where accumulators (sums over time) keep a fused kernel from parallelism: sums
-    # over time alone (the adjoint of a state-free stage: map kernels over blocks of time beat a
-    # thread per recurrence walking every step), or a core independent along axes the accumulators
-    # sum over (an adjoint's parameter gradients sum over the batch: fused, each thread would walk
-    # whole states, Mamba-2's b p n, through local memory)
-    spread = map_reduce and acc and (not core_states or _core_spreads_wider(program, core_states, parallel))
+    # on a GPU, split where the fused kernel would leave parallelism unused: sums over time alone
+    # (the adjoint of a state-free stage: map kernels over blocks of time beat a thread per
+    # recurrence walking every step), or a core independent along axes that the accumulators or
+    # (in an adjoint) the outputs sum over: fused, each thread would walk whole states (Mamba-2's
+    # b p n, through local memory; a projection's grad_x = sum_d g W, a thread per batch row).
+    # Forwards keep their fused kernel, whose diagonal scans split such axes among lanes instead.
+    spread = map_reduce and (acc or program.reverse) and (
+        not core_states or _core_spreads_wider(program, core_states, parallel))
     if parallel and not spread:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)],
                        reason=f"independent along [{' '.join(parallel)}]")
@@ -610,8 +612,9 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     elif not core_states:
         reason = "every state a sum over time: map kernels over blocks of time"
     else:
-        reason = (f"the sums over time ({', '.join(acc)}) reduce axes the core's states are independent along: "
-                  f"a core over [{' '.join(independent_axes(kernels[0].program))}], then the sums over blocks of time")
+        sums = f"the sums over time ({', '.join(acc)})" if acc else "the outputs"
+        reason = (f"{sums} reduce axes the core's states are independent along: a core over "
+                  f"[{' '.join(independent_axes(kernels[0].program))}], then the rest over blocks of time")
     return Lowered(program, "split", kernels, core_states, acc, from_outputs, reason)
 
 
