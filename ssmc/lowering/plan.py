@@ -180,8 +180,9 @@ class StepBuilder:
         # no buffer as long as the output's local axes (a norm's whole row) between the two
         kept_roots = set() if self.k.time_blocks and not self.k.program.states else roots
         chosen: list[Node] = []
+        carried_over = self._carried_over()
         for n in self.nodes:
-            if n in self._carried_over():
+            if n in carried_over:
                 chosen.append(n)
                 continue
             if n.op in LEAVES or (n.op in _VIEWS and n not in kept_roots):
