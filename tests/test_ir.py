@@ -134,12 +134,19 @@ def test_spec_language_axes():
     assert step.program.static_sizes == {"g": 3}
 
 
-def test_a_state_update_with_fewer_axes_is_broadcast():
+def test_a_state_update_with_fewer_axes_is_broadcast_when_asked():
     @ssmc.recurrence
     def step(h: ssmc.State["b d"], x: ssmc.Seq["b"]):
-        return x * 2.0, h
+        return (x * 2.0).broadcast("d"), h
 
     (update,) = step.program.updates
+    assert update.op is Op.EXPAND and set(update.axes) == {"b", "d"}
+
+    @ssmc.recurrence
+    def reset(h: ssmc.State["b d"], x: ssmc.Seq["b"]):
+        return 0.0, h + x  # a plain number fills the state
+
+    (update,) = reset.program.updates
     assert update.op is Op.EXPAND and set(update.axes) == {"b", "d"}
 
 

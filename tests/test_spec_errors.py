@@ -108,6 +108,58 @@ def test_state_value_with_undeclared_axis():
     expect(err, "extra-axis", "state 'h'", "[b d]", "declared [b]")
 
 
+def test_state_value_that_lacks_an_axis():
+    """An output returned as the carry: `y` [b d] is not the state `h` [b d n], however it broadcasts."""
+    with pytest.raises(ssmc.SpecError) as err:
+        @ssmc.recurrence
+        def step(h: ssmc.State["b d n"], x: ssmc.Seq["b d"], B: ssmc.Seq["b n"], C: ssmc.Seq["b n"]):
+            h = 0.5 * h + x * B
+            y = (h * C).sum("n")  # <- lost-axis
+            return y, h  # <- lost-axis-return
+    msg = expect(err, "lost-axis", "state 'h'", "has axes [b d]", "declared [b d n]", "lacks axis 'n'",
+                 'value.broadcast("n")')
+    assert f"returned at line {line_of('lost-axis-return')}" in msg
+
+
+def test_state_value_that_lacks_axes_made_by_no_line_of_the_step():
+    with pytest.raises(ssmc.SpecError) as err:
+        @ssmc.recurrence
+        def step(h: ssmc.State["b"], c: ssmc.State["b d n"], x: ssmc.Seq["b"], w: ssmc.Param["d n"]):
+            return {"h": h + x, "c": x}, h  # <- lost-axes
+    msg = expect(err, "lost-axes", "state 'c'", "has axes [b]", "lacks axes 'd', 'n'", 'value.broadcast("d n")')
+    assert "returned at line" not in msg  # the value is an input: its line is the return
+
+
+@ssmc.recurrence
+def _broadcast_state(h: ssmc.State["b d"], x: ssmc.Seq["b"], w: ssmc.Param["d"]):
+    new = 0.5 * h.mean("d") + x  # [b]: the same value for every d, on purpose
+    return new.broadcast("d"), h * w
+
+
+@ssmc.recurrence
+def _reset_state(h: ssmc.State["b d"], x: ssmc.Seq["b d"]):
+    return 0.0, h + x  # a plain number fills the state: no broadcast needed
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_an_explicit_broadcast_of_a_state_value(backend):
+    """`value.broadcast(axes)` gives a state a value constant along axes it lacks: the numbers of the
+    implicit broadcast it replaces (h[b, d] = 0.5 * mean_d h[b, :] + x[b] for every d)."""
+    rng = np.random.default_rng(0)
+    x, w, h0 = rng.standard_normal((7, 2)), rng.standard_normal(3), rng.standard_normal((2, 3))
+    y, h_last = ssmc.compile(_broadcast_state, backend)(x, w, h=h0, return_final_states=True)
+    h, want = h0, []
+    for t in range(7):
+        want.append(h * w)
+        h = np.broadcast_to((0.5 * h.mean(1) + x[t])[:, None], (2, 3))
+    np.testing.assert_allclose(y, np.stack(want), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(h_last, h, rtol=1e-12, atol=1e-12)
+    xs = rng.standard_normal((4, 2, 3))
+    y, h_last = ssmc.compile(_reset_state, backend)(xs, h=h0, return_final_states=True)
+    np.testing.assert_allclose(y, np.concatenate([h0[None], np.zeros((3, 2, 3))]) + xs, rtol=1e-12)
+    assert np.array_equal(h_last, np.zeros((2, 3)))
+
+
 @ssmc.recurrence
 def _earlier(h: ssmc.State["b"], x: ssmc.Seq["b d"]):
     return h, h * 0.5 + x  # builds, and keeps alive, the node the next test builds again

@@ -187,6 +187,9 @@ def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc]) -> t
             raise SpecError(f"new value of state {state.name!r} has axes {format_axes(node.axes)}, "
                             f"but {state.name!r} is declared {format_axes(state.axes)} "
                             f"(reduce or rename {extra})", node_loc)
+        missing = [a for a in state.axes if a not in node.axes]
+        if missing and node.op is not Op.CONST:  # a plain number (`return 0.0`) fills the state
+            raise SpecError(_lost_axes_message(state, node.axes, missing, node_loc, loc), node_loc)
         if node.dtype == BOOL:
             raise SpecError(f"new value of state {state.name!r} is boolean; states hold floats "
                             "(use ssmc.where(cond, 1.0, 0.0))", node_loc)
@@ -195,6 +198,17 @@ def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc]) -> t
             locs.setdefault(node, node_loc)
         updates.append(node)
     return tuple(updates)
+
+
+def _lost_axes_message(state: Decl, axes: tuple[str, ...], missing: list[str], at: Loc, ret: Loc) -> str:
+    """A new state value without some of its state's axes: almost always an output returned as the
+    carry, or an update that forgot a factor. Broadcasting it is possible, but only when asked for."""
+    names = " ".join(missing)
+    lacks = f"axis {missing[0]!r}" if len(missing) == 1 else "axes " + ", ".join(map(repr, missing))
+    returned = f" (returned at line {ret.line})" if at != ret and at.path == ret.path else ""
+    return (f"new value of state {state.name!r}{returned} has axes {format_axes(axes)} but {state.name!r} "
+            f"is declared {format_axes(state.axes)}: it lacks {lacks} (an output returned as the carry?); "
+            f'to broadcast it along {names!r} on purpose, return value.broadcast("{names}")')
 
 
 def _read_outputs(outputs, decl_names: set[str], loc: Loc) -> tuple[tuple[str, Node], ...]:

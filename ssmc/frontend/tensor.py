@@ -206,7 +206,13 @@ class Tensor:
         return tuple(make(Op.SLICE, (self,), (axis, new, parts, i)) for i, new in enumerate(parts))
 
     def broadcast(self, axes) -> Tensor:
-        """Broadcast to include the named axes."""
+        """Repeat along the named axes: the result has them first, in that order, then this
+        tensor's other axes (naming an axis it already has is fine).
+
+        A state's new value must have all of its state's axes, so a value that is meant to be
+        the same along some of them says so: ``return y.broadcast("n"), out`` for ``h [b d n]``
+        and ``y [b d]``. Every axis named must get its size from some declared input.
+        """
         return make(Op.EXPAND, (self,), _new_axes(axes, "broadcast"))
 
 
