@@ -371,26 +371,23 @@ def round_to(arr: np.ndarray, dtype: str) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64)).to(_torch_dtype(dtype)).double().numpy()
 
 
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want| (inf where shapes differ or `got` is not finite)."""
+    from ssmc.runtime.benchmark import relative_error
+
+    return relative_error(got, want)
+
+
 def _flat(value) -> list:
-    if value is None:
-        return []
-    if isinstance(value, (tuple, list)):
-        return [a for v in value for a in _flat(v)]
-    return [value]
+    from ssmc.runtime.benchmark import _flat as flat
+
+    return flat(value)
 
 
 def _numpy(x) -> np.ndarray:
-    return x.detach().double().cpu().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+    from ssmc.runtime.benchmark import _numpy as numpy
 
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want| (inf where shapes differ or `got` is not finite)."""
-    got, want = _numpy(got), _numpy(want)
-    if got.shape != want.shape or not np.isfinite(got).all():
-        return float("inf")
-    scale = float(np.abs(want).max(initial=0.0))
-    diff = float(np.abs(got - want).max(initial=0.0))
-    return 0.0 if diff == 0 else diff / scale if scale > 0 else float("inf")
+    return numpy(x)
 
 
 def rel_err_torch(got, want) -> float:
