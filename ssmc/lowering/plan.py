@@ -589,10 +589,10 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
     # on a GPU, split where the fused kernel would leave parallelism unused: sums over time alone
     # (the adjoint of a state-free stage: map kernels over blocks of time beat a thread per
     # recurrence walking every step), or a core independent along axes that the accumulators or
-    # (in an adjoint) the outputs sum over: fused, each thread would walk whole states (Mamba-2's
-    # b p n, through local memory; a projection's grad_x = sum_d g W, a thread per batch row).
-    # Forwards keep their fused kernel, whose diagonal scans split such axes among lanes instead.
-    spread = map_reduce and (acc or program.reverse) and (
+    # (in an adjoint no diagonal scan runs) the outputs sum over: fused, each thread would walk whole
+    # states (Mamba-2's b p n, through local memory). Forwards and diagonal adjoints keep their fused
+    # kernel, whose scans split such axes among lanes or blocks of time instead.
+    spread = map_reduce and (acc or (program.reverse and not _scans(program))) and (
         not core_states or _core_spreads_wider(program, core_states, parallel))
     if parallel and not spread:
         return Lowered(program, "fused", [build_kernel(f"{program.name}_fused", program, parallel)],
@@ -617,6 +617,13 @@ def lower(program: Recurrence, map_reduce: bool = False) -> Lowered:
         reason = (f"{sums} reduce axes the core's states are independent along: a core over "
                   f"[{' '.join(independent_axes(kernels[0].program))}], then the rest over blocks of time")
     return Lowered(program, "split", kernels, core_states, acc, from_outputs, reason)
+
+
+def _scans(program: Recurrence) -> bool:
+    """Does a time-parallel diagonal scan (time_blocks.py) apply to `program`?"""
+    from .time_blocks import time_blocks  # it builds on this module's kernels
+
+    return time_blocks(program) is not None
 
 
 def _core_spreads_wider(program: Recurrence, core_states: tuple[str, ...], parallel: tuple[str, ...]) -> bool:
