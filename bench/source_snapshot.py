@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import os
 import sys
 
 from ssmc.backends.cuda.report import kernel_reports
@@ -32,24 +33,46 @@ SHAPES = [
     ("lstm", {"b": 64, "i": 512, "k": 512}, (180,)),
     ("gru", {"b": 64, "i": 512, "k": 512}, (180,)),
 ]
+# every example at the tests' small sizes (each axis 16 where not given) and awkward lengths
+SHAPES += [(name, {}, (1, 7, 180)) for name in sorted({n for n, _, _ in SHAPES})]
 
 
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def cuda_sources() -> dict[str, str]:
+def cuda_sources(small_only: bool = False) -> dict[str, str]:
     out = {}
     for name, sizes, lengths in SHAPES:
+        if small_only and sizes:
+            continue
         program = importlib.import_module(f"ssmc.examples.{name}").SPEC.program
         sizes = {**{a: 16 for d in program.decls for a in d.axes}, **program.static_sizes, **sizes}
         for length in lengths:
             for dtype in ("float32", "bfloat16"):
                 for contiguous in (False, True):
-                    for r in kernel_reports(program, sizes, length, dtype, compile_kernels=False,
-                                            time_contiguous=contiguous):
+                    try:
+                        reports = kernel_reports(program, sizes, length, dtype, compile_kernels=False,
+                                                 time_contiguous=contiguous)
+                    except ValueError as e:  # a forced strategy that cannot run this program
+                        out[f"cuda {name} L{length} {dtype} contiguous={contiguous}"] = f"refused {e}"
+                        continue
+                    for r in reports:
                         key = f"cuda {name} {sizes} L{length} {dtype} contiguous={contiguous} {r.program} {r.name}"
                         out[key] = f"{r.strategy} {_digest(r.source)}"
+    return out
+
+
+def forced_sources() -> dict[str, str]:
+    """The kernels each strategy forced by SSMC_CUDA_STRATEGY builds, where it can run, at small sizes."""
+    out = {}
+    for strategy in ("fused", "time blocks", "warp", "rows", "lanes"):
+        os.environ["SSMC_CUDA_STRATEGY"] = strategy
+        try:
+            for key, value in cuda_sources(small_only=True).items():
+                out[f"forced {strategy}: {key}"] = value
+        finally:
+            del os.environ["SSMC_CUDA_STRATEGY"]
     return out
 
 
@@ -57,7 +80,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", metavar="BEFORE.json", help="list the kernels that differ from this snapshot")
     args = parser.parse_args()
-    now = cuda_sources()
+    now = {**cuda_sources(), **forced_sources()}
     if not args.compare:
         json.dump(now, sys.stdout, indent=1, sort_keys=True)
         return 0
