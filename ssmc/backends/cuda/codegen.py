@@ -47,6 +47,7 @@ from ...lowering.state_major import (
     warp_state_major,
 )
 from ...lowering.time_blocks import partial_name, product_name
+from .kernels import environment, template
 
 BLOCK = 128
 WARP = 32
@@ -406,6 +407,8 @@ def kernel_context(k: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int
     if threads.time_fastest:
         comment += ", consecutive threads along time"
     return {
+        "template": template("rows.cu.j2" if row and threads.recurrence else "map_rows.cu.j2" if row
+                             else "thread.cu.j2"),
         "name": k.name,
         "comment": comment,
         "time_fastest": threads.time_fastest,
@@ -444,6 +447,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     room = STATIC_SHARED - 4 * warps * len(program.states) * value_bytes  # less the warps' aggregates
     staged = _within(_stageable(k.arrays, (summary, k), set(k.parallel)), block_warps * stage_len * value_bytes, room)
     ctx = kernel_context(k, arrays, sizes)
+    ctx["template"] = template("warp.cu.j2")
     in_registers = param_registers((summary, k), set(k.parallel), sizes)
     major = warp_state_major(summary, k)
     unrolled = major is not None and _state_loop_unrolled(program.states, set(k.parallel), sizes, steps_per_lane)
@@ -888,6 +892,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
                        "}"]
     pad = "    "
     ctx = {
+        "template": template("warp_backward.cu.j2"),
         "fused_backward": True,
         "name": fb.name,
         "comment": (f"{fb.backward.adjoint.name}: one warp per [{' '.join(fb.parallel)}], its lanes over blocks of "
@@ -1278,11 +1283,8 @@ def _store(dtype: str, value: str) -> str:
     return f"from_f<{ctype}>({value})" if ctype not in ("float", "double") else f"({ctype})({value})"
 
 
-@cache
 def _template() -> jinja2.Template:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("ssmc", "templates"), keep_trailing_newline=True,
-                             undefined=jinja2.StrictUndefined)
-    return env.get_template("cuda_module.cu.j2")
+    return environment().get_template("module.cu.j2")
 
 
 @cache

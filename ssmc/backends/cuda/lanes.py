@@ -49,6 +49,7 @@ from .codegen import (
     render,
     with_free_array_names,
 )
+from .kernels import template
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
@@ -259,6 +260,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     vector_copies = vector_stages(lanes, arrays, ctype)
     hosted = hosted_sums(lanes)
     return {
+        "template": template("lanes.cu.j2"),
         "name": k.name,
         "block": block,
         "min_blocks": lanes_min_blocks(lanes, k, sizes, groups, block, ctype),

@@ -53,6 +53,7 @@ from .codegen import (
     render,
     with_free_array_names,
 )
+from .kernels import template
 from .lanes import CHUNK, _lane_loops, lane_groups, sum_identity
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
@@ -388,6 +389,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     scalars = [f"F {name} = F(0);" for name in dict.fromkeys(
         [*lb.scalars, *(f"v_{s}" for s in lane_buffers), *_scalar_names(hoisted + k.setup)])]
     return {
+        "template": template("lanes_backward.cu.j2"),
         "lanes_backward": True,
         "name": fb.name,
         "block": block,
