@@ -8,7 +8,7 @@ Three modes, all run by default (or pick with ``--sanitize``, ``--long``, ``--ov
    called ``--grad-calls`` times so that the prepared and lean steps run too) at awkward sizes (dims
    not multiples of 32, L in {1, 7, 180, 1000}), in the example's own layout and in "b t ..." /
    "b d t", fp32 (and bf16), with ``SSMC_CUDA_STRATEGY`` unset ("auto") and forced to each strategy
-   of ``runner.STRATEGIES``. The plan is worked out on the host first (``kernel_reports``, no GPU):
+   of ``options.STRATEGIES``. The plan is worked out on the host first (``kernel_reports``, no GPU):
    a forced strategy that does not apply is "n/a", one that gives the same kernels as a strategy
    before it is not run again. The plan is ordered so that a cut by the time budget drops the least
    important workloads: every example at L = 180 in its own layout first, then L = 1000, the other
@@ -252,7 +252,7 @@ def sanitize_plan(examples=None, quick: bool = False, lengths=None, strategies=N
     """The sanitizer workloads in the order they run, each a dict: example, layout, length, dtype,
     strategy, tier, status ("run"; "n/a" where the forced strategy does not apply; "same" where it
     gives the kernels of a strategy before it), note, kernels, labels, index, id."""
-    from ssmc.backends.cuda.runner import STRATEGIES
+    from ssmc.backends.cuda.options import STRATEGIES
 
     examples = list(examples or (QUICK_EXAMPLES if quick else SANITIZE_EXAMPLES))
     unknown = sorted(set(examples) - set(SANITIZE_SIZES))
@@ -1388,7 +1388,7 @@ def parse_args(argv=None):
     p.add_argument("--plain-workers", type=int, default=6, help="processes of the plain pass (default 6)")
     p.add_argument("--examples", help="sanitizer examples, comma-separated (default: every recurrence)")
     p.add_argument("--lengths", help="sanitizer lengths, comma-separated (default 180,1000,7,1)")
-    p.add_argument("--strategies", help="sanitizer strategies, comma-separated: auto and runner.STRATEGIES")
+    p.add_argument("--strategies", help="sanitizer strategies, comma-separated: auto and options.STRATEGIES")
     p.add_argument("--max-tier", type=int, help="sanitizer plan tiers up to this one (0: L=180 own layout only)")
     p.add_argument("--grad-calls", type=int, default=3, help="ssmc.grad calls a sanitizer workload (default 3)")
     p.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, CUDA_HOME, /usr/local/cuda*)")

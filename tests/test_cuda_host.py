@@ -115,18 +115,26 @@ def test_a_failed_driver_launch_goes_through_cupy(monkeypatch):
     assert fn.calls == [((2,), (64,), [7, 1, 16, 32], ("cupy stream", 0x5EA))]
 
 
-def test_overrides_follow_the_environment(monkeypatch):
-    """Settings read through the environment's table see a variable set or removed between calls."""
-    from ssmc.backends.cuda.settings import NAMES, overrides
+def test_options_follow_the_environment(monkeypatch):
+    """The options see a variable set or removed between calls, and name a malformed one."""
+    from ssmc.backends.cuda.options import CudaOptions, options
 
     monkeypatch.delenv("SSMC_CUDA_STRATEGY", raising=False)
-    before = overrides()
+    before = options()
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
-    after = overrides()
-    assert before != after and len(after) == len(NAMES)
-    assert after[NAMES.index("SSMC_CUDA_STRATEGY")] in ("warp", b"warp")
+    monkeypatch.setenv("SSMC_CUDA_TIME_BLOCKS", "0")
+    after = options()
+    assert after.strategy == "warp" and after.time_blocks == 0 and before.strategy is None
+    assert after.key != before.key and hash(after) != hash(before)
     monkeypatch.delenv("SSMC_CUDA_STRATEGY")
-    assert overrides() == before
+    monkeypatch.delenv("SSMC_CUDA_TIME_BLOCKS")
+    assert options() == before == CudaOptions()
+    for name, value in [("SSMC_CUDA_STRATEGY", "sideways"), ("SSMC_CUDA_ROW_GROUPS", "3"),
+                        ("SSMC_CUDA_FUSED_BACKWARD", "yes"), ("SSMC_CUDA_STEPS_PER_LANE", "four")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            options()
+        monkeypatch.delenv(name)
 
 
 def test_the_backward_takes_half_rounds_where_the_last_one_would_be_mostly_padding(monkeypatch):

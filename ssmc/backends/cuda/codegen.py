@@ -65,7 +65,6 @@ ROW_THREADS = 512  # a row kernel's block (lowering/split_sum.py, cooperative ro
 RECURRENCE_ROW_THREADS = 128  # a recurrence's rows (time inside): at least this many threads per block
 ROW_UNROLL = 8     # a recurrence row's thread unrolls its loops over the row axis up to this many indices
 STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
-SM_COUNT = 132             # SMs of an H100 / H200: a grid's waves are counted on these
 SM_REGISTERS = 65536       # 4-byte registers an SM has for its threads (sm_80, sm_90)
 SM_SHARED = 233472         # bytes of shared memory an SM has for its blocks (H100 / H200)...
 SM_BLOCK_SHARED = 1024     # ...of which each block takes this many more than it declares

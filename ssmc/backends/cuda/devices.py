@@ -20,7 +20,12 @@ import sys
 
 # whether the backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for tests of
 # the kernels' logic at tiny sizes on machines without a GPU
-from .settings import emulate as emulating
+from .options import options
+
+
+def emulating() -> bool:
+    """Whether the kernels run on the CPU (``SSMC_CUDA_EMULATE=1``; asked per launch)."""
+    return options().emulate
 
 _getter = None  # torch's raw current-device getter, once torch is imported
 

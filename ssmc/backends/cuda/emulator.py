@@ -25,6 +25,7 @@ import subprocess
 from importlib import resources
 
 from ...runtime.cache import cache_dir, content_key
+from .options import environment_variable
 
 _SIGNATURE = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)')
 
@@ -40,7 +41,7 @@ class EmulatedHang(RuntimeError):
 
 def compiler() -> str | None:
     """The host C++ compiler (``$CXX``, else g++ or clang++), or None."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    return environment_variable("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
 def available() -> bool:
@@ -65,7 +66,7 @@ def emulated(source: str, name: str):
         if len(pointers) != count:
             raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
         table = (ctypes.c_void_p * max(1, count))(*pointers)
-        timeout = float(os.environ.get("SSMC_EMULATE_TIMEOUT", "60"))
+        timeout = float(environment_variable("SSMC_EMULATE_TIMEOUT", "60"))
         stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
         if stuck >= 0:
             raise EmulatedHang(f"{name}: block {stuck} of {grid[0]} ({grid[1]} threads) did not finish in "

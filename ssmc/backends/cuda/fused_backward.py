@@ -23,7 +23,6 @@ C and z are not read): B8 D1536 L2048 0.257 -> 0.178 ms, B32 D512 L180 0.044 -> 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -51,6 +50,7 @@ from .devices import current_device, device_name
 from .lanes import lane_groups, lanes_source
 from .lanes_backward import lanes_backward_shape, lanes_backward_source
 from .launch import launch_kernel, zero_bytes
+from .options import options
 from .runner import (
     _DTYPES,
     MAX_PLANS,
@@ -63,7 +63,6 @@ from .runner import (
     steps_per_lane,
     time_contiguous,
 )
-from .settings import overrides
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
@@ -116,9 +115,9 @@ def backward_steps_per_lane(plan: FusedBackward, forward_steps: int, state_major
     at `length`, half of them where the shorter rounds waste less of the last one, or where `fits`
     (steps -> whether the kernel's shared memory fits, `FusedBackwardRunner.fits`) says the full
     rounds do not fit."""
-    forced = os.environ.get("SSMC_CUDA_BACKWARD_STEPS_PER_LANE")
-    if forced:
-        return max(1, int(forced))
+    forced = options().backward_steps_per_lane
+    if forced is not None:
+        return max(1, forced)
     if not state_major:
         return forward_steps if not plan.partials.atomic else ATOMIC_STEPS_PER_LANE
     half = forward_steps // 2  # at least 2 (one step a lane state-major is unmeasured)
@@ -184,7 +183,7 @@ class FusedBackwardRunner:
 
     def _decided(self, what: str, decide, sizes: dict[str, int], length: int, time_contiguous: bool):
         """`decide()` once per shape and setting of the overrides (asked on every training step)."""
-        key = (what, _sizes_key(sizes), length, time_contiguous, *overrides())
+        key = (what, _sizes_key(sizes), length, time_contiguous, *options().key)
         if key not in self._decisions:
             if len(self._decisions) >= MAX_PLANS:  # ever new lengths or shapes: start over
                 self._decisions.clear()
@@ -192,18 +191,18 @@ class FusedBackwardRunner:
         return self._decisions[key]
 
     def _applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
-        if os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "") == "0":
+        if options().fused_backward is False:
             return False
         return (self._warp_applies_at(sizes, length, time_contiguous)
                 or self.backward_lanes(sizes, length, time_contiguous) is not None)
 
     def _warp_applies_at(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> bool:
         """Whether the warp kernel's fused backward runs at this shape (`applies_at`, the lanes backward aside)."""
-        setting = os.environ.get("SSMC_CUDA_FUSED_BACKWARD", "")
+        forced = options().fused_backward
         if self.round_steps(length) % self.forward_steps() or not self.fits(length):
             return False  # a forward lane's steps would straddle two rounds, or too big a block
         partials = self.plan.partials
-        if setting != "1" and not (partials.atomic or partials.accumulators) and (
+        if forced is not True and not (partials.atomic or partials.accumulators) and (
                 math.prod(sizes[a] for a in self.plan.parallel) < FUSED_SCAN_RECURRENCES
                 or length < FUSED_SCAN_LENGTH):
             return False
@@ -226,9 +225,9 @@ class FusedBackwardRunner:
         backward splits so and its block's shared memory fits; SSMC_CUDA_LANES_BACKWARD = 0 turns it
         off (the warp kernel's fused backward, or the unfused backward, runs instead). None elsewhere."""
         def decide():
-            setting = os.environ.get("SSMC_CUDA_LANES_BACKWARD", "")
+
             lanes = self.forward_lanes(sizes, length, time_contiguous)
-            if lanes is None or self.lanes_backward is None or setting == "0":
+            if lanes is None or self.lanes_backward is None or options().lanes_backward is False:
                 return None
             rows = math.prod(sizes[a] for a in self.plan.parallel)
             value_bytes = 8 if self.compute == "float64" else 4
@@ -274,15 +273,15 @@ class FusedBackwardRunner:
         """Whether the backward kernel runs state-major (lowering/state_major.py, `FusedStateMajor`) at
         `length`: where it can and its rounds cost less (`STATE_MAJOR_STEP_COST`);
         SSMC_CUDA_STATE_MAJOR_BACKWARD = 0 / 1 turns it off / on wherever it can run."""
-        setting = os.environ.get("SSMC_CUDA_STATE_MAJOR_BACKWARD", "")
-        if not self.can_run_state_major or setting == "0":
+        forced = options().state_major_backward
+        if not self.can_run_state_major or forced is False:
             return False
         step_major = backward_steps_per_lane(self.plan, self.forward_steps(), False)
         steps = backward_steps_per_lane(self.plan, self.forward_steps(), True, length, self.fits_state_major)
-        if setting != "1" and not self.fits_state_major(steps):
+        if forced is not True and not self.fits_state_major(steps):
             return False  # its rounds' staging and block sums take more shared memory than a block has
         cost = STATE_MAJOR_STEP_COST * (HALF_ROUND_STEP_COST if steps < self.forward_steps() else 1.0)
-        return setting == "1" or padded(length, steps) * cost <= padded(length, step_major)
+        return forced is True or padded(length, steps) * cost <= padded(length, step_major)
 
     def backward_steps(self, length: int, major: bool | None = None) -> int:
         """The backward kernel's steps per lane at `length` (`major`: `state_major(length)`, if known)."""
@@ -421,7 +420,7 @@ class FusedBackwardRunner:
         overrides and device (`_plan_launch`; its function is loaded there)."""
         key = (k.name, back, _sizes_key(sizes), length,
                tuple(None if t is None else (t.dtype, t.stride()) for t in (given.get(a.name) for a in k.arrays)),
-               current_device(), *overrides())
+               current_device(), *options().key)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:

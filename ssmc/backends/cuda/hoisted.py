@@ -18,10 +18,10 @@ product is a float32 one), whatever the dtype of the sequences the kernels read 
 from __future__ import annotations
 
 import math
-import os
 from functools import reduce
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
+from .options import options
 from .runner import batch_outer, runner_for, time_contiguous
 
 
@@ -142,7 +142,7 @@ _RUNNERS: dict[tuple, HoistedRunner] = {}
 def hoisted_runner(program, compute: str = "float32") -> HoistedRunner | None:
     """The runner of `program` with its contractions hoisted, or None where `hoist` finds none (or
     `SSMC_CUDA_HOIST=0`: every contraction in the kernels, as before; bench/hoisted_products.py)."""
-    if os.environ.get("SSMC_CUDA_HOIST") == "0":
+    if not options().hoist:
         return None
     key = (program, compute)
     if key not in _RUNNERS:

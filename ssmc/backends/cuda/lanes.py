@@ -32,7 +32,6 @@ from .codegen import (
     BOUNDED_LANE_VALUES,
     C_TYPES,
     SM_BLOCK_SHARED,
-    SM_COUNT,
     SM_SHARED,
     STATIC_SHARED,
     ArraySpec,
@@ -50,6 +49,7 @@ from .codegen import (
     with_free_array_names,
 )
 from .kernels import template
+from .options import options
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
@@ -151,7 +151,8 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     the spill test under the bound, local CI): the bound is kept to the grids that need it."""
     per_lane = -(-sizes[lanes.axis] // groups)
     blocks = lane_blocks(k, sizes, groups, block)
-    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or blocks <= UNBOUNDED_LANES_BLOCKS * SM_COUNT:
+    few = blocks <= UNBOUNDED_LANES_BLOCKS * options().sm_count
+    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or few:
         return 1
     shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED
     return max(1, min(bounded_blocks(block), SM_SHARED // shared))

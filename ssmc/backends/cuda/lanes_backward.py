@@ -36,7 +36,6 @@ from .codegen import (
     BOUNDED_LANE_VALUES,
     C_TYPES,
     SM_BLOCK_SHARED,
-    SM_COUNT,
     SM_SHARED,
     STATIC_SHARED,
     WARP,
@@ -55,13 +54,14 @@ from .codegen import (
 )
 from .kernels import template
 from .lanes import CHUNK, _lane_loops, lane_groups, sum_identity
+from .options import options
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 
 # The bounded kernel: chunks of SHORT_CHUNK steps, BOUNDED_BLOCK threads a block, at most
 # BOUNDED_REGISTERS registers a thread (`__launch_bounds__`), so that 8 blocks run on an SM where the
 # kernel of 32-step chunks takes about 230 registers and 46 KB of shared memory, 4 an SM. It runs where
-# the rows' lanes are more threads than that kernel runs at once on 132 SMs (UNBOUNDED_WAVE_THREADS),
+# the rows' lanes are more threads than that kernel runs at once on 132 SMs (UNBOUNDED_WAVE_THREADS_AN_SM a SM),
 # its shared memory fits 8 blocks, and a lane's body holds few values (S x G at most BOUNDED_LANE_VALUES:
 # more would spill at 128 registers). Mamba-1 N16 fp32 "b d t", backward kernel, H100 (2026-11-26,
 # 17:23 UTC, docs/benchmarks.md): B8 D1536 L2048 1.044 against 1.368 ms (the warp kernel's fused
@@ -69,7 +69,7 @@ BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # rows, one wave of the unbounded kernel) 0.236 / 0.182.
 SHORT_CHUNK = 16
 BOUNDED_BLOCK = 64
-UNBOUNDED_WAVE_THREADS = 4 * 64 * SM_COUNT
+UNBOUNDED_WAVE_THREADS_AN_SM = 4 * 64
 
 # A staged sequence's next chunk is loaded into registers while a chunk computes where a thread takes
 # at most this many of its values (Mamba-1 at n = 16: 8 of each of u, delta, z, grad_y, B, C); more
@@ -106,8 +106,9 @@ def lanes_backward_shape(lb: LanesBackward, sizes: dict[str, int], axis: str, va
     per_lane = -(-sizes[axis] // groups)
     bounded = shared_bytes(lb, sizes, axis, groups, BOUNDED_BLOCK, value_bytes, SHORT_CHUNK)
     blocks_an_sm = min_blocks(BOUNDED_BLOCK, SHORT_CHUNK)
+    wave = UNBOUNDED_WAVE_THREADS_AN_SM * options().sm_count
     if (value_bytes == 4 and per_lane * groups <= BOUNDED_LANE_VALUES and BOUNDED_BLOCK // groups >= 1
-            and rows * groups > UNBOUNDED_WAVE_THREADS and (bounded + SM_BLOCK_SHARED) * blocks_an_sm <= SM_SHARED):
+            and rows * groups > wave and (bounded + SM_BLOCK_SHARED) * blocks_an_sm <= SM_SHARED):
         return BOUNDED_BLOCK, SHORT_CHUNK
     for block in BLOCKS:
         if block // groups >= 1 and shared_bytes(lb, sizes, axis, groups, block, value_bytes) <= STATIC_SHARED:

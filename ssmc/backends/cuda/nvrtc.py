@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .options import environment_variable
+
 __all__ = [
     "Compiled",
     "KernelResources",
@@ -216,7 +218,7 @@ def toolkit_include() -> str | None:
     """A CUDA toolkit's header directory on this machine (the one with ``cuda_fp16.h``), or None:
     ``$CUDA_HOME`` / ``$CUDA_PATH``, then ``/usr/local/cuda`` and ``/usr/local/cuda-*`` (newest first).
     NVRTC itself has no headers; kernels over half types include these."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    roots = [environment_variable("CUDA_HOME"), environment_variable("CUDA_PATH"), "/usr/local/cuda"]
     if os.path.isdir("/usr/local"):
         roots += sorted((os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")),
                         reverse=True)

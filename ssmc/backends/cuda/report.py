@@ -19,9 +19,10 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
-from .codegen import SM_COUNT, ArraySpec, compile_options, contiguous_strides
+from .codegen import ArraySpec, compile_options, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
+from .options import options
 from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
 
 
@@ -192,9 +193,10 @@ def format_reports(reports: list[KernelReport]) -> str:
     lines += [f"{r.name}: {r.path}" for r in reports]
     why = dict.fromkeys((r.program, r.strategy.split(" (+")[0].split(", ")[0], r.reason) for r in reports if r.reason)
     lines += [f"why {program} is {strategy}: {reason}" for program, strategy, reason in why]
+    sms = options().sm_count
     lines += [f"warning: {r.name} launches {r.launch.grid[0]} block{'s' * (r.launch.grid[0] > 1)} of "
-              f"{r.launch.grid[1]} threads, fewer than the {SM_COUNT} SMs of the GPU: it cannot fill it"
-              for r in reports if r.launch.grid[0] < SM_COUNT]
+              f"{r.launch.grid[1]} threads, fewer than the {sms} SMs of the GPU: it cannot fill it"
+              for r in reports if r.launch.grid[0] < sms]
     errors = sorted({r.error for r in reports if r.error})
     lines += [f"note: {e}" for e in errors]
     lines += [f"note: {r.name} needs {r.resources.stack_frame_bytes} bytes of local memory a thread, more than "

@@ -10,7 +10,6 @@ interpreter's contract: time-first arrays (any strides; nothing is copied), name
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -41,7 +40,7 @@ from .codegen import (
 from .devices import current_device, device_name, emulating, on_backend_device
 from .lanes import lane_blocks, lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
-from .settings import overrides
+from .options import environment_default, options
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -165,9 +164,9 @@ def time_block_count(total: int, length: int) -> int:
 
     `SSMC_CUDA_TIME_BLOCKS` overrides it (a count; 1 or 0 turns time-parallel scans off).
     """
-    forced = os.environ.get("SSMC_CUDA_TIME_BLOCKS")
-    if forced:
-        return max(1, min(int(forced), length))
+    forced = options().time_blocks
+    if forced is not None:
+        return max(1, min(forced, length))
     if total >= FILL_THREADS:
         return 1
     return max(1, min(-(-FILL_THREADS // max(total, 1)), length // MIN_BLOCK_STEPS))
@@ -185,7 +184,6 @@ STEPS_PER_LANE = 4
 WIDE_STEPS_PER_LANE = 2
 STATE_MAJOR_STEPS_PER_LANE = 4
 MAX_RECURRENCE_WARPS = 8  # warps of a block sharing one recurrence (`CudaRunner.recurrence_warps`)
-STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 
 # The lanes kernel (lanes.py) runs where a program's states have an axis of their own, its step splits
 # around the loops over it (lowering/state_lanes.py) and rows x lanes give at least LANES_FILL threads;
@@ -205,8 +203,8 @@ def lane_steps(tb: TimeBlocks | None) -> int:
 
 def steps_per_lane(default: int = STEPS_PER_LANE) -> int:
     """`default` (a runner's `lane_steps`) unless SSMC_CUDA_STEPS_PER_LANE overrides it."""
-    forced = os.environ.get("SSMC_CUDA_STEPS_PER_LANE")
-    return max(1, int(forced)) if forced else default
+    forced = options().steps_per_lane
+    return max(1, forced) if forced is not None else default
 
 
 def ragged(length: int | None, steps: int) -> bool:
@@ -241,10 +239,10 @@ def row_groups(k: Kernel, sizes: dict[str, int], rows: int) -> tuple[str | None,
     axis = row_axis(k, sizes)
     if axis is None:
         return None, 1
-    forced = os.environ.get("SSMC_CUDA_ROW_GROUPS")
-    if forced:
-        groups = int(forced)
-        if groups < 1 or groups & (groups - 1) or groups > ROW_THREADS:
+    forced = options().row_groups
+    if forced is not None:
+        groups = forced
+        if groups > ROW_THREADS:
             raise ValueError(f"SSMC_CUDA_ROW_GROUPS={forced!r}: expected a power of two up to {ROW_THREADS}")
     else:
         groups = 1
@@ -276,13 +274,6 @@ def row_recurrence_groups(size: int) -> int:
     per_thread = -(-size // MAX_ROW_RECURRENCE_GROUPS)
     threads = -(-size // per_thread)
     return -(-threads // WARP) * WARP
-
-
-def _row_recurrence_setting() -> str | None:
-    forced = os.environ.get("SSMC_CUDA_ROW_RECURRENCE")
-    if forced not in (None, "", "0", "1"):
-        raise ValueError(f"SSMC_CUDA_ROW_RECURRENCE={forced!r}: expected 0 or 1")
-    return forced or None
 
 
 @dataclass(frozen=True)
@@ -330,7 +321,7 @@ class CudaRunner:
         self.row_axis = fuse(program).shared_row_axis()
         # a fused kernel whose states' own axis can be split among lanes (lowering/state_lanes.py)
         self.state_lanes = state_lanes(self.lowered.kernels[0]) if self.lowered.strategy == "fused" else None
-        os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir("cupy")))
+        environment_default("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
     # -- building ----------------------------------------------------------------------------
     def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int],
@@ -381,7 +372,7 @@ class CudaRunner:
 
     def row_threads(self, sizes: dict[str, int]) -> Threads | None:
         """The thread mapping of the "rows" strategy at `sizes` (None where it cannot run)."""
-        if self.row_axis is None or _row_recurrence_setting() == "0":
+        if self.row_axis is None or options().row_recurrence is False:
             return None
         return Threads(groups=row_recurrence_groups(sizes[self.row_axis]), split=self.row_axis, row=True,
                        recurrence=True)
@@ -416,9 +407,7 @@ class CudaRunner:
         fused backward asks so whether it applies: where the warp kernel would run; its training
         forward is the lanes kernel where the plain forward is, else the warp kernel, each saving
         round carries)."""
-        forced = os.environ.get("SSMC_CUDA_STRATEGY")
-        if forced and forced not in STRATEGIES:
-            raise ValueError(f"SSMC_CUDA_STRATEGY={forced!r}: expected one of {', '.join(STRATEGIES)}")
+        forced = options().strategy
         because = f"forced by SSMC_CUDA_STRATEGY={forced}" if forced else ""
         rows = self.row_threads(sizes) is not None
         if forced == "rows" or (rows and not forced):
@@ -448,7 +437,7 @@ class CudaRunner:
             # whatever the count: a thread per recurrence would read a line per thread and step
             # (Mamba-1 block B256 D1024 L1024, H200: its forward 34 ms against mamba-ssm's 14)
             return "warp", f"a diagonal-linear scan with time contiguous: a warp shares each of the {total} recurrences"
-        if time_block_count(total, length) > 1 and (length > SHORT_SCAN or os.environ.get("SSMC_CUDA_TIME_BLOCKS")):
+        if time_block_count(total, length) > 1 and (length > SHORT_SCAN or options().time_blocks is not None):
             return "time blocks", (f"a diagonal-linear scan of {total} recurrences, too few to fill the GPU "
                                    f"alone over {length} steps: blocks of time, combined")
         why = f"{total} recurrences fill the GPU" if time_block_count(total, length) == 1 \
@@ -467,9 +456,9 @@ class CudaRunner:
             return 1
         steps = steps_per_lane(self.lane_steps)
         fit = recurrence_warps_fit(tb.lane_rescan, tb.lane_summary, steps, 8 if self.compute == "float64" else 4)
-        forced = os.environ.get("SSMC_CUDA_RECURRENCE_WARPS")
-        if forced:
-            return max(1, min(fit, int(forced)))
+        forced = options().recurrence_warps
+        if forced is not None:
+            return max(1, min(fit, forced))
         rounds = -(-length // (WARP * steps))
         warps = 1
         while warps * 2 <= min(MAX_RECURRENCE_WARPS, rounds, fit):
@@ -481,7 +470,7 @@ class CudaRunner:
         them; planning walks the kernels' IR, which costs more than a small launch): the launches
         and strategy, each launch worked out (`_launch`), each run prepared (`run`), and the
         decisions of other runners built on this one (the fused backward's, a staged layer's)."""
-        full = (what, *key, *overrides())
+        full = (what, *key, *options().key)
         plan = self.plans.get(full)
         if plan is None:
             if len(self.plans) >= MAX_PLANS:  # ever new lengths or shapes: start over
@@ -790,7 +779,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple | None:
         if not isinstance(x, tensor) or not on_backend_device(x) or x.dtype not in floats:
             return None
         parts.append((name, x.shape, x.stride(), x.dtype, x.device))
-    return (*parts, *overrides())
+    return (*parts, *options().key)
 
 
 @cache
@@ -859,7 +848,7 @@ def one_kernel(fused: Fused, compute: str, sizes: dict[str, int], length: int, t
     whole = runner_for(fused.program, compute)
     if whole.row_threads(sizes) is None:
         return False
-    if _row_recurrence_setting() == "1":
+    if options().row_recurrence is True:
         return True
     core = runner_for(fused.core.program, compute)
     # measured against the thread-per-recurrence core (5.1x); the lanes core is not measured here yet

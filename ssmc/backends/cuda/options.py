@@ -1,0 +1,149 @@
+"""Every knob of the CUDA backend in one frozen dataclass, and the one place that reads them from the
+environment.
+
+    opts = options()                 # the current CudaOptions (the SSMC_CUDA_* variables)
+    opts.strategy, opts.time_blocks  # None where unset: the backend decides
+
+Every decision the backend caches per shape (a strategy, a launch plan, a prepared call) has the
+options in its key (`CudaOptions.key`), so setting a variable between two calls takes effect (tests
+and benchmarks force strategies that way). A small training step asks for them a few dozen times:
+`options` compares the variables' raw values (the environment's own table, keys encoded once) with
+the last call's and parses them only when they changed. A malformed value raises a `ValueError`
+naming the variable before any kernel is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, fields, replace
+
+STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
+SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """The CUDA backend's overrides; each field's variable is ``SSMC_CUDA_<FIELD>`` in upper case.
+
+    strategy: the forward's strategy (one of `STRATEGIES`) instead of the selection's
+    time_blocks: blocks of time a diagonal scan splits into (1: time-parallel scans off)
+    steps_per_lane: the warp kernel's consecutive steps a lane
+    row_groups: threads sharing a map kernel's long row (a power of two)
+    row_recurrence: False turns the "rows" strategy off, True allows it wherever it can run
+    recurrence_warps: warps of a block sharing one recurrence in the warp kernel
+    fused_backward: False turns the fused backward off, True runs it wherever it can
+    state_major_backward: False / True turns the fused backward's state-major rounds off / on
+    backward_steps_per_lane: the fused backward's steps a lane
+    lanes_backward: False turns the lanes backward off
+    hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
+    emulate: run the kernels on the CPU (backends/cuda/emulator.py)
+    sm_count: SMs of the GPU the kernels are planned for
+    """
+
+    strategy: str | None = None
+    time_blocks: int | None = None
+    steps_per_lane: int | None = None
+    row_groups: int | None = None
+    row_recurrence: bool | None = None
+    recurrence_warps: int | None = None
+    fused_backward: bool | None = None
+    state_major_backward: bool | None = None
+    backward_steps_per_lane: int | None = None
+    lanes_backward: bool | None = None
+    hoist: bool = True
+    emulate: bool = False
+    sm_count: int = SM_COUNT
+
+    @property
+    def key(self) -> tuple:
+        """The options as a tuple, for the keys of cached decisions."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def parse(cls, env: dict[str, str | None]) -> CudaOptions:
+        """The options of the variables in `env` (name -> value; unset or empty: the default)."""
+        given = {}
+        for f in fields(cls):
+            name = variable(f.name)
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            given[f.name] = _parse(name, f.name, raw)
+        return cls(**given)
+
+
+def variable(field: str) -> str:
+    """The environment variable of option `field`."""
+    return "SSMC_CUDA_" + field.upper()
+
+
+_BOOLS = {"0": False, "1": True}
+
+
+def _parse(name: str, field: str, raw: str):
+    kind = {f.name: f.type for f in fields(CudaOptions)}[field]
+    if field == "strategy":
+        if raw not in STRATEGIES:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(STRATEGIES)}")
+        return raw
+    if "bool" in str(kind):
+        if raw not in _BOOLS:
+            raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+        return _BOOLS[raw]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+    if field == "row_groups" and (value < 1 or value & (value - 1)):
+        raise ValueError(f"{name}={raw!r}: expected a power of two")
+    return value
+
+
+NAMES = tuple(variable(f.name) for f in fields(CudaOptions) if f.name != "sm_count")
+
+# os.environ keeps its values in a dict of encoded keys (`_data`; bytes on POSIX), which
+# os.environ[...] = ... and del update; where that differs, the public reads
+_TABLE = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_KEYS = tuple(map(_ENCODE, NAMES)) if _TABLE is not None and _ENCODE is not None else None
+_LAST: list = [None, CudaOptions()]  # the raw values last parsed, and their options
+
+
+def _raw() -> tuple:
+    if _KEYS is not None:
+        return tuple(map(_TABLE.get, _KEYS))
+    return tuple(map(os.environ.get, NAMES))
+
+
+def options() -> CudaOptions:
+    """The current options: the SSMC_CUDA_* variables, parsed again only when they changed."""
+    raw = _raw()
+    if raw != _LAST[0]:
+        decode = os.environ.decodevalue if _KEYS is not None else (lambda v: v)
+        env = {name: None if value is None else decode(value) for name, value in zip(NAMES, raw)}
+        parsed = CudaOptions.parse(env)
+        _LAST[:] = [raw, parsed if parsed.emulate else replace(parsed, sm_count=_device_sm_count())]
+    return _LAST[1]
+
+
+@functools.cache
+def _device_sm_count() -> int:
+    """The SMs of the current GPU (`SM_COUNT` where none is found: planning on the CPU, `ssmc inspect`)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # no CuPy, no driver or no device: plan for the default part
+        return SM_COUNT
+
+
+def environment_variable(name: str, default: str | None = None) -> str | None:
+    """A variable of the CUDA toolchain's environment (CUDA_HOME, CXX, ...): the backend's one reader
+    of `os.environ` besides `options`."""
+    return os.environ.get(name, default)
+
+
+def environment_default(name: str, value: str) -> None:
+    """Set the toolchain's variable `name` to `value` unless it is set (CuPy's cache folder)."""
+    os.environ.setdefault(name, value)
