@@ -141,7 +141,7 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
     The gradient goes stage by stage: the scan stage's lanes backward, then the norm's adjoint, whose
     row statistics over d (its pre stage) are row kernels too and whose sum over time and b
     (grad_norm_weight) is split into blocks of time."""
-    from ssmc.backends.cuda.codegen import Threads
+    from ssmc.backends.cuda.printer import Threads
 
     program = importlib.import_module("ssmc.examples.mamba1_block").SPEC.program
     sizes = {"b": 8, "d": 1536, "n": 16}
@@ -195,7 +195,7 @@ def test_mamba1_warp_kernels_are_state_major_and_keep_four_blocks_per_sm(monkeyp
 def test_state_major_vector_loads_into_a_float64_compute_type():
     """B and C in float32 with the other inputs float64: the compute type is double and the float4
     loads of B[:, n] / C[:, n] convert into it (`load_steps` was float-only)."""
-    from ssmc.backends.cuda.codegen import ArraySpec, contiguous_strides
+    from ssmc.backends.cuda.printer import ArraySpec, contiguous_strides
     from ssmc.backends.cuda.runner import runner_for
 
     runner = runner_for(importlib.import_module("ssmc.examples.mamba1").SPEC.program, "float64")
@@ -389,7 +389,7 @@ def test_reports_build_with_the_options_cupy_builds_with(monkeypatch):
     spills than the GPU ran (the bounded lanes backward's, 2026-11-27). The options NVRTC is given
     here are recorded and must hold it, as `compile_options` gives the runner."""
     from ssmc.backends.cuda import nvrtc as nv
-    from ssmc.backends.cuda.codegen import compile_options
+    from ssmc.backends.cuda.source import compile_options
 
     given = []
     compile_source = nv.compile_source
@@ -408,7 +408,7 @@ def test_programs_comparing_recomputed_values_build_without_contraction():
     are built with contraction."""
     from test_cuda import max_over_batch
 
-    from ssmc.backends.cuda.codegen import compile_options
+    from ssmc.backends.cuda.source import compile_options
 
     reports = kernel_reports(max_over_batch.program, {"b": 2, "n": 5}, 9, dtype="float64")
     exact = {r.name for r in reports if "--fmad=false" in compile_options(r.source)}
@@ -631,7 +631,7 @@ def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
     """Each print of an array's name goes through `codegen.c_array`: with every array of the examples'
     kernels renamed, they compile to the same cubins (a print that missed the name would not
     compile, or would read another variable)."""
-    from ssmc.backends.cuda import codegen
+    from ssmc.backends.cuda import printer
     from ssmc.runtime.random_inputs import default_sizes
 
     renamed = lambda arrays, taken: {name: name + "_zz" for name in arrays}  # noqa: E731
@@ -642,7 +642,7 @@ def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
         both = []
         for rename in (False, True):
             if rename:
-                monkeypatch.setattr(codegen, "free_names", renamed)
+                monkeypatch.setattr(printer, "free_names", renamed)
             both.append(kernel_reports(program, default_sizes(program), length, dtype=dtype, compile_kernels=False,
                                        time_contiguous=contiguous))
         monkeypatch.undo()

@@ -271,8 +271,9 @@ def test_the_fused_backward_fits_a_block_shared_memory(dtype, monkeypatch):
     4 and `ssmc.grad` stopped at ptxas' "uses too much shared data". The warp kernel's (at L = 180
     the lanes backward runs otherwise)."""
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
-    from ssmc.backends.cuda.codegen import STATIC_SHARED, fused_backward_shared_bytes
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.backends.cuda.hardware import STATIC_SHARED
+    from ssmc.backends.cuda.kernels.warp_backward import fused_backward_shared_bytes
     from ssmc.backends.cuda.report import kernel_reports
 
     value_bytes = 8 if dtype == "float64" else 4
@@ -298,7 +299,7 @@ def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch
     every vector of the round (`sums` arrays x 32 K steps) into memory: 128 threads took one vector
     each, so where there were more (K = 6 and 8, or five arrays) the rest were lost. There both
     kernels (full rounds, the partial one) loop over all of them; all compile without spills."""
-    from ssmc.backends.cuda.codegen import _vector_width
+    from ssmc.backends.cuda.kernels.warp_backward import _vector_width
     from ssmc.backends.cuda.report import kernel_reports
 
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
@@ -424,7 +425,7 @@ def test_the_mamba1_block_takes_the_fused_backward_for_its_scan(length, dtype, m
     """The block's gradient chains its stages (`grad_stages.py`): the scan stage, Mamba-1 itself,
     by the fused backward; the norm's by row and map kernels. Every gradient, with cotangents of
     the output and the final state, against the interpreter; d = 40 is not a power of two."""
-    from ssmc.grad_stages import StagedGrad
+    from ssmc.autograd import StagedGrad
 
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
     m = importlib.import_module("ssmc.examples.mamba1_block")
@@ -472,7 +473,7 @@ def test_a_scan_that_wants_only_gradients_runs_the_forward_without_outputs(lengt
     rounds): `ssmc.grad`'s call runs the forward without outputs (`summary_kernel`, prepared once
     per signature), `Grad.forward` the one with them; every gradient against the interpreter, at
     the first and a later call."""
-    from ssmc.grad_prepared import PreparedStep
+    from ssmc.autograd.prepared import PreparedStep
 
     @ssmc.recurrence
     def scan(h: ssmc.State["b d"], a: ssmc.Seq["b d"], x: ssmc.Seq["b d"]):
@@ -608,7 +609,7 @@ def test_prepared_training_steps_match_the_interpreter(length, layout, dtype, wi
     exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
     want = ssmc.grad(m.SPEC, "interpreter", layout=layout)(**exact, grad_outputs=dy.double().cpu().numpy())
     tol = 1e-3
-    from ssmc.grad_prepared import PreparedChunk, PreparedStep
+    from ssmc.autograd.prepared import PreparedChunk, PreparedStep
 
     tape = g.forward(**gpu)[2]
     fused = tape.rounds is not None

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from strategies import diagonal_linear_recurrences
 
 import ssmc
-from ssmc.backends.cuda.codegen import ArraySpec, contiguous_strides, fused_backward_source
+from ssmc.backends.cuda.kernels.warp_backward import fused_backward_source
+from ssmc.backends.cuda.printer import ArraySpec, contiguous_strides
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, map_children
 from ssmc.lowering.reverse_warp import fused_backward

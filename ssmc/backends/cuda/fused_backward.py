@@ -35,22 +35,15 @@ from ...lowering.stages import fuse
 from ...lowering.state_lanes import StateLanes, state_lanes
 from ...lowering.state_major import fused_state_major, warp_state_major
 from ...passes.autodiff import GRAD, Backward
-from .codegen import (
-    BLOCK,
-    STATIC_SHARED,
-    WARP,
-    ArraySpec,
-    Threads,
-    contiguous_strides,
-    fused_backward_shared_bytes,
-    fused_backward_source,
-    module_source,
-)
 from .devices import current_device, device_name
+from .hardware import STATIC_SHARED, WARP
+from .kernels.warp import warp_source
+from .kernels.warp_backward import fused_backward_shared_bytes, fused_backward_source
 from .lanes import lane_groups, lanes_source
 from .lanes_backward import lanes_backward_shape, lanes_backward_source
 from .launch import launch_kernel, zero_bytes
 from .options import options
+from .printer import BLOCK, ArraySpec, Threads, contiguous_strides
 from .runner import (
     _DTYPES,
     MAX_PLANS,
@@ -385,9 +378,9 @@ class FusedBackwardRunner:
                         kernel: Kernel | None = None) -> str:
         ctype = "double" if self.compute == "float64" else "float"
         fr = self.forward_runner
-        return module_source(fr.lowered, ctype, [(kernel or self.forward_kernel, specs)], sizes,
-                             (fr.time_blocks.lane_summary, self.forward_steps()), round_steps=self.round_steps(length),
-                             ragged=ragged(length, self.forward_steps()))
+        return warp_source(fr.lowered, ctype, kernel or self.forward_kernel, specs, sizes, fr.time_blocks.lane_summary,
+                           self.forward_steps(), round_steps=self.round_steps(length),
+                           ragged=ragged(length, self.forward_steps()))
 
     def _summary_source(self, specs: dict[str, ArraySpec], sizes: dict[str, int], length: int) -> str:
         return self._forward_source(specs, sizes, length, self.summary_kernel)

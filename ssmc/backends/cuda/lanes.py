@@ -28,28 +28,13 @@ from ...lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads,
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.state_lanes import StateLanes
 from ...lowering.state_major import scalar_name
-from .codegen import (
-    BOUNDED_LANE_VALUES,
-    C_TYPES,
-    SM_BLOCK_SHARED,
-    SM_SHARED,
-    STATIC_SHARED,
-    ArraySpec,
-    CPrinter,
-    Threads,
-    _predicated,
-    _scalar_names,
-    _store,
-    _unflatten,
-    bounded_blocks,
-    c_array,
-    exact_products,
-    has_half,
-    render,
-    with_free_array_names,
-)
+from .hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, bounded_blocks
 from .kernels import template
+from .kernels.thread import _unflatten
+from .kernels.warp import _predicated
 from .options import options
+from .printer import C_TYPES, ArraySpec, CPrinter, Threads, _scalar_names, _store, c_array, with_free_array_names
+from .source import exact_products, has_half, render
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks

@@ -32,29 +32,14 @@ from ...lowering.plan import size_var
 from ...lowering.reverse_lanes import LOG2E, LanesBackward
 from ...lowering.reverse_warp import FusedBackward
 from ...lowering.state_lanes import StateLanes
-from .codegen import (
-    BOUNDED_LANE_VALUES,
-    C_TYPES,
-    SM_BLOCK_SHARED,
-    SM_SHARED,
-    STATIC_SHARED,
-    WARP,
-    ArraySpec,
-    CPrinter,
-    _predicated,
-    _scalar_names,
-    _store,
-    _unflatten,
-    bounded_blocks,
-    c_array,
-    exact_products,
-    has_half,
-    render,
-    with_free_array_names,
-)
+from .hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, WARP, bounded_blocks
 from .kernels import template
+from .kernels.thread import _unflatten
+from .kernels.warp import _predicated
 from .lanes import CHUNK, _lane_loops, lane_groups, sum_identity
 from .options import options
+from .printer import C_TYPES, ArraySpec, CPrinter, _scalar_names, _store, c_array, with_free_array_names
+from .source import exact_products, has_half, render
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 

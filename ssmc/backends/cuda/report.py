@@ -19,11 +19,12 @@ from ...passes.autodiff import derive_backward
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
-from .codegen import ArraySpec, compile_options, contiguous_strides
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .options import options
+from .printer import ArraySpec, contiguous_strides
 from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
+from .source import compile_options
 
 
 @dataclass

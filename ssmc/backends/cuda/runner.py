@@ -23,24 +23,15 @@ from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, ti
 from ...runtime.binding import numeric_array
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
-from .codegen import (
-    BLOCK,
-    ONE_GROUP,
-    ROW_THREADS,
-    WARP,
-    ArraySpec,
-    Threads,
-    compile_options,
-    contiguous_strides,
-    module_source,
-    recurrence_warps_fit,
-    shares_recurrence,
-    split_groups,
-)
 from .devices import current_device, device_name, emulating, on_backend_device
+from .hardware import WARP
+from .kernels.thread import thread_source
+from .kernels.warp import recurrence_warps_fit, shares_recurrence, warp_source
 from .lanes import lane_blocks, lane_groups, lanes_block, lanes_source
 from .launch import launch_kernel
 from .options import environment_default, options
+from .printer import BLOCK, ONE_GROUP, ROW_THREADS, ArraySpec, Threads, contiguous_strides, split_groups
+from .source import compile_options
 
 _DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
            "torch.bfloat16": "bfloat16"}
@@ -279,7 +270,7 @@ def row_recurrence_groups(size: int) -> int:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all (and, for
-    the epilogue's kernels, their thread mapping: codegen.Threads)."""
+    the epilogue's kernels, their thread mapping: printer.Threads)."""
 
     kernel: Kernel
     length: int
@@ -332,9 +323,10 @@ class CudaRunner:
         if mapping.lanes:
             return lanes_source(self.lowered, self.state_lanes, k, specs, sizes, mapping, ctype)
         tb, steps = self.time_blocks, steps_per_lane(self.lane_steps)
-        warp = (tb.lane_summary, steps) if tb is not None and k is tb.lane_rescan else None
-        return module_source(self.lowered, ctype, [(k, specs)], sizes, warp, {k.name: mapping},
-                             ragged=ragged(length, steps))
+        if tb is not None and k is tb.lane_rescan:
+            return warp_source(self.lowered, ctype, k, specs, sizes, tb.lane_summary, steps, mapping,
+                               ragged=ragged(length, steps))
+        return thread_source(self.lowered, ctype, [(k, specs)], sizes, {k.name: mapping})
 
     def function(self, source: str, name: str):
         """Kernel `name` of `source`, compiled (NVRTC, CuPy's disk cache) and loaded on the current
@@ -446,7 +438,7 @@ class CudaRunner:
 
     def recurrence_warps(self, length: int) -> int:
         """Warps of a block sharing one recurrence in the warp kernel at `length` steps: where its
-        states are scalars (`codegen.shares_recurrence`), as many as the sequence has rounds of one
+        states are scalars (`kernels.warp.shares_recurrence`), as many as the sequence has rounds of one
         warp, a power of two up to `MAX_RECURRENCE_WARPS`; `SSMC_CUDA_RECURRENCE_WARPS` forces it.
         A block's rounds then read `warps` times as many neighbouring steps at once: the first-order
         scan B8 D2048 L4096 on an H200 took 0.190 ms with 8 warps a channel against 0.203 with one
@@ -507,7 +499,7 @@ class CudaRunner:
     def _epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int, time_contiguous: bool) -> Launch:
         """A map/reduce epilogue kernel's launch: an output one step per block of time, an accumulator
         in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
-        sum split into groups of threads (split-K, codegen.split_groups), or else a map kernel's long
+        sum split into groups of threads (split-K, printer.split_groups), or else a map kernel's long
         rows shared by groups of threads (`row_groups`)."""
         return self.planned("epilogue", lambda: self._uncached_epilogue_launch(k, sizes, length, time_contiguous),
                              k.name, _sizes_key(sizes), length, time_contiguous)
