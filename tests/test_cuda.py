@@ -148,8 +148,8 @@ def test_the_torch_ops_lean_steps_match_the_interpreter(length):
     import torch
 
     import ssmc.torch as st_torch
+    from ssmc.autograd.lean import LeanStep
     from ssmc.examples import mamba1 as m
-    from ssmc.grad_prepared import LeanStep
 
     rng = np.random.default_rng(length)
     inputs = m.make_inputs(rng, length, batch=2, dim=8, state=4)
@@ -394,7 +394,7 @@ def test_gradient_of_a_max_over_recomputed_values(dtype):
     with nvcc's FMA contraction (a * b + c in one rounding where the code lets it, which differs from
     kernel to kernel) the float64 gradients were off by 0.2-0.4, without it by 4e-16 (the random spec
     of a GPU test run, H100 and H200, 2026-11-27). Such programs build without contraction
-    (`codegen.exact_products`)."""
+    (`source.exact_products`)."""
     inputs = draw_inputs(max_over_batch, 9, 117)
     outs, _ = ssmc.compile(max_over_batch, "interpreter").run(**inputs)
     rng = np.random.default_rng(117)
@@ -822,7 +822,7 @@ def test_random_diagonal_linear_recurrences_in_each_input_dtype(spec, length, dt
        warps=st.sampled_from(["1", "2", "3", "8"]), seed=st.integers(0, 2**16))
 def test_warps_sharing_a_recurrence(spec, length, warps, seed):
     """The warp kernel with a block of `warps` warps per recurrence (forced; where its states are
-    scalars, `codegen.shares_recurrence`, else one), time contiguous, float64: outputs, final states
+    scalars, `kernels/warp/forward.shares_recurrence`, else one), time contiguous, float64: outputs, final states
     and every gradient (its recompute and adjoint warp kernels share the recurrence too) against the
     interpreter."""
     import os
@@ -881,7 +881,7 @@ def test_first_order_scan_with_warps_sharing_each_channel_in_float32(length):
         assert rel_err(got_g[key], want_g[key]) <= 1e-3, key
 
 
-# most random specs do not split along n (state_major.py's conditions): filtered out, so more are drawn
+# most random specs do not split along n (kernels/warp/analysis.py's conditions): filtered out, so more are drawn
 LANES_SETTINGS = {**SETTINGS,
                   "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}
 
@@ -891,7 +891,7 @@ LANES_SETTINGS = {**SETTINGS,
        n=st.sampled_from([1, 3, 16, 33]), d=st.sampled_from([5, 37]), layout=st.sampled_from(["t ...", "... t"]),
        seed=st.integers(0, 2**16))
 def test_lanes_along_the_state_axis(spec, length, n, d, layout, seed):
-    """The lanes kernel (forced; lowering/state_lanes.py) on random specs shaped like Mamba-1, linear
+    """The lanes kernel (forced; kernels/lanes/analysis.py) on random specs shaped like Mamba-1, linear
     or not, time outermost or contiguous: outputs and final states against the interpreter. Float64
     where the kernel takes it at these sizes, else float32: in float64 it refuses a body calling
     anything but exp (`lanes.lanes_block`), which most of these specs' gates do, and a float64-only

@@ -166,7 +166,7 @@ def test_the_block_norm_is_a_row_kernel_at_benchmark_size(monkeypatch):
 def test_mamba1_warp_kernels_are_state_major_and_keep_four_blocks_per_sm(monkeypatch):
     """B8 D1536 L2048 N16, layout "b d t" (the benchmark's), the warp kernel forced (the plain forward
     runs as the lanes kernel there; the training forward is the warp kernel anyway): it is state-major
-    (lowering/state_major.py): a lane takes 4 consecutive steps, loads its 4 steps of B[:, n] and
+    (kernels/warp/analysis.py): a lane takes 4 consecutive steps, loads its 4 steps of B[:, n] and
     C[:, n] as one float4 each in full rounds, computes exp(dt A[n]) once for the summary and the
     step (sh0), and fits 128 registers without spills (4 blocks of 4 warps per SM) with its params
     in memory. The training forward keeps them in registers (rp_A); the fused backward does not:
@@ -402,7 +402,7 @@ def test_reports_build_with_the_options_cupy_builds_with(monkeypatch):
 
 def test_programs_comparing_recomputed_values_build_without_contraction():
     """A program with a max over an axis, whose gradient compares each value with the max
-    (`codegen.exact_products`), is built with --fmad=false: every kernel of its forward's and its
+    (`source.exact_products`), is built with --fmad=false: every kernel of its forward's and its
     gradient's programs, so every kernel that holds the max or the comparison (the states' recompute,
     a program without either, is not: the others read the states it stores); the examples' kernels
     are built with contraction."""
@@ -443,7 +443,7 @@ def test_lanes_row_params_are_staged_once_per_block(layout):
     """Mamba-1's delta_bias[d] and D[d], which the pre and post phases read at each row's own index,
     are loaded once per block into shared memory (`lanes.row_params`), not from global memory per
     row and step inside the time loop."""
-    from ssmc.backends.cuda.lanes import row_params
+    from ssmc.backends.cuda.kernels.lanes.forward import row_params
     from ssmc.backends.cuda.runner import CudaRunner
 
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
@@ -570,7 +570,7 @@ def test_lanes_kernel_with_one_lane_a_row_does_not_spill(monkeypatch):
         assert forward.resources is not None and not forward.resources.spills, forward.resources.summary()
 
 
-# most random specs do not split along n (state_major.py's conditions): filtered out, so more are drawn
+# most random specs do not split along n (kernels/warp/analysis.py's conditions): filtered out, so more are drawn
 LANES_SETTINGS = {**SETTINGS,
                   "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}
 
@@ -579,7 +579,7 @@ LANES_SETTINGS = {**SETTINGS,
 @given(spec=state_axis_recurrences(), n=st.sampled_from([1, 3, 16, 33, 64]),
        dtype=st.sampled_from(["float32", "float64"]), time_contiguous=st.booleans())
 def test_random_lanes_kernels_compile_without_spills(spec, n, dtype, time_contiguous):
-    """Random specs shaped like Mamba-1 (states [b d n]) whose step splits along n (lowering/state_lanes.py):
+    """Random specs shaped like Mamba-1 (states [b d n]) whose step splits along n (kernels/lanes/analysis.py):
     the lanes kernel, forced, compiles without spills in float32 and float64, either layout (bf16 needs
     the CUDA headers, which NVRTC alone does not have: the GPU tests build it)."""
     import os
@@ -613,7 +613,7 @@ def scan(h: ssmc.State["b d"], {name}: ssmc.Seq["b d"], x: ssmc.Seq["b d"], wp: 
 def test_an_argument_named_like_the_generated_code_s_own_variables_compiles_as_any_other(name):
     """Arrays named like the generated code's own variables (a warp's index `w`, the length `L`, the
     compute type `F`, the step `t`, the state's registers `st_h`) are printed by another name
-    (`codegen.with_free_array_names`): every kernel compiles to the same cubin as the spec whose
+    (`printer.with_free_array_names`): every kernel compiles to the same cubin as the spec whose
     argument is called so (`name_`, which sorts among the others as `name` does: the kernels take
     their arrays by position, and some loops go over them in sorted order)."""
     for length in (7, 1000):
@@ -628,7 +628,7 @@ def test_an_argument_named_like_the_generated_code_s_own_variables_compiles_as_a
 
 
 def test_every_array_renamed_gives_the_same_kernels(monkeypatch):
-    """Each print of an array's name goes through `codegen.c_array`: with every array of the examples'
+    """Each print of an array's name goes through `printer.c_array`: with every array of the examples'
     kernels renamed, they compile to the same cubins (a print that missed the name would not
     compile, or would read another variable)."""
     from ssmc.backends.cuda import printer

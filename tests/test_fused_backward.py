@@ -1,4 +1,4 @@
-"""The fused backward of diagonal-linear programs (lowering/reverse_warp.py, backends/cuda/fused_backward.py).
+"""The fused backward of diagonal-linear programs (kernels/warp/backward_analysis.py, backends/cuda/fused_backward.py).
 
 On the CPU: the per-thread terms of the partial adjoint add up to the adjoint (interpreter), which
 programs fuse, and the two kernels compile for sm_80 / sm_90 without spills. On a GPU (marked
@@ -20,8 +20,8 @@ from strategies import diagonal_linear_recurrences, draw_inputs
 import ssmc
 from ssmc.backends import interpreter
 from ssmc.backends.cuda import nvrtc
+from ssmc.backends.cuda.kernels.warp.backward_analysis import fused_backward, partial_adjoint
 from ssmc.lowering.plan import independent_axes
-from ssmc.lowering.reverse_warp import fused_backward, partial_adjoint
 from ssmc.passes.autodiff import derive_backward
 
 FUSED = ["hgrn", "mamba1"]
@@ -273,7 +273,7 @@ def test_the_fused_backward_fits_a_block_shared_memory(dtype, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "0")
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
     from ssmc.backends.cuda.hardware import STATIC_SHARED
-    from ssmc.backends.cuda.kernels.warp_backward import fused_backward_shared_bytes
+    from ssmc.backends.cuda.kernels.warp.backward import fused_backward_shared_bytes
     from ssmc.backends.cuda.report import kernel_reports
 
     value_bytes = 8 if dtype == "float64" else 4
@@ -299,7 +299,7 @@ def test_block_sums_cover_every_vector_of_a_round(name, steps, sums, monkeypatch
     every vector of the round (`sums` arrays x 32 K steps) into memory: 128 threads took one vector
     each, so where there were more (K = 6 and 8, or five arrays) the rest were lost. There both
     kernels (full rounds, the partial one) loop over all of them; all compile without spills."""
-    from ssmc.backends.cuda.kernels.warp_backward import _vector_width
+    from ssmc.backends.cuda.kernels.warp.backward import _vector_width
     from ssmc.backends.cuda.report import kernel_reports
 
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")

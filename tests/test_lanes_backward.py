@@ -1,4 +1,4 @@
-"""The lanes backward (lowering/reverse_lanes.py, backends/cuda/lanes_backward.py): its split of Mamba-1's
+"""The lanes backward (kernels/lanes/backward_analysis.py, kernels/lanes/backward.py): its split of Mamba-1's
 fused backward, its kernels compiled without spills (NVRTC, no GPU needed), and on a GPU its gradients
 against the interpreter's. The emulated checks are in test_cuda_emulated.py (`test_emulated_lanes_backward`)."""
 
@@ -11,10 +11,10 @@ from test_cuda import rel_err
 import ssmc
 from ssmc.backends.cuda import fused_backward, nvrtc, runner
 from ssmc.backends.cuda import lanes_backward as lanes_kernel
+from ssmc.backends.cuda.kernels.lanes.backward_analysis import lanes_backward
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.examples import hgrn, mamba1
 from ssmc.lowering.loops import accesses
-from ssmc.lowering.reverse_lanes import lanes_backward
 from ssmc.passes.autodiff import derive_backward
 
 

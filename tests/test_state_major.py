@@ -1,4 +1,4 @@
-"""The state-major interchange of the warp kernel's steps (lowering/state_major.py).
+"""The state-major interchange of the warp kernel's steps (kernels/warp/analysis.py).
 
 The rewritten statements are run here by a small evaluator of the loop IR, one lane's K steps from a
 given carry, against the statements as lowered (step after step): the outputs, the summaries
@@ -18,12 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from strategies import diagonal_linear_recurrences
 
 import ssmc
-from ssmc.backends.cuda.kernels.warp_backward import fused_backward_source
-from ssmc.backends.cuda.printer import ArraySpec, contiguous_strides
-from ssmc.backends.cuda.report import kernel_reports
-from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, map_children
-from ssmc.lowering.reverse_warp import fused_backward
-from ssmc.lowering.state_major import (
+from ssmc.backends.cuda.kernels.warp.analysis import (
     STEP,
     StateMajor,
     fused_state_major,
@@ -32,6 +27,11 @@ from ssmc.lowering.state_major import (
     state_major,
     warp_state_major,
 )
+from ssmc.backends.cuda.kernels.warp.backward import fused_backward_source
+from ssmc.backends.cuda.kernels.warp.backward_analysis import fused_backward
+from ssmc.backends.cuda.printer import ArraySpec, contiguous_strides
+from ssmc.backends.cuda.report import kernel_reports
+from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, map_children
 from ssmc.lowering.time_blocks import partial_name, product_name, time_blocks
 from ssmc.passes.autodiff import derive_backward
 
@@ -148,7 +148,7 @@ def lane_step_major(tb, seed: int):
 
 
 def lane_state_major(tb, seed: int):
-    """The same K steps state-major, as the CUDA kernel runs them (codegen._state_major_round)."""
+    """The same K steps state-major, as the CUDA kernel runs them (kernels/warp/forward._state_major_round)."""
     first, second = share(*warp_state_major(tb.lane_summary, tb.lane_rescan))
     step = tb.lane_rescan
     buffers = {s.name for s in tb.lane_summary.setup + step.setup if isinstance(s, Buffer)}
@@ -285,7 +285,7 @@ def test_random_diagonal_linear_steps_compute_the_same_state_major(spec):
         assume(False)
 
 
-# -- the fused backward (lowering/reverse_warp.py), state-major ------------------------------------
+# -- the fused backward (kernels/warp/backward_analysis.py), state-major ------------------------------------
 
 def _aliased(stmts, alias: dict[str, str]):
     """`stmts` with arrays renamed by `alias`: the fused kernel's registers written under one name
@@ -350,7 +350,7 @@ def fused_step_major(fb, seed: int):
 
 
 def fused_state_major_run(fb, seed: int):
-    """The same K steps state-major, as codegen._fused_state_major_round runs them."""
+    """The same K steps state-major, as kernels/warp/backward._fused_state_major_round runs them."""
     major = fused_state_major(fb)
     registers = {f"prev_{s}": s for s in fb.carried} | {f"out_{v}": v for v in fb.shared}
 

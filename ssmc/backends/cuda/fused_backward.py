@@ -1,4 +1,4 @@
-"""The fused backward on the GPU (lowering/reverse_warp.py): two launches for a training step.
+"""The fused backward on the GPU (kernels/warp/backward_analysis.py): two launches for a training step.
 
 `forward` runs the forward as the plain forward would (the lanes kernel where `CudaRunner.strategy`
 picks it, else the warp kernel), which also writes the carry into every round of the backward
@@ -13,7 +13,7 @@ the cotangent, grad a, grad x), where the unfused one moves 8. Mamba-1 B8 D1536 
 the warp kernel saving rounds took 0.834 ms (the lanes kernel without them 0.362), the backward 1.268.
 
 Where the training forward runs as the lanes kernel and the warp kernel's backward does not apply
-(sequences with time strided), the backward runs as lanes too (lanes_backward.py, `backward_lanes`):
+(sequences with time strided), the backward runs as lanes too (kernels/lanes/backward.py, `backward_lanes`):
 the forward saves its carry into every chunk of its steps, the backward is one kernel over the
 chunks, last first. A step that wants only the gradients runs that lanes kernel without its outputs
 and what only they read (`lanes_summary_kernel`: Mamba-1's sum over n of h C and its post phase go,
@@ -29,18 +29,18 @@ import numpy as np
 
 from ...lowering.loops import Assign, Load, Loop, drop_unread, reads_of_scalars
 from ...lowering.plan import Array, Kernel, build_kernel
-from ...lowering.reverse_lanes import lanes_backward
-from ...lowering.reverse_warp import FusedBackward, fused_backward
 from ...lowering.stages import fuse
-from ...lowering.state_lanes import StateLanes, state_lanes
-from ...lowering.state_major import fused_state_major, warp_state_major
 from ...passes.autodiff import GRAD, Backward
 from .devices import current_device, device_name
 from .hardware import STATIC_SHARED, WARP
-from .kernels.warp import warp_source
-from .kernels.warp_backward import fused_backward_shared_bytes, fused_backward_source
-from .lanes import lane_groups, lanes_source
-from .lanes_backward import lanes_backward_shape, lanes_backward_source
+from .kernels.lanes.analysis import StateLanes, state_lanes
+from .kernels.lanes.backward import lanes_backward_shape, lanes_backward_source
+from .kernels.lanes.backward_analysis import lanes_backward
+from .kernels.lanes.forward import lane_groups, lanes_source
+from .kernels.warp.analysis import fused_state_major, warp_state_major
+from .kernels.warp.backward import fused_backward_shared_bytes, fused_backward_source
+from .kernels.warp.backward_analysis import FusedBackward, fused_backward
+from .kernels.warp.forward import warp_source
 from .launch import launch_kernel, zero_bytes
 from .options import options
 from .printer import BLOCK, ArraySpec, Threads, contiguous_strides
@@ -78,7 +78,7 @@ STATE_MAJOR_STEP_COST = 0.65
 HALF_ROUND_STEP_COST = 1.12
 
 
-# The lanes backward (lanes_backward.py) runs wherever the training forward runs as the lanes kernel
+# The lanes backward (kernels/lanes/backward.py) runs wherever the training forward runs as the lanes kernel
 # (at least runner.LANES_FILL threads: 8192 rows of Mamba-1's 4 lanes), in place of the warp kernel's
 # fused backward ("b d t") or the unfused backward's kernels ("b t d"). Mamba-1 N16 fp32 "b d t",
 # training step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward,
@@ -154,7 +154,7 @@ class FusedBackwardRunner:
             _without_outputs(build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
         self.lanes_summary: StateLanes | None = (None if self.lanes_summary_kernel is None
                                                  else state_lanes(self.lanes_summary_kernel))
-        # the backward as lanes too (lowering/reverse_lanes.py), where the forward runs as the lanes kernel
+        # the backward as lanes too (kernels/lanes/backward_analysis.py), where the forward runs as the lanes kernel
         self.lanes_backward = None if self.lanes is None else lanes_backward(plan, self.lanes)
         self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
         self._decisions: dict[tuple, object] = {}  # applies_at, forward_lanes by shape and overrides
@@ -213,7 +213,7 @@ class FusedBackwardRunner:
         return self._decided("lanes", decide, sizes, length, time_contiguous)
 
     def backward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
-        """The lanes backward's threads (backends/cuda/lanes_backward.py: its lanes, block and chunk) where
+        """The lanes backward's threads (kernels/lanes/backward.py: its lanes, block and chunk) where
         it runs at this shape: the training forward runs as the lanes kernel (`forward_lanes`), the
         backward splits so and its block's shared memory fits; SSMC_CUDA_LANES_BACKWARD = 0 turns it
         off (the warp kernel's fused backward, or the unfused backward, runs instead). None elsewhere."""
@@ -263,7 +263,7 @@ class FusedBackwardRunner:
         return out
 
     def state_major(self, length: int) -> bool:
-        """Whether the backward kernel runs state-major (lowering/state_major.py, `FusedStateMajor`) at
+        """Whether the backward kernel runs state-major (kernels/warp/analysis.py, `FusedStateMajor`) at
         `length`: where it can and its rounds cost less (`STATE_MAJOR_STEP_COST`);
         SSMC_CUDA_STATE_MAJOR_BACKWARD = 0 / 1 turns it off / on wherever it can run."""
         forced = options().state_major_backward
@@ -641,7 +641,7 @@ _RUNNERS: dict[tuple, FusedBackwardRunner | None] = {}
 
 def fused_backward_runner(bw: Backward, compute: str = "float32") -> FusedBackwardRunner | None:
     """The fused backward of `bw`, or None where it does not apply: a forward run in fusion stages
-    (lowering/stages.py), or one that reverse_warp.py cannot fuse."""
+    (lowering/stages.py), or one that kernels/warp/backward_analysis.py cannot fuse."""
     key = (bw.forward, bw.adjoint, compute)
     if key not in _RUNNERS:
         plan = None if fuse(bw.forward).staged or fuse(bw.adjoint).staged else fused_backward(bw)

@@ -17,17 +17,17 @@ from functools import cache
 from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
-from ...lowering.state_lanes import state_lanes
-from ...lowering.state_major import warp_state_major
 from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, time_blocks
 from ...runtime.binding import numeric_array
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
 from .devices import current_device, device_name, emulating, on_backend_device
 from .hardware import WARP
+from .kernels.lanes.analysis import state_lanes
+from .kernels.lanes.forward import lane_blocks, lane_groups, lanes_block, lanes_source
 from .kernels.thread import thread_source
-from .kernels.warp import recurrence_warps_fit, shares_recurrence, warp_source
-from .lanes import lane_blocks, lane_groups, lanes_block, lanes_source
+from .kernels.warp.analysis import warp_state_major
+from .kernels.warp.forward import recurrence_warps_fit, shares_recurrence, warp_source
 from .launch import launch_kernel
 from .options import environment_default, options
 from .printer import BLOCK, ONE_GROUP, ROW_THREADS, ArraySpec, Threads, contiguous_strides, split_groups
@@ -168,7 +168,7 @@ def time_block_count(total: int, length: int) -> int:
 # of one n touches values K apart, 32 K words, and the kernel is bound by those L1 wavefronts:
 # measured on an H200 (Mamba-1 B8 D1536 L2048 N16 fp32, forward) 0.846 ms with 2 against 0.899 with
 # 4; the first-order scan, which reads one value a step, 0.217 ms with 2 against 0.207 with 4.
-# A state-major warp kernel (lowering/state_major.py) reads its steps of B[:, n] as one vector and
+# A state-major warp kernel (kernels/warp/analysis.py) reads its steps of B[:, n] as one vector and
 # scans each state value across the lanes once per round: Mamba-1 forward 0.62 ms with 4 steps per
 # lane (122 registers, 4 blocks per SM) against 0.67 with 8 (175 registers) and 0.93 with 2.
 STEPS_PER_LANE = 4
@@ -177,7 +177,7 @@ STATE_MAJOR_STEPS_PER_LANE = 4
 MAX_RECURRENCE_WARPS = 8  # warps of a block sharing one recurrence (`CudaRunner.recurrence_warps`)
 
 # The lanes kernel (lanes.py) runs where a program's states have an axis of their own, its step splits
-# around the loops over it (lowering/state_lanes.py) and rows x lanes give at least LANES_FILL threads;
+# around the loops over it (kernels/lanes/analysis.py) and rows x lanes give at least LANES_FILL threads;
 # fewer recurrences want the time-parallel warp kernel. Mamba-1 B8 D1536 L2048 N16 on an H200: 12288 rows
 # of 4 lanes, 0.366 ms against the warp kernel's 0.620 (bench/gpu_peers.py, 2026-11-25).
 LANES_FILL = 1 << 15
@@ -310,7 +310,7 @@ class CudaRunner:
         # the axis a recurrence's row statistics reduce, if a block of threads may share each row
         # along it (lowering/split_sum.py): a norm inside the update, or a whole layer (`layer_runner`)
         self.row_axis = fuse(program).shared_row_axis()
-        # a fused kernel whose states' own axis can be split among lanes (lowering/state_lanes.py)
+        # a fused kernel whose states' own axis can be split among lanes (kernels/lanes/analysis.py)
         self.state_lanes = state_lanes(self.lowered.kernels[0]) if self.lowered.strategy == "fused" else None
         environment_default("CUPY_CACHE_DIR", str(cache_dir("cupy")))
 
@@ -410,7 +410,7 @@ class CudaRunner:
         threads = self.lane_threads(sizes) if lanes or forced == "lanes" else None
         if forced == "lanes" and threads is None:
             raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
-                             "split (lowering/state_lanes.py), or its chunks do not fit shared memory or its step the "
+                             "split (lanes/analysis.py), or its chunks do not fit shared memory or its step the "
                              "registers (lanes.lanes_block)")
         rows_x_lanes = self._threads(self.lowered.kernels[0], sizes) * threads.lanes if threads else 0
         if lanes and (forced == "lanes" or (threads is not None and not forced and rows_x_lanes >= LANES_FILL)):

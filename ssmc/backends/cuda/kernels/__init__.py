@@ -25,8 +25,6 @@ def environment() -> jinja2.Environment:
 
 @cache
 def template(path: str | Path) -> jinja2.Template:
-    """The template at `path`: a strategy's ``<name>.cu.j2`` (a bare name is one of this package's)."""
-    path = Path(path)
-    if not path.is_absolute() and path.parent == Path("."):
-        path = HERE / path
+    """The template at `path`: a strategy's ``<name>.cu.j2`` (a relative path is under this package)."""
+    path = HERE / path
     return environment().from_string(path.read_text())

@@ -1,6 +1,6 @@
 """Lanes along the states' own axis: recurrences run one step after another, a row's state split among lanes.
 
-The warp kernel (time_blocks.py, state_major.py) runs a recurrence's steps in parallel across a warp and
+The warp kernel (time_blocks.py, warp/analysis.py) runs a recurrence's steps in parallel across a warp and
 pays, per state value and round of 32 K steps, a scan across the lanes. A program whose states have an
 axis of their own (Mamba-1's h[b, d, n]) often has recurrences enough to fill the GPU without that:
 B x D x N = 196608 at Mamba-1's B8 D1536 N16. Then G lanes share a *row* (one index of the parallel
@@ -17,14 +17,14 @@ sequence, which it runs in order: no scan at all. Steps go in chunks of T, as pl
 
 `pre` / `body` / `post` are the step's interchanged parts (`state_major.state_major`), per-step values
 live in shared memory between them. `state_lanes(k)` says how the fused kernel `k` (plan.py) splits so,
-or None where it does not: the CUDA backend (`codegen.state_lanes_context`) prints the kernel.
+or None where it does not: the CUDA backend (`kernels/lanes/forward.state_lanes_context`) prints the kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .loops import (
+from .....lowering.loops import (
     Assign,
     Bin,
     Buffer,
@@ -39,8 +39,8 @@ from .loops import (
     subexpressions,
     walk,
 )
-from .plan import Kernel, size_var
-from .state_major import StateMajor, buffer_names, state_major
+from .....lowering.plan import Kernel, size_var
+from ..warp.analysis import StateMajor, buffer_names, state_major
 
 
 @dataclass(frozen=True)

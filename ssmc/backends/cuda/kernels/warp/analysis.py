@@ -16,7 +16,7 @@ n. Interchanged, as three plain loops:
 the lane holds one state value at a time, the summary's and the step's exp(dt A[n]) and B[t, n] of
 one (n, step) are the same expressions in one basic block (computed once), and a lane's reads of
 B[:, n] are K consecutive words. The CUDA backend scans the (product, partial) pairs across the lanes
-per n, between the summary's chain and the step's (codegen.warp_kernel_context).
+per n, between the summary's chain and the step's (kernels/warp/forward.warp_kernel_context).
 
 `state_major` rewrites one step's statements into (pre, body, post), or says it does not apply.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import (
+from .....lowering.loops import (
     Assign,
     Bin,
     Buffer,
@@ -39,7 +39,7 @@ from .loops import (
     scalars_read,
     subexpressions,
 )
-from .time_blocks import partial_name, product_name
+from .....lowering.time_blocks import partial_name, product_name
 
 STEP = "tt"  # the index of a lane's step in the printed loops
 
@@ -283,7 +283,7 @@ def _substitute(s: Assign, alias: dict[str, Load]) -> Assign:
 
 @dataclass
 class FusedStateMajor:
-    """The four steps of the fused backward (reverse_warp.py) state-major: per round, the steps'
+    """The four steps of the fused backward (kernels/warp/backward_analysis.py) state-major: per round, the steps'
     values (`pre`, the forward's steps in order, then the adjoint's last first), then per index of
     the states' own axes the forward summary's chain, a scan across the lanes, the forward's
     carries' chain (the carry before each step, one register per step), the adjoint summary's

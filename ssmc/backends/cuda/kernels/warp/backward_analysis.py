@@ -23,15 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import build
-from ..ir.node import Node, substitute, toposort
-from ..ir.ops import Op
-from ..ir.program import Decl, Recurrence, Role
-from ..passes.autodiff import Backward
-from ..passes.classify import classify
-from .loops import Assign, Load, Num, walk
-from .plan import Array, Kernel, build_kernel, independent_axes
-from .time_blocks import summary_program
+from .....ir import build
+from .....ir.node import Node, substitute, toposort
+from .....ir.ops import Op
+from .....ir.program import Decl, Recurrence, Role
+from .....lowering.loops import Assign, Load, Num, walk
+from .....lowering.plan import Array, Kernel, build_kernel, independent_axes
+from .....lowering.time_blocks import summary_program
+from .....passes.autodiff import Backward
+from .....passes.classify import classify
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""CUDA C of the lanes backward (lowering/reverse_lanes.py): the fused backward with G lanes a row, each
+"""CUDA C of the lanes backward (kernels/lanes/backward_analysis.py): the fused backward with G lanes a row, each
 owning S values of the states' axis, the chunks of T steps last first.
 
 A block holds R = threads / G rows (consecutive indices of the row axis under one index of the
@@ -27,19 +27,19 @@ runs wherever the training forward is the lanes kernel (`FusedBackwardRunner.bac
 
 from __future__ import annotations
 
-from ...lowering.loops import Assign, Load, Var, accesses
-from ...lowering.plan import size_var
-from ...lowering.reverse_lanes import LOG2E, LanesBackward
-from ...lowering.reverse_warp import FusedBackward
-from ...lowering.state_lanes import StateLanes
-from .hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, WARP, bounded_blocks
-from .kernels import template
-from .kernels.thread import _unflatten
-from .kernels.warp import _predicated
-from .lanes import CHUNK, _lane_loops, lane_groups, sum_identity
-from .options import options
-from .printer import C_TYPES, ArraySpec, CPrinter, _scalar_names, _store, c_array, with_free_array_names
-from .source import exact_products, has_half, render
+from .....lowering.loops import Assign, Load, Var, accesses
+from .....lowering.plan import size_var
+from ...hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, WARP, bounded_blocks
+from ...options import options
+from ...printer import C_TYPES, ArraySpec, CPrinter, _scalar_names, _store, c_array, with_free_array_names
+from ...source import exact_products, has_half, render
+from .. import template
+from ..thread import _unflatten
+from ..warp.backward_analysis import FusedBackward
+from ..warp.forward import _predicated
+from .analysis import StateLanes
+from .backward_analysis import LOG2E, LanesBackward
+from .forward import CHUNK, _lane_loops, lane_groups, sum_identity
 
 BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 
@@ -375,7 +375,7 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     scalars = [f"F {name} = F(0);" for name in dict.fromkeys(
         [*lb.scalars, *(f"v_{s}" for s in lane_buffers), *_scalar_names(hoisted + k.setup)])]
     return {
-        "template": template("lanes_backward.cu.j2"),
+        "template": template("lanes/backward.cu.j2"),
         "lanes_backward": True,
         "name": fb.name,
         "block": block,

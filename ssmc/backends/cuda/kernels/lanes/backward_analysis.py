@@ -1,6 +1,6 @@
-"""The fused backward as lanes (the forward's lanes kernel, state_lanes.py, run backwards in time).
+"""The fused backward as lanes (the forward's lanes kernel, analysis.py, run backwards in time).
 
-The fused backward (reverse_warp.py) runs a recurrence per warp with time across its lanes, so each
+The fused backward (kernels/warp/backward_analysis.py) runs a recurrence per warp with time across its lanes, so each
 round pays scans across the lanes. Where the forward runs as lanes (G lanes a row [b d], each owning
 S values of the states' own axis n for the whole sequence), the backward can too: the chunks of T
 steps go last first, and per chunk, as plain loops (the forward saved its carry into every chunk):
@@ -26,17 +26,17 @@ the warp kernel's state-major round, without its summaries and scans. Per-step v
 steps compute alike (dt in the summary's and the carries' pre) are computed once.
 
 `lanes_backward(fb, lanes)` says how the fused backward `fb` splits so, or None where it does not: the
-CUDA backend (backends/cuda/lanes_backward.py) prints the kernel.
+CUDA backend (kernels/lanes/backward.py) prints the kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .loops import Assign, Load, Loop, Num, Var, accesses, map_children
-from .reverse_warp import FusedBackward
-from .state_lanes import StateLanes, exp2_of_params, staged_arrays
-from .state_major import STEP, fused_state_major, scalar_name
+from .....lowering.loops import Assign, Load, Loop, Num, Var, accesses, map_children
+from ..warp.analysis import STEP, fused_state_major, scalar_name
+from ..warp.backward_analysis import FusedBackward
+from .analysis import StateLanes, exp2_of_params, staged_arrays
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,20 @@
 """The fused backward's warp kernel (``warp_backward.cu.j2``): the forward's carries recomputed in
-registers round by round from the last, and the adjoint scanned alongside (lowering/reverse_warp.py)."""
+registers round by round from the last, and the adjoint scanned alongside (kernels/warp/backward_analysis.py)."""
 
 from __future__ import annotations
 
 import math
 
-from ....lowering.loops import (
+from .....lowering.loops import (
     Assign,
     Buffer,
     Load,
 )
-from ....lowering.plan import size_var
-from ....lowering.reverse_warp import FusedBackward
-from ....lowering.state_major import (
-    STEP,
-    FusedStateMajor,
-    fused_state_major,
-    scalar_name,
-)
-from ..hardware import (
+from .....lowering.plan import size_var
+from ...hardware import (
     WARP,
 )
-from ..printer import (
+from ...printer import (
     BLOCK,
     C_TYPES,
     ArraySpec,
@@ -35,10 +28,17 @@ from ..printer import (
     c_array,
     with_free_array_names,
 )
-from ..source import exact_products, has_half, render
-from . import template
-from .thread import _unflatten
-from .warp import (
+from ...source import exact_products, has_half, render
+from .. import template
+from ..thread import _unflatten
+from .analysis import (
+    STEP,
+    FusedStateMajor,
+    fused_state_major,
+    scalar_name,
+)
+from .backward_analysis import FusedBackward
+from .forward import (
     _combine_state_value,
     _full_or_partial,
     _lane_scan,
@@ -52,7 +52,7 @@ from .warp import (
 
 def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                            steps_per_lane: int, state_major: bool = False) -> dict:
-    """The fused backward kernel (lowering/reverse_warp.py): the forward's summary and carries and
+    """The fused backward kernel (kernels/warp/backward_analysis.py): the forward's summary and carries and
     the adjoint's summary and step spliced around two lane scans, a round at a time, last first;
     with `state_major`, where `fused_state_major` applies, the states' own axes outside those."""
     kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
@@ -109,7 +109,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
                        "}"]
     pad = "    "
     ctx = {
-        "template": template("warp_backward.cu.j2"),
+        "template": template("warp/backward.cu.j2"),
         "fused_backward": True,
         "name": fb.name,
         "comment": (f"{fb.backward.adjoint.name}: one warp per [{' '.join(fb.parallel)}], its lanes over blocks of "
@@ -157,7 +157,7 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
 
 def _fused_state_major(fb: FusedBackward, major: FusedStateMajor, arrays: dict[str, ArraySpec],
                        sizes: dict[str, int], steps_per_lane: int, staged, registers: dict[str, str]) -> dict:
-    """The fused backward's context entries for its state-major round (lowering/state_major.py,
+    """The fused backward's context entries for its state-major round (kernels/warp/analysis.py,
     `FusedStateMajor`): declarations (a register per step for the per-step values and the forward's
     carries and shared values, of one state index at a time) and the round, twice: straight-line
     code with a lane's steps of B[:, n] loaded and its terms of grad_B[:, n] added as vectors,
@@ -416,7 +416,7 @@ def fused_backward_shared_bytes(fb: FusedBackward, value_bytes: int, steps_per_l
 
 def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                           steps_per_lane: int, state_major: bool = False) -> str:
-    """CUDA C of the fused backward kernel (lowering/reverse_warp.py) for these array layouts
+    """CUDA C of the fused backward kernel (kernels/warp/backward_analysis.py) for these array layouts
     (`state_major`: see `fused_backward_context`)."""
     def build():
         context = fused_backward_context(fb, arrays, sizes, steps_per_lane, state_major)

@@ -1,4 +1,4 @@
-"""CUDA C of the "lanes" kernel (lowering/state_lanes.py): G lanes a row, each owning S values of the
+"""CUDA C of the "lanes" kernel (kernels/lanes/analysis.py): G lanes a row, each owning S values of the
 states' own axis for the whole sequence, time in order, chunks of CHUNK steps through shared memory.
 
 A block holds R = threads / G rows: consecutive indices of the last parallel axis (Mamba-1's d) under
@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import math
 
-from ...lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads, subexpressions
-from ...lowering.plan import Kernel, Lowered, size_var
-from ...lowering.state_lanes import StateLanes
-from ...lowering.state_major import scalar_name
-from .hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, bounded_blocks
-from .kernels import template
-from .kernels.thread import _unflatten
-from .kernels.warp import _predicated
-from .options import options
-from .printer import C_TYPES, ArraySpec, CPrinter, Threads, _scalar_names, _store, c_array, with_free_array_names
-from .source import exact_products, has_half, render
+from .....lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads, subexpressions
+from .....lowering.plan import Kernel, Lowered, size_var
+from ...hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, bounded_blocks
+from ...options import options
+from ...printer import C_TYPES, ArraySpec, CPrinter, Threads, _scalar_names, _store, c_array, with_free_array_names
+from ...source import exact_products, has_half, render
+from .. import template
+from ..thread import _unflatten
+from ..warp.analysis import scalar_name
+from ..warp.forward import _predicated
+from .analysis import StateLanes
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
@@ -246,7 +246,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     vector_copies = vector_stages(lanes, arrays, ctype)
     hosted = hosted_sums(lanes)
     return {
-        "template": template("lanes.cu.j2"),
+        "template": template("lanes/forward.cu.j2"),
         "name": k.name,
         "block": block,
         "min_blocks": lanes_min_blocks(lanes, k, sizes, groups, block, ctype),

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ....lowering.loops import (
+from .....lowering.loops import (
     Assign,
     Buffer,
     Load,
@@ -15,19 +15,13 @@ from ....lowering.loops import (
     Var,
     loads,
 )
-from ....lowering.plan import Kernel, Lowered, size_var
-from ....lowering.state_major import (
-    StateMajor,
-    scalar_name,
-    share,
-    warp_state_major,
-)
-from ....lowering.time_blocks import partial_name, product_name
-from ..hardware import (
+from .....lowering.plan import Kernel, Lowered, size_var
+from .....lowering.time_blocks import partial_name, product_name
+from ...hardware import (
     STATIC_SHARED,
     WARP,
 )
-from ..printer import (
+from ...printer import (
     BLOCK,
     MIN_BLOCKS,
     ONE_GROUP,
@@ -46,16 +40,22 @@ from ..printer import (
     param_registers,
     with_free_array_names,
 )
-from ..source import exact_products, has_half, render
-from . import template
-from .thread import kernel_context
+from ...source import exact_products, has_half, render
+from .. import template
+from ..thread import kernel_context
+from .analysis import (
+    StateMajor,
+    scalar_name,
+    share,
+    warp_state_major,
+)
 
 
 def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec], sizes: dict[str, int],
                         steps_per_lane: int, round_steps: int = 0, ragged: bool = True, warps: int = 1) -> dict:
     """The warp kernel (lowering/time_blocks.py) of the program step `k`: the `summary` step and
     `k`'s spliced around a scan of the (product, partial) pairs across the warp's lanes. Where `k`
-    has arrays ``rounds_<state>`` (lowering/reverse_warp.py), the lane whose steps start a round of
+    has arrays ``rounds_<state>`` (kernels/warp/backward_analysis.py), the lane whose steps start a round of
     `round_steps` (the fused backward's) writes its carry there. `warps` > 1 (`shares_recurrence`):
     a block of that many warps per recurrence, a round of warps x 32 x K steps."""
     program = k.program
@@ -68,7 +68,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     room = STATIC_SHARED - 4 * warps * len(program.states) * value_bytes  # less the warps' aggregates
     staged = _within(_stageable(k.arrays, (summary, k), set(k.parallel)), block_warps * stage_len * value_bytes, room)
     ctx = kernel_context(k, arrays, sizes)
-    ctx["template"] = template("warp.cu.j2")
+    ctx["template"] = template("warp/forward.cu.j2")
     in_registers = param_registers((summary, k), set(k.parallel), sizes)
     major = warp_state_major(summary, k)
     unrolled = major is not None and _state_loop_unrolled(program.states, set(k.parallel), sizes, steps_per_lane)
@@ -149,7 +149,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     return ctx
 
 
-# The state-major warp kernel (lowering/state_major.py) unrolls its loop over the states' own axes
+# The state-major warp kernel (kernels/warp/analysis.py) unrolls its loop over the states' own axes
 # (their values in registers) while that loop times the lane's steps is at most this.
 STATE_MAJOR_UNROLL = 128
 
@@ -210,7 +210,7 @@ def _words(index: str) -> set[str]:
 
 def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printers: tuple[CPrinter, CPrinter],
                        steps_per_lane: int, round_steps: int, unrolled: bool, ragged: bool) -> list[str]:
-    """A round of the state-major warp kernel (lowering/state_major.py), twice: for a round whose
+    """A round of the state-major warp kernel (kernels/warp/analysis.py), twice: for a round whose
     lanes all have their K steps, straight-line code, in which the scheduler overlaps one state
     value's scan across the lanes with the next one's chains (with an exit per step in between, the
     rounds were latency-bound: Mamba-1 B8 D1536 L2048 on an H200 1.57 against 0.96 ms), loads along
