@@ -1,139 +1,277 @@
-"""Which backends exist, and the one function each offers: run a recurrence over arrays.
+"""Which backends exist: one `Backend` object each (base.py says what callers ask of it).
 
-A runner is ``run(seqs, params, initial, sizes, length) -> (outputs, final states)`` with
-time-first arrays and name -> array dicts: the contract of `interpreter.run_recurrence`.
+    get_backend("numba").runner(program, np.dtype("float32"))(seqs, params, initial, sizes, length)
+
+`interpreter` runs a program as written in float64 NumPy (the ground truth), `numba` compiles it for
+the CPU, `cuda` for a GPU (CuPy and PyTorch). The CUDA backend's modules are imported only when it is
+asked something only it can answer, so that the others run where CuPy or torch are missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 from functools import partial
 
 import numpy as np
 
-from ..lowering.stages import Fused, fuse
+from ..ir.node import toposort
+from ..ir.ops import Op
+from ..passes.autodiff import DEFAULT_CHUNK
 from . import interpreter
+from .base import Backend, Runner, run_stages
 
-BACKENDS = ("interpreter", "numba", "cuda")
+__all__ = ["BACKENDS", "Backend", "Runner", "array_support", "call_key", "check_backend",
+           "compute_dtype", "default_backend", "for_tensor", "get_backend", "preparer", "run_stages", "runner"]
 
-Runner = Callable[..., tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
+
+class InterpreterBackend(Backend):
+    """The float64 reference interpreter: a program as written, never in stages."""
+
+    runs_stages = False
+
+    def runner(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
+        return partial(interpreter.run_recurrence, program)
+
+    def compute_dtype(self, given: np.dtype, requested=None) -> np.dtype:
+        """float64 whatever is given or requested: the ground truth."""
+        return np.dtype(np.float64)
+
+
+class NumbaBackend(Backend):
+    """Programs compiled for the CPU by Numba."""
+
+    def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
+        from .numba import runner_for
+
+        run = runner_for(program, dtype.name).run
+        return run if products is None else partial(run, products=products)
+
+    def recording(self, backward):
+        """The recording forward, saving besides the carries the products the adjoint would hoist out
+        of its loop and recompute from the carries (an LSTM's ``h U``), which the forward's loop
+        computes anyway; written per step, they reach the adjoint through `Tape.products`."""
+        rec = backward.recording
+        if rec is None:
+            return rec, ()
+        from ..lowering.hoist import hoist
+
+        states = {s.name for s in backward.forward.states}
+        known = {d.name for d in backward.forward.decls}
+        taken = {n for n, _ in rec.outputs}
+        saved = []
+        for _, node in hoist(backward.adjoint).pre:
+            leaves = {n.arg for n in toposort([node]) if n.op is Op.INPUT}
+            if leaves & states and leaves <= known:
+                name = f"saved_{len(saved)}"
+                while name in taken:
+                    name += "_"
+                saved.append((name, node))
+        if not saved:
+            return rec, ()
+        return rec.with_roots(rec.updates, rec.outputs + tuple(saved)), tuple(saved)
+
+
+class DeviceArrays:
+    """`ArrayOps` on torch CUDA tensors (the cuda backend)."""
+
+    @staticmethod
+    def convert(x, name):
+        from .cuda.arrays import to_device
+
+        return to_device(x, name)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        import torch
+
+        from .cuda.devices import device_name
+
+        return torch.zeros(tuple(shape), device=device_name(),
+                           dtype=torch.float64 if dtype == np.float64 else torch.float32)
+
+    @staticmethod
+    def cast(x, dtype):
+        import torch
+
+        return x.to(torch.float64 if dtype == np.float64 else torch.float32)
+
+    @staticmethod
+    def cat(parts):
+        import torch
+
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def permute(x, perm):
+        return x.permute(*perm)
+
+    @staticmethod
+    def contiguous(x):
+        return x.contiguous()
+
+
+class CudaBackend(Backend):
+    """Generated CUDA kernels on torch CUDA tensors (or, ``SSMC_CUDA_EMULATE=1``, emulated on the CPU)."""
+
+    on_device = True
+    # one chunk, no outputs wanted (`ssmc.grad`'s call): no forward runs, the backward's recompute of
+    # the carries is the one pass over them (where outputs are wanted, the recording forward's
+    # writing them costs less than that pass)
+    records_without_outputs = False
+    arrays = DeviceArrays()
+
+    def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
+        from .cuda.hoisted import hoisted_runner
+        from .cuda.runner import runner_for
+
+        hoisted = hoisted_runner(program, dtype.name)
+        if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
+            return hoisted.run if products is None else partial(hoisted.run, products=products)
+        return runner_for(program, dtype.name).run
+
+    def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
+        """Where one block of threads owns each row, the layer in one kernel; else `staged`."""
+        from .cuda.runner import layer_runner
+
+        return layer_runner(fused, dtype.name, staged)
+
+    def preparer(self, program, dtype: np.dtype):
+        """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
+        around its kernels); else None."""
+        from ..lowering.stages import fuse
+
+        if fuse(program).staged:
+            return None
+        from .cuda.hoisted import hoisted_runner
+        from .cuda.runner import runner_for
+
+        if hoisted_runner(program, dtype.name) is not None:  # matrix products around the kernels
+            return None
+        return runner_for(program, dtype.name).prepare
+
+    def call_key(self, args: tuple, kwargs: dict):
+        from .cuda.arrays import call_key
+
+        return call_key(args, kwargs)
+
+    def on_current_device(self, tensor) -> bool:
+        from .cuda.devices import current_device, on_backend_device
+
+        return on_backend_device(tensor) and tensor.get_device() == current_device()
+
+    def array_support(self, read_only_zeros: bool = False):
+        """Torch CUDA tensors (a ValueError where this machine cannot run cuda); zero initial states
+        shared between calls where only read (`shared_device_zeros`)."""
+        from .cuda.arrays import device_zeros, require_gpu, shared_device_zeros, to_device
+
+        require_gpu()
+        return to_device, shared_device_zeros if read_only_zeros else device_zeros
+
+    def check_arrays(self, arrays: dict) -> None:
+        from .cuda.devices import check_one_device
+
+        check_one_device(arrays)
+
+    def run_inputs(self, program, bound, dtype: np.dtype) -> tuple[dict, dict, dict, dict]:
+        """The arrays as given (kernels read any float dtype and strides in place); the outputs come
+        in the first argument's dtype."""
+        first = next(iter(bound.arrays.values()), None)
+        seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
+        params = {d.name: bound.arrays[d.name] for d in program.params}
+        return seqs, params, bound.initial, {"out_dtype": first.dtype if first is not None else None}
+
+    def from_host(self, values: dict, dtype: str) -> dict:
+        import torch
+
+        from .cuda.devices import device_name
+
+        torch_dtype = torch.float64 if dtype == "float64" else torch.float32
+        return {k: torch.as_tensor(v, dtype=torch_dtype, device=device_name()) for k, v in values.items()}
+
+    def synchronize(self) -> None:
+        from .cuda.devices import emulating
+
+        if not emulating():  # an emulated launch runs to completion
+            import torch
+
+            torch.cuda.synchronize()
+
+    def device_description(self) -> str:
+        """The GPU's name (or that its kernels are emulated on the CPU); a ValueError where there is none."""
+        from .cuda.arrays import require_gpu
+
+        require_gpu()  # a ValueError (one line) where there is none
+        import torch
+
+        from .cuda.devices import emulating
+
+        if emulating():
+            return f"{super().device_description()}, CUDA kernels emulated (SSMC_CUDA_EMULATE=1)"
+        return torch.cuda.get_device_name()
+
+    def default_chunk(self, length: int, program, sizes: dict[str, int], itemsize: int = 4) -> int:
+        """Every chunk costs a few kernel launches, so the chunk is as long as keeps the recomputed
+        carries no bigger than the sequences given: one chunk for a scan whose state is as big as
+        its input, about L / 5 steps for Mamba-1 (state N = 16 per channel); at least `DEFAULT_CHUNK`."""
+        per_step_state = sum(math.prod(sizes[a] for a in s.axes) for s in program.states)
+        per_step_seqs = sum(math.prod(sizes[a] for a in d.axes) for d in program.seqs)
+        return max(DEFAULT_CHUNK, min(length, length * per_step_seqs // max(per_step_state, 1)))
+
+    def fused_backward(self, backward, dtype: str):
+        from .cuda.fused_backward import fused_backward_runner
+
+        return fused_backward_runner(backward, dtype)
+
+
+_BACKENDS: dict[str, Backend] = {b.name: b for b in (InterpreterBackend("interpreter"), NumbaBackend("numba"),
+                                                      CudaBackend("cuda"))}
+BACKENDS = tuple(_BACKENDS)
 
 
 def default_backend() -> str:
     """The fastest backend this machine can run: CUDA when a GPU, CuPy and PyTorch are there, else Numba
     (the CUDA backend emulated on the CPU, ``SSMC_CUDA_EMULATE=1``, is for tests: never the default)."""
+    from .cuda.arrays import available
     from .cuda.devices import emulating
-    from .cuda.runner import available
 
     return "cuda" if not emulating() and available() else "numba"
 
 
 def check_backend(name: str) -> str:
-    if name not in BACKENDS:
+    if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     return name
 
 
-def compute_dtype(backend: str, given: np.dtype, requested=None) -> np.dtype:
-    """float64 for the interpreter (the ground truth); else as requested, or as the inputs are.
-
-    On CUDA, float16 / bfloat16 inputs compute in float32.
-    """
-    if backend == "interpreter":
-        return np.dtype(np.float64)
-    dtype = np.dtype(requested) if requested is not None else np.dtype(given)
-    if dtype not in (np.float32, np.float64):
-        raise ValueError(f"dtype {dtype} is not supported by the {backend} backend (float32, float64)")
-    return dtype
+def get_backend(name: str | Backend) -> Backend:
+    """The backend object of a name (ValueError for an unknown one); a backend object as it is."""
+    if isinstance(name, Backend):
+        return name
+    return _BACKENDS[check_backend(name)]
 
 
-def runner(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
-    """The run function for `program`: the interpreter runs it as written (the ground truth);
-    compiled backends run its fusion stages (`lowering/stages.py`), each a program of its own.
-
-    `products`: where the Numba and CUDA backends keep the matrix products they hoist out of the
-    time loop (`hoist.compute_pre`) for a later run over the same sequences and params to reuse;
-    the interpreter, and programs run in stages, ignore it."""
-    if backend == "interpreter":
-        return partial(interpreter.run_recurrence, program)
-    fused = fuse(program)
-    if not fused.staged:
-        return _compiled(backend, program, dtype, products)
-    staged = partial(run_stages, fused, [_compiled(backend, st.program, dtype) for st in fused.stages])
-    if backend == "cuda":  # or where one block of threads owns each row: the layer in one kernel
-        from .cuda.runner import layer_runner
-
-        return layer_runner(fused, dtype.name, staged)
-    return staged
+def for_tensor(tensor) -> str:
+    """The backend a torch tensor runs on by default: cuda for CUDA tensors, else numba."""
+    return "cuda" if tensor.is_cuda else "numba"
 
 
-def preparer(backend: str, program, dtype: np.dtype):
-    """Where a backend can work a run out once for many calls alike (CUDA, a program run as one
-    kernel): ``prepare(seqs, params, initial, sizes, length, out_dtype) -> call or None``
-    (`CudaRunner.prepare`); else None."""
-    if backend != "cuda" or fuse(program).staged:
-        return None
-    from .cuda.hoisted import hoisted_runner
-    from .cuda.runner import runner_for
+# The questions of `Backend` as functions of a backend's name (or object)
 
-    if hoisted_runner(program, dtype.name) is not None:  # matrix products around the kernels
-        return None
-    return runner_for(program, dtype.name).prepare
+def compute_dtype(name: str | Backend, given: np.dtype, requested=None) -> np.dtype:
+    return get_backend(name).compute_dtype(given, requested)
 
 
-def call_key(backend: str, args: tuple, kwargs: dict):
-    """What binding and running a call depend on besides its layout, where the backend prepares
-    runs (`preparer`) and every argument is an array it takes as it is; else None (no shortcut)."""
-    if backend != "cuda":
-        return None
-    from .cuda.runner import call_key as cuda_call_key
-
-    return cuda_call_key(args, kwargs)
+def runner(name: str | Backend, program, dtype: np.dtype, products: dict | None = None) -> Runner:
+    return get_backend(name).runner(program, dtype, products)
 
 
-def _compiled(backend: str, program, dtype: np.dtype, products: dict | None = None) -> Runner:
-    if backend == "cuda":
-        from .cuda.hoisted import hoisted_runner
-        from .cuda.runner import runner_for as cuda_runner
-
-        hoisted = hoisted_runner(program, dtype.name)
-        if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
-            return hoisted.run if products is None else partial(hoisted.run, products=products)
-        return cuda_runner(program, dtype.name).run
-    from .numba import runner_for
-
-    run = runner_for(program, dtype.name).run
-    return run if products is None else partial(run, products=products)
+def preparer(name: str | Backend, program, dtype: np.dtype):
+    return get_backend(name).preparer(program, dtype)
 
 
-def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, length, out_dtype=None):
-    """Run the stages in order, each stage's intermediates (``row<k>``, ``cut<k>``) becoming the
-    sequences of the next; the runner contract. Intermediates stay in the compute dtype (norm
-    statistics in fp32 whatever the inputs); results are cast to `out_dtype` at the end."""
-    seqs = dict(seqs)
-    outs, finals = {}, {}
-    for stage, run in zip(fused.stages, runs):
-        p = stage.program
-        got, fin = run({d.name: seqs[d.name] for d in p.seqs}, {d.name: params[d.name] for d in p.params},
-                       {s.name: initial[s.name] for s in p.states}, sizes, length)
-        finals.update(fin)
-        for name, value in got.items():
-            if name in stage.writes:
-                seqs[name] = value
-            else:
-                outs[name] = value if out_dtype is None else value.to(out_dtype)
-    program = fused.program
-    return {n: outs[n] for n, _ in program.outputs}, {s.name: finals[s.name] for s in program.states}
+def call_key(name: str | Backend, args: tuple, kwargs: dict):
+    return get_backend(name).call_key(args, kwargs)
 
 
-def array_support(backend: str, read_only_zeros: bool = False):
-    """(convert, zeros) for binding arguments: NumPy on the host, torch CUDA tensors for cuda (a
-    ValueError where this machine cannot run cuda).
-    `read_only_zeros`: the caller never writes nor returns the zero initial states (a forward), so
-    cuda may share one tensor per shape between calls (`shared_device_zeros`)."""
-    if backend == "cuda":
-        from .cuda.runner import device_zeros, require_gpu, shared_device_zeros, to_device
-
-        require_gpu()
-        return to_device, shared_device_zeros if read_only_zeros else device_zeros
-    return None, None
+def array_support(name: str | Backend, read_only_zeros: bool = False):
+    return get_backend(name).array_support(read_only_zeros)
