@@ -16,13 +16,13 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from .api import _program, compile
-from .backends.cuda.devices import current_device, on_backend_device
-from .backends.registry import call_key
-from .grad_prepared import LeanStep
-from .grad_stages import make_grad
+from .api import compile
+from .autograd import make_grad
+from .autograd.lean import LeanStep
+from .backends.registry import for_tensor, get_backend
 from .ir.axes import TIME
-from .runtime.binding import MAX_PREPARED_CALLS, layout_of
+from .runtime.binding import layout_of
+from .runtime.prologue import PreparedCalls, program_of
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _Recurrence(torch.autograd.Function):
         # is torch's "modified by an inplace operation" error, not a wrong gradient
         ctx.save_for_backward(*tensors)
         # outputs the loss does not use get None, not zeros torch fills in: without a cotangent of the
-        # final states the backward takes its prepared path (grad_prepared.py)
+        # final states the backward takes its prepared path (autograd/prepared.py)
         ctx.set_materialize_grads(False)
         ctx.fn, ctx.tape = fn, tape
         fn.last_step = getattr(tape, "step", None)  # the step a `LeanStep` serves calls like this one from
@@ -69,7 +69,7 @@ class _Recurrence(torch.autograd.Function):
 
 
 class _LeanRecurrence(torch.autograd.Function):
-    """`_Recurrence` for calls like an earlier one that a `grad_prepared.LeanStep` serves."""
+    """`_Recurrence` for calls like an earlier one that an `autograd.lean.LeanStep` serves."""
 
     @staticmethod
     def forward(ctx, fn: SsmcFunction, lean, *tensors):
@@ -105,7 +105,7 @@ class SsmcFunction:
 
     def __init__(self, spec, backend=None, layout="t ...", chunk: int | None = None,
                  return_final_states: bool = False):
-        self.program = _program(spec)
+        self.program = program_of(spec)
         self.layout = layout
         self.backend = backend
         self.chunk = chunk
@@ -116,7 +116,7 @@ class SsmcFunction:
         self.output_perms = [(name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
                              for name, y in self.program.outputs]
         self._by_backend: dict[str, tuple] = {}
-        self._lean: dict = {}  # call signature (`_signature`) -> its LeanStep, or None (the general path)
+        self._lean = PreparedCalls()  # call signature (`_signature`) -> its LeanStep, or None (the general path)
         self.last_step = None
 
     def _for(self, backend: str):
@@ -139,19 +139,12 @@ class SsmcFunction:
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
-        backend = self.backend or ("cuda" if tensors[0].is_cuda else "numba")
+        backend = self.backend or for_tensor(tensors[0])
         self.compiled, self.grad = self._for(backend)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-            # inference: the plain forward, no tape
-            names = self.names[:len(tensors)]
-            ys, finals = self.compiled(**dict(zip(names, tensors)), return_final_states=True)
-            like = tensors[0]
-            ys = tuple(_in_dtype(_to_torch(y, like), like.dtype) for y in (ys if isinstance(ys, tuple) else (ys,))
-                       ) if ys is not None else ()  # in the first input's dtype, as with a tape
-            finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
-            results = ys + finals
+            results = self._inference(tensors)
         else:
-            key = _signature(tensors) if backend == "cuda" else None
+            key = _signature(get_backend(backend), tensors)
             lean = self._lean.get(key)
             if lean is not None:
                 results = _LeanRecurrence.apply(self, lean, *tensors)
@@ -159,10 +152,8 @@ class SsmcFunction:
                 self.last_step = None
                 results = _Recurrence.apply(self, len(tensors), *tensors)
                 if key is not None and key not in self._lean:
-                    if len(self._lean) >= MAX_PREPARED_CALLS:
-                        self._lean.clear()
-                    self._lean[key] = LeanStep.build(self.last_step, self.names[:len(tensors)], self.output_perms,
-                                                    tensors)
+                    self._lean.remember(key, LeanStep.build(self.last_step, self.names[:len(tensors)],
+                                                            self.output_perms, tensors))
         n_out = len(self.program.outputs)
         ys, finals = results[:n_out], results[n_out:]
         ys = ys[0] if len(ys) == 1 else tuple(ys)
@@ -170,14 +161,25 @@ class SsmcFunction:
             return ys
         return ys, finals[0] if len(finals) == 1 else tuple(finals)
 
+    def _inference(self, tensors: list) -> tuple:
+        """The plain forward, no tape: outputs in the first input's dtype (as with a tape), then the
+        final states."""
+        names = self.names[:len(tensors)]
+        ys, finals = self.compiled(**dict(zip(names, tensors)), return_final_states=True)
+        like = tensors[0]
+        ys = tuple(_in_dtype(_to_torch(y, like), like.dtype) for y in (ys if isinstance(ys, tuple) else (ys,))
+                   ) if ys is not None else ()
+        finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
+        return ys + finals
 
-def _signature(tensors: list) -> tuple | None:
-    """What a `LeanStep` depends on of a call (`registry.call_key`: shapes, strides, dtypes and devices
-    of its tensors, the overrides); None where its first tensor is not on the current CUDA device (the
-    general path switches devices) or the call has no key."""
-    if not on_backend_device(tensors[0]) or tensors[0].get_device() != current_device():
+
+def _signature(backend, tensors: list) -> tuple | None:
+    """What a `LeanStep` depends on of a call (`Backend.call_key`: shapes, strides, dtypes and devices of
+    its tensors, the overrides); None where its first tensor is not on the backend's current device
+    (the general path switches devices), or the backend prepares no such call."""
+    if not backend.on_current_device(tensors[0]):
         return None
-    return call_key("cuda", tuple(tensors), {})
+    return backend.call_key(tuple(tensors), {})
 
 
 def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,

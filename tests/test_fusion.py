@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 from strategies import layers
 
 import ssmc
+from ssmc.autograd import Grad, StagedGrad, make_grad
 from ssmc.backends import interpreter
 from ssmc.backends.registry import run_stages
-from ssmc.grad import Grad
-from ssmc.grad_stages import StagedGrad, make_grad
 from ssmc.lowering.plan import lower
 from ssmc.lowering.stages import fuse, op_by_op_kernels
 from ssmc.passes.autodiff import derive_backward

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ssmc
+from ssmc.autograd import Grad, default_chunk
 from ssmc.examples import hgrn, lstm, mamba1
-from ssmc.grad import Grad, default_chunk
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("ssmc.torch")

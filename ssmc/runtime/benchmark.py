@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.registry import check_backend
+from ..backends.registry import check_backend, get_backend
 from ..ir.axes import TIME
 from ..ir.program import Recurrence
 from .binding import layout_of
@@ -87,24 +87,13 @@ class _Arrays:
         return outs, finals
 
     def to_backend(self, values: dict) -> dict:
-        """`values` as the backend reads them: torch CUDA tensors for cuda, else NumPy in the dtype."""
-        if self.backend == "cuda":
-            import torch
-
-            from ..backends.cuda.devices import device_name
-
-            dtype = torch.float64 if self.dtype == "float64" else torch.float32
-            return {k: torch.as_tensor(v, dtype=dtype, device=device_name()) for k, v in values.items()}
-        return {k: v.astype(self.dtype) for k, v in values.items()}
+        """`values` as the backend reads them (`Backend.from_host`): torch CUDA tensors for cuda, else
+        NumPy in the dtype."""
+        return get_backend(self.backend).from_host(values, self.dtype)
 
     def wait(self) -> None:
         """Until the device has done what was asked of it (the clock stops after)."""
-        from ..backends.cuda.devices import emulating
-
-        if self.backend == "cuda" and not emulating():  # an emulated launch runs to completion
-            import torch
-
-            torch.cuda.synchronize()
+        get_backend(self.backend).synchronize()
 
 
 def _numpy(x) -> np.ndarray:
@@ -137,7 +126,7 @@ def check(spec, backend: str, layout, dtype: str, sizes: dict[str, int], length:
     and (`with_grad`) every gradient, and the name of the array that has it. ValueError where the
     reference itself grows past `GROWTH_LIMIT` on these random inputs (inputs ~ `scale` N(0, 1))."""
     from ..api import compile as compile_spec
-    from ..grad import grad
+    from ..autograd import grad
 
     program = spec.program
     arrays = _Arrays(program, backend, layout, dtype, scale)
@@ -162,6 +151,12 @@ def check(spec, backend: str, layout, dtype: str, sizes: dict[str, int], length:
     return errors[worst], worst
 
 
+def check_tolerance(backend: str, dtype: str) -> float:
+    """The largest relative error the check accepts of `backend` asked to compute in `dtype`: that of
+    the dtype it computes in (the interpreter's float64 whatever is asked)."""
+    return TOLERANCE[get_backend(backend).compute_dtype(np.dtype(dtype)).name]
+
+
 def _quiet():
     """Values that grow past float32 are reported (`BenchResult.finite`), not warned of by NumPy."""
     return np.errstate(over="ignore", invalid="ignore")
@@ -181,7 +176,7 @@ def bench(spec, backend: str, *, sizes: dict[str, int] | None = None, length: in
     """Check `spec` on `backend` against the interpreter, then time it (module docstring); a note
     on stderr says so where either takes more than a moment (`label` names the spec in it)."""
     from ..api import compile as compile_spec
-    from ..grad import grad
+    from ..autograd import grad
 
     backend = check_backend(backend)
     if dtype not in TOLERANCE:
@@ -194,7 +189,7 @@ def bench(spec, backend: str, *, sizes: dict[str, int] | None = None, length: in
     label = label or program.name
     with _quiet(), progress(f"{label}: checking {backend} against the interpreter over {checked} steps"):
         error, worst = check(spec, backend, layout, dtype, sizes, checked, seed, with_grad, scale)
-    tolerance = TOLERANCE["float64" if backend == "interpreter" else dtype]
+    tolerance = check_tolerance(backend, dtype)
     result = BenchResult(sizes, length, checked, error, error <= tolerance, worst=worst)
     if not result.ok:
         return result

@@ -1,0 +1,92 @@
+"""What every call does before its backend's work: `ssmc.compile`'s, `ssmc.grad`'s and the torch function's.
+
+    bound, dtype = bind_call(backend, program, args, kwargs, layout, requested_dtype)
+
+checks the layout (`check_layout`), binds the arguments to the program's inputs and states as the
+backend's arrays (`Backend.array_support`, `bind_arrays`: names, dimensions and axis sizes, a
+ValueError naming the argument before any work is done), checks the arrays together
+(`Backend.check_arrays`: one device) and picks the compute dtype (`Backend.compute_dtype`).
+
+Where a backend prepares calls (`Backend.call_key`), a call like an earlier one skips the prologue:
+`PreparedCalls` keeps, per call key and layout, what the first such call worked out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..frontend.spec import RecurrenceSpec
+from ..ir.program import Attention, Decl, Recurrence, Role
+from .binding import MAX_PREPARED_CALLS, Bound, bind_arrays, check_layout, hashable_layout
+
+
+def program_of(spec) -> Recurrence:
+    """The recurrence of an ``@ssmc.recurrence`` spec (or a `Recurrence` as it is); TypeError else."""
+    if isinstance(spec, RecurrenceSpec):
+        return spec.program
+    if isinstance(spec, Recurrence):
+        return spec
+    raise TypeError(f"expected an @ssmc.recurrence spec, got {type(spec).__name__}")
+
+
+def bind_call(backend, program: Recurrence, args: tuple, kwargs: dict, layout, requested=None,
+              read_only_zeros: bool = False) -> tuple[Bound, np.dtype]:
+    """(the call's arguments bound to `program`, time first, as `backend`'s arrays; its compute dtype).
+
+    `requested`: the dtype the caller fixed (None: as the inputs are); `read_only_zeros`: the caller
+    never writes nor returns the zero initial states (a forward: `Backend.array_support`)."""
+    check_layout(layout, program)
+    convert, zeros = backend.array_support(read_only_zeros)
+    bound = bind_arrays(program.inputs, program.states, args, kwargs, layout, program.static_sizes, program.name,
+                        program.roots, convert, zeros)
+    backend.check_arrays({**bound.arrays, **bound.initial})
+    return bound, backend.compute_dtype(bound.dtype, requested)
+
+
+class PreparedCalls(dict):
+    """Call key (`key`) -> what a backend worked out once for calls alike (a prepared run, a training
+    step, or a false value: none applies), at most `MAX_PREPARED_CALLS` (calls of ever new shapes:
+    start over)."""
+
+    @staticmethod
+    def key(backend, args: tuple, kwargs: dict, layout) -> tuple | None:
+        """The key of a call (`Backend.call_key` and the layout), or None where the backend prepares
+        no call like it."""
+        key = backend.call_key(args, kwargs)
+        return None if key is None else (hashable_layout(layout), *key)
+
+    def remember(self, key, value):
+        """Keep `value` for calls of `key`; returns it."""
+        if len(self) >= MAX_PREPARED_CALLS:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def attention_params(program: Attention, args: tuple, params: dict) -> dict:
+    """The modifiers' params by name, from those given after q, k, v in their order (`args`) and by
+    name (`params`)."""
+    names = [d.name for d in program.params]
+    if len(args) > len(names):
+        raise ValueError(f"{program.name} takes q, k, v and the params {names}, got {3 + len(args)} "
+                         "positional arguments")
+    params = dict(params)
+    for name, value in zip(names, args):
+        if name in params:
+            raise ValueError(f"{program.name}: argument {name!r} given twice")
+        params[name] = value
+    return params
+
+
+def bind_attention(program: Attention, q, k, v, layout, params: dict) -> tuple[Bound, Bound]:
+    """(q bound, k / v and the params bound): NumPy, time first. k and v share a length, q may
+    differ: the two groups are bound separately, then their sizes checked against each other."""
+    qd = Decl("q", Role.SEQ, program.q_axes)
+    kd = Decl("k", Role.SEQ, program.q_axes)
+    vd = Decl("v", Role.SEQ, program.v_axes)
+    kv = bind_arrays((kd, vd, *program.params), (), (k, v), params, layout, program.static_sizes, program.name)
+    qb = bind_arrays((qd,), (), (q,), {}, layout, program.static_sizes, program.name)
+    for axis, n in qb.sizes.items():
+        if kv.sizes.get(axis, n) != n:
+            raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")
+    return qb, kv
