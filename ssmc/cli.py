@@ -276,7 +276,7 @@ def _print_table(rows: list[list[str]]) -> None:
 def _device(backend: str) -> str:
     """Where `backend` runs: the GPU's name for cuda, else the CPU."""
     if backend == "cuda":
-        from .backends.cuda.runner import require_gpu
+        from .backends.cuda.arrays import require_gpu
 
         require_gpu()  # a ValueError (one line) where there is none
         import torch

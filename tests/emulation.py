@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ssmc.backends.cuda.backward_launch import array_layout
 from ssmc.backends.cuda.emulator import emulated
-from ssmc.backends.cuda.fused_backward import array_layout, fused_backward_runner
+from ssmc.backends.cuda.fused_backward import fused_backward_runner
 from ssmc.passes.autodiff import GRAD, derive_backward
 
 

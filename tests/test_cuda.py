@@ -870,9 +870,10 @@ def test_first_order_scan_with_warps_sharing_each_channel_in_float32(length):
     want = ssmc.compile(scan, "interpreter", layout="b d t")(a=a, x=x)
     want_g = ssmc.grad(scan, "interpreter", layout="b d t")(a=a, x=x, grad_outputs=dy)
     gpu = on_gpu({"a": a, "x": x}, "float32")
+    from ssmc.backends.cuda.kernels.warp import recurrence_warps
     from ssmc.backends.cuda.runner import runner_for
 
-    assert runner_for(scan.program).recurrence_warps(length) == 8
+    assert recurrence_warps(runner_for(scan.program), length) == 8
     got = ssmc.compile(scan, "cuda", layout="b d t")(**gpu)
     got_g = ssmc.grad(scan, "cuda", layout="b d t")(**gpu, grad_outputs=torch.tensor(dy, device="cuda",
                                                                                      dtype=torch.float32))
@@ -1008,8 +1009,8 @@ def test_mamba1_training_forward_as_lanes_at_awkward_sizes(n, d, length, dtype):
     rounds (L = 70, 180, 4097); gradients of every input against the interpreter's, to 1e-9 in float64
     and 1e-3 in float32 (where float64's lanes do not fit in registers or shared memory). (Random
     Mamba-shaped specs rarely take the fused backward: these are Mamba-1's.)"""
-    from ssmc.backends.cuda import runner
     from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.backends.cuda.kernels import lanes
     from ssmc.passes.autodiff import derive_backward
 
     m = importlib.import_module("ssmc.examples.mamba1")
@@ -1019,13 +1020,13 @@ def test_mamba1_training_forward_as_lanes_at_awkward_sizes(n, d, length, dtype):
     inputs = m.make_inputs(rng, length, batch=2, dim=d, state=n)
     dy = rng.standard_normal((2, d, length))
     want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=dy)
-    fill, runner.LANES_FILL = runner.LANES_FILL, 1
+    fill, lanes.LANES_FILL = lanes.LANES_FILL, 1
     try:
         assert fused.applies_at(sizes, length, True) and fused.forward_lanes(sizes, length, True) is not None
         got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**on_gpu(inputs, dtype),
                                                          grad_outputs=on_gpu({"dy": dy}, dtype)["dy"])
     finally:
-        runner.LANES_FILL = fill
+        lanes.LANES_FILL = fill
     for key in want:
         assert rel_err(got[key], want[key]) <= (1e-9 if dtype == "float64" else 1e-3), key
 

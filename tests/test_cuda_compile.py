@@ -210,7 +210,7 @@ def test_state_major_vector_loads_into_a_float64_compute_type():
         else:
             strides = contiguous_strides(shape)
         specs[a.name] = ArraySpec("float32" if a.name in ("B", "C") else "float64", strides)
-    source = runner.source_for(k, specs, sizes, length=length)
+    source = runner.source_for(k, specs, sizes, length=length, strategy="warp")
     assert "typedef double F" in source and "load_steps<4>(ld0, B + " in source
     resources = nvrtc.compile_source(source, options=("--std=c++17",)).resources["mamba1_warp"]
     assert not resources.spills
@@ -305,11 +305,12 @@ def test_warps_sharing_a_recurrence_compile_without_spills(name, length):
 
 def test_state_major_warp_kernels_keep_one_warp_a_recurrence(monkeypatch):
     """Mamba-1's states have their own axis n: its warp kernels stay one warp per (b, d), even forced."""
+    from ssmc.backends.cuda.kernels.warp import recurrence_warps
     from ssmc.backends.cuda.runner import CudaRunner
 
     runner = CudaRunner(importlib.import_module("ssmc.examples.mamba1").SPEC.program)
     monkeypatch.setenv("SSMC_CUDA_RECURRENCE_WARPS", "4")
-    assert runner.recurrence_warps(4096) == 1
+    assert recurrence_warps(runner, 4096) == 1
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -468,9 +469,9 @@ def test_the_lanes_backward_assigns_the_forwards_hoisted_values(monkeypatch, fre
     backward's pre phase and carries read it: that kernel declared it but never assigned it, and did
     not compile (a random Mamba-shaped spec's emulated step found it, 2026-11-27). Every kernel of the
     training step, the lanes backward forced, compiles."""
-    from ssmc.backends.cuda import runner
+    from ssmc.backends.cuda.kernels import lanes
 
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
     reports = kernel_reports(_gated_toward_a_constant.program, {"b": 2, "d": 8, "n": 3}, 7, time_contiguous=True)
     backward = next(r for r in reports if r.program == "backward")

@@ -22,7 +22,9 @@ from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
 
 import ssmc
-from ssmc.backends.cuda import emulator, fused_backward, lanes_backward, runner
+from ssmc.backends.cuda import emulator, fused_backward
+from ssmc.backends.cuda.kernels import lanes
+from ssmc.backends.cuda.kernels.lanes import backward as lanes_backward
 from ssmc.passes.autodiff import derive_backward
 
 pytestmark = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
@@ -91,7 +93,7 @@ def test_emulated_lanes_training_forward(length, monkeypatch, fresh_runners):
     """Mamba-1's training forward as the lanes kernel (its fill threshold lowered, so that it runs at
     B2 D8), saving the round carries the fused backward starts from: its outputs and the gradients;
     100 steps end in a partial chunk."""
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     m = importlib.import_module("ssmc.examples.mamba1")
     sizes = {"b": 2, "d": 8, "n": 5}
     fb = fused_backward.fused_backward_runner(derive_backward(m.SPEC.program), "float32")
@@ -113,7 +115,7 @@ def test_emulated_lanes_whole_chunk_copies(batch, dim, length, offset, monkeypat
     against the interpreter at sizes that take either copies or both in one launch."""
     torch = pytest.importorskip("torch")
 
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     m = importlib.import_module("ssmc.examples.mamba1")
     rng = np.random.default_rng(length + offset)
@@ -127,7 +129,7 @@ def test_emulated_lanes_whole_chunk_copies(batch, dim, length, offset, monkeypat
         return flat_[offset:].view(v.shape)
 
     sources = []
-    monkeypatch.setattr(runner, "lanes_source", _recording(runner.lanes_source, sources))
+    monkeypatch.setattr(lanes, "lanes_source", _recording(lanes.lanes_source, sources))
     got_y, got_h = ssmc.compile(m.SPEC, "cuda", layout="b d t")(**{k: placed(v) for k, v in inputs.items()},
                                                               return_final_states=True)
     assert rel_err(got_y, want_y) <= 1e-4 and rel_err(got_h, want_h) <= 1e-4
@@ -153,9 +155,9 @@ def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_run
     Time before the channels ("b t d") the gradients' views are not contiguous: after one lean
     forward the prepared step's path serves the calls."""
     torch = pytest.importorskip("torch")
-    from ssmc.grad_prepared import LeanStep
+    from ssmc.autograd.lean import LeanStep
 
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     m = importlib.import_module("ssmc.examples.mamba1")
     length = 72  # grad_B's rows a whole number of 16 bytes: the gradients' views contiguous, the lean backward
@@ -199,7 +201,7 @@ def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_run
     (3, 20, 33, 33),    # 8 lanes a row, 5 values each (the last lane 33 - 32 = 1)
 ])
 def test_emulated_lanes_backward(batch, dim, state, length, layout, monkeypatch, fresh_runners):
-    """Mamba-1's backward as lanes (backends/cuda/lanes_backward.py) through `ssmc.grad` and the torch
+    """Mamba-1's backward as lanes (kernels/lanes/backward.py) through `ssmc.grad` and the torch
     op, every kernel emulated: the training forward as the lanes kernel saving every chunk's carry
     (its fill threshold lowered, so that it runs at these sizes), then the lanes backward, in both
     layouts (forced in "b d t", the default in "b t d"), the initial state given and its gradient
@@ -218,7 +220,7 @@ def test_emulated_bounded_lanes_backward(batch, dim, state, length, layout, monk
     """The bounded lanes backward (chunks of 16 steps, 8 blocks an SM: `lanes_backward.SHORT_CHUNK`),
     which runs where the rows are many, forced at these sizes: the training forward then saves a carry
     every 16 steps, two in each of its chunks of 32."""
-    monkeypatch.setattr(lanes_backward, "UNBOUNDED_WAVE_THREADS", 0)
+    monkeypatch.setattr(lanes_backward, "UNBOUNDED_WAVE_THREADS_AN_SM", 0)
     _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, lanes_backward.SHORT_CHUNK)
 
 
@@ -226,7 +228,7 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
     torch = pytest.importorskip("torch")
     import ssmc.torch as ssmc_torch
 
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     if layout == "b d t":  # where the warp kernel's fused backward runs by default
         monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
@@ -312,7 +314,7 @@ def test_emulated_gradients_only_steps_through_the_lanes(name, n, length, monkey
     cot = {k: np.moveaxis(rng.standard_normal(v.shape), 0, -1).astype(np.float32).astype(np.float64)
            for k, v in outs.items()}
     want = ssmc.grad(spec, "interpreter", layout="... t")(**inputs, grad_outputs=cot)
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
     fb = fused_backward.fused_backward_runner(derive_backward(spec.program), "float32")

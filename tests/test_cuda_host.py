@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssmc.backends.cuda.runner import Allocation, call_key  # noqa: E402
+from ssmc.backends.cuda.arrays import call_key  # noqa: E402
+from ssmc.backends.cuda.runner import Allocation  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (1, 3, 1, 5), (7, 1)])
@@ -38,7 +39,7 @@ def test_the_cuda_backend_without_a_gpu_says_so_before_any_work():
     """A call on backend "cuda" where there is no GPU (or no CuPy) is a ValueError that says what is
     missing, for a forward and a gradient."""
     import ssmc
-    from ssmc.backends.cuda.runner import missing
+    from ssmc.backends.cuda.arrays import missing
     from ssmc.examples import hgrn
 
     if missing() is None:
@@ -51,7 +52,7 @@ def test_the_cuda_backend_without_a_gpu_says_so_before_any_work():
 
 
 def test_the_cuda_backend_without_a_gpu_is_one_line_on_the_command_line(capsys):
-    from ssmc.backends.cuda.runner import missing
+    from ssmc.backends.cuda.arrays import missing
     from ssmc.cli import main
 
     if missing() is None:

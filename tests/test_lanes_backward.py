@@ -9,8 +9,9 @@ import pytest
 from test_cuda import rel_err
 
 import ssmc
-from ssmc.backends.cuda import fused_backward, nvrtc, runner
-from ssmc.backends.cuda import lanes_backward as lanes_kernel
+from ssmc.backends.cuda import fused_backward, nvrtc
+from ssmc.backends.cuda.kernels import lanes
+from ssmc.backends.cuda.kernels.lanes import backward as lanes_kernel
 from ssmc.backends.cuda.kernels.lanes.backward_analysis import lanes_backward
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.examples import hgrn, mamba1
@@ -88,13 +89,13 @@ def test_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatc
 def test_bounded_lanes_backward_on_the_gpu(batch, dim, state, length, layout, monkeypatch, fresh_runners):
     """The same through the bounded kernel (chunks of 16 steps, `__launch_bounds__(64, 8)`), which runs
     with many rows, forced at these sizes; the training forward saving two carries a chunk."""
-    monkeypatch.setattr(lanes_kernel, "UNBOUNDED_WAVE_THREADS", 0)
+    monkeypatch.setattr(lanes_kernel, "UNBOUNDED_WAVE_THREADS_AN_SM", 0)
     _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, lanes_kernel.SHORT_CHUNK)
 
 
 def _check_on_the_gpu(batch, dim, state, length, layout, monkeypatch, chunk):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(runner, "LANES_FILL", 1)
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_LANES_BACKWARD", "1")
     fb = _runner(mamba1.SPEC)
     assert fb.backward_lanes({"b": batch, "d": dim, "n": state}, length, layout == "b d t").chunk == chunk

@@ -123,7 +123,7 @@ def shared_by_a_sum_and_an_output(h: ssmc.State["d"], x0: ssmc.Seq[""], x1: ssmc
 @pytest.mark.parametrize("length", [1, 7, 180])
 def test_a_value_read_by_a_sum_and_by_a_stored_output_is_not_stale(length):
     """The epilogue sums y and stores y in two loop nests: `m` may be a scalar of the sum's loop only
-    if nothing outside that loop reads it (plan.StepBuilder._confined); a random spec of CI run
+    if nothing outside that loop reads it (step.StepBuilder._confined); a random spec of CI run
     26e8746 got a gradient 8% off here."""
     assert lower(shared_by_a_sum_and_an_output.program).strategy == "split"
     rng = np.random.default_rng(length)

@@ -103,7 +103,8 @@ def test_random_diagonal_linear_recurrences(spec, length, nblk, seed):
 
 
 def test_the_cuda_heuristic_blocks_time_only_when_recurrences_are_too_few(monkeypatch):
-    from ssmc.backends.cuda.runner import FILL_THREADS, CudaRunner
+    from ssmc.backends.cuda.kernels.time_blocks import FILL_THREADS
+    from ssmc.backends.cuda.runner import CudaRunner
 
     monkeypatch.delenv("SSMC_CUDA_TIME_BLOCKS", raising=False)
     m = importlib.import_module("ssmc.examples.hgrn")  # parallel over b d

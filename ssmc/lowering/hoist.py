@@ -211,7 +211,7 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
 def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
     """Params read by a per-step contraction, copied into the contraction's loop order.
 
-    A sum accumulates in its operand's axis order (`plan.StepBuilder.compute`), so for
+    A sum accumulates in its operand's axis order (`step.StepBuilder.compute`), so for
     ``sum_{g,k} f[g, k] U[j, g, k]`` (operand axes g k j) the innermost loop runs along j, which
     is strided in U. A copy ``hp[g, k, j] = U[j, g, k]`` made once per run makes it contiguous.
     """

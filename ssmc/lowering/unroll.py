@@ -1,6 +1,6 @@
 """Unrolling the summed loop of a per-step contraction, so each pass over the accumulator does several terms.
 
-`plan.StepBuilder` writes a contraction such as an LSTM's ``m[g, k] = sum_j h[j] U[j, g, k]`` as
+`step.StepBuilder` writes a contraction such as an LSTM's ``m[g, k] = sum_j h[j] U[j, g, k]`` as
 
     for j in range(n_j):                 # summed: not an index of the target
         for g in range(n_g):             # the target's axes, innermost contiguous

@@ -23,39 +23,43 @@ C and z are not read): B8 D1536 L2048 0.257 -> 0.178 ms, B32 D512 L180 0.044 -> 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from ...lowering.loops import Assign, Load, Loop, drop_unread, reads_of_scalars
 from ...lowering.plan import Array, Kernel, build_kernel
 from ...lowering.stages import fuse
 from ...passes.autodiff import GRAD, Backward
-from .devices import current_device, device_name
+from .arrays import TORCH_DTYPES, as_1d
+from .backward_launch import (
+    ALIGN,
+    BackwardLaunch,
+    BufferAllocation,
+    PreparedLaunch,
+    array_layout,
+    backward_arrays,
+    forward_arrays,
+    in_memory_order_of,
+    shaped,
+    with_rounds,
+    without_outputs,
+    without_unread,
+)
+from .devices import current_device
 from .hardware import STATIC_SHARED, WARP
+from .kernels.base import Launch
 from .kernels.lanes.analysis import StateLanes, state_lanes
 from .kernels.lanes.backward import lanes_backward_shape, lanes_backward_source
 from .kernels.lanes.backward_analysis import lanes_backward
 from .kernels.lanes.forward import lane_groups, lanes_source
+from .kernels.warp import ragged, steps_per_lane
 from .kernels.warp.analysis import fused_state_major, warp_state_major
 from .kernels.warp.backward import fused_backward_shared_bytes, fused_backward_source
 from .kernels.warp.backward_analysis import FusedBackward, fused_backward
 from .kernels.warp.forward import warp_source
-from .launch import launch_kernel, zero_bytes
 from .options import options
-from .printer import BLOCK, ArraySpec, Threads, contiguous_strides
-from .runner import (
-    _DTYPES,
-    MAX_PLANS,
-    Launch,
-    _as_1d,
-    _sizes_key,
-    lane_block_count,
-    ragged,
-    runner_for,
-    steps_per_lane,
-    time_contiguous,
-)
+from .printer import BLOCK, ArraySpec, Threads
+from .runner import MAX_PLANS, _sizes_key, lane_block_count, runner_for, time_contiguous
 
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
@@ -79,7 +83,7 @@ HALF_ROUND_STEP_COST = 1.12
 
 
 # The lanes backward (kernels/lanes/backward.py) runs wherever the training forward runs as the lanes kernel
-# (at least runner.LANES_FILL threads: 8192 rows of Mamba-1's 4 lanes), in place of the warp kernel's
+# (at least kernels.lanes.LANES_FILL threads: 8192 rows of Mamba-1's 4 lanes), in place of the warp kernel's
 # fused backward ("b d t") or the unfused backward's kernels ("b t d"). Mamba-1 N16 fp32 "b d t",
 # training step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward,
 # bench/lanes_backward.py on an H100 (2026-11-26, 17:35 UTC), ms: B8 D1536 L2048 1.318 / 1.555, L512
@@ -134,29 +138,29 @@ class FusedBackwardRunner:
         self.compute = compute
         self.forward_runner = runner_for(bw.forward, compute)
         fwd = bw.forward
-        self.forward_kernel = _with_rounds(build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel))
+        self.forward_kernel = with_rounds(build_kernel(f"{fwd.name}_warp_rounds", fwd, plan.parallel))
         # the same without the outputs, for a step that wants the gradients only (`ssmc.grad`'s call):
         # it reads the sequences and writes the round carries and final states, nothing per step.
         # Built from the same program, its stores of the outputs dropped, so that its values keep the
         # names the forward's summary gives them (the compiler drops what only the outputs read);
         # only where the warp kernel is not state-major.
-        summary = _with_rounds(_without_outputs(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd,
+        summary = with_rounds(without_outputs(build_kernel(f"{fwd.name}_warp_summary_rounds", fwd,
                                                              plan.parallel)))
         tb = self.forward_runner.time_blocks
         scalar = tb is not None and warp_state_major(tb.lane_summary, summary) is None
         self.summary_kernel: Kernel | None = summary if scalar else None
         # the same forward as the lanes kernel (lanes.py), where the plain forward runs so
-        self.lanes_kernel = _with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
+        self.lanes_kernel = with_rounds(build_kernel(f"{fwd.name}_lanes_rounds", fwd, plan.parallel))
         self.lanes: StateLanes | None = state_lanes(self.lanes_kernel)
         # the lanes kernel without the outputs, for a step that wants the gradients only: the values
         # only the outputs read go too (Mamba-1's sum over n of h C, its post phase; C and z unread)
-        self.lanes_summary_kernel: Kernel | None = None if self.lanes is None else _with_rounds(_without_unread(
-            _without_outputs(build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
+        self.lanes_summary_kernel: Kernel | None = None if self.lanes is None else with_rounds(without_unread(
+            without_outputs(build_kernel(f"{fwd.name}_lanes_summary_rounds", fwd, plan.parallel))))
         self.lanes_summary: StateLanes | None = (None if self.lanes_summary_kernel is None
                                                  else state_lanes(self.lanes_summary_kernel))
         # the backward as lanes too (kernels/lanes/backward_analysis.py), where the forward runs as the lanes kernel
         self.lanes_backward = None if self.lanes is None else lanes_backward(plan, self.lanes)
-        self._plans: dict[tuple, _BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
+        self._plans: dict[tuple, BackwardLaunch] = {}  # launches by kernel, sizes, layouts and overrides
         self._decisions: dict[tuple, object] = {}  # applies_at, forward_lanes by shape and overrides
         self.can_run_state_major = fused_state_major(plan) is not None
         self._shared: dict[tuple[int, bool], int] = {}  # (steps a lane, state-major) -> the kernel's shared bytes
@@ -318,7 +322,7 @@ class FusedBackwardRunner:
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
         """`forward` worked out for calls like this one (arrays of the same dtypes and strides):
         ``call(seqs, params, initial) -> (outputs, finals, rounds)`` that only allocates and launches."""
-        given = _forward_arrays(seqs, params, initial)
+        given = forward_arrays(seqs, params, initial)
         lanes = self.forward_lanes(sizes, length, time_contiguous(seqs))
         back = self.backward_lanes(sizes, length, time_contiguous(seqs))
         summary = not outputs and (self.summary_kernel if lanes is None else self.lanes_summary) is not None
@@ -336,8 +340,8 @@ class FusedBackwardRunner:
         rounds = [(s.name, f"rounds_{s.name}") for s in p.states]
 
         def call(seqs, params, initial):
-            made = plan.run(_forward_arrays(seqs, params, initial), length)
-            return ({n: made[a] for n, a in outs}, {n: _shaped(made[a], shape) for n, a, shape in finals},
+            made = plan.run(forward_arrays(seqs, params, initial), length)
+            return ({n: made[a] for n, a in outs}, {n: shaped(made[a], shape) for n, a, shape in finals},
                     {n: made[a] for n, a in rounds})
         return PreparedLaunch(call, plan, length)
 
@@ -352,7 +356,7 @@ class FusedBackwardRunner:
         """`backward` worked out for calls like this one: ``call(seqs, params, rounds, cotangents,
         grad_states, grad_params) -> (gradients, finals)`` that only allocates and launches."""
         plan = self.plan
-        given = _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params)
+        given = backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params)
         back = self.backward_lanes(sizes, length, time_contiguous(seqs))
         if back is None:
             launch = self._planned(plan, given, sizes, length, self._backward_source)
@@ -367,8 +371,8 @@ class FusedBackwardRunner:
         accumulators = [(n, f"final_{n}") for n in plan.partials.accumulators]
 
         def call(seqs, params, rounds, cotangents, grad_states, grad_params):
-            made = launch.run(_backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params), length)
-            finals = {n: _shaped(made[a], shape) for n, a, shape in core}
+            made = launch.run(backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params), length)
+            finals = {n: shaped(made[a], shape) for n, a, shape in core}
             finals.update((n, made[a]) for n, a in accumulators)
             return {n: made[a] for n, a in outs}, finals
         return PreparedLaunch(call, launch, length)
@@ -404,7 +408,7 @@ class FusedBackwardRunner:
                                      self.state_major(length))
 
     def _planned(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                 grid: tuple[int, int] | None = None, back: Threads | None = None) -> _BackwardLaunch:
+                 grid: tuple[int, int] | None = None, back: Threads | None = None) -> BackwardLaunch:
         """The launch of kernel `k` (a `Kernel` or the `FusedBackward`) over its arrays: those in
         `given` as they are, the others allocated (per-step ones with time contiguous; ``atomic``
         ones and accumulators not given zeroed). `grid`: (blocks, threads a block); by default a
@@ -422,7 +426,7 @@ class FusedBackwardRunner:
         return plan
 
     def _plan_launch(self, k, given: dict, sizes: dict[str, int], length: int, source,
-                     grid: tuple[int, int] | None, back: Threads | None) -> _BackwardLaunch:
+                     grid: tuple[int, int] | None, back: Threads | None) -> BackwardLaunch:
         import torch
 
         state = torch.float64 if self.compute == "float64" else torch.float32
@@ -434,29 +438,29 @@ class FusedBackwardRunner:
                 t = given[a.name]
                 if a.role in ("accumulate", "final"):
                     kept.append(a.name)
-                specs[a.name] = ArraySpec(_DTYPES[str(t.dtype)], tuple(_as_1d(t).stride()))
+                specs[a.name] = ArraySpec(TORCH_DTYPES[str(t.dtype)], tuple(as_1d(t).stride()))
                 continue
             shape, strides, size = array_layout(a, sizes, length, rounds)
             like = self._laid_out_like(k, a, given, back)
             if like is not None and like.dim() == len(shape) and like.stride(0) != 1:
-                strides = _in_memory_order_of(like, shape)  # written where the caller wants it (below)
+                strides = in_memory_order_of(like, shape)  # written where the caller wants it (below)
             zeroed = a.role in ("atomic", "accumulate")
-            allocations.append(_Allocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
-            offset[zeroed] += -(-size // _ALIGN) * _ALIGN
-            specs[a.name] = ArraySpec(_DTYPES[str(state)], tuple(strides) or (1,))
+            allocations.append(BufferAllocation(a.name, tuple(shape), strides, offset[zeroed], zeroed))
+            offset[zeroed] += -(-size // ALIGN) * ALIGN
+            specs[a.name] = ArraySpec(TORCH_DTYPES[str(state)], tuple(strides) or (1,))
         fn = self.forward_runner.function(source(specs, sizes, length), k.name)
         if grid is None:
             threads = math.prod(sizes[a] for a in self.plan.parallel) * WARP
             grid = (max(1, -(-threads // BLOCK)), BLOCK)
         # one buffer: the plain arrays, then the zeroed ones
         allocations = [replace(a, offset=a.offset + offset[False]) if a.zeroed else a for a in allocations]
-        return _BackwardLaunch(fn, grid, tuple(a.name for a in k.arrays), tuple(allocations), tuple(kept),
+        return BackwardLaunch(fn, grid, tuple(a.name for a in k.arrays), tuple(allocations), tuple(kept),
                                offset[False], offset[True], state)
 
 
     def _laid_out_like(self, k, a: Array, given: dict, back: Threads | None):
         """The given sequence in whose memory order array `a` of kernel `k` is allocated where that
-        sequence has time strided (`_in_memory_order_of`), or None: a sequence's gradient from the lanes
+        sequence has time strided (`in_memory_order_of`), or None: a sequence's gradient from the lanes
         backward, the sequence itself; an output of the lanes forward (with outputs), a sequence of the
         same axes."""
         if a.role != "out":
@@ -466,174 +470,6 @@ class FusedBackwardRunner:
         if k is self.lanes_kernel:
             return next((given[b.name] for b in k.arrays if b.role == "seq" and b.axes == a.axes), None)
         return None
-
-
-_ALIGN = 64  # elements: every array a launch allocates starts 256 bytes into its buffer (vector adds, loads)
-
-
-@dataclass(frozen=True)
-class PreparedLaunch:
-    """`prepare_forward`'s or `prepare_backward`'s result: called as the run it prepared; `launch` and
-    `length` for callers that launch it themselves (grad_prepared.LeanStep)."""
-
-    call: object
-    launch: _BackwardLaunch
-    length: int
-
-    def __call__(self, *arrays):
-        return self.call(*arrays)
-
-
-@dataclass(frozen=True)
-class _Allocation:
-    """An array a launch allocates: a view of `shape` and `strides` at `offset` of its buffer."""
-
-    name: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-    zeroed: bool
-
-
-@dataclass(frozen=True)
-class _BackwardLaunch:
-    """A launch of the fused backward's forward or backward kernel worked out but for its arrays: the
-    arrays it allocates are views of one buffer, whose tail (`zeroed` elements) one memset clears."""
-
-    function: object
-    grid: tuple[int, int]
-    names: tuple[str, ...]              # the kernel's arrays, in order
-    allocations: tuple[_Allocation, ...]
-    kept: tuple[str, ...]               # given arrays it adds into (returned with the allocated ones)
-    plain: int                          # elements of the buffer left as allocated
-    zeroed: int                         # elements after them, zeroed
-    dtype: object
-
-    def buffer(self):
-        """One launch's buffer: one allocation and at most one memset (a small step's host time is a
-        few µs per torch call, bench/host_profile.py)."""
-        import torch
-
-        buffer = torch.empty(self.plain + self.zeroed, device=device_name(), dtype=self.dtype)
-        if self.zeroed:
-            size = buffer.element_size()
-            zero_bytes(buffer.data_ptr() + self.plain * size, self.zeroed * size, lambda: buffer[self.plain:].zero_())
-        return buffer
-
-    def allocate(self) -> dict:
-        """The allocated arrays by name, views of one `buffer`."""
-        import torch
-
-        buffer = self.buffer()
-        return {a.name: torch.as_strided(buffer, a.shape, a.strides, a.offset) for a in self.allocations}
-
-    def reshaped(self, name: str, shape) -> tuple[int, ...] | None:
-        """`shape` where array `name` must be reshaped to it, None where it is allocated in that shape
-        (a reshape is a torch call per launch)."""
-        shape = tuple(shape)
-        same = any(a.name == name and a.shape == shape for a in self.allocations)
-        return None if same else shape
-
-    def launch_pointers(self, pointers: list[int], length: int) -> None:
-        """Launch over device addresses of the kernel's arrays, in order (`names`)."""
-        launch_kernel(self.function, self.grid, length, 1, pointers)
-
-    def run(self, given: dict, length: int) -> dict:
-        """Launch over the arrays `given` (by name) and those `allocate` makes; returns the allocated
-        ones and the given ones the kernel adds into, by name."""
-        made = self.allocate()
-        made.update((name, given[name]) for name in self.kept)
-        launch_kernel(self.function, self.grid, length, 1,
-                      [(given[name] if name in given else made[name]).data_ptr() for name in self.names])
-        return made
-
-
-def _shaped(x, shape):
-    return x if shape is None else x.reshape(shape)
-
-
-def _forward_arrays(seqs: dict, params: dict, initial: dict) -> dict:
-    """The forward kernel's inputs by its names for them."""
-    return {**seqs, **params, **{f"init_{s}": v for s, v in initial.items()}}
-
-
-def _backward_arrays(seqs, params, rounds, cotangents, grad_states, grad_params) -> dict:
-    """The backward kernel's inputs by its names for them (the param gradients given are added into)."""
-    given = {**seqs, **params, **cotangents}
-    given.update({f"rounds_{s}": v for s, v in rounds.items()})
-    given.update({f"init_{n}": v for n, v in grad_states.items()})
-    given.update({f"final_{n}": v for n, v in grad_params.items()})
-    return given
-
-
-def _with_rounds(k: Kernel) -> Kernel:
-    """`k` with an array ``rounds_<state>`` per state: the carry into each round of the backward."""
-    k.arrays += [Array(f"rounds_{s.name}", "rounds", ("round", *s.axes)) for s in k.program.states]
-    return k
-
-
-def _without_outputs(k: Kernel) -> Kernel:
-    """`k` without its per-step outputs: their arrays and the statements that store into them."""
-    outputs = {a.name for a in k.arrays if a.role == "out"}
-
-    def kept(stmts: list) -> list:
-        out = []
-        for s in stmts:
-            if isinstance(s, Assign) and isinstance(s.target, Load) and s.target.array in outputs:
-                continue
-            out.append(replace(s, body=kept(s.body)) if isinstance(s, Loop) else s)
-        return out
-
-    return replace(k, arrays=[a for a in k.arrays if a.name not in outputs], setup=kept(k.setup), step=kept(k.step),
-                   finish=kept(k.finish))
-
-
-def _without_unread(k: Kernel) -> Kernel:
-    """`k` without the assignments of scalars that no statement reads (and loops left empty), until
-    none is left: what only the outputs `_without_outputs` dropped read. Names in index expressions
-    count as read."""
-    while True:
-        read = reads_of_scalars(k.setup + k.step + k.finish)
-        pruned = replace(k, setup=drop_unread(k.setup, read), step=drop_unread(k.step, read),
-                         finish=drop_unread(k.finish, read))
-        if pruned == k:
-            return k
-        k = pruned
-
-
-def array_layout(a: Array, sizes: dict[str, int], length: int, rounds: int) -> tuple[tuple, tuple, int]:
-    """(shape, element strides, elements) of an array that a launch of the fused backward's kernels
-    allocates: its axes' sizes (``t``: `length`, ``round``: `rounds`); per-step arrays with time
-    innermost, since lanes touch neighbouring steps (rows of atomic arrays padded, `_row`); others
-    contiguous (a 0-d one: no strides, one element)."""
-    shape = tuple(length if ax == "t" else rounds if ax == "round" else sizes[ax] for ax in a.axes)
-    if a.axes[:1] == ("t",) and len(shape) > 1:
-        inner = contiguous_strides([*shape[1:], _row(shape[0], a.role)])
-        return shape, (inner[-1], *inner[:-1]), inner[0] * shape[1]
-    return shape, contiguous_strides(shape) if shape else (), math.prod(shape)
-
-
-def _in_memory_order_of(like, shape: tuple) -> tuple[int, ...]:
-    """Element strides laying out an array of `shape` contiguously in the memory order of the tensor
-    `like` (its axes by decreasing stride). The lanes backward writes a sequence's gradient so, where
-    that sequence has time strided ("b t d"), rather than time innermost: its views in the caller's
-    layout are then contiguous as they come (`_in_layouts`), where torch's copies took 0.62 of a
-    1.98 ms step (Mamba-1 B8 D1536 L2048, H100, 2026-11-27); its stores are scalar, eight rows of a
-    warp's 32 bytes at a time. The lanes forward's outputs too (its post phase then runs along the
-    rows, as the plain forward's does there): the op returns them contiguous without a copy."""
-    order = sorted(range(len(shape)), key=lambda i: (like.stride(i), -i), reverse=True)
-    strides, step = [0] * len(shape), 1
-    for i in reversed(order):
-        strides[i] = step
-        step *= shape[i]
-    return tuple(strides)
-
-
-def _row(length: int, role: str) -> int:
-    """The row length, time innermost, of an array of `role` the backward allocates: an array added
-    into atomically gets rows of a multiple of 4 steps, so that a lane's 4 steps are one aligned
-    vector (`add_steps`) at any length."""
-    return -(-length // 4) * 4 if role == "atomic" else length
 
 
 _RUNNERS: dict[tuple, FusedBackwardRunner | None] = {}

@@ -21,9 +21,10 @@ from ...runtime.random_inputs import default_sizes
 from . import nvrtc
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
+from .kernels.base import Launch
 from .options import options
 from .printer import ArraySpec, contiguous_strides
-from .runner import MAX_LOCAL_BYTES, CudaRunner, Launch, one_kernel
+from .runner import MAX_LOCAL_BYTES, CudaRunner, one_kernel
 from .source import compile_options
 
 
@@ -138,7 +139,10 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
     for stage in fused.stages:
         hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
         runner = CudaRunner(stage.program, compute) if hoisted is None else hoisted.kernels
-        strategy, reason = runner.decide(sizes, steps, time_contiguous)
+        selection = runner.selection(sizes, steps, time_contiguous)
+        strategy, reason = selection.strategy, selection.reason
+        if selection.refusals():  # the table's strategies before it, and why each passed
+            reason += "; passed over: " + "; ".join(selection.refusals())
         if hoisted is not None:
             strategy += f" (+ {hoisted.describe()})"
         if fused.staged:  # which fusion stage the kernel belongs to
@@ -153,7 +157,7 @@ def _reports(runner: CudaRunner, role: str, strategy: str, sizes, steps: int, ti
     reports = []
     for launch in runner.launches(sizes, steps, time_contiguous):
         specs = _specs(launch, sizes, dtype, compute, time_contiguous)
-        source = runner.source_for(launch.kernel, specs, sizes, launch.mapping, launch.length)
+        source = runner.source_for(launch.kernel, specs, sizes, launch.mapping, launch.length, launch.strategy)
         label = f"{strategy}, {launch.mapping.describe()}" if launch.mapping.describe() else strategy
         reports.append(_report(role, label, launch, source, arch, compile_kernels, reason))
     return reports

@@ -10,204 +10,33 @@ interpreter's contract: time-first arrays (any strides; nothing is copied), name
 from __future__ import annotations
 
 import math
-import sys
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, replace
 
 from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
 from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, time_blocks
-from ...runtime.binding import numeric_array
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
-from .devices import current_device, device_name, emulating, on_backend_device
+from .arrays import TORCH_DTYPES
+from .devices import current_device, device_name, emulating
 from .hardware import WARP
+from .kernels.base import Launch, Shape
 from .kernels.lanes.analysis import state_lanes
-from .kernels.lanes.forward import lane_blocks, lane_groups, lanes_block, lanes_source
-from .kernels.thread import thread_source
-from .kernels.warp.analysis import warp_state_major
-from .kernels.warp.forward import recurrence_warps_fit, shares_recurrence, warp_source
+from .kernels.lanes.forward import lane_blocks, lane_groups, lanes_block
+from .kernels.time_blocks import FILL_THREADS, THREAD
+from .kernels.warp import lane_steps, ragged, steps_per_lane
 from .launch import launch_kernel
 from .options import environment_default, options
-from .printer import BLOCK, ONE_GROUP, ROW_THREADS, ArraySpec, Threads, contiguous_strides, split_groups
+from .printer import ONE_GROUP, ROW_THREADS, ArraySpec, Threads, contiguous_strides, split_groups
+from .select import Selection, select
+from .select import strategy as strategy_named
 from .source import compile_options
 
-_DTYPES = {"torch.float32": "float32", "torch.float64": "float64", "torch.float16": "float16",
-           "torch.bfloat16": "bfloat16"}
-
-
-def available() -> bool:
-    return missing() is None
-
-
-def missing() -> str | None:
-    """Why the cuda backend cannot run here (no CuPy, no PyTorch, no GPU), or None where it can."""
-    try:
-        import torch
-    except ImportError:
-        return "PyTorch is not installed"
-    if emulating():  # SSMC_CUDA_EMULATE=1: the kernels run on the CPU
-        from .emulator import available
-
-        return None if available() else "no C++ compiler for the emulated kernels (SSMC_CUDA_EMULATE=1)"
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
-    try:
-        if not torch.cuda.is_available():
-            return "PyTorch sees no CUDA GPU"
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "CuPy sees no CUDA GPU"
-    except Exception as err:  # a driver that does not load, say
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
-_GPU_FOUND = False  # set once the first call found one: later calls skip the look
-
-
-def require_gpu() -> None:
-    """ValueError naming what is missing where the cuda backend cannot run (before any array moves)."""
-    global _GPU_FOUND
-    if _GPU_FOUND:
-        return
-    reason = missing()
-    if reason is not None:
-        raise ValueError(f"backend 'cuda' needs a CUDA GPU with CuPy and PyTorch: {reason}; "
-                         "backend 'numba' runs on the CPU")
-    _GPU_FOUND = not emulating()  # the emulator is looked for again: the setting may change
-
-
-def to_device(x, name: str):
-    """A torch CUDA tensor for an argument (torch / CuPy zero-copy; NumPy and lists copied); a CPU
-    tensor where the backend is emulated (`devices.emulating`). A torch tensor elsewhere (on the CPU,
-    or a meta tensor) is a ValueError naming the argument: copying it would hide a host transfer and a
-    synchronisation in every call."""
-    import torch
-
-    device = device_name()
-    if isinstance(x, torch.Tensor):
-        t = x.detach()
-        if t.device.type != device:
-            where = "a GPU" if device == "cuda" else "the CPU (emulated)"
-            raise ValueError(f"argument {name!r} is a tensor on {t.device}; the cuda backend takes tensors on "
-                             f"{where} (NumPy arrays and lists are copied there)")
-    elif hasattr(x, "__cuda_array_interface__"):
-        t = torch.as_tensor(x, device=device)
-    else:
-        t = torch.as_tensor(numeric_array(x, name), device=device)
-    if str(t.dtype) not in _DTYPES:
-        if t.is_floating_point() or t.is_complex():
-            raise ValueError(f"argument {name!r} has dtype {t.dtype}; the cuda backend takes float32, float64, "
-                             "float16 and bfloat16")
-        t = t.to(torch.float32)
-    return t
-
-
-def device_zeros(shape):
-    import torch
-
-    return torch.zeros(shape, device=device_name(), dtype=torch.float32)
-
-
-def shared_device_zeros(shape):
-    """Zeros for an initial state not given to a forward: its kernels only read initial states
-    (``init_*``) and its final states are new tensors, so one tensor per shape and device is shared
-    by every call (a fill kernel and host time saved)."""
-    import torch
-
-    key = (tuple(shape), current_device())
-    zeros = _ZEROS.get(key)
-    if zeros is None:
-        zeros = _ZEROS[key] = torch.zeros(shape, device=device_name(), dtype=torch.float32)
-    return zeros
-
-
-_ZEROS: dict = {}
-
-
-def _as_1d(t):
-    return t.reshape(1) if t.dim() == 0 else t
-
-
-# Time-parallel scans (lowering/time_blocks.py) are used when the independent recurrences give fewer
-# than FILL_THREADS threads (about one full wave of an H100 / H200: 132 SMs x 2048), splitting time
-# into as many blocks as make up the difference, each at least MIN_BLOCK_STEPS long.
-FILL_THREADS = 1 << 18
-MIN_BLOCK_STEPS = 32
 # A thread's local memory on sm_80 / sm_90 (CUDA's limit): a kernel whose per-thread arrays need
 # more fails to launch (an LSTM's adjoint epilogue at B32 I256 H256 with its products in the kernels
 # asked for 4 MB a thread, found 2026-11-26), so `CudaRunner.function` refuses it with a ValueError
 MAX_LOCAL_BYTES = 512 << 10
-# Up to this many steps a scan runs as a thread per recurrence ("fused", one launch a run, which a
-# call signature prepares) even where time blocks would fill the GPU better: their three launches a
-# run cost more host time than the longer kernel. HGRN "b t d" on an H100 (2026-11-26, µs; forward
-# do_bench / op step's host, time blocks -> fused): B32 D512 L180 224 -> 59 / 624 -> 325, L512 215 ->
-# 102 / 648 -> 407, B128 D1024 L256 253 -> 149 / 886 -> 513; at L1024 time blocks win (138 against
-# 195 / 636 against 812), and at L512 `ssmc.grad`'s step (279 against 351).
-SHORT_SCAN = 512
-
-
-def time_block_count(total: int, length: int) -> int:
-    """How many blocks of time a scan over `total` independent recurrences runs in (1: sequential).
-
-    `SSMC_CUDA_TIME_BLOCKS` overrides it (a count; 1 or 0 turns time-parallel scans off).
-    """
-    forced = options().time_blocks
-    if forced is not None:
-        return max(1, min(forced, length))
-    if total >= FILL_THREADS:
-        return 1
-    return max(1, min(-(-FILL_THREADS // max(total, 1)), length // MIN_BLOCK_STEPS))
-
-
-# The warp kernel's consecutive steps per lane (SSMC_CUDA_STEPS_PER_LANE overrides): 4, or 2 where a
-# step reads a sequence along a state's own axis (Mamba-1's B[t, n] for each n). There a warp's load
-# of one n touches values K apart, 32 K words, and the kernel is bound by those L1 wavefronts:
-# measured on an H200 (Mamba-1 B8 D1536 L2048 N16 fp32, forward) 0.846 ms with 2 against 0.899 with
-# 4; the first-order scan, which reads one value a step, 0.217 ms with 2 against 0.207 with 4.
-# A state-major warp kernel (kernels/warp/analysis.py) reads its steps of B[:, n] as one vector and
-# scans each state value across the lanes once per round: Mamba-1 forward 0.62 ms with 4 steps per
-# lane (122 registers, 4 blocks per SM) against 0.67 with 8 (175 registers) and 0.93 with 2.
-STEPS_PER_LANE = 4
-WIDE_STEPS_PER_LANE = 2
-STATE_MAJOR_STEPS_PER_LANE = 4
-MAX_RECURRENCE_WARPS = 8  # warps of a block sharing one recurrence (`CudaRunner.recurrence_warps`)
-
-# The lanes kernel (lanes.py) runs where a program's states have an axis of their own, its step splits
-# around the loops over it (kernels/lanes/analysis.py) and rows x lanes give at least LANES_FILL threads;
-# fewer recurrences want the time-parallel warp kernel. Mamba-1 B8 D1536 L2048 N16 on an H200: 12288 rows
-# of 4 lanes, 0.366 ms against the warp kernel's 0.620 (bench/gpu_peers.py, 2026-11-25).
-LANES_FILL = 1 << 15
-
-
-def lane_steps(tb: TimeBlocks | None) -> int:
-    """The warp kernel's steps per lane for the program of the time blocks `tb` (see above)."""
-    if tb is None:
-        return STEPS_PER_LANE
-    if warp_state_major(tb.lane_summary, tb.lane_rescan) is not None:
-        return STATE_MAJOR_STEPS_PER_LANE
-    return WIDE_STEPS_PER_LANE if reads_along_state_axes(tb.lane_rescan) else STEPS_PER_LANE
-
-
-def steps_per_lane(default: int = STEPS_PER_LANE) -> int:
-    """`default` (a runner's `lane_steps`) unless SSMC_CUDA_STEPS_PER_LANE overrides it."""
-    forced = options().steps_per_lane
-    return max(1, forced) if forced is not None else default
-
-
-def ragged(length: int | None, steps: int) -> bool:
-    """Whether a warp kernel's last round of 32 x `steps` steps may be partial at `length` (None: any)."""
-    return length is None or length % (WARP * steps) != 0
-
-
-def reads_along_state_axes(k: Kernel) -> bool:
-    """Whether the step `k` reads a sequence along an axis that is not one of its parallel axes."""
-    return any(a.role == "seq" and any(ax != "t" and ax not in k.parallel for ax in a.axes) for a in k.arrays)
-
-
 def accumulator_blocks(total: int, length: int) -> int:
     """Blocks of time for an epilogue kernel summing over time (partial sums added afterwards)."""
     return max(1, min(length, -(-FILL_THREADS // max(total, 1))))
@@ -267,39 +96,13 @@ def row_recurrence_groups(size: int) -> int:
     return -(-threads // WARP) * WARP
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch of a run: the kernel, its steps, blocks of time and threads in all (and, for
-    the epilogue's kernels, their thread mapping: printer.Threads)."""
-
-    kernel: Kernel
-    length: int
-    nblk: int
-    threads: int
-    mapping: Threads = ONE_GROUP
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """(blocks, threads per block); a row kernel's blocks hold whole rows, a warp kernel's whose
-        warps share a recurrence one recurrence."""
-        if self.mapping.lanes:
-            return self.threads // self.mapping.block, self.mapping.block
-        if self.mapping.warps > 1:
-            per = WARP * self.mapping.warps
-            return max(1, self.threads // per), per
-        if self.mapping.row:
-            per = self.mapping.rows_per_block
-            rows = self.threads // self.mapping.groups
-            return max(1, -(-rows // per)), per * self.mapping.groups
-        return max(1, -(-self.threads // BLOCK)), BLOCK
-
-
 class CudaRunner:
     """A lowered program whose kernels are built per shape (sizes, strides, dtypes) and cached."""
 
     def __init__(self, program, compute: str = "float32"):
         self.program = program
         self.compute = compute                          # float32 | float64
+        self.ctype = "double" if compute == "float64" else "float"  # the kernels' compute type in C
         self.lowered: Lowered = lower(program, map_reduce=True)
         self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
         self.lane_steps = lane_steps(self.time_blocks)  # the warp kernel's steps per lane
@@ -316,17 +119,10 @@ class CudaRunner:
 
     # -- building ----------------------------------------------------------------------------
     def source_for(self, k: Kernel, specs: dict[str, ArraySpec], sizes: dict[str, int],
-                   mapping: Threads = ONE_GROUP, length: int | None = None) -> str:
-        """`k`'s module source for these layouts; `length` (None: any) tells the warp kernel whether
-        its last round can be partial (`ragged`)."""
-        ctype = "double" if self.compute == "float64" else "float"
-        if mapping.lanes:
-            return lanes_source(self.lowered, self.state_lanes, k, specs, sizes, mapping, ctype)
-        tb, steps = self.time_blocks, steps_per_lane(self.lane_steps)
-        if tb is not None and k is tb.lane_rescan:
-            return warp_source(self.lowered, ctype, k, specs, sizes, tb.lane_summary, steps, mapping,
-                               ragged=ragged(length, steps))
-        return thread_source(self.lowered, ctype, [(k, specs)], sizes, {k.name: mapping})
+                   mapping: Threads = ONE_GROUP, length: int | None = None, strategy: str = "") -> str:
+        """`k`'s module source for these layouts, as the strategy named `strategy` prints it (""):
+        a thread per parallel index); `length` (None: any) where its source depends on it."""
+        return (strategy_named(strategy) if strategy else THREAD).source(self, k, specs, sizes, mapping, length)
 
     def function(self, source: str, name: str):
         """Kernel `name` of `source`, compiled (NVRTC, CuPy's disk cache) and loaded on the current
@@ -388,74 +184,15 @@ class CudaRunner:
 
     def decide(self, sizes: dict[str, int], length: int, time_contiguous: bool = False,
                lanes: bool = True) -> tuple[str, str]:
-        """How a run goes, and why: "split" (plan.py) for split programs; for fused ones "rows" where a row
-        statistic's axis can be shared by a block (`row_threads`); "lanes" where the states have an
-        axis of their own to split among lanes (`lane_threads`) and rows x lanes fill the GPU (at least
-        LANES_FILL threads, any layout); else, for scans time_blocks.py
-        can split, "warp" where the sequences have time contiguous (lanes read neighbouring steps;
-        at least two rounds), "time blocks" where not and the recurrences are too few to fill the
-        GPU over more than SHORT_SCAN steps, and "fused" (a thread per recurrence) otherwise.
-        `SSMC_CUDA_STRATEGY` forces one. With `lanes` false, the choice without the lanes kernel (the
-        fused backward asks so whether it applies: where the warp kernel would run; its training
-        forward is the lanes kernel where the plain forward is, else the warp kernel, each saving
-        round carries)."""
-        forced = options().strategy
-        because = f"forced by SSMC_CUDA_STRATEGY={forced}" if forced else ""
-        rows = self.row_threads(sizes) is not None
-        if forced == "rows" or (rows and not forced):
-            if not rows:
-                raise ValueError(f"SSMC_CUDA_STRATEGY=rows: {self.program.name} has no row statistic a block "
-                                 "of threads can share (lowering/split_sum.py)")
-            return "rows", because or f"a row statistic over {self.row_axis} that a block of threads shares"
-        threads = self.lane_threads(sizes) if lanes or forced == "lanes" else None
-        if forced == "lanes" and threads is None:
-            raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {self.program.name} has no state axis its lanes can "
-                             "split (lanes/analysis.py), or its chunks do not fit shared memory or its step the "
-                             "registers (lanes.lanes_block)")
-        rows_x_lanes = self._threads(self.lowered.kernels[0], sizes) * threads.lanes if threads else 0
-        if lanes and (forced == "lanes" or (threads is not None and not forced and rows_x_lanes >= LANES_FILL)):
-            return "lanes", because or (f"the states' axis {self.state_lanes.axis} split among lanes: "
-                                        f"{rows_x_lanes} threads (at least {LANES_FILL})")
-        tb = self.time_blocks
-        if tb is None:
-            if self.lowered.strategy != "fused":
-                return self.lowered.strategy, self.lowered.reason
-            threads = self._threads(self.lowered.kernels[0], sizes)
-            return "fused", f"{self.lowered.reason}: a thread per recurrence, {threads}"
-        if forced:
-            return forced, because
-        total = self._threads(tb.summary, sizes)
-        if time_contiguous and length >= 2 * WARP:
-            # whatever the count: a thread per recurrence would read a line per thread and step
-            # (Mamba-1 block B256 D1024 L1024, H200: its forward 34 ms against mamba-ssm's 14)
-            return "warp", f"a diagonal-linear scan with time contiguous: a warp shares each of the {total} recurrences"
-        if time_block_count(total, length) > 1 and (length > SHORT_SCAN or options().time_blocks is not None):
-            return "time blocks", (f"a diagonal-linear scan of {total} recurrences, too few to fill the GPU "
-                                   f"alone over {length} steps: blocks of time, combined")
-        why = f"{total} recurrences fill the GPU" if time_block_count(total, length) == 1 \
-            else f"{length} steps are too few for blocks of time"
-        return "fused", f"a thread per recurrence ({self.lowered.reason}): {why}"
+        """How a run goes, and why: the strategy table's choice (select.py). With `lanes` false, the
+        choice without the lanes kernel (the fused backward asks so whether it applies)."""
+        selection = self.selection(sizes, length, time_contiguous, lanes)
+        return selection.strategy, selection.reason
 
-    def recurrence_warps(self, length: int) -> int:
-        """Warps of a block sharing one recurrence in the warp kernel at `length` steps: where its
-        states are scalars (`kernels.warp.shares_recurrence`), as many as the sequence has rounds of one
-        warp, a power of two up to `MAX_RECURRENCE_WARPS`; `SSMC_CUDA_RECURRENCE_WARPS` forces it.
-        A block's rounds then read `warps` times as many neighbouring steps at once: the first-order
-        scan B8 D2048 L4096 on an H200 took 0.190 ms with 8 warps a channel against 0.203 with one
-        (hand-written probes, 2026-11-25; accelerated-scan 0.195)."""
-        tb = self.time_blocks
-        if tb is None or not shares_recurrence(tb.lane_rescan, tb.lane_summary):
-            return 1
-        steps = steps_per_lane(self.lane_steps)
-        fit = recurrence_warps_fit(tb.lane_rescan, tb.lane_summary, steps, 8 if self.compute == "float64" else 4)
-        forced = options().recurrence_warps
-        if forced is not None:
-            return max(1, min(fit, forced))
-        rounds = -(-length // (WARP * steps))
-        warps = 1
-        while warps * 2 <= min(MAX_RECURRENCE_WARPS, rounds, fit):
-            warps *= 2
-        return warps
+    def selection(self, sizes: dict[str, int], length: int, time_contiguous: bool = False,
+                  lanes: bool = True) -> Selection:
+        """The strategy table's full answer (select.py): the choice and every verdict before it."""
+        return select(self, Shape(sizes, length, time_contiguous, lanes))
 
     def planned(self, what: str, make, *key):
         """`make()`, once per `key` and setting of the overrides (a plan is a pure function of
@@ -476,27 +213,11 @@ class CudaRunner:
                                   _sizes_key(sizes), length, time_contiguous))
 
     def _uncached_launches(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> list[Launch]:
-        strategy = self.strategy(sizes, length, time_contiguous)
-        if strategy == "rows":
-            k, threads = self.lowered.kernels[0], self.row_threads(sizes)
-            return [Launch(k, length, 1, self._threads(k, sizes) * threads.groups, threads)]
-        if strategy == "lanes":
-            k, threads = self.lowered.kernels[0], self.lane_threads(sizes)
-            return [Launch(k, length, 1, lane_block_count(k, sizes, threads) * threads.block, threads)]
-        if strategy == "warp":
-            k = self.time_blocks.lane_rescan
-            warps = self.recurrence_warps(length)
-            return [Launch(k, length, 1, self._threads(k, sizes) * WARP * warps, Threads(warps=warps))]
-        if strategy == "time blocks":
-            tb = self.time_blocks
-            nblk = time_block_count(self._threads(tb.summary, sizes), length)
-            total = self._threads(tb.summary, sizes)
-            return [Launch(tb.summary, length, nblk, total * nblk), Launch(tb.combine, nblk, 1, total),
-                    Launch(tb.rescan, length, nblk, total * nblk)]
-        return [self._epilogue_launch(k, sizes, length, time_contiguous) if k.time_blocks
-                else Launch(k, length, 1, self._threads(k, sizes)) for k in self.lowered.kernels]
+        chosen = strategy_named(self.strategy(sizes, length, time_contiguous))
+        return [replace(launch, strategy=chosen.name)
+                for launch in chosen.launches(self, Shape(sizes, length, time_contiguous))]
 
-    def _epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int, time_contiguous: bool) -> Launch:
+    def epilogue_launch(self, k: Kernel, sizes: dict[str, int], length: int, time_contiguous: bool) -> Launch:
         """A map/reduce epilogue kernel's launch: an output one step per block of time, an accumulator
         in as many blocks as fill the GPU (a multiple of a warp when threads run along time); a long
         sum split into groups of threads (split-K, printer.split_groups), or else a map kernel's long
@@ -537,7 +258,7 @@ class CudaRunner:
 
     def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                         out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
-                        grid: tuple[int, int] | None = None) -> Prepared:
+                        grid: tuple[int, int] | None = None, strategy: str = "") -> Prepared:
         """`k`'s launch over `arrays` (the inputs) worked out: the function for these layouts, the
         grid, the arrays it writes. With `time_contiguous` its per-step outputs (and carries `prev_*`)
         are allocated with time contiguous, as their readers take them; with `mapping.groups` > 1 its
@@ -573,12 +294,13 @@ class CudaRunner:
             items.append(item)
         steps = warp and steps_per_lane(self.lane_steps)
         key = (k.name, tuple(layouts), _sizes_key(sizes), steps, mapping, warp and ragged(length, steps),
-               current_device())
+               current_device(), strategy)
         fn = self.functions.get(key)
         if fn is None:  # rendering the source costs more than a launch: once per shape
-            specs = {a.name: ArraySpec(_DTYPES[str(dtype)], strides, g)
+            specs = {a.name: ArraySpec(TORCH_DTYPES[str(dtype)], strides, g)
                      for a, (dtype, strides, g) in zip(k.arrays, layouts)}
-            fn = self.functions[key] = self.function(self.source_for(k, specs, sizes, mapping, length), k.name)
+            source = self.source_for(k, specs, sizes, mapping, length, strategy)
+            fn = self.functions[key] = self.function(source, k.name)
         if grid is None:  # a launch without a planned grid
             grid = Launch(k, length, nblk, self._threads(k, sizes) * nblk * groups, mapping).grid
         return Prepared(fn, grid, length, nblk, tuple(items))
@@ -598,7 +320,7 @@ class CudaRunner:
         contiguous = time_contiguous(seqs)
         strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
-        if strategy in ONE_LAUNCH or strategy == "time blocks":  # prepared once per layout, shape, overrides
+        if strategy_named(strategy).prepared:  # prepared once per layout, shape, overrides
             call = self.planned(
                 "run", lambda: self.prepare(seqs, params, initial, sizes, length, out_dtype),
                 _sizes_key(sizes), length, out_dtype, current_device(),
@@ -620,7 +342,7 @@ class CudaRunner:
         summed = {name for _, name, _ in low.from_outputs}
         for launch in plan:
             if launch.kernel.time_blocks:  # threads along time where its own sequences mostly have it contiguous
-                launch = self._epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
+                launch = self.epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
             epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
             # an output an accumulator is summed from stays in the compute dtype until then
             own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
@@ -649,22 +371,23 @@ class CudaRunner:
         """A run for calls like this one (every array of the same dtype, shape and strides, the same
         overrides): ``call(seqs, params, initial) -> (outputs, finals)`` that only allocates the outputs
         and launches (`run` plans, checks and looks the kernel up on every call: host time that bounds
-        small shapes): one launch, or the three of time blocks (`_prepare_time_blocks`); None for a
+        small shapes): one launch, or the three of time blocks (`prepare_time_blocks`); None for a
         split program's core and epilogues. The call reads only its arrays' addresses (their dtypes
         and strides are this call's), so any view that starts where this call's arrays start will do:
         `api.Compiled` passes the arrays in the caller's layout."""
         contiguous = time_contiguous(seqs)
         strategy = self.planned("strategy", lambda: self.strategy(sizes, length, contiguous),
                                  _sizes_key(sizes), length, contiguous)
-        if strategy == "time blocks":
-            return self._prepare_time_blocks(seqs, params, initial, sizes, length, out_dtype, contiguous)
-        if strategy not in ONE_LAUNCH:
-            return None
+        return strategy_named(strategy).prepare(self, seqs, params, initial, sizes, length, out_dtype, contiguous)
+
+    def prepare_one_launch(self, seqs, params, initial, sizes, length, out_dtype, contiguous: bool,
+                           outputs_along_time: bool = False):
+        """`prepare` for a strategy whose run is one launch of one kernel; `outputs_along_time`: its
+        outputs are written with time contiguous where the sequences have it so."""
         launch, = self.launches(sizes, length, contiguous)
-        # the lanes kernel writes its outputs along time where the sequences have it contiguous
         prepared = self._prepare_launch(launch.kernel, {**seqs, **params, **_init(initial)}, sizes, length,
-                                        out_dtype=out_dtype, time_contiguous=contiguous and strategy == "lanes",
-                                        mapping=launch.mapping, grid=launch.grid)
+                                        out_dtype=out_dtype, time_contiguous=contiguous and outputs_along_time,
+                                        mapping=launch.mapping, grid=launch.grid, strategy=launch.strategy)
         p = self.program
         outputs = [(n, f"out_{n}") for n, _ in p.outputs]
         finals = [(s.name, f"final_{s.name}", [sizes[a] for a in s.axes]) for s in p.states]
@@ -674,7 +397,7 @@ class CudaRunner:
             return {n: made[a] for n, a in outputs}, {n: made[a].reshape(shape) for n, a, shape in finals}
         return call
 
-    def _prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
+    def prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
         """`prepare` for time blocks: the summary, combine and rescan launches of `run_time_blocks`
         worked out once. The combine and rescan read arrays the launches before them allocate, whose
         layouts the plan knows: they are planned over meta tensors of those layouts. (HGRN "b t d"
@@ -714,8 +437,6 @@ class CudaRunner:
 # plans and decisions a runner keeps (by shape, length and overrides), before it starts over
 MAX_PLANS = 4096
 
-# the strategies whose run is one launch of one kernel (`CudaRunner.prepare`)
-ONE_LAUNCH = ("fused", "warp", "rows", "lanes")
 
 
 @dataclass(frozen=True)
@@ -755,28 +476,6 @@ class Prepared:
     length: int
     nblk: int
     items: tuple[str | Allocation, ...]
-
-
-def call_key(args: tuple, kwargs: dict) -> tuple | None:
-    """What binding and running a call depend on besides its layout (shapes, strides, dtypes and
-    devices of the arrays, the overrides), where every argument is a torch CUDA tensor of a dtype the
-    kernels read in place; else None. Calls with equal keys bind alike, so a prepared run serves them
-    (`api.Compiled.run`)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    tensor, floats = torch.Tensor, _torch_floats(torch)
-    parts = []
-    for name, x in (*enumerate(args), *kwargs.items()):
-        if not isinstance(x, tensor) or not on_backend_device(x) or x.dtype not in floats:
-            return None
-        parts.append((name, x.shape, x.stride(), x.dtype, x.device))
-    return (*parts, *options().key)
-
-
-@cache
-def _torch_floats(torch) -> frozenset:
-    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
 
 
 def _init(initial: dict) -> dict:

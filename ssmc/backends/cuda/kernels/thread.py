@@ -25,6 +25,7 @@ from ..printer import (
 )
 from ..source import exact_products, has_half, render
 from . import template
+from .base import Shape, Strategy, Verdict, threads
 
 
 def _staged_prev(k: Kernel, arrays: dict[str, ArraySpec]) -> list[str]:
@@ -131,3 +132,35 @@ def thread_source(lowered: Lowered, ctype: str, kernels: list[tuple[Kernel, dict
         return render(lowered.program.name, lowered.strategy, ctype, contexts,
                       any(has_half(specs) for _, specs in kernels), exact_products(lowered.program))
     return with_free_array_names({name for _, specs in kernels for name in specs}, build)
+
+
+class PerIndex(Strategy):
+    """Strategies whose kernels run a thread (or a group of threads) per parallel index: their
+    source is `thread_source`."""
+
+    def source(self, runner, k, specs: dict, sizes: dict[str, int], mapping: Threads, length: int | None) -> str:
+        return thread_source(runner.lowered, runner.ctype, [(k, specs)], sizes, {k.name: mapping})
+
+
+class AsLowered(PerIndex):
+    """A program that is not a diagonal-linear scan runs as the lowering built it: one kernel with
+    time inside each thread ("fused"), or a core and map/reduce epilogues ("split"), or per-output
+    maps parallel over time too ("map"); the strategies after this one are for scans only."""
+
+    name = "lowered"
+    names = ("split", "map")
+    prepared = False  # a split program's core and epilogues: the runner's general path
+
+    def prepare(self, runner, seqs, params, initial, sizes, length, out_dtype, contiguous: bool):
+        return None
+
+    def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
+        low = runner.lowered
+        if runner.time_blocks is not None:
+            return self.refused("a diagonal-linear scan: the scan strategies decide")
+        if low.strategy != "fused":
+            return Verdict(low.strategy, True, low.reason)
+        return Verdict("fused", True, f"{low.reason}: a thread per recurrence, {threads(low.kernels[0], shape.sizes)}")
+
+
+AS_LOWERED = AsLowered()

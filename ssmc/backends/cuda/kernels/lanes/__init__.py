@@ -6,3 +6,55 @@ the lanes of a group, the per-step sums reduced across them; chunks of steps sta
     backward_analysis.py  the lanes backward's plan (`LanesBackward`)
     backward.py           the backward's template context, block shape and source (backward.cu.j2)
 """
+
+from __future__ import annotations
+
+from ..base import Launch, Shape, Strategy, Verdict, threads
+from .forward import lane_blocks, lanes_source
+
+# The lanes kernel runs where rows x lanes give at least LANES_FILL threads; fewer recurrences want
+# the time-parallel warp kernel (bench/results/ has the measurements).
+LANES_FILL = 1 << 15
+
+
+class Lanes(Strategy):
+    """A recurrence whose states' own axis its lanes split, with rows x lanes enough to fill the GPU."""
+
+    name = "lanes"
+
+    def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
+        mapping = runner.lane_threads(shape.sizes) if shape.lanes or forced == self.name else None
+        if forced == self.name and mapping is None:
+            raise ValueError(f"SSMC_CUDA_STRATEGY=lanes: {runner.program.name} has no state axis its lanes can "
+                             "split (lanes/analysis.py), or its chunks do not fit shared memory or its step the "
+                             "registers (lanes.lanes_block)")
+        if not shape.lanes:
+            return self.refused("not asked for (the fused backward's choice without the lanes kernel)")
+        if forced:
+            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}") if forced == self.name \
+                else self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+        if mapping is None:
+            return self.refused("no state axis the lanes can split, or its chunks do not fit a block")
+        total = threads(runner.lowered.kernels[0], shape.sizes) * mapping.lanes
+        if total >= LANES_FILL:
+            return self.taken(f"the states' axis {runner.state_lanes.axis} split among lanes: "
+                              f"{total} threads (at least {LANES_FILL})")
+        return self.refused(f"the states' axis {runner.state_lanes.axis} split among lanes gives {total} threads, "
+                            f"fewer than {LANES_FILL}")
+
+    def launches(self, runner, shape: Shape) -> list[Launch]:
+        k, mapping = runner.lowered.kernels[0], runner.lane_threads(shape.sizes)
+        blocks = lane_blocks(k, shape.sizes, mapping.lanes, mapping.block)
+        return [Launch(k, shape.length, 1, blocks * mapping.block, mapping, self.name)]
+
+    def prepare(self, runner, seqs, params, initial, sizes: dict[str, int], length: int, out_dtype,
+                contiguous: bool):
+        # the lanes kernel writes its outputs along time where the sequences have it contiguous
+        return runner.prepare_one_launch(seqs, params, initial, sizes, length, out_dtype, contiguous,
+                                         outputs_along_time=True)
+
+    def source(self, runner, k, specs: dict, sizes: dict[str, int], mapping, length: int | None) -> str:
+        return lanes_source(runner.lowered, runner.state_lanes, k, specs, sizes, mapping, runner.ctype)
+
+
+LANES = Lanes()

@@ -46,7 +46,7 @@ BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # The bounded kernel: chunks of SHORT_CHUNK steps, BOUNDED_BLOCK threads a block, at most
 # BOUNDED_REGISTERS registers a thread (`__launch_bounds__`), so that 8 blocks run on an SM where the
 # kernel of 32-step chunks takes about 230 registers and 46 KB of shared memory, 4 an SM. It runs where
-# the rows' lanes are more threads than that kernel runs at once on 132 SMs (UNBOUNDED_WAVE_THREADS_AN_SM a SM),
+# the rows' lanes are more threads than that kernel runs at once on the GPU (UNBOUNDED_WAVE_THREADS_AN_SM an SM),
 # its shared memory fits 8 blocks, and a lane's body holds few values (S x G at most BOUNDED_LANE_VALUES:
 # more would spill at 128 registers). Mamba-1 N16 fp32 "b d t", backward kernel, H100 (2026-11-26,
 # 17:23 UTC, docs/benchmarks.md): B8 D1536 L2048 1.044 against 1.368 ms (the warp kernel's fused

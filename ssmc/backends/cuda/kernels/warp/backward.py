@@ -1,4 +1,4 @@
-"""The fused backward's warp kernel (``warp_backward.cu.j2``): the forward's carries recomputed in
+"""The fused backward's warp kernel (``backward.cu.j2``): the forward's carries recomputed in
 registers round by round from the last, and the adjoint scanned alongside (kernels/warp/backward_analysis.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The warp kernel of a diagonal-linear scan (``warp.cu.j2``): a warp per recurrence, each lane a
+"""The warp kernel of a diagonal-linear scan (``forward.cu.j2``): a warp per recurrence, each lane a
 block of consecutive steps, the lanes' summaries combined by shuffles (lowering/time_blocks.py)."""
 
 from __future__ import annotations
