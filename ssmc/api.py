@@ -11,33 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends.cuda.devices import check_one_device, on_arrays_device
-from .backends.registry import (
-    BACKENDS,
-    array_support,
-    call_key,
-    check_backend,
-    compute_dtype,
-    default_backend,
-    preparer,
-    runner,
-)
+from .backends import interpreter
+from .backends.cuda.devices import on_arrays_device
+from .backends.registry import BACKENDS, check_backend, default_backend, get_backend
+from .frontend import spec as frontend_spec
 from .frontend.attention import AttentionSpec
-from .frontend.spec import RecurrenceSpec
 from .ir.axes import TIME
-from .ir.program import Recurrence
-from .runtime.binding import DEFAULT_LAYOUT, MAX_PREPARED_CALLS, bind_arrays, check_layout, hashable_layout, layout_of
+from .ir.program import Attention, Recurrence
+from .runtime.binding import DEFAULT_LAYOUT, hashable_layout, layout_of
+from .runtime.prologue import PreparedCalls, attention_params, bind_attention, bind_call, program_of
 
-__all__ = ["BACKENDS", "Compiled", "compile", "default_backend"]
-
-
-def _program(spec) -> Recurrence:
-    if isinstance(spec, RecurrenceSpec):
-        return spec.program
-    if isinstance(spec, Recurrence):
-        return spec
-    raise TypeError(f"expected an @ssmc.recurrence spec, got {type(spec).__name__}")
-
+__all__ = ["BACKENDS", "Compiled", "CompiledAttention", "compile", "default_backend"]
 
 def _permute(arr, perm):
     return arr.permute(*perm) if hasattr(arr, "permute") else arr.transpose(perm)
@@ -52,11 +36,12 @@ class Compiled:
 
     def __init__(self, program: Recurrence, backend: str, layout, dtype=None):
         self.program = program
-        self.backend = backend
+        self.backend = backend  # its name (`on_arrays_device` reads it)
+        self.target = get_backend(backend)
         self.layout = layout
         self.dtype = dtype
         self._runs: dict = {}  # compute dtype -> run function (finding it hashes the program: host time)
-        self._calls: dict = {}  # call key (registry.call_key) -> a prepared run taking (args, kwargs)
+        self._calls = PreparedCalls()  # call key -> a prepared run taking (args, kwargs), or False
         self._output_perms: dict = {}  # layout -> (output, its axes' order from time-first)
 
     def __repr__(self) -> str:
@@ -64,43 +49,28 @@ class Compiled:
 
     @on_arrays_device(lambda args, kwargs: (*args, kwargs))
     def run(self, *args, layout=None, **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts (on the
-        CUDA backend, on the device of the arguments)."""
-        p = self.program
+        """Outputs in canonical layout (L, *axes) and final states, as name -> array dicts (on a
+        device backend, on the device of the arguments)."""
+        p, target = self.program, self.target
         layout = layout or self.layout
-        key = call_key(self.backend, args, kwargs)
+        key = self._calls.key(target, args, kwargs, layout)
         if key is not None:  # a call like an earlier one: bound and planned then (host time: small shapes)
-            key = (hashable_layout(layout), *key)
             call = self._calls.get(key)
             if call:
                 return call(args, kwargs)
-        check_layout(layout, p)
-        convert, zeros = array_support(self.backend, read_only_zeros=True)
-        bound = bind_arrays(p.inputs, p.states, args, kwargs, layout, p.static_sizes, p.name, p.roots, convert, zeros)
-        dtype = compute_dtype(self.backend, bound.dtype, self.dtype)
+        bound, dtype = bind_call(target, p, args, kwargs, layout, self.dtype, read_only_zeros=True)
         run = self._runs.get(dtype)
         if run is None:
-            run = self._runs[dtype] = runner(self.backend, p, dtype)
-        if self.backend == "cuda":  # kernels read any float dtype and strides in place
-            check_one_device({**bound.arrays, **bound.initial})
-            first = next(iter(bound.arrays.values()), None)
-            out_dtype = first.dtype if first is not None else None
-            seqs = {d.name: bound.arrays[d.name] for d in p.seqs}
-            params = {d.name: bound.arrays[d.name] for d in p.params}
-            prepare = preparer(self.backend, p, dtype) if key is not None and key not in self._calls else None
-            prepared = prepare and prepare(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype)
-            if prepare is not None:
-                if len(self._calls) >= MAX_PREPARED_CALLS:  # calls of ever new shapes: start over
-                    self._calls.clear()
-                # False: runs of more than one launch take the full path (the key says so quickly)
-                self._calls[key] = prepared and _bound_call(p, bound.initial, prepared, given=set(kwargs))
+            run = self._runs[dtype] = target.runner(p, dtype)
+        seqs, params, initial, options = target.run_inputs(p, bound, dtype)
+        prepare = target.preparer(p, dtype) if key is not None and key not in self._calls else None
+        if prepare is not None:
+            prepared = prepare(seqs, params, initial, bound.sizes, bound.length, **options)
+            # False: runs of more than one launch take the full path (the key says so quickly)
+            self._calls.remember(key, prepared and _bound_call(p, initial, prepared, given=set(kwargs)))
             if prepared:
-                return prepared(seqs, params, bound.initial)
-            return run(seqs, params, bound.initial, bound.sizes, bound.length, out_dtype=out_dtype)
-        seqs = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.seqs}
-        params = {d.name: bound.arrays[d.name].astype(dtype, copy=False) for d in p.params}
-        initial = {k: v.astype(dtype, copy=False) for k, v in bound.initial.items()}
-        return run(seqs, params, initial, bound.sizes, bound.length)
+                return prepared(seqs, params, initial)
+        return run(seqs, params, initial, bound.sizes, bound.length, **options)
 
     def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
         outs, finals = self.run(*args, layout=layout, **kwargs)
@@ -119,10 +89,10 @@ class Compiled:
 
 def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):
     """`prepared` (a backend's run worked out for one call) as a function of a call's (args, kwargs)
-    alike (same `registry.call_key`, so the same keywords `given`): binding them is matching names, the
+    alike (same `Backend.call_key`, so the same keywords `given`): binding them is matching names, the
     checks `bind_arrays` made for the first such call holding for them all. The prepared run reads only
     the arrays' addresses (`CudaRunner.prepare`: their layouts are in the key), so the arrays go as
-    given, not as time-first views (a permute costs host time: about 5 µs on the GPU machines)."""
+    given, not as time-first views (a permute costs host time)."""
     names = [d.name for d in p.inputs]
     seqs, params = [d.name for d in p.seqs], [d.name for d in p.params]
     zeros = {s.name: initial[s.name] for s in p.states if s.name not in given}  # shared, read only
@@ -136,6 +106,37 @@ def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):
     return call
 
 
+class CompiledAttention:
+    """`ssmc.attention` bound to a layout. It runs through the interpreter on every backend until
+    its kernels are built."""
+
+    def __init__(self, program: Attention, layout):
+        self.program = program
+        self.layout = layout
+        self.backend = "interpreter"
+
+    def bind(self, q, k, v, layout, params):
+        """(q bound, k / v and the params bound): `prologue.bind_attention`."""
+        return bind_attention(self.program, q, k, v, layout, params)
+
+    def __call__(self, q, k, v, *args, layout=None, return_lse=False, **params):
+        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
+        p = self.program
+        layout = layout or self.layout
+        qb, kv = self.bind(q, k, v, layout, attention_params(p, args, params))
+        sizes = {**kv.sizes, **qb.sizes}
+        out, lse = interpreter.run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
+                                             {d.name: kv.arrays[d.name] for d in p.params}, sizes)
+        order = layout_of(layout, "out", p.v_axes)
+        canonical = (TIME, *p.v_axes)
+        out = out.transpose([canonical.index(a) for a in order])
+        if not return_lse:
+            return out
+        lse_order = layout_of(layout, "lse", p.batch_axes)
+        canonical = (TIME, *p.batch_axes)
+        return out, np.require(lse.transpose([canonical.index(a) for a in lse_order]), requirements="C")
+
+
 def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None):
     """Compile a spec for a backend: "numba" (CPU, the default here) or "interpreter" (float64).
 
@@ -145,6 +146,10 @@ def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=No
     when all are float32). The interpreter always computes in float64.
     """
     if isinstance(spec, AttentionSpec):
-        return spec.compile(backend, layout=layout)
+        check_backend(backend or default_backend())
+        return CompiledAttention(spec.program, layout)
     backend = check_backend(backend or default_backend())
-    return Compiled(_program(spec), backend, layout, dtype)
+    return Compiled(program_of(spec), backend, layout, dtype)
+
+
+frontend_spec.set_compiler(compile)  # what calling a spec runs (the front end imports no backend)

@@ -19,12 +19,12 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import Loc, SpecError
-from ..ir.axes import TIME, format_axes, parse_axes
+from ..ir.axes import format_axes, parse_axes
 from ..ir.node import BOOL, FLOAT, Node
 from ..ir.ops import Op
 from ..ir.program import Attention, Decl, Role
 from ..ir.verify import verify_nodes
-from .spec import SourceInfo, input_leaf, read_signature, trace
+from .spec import SourceInfo, compile_spec, input_leaf, read_signature, trace
 from .tensor import Tensor, as_tensor
 
 
@@ -82,64 +82,12 @@ class AttentionSpec:
         return f"<ssmc.attention {self.program.name}>"
 
     def compile(self, backend=None, *, layout="t ..."):
-        from .. import api
-
-        backend = backend or api.default_backend()
-        api.check_backend(backend)
-        # attention runs through the interpreter on every backend until its kernels are built
-        return CompiledAttention(self.program, layout)
+        """`ssmc.compile` of this spec (`api.CompiledAttention`)."""
+        return compile_spec(self, backend, layout=layout)
 
     def __call__(self, q, k, v, *args, layout="t ...", return_lse=False, **params):
-        return CompiledAttention(self.program, layout)(q, k, v, *args, return_lse=return_lse, **params)
-
-
-class CompiledAttention:
-    def __init__(self, program: Attention, layout):
-        self.program = program
-        self.layout = layout
-        self.backend = "interpreter"
-
-    def bind(self, q, k, v, layout, params):
-        from ..runtime.binding import bind_arrays
-
-        p = self.program
-        qd = Decl("q", Role.SEQ, p.q_axes)
-        kd = Decl("k", Role.SEQ, p.q_axes)
-        vd = Decl("v", Role.SEQ, p.v_axes)
-        # k and v share a length, q may differ: bind the two groups separately, then check sizes
-        kv = bind_arrays((kd, vd, *p.params), (), (k, v), params, layout, p.static_sizes, p.name)
-        qb = bind_arrays((qd,), (), (q,), {}, layout, p.static_sizes, p.name)
-        for axis, n in qb.sizes.items():
-            if kv.sizes.get(axis, n) != n:
-                raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")
-        return qb, kv
-
-    def __call__(self, q, k, v, *args, layout=None, return_lse=False, **params):
-        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
-        from ..backends.interpreter import run_attention
-        from ..runtime.binding import layout_of
-
-        p = self.program
-        layout = layout or self.layout
-        names = [d.name for d in p.params]
-        if len(args) > len(names):
-            raise ValueError(f"{p.name} takes q, k, v and the params {names}, got {3 + len(args)} positional arguments")
-        for name, value in zip(names, args):
-            if name in params:
-                raise ValueError(f"{p.name}: argument {name!r} given twice")
-            params[name] = value
-        qb, kv = self.bind(q, k, v, layout, params)
-        sizes = {**kv.sizes, **qb.sizes}
-        out, lse = run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-                                 {d.name: kv.arrays[d.name] for d in p.params}, sizes)
-        order = layout_of(layout, "out", p.v_axes)
-        canonical = (TIME, *p.v_axes)
-        out = out.transpose([canonical.index(a) for a in order])
-        if not return_lse:
-            return out
-        lse_order = layout_of(layout, "lse", p.batch_axes)
-        canonical = (TIME, *p.batch_axes)
-        return out, np.require(lse.transpose([canonical.index(a) for a in lse_order]), requirements="C")
+        # attention runs through the interpreter on every backend until its kernels are built
+        return compile_spec(self, "interpreter", layout=layout)(q, k, v, *args, return_lse=return_lse, **params)
 
 
 def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",

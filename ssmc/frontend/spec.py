@@ -230,6 +230,25 @@ def _read_outputs(outputs, decl_names: set[str], loc: Loc) -> tuple[tuple[str, N
     return tuple(named)
 
 
+# What calling a spec runs: `ssmc.compile`, which `ssmc.api` installs here as it is imported (with
+# the package). The front end traces; it imports no backend (tests/test_layering.py).
+_compile: Callable | None = None
+
+
+def set_compiler(compile_fn: Callable) -> None:
+    """Install ``compile_fn(spec, backend=None, *, layout=...)`` (`ssmc.compile`) as what calling a
+    spec runs."""
+    global _compile
+    _compile = compile_fn
+
+
+def compile_spec(spec, backend: str | None = None, **options):
+    """`spec` compiled by the installed `ssmc.compile` (`set_compiler`)."""
+    if _compile is None:  # pragma: no cover - ssmc/__init__ imports ssmc.api, which installs it
+        raise RuntimeError("ssmc.api is not imported: nothing runs a spec")
+    return _compile(spec, backend, **options)
+
+
 class RecurrenceSpec:
     """What ``@ssmc.recurrence`` returns: the traced program plus a default way to run it.
 
@@ -248,8 +267,6 @@ class RecurrenceSpec:
         return f"<ssmc.recurrence {self.program.name} at {self.program.loc}>"
 
     def __call__(self, *args, **kwargs):
-        from ..api import compile as compile_spec
-
         layout = kwargs.pop("layout", None)
         key = ("default", layout)
         if key not in self._compiled:
