@@ -16,8 +16,9 @@ What moves: the step's top-level scalar assignments that read only sequences, pa
 that moved; and, inside the other top-level statements, each largest state-free subexpression
 that calls a math function (``silu(z[t])`` in ``y = (acc + D u) * silu(z[t])``). The split is
 made when something that calls a math function moves. Nothing is reordered within a step, so
-the results are the same bit for bit. Measured on 2 cores, Mamba-1 B2 D256 L1024 N16 fp32
-forward: 17.0 -> 10.3 ms (with the vectorisable fp32 math of the module template).
+the results are the same bit for bit. The split made Mamba-1's fp32 forward faster on two cores
+(with the vectorisable fp32 math of the module template); see
+bench/results/2026-11-27-from-code-comments.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A matrix product in Numba, for the contractions `lowering/hoist.py` takes out of the time loop.
 
 Why not NumPy's BLAS: its threads spin for a while after each call, and on a machine with few
-cores they then fight the Numba threads of the next kernel (measured on 2 cores: forward+backward
-of the LSTM 1.5-2x slower than the sum of its parts). This product runs on Numba's own threads.
+cores they then fight the Numba threads of the next kernel (on two cores the LSTM's forward+backward
+ran slower than the sum of its parts; see bench/results/2026-11-27-from-code-comments.md). This
+product runs on Numba's own threads.
 
     C[m, n] = sum_k A[m, k] B[k, n]         A (M, K) any strides, B (K, N) and C C-contiguous, float32 or float64
 

@@ -144,8 +144,8 @@ def _wants_contiguous(k: Kernel, a, arr: np.ndarray) -> bool:
     """... except a sequence whose last axis the step loops over (not a parallel axis) and that is
     strided along it: Mamba-1's B [b n t] in the layout "b d t". Its values for one step are read by
     a vector loop over n, which would gather them 4 KB apart; one copy (no d axis: small next to the
-    kernel's reads, which repeat for every d) makes them adjacent. Measured on 2 cores, Mamba-1
-    B2 D256 L1024 N16 fp32 forward: 34 -> 18 ms."""
+    kernel's reads, which repeat for every d) makes them adjacent. With the copy Mamba-1's fp32
+    forward ran faster on two cores; see bench/results/2026-11-27-from-code-comments.md."""
     return (a.role == "seq" and arr.ndim > 1 and a.axes[-1] not in k.parallel
             and arr.strides[-1] != arr.itemsize)
 

@@ -8,9 +8,9 @@ times and writes its per-step carry 4 bytes at a time into lines other threads w
 The heuristic: keep at most `MAX_PARALLEL_AXES` (2) outermost parallel axes; the others become
 loops inside each iteration (innermost, contiguous, vectorisable). Sizes are known only when a
 program runs, so both variants are built and `use_narrow` picks the narrow one when its parallel
-axes still give every thread at least `MIN_ITERATIONS_PER_THREAD` iterations. Measured on the
-bench machine (2 cores, B2 D256 N16, 64 steps): Mamba-1 carries 3.8 -> 1.1 ms, adjoint 6.4 ->
-2.4 ms.
+axes still give every thread at least `MIN_ITERATIONS_PER_THREAD` iterations. On two cores the
+narrow variant ran Mamba-1's carries and its adjoint core several times faster than the fully
+parallel one; see bench/results/2026-11-27-from-code-comments.md.
 """
 
 from __future__ import annotations

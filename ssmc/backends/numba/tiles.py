@@ -19,9 +19,8 @@ module template) keeps a tile of 8 rows x NR columns of T in 16 vector registers
 FMAs; the panel (K x NR) streams from L1 for every tile of rows. Each element of T still gets
 its terms added by fused multiply-adds in the order of kk.
 
-Measured on the bench machine's 2 cores (Zen 5), fp32, the LSTM's h U (B16 H256, 180 steps,
-blocks of 8 rows): 5.4 ms as tiles with packed U, 6.4-7.1 ms with U read in place, 19 ms as the
-plain nest.
+For the LSTM's h U in fp32 on two cores, tiles with packed U beat tiles reading U in place, and
+both beat the plain nest by far; see bench/results/2026-11-27-from-code-comments.md.
 
 Applies where T and A are the block's own buffers (C-contiguous, rows first, the other axes in
 the loops' order) and B is a param (unchanged over the call) indexed by the summed loops, then
