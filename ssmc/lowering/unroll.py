@@ -15,12 +15,13 @@ bound by those memory operations, not by arithmetic). `unroll_sums` rewrites it 
     for j in range(n_j % 8):
         for g, k:  m[g, k] += t(n_j // 8 * 8 + j)
 
-so the accumulator is loaded and stored once per 8 terms (about 2x faster on the LSTM's
-recurrent product). Products are added by explicit fused multiply-adds in order (`fma`: one
-rounding per term, one instruction where fastmath-free code has two); other terms as one
-pairwise sum. A sum into a scalar, ``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain
-of dependent additions, one per term; it is rewritten the same way with `SCALAR_FACTOR` terms per
-pass, so the chain is 4x shorter and the terms of a pass are independent. In a blocked kernel,
+so the accumulator is loaded and stored once per 8 terms (faster than the plain nest on the
+LSTM's recurrent product; see bench/results/2026-11-27-from-code-comments.md). Products are added
+by explicit fused multiply-adds in order (`fma`: one rounding per term, one instruction where
+fastmath-free code has two); other terms as one pairwise sum. A sum into a scalar,
+``for n: acc += h[n] C[n]`` (Mamba-1's y), is a chain of dependent additions, one per term; it is
+rewritten the same way with `SCALAR_FACTOR` terms per pass, so the chain is 4x shorter and the
+terms of a pass are independent. In a blocked kernel,
 whose rows q of a batch block all read the same ``U[j, g, k]``, `ROWS` rows go per pass and
 share those loads (`_paired`). Only the order of the additions changes, and it is fixed (no
 reassociation by the compiler). The rows loop may also sit between the summed loops, as in an
@@ -37,8 +38,8 @@ from .loops import Assign, Bin, Call, InRange, Load, Loop, Select, Var, loads, m
 FACTOR = 8
 SCALAR_FACTOR = 4
 # rows per pass and terms per row when rows share loads: 4 x 4 keeps the 16 per-row scalars and
-# the 4 shared ones in registers (LSTM B16 H256 recording kernel, one core, pairwise sums:
-# terms x rows 8 x 2 21.6 ms, 4 x 4 18.2, 8 x 4 20.7, 4 x 2 25.9)
+# the 4 shared ones in registers; on the LSTM's recording kernel (one core, pairwise sums) 4 x 4
+# beat 8 x 2, 8 x 4 and 4 x 2 terms x rows (see bench/results/2026-11-27-from-code-comments.md)
 ROWS = 4
 ROW_FACTOR = 4
 

@@ -6,7 +6,7 @@ and the shuffles through barriers (the header says how). What it checks is the k
 indexing, which thread does what, its barriers and shuffles, its partial rounds and chunks; not
 timing, not races the hardware would lose, and not the sm_80 / sm_90 assembly paths (cp.async, vector
 atomic adds), whose portable fallbacks run instead. A bug of the first kind (the fused backward's
-block sums lost the vectors past a block's threads, 2026-11-26) needed a GPU to show before.
+block sums lost the vectors past a block's threads) needed a GPU to show before.
 
     kernel = emulated(source, "mamba1_fused_backward")       # compiled once per source (cached)
     kernel((blocks, threads), length, nblk, [a.ctypes.data for a in arrays])   # NumPy arrays

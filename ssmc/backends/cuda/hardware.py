@@ -11,7 +11,7 @@ STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 SM_REGISTERS = 65536       # 4-byte registers an SM has for its threads (sm_80, sm_90)
 
 
-SM_SHARED = 233472         # bytes of shared memory an SM has for its blocks (H100 / H200)...
+SM_SHARED = 233472         # bytes of shared memory an SM has for its blocks (sm_90 parts)...
 
 
 SM_BLOCK_SHARED = 1024     # ...of which each block takes this many more than it declares

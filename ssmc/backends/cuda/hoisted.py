@@ -3,8 +3,9 @@
 `lowering/hoist.py` finds the contractions of a step that need no sequential loop: a minGRU's
 ``x_t Wz`` and ``x_t Wh``, an LSTM's ``x_t W`` (state-free: "pre"), an adjoint's ``grad_W += x_t^T g_t``
 (a value the loop computes times sequences: "post"). Kernels that compute them per step and thread
-read the same rows of x and W again for every output (minGRU B32 I512 D512 L180: a training step of
-90 ms on an H100, 2026-11-26). Here they run for all steps at once:
+read the same rows of x and W again for every output, which made minGRU's training step slow at its
+benchmark shape (see bench/results/2026-11-27-from-code-comments.md). Here they run for all steps at
+once:
 
     for t: hz[t] = x[t] @ Wz                         # pre:  one matrix product over (t, b), before
     outs, finals = kernels of the rest (hz read as a sequence; the loop writes hf[t] = g[t])
@@ -66,8 +67,9 @@ class TorchArrays:
         axis both have is kept (a batched product: einsum's). Every axis group in the order its
         operand lies in memory (largest stride first), so the 2-D views need no copy where the
         memory allows: minGRU's x [t b i] in the layout "b t ..." is read as [(b t), i], its product
-        comes out [b t d], as the kernels' other sequences lie. (torch.einsum planned each of these
-        in about 90 µs of host time, and copied its operands.)"""
+        comes out [b t d], as the kernels' other sequences lie. (torch.einsum spent host time planning
+        each of these on every call, and copied its operands; see
+        bench/results/2026-11-27-from-code-comments.md.)"""
         import torch
 
         for axis in [x for x in la if x not in lb and x not in out]:  # summed in one operand only

@@ -2,12 +2,12 @@
 
 Every kernel ssmc generates takes ``(int length, int nblk, T* array...)``. CuPy's launch works out
 each argument's C type on every call, and its stream must be wrapped per torch stream; at a small
-shape (Mamba-1 B32 D512 L180: kernels of 40 and 300 µs) that host time bounded the call
+shape (Mamba-1 B32 D512 L180, whose kernels are short) that host time bounded the call
 (bench/host_profile.py). Here the arguments are one array of 8-byte slots (the two ints in the low
-half of theirs: little-endian hosts, as CUDA's are): that step's host time was 315 µs against 428
-through CuPy (H100, 2026-11-25). Where the driver
-cannot be loaded, or a launch through it fails (no context current on this thread, say), the same
-launch goes through CuPy, which sets the context up or raises its own error.
+half of theirs: little-endian hosts, as CUDA's are), and that step took less host time than through
+CuPy (see bench/results/2026-11-27-from-code-comments.md). Where the driver cannot be loaded, or a
+launch through it fails (no context current on this thread, say), the same launch goes through
+CuPy, which sets the context up or raises its own error.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _load_memset():
 
 def zero_bytes(pointer: int, nbytes: int, fallback) -> None:
     """Zero `nbytes` (a multiple of 4) of device memory at `pointer` on torch's current stream: one
-    driver call where the driver is loaded (a torch ``zeros`` or ``zero_`` costs a few µs of host
-    time more), else ``fallback()``."""
+    driver call where the driver is loaded (a torch ``zeros`` or ``zero_`` costs more host time),
+    else ``fallback()``."""
     memset = _load_memset() if use_driver and not emulating() else None
     if memset is None or memset(pointer, 0, nbytes // 4, current_stream()) != 0:
         fallback()
@@ -83,7 +83,8 @@ def _handle(function) -> int:
 def current_stream() -> int:
     """torch's current stream on the current device, as the driver's pointer (0: the legacy default).
     Through torch's raw getters where it has them: `torch.cuda.current_stream` builds a Stream object
-    each call (about 15 µs of a small forward's host time on the GPU machines)."""
+    each call, a visible part of a small forward's host time (see
+    bench/results/2026-11-27-from-code-comments.md)."""
     global _raw_stream
     if _raw_stream is _UNLOADED:
         import torch

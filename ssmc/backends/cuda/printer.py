@@ -42,7 +42,8 @@ PARAM_REGISTERS = 64  # param values a warp kernel's thread may load once, befor
 
 # A warp kernel whose states hold at most STATE_REGISTERS values per lane is built for MIN_BLOCKS blocks
 # per SM (launch bounds: at most 65536 / (MIN_BLOCKS * BLOCK) = 128 registers). Left to itself ptxas gave
-# the Mamba-1 forward (16 states a lane) 168 registers, 3 blocks per SM, and it ran 7% slower (H200).
+# the Mamba-1 forward (16 states a lane) 168 registers, 3 blocks per SM, and it ran slower than bounded
+# (see bench/results/2026-11-27-from-code-comments.md).
 STATE_REGISTERS = 16
 
 
@@ -429,7 +430,7 @@ def _stageable(arrays, kernels, parallel: set[str]) -> frozenset[str]:
 def _within(staged: frozenset[str], per_array: int, room: int) -> frozenset[str]:
     """The first of `staged` (by name) whose `per_array` bytes of shared memory each fit `room`; the
     others are read and written in place (uncoalesced, but the kernel compiles: a float64 scan of 11
-    sequences staged 26 arrays of 5 KiB and stopped at ptxas' "too much shared data", 2026-11-26)."""
+    sequences staged 26 arrays of 5 KiB and stopped at ptxas' "too much shared data")."""
     return frozenset(sorted(staged)[:max(0, room // max(1, per_array))])
 
 

@@ -35,7 +35,7 @@ from .source import compile_options
 
 # A thread's local memory on sm_80 / sm_90 (CUDA's limit): a kernel whose per-thread arrays need
 # more fails to launch (an LSTM's adjoint epilogue at B32 I256 H256 with its products in the kernels
-# asked for 4 MB a thread, found 2026-11-26), so `CudaRunner.function` refuses it with a ValueError
+# asked for 4 MB a thread), so `CudaRunner.function` refuses it with a ValueError
 MAX_LOCAL_BYTES = 512 << 10
 def accumulator_blocks(total: int, length: int) -> int:
     """Blocks of time for an epilogue kernel summing over time (partial sums added afterwards)."""
@@ -247,8 +247,9 @@ class CudaRunner:
                 out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
                 grid: tuple[int, int] | None = None) -> dict:
         """Launch `k`; returns the arrays it wrote (`_prepare_launch`, `_execute`). The launch is worked
-        out once per layout of its inputs, shape and overrides (about 25 µs of host time a launch:
-        six a training step of HGRN at B32 D512 L180, run as time blocks)."""
+        out once per layout of its inputs, shape and overrides (working it out costs host time on every
+        launch, six of them a training step of HGRN at B32 D512 L180, run as time blocks; see
+        bench/results/2026-11-27-from-code-comments.md)."""
         prepared = self.planned(
             "launch", lambda: self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
                                                    mapping, grid),
@@ -400,9 +401,9 @@ class CudaRunner:
     def prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
         """`prepare` for time blocks: the summary, combine and rescan launches of `run_time_blocks`
         worked out once. The combine and rescan read arrays the launches before them allocate, whose
-        layouts the plan knows: they are planned over meta tensors of those layouts. (HGRN "b t d"
-        B32 D512 L1024 on an H100: the op's step took 636 µs of host time for 327 µs of kernels
-        through the general path, 2026-11-26.)"""
+        layouts the plan knows: they are planned over meta tensors of those layouts. (Through the
+        general path, HGRN's op step at "b t d" B32 D512 L1024 took more host time than its kernels
+        took; see bench/results/2026-11-27-from-code-comments.md.)"""
         tb, p = self.time_blocks, self.program
         summary, combine, rescan = self.launches(sizes, length, contiguous)
         nblk = summary.nblk
@@ -510,8 +511,9 @@ _FILLED: dict[tuple, object] = {}
 
 def _full(shape, value: float):
     """A read-only array of `shape` holding `value` (time blocks' initial summaries): a broadcast view
-    of one element kept per value, rank and device (a fill kernel and an allocation per call took
-    about 40 µs of host time each, four a training step of HGRN at B32 D512 L180)."""
+    of one element kept per value, rank and device (a fill kernel and an allocation per call each cost
+    host time, four of them a training step of HGRN at B32 D512 L180; see
+    bench/results/2026-11-27-from-code-comments.md)."""
     key = (len(shape), value, current_device())
     one = _FILLED.get(key)
     if one is None:
@@ -542,7 +544,8 @@ def one_kernel(fused: Fused, compute: str, sizes: dict[str, int], length: int, t
     if options().row_recurrence is True:
         return True
     core = runner_for(fused.core.program, compute)
-    # measured against the thread-per-recurrence core (5.1x); the lanes core is not measured here yet
+    # it beat the thread-per-recurrence core (see bench/results/2026-11-27-from-code-comments.md); the
+    # lanes core is not measured here yet
     return whole.owns_rows(sizes) and core.strategy(sizes, length, time_contiguous, lanes=False) == "fused"
 
 

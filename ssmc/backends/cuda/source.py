@@ -47,8 +47,8 @@ def exact_products(program) -> bool:
     gradient asks which values equal it (`x == max(x)`, ties by construction), each recomputed in
     whichever kernel needs it. nvcc contracts a * b + c into one FMA (one rounding) where the code
     lets it, which differs from kernel to kernel: a value recomputed one way missed its max computed
-    the other, and its gradient was lost (a random spec's float64 gradients off by 0.2-0.4, H100 and
-    H200, 2026-11-27). Such programs' kernels are built without contraction (`compile_options`), every
+    the other, and its gradient was lost (a random spec's float64 gradients off by 0.2-0.4). Such
+    programs' kernels are built without contraction (`compile_options`), every
     product rounded as the interpreter rounds it; the comparisons of iotas and constants (a select's
     gradient) are exact either way."""
     nodes = getattr(program, "nodes", None)
