@@ -17,12 +17,11 @@ others), as the forward's lanes kernel (lanes.py). Per chunk:
     flush   the warps' slabs added, into the summed arrays (one atomic add per block, value and step)
 
 Two forms (`lanes_backward_shape`): chunks of T = 32 steps, and where the rows are many the bounded
-kernel, chunks of 16 steps at 8 blocks an SM (SHORT_CHUNK's comment). Mamba-1 fp32 "b d t", backward
-kernel (bench/lanes_backward.py, docs/benchmarks.md, H100, 2026-11-26): 0.140 ms at B32 D512 L180
-against the warp kernel's fused backward's 0.241, 1.035 at B8 D1536 L2048 against 1.287, 1.318 at
-B16 D1024 L2048 against 1.721; the hand-written probe of the 32-step form
-(bench/lanes_backward_probe.py) 0.136 ms at B32 D512 L192, where the bounded kernel takes 0.133. It
-runs wherever the training forward is the lanes kernel (`FusedBackwardRunner.backward_lanes`).
+kernel, chunks of 16 steps at 8 blocks an SM (SHORT_CHUNK's comment). For Mamba-1 fp32 "b d t" this
+backward kernel beat the warp kernel's fused backward at B32 D512 L180, B8 D1536 L2048 and B16 D1024
+L2048 (bench/lanes_backward.py), and the bounded kernel matched the hand-written probe of the 32-step
+form (bench/lanes_backward_probe.py); see bench/results/2026-11-27-from-code-comments.md. It runs
+wherever the training forward is the lanes kernel (`FusedBackwardRunner.backward_lanes`).
 """
 
 from __future__ import annotations
@@ -48,10 +47,10 @@ BLOCKS = (128, 64, 32)  # threads a block: the first whose shared memory fits
 # kernel of 32-step chunks takes about 230 registers and 46 KB of shared memory, 4 an SM. It runs where
 # the rows' lanes are more threads than that kernel runs at once on the GPU (UNBOUNDED_WAVE_THREADS_AN_SM an SM),
 # its shared memory fits 8 blocks, and a lane's body holds few values (S x G at most BOUNDED_LANE_VALUES:
-# more would spill at 128 registers). Mamba-1 N16 fp32 "b d t", backward kernel, H100 (2026-11-26,
-# 17:23 UTC, docs/benchmarks.md): B8 D1536 L2048 1.044 against 1.368 ms (the warp kernel's fused
-# backward 1.287), B32 D512 L180 0.138 / 0.158, B64 D1024 L1024 2.587 / 2.800; but B4 D2048 L512 (8192
-# rows, one wave of the unbounded kernel) 0.236 / 0.182.
+# more would spill at 128 registers). For Mamba-1 N16 fp32 "b d t" the bounded backward kernel beat the
+# kernel of 32-step chunks at B8 D1536 L2048 (there the warp kernel's fused backward too), B32 D512 L180
+# and B64 D1024 L1024, but was slower at B4 D2048 L512 (8192 rows, one wave of the unbounded kernel); see
+# bench/results/2026-11-27-from-code-comments.md.
 SHORT_CHUNK = 16
 BOUNDED_BLOCK = 64
 UNBOUNDED_WAVE_THREADS_AN_SM = 4 * 64
@@ -198,7 +197,8 @@ def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLan
     forward.append("}")
 
     # the adjoint, G steps at a time, last first (a second copy for whole chunks, without the steps'
-    # `live` selects, was 0.7% faster at B32 D512 L180 and 0.7% slower at B8 D1536 L2048: not kept)
+    # `live` selects, was slightly faster at B32 D512 L180 and as much slower at B8 D1536 L2048: not
+    # kept; see bench/results/2026-11-27-from-code-comments.md)
     per_lane_writes = (terms * groups + WARP - 1) // WARP  # the sums over the rows a lane holds after the scatter
 
     adj = ["#pragma unroll 1", "for (int tb = min(T, L - t0 + G - 1) / G * G - G; tb >= 0; tb -= G) {",

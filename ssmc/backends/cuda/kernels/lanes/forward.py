@@ -12,12 +12,12 @@ while this one computes):
           a reduce-scatter (lane g gets step g's sum), into shared memory
     post  the block's threads over rows x steps: the outputs, stored along the arrays' contiguous axis
 
-Measured on an H200 (2026-11-25, Mamba-1 B8 D1536 L2048 N16 fp32): hand-written probes of this kernel
-0.457 ms with synchronous staging and per-step shuffles of the sums, 0.240 with this staging, 4 state
-values a lane and fast softplus / silu; generated, 0.366 (bench/gpu_peers.py), 0.315 with exp2 of a
-param scaled by log2 e, softplus's series and the vector post phase; the warp kernel 0.620, mamba-ssm
-0.878. Where a training step's forward runs so, it also saves the fused backward's round carries
-(`_save_rounds`).
+In hand-written probes of this kernel (Mamba-1 B8 D1536 L2048 N16 fp32), this staging, 4 state values
+a lane and fast softplus / silu ran far faster than synchronous staging with per-step shuffles
+of the sums; the generated kernel gained from exp2 of a param scaled by log2 e, softplus's series and
+the vector post phase, and ran faster than both the warp kernel and mamba-ssm (bench/gpu_peers.py; see
+bench/results/2026-11-27-from-code-comments.md). Where a training step's forward runs so, it also
+saves the fused backward's round carries (`_save_rounds`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .analysis import StateLanes
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
 PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
-STATES_PER_LANE = 4     # state values a lane owns where the axis allows (0.240 ms against 0.245 with 2, probes)
+STATES_PER_LANE = 4     # state values a lane owns where the axis allows (a little faster than 2 in the probes)
 MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step value (registers)
 LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
 LANES_BLOCKS = (128, 64, 32)  # threads per block, the first whose shared memory fits
@@ -66,9 +66,8 @@ def hosted_sums(lanes: StateLanes) -> dict[str, str]:
     start). One [R][P] array of shared memory less a sum: Mamba-1's blocks of 128 threads now fit
     the 48 KiB of static shared memory (46080 bytes; blocks of 64 took 29952 before), 4 an SM, so
     at B32 D512 its 512 blocks run in one wave on 132 SMs, where 1024 blocks of 64 threads, 7 an
-    SM, ran in two (kernel 0.060 ms at B32 against 0.041 at B28, on an H100). Measured after, on
-    an H100 (2026-11-25): B8 D1536 L2048 forward 0.282 ms, 3.12x mamba-ssm in the same run; the
-    training forward at B32 D512 L192 0.041 ms."""
+    SM, ran in two (the kernel took clearly longer at B32 than at B28, whose blocks fit one wave);
+    see bench/results/2026-11-27-from-code-comments.md."""
     later = {e.array for s in lanes.major.body + lanes.major.post for e in accesses(s)}
     hosts = [a for a in lanes.row_seqs if a not in later]
     return dict(zip((name for name, _ in lanes.sums), hosts))
@@ -78,8 +77,8 @@ def row_params(lanes: StateLanes) -> list[str]:
     """Arrays the pre and post phases read at their row's own index only (params along the row axis:
     Mamba-1's delta_bias[d] and D[d]), staged once per block in shared memory (``sq_<name>[r]``). Read
     from global memory per row and step, each was a load the phase then waited on: ncu's source
-    counters of Mamba-1's forward (B8 D1536 L2048, H200, 2026-11-26) put 5.4% of the kernel's stall
-    samples on the add after delta_bias's load, 1.5% on the multiply after D's."""
+    counters of Mamba-1's forward (B8 D1536 L2048) put stall samples on the add after delta_bias's
+    load and on the multiply after D's (see bench/results/2026-11-27-from-code-comments.md)."""
     at_row = (f"p_{lanes.row_axis}",)
     reads = [e for s in lanes.major.pre + lanes.major.post for e in loads(s.value)]
     named = {e.array for e in reads if e.index == at_row} - set(lanes.row_seqs) - set(lanes.major.per_step)
@@ -92,7 +91,7 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
     each per-step value and sequence along the states' axis, S values of each buffer and param along
     it) would take more than LANE_REGISTERS, or (float64) the body calls a function other than exp:
     libdevice's double tanh / erf, unrolled over the S x G values and steps, overflow the registers
-    (a random spec's gelu of a sequence along n spilled 44 bytes at n = 33, found 2026-11-25)."""
+    (a random spec's gelu of a sequence along n spilled 44 bytes at n = 33)."""
     per_lane = -(-sizes[lanes.axis] // groups)
     arrays = (groups * (len(lanes.major.per_step) + len(lanes.state_seqs))
               + per_lane * (len(lanes.lane_buffers) + len(lanes.lane_params)))
@@ -130,9 +129,9 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     hold at UNBOUNDED_LANES_BLOCKS each, the kernel is float and a lane's body holds at most
     BOUNDED_LANE_VALUES state values x steps; else 1 (unbounded). Unbounded, the GPU's NVRTC gave
     Mamba-1's n = 16 training forward 148 registers (this machine's NVRTC 13.5 at most 132): 3 blocks
-    an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward: 0.0655 ms against 0.0457
-    bounded, H100, 2026-11-27); bounded, 102-128 and no spills. More values a lane (n = 32, 64) or
-    float64 spilled at 128, and so may bodies heavier than Mamba-1's (a random spec's kernel failed
+    an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward clearly slower than bounded;
+    see bench/results/2026-11-27-from-code-comments.md); bounded, 102-128 and no spills. More values a
+    lane (n = 32, 64) or float64 spilled at 128, and so may bodies heavier than Mamba-1's (a random spec's kernel failed
     the spill test under the bound, local CI): the bound is kept to the grids that need it."""
     per_lane = -(-sizes[lanes.axis] // groups)
     blocks = lane_blocks(k, sizes, groups, block)
@@ -280,9 +279,9 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "params_once": _lane_params(lanes, own_printer) + _row_param_loads(k, lanes, staged_params, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
         # the next chunk's copies where it lies wholly inside the sequence (and the block's rows inside
-        # the row axis), each a few instructions where the checked ones took about 28: Mamba-1 "b d t"
-        # forward kernel B8 D1536 L2048 0.259 -> 0.239 ms, B16 D1024 L2048 0.316 -> 0.297 (H200,
-        # 2026-11-26; B32 D512 L180 unchanged). The thread index read fresh (`fresh_thread_index`):
+        # the row axis), each a few instructions where the checked ones took about 28: Mamba-1's "b d t"
+        # forward kernel ran faster at B8 D1536 L2048 and B16 D1024 L2048, unchanged at B32 D512 L180
+        # (see bench/results/2026-11-27-from-code-comments.md). The thread index read fresh (`fresh_thread_index`):
         # addresses kept across chunks took 138 registers where the kernel had 114 (NVRTC 13.5)
         "issue_whole": ["const int tid = fresh_thread_index();",
                         *_issue(lanes, arrays, index, pp, ctype, vector_copies, (sizes, rows, block))]
@@ -302,8 +301,9 @@ def _pre_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], sizes
     """The template's `pre_steps` and `pre` lines: the steps' values per row and step of the chunk
     into shared memory (rows past the last compute the last one: the body reads them). With `vector`
     (float) a thread takes STEPS_A_THREAD consecutive steps of a row: the staged sequences read as
-    vectors, the values kept in registers (``w_<name>``) and stored as vectors (Mamba-1 B8 D1536
-    L2048 on an H200: 0.315 against 0.288 ms with the post phase so too, kernel only)."""
+    vectors, the values kept in registers (``w_<name>``) and stored as vectors (Mamba-1's forward
+    kernel at B8 D1536 L2048 ran faster with the post phase so too than with this one alone; see
+    bench/results/2026-11-27-from-code-comments.md)."""
     row = lanes.row_axis
     clamp = f"const int p_{row} = min(r0 + r, {size_var(row)} - 1);"
     if not vector:
@@ -338,7 +338,8 @@ def _post_phase(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], size
     (`along_time`: time). With `vector` (float) and `along_time` a thread takes
     STEPS_A_THREAD consecutive steps of a row: what it reads per step from shared memory as vectors
     (``vp_<name>``), its outputs into registers (``o_<name>``), then stored as one vector where aligned
-    (Mamba-1 B8 D1536 L2048 on an H200: 0.333 against 0.288 ms with the pre phase vectorised too)."""
+    (Mamba-1's forward kernel at B8 D1536 L2048 ran faster with the pre phase vectorised too than with
+    this one alone; see bench/results/2026-11-27-from-code-comments.md)."""
     if not post:  # nothing per step after the body (a training step's forward without outputs)
         return {"post_steps": 1, "post": []}
     row = lanes.row_axis
@@ -495,7 +496,8 @@ def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPr
         mapping = f"const int {rowvar} = i / (T / {steps}), tt = (i % (T / {steps})) * {steps};"
         # a time-contiguous array whose rows do not start on 16 bytes (L = 4097 in "b d t"): a thread's
         # `steps` neighbouring values one copy each, their index worked out once, not once a value
-        # (Mamba-1 B8 D1536 L4097, H200: forward 0.658 -> 0.568 ms, gradients-only forward 0.477 -> 0.393)
+        # (faster for Mamba-1 at B8 D1536 L4097, both the forward and the gradients-only forward; see
+        # bench/results/2026-11-27-from-code-comments.md)
         each = _copy(asynchronous, dst + " + q", src + " + q")
         grouped = _copy_loop(vectors, mapping, [f"if (t + {steps} <= L{rows}) for (int q = 0; q < {steps}; ++q) {each}",
                                                 f"else if (t < L{rows}) for (int q = 0; q < {steps} && t + q < L; ++q) "
@@ -514,7 +516,8 @@ def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPr
                     [f"if (t + {steps} <= L{rows}) copy_async<16>({dst}, {src});",
                      f"else if (t < L{rows}) for (int q = 0; q < {steps} && t + q < L; ++q) {each}"])),
                 # misaligned pointers (rare): value by value; the grouped copies here took the aligned
-                # kernels' registers from 93 to 74 and the gradients-only forward at B32 D512 L180 6% slower
+                # kernels' registers from 93 to 74 and made the gradients-only forward at B32 D512 L180
+                # slower (see bench/results/2026-11-27-from-code-comments.md)
                 "} else {", *("    " + line for line in scalar), "}"]
     return out
 

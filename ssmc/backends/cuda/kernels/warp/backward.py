@@ -151,7 +151,8 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
         ctx.update(extra)
         ctx["comment"] += "; the states' own axes outside the steps"
         # no launch bounds: bounded to 4 blocks per SM (128 registers) it spilled at N = 16 and 256 and
-        # ran about as fast (Mamba-1 B8 D1536 L2048 N16 on an H200: 1.92 against 1.98 ms in 134)
+        # ran about as fast as unbounded, in 134 (Mamba-1 B8 D1536 L2048 N16; see
+        # bench/results/2026-11-27-from-code-comments.md)
     return ctx
 
 
@@ -245,7 +246,7 @@ def _block_sum_lines(depth: int, atomics: dict, printer: CPrinter, steps_per_lan
         head = [f"{pad}    const int j = threadIdx.x / {per_array}, s = threadIdx.x % {per_array} * {width};",
                 f"{pad}    if (j < {len(atomics)} && base + s < L) {{"]
     else:  # BLOCK at a time (one a thread lost the rest: Mamba-1 at K = 6 lost grad_C's later steps,
-        # five summed arrays the fifth; found 2026-11-26). Not everywhere: the loop took Mamba-1's
+        # five summed arrays the fifth). Not everywhere: the loop took Mamba-1's
         # backward at K = 2 from 80 to 95 registers
         head = [f"{pad}    for (int i = threadIdx.x; i < {vectors}; i += {BLOCK}) {{",
                 f"{pad}        const int j = i / {per_array}, s = i % {per_array} * {width};",
@@ -301,8 +302,9 @@ def _fused_steps_loop(depth: int, steps_per_lane: int, body: list[str], exits: b
 # The state-major fused backward's loop over the states' own axes is unrolled this many times. Each
 # index's chains and scans depend on loads (B[:, n], the round's carry): rolled, with the next index's
 # loaded while one computes (`_next_index_loads`), the kernel keeps fewer registers and more warps in
-# flight. Mamba-1 B8 D1536 L2048 N16 on an H200: 1.94 ms rolled (without those loads ahead) against
-# 3.69 unrolled (185 registers, loads stalled) and 2.34 step-major.
+# flight. For Mamba-1 at B8 D1536 L2048 N16 the rolled loop (even without those loads ahead) beat the
+# step-major kernel, and the unrolled one (185 registers, loads stalled) was the slowest of the three;
+# see bench/results/2026-11-27-from-code-comments.md.
 FUSED_STATE_UNROLL = 1
 
 
@@ -391,11 +393,11 @@ def _spread(fb: FusedBackward, sizes: dict[str, int], summed: bool) -> int:
     (0: blocks in order). Where the block sums (`_block_sums`) add into arrays over the last axis
     (Mamba-1's grad_B[b, n, t], summed over d), a grid in order has the blocks running at once take
     neighbouring d of one b and add into the same addresses; in turns over b they spread over the
-    batch, fewer of them adding into one address at once. Mamba-1 backward on an H100, in order ->
-    spread (bench/backward_variants.py, 2026-11-26): B8 D1536 L2048 1.318 -> 1.284 ms, B32 D512 L180
-    0.2473 -> 0.2414, B4 D2048 L2048 0.810 -> 0.808, B16 D1024 L1024 0.803 -> 0.811. (Each block
-    starting its loop over n at its own index as well took 5% off B8 D1536 L2048 on an H100, 2.4% on
-    an H200, but added 0.3-7% at five other shapes, B1 to B32, on an H200: not kept.)"""
+    batch, fewer of them adding into one address at once. In Mamba-1's backward (bench/backward_variants.py)
+    spread was a little faster than in order at B8 D1536 L2048 and B32 D512 L180, and about even at
+    B4 D2048 L2048 and B16 D1024 L1024. (Each block starting its loop over n at its own index as well
+    helped B8 D1536 L2048 but slowed five other shapes, B1 to B32: not kept.) See
+    bench/results/2026-11-27-from-code-comments.md."""
     spread = math.prod(sizes[a] for a in fb.parallel[:-1]) if summed else 0
     return spread if spread > 1 else 0
 

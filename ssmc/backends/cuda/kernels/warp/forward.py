@@ -73,9 +73,10 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     major = warp_state_major(summary, k)
     unrolled = major is not None and _state_loop_unrolled(program.states, set(k.parallel), sizes, steps_per_lane)
     # Params stay in registers only in the state-major kernel that saves the backward's rounds: the
-    # plain forward then fits 128 registers, 4 blocks per SM (Mamba-1 B8 D1536 L2048 on an H200: 0.62
-    # against 0.96 ms), where the rounds kernel ran faster with them (0.66 against ~0.9 ms). Indexed by
-    # a rolled loop, a register array would be local memory.
+    # plain forward then fits 128 registers, 4 blocks per SM, and ran faster without them than with
+    # them, where the rounds kernel ran faster with them (Mamba-1 B8 D1536 L2048; see
+    # bench/results/2026-11-27-from-code-comments.md). Indexed by a rolled loop, a register array would
+    # be local memory.
     if major is not None and not round_steps:
         in_registers = {}
     elif major is not None and not unrolled:
@@ -213,7 +214,7 @@ def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printer
     """A round of the state-major warp kernel (kernels/warp/analysis.py), twice: for a round whose
     lanes all have their K steps, straight-line code, in which the scheduler overlaps one state
     value's scan across the lanes with the next one's chains (with an exit per step in between, the
-    rounds were latency-bound: Mamba-1 B8 D1536 L2048 on an H200 1.57 against 0.96 ms), loads along
+    rounds were latency-bound and much slower; see bench/results/2026-11-27-from-code-comments.md), loads along
     the states' axes made as vectors (`_vector_loads`) where the arrays are aligned; and for the
     last, partial, round (and unaligned arrays)."""
     vector, scalar = printers
@@ -221,7 +222,7 @@ def _state_major_lines(first: StateMajor, second: StateMajor, k: Kernel, printer
     # A partial last round (`ragged`: the length is no multiple of the round) runs straight-line too,
     # unless a step stores along the states' axes (a step past L would). Where every round is full,
     # the other branch only takes unaligned arrays, with exits: straight-line, its registers slowed
-    # the full rounds' code (Mamba-1 B8 D1536 L2048 on an H200: 0.80 against 0.62 ms).
+    # the full rounds' code (Mamba-1 B8 D1536 L2048; see bench/results/2026-11-27-from-code-comments.md).
     stores = any(isinstance(s.target, Load) and s.target.array not in scalar.buffers
                  for s in first.body + second.body)
     partial = _state_major_round(first, second, k, scalar, steps_per_lane, round_steps, unrolled,
@@ -404,8 +405,9 @@ def _vector_stage(k: Kernel, staged, arrays: dict[str, ArraySpec], steps_per_lan
     (K // 4 float4 or K // 2 float2 per array), instead of K coalesced scalars: all float32, time
     contiguous, their other strides multiples of K (each lane's first step aligned; the pointers are
     checked when the kernel starts), K even, forward in time, and not state-major (which loads its
-    own vectors, `_vector_loads`). The scan B8 D2048 L4096 on an H200 (hand-edited kernels,
-    2026-11-25): 8 warps a channel 0.198 ms with scalars, 0.192 with vectors in."""
+    own vectors, `_vector_loads`). In hand-edited kernels of the scan at B8 D2048 L4096 (8 warps a
+    channel), vectors in ran slightly faster than scalars; see
+    bench/results/2026-11-27-from-code-comments.md."""
     if k.reverse or steps_per_lane % 2 or not staged:
         return False
     specs = [arrays[a] for a in staged]
