@@ -9,15 +9,17 @@ forward would run as the warp kernel without the lanes kernel (`CudaRunner.strat
 time contiguous, too few recurrences to fill the GPU; `FusedBackwardRunner.applies_at`). A step that
 wants only the gradients (`ssmc.grad`'s call) runs the warp kernel without outputs: it reads the
 sequences and writes the round carries, so a scan's step moves 7 arrays of its length (a, x; a, x,
-the cotangent, grad a, grad x), where the unfused one moves 8. Mamba-1 B8 D1536 L2048 N16 on an H200:
-the warp kernel saving rounds took 0.834 ms (the lanes kernel without them 0.362), the backward 1.268.
+the cotangent, grad a, grad x), where the unfused one moves 8. For Mamba-1 at B8 D1536 L2048 N16 the
+warp kernel saving rounds ran much slower than the lanes kernel without them, and the backward took
+longer still; see bench/results/2026-11-27-from-code-comments.md.
 
 Where the training forward runs as the lanes kernel and the warp kernel's backward does not apply
 (sequences with time strided), the backward runs as lanes too (kernels/lanes/backward.py, `backward_lanes`):
 the forward saves its carry into every chunk of its steps, the backward is one kernel over the
 chunks, last first. A step that wants only the gradients runs that lanes kernel without its outputs
 and what only they read (`lanes_summary_kernel`: Mamba-1's sum over n of h C and its post phase go,
-C and z are not read): B8 D1536 L2048 0.257 -> 0.178 ms, B32 D512 L180 0.044 -> 0.024 (H100).
+C and z are not read), which made that forward faster at B8 D1536 L2048 and at B32 D512 L180; see
+bench/results/2026-11-27-from-code-comments.md.
 """
 
 from __future__ import annotations
@@ -64,44 +66,42 @@ from .runner import MAX_PLANS, _sizes_key, lane_block_count, runner_for, time_co
 # The backward kernel's consecutive steps per lane where the adjoint adds per-step terms atomically
 # and runs step-major (SSMC_CUDA_BACKWARD_STEPS_PER_LANE overrides): one, where the forward takes 4,
 # so a warp's atomic adds go to neighbouring steps (one line), and fewer registers (168 against 254
-# for Mamba-1). Measured on an H200 at B8 D1536 L2048 N16: 2.89 ms against 3.72 (2) and 5.47 (4).
+# for Mamba-1). One step a lane beat 2 and 4 for Mamba-1 at B8 D1536 L2048 N16 (see
+# bench/results/2026-11-27-from-code-comments.md).
 # Without atomic adds (a scan), or state-major (a lane's steps added as one vector), the forward's.
 ATOMIC_STEPS_PER_LANE = 1
 
-# The state-major backward's time per step relative to the step-major one's, measured on an H200:
-# Mamba-1 B8 D1536 L2048 N16 1.35 against 2.34 ms (0.58); B32 D512 L180 N16, two rounds of 128 steps
-# (the second 52 steps) against six of 32, 0.313 against 0.352 ms (0.67 per step of the padded
-# lengths). Its rounds are 4 times longer where the step-major kernel takes one step per lane, so a
+# The state-major backward's time per step relative to the step-major one's, measured for Mamba-1 N16
+# at B8 D1536 L2048 and, per step of the padded lengths, at B32 D512 L180 (two rounds of 128 steps, the
+# second 52 steps, against six of 32); see bench/results/2026-11-27-from-code-comments.md.
+# Its rounds are 4 times longer where the step-major kernel takes one step per lane, so a
 # short sequence wastes more of its last round: it runs where its padded length, at this cost, is
 # at most the step-major kernel's.
 STATE_MAJOR_STEP_COST = 0.65
 # The state-major backward with half the forward's steps per lane (rounds half as long) costs this
 # much more per step; it runs where its padded length, at this cost, is less than the full rounds'.
-# Measured on an H100 (2026-11-25, bench/host_profile.py), Mamba-1 B32 D512 L180 N16: 2 steps a lane
-# (192 padded steps) 0.252 ms against 0.300 with 4 (256): 1.12 a padded step.
+# Measured with bench/host_profile.py on Mamba-1 B32 D512 L180 N16, 2 steps a lane (192 padded steps)
+# against 4 (256), per padded step; see bench/results/2026-11-27-from-code-comments.md.
 HALF_ROUND_STEP_COST = 1.12
 
 
 # The lanes backward (kernels/lanes/backward.py) runs wherever the training forward runs as the lanes kernel
 # (at least kernels.lanes.LANES_FILL threads: 8192 rows of Mamba-1's 4 lanes), in place of the warp kernel's
-# fused backward ("b d t") or the unfused backward's kernels ("b t d"). Mamba-1 N16 fp32 "b d t",
-# training step (`ssmc.grad`) with the lanes backward against the warp kernel's fused backward,
-# bench/lanes_backward.py on an H100 (2026-11-26, 17:35 UTC), ms: B8 D1536 L2048 1.318 / 1.555, L512
-# 0.345 / 0.409, L256 0.182 / 0.219, L180 0.175 / 0.243; B4 D2048 L512 0.393 / 0.500, L2048 0.931 /
-# 1.023; B2 D4096 L1024 0.471 / 0.573; B32 D512 L180 0.195 / 0.293; B16 D1024 L2048 1.670 / 2.052;
-# B64 D1024 L1024 3.246 / 3.870. (Before its bounded kernel of 16-step chunks, with rows fewer than
-# 16384, the warp kernel's was ahead from L256: B8 D1536 L2048 1.608 / 1.552.)
+# fused backward ("b d t") or the unfused backward's kernels ("b t d"). For Mamba-1 N16 fp32 "b d t"
+# the training step (`ssmc.grad`) with the lanes backward beat the one with the warp kernel's fused
+# backward at every shape bench/lanes_backward.py measured, B2 to B64 and L180 to L2048. (Before its
+# bounded kernel of 16-step chunks, with rows fewer than 16384, the warp kernel's was ahead from L256.)
+# See bench/results/2026-11-27-from-code-comments.md.
 
 # An adjoint without sums over the recurrences (a scan's: h = a h + x) takes the fused backward where
 # there are at least this many recurrences and steps; elsewhere the unfused backward's two warp
 # kernels, which share a recurrence among up to 8 warps, are faster. The step moves an array less:
 # through the op (outputs wanted) the forward writes no carries; through `ssmc.grad` (gradients only)
 # its forward writes nothing per step (`summary_kernel`). `ssmc.grad`'s step of the scan, "b d t",
-# fp32, on an H200 (2026-11-26), unfused -> fused ms: B8 D2048 L4096 0.511 -> 0.478, B16 D1024 L2048
-# 0.264 -> 0.241, B2 D2048 L4096 0.161 -> 0.142, B8 D512 L1024 0.176 -> 0.169, B4 D2048 L4096 0.264
-# -> 0.259; but B32 D512 L180 0.150 -> 0.167 (H100: 0.078 -> 0.109), and B2 D512 L4096 (1024
-# recurrences) 0.167 -> 0.225, where an H100 gave 0.078 -> 0.071 (not settled: the H200's host
-# was slow). Through the op at B8 D2048 L4096: 0.582 -> 0.543 ms (docs/benchmarks.md).
+# fp32, was faster fused than unfused at B8 D2048 L4096, B16 D1024 L2048, B2 D2048 L4096, B8 D512
+# L1024 and B4 D2048 L4096; slower at B32 D512 L180 (on both machines measured) and at B2 D512 L4096
+# (1024 recurrences; not settled: the machine that had it slower had a slow host, the other had it faster).
+# Through the op at B8 D2048 L4096 fused was faster too. See bench/results/2026-11-27-from-code-comments.md.
 FUSED_SCAN_RECURRENCES = 4096
 FUSED_SCAN_LENGTH = 1024
 
