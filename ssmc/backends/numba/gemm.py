@@ -15,10 +15,10 @@ KC = 256 values of k into one contiguous buffer first, so the tiles stream B fro
 striding across B's rows; with several blocks of k, a tile adds to what the previous block stored.
 Each element of C is a chain of fused multiply-adds in the order of k. Fastmath is off.
 
-Measured on the bench machine's 2 cores (Zen 5), fp32, best of 7, for the LSTM's shapes
-(M, K, N) = (2880, 256, 1024), (2880, 1024, 256) and transposed A (1024, 2880, 256),
-(256, 2880, 1024): 416, 393, 249, 241 GF/s (the previous row-streaming loop: 150-250 GF/s;
-NumPy's OpenBLAS: 204-223).
+On two cores, fp32, for the LSTM's shapes (M, K, N) = (2880, 256, 1024), (2880, 1024, 256) and
+transposed A (1024, 2880, 256), (256, 2880, 1024), this product outran NumPy's OpenBLAS at all four,
+by most where A is not transposed, and replaced a row-streaming loop that was slower; see
+bench/results/2026-11-27-from-code-comments.md.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 operations a register-tiled matrix product needs.
 
 Why: a matrix product is fast when its accumulator tile stays in registers across the whole
-summed axis. Numba has no vector type, and a tile held in a stack array stays in memory (measured:
-5 GF/s). A `Vector` is an LLVM `<lanes x float>` SSA value, so LLVM allocates it a register.
+summed axis. Numba has no vector type, and a tile held in a stack array stays in memory (measured
+far slower; see bench/results/2026-11-27-from-code-comments.md). A `Vector` is an LLVM
+`<lanes x float>` SSA value, so LLVM allocates it a register.
 
 A vector is 64 bytes (16 float32 or 8 float64 lanes: one AVX-512 register; LLVM splits it in two
 on an AVX2 machine). Loads and stores are unaligned and unchecked: the caller keeps
