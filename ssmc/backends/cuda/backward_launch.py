@@ -56,8 +56,8 @@ class BackwardLaunch:
     dtype: object
 
     def buffer(self):
-        """One launch's buffer: one allocation and at most one memset (a small step's host time is a
-        few µs per torch call, bench/host_profile.py)."""
+        """One launch's buffer: one allocation and at most one memset (each torch call adds to a small
+        step's host time, bench/host_profile.py)."""
         import torch
 
         buffer = torch.empty(self.plain + self.zeroed, device=device_name(), dtype=self.dtype)
@@ -163,10 +163,11 @@ def in_memory_order_of(like, shape: tuple) -> tuple[int, ...]:
     """Element strides laying out an array of `shape` contiguously in the memory order of the tensor
     `like` (its axes by decreasing stride). The lanes backward writes a sequence's gradient so, where
     that sequence has time strided ("b t d"), rather than time innermost: its views in the caller's
-    layout are then contiguous as they come (`_in_layouts`), where torch's copies took 0.62 of a
-    1.98 ms step (Mamba-1 B8 D1536 L2048, H100, 2026-11-27); its stores are scalar, eight rows of a
-    warp's 32 bytes at a time. The lanes forward's outputs too (its post phase then runs along the
-    rows, as the plain forward's does there): the op returns them contiguous without a copy."""
+    layout are then contiguous as they come (`_in_layouts`), where torch's copies took a large share
+    of Mamba-1's step at B8 D1536 L2048 (see bench/results/2026-11-27-from-code-comments.md); its
+    stores are scalar, eight rows of a warp's 32 bytes at a time. The lanes forward's outputs too (its
+    post phase then runs along the rows, as the plain forward's does there): the op returns them
+    contiguous without a copy."""
     order = sorted(range(len(shape)), key=lambda i: (like.stride(i), -i), reverse=True)
     strides, step = [0] * len(shape), 1
     for i in reversed(order):
