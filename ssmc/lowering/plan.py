@@ -131,6 +131,8 @@ def build_kernel(name: str, program: Recurrence, parallel: tuple[str, ...], time
     zero (sums over time), or from its own carry ``init_<state>[blk]`` when `blocked_init`.
     `prefix` starts the names of its scratch values (two kernels' steps can then share one body);
     without `load_init` the setup leaves the carry unset (whoever splices the step sets it).
+    One function although long: the kernel's arrays, setup, step and finish are filled in order
+    from one `StepBuilder` and the same per-state buffers.
     """
     k = Kernel(name, program, parallel, time_blocks=time_blocks, blocked_init=blocked_init, store_prev=store_prev)
     b = StepBuilder(k, prefix)

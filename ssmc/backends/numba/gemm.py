@@ -37,7 +37,8 @@ KC = 256  # values of k per packed block of B
 
 @numba.njit(parallel=True, cache=True, fastmath=False, nogil=True)
 def _gemm(A, B, C, NR):
-    """C = A @ B with panels NR (= 2 vectors) wide; B and C C-contiguous."""
+    """C = A @ B with panels NR (= 2 vectors) wide; B and C C-contiguous. One function although long:
+    a Numba kernel whose register tiles are locals of one loop nest (a call per tile would spill them)."""
     M, K = A.shape
     N = C.shape[1]
     L = NR // 2

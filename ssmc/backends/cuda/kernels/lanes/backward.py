@@ -115,7 +115,11 @@ def lanes_backward_source(fb: FusedBackward, lb: LanesBackward, lanes: StateLane
 def lanes_backward_context(fb: FusedBackward, lb: LanesBackward, lanes: StateLanes, arrays: dict[str, ArraySpec],
                            sizes: dict[str, int], block: int, ctype: str = "float", chunk: int = CHUNK) -> dict:
     """The template's context for the lanes backward (module docstring); `ctype` the compute type,
-    `chunk` its steps a chunk (SHORT_CHUNK: the bounded kernel)."""
+    `chunk` its steps a chunk (SHORT_CHUNK: the bounded kernel).
+
+    One function although long: it fills the template's slots in the order the kernel runs them
+    (staging, forward carries, adjoint, sums, stores), and most slots read the same two dozen
+    locals (lane buffers, the row index, the printers); split, they would travel as arguments."""
     k = fb.adjoint
     axis, row, var = lanes.axis, lanes.row_axis, lanes.var
     n = size_var(axis)

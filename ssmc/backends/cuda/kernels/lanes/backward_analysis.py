@@ -76,7 +76,10 @@ def lanes_backward(fb: FusedBackward, lanes: StateLanes) -> LanesBackward | None
     `lanes`; None where it does not split so: not state-major (`fused_state_major`), several
     forward states or states' axes, a sum over the rows into an array indexed otherwise than by
     t, the block's other parallel indices and the states' axis, an accumulator without that axis
-    but along another, or a sequence along the row axis and the states' axis both."""
+    but along another, or a sequence along the row axis and the states' axis both.
+
+    One function although long: each check refuses a shape the kernel cannot run with its own
+    reason, in the order the plan is built, and the plan's parts are built from the same maps."""
     major = fused_state_major(fb)
     if major is None or len(major.local) != 1 or major.local[0] != lanes.var:
         return None

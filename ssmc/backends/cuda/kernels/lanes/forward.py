@@ -158,7 +158,10 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     """The template's context for the lanes kernel of `k` (module docstring); where `k` has arrays
     ``rounds_<state>`` (a training step's forward, backends/cuda/fused_backward.py), each lane writes
     its values of the state into them at every chunk that starts a round of `round_steps` steps (a
-    multiple of CHUNK): the carry into the round."""
+    multiple of CHUNK): the carry into the round.
+
+    One function although long: it fills the template's slots in the kernel's order from one set of
+    printers and index maps (`body_phase` prints the full and the partial chunk alike)."""
     axis, row = lanes.axis, lanes.row_axis
     n, var = size_var(axis), lanes.var
     rows = block // groups

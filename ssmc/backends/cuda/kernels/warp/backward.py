@@ -54,7 +54,10 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
                            steps_per_lane: int, state_major: bool = False) -> dict:
     """The fused backward kernel (kernels/warp/backward_analysis.py): the forward's summary and carries and
     the adjoint's summary and step spliced around two lane scans, a round at a time, last first;
-    with `state_major`, where `fused_state_major` applies, the states' own axes outside those."""
+    with `state_major`, where `fused_state_major` applies, the states' own axes outside those.
+
+    One function although long: the four steps' lines share the staging, the parameter registers
+    and the block sums' buffers it sets up, and go into the template's slots in order."""
     kernels = (fb.forward_summary, fb.forward_carries, fb.adjoint_summary, fb.adjoint)
     parallel = set(fb.parallel)
     registers = {f"prev_{s}": f"rg_{s}" for s in fb.carried} | {s: f"rg_{s}" for s in fb.carried}

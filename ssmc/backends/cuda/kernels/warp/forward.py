@@ -57,7 +57,10 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     `k`'s spliced around a scan of the (product, partial) pairs across the warp's lanes. Where `k`
     has arrays ``rounds_<state>`` (kernels/warp/backward_analysis.py), the lane whose steps start a round of
     `round_steps` (the fused backward's) writes its carry there. `warps` > 1 (`shares_recurrence`):
-    a block of that many warps per recurrence, a round of warps x 32 x K steps."""
+    a block of that many warps per recurrence, a round of warps x 32 x K steps.
+
+    One function although long: the summary's and the step's lines are spliced around the lane scan
+    from one set of printers, staged arrays and parameter registers, in the template's order."""
     program = k.program
     if warps > 1 and not shares_recurrence(k, summary):
         raise ValueError(f"{k.name}: only a warp kernel with scalar states, without rounds, can share a "
