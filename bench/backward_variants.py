@@ -11,7 +11,7 @@ unedited kernel's; a variant that keeps the results and changes them makes the s
 
     python3 bench/backward_variants.py [--small] [--shape BxDxL ...] [--only NAME ...] [--repeat K]
 
-Results and what they say: docs/benchmarks.md, session of 2026-11-26.
+Results and what they say: bench/results/2026-11-26-h200-fused-backward-time.md.
 """
 
 from __future__ import annotations

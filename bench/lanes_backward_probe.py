@@ -33,7 +33,7 @@ the loops over a chunk's groups of G steps are unrolled, how many blocks an SM _
 asks for, and "lean" (dt u recomputed rather than staged, one slab for the block added to by shared
 atomics: 37.6 KB of shared memory, so 6 blocks an SM). The first probe ("registers": 255 registers,
 8 warps an SM, 1.45 waves at B8 D1536) ran as fast as the fused backward there, 1.30 ms on an H100,
-and 2.1x faster at B32 D512 L192 (docs/benchmarks.md, 2026-11-25).
+and 2.1x faster at B32 D512 L192 (bench/results/2026-11-25-h100-lanes-backward-probe.md).
 
     python bench/lanes_backward_probe.py [--batch 8 --dim 1536 --length 2048] [--variant NAME]
 """
@@ -323,7 +323,7 @@ def build(variant: str):
 
 
 def inputs(B: int, D: int, L: int, seed: int) -> dict:
-    """Mamba-1's inputs as bench/gpu_peers.py draws them (layout "b d t"; B, C [b n t])."""
+    """Mamba-1's inputs as bench/workloads/diagonal.py draws them (layout "b d t"; B, C [b n t])."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def r(*shape):

@@ -10,7 +10,7 @@ the kernel's own time (torch.profiler).
 
     python3 bench/lanes_variants.py [--small] [--only NAME ...] [--lengths L ...]
 
-Results and what they say: docs/benchmarks.md, session of 2026-11-25 from 22:16 UTC.
+Results and what they say: bench/results/2026-11-25-h100-devices-lanes-forward-bound.md.
 """
 
 from __future__ import annotations
