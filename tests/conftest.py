@@ -1,15 +1,20 @@
 """Tests marked `gpu` run only where a CUDA GPU, CuPy and PyTorch are present; elsewhere they skip."""
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
+from profiles import select_profile
 
-# `pytest --hypothesis-profile=no-shrink`: a failing example reported as found, not shrunk (shrinking
-# a slow GPU property's example can take longer than a device call; rerun with its seed)
-settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# Hypothesis' profile (tests/profiles.py: ci where CI is set, nightly where SSMC_PROPERTY_EXAMPLES is,
+# no-shrink on request), loaded before any test module reads it; `--hypothesis-profile=NAME` overrides
+settings.load_profile(select_profile())
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"hypothesis profile {settings.get_current_profile_name()!r} (tests/profiles.py)")
 
 
 def _gpu() -> bool:
-    from ssmc.backends.cuda.runner import available
+    from ssmc.backends.cuda.arrays import available
 
     return available()
 
@@ -25,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def fresh_runners():
     """CUDA runners built anew (their decisions are cached per shape and overrides, not per module
-    constant such as `runner.LANES_FILL`), before the test and after it."""
+    constant such as `kernels.lanes.LANES_FILL`), before the test and after it."""
     from ssmc.backends.cuda import fused_backward, runner
 
     runner._RUNNERS.clear()

@@ -3,19 +3,19 @@
 LSTM-like cells with gate axes, norms and sums inside the update), forward and every gradient, and
 the regressions that such specs found.
 
-CI runs a few examples of each property; ``SSMC_PROPERTY_EXAMPLES=10000`` runs the nightly count
-(docs/performance.md, "Reliability").
+CI runs a few examples of each property, derandomized; ``SSMC_PROPERTY_EXAMPLES=10000`` runs the nightly
+count, random draws (tests/profiles.py; docs/performance.md, "Reliability").
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples, nightly
 from strategies import coupled_recurrences
 
 import ssmc
@@ -23,8 +23,7 @@ from ssmc.backends.cuda import emulator
 from ssmc.runtime.benchmark import check
 from ssmc.runtime.random_inputs import axis_sizes
 
-EXAMPLES = int(os.environ.get("SSMC_PROPERTY_EXAMPLES", "0"))
-SETTINGS = {"deadline": None, "derandomize": not EXAMPLES,
+SETTINGS = {"deadline": None, "derandomize": not nightly(),
             "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
                                           HealthCheck.function_scoped_fixture]}
 TOL = 1e-8  # float64, relative to the largest magnitude of each array
@@ -37,7 +36,7 @@ def _worst(spec, backend: str, length: int, seed: int, layout: str = "b t ...") 
     return check(spec, backend, layout, "float64", sizes, length, seed, with_grad=True)
 
 
-@settings(max_examples=EXAMPLES or 3, **SETTINGS)
+@settings(max_examples=examples(3), **SETTINGS)
 @given(spec=coupled_recurrences(), length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16),
        layout=st.sampled_from(["b t ...", "t ...", "b d t"]))
 def test_coupled_specs_on_numba(spec, length, seed, layout):
@@ -46,7 +45,7 @@ def test_coupled_specs_on_numba(spec, length, seed, layout):
 
 
 @pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
-@settings(max_examples=EXAMPLES or 3, **SETTINGS)
+@settings(max_examples=examples(3), **SETTINGS)
 @given(spec=coupled_recurrences(), length=st.sampled_from([1, 7, 40]), seed=st.integers(0, 2**16))
 def test_coupled_specs_on_emulated_cuda(spec, length, seed, emulated_cuda):
     err, where = _worst(spec, "cuda", length, seed)
@@ -138,7 +137,7 @@ def test_regressions_on_the_gpu(spec, length):
 
 
 @pytest.mark.gpu
-@settings(max_examples=EXAMPLES or 12, **SETTINGS)
+@settings(max_examples=examples(12), **SETTINGS)
 @given(spec=coupled_recurrences(), length=st.sampled_from([1, 7, 180, 1000]), seed=st.integers(0, 2**16),
        layout=st.sampled_from(["b t ...", "b d t"]))
 def test_coupled_specs_on_the_gpu(spec, length, seed, layout):

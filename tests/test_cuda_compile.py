@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import (
     diagonal_linear_recurrences,
     many_sequences,
@@ -256,8 +257,8 @@ def test_row_kernels_of_a_softmax_and_a_layernorm_compile(name, contiguous, grou
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
-# 10 examples: NVRTC takes about 40 s a random spec's kernels on CI's 2 cores (10 min for 15)
-@settings(max_examples=10, **SETTINGS)
+# NVRTC takes about 40 s a random spec's kernels on CI's 2 cores: 3 in CI (tests/profiles.py), 10 locally
+@settings(max_examples=examples(10, ci=3), **SETTINGS)
 @given(spec=recurrences())
 def test_random_recurrence_kernels_compile(spec):
     """Every random spec's kernels compile (spills are a speed matter here; examples must not spill)."""
@@ -265,7 +266,7 @@ def test_random_recurrence_kernels_compile(spec):
         assert r.resources is not None, r.error
 
 
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=examples(8, ci=3), **SETTINGS)  # about 35 s a spec on CI's 2 cores
 @given(spec=diagonal_linear_recurrences(), dtype=st.sampled_from(["float32", "float64"]),
        warps=st.sampled_from(["", "8"]))
 def test_random_time_contiguous_warp_kernels_compile(spec, dtype, warps):
@@ -576,7 +577,7 @@ LANES_SETTINGS = {**SETTINGS,
                   "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}
 
 
-@settings(max_examples=10, **LANES_SETTINGS)
+@settings(max_examples=examples(10), **LANES_SETTINGS)
 @given(spec=state_axis_recurrences(), n=st.sampled_from([1, 3, 16, 33, 64]),
        dtype=st.sampled_from(["float32", "float64"]), time_contiguous=st.booleans())
 def test_random_lanes_kernels_compile_without_spills(spec, n, dtype, time_contiguous):

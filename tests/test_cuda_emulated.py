@@ -17,6 +17,7 @@ import pytest
 from emulation import fused_step
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import diagonal_linear_recurrences, draw_inputs, recurrences, time_last
 from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
@@ -385,7 +386,9 @@ def test_emulated_bad_arguments_are_value_errors_naming_them(bad, monkeypatch):
         ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**tensors, grad_outputs=tensors["x"])
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# each example compiles a random spec's kernels with the host C++ compiler: 3 in CI (tests/profiles.py), 6 locally
+@settings(max_examples=examples(6, ci=3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=recurrences(), length=st.sampled_from([1, 7, 40]), seed=st.integers(0, 2**16))
 def test_emulated_random_recurrences(spec, length, seed):
     """Random recurrences (time first, float64) forward and gradient through the emulated cuda backend."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import layers
 
 import ssmc
@@ -78,7 +79,8 @@ def test_random_layers_fused_equal_unfused_on_the_interpreter(spec, length, d, s
     check_fused_equals_unfused(adjoint, inputs_for(adjoint, length, seed + 1, d))
 
 
-@settings(max_examples=5, **SETTINGS)
+# each example compiles a random layer's stages with Numba: 3 in CI (tests/profiles.py), 5 locally
+@settings(max_examples=examples(5, ci=3), **SETTINGS)
 @given(spec=layers(), length=st.sampled_from([1, 7, 180]), d=st.sampled_from([3, 7, 12]),
        seed=st.integers(0, 2**16))
 def test_random_layers_on_numba_match_the_interpreter(spec, length, d, seed):

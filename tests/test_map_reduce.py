@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import diagonal_linear_recurrences, draw_inputs
 
 import ssmc
@@ -55,8 +56,10 @@ def test_example_adjoints(name, length):
     check(adjoint, random_recurrence_inputs(adjoint, length, np.random.default_rng(length)))
 
 
-# 4 examples: each compiles a random spec's numba kernels, about 2 minutes on CI's 2 cores (13 min for 6)
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# each example compiles a random spec's numba kernels, about 2 minutes on CI's 2 cores (13 min for 6):
+# 2 in CI (tests/profiles.py), 4 locally
+@settings(max_examples=examples(4, ci=2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=diagonal_linear_recurrences(), length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16))
 def test_random_gradients_through_the_map_reduce_epilogue(spec, length, seed):
     """Whole gradients of random specs with the numba runner lowered map/reduce, vs the interpreter."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
 
 import ssmc
@@ -101,7 +102,8 @@ def test_default_backend_is_numba_on_a_cpu_machine():
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
-@settings(max_examples=6, **SETTINGS)
+# each example compiles a random spec's kernels with Numba (about 20 s on CI's 2 cores): 3 in CI
+@settings(max_examples=examples(6, ci=3), **SETTINGS)
 @given(spec=recurrences(), length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16))
 def test_random_recurrences_forward(spec, length, seed):
     inputs = draw_inputs(spec, length, seed)
@@ -134,7 +136,7 @@ def test_a_value_read_by_a_sum_and_by_a_stored_output_is_not_stale(length):
     for name in want:
         assert rel_err(got[name], want[name]) <= 1e-12, name
 
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=examples(3, ci=2), **SETTINGS)
 @given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
 def test_random_recurrence_gradients(spec, seed):
     inputs = draw_inputs(spec, 9, seed)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import diagonal_linear_recurrences, draw_inputs
 
 import ssmc
@@ -93,7 +94,9 @@ def test_nonlinear_and_split_programs_are_not_time_blocked():
     assert time_blocks(derive_backward(m.SPEC.program).adjoint) is None  # accumulators: split instead
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# each example compiles a random spec's three phases with Numba: 3 in CI (tests/profiles.py), 8 locally
+@settings(max_examples=examples(8, ci=3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=diagonal_linear_recurrences(), length=st.sampled_from([1, 7, 180]), nblk=st.integers(2, 11),
        seed=st.integers(0, 2**16))
 def test_random_diagonal_linear_recurrences(spec, length, nblk, seed):
