@@ -20,12 +20,7 @@ import sys
 
 # whether the backend runs its kernels emulated on the CPU (``SSMC_CUDA_EMULATE=1``): for tests of
 # the kernels' logic at tiny sizes on machines without a GPU
-from .options import options
-
-
-def emulating() -> bool:
-    """Whether the kernels run on the CPU (``SSMC_CUDA_EMULATE=1``; asked per launch)."""
-    return options().emulate
+from .options import emulating  # whether the kernels run on the CPU (SSMC_CUDA_EMULATE=1)
 
 _getter = None  # torch's raw current-device getter, once torch is imported
 

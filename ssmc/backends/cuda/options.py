@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
@@ -55,9 +56,9 @@ class CudaOptions:
     emulate: bool = False
     sm_count: int = SM_COUNT
 
-    @property
+    @cached_property
     def key(self) -> tuple:
-        """The options as a tuple, for the keys of cached decisions."""
+        """The options as a tuple, for the keys of cached decisions (worked out once per options)."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
     @classmethod
@@ -114,6 +115,17 @@ def _raw() -> tuple:
     if _KEYS is not None:
         return tuple(map(_TABLE.get, _KEYS))
     return tuple(map(os.environ.get, NAMES))
+
+
+_EMULATE = NAMES.index("SSMC_CUDA_EMULATE")
+
+
+def emulating() -> bool:
+    """`options().emulate`, asked several times a launch: where that one variable is as last parsed,
+    the last options' answer (one lookup where `options` makes one per variable)."""
+    if _KEYS is not None and _LAST[0] is not None and _TABLE.get(_KEYS[_EMULATE]) == _LAST[0][_EMULATE]:
+        return _LAST[1].emulate
+    return options().emulate
 
 
 def options() -> CudaOptions:
