@@ -4,7 +4,6 @@ Write the step of a recurrence over named-axis tensors; ssmc gives a float64 ref
 interpreter, derived backward passes and compiled kernels. Start with `recurrence`, `compile`.
 """
 
-from . import grad as _grad_module  # noqa: F401  (the old module: loaded before `grad` names the function)
 from .api import compile, default_backend
 from .autograd import grad
 from .errors import SpecError
@@ -34,8 +33,7 @@ from .frontend.functions import (
 )
 from .frontend.spec import Param, Seq, State, recurrence
 from .frontend.tensor import Tensor
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "Param",

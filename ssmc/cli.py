@@ -19,7 +19,6 @@ import argparse
 import importlib
 import os
 import pkgutil
-import platform
 import runpy
 import sys
 import time
@@ -28,6 +27,7 @@ import traceback
 import numpy as np
 
 from . import __version__, api, pipeline
+from .backends.registry import get_backend
 from .errors import SpecError
 from .frontend.attention import AttentionSpec
 from .frontend.spec import RecurrenceSpec
@@ -226,7 +226,7 @@ def cmd_check(args) -> int:
 # -- bench -------------------------------------------------------------------------------------
 
 def cmd_bench(args) -> int:
-    from .runtime.benchmark import TOLERANCE, bench
+    from .runtime.benchmark import bench, check_tolerance
 
     backend = args.backend or api.default_backend()
     _at_least_one(args, "length", "repeat", "check_length")
@@ -252,7 +252,7 @@ def cmd_bench(args) -> int:
             ok = False
             continue
         ok &= r.ok
-        tolerance = TOLERANCE["float64" if backend == "interpreter" else args.dtype]
+        tolerance = check_tolerance(backend, args.dtype)
         verdict = "OK" if r.ok else f"FAIL ({r.worst}; tolerance {tolerance:g}; not timed)"
         if r.ok and not r.finite:
             verdict += f" (outputs over {r.length} steps not finite: the inputs make it grow; see --scale)"
@@ -274,19 +274,8 @@ def _print_table(rows: list[list[str]]) -> None:
 # -- demo --------------------------------------------------------------------------------------
 
 def _device(backend: str) -> str:
-    """Where `backend` runs: the GPU's name for cuda, else the CPU."""
-    if backend == "cuda":
-        from .backends.cuda.arrays import require_gpu
-
-        require_gpu()  # a ValueError (one line) where there is none
-        import torch
-
-        from .backends.cuda.devices import emulating
-
-        if emulating():
-            return f"CPU ({platform.processor() or platform.machine()}), CUDA kernels emulated (SSMC_CUDA_EMULATE=1)"
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()})"
+    """Where `backend` runs: the GPU's name for cuda, else the CPU (a ValueError where it cannot)."""
+    return get_backend(backend).device_description()
 
 
 def _rel_error(got: list, want: list) -> float:

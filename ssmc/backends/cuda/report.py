@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...grad import default_chunk
+from ...autograd import default_chunk
 from ...lowering.stages import fuse
 from ...passes.autodiff import derive_backward
 from ...runtime.cache import store

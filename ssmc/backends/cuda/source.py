@@ -8,8 +8,8 @@ from importlib import resources
 
 import jinja2
 
-from ... import __version__
 from ...ir.ops import LEAVES, Op
+from ...version import __version__
 from .hardware import (
     WARP,
 )

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jinja2
 
-from ... import __version__
 from ...lowering.loops import (
     ARRAY_MARK,
     Assign,
@@ -31,6 +30,7 @@ from ...lowering.loops import (
 )
 from ...lowering.plan import Kernel, Lowered, size_var
 from ...lowering.unroll import unroll_sums
+from ...version import __version__
 from . import blocking, simd
 from .ahead import TILE, split_ahead
 from .blocking import BlockedKernel, block_kernel, wants_blocking
