@@ -9,16 +9,15 @@ asked something only it can answer, so that the others run where CuPy or torch a
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import numpy as np
 
 from ..ir.node import toposort
 from ..ir.ops import Op
-from ..passes.autodiff import DEFAULT_CHUNK
 from . import interpreter
 from .base import Backend, Runner, run_stages
+from .cuda.backend import CudaBackend
 
 __all__ = ["BACKENDS", "Backend", "Runner", "array_support", "call_key", "check_backend",
            "compute_dtype", "default_backend", "for_tensor", "get_backend", "preparer", "run_stages", "runner"]
@@ -69,158 +68,6 @@ class NumbaBackend(Backend):
         if not saved:
             return rec, ()
         return rec.with_roots(rec.updates, rec.outputs + tuple(saved)), tuple(saved)
-
-
-class DeviceArrays:
-    """`ArrayOps` on torch CUDA tensors (the cuda backend)."""
-
-    @staticmethod
-    def convert(x, name):
-        from .cuda.arrays import to_device
-
-        return to_device(x, name)
-
-    @staticmethod
-    def zeros(shape, dtype):
-        import torch
-
-        from .cuda.devices import device_name
-
-        return torch.zeros(tuple(shape), device=device_name(),
-                           dtype=torch.float64 if dtype == np.float64 else torch.float32)
-
-    @staticmethod
-    def cast(x, dtype):
-        import torch
-
-        return x.to(torch.float64 if dtype == np.float64 else torch.float32)
-
-    @staticmethod
-    def cat(parts):
-        import torch
-
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def permute(x, perm):
-        return x.permute(*perm)
-
-    @staticmethod
-    def contiguous(x):
-        return x.contiguous()
-
-
-class CudaBackend(Backend):
-    """Generated CUDA kernels on torch CUDA tensors (or, ``SSMC_CUDA_EMULATE=1``, emulated on the CPU)."""
-
-    on_device = True
-    # one chunk, no outputs wanted (`ssmc.grad`'s call): no forward runs, the backward's recompute of
-    # the carries is the one pass over them (where outputs are wanted, the recording forward's
-    # writing them costs less than that pass)
-    records_without_outputs = False
-    arrays = DeviceArrays()
-
-    def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
-        from .cuda.hoisted import hoisted_runner
-        from .cuda.runner import runner_for
-
-        hoisted = hoisted_runner(program, dtype.name)
-        if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
-            return hoisted.run if products is None else partial(hoisted.run, products=products)
-        return runner_for(program, dtype.name).run
-
-    def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
-        """Where one block of threads owns each row, the layer in one kernel; else `staged`."""
-        from .cuda.runner import layer_runner
-
-        return layer_runner(fused, dtype.name, staged)
-
-    def preparer(self, program, dtype: np.dtype):
-        """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
-        around its kernels); else None."""
-        from ..lowering.stages import fuse
-
-        if fuse(program).staged:
-            return None
-        from .cuda.hoisted import hoisted_runner
-        from .cuda.runner import runner_for
-
-        if hoisted_runner(program, dtype.name) is not None:  # matrix products around the kernels
-            return None
-        return runner_for(program, dtype.name).prepare
-
-    def call_key(self, args: tuple, kwargs: dict):
-        from .cuda.arrays import call_key
-
-        return call_key(args, kwargs)
-
-    def on_current_device(self, tensor) -> bool:
-        from .cuda.devices import current_device, on_backend_device
-
-        return on_backend_device(tensor) and tensor.get_device() == current_device()
-
-    def array_support(self, read_only_zeros: bool = False):
-        """Torch CUDA tensors (a ValueError where this machine cannot run cuda); zero initial states
-        shared between calls where only read (`shared_device_zeros`)."""
-        from .cuda.arrays import device_zeros, require_gpu, shared_device_zeros, to_device
-
-        require_gpu()
-        return to_device, shared_device_zeros if read_only_zeros else device_zeros
-
-    def check_arrays(self, arrays: dict) -> None:
-        from .cuda.devices import check_one_device
-
-        check_one_device(arrays)
-
-    def run_inputs(self, program, bound, dtype: np.dtype) -> tuple[dict, dict, dict, dict]:
-        """The arrays as given (kernels read any float dtype and strides in place); the outputs come
-        in the first argument's dtype."""
-        first = next(iter(bound.arrays.values()), None)
-        seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
-        params = {d.name: bound.arrays[d.name] for d in program.params}
-        return seqs, params, bound.initial, {"out_dtype": first.dtype if first is not None else None}
-
-    def from_host(self, values: dict, dtype: str) -> dict:
-        import torch
-
-        from .cuda.devices import device_name
-
-        torch_dtype = torch.float64 if dtype == "float64" else torch.float32
-        return {k: torch.as_tensor(v, dtype=torch_dtype, device=device_name()) for k, v in values.items()}
-
-    def synchronize(self) -> None:
-        from .cuda.devices import emulating
-
-        if not emulating():  # an emulated launch runs to completion
-            import torch
-
-            torch.cuda.synchronize()
-
-    def device_description(self) -> str:
-        """The GPU's name (or that its kernels are emulated on the CPU); a ValueError where there is none."""
-        from .cuda.arrays import require_gpu
-
-        require_gpu()  # a ValueError (one line) where there is none
-        import torch
-
-        from .cuda.devices import emulating
-
-        if emulating():
-            return f"{super().device_description()}, CUDA kernels emulated (SSMC_CUDA_EMULATE=1)"
-        return torch.cuda.get_device_name()
-
-    def default_chunk(self, length: int, program, sizes: dict[str, int], itemsize: int = 4) -> int:
-        """Every chunk costs a few kernel launches, so the chunk is as long as keeps the recomputed
-        carries no bigger than the sequences given: one chunk for a scan whose state is as big as
-        its input, about L / 5 steps for Mamba-1 (state N = 16 per channel); at least `DEFAULT_CHUNK`."""
-        per_step_state = sum(math.prod(sizes[a] for a in s.axes) for s in program.states)
-        per_step_seqs = sum(math.prod(sizes[a] for a in d.axes) for d in program.seqs)
-        return max(DEFAULT_CHUNK, min(length, length * per_step_seqs // max(per_step_state, 1)))
-
-    def fused_backward(self, backward, dtype: str):
-        from .cuda.fused_backward import fused_backward_runner
-
-        return fused_backward_runner(backward, dtype)
 
 
 _BACKENDS: dict[str, Backend] = {b.name: b for b in (InterpreterBackend("interpreter"), NumbaBackend("numba"),
