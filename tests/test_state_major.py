@@ -32,7 +32,8 @@ from ssmc.backends.cuda.kernels.warp.backward_analysis import fused_backward
 from ssmc.backends.cuda.printer import ArraySpec, contiguous_strides
 from ssmc.backends.cuda.report import kernel_reports
 from ssmc.lowering.loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var, map_children
-from ssmc.lowering.time_blocks import partial_name, product_name, time_blocks
+from ssmc.lowering.summary import partial_name, product_name
+from ssmc.lowering.time_blocks import time_blocks
 from ssmc.passes.autodiff import derive_backward
 
 K = 3     # a lane's steps

@@ -17,7 +17,7 @@ from strategies import diagonal_linear_recurrences, draw_inputs
 
 import ssmc
 from ssmc.backends.numba.runner import NumbaRunner
-from ssmc.lowering.plan import Lowered
+from ssmc.lowering.kernel import Lowered
 from ssmc.lowering.time_blocks import run_time_blocks, time_blocks
 from ssmc.passes.autodiff import derive_backward
 from ssmc.runtime.binding import bind_arrays

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 from ..ir.node import Node, toposort
 from ..ir.ops import Op
+from .kernel import Kernel, touched_axes
 from .loops import Assign, Buffer, Loop, Var, loads, walk
-from .plan import Kernel, size_var, touched_axes
+from .plan import size_var
 
 MIN_SPLIT = 128  # a reduced axis shorter than this stays in one thread (it unrolls into registers)
 

@@ -5,15 +5,11 @@ written (`StepBuilder`); `plan.build_kernel` wraps a step into a kernel."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..ir.node import BOOL, Node, toposort
 from ..ir.ops import ELEMENTWISE, LEAVES, Op
 from ..ir.program import Decl, Role
+from .kernel import Kernel
 from .loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
-
-if TYPE_CHECKING:  # plan.py builds on this module
-    from .plan import Kernel
 
 _VIEWS = {Op.RENAME, Op.SELECT, Op.SLICE, Op.PAD, Op.EXPAND}
 _BINOPS = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=", Op.GT: ">",

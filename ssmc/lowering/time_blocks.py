@@ -26,21 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import build
-from ..ir.node import Node, toposort
+from ..ir.node import Node
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
-from ..passes.classify import classify
-from .plan import Kernel, build_kernel, independent_axes
-
-_LINEAR = ("diagonal linear", "matrix linear")
-
-
-def product_name(state: str) -> str:
-    return f"blockprod_{state}"
-
-
-def partial_name(state: str) -> str:
-    return f"blockpart_{state}"
+from .kernel import Kernel, independent_axes
+from .plan import build_kernel
+from .summary import partial_name, product_name, summary_names, summary_program
 
 
 @dataclass
@@ -53,33 +44,6 @@ class TimeBlocks:
     rescan: Kernel       # init_<state>[blk]: the carry into block blk; writes the outputs
     lane_summary: Kernel  # the summary's step for the warp kernel (no carry loaded; names "s_...")
     lane_rescan: Kernel   # the program's step for the warp kernel (one carry per recurrence)
-
-
-def summary_program(program: Recurrence) -> Recurrence | None:
-    """The summary of `program`'s steps (module docstring, phase 1): per state, the product of the
-    coefficients `blockprod_<s>` and the partial `blockpart_<s>`, as a recurrence over the same
-    steps; None unless every state is ``h = a ⊙ h + b`` with `a`, `b` free of the carry."""
-    if not program.states:
-        return None
-    states = {s.name for s in program.states}
-    classes = classify(program).states
-    for c in classes:
-        if c.family not in _LINEAR or c.a is None or c.b is None:
-            return None
-        if any(n.op is Op.INPUT and n.arg in states for n in toposort([c.a, c.b])):
-            return None
-    decls: list[Decl] = []
-    updates: list[Node] = []
-    for s, c in zip(program.states, classes):
-        prod = Node.make(Op.INPUT, (), product_name(s.name), s.axes)
-        part = Node.make(Op.INPUT, (), partial_name(s.name), s.axes)
-        decls += [Decl(prod.arg, Role.STATE, s.axes, s.loc), Decl(part.arg, Role.STATE, s.axes, s.loc)]
-        updates += [build.expand(build.mul(c.a, prod), s.axes),
-                    build.expand(build.add(build.mul(c.a, part), c.b), s.axes)]
-    used = {n.arg for n in toposort(updates) if n.op is Op.INPUT}
-    inputs = tuple(d for d in program.decls if d.role is not Role.STATE and d.name in used)
-    return Recurrence(f"{program.name}_summary", inputs + tuple(decls), tuple(updates), (), program.sizes,
-                      program.reverse, program.loc)
 
 
 def time_blocks(program: Recurrence) -> TimeBlocks | None:
@@ -108,11 +72,6 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
         lane_summary=build_kernel(summary.name, summary, parallel, prefix="s_", load_init=False),
         lane_rescan=build_kernel(f"{program.name}_warp", program, parallel),
     )
-
-
-def summary_names(program) -> list[str]:
-    """The summary kernel's states: each state's product and partial, in state order."""
-    return [n for s in program.states for n in (product_name(s.name), partial_name(s.name))]
 
 
 def summary_inits(program, sizes: dict[str, int], nblk: int, full) -> dict:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ...lowering.kernel import Array, Kernel
 from ...lowering.loops import Assign, Load, Loop, drop_unread, reads_of_scalars
-from ...lowering.plan import Array, Kernel
 from .devices import device_name
 from .launch import launch_kernel, zero_bytes
 from .printer import contiguous_strides

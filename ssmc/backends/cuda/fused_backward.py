@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...lowering.plan import Array, Kernel, build_kernel
+from ...lowering.kernel import Array, Kernel
+from ...lowering.plan import build_kernel
 from ...lowering.stages import fuse
 from ...passes.autodiff import GRAD, Backward
 from .arrays import TORCH_DTYPES, as_1d

@@ -12,6 +12,7 @@ import re
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from ...lowering.kernel import Kernel
 from ...lowering.loops import (
     ARRAY_MARK,
     Assign,
@@ -28,7 +29,7 @@ from ...lowering.loops import (
     loads,
     walk,
 )
-from ...lowering.plan import Kernel, size_var
+from ...lowering.plan import size_var
 from ...lowering.split_sum import row_accumulators, split_axis
 
 BLOCK = 128

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
+from ...lowering.kernel import Kernel, Lowered
+from ...lowering.plan import lower, sum_of_output
 from ...lowering.split_sum import row_axis
 from ...lowering.stages import Fused, fuse
-from ...lowering.time_blocks import TimeBlocks, summary_inits, summary_names, time_blocks
+from ...lowering.summary import summary_names
+from ...lowering.time_blocks import TimeBlocks, summary_inits, time_blocks
 from ...runtime.cache import cache_dir
 from ...runtime.progress import progress
 from .arrays import TORCH_DTYPES

@@ -26,8 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ...lowering.kernel import Kernel
 from ...lowering.loops import Assign, Bin, Call, Load, Loop, Num, Select, Var, map_children, subexpressions, walk
-from ...lowering.plan import Kernel, size_var
+from ...lowering.plan import size_var
 
 TILE = 64  # steps per tile: the tile's buffers stay in L1
 

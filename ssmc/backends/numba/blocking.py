@@ -24,8 +24,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ...lowering.kernel import Kernel
 from ...lowering.loops import Assign, Buffer, InRange, Load, Loop, Var, loads, map_children, walk
-from ...lowering.plan import Kernel, size_var
+from ...lowering.plan import size_var
 
 BLOCK = 8  # at most this many indices per block, and one block per thread where the axis allows
            # (the runner passes the thread count: numba.get_num_threads() in a kernel disables

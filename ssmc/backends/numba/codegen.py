@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from ...lowering.kernel import Kernel, Lowered
 from ...lowering.loops import (
     ARRAY_MARK,
     Assign,
@@ -28,7 +29,7 @@ from ...lowering.loops import (
     free_names,
     rename_arrays,
 )
-from ...lowering.plan import Kernel, Lowered, size_var
+from ...lowering.plan import size_var
 from ...lowering.unroll import unroll_sums
 from ...version import __version__
 from . import blocking, simd

@@ -13,7 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
-from ...lowering.plan import Kernel, Lowered, lower, sum_of_output
+from ...lowering.kernel import Kernel, Lowered
+from ...lowering.plan import lower, sum_of_output
 from ...runtime.cache import store
 from ...runtime.progress import progress
 from .codegen import module_source

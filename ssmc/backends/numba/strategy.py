@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...lowering.plan import Lowered, build_kernel
+from ...lowering.kernel import Lowered
+from ...lowering.plan import build_kernel
 
 MAX_PARALLEL_AXES = 2
 MIN_ITERATIONS_PER_THREAD = 4

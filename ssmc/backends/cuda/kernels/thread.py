@@ -4,10 +4,11 @@ over blocks of time."""
 
 from __future__ import annotations
 
+from ....lowering.kernel import Kernel, Lowered
 from ....lowering.loops import (
     Load,
 )
-from ....lowering.plan import Kernel, Lowered, size_var
+from ....lowering.plan import size_var
 from ..hardware import (
     STATIC_SHARED,
     WARP,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .....lowering.kernel import Kernel
 from .....lowering.loops import (
     Assign,
     Bin,
@@ -39,7 +40,7 @@ from .....lowering.loops import (
     subexpressions,
     walk,
 )
-from .....lowering.plan import Kernel, size_var
+from .....lowering.plan import size_var
 from ..warp.analysis import StateMajor, buffer_names, state_major
 
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 
+from .....lowering.kernel import Kernel, Lowered
 from .....lowering.loops import Assign, Buffer, Call, Load, Loop, accesses, loads, subexpressions
-from .....lowering.plan import Kernel, Lowered, size_var
+from .....lowering.plan import size_var
 from ...hardware import BOUNDED_LANE_VALUES, SM_BLOCK_SHARED, SM_SHARED, STATIC_SHARED, bounded_blocks
 from ...options import options
 from ...printer import C_TYPES, ArraySpec, CPrinter, Threads, _scalar_names, _store, c_array, with_free_array_names

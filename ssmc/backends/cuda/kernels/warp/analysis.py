@@ -39,7 +39,7 @@ from .....lowering.loops import (
     scalars_read,
     subexpressions,
 )
-from .....lowering.time_blocks import partial_name, product_name
+from .....lowering.summary import partial_name, product_name
 
 STEP = "tt"  # the index of a lane's step in the printed loops
 

@@ -27,9 +27,10 @@ from .....ir import build
 from .....ir.node import Node, substitute, toposort
 from .....ir.ops import Op
 from .....ir.program import Decl, Recurrence, Role
+from .....lowering.kernel import Array, Kernel, independent_axes
 from .....lowering.loops import Assign, Load, Num, walk
-from .....lowering.plan import Array, Kernel, build_kernel, independent_axes
-from .....lowering.time_blocks import summary_program
+from .....lowering.plan import build_kernel
+from .....lowering.summary import summary_program
 from .....passes.autodiff import Backward
 from .....passes.classify import classify
 

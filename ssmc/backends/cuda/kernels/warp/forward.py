@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from .....lowering.kernel import Kernel, Lowered
 from .....lowering.loops import (
     Assign,
     Buffer,
@@ -15,8 +16,8 @@ from .....lowering.loops import (
     Var,
     loads,
 )
-from .....lowering.plan import Kernel, Lowered, size_var
-from .....lowering.time_blocks import partial_name, product_name
+from .....lowering.plan import size_var
+from .....lowering.summary import partial_name, product_name
 from ...hardware import (
     STATIC_SHARED,
     WARP,
