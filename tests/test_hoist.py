@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import ssmc
 from ssmc.backends import interpreter
@@ -200,7 +201,8 @@ def test_the_cuda_backend_hoists_the_mingru_products_and_leaves_mamba_alone():
     assert hoisted_runner(derive_backward(mamba1.SPEC.program).adjoint) is None
 
 
-@settings(max_examples=8, **SETTINGS)
+# each example compiles one of `programs()` with Numba in one dtype (17 s on CI's 2 cores): 4 in CI
+@settings(max_examples=examples(8, ci=4), **SETTINGS)
 @given(data=st.data(), length=st.sampled_from([1, 7, 180]), dtype=st.sampled_from(["float64", "float32"]))
 def test_numba_with_hoisting_matches_the_interpreter_at_awkward_sizes(data, length, dtype):
     """Contraction axes 1..37 (not powers of two), forward / carries / adjoint programs."""
