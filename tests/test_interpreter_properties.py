@@ -67,6 +67,8 @@ NAIVE_OPS = {
     Op.SOFTPLUS: lambda x: np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x))),
     Op.SILU: lambda x: x * _sigmoid(x), Op.GELU: lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0))),
     Op.RELU: lambda x: np.where(x > 0, x, 0.0), Op.ERF: _erf, Op.NOT: lambda x: ~x,
+    Op.SIN: np.sin, Op.COS: np.cos, Op.TAN: np.tan, Op.LOG1P: np.log1p, Op.EXPM1: np.expm1, Op.SIGN: np.sign,
+    Op.ATAN2: np.arctan2,
     Op.ADD: lambda x, y: x + y, Op.SUB: lambda x, y: x - y, Op.MUL: lambda x, y: x * y,
     Op.DIV: lambda x, y: x / y, Op.POW: lambda x, y: x ** y, Op.MAX: np.maximum, Op.MIN: np.minimum,
     Op.LT: lambda x, y: x < y, Op.LE: lambda x, y: x <= y, Op.GT: lambda x, y: x > y,

@@ -17,12 +17,14 @@ UNARY = {
     Op.NEG: torch.neg, Op.EXP: torch.exp, Op.LOG: torch.log, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt,
     Op.ABS: torch.abs, Op.SIGMOID: torch.sigmoid, Op.TANH: torch.tanh, Op.SOFTPLUS: torch.nn.functional.softplus,
     Op.SILU: torch.nn.functional.silu, Op.GELU: torch.nn.functional.gelu, Op.RELU: torch.relu,
-    Op.ERF: torch.erf, Op.NOT: torch.logical_not,
+    Op.ERF: torch.erf, Op.SIN: torch.sin, Op.COS: torch.cos, Op.TAN: torch.tan, Op.LOG1P: torch.log1p,
+    Op.EXPM1: torch.expm1, Op.SIGN: torch.sign, Op.NOT: torch.logical_not,
 }
 BINARY = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div, Op.POW: torch.pow,
     Op.MAX: torch.maximum, Op.MIN: torch.minimum, Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt,
     Op.GE: torch.ge, Op.EQ: torch.eq, Op.NE: torch.ne, Op.AND: torch.logical_and, Op.OR: torch.logical_or,
+    Op.ATAN2: torch.atan2,
 }
 
 

@@ -45,6 +45,12 @@ UNARY = {
     Op.GELU: lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
     Op.RELU: lambda x: np.maximum(x, 0.0),
     Op.ERF: _erf,
+    Op.SIN: np.sin,
+    Op.COS: np.cos,
+    Op.TAN: np.tan,
+    Op.LOG1P: np.log1p,
+    Op.EXPM1: np.expm1,
+    Op.SIGN: np.sign,
     Op.NOT: np.logical_not,
 }
 
@@ -52,7 +58,7 @@ BINARY = {
     Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide, Op.POW: np.power,
     Op.MAX: np.maximum, Op.MIN: np.minimum, Op.LT: np.less, Op.LE: np.less_equal, Op.GT: np.greater,
     Op.GE: np.greater_equal, Op.EQ: np.equal, Op.NE: np.not_equal, Op.AND: np.logical_and,
-    Op.OR: np.logical_or,
+    Op.OR: np.logical_or, Op.ATAN2: np.arctan2,
 }
 
 

@@ -5,6 +5,8 @@ Each is a pointwise function of its (broadcast) arguments unless it names axes.
 
 from __future__ import annotations
 
+import numbers
+
 from ..errors import SpecError, user_loc
 from ..ir.ops import Op
 from .tensor import Tensor, _axes_arg, as_tensor, make
@@ -30,6 +32,30 @@ silu = _unary(Op.SILU, "x * sigmoid(x)")
 gelu = _unary(Op.GELU, "x * Phi(x) with Phi the standard normal CDF (exact, erf-based)")
 relu = _unary(Op.RELU, "max(x, 0)")
 erf = _unary(Op.ERF, "the error function")
+sin = _unary(Op.SIN, "sine (radians)")
+cos = _unary(Op.COS, "cosine (radians)")
+tan = _unary(Op.TAN, "tangent (radians)")
+log1p = _unary(Op.LOG1P, "log(1 + x), accurate for small x")
+expm1 = _unary(Op.EXPM1, "exp(x) - 1, accurate for small x")
+sign = _unary(Op.SIGN, "-1, 0 or 1 by the sign of x (NaN for NaN); its gradient is zero")
+
+
+def atan2(y, x) -> Tensor:
+    """The angle of the point (x, y) in (-pi, pi], by the signs of both (as ``np.arctan2(y, x)``)."""
+    return make(Op.ATAN2, (as_tensor(y), as_tensor(x)))
+
+
+def clamp(x, lo, hi) -> Tensor:
+    """``x`` limited to ``[lo, hi]`` (``lo``, ``hi`` numbers, ``lo <= hi``); the gradient is 1 where
+    ``lo <= x <= hi`` and 0 outside, as torch.clamp's. Written as ``where``, so NaN passes through."""
+    for name, bound in (("lo", lo), ("hi", hi)):
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or bound != bound:
+            raise SpecError(f"clamp's {name} must be a real number, not {type(bound).__name__} "
+                            f"{bound!r}", user_loc(2))
+    if lo > hi:
+        raise SpecError(f"clamp with lo = {lo!r} above hi = {hi!r}", user_loc(2))
+    x = as_tensor(x)
+    return where(x < lo, float(lo), where(x > hi, float(hi), x))
 
 
 def maximum(a, b) -> Tensor:

@@ -228,4 +228,6 @@ _UFUNCS = {
     np.negative: Op.NEG, np.exp: Op.EXP, np.log: Op.LOG, np.sqrt: Op.SQRT, np.abs: Op.ABS,
     np.tanh: Op.TANH, np.maximum: Op.MAX, np.minimum: Op.MIN, np.less: Op.LT, np.less_equal: Op.LE,
     np.greater: Op.GT, np.greater_equal: Op.GE, np.equal: Op.EQ, np.not_equal: Op.NE,
+    np.sin: Op.SIN, np.cos: Op.COS, np.tan: Op.TAN, np.arctan2: Op.ATAN2, np.log1p: Op.LOG1P,
+    np.expm1: Op.EXPM1, np.sign: Op.SIGN,
 }

@@ -37,6 +37,12 @@ class Op(Enum):
     GELU = "gelu"
     RELU = "relu"
     ERF = "erf"
+    SIN = "sin"
+    COS = "cos"
+    TAN = "tan"
+    LOG1P = "log1p"
+    EXPM1 = "expm1"
+    SIGN = "sign"
     NOT = "not"
     # elementwise, binary
     ADD = "add"
@@ -54,6 +60,7 @@ class Op(Enum):
     NE = "ne"
     AND = "and"
     OR = "or"
+    ATAN2 = "atan2"
     # elementwise, ternary
     WHERE = "where"
     # reductions over one named axis
@@ -73,11 +80,11 @@ class Op(Enum):
 LEAVES = frozenset({Op.INPUT, Op.CONST, Op.IOTA, Op.SIZE})
 UNARY = frozenset({
     Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.ABS, Op.SIGMOID, Op.TANH, Op.SOFTPLUS,
-    Op.SILU, Op.GELU, Op.RELU, Op.ERF, Op.NOT,
+    Op.SILU, Op.GELU, Op.RELU, Op.ERF, Op.SIN, Op.COS, Op.TAN, Op.LOG1P, Op.EXPM1, Op.SIGN, Op.NOT,
 })
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 LOGICAL = frozenset({Op.AND, Op.OR, Op.NOT})
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.AND, Op.OR}) | COMPARISONS
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAX, Op.MIN, Op.ATAN2, Op.AND, Op.OR}) | COMPARISONS
 BOOL_RESULT = COMPARISONS | LOGICAL
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 REDUCTIONS = frozenset({Op.SUM, Op.REDUCE_MAX})

@@ -16,7 +16,9 @@ _BINOPS = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE
            Op.GE: ">=", Op.EQ: "==", Op.NE: "!=", Op.AND: "and", Op.OR: "or"}
 _CALLS = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SQRT: "sqrt", Op.RSQRT: "rsqrt", Op.ABS: "abs",
           Op.SIGMOID: "sigmoid", Op.TANH: "tanh", Op.SOFTPLUS: "softplus", Op.SILU: "silu", Op.GELU: "gelu",
-          Op.RELU: "relu", Op.ERF: "erf", Op.NOT: "not", Op.MAX: "max", Op.MIN: "min", Op.POW: "pow"}
+          Op.RELU: "relu", Op.ERF: "erf", Op.SIN: "sin", Op.COS: "cos", Op.TAN: "tan", Op.LOG1P: "log1p",
+          Op.EXPM1: "expm1", Op.SIGN: "sign", Op.ATAN2: "atan2", Op.NOT: "not", Op.MAX: "max", Op.MIN: "min",
+          Op.POW: "pow"}
 
 
 def size_var(axis: str) -> str:

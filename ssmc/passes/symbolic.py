@@ -80,16 +80,45 @@ class relu(_Opaque):
         return sp.Heaviside(self.args[0], 0)  # relu'(0) = 0, as in PyTorch
 
 
+class log1p(_Opaque):
+    definition = staticmethod(lambda x: sp.log(1 + x))
+
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+
+class expm1(_Opaque):
+    definition = staticmethod(lambda x: sp.exp(x) - 1)
+
+    def fdiff(self, argindex=1):
+        return sp.exp(self.args[0])
+
+
+class tan(_Opaque):
+    definition = staticmethod(sp.tan)
+
+    def fdiff(self, argindex=1):
+        return 1 + tan(self.args[0]) ** 2
+
+
+class sign(_Opaque):
+    definition = staticmethod(sp.sign)
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)  # zero everywhere, as torch.sign's (SymPy's would be 2 DiracDelta(x))
+
+
 _UNARY_TO_SYMPY: dict[Op, Callable] = {
     Op.NEG: lambda x: -x, Op.EXP: sp.exp, Op.LOG: sp.log, Op.SQRT: sp.sqrt, Op.RSQRT: lambda x: 1 / sp.sqrt(x),
     Op.ABS: sp.Abs, Op.SIGMOID: sigmoid, Op.TANH: tanh, Op.SOFTPLUS: softplus, Op.SILU: silu,
-    Op.GELU: gelu, Op.RELU: relu, Op.ERF: sp.erf, Op.NOT: sp.Not,
+    Op.GELU: gelu, Op.RELU: relu, Op.ERF: sp.erf, Op.SIN: sp.sin, Op.COS: sp.cos, Op.TAN: tan,
+    Op.LOG1P: log1p, Op.EXPM1: expm1, Op.SIGN: sign, Op.NOT: sp.Not,
 }
 _BINARY_TO_SYMPY: dict[Op, Callable] = {
     Op.ADD: lambda a, b: a + b, Op.SUB: lambda a, b: a - b, Op.MUL: lambda a, b: a * b,
     Op.DIV: lambda a, b: a / b, Op.POW: lambda a, b: a**b, Op.MAX: sp.Max, Op.MIN: sp.Min,
     Op.LT: sp.Lt, Op.LE: sp.Le, Op.GT: sp.Gt, Op.GE: sp.Ge, Op.EQ: sp.Eq, Op.NE: sp.Ne,
-    Op.AND: sp.And, Op.OR: sp.Or,
+    Op.ATAN2: sp.atan2, Op.AND: sp.And, Op.OR: sp.Or,
 }
 
 
@@ -130,6 +159,8 @@ def to_sympy(roots: list[Node], leaf: Callable[[Node], sp.Basic | None]) -> list
 _SYMPY_FUNCS: dict[type, Op] = {
     sp.exp: Op.EXP, sp.log: Op.LOG, tanh: Op.TANH, sp.tanh: Op.TANH, sp.erf: Op.ERF, sp.Abs: Op.ABS,
     sigmoid: Op.SIGMOID, softplus: Op.SOFTPLUS, silu: Op.SILU, gelu: Op.GELU, relu: Op.RELU,
+    sp.sin: Op.SIN, sp.cos: Op.COS, tan: Op.TAN, sp.tan: Op.TAN, log1p: Op.LOG1P, expm1: Op.EXPM1,
+    sign: Op.SIGN,
 }
 _RELATIONS = {sp.StrictLessThan: Op.LT, sp.LessThan: Op.LE, sp.StrictGreaterThan: Op.GT,
               sp.GreaterThan: Op.GE, sp.Equality: Op.EQ, sp.Unequality: Op.NE}
@@ -188,6 +219,10 @@ def _convert(e: sp.Basic, conv: Callable, symbols: dict) -> Node:
         return build.unary(Op.EXP, build.mul(conv(ex), build.unary(Op.LOG, conv(base))))
     if type(e) in _SYMPY_FUNCS:
         return build.unary(_SYMPY_FUNCS[type(e)], conv(e.args[0]))
+    if isinstance(e, sp.atan2):
+        return Node.make(Op.ATAN2, (conv(e.args[0]), conv(e.args[1])))
+    if isinstance(e, sp.atan):  # SymPy's atan2(y, x) for x > 0 a number: atan(y / x)
+        return Node.make(Op.ATAN2, (conv(e.args[0]), build.ONE))
     if isinstance(e, (sp.Max, sp.Min)):
         op = Op.MAX if isinstance(e, sp.Max) else Op.MIN
         acc = conv(e.args[0])

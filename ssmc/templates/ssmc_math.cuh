@@ -77,6 +77,16 @@ template <typename T> __device__ __forceinline__ T max_(T a, T b) { return (a !=
 template <typename T> __device__ __forceinline__ T min_(T a, T b) { return (a != a || a <= b) ? a : b; }
 __device__ __forceinline__ float pow_(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double pow_(double a, double b) { return ::pow(a, b); }
+// SSMC_ELEMENTARY_BEGIN (kept in a module only where its kernels call one of these: source.math_header)
+SSMC_UNARY(sin_, sinf(x), ::sin(x))
+SSMC_UNARY(cos_, cosf(x), ::cos(x))
+SSMC_UNARY(tan_, tanf(x), ::tan(x))
+SSMC_UNARY(log1p_, log1pf(x), ::log1p(x))
+SSMC_UNARY(expm1_, expm1f(x), ::expm1(x))
+SSMC_UNARY(sign_, (x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x)), (x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : x)))  // 0 and NaN as they are
+__device__ __forceinline__ float atan2_(float y, float x) { return atan2f(y, x); }
+__device__ __forceinline__ double atan2_(double y, double x) { return ::atan2(y, x); }
+// SSMC_ELEMENTARY_END
 
 // Copies BYTES (4, 8 or 16) from global to shared memory without a register in between: cp.async on
 // sm_80 and later (complete once `copy_async_wait` returns), a load and a store before.

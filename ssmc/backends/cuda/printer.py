@@ -73,7 +73,8 @@ C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat
 
 
 _FUNCS = {"exp": "exp_", "exp2": "exp2_", "log": "log_", "sqrt": "sqrt_", "rsqrt": "rsqrt_", "abs": "abs_",
-          "tanh": "tanh_", "erf": "erf_", "max": "max_", "min": "min_", "pow": "pow_"}
+          "tanh": "tanh_", "erf": "erf_", "max": "max_", "min": "min_", "pow": "pow_", "sin": "sin_",
+          "cos": "cos_", "tan": "tan_", "log1p": "log1p_", "expm1": "expm1_", "sign": "sign_", "atan2": "atan2_"}
 
 
 _OPS = {"and": "&&", "or": "||"}

@@ -3,6 +3,7 @@ math header, and NVRTC's options for it."""
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from importlib import resources
 
@@ -25,8 +26,17 @@ def _template() -> jinja2.Template:
 
 
 @cache
-def math_header() -> str:
-    return resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
+def math_header(elementary: bool = False) -> str:
+    """ssmc_math.cuh; its elementary functions (sin_, atan2_, ...: the section between the
+    SSMC_ELEMENTARY markers) only with `elementary`, so that modules calling none of them keep the
+    source they had before those functions existed."""
+    text = resources.files("ssmc").joinpath("templates", "ssmc_math.cuh").read_text()
+    begin, end = text.index("// SSMC_ELEMENTARY_BEGIN"), text.index("// SSMC_ELEMENTARY_END")
+    end = text.index("\n", end) + 1
+    return text if elementary else text[:begin] + text[end:]
+
+
+_ELEMENTARY_CALL = re.compile(r"\b(?:sin_|cos_|tan_|log1p_|expm1_|sign_|atan2_)\(")
 
 
 def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], half: bool,
@@ -35,11 +45,14 @@ def render(program_name: str, strategy: str, ctype: str, contexts: list[dict], h
     combines, the lanes kernel's reduce-scatter), one kernel per context; `half` where an array is
     fp16 / bf16 (their headers); `exact` where it must be built without FMA contraction
     (`exact_products`, `compile_options`)."""
-    return _template().render(version=__version__, program_name=program_name, strategy=strategy, ctype=ctype,
-                              math_header=math_header(), block=BLOCK, kernels=contexts, half=half, warp=WARP,
-                              exact=exact,
-                              rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
-                              lanes=any(c.get("lanes") or c.get("lanes_backward") for c in contexts))
+    def module(elementary: bool) -> str:
+        return _template().render(version=__version__, program_name=program_name, strategy=strategy,
+                                  ctype=ctype, math_header=math_header(elementary), block=BLOCK, kernels=contexts,
+                                  half=half, warp=WARP, exact=exact,
+                                  rows=any(c.get("row") or c.get("row_recurrence") for c in contexts),
+                                  lanes=any(c.get("lanes") or c.get("lanes_backward") for c in contexts))
+    source = module(False)
+    return module(True) if _ELEMENTARY_CALL.search(source) else source
 
 
 def exact_products(program) -> bool:

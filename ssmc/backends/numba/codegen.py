@@ -7,6 +7,7 @@ import builtins
 import hashlib
 import keyword
 import math
+import re
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -157,9 +158,18 @@ def module_source(lowered: Lowered, dtype: str) -> str:
 def _render(lowered: Lowered, dtype: str, names: dict[str, str]) -> str:
     kernels = [_kernel_context(_renamed(k, names)) for k in lowered.kernels]
     tiled = any(k["tiled"] for k in kernels)
-    return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
-                              strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else (),
-                              simd_digest=_digest(simd.__file__) if tiled else "")
+
+    def module(elementary: bool) -> str:
+        return _template().render(version=__version__, program_name=lowered.program.name, dtype=dtype,
+                                  strategy=lowered.strategy, kernels=kernels, tile_rows=TILE_ROWS if tiled else (),
+                                  simd_digest=_digest(simd.__file__) if tiled else "", elementary=elementary)
+    source = module(False)
+    return module(True) if _ELEMENTARY_CALL.search(source) else source
+
+
+# calls of the template's elementary functions (sin, atan2, ...), which a module defines only where
+# its kernels call one, so that the others keep their source (and array names)
+_ELEMENTARY_CALL = re.compile(r"(?<![\w.])(?:sin|cos|tan|log1p|expm1|sign|atan2)\(")
 
 
 def array_names(lowered: Lowered, dtype: str) -> dict[str, str]:

@@ -178,7 +178,7 @@ def fused_backward(bw: Backward) -> FusedBackward | None:
 
 
 _COSTLY = {Op.EXP, Op.LOG, Op.SOFTPLUS, Op.SIGMOID, Op.TANH, Op.SILU, Op.GELU, Op.ERF, Op.SQRT, Op.RSQRT,
-           Op.POW, Op.DIV}
+           Op.POW, Op.DIV, Op.SIN, Op.COS, Op.TAN, Op.LOG1P, Op.EXPM1, Op.ATAN2}
 
 
 def _shared_values(first: Recurrence, later: list[Recurrence], fwd: Recurrence, spans) -> dict[str, Node]:
