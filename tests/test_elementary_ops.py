@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import ssmc
-from ssmc.backends.cuda import emulator
+from ssmc.backends.cuda import emulator, nvrtc
+from ssmc.backends.cuda.report import kernel_reports
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -211,6 +212,16 @@ def test_emulated_cuda_matches_the_interpreter(length, emulated_cuda):
     inputs = edge_inputs(length, length)
     want = _outputs(ssmc.compile(vocabulary, "interpreter"), inputs)
     _assert_close(_outputs(ssmc.compile(vocabulary, "cuda"), inputs), want, 1e-10)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cuda_kernels_compile_with_nvrtc(dtype):
+    """The device functions (ssmc_math.cuh's float and double overloads) under the real compiler."""
+    reports = kernel_reports(vocabulary.program, {"d": 8}, 16, dtype, "sm_90")
+    assert {"forward", "recompute", "adjoint"} <= {r.program for r in reports}
+    for r in reports:
+        assert r.resources is not None, r.error
 
 
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
