@@ -4,7 +4,8 @@ it again, ``y = f(g(h))`` (`g` keeps the argument in the function's domain). Its
 functions' edge cases (0, -0, tiny, large |x|, atan2's quadrants and axes, clamp's bounds). The
 interpreter against a NumPy loop, Numba and the emulated CUDA backend against the interpreter
 (float64, L = 1 and 7), and ``ssmc.grad``'s gradients on the interpreter and Numba against central
-finite differences, in smooth regions. One spec for all, so each backend compiles once."""
+finite differences, in smooth regions (the emulated CUDA backend's against the interpreter's); the CUDA
+kernels under NVRTC. One spec for all, so each backend compiles once."""
 
 from __future__ import annotations
 
@@ -212,6 +213,20 @@ def test_emulated_cuda_matches_the_interpreter(length, emulated_cuda):
     inputs = edge_inputs(length, length)
     want = _outputs(ssmc.compile(vocabulary, "interpreter"), inputs)
     _assert_close(_outputs(ssmc.compile(vocabulary, "cuda"), inputs), want, 1e-10)
+
+
+@pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+@pytest.mark.parametrize("length", [1, 7])
+def test_emulated_cuda_gradients_match_the_interpreter(length, emulated_cuda):
+    pytest.importorskip("torch")
+    inputs = smooth_inputs(length, 20 + length)
+    rng = np.random.default_rng(length)
+    cot = {n: rng.standard_normal((length, 3)) for n in NAMES}
+    want = ssmc.grad(vocabulary, "interpreter")(**inputs, grad_outputs=cot)
+    got = ssmc.grad(vocabulary, "cuda")(**inputs, grad_outputs=cot)
+    for key, w in want.items():
+        g = np.asarray(got[key].cpu() if hasattr(got[key], "cpu") else got[key], dtype=np.float64)
+        assert np.abs(g - w).max() <= 1e-10 * max(np.abs(w).max(), 1e-30), key
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
