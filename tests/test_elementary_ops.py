@@ -263,6 +263,28 @@ def test_gradients_match_finite_differences(backend, length):
         assert abs(got - fd) <= 1e-6 * max(float(np.sum(np.abs(g * v))), 1.0), f"{key}: {got} against {fd}"
 
 
+@ssmc.recurrence
+def named_like_the_functions(h: ssmc.State["d"], sin: ssmc.Seq["d"], sign: ssmc.Seq["d"], atan2: ssmc.Param["d"]):
+    return 0.5 * ssmc.sin(sin) * h + ssmc.sign(sign) + atan2, ssmc.atan2(sin, sign) * h
+
+
+@pytest.mark.parametrize("backend", ["numba", "cuda"])
+def test_arrays_named_like_the_functions_they_call(backend, emulated_cuda):
+    """The modules define the elementary functions only where they call one; the arrays are then
+    printed by free names (numba/codegen.py's array_names, the CUDA printer's free names)."""
+    if backend == "cuda":
+        if not emulator.available():
+            pytest.skip("no C++ compiler for the CUDA emulator")
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x, s = rng.standard_normal((2, 7, 3))
+    p = rng.standard_normal(3)
+    want = ssmc.compile(named_like_the_functions, "interpreter")(x, s, p)
+    got = ssmc.compile(named_like_the_functions, backend)(x, s, p)
+    got = np.asarray(got.cpu() if hasattr(got, "cpu") else got)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_sign_and_clamp_have_the_gradients_torch_gives():
     """sign' = 0 everywhere; clamp' = 1 inside [lo, hi] (bounds included), 0 outside."""
 
