@@ -80,7 +80,7 @@ class CudaBackend(Backend):
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
         around its kernels); else None."""
-        from ..lowering.stages import fuse
+        from ...lowering.stages import fuse
 
         if fuse(program).staged:
             return None
