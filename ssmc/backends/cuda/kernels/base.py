@@ -96,6 +96,12 @@ class Strategy:
         kernel; None where the runner's general path runs each launch."""
         return runner.prepare_one_launch(seqs, params, initial, sizes, length, out_dtype, contiguous)
 
+    def forced_verdict(self, forced: str) -> Verdict:
+        """The verdict where SSMC_CUDA_STRATEGY names `forced`: taken if it names this strategy."""
+        if forced == self.name:
+            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}")
+        return self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+
     def taken(self, reason: str) -> Verdict:
         return Verdict(self.name, True, reason)
 

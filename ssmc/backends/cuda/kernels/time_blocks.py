@@ -40,8 +40,7 @@ class TimeBlocks(PerIndex):
 
     def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
         if forced:
-            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}") if forced == self.name \
-                else self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+            return self.forced_verdict(forced)
         total = threads(runner.time_blocks.summary, shape.sizes)
         blocks = time_block_count(total, shape.length)
         if blocks > 1 and (shape.length > SHORT_SCAN or options().time_blocks is not None):
@@ -70,8 +69,7 @@ class ThreadPerRecurrence(PerIndex):
 
     def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
         if forced:
-            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}") if forced == self.name \
-                else self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+            return self.forced_verdict(forced)
         total = threads(runner.time_blocks.summary, shape.sizes)
         why = f"{total} recurrences fill the GPU" if time_block_count(total, shape.length) == 1 \
             else f"{shape.length} steps are too few for blocks of time"

@@ -31,8 +31,7 @@ class Lanes(Strategy):
         if not shape.lanes:
             return self.refused("not asked for (the fused backward's choice without the lanes kernel)")
         if forced:
-            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}") if forced == self.name \
-                else self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+            return self.forced_verdict(forced)
         if mapping is None:
             return self.refused("no state axis the lanes can split, or its chunks do not fit a block")
         total = threads(runner.lowered.kernels[0], shape.sizes) * mapping.lanes

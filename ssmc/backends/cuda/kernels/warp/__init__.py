@@ -83,8 +83,7 @@ class Warp(Strategy):
 
     def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
         if forced:
-            return self.taken(f"forced by SSMC_CUDA_STRATEGY={forced}") if forced == self.name \
-                else self.refused(f"SSMC_CUDA_STRATEGY={forced}")
+            return self.forced_verdict(forced)
         if not shape.time_contiguous:
             return self.refused("the sequences do not have time contiguous")
         if shape.length < 2 * WARP:
