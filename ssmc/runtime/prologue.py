@@ -78,14 +78,16 @@ def attention_params(program: Attention, args: tuple, params: dict) -> dict:
     return params
 
 
-def bind_attention(program: Attention, q, k, v, layout, params: dict) -> tuple[Bound, Bound]:
-    """(q bound, k / v and the params bound): NumPy, time first. k and v share a length, q may
-    differ: the two groups are bound separately, then their sizes checked against each other."""
+def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=None) -> tuple[Bound, Bound]:
+    """(q bound, k / v and the params bound): time first, NumPy (or as `convert(x, name)` makes each
+    argument). k and v share a length, q may differ: the two groups are bound separately, then their
+    sizes checked against each other."""
     qd = Decl("q", Role.SEQ, program.q_axes)
     kd = Decl("k", Role.SEQ, program.q_axes)
     vd = Decl("v", Role.SEQ, program.v_axes)
-    kv = bind_arrays((kd, vd, *program.params), (), (k, v), params, layout, program.static_sizes, program.name)
-    qb = bind_arrays((qd,), (), (q,), {}, layout, program.static_sizes, program.name)
+    kv = bind_arrays((kd, vd, *program.params), (), (k, v), params, layout, program.static_sizes, program.name,
+                     convert=convert)
+    qb = bind_arrays((qd,), (), (q,), {}, layout, program.static_sizes, program.name, convert=convert)
     for axis, n in qb.sizes.items():
         if kv.sizes.get(axis, n) != n:
             raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")

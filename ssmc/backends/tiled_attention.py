@@ -1,0 +1,278 @@
+"""`ssmc.attention` in torch, tiled over query blocks: the same code on CPU and CUDA tensors.
+
+The forward, per batch index and block of queries [q0, q1) (`block_q` rows):
+
+    lo, hi = the keys the mask may leave visible to the block        (passes/mask_blocks.py)
+    s[i, j]  = scale * sum_d q[i, d] k[j, d]        for i in [q0, q1), j in [lo, hi), in fp32 (fp64 for fp64)
+    s[i, j]  = score_mod(s[i, j], i, j, params);  -inf where not mask_mod(i, j, params)
+    lse[i]   = log sum_j exp(s[i, j])                (-inf for a row that sees no key)
+    out[i, e] = sum_j exp(s[i, j] - lse[i]) v[j, e]  (0 for a row that sees no key)
+
+so a block holds O(block_q * Lk) scores, never Lq * Lk; keys outside [lo, hi) are never read (a
+causal mask's keys after the block's last query, a sliding window's before its first). The
+backward recomputes P = exp(s - lse) per block from the saved log-sum-exp and runs FlashAttention's
+backward with the score modifier's derivatives from `passes/attention_grad.py` (the IR of dS and of
+each param's summand, evaluated like the modifier); dK, dV and the params' gradients accumulate over
+the blocks in fp32. The modifiers are evaluated from the IR by `backends/torch_eval.py`.
+
+Matrix products take the inputs' dtype (bf16 / fp16 stay so on the GPU, with fp32 results); scores,
+softmax and every sum are fp32 (fp64 for fp64 inputs). Arrays are canonical here: q [*batch, Lq, d],
+k [*batch, Lk, d], v [*batch, Lk, e], params by their axes; `TiledAttention.bind` makes them so from
+a call in any layout (NumPy arrays become CPU tensors) and `to_layout` puts results back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ..ir.axes import TIME
+from ..ir.node import Node, depending_on, toposort
+from ..ir.program import Attention
+from ..passes.attention_grad import derive_attention_backward
+from ..passes.mask_blocks import key_spans
+from ..runtime.binding import layout_of, numeric_array
+from ..runtime.prologue import bind_attention
+from .torch_eval import TorchEvaluator, align, loop_sum
+
+SCORES_BUDGET = 256 << 20  # bytes of one block's fp32 scores: the block's rows follow from it
+MIN_BLOCK, MAX_BLOCK = 128, 1024
+KEY_TILE = 64  # keys per tile of the mask's span analysis
+PER_BLOCK = ("score", "q_idx", "kv_idx", "grad_score")  # leaves that change from block to block
+
+_FLOATS = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+def to_tensor(x, name: str) -> torch.Tensor:
+    """A torch tensor of an argument (torch as it is, detached; NumPy and lists on the CPU): floats keep
+    their dtype, integers and booleans become float64 (as `binding.to_array`); ValueError naming
+    the argument for anything else."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+    else:
+        arr = numeric_array(x, name)
+        if arr.dtype.kind == "c":
+            raise ValueError(f"argument {name!r} has dtype {arr.dtype}; attention takes real numbers")
+        t = torch.from_numpy(np.array(arr, dtype=arr.dtype if arr.dtype.kind == "f" else np.float64))
+    if t.is_complex():
+        raise ValueError(f"argument {name!r} has dtype {t.dtype}; attention takes real numbers")
+    return t if t.is_floating_point() else t.to(torch.float64)
+
+
+@dataclass
+class Call:
+    """A bound call: canonical tensors on one device (module docstring) and what results come back as."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    params: dict[str, torch.Tensor]  # in `acc`
+    sizes: dict[str, int]
+    acc: torch.dtype                  # scores, softmax, sums: float32, or float64 for float64 inputs
+    out_dtype: torch.dtype            # results: the dtype of q as given
+    numpy: bool                       # q was no torch tensor: results as NumPy arrays
+
+    @property
+    def lq(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def lk(self) -> int:
+        return self.k.shape[-2]
+
+
+def block_rows(call: Call) -> int:
+    """Query rows per block: as many as keep a block's fp32 scores within `SCORES_BUDGET`, a power of two
+    in [MIN_BLOCK, MAX_BLOCK]."""
+    per_row = max(1, math.prod(call.q.shape[:-2]) * call.lk * 4)
+    rows = max(1, SCORES_BUDGET // per_row)
+    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (rows.bit_length() - 1)))
+
+
+_OUT_DTYPE_BMM: dict[str, bool] = {}  # device type -> whether torch.bmm takes out_dtype there
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b over matching leading dims, the result in `acc`: in b's dtype with `acc` results where
+    torch offers it (half types on CUDA), else both operands in `acc`."""
+    if a.dtype == b.dtype == acc:
+        return torch.matmul(a, b)
+    if a.is_cuda and _OUT_DTYPE_BMM.get("cuda", True):
+        lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-1]
+        try:
+            out = torch.bmm(a.to(b.dtype).reshape(-1, m, a.shape[-1]), b.reshape(-1, *b.shape[-2:]), out_dtype=acc)
+            return out.reshape(*lead, m, n)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_BMM["cuda"] = False
+    return torch.matmul(a.to(acc), b.to(acc))
+
+
+class TiledAttention:
+    """The tiled path of one `Attention` program (module docstring)."""
+
+    def __init__(self, program: Attention):
+        self.program = program
+        self._spans: dict = {}
+
+    @cached_property
+    def backward_ir(self):
+        return derive_attention_backward(self.program)
+
+    # -- binding -------------------------------------------------------------------------------
+
+    def bind(self, q, k, v, layout, params: dict) -> Call:
+        """Check and bind a call (`prologue.bind_attention`: a ValueError naming the argument for a
+        wrong shape, dtype or device, before any compute); canonical tensors on q's device."""
+        p, q_given = self.program, q
+        qb, kv = bind_attention(p, q, k, v, layout, params, convert=to_tensor)
+        arrays = {**qb.arrays, **kv.arrays}
+        device = arrays["q"].device
+        for name, t in arrays.items():
+            if t.device != device and (name in ("k", "v") or t.device.type != "cpu"):
+                raise ValueError(f"argument {name!r} is on {t.device}, but 'q' is on {device}")
+        in_dtype = torch.promote_types(torch.promote_types(arrays["q"].dtype, arrays["k"].dtype), arrays["v"].dtype)
+        acc = torch.float64 if in_dtype == torch.float64 else torch.float32
+        n = len(p.batch_axes)
+        perm = [*range(1, n + 1), 0, n + 1]  # time first -> [*batch, t, d]
+        q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
+        params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
+        numpy = not isinstance(q_given, torch.Tensor)
+        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy)
+
+    def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout):
+        """Canonical `x` of array `name` with `axes` (the batch axes, then its own: time after the batch
+        axes) in `layout`'s order, in the call's result dtype (a NumPy array where the call gave q so)."""
+        n = len(self.program.batch_axes)
+        canonical = (*axes[:n], TIME, *axes[n:])
+        order = layout_of(layout, name, axes)
+        x = x.permute(*[canonical.index(a) for a in order]).contiguous()
+        if call.numpy:
+            return x.to(call.out_dtype).cpu().numpy()
+        return x.to(call.out_dtype)
+
+    # -- the forward -----------------------------------------------------------------------------
+
+    def spans(self, call: Call, block: int) -> list[tuple[int, int]]:
+        key = (call.lq, call.lk, block, tuple(sorted(call.sizes.items())))
+        spans = self._spans.get(key)
+        if spans is None:
+            if len(self._spans) > 64:
+                self._spans.clear()
+            spans = self._spans[key] = key_spans(self.program.mask, call.lq, call.lk, block, KEY_TILE, call.sizes)
+        return spans
+
+    def _block_env(self, call: Call, env: dict, raw: torch.Tensor, q0: int, q1: int, lo: int, hi: int) -> dict:
+        target = (*self.program.batch_axes, "~q", "~k")
+        dev, dt = call.q.device, call.acc
+        return {**env, "score": (raw, target),
+                "q_idx": (torch.arange(q0, q1, device=dev, dtype=dt), ("~q",)),
+                "kv_idx": (torch.arange(lo, hi, device=dev, dtype=dt), ("~k",))}
+
+    def _scores(self, call: Call, ev, env, memo, q0, q1, lo, hi):
+        """(the scores, modified, -inf where masked; the block's env, raw scores under "score"; its memo)
+        of the block of queries [q0, q1) and keys [lo, hi)."""
+        p = self.program
+        scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])
+        raw = _mm(call.q[..., q0:q1, :], call.k[..., lo:hi, :].transpose(-1, -2), call.acc) * scale
+        benv = self._block_env(call, env, raw, q0, q1, lo, hi)
+        memo = dict(memo)
+        target = (*p.batch_axes, "~q", "~k")
+        mod = raw
+        if p.score is not None:
+            (value,) = ev.run([p.score], benv, memo)
+            mod = align(value, target)
+        if p.mask is not None:
+            (visible,) = ev.run([p.mask], benv, memo)
+            mod = mod.masked_fill(~align(visible, target), -math.inf)
+        elif mod is not raw:
+            mod = mod.expand_as(raw)
+        return mod, benv, memo
+
+    def hoisted(self, call: Call, ev, env, roots) -> dict:
+        """Values of the nodes of `roots` that depend on no per-block leaf (params' functions, constants):
+        once per call."""
+        nodes = toposort(roots)
+        varying = depending_on(nodes, set(PER_BLOCK))
+        free = [n for n in nodes if n not in varying]
+        memo: dict[Node, tuple] = {}
+        ev.run(free, env, memo)
+        return memo
+
+    def forward(self, call: Call, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [*batch, Lq, e] in `call.acc`, lse [*batch, Lq] in `call.acc`): the module docstring's loop."""
+        p = self.program
+        block = block or block_rows(call)
+        ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
+        env = {d.name: (call.params[d.name], d.axes) for d in p.params}
+        memo = self.hoisted(call, ev, env, [n for n in (p.score, p.mask) if n is not None])
+        batch = call.q.shape[:-2]
+        out = torch.zeros((*batch, call.lq, call.v.shape[-1]), dtype=call.acc, device=call.q.device)
+        lse = torch.full((*batch, call.lq), -math.inf, dtype=call.acc, device=call.q.device)
+        for b, (lo, hi) in enumerate(self.spans(call, block)):
+            q0, q1 = b * block, min((b + 1) * block, call.lq)
+            if hi <= lo:
+                continue  # no key visible: out 0, lse -inf
+            s, _, _ = self._scores(call, ev, env, memo, q0, q1, lo, hi)
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, 0.0)
+            e = torch.exp(s - m)
+            total = e.sum(-1, keepdim=True)
+            o = _mm(e.to(call.v.dtype) if call.q.is_cuda else e, call.v[..., lo:hi, :], call.acc)
+            out[..., q0:q1, :] = o * torch.where(total > 0, 1.0 / total, 0.0)
+            lse[..., q0:q1] = (torch.log(total) + m).squeeze(-1)
+        return out, lse
+
+    # -- the backward ----------------------------------------------------------------------------
+
+    def backward(self, call: Call, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                 block: int | None = None) -> dict[str, torch.Tensor]:
+        """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `out`
+        [*batch, Lq, e] and `lse` [*batch, Lq] and the cotangent `d_out` [*batch, Lq, e]."""
+        p, bw = self.program, self.backward_ir
+        block = block or block_rows(call)
+        scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])
+        ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
+        env = {d.name: (call.params[d.name], d.axes) for d in p.params}
+        grad_roots = [g for _, g in bw.param_grads]
+        roots = [n for n in (p.score, p.mask) if n is not None]
+        if p.score is not None:
+            roots.append(bw.d_score)
+        memo = self.hoisted(call, ev, env, roots + grad_roots)
+        target = (*p.batch_axes, "~q", "~k")
+        acc, dev = call.acc, call.q.device
+        d_out = d_out.to(acc)
+        delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        lse_safe = torch.where(torch.isfinite(lse), lse, math.inf).unsqueeze(-1)
+        dq = torch.zeros(call.q.shape, dtype=acc, device=dev)
+        dk = torch.zeros(call.k.shape, dtype=acc, device=dev)
+        dv = torch.zeros(call.v.shape, dtype=acc, device=dev)
+        d_params = {d.name: torch.zeros([call.sizes[a] for a in d.axes], dtype=acc, device=dev) for d in p.params}
+        half = call.q.is_cuda  # products in the inputs' dtype (fp32 results) on the GPU
+        for b, (lo, hi) in enumerate(self.spans(call, block)):
+            q0, q1 = b * block, min((b + 1) * block, call.lq)
+            if hi <= lo:
+                continue  # no key visible: no gradient
+            s, benv, bmemo = self._scores(call, ev, env, memo, q0, q1, lo, hi)
+            prob = torch.exp(s - lse_safe[..., q0:q1, :])
+            do = d_out[..., q0:q1, :]
+            dv[..., lo:hi, :] += _mm(prob.transpose(-1, -2), (do.to(call.v.dtype) if half else do), acc)
+            dp = _mm(do.to(call.v.dtype) if half else do, call.v[..., lo:hi, :].transpose(-1, -2), acc)
+            d_mod = prob * (dp - delta[..., q0:q1, :])
+            if p.score is None:
+                ds = d_mod
+            else:
+                benv["grad_score"] = (d_mod, target)
+                values = ev.run([bw.d_score, *grad_roots], benv, bmemo)
+                ds = align(values[0], target).expand_as(d_mod)
+                counts = {"~q": q1 - q0, "~k": hi - lo}
+                for d, value in zip(p.params, values[1:]):
+                    d_params[d.name] += loop_sum(value, d.axes, counts)
+            dsc = ds.to(call.k.dtype) if half else ds
+            dq[..., q0:q1, :] = _mm(dsc, call.k[..., lo:hi, :], acc) * scale
+            dk[..., lo:hi, :] += _mm(dsc.transpose(-1, -2), call.q[..., q0:q1, :], acc) * scale
+        return {"q": dq, "k": dk, "v": dv, **d_params}
+
