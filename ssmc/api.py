@@ -107,13 +107,16 @@ def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):
 
 
 class CompiledAttention:
-    """`ssmc.attention` bound to a layout. It runs through the interpreter on every backend until
-    its kernels are built."""
+    """`ssmc.attention` bound to a layout and a backend. It runs as the backend's `Backend.attention`
+    says: the tiled torch path (backends/tiled_attention.py: NumPy in, NumPy out on the CPU; torch
+    tensors on their device) where torch imports, else the interpreter. `path` says which."""
 
-    def __init__(self, program: Attention, layout):
+    def __init__(self, program: Attention, layout, backend: str = "interpreter"):
         self.program = program
         self.layout = layout
-        self.backend = "interpreter"
+        self.backend = backend
+        self.tiled = get_backend(backend).attention(program)
+        self.path = "interpreter" if self.tiled is None else "torch tiled"
 
     def bind(self, q, k, v, layout, params):
         """(q bound, k / v and the params bound): `prologue.bind_attention`."""
@@ -123,7 +126,10 @@ class CompiledAttention:
         """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
         p = self.program
         layout = layout or self.layout
-        qb, kv = self.bind(q, k, v, layout, attention_params(p, args, params))
+        params = attention_params(p, args, params)
+        if self.tiled is not None:
+            return self.tiled(q, k, v, layout, params, return_lse)
+        qb, kv = self.bind(q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         out, lse = interpreter.run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
                                              {d.name: kv.arrays[d.name] for d in p.params}, sizes)
@@ -146,8 +152,7 @@ def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=No
     when all are float32). The interpreter always computes in float64.
     """
     if isinstance(spec, AttentionSpec):
-        check_backend(backend or default_backend())
-        return CompiledAttention(spec.program, layout)
+        return CompiledAttention(spec.program, layout, check_backend(backend or default_backend()))
     backend = check_backend(backend or default_backend())
     return Compiled(program_of(spec), backend, layout, dtype)
 

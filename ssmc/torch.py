@@ -4,6 +4,7 @@
     y = f(x, gate, h=h0)                                     # h: optional initial state
     y, h_last = ssmc.torch.function(spec, return_final_states=True)(x, gate)
     loss(y).backward()                                       # gradients from the derived backward
+    attn = ssmc.torch.function(alibi_attention.SPEC, layout="b h t ...")   # ssmc.attention: torch_attention.py
 
 The forward runs through `ssmc.grad`'s `Grad.forward` and keeps its tape (the inputs in the
 compute dtype and the carries at chunk boundaries, or, when one chunk covers the sequence on the
@@ -20,6 +21,7 @@ from .api import compile
 from .autograd import make_grad
 from .autograd.lean import LeanStep
 from .backends.registry import for_tensor, get_backend
+from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .runtime.binding import layout_of
 from .runtime.prologue import PreparedCalls, program_of
@@ -183,6 +185,13 @@ def _signature(backend, tensors: list) -> tuple | None:
 
 
 def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,
-             return_final_states: bool = False) -> SsmcFunction:
-    """Wrap a recurrence spec as a differentiable torch function (module docstring)."""
+             return_final_states: bool = False):
+    """Wrap a recurrence spec as a differentiable torch function (module docstring); an attention spec
+    as `torch_attention.AttentionFunction` (the tiled torch path on the tensors' device)."""
+    if isinstance(spec, AttentionSpec):
+        if return_final_states:
+            raise ValueError("attention has no final states (return_final_states=True)")
+        from .torch_attention import AttentionFunction
+
+        return AttentionFunction(spec, layout)
     return SsmcFunction(spec, backend, layout, chunk, return_final_states)

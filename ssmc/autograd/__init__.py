@@ -17,7 +17,7 @@ The package, in import order (no module imports one below it):
     driver.py     `Driver`, the interface of a recurrence's gradient, and `Grad`, the driver of one
                   program on any backend; `Grad._path` is the one place that picks a call's path
     stages.py     `StagedGrad`: the driver of a layer cut into fusion stages, chaining `Grad`s
-    attention.py  `AttentionGrad`: `ssmc.attention`'s gradients (the interpreter's)
+    attention.py  `AttentionGrad`: `ssmc.attention`'s gradients (the tiled torch path, or the interpreter)
 
 Everything a backend decides is asked of its `Backend` object (backends/base.py): its arrays, its
 chunk, its recording forward, its fused backward, whether it prepares calls. No module here
@@ -33,7 +33,8 @@ What is not one driver yet, and why:
   routes the backward back to them. Moving them behind `Backend` needs a hook on the CUDA side
   that returns a prepared training step (forward and backward launches) for a bound call.
 - `AttentionGrad` differentiates an `Attention` program, not a recurrence: it has no tape and no
-  chunks, and runs on the interpreter until attention's kernels are built.
+  chunks; it runs the tiled torch path (backends/tiled_attention.py) until attention's kernels are
+  built, the interpreter where torch is missing.
 """
 
 from __future__ import annotations
@@ -70,5 +71,5 @@ def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int 
     `ssmc.compile`.
     """
     if isinstance(spec, AttentionSpec):
-        return AttentionGrad(spec, layout)
+        return AttentionGrad(spec, layout, backend or default_backend())
     return make_grad(program_of(spec), backend or default_backend(), layout, chunk, dtype)

@@ -1,11 +1,13 @@
 """Gradients of `ssmc.attention`: the FlashAttention backward with the score modifier differentiated
-(passes/attention_grad.py), run by the interpreter on every backend until attention's kernels are built."""
+(passes/attention_grad.py). It runs as the backend's `Backend.attention` says: the tiled torch path
+(backends/tiled_attention.py) where torch imports, else (and on the interpreter backend) the interpreter."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..backends import interpreter
+from ..backends.registry import get_backend
 from ..ir.axes import TIME
 from ..passes.attention_grad import derive_attention_backward
 from ..runtime.binding import DEFAULT_LAYOUT, layout_of, to_float64
@@ -13,15 +15,22 @@ from ..runtime.prologue import bind_attention
 
 
 class AttentionGrad:
-    """Gradients of `ssmc.attention`'s q, k, v and params given the output's cotangent."""
+    """Gradients of `ssmc.attention`'s q, k, v and params given the output's cotangent: NumPy arrays in
+    the inputs' layouts (float64 on the interpreter; on the tiled path q's dtype, params in float32 or
+    float64, and torch tensors on their device where q is one)."""
 
-    def __init__(self, spec, layout=DEFAULT_LAYOUT):
+    def __init__(self, spec, layout=DEFAULT_LAYOUT, backend: str = "interpreter"):
         self.layout = layout
+        self.backend = backend
+        self.tiled = get_backend(backend).attention(spec.program)
+        self.path = "interpreter" if self.tiled is None else "torch tiled"
         self.backward = derive_attention_backward(spec.program)
 
-    def __call__(self, q, k, v, grad_outputs=None, layout=None, **params) -> dict[str, np.ndarray]:
+    def __call__(self, q, k, v, grad_outputs=None, layout=None, **params) -> dict:
         p = self.backward.forward
         layout = layout or self.layout
+        if self.tiled is not None:
+            return self.tiled.gradients(q, k, v, grad_outputs, layout, params)
         qb, kv = bind_attention(p, q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         order = layout_of(layout, "out", p.v_axes)

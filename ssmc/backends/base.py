@@ -9,6 +9,7 @@ the gradient drivers of `ssmc.autograd`, the torch function, the benchmark) ask 
     array_support(...)            how arguments become the backend's arrays (binding)
     check_arrays(arrays)          checks of a bound call's arrays together (one device)
     compute_dtype(given, ...)     the dtype a call computes in
+    attention(program)            how `ssmc.attention` runs: the tiled torch path, or None (interpreter)
     arrays                        the array operations of the gradient drivers (`ArrayOps`)
     default_chunk(...)            the memory plan of a gradient: steps per recomputed chunk
     recording(backward)           the recording forward a gradient runs, and what it saves
@@ -168,6 +169,15 @@ class Backend:
 
     def synchronize(self) -> None:
         """Until the backend has done what was asked of it (the benchmark's clock stops after)."""
+
+    def attention(self, program):
+        """The run of an `Attention` program: its tiled torch path (`tiled_attention.TiledAttention`), or
+        None where attention runs on the interpreter (torch not importable)."""
+        try:
+            from .tiled_attention import TiledAttention
+        except ImportError:
+            return None
+        return TiledAttention(program)
 
     def device_description(self) -> str:
         """Where the backend runs, in words (a ValueError where it cannot run here)."""

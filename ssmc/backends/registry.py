@@ -35,6 +35,10 @@ class InterpreterBackend(Backend):
         """float64 whatever is given or requested: the ground truth."""
         return np.dtype(np.float64)
 
+    def attention(self, program):
+        """None: attention runs on the interpreter (`interpreter.run_attention`), the ground truth."""
+        return None
+
 
 class NumbaBackend(Backend):
     """Programs compiled for the CPU by Numba."""

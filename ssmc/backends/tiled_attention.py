@@ -143,16 +143,59 @@ class TiledAttention:
         numpy = not isinstance(q_given, torch.Tensor)
         return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy)
 
-    def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout):
+    def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout, dtype=None):
         """Canonical `x` of array `name` with `axes` (the batch axes, then its own: time after the batch
-        axes) in `layout`'s order, in the call's result dtype (a NumPy array where the call gave q so)."""
+        axes) in `layout`'s order, in `dtype` (default: the call's result dtype); a NumPy array where
+        the call gave q so."""
         n = len(self.program.batch_axes)
         canonical = (*axes[:n], TIME, *axes[n:])
         order = layout_of(layout, name, axes)
-        x = x.permute(*[canonical.index(a) for a in order]).contiguous()
-        if call.numpy:
-            return x.to(call.out_dtype).cpu().numpy()
-        return x.to(call.out_dtype)
+        x = x.permute(*[canonical.index(a) for a in order]).contiguous().to(dtype or call.out_dtype)
+        return x.cpu().numpy() if call.numpy else x
+
+    def from_layout(self, call: Call, x, name: str, layout) -> torch.Tensor:
+        """`to_layout`'s inverse for the output's cotangent `x` (any array, in `layout`'s order for
+        "out"): canonical, in `call.acc`, on the call's device; a ValueError naming `name` for a wrong
+        shape."""
+        axes = self.program.v_axes
+        n = len(self.program.batch_axes)
+        canonical = (*axes[:n], TIME, *axes[n:])
+        order = layout_of(layout, "out", axes)
+        t = to_tensor(x, name)
+        lengths = {TIME: call.lq, **call.sizes}
+        want = tuple(lengths[a] for a in order)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} for axes {' '.join(order)}")
+        return t.permute(*[order.index(a) for a in canonical]).to(device=call.q.device, dtype=call.acc)
+
+    # -- calls as ssmc.compile and ssmc.grad make them ------------------------------------------------
+
+    def __call__(self, q, k, v, layout, params: dict, return_lse: bool = False):
+        """out in `layout` (and lse, in fp32 or fp64), as `interpreter.run_attention` defines them, as NumPy
+        arrays where q is one, else torch tensors of q's dtype on its device."""
+        p = self.program
+        call = self.bind(q, k, v, layout, params)
+        out, lse = self.forward(call)
+        y = self.to_layout(call, out, "out", p.v_axes, layout)
+        return (y, self.to_layout(call, lse, "lse", p.batch_axes, layout, call.acc)) if return_lse else y
+
+    def gradients(self, q, k, v, grad_outputs, layout, params: dict) -> dict:
+        """Gradients of q, k, v (in their layouts, q's dtype) and the params (fp32, or fp64) given the
+        output's cotangent in `layout` (None: zeros); NumPy where q is, else torch tensors."""
+        p = self.program
+        call = self.bind(q, k, v, layout, params)
+        out, lse = self.forward(call)
+        if grad_outputs is None:
+            d_out = torch.zeros_like(out)
+        else:
+            d_out = self.from_layout(call, grad_outputs, "grad_outputs", layout)
+        grads = self.backward(call, out, lse, d_out)
+        result = {name: self.to_layout(call, grads[name], name, axes, layout)
+                  for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes))}
+        for d in p.params:
+            g = grads[d.name]
+            result[d.name] = g.cpu().numpy() if call.numpy else g
+        return result
 
     # -- the forward -----------------------------------------------------------------------------
 

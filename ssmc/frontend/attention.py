@@ -86,8 +86,8 @@ class AttentionSpec:
         return compile_spec(self, backend, layout=layout)
 
     def __call__(self, q, k, v, *args, layout="t ...", return_lse=False, **params):
-        # attention runs through the interpreter on every backend until its kernels are built
-        return compile_spec(self, "interpreter", layout=layout)(q, k, v, *args, return_lse=return_lse, **params)
+        # as `ssmc.compile` on the default backend: the tiled torch path where torch imports
+        return compile_spec(self, None, layout=layout)(q, k, v, *args, return_lse=return_lse, **params)
 
 
 def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",

@@ -1,0 +1,70 @@
+"""`ssmc.torch.function` of an `ssmc.attention` spec: a differentiable torch function.
+
+    f = ssmc.torch.function(alibi_attention.SPEC, layout="b h t ...")
+    out = f(q, k, v, slope)            # or slope=...; q, k [b h t d], v [b h t e] -> out [b h t e]
+    out.sum().backward()               # q.grad, k.grad, v.grad, slope.grad
+
+Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device:
+the forward keeps the output and the log-sum-exp of each query row, the backward recomputes the
+probabilities per block of queries from them. The output has q's dtype; each gradient its input's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backends.tiled_attention import TiledAttention
+from .runtime.prologue import attention_params
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: AttentionFunction, names: tuple, q, k, v, *params):
+        tiled, p = fn.tiled, fn.program
+        call = tiled.bind(q, k, v, fn.layout, dict(zip(names, params)))
+        out, lse = tiled.forward(call)
+        out = out.to(call.out_dtype)  # kept as returned (the backward's rowsum(dO * O) reads it)
+        # saved, so an input changed in place before the backward is torch's error, not a wrong gradient
+        ctx.save_for_backward(q, k, v, *params)
+        ctx.fn, ctx.call, ctx.out, ctx.lse = fn, call, out, lse
+        return tiled.to_layout(call, out, "out", p.v_axes, fn.layout)
+
+    @staticmethod
+    @once_differentiable  # the backward is not itself differentiable by torch: an error, not zeros
+    def backward(ctx, d_y):
+        tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
+        fn, call = ctx.fn, ctx.call
+        tiled, p = fn.tiled, fn.program
+        grads = tiled.backward(call, ctx.out, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout))
+        q, k, v = tensors[:3]
+        result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
+                  for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
+        result += [grads[d.name].to(t.dtype) for d, t in zip(p.params, tensors[3:])]
+        return (None, None, *result)
+
+
+class AttentionFunction:
+    """An attention spec as a differentiable function of torch tensors (module docstring)."""
+
+    def __init__(self, spec, layout="t ..."):
+        self.program = spec.program
+        self.layout = layout
+        self.tiled = TiledAttention(self.program)
+
+    def __repr__(self) -> str:
+        return f"<ssmc.torch.function {self.program.name} (attention, torch tiled)>"
+
+    def __call__(self, q, k, v, *args, **params):
+        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
+        given = attention_params(self.program, args, params)
+        names = tuple(d.name for d in self.program.params if d.name in given)
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"{self.program.name}: unexpected argument {unknown[0]!r}; params are "
+                             f"{[d.name for d in self.program.params]}")
+        tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v)]
+        values = [given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(given[n]) for n in names]
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *values))):
+            return self.tiled(*tensors, self.layout, dict(zip(names, values)))
+        return _Attention.apply(self, names, *tensors, *values)
