@@ -10,7 +10,8 @@ import pytest
 
 import ssmc
 
-RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru")
+RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
+               "layernorm_lstm")
 ATTENTIONS = ("alibi_attention",)
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}

@@ -97,54 +97,81 @@ def max(x, axes=None) -> Tensor:
     return as_tensor(x).max(axes)
 
 
-# -- layer functions: norms over a named feature axis --------------------------------------------
-# Written with the ops above, so autodiff, the interpreter and every backend see plain IR; the
-# fusion stage (lowering/stages.py) recognises the reduction over a feature axis and gives it
-# its own row kernel when the recurrences run along that axis.
+# -- layer functions: norms and softmax over named feature axes ------------------------------------
+# Written with the ops above, so autodiff, the interpreter and every backend see plain IR: a
+# statistic over several axes is a chain of one-axis reductions (``x.mean("g k")`` sums over g,
+# then over k). The fusion stage (lowering/stages.py) recognises a reduction over feature axes and
+# gives it its own row kernel when the recurrences run along those axes.
 
 
-def _feature_axis(x: Tensor, over, fn: str) -> str:
+def _feature_axes(x: Tensor, over, fn: str) -> tuple[str, ...]:
+    """The axes `over` names, each once and each an axis of `x`."""
     names = _axes_arg(over)
-    if len(names) != 1:
-        raise SpecError(f"{fn} normalises over one named axis, got {over!r}", user_loc(3))
-    if names[0] not in x.axes:
-        raise SpecError(f"{fn} over axis {names[0]!r}: the value has axes {list(x.axes)}", user_loc(3))
-    return names[0]
+    if not names or not all(isinstance(a, str) for a in names):
+        raise SpecError(f"{fn} needs the axes to normalise over as a string of names (over=\"d\" or "
+                        f"over=\"g k\"), got {over!r}", user_loc(3))
+    if len(set(names)) != len(names):
+        raise SpecError(f"{fn} over {over!r}: an axis is named twice", user_loc(3))
+    for a in names:
+        if a not in x.axes:
+            raise SpecError(f"{fn} over axis {a!r}: the value has axes {list(x.axes)}", user_loc(3))
+    return names
 
 
-def _scale_axes(param, axis: str, what: str, fn: str) -> None:
-    if param is not None and tuple(as_tensor(param).axes) != (axis,):
-        raise SpecError(f"{fn}: {what} must be a param over the normalised axis [{axis}], "
-                        f"got axes {list(as_tensor(param).axes)}", user_loc(3))
+def _scale_axes(param, axes: tuple[str, ...], what: str, fn: str) -> None:
+    if param is None:
+        return
+    got = as_tensor(param).axes
+    if not got or any(a not in axes for a in got):
+        which = f"axis [{axes[0]}]" if len(axes) == 1 else f"axes [{' '.join(axes)}] (all or some of them)"
+        raise SpecError(f"{fn}: {what} must be a param over the normalised {which}, got axes {list(got)}",
+                        user_loc(3))
 
 
 def rmsnorm(x, over, weight=None, eps: float = 1e-6) -> Tensor:
-    """RMSNorm over the feature axis `over`: ``x / sqrt(mean(x**2, over) + eps) * weight``.
+    """RMSNorm over the feature axes `over` (one or several): ``x / sqrt(mean(x**2, over) + eps) * weight``.
 
-    As a plain loop, for every index r of x's other axes:
+    As a plain loop, for every index r of x's other axes, i running over every index of the axes
+    `over` together (n of them):
         rstd = 1 / sqrt(sum_i x[r, i]**2 / n + eps);   y[r, i] = x[r, i] * rstd * weight[i]
-    `weight` (optional) is a param with the one axis `over`.
+    `weight` (optional) is a param over the axes `over` (or some of them: it broadcasts along the rest).
     """
     x = as_tensor(x)
-    axis = _feature_axis(x, over, "rmsnorm")
-    _scale_axes(weight, axis, "weight", "rmsnorm")
-    y = x * rsqrt((x * x).mean(axis) + float(eps))
+    axes = _feature_axes(x, over, "rmsnorm")
+    _scale_axes(weight, axes, "weight", "rmsnorm")
+    y = x * rsqrt((x * x).mean(axes) + float(eps))
     return y if weight is None else y * weight
 
 
 def layernorm(x, over, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the feature axis `over`: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+    """LayerNorm over the feature axes `over` (one or several, as torch's normalized_shape):
+    ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
-    As a plain loop, for every index r of x's other axes (biased variance, as torch):
+    As a plain loop, for every index r of x's other axes, i running over every index of the axes
+    `over` together (n of them; biased variance, as torch):
         mu = sum_i x[r, i] / n;   var = sum_i (x[r, i] - mu)**2 / n
         y[r, i] = (x[r, i] - mu) / sqrt(var + eps) * weight[i] + bias[i]
+    `weight` and `bias` (optional) are params over the axes `over` (or some of them).
     """
     x = as_tensor(x)
-    axis = _feature_axis(x, over, "layernorm")
-    _scale_axes(weight, axis, "weight", "layernorm")
-    _scale_axes(bias, axis, "bias", "layernorm")
-    centred = x - x.mean(axis)
-    y = centred * rsqrt((centred * centred).mean(axis) + float(eps))
+    axes = _feature_axes(x, over, "layernorm")
+    _scale_axes(weight, axes, "weight", "layernorm")
+    _scale_axes(bias, axes, "bias", "layernorm")
+    centred = x - x.mean(axes)
+    y = centred * rsqrt((centred * centred).mean(axes) + float(eps))
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
+
+
+def softmax(x, over) -> Tensor:
+    """Softmax over the axes `over` (one or several), computed stably (the maximum subtracted first).
+
+    As a plain loop, for every index r of x's other axes, i and j running over every index of the
+    axes `over` together:
+        m = max_j x[r, j];   y[r, i] = exp(x[r, i] - m) / sum_j exp(x[r, j] - m)
+    """
+    x = as_tensor(x)
+    axes = _feature_axes(x, over, "softmax")
+    e = exp(x - x.max(axes))
+    return e / e.sum(axes)

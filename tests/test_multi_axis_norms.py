@@ -1,0 +1,175 @@
+"""Norms, softmax and reductions over several axes at once (issue #44): ``ssmc.layernorm(x, over="g k")``,
+``ssmc.rmsnorm``, ``ssmc.softmax`` and ``x.sum / mean / max("g k")``. A statistic over several axes is
+a chain of one-axis reductions in the IR, so the derived backward and every backend see plain sums and
+maxima. One spec (a gated scan over [b g k], then every norm of it over both axes in both orders,
+and a norm over both axes inside a second state's update) checked against NumPy at L = 1, 7, 180, on
+Numba and the emulated CUDA backend against the interpreter, and its gradients against central finite
+differences; LayerNorm over two axes against torch; misuse as SpecErrors at the user's line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ssmc
+from ssmc.backends.cuda import emulator
+
+EPS = 1e-5
+
+
+@ssmc.recurrence
+def norms(h: ssmc.State["b g k"], r: ssmc.State["b g k"], x: ssmc.Seq["b g k"], a: ssmc.Seq["b g k"],
+          w: ssmc.Param["g k"], wk: ssmc.Param["k"], beta: ssmc.Param["k g"]):
+    f = ssmc.sigmoid(a)
+    h = f * h + (1 - f) * x
+    r = f * r + (1 - f) * ssmc.tanh(ssmc.layernorm(x + 0.5 * r, over="g k", weight=w, eps=EPS))
+    return (h, r), {
+        "ln": ssmc.layernorm(h, over="k g", weight=wk, bias=beta, eps=EPS),
+        "rms": ssmc.rmsnorm(h, over="g k", weight=w, eps=EPS),
+        "sm": ssmc.softmax(h, over="g k"),
+        "red": h.sum("g k") + h.max("k g") - 2.0 * ssmc.mean(h, "g k"),
+        "y_r": r,
+    }
+
+
+NAMES = [n for n, _ in norms.program.outputs]
+SIZES = {"b": 2, "g": 3, "k": 4}
+
+
+def inputs(length: int, seed: int) -> dict[str, np.ndarray]:
+    """Layout "t ...": x, a [t b g k]; w [g k], wk [k], beta [k g]; initial states [b g k]."""
+    rng = np.random.default_rng(seed)
+    b, g, k = SIZES.values()
+    return {"x": rng.standard_normal((length, b, g, k)), "a": rng.standard_normal((length, b, g, k)),
+            "w": rng.uniform(0.5, 1.5, (g, k)), "wk": rng.uniform(0.5, 1.5, k),
+            "beta": rng.uniform(-0.5, 0.5, (k, g)), "h": rng.standard_normal((b, g, k)),
+            "r": rng.standard_normal((b, g, k))}
+
+
+def _ln(v, eps=EPS):
+    mu = v.mean(axis=(-2, -1), keepdims=True)
+    var = ((v - mu) ** 2).mean(axis=(-2, -1), keepdims=True)
+    return (v - mu) / np.sqrt(var + eps)
+
+
+def reference(x, a, w, wk, beta, h, r) -> dict[str, np.ndarray]:
+    """The plain loop in NumPy, the statistics over the last two dimensions (g, k) of [b g k]."""
+    out = {n: [] for n in NAMES}
+    for t in range(len(x)):
+        f = 1 / (1 + np.exp(-a[t]))
+        h = f * h + (1 - f) * x[t]
+        r = f * r + (1 - f) * np.tanh(_ln(x[t] + 0.5 * r) * w)
+        out["ln"].append(_ln(h) * wk[None, :] + beta.T)
+        out["rms"].append(h / np.sqrt((h * h).mean(axis=(1, 2), keepdims=True) + EPS) * w)
+        e = np.exp(h - h.max(axis=(1, 2), keepdims=True))
+        out["sm"].append(e / e.sum(axis=(1, 2), keepdims=True))
+        out["red"].append(h.sum(axis=(1, 2)) + h.max(axis=(1, 2)) - 2.0 * h.mean(axis=(1, 2)))
+        out["y_r"].append(r)
+    return {n: np.stack(v) for n, v in out.items()}
+
+
+def _outputs(f, values) -> dict[str, np.ndarray]:
+    return {n: np.asarray(v.cpu() if hasattr(v, "cpu") else v, dtype=np.float64) for n, v in zip(NAMES, f(**values))}
+
+
+def _assert_close(got: dict, want: dict, tol: float):
+    for n, w in want.items():
+        assert got[n].shape == w.shape, n
+        err = np.abs(got[n] - w).max() / max(np.abs(w).max(), 1e-300)
+        assert err <= tol, f"{n}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_interpreter_matches_numpy(length):
+    values = inputs(length, length)
+    _assert_close(_outputs(ssmc.compile(norms, "interpreter"), values), reference(**values), 1e-12)
+
+
+def _backend(name: str):
+    if name == "cuda":
+        if not emulator.available():
+            pytest.skip("no C++ compiler for the CUDA emulator")
+        pytest.importorskip("torch")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["numba", "cuda"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_backends_match_the_interpreter(backend, length, emulated_cuda):
+    """Forward outputs (float64) and every gradient against the interpreter's."""
+    _backend(backend)
+    values = inputs(length, 100 + length)
+    want = _outputs(ssmc.compile(norms, "interpreter"), values)
+    _assert_close(_outputs(ssmc.compile(norms, backend), values), want, 1e-10)
+    rng = np.random.default_rng(length)
+    cot = {n: rng.standard_normal(v.shape) for n, v in want.items()}
+    want_g = ssmc.grad(norms, "interpreter")(**values, grad_outputs=cot)
+    got_g = ssmc.grad(norms, backend)(**values, grad_outputs=cot)
+    for key, wg in want_g.items():
+        g = np.asarray(got_g[key].cpu() if hasattr(got_g[key], "cpu") else got_g[key], dtype=np.float64)
+        assert np.abs(g - wg).max() <= 1e-9 * max(np.abs(wg).max(), 1e-30), key
+
+
+@pytest.mark.parametrize("length", [1, 7])
+def test_gradients_match_finite_differences(length):
+    """d loss / d input along a random direction per input (loss = sum of cotangent * output), against
+    the central difference of the interpreter's loss (float64, step 1e-6). Ties of the max have
+    probability zero with these inputs."""
+    values = inputs(length, 10 + length)
+    rng = np.random.default_rng(length)
+    f = ssmc.compile(norms, "interpreter")
+    cot = {n: rng.standard_normal(v.shape) for n, v in _outputs(f, values).items()}
+
+    def loss(vals):
+        return sum(float(np.sum(cot[n] * v)) for n, v in _outputs(f, vals).items())
+
+    grads = ssmc.grad(norms, "interpreter")(**values, grad_outputs=cot)
+    eps = 1e-6
+    for key, value in values.items():
+        v = rng.standard_normal(value.shape)
+        fd = (loss({**values, key: value + eps * v}) - loss({**values, key: value - eps * v})) / (2 * eps)
+        got = float(np.sum(grads[key] * v))
+        assert abs(got - fd) <= 1e-6 * max(float(np.sum(np.abs(grads[key] * v))), 1.0), f"{key}: {got} against {fd}"
+
+
+def test_layernorm_over_two_axes_matches_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+
+    @ssmc.recurrence
+    def step(h: ssmc.State["b g k"], x: ssmc.Seq["b g k"], w: ssmc.Param["g k"], beta: ssmc.Param["g k"]):
+        return h + x, (ssmc.layernorm(h + x, over="g k", weight=w, bias=beta), ssmc.rmsnorm(h + x, over="g k"),
+                       ssmc.softmax(h + x, over="g k"))
+
+    rng = np.random.default_rng(3)
+    x, w, beta = rng.standard_normal((5, 2, 3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    ln, rms, sm = ssmc.compile(step, "interpreter")(x, w, beta)
+    h = torch.from_numpy(np.cumsum(x, axis=0))
+    want_ln = F.layer_norm(h, (3, 4), torch.from_numpy(w), torch.from_numpy(beta), eps=1e-5).numpy()
+    want_rms = (h * torch.rsqrt(h.pow(2).mean((-2, -1), keepdim=True) + 1e-6)).numpy()
+    want_sm = torch.softmax(h.reshape(5, 2, 12), -1).reshape(5, 2, 3, 4).numpy()
+    for got, want in ((ln, want_ln), (rms, want_rms), (sm, want_sm)):
+        assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("call, message", [
+    ('ssmc.layernorm(x, over="g z")', r"layernorm over axis 'z': the value has axes \['b', 'g', 'k'\]"),
+    ('ssmc.rmsnorm(x, over="k k")', r"rmsnorm over 'k k': an axis is named twice"),
+    ('ssmc.softmax(x, over="")', r"softmax needs the axes to normalise over"),
+    ('ssmc.layernorm(x, over="g k", weight=v)', r"layernorm: weight must be a param over the normalised "
+                                                 r"axes \[g k\] \(all or some of them\), got axes \['b'\]"),
+    ('ssmc.rmsnorm(x, over="k", weight=w)', r"rmsnorm: weight must be a param over the normalised axis \[k\], "
+                                             r"got axes \['g', 'k'\]"),
+    ('x.sum("g z")', r"cannot reduce over axis 'z'"),
+])
+def test_misuse_is_a_spec_error_at_the_users_line(call, message, tmp_path):
+    path = tmp_path / "spec_with_a_bad_norm.py"
+    path.write_text("import ssmc\n\n\n"
+                    "def step(h: ssmc.State['b'], x: ssmc.Seq['b g k'], w: ssmc.Param['g k'], v: ssmc.Param['b']):\n"
+                    f"    y = {call}\n"
+                    "    return h, y\n")
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    with pytest.raises(ssmc.SpecError, match=message) as err:
+        ssmc.recurrence(namespace["step"])
+    assert "spec_with_a_bad_norm.py:5:" in str(err.value) and call in str(err.value)
