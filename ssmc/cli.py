@@ -137,7 +137,7 @@ def cmd_inspect(args) -> int:
     given = parse_sizes(args.sizes)
     for label, spec in load_specs(args.spec):
         if isinstance(spec, AttentionSpec):
-            print(f"{label}: attention runs on the interpreter on every backend; no CUDA kernels yet")
+            print(_attention_path(label, spec, given, args.length))
             continue
         program = spec.program
         unknown = sorted(set(given) - {a for d in program.decls for a in d.axes})
@@ -150,6 +150,21 @@ def cmd_inspect(args) -> int:
                                             backward=not args.forward_only,
                                             time_contiguous=args.time_contiguous)))
     return 0
+
+
+def _attention_path(label: str, spec: AttentionSpec, given: dict[str, int], length: int) -> str:
+    """How attention runs on the cuda backend at these sizes (no CUDA kernels generated yet)."""
+    program = spec.program
+    unknown = sorted(set(given) - {*program.q_axes, *program.v_axes, *(a for d in program.params for a in d.axes)})
+    if unknown:
+        raise UsageError(f"--sizes: {label} has no axes {unknown}")
+    tiled = get_backend("cuda").attention(program)
+    if tiled is None:
+        return f"{label}: attention runs on the interpreter (torch is not importable); no CUDA kernels yet"
+    sizes = default_sizes(program, given)
+    shape = " ".join(f"{a}={n}" for a, n in sizes.items())
+    return (f"{label}: {shape} Lq=Lk={length}: no CUDA kernels yet; on the numba and cuda backends and "
+            f"through ssmc.torch.function, the {tiled.describe(sizes, length, length)}")
 
 
 # -- check -------------------------------------------------------------------------------------
@@ -241,7 +256,8 @@ def cmd_bench(args) -> int:
     ok = True
     for label, spec in specs:
         if isinstance(spec, AttentionSpec):
-            print(f"{label}: attention runs on the interpreter only; nothing to time yet")
+            print(f"{label}: ssmc bench times recurrences; attention's tiled torch path is timed by "
+                  "bench/harness.py --family attention")
             continue
         try:
             r = bench(spec, backend, sizes=given, length=args.length, layout=args.layout, dtype=args.dtype,
@@ -301,7 +317,7 @@ def _demo_one(name: str, backend: str | None) -> tuple[list[str], str | None]:
         else:
             compiled = api.compile(ex.SPEC, backend, layout=ex.LAYOUT)
             extra = {"return_final_states": True}
-        row[2] = compiled.backend
+        row[2] = compiled.backend if not isinstance(ex.SPEC, AttentionSpec) else f"{compiled.backend}: {compiled.path}"
         start = time.perf_counter()
         got = compiled(**inputs, **extra)
         row[4] = f"{(time.perf_counter() - start) * 1e3:.1f} ms"

@@ -56,9 +56,12 @@ def _attention_backward(program: Attention) -> str:
     ])
 
 
+_TILED = "// attention runs the tiled torch path on numba and cuda (backends/tiled_attention.py)"
+
+
 def _fused(program) -> str:
     if isinstance(program, Attention):
-        return "// attention runs on the interpreter on every backend: no kernels to fuse yet"
+        return _TILED + ": no kernels to fuse yet"
     return "\n".join([f"forward ({program.name}):", fuse(program).describe(),
                       "backward (the adjoint; the recompute of the carries is one more kernel):",
                       fuse(derive_backward(program).adjoint).describe()])
@@ -66,7 +69,7 @@ def _fused(program) -> str:
 
 def _cuda(program) -> str:
     if isinstance(program, Attention):
-        return "// attention runs on the interpreter on every backend: no CUDA kernels are generated yet"
+        return _TILED + ": no CUDA kernels are generated yet"
     from .backends.cuda.report import forward_source
 
     return forward_source(program)
@@ -74,7 +77,7 @@ def _cuda(program) -> str:
 
 def _numba(program) -> str:
     if isinstance(program, Attention):
-        return "// attention runs on the interpreter on every backend: no Numba kernels are generated yet"
+        return _TILED + ": no Numba kernels are generated yet"
     from .backends.numba.runner import NumbaRunner
 
     fused = fuse(program)

@@ -88,8 +88,11 @@ class Call:
 def block_rows(call: Call) -> int:
     """Query rows per block: as many as keep a block's fp32 scores within `SCORES_BUDGET`, a power of two
     in [MIN_BLOCK, MAX_BLOCK]."""
-    per_row = max(1, math.prod(call.q.shape[:-2]) * call.lk * 4)
-    rows = max(1, SCORES_BUDGET // per_row)
+    return _rows(math.prod(call.q.shape[:-2]), call.lk)
+
+
+def _rows(batch: int, lk: int) -> int:
+    rows = max(1, SCORES_BUDGET // max(1, batch * lk * 4))
     return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (rows.bit_length() - 1)))
 
 
@@ -196,6 +199,16 @@ class TiledAttention:
             g = grads[d.name]
             result[d.name] = g.cpu().numpy() if call.numpy else g
         return result
+
+    def describe(self, sizes: dict[str, int], lq: int, lk: int) -> str:
+        """What a call at these sizes runs, in words (`ssmc inspect`)."""
+        batch = math.prod(sizes[a] for a in self.program.batch_axes)
+        block = _rows(batch, lk)
+        spans = key_spans(self.program.mask, lq, lk, block, KEY_TILE, sizes)
+        visited = sum((hi - lo) * (min(lq, (b + 1) * block) - b * block) for b, (lo, hi) in enumerate(spans))
+        return (f"tiled torch path: {len(spans)} blocks of {block} query rows; the scores of "
+                f"{visited / (lq * lk):.0%} of the Lq x Lk pairs computed (keys outside the mask's spans "
+                f"skipped); per block 2 matrix products forward, 5 backward, scores and softmax in fp32")
 
     # -- the forward -----------------------------------------------------------------------------
 
