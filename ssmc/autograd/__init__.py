@@ -43,7 +43,6 @@ import numpy as np
 
 from ..backends.registry import default_backend, get_backend
 from ..frontend.attention import AttentionSpec
-from ..lowering.stages import fuse
 from ..runtime.binding import DEFAULT_LAYOUT
 from ..runtime.prologue import program_of
 from .attention import AttentionGrad
@@ -59,7 +58,8 @@ def make_grad(program, backend: str, layout=DEFAULT_LAYOUT, chunk: int | None = 
     that is not a whole number of steps >= 1."""
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1):
         raise ValueError(f"chunk must be a whole number of steps >= 1, got {chunk!r}")
-    if get_backend(backend).runs_stages and fuse(program).staged:
+    target = get_backend(backend)
+    if target.runs_stages and target.stages(program).staged:
         return StagedGrad(program, backend, layout, chunk, dtype)
     return Grad(program, backend, layout, chunk, dtype)
 

@@ -22,7 +22,6 @@ import numpy as np
 
 from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
-from ..lowering.stages import fuse
 from ..runtime.binding import DEFAULT_LAYOUT
 from ..runtime.prologue import bind_call
 from .driver import Driver, Grad
@@ -37,7 +36,7 @@ class StagedGrad(Driver):
         self.program = program
         self.backend = check_backend(backend)
         self.target = get_backend(backend)
-        self.stages = fuse(program).stages
+        self.stages = self.target.stages(program).stages
         self.xp = self.target.arrays
         self.layout = layout
         self.dtype = dtype

@@ -107,11 +107,15 @@ class Backend:
         `products`: where the backend keeps the matrix products it hoists out of the time loop
         (`hoist.compute_pre`) for a later run over the same sequences and params to reuse; programs
         run in stages ignore it."""
-        fused = fuse(program)
+        fused = self.stages(program)
         if not fused.staged:
             return self.compiled(program, dtype, products)
         staged = partial(run_stages, fused, [self.compiled(st.program, dtype) for st in fused.stages])
         return self.layer_runner(fused, dtype, staged)
+
+    def stages(self, program) -> Fused:
+        """The programs `program` runs as, in order (`lowering/stages.py`, `fuse`)."""
+        return fuse(program)
 
     def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
         """The run function of one program (no stages): the backend's compiled kernels."""

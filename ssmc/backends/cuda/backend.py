@@ -62,9 +62,24 @@ class CudaBackend(Backend):
     records_without_outputs = False
     arrays = DeviceArrays()
 
+    def stages(self, program):
+        """The fusion stages, or where the program is matrix linear, a chunked core between
+        state-free stages (passes/matrix_linear.py; SSMC_CUDA_CHUNKED=0: not)."""
+        from ...lowering.stages import fuse
+        from ...passes.matrix_linear import chunk_stages
+        from .options import options
+
+        chunked = None if options().chunked is False else chunk_stages(program)
+        return chunked or fuse(program)
+
     def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
         from .hoisted import hoisted_runner
+        from .kernels.chunk import chunked_core
         from .runner import runner_for
+
+        core = chunked_core(program, dtype.name)
+        if core is not None:  # a matrix-linear core: chunks of matrix products (kernels/chunk/)
+            return core.run
 
         hoisted = hoisted_runner(program, dtype.name)
         if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
@@ -80,9 +95,9 @@ class CudaBackend(Backend):
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
         around its kernels); else None."""
-        from ...lowering.stages import fuse
+        from .kernels.chunk import chunked_core
 
-        if fuse(program).staged:
+        if self.stages(program).staged or chunked_core(program, dtype.name) is not None:
             return None
         from .hoisted import hoisted_runner
         from .runner import runner_for
@@ -161,5 +176,10 @@ class CudaBackend(Backend):
 
     def fused_backward(self, backward, dtype: str):
         from .fused_backward import fused_backward_runner
+        from .kernels.chunk import chunked_core
+
+        core = chunked_core(backward.forward, dtype)
+        if core is not None:  # a matrix-linear core: its chunked VJP (kernels/chunk/)
+            return core
 
         return fused_backward_runner(backward, dtype)

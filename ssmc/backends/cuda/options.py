@@ -38,6 +38,8 @@ class CudaOptions:
     backward_steps_per_lane: the fused backward's steps a lane
     lanes_backward: False turns the lanes backward off
     hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
+    chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
+    chunk: steps per chunk of the chunked matrix-linear path
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     sm_count: SMs of the GPU the kernels are planned for
     """
@@ -53,6 +55,8 @@ class CudaOptions:
     backward_steps_per_lane: int | None = None
     lanes_backward: bool | None = None
     hoist: bool = True
+    chunked: bool | None = None
+    chunk: int | None = None
     emulate: bool = False
     sm_count: int = SM_COUNT
 

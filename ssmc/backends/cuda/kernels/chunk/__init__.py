@@ -1,0 +1,244 @@
+"""Matrix-linear cores (SSD, RetNet, linear attention) as chunks of matrix products.
+
+`passes/matrix_linear.py` cuts a matrix-linear program into a state-free pre stage (the operands),
+a core ``S = exp(ℓ) S + k ⊗ v; o = Σ_κ S q`` and a state-free post stage; the CUDA backend runs
+the core here (`CudaBackend.compiled`, `CudaBackend.fused_backward`) and the other stages on its
+ordinary kernels. This module moves a call's arrays between the program's layout (time first, each
+input's own axes) and the chunked one of `algorithm.py`, which holds the math:
+
+    ChunkedCore(program, "float32").run(seqs, params, initial, sizes, length)   # the runner contract
+    g = ChunkedCore(...); outs, finals, tape = g.forward(...); g.backward(..., tape, cot, lam, ...)
+
+The products run as batched torch matrix products (cuBLAS); generated mma.sync kernels are the
+next step (docs/design/matrix-linear-chunks.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .....passes.autodiff import GRAD
+from .....passes.matrix_linear import MatrixLinear, core_form
+from ...options import options
+from .algorithm import Chunks, forward, vjp
+
+# Steps per chunk where SSMC_CUDA_CHUNK does not say: the masked decay matrices ([C, C] per head and
+# chunk) and the chunk states ([K, V] per head and chunk) are both materialised, so C balances
+# L·C against L·K·V / C
+CHUNK = 64
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int) -> int:
+    forced = options().chunk
+    if forced is not None:
+        return max(1, forced)
+    kv = sizes[ml.key] * sizes[ml.value]
+    size = 128 if kv >= 8192 else CHUNK
+    return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
+
+
+@dataclass
+class ChunkTape:
+    """What the backward needs from a training forward: the chunked inputs and the chunk states."""
+
+    chunks: Chunks
+    entering: torch.Tensor
+    final: torch.Tensor
+    decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
+
+
+class NonPositiveDecay(ValueError):
+    """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
+
+
+class ChunkedCore:
+    """Runs one core program (`core_form`) chunked, forward and backward (module docstring)."""
+
+    def __init__(self, program, compute: str = "float32"):
+        self.program = program
+        self.ml = core_form(program)
+        assert self.ml is not None, f"{program.name} is no matrix-linear core"
+        self.compute = compute
+        self.dtype = _DTYPES[compute]
+        self.output, self.out_node = program.outputs[0]
+
+    # -- layouts ---------------------------------------------------------------------------------
+    def _names(self, node_axes, timed: bool) -> list[str]:
+        return (["~t"] if timed else []) + list(node_axes)
+
+    def _arrange(self, x: torch.Tensor, axes, timed: bool, inner: str | None, length: int, chunk: int,
+                 dtype=None) -> torch.Tensor:
+        """`x` ([L, *axes] where `timed`, else [*axes]) as [*H (1 where absent), NC, C(, inner)],
+        zero past `length`."""
+        names = self._names(axes, timed)
+        target = [*self.ml.heads, "~t", *([inner] if inner else [])]
+        y = x.permute(*[names.index(n) for n in target if n in names])
+        shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
+        y = y.reshape(shape)
+        padded = -(-length // chunk) * chunk
+        t = len(self.ml.heads)
+        shape[t] = padded
+        out = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
+        out.narrow(t, 0, length).copy_(y.expand(*shape[:t], length, *shape[t + 1:]))
+        return out.reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
+
+    def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int,
+                   sizes: dict[str, int]) -> torch.Tensor:
+        """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
+        lack (and over time where not `timed`), as [L, *axes] or [*axes]."""
+        t = len(self.ml.heads)
+        y = y.reshape(*y.shape[:t], -1, *y.shape[t + 2:]).narrow(t, 0, length)
+        lacks = [i for i, h in enumerate(self.ml.heads) if h not in axes]
+        if not timed:
+            lacks.append(t)
+        y = y.sum(lacks, keepdim=True) if lacks else y
+        names = [*self.ml.heads, "~t", *([inner] if inner else [])]
+        keep = [i for i, n in enumerate(names) if i not in lacks]
+        y = y.reshape([y.shape[i] for i in keep])
+        kept = [names[i] for i in keep]
+        return y.permute(*[kept.index(n) for n in self._names(axes, timed)])
+
+    def _input(self, node, seqs, params):
+        """(the array of an operand's INPUT node, whether it is a sequence)."""
+        if node.arg in seqs:
+            return seqs[node.arg], True
+        return params[node.arg], False
+
+    def _chunks(self, seqs, params, initial, sizes, length, chunk):
+        """(`Chunks` of a call, the decay as given where the core takes it so, else None)."""
+        ml, f = self.ml, self.dtype
+        q_arr, _ = self._input(ml.q, seqs, params)
+        mm = q_arr.dtype if q_arr.dtype in (torch.bfloat16, torch.float16) else f
+
+        def operand(node, inner):
+            arr, timed = self._input(node, seqs, params)
+            return self._arrange(arr, node.axes, timed, inner, length, chunk, mm)
+
+        q, k, v = operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
+        decay = None
+        if ml.log_decay is not None and ml.log_decay.op.value == "const":
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+            ell[..., :length] = ml.log_decay.arg
+            ell = ell.reshape(*ell.shape[:-1], -1, chunk)
+        elif ml.log_decay is not None or ml.decay is not None:
+            node = ml.log_decay if ml.log_decay is not None else ml.decay
+            arr, timed = self._input(node, seqs, params)
+            if ml.decay is not None:
+                arr = arr.to(f)
+                if not bool((arr > 0).all()):
+                    raise NonPositiveDecay(
+                        f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its log"
+                        " (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
+            ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
+            if ml.decay is not None:  # padded steps: decay 1
+                decay = ell.masked_fill(ell == 0, 1.0)
+                ell = torch.log(decay)
+        else:
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=q.device)
+        s = ml.state
+        s0 = initial[s.name].to(f)
+        s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
+        return Chunks(q, k, v, ell, s0), decay
+
+    def _outputs(self, out, final, sizes, length, out_dtype):
+        ml = self.ml
+        t = len(ml.heads)
+        full = [sizes[h] for h in ml.heads]
+        o = out.reshape(*out.shape[:t], -1, out.shape[-1]).narrow(t, 0, length)
+        o = o.expand(*full, length, sizes[ml.value])
+        names = [*ml.heads, "~t", ml.value]
+        o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
+        o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
+        s = ml.state
+        final = final.expand(*full, sizes[ml.key], sizes[ml.value])
+        names = [*ml.heads, ml.key, ml.value]
+        final = final.permute(*[names.index(n) for n in s.axes]).contiguous()
+        return {self.output: o}, {s.name: final}
+
+    # -- the runner contract -----------------------------------------------------------------------
+    def run(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """Same contract as `interpreter.run_recurrence` (torch tensors in and out). A decay given as is
+        with values <= 0 runs as the element-wise scan instead."""
+        try:
+            outs, finals, _ = self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype)
+        except NonPositiveDecay:
+            from ...runner import runner_for
+
+            return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
+        return outs, finals
+
+    # -- the fused-backward contract (`driver.Grad`'s "fused" path) -------------------------------------
+    def applies(self, seqs, sizes, length) -> bool:
+        return True
+
+    def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None):
+        """(outputs, final states, tape) of a training forward: outputs time first."""
+        chunk = chunk_size(self.ml, sizes, length)
+        x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
+        out, entering, final = forward(x)
+        outs, finals = self._outputs(out, final, sizes, length, out_dtype)
+        return outs, finals, ChunkTape(x, entering, final, decay)
+
+    def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length):
+        """({GRAD + sequence: [L, *axes]}, {GRAD + param or state: gradient}) from the cotangents of the
+        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``)."""
+        ml, x = self.ml, tape.chunks
+        chunk = x.q.shape[-2]
+        s = ml.state
+        d_out = self._arrange(cot[GRAD + self.output], self.out_node.axes, True, ml.value, length, chunk,
+                              x.compute)
+        d_final = lam[GRAD + s.name].to(x.compute)
+        d_final = d_final.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
+        dq, dk, dv, d_ell, ds0 = vjp(x, tape.entering, tape.final, d_out, d_final)
+        grads: dict[str, torch.Tensor] = {}
+
+        def add(node, grad, inner):
+            arr, timed = self._input(node, seqs, params)
+            g = self._unarrange(grad, node.axes, timed, inner, length, sizes).to(arr.dtype)
+            key = GRAD + node.arg
+            grads[key] = grads[key] + g if key in grads else g
+
+        add(ml.q, dq, ml.key)
+        add(ml.k, dk, ml.key)
+        add(ml.v, dv, ml.value)
+        if ml.decay is not None:
+            add(ml.decay, d_ell / tape.decay, None)
+        elif ml.log_decay is not None and ml.log_decay.op.value != "const":
+            add(ml.log_decay, d_ell, None)
+        full = [sizes[h] for h in ml.heads]
+        ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
+        names = [*ml.heads, ml.key, ml.value]
+        finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
+        seq_names = {d.name for d in self.program.seqs}
+        outs = {k: v.contiguous() for k, v in grads.items() if k[len(GRAD):] in seq_names}
+        finals.update((k, v) for k, v in grads.items() if k[len(GRAD):] not in seq_names)
+        for d in self.program.inputs:  # inputs no operand reads (none in a core as built): zeros
+            if GRAD + d.name not in outs and GRAD + d.name not in finals:
+                arr = seqs.get(d.name, params.get(d.name))
+                (outs if d.name in seq_names else finals)[GRAD + d.name] = torch.zeros_like(arr)
+        return outs, finals
+
+    def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
+        return lambda seqs, params, initial: self.forward(seqs, params, initial, sizes, length, outputs)
+
+    def prepare_backward(self, seqs, params, tape, cot, lam, extra, sizes, length):
+        return lambda seqs, params, tape, cot, lam, extra: self.backward(seqs, params, tape, cot, lam, extra,
+                                                                         sizes, length)
+
+
+_CORES: dict[tuple, ChunkedCore | None] = {}
+
+
+def chunked_core(program, compute: str = "float32") -> ChunkedCore | None:
+    """The chunked runner of `program` where it is a matrix-linear core and SSMC_CUDA_CHUNKED is not
+    0, else None."""
+    if options().chunked is False:
+        return None
+    key = (program, compute)
+    if key not in _CORES:
+        _CORES[key] = ChunkedCore(program, compute) if core_form(program) is not None else None
+    return _CORES[key]

@@ -1,0 +1,114 @@
+"""The chunked (state-space-dual) form of a matrix-linear core, forward and VJP, on torch tensors.
+
+Per head, over chunks of C steps, with ``Λ_i`` the log decays summed from the chunk's start to step
+i (inclusive), ``Γ = Λ_last`` and ``S_p`` the state entering the chunk:
+
+    O_i = exp(Λ_i) Q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j) (Q_i·K_j) V_j
+    S_e = exp(Γ) S_p + Σ_j exp(Γ − Λ_j) K_jᵀ V_j                     (the next chunk's S_p)
+
+which is, as a plain loop, ``S = exp(ℓ_t) S + k_t ⊗ v_t;  o_t = Σ_κ S q_t``. Every exponent is of
+a sum of log decays over steps of one chunk, never a global cumulative sum, and the masked
+entries are set to −inf before `exp`, so that no inf·0 arises. The VJP follows the same shape
+(docs/design/matrix-linear-chunks.md gives the formulas): the cotangent of each chunk's end state
+runs through the chunks in reverse, the intra-chunk terms are matrix products of the same masked
+decay matrix, and ``dΛ_i = Q_i·dQ_i − K_i·dK_i (+ ⟨dS_e, S_e⟩ at the chunk's last step)``.
+
+Arrays are ``[*H, NC, C, D]``: the head axes first (size 1 where an operand lacks one: torch
+broadcasts), then chunk, step in the chunk, and the key or value axis. Matrix products of the
+intra-chunk terms run in the operands' dtype where that is a 16-bit float (tensor cores, fp32
+accumulation), everything that touches a state in fp32 (or float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Chunks:
+    """The inputs of one call, chunked: q, k [*H, NC, C, K]; v [*H, NC, C, V]; ell [*H, NC, C] (log
+    decays, the compute dtype; zeros where there is no decay) and s0 [*H, K, V]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    ell: torch.Tensor
+    s0: torch.Tensor
+
+    @property
+    def compute(self) -> torch.dtype:
+        return self.s0.dtype
+
+    @property
+    def mm(self) -> torch.dtype:
+        """The dtype of the intra-chunk products' operands."""
+        return self.q.dtype if self.q.dtype in HALF else self.compute
+
+
+def _decays(ell: torch.Tensor):
+    """(Λ [*H, NC, C], Γ [*H, NC], the masked decay matrix exp(Λ_i − Λ_j) [*H, NC, C, C], 0 where j > i)."""
+    lam = torch.cumsum(ell, dim=-1)
+    gamma = lam[..., -1]
+    diff = lam[..., :, None] - lam[..., None, :]
+    c = ell.shape[-1]
+    causal = torch.ones(c, c, dtype=torch.bool, device=ell.device).tril()
+    return lam, gamma, torch.exp(diff.masked_fill(~causal, float("-inf")))
+
+
+def _scan(gamma: torch.Tensor, delta: torch.Tensor, s0: torch.Tensor, reverse: bool = False):
+    """The carry across chunks: ``s = exp(gamma_c) s + delta_c`` over c (last first where `reverse`).
+    Returns (the carry before each chunk [*H, NC, K, V], the carry after the last)."""
+    shape = torch.broadcast_shapes(delta.shape, (*s0.shape[:-2], 1, *s0.shape[-2:]))
+    before = torch.empty(shape, dtype=s0.dtype, device=s0.device)
+    s = s0.expand(*shape[:-3], *shape[-2:])
+    factor = torch.exp(gamma)[..., None, None]
+    order = range(delta.shape[-3] - 1, -1, -1) if reverse else range(delta.shape[-3])
+    for c in order:
+        before[..., c, :, :] = s
+        s = factor[..., c, :, :] * s + delta[..., c, :, :]
+    return before, s
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.matmul(a.to(dtype), b.to(dtype))
+
+
+def forward(x: Chunks):
+    """(O [*H, NC, C, V], the state entering each chunk [*H, NC, K, V], the final state [*H, K, V])."""
+    f32 = x.compute
+    lam, gamma, decay = _decays(x.ell)
+    scores = _mm(x.q, x.k.transpose(-1, -2), x.mm) * decay
+    out = _mm(scores, x.v, x.mm).to(f32)
+    into_end = torch.exp(gamma[..., None] - lam)[..., None]
+    delta = _mm((x.k.to(f32) * into_end).transpose(-1, -2), x.v, f32)
+    entering, final = _scan(gamma, delta, x.s0)
+    out = out + _mm(x.q.to(f32) * torch.exp(lam)[..., None], entering, f32)
+    return out, entering, final
+
+
+def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor):
+    """Cotangents (dq, dk, dv, dell, ds0) of `forward`'s inputs, in the shapes of the full heads
+    (the caller sums them over the heads an operand lacks), given its outputs' (d_out [*H, NC, C, V],
+    d_final [*H, K, V]) and what its forward returned."""
+    f32 = x.compute
+    lam, gamma, decay = _decays(x.ell)
+    q, k, v, d_out = x.q.to(f32), x.k.to(f32), x.v.to(f32), d_out.to(f32)
+    from_start = torch.exp(lam)[..., None]
+    into_end = torch.exp(gamma[..., None] - lam)[..., None]
+    # the cotangent of each chunk's end state, through the chunks last first
+    into_state = _mm((q * from_start).transpose(-1, -2), d_out, f32)
+    d_end, d_s0 = _scan(gamma, into_state, d_final, reverse=True)
+    ending = torch.cat([entering[..., 1:, :, :], final[..., None, :, :].expand_as(entering[..., :1, :, :])], dim=-3)
+    scores = _mm(x.q, x.k.transpose(-1, -2), x.mm).to(f32) * decay
+    d_scores = _mm(d_out, v.transpose(-1, -2), f32) * decay
+    dq = from_start * _mm(d_out, entering.transpose(-1, -2), f32) + _mm(d_scores, k, f32)
+    dk = into_end * _mm(v, d_end.transpose(-1, -2), f32) + _mm(d_scores.transpose(-1, -2), q, f32)
+    dv = into_end * _mm(k, d_end, f32) + _mm(scores.transpose(-1, -2), d_out, f32)
+    d_lam = (q * dq).sum(-1) - (k * dk).sum(-1)
+    d_lam[..., -1] += (d_end * ending).sum((-1, -2))
+    d_ell = torch.flip(torch.cumsum(torch.flip(d_lam, (-1,)), -1), (-1,))
+    return dq, dk, dv, d_ell, d_s0

@@ -1,0 +1,245 @@
+"""Matrix-linear recurrences read off the IR, and the stage cut that gives them a chunked core.
+
+A program is taken when it has one state ``S[H, κ, ν]`` (H: head axes, the batch among them) and,
+as a plain loop over t:
+
+    S_t = a_t ⊙ S_{t-1} + k_t ⊗ v_t          a: axes ⊆ H (a scalar per head) or none
+    o_t = Σ_κ S_t ⊙ q_t                        the outputs' one read of the state
+    y_t = post(o_t, inputs_t)                  state-free
+
+with ``k`` over H ∪ {κ}, ``v`` over H ∪ {ν} (any scalar factor of the injection folded in), ``q``
+over H ∪ {κ}; an operand may lack head axes (broadcast: SSD's B and C lack the heads of a group).
+The decay is kept as its log ``ℓ`` where the spec writes ``exp(ℓ)`` (Mamba-2, GLA-style gates) or a
+positive constant; any other decay (RetNet's ``gamma``) is kept as ``a`` and must be positive at
+run time (the chunked form takes its log).
+
+`chunk_stages` cuts such a program into a state-free ``pre`` program (the operands), the core
+
+    S = exp(ell) * S + k * v          (or  a * S + k * v,  or  S + k * v)
+    o = dot(S, q, over=κ)
+
+and a state-free ``post`` program, so that a backend can run the core as chunks of matrix
+products (backends/cuda/kernels/chunk/) and the rest on its ordinary kernels; `StagedGrad`
+chains their gradients. `core_form` recognises a core (every operand a sequence as it is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..ir import build
+from ..ir.node import Node, input_names, substitute, toposort
+from ..ir.ops import Op
+from ..ir.program import Decl, Recurrence, Role
+from ..lowering.stages import Fused, Stage, fuse
+from .classify import classify
+
+
+@dataclass(frozen=True)
+class MatrixLinear:
+    """A matrix-linear program's parts (module docstring); nodes are the program's own."""
+
+    state: Decl
+    key: str                        # κ, contracted by the output
+    value: str                      # ν
+    heads: tuple[str, ...]          # the state's other axes, in its order
+    q: Node
+    k: Node
+    v: Node
+    log_decay: Node | None          # ℓ where the decay is exp(ℓ) or a positive constant
+    decay: Node | None              # a otherwise (None with ℓ None: no decay)
+    contraction: Node               # the SUM over κ the outputs read
+    outputs: tuple[tuple[str, Node], ...]   # the outputs over INPUT(`o`) in place of `contraction`
+    o: str                          # that input's name
+
+    def describe(self) -> str:
+        decay = ("none" if self.log_decay is None and self.decay is None else
+                 f"exp(ℓ), ℓ [{' '.join(self.log_decay.axes)}]" if self.log_decay is not None else
+                 f"a [{' '.join(self.decay.axes)}], positive at run time")
+        return (f"matrix linear {self.state.name} [{' '.join(self.state.axes)}]: key axis {self.key}, value axis"
+                f" {self.value}, heads [{' '.join(self.heads)}], decay {decay}")
+
+
+def _factors(node: Node) -> tuple[list[Node], int]:
+    """`node` as a product: (its factors, the number of negations taken out)."""
+    if node.op is Op.MUL:
+        fa, na = _factors(node.args[0])
+        fb, nb = _factors(node.args[1])
+        return fa + fb, na + nb
+    if node.op is Op.NEG:
+        f, n = _factors(node.args[0])
+        return f, n + 1
+    if node.op is Op.EXPAND:
+        return _factors(node.args[0])
+    return [node], 0
+
+
+def _product(factors: list[Node], negations: int = 0) -> Node:
+    out = build.ONE
+    for f in factors:
+        out = build.mul(out, f)
+    return build.neg(out) if negations % 2 else out
+
+
+def matrix_linear(program: Recurrence) -> MatrixLinear | str:
+    """The program's parts, or why it is not taken (one line)."""
+    if program.reverse:
+        return "time runs backward"
+    if len(program.states) != 1:
+        return f"{len(program.states)} states: the chunked form takes one matrix-linear state"
+    (cls,) = classify(program).states
+    if cls.family != "matrix linear":
+        return f"the state is {cls.family}"
+    state, update = program.states[0], program.updates[0]
+    a, b = cls.a, cls.b
+
+    # the outputs' reads of the state: one contraction SUM_κ(update * q)
+    nodes = toposort([y for _, y in program.outputs])
+    carried = _factors(update)[0][0] if update.op is Op.EXPAND else update  # as the outputs' products see it
+    contractions = []
+    for n in nodes:
+        if n.op is Op.SUM and n.args[0].op is Op.MUL:
+            factors, neg = _factors(n.args[0])
+            if factors.count(carried) == 1:
+                contractions.append((n, [f for f in factors if f is not carried], neg))
+    if not contractions:
+        return "no output contracts the state with a query"
+    if len({c[0] for c in contractions}) > 1:
+        return "two contractions of the state (two queries)"
+    contraction, q_factors, q_neg = contractions[0]
+    key = contraction.arg
+    o = _fresh("o", {d.name for d in program.decls} | {n for n, _ in program.outputs})
+    o_leaf = Node.make(Op.INPUT, (), o, contraction.axes)
+    outputs = tuple(zip([n for n, _ in program.outputs],
+                        substitute(tuple(y for _, y in program.outputs), {contraction: o_leaf})))
+    if state.name in input_names(y for _, y in outputs) or update in toposort(y for _, y in outputs):
+        return "an output reads the state other than by one contraction"
+
+    # the injection: k (with κ) times v (the rest)
+    if b.op is Op.ADD:
+        return "the injection is a sum of terms (rank-R injections are not taken yet)"
+    b_factors, b_neg = _factors(b)
+    k_factors = [f for f in b_factors if key in f.axes]
+    v_factors = [f for f in b_factors if key not in f.axes]
+    if not k_factors:
+        return f"the injection has no factor along the contracted axis {key}"
+    k_axes = {x for f in k_factors for x in f.axes}
+    v_axes = {x for f in v_factors for x in f.axes}
+    values = [x for x in state.axes if x in v_axes and x not in k_axes and x not in a.axes and x != key]
+    if len(values) != 1:
+        return ("the injection is no outer product k ⊗ v" if not values
+                else f"{len(values)} value axes ({' '.join(values)})")
+    value = values[0]
+    heads = tuple(x for x in state.axes if x not in (key, value))
+    if key in a.axes or value in a.axes:
+        return "the decay varies along the key or value axis (per-key decays are not taken yet)"
+    for what, factors, allowed in (("k", k_factors, {*heads, key}), ("v", v_factors, {*heads, value}),
+                                   ("q", q_factors, {*heads, key})):
+        extra = {x for f in factors for x in f.axes} - allowed
+        if extra:
+            return f"{what} has axes {' '.join(sorted(extra))} besides the heads and its own"
+
+    log_decay = decay = None
+    if build.is_const(a, 1.0):
+        pass
+    elif a.op is Op.EXP:
+        log_decay = a.args[0]
+    elif build.is_const(a) and a.arg > 0:
+        log_decay = build.const(math.log(a.arg))
+    elif build.is_const(a):
+        return f"the decay is the constant {a.arg}: no log form"
+    else:
+        decay = a
+    return MatrixLinear(state, key, value, heads, _product(q_factors, q_neg), _product(k_factors),
+                        _product(v_factors, b_neg), log_decay, decay, contraction, outputs, o)
+
+
+def _fresh(stem: str, taken: set[str]) -> str:
+    name, i = stem, 0
+    while name in taken:
+        i += 1
+        name = f"{stem}{i}"
+    return name
+
+
+def _is_seq(program: Recurrence, node: Node, roles=(Role.SEQ,)) -> bool:
+    """Is `node` an input of one of `roles` as declared (the core reads it as given)?"""
+    return node.op is Op.INPUT and any(d.name == node.arg and d.role in roles and d.axes == node.axes
+                                       for d in program.decls)
+
+
+_TIMED_OR_NOT = (Role.SEQ, Role.PARAM)
+
+
+def core_form(program: Recurrence) -> MatrixLinear | None:
+    """The parts of a chunked core (every operand a sequence as given, the decay a sequence, a
+    constant or none, the one output the contraction itself), else None."""
+    ml = matrix_linear(program)
+    if isinstance(ml, str) or len(ml.outputs) != 1 or ml.outputs[0][1].op is not Op.INPUT:
+        return None
+    if ml.outputs[0][1].arg != ml.o:
+        return None
+    if not all(_is_seq(program, x) for x in (ml.q, ml.k, ml.v)):
+        return None
+    if ml.decay is not None and not _is_seq(program, ml.decay, _TIMED_OR_NOT):
+        return None
+    if ml.log_decay is not None and not (_is_seq(program, ml.log_decay, _TIMED_OR_NOT)
+                                         or build.is_const(ml.log_decay)):
+        return None
+    return ml
+
+
+@lru_cache(maxsize=256)
+def chunk_stages(program: Recurrence) -> Fused | None:
+    """`program` as pre / core / post stages around a chunked core (module docstring), or None where
+    it is not matrix linear, is a core already, or the fusion stage cuts it otherwise."""
+    if fuse(program).staged:
+        return None
+    ml = matrix_linear(program)
+    if isinstance(ml, str) or core_form(program) is not None:
+        return None
+    taken = {d.name for d in program.decls} | {n for n, _ in program.outputs} | {ml.o}
+    prep: list[tuple[str, Node]] = []
+
+    def operand(stem: str, node: Node, roles=(Role.SEQ,)) -> Node:
+        """`node` as an input of the core: itself where it is one of `roles` (or a constant), else
+        a sequence that pre writes."""
+        if _is_seq(program, node, roles) or build.is_const(node):
+            return node
+        name = _fresh(f"{program.name}_{stem}", taken)
+        taken.add(name)
+        prep.append((name, node))
+        return Node.make(Op.INPUT, (), name, node.axes)
+
+    q, k, v = operand("q", ml.q), operand("k", ml.k), operand("v", ml.v)
+    leaf = Node.make(Op.INPUT, (), ml.state.name, ml.state.axes)
+    if ml.log_decay is not None:
+        carried = build.mul(build.unary(Op.EXP, operand("ell", ml.log_decay, _TIMED_OR_NOT)), leaf)
+    elif ml.decay is not None:
+        carried = build.mul(operand("a", ml.decay, _TIMED_OR_NOT), leaf)
+    else:
+        carried = leaf
+    update = build.add(carried, build.mul(k, v))
+    o = build.expand(build.reduce_sum(build.mul(update, q), ml.key), ml.contraction.axes)
+    identity = len(ml.outputs) == 1 and ml.outputs[0][1].op is Op.INPUT and ml.outputs[0][1].arg == ml.o
+    o_name = ml.outputs[0][0] if identity else ml.o
+    pre_seqs = [(n, x.axes) for n, x in prep]
+    core = Recurrence(name=f"{program.name}_core",
+                      decls=(ml.state, *(d for d in program.inputs if d.name in input_names([update, o])),
+                             *(Decl(n, Role.SEQ, axes) for n, axes in pre_seqs if n in input_names([update, o]))),
+                      updates=(update,), outputs=((o_name, o),), sizes=program.sizes, loc=program.loc,
+                      doc=program.doc)
+    if core_form(core) is None:  # the rebuilt core must read back as one (else: not taken)
+        return None
+    stages = []
+    if prep:
+        stages.append(Stage("pre", program.with_roots((), prep, states=(), name=f"{program.name}_pre"),
+                            tuple(n for n, _ in prep)))
+    stages.append(Stage("core", core, () if identity else (ml.o,)))
+    if not identity:
+        post = program.with_roots((), ml.outputs, [(ml.o, ml.contraction.axes)], states=(),
+                                  name=f"{program.name}_post")
+        stages.append(Stage("post", post))
+    return Fused(program, tuple(stages))
