@@ -48,16 +48,21 @@ _FLOATS = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.floa
 
 
 def to_tensor(x, name: str) -> torch.Tensor:
-    """A torch tensor of an argument (torch as it is, detached; NumPy and lists on the CPU): floats keep
-    their dtype, integers and booleans become float64 (as `binding.to_array`); ValueError naming
-    the argument for anything else."""
+    """A torch tensor of an argument (torch as it is, detached; CuPy on its GPU; NumPy and lists on the
+    CPU, NumPy's memory shared where torch can): floats keep their dtype, integers and booleans become
+    float64 (as `binding.to_array`); ValueError naming the argument for anything else."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
+    elif hasattr(x, "__cuda_array_interface__"):  # CuPy: zero-copy, on its GPU
+        t = torch.as_tensor(x, device="cuda")
     else:
         arr = numeric_array(x, name)
         if arr.dtype.kind == "c":
             raise ValueError(f"argument {name!r} has dtype {arr.dtype}; attention takes real numbers")
-        t = torch.from_numpy(np.array(arr, dtype=arr.dtype if arr.dtype.kind == "f" else np.float64))
+        arr = np.asarray(arr, dtype=arr.dtype if arr.dtype.kind == "f" else np.float64)
+        if not arr.flags.writeable or any(st < 0 for st in arr.strides):  # what torch.from_numpy cannot share
+            arr = arr.copy()
+        t = torch.from_numpy(arr)
     if t.is_complex():
         raise ValueError(f"argument {name!r} has dtype {t.dtype}; attention takes real numbers")
     return t if t.is_floating_point() else t.to(torch.float64)
