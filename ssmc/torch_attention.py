@@ -4,7 +4,8 @@
     out = f(q, k, v, slope)            # or slope=...; q, k [b h t d], v [b h t e] -> out [b h t e]
     out.sum().backward()               # q.grad, k.grad, v.grad, slope.grad
 
-Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device:
+Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device
+whatever `backend` `ssmc.torch.function` is given (attention has no kernels of its own yet):
 the forward keeps the output and the log-sum-exp of each query row, the backward recomputes the
 probabilities per block of queries from them. The output has q's dtype; each gradient its input's.
 """

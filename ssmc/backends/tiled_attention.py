@@ -40,7 +40,7 @@ from ..runtime.prologue import bind_attention
 from .torch_eval import TorchEvaluator, align, loop_sum
 
 SCORES_BUDGET = 256 << 20  # bytes of one block's fp32 scores: the block's rows follow from it
-MIN_BLOCK, MAX_BLOCK = 128, 1024
+MIN_BLOCK, MAX_BLOCK = 16, 1024
 KEY_TILE = 64  # keys per tile of the mask's span analysis
 PER_BLOCK = ("score", "q_idx", "kv_idx", "grad_score")  # leaves that change from block to block
 
@@ -158,7 +158,7 @@ class TiledAttention:
         n = len(self.program.batch_axes)
         canonical = (*axes[:n], TIME, *axes[n:])
         order = layout_of(layout, name, axes)
-        x = x.permute(*[canonical.index(a) for a in order]).contiguous().to(dtype or call.out_dtype)
+        x = x.permute(*[canonical.index(a) for a in order]).to(dtype or call.out_dtype).contiguous()
         return x.cpu().numpy() if call.numpy else x
 
     def from_layout(self, call: Call, x, name: str, layout) -> torch.Tensor:
