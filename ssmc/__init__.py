@@ -11,6 +11,7 @@ from .frontend.attention import attention, causal, sliding_window
 from .frontend.functions import (
     abs,
     atan2,
+    causal_conv,
     clamp,
     cos,
     dot,
@@ -54,6 +55,7 @@ __all__ = [
     "atan2",
     "attention",
     "causal",
+    "causal_conv",
     "clamp",
     "compile",
     "cos",

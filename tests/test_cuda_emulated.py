@@ -332,7 +332,7 @@ def test_emulated_gradients_only_steps_through_the_lanes(name, n, length, monkey
 # -- the whole backend emulated: SSMC_CUDA_EMULATE=1, torch CPU tensors for device memory ---------
 
 EXAMPLES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-            "layernorm_lstm"]
+            "layernorm_lstm", "mamba_conv"]
 
 
 def _example_inputs(name: str, length: int, rng) -> tuple:

@@ -11,7 +11,7 @@ import pytest
 import ssmc
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm")
+               "layernorm_lstm", "mamba_conv")
 ATTENTIONS = ("alibi_attention",)
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}

@@ -9,7 +9,7 @@ import numbers
 
 from ..errors import SpecError, user_loc
 from ..ir.ops import Op
-from .tensor import Tensor, _axes_arg, as_tensor, make
+from .tensor import Tensor, _axes_arg, _static_sizes, as_tensor, make
 
 
 def _unary(op: Op, doc: str):
@@ -83,6 +83,40 @@ def dot(x, y, over) -> Tensor:
             raise SpecError(f"dot over axis {a!r}: the {side} operand lacks it "
                             f"(axes {list(x.axes)} and {list(y.axes)})", user_loc(2))
     return (x * y).sum(names)
+
+
+def causal_conv(x, w, width: int | None = None) -> Tensor:
+    """Depthwise causal convolution over time (torch's ``conv1d(x, w, groups=channels,
+    padding=width - 1)`` cut to the first L outputs, as Mamba's conv1d).
+
+    `w` has the channel axes of `x` it varies over (``[d]``) and one axis of its own, the taps, whose
+    size is static and is the width (``w: ssmc.Param["d w=4"]``). As a plain loop over the steps:
+        y[t, d] = sum_{j < width} w[d, j] * x[t - (width - 1) + j, d]     (x before step 0 is 0)
+    that is ``sum_j w[.., j] * x.shift(width - 1 - j)``: the last tap multiplies the current step.
+    `width`, when given, must equal the taps axis' size.
+    """
+    x, w = as_tensor(x), as_tensor(w)
+    loc = user_loc(2)
+    taps = [a for a in w.axes if a not in x.axes]
+    if len(taps) != 1:
+        raise SpecError(f"causal_conv: the weight needs exactly one axis the value lacks, its taps "
+                        f"(weight axes {list(w.axes)}, value axes {list(x.axes)})", loc)
+    (tap,) = taps
+    size = (_static_sizes.get() or {}).get(tap)
+    if size is None:
+        raise SpecError(f"causal_conv: the taps axis {tap!r} needs a static size, the width: declare it "
+                        f"as '{tap}=N' in the weight's axes", loc)
+    if width is not None and (isinstance(width, bool) or not isinstance(width, numbers.Integral)):
+        raise SpecError(f"causal_conv: width must be an integer, not {width!r}", loc)
+    if width is not None and width < 1:
+        raise SpecError(f"causal_conv: width {width} < 1 (a convolution has at least one tap)", loc)
+    if width is not None and width != size:
+        raise SpecError(f"causal_conv: width {width} but the taps axis {tap!r} has size {size}", loc)
+    out = None
+    for j in range(size):
+        term = x.shift(size - 1 - j) * make(Op.SELECT, (w,), (tap, j))
+        out = term if out is None else out + term
+    return out
 
 
 def sum(x, axes=None) -> Tensor:

@@ -24,6 +24,8 @@ from ..ir.node import BOOL, Node
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from ..ir.verify import verify
+from .shifts import ShiftRegisters
+from .shifts import current as shift_registers
 from .tensor import Tensor, _static_sizes, _trace_locs, as_tensor
 
 
@@ -130,13 +132,15 @@ def read_signature(fn: Callable, src: SourceInfo, allowed: tuple[Role, ...],
 
 
 def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: SourceInfo,
-          locs: dict[Node, Loc] | None = None):
+          locs: dict[Node, Loc] | None = None, registers: ShiftRegisters | None = None):
     """Call `fn` on symbolic tensors; any failure becomes a SpecError at the user's line.
 
-    `locs`, when given, receives the line that built each node in this trace.
+    `locs`, when given, receives the line that built each node in this trace; `registers`, the
+    states that ``x.shift(k)`` adds (a recurrence's step; without it a shift is an error).
     """
     token = _static_sizes.set(sizes)
     locs_token = _trace_locs.set({} if locs is None else locs)
+    shifts_token = shift_registers.set(registers)
     try:
         return fn(*leaves)
     except SpecError as err:
@@ -145,6 +149,7 @@ def trace(fn: Callable, leaves: list[Tensor], sizes: dict[str, int], src: Source
         loc = loc_from_traceback(err.__traceback__) or src.def_loc
         raise SpecError(f"{type(err).__name__} while tracing the step: {err}", loc) from None
     finally:
+        shift_registers.reset(shifts_token)
         _trace_locs.reset(locs_token)
         _static_sizes.reset(token)
 
@@ -290,13 +295,16 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
         raise SpecError(f"{fn.__name__} declares no sequence: the number of steps comes from the inputs "
                         "annotated ssmc.Seq[...] (one slice per step)", src.def_loc)
     locs: dict[Node, Loc] = {}
-    result = trace(fn, [input_leaf(d) for d in decls], sizes, src, locs)
+    registers = ShiftRegisters({d.name for d in decls})
+    result = trace(fn, [input_leaf(d) for d in decls], sizes, src, locs, registers)
     ret = src.return_loc
     if not isinstance(result, tuple) or len(result) != 2:
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
         raise SpecError(f"the step must return (new_carry, outputs), got {got}", ret)
     carry, outputs = result
     updates = _read_carry(carry, states, ret, locs)
+    shift_decls, shift_updates = registers.states()   # x.shift(k)'s states, after the declared ones
+    decls, updates = decls + list(shift_decls), updates + shift_updates
     outs = _read_outputs(outputs, {d.name for d in decls}, ret)
     program = Recurrence(name=name or fn.__name__, decls=tuple(decls), updates=updates, outputs=outs,
                          sizes=tuple(sorted(sizes.items())), loc=src.def_loc, doc=inspect.getdoc(fn) or "")

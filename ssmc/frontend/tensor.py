@@ -16,6 +16,7 @@ from ..errors import Loc, SpecError, user_loc
 from ..ir.axes import TIME, format_axes
 from ..ir.node import FLOAT, AxisError, Node
 from ..ir.ops import Op
+from . import shifts
 
 # Static axis sizes of the spec being traced ("g=4"), for unbind.
 _static_sizes: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("ssmc_static_sizes",
@@ -177,6 +178,28 @@ class Tensor:
         for a in names:
             total = total / make(Op.SIZE, (), a, ())
         return total
+
+    def shift(self, k: int = 1) -> Tensor:
+        """This value `k` steps earlier: at step t, the value it had at step t - k; 0 while t < k.
+
+        As a plain loop over the steps: ``out[t] = x[t - k] if t >= k else 0``, where ``x[s]`` is
+        this expression evaluated at step s (of the inputs and the carry of that step). The compiler
+        carries the last `k` values as states of its own (frontend/shifts.py: named ``x_shift1`` ...
+        ``x_shiftk`` after an input ``x``), which start at zero unless given and come back among the
+        final states. `k` is an integer >= 0 (``shift(0)`` is the value itself).
+        """
+        loc = user_loc(2)
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise SpecError(f"shift by {k!r}: the number of steps must be an integer >= 0", loc)
+        if k < 0:
+            raise SpecError(f"shift by {k}: a negative shift would read a later step; steps run in order, "
+                            "so only earlier values (k >= 0) can be read", loc)
+        if k == 0:
+            return self
+        registers = shifts.current.get()
+        if registers is None:
+            raise SpecError("shift outside a recurrence's step: only a recurrence has earlier steps", loc)
+        return Tensor(_record(registers.shifted(self.node, int(k), loc), loc))
 
     def rename(self, mapping: dict[str, str] | None = None, **kw: str) -> Tensor:
         """Rename axes: ``h.rename(k="j")``."""
