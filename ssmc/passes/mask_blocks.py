@@ -32,22 +32,38 @@ def key_spans(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, size
     if mask is None:
         return [(0, lk) for _ in blocks]
     order = toposort([mask])
-    tiles = [(k0, min(k0 + tile, lk)) for k0 in range(0, lk, tile)]
+    tiles = -(-lk // tile)
     spans = []
     for q0 in blocks:
         q = (float(q0), float(min(q0 + block_q, lq) - 1))
 
-        def maybe(t, q=q):
-            k0, k1 = tiles[t]
-            return _bool(_evaluate(order, q, (float(k0), float(k1 - 1)), sizes))[0]
+        def maybe(t0, t1, q=q):  # may a key of tiles [t0, t1) be visible to the block?
+            k = (float(t0 * tile), float(min(t1 * tile, lk) - 1))
+            return _bool(_evaluate(order, q, k, sizes))[0]
 
-        first = next((t for t in range(len(tiles)) if maybe(t)), None)
+        first = _search(maybe, 0, tiles, last=False)
         if first is None:
             spans.append((0, 0))
             continue
-        last = next(t for t in range(len(tiles) - 1, first - 1, -1) if maybe(t))
-        spans.append((tiles[first][0], tiles[last][1]))
+        last = _search(maybe, first, tiles, last=True)
+        spans.append((first * tile, min((last + 1) * tile, lk)))
     return spans
+
+
+def _search(maybe, t0: int, t1: int, last: bool) -> int | None:
+    """The first (`last`: the last) tile of [t0, t1) that `maybe` does not rule out, ruling out halves
+    of the range whole where it can (a few evaluations for masks like causal, not one per tile)."""
+    if t0 >= t1 or not maybe(t0, t1):
+        return None
+    if t1 - t0 == 1:
+        return t0
+    mid = (t0 + t1) // 2
+    halves = ((mid, t1), (t0, mid)) if last else ((t0, mid), (mid, t1))
+    for a, b in halves:
+        found = _search(maybe, a, b, last)
+        if found is not None:
+            return found
+    return None
 
 
 def _bool(b: Bound) -> tuple[bool, bool]:
