@@ -81,6 +81,8 @@ class ChunkedCore:
         y = y.reshape(shape)
         padded = -(-length // chunk) * chunk
         t = len(self.ml.heads)
+        if timed and padded == length:  # whole chunks: a view (a copy only for another dtype)
+            return y.to(dtype or x.dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
         shape[t] = padded
         out = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
         out.narrow(t, 0, length).copy_(y.expand(*shape[:t], length, *shape[t + 1:]))

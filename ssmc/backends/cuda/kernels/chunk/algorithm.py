@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
+# chunks up to which the carry across chunks is one matrix product per head ([NC+1, NC] weights);
+# beyond, a loop over the chunks
+SCAN_MATRIX_CHUNKS = 512
 
 
 @dataclass
@@ -61,13 +64,35 @@ def _decays(ell: torch.Tensor):
 
 def _scan(gamma: torch.Tensor, delta: torch.Tensor, s0: torch.Tensor, reverse: bool = False):
     """The carry across chunks: ``s = exp(gamma_c) s + delta_c`` over c (last first where `reverse`).
-    Returns (the carry before each chunk [*H, NC, K, V], the carry after the last)."""
+    Returns (the carry before each chunk [*H, NC, K, V], the carry after the last).
+
+    As one matrix product per head: the carry before chunk c is ``Σ_{c'<c} exp(P_c − P_{c'+1}) delta_c'
+    + exp(P_c) s0`` with P the exclusive prefix sums of gamma (taken in float64, so that the
+    differences lose no digits); where there are too many chunks for an [NC, NC] matrix, a loop."""
+    if reverse:
+        before, last = _scan(gamma.flip(-1), delta.flip(-3), s0)
+        return before.flip(-3), last
+    nc = delta.shape[-3]
+    if nc > SCAN_MATRIX_CHUNKS:
+        return _scan_loop(gamma, delta, s0)
+    prefix = torch.nn.functional.pad(torch.cumsum(gamma.double(), -1), (1, 0))          # P_0 .. P_NC
+    exponent = prefix[..., :, None] - prefix[..., None, 1:]                              # [NC+1, NC]
+    later = torch.ones(nc + 1, nc, dtype=torch.bool, device=gamma.device).tril(-1)       # c' < c
+    weights = torch.exp(exponent.masked_fill(~later, float("-inf"))).to(s0.dtype)
+    flat = delta.reshape(*delta.shape[:-2], -1)
+    carried = torch.matmul(weights, flat) + torch.exp(prefix).to(s0.dtype)[..., None] * s0.reshape(
+        *s0.shape[:-2], 1, -1)
+    carried = carried.reshape(*carried.shape[:-1], *delta.shape[-2:])
+    return carried[..., :nc, :, :], carried[..., nc, :, :]
+
+
+def _scan_loop(gamma: torch.Tensor, delta: torch.Tensor, s0: torch.Tensor):
+    """`_scan` forward, chunk by chunk."""
     shape = torch.broadcast_shapes(delta.shape, (*s0.shape[:-2], 1, *s0.shape[-2:]))
     before = torch.empty(shape, dtype=s0.dtype, device=s0.device)
     s = s0.expand(*shape[:-3], *shape[-2:])
     factor = torch.exp(gamma)[..., None, None]
-    order = range(delta.shape[-3] - 1, -1, -1) if reverse else range(delta.shape[-3])
-    for c in order:
+    for c in range(delta.shape[-3]):
         before[..., c, :, :] = s
         s = factor[..., c, :, :] * s + delta[..., c, :, :]
     return before, s
@@ -84,9 +109,9 @@ def forward(x: Chunks):
     scores = _mm(x.q, x.k.transpose(-1, -2), x.mm) * decay
     out = _mm(scores, x.v, x.mm).to(f32)
     into_end = torch.exp(gamma[..., None] - lam)[..., None]
-    delta = _mm((x.k.to(f32) * into_end).transpose(-1, -2), x.v, f32)
+    delta = _mm((x.k * into_end).transpose(-1, -2), x.v, x.mm).to(f32)
     entering, final = _scan(gamma, delta, x.s0)
-    out = out + _mm(x.q.to(f32) * torch.exp(lam)[..., None], entering, f32)
+    out = out + _mm(x.q * torch.exp(lam)[..., None], entering, x.mm).to(f32)
     return out, entering, final
 
 
