@@ -6,8 +6,8 @@
 
 Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device
 whatever `backend` `ssmc.torch.function` is given (attention has no kernels of its own yet):
-the forward keeps the output and the log-sum-exp of each query row, the backward recomputes the
-probabilities per block of queries from them. The output has q's dtype; each gradient its input's.
+the forward keeps the log-sum-exp of each query row, the backward recomputes the probabilities per
+block of queries from it. The output has q's dtype; each gradient its input's.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ class _Attention(torch.autograd.Function):
         tiled, p = fn.tiled, fn.program
         call = tiled.bind(q, k, v, fn.layout, dict(zip(names, params)))
         out, lse = tiled.forward(call)
-        out = out.to(call.out_dtype)  # kept as returned (the backward's rowsum(dO * O) reads it)
         # saved, so an input changed in place before the backward is torch's error, not a wrong gradient
         ctx.save_for_backward(q, k, v, *params)
-        ctx.fn, ctx.call, ctx.out, ctx.lse = fn, call, out, lse
+        ctx.fn, ctx.call, ctx.lse = fn, call, lse
         return tiled.to_layout(call, out, "out", p.v_axes, fn.layout)
 
     @staticmethod
@@ -37,7 +36,7 @@ class _Attention(torch.autograd.Function):
         tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
         fn, call = ctx.fn, ctx.call
         tiled, p = fn.tiled, fn.program
-        grads = tiled.backward(call, ctx.out, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout))
+        grads = tiled.backward(call, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout))
         q, k, v = tensors[:3]
         result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]

@@ -197,7 +197,7 @@ class TiledAttention:
             d_out = torch.zeros_like(out)
         else:
             d_out = self.from_layout(call, grad_outputs, "grad_outputs", layout)
-        grads = self.backward(call, out, lse, d_out)
+        grads = self.backward(call, lse, d_out)
         result = {name: self.to_layout(call, grads[name], name, axes, layout)
                   for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes))}
         for d in p.params:
@@ -289,10 +289,13 @@ class TiledAttention:
 
     # -- the backward ----------------------------------------------------------------------------
 
-    def backward(self, call: Call, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+    def backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor,
                  block: int | None = None) -> dict[str, torch.Tensor]:
-        """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `out`
-        [*batch, Lq, e] and `lse` [*batch, Lq] and the cotangent `d_out` [*batch, Lq, e]."""
+        """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `lse`
+        [*batch, Lq] and the output's cotangent `d_out` [*batch, Lq, e]. A block holds its rows' whole
+        key span, so FlashAttention's rowsum(dO * O) is taken as rowsum(P * dP) in fp32 and the output
+        is not needed (a bf16 output's rounding would reach the params' gradients, sums weighted by
+        positions)."""
         p, bw = self.program, self.backward_ir
         block = block or block_rows(call)
         scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])
@@ -306,7 +309,6 @@ class TiledAttention:
         target = (*p.batch_axes, "~q", "~k")
         acc, dev = call.acc, call.q.device
         d_out = d_out.to(acc)
-        delta = (d_out * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
         lse_safe = torch.where(torch.isfinite(lse), lse, math.inf).unsqueeze(-1)
         dq = torch.zeros(call.q.shape, dtype=acc, device=dev)
         dk = torch.zeros(call.k.shape, dtype=acc, device=dev)
@@ -322,7 +324,7 @@ class TiledAttention:
             do = d_out[..., q0:q1, :]
             dv[..., lo:hi, :] += _mm(prob.transpose(-1, -2), (do.to(call.v.dtype) if half else do), acc)
             dp = _mm(do.to(call.v.dtype) if half else do, call.v[..., lo:hi, :].transpose(-1, -2), acc)
-            d_mod = prob * (dp - delta[..., q0:q1, :])
+            d_mod = prob * (dp - (prob * dp).sum(-1, keepdim=True))  # rowsum(P dP) = rowsum(dO O), in fp32
             if p.score is None:
                 ds = d_mod
             else:
