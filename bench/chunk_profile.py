@@ -60,39 +60,45 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.only.split(","):
-        module, sizes = SHAPES[name]
-        state = module.SPEC.program.states[0].name
-        out_name = module.SPEC.program.outputs[0][0]
-        # the check: chunked against the element-wise scan, fp32, a shorter length
-        small = inputs(name, sizes, 512, torch.float32, g)
-        os.environ["SSMC_CUDA_CHUNKED"] = "0"
-        ref = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")(**small, return_final_states=True)
-        os.environ.pop("SSMC_CUDA_CHUNKED")
-        got = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")(**small, return_final_states=True)
-        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
-        print(f"{name}: chunked vs element-wise scan, fp32 L512: relative error {err:.2e}", flush=True)
-        x = inputs(name, sizes, sizes["t"], torch.bfloat16, g)
-        run = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")
-        grad = ssmc.grad(module.SPEC, backend="cuda", layout=module.LAYOUT)
-        y = run(**x)
-        cot = {out_name: torch.randn_like(y, dtype=torch.float32)}
-        for chunk in args.chunks.split(","):
-            os.environ["SSMC_CUDA_CHUNK"] = chunk
-            fwd = timed(lambda: run(**x))
-            step = timed(lambda: grad(**x, grad_outputs=cot))
-            print(f"{name} C={chunk}: forward {fwd:.3f} ms, training step (ssmc.grad) {step:.3f} ms,"
-                  f" peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
-            if args.profile:
-                from torch.profiler import ProfilerActivity, profile
-                for what, fn in (("forward", lambda: run(**x)), ("step", lambda: grad(**x, grad_outputs=cot))):
-                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                        fn()
-                        torch.cuda.synchronize()
-                    print(f"-- {name} C={chunk} {what}")
-                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-        os.environ.pop("SSMC_CUDA_CHUNK", None)
-        del state
+        measure(name, args, g)
 
+
+def measure(name: str, args, g: torch.Generator) -> None:
+    module, sizes = SHAPES[name]
+    out_name = module.SPEC.program.outputs[0][0]
+    # the check: chunked against the element-wise scan, fp32, a shorter length
+    small = inputs(name, sizes, 512, torch.float32, g)
+    os.environ["SSMC_CUDA_CHUNKED"] = "0"
+    ref = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")(**small, return_final_states=True)
+    os.environ.pop("SSMC_CUDA_CHUNKED")
+    got = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")(**small, return_final_states=True)
+    err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+    print(f"{name}: chunked vs element-wise scan, fp32 L512: relative error {err:.2e}", flush=True)
+    x = inputs(name, sizes, sizes["t"], torch.bfloat16, g)
+    run = ssmc.compile(module.SPEC, layout=module.LAYOUT, backend="cuda")
+    grad = ssmc.grad(module.SPEC, backend="cuda", layout=module.LAYOUT)
+    cot = {out_name: torch.randn_like(run(**x), dtype=torch.float32)}
+
+    def forward():
+        return run(**x)
+
+    def step():
+        return grad(**x, grad_outputs=cot)
+
+    for chunk in args.chunks.split(","):
+        os.environ["SSMC_CUDA_CHUNK"] = chunk
+        torch.cuda.reset_peak_memory_stats()
+        print(f"{name} C={chunk}: forward {timed(forward):.3f} ms, training step (ssmc.grad) {timed(step):.3f} ms,"
+              f" peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            for what, fn in (("forward", forward), ("step", step)):
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+                print(f"-- {name} C={chunk} {what}")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    os.environ.pop("SSMC_CUDA_CHUNK", None)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,315 @@
+"""The chunked matrix-linear path (passes/matrix_linear.py, backends/cuda/kernels/chunk/).
+
+- the analysis: which specs it takes, with which roles, and why it refuses the others;
+- the chunked forward and VJP against the interpreter (float64, the CUDA backend emulated on the CPU:
+  the chunked core runs on torch CPU tensors, the stages around it as emulated kernels), at awkward
+  lengths and chunk sizes, every gradient;
+- the VJP against torch autograd of the chunked forward itself, and finite differences;
+- decays given as they are (RetNet's gamma) with values <= 0; the switch back to the scans;
+- on a GPU: bf16 and fp32 against float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ssmc
+from ssmc.examples import linear_attention, lstm, mamba1, mamba2, retnet
+from ssmc.passes.matrix_linear import chunk_stages, core_form, matrix_linear
+from tests.profiles import examples
+
+torch = pytest.importorskip("torch")
+
+
+# -- specs beside the examples ---------------------------------------------------------------------
+
+@ssmc.recurrence
+def gated(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], v: ssmc.Seq["b h v"],
+          g: ssmc.Seq["b h"], w: ssmc.Param["h"]):
+    """Simple-GLA-like: a sigmoid gate as decay (kept as a, positive), a feature map on q, -k ⊗ v."""
+    S = ssmc.sigmoid(g) * S - k * (v * w)
+    y = ssmc.dot(S, ssmc.silu(q) * 0.5, over="k") + v
+    return S, y
+
+
+@ssmc.recurrence
+def constant_decay(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"]):
+    S = 0.9 * S + k * v
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+@ssmc.recurrence
+def exclusive(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"]):
+    y = ssmc.dot(S, q, over="k")
+    S = S + k * v
+    return S, y
+
+
+@ssmc.recurrence
+def rank_two(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"],
+             k2: ssmc.Seq["b k"], v2: ssmc.Seq["b v"]):
+    S = S + k * v + k2 * v2
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+@ssmc.recurrence
+def per_key(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"],
+            g: ssmc.Seq["b k"]):
+    S = ssmc.exp(g) * S + k * v
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+@ssmc.recurrence
+def two_queries(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], p: ssmc.Seq["b k"], k: ssmc.Seq["b k"],
+                v: ssmc.Seq["b v"]):
+    S = S + k * v
+    y = ssmc.dot(S, q, over="k") + ssmc.dot(S, p, over="k")
+    return S, y
+
+
+SIZES = {"gated": {"b": 2, "h": 2, "k": 3, "v": 4}, "constant_decay": {"b": 2, "k": 3, "v": 2}}
+
+
+def _inputs(spec, sizes: dict, length: int, rng, layout="b t ..."):
+    """Random inputs for a spec of this module in layout "b t ..." (time second)."""
+    out = {}
+    for d in spec.program.inputs:
+        shape = [sizes[a] for a in d.axes]
+        if d.role.value == "seq":
+            shape.insert(1, length)
+        out[d.name] = rng.standard_normal(shape)
+    for s in spec.program.states:
+        out[s.name] = 0.5 * rng.standard_normal([sizes[a] for a in s.axes])
+    return out
+
+
+# -- the analysis ------------------------------------------------------------------------------------
+
+def test_examples_are_recognised_with_their_roles():
+    ml = matrix_linear(mamba2.SPEC.program)
+    assert (ml.key, ml.value, ml.heads) == ("n", "p", ("b", "g", "r"))
+    assert ml.log_decay is not None and ml.decay is None
+    assert ml.q.arg == "C" and ml.k.arg == "B"
+    ml = matrix_linear(retnet.SPEC.program)
+    assert (ml.key, ml.value, ml.heads, ml.decay.arg) == ("k", "v", ("b", "h"), "gamma")
+    ml = matrix_linear(linear_attention.SPEC.program)
+    assert ml.log_decay is None and ml.decay is None
+    # retnet and linear attention are cores as written; mamba2 is cut into pre, core and post
+    assert core_form(retnet.SPEC.program) is not None and chunk_stages(retnet.SPEC.program) is None
+    fused = chunk_stages(mamba2.SPEC.program)
+    assert [s.kind for s in fused.stages] == ["pre", "core", "post"]
+    assert core_form(fused.stages[1].program) is not None
+    gated_stages = chunk_stages(gated.program)
+    assert [s.kind for s in gated_stages.stages] == ["pre", "core", "post"]
+    assert chunk_stages(constant_decay.program) is None and core_form(constant_decay.program) is not None
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (lstm.SPEC, "2 states"),
+    (mamba1.SPEC, "diagonal linear"),
+    (exclusive, "contracts the state"),
+    (rank_two, "diagonal linear"),  # classify sees no outer product in a sum of two
+    (per_key, "diagonal linear"),  # a decay along k leaves one outer axis: the diagonal scans take it
+    (two_queries, "two contractions"),
+])
+def test_refusals_say_why(spec, reason):
+    got = matrix_linear(spec.program)
+    assert isinstance(got, str) and reason in got, got
+
+
+# -- against the interpreter ---------------------------------------------------------------------------
+
+CASES = {
+    "mamba2": (mamba2.SPEC, mamba2.LAYOUT, lambda rng, L: mamba2.make_inputs(rng, L)),
+    "retnet": (retnet.SPEC, retnet.LAYOUT, lambda rng, L: retnet.make_inputs(rng, L)),
+    "linear_attention": (linear_attention.SPEC, linear_attention.LAYOUT,
+                         lambda rng, L: linear_attention.make_inputs(rng, L)),
+    "gated": (gated, "b t ...", lambda rng, L: _inputs(gated, SIZES["gated"], L, rng)),
+    "constant_decay": (constant_decay, "b t ...",
+                       lambda rng, L: _inputs(constant_decay, SIZES["constant_decay"], L, rng)),
+}
+
+
+def _relative(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _check(name: str, length: int, dtype: str, tol: float, seed: int = 0):
+    spec, layout, make = CASES[name]
+    rng = np.random.default_rng(seed)
+    inputs = make(rng, length)
+    if name == "gated":
+        inputs["g"] = inputs["g"] + 2.0  # decays near 1 keep the state alive over many steps
+    state = spec.program.states[0].name
+    output = spec.program.outputs[0][0]
+    ref = ssmc.compile(spec, layout=layout, backend="interpreter")(**inputs, return_final_states=True)
+    got = ssmc.compile(spec, layout=layout, backend="cuda", dtype=dtype)(**inputs, return_final_states=True)
+    assert _relative(got[0], ref[0]) < tol and _relative(got[1], ref[1]) < tol
+    cot = {output: rng.standard_normal(np.shape(ref[0]))}
+    lam = {state: rng.standard_normal(np.shape(ref[1]))}
+    want = ssmc.grad(spec, backend="interpreter", layout=layout)(**inputs, grad_outputs=cot, grad_final_states=lam)
+    grads = ssmc.grad(spec, backend="cuda", layout=layout, dtype=dtype)(**inputs, grad_outputs=cot,
+                                                                        grad_final_states=lam)
+    assert set(grads) == set(want)
+    for k in want:
+        assert _relative(grads[k], want[k]) < tol, (name, length, k, _relative(grads[k], want[k]))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The chunked core's forward and backward calls, counted (the path must be the one tested)."""
+    from ssmc.backends.cuda.kernels import chunk
+
+    calls = {"forward": 0, "backward": 0}
+    for what in calls:
+        original = getattr(chunk.ChunkedCore, what)
+
+        def wrapped(self, *a, _original=original, _what=what, **k):
+            calls[_what] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(chunk.ChunkedCore, what, wrapped)
+    return calls
+
+
+@settings(max_examples=examples(12, ci=4), deadline=None)
+@given(name=st.sampled_from(sorted(CASES)), length=st.sampled_from([1, 7, 64, 65, 180, 1000]),
+       chunk=st.sampled_from([None, 4, 16]))
+def test_chunked_matches_the_interpreter(name, length, chunk):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSMC_CUDA_EMULATE", "1")
+        if chunk is not None:
+            mp.setenv("SSMC_CUDA_CHUNK", str(chunk))
+        _check(name, length, "float64", 1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_example_takes_the_chunked_path(name, emulated_cuda, counted):
+    _check(name, 33, "float64", 1e-10)
+    assert counted["forward"] >= 2 and counted["backward"] == 1
+
+
+def test_long_sequence_many_chunks_and_the_chunk_loop(emulated_cuda, monkeypatch):
+    """L = 4097 in chunks of 16 (257 chunks, one ragged), through the [NC, NC] product and the loop."""
+    from ssmc.backends.cuda.kernels.chunk import algorithm
+
+    emulated_cuda.setenv("SSMC_CUDA_CHUNK", "16")
+    _check("mamba2", 4097, "float64", 1e-9)
+    monkeypatch.setattr(algorithm, "SCAN_MATRIX_CHUNKS", 8)
+    _check("retnet", 4097, "float64", 1e-9)
+
+
+def test_float32(emulated_cuda):
+    _check("mamba2", 180, "float32", 2e-4)
+    _check("gated", 180, "float32", 2e-4)
+
+
+# -- the VJP on its own ------------------------------------------------------------------------------
+
+def _random_chunks(seed: int, heads=(2, 1, 3), nc=3, c=5, kd=4, vd=3):
+    from ssmc.backends.cuda.kernels.chunk.algorithm import Chunks
+
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+    # q, k lack the last head axis (shared across it), v and the decays have all of them
+    return Chunks(q=r(*heads[:2], 1, nc, c, kd), k=r(*heads[:2], 1, nc, c, kd), v=r(*heads, nc, c, vd),
+                  ell=-torch.rand(*heads, nc, c, generator=g, dtype=torch.float64), s0=r(*heads, kd, vd))
+
+
+def _summed_to(grad, shape):
+    """`grad` summed over the axes where `shape` has 1 (a broadcast operand); torch's sum over an empty
+    list of axes would sum over all of them."""
+    axes = [i for i in range(grad.dim()) if shape[i] == 1 and grad.shape[i] != 1]
+    return grad.sum(axes, keepdim=True) if axes else grad
+
+
+def test_vjp_matches_torch_autograd_of_the_forward():
+    from ssmc.backends.cuda.kernels.chunk.algorithm import Chunks, forward, vjp
+
+    x = _random_chunks(0)
+    leaves = {k: getattr(x, k).clone().requires_grad_(True) for k in ("q", "k", "v", "ell", "s0")}
+    out, entering, final = forward(Chunks(**leaves))
+    d_out, d_final = torch.randn_like(out), torch.randn_like(final)
+    want = torch.autograd.grad((out * d_out).sum() + (final * d_final).sum(), list(leaves.values()))
+    got = vjp(x, entering.detach(), final.detach(), d_out, d_final)
+    for name, w, g in zip(leaves, want, got):
+        g = _summed_to(g, w.shape)
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-12), name
+
+
+def test_vjp_matches_finite_differences():
+    from ssmc.backends.cuda.kernels.chunk.algorithm import Chunks, forward, vjp
+
+    x = _random_chunks(1, heads=(1, 1, 2), nc=2, c=3, kd=2, vd=2)
+    out, entering, final = forward(x)
+    d_out, d_final = torch.randn_like(out), torch.randn_like(final)
+    grads = dict(zip(("q", "k", "v", "ell", "s0"), vjp(x, entering, final, d_out, d_final)))
+
+    def loss(**changed):
+        o, _, f = forward(Chunks(**{**vars(x), **changed}))
+        return float((o * d_out).sum() + (f * d_final).sum())
+    eps = 1e-6
+    for name in ("q", "k", "v", "ell", "s0"):
+        base = getattr(x, name)
+        for index in [(0,) * base.dim(), tuple(s - 1 for s in base.shape)]:
+            plus, minus = base.clone(), base.clone()
+            plus[index] += eps
+            minus[index] -= eps
+            numeric = (loss(**{name: plus}) - loss(**{name: minus})) / (2 * eps)
+            g = _summed_to(grads[name], base.shape)
+            assert abs(float(g[index]) - numeric) < 1e-6 * max(1.0, abs(numeric)), (name, index)
+
+
+# -- decays as given, and the switch -------------------------------------------------------------------
+
+def test_non_positive_decay_runs_the_scan_forward_and_refuses_gradients(emulated_cuda):
+    rng = np.random.default_rng(3)
+    inputs = retnet.make_inputs(rng, 20)
+    inputs["gamma"] = np.array([0.9, -0.5, 0.0])
+    ref = ssmc.compile(retnet.SPEC, layout=retnet.LAYOUT, backend="interpreter")(**inputs)
+    got = ssmc.compile(retnet.SPEC, layout=retnet.LAYOUT, backend="cuda", dtype="float64")(**inputs)
+    assert _relative(got, ref) < 1e-10
+    with pytest.raises(ValueError, match="gamma"):
+        ssmc.grad(retnet.SPEC, backend="cuda", layout=retnet.LAYOUT, dtype="float64")(
+            **inputs, grad_outputs={"y": np.ones_like(ref)})
+
+
+def test_chunked_off_runs_the_element_wise_scan(emulated_cuda, counted):
+    emulated_cuda.setenv("SSMC_CUDA_CHUNKED", "0")
+    _check("mamba2", 20, "float64", 1e-10)
+    assert counted == {"forward": 0, "backward": 0}
+
+
+def test_malformed_chunk_option(emulated_cuda):
+    emulated_cuda.setenv("SSMC_CUDA_CHUNK", "big")
+    with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK"):
+        _check("retnet", 5, "float64", 1e-10)
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mamba2", "retnet", "gated"])
+@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+def test_gpu_float32_and_bfloat16(name, length):
+    """fp32 through the ops as written (products in fp32), bf16 inputs (products on tensor cores):
+    relative RMS error against float64."""
+    _check(name, length, "float32", 1e-4)
+    spec, layout, make = CASES[name]
+    rng = np.random.default_rng(7)
+    inputs = make(rng, length)
+    ref = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")(**inputs)
+    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
+          for k, v in inputs.items()}
+    got = ssmc.compile(spec, layout=layout, backend="cuda")(**bf)
+    ref = torch.as_tensor(ref, device="cuda")
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 2e-2, err
