@@ -4,7 +4,10 @@
 random subsets of a few named axes; an elementwise expression tree of depth <= 4 with reductions
 and dots), saves it to a file and hands it to `ssmc.recurrence`, so a failing example prints as
 readable source and SpecError locations point at real lines. `diagonal_linear_recurrences()`
-restricts every update to ``h = a(x) * h + b(x)`` with a, b free of any state.
+restricts every update to ``h = a(x) * h + b(x)`` with a, b free of any state. Both draw the
+elementary ops (sin, cos, tan, atan2, log1p, expm1, clamp), reductions over two axes at once and
+LayerNorm / RMSNorm / softmax over one or two axes; `recurrences()` also values from earlier steps,
+``x.shift(k)`` (see `FREE_EXTRA`, `ALL_EXTRA`).
 
 The specs are numerically safe by construction: every operand is bounded (exp only of bounded
 arguments, division only by ``1 + softplus(.)``, sqrt only of softplus), and the state update is
@@ -77,6 +80,13 @@ UNARY = (
     ("ssmc.exp(-ssmc.softplus({0}))", lambda b: 1.0, 1.0),
     ("ssmc.exp(ssmc.tanh({0}))", lambda b: math.e, math.e),
     ("ssmc.sqrt(ssmc.softplus({0}))", lambda b: math.sqrt(b + math.log(2.0)), 0.5),
+    ("ssmc.sin({0})", lambda b: min(b, 1.0), 1.0),
+    ("np.cos({0})", lambda b: 1.0, 1.0),
+    # |d/dx tan(0.5 tanh x)| <= 0.5 (1 + tan(0.5)**2) < 0.65
+    ("ssmc.tan(0.5 * ssmc.tanh({0}))", lambda b: math.tan(0.5), 0.65),
+    ("ssmc.log1p(ssmc.softplus({0}))", lambda b: math.log1p(b + math.log(2.0)), 1.0),
+    ("ssmc.expm1(-ssmc.softplus({0}))", lambda b: 1.0, 1.0),
+    ("ssmc.clamp({0}, -1.0, 2.0)", lambda b: min(b, 2.0), 1.0),
 )
 
 # (template, bound from (B0, B1), Lipschitz from (B0, L0, B1, L1))
@@ -88,9 +98,13 @@ BINARY = (
     ("{0} / (1 + ssmc.softplus({1}))", lambda b0, b1: b0, lambda b0, l0, b1, l1: l0 + b0 * l1),
     ("ssmc.maximum({0}, {1})", max, lambda b0, l0, b1, l1: max(l0, l1)),
     ("ssmc.minimum({0}, {1})", max, lambda b0, l0, b1, l1: max(l0, l1)),
+    # atan2(y, x) with x >= 1: |d/dy| <= 1, |d/dx| <= 1/2
+    ("ssmc.atan2({0}, 1 + ssmc.softplus({1}))", lambda b0, b1: min(b0, math.pi / 2),
+     lambda b0, l0, b1, l1: l0 + 0.5 * l1),
 )
 
-# (template, bound factor, Lipschitz factor) of a reduction over one axis of size <= MAX_SIZE
+# (template, bound factor, Lipschitz factor) of a reduction over one axis of size <= MAX_SIZE (over several
+# axes at once, the factors to the power of their number)
 REDUCTIONS = (
     ("{0}.sum({axis!r})", MAX_SIZE, MAX_SIZE),
     ("ssmc.sum({0}, {axis!r})", MAX_SIZE, MAX_SIZE),
@@ -98,7 +112,24 @@ REDUCTIONS = (
     ("{0}.max({axis!r})", 1.0, 1.0),
 )
 
+# (template, bound, Lipschitz factor) of a norm over one or two axes (at most MAX_SIZE**2 elements n). With
+# eps = 1 a LayerNorm's output is at most sqrt(n) <= MAX_SIZE in size and its sup-norm Lipschitz constant
+# at most 2 + sqrt(n) max_v v / (v + 1)**1.5 < 4 (3 for RMSNorm); softmax's Jacobian diag(p) - p p^T has
+# rows summing to at most 2 p (1 - p) <= 1/2
+NORMS = (
+    ("ssmc.layernorm({0}, over={axes!r}, eps=1.0)", MAX_SIZE, 4.0),
+    ("ssmc.rmsnorm({0}, over={axes!r}, eps=1.0)", MAX_SIZE, 3.0),
+    ("ssmc.softmax({0}, over={axes!r})", 1.0, 0.5),
+)
+
 GATES = ("ssmc.sigmoid({0})", "ssmc.exp(-ssmc.softplus({0}))")  # into (0, 1)
+
+# Kinds of expression a generator may add to the base ones (`expression`'s `extra`): "multi",
+# reductions over two axes at once; "norm", a LayerNorm / RMSNorm / softmax over one or two axes;
+# "shift", a value from 1-3 steps earlier (x.shift(k): states the trace adds). Multi-axis reductions and
+# norms of the inputs keep a diagonal recurrence diagonal; a shift makes it read states.
+FREE_EXTRA = ("multi", "norm")
+ALL_EXTRA = ("multi", "norm", "shift")
 
 
 def _const(draw) -> Expr:
@@ -106,35 +137,61 @@ def _const(draw) -> Expr:
     return Expr(f"({value!r})", frozenset(), abs(value), number=True)
 
 
-def expression(draw, src: Source, leaves: list[Expr], depth: int, over: frozenset[str] | None = None) -> Expr:
-    """A random expression over `leaves` (and constants), at most `depth` ops deep; reductions and dots
-    over the axes `over` only, where given."""
-    kind = draw(st.sampled_from(("leaf", "unary", "binary", "binary", "where", "reduce", "dot"))) \
-        if depth > 0 else "leaf"
+def expression(draw, src: Source, leaves: list[Expr], depth: int, over: frozenset[str] | None = None,
+               extra: tuple[str, ...] = ()) -> Expr:
+    """A random expression over `leaves` (and constants), at most `depth` ops deep; reductions, dots and
+    norms over the axes `over` only, where given; the kinds `extra` (FREE_EXTRA, ALL_EXTRA) too."""
+    ops = [k for k in extra if k != "multi"]
+    kinds = ("leaf", "unary", "binary", "binary", "where", "reduce", "dot", *(("extra",) if ops else ()))
+    kind = draw(st.sampled_from(kinds)) if depth > 0 else "leaf"
+    if kind == "extra":  # one kind among the base ones' seven, so most specs keep a plain core
+        kind = draw(st.sampled_from(ops))
     if kind == "leaf":
         return draw(st.sampled_from(leaves)) if draw(st.integers(0, 5)) else _const(draw)
+
+    def sub() -> Expr:
+        return expression(draw, src, leaves, depth - 1, over, extra)
+
+    if kind == "shift":
+        x = sub()
+        if x.number:
+            return x
+        k = draw(st.integers(1, 3))
+        # a shift state holds the value of k steps before: as large, and as sensitive to the states then
+        return src.emit(f"({x.code}).shift({k})", x.axes, x.bound, x.lip)
+    if kind == "norm":
+        x = sub()
+        axes = sorted(x.axes if over is None else x.axes & over)
+        if not axes:
+            return x
+        chosen = draw(st.lists(st.sampled_from(axes), min_size=1, max_size=2, unique=True))
+        template, bound, lip = draw(st.sampled_from(NORMS))
+        return src.emit(template.format(x.code, axes=" ".join(chosen)), x.axes, bound, lip * x.lip)
     if kind == "unary":
-        x = expression(draw, src, leaves, depth - 1, over)
+        x = sub()
         if x.number and draw(st.integers(0, 3)):  # a function of a constant now and then
             return x
         template, bound, lip = draw(st.sampled_from(UNARY))
         number = x.number and not template.startswith("ssmc.")  # -c and np.tanh(c) stay numbers
         return src.emit(template.format(x.code), x.axes, bound(x.bound), lip * x.lip, number)
     if kind == "reduce":
-        x = expression(draw, src, leaves, depth - 1, over)
+        x = sub()
         axes = x.axes if over is None else x.axes & over
         if not axes:
             return x
+        if "multi" in extra and len(axes) > 1 and draw(st.booleans()):
+            return reduce_axis(draw, src, x, " ".join(draw(st.lists(st.sampled_from(sorted(axes)), min_size=2,
+                                                                     max_size=2, unique=True))))
         return reduce_axis(draw, src, x, draw(st.sampled_from(sorted(axes))))
-    a = expression(draw, src, leaves, depth - 1, over)
-    b = expression(draw, src, leaves, depth - 1, over)
+    a = sub()
+    b = sub()
     shared = a.axes & b.axes if over is None else a.axes & b.axes & over
     if kind == "dot" and shared:
         axis = draw(st.sampled_from(sorted(shared)))
         return src.emit(f"ssmc.dot({a.code}, {b.code}, over={axis!r})", (a.axes | b.axes) - {axis},
                         MAX_SIZE * a.bound * b.bound, MAX_SIZE * (a.lip * b.bound + b.lip * a.bound))
     if kind == "where":
-        c0 = expression(draw, src, leaves, depth - 1, over)
+        c0 = sub()
         # a branch on the states is ill-conditioned: where the recurrence settles at the threshold (a fixed
         # point on it, or a state clamped to it by maximum), roundoff picks the branch at every step and a
         # float32 or GPU run parts from the float64 reference (h0 >= maximum(x1, p0), h0 >= v4 + c): the
@@ -148,7 +205,7 @@ def expression(draw, src: Source, leaves: list[Expr], depth: int, over: frozense
             c0 = draw(st.sampled_from(free or leaves))
         cmp = draw(st.sampled_from((">", "<", ">=", "<=")))
         cond = f"{a.code} {cmp} {c0.code}"
-        x, y = b, expression(draw, src, leaves, depth - 1, over)
+        x, y = b, sub()
         return src.emit(f"ssmc.where({cond}, {x.code}, {y.code})", a.axes | c0.axes | x.axes | y.axes,
                         max(x.bound, y.bound), max(x.lip, y.lip))
     template, bound, lip = draw(st.sampled_from(BINARY))
@@ -158,8 +215,11 @@ def expression(draw, src: Source, leaves: list[Expr], depth: int, over: frozense
 
 
 def reduce_axis(draw, src: Source, x: Expr, axis: str) -> Expr:
+    """`x` reduced over `axis` (one name, or several separated by spaces)."""
     template, bound, lip = draw(st.sampled_from(REDUCTIONS))
-    return src.emit(template.format(x.code, axis=axis), x.axes - {axis}, bound * x.bound, lip * x.lip)
+    names = axis.split()
+    return src.emit(template.format(x.code, axis=axis), x.axes - set(names), bound ** len(names) * x.bound,
+                    lip ** len(names) * x.lip)
 
 
 def reduce_to(draw, src: Source, x: Expr, axes) -> Expr:
@@ -208,8 +268,9 @@ def signatures(draw) -> Signature:
                      params=[(f"p{i}", axes()) for i in range(draw(st.integers(0, 2)))])
 
 
-def _gate(draw, src: Source, free: list[Expr], axes, depth: int, over: frozenset[str] | None = None) -> Expr:
-    g = reduce_to(draw, src, expression(draw, src, free, depth, over), axes)
+def _gate(draw, src: Source, free: list[Expr], axes, depth: int, over: frozenset[str] | None = None,
+          extra: tuple[str, ...] = ()) -> Expr:
+    g = reduce_to(draw, src, expression(draw, src, free, depth, over, extra), axes)
     return src.emit(draw(st.sampled_from(GATES)).format(g.code), g.axes, 1.0, 0.0)
 
 
@@ -262,7 +323,7 @@ def recurrences(draw, max_depth: int = 4):
     linear = {}
     for i, ((_, axes), kind) in enumerate(zip(sig.states, kinds)):
         if kind == "linear":  # b first: it bounds the state, which the other updates read
-            b = reduce_to(draw, src, expression(draw, src, free, max_depth - 1), axes)
+            b = reduce_to(draw, src, expression(draw, src, free, max_depth - 1, extra=ALL_EXTRA), axes)
             linear[i] = b
             bounds[i] = max(STATE_BOUND, b.bound)
     states = [Expr(name, frozenset(axes), bound, 1.0) for (name, axes), bound in zip(sig.states, bounds)]
@@ -270,17 +331,17 @@ def recurrences(draw, max_depth: int = 4):
     updates = []
     for i, ((name, axes), kind) in enumerate(zip(sig.states, kinds)):
         if kind == "linear":
-            a = _gate(draw, src, free, axes, max_depth - 1)
+            a = _gate(draw, src, free, axes, max_depth - 1, extra=ALL_EXTRA)
             code = f"{a.code} * {name} + (1 - {a.code}) * {linear[i].code}"
         else:
-            e = _scaled(src, reduce_to(draw, src, expression(draw, src, leaves, max_depth), axes))
+            e = _scaled(src, reduce_to(draw, src, expression(draw, src, leaves, max_depth, extra=ALL_EXTRA), axes))
             t = src.emit(f"ssmc.tanh({e.code})", e.axes, 1.0, e.lip)
             if kind == "tanh":
                 if t.axes != set(axes):  # a new state value has all its state's axes: broadcast on purpose
                     t = src.emit(f"{t.code}.broadcast({' '.join(axes)!r})", set(axes), 1.0, t.lip)
                 updates.append(t)
                 continue
-            a = _gate(draw, src, free, axes, max_depth - 1)
+            a = _gate(draw, src, free, axes, max_depth - 1, extra=ALL_EXTRA)
             code = f"{a.code} * {name} + (1 - {a.code}) * {t.code}"
         updates.append(src.emit(code, set(axes), bounds[i], 1.0))
     new_states = [Expr(u.code, u.axes, b, 1.0) for u, b in zip(updates, bounds)]
@@ -300,11 +361,11 @@ def diagonal_linear_recurrences(draw, max_depth: int = 3):
     updates = []
     for name, axes in sig.states:
         if draw(st.booleans()):
-            a = _gate(draw, src, free, axes, max_depth)
+            a = _gate(draw, src, free, axes, max_depth, extra=FREE_EXTRA)
         else:
-            g = reduce_to(draw, src, expression(draw, src, free, max_depth), axes)
+            g = reduce_to(draw, src, expression(draw, src, free, max_depth, extra=FREE_EXTRA), axes)
             a = src.emit(f"ssmc.tanh({g.code})", g.axes, 1.0, 0.0)
-        b = reduce_to(draw, src, expression(draw, src, free, max_depth), axes)
+        b = reduce_to(draw, src, expression(draw, src, free, max_depth, extra=FREE_EXTRA), axes)
         if draw(st.booleans()):
             b = src.emit(f"(1 - {a.code}) * {b.code}", a.axes | b.axes, 2 * b.bound, 0.0)
         updates.append(src.emit(f"{a.code} * {name} + {b.code}", set(axes), LINEAR_BOUND, 1.0))
