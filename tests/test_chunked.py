@@ -136,8 +136,12 @@ CASES = {
 }
 
 
+def _host(x) -> np.ndarray:
+    return np.asarray(x.detach().double().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
+
+
 def _relative(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    a, b = _host(a), _host(b)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 

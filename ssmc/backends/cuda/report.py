@@ -16,12 +16,14 @@ import numpy as np
 from ...autograd import default_chunk
 from ...lowering.stages import fuse
 from ...passes.autodiff import derive_backward
+from ...passes.matrix_linear import chunk_stages
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .kernels.base import Launch
+from .kernels.chunk import chunk_size, chunked_core
 from .options import options
 from .printer import ArraySpec, contiguous_strides
 from .runner import MAX_LOCAL_BYTES, CudaRunner, one_kernel
@@ -80,15 +82,40 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     compute = "float64" if dtype == "float64" else "float32"
     common = (sizes, time_contiguous, dtype, compute, arch, compile_kernels)
     reports = _program_reports("forward", program, length, "", *common)
-    if backward and one_kernel(fuse(program), compute, sizes, length, time_contiguous):
+    if backward and one_kernel(_stages(program), compute, sizes, length, time_contiguous):
         # a training step's forward runs the stages: each stage's backward reads its own tape
         reports += _program_reports("forward (training)", program, length, "", *common, whole=False)
     if backward:
-        stages = fuse(program).stages
+        stages = _stages(program).stages
         for stage in stages:
+            if chunked_core(stage.program, compute) is not None:  # its VJP is the chunked core's (chunked_notes)
+                continue
             kind = f"{stage.kind}: " if len(stages) > 1 else ""
             reports += _gradient_reports(stage.program, kind, length, *common)
     return reports
+
+
+def _stages(program):
+    """The programs the CUDA backend runs `program` as (`CudaBackend.stages`)."""
+    chunked = None if options().chunked is False else chunk_stages(program)
+    return chunked or fuse(program)
+
+
+def chunked_notes(program, sizes: dict[str, int], length: int, dtype: str = "float32") -> list[str]:
+    """How the matrix-linear core of `program` runs where the chunked path takes it (kernels/chunk/),
+    one line each; [] elsewhere."""
+    compute = "float64" if dtype == "float64" else "float32"
+    for stage in _stages(program).stages:
+        core = chunked_core(stage.program, compute)
+        if core is None:
+            continue
+        ml, c = core.ml, chunk_size(core.ml, sizes, length)
+        heads = int(np.prod([sizes[h] for h in ml.heads]))
+        return [f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads x"
+                f" {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, as batched torch matrix"
+                f" products (forward and VJP); the kernels above are the stages around it"
+                f" (SSMC_CUDA_CHUNKED=0: the element-wise scan)"]
+    return []
 
 
 def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: bool, dtype: str, compute: str,
@@ -131,12 +158,14 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
     """The kernels of `program` run through its fusion stages (`lowering/stages.py`), or (`whole`)
     as one kernel where the CUDA runner takes it so (`runner.one_kernel`)."""
     reports = []
-    fused = fuse(program)
+    fused = _stages(program)
     if whole and one_kernel(fused, compute, sizes, steps, time_contiguous):  # a block owns each row
         return _reports(CudaRunner(program, compute), role, kind + "rows (the layer in one kernel)", sizes, steps,
                         time_contiguous, dtype, compute, arch, compile_kernels,
                         "a row statistic of the whole layer: a block owns each row, scan and norm in one kernel")
     for stage in fused.stages:
+        if chunked_core(stage.program, compute) is not None:  # matrix products, no generated kernel (chunked_notes)
+            continue
         hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
         runner = CudaRunner(stage.program, compute) if hoisted is None else hoisted.kernels
         selection = runner.selection(sizes, steps, time_contiguous)
