@@ -24,7 +24,8 @@ import ssmc
 
 pytestmark = pytest.mark.gpu
 
-RECURRENCES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru"]
+RECURRENCES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
+               "layernorm_lstm", "mamba_conv"]
 TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 
 

@@ -173,3 +173,26 @@ def test_misuse_is_a_spec_error_at_the_users_line(call, message, tmp_path):
     with pytest.raises(ssmc.SpecError, match=message) as err:
         ssmc.recurrence(namespace["step"])
     assert "spec_with_a_bad_norm.py:5:" in str(err.value) and call in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_on_a_gpu_against_the_interpreter(dtype):
+    """As test_backends_match_the_interpreter on CUDA tensors, against the interpreter on the inputs
+    rounded to `dtype`."""
+    import torch
+
+    tol, grad_tol = (1e-10, 1e-9) if dtype == "float64" else (1e-4, 1e-3)
+    for length in [1, 7, 180, 1000]:
+        gpu = {k: torch.tensor(v, device="cuda").to(getattr(torch, dtype)) for k, v in inputs(length, length).items()}
+        exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+        want = _outputs(ssmc.compile(norms, "interpreter"), exact)
+        _assert_close(_outputs(ssmc.compile(norms, "cuda"), gpu), want, tol)
+        rng = np.random.default_rng(length)
+        cot = {n: rng.standard_normal(v.shape) for n, v in want.items()}
+        want_g = ssmc.grad(norms, "interpreter")(**exact, grad_outputs=cot)
+        got_g = ssmc.grad(norms, "cuda")(**gpu, grad_outputs={
+            n: torch.tensor(c, device="cuda").to(getattr(torch, dtype)) for n, c in cot.items()})
+        for key, wg in want_g.items():
+            g = got_g[key].double().cpu().numpy()
+            assert np.abs(g - wg).max() <= grad_tol * max(np.abs(wg).max(), 1e-30), (length, key)

@@ -232,3 +232,50 @@ def test_shift_outside_a_recurrence_is_a_spec_error():
 
     with pytest.raises(ssmc.SpecError, match="shift outside a recurrence's step"):
         ssmc.attention(score_mod=score_mod)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_torch_function_gradcheck_of_the_mamba_conv_example(chunk):
+    """ssmc.torch.function over the example, the window's initial states among the inputs and the
+    final states among the results, one chunk or chunks recomputed from their boundaries."""
+    torch = pytest.importorskip("torch")
+    import ssmc.torch as ssmc_torch
+    from ssmc.examples import mamba_conv as m
+
+    values = m.make_inputs(np.random.default_rng(0), 5, batch=1, dim=2, state=2)
+    names = [d.name for d in m.SPEC.program.inputs] + [s.name for s in m.SPEC.program.states]
+    assert names[-3:] == ["x_shift1", "x_shift2", "x_shift3"]
+    tensors = [torch.tensor(values[n], dtype=torch.float64, requires_grad=True) for n in names]
+    f = ssmc_torch.function(m.SPEC, "interpreter", layout=m.LAYOUT, chunk=chunk, return_final_states=True)
+    count = len(m.SPEC.program.inputs)
+
+    def flat(*xs):
+        ys, finals = f(*xs[:count], **dict(zip(names[count:], xs[count:])))
+        return (ys, *finals)
+
+    assert torch.autograd.gradcheck(flat, tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_on_a_gpu_against_the_interpreter(dtype):
+    """As test_backends_match_the_interpreter on CUDA tensors, L up to 1000, against the interpreter
+    on the inputs rounded to `dtype`."""
+    import torch
+
+    tol, grad_tol = (1e-10, 1e-9) if dtype == "float64" else (1e-4, 1e-3)
+    for length in [*LENGTHS, 1000]:
+        values = inputs(length, 70 + length)
+        gpu = {k: torch.tensor(v, device="cuda").to(getattr(torch, dtype)) for k, v in values.items()}
+        exact = {k: v.double().cpu().numpy() for k, v in gpu.items()}
+        want, want_finals = _run("interpreter", exact)
+        got, got_finals = _run("cuda", gpu)
+        for g, w in zip([*got.values(), *got_finals], [*want.values(), *want_finals]):
+            assert np.abs(g - w).max() <= tol * max(np.abs(w).max(), 1.0), length
+        rng = np.random.default_rng(length)
+        cot = {n: rng.standard_normal(v.shape) for n, v in want.items()}
+        want_g = ssmc.grad(shifted, "interpreter")(**exact, grad_outputs=cot)
+        got_g = ssmc.grad(shifted, "cuda")(**gpu, grad_outputs={
+            n: torch.tensor(c, device="cuda").to(getattr(torch, dtype)) for n, c in cot.items()})
+        for key, wg in want_g.items():
+            assert np.abs(_np(got_g[key]) - wg).max() <= grad_tol * max(np.abs(wg).max(), 1.0), (length, key)
