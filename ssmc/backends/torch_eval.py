@@ -6,10 +6,10 @@
 
 The interpreter's evaluation (backends/interpreter.py) in torch: a value is a tensor paired with its
 axis names, the node's own axes then the "loop" axes it was computed for (``~q``, ``~k``, in that
-order, last); elementwise ops broadcast by name. Unlike the interpreter a value keeps size-1 dims
-where it is constant along an axis (an ALiBi bias ``slope[h] * (i - j)`` stays [1, h, bq, bk], not
-[b, h, bq, bk]); reductions over such a dim account for its size. Numbers are in `dtype` (float32 or
-float64), booleans as torch bools.
+order, last; ``~t``: a recurrence's steps); elementwise ops broadcast by name. Unlike the interpreter a
+value keeps size-1 dims where it is constant along an axis (an ALiBi bias ``slope[h] * (i - j)``
+stays [1, h, bq, bk], not [b, h, bq, bk]); reductions over such a dim account for its size. Numbers
+are in `dtype` (float32 or float64), booleans as torch bools.
 
 `UNARY` and `BINARY` are the op table: every elementwise op of `ir/ops.py` has its torch function
 here (tests/test_attention_torch.py checks that none is missing).
@@ -24,6 +24,7 @@ from ..ir.node import Node, toposort
 from ..ir.ops import Op
 
 LOOP_AXES = ("~q", "~k")
+TIME = "~t"  # a recurrence's steps, for values computed for all of them at once (kernels/step_loop.py)
 
 Value = tuple[torch.Tensor, tuple[str, ...]]
 
@@ -61,7 +62,7 @@ def align(value: Value, target: tuple[str, ...]) -> torch.Tensor:
 
 def _loops(values) -> tuple[str, ...]:
     found = {a for _, axes in values for a in axes}
-    return tuple(a for a in LOOP_AXES if a in found)
+    return tuple(a for a in (*LOOP_AXES, TIME) if a in found)
 
 
 class TorchEvaluator:

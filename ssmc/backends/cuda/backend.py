@@ -75,15 +75,18 @@ class CudaBackend(Backend):
     def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
         from .hoisted import hoisted_runner
         from .kernels.chunk import chunked_core
+        from .kernels.step_loop import step_loop
         from .runner import runner_for
 
         core = chunked_core(program, dtype.name)
         if core is not None:  # a matrix-linear core: chunks of matrix products (kernels/chunk/)
             return core.run
-
         hoisted = hoisted_runner(program, dtype.name)
         if hoisted is not None:  # contractions out of the time loop, as matrix products (cuda/hoisted.py)
             return hoisted.run if products is None else partial(hoisted.run, products=products)
+        loop = step_loop(program, dtype.name)
+        if loop is not None:  # a recurrent product: a loop over steps of matrix products (kernels/step_loop.py)
+            return loop.run
         return runner_for(program, dtype.name).run
 
     def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
@@ -96,8 +99,10 @@ class CudaBackend(Backend):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
         around its kernels); else None."""
         from .kernels.chunk import chunked_core
+        from .kernels.step_loop import step_loop
 
-        if self.stages(program).staged or chunked_core(program, dtype.name) is not None:
+        if (self.stages(program).staged or chunked_core(program, dtype.name) is not None
+                or step_loop(program, dtype.name) is not None):
             return None
         from .hoisted import hoisted_runner
         from .runner import runner_for

@@ -22,6 +22,7 @@ import math
 from functools import reduce
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
+from .kernels.step_loop import step_loop
 from .options import options
 from .runner import batch_outer, runner_for, time_contiguous
 
@@ -104,7 +105,10 @@ class HoistedRunner:
         self.program = program
         self.compute = compute
         self.hoisted: Hoisted = hoist(program, transpose=False)
-        self.kernels = runner_for(self.hoisted.program, compute)  # the kernels of what is left
+        # what is left: as a loop over steps where it reads its states through a recurrent product
+        # (kernels/step_loop.py), else its kernels
+        self.loop = step_loop(self.hoisted.program, compute)
+        self.kernels = runner_for(self.hoisted.program, compute)
 
     def describe(self) -> str:
         """The products around the kernels, for `ssmc inspect`: "matrix products: hz0 hz1 before, ..."."""
@@ -128,7 +132,8 @@ class HoistedRunner:
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
-        outs, finals = self.kernels.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
+        inner = self.kernels if self.loop is None else self.loop
+        outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                         initial, sizes, length)
         outs = in_original_order(h, outs, xp=TORCH)
         post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=TORCH)

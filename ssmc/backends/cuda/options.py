@@ -40,6 +40,7 @@ class CudaOptions:
     hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
+    step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     sm_count: SMs of the GPU the kernels are planned for
     """
@@ -57,6 +58,7 @@ class CudaOptions:
     hoist: bool = True
     chunked: bool | None = None
     chunk: int | None = None
+    step_loop: bool | None = None
     emulate: bool = False
     sm_count: int = SM_COUNT
 

@@ -1,0 +1,175 @@
+"""Nonlinear recurrences with a recurrent product (LSTM, GRU: ``dot(h, U, over=j)``) as a loop over
+steps of torch operations, each product of a state with a param one matrix product (cuBLAS).
+
+The thread-per-row kernels give such a program one thread per batch row walking the whole product
+alone; here every step is spread over the GPU by the matrix product, as a plain loop:
+
+    free = the nodes that read no state, evaluated once for all steps (x W already hoisted out)
+    carry = initial states
+    for t in range(L):                    # reversed for an adjoint
+        env = carry | free[t] | params
+        new, ys[t] = evaluate(updates, env), evaluate(outputs, env)
+        carry = new
+
+Every node is evaluated by `backends/torch_eval.py`; a ``SUM over a of MUL(x, y)`` whose product is
+read by nothing else is one `torch.einsum` (never the [b, j, g, k] product). The gradient's programs
+(the recompute of the carries, the adjoint, whose ``dh Uᵀ`` and ``Σ_b hᵀ dg`` are such products) run
+the same way, so `ssmc.grad` works unchanged. This is the first step of the persistent kernel the
+nonlinear family needs (U resident on chip across steps, a grid-wide barrier per step): it pays one
+launch per op and step from the host.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from ....ir.node import Node, depending_on, toposort
+from ....ir.ops import Op
+from ....passes.classify import classify
+from ..options import options
+
+
+def recurrent_products(program) -> list[Node]:
+    """The contractions of a state-dependent value with a value that reads no state and no sequence
+    (a param's): ``SUM over a of MUL(h, U)``."""
+    nodes = toposort(program.roots)
+    state_names = {s.name for s in program.states}
+    stateful = depending_on(nodes, state_names)
+    timed = depending_on(nodes, state_names | {d.name for d in program.seqs})
+    found = []
+    for n in nodes:
+        if n.op is Op.SUM and n.args[0].op is Op.MUL:
+            a, b = n.args[0].args
+            if (a in stateful and b not in timed) or (b in stateful and a not in timed):
+                found.append(n)
+    return found
+
+
+def applies(program) -> str | None:
+    """Why the step loop takes `program` (one line), or None: states that are not diagonal or matrix
+    linear (those have their scans), read through a recurrent product."""
+    if not program.states:
+        return None
+    family = classify(program).family
+    if family not in ("nonlinear", "general linear"):
+        return None
+    products = recurrent_products(program)
+    if not products:
+        return None
+    names = ", ".join(f"sum over {p.arg}" for p in products)
+    return (f"a {family} recurrence reading its states through {len(products)} recurrent product(s) ({names}):"
+            " a loop over steps, each product one matrix product")
+
+
+class StepLoop:
+    """Runs one program as the loop of the module docstring (the runner contract)."""
+
+    def __init__(self, program, compute: str = "float32"):
+        self.program = program
+        self.compute = compute
+        nodes = toposort(program.roots)
+        state_names = {s.name for s in program.states}
+        stateful = depending_on(nodes, state_names)
+        users: dict[Node, int] = {}
+        for n in nodes:
+            for a in set(n.args):
+                users[a] = users.get(a, 0) + 1
+        roots = set(program.roots)
+        # the free values the steps read, and the free roots (outputs computed for all steps at once)
+        self.free = [n for n in nodes if n not in stateful and (
+            n in roots or any(n in u.args for u in stateful))]
+        self.step_roots = tuple(program.updates) + tuple(y for _, y in program.outputs)
+        # SUM over a of MUL(x, y), the product read by nothing else: one einsum (`_contract`)
+        self.contractions = {n: n.args[0] for n in nodes if n.op is Op.SUM and n.args[0].op is Op.MUL
+                             and users.get(n.args[0]) == 1 and n.args[0] not in roots}
+        skip = set(self.contractions.values())
+        self.order = [n for n in nodes if n in stateful and n not in skip]
+        self.free_order = [n for n in toposort(self.free) if n not in skip]
+
+    @cached_property
+    def describe(self) -> str:
+        return applies(self.program) or "a loop over steps"
+
+    def run(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """Same contract as `interpreter.run_recurrence` (torch tensors in and out, time first)."""
+        import torch
+
+        from ...torch_eval import TIME, TorchEvaluator, align
+
+        p = self.program
+        dtype = torch.float64 if self.compute == "float64" else torch.float32
+        arrays = [*seqs.values(), *params.values(), *initial.values()]
+        device = arrays[0].device if arrays else None
+        ev = TorchEvaluator(sizes, dtype, device)
+        env = {d.name: (params[d.name].to(dtype), d.axes) for d in p.params}
+        env.update((d.name, (seqs[d.name].to(dtype).movedim(0, -1), (*d.axes, TIME))) for d in p.seqs)
+        free: dict = {}
+        self._evaluate(ev, env, free, self.free_order)
+        free = {n: free[n] for n in self.free}
+        outs = {name: torch.empty((length, *[sizes[a] for a in y.axes]), dtype=out_dtype or dtype, device=device)
+                for name, y in p.outputs}
+        for name, y in p.outputs:
+            if y in free:  # reads no state: all steps at once
+                outs[name].copy_(align(free[y], (*y.axes, TIME)).movedim(-1, 0).expand(outs[name].shape))
+        carry = {s.name: (initial[s.name].to(dtype), s.axes) for s in p.states}
+        k = len(p.updates)
+        steps = range(length - 1, -1, -1) if p.reverse else range(length)
+        for t in steps:
+            memo = {n: _at(v, t, TIME) for n, v in free.items()}
+            self._evaluate(ev, {**env, **carry}, memo, self.order)
+            values = [memo[r] for r in self.step_roots]
+            for (name, y), v in zip(p.outputs, values[k:]):
+                if y not in free:
+                    outs[name][t] = align(v, y.axes)
+            carry = {s.name: (align(v, s.axes).expand(*[sizes[a] for a in s.axes]), s.axes)
+                     for s, v in zip(p.states, values[:k])}
+        finals = {name: value.to(out_dtype or dtype).contiguous() for name, (value, _) in carry.items()}
+        return outs, finals
+
+    def _evaluate(self, ev, env: dict, memo: dict, order: list[Node]) -> None:
+        for n in order:
+            if n in memo:
+                continue
+            if n in self.contractions:
+                memo[n] = _contract(n, *[memo[a] for a in self.contractions[n].args], ev.sizes)
+            else:
+                memo[n] = ev.eval_node(n, [memo[a] for a in n.args], env)
+
+
+def _at(value, t: int, time: str):
+    """`value` at step `t` (itself where it is the same at every step)."""
+    tensor, axes = value
+    if time not in axes:
+        return value
+    i = axes.index(time)
+    return tensor.select(i, t if tensor.shape[i] != 1 else 0), axes[:i] + axes[i + 1:]
+
+
+def _contract(node: Node, a, b, sizes: dict[str, int]):
+    """``SUM over node.arg of a * b`` as one einsum over the values' named dims (size-1 dims broadcast;
+    an axis summed where both are constant along it counts its size)."""
+    import torch
+
+    (ta, xa), (tb, xb) = a, b
+    names = list(dict.fromkeys((*xa, *xb)))
+    letters = {x: chr(ord("a") + i) for i, x in enumerate(names)}
+    out = tuple(x for x in names if x != node.arg)
+    spec = f"{''.join(letters[x] for x in xa)},{''.join(letters[x] for x in xb)}->{''.join(letters[x] for x in out)}"
+    result = torch.einsum(spec, ta, tb)
+    axis = node.arg
+    if (axis not in xa or ta.shape[xa.index(axis)] == 1) and (axis not in xb or tb.shape[xb.index(axis)] == 1):
+        result = result * float(sizes[axis])
+    return result, out
+
+
+_LOOPS: dict[tuple, StepLoop | None] = {}
+
+
+def step_loop(program, compute: str = "float32") -> StepLoop | None:
+    """The step loop of `program` where it applies (`applies`) and SSMC_CUDA_STEP_LOOP is not 0."""
+    if options().step_loop is False:
+        return None
+    key = (program, compute)
+    if key not in _LOOPS:
+        _LOOPS[key] = StepLoop(program, compute) if applies(program) else None
+    return _LOOPS[key]
