@@ -131,7 +131,7 @@ def _at_least_one(args, *options: str) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from .backends.cuda.report import chunked_notes, format_reports, kernel_reports
+    from .backends.cuda.report import format_reports, kernel_reports, path_notes
 
     _at_least_one(args, "length")
     given = parse_sizes(args.sizes)
@@ -149,7 +149,7 @@ def cmd_inspect(args) -> int:
         print(format_reports(kernel_reports(program, sizes, args.length, args.dtype, args.arch,
                                             backward=not args.forward_only,
                                             time_contiguous=args.time_contiguous)))
-        for line in chunked_notes(program, sizes, args.length, args.dtype):
+        for line in path_notes(program, sizes, args.length, args.dtype):
             print(line)
     return 0
 

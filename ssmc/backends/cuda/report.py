@@ -24,6 +24,7 @@ from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .kernels.base import Launch
 from .kernels.chunk import chunk_size, chunked_core
+from .kernels.step_loop import step_loop
 from .options import options
 from .printer import ArraySpec, contiguous_strides
 from .runner import MAX_LOCAL_BYTES, CudaRunner, one_kernel
@@ -88,7 +89,7 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
     if backward:
         stages = _stages(program).stages
         for stage in stages:
-            if chunked_core(stage.program, compute) is not None:  # its VJP is the chunked core's (chunked_notes)
+            if _torch_path(stage.program, compute):  # its gradient's programs run so too (path_notes)
                 continue
             kind = f"{stage.kind}: " if len(stages) > 1 else ""
             reports += _gradient_reports(stage.program, kind, length, *common)
@@ -101,21 +102,39 @@ def _stages(program):
     return chunked or fuse(program)
 
 
-def chunked_notes(program, sizes: dict[str, int], length: int, dtype: str = "float32") -> list[str]:
-    """How the matrix-linear core of `program` runs where the chunked path takes it (kernels/chunk/),
-    one line each; [] elsewhere."""
+def _step_loop(program, compute: str):
+    """The step loop `program` runs as (after its hoisted products, where it has any), or None."""
+    hoisted = hoisted_runner(program, compute)
+    return hoisted.loop if hoisted is not None else step_loop(program, compute)
+
+
+def _torch_path(program, compute: str) -> bool:
+    """Whether `program` runs as torch matrix products (kernels/chunk/, kernels/step_loop.py), not as
+    generated kernels."""
+    return chunked_core(program, compute) is not None or _step_loop(program, compute) is not None
+
+
+def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float32") -> list[str]:
+    """How the parts of `program` that run as torch matrix products run (the chunked matrix-linear core,
+    the step loop of a recurrent product), one line each; [] where none does."""
     compute = "float64" if dtype == "float64" else "float32"
+    lines = []
     for stage in _stages(program).stages:
         core = chunked_core(stage.program, compute)
-        if core is None:
-            continue
-        ml, c = core.ml, chunk_size(core.ml, sizes, length)
-        heads = int(np.prod([sizes[h] for h in ml.heads]))
-        return [f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads x"
-                f" {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, as batched torch matrix"
-                f" products (forward and VJP); the kernels above are the stages around it"
-                f" (SSMC_CUDA_CHUNKED=0: the element-wise scan)"]
-    return []
+        if core is not None:
+            ml, c = core.ml, chunk_size(core.ml, sizes, length)
+            heads = int(np.prod([sizes[h] for h in ml.heads]))
+            lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads"
+                         f" x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, as batched torch"
+                         " matrix products (forward and VJP); the table lists the kernels of the stages around it"
+                         " (SSMC_CUDA_CHUNKED=0: the element-wise scan)")
+        loop = _step_loop(stage.program, compute)
+        if loop is not None:
+            hoisted = hoisted_runner(stage.program, compute)
+            around = f" ({hoisted.describe()})" if hoisted is not None else ""
+            lines.append(f"step loop: {stage.program.name}: {loop.describe}{around}; {length} steps, its gradient's"
+                         " programs the same way (SSMC_CUDA_STEP_LOOP=0: the kernels)")
+    return lines
 
 
 def _gradient_reports(program, kind: str, length: int, sizes, time_contiguous: bool, dtype: str, compute: str,
@@ -164,7 +183,7 @@ def _program_reports(role: str, program, steps: int, kind: str, sizes, time_cont
                         time_contiguous, dtype, compute, arch, compile_kernels,
                         "a row statistic of the whole layer: a block owns each row, scan and norm in one kernel")
     for stage in fused.stages:
-        if chunked_core(stage.program, compute) is not None:  # matrix products, no generated kernel (chunked_notes)
+        if _torch_path(stage.program, compute):  # matrix products, no generated kernel (path_notes)
             continue
         hoisted = hoisted_runner(stage.program, compute)  # the kernels that run between its matrix products
         runner = CudaRunner(stage.program, compute) if hoisted is None else hoisted.kernels
