@@ -132,7 +132,7 @@ class HoistedRunner:
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
-        inner = self.kernels if self.loop is None else self.loop
+        inner = self.kernels if self.loop is None or options().step_loop is False else self.loop
         outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                         initial, sizes, length)
         outs = in_original_order(h, outs, xp=TORCH)

@@ -105,7 +105,9 @@ def _stages(program):
 def _step_loop(program, compute: str):
     """The step loop `program` runs as (after its hoisted products, where it has any), or None."""
     hoisted = hoisted_runner(program, compute)
-    return hoisted.loop if hoisted is not None else step_loop(program, compute)
+    if hoisted is None:
+        return step_loop(program, compute)
+    return hoisted.loop if options().step_loop is not False else None
 
 
 def _torch_path(program, compute: str) -> bool:
