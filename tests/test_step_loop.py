@@ -32,11 +32,25 @@ def _elman_inputs(rng, length: int) -> dict:
             "V": rng.standard_normal((5, 3)), "h": 0.5 * rng.standard_normal((2, 5))}
 
 
+@ssmc.recurrence
+def swap(h: ssmc.State["b k"], c: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"]):
+    """States that trade places and an output that is the old carry: the CUDA graph's copies of the new
+    carry must not overwrite values the step still returns."""
+    new_h = ssmc.tanh(x + ssmc.dot(c.rename(k="j"), U, over="j"))
+    return (c, new_h), h
+
+
+def _swap_inputs(rng, length: int) -> dict:
+    return {"x": rng.standard_normal((2, length, 4)), "U": 0.4 * rng.standard_normal((4, 4)),
+            "h": rng.standard_normal((2, 4)), "c": rng.standard_normal((2, 4))}
+
+
 CASES = {
     "lstm": (lstm.SPEC, lstm.LAYOUT, lambda rng, L: lstm.make_inputs(rng, L)),
     "gru": (gru.SPEC, gru.LAYOUT, lambda rng, L: gru.make_inputs(rng, L)),
     "layernorm_lstm": (layernorm_lstm.SPEC, layernorm_lstm.LAYOUT, lambda rng, L: layernorm_lstm.make_inputs(rng, L)),
     "elman": (elman, "b t ...", _elman_inputs),
+    "swap": (swap, "b t ...", _swap_inputs),
 }
 
 
@@ -117,8 +131,13 @@ def test_step_loop_off_runs_the_kernels(emulated_cuda, counted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
+@pytest.mark.parametrize("graphs", [None, "0"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap"])
 @pytest.mark.parametrize("length", [1, 180])
-def test_gpu(name, length):
+def test_gpu(name, length, graphs, monkeypatch):
+    """On the GPU, a step loop of 8 steps or more replays its step as a CUDA graph (graphs None); "0"
+    runs it op by op."""
+    if graphs is not None:
+        monkeypatch.setenv("SSMC_CUDA_STEP_GRAPHS", graphs)
     _check(name, length, "float32", 1e-4)
     _check(name, length, "float64", 1e-10)

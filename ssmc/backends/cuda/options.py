@@ -41,6 +41,7 @@ class CudaOptions:
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
+    step_graphs: False runs the step loop op by op (no CUDA graph of its step)
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     sm_count: SMs of the GPU the kernels are planned for
     """
@@ -59,6 +60,7 @@ class CudaOptions:
     chunked: bool | None = None
     chunk: int | None = None
     step_loop: bool | None = None
+    step_graphs: bool | None = None
     emulate: bool = False
     sm_count: int = SM_COUNT
 

@@ -91,7 +91,8 @@ class StepLoop:
         return applies(self.program) or "a loop over steps"
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
-        """Same contract as `interpreter.run_recurrence` (torch tensors in and out, time first)."""
+        """Same contract as `interpreter.run_recurrence` (torch tensors in and out, time first). On a
+        GPU the step is captured once per call as a CUDA graph and replayed each step (`_replay`)."""
         import torch
 
         from ...torch_eval import TIME, TorchEvaluator, align
@@ -111,18 +112,31 @@ class StepLoop:
         for name, y in p.outputs:
             if y in free:  # reads no state: all steps at once
                 outs[name].copy_(align(free[y], (*y.axes, TIME)).movedim(-1, 0).expand(outs[name].shape))
-        carry = {s.name: (initial[s.name].to(dtype), s.axes) for s in p.states}
+        stepped = [(name, y) for name, y in p.outputs if y not in free]
         k = len(p.updates)
-        steps = range(length - 1, -1, -1) if p.reverse else range(length)
-        for t in steps:
-            memo = {n: _at(v, t, TIME) for n, v in free.items()}
+
+        def step(carry: dict, at: dict):
+            """(the new carry, the step's outputs) from the carry and the free values at a step."""
+            memo = dict(at)
             self._evaluate(ev, {**env, **carry}, memo, self.order)
             values = [memo[r] for r in self.step_roots]
-            for (name, y), v in zip(p.outputs, values[k:]):
-                if y not in free:
-                    outs[name][t] = align(v, y.axes)
-            carry = {s.name: (align(v, s.axes).expand(*[sizes[a] for a in s.axes]), s.axes)
-                     for s, v in zip(p.states, values[:k])}
+            new = {s.name: (align(v, s.axes).expand(*[sizes[a] for a in s.axes]), s.axes)
+                   for s, v in zip(p.states, values[:k])}
+            ys = {name: align(v, y.axes) for (name, y), v in zip(p.outputs, values[k:]) if y not in free}
+            return new, ys
+
+        carry = {s.name: (initial[s.name].to(dtype), s.axes) for s in p.states}
+        steps = list(range(length - 1, -1, -1) if p.reverse else range(length))
+        graphs = options().step_graphs is not False and length >= GRAPH_STEPS
+        if graphs and device is not None and device.type == "cuda":
+            replayed = _replay(step, carry, free, steps, outs, stepped, TIME)
+            if replayed is not None:
+                carry = replayed
+                steps = []
+        for t in steps:
+            carry, ys = step(carry, {n: _at(v, t, TIME) for n, v in free.items()})
+            for name, _ in stepped:
+                outs[name][t] = ys[name]
         finals = {name: value.to(out_dtype or dtype).contiguous() for name, (value, _) in carry.items()}
         return outs, finals
 
@@ -134,6 +148,42 @@ class StepLoop:
                 memo[n] = _contract(n, *[memo[a] for a in self.contractions[n].args], ev.sizes)
             else:
                 memo[n] = ev.eval_node(n, [memo[a] for a in n.args], env)
+
+
+def _replay(step, carry: dict, free: dict, steps: list[int], outs: dict, stepped, time: str):
+    """The loop with `step` captured once as a CUDA graph: per step, the free values at t copied into
+    the graph's inputs, one replay (the new carry written over the old inside it), the outputs copied
+    out. Returns the final carry, or None where the capture fails (the caller loops eagerly)."""
+    import torch
+
+    timed = {n: v for n, v in free.items() if time in v[1]}
+    inputs = {n: _at(v, steps[0], time) for n, v in timed.items()}
+    inputs = {n: (t.clone(), axes) for n, (t, axes) in inputs.items()}
+    static = {name: (t.clone().contiguous(), axes) for name, (t, axes) in carry.items()}
+    at = {**free, **inputs}
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up step (cuBLAS's workspace) before the capture
+            step(static, at)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            new, ys = step(static, at)
+            # copies first: an output or a new state may be a view of the old carry (y = h; h, c = c, h)
+            ys = {name: y.clone() for name, y in ys.items()}
+            fresh = {name: v.clone() for name, (v, _) in new.items()}
+            for name, (t, _) in static.items():
+                t.copy_(fresh[name])
+    except RuntimeError:
+        return None
+    for t in steps:
+        for n, (buffer, _) in inputs.items():
+            buffer.copy_(_at(timed[n], t, time)[0])
+        graph.replay()
+        for name, _ in stepped:
+            outs[name][t] = ys[name]
+    return {name: (t.clone(), axes) for name, (t, axes) in static.items()}
 
 
 def _at(value, t: int, time: str):
@@ -161,6 +211,10 @@ def _contract(node: Node, a, b, sizes: dict[str, int]):
         result = result * float(sizes[axis])
     return result, out
 
+
+# steps from which a call captures its step as a CUDA graph (one eager step and a capture cost about
+# as much as a few steps run op by op)
+GRAPH_STEPS = 8
 
 _LOOPS: dict[tuple, StepLoop | None] = {}
 
