@@ -131,12 +131,12 @@ def test_step_loop_off_runs_the_kernels(emulated_cuda, counted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [None, "0"])
+@pytest.mark.parametrize("graphs", [None, "1"])
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap"])
 @pytest.mark.parametrize("length", [1, 180])
 def test_gpu(name, length, graphs, monkeypatch):
-    """On the GPU, a step loop of 8 steps or more replays its step as a CUDA graph (graphs None); "0"
-    runs it op by op."""
+    """On the GPU: op by op (graphs None, the default), and with a step loop of 8 steps or more
+    replaying its step as a CUDA graph ("1")."""
     if graphs is not None:
         monkeypatch.setenv("SSMC_CUDA_STEP_GRAPHS", graphs)
     _check(name, length, "float32", 1e-4)

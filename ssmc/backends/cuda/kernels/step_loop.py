@@ -92,7 +92,8 @@ class StepLoop:
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch tensors in and out, time first). On a
-        GPU the step is captured once per call as a CUDA graph and replayed each step (`_replay`)."""
+        GPU with SSMC_CUDA_STEP_GRAPHS=1 the step is captured once per call as a CUDA graph and
+        replayed each step (`_replay`)."""
         import torch
 
         from ...torch_eval import TIME, TorchEvaluator, align
@@ -127,7 +128,8 @@ class StepLoop:
 
         carry = {s.name: (initial[s.name].to(dtype), s.axes) for s in p.states}
         steps = list(range(length - 1, -1, -1) if p.reverse else range(length))
-        graphs = options().step_graphs is not False and length >= GRAPH_STEPS
+        # opt-in until its GPU tests have run (tests/test_step_loop.py, graphs "1")
+        graphs = options().step_graphs is True and length >= GRAPH_STEPS
         if graphs and device is not None and device.type == "cuda":
             replayed = _replay(step, carry, free, steps, outs, stepped, TIME)
             if replayed is not None:
