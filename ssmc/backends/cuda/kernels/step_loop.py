@@ -115,11 +115,12 @@ class StepLoop:
                 outs[name].copy_(align(free[y], (*y.axes, TIME)).movedim(-1, 0).expand(outs[name].shape))
         stepped = [(name, y) for name, y in p.outputs if y not in free]
         k = len(p.updates)
+        fast: dict = {}  # the nodes' per-step work, worked out at the first step (`_fast`)
 
         def step(carry: dict, at: dict):
             """(the new carry, the step's outputs) from the carry and the free values at a step."""
             memo = dict(at)
-            self._evaluate(ev, {**env, **carry}, memo, self.order)
+            self._evaluate(ev, {**env, **carry}, memo, self.order, fast)
             values = [memo[r] for r in self.step_roots]
             new = {s.name: (align(v, s.axes).expand(*[sizes[a] for a in s.axes]), s.axes)
                    for s, v in zip(p.states, values[:k])}
@@ -142,14 +143,91 @@ class StepLoop:
         finals = {name: value.to(out_dtype or dtype).contiguous() for name, (value, _) in carry.items()}
         return outs, finals
 
-    def _evaluate(self, ev, env: dict, memo: dict, order: list[Node]) -> None:
+    def _evaluate(self, ev, env: dict, memo: dict, order: list[Node], fast: dict | None = None) -> None:
+        """The values of the nodes of `order` into `memo`. `fast` (node -> a function of its arguments'
+        values, or None): the per-step work of the nodes evaluated before, kept across the steps of a
+        call (`_fast`): their arguments' layouts are the same every step."""
         for n in order:
             if n in memo:
                 continue
-            if n in self.contractions:
-                memo[n] = _contract(n, *[memo[a] for a in self.contractions[n].args], ev.sizes)
-            else:
-                memo[n] = ev.eval_node(n, [memo[a] for a in n.args], env)
+            args = self.contractions[n].args if n in self.contractions else n.args
+            known = fast.get(n) if fast is not None else None
+            if known is not None:
+                memo[n] = known([memo[a] for a in args])
+                continue
+            values = [memo[a] for a in args]
+            value = _contract(n, *values, ev.sizes) if n in self.contractions else ev.eval_node(n, values, env)
+            memo[n] = value
+            if fast is not None and n.op is not Op.INPUT:
+                fast[n] = _fast(n, values, value, n in self.contractions, ev.sizes)
+
+
+def _fast(node: Node, args: list, value, contraction: bool, sizes: dict[str, int]):
+    """A function of `node`'s argument values giving its value, with the permutations and shapes its
+    first evaluation worked out (`args`, `value`) fixed; None where the general path is as quick."""
+    from ...torch_eval import BINARY, UNARY
+
+    if contraction:
+        return _matmul_plan(node, *args, sizes)
+    op = node.op
+    if op in UNARY:
+        fn = UNARY[op]
+    elif op in BINARY:
+        fn = BINARY[op]
+    elif op is Op.WHERE:
+        import torch
+
+        fn = torch.where
+    else:
+        return None
+    target = value[1]
+    preps = []
+    for t, axes in args:
+        present = [a for a in target if a in axes]
+        perm = None if tuple(present) == tuple(axes) else [axes.index(a) for a in present]
+        shape = None if len(present) == len(target) else [t.shape[axes.index(a)] if a in axes else 1 for a in target]
+        preps.append((perm, shape))
+
+    def run(values):
+        ts = []
+        for (t, _), (perm, shape) in zip(values, preps):
+            if perm is not None:
+                t = t.permute(*perm)
+            if shape is not None:
+                t = t.reshape(shape)
+            ts.append(t)
+        return fn(*ts), target
+    return run
+
+
+def _matmul_plan(node: Node, a, b, sizes: dict[str, int]):
+    """``SUM over node.arg of a * b`` as one 2-D matrix product (the operands permuted and viewed as
+    [rows, inner] and [inner, cols]) where the shapes allow: no axis both keep, the shared axes of one
+    size in both, nothing summed in one operand alone; else the einsum of `_contract`."""
+    (ta, xa), (tb, xb) = a, b
+    shared = [x for x in xa if x in xb]
+    if (shared != [node.arg] or ta.shape[xa.index(node.arg)] != tb.shape[xb.index(node.arg)]
+            or ta.shape[xa.index(node.arg)] == 1):
+        return lambda values: _contract(node, *values, sizes)
+    fa = [x for x in xa if x != node.arg]
+    fb = [x for x in xb if x != node.arg]
+    pa = [xa.index(x) for x in (*fa, node.arg)]
+    pb = [xb.index(x) for x in (node.arg, *fb)]
+    inner = ta.shape[xa.index(node.arg)]
+    rows = 1
+    for x in fa:
+        rows *= ta.shape[xa.index(x)]
+    cols = 1
+    for x in fb:
+        cols *= tb.shape[xb.index(x)]
+    shape = [ta.shape[xa.index(x)] for x in fa] + [tb.shape[xb.index(x)] for x in fb]
+    axes = (*fa, *fb)
+
+    def run(values):
+        (ta, _), (tb, _) = values
+        product = ta.permute(*pa).reshape(rows, inner) @ tb.permute(*pb).reshape(inner, cols)
+        return product.reshape(shape), axes
+    return run
 
 
 def _replay(step, carry: dict, free: dict, steps: list[int], outs: dict, stepped, time: str):
