@@ -549,8 +549,10 @@ LINEAR = ["hgrn", "mamba1", "mamba2", "mingru", "linear_attention", "retnet"]
 @pytest.mark.parametrize("length", [1, 64, 181, 1000])
 @pytest.mark.parametrize("name", LINEAR)
 def test_every_scan_strategy_in_both_layouts(name, length, strategy, monkeypatch):
-    """Each strategy forced, with time outermost ("t ...") and contiguous ("... t")."""
+    """Each strategy forced, with time outermost ("t ...") and contiguous ("... t"); the matrix-linear
+    examples as element-wise scans (their chunked path is tests/test_chunked.py's)."""
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", strategy)
+    monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")
     m = importlib.import_module(f"ssmc.examples.{name}")
     inputs = m.make_inputs(np.random.default_rng(length), length)
     for layout in ("t ...", "... t"):
