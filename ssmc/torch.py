@@ -25,6 +25,7 @@ from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .runtime.binding import layout_of
 from .runtime.prologue import PreparedCalls, program_of
+from .torch_library import recurrence_op
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -120,6 +121,7 @@ class SsmcFunction:
         self._by_backend: dict[str, tuple] = {}
         self._lean = PreparedCalls()  # call signature (`_signature`) -> its LeanStep, or None (the general path)
         self.last_step = None
+        self._op = recurrence_op(self)  # the custom op torch.compile traces (None: this torch has none)
 
     def _for(self, backend: str):
         if backend not in self._by_backend:
@@ -141,6 +143,8 @@ class SsmcFunction:
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
+        if _compiling() and self._op is not None:  # traced by torch.compile: one custom op (torch_library.py)
+            return self._results(self._op(tensors))
         backend = self.backend or for_tensor(tensors[0])
         self.compiled, self.grad = self._for(backend)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
@@ -156,12 +160,37 @@ class SsmcFunction:
                 if key is not None and key not in self._lean:
                     self._lean.remember(key, LeanStep.build(self.last_step, self.names[:len(tensors)],
                                                             self.output_perms, tensors))
+        return self._results(results)
+
+    def _results(self, results) -> tuple:
         n_out = len(self.program.outputs)
         ys, finals = results[:n_out], results[n_out:]
         ys = ys[0] if len(ys) == 1 else tuple(ys)
         if not self.return_final_states:
             return ys
         return ys, finals[0] if len(finals) == 1 else tuple(finals)
+
+    def op_forward(self, tensors: list) -> tuple:
+        """The custom op's forward (torch_library.py): outputs, then every final state, in the dtype
+        `final_dtype` says."""
+        self.compiled, self.grad = self._for(self.backend or for_tensor(tensors[0]))
+        results = self._inference(tensors)
+        n_out, dtype = len(self.program.outputs), self.final_dtype(tensors)
+        return results[:n_out] + tuple(f.to(dtype) for f in results[n_out:])
+
+    def op_backward(self, tensors: list, cotangents: list) -> tuple:
+        """The custom op's backward: the forward again for its tape, then the gradients of `tensors`."""
+        self.compiled, self.grad = self._for(self.backend or for_tensor(tensors[0]))
+        tape = self.grad.forward(**dict(zip(self.names, tensors)))[2]
+        return _general_backward(self, tape, tensors, cotangents)
+
+    def final_dtype(self, tensors: list) -> torch.dtype:
+        """The final states' dtype for these tensors: the backend's compute dtype (float64 where one
+        is float64 or not floating point, as binding converts them)."""
+        given = np.float64 if any(t.dtype == torch.float64 or not t.is_floating_point() for t in tensors) \
+            else np.float32
+        dtype = get_backend(self.backend or for_tensor(tensors[0])).compute_dtype(np.dtype(given))
+        return _TORCH_DTYPES[np.dtype(dtype)]
 
     def _inference(self, tensors: list) -> tuple:
         """The plain forward, no tape: outputs in the first input's dtype (as with a tape), then the
@@ -173,6 +202,10 @@ class SsmcFunction:
                    ) if ys is not None else ()
         finals = tuple(_to_torch(f, like) for f in (finals if isinstance(finals, tuple) else (finals,)))
         return ys + finals
+
+
+_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _signature(backend, tensors: list) -> tuple | None:
