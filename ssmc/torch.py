@@ -9,6 +9,8 @@
 The forward runs through `ssmc.grad`'s `Grad.forward` and keeps its tape (the inputs in the
 compute dtype and the carries at chunk boundaries, or, when one chunk covers the sequence on the
 CPU, every carry); the backward runs the adjoint from it, recomputing only what the tape lacks.
+Under `torch.compile` (fullgraph too) the function is one custom op with a fake implementation and an
+autograd formula (torch_library.py); build it outside the compiled code. Eager calls do not take it.
 """
 
 from __future__ import annotations

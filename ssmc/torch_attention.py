@@ -7,7 +7,8 @@
 Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device
 whatever `backend` `ssmc.torch.function` is given (attention has no kernels of its own yet):
 the forward keeps the log-sum-exp of each query row, the backward recomputes the probabilities per
-block of queries from it. The output has q's dtype; each gradient its input's.
+block of queries from it. The output has q's dtype; each gradient its input's. Under `torch.compile`
+the function is one custom op (torch_library.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from .backends.tiled_attention import TiledAttention
 from .runtime.prologue import attention_params
+from .torch_library import attention_op
 
 
 class _Attention(torch.autograd.Function):
@@ -51,6 +53,7 @@ class AttentionFunction:
         self.program = spec.program
         self.layout = layout
         self.tiled = TiledAttention(self.program)
+        self._op = attention_op(self)  # the custom op torch.compile traces (None: this torch has none)
 
     def __repr__(self) -> str:
         return f"<ssmc.torch.function {self.program.name} (attention, torch tiled)>"
@@ -65,6 +68,32 @@ class AttentionFunction:
                              f"{[d.name for d in self.program.params]}")
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v)]
         values = [given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(given[n]) for n in names]
+        if _compiling() and self._op is not None and len(names) == len(self.program.params):
+            return self._op(*tensors, values)[0]  # traced by torch.compile: one custom op (torch_library.py)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *values))):
             return self.tiled(*tensors, self.layout, dict(zip(names, values)))
         return _Attention.apply(self, names, *tensors, *values)
+
+    def op_forward(self, q, k, v, params: list, fake: bool = False) -> tuple:
+        """The custom op's forward (torch_library.py): (out in the layout, the log-sum-exp [*batch, Lq]);
+        `fake`: empty tensors of their shapes, dtypes and device, from the binding alone."""
+        tiled, p = self.tiled, self.program
+        call = tiled.bind(q, k, v, self.layout, dict(zip((d.name for d in p.params), params)))
+        if fake:
+            out = call.q.new_empty((*call.q.shape[:-1], call.v.shape[-1]), dtype=call.acc)
+            lse = call.q.new_empty(call.q.shape[:-1], dtype=call.acc)
+        else:
+            out, lse = tiled.forward(call)
+        return tiled.to_layout(call, out, "out", p.v_axes, self.layout), lse
+
+    def op_backward(self, q, k, v, params: list, lse, d_out) -> list:
+        """The custom op's backward: the gradients of q, k, v and the params, each in its input's dtype."""
+        tiled, p = self.tiled, self.program
+        call = tiled.bind(q, k, v, self.layout, dict(zip((d.name for d in p.params), params)))
+        grads = tiled.backward(call, lse, tiled.from_layout(call, d_out, "grad_outputs", self.layout))
+        result = [tiled.to_layout(call, grads[name], name, axes, self.layout, t.dtype)
+                  for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
+        return result + [grads[d.name].to(t.dtype) for d, t in zip(p.params, params)]
+
+
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)

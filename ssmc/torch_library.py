@@ -19,6 +19,9 @@ in every process):
   again from the saved inputs for its tape, then the derived backward (`Grad.backward`). Cotangents
   of outputs the loss does not use come as zeros. It is not itself differentiable.
 
+An attention spec's function is one op the same way (`attention_op`), whose backward takes the
+forward's log-sum-exp, an output of the forward op, instead of running the forward again.
+
 The ops' Python side (`_FUNCTIONS`) holds the first function registered under each name for the
 life of the process.
 """
@@ -126,3 +129,55 @@ def recurrence_shapes(fn, tensors) -> tuple[list, list]:
     dtype = fn.final_dtype(tensors)
     finals = [([sizes[a] for a in s.axes], dtype) for s in p.states]
     return outputs, finals
+
+
+def attention_op(fn):
+    """The forward op of `fn` (a `torch_attention.AttentionFunction`), registered on first use; None where
+    this torch has no custom ops.
+
+    `<name>(Tensor q, Tensor k, Tensor v, Tensor[] params) -> (Tensor, Tensor)`: the output in its
+    layout and the log-sum-exp of each query row ([*batch, Lq], fp32 or fp64), which the backward op
+    `<name>_backward(q, k, v, params, lse, d_out) -> Tensor[]` takes as the tiled path's backward does
+    (no forward again): the gradients of q, k, v and the params, in that order."""
+    if not supported():
+        return None
+    name = op_name(fn.program, hashable_layout(fn.layout), "attention")
+    if name not in _FUNCTIONS:
+        _register_attention(name, fn)
+    return getattr(torch.ops.ssmc, name)
+
+
+def _register_attention(name: str, fn) -> None:
+    lib = _library()
+    qual, qual_bwd = f"{NAMESPACE}::{name}", f"{NAMESPACE}::{name}_backward"
+    lib.define(f"{name}(Tensor q, Tensor k, Tensor v, Tensor[] params) -> (Tensor, Tensor)")
+    lib.define(f"{name}_backward(Tensor q, Tensor k, Tensor v, Tensor[] params, Tensor lse, Tensor d_out) "
+               "-> Tensor[]")
+    _FUNCTIONS[name] = fn
+
+    def forward(q, k, v, params):
+        return tuple(_unaliased(fn.op_forward(q, k, v, list(params)), (q, k, v, *params)))
+
+    def forward_fake(q, k, v, params):
+        return fn.op_forward(q, k, v, list(params), fake=True)
+
+    def backward(q, k, v, params, lse, d_out):
+        return list(_unaliased(fn.op_backward(q, k, v, list(params), lse, d_out), (q, k, v, *params, lse, d_out)))
+
+    def backward_fake(q, k, v, params, lse, d_out):
+        return [t.new_empty(t.shape) for t in (q, k, v, *params)]
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, params = inputs
+        ctx.save_for_backward(q, k, v, output[1], *params)
+
+    def grad_formula(ctx, d_out, _d_lse):
+        q, k, v, lse, *params = ctx.saved_tensors
+        grads = getattr(torch.ops.ssmc, f"{name}_backward")(q, k, v, params, lse, d_out)
+        return grads[0], grads[1], grads[2], list(grads[3:])
+
+    lib.impl(name, forward, "CompositeExplicitAutograd")
+    lib.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    torch.library.register_fake(qual, forward_fake, lib=lib)
+    torch.library.register_fake(qual_bwd, backward_fake, lib=lib)
+    torch.library.register_autograd(qual, grad_formula, setup_context=setup_context, lib=lib)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ssmc.examples import hgrn, lstm, mamba1
+from ssmc.examples import alibi_attention, hgrn, lstm, mamba1
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("ssmc.torch")
@@ -134,3 +134,24 @@ def test_lstm_final_states_the_loss_does_not_use():
 
     args = tuple(torch.tensor(values[n]) for n in ("x", "h", "c"))
     _check(model, _compiled(model), args, params, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_model_compiles_with_its_lse_saved():
+    """An attention spec (ALiBi, causal): one graph with its op, no break; outputs and the gradients of
+    q, k, v, the slopes and a Linear equal to eager, at two lengths."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(8, 8, dtype=torch.float64)
+    f = st.function(alibi_attention.SPEC, layout=alibi_attention.LAYOUT)
+
+    def model(q, k, v, slope):
+        return (f(linear(q), k, v, slope) ** 2).sum()
+
+    compiled = _compiled(model)
+    for length in (9, 13):
+        values = alibi_attention.make_inputs(np.random.default_rng(length), length)
+        args = tuple(torch.tensor(values[n]) for n in ("q", "k", "v", "slope"))
+        _check(model, compiled, args, list(linear.parameters()), rtol=1e-10, atol=1e-12)
+    explanation = torch._dynamo.explain(model)(*args)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    targets = [str(n.target) for n in explanation.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any(t.startswith("ssmc.alibi") for t in targets), targets
