@@ -283,14 +283,24 @@ def test_inspect_lists_every_kernel_with_its_launch_and_resources(capsys):
     assert "hgrn_fused" in out and "backward" not in out
 
 
-def test_inspect_says_why_each_strategy_and_warns_when_a_grid_cannot_fill_the_gpu(capsys):
-    """The LSTM at B64: a thread per batch row, one block of 128 threads on a GPU of 132 SMs."""
-    assert main(["inspect", str(ROOT / "examples" / "lstm.py"), "--sizes", "b=64,i=512,k=512", "--length", "180"]) == 0
+def test_inspect_says_why_each_strategy_and_warns_when_a_grid_cannot_fill_the_gpu(capsys, monkeypatch):
+    """The LSTM at B64 as kernels: a thread per batch row, one block of 128 threads on a GPU of 132 SMs;
+    by default its step loop. Mamba-2's element-wise adjoint; by default its chunked core."""
+    lstm_args = ["inspect", str(ROOT / "examples" / "lstm.py"), "--sizes", "b=64,i=512,k=512", "--length", "180"]
+    mamba2_args = ["inspect", str(ROOT / "examples" / "mamba2.py"), "--sizes", "b=2,g=1,r=8,p=64,n=64",
+                   "--length", "1024"]
+    assert main(lstm_args) == 0
+    assert "step loop: lstm: a nonlinear recurrence reading its states through 1 recurrent product" in (
+        capsys.readouterr().out)
+    assert main(mamba2_args) == 0
+    assert "chunked: mamba2_core (matrix linear h [b g r p n]" in capsys.readouterr().out
+    monkeypatch.setenv("SSMC_CUDA_STEP_LOOP", "0")
+    monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")
+    assert main(lstm_args) == 0
     out = capsys.readouterr().out
     assert "why forward is fused: independent along [b]: a thread per recurrence, 64" in out
     assert "warning: lstm_fused launches 1 block of 128 threads, fewer than the 132 SMs of the GPU" in out
-    assert main(["inspect", str(ROOT / "examples" / "mamba2.py"), "--sizes", "b=2,g=1,r=8,p=64,n=64",
-                 "--length", "1024"]) == 0
+    assert main(mamba2_args) == 0
     out = capsys.readouterr().out
     assert "why adjoint is split: the sums over time (grad_A, grad_D) reduce axes" in out
     assert "warning: mamba2_summary" not in out

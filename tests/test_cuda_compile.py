@@ -43,7 +43,10 @@ def kernels(program, arch="sm_90", dtype="float32", lengths=(16, 4096)):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", RECURRENCES)
-def test_example_kernels_compile_without_spills(name, arch):
+def test_example_kernels_compile_without_spills(name, arch, monkeypatch):
+    # the kernels, also of the programs the chunked path and the step loop run as matrix products
+    monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")
+    monkeypatch.setenv("SSMC_CUDA_STEP_LOOP", "0")
     module = importlib.import_module(f"ssmc.examples.{name}")
     # CUDA part 1 covers the diagonal-linear family: none of its kernels may spill, forward or
     # backward. Other families' adjoint cores (one thread per head or per batch row, holding a whole
@@ -67,6 +70,7 @@ def test_inspect_says_which_kernel_asks_more_local_memory_than_cuda_allows(monke
 
     program = importlib.import_module("ssmc.examples.lstm").SPEC.program
     sizes = {"b": 2, "i": 256, "k": 256, "j": 256, "g": 4}
+    monkeypatch.setenv("SSMC_CUDA_STEP_LOOP", "0")  # the kernels, not the loop of matrix products
     monkeypatch.setenv("SSMC_CUDA_HOIST", "0")
     text = format_reports(kernel_reports(program, sizes, 7))
     assert "lstm_backward_epilogue_grad_W needs" in text and "will not run on the GPU" in text
@@ -97,7 +101,7 @@ def _projected_gate(tmp_path):
 
 @pytest.mark.parametrize("case", ["mamba2 B4 L4096 H32 P64 N128 bf16", "mamba2 B2 L1024 H8 P64 N64",
                                   "projected gate b8 d1024 L2048"])
-def test_backward_kernels_fit_cudas_local_memory_at_real_sizes(case, tmp_path):
+def test_backward_kernels_fit_cudas_local_memory_at_real_sizes(case, tmp_path, monkeypatch):
     """Kernels that asked more local memory a thread than CUDA allows, so the backward refused: the
     Mamba-2 adjoint fused with its parameter gradients (a thread per head walking b p n: 12.7 MB), now
     split into a core over every state axis and epilogues; a gate's input projection whose gradient
@@ -107,6 +111,7 @@ def test_backward_kernels_fit_cudas_local_memory_at_real_sizes(case, tmp_path):
     from ssmc.backends.cuda.runner import MAX_LOCAL_BYTES
 
     if case.startswith("mamba2"):
+        monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")  # the element-wise scans' kernels (the fallback)
         program = importlib.import_module("ssmc.examples.mamba2").SPEC.program
         big = "B4" in case
         sizes = {"b": 4, "g": 1, "r": 32, "p": 64, "n": 128} if big else {"b": 2, "g": 1, "r": 8, "p": 64, "n": 64}
@@ -591,11 +596,12 @@ def test_random_lanes_kernels_compile_without_spills(spec, n, dtype, time_contig
 
     sizes = {"b": 3, "d": 37, "n": n}
     assume(CudaRunner(spec.program, "float64" if dtype == "float64" else "float32").lane_threads(sizes) is not None)
-    os.environ["SSMC_CUDA_STRATEGY"] = "lanes"
+    os.environ.update(SSMC_CUDA_STRATEGY="lanes", SSMC_CUDA_STEP_LOOP="0", SSMC_CUDA_CHUNKED="0")
     try:
         forward, = kernel_reports(spec.program, sizes, 100, dtype, backward=False, time_contiguous=time_contiguous)
     finally:
-        del os.environ["SSMC_CUDA_STRATEGY"]
+        for name in ("SSMC_CUDA_STRATEGY", "SSMC_CUDA_STEP_LOOP", "SSMC_CUDA_CHUNKED"):
+            del os.environ[name]
     assert forward.resources is not None and not forward.resources.spills, forward.error or forward.source
 
 

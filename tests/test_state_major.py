@@ -48,7 +48,9 @@ def _sigmoid(x):
 FUNCS = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs, "sigmoid": _sigmoid,
          "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))), "silu": lambda x: x * _sigmoid(x),
          "relu": lambda x: max(x, 0.0), "neg": lambda x: -x, "max": max, "min": min, "rsqrt": lambda x: x ** -0.5,
-         "erf": math.erf, "gelu": lambda x: 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))}
+         "erf": math.erf, "gelu": lambda x: 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))),
+         "sin": math.sin, "cos": math.cos, "tan": math.tan, "log1p": math.log1p, "expm1": math.expm1,
+         "atan2": math.atan2, "sign": lambda x: float((x > 0) - (x < 0)), "pow": lambda a, b: a ** b}
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
        "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
        "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "and": lambda a, b: a and b, "or": lambda a, b: a or b}
