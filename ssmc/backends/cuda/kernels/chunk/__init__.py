@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
 from ...options import options
@@ -88,8 +89,7 @@ class ChunkedCore:
         out.narrow(t, 0, length).copy_(y.expand(*shape[:t], length, *shape[t + 1:]))
         return out.reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
 
-    def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int,
-                   sizes: dict[str, int]) -> torch.Tensor:
+    def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
         lack (and over time where not `timed`), as [L, *axes] or [*axes]."""
         t = len(self.ml.heads)
@@ -122,7 +122,7 @@ class ChunkedCore:
 
         q, k, v = operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
         decay = None
-        if ml.log_decay is not None and ml.log_decay.op.value == "const":
+        if ml.log_decay is not None and ml.log_decay.op is Op.CONST:
             ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
             ell[..., :length] = ml.log_decay.arg
             ell = ell.reshape(*ell.shape[:-1], -1, chunk)
@@ -200,7 +200,7 @@ class ChunkedCore:
 
         def add(node, grad, inner):
             arr, timed = self._input(node, seqs, params)
-            g = self._unarrange(grad, node.axes, timed, inner, length, sizes).to(arr.dtype)
+            g = self._unarrange(grad, node.axes, timed, inner, length).to(arr.dtype)
             key = GRAD + node.arg
             grads[key] = grads[key] + g if key in grads else g
 
@@ -209,7 +209,7 @@ class ChunkedCore:
         add(ml.v, dv, ml.value)
         if ml.decay is not None:
             add(ml.decay, d_ell / tape.decay, None)
-        elif ml.log_decay is not None and ml.log_decay.op.value != "const":
+        elif ml.log_decay is not None and ml.log_decay.op is not Op.CONST:
             add(ml.log_decay, d_ell, None)
         full = [sizes[h] for h in ml.heads]
         ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
