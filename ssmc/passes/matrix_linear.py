@@ -164,13 +164,13 @@ def _fresh(stem: str, taken: set[str]) -> str:
     return name
 
 
-def _is_seq(program: Recurrence, node: Node, roles=(Role.SEQ,)) -> bool:
+def _is_input(program: Recurrence, node: Node, roles=(Role.SEQ,)) -> bool:
     """Is `node` an input of one of `roles` as declared (the core reads it as given)?"""
     return node.op is Op.INPUT and any(d.name == node.arg and d.role in roles and d.axes == node.axes
                                        for d in program.decls)
 
 
-_TIMED_OR_NOT = (Role.SEQ, Role.PARAM)
+_SEQ_OR_PARAM = (Role.SEQ, Role.PARAM)
 
 
 def core_form(program: Recurrence) -> MatrixLinear | None:
@@ -181,11 +181,11 @@ def core_form(program: Recurrence) -> MatrixLinear | None:
         return None
     if ml.outputs[0][1].arg != ml.o:
         return None
-    if not all(_is_seq(program, x) for x in (ml.q, ml.k, ml.v)):
+    if not all(_is_input(program, x) for x in (ml.q, ml.k, ml.v)):
         return None
-    if ml.decay is not None and not _is_seq(program, ml.decay, _TIMED_OR_NOT):
+    if ml.decay is not None and not _is_input(program, ml.decay, _SEQ_OR_PARAM):
         return None
-    if ml.log_decay is not None and not (_is_seq(program, ml.log_decay, _TIMED_OR_NOT)
+    if ml.log_decay is not None and not (_is_input(program, ml.log_decay, _SEQ_OR_PARAM)
                                          or build.is_const(ml.log_decay)):
         return None
     return ml
@@ -206,7 +206,7 @@ def chunk_stages(program: Recurrence) -> Fused | None:
     def operand(stem: str, node: Node, roles=(Role.SEQ,)) -> Node:
         """`node` as an input of the core: itself where it is one of `roles` (or a constant), else
         a sequence that pre writes."""
-        if _is_seq(program, node, roles) or build.is_const(node):
+        if _is_input(program, node, roles) or build.is_const(node):
             return node
         name = _fresh(f"{program.name}_{stem}", taken)
         taken.add(name)
@@ -216,9 +216,9 @@ def chunk_stages(program: Recurrence) -> Fused | None:
     q, k, v = operand("q", ml.q), operand("k", ml.k), operand("v", ml.v)
     leaf = Node.make(Op.INPUT, (), ml.state.name, ml.state.axes)
     if ml.log_decay is not None:
-        carried = build.mul(build.unary(Op.EXP, operand("ell", ml.log_decay, _TIMED_OR_NOT)), leaf)
+        carried = build.mul(build.unary(Op.EXP, operand("ell", ml.log_decay, _SEQ_OR_PARAM)), leaf)
     elif ml.decay is not None:
-        carried = build.mul(operand("a", ml.decay, _TIMED_OR_NOT), leaf)
+        carried = build.mul(operand("a", ml.decay, _SEQ_OR_PARAM), leaf)
     else:
         carried = leaf
     update = build.add(carried, build.mul(k, v))
