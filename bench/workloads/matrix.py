@@ -3,8 +3,8 @@
     mamba2(_fp32)  examples/mamba2.py, "b t ..."   vs mamba-ssm's mamba_chunk_scan_combined (Triton, chunk 256)
     retnet(_fp32)  examples/retnet.py, "b t ..."   vs fla's chunk_retention (Triton)
 
-The peers' chunked kernels run on tensor cores; ssmc's path here is the element-wise scan until the
-chunked lowering lands (docs/performance.md).
+The peers' chunked kernels run on tensor cores; ssmc's path is its chunked core as batched torch
+matrix products (backends/cuda/kernels/chunk/) until its generated kernels land (docs/performance.md).
 """
 
 from __future__ import annotations
