@@ -4,7 +4,7 @@ Write the step of a recurrence over named-axis tensors; ssmc gives a float64 ref
 interpreter, derived backward passes and compiled kernels. Start with `recurrence`, `compile`.
 """
 
-from .api import compile, default_backend
+from .api import compile, default_backend, step
 from .autograd import grad
 from .errors import SpecError
 from .frontend.attention import attention, causal, sliding_window
@@ -85,6 +85,7 @@ __all__ = [
     "softmax",
     "softplus",
     "sqrt",
+    "step",
     "sum",
     "tan",
     "tanh",

@@ -21,7 +21,7 @@ from .ir.program import Attention, Recurrence
 from .runtime.binding import DEFAULT_LAYOUT, hashable_layout, layout_of
 from .runtime.prologue import PreparedCalls, attention_params, bind_attention, bind_call, program_of
 
-__all__ = ["BACKENDS", "Compiled", "CompiledAttention", "compile", "default_backend"]
+__all__ = ["BACKENDS", "Compiled", "CompiledAttention", "Step", "compile", "default_backend", "step"]
 
 def _permute(arr, perm):
     return arr.permute(*perm) if hasattr(arr, "permute") else arr.transpose(perm)
@@ -155,6 +155,105 @@ def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=No
         return CompiledAttention(spec.program, layout, check_backend(backend or default_backend()))
     backend = check_backend(backend or default_backend())
     return Compiled(program_of(spec), backend, layout, dtype)
+
+
+def time_positions(program: Recurrence, layout) -> tuple[dict[str, int], dict[str, int]]:
+    """Where the time axis sits in the call's layout: (sequence name -> its position in that
+    sequence's array, output name -> its position in that output's array)."""
+    seqs = {d.name: layout_of(layout, d.name, d.axes).index(TIME) for d in program.seqs}
+    outs = {name: layout_of(layout, name, y.axes).index(TIME) for name, y in program.outputs}
+    return seqs, outs
+
+
+def state_dict_of(program: Recurrence, states, argument: str = "states") -> dict:
+    """`states` (None, one array for a program of one state, a tuple in state order, or a dict by
+    name) as a dict by name; a ValueError naming `argument` where it does not fit."""
+    names = [s.name for s in program.states]
+    if states is None:
+        return {}
+    if isinstance(states, dict):
+        unknown = sorted(set(states) - set(names))
+        if unknown:
+            raise ValueError(f"{argument}: {program.name} has the states {names}, not {unknown}")
+        return dict(states)
+    if isinstance(states, (tuple, list)):
+        if len(states) > len(names):
+            raise ValueError(f"{argument}: {program.name} has {len(names)} states {names}; got {len(states)}")
+        return dict(zip(names, states))
+    if len(names) != 1:
+        raise ValueError(f"{argument}: {program.name} has the states {names}: give a tuple or a dict")
+    return {names[0]: states}
+
+
+def _add_time(x, position: int):
+    if hasattr(x, "unsqueeze"):  # torch
+        return x.unsqueeze(position)
+    return np.expand_dims(np.asarray(x), position)
+
+
+class Step:
+    """A recurrence's single-step form (`step`): call it on one step of each sequence (its time
+    axis left out), the params, and the states; it returns (the outputs at that step, the new states).
+
+    It runs the compiled full-sequence path on a sequence of length one (time axis added, final states
+    returned, time axis removed), so it takes what `Compiled` takes and computes the same numbers:
+    stepping L times equals one call over the L steps. The new states come as `Compiled` returns final
+    states (one array, or a tuple in state order), so they go back in as ``states=``. A reverse-time
+    program steps the same way; feeding it the sequence from its last step down gives the full call.
+    """
+
+    def __init__(self, program: Recurrence, backend: str, layout, dtype=None):
+        self.program = program
+        self.compiled = Compiled(program, backend, layout, dtype)
+        self.backend = backend
+        self.layout = layout
+        self._seq_time, self._out_time = time_positions(program, layout)
+
+    def __repr__(self) -> str:
+        return f"<ssmc.Step {self.program.name} backend={self.backend}>"
+
+    def __call__(self, *args, states=None, **kwargs):
+        p = self.program
+        names = [d.name for d in p.inputs]
+        if len(args) > len(names):
+            raise ValueError(f"{p.name} takes the inputs {names}; got {len(args)} positional arguments")
+        given = dict(zip(names, args))
+        state_names = {s.name for s in p.states}
+        initial = state_dict_of(p, states)
+        for name in list(kwargs):
+            if name in given or name in initial:
+                raise ValueError(f"argument {name!r} given twice")
+            if name in state_names:
+                initial[name] = kwargs.pop(name)
+            elif name in names:
+                given[name] = kwargs.pop(name)
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"{p.name} takes the inputs {names}; missing {missing}")
+        for name, position in self._seq_time.items():
+            given[name] = _add_time(given[name], position)
+        ys, finals = self.compiled(**given, **initial, **kwargs, return_final_states=True)
+        positions = list(self._out_time.values())
+        if isinstance(ys, tuple):
+            ys = tuple(y.squeeze(pos) for y, pos in zip(ys, positions))
+        elif ys is not None:
+            ys = ys.squeeze(positions[0])
+        return ys, finals
+
+
+def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None) -> Step:
+    """The single-step form of a recurrence spec (`Step`): for decoding one step at a time.
+
+        s = ssmc.step(hgrn.SPEC, layout="b t ...")
+        y, h = s(x_t, f_t)                 # x_t, f_t: [b d], no time axis; zero initial state
+        y, h = s(x_t, f_t, states=h)       # the next step
+
+    `layout` is the full-sequence layout (where time would sit); the arrays given leave time out.
+    """
+    if isinstance(spec, AttentionSpec):
+        raise ValueError("step: an attention spec has no single-step form here (it needs a KV cache)")
+    backend = check_backend(backend or default_backend())
+    return Step(program_of(spec), backend, layout, dtype)
 
 
 frontend_spec.set_compiler(compile)  # what calling a spec runs (the front end imports no backend)

@@ -5,6 +5,7 @@
     y, h_last = ssmc.torch.function(spec, return_final_states=True)(x, gate)
     loss(y).backward()                                       # gradients from the derived backward
     attn = ssmc.torch.function(alibi_attention.SPEC, layout="b h t ...")   # ssmc.attention: torch_attention.py
+    layer = ssmc.torch.Recurrence(lstm.SPEC, sizes={"i": 16, "j": 32, "k": 32})      # an nn.Module: torch_layers.py
 
 The forward runs through `ssmc.grad`'s `Grad.forward` and keeps its tape (the inputs in the
 compute dtype and the carries at chunk boundaries, or, when one chunk covers the sequence on the
@@ -27,7 +28,10 @@ from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .runtime.binding import layout_of
 from .runtime.prologue import PreparedCalls, program_of
+from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
+
+__all__ = ["Recurrence", "SsmcFunction", "function"]
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -230,3 +234,6 @@ def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,
 
         return AttentionFunction(spec, layout)
     return SsmcFunction(spec, backend, layout, chunk, return_final_states)
+
+
+set_function(function)  # what `Recurrence` builds its function with (torch_layers.py imports no ssmc.torch)
