@@ -85,7 +85,7 @@ class StepLoop:
         self.free = [n for n in nodes if n not in stateful and (
             n in roots or any(n in u.args for u in stateful))]
         self.step_roots = tuple(program.updates) + tuple(y for _, y in program.outputs)
-        # SUM over a of MUL(x, y), the product read by nothing else: one einsum (`_contract`)
+        # SUM over a of MUL(x, y), the product read by nothing else: one matrix product (`_matmul_plan`)
         self.contractions = {n: n.args[0] for n in nodes if n.op is Op.SUM and n.args[0].op is Op.MUL
                              and users.get(n.args[0]) == 1 and n.args[0] not in roots}
         skip = set(self.contractions.values())
@@ -164,7 +164,7 @@ class StepLoop:
             values = [memo[a] for a in args]
             value = _contract(n, *values, ev.sizes) if n in self.contractions else ev.eval_node(n, values, env)
             memo[n] = value
-            if fast is not None and n.op is not Op.INPUT:
+            if fast is not None and n.op is not Op.INPUT and n not in fast:  # None: the general path each step
                 fast[n] = _fast(n, values, value, n in self.contractions, ev.sizes)
 
 
