@@ -12,7 +12,8 @@ alone; here every step is spread over the GPU by the matrix product, as a plain 
         carry = new
 
 Every node is evaluated by `backends/torch_eval.py`; a ``SUM over a of MUL(x, y)`` whose product is
-read by nothing else is one `torch.einsum` (never the [b, j, g, k] product). The gradient's programs
+read by nothing else is one matrix product (an einsum where the shapes do not allow; never the
+[b, j, g, k] product). A call works out each node's permutations and shapes at its first step. The gradient's programs
 (the recompute of the carries, the adjoint, whose ``dh Uᵀ`` and ``Σ_b hᵀ dg`` are such products) run
 the same way, so `ssmc.grad` works unchanged. This is the first step of the persistent kernel the
 nonlinear family needs (U resident on chip across steps, a grid-wide barrier per step): it pays one
