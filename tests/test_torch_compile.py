@@ -155,3 +155,16 @@ def test_attention_model_compiles_with_its_lse_saved():
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     targets = [str(n.target) for n in explanation.graphs[0].graph.nodes if n.op == "call_function"]
     assert any(t.startswith("ssmc.alibi") for t in targets), targets
+
+
+def test_a_recurrence_layer_compiles():
+    """`ssmc.torch.Recurrence` (an nn.Module owning the LSTM's params) under compile: eager's loss and the
+    gradients of the input and of every nn.Parameter."""
+    torch.manual_seed(3)
+    layer = st.Recurrence(lstm.SPEC, layout=lstm.LAYOUT, sizes={"i": 5, "k": 6, "j": 6}, dtype=torch.float64)
+
+    def model(x):
+        return layer(x).square().sum()
+
+    x = torch.randn(2, 9, 5, dtype=torch.float64)
+    _check(model, _compiled(model), (x,), list(layer.parameters()), rtol=1e-10, atol=1e-12)
