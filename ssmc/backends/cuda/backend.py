@@ -63,14 +63,7 @@ class CudaBackend(Backend):
     arrays = DeviceArrays()
 
     def stages(self, program):
-        """The fusion stages, or where the program is matrix linear, a chunked core between
-        state-free stages (passes/matrix_linear.py; SSMC_CUDA_CHUNKED=0: not)."""
-        from ...lowering.stages import fuse
-        from ...passes.matrix_linear import chunk_stages
-        from .options import options
-
-        chunked = None if options().chunked is False else chunk_stages(program)
-        return chunked or fuse(program)
+        return cuda_stages(program)
 
     def compiled(self, program, dtype: np.dtype, products: dict | None = None) -> Runner:
         from .hoisted import hoisted_runner
@@ -188,3 +181,14 @@ class CudaBackend(Backend):
             return core
 
         return fused_backward_runner(backward, dtype)
+
+
+def cuda_stages(program):
+    """The programs the CUDA backend runs `program` as: its fusion stages, or where it is matrix linear,
+    a chunked core between state-free stages (passes/matrix_linear.py; SSMC_CUDA_CHUNKED=0: not)."""
+    from ...lowering.stages import fuse
+    from ...passes.matrix_linear import chunk_stages
+    from .options import options
+
+    chunked = None if options().chunked is False else chunk_stages(program)
+    return chunked or fuse(program)

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...autograd import default_chunk
-from ...lowering.stages import fuse
 from ...passes.autodiff import derive_backward
-from ...passes.matrix_linear import chunk_stages
 from ...runtime.cache import store
 from ...runtime.random_inputs import default_sizes
 from . import nvrtc
@@ -98,8 +96,9 @@ def kernel_reports(program, sizes: dict[str, int], length: int, dtype: str = "fl
 
 def _stages(program):
     """The programs the CUDA backend runs `program` as (`CudaBackend.stages`)."""
-    chunked = None if options().chunked is False else chunk_stages(program)
-    return chunked or fuse(program)
+    from .backend import cuda_stages
+
+    return cuda_stages(program)
 
 
 def _step_loop(program, compute: str):
