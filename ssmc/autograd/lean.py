@@ -20,7 +20,7 @@ class LeanStep:
     least host time a call: a forward is one allocation, one launch and the outputs' views, made in
     their layouts; a backward one allocation and memset, one launch and the gradients' views. Where
     each of the kernels' arrays comes from is worked out once (`_sources`). At a small shape every
-    torch call of the host counts (bench/results/2026-11-25-h100-torch-op.md).
+    torch call of the host counts (bench/results/ has the measurements).
 
     `names`: the op's arguments (the inputs, then the initial states given), as it passes them to
     `Grad.forward`; `output_perms`: per output, its name and permutation from time first to its

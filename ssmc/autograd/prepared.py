@@ -1,7 +1,7 @@
 """A training step worked out once per call signature, where the backend prepares calls (CUDA).
 
 `Grad` (driver.py) binds, checks and plans every call: at a small shape that host time costs more
-than the kernels (bench/results/2026-11-25-h100-torch-op.md). Where the call's arguments are the backend's
+than the kernels (bench/results/ has the measurements). Where the call's arguments are the backend's
 own arrays (torch CUDA tensors), the first call of a signature (`Backend.call_key`: shapes, strides,
 dtypes and devices of the arguments, the keywords given, the overrides) does all that and leaves a
 step; later calls like it take its path, which per call only
