@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ir.node import Node, toposort
+from ..ir.node import Node
 from ..ir.ops import Op
+from .interpreter import Evaluator
 
 LOOP_AXES = ("~q", "~k")
 TIME = "~t"  # a recurrence's steps, for values computed for all of them at once (kernels/step_loop.py)
@@ -65,19 +66,13 @@ def _loops(values) -> tuple[str, ...]:
     return tuple(a for a in (*LOOP_AXES, TIME) if a in found)
 
 
-class TorchEvaluator:
-    """Evaluates nodes given the values of INPUT leaves and the axis sizes (module docstring)."""
+class TorchEvaluator(Evaluator):
+    """Evaluates nodes given the values of INPUT leaves and the axis sizes (module docstring); `run` is
+    the interpreter's, over this `eval_node`."""
 
     def __init__(self, sizes: dict[str, int], dtype: torch.dtype, device):
-        self.sizes, self.dtype, self.device = sizes, dtype, device
-
-    def run(self, roots, env: dict[str, Value], memo: dict[Node, Value] | None = None) -> list[Value]:
-        """The values of `roots`; `memo` holds values known already (and keeps the new ones)."""
-        memo = {} if memo is None else memo
-        for node in toposort(roots):
-            if node not in memo:
-                memo[node] = self.eval_node(node, [memo[a] for a in node.args], env)
-        return [memo[r] for r in roots]
+        super().__init__(sizes)
+        self.dtype, self.device = dtype, device
 
     def _scalar(self, x: float) -> torch.Tensor:
         return torch.full((), x, dtype=self.dtype, device=self.device)

@@ -105,10 +105,13 @@ class HoistedRunner:
         self.program = program
         self.compute = compute
         self.hoisted: Hoisted = hoist(program, transpose=False)
-        # what is left: as a loop over steps where it reads its states through a recurrent product
-        # (kernels/step_loop.py), else its kernels
-        self.loop = step_loop(self.hoisted.program, compute)
         self.kernels = runner_for(self.hoisted.program, compute)
+
+    @property
+    def loop(self):
+        """What is left as a loop over steps, where it reads its states through a recurrent product
+        (kernels/step_loop.py, which SSMC_CUDA_STEP_LOOP=0 turns off), else None: its kernels run it."""
+        return step_loop(self.hoisted.program, self.compute)
 
     def describe(self) -> str:
         """The products around the kernels, for `ssmc inspect`: "matrix products: hz0 hz1 before, ..."."""
@@ -132,7 +135,7 @@ class HoistedRunner:
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
-        inner = self.kernels if self.loop is None or options().step_loop is False else self.loop
+        inner = self.loop or self.kernels
         outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                         initial, sizes, length)
         outs = in_original_order(h, outs, xp=TORCH)

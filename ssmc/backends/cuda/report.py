@@ -104,9 +104,7 @@ def _stages(program):
 def _step_loop(program, compute: str):
     """The step loop `program` runs as (after its hoisted products, where it has any), or None."""
     hoisted = hoisted_runner(program, compute)
-    if hoisted is None:
-        return step_loop(program, compute)
-    return hoisted.loop if options().step_loop is not False else None
+    return step_loop(program, compute) if hoisted is None else hoisted.loop
 
 
 def _torch_path(program, compute: str) -> bool:
