@@ -480,9 +480,10 @@ def test_products_hoisted_out_of_the_loop_match_the_interpreter(name, length, dt
 
 
 def test_a_kernel_asking_more_local_memory_than_cuda_allows_is_a_value_error(monkeypatch):
-    """An LSTM's adjoint with its products in the kernels (`SSMC_CUDA_HOIST=0`) at hidden 256: its
-    epilogue holds grad_W [i g k] in one thread, 4 MB of local memory; a clear error naming the
-    kernel, not the driver's CUDA_ERROR_INVALID_VALUE at launch. With the products hoisted it runs."""
+    """An LSTM's adjoint with its products in the kernels (`SSMC_CUDA_HOIST=0`, and no step loop to
+    take the recurrent product out: `SSMC_CUDA_STEP_LOOP=0`) at hidden 256: its epilogue holds
+    grad_W [i g k] in one thread, 4 MB of local memory; a clear error naming the kernel, not the
+    driver's CUDA_ERROR_INVALID_VALUE at launch. With the products hoisted it runs."""
     import torch
 
     m = importlib.import_module("ssmc.examples.lstm")
@@ -490,6 +491,7 @@ def test_a_kernel_asking_more_local_memory_than_cuda_allows_is_a_value_error(mon
     x = {k: v for k, v in on_gpu(inputs, "float32").items() if k not in ("h", "c")}
     dy = torch.randn(2, 7, 256, device="cuda")
     monkeypatch.setenv("SSMC_CUDA_HOIST", "0")
+    monkeypatch.setenv("SSMC_CUDA_STEP_LOOP", "0")
     with pytest.raises(ValueError, match="local memory"):
         ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(**x, grad_outputs=dy)
     monkeypatch.delenv("SSMC_CUDA_HOIST")

@@ -146,6 +146,9 @@ inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }  // the default rounding: to nearest even
 
 // CUDA's min / max overloads for the integer types the kernels index with
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -36,6 +36,13 @@ def math_header(elementary: bool = False) -> str:
     return text if elementary else text[:begin] + text[end:]
 
 
+@cache
+def mma_header() -> str:
+    """ssmc_mma.cuh: the tensor-core tile product (mma.sync m16n8k16, emulated off the GPU) and the
+    16-bit conversions, for kernels that multiply tiles (the chunked and the attention kernels)."""
+    return resources.files("ssmc").joinpath("templates", "ssmc_mma.cuh").read_text()
+
+
 _ELEMENTARY_CALL = re.compile(r"\b(?:sin_|cos_|tan_|log1p_|expm1_|sign_|atan2_)\(")
 
 
