@@ -131,13 +131,32 @@ def test_step_loop_off_runs_the_kernels(emulated_cuda, counted):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [None, "1"])
+@pytest.mark.parametrize("graphs", ["0", None])
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap"])
 @pytest.mark.parametrize("length", [1, 180])
 def test_gpu(name, length, graphs, monkeypatch):
-    """On the GPU: op by op (graphs None, the default), and with a step loop of 8 steps or more
-    replaying its step as a CUDA graph ("1")."""
+    """On the GPU: op by op ("0"), and by default, where a loop of 8 steps or more replays a CUDA graph
+    of the whole call from its signature's second call on: two calls of each signature with other
+    values (seeds), the second replaying the graphs of the forward, the recompute and the adjoint."""
     if graphs is not None:
         monkeypatch.setenv("SSMC_CUDA_STEP_GRAPHS", graphs)
-    _check(name, length, "float32", 1e-4)
-    _check(name, length, "float64", 1e-10)
+    for seed in (0, 1):
+        _check(name, length, "float32", 1e-4, seed)
+        _check(name, length, "float64", 1e-10, seed)
+
+
+@pytest.mark.gpu
+def test_gpu_replays_a_captured_loop(monkeypatch):
+    """The second call of a signature runs as a CUDA graph (not op by op again), and a third call with
+    other values gets its own values back (the graph reads the copies of the call's inputs)."""
+    captured = []
+    original = loop_module.CapturedLoop.capture.__func__
+
+    def capture(cls, *a, **k):
+        result = original(cls, *a, **k)
+        captured.append(result)
+        return result
+    monkeypatch.setattr(loop_module.CapturedLoop, "capture", classmethod(capture))
+    for seed in (2, 3, 4):
+        _check("lstm", 180, "float32", 1e-4, seed)
+    assert captured and all(captured), captured

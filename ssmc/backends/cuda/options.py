@@ -41,7 +41,7 @@ class CudaOptions:
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
-    step_graphs: True replays the step loop's step as a CUDA graph (default: op by op)
+    step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     sm_count: SMs of the GPU the kernels are planned for
     """

@@ -16,13 +16,14 @@ read by nothing else is one matrix product (an einsum where the shapes do not al
 [b, j, g, k] product). A call works out each node's permutations and shapes at its first step. The gradient's programs
 (the recompute of the carries, the adjoint, whose ``dh Uᵀ`` and ``Σ_b hᵀ dg`` are such products) run
 the same way, so `ssmc.grad` works unchanged. This is the first step of the persistent kernel the
-nonlinear family needs (U resident on chip across steps, a grid-wide barrier per step): it pays one
-launch per op and step from the host.
+nonlinear family needs (U resident on chip across steps, a grid-wide barrier per step): it launches
+one kernel per op and step. From a signature's second call on, the whole call is one CUDA graph
+(`CapturedLoop`), so the host's time per launch is paid once, at the capture.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, partial
 
 from ....ir.node import Node, depending_on, toposort
 from ....ir.ops import Op
@@ -92,6 +93,8 @@ class StepLoop:
         skip = set(self.contractions.values())
         self.order = [n for n in nodes if n in stateful and n not in skip]
         self.free_order = [n for n in toposort(self.free) if n not in skip]
+        # signature -> 0 (called once), its CapturedLoop, or False (the capture failed): `run`
+        self._graphs: dict[tuple, CapturedLoop | int] = {}
 
     @cached_property
     def describe(self) -> str:
@@ -99,8 +102,27 @@ class StepLoop:
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch tensors in and out, time first). On a
-        GPU with SSMC_CUDA_STEP_GRAPHS=1 the step is captured once per call as a CUDA graph and
-        replayed each step (`_replay`)."""
+        GPU, from the second call of a signature on (SSMC_CUDA_STEP_GRAPHS=0: never), the whole loop
+        is one CUDA graph replayed (`CapturedLoop`): the host's launch per op and step is paid once."""
+        arrays = [*seqs.values(), *params.values(), *initial.values()]
+        if (options().step_graphs is not False and length >= GRAPH_STEPS and arrays
+                and arrays[0].device.type == "cuda"):
+            key = (_signature(seqs), _signature(params), _signature(initial), tuple(sorted(sizes.items())),
+                   length, out_dtype, arrays[0].device)
+            captured = self._graphs.get(key)
+            if captured is None:  # the first call of the signature runs op by op
+                self._graphs[key] = 0
+                _forget_oldest(self._graphs)
+            elif captured == 0:
+                loop = partial(self._loop, sizes=sizes, length=length, out_dtype=out_dtype)
+                captured = self._graphs[key] = CapturedLoop.capture(loop, seqs, params, initial) or False
+                _forget_oldest(self._graphs)
+            if captured:
+                return captured(seqs, params, initial)
+        return self._loop(seqs, params, initial, sizes, length, out_dtype)
+
+    def _loop(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """The loop of the module docstring, op by op."""
         import torch
 
         from ...torch_eval import TIME, TorchEvaluator, align
@@ -135,14 +157,7 @@ class StepLoop:
             return new, ys
 
         carry = {s.name: (initial[s.name].to(dtype), s.axes) for s in p.states}
-        steps = list(range(length - 1, -1, -1) if p.reverse else range(length))
-        # opt-in until its GPU tests have run (tests/test_step_loop.py, graphs "1")
-        graphs = options().step_graphs is True and length >= GRAPH_STEPS
-        if graphs and device is not None and device.type == "cuda":
-            replayed = _replay(step, carry, free, steps, outs, stepped, TIME)
-            if replayed is not None:
-                carry = replayed
-                steps = []
+        steps = range(length - 1, -1, -1) if p.reverse else range(length)
         for t in steps:
             carry, ys = step(carry, {n: _at(v, t, TIME) for n, v in free.items()})
             for name, _ in stepped:
@@ -237,42 +252,6 @@ def _matmul_plan(node: Node, a, b, sizes: dict[str, int]):
     return run
 
 
-def _replay(step, carry: dict, free: dict, steps: list[int], outs: dict, stepped, time: str):
-    """The loop with `step` captured once as a CUDA graph: per step, the free values at t copied into
-    the graph's inputs, one replay (the new carry written over the old inside it), the outputs copied
-    out. Returns the final carry, or None where the capture fails (the caller loops eagerly)."""
-    import torch
-
-    timed = {n: v for n, v in free.items() if time in v[1]}
-    inputs = {n: _at(v, steps[0], time) for n, v in timed.items()}
-    inputs = {n: (t.clone(), axes) for n, (t, axes) in inputs.items()}
-    static = {name: (t.clone().contiguous(), axes) for name, (t, axes) in carry.items()}
-    at = {**free, **inputs}
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up step (cuBLAS's workspace) before the capture
-            step(static, at)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            new, ys = step(static, at)
-            # copies first: an output or a new state may be a view of the old carry (y = h; h, c = c, h)
-            ys = {name: y.clone() for name, y in ys.items()}
-            fresh = {name: v.clone() for name, (v, _) in new.items()}
-            for name, (t, _) in static.items():
-                t.copy_(fresh[name])
-    except RuntimeError:
-        return None
-    for t in steps:
-        for n, (buffer, _) in inputs.items():
-            buffer.copy_(_at(timed[n], t, time)[0])
-        graph.replay()
-        for name, _ in stepped:
-            outs[name][t] = ys[name]
-    return {name: (t.clone(), axes) for name, (t, axes) in static.items()}
-
-
 def _at(value, t: int, time: str):
     """`value` at step `t` (itself where it is the same at every step)."""
     tensor, axes = value
@@ -299,9 +278,61 @@ def _contract(node: Node, a, b, sizes: dict[str, int]):
     return result, out
 
 
-# steps from which a call captures its step as a CUDA graph (one eager step and a capture cost about
-# as much as a few steps run op by op)
+# steps from which a signature's loop is captured as a CUDA graph (shorter loops launch little)
 GRAPH_STEPS = 8
+# signatures a step loop keeps captured (each holds its inputs, outputs and intermediates on the GPU)
+GRAPH_SIGNATURES = 4
+
+
+class CapturedLoop:
+    """A step loop's whole call as one CUDA graph, for the calls of one signature (shapes, dtypes,
+    strides, device): the call's tensors copied into the graph's inputs, one replay, its outputs cloned
+    (the next replay writes over them)."""
+
+    def __init__(self, graph, inputs: tuple[dict, dict, dict], result):
+        self.graph, self.inputs, self.result = graph, inputs, result
+
+    @classmethod
+    def capture(cls, loop, seqs: dict, params: dict, initial: dict) -> CapturedLoop | None:
+        """`loop(seqs, params, initial)` captured on copies of the given tensors; None where capture
+        fails (an op the graph cannot hold): the caller runs op by op."""
+        import torch
+
+        inputs = tuple({n: t.clone() for n, t in group.items()} for group in (seqs, params, initial))
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a warm-up call first: cuBLAS's workspace, lazy inits
+                loop(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                result = loop(*inputs)
+        except RuntimeError:
+            return None
+        return cls(graph, inputs, result)
+
+    def __call__(self, seqs: dict, params: dict, initial: dict):
+        for given, static in zip((seqs, params, initial), self.inputs):
+            for name, t in static.items():
+                t.copy_(given[name])
+        self.graph.replay()
+        outs, finals = self.result
+        return {n: t.clone() for n, t in outs.items()}, {n: t.clone() for n, t in finals.items()}
+
+
+def _signature(tensors: dict) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype, t.stride()) for n, t in tensors.items())
+
+
+def _forget_oldest(graphs: dict) -> None:
+    """Keep the newest GRAPH_SIGNATURES captured loops and the newest 16 x as many signatures seen
+    (dicts keep insertion order)."""
+    captured = [k for k, v in graphs.items() if v]
+    for k in captured[:max(0, len(captured) - GRAPH_SIGNATURES)]:
+        del graphs[k]
+    for k in list(graphs)[:max(0, len(graphs) - 16 * GRAPH_SIGNATURES)]:
+        del graphs[k]
 
 _LOOPS: dict[tuple, StepLoop | None] = {}
 
