@@ -1,0 +1,251 @@
+"""The flash attention forward of an `Attention` program: one kernel launch on the tensor cores.
+
+    reason = unsupported(program)                      # None where the modifiers print as CUDA C
+    name, text = kernel_source(program, d=128, bf16=True)
+    fwd = FlashForward(program); out, lse = fwd(call, spans)   # a bound call of CUDA bf16/fp16 tensors
+
+The kernel (``forward.cu.j2``), per batch index bh (the batch axes flattened) and block of `BM` query
+rows i, as a plain loop:
+
+    for each key tile [n0, n0 + BN) of the block's span [lo, hi)       (passes/mask_blocks.key_spans)
+        s[i, j] = score_mod(scale * sum_d q[bh, i, d] k[bh, j, d], i, j, params[bh])
+        s[i, j] = -inf where j >= Lk or not mask_mod(i, j, params[bh])
+        online softmax: m[i] = running max, l[i] = running sum of exp(s - m), o[i] = running sum of exp(s - m) v
+    out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
+
+Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16); scores, softmax, l, m
+in fp32; P rounded to the input type as the P V product's operand (as FlashAttention). The modifiers
+are printed from the IR as straight-line CUDA C over (score, q_idx, kv_idx, the params' values for
+bh); anything else (a param with an axis beyond the batch axes, reductions, iota) is refused with a
+reason, and the call stays on the tiled torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+
+from .....ir.node import BOOL, Node, toposort
+from .....ir.ops import Op
+from .....ir.program import Attention
+from .. import template
+
+BM = 64                 # query rows a block: 4 warps of 16
+BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
+THREADS = 128
+HEAD_DIMS = (64, 128)   # the kernel's head (and value) dims; others stay on the tiled path
+
+
+class Unprintable(ValueError):
+    """A modifier the flash kernel's printer has no C for (the message says which op and why)."""
+
+
+_UNARY = {
+    Op.NEG: "(-{0})", Op.EXP: "expf({0})", Op.LOG: "logf({0})", Op.SQRT: "sqrtf({0})", Op.RSQRT: "rsqrtf({0})",
+    Op.ABS: "fabsf({0})", Op.SIGMOID: "(1.0f / (1.0f + expf(-({0}))))", Op.TANH: "tanhf({0})",
+    Op.SOFTPLUS: "(({0}) > 20.0f ? ({0}) : log1pf(expf({0})))", Op.SILU: "(({0}) / (1.0f + expf(-({0}))))",
+    Op.GELU: "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.70710678118654752f)))", Op.RELU: "fmaxf({0}, 0.0f)",
+    Op.ERF: "erff({0})", Op.SIN: "sinf({0})", Op.COS: "cosf({0})", Op.TAN: "tanf({0})", Op.LOG1P: "log1pf({0})",
+    Op.EXPM1: "expm1f({0})", Op.SIGN: "(float)((({0}) > 0.0f) - (({0}) < 0.0f))", Op.NOT: "(!{0})",
+}
+_BINARY = {
+    Op.ADD: "({0} + {1})", Op.SUB: "({0} - {1})", Op.MUL: "({0} * {1})", Op.DIV: "({0} / {1})",
+    Op.POW: "powf({0}, {1})", Op.MAX: "fmaxf({0}, {1})", Op.MIN: "fminf({0}, {1})", Op.ATAN2: "atan2f({0}, {1})",
+    Op.LT: "({0} < {1})", Op.LE: "({0} <= {1})", Op.GT: "({0} > {1})", Op.GE: "({0} >= {1})",
+    Op.EQ: "({0} == {1})", Op.NE: "({0} != {1})", Op.AND: "({0} && {1})", Op.OR: "({0} || {1})",
+}
+
+
+def float_literal(x: float) -> str:
+    """A float constant as CUDA C (infinities and NaN by their bits: NVRTC has no math.h)."""
+    if math.isnan(x):
+        return "__uint_as_float(0x7fc00000u)"
+    if math.isinf(x):
+        return "__uint_as_float(0x7f800000u)" if x > 0 else "__uint_as_float(0xff800000u)"
+    return f"{float(x)!r}f" if "e" in repr(float(x)) or "." in repr(float(x)) else f"{float(x)!r}.0f"
+
+
+def print_body(root: Node | None, program: Attention, default: str) -> str:
+    """The statements of a modifier's C function body returning `root` (`default` where None): one
+    local per node, in topological order. Raises `Unprintable` for an op or leaf outside the subset."""
+    if root is None:
+        return f"    return {default};"
+    params = [d.name for d in program.params]
+    batch = set(program.batch_axes)
+    static = program.static_sizes
+    names: dict[Node, str] = {}
+    lines = []
+    for i, n in enumerate(toposort([root])):
+        if any(a not in batch for a in n.axes):
+            raise Unprintable(f"{n.op.name.lower()} has axes {n.axes} beyond the batch axes")
+        op, a = n.op, [names[x] for x in n.args]
+        if op is Op.INPUT:
+            if n.arg in ("score", "q_idx", "kv_idx"):
+                names[n] = str(n.arg)
+                continue
+            if n.arg not in params:
+                raise Unprintable(f"input {n.arg!r} is no param of the spec")
+            expr = f"prm[{params.index(n.arg)}]"
+        elif op is Op.CONST:
+            expr = float_literal(n.arg)
+        elif op is Op.SIZE and n.arg in static:
+            expr = float_literal(float(static[n.arg]))
+        elif op in (Op.RENAME, Op.EXPAND):
+            names[n] = a[0]  # the same value per batch index
+            continue
+        elif op in _UNARY:
+            expr = _UNARY[op].format(*a)
+        elif op in _BINARY:
+            expr = _BINARY[op].format(*a)
+        elif op is Op.WHERE:
+            expr = f"({a[0]} ? {a[1]} : {a[2]})"
+        else:
+            raise Unprintable(f"op {op.name.lower()} has no inline C in the flash kernel")
+        names[n] = f"n{i}"
+        lines.append(f"    const {'bool' if n.dtype == BOOL else 'float'} n{i} = {expr};")
+    lines.append(f"    return {names[root]};")
+    return "\n".join(lines)
+
+
+def unsupported(program: Attention) -> str | None:
+    """Why the flash kernel cannot run `program` whatever the call (None: it can, for supported calls)."""
+    for d in program.params:
+        if any(a not in program.batch_axes for a in d.axes):
+            return f"param {d.name!r} has axes {d.axes} beyond the batch axes {program.batch_axes}"
+    try:
+        print_body(program.score, program, "score")
+        print_body(program.mask, program, "true")
+    except Unprintable as err:
+        return str(err)
+    return None
+
+
+def call_unsupported(call) -> str | None:
+    """Why a bound call (tiled_attention.Call) cannot run on the flash kernel (None: it can)."""
+    q, k, v = call.q, call.k, call.v
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "not CUDA tensors"
+    import torch
+
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtype {q.dtype} (the kernel takes bf16 or fp16 q, k, v)"
+    d, e = q.shape[-1], v.shape[-1]
+    if d not in HEAD_DIMS or e != d:
+        return f"head dim {d}, value dim {e} (the kernel takes equal head and value dims in {HEAD_DIMS})"
+    return None
+
+
+_SOURCES: dict = {}
+
+
+def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+    """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
+    `d` (64 or 128), bf16 or fp16 inputs; cached. Raises `Unprintable` where `unsupported` says why."""
+    from ...source import mma_header
+
+    key = (program, d, bf16)
+    hit = _SOURCES.get(key)
+    if hit is not None:
+        return hit
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
+    score_body = print_body(program.score, program, "score")
+    mask_body = print_body(program.mask, program, "true")
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
+    digest = hashlib.sha256(f"{score_body}\n{mask_body}\n{scale!r}".encode()).hexdigest()[:10]
+    name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
+    text = template("flash/forward.cu.j2").render(
+        name=name, d=d, bm=BM, bn=BN, bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
+        score_body=score_body, mask_body=mask_body)
+    _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
+    return hit
+
+
+def param_table(program: Attention, params: dict, sizes: dict[str, int]):
+    """params [BH, NP] fp32 (torch, contiguous): each param's value per flattened batch index (the
+    batch axes in order, the last fastest), broadcast over the batch axes it lacks."""
+    import torch
+
+    batch = program.batch_axes
+    shape = [sizes[a] for a in batch]
+    cols = []
+    for d in program.params:
+        t = params[d.name].to(torch.float32)
+        order = [a for a in batch if a in d.axes]
+        t = t.permute(*[d.axes.index(a) for a in order])
+        t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
+        cols.append(t.reshape(-1))
+    bh = math.prod(shape)
+    if not cols:
+        return torch.zeros((bh, 0), dtype=torch.float32)
+    return torch.stack(cols, dim=1).contiguous()
+
+
+def span_table(spans: list[tuple[int, int]], bh: int) -> list[int]:
+    """The kernel's spans array: [BH, lo_0, hi_0, lo_1, hi_1, ...] (a block's keys [lo, hi))."""
+    return [bh] + [x for lo_hi in spans for x in lo_hi]
+
+
+class FlashForward:
+    """The flash forward of one program on CUDA tensors (module docstring): compiled per (device, source)
+    with CuPy (NVRTC), launched on torch's current stream."""
+
+    def __init__(self, program: Attention):
+        self.program = program
+        self.reason = unsupported(program)
+        self._modules: dict = {}
+        self._spans: dict = {}
+        self._lock = threading.Lock()
+
+    def _function(self, device: int, d: int, bf16: bool):
+        name, text = kernel_source(self.program, d, bf16)
+        key = (device, text)
+        fn = self._modules.get(key)
+        if fn is None:
+            import cupy
+
+            from ...source import compile_options
+
+            with self._lock, cupy.cuda.Device(device):
+                module = cupy.RawModule(code=text, options=compile_options(text))
+                module.compile()
+                fn = self._modules[key] = module.get_function(name)
+        return fn
+
+    def _span_tensor(self, call, bh: int):
+        import torch
+
+        key = (call.lq, call.lk, bh, tuple(sorted(call.sizes.items())), call.q.device)
+        t = self._spans.get(key)
+        if t is None:
+            from .....passes.mask_blocks import key_spans
+
+            if len(self._spans) > 64:
+                self._spans.clear()
+            spans = key_spans(self.program.mask, call.lq, call.lk, BM, BN, call.sizes)
+            t = self._spans[key] = torch.tensor(span_table(spans, bh), dtype=torch.int32, device=call.q.device)
+        return t
+
+    def __call__(self, call):
+        """(out [*batch, Lq, d] in q's dtype, lse [*batch, Lq] fp32) of a bound call that `call_unsupported`
+        accepts."""
+        import torch
+
+        from ...launch import launch_kernel
+
+        q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
+        q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
+        batch = q.shape[:-2]
+        bh, lq, lk, d = math.prod(batch), call.lq, call.lk, q.shape[-1]
+        out = torch.empty((*batch, lq, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
+        if bh == 0 or lq == 0:
+            return out, lse
+        params = param_table(self.program, call.params, call.sizes).to(q.device)
+        spans = self._span_tensor(call, bh)
+        fn = self._function(q.device.index or 0, d, q.dtype == torch.bfloat16)
+        blocks = -(-lq // BM) * bh
+        launch_kernel(fn, (blocks, THREADS), lq, lk, [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(),
+                                                     spans.data_ptr(), out.data_ptr(), lse.data_ptr()])
+        return out, lse

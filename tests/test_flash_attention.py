@@ -1,0 +1,262 @@
+"""The flash attention forward kernel (backends/cuda/kernels/flash): its printed modifiers, the kernel
+run on the CPU emulator at tiny sizes against the interpreter (float64, from the same 16-bit inputs),
+its NVRTC build for sm_80 / sm_90 without spills, and on a GPU (``-m gpu``) against the tiled torch
+path and torch's SDPA, and plugged into `TiledAttention.forward`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import ssmc
+from ssmc.backends import interpreter
+from ssmc.backends.cuda import emulator, nvrtc
+from ssmc.backends.cuda.kernels.flash import forward as flash
+from ssmc.passes.mask_blocks import key_spans
+
+torch = pytest.importorskip("torch")
+
+
+def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):
+    return score - slope * (q_idx - kv_idx)
+
+
+def softcap(score, q_idx, kv_idx, cap: ssmc.Param["h"]):
+    return cap * ssmc.tanh(score / cap)
+
+
+def never_late(q_idx, kv_idx):
+    """Queries past 8 see no key: rows without a key (out 0, lse -inf)."""
+    return (kv_idx <= q_idx) & (q_idx < 8)
+
+
+def _spec(score_mod, mask_mod):
+    return ssmc.attention(score_mod=score_mod, mask_mod=mask_mod, batch="b h", head_dim="d")
+
+
+SPECS = {
+    "causal": _spec(None, ssmc.causal),
+    "alibi": _spec(alibi, ssmc.causal),
+    "window": _spec(None, ssmc.sliding_window(20)),
+    "full": _spec(None, None),
+    "softcap_empty_rows": _spec(softcap, never_late),
+}
+
+
+def _params(program, sizes, rng) -> dict:
+    out = {}
+    for d in program.params:
+        shape = [sizes[a] for a in d.axes]
+        out[d.name] = 2.0 ** (-8.0 * rng.random(shape)) if d.name == "slope" else 1.0 + rng.random(shape)
+    return out
+
+
+def _half_bits(x: np.ndarray, bf16: bool) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16 if bf16 else torch.float16)
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _half_float(bits: np.ndarray, bf16: bool) -> np.ndarray:
+    t = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16 if bf16 else torch.float16)
+    return t.to(torch.float64).numpy()
+
+
+def _reference(program, q, k, v, params, sizes):
+    """The interpreter's (out, lse) for canonical [b, h, t, d] float64 inputs, as [b, h, t, ...]."""
+    out, lse = interpreter.run_attention(program, *(np.moveaxis(x, 2, 0) for x in (q, k, v)), params, sizes)
+    return np.moveaxis(out, 0, 2), np.moveaxis(lse, 0, 2)
+
+
+_EMULATED: dict = {}  # (spec, d, bf16) -> the emulated kernel: one C++ build per source across tests
+
+
+def _emulated(name: str, d: int, bf16: bool):
+    key = (name, d, bf16)
+    if key not in _EMULATED:
+        kname, text = flash.kernel_source(SPECS[name].program, d, bf16)
+        _EMULATED[key] = emulator.emulated(text, kname)
+    return _EMULATED[key]
+
+
+def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
+    """(got out, got lse, want out, want lse) of spec `name` at b=1, `heads` heads, on the emulator."""
+    program = SPECS[name].program
+    rng = np.random.default_rng(seed)
+    sizes = {"b": 1, "h": heads, "d": d}
+    bits = {n: _half_bits(rng.standard_normal((1, heads, length, d)), bf16)
+            for n, length in (("q", lq), ("k", lk), ("v", lk))}
+    params = _params(program, sizes, rng)
+    table = flash.param_table(program, {n: torch.from_numpy(np.asarray(x)) for n, x in params.items()}, sizes)
+    table = np.ascontiguousarray(table.numpy(), np.float32).reshape(-1)
+    if table.size == 0:
+        table = np.zeros(1, np.float32)
+    spans = np.asarray(flash.span_table(key_spans(program.mask, lq, lk, flash.BM, flash.BN, sizes), heads),
+                       np.int32)
+    out = np.zeros((1, heads, lq, d), np.uint16)
+    lse = np.zeros((1, heads, lq), np.float32)
+    arrays = [bits["q"], bits["k"], bits["v"], table, spans, out, lse]
+    kernel = _emulated(name, d, bf16)
+    kernel((-(-lq // flash.BM) * heads, flash.THREADS), lq, lk, [a.ctypes.data for a in arrays])
+    q, k, v = (_half_float(bits[n], bf16) for n in "qkv")
+    want_out, want_lse = _reference(program, q, k, v, params, sizes)
+    return _half_float(out, bf16), lse, want_out, want_lse
+
+
+needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+
+# P is rounded to 16 bits as the P V operand and out to 16 bits: outputs, averages of O(1) values,
+# within a few of their ulps; lse is exact up to fp32 sums of products of the 16-bit inputs
+OUT_TOL = {True: 1.5e-2, False: 2e-3}
+LSE_TOL = 1e-4
+
+
+def _check(got_out, got_lse, want_out, want_lse, bf16=True):
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=LSE_TOL, atol=LSE_TOL)
+    np.testing.assert_allclose(got_out, want_out, atol=OUT_TOL[bf16], rtol=0)
+    assert not np.isnan(got_out).any()
+
+
+# -- the printer ----------------------------------------------------------------------------------------
+
+def test_modifiers_print_as_straight_line_c():
+    text = flash.kernel_source(SPECS["alibi"].program, 64, True)[1]
+    assert "const float n5 = (n1 * n4);" in text or "prm[0]" in text
+    assert "(kv_idx <= q_idx)" in text
+    assert flash.unsupported(SPECS["window"].program) is None
+
+
+def test_modifiers_beyond_the_subset_are_refused_with_a_reason():
+    def mixed(score, q_idx, kv_idx, w: ssmc.Param["h r"]):
+        return score + w.sum("r")
+
+    reason = flash.unsupported(ssmc.attention(score_mod=mixed, batch="b h", head_dim="d").program)
+    assert reason is not None and "'w'" in reason
+
+
+# -- the kernel on the CPU emulator ---------------------------------------------------------------------
+
+@needs_emulator
+@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full"])
+@pytest.mark.parametrize("length", [1, 7, 33, 70])
+def test_emulated_flash_forward_matches_the_interpreter(name, length):
+    heads = 2 if length <= 33 else 1
+    _check(*_run_emulated(name, length, length, heads))
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, lq, lk", [("alibi", 70, 7), ("alibi", 7, 70), ("window", 130, 130)])
+def test_emulated_flash_forward_with_lq_and_lk_apart_and_skipped_tiles(name, lq, lk):
+    """(130, 130) with a window of 20: the last query block's span starts at key 64 (tile 0 skipped)."""
+    _check(*_run_emulated(name, lq, lk, 1, seed=lq + lk))
+
+
+@needs_emulator
+def test_emulated_rows_without_a_key_give_zero_and_minus_infinity():
+    got_out, got_lse, want_out, want_lse = _run_emulated("softcap_empty_rows", 20, 20, 1)
+    assert np.isneginf(got_lse[..., 8:]).all() and (got_out[..., 8:, :] == 0).all()
+    _check(got_out, got_lse, want_out, want_lse)
+
+
+@needs_emulator
+def test_emulated_flash_forward_fp16_and_head_dim_128():
+    _check(*_run_emulated("alibi", 33, 33, 1, d=128, bf16=False), bf16=False)
+
+
+# -- NVRTC: the kernel builds for sm_80 and sm_90 without spills -----------------------------------------
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["alibi", "window"])
+def test_flash_forward_compiles_without_spills(arch, d, name):
+    from ssmc.backends.cuda.source import compile_options
+
+    kname, text = flash.kernel_source(SPECS[name].program, d, True)
+    compiled = nvrtc.compile_source(text, arch=arch, options=compile_options(text))
+    usage = compiled.resources[kname]
+    assert not usage.spills, str(usage)
+    assert usage.shared_bytes <= 48 * 1024
+
+
+# -- on a GPU -------------------------------------------------------------------------------------------
+
+GPU_LENGTHS = [1, 7, 180, 1000, 4097]
+
+
+def _gpu_inputs(program, length, dtype, heads=4, d=128, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn((2, heads, length, d), device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    params = {}
+    for p in program.params:
+        params[p.name] = (2.0 ** (-8.0 * torch.rand(heads, device="cuda")) if p.name == "slope"
+                          else 1.0 + torch.rand(heads, device="cuda"))
+    return q, k, v, params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full"])
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_flash_forward_matches_the_tiled_path(name, length, dtype, monkeypatch):
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    dtype = getattr(torch, dtype)
+    program = SPECS[name].program
+    q, k, v, params = _gpu_inputs(program, length, dtype)
+    tiled = TiledAttention(program)
+    call = tiled.bind(q, k, v, "b h t ...", params)
+    assert flash.call_unsupported(call) is None
+    out, lse = flash.FlashForward(program)(call)
+    monkeypatch.setenv("SSMC_CUDA_FLASH", "0")
+    want_out, want_lse = tiled.forward(call)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max().item() < 2e-3
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert (out.float() - want_out.float()).abs().max().item() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_flash_causal_matches_sdpa(length, d):
+    program = SPECS["causal"].program
+    q, k, v, _ = _gpu_inputs(program, length, torch.bfloat16, d=d)
+    f = SPECS["causal"].compile(layout="b h t ...")
+    got = torch.as_tensor(f(q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_forward_runs_the_flash_kernel_and_the_switch_turns_it_off(monkeypatch):
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS["alibi"].program
+    q, k, v, params = _gpu_inputs(program, 300, torch.bfloat16)
+    tiled = TiledAttention(program)
+    call = tiled.bind(q, k, v, "b h t ...", params)
+    out, _ = tiled.forward(call)
+    assert out.dtype == torch.bfloat16  # the kernel's (the tiled path's is fp32)
+    monkeypatch.setenv("SSMC_CUDA_FLASH", "0")
+    out0, _ = tiled.forward(call)
+    assert out0.dtype == torch.float32
+    assert (out.float() - out0).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_still_flow_through_the_tiled_backward():
+    program = SPECS["alibi"].program
+    q, k, v, params = _gpu_inputs(program, 200, torch.bfloat16, d=64)
+    fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")
+    q.requires_grad_(True)
+    out = fn(q, k, v, params["slope"])
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert math.isfinite(out.float().sum().item())
