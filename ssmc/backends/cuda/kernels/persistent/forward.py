@@ -1,0 +1,335 @@
+"""CUDA C of the persistent forward kernel: one cooperative launch for the whole sequence.
+
+Block x owns units k in [x KU, x KU + KU) of the split axis, all rows and all columns (gates) of them,
+so the cell's element-wise math is local; its slice of U sits in shared memory for the whole call.
+Thread pair q owns one (row r, unit k) for the whole call (carries in registers). As a plain loop:
+
+    su[j][c][u] = U[j, c, x KU + u]                      once (zero past the axis' end)
+    st[q] = initial states at (r, k);  xo[0][r][k] = initial operand state (the host)
+    for s in range(L):  t = s (L - 1 - s where reversed)
+        seq[q] = sequences at (t, r, k)                  issued before the product (latency hidden)
+        acc[q][c] = sum_j xo[s % 2][r][j] su[j][c][u]    xo staged [rows][JC + 1] a chunk at a time
+        cell(acc, seq, st, params) -> outputs at t, the new states st, xo[(s + 1) % 2][r][k] = new h
+        grid barrier                                     every block's h written before any reads it
+
+The exchange buffer xo is double-buffered by step parity: a block writing step s + 1's operand cannot
+overwrite what a slower block still reads at step s, since both sit between the same two barriers.
+xo is read through L2 only (`ld_l2`: a stale L1 line of two steps before would be read otherwise).
+
+The cell is printed from the IR node by node (`cell_code`), each node's value one register per index
+of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
+functions). Off the GPU (the emulator: one block at a time) the barrier is compiled out; the host
+launches one block there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from .....ir.node import Node
+from .....ir.ops import BINARY, UNARY, Op
+from .....lowering.loops import Bin, Call, Num, Select, Var
+from .....lowering.step import _BINOPS, _CALLS
+from ...printer import CPrinter
+from ...source import math_header
+from .analysis import Cell, Plan
+
+# cycles a block waits at a barrier before it flags a failure in bar[1] (and goes on): a bug then
+# shows as wrong values and a status, not a hang
+BARRIER_TIMEOUT = 1 << 33
+
+
+class _Exprs:
+    """The printer's rendering of scalar expressions (numbers, variables, calls, operators, selects)."""
+
+    def __init__(self):
+        self.views = {}
+
+    expr = CPrinter.expr
+
+
+def kernel_name(cell: Cell) -> str:
+    return f"{cell.program.name}_persistent"
+
+
+def contiguous_index(axes: tuple[str, ...], sizes: dict[str, int], at: dict[str, str]) -> str:
+    """The offset of `at` (axis -> C index text) in a contiguous array of `axes`."""
+    terms, stride = [], 1
+    for a in reversed(axes):
+        terms.append(at[a] if stride == 1 else f"({at[a]}) * {stride}")
+        stride *= sizes[a]
+    return " + ".join(reversed(terms)) or "0"
+
+
+def combos(axes: tuple[str, ...], sizes: dict[str, int]):
+    """Every assignment of the local `axes` (axis -> index), in row-major order."""
+    for values in itertools.product(*(range(sizes[a]) for a in axes)):
+        yield dict(zip(axes, values))
+
+
+def flat(axes: tuple[str, ...], sizes: dict[str, int], assign: dict[str, int]) -> int:
+    """The row-major position of `assign` restricted to `axes`."""
+    i = 0
+    for a in axes:
+        i = i * sizes[a] + assign[a]
+    return i
+
+
+class CellPrinter:
+    """The cell's C statements for pair q (module docstring): node values as registers ``v<n>_<c>``."""
+
+    def __init__(self, cell: Cell, sizes: dict[str, int]):
+        self.cell, self.sizes = cell, sizes
+        p = cell.program
+        self.index = {n: i for i, n in enumerate(cell.nodes)}
+        self.states = {s.name: i for i, s in enumerate(p.states)}
+        self.seqs = {d.name: i for i, d in enumerate(p.seqs)}
+        self.params = {d.name: i for i, d in enumerate(p.params)}
+        self.at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "k"}
+        self.printer = _Exprs()
+
+    def own(self, n: Node) -> tuple[str, ...]:
+        return tuple(a for a in n.axes if a in self.cell.local)
+
+    def count(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def ref(self, n: Node, assign: dict[str, int]):
+        """The expression of node `n` at the local indices `assign`."""
+        own = self.own(n)
+        c = flat(own, self.sizes, assign)
+        if n.op is Op.CONST:
+            return Num(float(n.arg))
+        if n.op is Op.INPUT:
+            if n.arg in self.states:
+                return Var(f"st{self.states[n.arg]}[q][{c}]")
+            if n.arg in self.seqs:
+                return Var(f"sv{self.seqs[n.arg]}[q][{c}]")
+            return Var(f"pv{self.params[n.arg]}[q][{c}]")
+        if n is self.cell.product:
+            return Var(f"acc[q][{flat(self.cell.local, self.sizes, assign)}]")
+        return Var(f"v{self.index[n]}_{c}")
+
+    def node(self, n: Node, assign: dict[str, int]):
+        """The expression computing node `n` at `assign` from its arguments' registers."""
+        if n.op is Op.SELECT:
+            axis, i = n.arg
+            return self.ref(n.args[0], {**assign, axis: i})
+        args = [self.ref(a, assign) for a in n.args]
+        if n.op is Op.WHERE:
+            return Select(*args)
+        if n.op in _BINOPS:
+            return Bin(_BINOPS[n.op], *args)
+        if n.op in UNARY or n.op in BINARY:
+            return Call(_CALLS[n.op], tuple(args))
+        raise TypeError(f"{n.op} in the cell")
+
+    def body(self) -> list[str]:
+        """Statements of the cell for pair q: every node, then the outputs at t, the new carries and
+        the published operand."""
+        out = []
+        for n in self.cell.nodes:
+            if n.op in (Op.INPUT, Op.CONST) or n is self.cell.product:
+                continue
+            ctype = "bool" if n.dtype == "bool" else "F"
+            for assign in combos(self.own(n), self.sizes):
+                value = self.printer.expr(self.node(n, assign))
+                out.append(f"const {ctype} v{self.index[n]}_{flat(self.own(n), self.sizes, assign)} = {value};")
+        p = self.cell.program
+        for i, (_, y) in enumerate(p.outputs):
+            axes = y.axes
+            step = math.prod(self.sizes[a] for a in axes)
+            for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
+                at = self.at | {a: str(v) for a, v in assign.items()}
+                out.append(f"o{i}[(long long)t * {step} + {contiguous_index(axes, self.sizes, at)}] = "
+                           f"{self.printer.expr(self.ref(y, assign))};")
+        for s, u in zip(p.states, p.updates):
+            i = self.states[s.name]
+            for assign in combos(self.own_of(s.axes), self.sizes):
+                c = flat(self.own_of(s.axes), self.sizes, assign)
+                out.append(f"const F n{i}_{c} = {self.printer.expr(self.ref(u, assign))};")
+        for s in p.states:
+            i = self.states[s.name]
+            for c in range(self.count(self.own_of(s.axes))):
+                out.append(f"st{i}[q][{c}] = n{i}_{c};")
+        out.append(f"hout[(long long)r * {self.sizes[self.cell.split]} + k] = n{self.states[self.cell.state]}_0;")
+        return out
+
+    def own_of(self, axes) -> tuple[str, ...]:
+        return tuple(a for a in axes if a in self.cell.local)
+
+
+def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
+    """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
+
+    Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
+    final states, xo [2][rows][units], bar [3] (counter, failed, step)); every array contiguous fp32
+    in its declaration's axis order."""
+    p = cell.program
+    pr = CellPrinter(cell, sizes)
+    name = kernel_name(cell)
+    args = ["int length", "int nblk"]
+    args += [f"const float* __restrict__ s{i}" for i, _ in enumerate(p.seqs)]
+    args += [f"const float* __restrict__ w{i}" for i, _ in enumerate(p.params)]
+    args += [f"const float* __restrict__ i{i}" for i, _ in enumerate(p.states)]
+    args += [f"float* __restrict__ o{i}" for i, _ in enumerate(p.outputs)]
+    args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
+    args += ["float* xo", "unsigned int* bar"]
+    weight = pr.params[cell.weight]
+    wat = {cell.contracted: "j", cell.split: "kk"} | {a: f"c_{a}" for a in cell.local}
+    rsz = [sizes[a] for a in cell.rows]
+
+    def rows_of(var: str) -> list[str]:
+        out = []
+        for i, a in enumerate(cell.rows):
+            inner = math.prod(rsz[i + 1:])
+            out.append(f"const int ri_{a} = ({var} / {inner}) % {rsz[i]};")
+        return out
+
+    def pair_head() -> list[str]:
+        return ["const int pq = threadIdx.x + q * THREADS;", "const int r = pq / UNITS;",
+                "const int k = k0 + pq % UNITS;", "const bool on = r < ROWS && k < SIZE;",
+                "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
+
+    def at_pair(axes, assign) -> str:
+        at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
+        return contiguous_index(axes, sizes, at)
+
+    # U slice: su[j][c][u], c flat over the local axes in the weight's order
+    local_decode = []
+    for i, a in enumerate(cell.local):
+        inner = math.prod(sizes[b] for b in cell.local[i + 1:])
+        local_decode.append(f"const int c_{a} = (c / {inner}) % {sizes[a]};")
+    u_index = contiguous_index(p.params[weight].axes, sizes, wat)
+    load_u = [
+        "for (int e = threadIdx.x; e < JPAD * COLS * UNITS; e += THREADS) {",
+        "    const int j = e / (COLS * UNITS), c = (e / UNITS) % COLS, u = e % UNITS, kk = k0 + u;",
+        *("    " + line for line in local_decode),
+        f"    su[j][c][u] = (j < SIZE && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+        "}",
+    ]
+    # registers: carries, params, the step's sequences
+    decl = ["F acc[PAIRS][COLS];"]
+    prologue = []
+    for s in p.states:
+        i = pr.states[s.name]
+        n = pr.count(pr.own_of(s.axes))
+        decl.append(f"F st{i}[PAIRS][{n}];")
+        for assign in combos(pr.own_of(s.axes), sizes):
+            prologue.append(f"st{i}[q][{flat(pr.own_of(s.axes), sizes, assign)}] = i{i}[{at_pair(s.axes, assign)}];")
+    read = {n.arg for n in cell.nodes if n.op is Op.INPUT}
+    params = [d for d in p.params if d.name in read]
+    for d in params:
+        i = pr.params[d.name]
+        decl.append(f"F pv{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
+        for assign in combos(pr.own_of(d.axes), sizes):
+            prologue.append(f"pv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = w{i}[{at_pair(d.axes, assign)}];")
+    seq_loads = []
+    for d in p.seqs:
+        if d.name not in read:
+            continue
+        i = pr.seqs[d.name]
+        decl.append(f"F sv{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
+        step = math.prod(sizes[a] for a in d.axes)
+        for assign in combos(pr.own_of(d.axes), sizes):
+            seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = "
+                             f"s{i}[(long long)t * {step} + {at_pair(d.axes, assign)}];")
+    finals = []
+    for s in p.states:
+        i = pr.states[s.name]
+        for assign in combos(pr.own_of(s.axes), sizes):
+            finals.append(f"f{i}[{at_pair(s.axes, assign)}] = st{i}[q][{flat(pr.own_of(s.axes), sizes, assign)}];")
+
+    def per_pair(lines: list[str], guard: str = "on", depth: int = 1) -> str:
+        pad = "    " * depth
+        inner = "\n".join(pad + "        " + line for line in lines)
+        head = "\n".join(pad + "    " + line for line in pair_head())
+        return (f"{pad}#pragma unroll\n{pad}for (int q = 0; q < PAIRS; ++q) {{\n{head}\n"
+                f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
+
+    cell_lines = pr.body()
+    product = [
+        "#pragma unroll 4",
+        "for (int jj = 0; jj < CHUNK; ++jj) {",
+        "    const F hv = sh[r][jj];",
+        "    #pragma unroll",
+        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, su[j0 + jj][c][pq % UNITS], acc[q][c]);",
+        "}",
+    ]
+    src = f"""{math_header()}
+using namespace ssmc;
+typedef float F;
+
+#define ROWS {plan.rows}
+#define SIZE {plan.size}
+#define COLS {plan.cols}
+#define UNITS {plan.units}
+#define THREADS {plan.threads}
+#define PAIRS {plan.pairs}
+#define CHUNK {plan.chunk}
+#define JPAD {plan.jpad}
+#define REVERSE {int(p.reverse)}
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float ld_l2(const float* p) {{ return __ldcg(p); }}
+// Every block of the grid arrives (counter += 1) and waits until all have: target = steps x blocks,
+// the counter never reset within a launch. The fences order the block's stores before its arrival
+// and the others' stores before its reads.
+__device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int target, int step)
+{{
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        __threadfence();
+        atomicAdd(bar, 1u);
+        const long long start = clock64();
+        while (*(volatile unsigned int*)bar < target) {{
+            __nanosleep(20);
+            if (clock64() - start > {BARRIER_TIMEOUT}LL) {{
+                atomicExch(bar + 1, 1u);
+                atomicMax(bar + 2, (unsigned int)step);
+                break;
+            }}
+        }}
+        __threadfence();
+    }}
+    __syncthreads();
+}}
+#else
+inline float ld_l2(const float* p) {{ return *p; }}
+inline void grid_barrier(unsigned int*, unsigned int, int) {{}}  // the emulator runs one block
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
+{{
+    __shared__ F su[JPAD][COLS][UNITS];
+    __shared__ F sh[ROWS][CHUNK + 1];
+    const int k0 = blockIdx.x * UNITS;
+{chr(10).join("    " + line for line in load_u)}
+{chr(10).join("    " + line for line in decl)}
+{per_pair(prologue)}
+    for (int s = 0; s < length; ++s) {{
+        const int t = REVERSE ? length - 1 - s : s;
+        const F* hin = xo + (s & 1) * (ROWS * SIZE);
+        F* hout = xo + ((s + 1) & 1) * (ROWS * SIZE);
+{per_pair(seq_loads, depth=2)}
+        #pragma unroll
+        for (int q = 0; q < PAIRS; ++q)
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) acc[q][c] = F(0);
+        for (int j0 = 0; j0 < JPAD; j0 += CHUNK) {{
+            __syncthreads();
+            for (int e = threadIdx.x; e < ROWS * CHUNK; e += THREADS) {{
+                const int r = e / CHUNK, jj = e % CHUNK, j = j0 + jj;
+                sh[r][jj] = j < SIZE ? ld_l2(hin + (long long)r * SIZE + j) : F(0);
+            }}
+            __syncthreads();
+{per_pair(product, guard="r < ROWS", depth=3)}
+        }}
+{per_pair(cell_lines, depth=2)}
+        if (gridDim.x > 1) grid_barrier(bar, (unsigned int)(s + 1) * gridDim.x, s);
+    }}
+{per_pair(finals)}
+}}
+"""
+    return src

@@ -1,0 +1,203 @@
+"""The persistent forward as a runner (the runner contract of `StepLoop.run`), with the step loop as
+its fallback for every shape, dtype or device it does not take.
+
+    loop = persistent_loop(program, compute, step_loop(program, compute))   # hoisted.HoistedRunner.loop
+    outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
+
+A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
+xo [2][rows][units] (xo[0] = the initial operand state) and a zeroed barrier word, and makes one
+cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
+rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from ...options import emulating, options
+from .analysis import Cell, analyse, plan
+from .forward import kernel_name, kernel_source
+
+
+class PersistentLoop:
+    """Runs `cell`'s program as one persistent kernel a call where its shape fits (`analysis.plan`),
+    else as `fallback` (the StepLoop). `refusals`: sizes key -> why a shape ran as the fallback."""
+
+    def __init__(self, program, compute: str, fallback, cell: Cell):
+        self.program, self.compute, self.fallback, self.cell = program, compute, fallback, cell
+        self.refusals: dict[tuple, str] = {}
+        self._plans: dict[tuple, object] = {}
+        self._functions: dict[tuple, object] = {}
+        self._last_bar = None
+
+    @property
+    def describe(self) -> str:
+        return (f"one persistent kernel a call ({self.cell.describe()}; U resident in shared memory, a grid "
+                f"barrier a step; SSMC_CUDA_PERSISTENT=0: the step loop), where a shape does not fit: "
+                f"{self.fallback.describe}")
+
+    def plan_for(self, sizes: dict[str, int]):
+        """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal."""
+        emulate = emulating()
+        sm = options().sm_count
+        key = (tuple(sorted(sizes.items())), emulate, sm)
+        if key not in self._plans:
+            self._plans[key] = plan(self.cell, sizes, sm, blocks=1 if emulate else None)
+        return self._plans[key]
+
+    def source(self, sizes: dict[str, int]) -> str | None:
+        chosen = self.plan_for(sizes)
+        return None if isinstance(chosen, str) else kernel_source(self.cell, chosen, sizes)
+
+    def run(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """The runner contract (time-first torch tensors in and out, as `StepLoop.run`)."""
+        arrays = [*seqs.values(), *params.values(), *initial.values()]
+        device = arrays[0].device if arrays else None
+        emulate = emulating()
+        on_device = device is not None and (device.type == "cpu" if emulate else device.type == "cuda")
+        chosen = self.plan_for(sizes)
+        key = tuple(sorted(sizes.items()))
+        if length < 1 or not on_device or isinstance(chosen, str):
+            if isinstance(chosen, str):
+                self.refusals[key] = chosen
+            return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
+        result = self._launch(chosen, seqs, params, initial, sizes, length, device, emulate)
+        if isinstance(result, str):  # the driver refused the cooperative launch
+            self.refusals[key] = result
+            return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
+        outs, finals = result
+        dtype = out_dtype or torch_float32()
+        p = self.program
+        outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
+        finals = {s.name: f if f.dtype == dtype else f.to(dtype) for s, f in zip(p.states, finals)}
+        return outs, finals
+
+    def status(self) -> tuple[bool, int]:
+        """(whether a barrier of the last launch timed out, the step it did): reads the device (a sync)."""
+        if self._last_bar is None:
+            return False, 0
+        bar = self._last_bar.cpu().tolist()
+        return bool(bar[1]), int(bar[2])
+
+    def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate):
+        import torch
+
+        p, cell = self.program, self.cell
+        f32 = torch.float32
+
+        def dense(t, shape):
+            t = t if t.dtype == f32 else t.to(f32)
+            return t.expand(*shape).contiguous()
+
+        def full(axes):
+            return [sizes[a] for a in axes]
+
+        seq_t = [dense(seqs[d.name], (length, *full(d.axes))) for d in p.seqs]
+        par_t = [dense(params[d.name], full(d.axes)) for d in p.params]
+        ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
+        outs = [torch.empty((length, *full(y.axes)), dtype=f32, device=device) for _, y in p.outputs]
+        finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
+        operand = next(i for i, s in enumerate(p.states) if s.name == cell.state)
+        axes = p.states[operand].axes
+        order = [axes.index(a) for a in (*cell.rows, cell.split)]
+        xo = torch.empty(2 * chosen.rows * chosen.size, dtype=f32, device=device)
+        xo[:chosen.rows * chosen.size].copy_(ini_t[operand].permute(*order).reshape(-1))
+        bar = torch.zeros(3, dtype=torch.int32, device=device)
+        self._last_bar = bar
+        tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, xo, bar]
+        pointers = [t.data_ptr() for t in tensors]
+        source = kernel_source(cell, chosen, sizes)
+        name = kernel_name(cell)
+        if emulate:
+            from ...emulator import emulated
+
+            fn = self._functions.get(("emulated", source))
+            if fn is None:
+                fn = self._functions[("emulated", source)] = emulated(source, name)
+            fn((chosen.blocks, chosen.threads), length, 0, pointers)
+            return outs, finals
+        refused = _cooperative_launch(self._function(source, name, device), chosen, length, pointers)
+        return refused or (outs, finals)
+
+    def _function(self, source: str, name: str, device):
+        key = (device.index, source)
+        fn = self._functions.get(key)
+        if fn is None:
+            import cupy
+
+            from ...source import compile_options
+
+            module = cupy.RawModule(code=source, options=compile_options(source))
+            fn = self._functions[key] = module.get_function(name)
+        return fn
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
+
+
+_DRIVER = {}
+
+
+def _driver_call(name: str, argtypes):
+    """A libcuda function with its argument types (cached), or None."""
+    if name not in _DRIVER:
+        try:
+            fn = getattr(ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"), name)
+        except (OSError, AttributeError):
+            fn = None
+        else:
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _DRIVER[name] = fn
+    return _DRIVER[name]
+
+
+def _cooperative_launch(function, chosen, length: int, pointers) -> str | None:
+    """One cooperative launch of `function` on torch's current stream; a refusal reason, or None."""
+    from ...launch import _argument_slots, _handle, current_stream
+
+    u, vp = ctypes.c_uint, ctypes.c_void_p
+    occupancy = _driver_call("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                             [ctypes.POINTER(ctypes.c_int), vp, ctypes.c_int, ctypes.c_size_t])
+    launch = _driver_call("cuLaunchCooperativeKernel", [vp, u, u, u, u, u, u, u, vp, vp])
+    if occupancy is None or launch is None:
+        return "no CUDA driver library for a cooperative launch"
+    handle = _handle(function)
+    per_sm = ctypes.c_int(0)
+    if occupancy(ctypes.byref(per_sm), handle, chosen.threads, 0) != 0:
+        return "the occupancy query failed"
+    if per_sm.value * options().sm_count < chosen.blocks:
+        return (f"{chosen.blocks} blocks cannot be co-resident ({per_sm.value} a multiprocessor x "
+                f"{options().sm_count})")
+    values, slots = _argument_slots(2 + len(pointers))
+    values[:] = (length, 0, *pointers)
+    code = launch(handle, chosen.blocks, 1, 1, chosen.threads, 1, 1, 0, current_stream(), slots)
+    if code != 0:
+        return f"cuLaunchCooperativeKernel failed ({code})"
+    return None
+
+
+_LOOPS: dict[tuple, PersistentLoop | None] = {}
+
+
+def persistent_loop(program, compute: str, loop):
+    """The persistent runner of `program` with `loop` (its StepLoop) as the fallback, where the program
+    fits (`analysis.analyse`), the compute type is float32 and SSMC_CUDA_PERSISTENT is not 0; else `loop`."""
+    # getattr: the option's field is added to options.py separately from this module
+    if loop is None or getattr(options(), "persistent", None) is False or compute != "float32":
+        return loop
+    key = (program, compute, loop)
+    if key not in _LOOPS:
+        cell = analyse(program)
+        _LOOPS[key] = PersistentLoop(program, compute, loop, cell) if isinstance(cell, Cell) else None
+    return _LOOPS[key] or loop
+
+
+def refusal(program) -> str | None:
+    """Why the persistent kernel does not take `program` (None: it does, shape permitting)."""
+    cell = analyse(program)
+    return cell if isinstance(cell, str) else None
+
