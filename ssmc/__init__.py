@@ -4,21 +4,24 @@ Write the step of a recurrence over named-axis tensors; ssmc gives a float64 ref
 interpreter, derived backward passes and compiled kernels. Start with `recurrence`, `compile`.
 """
 
-from .api import compile, default_backend, step
-from .autograd import grad
+from .api import compile, default_backend, grad, step
 from .errors import SpecError
 from .frontend.attention import attention, causal, sliding_window
 from .frontend.functions import (
     abs,
+    angle,
     atan2,
     causal_conv,
     clamp,
+    complex,
+    conj,
     cos,
     dot,
     erf,
     exp,
     expm1,
     gelu,
+    imag,
     layernorm,
     log,
     log1p,
@@ -26,6 +29,7 @@ from .frontend.functions import (
     maximum,
     mean,
     minimum,
+    real,
     relu,
     rmsnorm,
     rsqrt,
@@ -52,12 +56,15 @@ __all__ = [
     "State",
     "Tensor",
     "abs",
+    "angle",
     "atan2",
     "attention",
     "causal",
     "causal_conv",
     "clamp",
     "compile",
+    "complex",
+    "conj",
     "cos",
     "default_backend",
     "dot",
@@ -66,6 +73,7 @@ __all__ = [
     "expm1",
     "gelu",
     "grad",
+    "imag",
     "layernorm",
     "log",
     "log1p",
@@ -73,6 +81,7 @@ __all__ = [
     "maximum",
     "mean",
     "minimum",
+    "real",
     "recurrence",
     "relu",
     "rmsnorm",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import autograd
 from .backends import interpreter
 from .backends.cuda.devices import on_arrays_device
 from .backends.registry import BACKENDS, check_backend, default_backend, get_backend
@@ -21,7 +22,8 @@ from .ir.program import Attention, Recurrence
 from .runtime.binding import DEFAULT_LAYOUT, hashable_layout, layout_of
 from .runtime.prologue import PreparedCalls, attention_params, bind_attention, bind_call, program_of
 
-__all__ = ["BACKENDS", "Compiled", "CompiledAttention", "Step", "compile", "default_backend", "step"]
+__all__ = ["BACKENDS", "Compiled", "CompiledAttention", "Step", "compile", "default_backend", "grad", "step"]
+
 
 def _permute(arr, perm):
     return arr.permute(*perm) if hasattr(arr, "permute") else arr.transpose(perm)
@@ -150,11 +152,34 @@ def compile(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=No
     or a dict from input/output name to template; the default ``"t ..."`` puts time first.
     `dtype` (float32 / float64) fixes the compute type; by default it follows the inputs (float32
     when all are float32). The interpreter always computes in float64.
+
+    A spec with complex inputs, states or outputs (``ssmc.State["b n", complex]``) is called on
+    complex arrays there (complex128, or complex64 for float32 compute) and returns complex arrays
+    for its complex outputs and states (complex_io.py: its program computes on real pairs).
     """
     if isinstance(spec, AttentionSpec):
         return CompiledAttention(spec.program, layout, check_backend(backend or default_backend()))
     backend = check_backend(backend or default_backend())
+    signature = getattr(spec, "complex_signature", None)
+    if signature is not None:
+        from .complex_io import ComplexCall, ComplexCompiled
+
+        layout = ComplexCall(signature).layout(layout)
+        return ComplexCompiled(signature, Compiled(program_of(spec), backend, layout, dtype))
     return Compiled(program_of(spec), backend, layout, dtype)
+
+
+def grad(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, chunk: int | None = None, dtype=None):
+    """`autograd.grad` (gradients of every input, param and initial state), and for a spec with complex
+    values its `complex_io.ComplexGrad`: complex gradients of complex inputs, by torch's convention
+    (for a real loss L, dL/d(re) + i dL/d(im)), from complex cotangents of complex outputs."""
+    signature = getattr(spec, "complex_signature", None)
+    if signature is None:
+        return autograd.grad(spec, backend, layout=layout, chunk=chunk, dtype=dtype)
+    from .complex_io import ComplexCall, ComplexGrad
+
+    layout = ComplexCall(signature).layout(layout)
+    return ComplexGrad(signature, autograd.grad(program_of(spec), backend, layout=layout, chunk=chunk, dtype=dtype))
 
 
 def time_positions(program: Recurrence, layout) -> tuple[dict[str, int], dict[str, int]]:
@@ -252,6 +277,9 @@ def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None)
     """
     if isinstance(spec, AttentionSpec):
         raise ValueError("step: an attention spec has no single-step form here (it needs a KV cache)")
+    if getattr(spec, "complex_signature", None) is not None:
+        raise ValueError("step: a spec with complex values has no single-step form yet; call ssmc.compile "
+                         "on sequences of length one")
     backend = check_backend(backend or default_backend())
     return Step(program_of(spec), backend, layout, dtype)
 

@@ -9,22 +9,30 @@ import numbers
 
 from ..errors import SpecError, user_loc
 from ..ir.ops import Op
+from . import complex as cx
 from .tensor import Tensor, _axes_arg, _static_sizes, as_tensor, make
 
 
-def _unary(op: Op, doc: str):
+def _unary(op: Op, doc: str, of_complex=None):
+    """``ssmc.<op>(x)``; `of_complex`, where given, computes it of a complex value (frontend/complex.py),
+    else a complex value is a SpecError naming the function."""
     def fn(x) -> Tensor:
+        if cx.is_complex(x):
+            if of_complex is None:
+                cx.real_required(x, f"ssmc.{op.value}")
+            return of_complex(cx.promote(x))
         return make(op, (as_tensor(x),))
     fn.__name__ = op.value
     fn.__doc__ = doc
     return fn
 
 
-exp = _unary(Op.EXP, "e ** x")
-log = _unary(Op.LOG, "natural logarithm")
+exp = _unary(Op.EXP, "e ** x (of a complex z: e ** re (cos im + i sin im))", cx.exp)
+log = _unary(Op.LOG, "natural logarithm (of a complex z: the principal one, log|z| + i atan2(im, re))", cx.log)
 sqrt = _unary(Op.SQRT, "square root")
 rsqrt = _unary(Op.RSQRT, "1 / sqrt(x)")
-abs = _unary(Op.ABS, "|x|")  # shadows the builtin: the spec language's name
+abs = _unary(Op.ABS, "|x| (of a complex z: sqrt(re**2 + im**2), gradient 0 at 0 as torch's)",
+             cx.abs_)  # shadows the builtin: the spec language's name
 sigmoid = _unary(Op.SIGMOID, "1 / (1 + exp(-x))")
 tanh = _unary(Op.TANH, "hyperbolic tangent")
 softplus = _unary(Op.SOFTPLUS, "log(1 + exp(x)), computed stably")
@@ -38,6 +46,10 @@ tan = _unary(Op.TAN, "tangent (radians)")
 log1p = _unary(Op.LOG1P, "log(1 + x), accurate for small x")
 expm1 = _unary(Op.EXPM1, "exp(x) - 1, accurate for small x")
 sign = _unary(Op.SIGN, "-1, 0 or 1 by the sign of x (NaN for NaN); its gradient is zero")
+
+
+complex = cx.complex_  # the spec language's name: ssmc.complex(re, im)
+real, imag, conj, angle = cx.real, cx.imag, cx.conj, cx.angle
 
 
 def atan2(y, x) -> Tensor:
@@ -69,13 +81,15 @@ def minimum(a, b) -> Tensor:
 
 
 def where(cond, if_true, if_false) -> Tensor:
-    """``if_true`` where ``cond`` holds, else ``if_false`` (pointwise)."""
+    """``if_true`` where ``cond`` holds, else ``if_false`` (pointwise; the branches may be complex)."""
+    if cx.is_complex(if_true) or cx.is_complex(if_false):
+        return cx.where(cond, if_true, if_false)
     return make(Op.WHERE, (as_tensor(cond), as_tensor(if_true), as_tensor(if_false)))
 
 
 def dot(x, y, over) -> Tensor:
-    """Contract x and y over the named axes: ``sum(x * y, over)``."""
-    x, y = as_tensor(x), as_tensor(y)
+    """Contract x and y over the named axes: ``sum(x * y, over)`` (no conjugation of complex values)."""
+    x, y = (cx.promote(v) if cx.is_complex(v) else as_tensor(v) for v in (x, y))
     names = _axes_arg(over)
     for a in names:
         if a not in x.axes or a not in y.axes:
@@ -120,11 +134,11 @@ def causal_conv(x, w, width: int | None = None) -> Tensor:
 
 
 def sum(x, axes=None) -> Tensor:
-    return as_tensor(x).sum(axes)
+    return (cx.promote(x) if cx.is_complex(x) else as_tensor(x)).sum(axes)
 
 
 def mean(x, axes=None) -> Tensor:
-    return as_tensor(x).mean(axes)
+    return (cx.promote(x) if cx.is_complex(x) else as_tensor(x)).mean(axes)
 
 
 def max(x, axes=None) -> Tensor:

@@ -18,12 +18,13 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import Loc, SpecError, loc_from_traceback
+from ..errors import Loc, SpecError, loc_from_traceback, user_loc
 from ..ir.axes import format_axes, parse_axes
 from ..ir.node import BOOL, Node
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from ..ir.verify import verify
+from . import complex as cx
 from .shifts import ShiftRegisters
 from .shifts import current as shift_registers
 from .tensor import Tensor, _static_sizes, _trace_locs, as_tensor
@@ -33,9 +34,10 @@ from .tensor import Tensor, _static_sizes, _trace_locs, as_tensor
 class Annotation:
     role: Role
     axes: str
+    complex: bool = False  # ssmc.State["b d n", complex]: traced as a real pair (frontend/complex.py)
 
     def __repr__(self) -> str:
-        return f"ssmc.{self.role.name.title()}[{self.axes!r}]"
+        return f"ssmc.{self.role.name.title()}[{self.axes!r}{', complex' if self.complex else ''}]"
 
 
 class _RoleMarker:
@@ -45,8 +47,15 @@ class _RoleMarker:
         self.role = role
         self.__doc__ = doc
 
-    def __getitem__(self, axes: str) -> Annotation:
-        return Annotation(self.role, axes)
+    def __getitem__(self, key) -> Annotation:
+        """``[axes]`` or ``[axes, complex]`` (``[axes, float]``: real, the default)."""
+        if isinstance(key, tuple):
+            if len(key) != 2 or key[1] not in (complex, float):
+                raise SpecError(f"ssmc.{self.role.name.title()}[...] takes the axes and optionally the type "
+                                f"complex or float (ssmc.{self.role.name.title()}[\"b d\", complex]), got {key!r}",
+                                user_loc(2))
+            return Annotation(self.role, key[0], key[1] is complex)
+        return Annotation(self.role, key)
 
     def __repr__(self) -> str:
         return f"ssmc.{self.role.name.title()}"
@@ -100,8 +109,12 @@ def _walk_own(func: ast.FunctionDef):
 
 
 def read_signature(fn: Callable, src: SourceInfo, allowed: tuple[Role, ...],
-                   skip: int = 0) -> tuple[list[Decl], dict[str, int]]:
-    """Declarations from a step function's annotations, and the static axis sizes they give."""
+                   skip: int = 0, pairs: dict[str, tuple[str, str]] | None = None
+                   ) -> tuple[list[Decl], dict[str, int]]:
+    """Declarations from a step function's annotations, and the static axis sizes they give.
+
+    A complex argument is declared as its real pair (``x_re``, ``x_im``, adjacent), recorded in
+    `pairs` (argument name -> pair); where `pairs` is None complex arguments are a SpecError."""
     try:
         hints = inspect.get_annotations(fn, eval_str=True)
     except Exception as err:
@@ -127,7 +140,19 @@ def read_signature(fn: Callable, src: SourceInfo, allowed: tuple[Role, ...],
         for axis, n in static.items():
             if sizes.setdefault(axis, n) != n:
                 raise SpecError(f"axis {axis!r} declared with size {n} here but {sizes[axis]} before", loc)
-        decls.append(Decl(p.name, ann.role, axes, loc))
+        if not ann.complex:
+            decls.append(Decl(p.name, ann.role, axes, loc))
+            continue
+        if pairs is None:
+            raise SpecError(f"argument {p.name!r} is complex; complex values are supported in recurrences only", loc)
+        pairs[p.name] = cx.part_names(p.name)
+        decls.extend(Decl(n, ann.role, axes, loc) for n in pairs[p.name])
+    names = [p.name for p in params]
+    for arg, (re, im) in (pairs or {}).items():
+        for part in (re, im):
+            if part in names:
+                raise SpecError(f"argument {part!r} has the name the complex argument {arg!r}'s real pair "
+                                f"takes ({re}, {im}): rename one", src.param(part))
     return decls, sizes
 
 
@@ -158,6 +183,21 @@ def input_leaf(decl: Decl) -> Tensor:
     return Tensor(Node.make(Op.INPUT, (), decl.name, decl.axes, loc=decl.loc))
 
 
+def input_leaves(decls: list[Decl], pairs: dict[str, tuple[str, str]]) -> list:
+    """One leaf per step argument: a complex one's two real declarations as one `ComplexTensor`."""
+    by_name = {d.name: d for d in decls}
+    parts = {n for pair in pairs.values() for n in pair}
+    leaves = []
+    for d in decls:
+        if d.name in parts:
+            if d.name == pairs.get(d.name[:-len(cx.RE)], (None,))[0]:
+                re, im = pairs[d.name[:-len(cx.RE)]]
+                leaves.append(cx.ComplexTensor(input_leaf(by_name[re]), input_leaf(by_name[im])))
+            continue
+        leaves.append(input_leaf(d))
+    return leaves
+
+
 def _as_node(value, what: str, loc: Loc) -> Node:
     try:
         return as_tensor(value).node
@@ -165,8 +205,8 @@ def _as_node(value, what: str, loc: Loc) -> Node:
         raise SpecError(f"{what}: {err.message}", loc) from None
 
 
-def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc]) -> tuple[Node, ...]:
-    names = [s.name for s in states]
+def _carry_items(carry, names: list[str], loc: Loc) -> list:
+    """The values of the returned carry, one per state name, in state order."""
     if isinstance(carry, dict):
         missing = [n for n in names if n not in carry]
         extra = [k for k in carry if k not in names]
@@ -174,15 +214,47 @@ def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc]) -> t
             raise SpecError(f"the returned carry must have the states {names}; missing {missing}, "
                             f"unknown {extra}", loc)
         items = [carry[n] for n in names]
-    elif isinstance(carry, (tuple, list)) or len(states) > 1:
+    elif isinstance(carry, (tuple, list)) or len(names) > 1:
         items = list(carry) if isinstance(carry, (tuple, list)) else [carry]
-        if len(items) != len(states):
+        if len(items) != len(names):
             missing = names[len(items):]
             hint = f"; state {missing[0]!r} is not returned" if missing else ""
             raise SpecError(f"the step returns {len(items)} carry value{'s' * (len(items) != 1)} for "
-                            f"{len(states)} states {names}{hint}", loc)
+                            f"{len(names)} states {names}{hint}", loc)
     else:
         items = [carry]
+    return items
+
+
+def _split_carry(items: list, user_states: list[tuple[str, tuple[str, str] | None]], loc: Loc,
+                 locs: dict[Node, Loc]) -> list:
+    """The carry values of the user's states as values of the program's real states: a complex
+    state's value as its (re, im) pair (a real value for it has zero imaginary part)."""
+    out = []
+    for (name, pair), value in zip(user_states, items):
+        if pair is None:
+            if isinstance(value, cx.ComplexTensor):
+                node_loc = locs.get(value.re.node) or loc
+                raise SpecError(f"new value of state {name!r} is complex but {name!r} is declared real: "
+                                f"declare it ssmc.State[..., complex], or keep the real part (z.real)", node_loc)
+            out.append(value)
+            continue
+        if cx.is_complex(value):
+            z = cx.promote(value)
+            out.extend((z.re, z.im))
+        else:
+            out.extend((value, 0.0))
+    return out
+
+
+def _read_carry(carry, states: list[Decl], loc: Loc, locs: dict[Node, Loc],
+                user_states: list[tuple[str, tuple[str, str] | None]] | None = None) -> tuple[Node, ...]:
+    """The program's state updates from the returned carry; `user_states`: the states as the user
+    declared them (name, real pair if complex), where some are complex."""
+    if user_states is None:
+        items = _carry_items(carry, [s.name for s in states], loc)
+    else:
+        items = _split_carry(_carry_items(carry, [n for n, _ in user_states], loc), user_states, loc, locs)
     updates = []
     for state, value in zip(states, items):
         node = _as_node(value, f"new value of state {state.name!r}", loc)
@@ -216,7 +288,9 @@ def _lost_axes_message(state: Decl, axes: tuple[str, ...], missing: list[str], a
             f'to broadcast it along {names!r} on purpose, return value.broadcast("{names}")')
 
 
-def _read_outputs(outputs, decl_names: set[str], loc: Loc) -> tuple[tuple[str, Node], ...]:
+def _read_outputs(outputs, decl_names: set[str], loc: Loc,
+                  pairs: dict[str, tuple[str, str]] | None = None) -> tuple[tuple[str, Node], ...]:
+    """The named outputs; a complex one as its real pair (``y_re``, ``y_im``, recorded in `pairs`)."""
     if outputs is None:
         return ()
     if isinstance(outputs, dict):
@@ -231,6 +305,17 @@ def _read_outputs(outputs, decl_names: set[str], loc: Loc) -> tuple[tuple[str, N
             raise SpecError(f"output name {name!r} must be an identifier", loc)
         if name in decl_names:
             raise SpecError(f"output name {name!r} is also the name of an input", loc)
+        if cx.is_complex(value):
+            z = cx.promote(value).aligned()  # both parts over the same axes: one complex array
+            re, im = cx.part_names(name)
+            if pairs is not None:
+                pairs[name] = (re, im)
+            for part, v in ((re, z.re), (im, z.im)):
+                if part in decl_names or any(part == n for n, _ in named) or part in dict(items):
+                    raise SpecError(f"complex output {name!r}'s real pair {re}, {im} clashes with the name "
+                                    f"{part!r}", loc)
+                named.append((part, _as_node(v, f"output {name!r}", loc)))
+            continue
         named.append((name, _as_node(value, f"output {name!r}", loc)))
     return tuple(named)
 
@@ -261,8 +346,10 @@ class RecurrenceSpec:
     (see `ssmc.compile`); ``spec.program`` is the IR.
     """
 
-    def __init__(self, program: Recurrence, fn: Callable):
+    def __init__(self, program: Recurrence, fn: Callable, complex_signature: cx.ComplexSignature | None = None):
         self.program = program
+        # where some input, state or output is complex: how the user's names pair with the program's
+        self.complex_signature = complex_signature
         self.fn = fn
         self.__doc__ = fn.__doc__
         self.__name__ = program.name
@@ -287,7 +374,8 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
         raise TypeError(f"@ssmc.recurrence takes a step function (def step(h: ssmc.State[...], ...)), "
                         f"not {type(fn).__name__}")
     src = SourceInfo(fn)
-    decls, sizes = read_signature(fn, src, (Role.STATE, Role.SEQ, Role.PARAM))
+    pairs: dict[str, tuple[str, str]] = {}
+    decls, sizes = read_signature(fn, src, (Role.STATE, Role.SEQ, Role.PARAM), pairs=pairs)
     states = [d for d in decls if d.role is Role.STATE]
     if not states:
         raise SpecError(f"{fn.__name__} declares no state: annotate the carry as ssmc.State[...]", src.def_loc)
@@ -296,20 +384,47 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
                         "annotated ssmc.Seq[...] (one slice per step)", src.def_loc)
     locs: dict[Node, Loc] = {}
     registers = ShiftRegisters({d.name for d in decls})
-    result = trace(fn, [input_leaf(d) for d in decls], sizes, src, locs, registers)
+    result = trace(fn, input_leaves(decls, pairs), sizes, src, locs, registers)
     ret = src.return_loc
     if not isinstance(result, tuple) or len(result) != 2:
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
         raise SpecError(f"the step must return (new_carry, outputs), got {got}", ret)
     carry, outputs = result
-    updates = _read_carry(carry, states, ret, locs)
+    user = _user_names(fn, pairs)
+    user_states = [(n, pairs.get(n)) for n, role in user if role is Role.STATE]
+    updates = _read_carry(carry, states, ret, locs, user_states if pairs else None)
     shift_decls, shift_updates = registers.states()   # x.shift(k)'s states, after the declared ones
     decls, updates = decls + list(shift_decls), updates + shift_updates
-    outs = _read_outputs(outputs, {d.name for d in decls}, ret)
+    out_pairs: dict[str, tuple[str, str]] = {}
+    outs = _read_outputs(outputs, {d.name for d in decls} | {n for n, _ in user}, ret, out_pairs)
+    signature = None
+    if pairs or out_pairs:
+        signature = cx.ComplexSignature(
+            name=name or fn.__name__,
+            inputs=tuple((n, pairs.get(n)) for n, role in user if role is not Role.STATE),
+            states=tuple(user_states) + tuple((d.name, None) for d in shift_decls),
+            outputs=tuple(_user_outputs(outs, out_pairs)))
     program = Recurrence(name=name or fn.__name__, decls=tuple(decls), updates=updates, outputs=outs,
                          sizes=tuple(sorted(sizes.items())), loc=src.def_loc, doc=inspect.getdoc(fn) or "")
     try:
         verify(program, locs)
     except SpecError as err:
         raise err.with_traceback(None) from None
-    return RecurrenceSpec(program, fn)
+    return RecurrenceSpec(program, fn, signature)
+
+
+def _user_names(fn: Callable, pairs: dict[str, tuple[str, str]]) -> list[tuple[str, Role]]:
+    """The step's arguments as the user declared them: (name, role), in signature order."""
+    hints = inspect.get_annotations(fn, eval_str=True)
+    return [(p, hints[p].role) for p in inspect.signature(fn).parameters]
+
+
+def _user_outputs(outs, out_pairs: dict[str, tuple[str, str]]):
+    """(name, real pair or None) per output as the user returned them, from the program's outputs."""
+    by_part = {re: name for name, (re, _) in out_pairs.items()}
+    skip = {im for _, im in out_pairs.values()}
+    for n, _ in outs:
+        if n in by_part:
+            yield by_part[n], out_pairs[by_part[n]]
+        elif n not in skip:
+            yield n, None

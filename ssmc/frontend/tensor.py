@@ -55,8 +55,10 @@ def as_tensor(value) -> Tensor:
     if isinstance(value, numbers.Real) and not isinstance(value, np.ndarray):
         loc = user_loc(2)
         return Tensor(_record(Node.make(Op.CONST, (), float(value), (), FLOAT, loc), loc))
-    if isinstance(value, (numbers.Complex, np.complexfloating)):
-        raise SpecError(f"complex constant {value!r}: ssmc handles real floating-point values only", user_loc(2))
+    if _is_complex(value):
+        what = f"complex constant {value!r}" if isinstance(value, numbers.Number) else "a complex value"
+        raise SpecError(f"{what} where a real value is required: take z.real, z.imag or abs(z) first "
+                        "(complex arithmetic, ssmc.exp, abs, sums and states take complex values)", user_loc(2))
     if isinstance(value, np.ndarray):
         raise SpecError(f"a NumPy array of shape {value.shape} inside a spec: declare it as an input "
                         "(ssmc.Param[...]) and pass it when calling", user_loc(2))
@@ -81,6 +83,26 @@ def _new_axes(names, what: str) -> tuple[str, ...]:
     return names
 
 
+def _is_complex(value) -> bool:
+    """A complex tensor (frontend/complex.py, which imports this module) or a complex number."""
+    return getattr(type(value), "_is_complex_tensor", False) or (
+        isinstance(value, (numbers.Complex, np.complexfloating)) and not isinstance(value, numbers.Real))
+
+
+def promote_complex(x):
+    """`x` as a complex value: frontend/complex.py installs its `promote` here (it imports this module)."""
+    raise SpecError("complex values need ssmc.frontend.complex", user_loc(2))
+
+
+def _binary(op: Op, method: str, x: Tensor, other, reflected: bool = False):
+    """``x <method> other``: `op` of (x, other), or (other, x) where `reflected`; with a complex
+    `other`, the complex operation (frontend/complex.py, on x as a complex value)."""
+    if _is_complex(other):
+        return getattr(promote_complex(x), method)(other)
+    other = as_tensor(other)
+    return make(op, (other, x) if reflected else (x, other))
+
+
 class Tensor:
     """A value in a spec being traced: an IR node plus the arithmetic of the spec language."""
 
@@ -98,14 +120,14 @@ class Tensor:
         return f"ssmc.Tensor({self.node.op.value}, axes={format_axes(self.axes)})"
 
     # -- arithmetic ----------------------------------------------------------------------------
-    def __add__(self, o): return make(Op.ADD, (self, as_tensor(o)))
-    def __radd__(self, o): return make(Op.ADD, (as_tensor(o), self))
-    def __sub__(self, o): return make(Op.SUB, (self, as_tensor(o)))
-    def __rsub__(self, o): return make(Op.SUB, (as_tensor(o), self))
-    def __mul__(self, o): return make(Op.MUL, (self, as_tensor(o)))
-    def __rmul__(self, o): return make(Op.MUL, (as_tensor(o), self))
-    def __truediv__(self, o): return make(Op.DIV, (self, as_tensor(o)))
-    def __rtruediv__(self, o): return make(Op.DIV, (as_tensor(o), self))
+    def __add__(self, o): return _binary(Op.ADD, '__add__', self, o)
+    def __radd__(self, o): return _binary(Op.ADD, '__radd__', self, o, True)
+    def __sub__(self, o): return _binary(Op.SUB, '__sub__', self, o)
+    def __rsub__(self, o): return _binary(Op.SUB, '__rsub__', self, o, True)
+    def __mul__(self, o): return _binary(Op.MUL, '__mul__', self, o)
+    def __rmul__(self, o): return _binary(Op.MUL, '__rmul__', self, o, True)
+    def __truediv__(self, o): return _binary(Op.DIV, '__truediv__', self, o)
+    def __rtruediv__(self, o): return _binary(Op.DIV, '__rtruediv__', self, o, True)
     def __neg__(self): return make(Op.NEG, (self,))
     def __pos__(self): return self
 
