@@ -22,7 +22,6 @@ import math
 from functools import reduce
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
-from .kernels.persistent.runner import persistent_loop
 from .kernels.step_loop import step_loop
 from .options import options
 from .runner import batch_outer, runner_for, time_contiguous
@@ -111,10 +110,8 @@ class HoistedRunner:
     @property
     def loop(self):
         """What is left as a loop over steps, where it reads its states through a recurrent product
-        (kernels/step_loop.py, which SSMC_CUDA_STEP_LOOP=0 turns off; its forward one persistent kernel
-        where the program fits, kernels/persistent/, which SSMC_CUDA_PERSISTENT=0 turns off), else None:
-        its kernels run it."""
-        return persistent_loop(self.hoisted.program, self.compute, step_loop(self.hoisted.program, self.compute))
+        (kernels/step_loop.py, which SSMC_CUDA_STEP_LOOP=0 turns off), else None: its kernels run it."""
+        return step_loop(self.hoisted.program, self.compute)
 
     def describe(self) -> str:
         """The products around the kernels, for `ssmc inspect`: "matrix products: hz0 hz1 before, ..."."""

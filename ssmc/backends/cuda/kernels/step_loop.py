@@ -338,10 +338,14 @@ _LOOPS: dict[tuple, StepLoop | None] = {}
 
 
 def step_loop(program, compute: str = "float32") -> StepLoop | None:
-    """The step loop of `program` where it applies (`applies`) and SSMC_CUDA_STEP_LOOP is not 0."""
+    """The step loop of `program` where it applies (`applies`) and SSMC_CUDA_STEP_LOOP is not 0; where
+    its program fits the persistent kernel (kernels/persistent/, SSMC_CUDA_PERSISTENT=0: off), that
+    kernel's runner, with this loop as its fallback."""
     if options().step_loop is False:
         return None
     key = (program, compute)
     if key not in _LOOPS:
         _LOOPS[key] = StepLoop(program, compute) if applies(program) else None
-    return _LOOPS[key]
+    from .persistent.runner import persistent_loop  # here: the persistent package imports this module
+
+    return persistent_loop(program, compute, _LOOPS[key])

@@ -87,6 +87,11 @@ def analyse(program) -> Cell | str:
     local = tuple(x for x in w.axes if x not in (p.arg, split))
     allowed = set(rows) | set(local) | {split}
     skip = {mul, a, w}
+    for n in nodes:
+        if n is not p and n is not mul and n.op in (Op.SUM, Op.REDUCE_MAX):
+            what = "sum" if n.op is Op.SUM else "max"
+            return (f"a {what} over {n.arg} in the cell besides the recurrent product (a product not hoisted, or "
+                    "a reduction such as LayerNorm's across the units: not supported yet)")
     cell = []
     for n in nodes:
         if n in skip and not any(n in u.args for u in nodes if u not in skip and u is not p):

@@ -1,0 +1,226 @@
+"""The persistent forward of recurrences with a recurrent product (backends/cuda/kernels/persistent/):
+which programs and shapes it takes and why not others; its kernel through NVRTC for sm_80 and sm_90
+(registers, shared memory, no spills); one emulated block on the CPU against the interpreter
+(indexing and the printed cell; the grid barrier is compiled out there); the switch back to the step
+loop; on a GPU, LSTM and GRU at odd sizes and L = 1, 7, 180 against the interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ssmc
+from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
+from ssmc.backends.cuda.kernels.persistent.analysis import STATIC_SHARED, Cell, analyse, plan
+from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
+from ssmc.examples import gru, layernorm_lstm, lstm
+from ssmc.lowering.hoist import hoist
+
+pytest.importorskip("torch")
+
+
+@ssmc.recurrence
+def elman(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"], V: ssmc.Param["k o"]):
+    """A product of the new state after the step (y = h V: hoisted out of the loop, after it)."""
+    h = ssmc.tanh(x + ssmc.dot(h.rename(k="j"), U, over="j"))
+    y = ssmc.dot(h, V, over="k")
+    return h, y
+
+
+@ssmc.recurrence
+def two(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U1: ssmc.Param["j k"], U2: ssmc.Param["j k"]):
+    """Two recurrent products of h (not fused yet: refused)."""
+    hj = h.rename(k="j")
+    h = ssmc.tanh(x + ssmc.dot(hj, U1, over="j")) * ssmc.sigmoid(ssmc.dot(hj, U2, over="j"))
+    return h, h
+
+
+@ssmc.recurrence
+def swap(h: ssmc.State["b k"], c: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"]):
+    """The product reads the second state, the states trade places, the output is the old carry."""
+    new_h = ssmc.tanh(x + ssmc.dot(c.rename(k="j"), U, over="j"))
+    return (c, new_h), h
+
+
+@ssmc.recurrence
+def gated(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"], bias: ssmc.Param["k"]):
+    """No gate axis, a comparison and a select in the cell."""
+    z = x + ssmc.dot(h.rename(k="j"), U, over="j") + bias
+    h = ssmc.where(z > 0.0, ssmc.tanh(z), 0.5 * ssmc.sigmoid(z))
+    return h, h
+
+
+def _elman_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
+    return {"x": rng.standard_normal((batch, length, hidden)), "U": 0.4 * rng.standard_normal((hidden, hidden)),
+            "V": rng.standard_normal((hidden, 3)), "h": 0.5 * rng.standard_normal((batch, hidden))}
+
+
+def _swap_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
+    return {"x": rng.standard_normal((batch, length, hidden)), "U": 0.4 * rng.standard_normal((hidden, hidden)),
+            "h": rng.standard_normal((batch, hidden)), "c": rng.standard_normal((batch, hidden))}
+
+
+def _gated_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
+    return {"x": rng.standard_normal((batch, length, hidden)), "U": 0.4 * rng.standard_normal((hidden, hidden)),
+            "bias": 0.1 * rng.standard_normal(hidden), "h": rng.standard_normal((batch, hidden))}
+
+
+CASES = {
+    "lstm": (lstm.SPEC, lstm.LAYOUT, lambda rng, L, b, k: lstm.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
+    "gru": (gru.SPEC, gru.LAYOUT, lambda rng, L, b, k: gru.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
+    "elman": (elman, "b t ...", _elman_inputs),
+    "swap": (swap, "b t ...", _swap_inputs),
+    "gated": (gated, "b t ...", _gated_inputs),
+}
+
+
+def _hoisted(spec):
+    return hoist(spec.program, transpose=False).program
+
+
+def _flat(x) -> list:
+    if isinstance(x, dict):
+        return [a for v in x.values() for a in _flat(v)]
+    if isinstance(x, (tuple, list)):
+        return [a for v in x for a in _flat(v)]
+    return [np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)]
+
+
+def _relative(a, b) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The programs the persistent kernel ran (a launch, not the fallback)."""
+    ran = []
+    original = persistent_runner.PersistentLoop._launch
+
+    def spy(self, *a, **k):
+        result = original(self, *a, **k)
+        if not isinstance(result, str):
+            ran.append(self.program.name)
+        return result
+    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
+    return ran
+
+
+def _check(name: str, length: int, batch: int, hidden: int, tol: float, seed: int = 0, grads: bool = False):
+    spec, layout, make = CASES[name]
+    rng = np.random.default_rng(seed)
+    inputs = make(rng, length, batch, hidden)
+    ref = ssmc.compile(spec, layout=layout, backend="interpreter")(**inputs, return_final_states=True)
+    got = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float32")(**inputs, return_final_states=True)
+    for a, b in zip(_flat(got), _flat(ref), strict=True):
+        assert _relative(a, b) < tol, (name, length, batch, hidden)
+    if grads:
+        outs = ref[0]
+        cot = rng.standard_normal(np.shape(outs))
+        want = ssmc.grad(spec, backend="interpreter", layout=layout)(**inputs, grad_outputs=cot)
+        have = ssmc.grad(spec, backend="cuda", layout=layout, dtype="float32")(**inputs, grad_outputs=cot)
+        assert set(have) == set(want)
+        for k in want:
+            assert _relative(np.asarray(have[k].detach().cpu() if hasattr(have[k], "detach") else have[k],
+                                        dtype=np.float64), np.asarray(want[k], dtype=np.float64)) < 10 * tol, k
+
+
+# -- which programs and shapes ----------------------------------------------------------------------------------------
+
+def test_lstm_and_gru_fit():
+    for spec, cols in ((lstm.SPEC, 4), (gru.SPEC, 3)):
+        cell = analyse(_hoisted(spec))
+        assert isinstance(cell, Cell), cell
+        assert (cell.state, cell.weight, cell.contracted, cell.split, cell.rows, cell.local) == (
+            "h", "U", "j", "k", ("b",), ("g",))
+        chosen = plan(cell, {"b": 64, "k": 512, "j": 512, "g": cols, "i": 512}, 132)
+        assert (chosen.blocks, chosen.units, chosen.threads, chosen.pairs) == (128, 4, 256, 1)
+        assert chosen.shared_bytes <= STATIC_SHARED
+    assert isinstance(analyse(_hoisted(swap)), Cell) and analyse(_hoisted(swap)).state == "c"
+    assert isinstance(analyse(_hoisted(elman)), Cell)
+    assert isinstance(analyse(_hoisted(gated)), Cell)
+
+
+def test_refusals_say_why():
+    assert "sum over" in analyse(_hoisted(layernorm_lstm.SPEC))       # LayerNorm across the units
+    assert "2 recurrent products" in analyse(_hoisted(two))            # h U1 and h U2
+    cell = analyse(_hoisted(lstm.SPEC))
+    too_wide = plan(cell, {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)
+    assert isinstance(too_wide, str) and "exceed" in too_wide
+    too_many_rows = plan(cell, {"b": 5000, "k": 64, "j": 64, "g": 4}, 132)
+    assert isinstance(too_many_rows, str) and "rows" in too_many_rows
+
+
+# -- NVRTC ----------------------------------------------------------------------------------------------------------
+
+SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k": 512, "j": 512, "g": 3}),
+          ("lstm", {"b": 5, "k": 37, "j": 37, "g": 4}), ("gru", {"b": 7, "k": 129, "j": 129, "g": 3}),
+          ("lstm", {"b": 256, "k": 256, "j": 256, "g": 4}), ("gated", {"b": 3, "k": 700, "j": 700})]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name,sizes", SHAPES)
+def test_nvrtc_compiles_without_spills(name, sizes, arch):
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip(nvrtc.unavailable_reason())
+    cell = analyse(_hoisted(CASES[name][0]))
+    chosen = plan(cell, sizes, 132)
+    assert not isinstance(chosen, str), chosen
+    source = kernel_source(cell, chosen, sizes)
+    built = nvrtc.compile_source(source, arch, compile_options(source))
+    used = built.resources[kernel_name(cell)]
+    assert not used.spills and used.stack_frame_bytes == 0, used.summary()
+    assert used.registers <= 255, used.summary()
+    assert used.shared_bytes == chosen.shared_bytes <= STATIC_SHARED, used.summary()
+
+
+# -- emulated: one block on the CPU ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("length", [1, 7])
+def test_emulated_matches_the_interpreter(name, length, emulated_cuda, launched):
+    _check(name, length, batch=3, hidden=5, tol=1e-5)
+    assert launched, "the persistent kernel did not run"
+
+
+def test_emulated_more_pairs_than_threads(emulated_cuda, launched):
+    """B 37 x H 9 = 333 (row, unit) pairs over 256 threads: two pairs a thread, the second partial."""
+    _check("lstm", 5, batch=37, hidden=9, tol=1e-5)
+    assert launched == ["lstm"]
+
+
+def test_emulated_gradients(emulated_cuda, launched):
+    """`ssmc.grad` through the persistent forward (the recording forward and the carries' recompute run
+    it; the adjoint keeps the step loop)."""
+    _check("lstm", 6, batch=3, hidden=5, tol=1e-5, grads=True)
+    assert "lstm" in launched and "lstm_backward" not in launched
+
+
+def test_switched_off_runs_the_step_loop(emulated_cuda, launched):
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "0")
+    _check("gru", 4, batch=3, hidden=5, tol=1e-5)
+    assert launched == []
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
+def test_gpu(name, length, batch, hidden, launched):
+    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4)."""
+    for seed in (0, 1):
+        _check(name, length, batch, hidden, tol=1e-4, seed=seed)
+    assert launched, "the persistent kernel did not run (a refusal: see PersistentLoop.refusals)"
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"
+
+
+@pytest.mark.gpu
+def test_gpu_gradients(launched):
+    _check("lstm", 40, batch=5, hidden=37, tol=1e-4, grads=True)
+    assert "lstm" in launched
