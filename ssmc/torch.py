@@ -31,7 +31,7 @@ from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
 
-__all__ = ["Recurrence", "SsmcFunction", "function"]
+__all__ = ["ComplexFunction", "Recurrence", "SsmcFunction", "function"]
 
 
 def _to_torch(x, like: torch.Tensor) -> torch.Tensor:
@@ -223,16 +223,54 @@ def _signature(backend, tensors: list) -> tuple | None:
     return backend.call_key(tuple(tensors), {})
 
 
+class ComplexFunction:
+    """`SsmcFunction` of a spec with complex values, called on complex torch tensors where the spec
+    declares complex values. Each is split into its real and imaginary parts by torch (``x.real``,
+    ``x.imag``) and complex results joined by ``torch.complex``, around the function of the real
+    program: torch's autograd differentiates the split and the join, so gradients follow its
+    convention for complex tensors (complex_io.py)."""
+
+    def __init__(self, signature, spec, backend=None, layout="t ...", chunk: int | None = None,
+                 return_final_states: bool = False):
+        from .complex_io import ComplexCall
+
+        self.call = ComplexCall(signature)
+        self.return_final_states = return_final_states
+        self.inner = SsmcFunction(program_of(spec), backend, self.call.layout(layout), chunk, True)
+        self.program = self.inner.program
+
+    def __call__(self, *args, **kwargs):
+        given = self.call.arguments(args, kwargs)
+        p = self.program
+        names = [d.name for d in p.inputs] + [s.name for s in p.states]
+        tensors = {n: given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(given[n])
+                   for n in names if n in given}
+        ys, finals = self.inner(**tensors)
+        ys = ys if isinstance(ys, tuple) else (ys,) if p.outputs else ()
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        ys = self.call.joined(dict(zip([n for n, _ in p.outputs], ys)), self.call.output_names)
+        ys = tuple(ys.values())
+        ys = ys[0] if len(ys) == 1 else ys
+        if not self.return_final_states:
+            return ys
+        finals = tuple(self.call.joined(dict(zip([s.name for s in p.states], finals)), self.call.state_names).values())
+        return ys, finals[0] if len(finals) == 1 else finals
+
+
 def function(spec, backend=None, *, layout="t ...", chunk: int | None = None,
              return_final_states: bool = False):
     """Wrap a recurrence spec as a differentiable torch function (module docstring); an attention spec
-    as `torch_attention.AttentionFunction` (the tiled torch path on the tensors' device)."""
+    as `torch_attention.AttentionFunction` (the tiled torch path on the tensors' device); a spec with
+    complex values as `ComplexFunction` (complex tensors in and out)."""
     if isinstance(spec, AttentionSpec):
         if return_final_states:
             raise ValueError("attention has no final states (return_final_states=True)")
         from .torch_attention import AttentionFunction
 
         return AttentionFunction(spec, layout)
+    signature = getattr(spec, "complex_signature", None)
+    if signature is not None:
+        return ComplexFunction(signature, spec, backend, layout, chunk, return_final_states)
     return SsmcFunction(spec, backend, layout, chunk, return_final_states)
 
 
