@@ -4,11 +4,12 @@ Block x owns units k in [x KU, x KU + KU) of the split axis, all rows and all co
 so the cell's element-wise math is local; its slice of U sits in shared memory for the whole call.
 Thread pair q owns one (row r, unit k) for the whole call (carries in registers). As a plain loop:
 
-    su[j][c][u] = U[j, c, x KU + u]                      once (zero past the axis' end)
+    su[j][u][c] = U[j, c, x KU + u]                      once (zero past the axis' end)
     st[q] = initial states at (r, k);  xo[0][r][k] = initial operand state (the host)
     for s in range(L):  t = s (L - 1 - s where reversed)
         seq[q] = sequences at (t, r, k)                  issued before the product (latency hidden)
-        acc[q][c] = sum_j xo[s % 2][r][j] su[j][c][u]    xo staged [rows][JC + 1] a chunk at a time
+        acc[q][c] = sum_j xo[s % 2][r][j] su[j][u][c]    xo staged [rows][JC + 1] a chunk at a time,
+                                                         the next chunk's loads in flight meanwhile
         cell(acc, seq, st, params) -> outputs at t, the new states st, xo[(s + 1) % 2][r][k] = new h
         grid barrier                                     every block's h written before any reads it
 
@@ -196,7 +197,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
         at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
         return contiguous_index(axes, sizes, at)
 
-    # U slice: su[j][c][u], c flat over the local axes in the weight's order
+    # U slice: su[j][u][c], c flat over the local axes in the weight's order (a unit's columns
+    # adjacent: one wide shared load where COLS is 2 or 4)
     local_decode = []
     for i, a in enumerate(cell.local):
         inner = math.prod(sizes[b] for b in cell.local[i + 1:])
@@ -206,7 +208,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
         "for (int e = threadIdx.x; e < JPAD * COLS * UNITS; e += THREADS) {",
         "    const int j = e / (COLS * UNITS), c = (e / UNITS) % COLS, u = e % UNITS, kk = k0 + u;",
         *("    " + line for line in local_decode),
-        f"    su[j][c][u] = (j < SIZE && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+        f"    su[j][u][c] = (j < SIZE && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
         "}",
     ]
     # registers: carries, params, the step's sequences
@@ -254,7 +256,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
         "for (int jj = 0; jj < CHUNK; ++jj) {",
         "    const F hv = sh[r][jj];",
         "    #pragma unroll",
-        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, su[j0 + jj][c][pq % UNITS], acc[q][c]);",
+        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, su[j0 + jj][pq % UNITS][c], acc[q][c]);",
         "}",
     ]
     src = f"""{math_header()}
@@ -269,6 +271,7 @@ typedef float F;
 #define PAIRS {plan.pairs}
 #define CHUNK {plan.chunk}
 #define JPAD {plan.jpad}
+#define STAGED {-(-plan.rows * plan.chunk // plan.threads)}
 #define REVERSE {int(p.reverse)}
 
 #ifdef __CUDA_ARCH__
@@ -300,9 +303,20 @@ inline float ld_l2(const float* p) {{ return *p; }}
 inline void grid_barrier(unsigned int*, unsigned int, int) {{}}  // the emulator runs one block
 #endif
 
+// The values of h[r][j0 .. j0 + CHUNK) this thread stages (element e = threadIdx.x + i THREADS of the
+// [ROWS][CHUNK] chunk), zero past the axis' end.
+__device__ __forceinline__ void stage(F* staged, const F* hin, int j0)
+{{
+    #pragma unroll
+    for (int i = 0; i < STAGED; ++i) {{
+        const int e = threadIdx.x + i * THREADS, r = e / CHUNK, j = j0 + e % CHUNK;
+        staged[i] = (e < ROWS * CHUNK && j < SIZE) ? ld_l2(hin + (long long)r * SIZE + j) : F(0);
+    }}
+}}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
 {{
-    __shared__ F su[JPAD][COLS][UNITS];
+    __shared__ __align__(16) F su[JPAD][UNITS][COLS];
     __shared__ F sh[ROWS][CHUNK + 1];
     const int k0 = blockIdx.x * UNITS;
 {chr(10).join("    " + line for line in load_u)}
@@ -317,17 +331,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         for (int q = 0; q < PAIRS; ++q)
             #pragma unroll
             for (int c = 0; c < COLS; ++c) acc[q][c] = F(0);
+        F staged[STAGED];  // this thread's values of the next chunk, loaded while the block multiplies
+        stage(staged, hin, 0);
         for (int j0 = 0; j0 < JPAD; j0 += CHUNK) {{
-            __syncthreads();
-            for (int e = threadIdx.x; e < ROWS * CHUNK; e += THREADS) {{
-                const int r = e / CHUNK, jj = e % CHUNK, j = j0 + jj;
-                sh[r][jj] = j < SIZE ? ld_l2(hin + (long long)r * SIZE + j) : F(0);
+            __syncthreads();  // every thread done with the previous chunk
+            #pragma unroll
+            for (int i = 0; i < STAGED; ++i) {{
+                const int e = threadIdx.x + i * THREADS;
+                if (e < ROWS * CHUNK) sh[e / CHUNK][e % CHUNK] = staged[i];
             }}
             __syncthreads();
+            if (j0 + CHUNK < JPAD) stage(staged, hin, j0 + CHUNK);
 {per_pair(product, guard="r < ROWS", depth=3)}
         }}
 {per_pair(cell_lines, depth=2)}
+        // h of this step written by every thread (of the grid) before the next step stages it
         if (gridDim.x > 1) grid_barrier(bar, (unsigned int)(s + 1) * gridDim.x, s);
+        else __syncthreads();
     }}
 {per_pair(finals)}
 }}
