@@ -1,0 +1,211 @@
+"""Check and time ssmc's persistent RNN forward (backends/cuda/kernels/persistent) on a GPU.
+
+    python bench/persistent_check.py [--out DIR] [--b 64 --t 180 --i 512 --k 512] [--small]
+
+For examples/lstm.py and examples/gru.py (fp32): ssmc's forward (y and the final states) against
+torch.nn.LSTM / GRU (cuDNN) holding the same weights (torch's weight_ih = W[i (g k)]^T, weight_hh =
+U[j (g k)]^T, as bench/workloads/rnn.py maps them), and the persistent kernel against the step loop;
+then the forward's time: ssmc with the persistent kernel, ssmc with the step loop
+(SSMC_CUDA_PERSISTENT=0; from a signature's second call it replays a CUDA graph) and cuDNN. Prints
+a markdown table; with --out, writes it to DIR/persistent.md. Needs torch and cupy; no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ssmc
+from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
+from ssmc.examples import gru, lstm
+
+KINDS = {"LSTM": (lstm, 4), "GRU": (gru, 3)}
+
+
+def timed(fn, reps: int = 30) -> float:
+    """Milliseconds a call of `fn` takes (median of CUDA-event timings after a warm-up)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def make_inputs(kind: str, b: int, t: int, i: int, k: int, seed: int = 0) -> dict:
+    """The example's inputs ("b t ..." layout), torch's initialisation range, fp32 on the GPU."""
+    gates = KINDS[kind][1]
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    s = k ** -0.5
+
+    def uniform(*shape):
+        return (torch.rand(shape, device="cuda", generator=g) * 2 - 1) * s
+
+    values = {"x": torch.randn((b, t, i), device="cuda", generator=g), "W": uniform(i, gates, k),
+              "U": uniform(k, gates, k)}
+    if kind == "LSTM":
+        values["bias"] = uniform(gates, k)
+        values["c"] = 0.5 * torch.randn((b, k), device="cuda", generator=g)
+    else:
+        values["b_i"], values["b_h"] = uniform(gates, k), uniform(gates, k)
+    values["h"] = 0.5 * torch.randn((b, k), device="cuda", generator=g)
+    return values
+
+
+def torch_module(kind: str, inputs: dict):
+    """torch.nn.LSTM / GRU with the example's weights, and its call on x from the same initial states."""
+    W, U = inputs["W"], inputs["U"]
+    i, gates, k = W.shape
+    module = getattr(torch.nn, kind)(i, k, batch_first=True, device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        module.weight_ih_l0.copy_(W.reshape(i, gates * k).T)
+        module.weight_hh_l0.copy_(U.reshape(k, gates * k).T)
+        if kind == "LSTM":  # one bias: torch's two add up
+            module.bias_ih_l0.copy_(inputs["bias"].reshape(-1))
+            module.bias_hh_l0.zero_()
+        else:
+            module.bias_ih_l0.copy_(inputs["b_i"].reshape(-1))
+            module.bias_hh_l0.copy_(inputs["b_h"].reshape(-1))
+    module.flatten_parameters()
+    h0 = inputs["h"][None].contiguous()
+    state = (h0, inputs["c"][None].contiguous()) if kind == "LSTM" else h0
+
+    def call():
+        with torch.no_grad():
+            return module(inputs["x"], state)
+    return call
+
+
+def ssmc_call(kind: str, inputs: dict, persistent: bool):
+    """ssmc's compiled forward of the example, with the persistent kernel on or off."""
+    example = KINDS[kind][0]
+    forward = ssmc.compile(example.SPEC, "cuda", layout=example.LAYOUT)
+
+    def call():
+        os.environ["SSMC_CUDA_PERSISTENT"] = "1" if persistent else "0"
+        return forward(**inputs, return_final_states=True)
+    return call
+
+
+def as_list(out) -> list[torch.Tensor]:
+    if isinstance(out, (tuple, list)):
+        return [a for v in out for a in as_list(v)]
+    if isinstance(out, dict):
+        return [a for v in out.values() for a in as_list(v)]
+    return [out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device="cuda")]
+
+
+def max_error(a, b) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+LAUNCHED: dict[str, int] = {}  # program -> persistent launches (counted by `count_launches`)
+
+
+def count_launches() -> None:
+    original = persistent_runner.PersistentLoop._launch
+
+    def counted(self, *a, **k):
+        result = original(self, *a, **k)
+        if not isinstance(result, str):
+            LAUNCHED[self.program.name] = LAUNCHED.get(self.program.name, 0) + 1
+        return result
+    persistent_runner.PersistentLoop._launch = counted
+
+
+def launches() -> dict:
+    """Per program: (launches, refusals, (a barrier timed out, its step)) of the persistent runners."""
+    found = {}
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            name = loop.program.name
+            found[name] = (LAUNCHED.get(name, 0), dict(loop.refusals), loop.status())
+    return found
+
+
+def run(kind: str, b: int, t: int, i: int, k: int) -> dict:
+    inputs = make_inputs(kind, b, t, i, k)
+    cudnn = torch_module(kind, inputs)
+    persistent, loop = ssmc_call(kind, inputs, True), ssmc_call(kind, inputs, False)
+    torch.backends.cudnn.allow_tf32 = False  # the check: cuDNN in fp32 (its default may use TF32)
+    y_ref, state = cudnn()
+    ref = [y_ref, *(state if kind == "LSTM" else (state,))]
+    ref = [r.squeeze(0) if r.dim() == 3 and r.shape[0] == 1 else r for r in ref]
+    got_p, got_l = as_list(persistent()), as_list(loop())
+    torch.cuda.synchronize()
+    row = {"kind": kind, "shape": f"B{b} L{t} I{i} H{k}",
+           "err_cudnn": max_error(got_p, ref), "err_loop": max_error(got_p, got_l),
+           "err_loop_cudnn": max_error(got_l, ref)}
+    row["ms_persistent"] = timed(persistent)
+    row["ms_loop"] = timed(loop)
+    row["ms_cudnn_fp32"] = timed(cudnn)
+    torch.backends.cudnn.allow_tf32 = True  # torch's default
+    row["ms_cudnn"] = timed(cudnn)
+    row["runners"] = launches()
+    os.environ["SSMC_CUDA_PERSISTENT"] = "1"
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc step loop ms | "
+             "persistent / cuDNN | step loop / cuDNN | persistent / step loop | "
+             "max abs err vs cuDNN (persistent, loop) | "
+             "persistent vs loop |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} {r['shape']} fp32 fwd | {r['ms_cudnn']:.3f} | {r['ms_cudnn_fp32']:.3f} | "
+            f"{r['ms_persistent']:.3f} | "
+            f"{r['ms_loop']:.3f} | {r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_loop'] / r['ms_cudnn']:.2f} | "
+            f"{r['ms_persistent'] / r['ms_loop']:.3f} | {r['err_cudnn']:.2e}, {r['err_loop_cudnn']:.2e} | "
+            f"{r['err_loop']:.2e} |")
+    lines.append("")
+    lines.append("ratios: time ÷ time (below 1: the first is faster), against cuDNN at torch's default "
+                 "(TF32 allowed); errors against cuDNN with TF32 off. Persistent runners (launches, refusals, "
+                 "(a barrier timed out, its step)):")
+    for r in rows:
+        lines.append(f"- {r['kind']}: {r['runners']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--b", type=int, default=64)
+    parser.add_argument("--t", type=int, default=180)
+    parser.add_argument("--i", type=int, default=512)
+    parser.add_argument("--k", type=int, default=512)
+    parser.add_argument("--small", action="store_true", help="also B5 L37 I16 H37")
+    args = parser.parse_args()
+    count_launches()
+    shapes = [(args.b, args.t, args.i, args.k)] + ([(5, 37, 16, 37)] if args.small else [])
+    rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
+    device = torch.cuda.get_device_name()
+    text = (f"# Persistent RNN forward vs step loop vs cuDNN\n\n{device}, torch {torch.__version__}, "
+            f"ssmc {ssmc.__version__}\n\n{table(rows)}\n")
+    print(text)
+    bad = [r for r in rows if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-4
+           or not any(n for n, _, _ in r["runners"].values())
+           or any(status[0] for _, _, status in r["runners"].values())]
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "persistent.md").write_text(text)
+    if bad:
+        raise SystemExit(f"mismatch or barrier timeout: {[r['kind'] + ' ' + r['shape'] for r in bad]}")
+
+
+if __name__ == "__main__":
+    main()
