@@ -65,9 +65,9 @@ class ComplexCall:
         """A layout for the program: a dict naming a complex input or output names both its parts."""
         if not isinstance(layout, dict):
             return layout
-        out = dict(layout)
+        out = {}
         for name, template in layout.items():
-            for part in self.pairs.get(name, ()):
+            for part in self.pairs.get(name, (name,)):
                 out.setdefault(part, template)
         return out
 
