@@ -9,8 +9,10 @@ input's own axes) and the chunked one of `algorithm.py`, which holds the math:
     ChunkedCore(program, "float32").run(seqs, params, initial, sizes, length)   # the runner contract
     g = ChunkedCore(...); outs, finals, tape = g.forward(...); g.backward(..., tape, cot, lam, ...)
 
-The products run as batched torch matrix products (cuBLAS); generated mma.sync kernels are the
-next step (docs/design/matrix-linear-chunks.md).
+The forward runs on the mma.sync kernels of `mma.py` (forward.cu.j2) where q, k, v are 16-bit with
+key and value sizes they take, else (fp32 / float64 inputs, other sizes, SSMC_CUDA_CHUNK_KERNELS=0)
+as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward is `algorithm.vjp` on what
+either forward saved (docs/design/matrix-linear-chunks.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
 from ...options import options
+from . import mma
 from .algorithm import Chunks, forward, vjp
 
 # Steps per chunk where SSMC_CUDA_CHUNK does not say: the masked decay matrices ([C, C] per head and
@@ -33,10 +36,14 @@ CHUNK = 64
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int) -> int:
+def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None) -> int:
+    """Steps per chunk: SSMC_CUDA_CHUNK where set; the kernels' where q of `dtype` would run on them
+    (`mma.kernels_wanted`: a short call pads its one chunk); else by the state's size."""
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
+    if dtype is not None and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
+        return mma.CHUNK
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
@@ -179,9 +186,10 @@ class ChunkedCore:
 
     def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None):
         """(outputs, final states, tape) of a training forward: outputs time first."""
-        chunk = chunk_size(self.ml, sizes, length)
+        q_arr, _ = self._input(self.ml.q, seqs, params)
+        chunk = chunk_size(self.ml, sizes, length, q_arr.dtype)
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
-        out, entering, final = forward(x)
+        out, entering, final = mma.forward(x) if mma.kernels_apply(x) else forward(x)
         outs, finals = self._outputs(out, final, sizes, length, out_dtype)
         return outs, finals, ChunkTape(x, entering, final, decay)
 

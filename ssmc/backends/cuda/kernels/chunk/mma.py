@@ -1,0 +1,147 @@
+"""The chunked forward on tensor cores (``forward.cu.j2``): `algorithm.forward`'s result from three
+kernels, for 16-bit q, k, v with fp32 decays and states.
+
+    if kernels_apply(x): out, entering, final = forward(x)      # else algorithm.forward(x)
+
+1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) k_jᵀ v_j`` (fp32);
+2. ``state_pass``: per (head, state entry), the chunks in order: the state entering each chunk, in
+   place of the chunk's sum, and the final state;
+3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
+   (q_i·k_j) v_j``, the scores in registers only.
+
+Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
+the kernels read, so no operand is expanded. Under ``SSMC_CUDA_EMULATE=1`` the same launches run on
+the CPU (backends/cuda/emulator.py), on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+
+from ...devices import current_device, emulating, on_backend_device
+from ...launch import launch_kernel
+from ...options import options
+from .. import template
+from .algorithm import Chunks
+
+CHUNK = 64          # steps per chunk the kernels take (4 warps of 16 query rows)
+SIZES = (64, 128)   # key and value sizes they take
+_modules: dict = {}
+_tables: dict = {}
+
+
+@cache
+def source(key: int, value: int, chunk: int, bf16: bool) -> str:
+    """The module of the three kernels for these sizes and 16-bit format."""
+    from ...source import mma_header
+
+    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16)
+    return mma_header() + "\n" + body
+
+
+def _function(text: str, name: str):
+    key = (current_device(), text, name)
+    fn = _modules.get(key)
+    if fn is None:
+        if emulating():
+            from ...emulator import emulated
+
+            fn = emulated(text, name)
+        else:
+            import cupy
+
+            from ...source import compile_options
+
+            mkey = (current_device(), text)
+            module = _modules.get(mkey)
+            if module is None:
+                module = _modules[mkey] = cupy.RawModule(code=text, options=compile_options(text))
+            fn = module.get_function(name)
+        _modules[key] = fn
+    return fn
+
+
+def kernels_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
+    """Whether a call with q of `dtype` and these key / value sizes would run on the kernels (the
+    chunk size then is theirs)."""
+    return (dtype in (torch.bfloat16, torch.float16) and key in SIZES and value in SIZES
+            and options().chunk_kernels is not False)
+
+
+def kernels_apply(x: Chunks) -> bool:
+    """Whether `forward` takes `x`: 16-bit q, k, v of one format on the backend's device, fp32 decays
+    and initial state, chunks of `CHUNK` steps, key and value sizes in `SIZES`."""
+    q, k, v = x.q, x.k, x.v
+    return (kernels_wanted(q.dtype, q.shape[-1], v.shape[-1]) and k.dtype == q.dtype and v.dtype == q.dtype
+            and k.shape[-1] == q.shape[-1] and q.shape[-2] == CHUNK and x.ell.dtype == torch.float32
+            and x.s0.dtype == torch.float32 and all(on_backend_device(t) for t in (q, k, v, x.ell, x.s0)))
+
+
+def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
+    """`t` ([*H, NC, C(, D)]) with a unit stride along D (where `inner`) and the chunk stride C times
+    the step stride, the layout the kernels index; a copy only where it is not so already."""
+    d = 1 if inner else 0  # trailing axes after the step axis
+    step, chunk_stride = t.stride(-1 - d), t.stride(-2 - d)
+    ok = (not inner or t.stride(-1) == 1) and (t.shape[-2 - d] == 1 or chunk_stride == t.shape[-1 - d] * step)
+    return t if ok else t.contiguous()
+
+
+def _offsets(heads: tuple[int, ...], arrays, device) -> torch.Tensor:
+    """[heads, 4] int64: each array's element offset of a head (its own storage offset included),
+    broadcast where the array lacks the head axis. Cached per layout (a few hundred bytes)."""
+    layouts = tuple((t.shape[:len(heads)], t.stride()[:len(heads)], t.storage_offset()) for t in arrays)
+    key = (heads, layouts, str(device))
+    table = _tables.get(key)
+    if table is None:
+        cols = []
+        for shape, strides, base in layouts:
+            off = torch.full(heads, base, dtype=torch.int64)
+            for d, (n, s) in enumerate(zip(shape, strides)):
+                if n != 1:
+                    view = [1] * len(heads)
+                    view[d] = n
+                    off = off + torch.arange(n, dtype=torch.int64).reshape(view) * s
+            cols.append(off.reshape(-1))
+        table = _tables[key] = torch.stack(cols, 1).contiguous().to(device)
+    return table
+
+
+def forward(x: Chunks):
+    """`algorithm.forward(x)` on the kernels: (O [*H, NC, C, V] fp32, the state entering each chunk
+    [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast."""
+    q = _chunked_view(x.q, True)
+    k = _chunked_view(x.k, True)
+    v = _chunked_view(x.v, True)
+    ell = _chunked_view(x.ell, False)
+    t = q.dim() - 3
+    heads = tuple(torch.broadcast_shapes(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t]))
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev = q.device
+    # the storage offsets go into the table; the kernels get each array's storage base
+    offs = _offsets(heads, (q, k, v, ell), dev)
+    steps = torch.tensor([q.stride(-2), k.stride(-2), v.stride(-2), ell.stride(-1)], dtype=torch.int64)
+    steps = steps.to(dev)
+    s0 = x.s0.expand(*heads, key, value).contiguous()
+    states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
+    gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
+    out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    text = source(key, value, chunk, q.dtype == torch.bfloat16)
+
+    def base(a):
+        return a.data_ptr() - a.storage_offset() * a.element_size()
+
+    tiles = (key // 64) * (value // 64)
+    launch_kernel(_function(text, "chunk_states"), (nh * nc * tiles, 128), nc * chunk, nc,
+                  [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+                   gamma.data_ptr()])
+    launch_kernel(_function(text, "state_pass"), (nh * key * value // 256, 256), nc * chunk, nc,
+                  [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()])
+    launch_kernel(_function(text, "chunk_output"), (nh * nc * (value // 64), 2 * chunk), nc * chunk, nc,
+                  [base(q), base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+                   out.data_ptr()])
+    return out, states, final

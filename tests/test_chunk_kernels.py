@@ -1,0 +1,259 @@
+"""The chunked matrix-linear forward on tensor cores (backends/cuda/kernels/chunk/mma.py, forward.cu.j2).
+
+- emulated on the CPU (SSMC_CUDA_EMULATE=1: the kernels' fragments, shuffles and barriers run as C++):
+  the kernels' (output, entering states, final state) against algorithm.py's torch forward in float64
+  on the same rounded inputs, at lengths that leave the last chunk partial, heads broadcast as SSD's B
+  and C are, operands in the time-first layout (strided steps);
+- NVRTC builds every size the kernels take for sm_80 and sm_90 with no spills;
+- which calls take the kernels (16-bit, sizes, the switch), and ChunkedCore choosing them;
+- on a GPU: whole compiled specs (Mamba-2, RetNet) in bf16 against the torch path and the interpreter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ssmc.backends.cuda import emulator, nvrtc
+from ssmc.backends.cuda.kernels.chunk import algorithm, mma
+
+torch = pytest.importorskip("torch")
+
+needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+C = mma.CHUNK
+
+
+def _rel(x, ref) -> float:
+    """Relative RMS error ‖x − ref‖ / ‖ref‖."""
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _time_first(rng, length: int, heads: tuple[int, ...], dim: int | None, dtype, scale=1.0):
+    """A random operand as the program holds it ([L, *heads(, dim)], time first) and chunked as
+    `ChunkedCore._arrange` gives it: [*heads, NC, C(, dim)], a strided view where the chunks are whole,
+    else a copy zero past `length`."""
+    shape = (length, *heads, *([dim] if dim else []))
+    x = torch.from_numpy(rng.standard_normal(shape) * scale).to(dtype)
+    nh = len(heads)
+    y = x.permute(*range(1, nh + 1), 0, *([nh + 1] if dim else []))
+    padded = -(-length // C) * C
+    inner = [dim] if dim else []
+    if padded == length:
+        return y.reshape(*heads, padded // C, C, *inner)
+    out = torch.zeros((*heads, padded, *inner), dtype=dtype)
+    out.narrow(nh, 0, length).copy_(y)
+    return out.reshape(*heads, padded // C, C, *inner)
+
+
+def _chunks(length: int, key: int = 64, value: int = 64, dtype=torch.bfloat16, seed: int = 0,
+            q_heads=(1, 1), k_heads=(1, 1), v_heads=(1, 2), ell_heads=(1, 2), s0_heads=(1, 2)):
+    """Chunks with SSD's broadcast (q, k without the head axis r, here heads (b=1, r=2))."""
+    rng = np.random.default_rng(seed)
+    q = _time_first(rng, length, q_heads, key, dtype, key ** -0.5)
+    k = _time_first(rng, length, k_heads, key, dtype)
+    v = _time_first(rng, length, v_heads, value, dtype)
+    ell = -torch.from_numpy(rng.uniform(0.0, 0.3, (length, *ell_heads))).float()
+    nh = len(ell_heads)
+    ell = ell.permute(*range(1, nh + 1), 0)
+    padded = -(-length // C) * C
+    full = torch.zeros((*ell_heads, padded))
+    full[..., :length] = ell
+    s0 = torch.from_numpy(rng.standard_normal((*s0_heads, key, value)) * 0.1).float()
+    return algorithm.Chunks(q, k, v, full.reshape(*ell_heads, -1, C), s0)
+
+
+def _reference(x: algorithm.Chunks):
+    """algorithm.forward in float64 on the same (rounded) values."""
+    d = torch.float64
+    return algorithm.forward(algorithm.Chunks(x.q.to(d), x.k.to(d), x.v.to(d), x.ell.to(d), x.s0.to(d)))
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+
+
+@needs_emulator
+@pytest.mark.parametrize("length", [1, 7, 70, 130])
+def test_emulated_kernels_agree_with_the_torch_forward(emulate, length):
+    x = _chunks(length, seed=length)
+    assert mma.kernels_apply(x)
+    out, entering, final = mma.forward(x)
+    ref_out, ref_entering, ref_final = _reference(x)
+    assert out.shape == ref_out.shape and entering.shape == ref_entering.shape and final.shape == ref_final.shape
+    assert _rel(out, ref_out) < 1e-2
+    assert _rel(final, ref_final) < 1e-2
+    assert _rel(entering, ref_entering) < 1e-2
+    # the first chunk enters with s0 exactly (the pass copies it)
+    torch.testing.assert_close(entering[..., 0, :, :], x.s0.expand_as(entering[..., 0, :, :]))
+
+
+@needs_emulator
+def test_emulated_kernels_with_every_operand_per_head_in_fp16(emulate):
+    """Two heads on every operand (no broadcast), fp16, a value size of 128 (two value tiles)."""
+    h = (2,)
+    x = _chunks(128, value=128, dtype=torch.float16, seed=3, q_heads=h, k_heads=h, v_heads=h, ell_heads=h,
+                s0_heads=h)  # whole chunks: the operands are strided views of the time-first arrays
+    assert not x.q.is_contiguous()
+    out, entering, final = mma.forward(x)
+    ref_out, ref_entering, ref_final = _reference(x)
+    assert _rel(out, ref_out) < 5e-3
+    assert _rel(final, ref_final) < 5e-3
+    assert _rel(entering, ref_entering) < 5e-3
+
+
+def test_which_calls_take_the_kernels(monkeypatch):
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    x = _chunks(7)
+    assert mma.kernels_apply(x)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
+    assert not mma.kernels_apply(x)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS")
+    assert not mma.kernels_apply(_chunks(7, dtype=torch.float32))   # fp32: the torch path
+    assert not mma.kernels_apply(_chunks(7, key=32))                 # key size 32: the torch path
+    assert not mma.kernels_apply(_chunks(7, value=96))
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "0")
+    assert not mma.kernels_apply(x)                                  # CPU tensors, no emulation
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_kernels_compile_without_spills(arch):
+    from ssmc.backends.cuda.source import compile_options
+
+    for key in mma.SIZES:
+        for value in mma.SIZES:
+            for bf16 in (True, False):
+                text = mma.source(key, value, C, bf16)
+                resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+                assert set(resources) == {"chunk_states", "state_pass", "chunk_output"}
+                for r in resources.values():
+                    assert not r.spills, r.summary()
+                    assert r.shared_bytes <= 48 * 1024, r.summary()
+
+
+# -- the chunked core choosing the kernels ----------------------------------------------------------
+
+def _core(name: str):
+    """(the core program of example `name`, its sizes at kernel shapes)."""
+    from ssmc.examples import mamba2, retnet
+    from ssmc.passes.matrix_linear import chunk_stages, core_form
+
+    if name == "retnet":
+        return retnet.SPEC.program, {"b": 1, "h": 2, "k": 64, "v": 64}
+    core = next(s.program for s in chunk_stages(mamba2.SPEC.program).stages if core_form(s.program) is not None)
+    return core, {"b": 1, "g": 1, "r": 2, "p": 64, "n": 64}
+
+
+def _core_inputs(program, sizes, length, rng, dtype):
+    """(seqs [L, *axes], params, initial) of a core, time first, as the backend hands them over."""
+    seqs, params = {}, {}
+    for d in program.inputs:
+        shape = [sizes[a] for a in d.axes]
+        if d.role.value == "seq":
+            x = rng.standard_normal([length, *shape])
+            if d.name.endswith("_ell"):
+                seqs[d.name] = torch.from_numpy(-np.abs(x) * 0.2).float()
+            else:
+                seqs[d.name] = torch.from_numpy(x * 0.3).to(dtype)
+        else:  # RetNet's gamma, as is
+            params[d.name] = torch.from_numpy(1.0 - 2.0 ** (-1.0 - 2.0 * np.arange(shape[0]))).float()
+    state = program.states[0]
+    initial = {state.name: torch.from_numpy(0.1 * rng.standard_normal([sizes[a] for a in state.axes])).float()}
+    return seqs, params, initial
+
+
+@needs_emulator
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, emulate, monkeypatch):
+    """ChunkedCore on bf16 operands: the forward on the kernels (counted), outputs and final state as
+    the torch path's in float64; the backward from their tape as from the torch path's."""
+    from ssmc.backends.cuda.kernels import chunk
+    from ssmc.passes.autodiff import GRAD
+
+    program, sizes = _core(name)
+    length = 70
+    rng = np.random.default_rng(5)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(chunk.mma, "forward", lambda x, _f=chunk.mma.forward: calls.append(1) or _f(x))
+    core = chunk.ChunkedCore(program, "float32")
+    outs, finals, tape = core.forward(seqs, params, initial, sizes, length)
+    assert calls and tape.chunks.q.shape[-2] == mma.CHUNK
+    wide = chunk.ChunkedCore(program, "float64")
+    d = torch.float64
+    ref_outs, ref_finals, _ = wide.forward({k: v.to(d) for k, v in seqs.items()},
+                                                  {k: v.to(d) for k, v in params.items()},
+                                                  {k: v.to(d) for k, v in initial.items()}, sizes, length)
+    assert len(calls) == 1  # float64: the torch path
+    for k in ref_outs:
+        assert outs[k].shape == ref_outs[k].shape and _rel(outs[k], ref_outs[k]) < 1e-2
+    for k in ref_finals:
+        assert finals[k].shape == ref_finals[k].shape and _rel(finals[k], ref_finals[k]) < 1e-2
+    output, state = core.output, program.states[0].name
+    cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).float()}
+    lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+    got = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
+    _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
+    assert len(calls) == 1 and torch_tape.chunks.q.shape[-2] == mma.CHUNK
+    want = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
+    for part, ref in zip(got, want):
+        assert set(part) == set(ref)
+        for k in ref:
+            assert _rel(part[k], ref[k]) < 2e-2, k
+
+
+# -- on the GPU: whole specs --------------------------------------------------------------------------
+
+def _spec_case(name: str, length: int):
+    """(spec, layout, inputs at kernel shapes: K = 128 and V = 64 for Mamba-2, K = V = 64 for RetNet)."""
+    from ssmc.examples import mamba2, retnet
+
+    rng = np.random.default_rng(length)
+    if name == "mamba2":
+        inputs = mamba2.make_inputs(rng, length, batch=2, groups=1, heads=4, headdim=64, state=128)
+        inputs["x"] = inputs["x"] * 0.3
+        return mamba2.SPEC, mamba2.LAYOUT, inputs
+    inputs = retnet.make_inputs(rng, length, batch=2, heads=4, dk=64, dv=64)
+    inputs["gamma"] = 1.0 - 2.0 ** (-5.0 - np.arange(4))
+    inputs["q"] = inputs["q"] / 8.0
+    return retnet.SPEC, retnet.LAYOUT, inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+def test_gpu_specs_on_the_kernels_match_the_torch_path_and_the_interpreter(name, length, monkeypatch):
+    """bf16 sequences (fp32 parameters and state): the kernels' output and final state against the
+    torch path's on the same inputs and against the float64 chunked path (the interpreter's answer,
+    tests/test_chunked.py), relative RMS error; the kernels counted."""
+    import ssmc
+    from ssmc.backends.cuda.kernels import chunk
+
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    spec, layout, inputs = _spec_case(name, length)
+    state = spec.program.states[0].name
+    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 2 and k != state else torch.float32)
+          for k, v in inputs.items()}
+    rounded = {k: v.double().cpu().numpy() for k, v in bf.items()}
+    if length <= 180:
+        ref = ssmc.compile(spec, layout=layout, backend="interpreter")(**rounded, return_final_states=True)
+    else:
+        ref = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")(**rounded, return_final_states=True)
+    ref = [torch.as_tensor(np.asarray(r.cpu() if hasattr(r, "cpu") else r), device="cuda").double() for r in ref]
+    calls = []
+    monkeypatch.setattr(chunk.mma, "forward", lambda x, _f=chunk.mma.forward: calls.append(1) or _f(x))
+    got = ssmc.compile(spec, layout=layout, backend="cuda")(**bf, return_final_states=True)
+    assert calls, "the kernels did not run"
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
+    n = len(calls)
+    torch_path = ssmc.compile(spec, layout=layout, backend="cuda")(**bf, return_final_states=True)
+    assert len(calls) == n
+    for g, t, r in zip(got, torch_path, ref):
+        assert g.shape == r.shape
+        assert _rel(g, r) < 1e-2, (_rel(g, r), _rel(t, r))
+        assert _rel(g, r) < 2 * _rel(t, r) + 1e-3, (_rel(g, r), _rel(t, r))
