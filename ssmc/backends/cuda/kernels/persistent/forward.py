@@ -63,6 +63,14 @@ def contiguous_index(axes: tuple[str, ...], sizes: dict[str, int], at: dict[str,
     return " + ".join(reversed(terms)) or "0"
 
 
+def _contiguous(shape: list[int]) -> tuple[int, ...]:
+    out, stride = [], 1
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
+
+
 def combos(axes: tuple[str, ...], sizes: dict[str, int]):
     """Every assignment of the local `axes` (axis -> index), in row-major order."""
     for values in itertools.product(*(range(sizes[a]) for a in axes)):
@@ -161,12 +169,14 @@ class CellPrinter:
         return tuple(a for a in axes if a in self.cell.local)
 
 
-def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
+def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
+                  seq_strides: dict[str, tuple[int, ...]] | None = None) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
-    final states, xo [2][rows][units], bar [3] (counter, failed, step)); every array contiguous fp32
-    in its declaration's axis order."""
+    final states, xo [2][rows][units], bar [3] (counter, failed, step)); fp32 arrays, contiguous in
+    their declaration's axis order but for the sequences, read in place at `seq_strides` (name ->
+    element strides of time and each axis; 0 along a broadcast axis; default contiguous)."""
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
@@ -180,6 +190,9 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
     weight = pr.params[cell.weight]
     wat = {cell.contracted: "j", cell.split: "kk"} | {a: f"c_{a}" for a in cell.local}
     rsz = [sizes[a] for a in cell.rows]
+
+    def full(axes) -> list[int]:
+        return [sizes[a] for a in axes]
 
     def rows_of(var: str) -> list[str]:
         out = []
@@ -233,10 +246,12 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int]) -> str:
             continue
         i = pr.seqs[d.name]
         decl.append(f"F sv{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
-        step = math.prod(sizes[a] for a in d.axes)
+        strides = (seq_strides or {}).get(d.name) or (math.prod(full(d.axes)), *_contiguous(full(d.axes)))
         for assign in combos(pr.own_of(d.axes), sizes):
-            seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = "
-                             f"s{i}[(long long)t * {step} + {at_pair(d.axes, assign)}];")
+            at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
+            terms = [f"(long long)t * {strides[0]}"]
+            terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(d.axes, strides[1:]) if st]
+            seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = s{i}[{' + '.join(terms)}];")
     finals = []
     for s in p.states:
         i = pr.states[s.name]

@@ -46,9 +46,6 @@ class PersistentLoop:
             self._plans[key] = plan(self.cell, sizes, sm, blocks=1 if emulate else None)
         return self._plans[key]
 
-    def source(self, sizes: dict[str, int]) -> str | None:
-        chosen = self.plan_for(sizes)
-        return None if isinstance(chosen, str) else kernel_source(self.cell, chosen, sizes)
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """The runner contract (time-first torch tensors in and out, as `StepLoop.run`)."""
@@ -93,7 +90,9 @@ class PersistentLoop:
         def full(axes):
             return [sizes[a] for a in axes]
 
-        seq_t = [dense(seqs[d.name], (length, *full(d.axes))) for d in p.seqs]
+        # sequences read in place (their strides printed into the source; 0 along a broadcast axis)
+        seq_t = [_as_f32(seqs[d.name]).expand(length, *full(d.axes)) for d in p.seqs]
+        seq_strides = {d.name: tuple(t.stride()) for d, t in zip(p.seqs, seq_t)}
         par_t = [dense(params[d.name], full(d.axes)) for d in p.params]
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
         outs = [torch.empty((length, *full(y.axes)), dtype=f32, device=device) for _, y in p.outputs]
@@ -107,7 +106,7 @@ class PersistentLoop:
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, xo, bar]
         pointers = [t.data_ptr() for t in tensors]
-        source = kernel_source(cell, chosen, sizes)
+        source = kernel_source(cell, chosen, sizes, seq_strides)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
@@ -131,6 +130,13 @@ class PersistentLoop:
             module = cupy.RawModule(code=source, options=compile_options(source))
             fn = self._functions[key] = module.get_function(name)
         return fn
+
+
+def _as_f32(t):
+    """`t` in fp32, its strides kept (a dense permutation stays one; `torch.Tensor.to` keeps the layout)."""
+    import torch
+
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def torch_float32():
