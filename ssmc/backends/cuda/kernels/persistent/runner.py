@@ -33,9 +33,9 @@ class PersistentLoop:
 
     @property
     def describe(self) -> str:
-        return (f"one persistent kernel a call ({self.cell.describe()}; U resident in shared memory, a grid "
-                f"barrier a step; SSMC_CUDA_PERSISTENT=0: the step loop), where a shape does not fit: "
-                f"{self.fallback.describe}")
+        return (f"{self.fallback.describe}; its forward, where the shape fits, one persistent kernel a call "
+                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
+                "SSMC_CUDA_PERSISTENT=0: the loop)")
 
     def plan_for(self, sizes: dict[str, int]):
         """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal."""
