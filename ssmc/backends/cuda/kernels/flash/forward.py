@@ -123,8 +123,10 @@ def unsupported(program: Attention) -> str | None:
 
 def call_unsupported(call) -> str | None:
     """Why a bound call (tiled_attention.Call) cannot run on the flash kernel (None: it can)."""
+    from ...options import emulating
+
     q, k, v = call.q, call.k, call.v
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) and not emulating():
         return "not CUDA tensors"
     import torch
 
@@ -136,6 +138,17 @@ def call_unsupported(call) -> str | None:
     return None
 
 
+def cupy_missing() -> str | None:
+    """Why the kernel cannot be compiled and loaded here (None: CuPy imports)."""
+    global _CUPY
+    if _CUPY is None:
+        import importlib.util
+
+        _CUPY = "" if importlib.util.find_spec("cupy") is not None else "CuPy is not installed"
+    return _CUPY or None
+
+
+_CUPY: str | None = None
 _SOURCES: dict = {}
 
 
@@ -198,16 +211,20 @@ class FlashForward:
         self._spans: dict = {}
         self._lock = threading.Lock()
 
-    def _function(self, device: int, d: int, bf16: bool):
+    def _function(self, device, d: int, bf16: bool):
         name, text = kernel_source(self.program, d, bf16)
-        key = (device, text)
+        key = (device.type, device.index, text)
         fn = self._modules.get(key)
-        if fn is None:
+        if fn is None and device.type == "cpu":  # SSMC_CUDA_EMULATE=1 (tests): on the CPU emulator
+            from ...emulator import emulated
+
+            fn = self._modules[key] = emulated(text, name)
+        elif fn is None:
             import cupy
 
             from ...source import compile_options
 
-            with self._lock, cupy.cuda.Device(device):
+            with self._lock, cupy.cuda.Device(device.index or 0):
                 module = cupy.RawModule(code=text, options=compile_options(text))
                 module.compile()
                 fn = self._modules[key] = module.get_function(name)
@@ -244,7 +261,7 @@ class FlashForward:
             return out, lse
         params = param_table(self.program, call.params, call.sizes).to(q.device)
         spans = self._span_tensor(call, bh)
-        fn = self._function(q.device.index or 0, d, q.dtype == torch.bfloat16)
+        fn = self._function(q.device, d, q.dtype == torch.bfloat16)
         blocks = -(-lq // BM) * bh
         launch_kernel(fn, (blocks, THREADS), lq, lk, [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(),
                                                      spans.data_ptr(), out.data_ptr(), lse.data_ptr()])
