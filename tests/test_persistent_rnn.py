@@ -55,6 +55,18 @@ def _elman_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
             "V": rng.standard_normal((hidden, 3)), "h": 0.5 * rng.standard_normal((batch, hidden))}
 
 
+@ssmc.recurrence
+def two_rows(h: ssmc.State["b d k"], x: ssmc.Seq["b d k"], U: ssmc.Param["j k"], a: ssmc.Param["d k"]):
+    """Two row axes (b, d) sharing one U: the rows flattened in the kernel."""
+    h = ssmc.tanh(x + a * ssmc.dot(h.rename(k="j"), U, over="j"))
+    return h, h
+
+
+def _two_rows_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
+    return {"x": rng.standard_normal((batch, length, 2, hidden)), "U": 0.4 * rng.standard_normal((hidden, hidden)),
+            "a": rng.standard_normal((2, hidden)), "h": rng.standard_normal((batch, 2, hidden))}
+
+
 def _swap_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
     return {"x": rng.standard_normal((batch, length, hidden)), "U": 0.4 * rng.standard_normal((hidden, hidden)),
             "h": rng.standard_normal((batch, hidden)), "c": rng.standard_normal((batch, hidden))}
@@ -70,6 +82,7 @@ CASES = {
     "gru": (gru.SPEC, gru.LAYOUT, lambda rng, L, b, k: gru.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
     "elman": (elman, "b t ...", _elman_inputs),
     "swap": (swap, "b t ...", _swap_inputs),
+    "two_rows": (two_rows, "b t ...", _two_rows_inputs),
     "gated": (gated, "b t ...", _gated_inputs),
 }
 
@@ -207,7 +220,7 @@ def test_switched_off_runs_the_step_loop(emulated_cuda, launched):
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated", "two_rows"])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
 def test_gpu(name, length, batch, hidden, launched):
