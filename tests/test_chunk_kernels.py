@@ -227,17 +227,17 @@ def _spec_case(name: str, length: int):
 @pytest.mark.parametrize("name", ["mamba2", "retnet"])
 @pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
 def test_gpu_specs_on_the_kernels_match_the_torch_path_and_the_interpreter(name, length, monkeypatch):
-    """bf16 sequences (fp32 parameters and state): the kernels' output and final state against the
-    torch path's on the same inputs and against the float64 chunked path (the interpreter's answer,
-    tests/test_chunked.py), relative RMS error; the kernels counted."""
+    """bf16 inputs: the kernels' output and final state against the interpreter (the float64 chunked
+    path past L 180, which tests/test_chunked.py holds to the interpreter) on the same rounded inputs,
+    relative RMS error within 1e-2 and at most twice the torch path's; the kernels counted."""
     import ssmc
     from ssmc.backends.cuda.kernels import chunk
 
     monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
     monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
     spec, layout, inputs = _spec_case(name, length)
-    state = spec.program.states[0].name
-    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 2 and k != state else torch.float32)
+    # as tests/test_chunked.py's GPU test: arrays of rank > 1 (the initial state too) in bf16
+    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
           for k, v in inputs.items()}
     rounded = {k: v.double().cpu().numpy() for k, v in bf.items()}
     if length <= 180:

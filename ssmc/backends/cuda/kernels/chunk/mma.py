@@ -77,7 +77,8 @@ def kernels_apply(x: Chunks) -> bool:
     q, k, v = x.q, x.k, x.v
     return (kernels_wanted(q.dtype, q.shape[-1], v.shape[-1]) and k.dtype == q.dtype and v.dtype == q.dtype
             and k.shape[-1] == q.shape[-1] and q.shape[-2] == CHUNK and x.ell.dtype == torch.float32
-            and x.s0.dtype == torch.float32 and all(on_backend_device(t) for t in (q, k, v, x.ell, x.s0)))
+            and x.s0.dtype == torch.float32 and all(t.numel() > 0 and on_backend_device(t)
+                                                    for t in (q, k, v, x.ell, x.s0)))
 
 
 def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
@@ -89,15 +90,17 @@ def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _offsets(heads: tuple[int, ...], arrays, device) -> torch.Tensor:
-    """[heads, 4] int64: each array's element offset of a head (its own storage offset included),
-    broadcast where the array lacks the head axis. Cached per layout (a few hundred bytes)."""
-    layouts = tuple((t.shape[:len(heads)], t.stride()[:len(heads)], t.storage_offset()) for t in arrays)
+def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets [heads, 4] int64: each array's element offset of a head, its storage offset included,
+    repeated along the head axes it lacks; steps [4] int64: each array's stride between steps), on
+    `device`. Cached per layout: a call of a layout seen before copies nothing to the device."""
+    layouts = tuple((t.shape[:len(heads)], t.stride()[:len(heads)], t.storage_offset(),
+                     t.stride(-2) if t.dim() > len(heads) + 2 else t.stride(-1)) for t in arrays)
     key = (heads, layouts, str(device))
-    table = _tables.get(key)
-    if table is None:
+    found = _tables.get(key)
+    if found is None:
         cols = []
-        for shape, strides, base in layouts:
+        for shape, strides, base, _ in layouts:
             off = torch.full(heads, base, dtype=torch.int64)
             for d, (n, s) in enumerate(zip(shape, strides)):
                 if n != 1:
@@ -105,8 +108,9 @@ def _offsets(heads: tuple[int, ...], arrays, device) -> torch.Tensor:
                     view[d] = n
                     off = off + torch.arange(n, dtype=torch.int64).reshape(view) * s
             cols.append(off.reshape(-1))
-        table = _tables[key] = torch.stack(cols, 1).contiguous().to(device)
-    return table
+        steps = torch.tensor([layout[3] for layout in layouts], dtype=torch.int64)
+        found = _tables[key] = (torch.stack(cols, 1).contiguous().to(device), steps.to(device))
+    return found
 
 
 def forward(x: Chunks):
@@ -122,9 +126,7 @@ def forward(x: Chunks):
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
     # the storage offsets go into the table; the kernels get each array's storage base
-    offs = _offsets(heads, (q, k, v, ell), dev)
-    steps = torch.tensor([q.stride(-2), k.stride(-2), v.stride(-2), ell.stride(-1)], dtype=torch.int64)
-    steps = steps.to(dev)
+    offs, steps = _tables_for(heads, (q, k, v, ell), dev)
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)

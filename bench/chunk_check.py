@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Check and time the chunked matrix-linear forward on tensor cores (backends/cuda/kernels/chunk/mma.py).
+
+    python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--only ssd,retnet]
+
+SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16 and RetNet (examples/retnet.py) at B4 L4096 H16
+K128 V128 bf16:
+
+1. check: ssmc's forward on the kernels against the peer (mamba-ssm's Triton `mamba_chunk_scan_combined`,
+   chunk 256, from the sdist in peers/; fla's `chunk_retention`) and against ssmc's torch path
+   (SSMC_CUDA_CHUNK_KERNELS=0), relative RMS error ||got - want|| / ||want||, the output and (ssmc
+   sides) the final state; the kernels must be within 2e-2 of the peer;
+2. time (triton.testing.do_bench, else CUDA events; median ms): the whole compiled forward on the
+   kernels, on the torch path, the peer's forward; and the chunked core alone (`mma.forward` against
+   `algorithm.forward` on the same chunked operands, chunk 64).
+
+Prints a markdown table; with --out, writes it to DIR/chunk.md. Needs torch, triton, cupy; the peers
+are installed from peers/ as bench/harness.py does (no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+
+import ssmc  # noqa: E402
+from ssmc.backends.cuda.kernels.chunk import algorithm, mma  # noqa: E402
+from ssmc.examples import mamba2, retnet  # noqa: E402
+
+SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}
+RETNET = {"b": 4, "t": 4096, "h": 16, "k": 128, "v": 128}
+TOLERANCE = 2e-2
+
+
+def timed(fn) -> float:
+    """Milliseconds a call of `fn` takes (median)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=200))
+    except ImportError:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def rel(got, want) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+class kernels_off:
+    """SSMC_CUDA_CHUNK_KERNELS=0 for the duration (the torch path)."""
+
+    def __enter__(self):
+        self.old = os.environ.get("SSMC_CUDA_CHUNK_KERNELS")
+        os.environ["SSMC_CUDA_CHUNK_KERNELS"] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("SSMC_CUDA_CHUNK_KERNELS", None)
+        else:
+            os.environ["SSMC_CUDA_CHUNK_KERNELS"] = self.old
+
+
+def counted_kernels():
+    """A list that grows by one per `mma.forward` call (the kernels ran), and the undo."""
+    calls, original = [], mma.forward
+
+    def wrapped(x):
+        calls.append(1)
+        return original(x)
+
+    mma.forward = wrapped
+    return calls, lambda: setattr(mma, "forward", original)
+
+
+def ssd_inputs(g: torch.Generator) -> dict:
+    s = SSD
+    b, t, gr, r, p, n = s["b"], s["t"], s["g"], s["r"], s["p"], s["n"]
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale + shift).to(torch.bfloat16)
+
+    return {"x": randn(b, t, gr, r, p), "dt": randn(b, t, gr, r, shift=-1.0),
+            "A": -torch.exp(torch.rand(gr, r, generator=g, device="cuda") * 2 - 1),
+            "B": randn(b, t, gr, n), "C": randn(b, t, gr, n),
+            "D": torch.randn(gr, r, generator=g, device="cuda")}
+
+
+def retnet_inputs(g: torch.Generator) -> dict:
+    s = RETNET
+    b, t, h, k, v = s["b"], s["t"], s["h"], s["k"], s["v"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    # fla's chunk_retention fixes the decays: gamma_h = 1 - 2^(-5 - h)
+    return {"q": randn(b, t, h, k, scale=k ** -0.5), "k": randn(b, t, h, k, scale=k ** -0.5), "v": randn(b, t, h, v),
+            "gamma": 1 - 2.0 ** (-5.0 - torch.arange(h, device="cuda", dtype=torch.float32))}
+
+
+def ssd_peer(peers, a: dict):
+    combined = peers.mamba("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+    b, t, g, r, p = a["x"].shape
+    x, dt = a["x"].reshape(b, t, g * r, p), a["dt"].reshape(b, t, g * r)
+    A, D = a["A"].reshape(g * r).float(), a["D"].reshape(g * r).float()
+
+    def run():
+        return combined(x, dt, A, a["B"], a["C"], 256, D=D, dt_softplus=True).reshape(b, t, g, r, p)
+    return run
+
+
+def retnet_peer(peers, a: dict):
+    chunk_retention = peers.module("fla.ops.retention").chunk_retention
+    return lambda: chunk_retention(a["q"], a["k"], a["v"], scale=1.0)[0]
+
+
+def core_chunks(name: str, g: torch.Generator) -> algorithm.Chunks:
+    """Random chunked operands of the workload's core at chunk 64 (SSD: q, k shared by the heads)."""
+    c = mma.CHUNK
+    if name == "ssd":
+        b, r, p, n, t = SSD["b"], SSD["r"], SSD["p"], SSD["n"], SSD["t"]
+        heads_qk, heads_v, key, value = (b, 1), (b, r), n, p
+    else:
+        b, h, key, value, t = RETNET["b"], RETNET["h"], RETNET["k"], RETNET["v"], RETNET["t"]
+        heads_qk = heads_v = (b, h)
+    nc = t // c
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    q, k = randn(*heads_qk, nc, c, key, scale=key ** -0.5), randn(*heads_qk, nc, c, key)
+    v = randn(*heads_v, nc, c, value)
+    ell = -torch.rand(*heads_v, nc, c, generator=g, device="cuda") * 0.1
+    s0 = torch.zeros(*heads_v, key, value, device="cuda")
+    return algorithm.Chunks(q, k, v, ell, s0)
+
+
+def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
+    spec, layout = (mamba2.SPEC, mamba2.LAYOUT) if name == "ssd" else (retnet.SPEC, retnet.LAYOUT)
+    a = ssd_inputs(g) if name == "ssd" else retnet_inputs(g)
+    fn = ssmc.compile(spec, layout=layout, backend="cuda")
+    rows = []
+    calls, undo = counted_kernels()
+    try:
+        y, final = fn(**a, return_final_states=True)
+        if not calls:
+            raise RuntimeError("the chunked kernels did not run (see mma.kernels_apply)")
+        with kernels_off():
+            y_torch, final_torch = fn(**a, return_final_states=True)
+        checks = {"vs torch path: output": rel(y, y_torch), "vs torch path: final state": rel(final, final_torch)}
+        peer_run = None
+        try:
+            peer_run = ssd_peer(peers, a) if name == "ssd" else retnet_peer(peers, a)
+            checks["vs peer: output"] = rel(y, peer_run())
+        except Exception as err:  # a peer that does not import or run: reported, the rest goes on
+            checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
+        ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
+        t_kernels = timed(lambda: fn(**a))
+        with kernels_off():
+            t_torch = timed(lambda: fn(**a))
+        t_peer = timed(peer_run) if peer_run is not None else None
+        x = core_chunks(name, g)
+        assert mma.kernels_apply(x)
+        t_core = timed(lambda: mma.forward(x))
+        t_core_torch = timed(lambda: algorithm.forward(x))
+        core_err = rel(mma.forward(x)[0], algorithm.forward(x)[0])
+    finally:
+        undo()
+    title = ("SSD B4 L4096 H32 P64 N128 bf16" if name == "ssd" else "RetNet B4 L4096 H16 K128 V128 bf16")
+    peer = "mamba_chunk_scan_combined" if name == "ssd" else "fla chunk_retention"
+    rows.append({"workload": title, "what": "forward", "kernels": t_kernels, "torch": t_torch, "peer": t_peer,
+                 "peer_name": peer, "checks": checks, "ok": ok})
+    rows.append({"workload": title, "what": "core only (chunk 64)", "kernels": t_core, "torch": t_core_torch,
+                 "peer": None, "peer_name": "", "checks": {"kernels vs torch core: output": core_err},
+                 "ok": core_err < TOLERANCE})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+    lines = ["| workload | part | ssmc kernels ms | ssmc torch path ms | peer ms | peer / kernels | torch / kernels "
+             "| check |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        checks = "; ".join(f"{k} {v:.1e}" if not isinstance(v, str) else f"{k} {v}" for k, v in r["checks"].items())
+        lines.append(f"| {r['workload']} | {r['what']} | {ms(r['kernels'])} | {ms(r['torch'])} | "
+                     f"{ms(r['peer'])} {r['peer_name']} | {ratio(r['peer'], r['kernels'])} | "
+                     f"{ratio(r['torch'], r['kernels'])} | {'ok' if r['ok'] else 'FAILED'}: {checks} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write DIR/chunk.md")
+    ap.add_argument("--peers", type=Path, default=BENCH.parent / "peers")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ssmc_peers"))
+    ap.add_argument("--only", default="ssd,retnet")
+    args = ap.parse_args()
+    from harness import Peers
+
+    peers = Peers(args.peers, args.work, build=False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, failed = [], False
+    for name in args.only.split(","):
+        try:
+            rows += run_case(name, peers, g)
+        except Exception:
+            failed = True
+            traceback.print_exc()
+            rows.append({"workload": name, "what": "error", "kernels": None, "torch": None, "peer": None,
+                         "peer_name": "", "checks": {"error": traceback.format_exc().splitlines()[-1][:200]},
+                         "ok": False})
+    text = (f"# Chunked matrix-linear forward: mma.sync kernels\n\n{torch.cuda.get_device_name()}, torch "
+            f"{torch.__version__}\n\n" + table(rows) + "\n" + "\n".join(peers.notes))
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "chunk.md").write_text(text)
+    return 1 if failed or not all(r["ok"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
