@@ -109,6 +109,8 @@ def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, t
                     off = off + torch.arange(n, dtype=torch.int64).reshape(view) * s
             cols.append(off.reshape(-1))
         steps = torch.tensor([layout[3] for layout in layouts], dtype=torch.int64)
+        if len(_tables) >= 256:  # views at ever new storage offsets: keep the cache bounded
+            _tables.clear()
         found = _tables[key] = (torch.stack(cols, 1).contiguous().to(device), steps.to(device))
     return found
 
