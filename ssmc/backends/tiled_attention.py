@@ -15,6 +15,10 @@ backward with the score modifier's derivatives from `passes/attention_grad.py` (
 each param's summand, evaluated like the modifier); dK, dV and the params' gradients accumulate over
 the blocks in fp32. The modifiers are evaluated from the IR by `backends/torch_eval.py`.
 
+On CUDA tensors of bf16 / fp16 (head dim 64 or 128, modifiers the printer takes) the forward is one
+launch of the generated flash kernel instead (backends/cuda/kernels/flash; `TiledAttention.flash` says
+when, ``SSMC_CUDA_FLASH=0`` turns it off); its lse feeds the same backward.
+
 Matrix products take the inputs' dtype (bf16 / fp16 stay so on the GPU, with fp32 results); scores,
 softmax and every sum are fp32 (fp64 for fp64 inputs). Arrays are canonical here: q [*batch, Lq, d],
 k [*batch, Lk, d], v [*batch, Lk, e], params by their axes; `TiledAttention.bind` makes them so from
@@ -125,6 +129,8 @@ class TiledAttention:
     def __init__(self, program: Attention):
         self.program = program
         self._spans: dict = {}
+        self._flash = None         # the flash forward kernel, made on the first CUDA call
+        self.flash_reason = None   # why the last call did not run it (None: it did)
 
     @cached_property
     def backward_ir(self):
@@ -211,9 +217,15 @@ class TiledAttention:
         block = _rows(batch, lk)
         spans = key_spans(self.program.mask, lq, lk, block, KEY_TILE, sizes)
         visited = sum((hi - lo) * (min(lq, (b + 1) * block) - b * block) for b, (lo, hi) in enumerate(spans))
-        return (f"tiled torch path: {len(spans)} blocks of {block} query rows; the scores of "
+        text = (f"tiled torch path: {len(spans)} blocks of {block} query rows; the scores of "
                 f"{visited / (lq * lk):.0%} of the Lq x Lk pairs computed (keys outside the mask's spans "
                 f"skipped); per block 2 matrix products forward, 5 backward, scores and softmax in fp32")
+        from .cuda.kernels.flash.forward import unsupported
+
+        reason = unsupported(self.program)
+        flash = ("the flash forward kernel on CUDA bf16 / fp16 tensors of head dim 64 or 128, the tiled path "
+                 "elsewhere and for the backward" if reason is None else f"no flash forward kernel: {reason}")
+        return f"{text}; {flash}"
 
     # -- the forward -----------------------------------------------------------------------------
 
@@ -263,8 +275,36 @@ class TiledAttention:
         ev.run(free, env, memo)
         return memo
 
+    def flash(self, call: Call):
+        """The flash forward kernel (backends/cuda/kernels/flash) where it runs this call, else None: CUDA
+        tensors (CPU ones with ``SSMC_CUDA_EMULATE=1``: the kernel on the emulator), bf16 / fp16, a head dim
+        it takes, modifiers it prints, CuPy importable, ``SSMC_CUDA_FLASH`` not 0. `flash_reason` keeps why
+        not."""
+        from .cuda.options import emulating, options
+
+        if not (call.q.is_cuda or emulating()):  # SSMC_CUDA_EMULATE=1: CPU tensors on the emulated kernel
+            self.flash_reason = "CPU tensors"
+            return None
+        if not options().flash:
+            self.flash_reason = "SSMC_CUDA_FLASH=0"
+            return None
+        from .cuda.kernels.flash import forward as flash
+
+        if self._flash is None:
+            self._flash = flash.FlashForward(self.program)
+        reason = (self._flash.reason or flash.call_unsupported(call)
+                  or (flash.cupy_missing() if call.q.is_cuda else None))
+        self.flash_reason = reason
+        return None if reason else self._flash
+
     def forward(self, call: Call, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [*batch, Lq, e] in `call.acc`, lse [*batch, Lq] in `call.acc`): the module docstring's loop."""
+        """(out [*batch, Lq, e] in `call.acc`, lse [*batch, Lq] in `call.acc`): the module docstring's loop.
+        Where the flash kernel runs the call (`flash`; not when a `block` is forced), one launch of it
+        instead: out then in q's dtype (the 16-bit result the call returns), lse fp32."""
+        if block is None:
+            kernel = self.flash(call)
+            if kernel is not None:
+                return kernel(call)
         p = self.program
         block = block or block_rows(call)
         ev = TorchEvaluator(call.sizes, call.acc, call.q.device)

@@ -1,0 +1,173 @@
+"""Check and time ssmc's flash attention forward (backends/cuda/kernels/flash) on a GPU.
+
+    python bench/flash_check.py [--out DIR] [--small]
+
+For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf16 and a small shape
+(B2 H4 L1000 d64): the flash kernel's output against torch SDPA (causal) or FlexAttention (ALiBi,
+window) and the tiled torch path (max abs error, lse error against the tiled path), then the forward's
+time (triton.testing.do_bench, else CUDA events) against SDPA (causal) and FlexAttention under
+torch.compile (ALiBi, window) and the tiled path. Prints a markdown table; with --out, writes it to
+DIR/flash.md. Needs torch, triton and cupy; no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ssmc
+from ssmc.backends.tiled_attention import TiledAttention
+
+WINDOW = 512
+
+
+def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):  # noqa: F821, UP037 (an axis name)
+    return score - slope * (q_idx - kv_idx)
+
+
+SPECS = {
+    "causal": ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d"),
+    "alibi": ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d"),
+    f"window-{WINDOW}": ssmc.attention(mask_mod=ssmc.sliding_window(WINDOW), batch="b h", head_dim="d"),
+}
+
+
+def timed(fn) -> float:
+    """Milliseconds a call of `fn` takes (median)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100))
+    except ImportError:
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def flex_reference(name: str, b: int, h: int, length: int, slope: torch.Tensor):
+    """(compiled flex_attention call of q, k, v) for spec `name`, or None where torch has no FlexAttention."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    flex = torch.compile(flex_attention, dynamic=False)
+    if name.startswith("window"):
+        def mask(bi, hi, qi, ki):
+            return (ki <= qi) & (qi - ki < WINDOW)
+    else:
+        def mask(bi, hi, qi, ki):
+            return ki <= qi
+    block_mask = create_block_mask(mask, None, None, length, length, device="cuda")
+    score_mod = None
+    if name == "alibi":
+        def score_mod(score, bi, hi, qi, ki):
+            return score - slope[hi] * (qi - ki)
+    return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def visible_fraction(name: str, length: int) -> float:
+    if name.startswith("window"):
+        w = min(WINDOW, length)
+        pairs = w * (w + 1) / 2 + (length - w) * w
+    else:
+        pairs = length * (length + 1) / 2
+    return pairs / (length * length)
+
+
+def row(name: str, b: int, h: int, length: int, d: int) -> dict:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    slope = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda", dtype=torch.float32) / h)
+    params = {"slope": slope} if name == "alibi" else {}
+    tiled = TiledAttention(SPECS[name].program)
+    call = tiled.bind(q, k, v, "b h t ...", params)
+    if tiled.flash(call) is None:
+        raise SystemExit(f"{name}: the flash kernel does not run this call: {tiled.flash_reason}")
+    out, lse = tiled.forward(call)
+    os.environ["SSMC_CUDA_FLASH"] = "0"
+    try:
+        t_out, t_lse = tiled.forward(call)
+        ms_tiled = timed(lambda: tiled.forward(call))
+    finally:
+        del os.environ["SSMC_CUDA_FLASH"]
+    fin = torch.isfinite(t_lse)
+    err_tiled = (out.float() - t_out.float()).abs().max().item()
+    err_lse = (lse[fin] - t_lse[fin]).abs().max().item()
+    flex = flex_reference(name, b, h, length, slope)
+    if name == "causal":
+        ref_name = "SDPA"
+
+        def ref():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif flex is not None:
+        ref_name = "FlexAttention"
+
+        def ref():
+            return flex(q, k, v)
+    else:
+        ref_name, ref = "tiled", None
+    err_ref = (out.float() - ref().float()).abs().max().item() if ref is not None else err_tiled
+    ms_flash = timed(lambda: tiled.forward(call))
+    ms_ref = timed(ref) if ref is not None else float("nan")
+    flops = 4.0 * b * h * length * length * d * visible_fraction(name, length)
+    return {"spec": name, "shape": f"B{b} H{h} L{length} d{d}", "ref": ref_name, "err_ref": err_ref,
+            "err_tiled": err_tiled, "err_lse": err_lse, "ms_flash": ms_flash, "ms_ref": ms_ref,
+            "ms_tiled": ms_tiled, "tflops": flops / ms_flash / 1e9}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| spec | shape | max abs err vs ref | vs tiled | lse err vs tiled | flash ms | ref | ref ms | "
+            "flash / ref | tiled ms | flash TFLOP/s |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        ratio = r["ms_ref"] / r["ms_flash"] if math.isfinite(r["ms_ref"]) else float("nan")
+        lines.append(f"| {r['spec']} | {r['shape']} | {r['err_ref']:.2e} | {r['err_tiled']:.2e} | "
+                     f"{r['err_lse']:.2e} | {r['ms_flash']:.3f} | {r['ref']} | {r['ms_ref']:.3f} | "
+                     f"{ratio:.2f}x | {r['ms_tiled']:.3f} | {r['tflops']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="folder to write flash.md to")
+    parser.add_argument("--small", action="store_true", help="the small shape only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    shapes = [(2, 4, 1000, 64)] + ([] if args.small else [(4, 16, 4096, 128)])
+    rows = []
+    for shape in shapes:
+        for name in SPECS:
+            rows.append(row(name, *shape))
+            r = rows[-1]
+            print(f"{r['spec']} {r['shape']}: err {r['err_ref']:.2e} / {r['err_tiled']:.2e}, "
+                  f"flash {r['ms_flash']:.3f} ms, {r['ref']} {r['ms_ref']:.3f} ms", flush=True)
+    text = (f"# ssmc flash attention forward\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; "
+            "ref: SDPA (causal), FlexAttention under torch.compile (ALiBi, window); flash / ref > 1: flash faster; "
+            "tiled: the torch path it replaces.\n\n" + table(rows) + "\n")
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "flash.md").write_text(text)
+    bad = [r for r in rows if not (r["err_tiled"] < 3e-2 and r["err_ref"] < 3e-2 and r["err_lse"] < 1e-2)]
+    if bad:
+        raise SystemExit(f"errors too large: {[(r['spec'], r['shape']) for r in bad]}")
+
+
+if __name__ == "__main__":
+    main()
