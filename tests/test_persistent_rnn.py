@@ -211,6 +211,15 @@ def test_emulated_gradients(emulated_cuda, launched):
     assert "lstm" in launched and "lstm_backward" not in launched
 
 
+def test_a_shape_that_does_not_fit_runs_the_step_loop(emulated_cuda, launched):
+    """One emulated block holds all of U: at H 64 (64 KiB of LSTM weights) it does not fit, and the
+    call runs as the step loop with the reason kept."""
+    _check("lstm", 3, batch=2, hidden=64, tol=1e-5)
+    assert launched == []
+    refusals = [r for loop in persistent_runner._LOOPS.values() if loop is not None for r in loop.refusals.values()]
+    assert any("exceed" in r for r in refusals), refusals
+
+
 def test_switched_off_runs_the_step_loop(emulated_cuda, launched):
     emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "0")
     _check("gru", 4, batch=3, hidden=5, tol=1e-5)
@@ -231,6 +240,13 @@ def test_gpu(name, length, batch, hidden, launched):
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
             assert loop.status() == (False, 0), "a grid barrier timed out"
+
+
+@pytest.mark.gpu
+def test_gpu_too_wide_falls_back(launched):
+    """LSTM H 1100: the U slices exceed the static shared memory; the step loop runs, same results."""
+    _check("lstm", 7, batch=3, hidden=1100, tol=1e-4)
+    assert launched == []
 
 
 @pytest.mark.gpu
