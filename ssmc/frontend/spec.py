@@ -392,7 +392,7 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
     carry, outputs = result
     user = _user_names(fn, pairs)
     user_states = [(n, pairs.get(n)) for n, role in user if role is Role.STATE]
-    updates = _read_carry(carry, states, ret, locs, user_states if pairs else None)
+    updates = _read_carry(carry, states, ret, locs, user_states)
     shift_decls, shift_updates = registers.states()   # x.shift(k)'s states, after the declared ones
     decls, updates = decls + list(shift_decls), updates + shift_updates
     out_pairs: dict[str, tuple[str, str]] = {}

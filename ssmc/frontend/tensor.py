@@ -129,6 +129,7 @@ class Tensor:
     def __truediv__(self, o): return _binary(Op.DIV, '__truediv__', self, o)
     def __rtruediv__(self, o): return _binary(Op.DIV, '__rtruediv__', self, o, True)
     def __neg__(self): return make(Op.NEG, (self,))
+    def __abs__(self): return make(Op.ABS, (self,))
     def __pos__(self): return self
 
     def __pow__(self, exponent):
