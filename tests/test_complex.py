@@ -368,3 +368,28 @@ def test_python_complex_numbers_and_dict_layouts():
     zs = np.stack(zs, 1)
     assert rel_err(z, zs.conj()) <= 1e-13 and rel_err(m, np.abs(zs)) <= 1e-13
     assert rel_err(p, np.angle(zs)) <= 1e-13 and rel_err(h, hh) <= 1e-13
+
+
+def test_shift_of_a_complex_value_and_unbind():
+    """``x.shift(1)`` of a complex sequence: its register is the complex state ``x_shift1`` (given and
+    returned complex, so a sequence runs in pieces); ``unbind`` of a complex param."""
+    @ssmc.recurrence
+    def conv(h: ssmc.State["b n", complex], x: ssmc.Seq["b n", complex], w: ssmc.Param["n g=2", complex]):
+        w0, w1 = w.unbind("g")
+        h = 0.5 * h + w0 * x.shift(1) + w1 * x
+        return h, ssmc.sum(h, "n")
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 2, 3)) + 1j * rng.standard_normal((6, 2, 3))
+    w = rng.standard_normal((3, 2)) + 1j * rng.standard_normal((3, 2))
+    f = ssmc.compile(conv, "interpreter")
+    y, (h, x1) = f(x, w, return_final_states=True)
+    hh, prev, ys = np.zeros((2, 3), complex), np.zeros((2, 3), complex), []
+    for t in range(6):
+        hh, prev = 0.5 * hh + w[:, 0] * prev + w[:, 1] * x[t], x[t]
+        ys.append(hh.sum(-1))
+    assert rel_err(y, np.stack(ys)) <= 1e-13 and rel_err(h, hh) <= 1e-13 and rel_err(x1, x[-1]) == 0
+    y1, (h1, s1) = f(x[:2], w, return_final_states=True)
+    y2 = f(x[2:], w, h=h1, x_shift1=s1)
+    assert rel_err(np.concatenate([y1, y2]), y) <= 1e-13
+    assert ssmc.grad(conv, "interpreter")(x, w, grad_outputs=np.ones((6, 2)) * 1j)["x_shift1"].dtype == np.complex128

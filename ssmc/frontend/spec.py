@@ -402,7 +402,7 @@ def recurrence(fn: Callable | None = None, *, name: str | None = None):
         signature = cx.ComplexSignature(
             name=name or fn.__name__,
             inputs=tuple((n, pairs.get(n)) for n, role in user if role is not Role.STATE),
-            states=tuple(user_states) + tuple((d.name, None) for d in shift_decls),
+            states=tuple(user_states) + _shift_states([d.name for d in shift_decls], pairs),
             outputs=tuple(_user_outputs(outs, out_pairs)))
     program = Recurrence(name=name or fn.__name__, decls=tuple(decls), updates=updates, outputs=outs,
                          sizes=tuple(sorted(sizes.items())), loc=src.def_loc, doc=inspect.getdoc(fn) or "")
@@ -417,6 +417,24 @@ def _user_names(fn: Callable, pairs: dict[str, tuple[str, str]]) -> list[tuple[s
     """The step's arguments as the user declared them: (name, role), in signature order."""
     hints = inspect.get_annotations(fn, eval_str=True)
     return [(p, hints[p].role) for p in inspect.signature(fn).parameters]
+
+
+def _shift_states(names: list[str], pairs: dict[str, tuple[str, str]]) -> tuple:
+    """The shift registers' states (name, real pair or None): a complex input's registers, ``x_re_shiftk``
+    and ``x_im_shiftk``, pair up as the complex state ``x_shiftk``; the others are real."""
+    out, taken = [], set()
+    for n in names:
+        if n in taken:
+            continue
+        for arg, (re, im) in pairs.items():
+            if n.startswith(re + "_shift") and im + n[len(re):] in names:
+                pair = (n, im + n[len(re):])
+                out.append((arg + n[len(re):], pair))
+                taken.update(pair)
+                break
+        else:
+            out.append((n, None))
+    return tuple(out)
 
 
 def _user_outputs(outs, out_pairs: dict[str, tuple[str, str]]):
