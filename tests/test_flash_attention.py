@@ -14,7 +14,6 @@ import ssmc
 from ssmc.backends import interpreter
 from ssmc.backends.cuda import emulator, nvrtc
 from ssmc.backends.cuda.kernels.flash import forward as flash
-from ssmc.passes.mask_blocks import key_spans
 
 torch = pytest.importorskip("torch")
 
@@ -92,8 +91,7 @@ def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
     table = np.ascontiguousarray(table.numpy(), np.float32).reshape(-1)
     if table.size == 0:
         table = np.zeros(1, np.float32)
-    spans = np.asarray(flash.span_table(key_spans(program.mask, lq, lk, flash.BM, flash.BN, sizes), heads),
-                       np.int32)
+    spans = np.asarray(flash.span_table(flash.block_spans(program.mask, lq, lk, sizes), heads), np.int32)
     out = np.zeros((1, heads, lq, d), np.uint16)
     lse = np.zeros((1, heads, lq), np.float32)
     arrays = [bits["q"], bits["k"], bits["v"], table, spans, out, lse]
@@ -137,20 +135,47 @@ def test_modifiers_beyond_the_subset_are_refused_with_a_reason():
     assert reason is not None and "'w'" in reason
 
 
+BRUTE_MASKS = {
+    "causal": lambda i, j: j <= i,
+    "window": lambda i, j: (j <= i) & (i - j < 20),
+    "full": lambda i, j: np.ones_like(i + j, bool),
+    "softcap_empty_rows": lambda i, j: (j <= i) & (i < 8),
+}
+
+
+@pytest.mark.parametrize("name", list(BRUTE_MASKS))
+@pytest.mark.parametrize("lq, lk", [(1, 1), (70, 70), (200, 130), (130, 300), (256, 256)])
+def test_block_spans_are_sound_and_find_the_full_tiles(name, lq, lk):
+    """Keys outside a block's [lo, hi) are masked for each of its queries; tiles in [full_lo, full_hi)
+    are visible to all of them and below Lk; causal finds every tile below the diagonal full."""
+    spans = flash.block_spans(SPECS[name].program.mask, lq, lk, {"b": 1, "h": 1, "d": 64})
+    visible = BRUTE_MASKS[name](np.arange(lq)[:, None], np.arange(lk)[None, :])
+    assert len(spans) == -(-lq // flash.BM)
+    for b, (lo, hi, flo, fhi) in enumerate(spans):
+        rows = visible[b * flash.BM:(b + 1) * flash.BM]
+        assert not rows[:, :lo].any() and not rows[:, hi:].any()
+        assert fhi <= lk and (flo == fhi or lo <= flo < fhi <= hi) and (fhi - flo) % flash.BN == 0
+        assert rows[:, flo:fhi].all()
+        if name == "causal" and lq == lk:
+            assert (flo, fhi) == ((0, b * flash.BM) if b > 0 else (0, 0))
+
+
 # -- the kernel on the CPU emulator ---------------------------------------------------------------------
 
 @needs_emulator
 @pytest.mark.parametrize("name, length", [(n, length) for n in ("causal", "alibi") for length in (1, 7, 33, 70)]
-                         + [("window", 7), ("window", 70), ("full", 7), ("full", 33)])
+                         + [("window", 7), ("window", 70), ("full", 7), ("full", 70)])
 def test_emulated_flash_forward_matches_the_interpreter(name, length):
     heads = 2 if length <= 33 else 1
     _check(*_run_emulated(name, length, length, heads))
 
 
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk", [("alibi", 70, 7), ("alibi", 7, 70), ("window", 130, 130)])
+@pytest.mark.parametrize("name, lq, lk", [("alibi", 70, 7), ("alibi", 7, 70), ("window", 130, 130),
+                                          ("alibi", 130, 130)])
 def test_emulated_flash_forward_with_lq_and_lk_apart_and_skipped_tiles(name, lq, lk):
-    """(130, 130) with a window of 20: the last query block's span starts at key 64 (tile 0 skipped)."""
+    """(130, 130) with a window of 20: the last query block's span starts at key 64 (tile 0 skipped);
+    causal: full tiles (no mask evaluated) below the diagonal."""
     _check(*_run_emulated(name, lq, lk, 1, seed=lq + lk))
 
 

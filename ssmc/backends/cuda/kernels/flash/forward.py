@@ -7,9 +7,9 @@
 The kernel (``forward.cu.j2``), per batch index bh (the batch axes flattened) and block of `BM` query
 rows i, as a plain loop:
 
-    for each key tile [n0, n0 + BN) of the block's span [lo, hi)       (passes/mask_blocks.key_spans)
+    for each key tile [n0, n0 + BN) of the block's span [lo, hi)                       (block_spans)
         s[i, j] = score_mod(scale * sum_d q[bh, i, d] k[bh, j, d], i, j, params[bh])
-        s[i, j] = -inf where j >= Lk or not mask_mod(i, j, params[bh])
+        s[i, j] = -inf where j >= Lk or not mask_mod(i, j, params[bh])   (not evaluated on full tiles)
         online softmax: m[i] = running max, l[i] = running sum of exp(s - m), o[i] = running sum of exp(s - m) v
     out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
 
@@ -195,9 +195,37 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     return torch.stack(cols, dim=1).contiguous()
 
 
-def span_table(spans: list[tuple[int, int]], bh: int) -> list[int]:
-    """The kernel's spans array: [BH, lo_0, hi_0, lo_1, hi_1, ...] (a block's keys [lo, hi))."""
-    return [bh] + [x for lo_hi in spans for x in lo_hi]
+def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int]) -> list[tuple[int, int, int, int]]:
+    """Per block of `BM` queries, (lo, hi, full_lo, full_hi): keys outside [lo, hi) are masked for every
+    query of the block (`mask_blocks.key_spans`), and every key tile inside [full_lo, full_hi) is visible
+    to every query of the block and below Lk (the mask proven true over the whole rectangle), so the
+    kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is."""
+    from .....passes.mask_blocks import _bool, _evaluate, key_spans
+
+    spans = key_spans(mask, lq, lk, BM, BN, sizes)
+    order = toposort([mask]) if mask is not None else None
+    out = []
+    for b, (lo, hi) in enumerate(spans):
+        q = (float(b * BM), float(min((b + 1) * BM, lq) - 1))
+        full = []
+        for t0 in range(lo, hi, BN):
+            if t0 + BN > lk:
+                continue  # keys past Lk: masked element-wise
+            if order is None or not _bool(_evaluate(order, q, (float(t0), float(t0 + BN - 1)), sizes))[1]:
+                full.append(t0)
+        # the longest run of consecutive full tiles (others stay partial: sound)
+        best, run = (0, 0), None
+        for t0 in full:
+            run = (run[0], t0 + BN) if run is not None and run[1] == t0 else (t0, t0 + BN)
+            if run[1] - run[0] > best[1] - best[0]:
+                best = run
+        out.append((lo, hi, *best))
+    return out
+
+
+def span_table(spans: list[tuple[int, ...]], bh: int) -> list[int]:
+    """The kernel's spans array: [BH, lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ...] (`block_spans`)."""
+    return [bh] + [x for span in spans for x in span]
 
 
 class FlashForward:
@@ -236,11 +264,9 @@ class FlashForward:
         key = (call.lq, call.lk, bh, tuple(sorted(call.sizes.items())), call.q.device)
         t = self._spans.get(key)
         if t is None:
-            from .....passes.mask_blocks import key_spans
-
             if len(self._spans) > 64:
                 self._spans.clear()
-            spans = key_spans(self.program.mask, call.lq, call.lk, BM, BN, call.sizes)
+            spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
             t = self._spans[key] = torch.tensor(span_table(spans, bh), dtype=torch.int32, device=call.q.device)
         return t
 
