@@ -277,6 +277,8 @@ def test_gpu_tiled_forward_runs_the_flash_kernel_and_the_switch_turns_it_off(mon
 
 @pytest.mark.gpu
 def test_gpu_gradients_still_flow_through_the_tiled_backward():
+    import ssmc.torch
+
     program = SPECS["alibi"].program
     q, k, v, params = _gpu_inputs(program, 200, torch.bfloat16, d=64)
     fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")

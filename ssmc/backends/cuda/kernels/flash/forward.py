@@ -285,10 +285,16 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
+        # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = param_table(self.program, call.params, call.sizes).to(q.device)
         spans = self._span_tensor(call, bh)
         fn = self._function(q.device, d, q.dtype == torch.bfloat16)
         blocks = -(-lq // BM) * bh
-        launch_kernel(fn, (blocks, THREADS), lq, lk, [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(),
-                                                     spans.data_ptr(), out.data_ptr(), lse.data_ptr()])
+        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
+                    lse.data_ptr()]
+        if q.is_cuda and q.device.index != torch.cuda.current_device():  # the function lives in q's device's context
+            with torch.cuda.device(q.device):
+                launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+        else:
+            launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
         return out, lse
