@@ -91,7 +91,7 @@ def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
     table = np.ascontiguousarray(table.numpy(), np.float32).reshape(-1)
     if table.size == 0:
         table = np.zeros(1, np.float32)
-    spans = np.asarray(flash.span_table(flash.block_spans(program.mask, lq, lk, sizes), heads), np.int32)
+    spans = np.asarray(flash.span_table(flash.block_spans(program.mask, lq, lk, sizes)), np.int32)
     out = np.zeros((1, heads, lq, d), np.uint16)
     lse = np.zeros((1, heads, lq), np.float32)
     arrays = [bits["q"], bits["k"], bits["v"], table, spans, out, lse]

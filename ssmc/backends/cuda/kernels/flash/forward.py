@@ -223,9 +223,9 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int]) -> l
     return out
 
 
-def span_table(spans: list[tuple[int, ...]], bh: int) -> list[int]:
-    """The kernel's spans array: [BH, lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ...] (`block_spans`)."""
-    return [bh] + [x for span in spans for x in span]
+def span_table(spans: list[tuple[int, ...]]) -> list[int]:
+    """The kernel's spans array: [lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ...] (`block_spans`)."""
+    return [x for span in spans for x in span]
 
 
 class FlashForward:
@@ -258,16 +258,16 @@ class FlashForward:
                 fn = self._modules[key] = module.get_function(name)
         return fn
 
-    def _span_tensor(self, call, bh: int):
+    def _span_tensor(self, call):
         import torch
 
-        key = (call.lq, call.lk, bh, tuple(sorted(call.sizes.items())), call.q.device)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
                 self._spans.clear()
             spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
-            t = self._spans[key] = torch.tensor(span_table(spans, bh), dtype=torch.int32, device=call.q.device)
+            t = self._spans[key] = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
         return t
 
     def __call__(self, call):
@@ -287,7 +287,7 @@ class FlashForward:
             return out, lse
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = param_table(self.program, call.params, call.sizes).to(q.device)
-        spans = self._span_tensor(call, bh)
+        spans = self._span_tensor(call)
         fn = self._function(q.device, d, q.dtype == torch.bfloat16)
         blocks = -(-lq // BM) * bh
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
