@@ -223,7 +223,7 @@ def _gpu_inputs(program, length, dtype, heads=4, d=128, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full"])
+@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full", "softcap_empty_rows"])
 @pytest.mark.parametrize("length", GPU_LENGTHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_flash_forward_matches_the_tiled_path(name, length, dtype, monkeypatch):
@@ -317,3 +317,19 @@ def test_emulated_call_through_the_tiled_path_runs_the_kernel(layout, monkeypatc
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)  # a bf16 ulp apart at most
     assert got_lse.dtype == want_lse.dtype == torch.float32
     assert (got_lse - want_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq, lk", [(7, 1000), (1000, 7), (180, 4097)])
+def test_gpu_time_major_layout_and_lq_apart_from_lk(lq, lk, monkeypatch):
+    """Layout "b t h ...", Lq != Lk, d64 fp16: the compiled spec's call against SSMC_CUDA_FLASH=0's."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn((2, lq, 4, 64), device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (torch.randn((2, lk, 4, 64), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+    slope = 2.0 ** (-8.0 * torch.rand(4, device="cuda"))
+    f = SPECS["alibi"].compile(layout="b t h ...")
+    got = torch.as_tensor(f(q, k, v, slope=slope))
+    monkeypatch.setenv("SSMC_CUDA_FLASH", "0")
+    want = torch.as_tensor(f(q, k, v, slope=slope))
+    assert got.shape == want.shape == (2, lq, 4, 64)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
