@@ -256,7 +256,7 @@ ORDER = ["h", "g", "x", "r", "a", "w"]
 
 @pytest.mark.parametrize("backend", ["interpreter", "numba"])
 def test_random_complex_specs(backend):
-    @settings(max_examples=examples(8 if backend == "interpreter" else 3, ci=3 if backend == "interpreter" else 1),
+    @settings(max_examples=examples(8 if backend == "interpreter" else 2, ci=3 if backend == "interpreter" else 1),
               deadline=None)
     @given(e1=_expressions(), e2=_expressions(), e3=_expressions(), seed=st.integers(0, 2**16))
     def prop(e1, e2, e3, seed):

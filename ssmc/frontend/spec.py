@@ -50,6 +50,8 @@ class _RoleMarker:
     def __getitem__(self, key) -> Annotation:
         """``[axes]`` or ``[axes, complex]`` (``[axes, float]``: real, the default)."""
         if isinstance(key, tuple):
+            if len(key) == 2 and key[1] is cx.complex_:  # ssmc.complex for complex: the same meaning
+                key = (key[0], complex)
             if len(key) != 2 or key[1] not in (complex, float):
                 raise SpecError(f"ssmc.{self.role.name.title()}[...] takes the axes and optionally the type "
                                 f"complex or float (ssmc.{self.role.name.title()}[\"b d\", complex]), got {key!r}",
