@@ -188,15 +188,14 @@ def input_leaf(decl: Decl) -> Tensor:
 def input_leaves(decls: list[Decl], pairs: dict[str, tuple[str, str]]) -> list:
     """One leaf per step argument: a complex one's two real declarations as one `ComplexTensor`."""
     by_name = {d.name: d for d in decls}
-    parts = {n for pair in pairs.values() for n in pair}
+    firsts = {re: im for re, im in pairs.values()}
+    seconds = set(firsts.values())
     leaves = []
     for d in decls:
-        if d.name in parts:
-            if d.name == pairs.get(d.name[:-len(cx.RE)], (None,))[0]:
-                re, im = pairs[d.name[:-len(cx.RE)]]
-                leaves.append(cx.ComplexTensor(input_leaf(by_name[re]), input_leaf(by_name[im])))
-            continue
-        leaves.append(input_leaf(d))
+        if d.name in firsts:
+            leaves.append(cx.ComplexTensor(input_leaf(d), input_leaf(by_name[firsts[d.name]])))
+        elif d.name not in seconds:
+            leaves.append(input_leaf(d))
     return leaves
 
 
