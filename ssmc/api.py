@@ -277,10 +277,13 @@ def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None)
     """
     if isinstance(spec, AttentionSpec):
         raise ValueError("step: an attention spec has no single-step form here (it needs a KV cache)")
-    if getattr(spec, "complex_signature", None) is not None:
-        raise ValueError("step: a spec with complex values has no single-step form yet; call ssmc.compile "
-                         "on sequences of length one")
     backend = check_backend(backend or default_backend())
+    signature = getattr(spec, "complex_signature", None)
+    if signature is not None:  # complex arrays in and out (complex_io.py)
+        from .complex_io import ComplexCall, ComplexStep
+
+        layout = ComplexCall(signature).layout(layout)
+        return ComplexStep(signature, Step(program_of(spec), backend, layout, dtype))
     return Step(program_of(spec), backend, layout, dtype)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .frontend.complex import ComplexSignature
 
-__all__ = ["ComplexCall", "ComplexCompiled", "ComplexGrad"]
+__all__ = ["ComplexCall", "ComplexCompiled", "ComplexGrad", "ComplexStep"]
 
 
 def is_complex_array(x) -> bool:
@@ -212,3 +212,39 @@ class ComplexGrad:
                                      grad_final_states=c.cotangents(grad_final_states, c.state_names,
                                                                     "grad_final_states"))
         return c.gradients(grads)
+
+
+class ComplexStep:
+    """`api.Step` (the single-step form) of a spec with complex values: one step of each sequence,
+    complex where declared; it returns (the outputs at that step, the new states), complex ones
+    joined, and the new states go back in as ``states=``."""
+
+    def __init__(self, signature: ComplexSignature, step):
+        self.call = ComplexCall(signature)
+        self.step = step               # the `Step` of the real program
+        self.program = step.program
+        self.backend = step.backend
+
+    def __repr__(self) -> str:
+        return f"<ssmc.Step {self.program.name} backend={self.backend} (complex)>"
+
+    def __call__(self, *args, states=None, **kwargs):
+        c = self.call
+        if states is not None:
+            if isinstance(states, dict):
+                given = dict(states)
+            elif isinstance(states, (tuple, list)):
+                given = dict(zip(c.state_names, states))
+            else:
+                given = {c.state_names[0]: states}
+            for name in given:
+                if name in kwargs:
+                    raise ValueError(f"argument {name!r} given twice")
+            kwargs = {**kwargs, **given}
+        ys, finals = self.step(**c.arguments(args, kwargs))
+        p = self.program
+        ys = ys if isinstance(ys, tuple) else (ys,) if ys is not None else ()
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        ys = tuple(c.joined(dict(zip([n for n, _ in p.outputs], ys)), c.output_names).values())
+        finals = tuple(c.joined(dict(zip([s.name for s in p.states], finals)), c.state_names).values())
+        return _single(ys) if ys else None, _single(finals)

@@ -347,8 +347,6 @@ def test_wrong_arrays_are_value_errors_naming_the_argument():
                                                              {**inputs, "x": inputs["x"] + 1j}.items()})
     with pytest.raises(ValueError, match=r"grad_final_states\['h'\]|unknown names"):
         ssmc.grad(lru.SPEC, "interpreter", layout=lru.LAYOUT)(**inputs, grad_final_states={"q": inputs["h"]})
-    with pytest.raises(ValueError, match="no single-step form yet"):
-        ssmc.step(lru.SPEC)
 
 
 def test_python_complex_numbers_and_dict_layouts():
@@ -393,3 +391,17 @@ def test_shift_of_a_complex_value_and_unbind():
     y2 = f(x[2:], w, h=h1, x_shift1=s1)
     assert rel_err(np.concatenate([y1, y2]), y) <= 1e-13
     assert ssmc.grad(conv, "interpreter")(x, w, grad_outputs=np.ones((6, 2)) * 1j)["x_shift1"].dtype == np.complex128
+
+
+def test_lru_step_by_step_equals_the_whole_sequence():
+    """ssmc.step on complex specs: the complex state goes back in as ``states=``."""
+    inputs = lru.make_inputs(np.random.default_rng(2), 5)
+    whole, h_last = ssmc.compile(lru.SPEC, "interpreter", layout=lru.LAYOUT)(**inputs, return_final_states=True)
+    step = ssmc.step(lru.SPEC, "interpreter", layout=lru.LAYOUT)
+    h, ys = inputs["h"], []
+    params = {k: v for k, v in inputs.items() if k not in ("x", "h")}
+    for t in range(5):
+        y, h = step(inputs["x"][:, t], **params, states=h)
+        ys.append(y)
+    assert h.dtype == np.complex128
+    assert rel_err(np.stack(ys, 1), whole) <= 1e-13 and rel_err(h, h_last) <= 1e-13
