@@ -75,9 +75,12 @@ class ComplexCall:
         """The call's arrays by the program's names: positional args are the inputs in signature
         order, keywords inputs or initial states by name (a real part's own name passes as it is)."""
         sig = self.signature
-        if len(args) > len(self.input_names):
+        # the program's inputs, in order: a complex input's pair where it stands
+        program_inputs = [n for name, pair in sig.inputs for n in (pair or (name,))]
+        if len(args) > len(program_inputs):
             raise ValueError(f"{sig.name} takes the inputs {self.input_names}; got {len(args)} positional arguments")
-        given = dict(zip(self.input_names, args))
+        # more positional arguments than the user's inputs: the program's real inputs (ssmc.torch.Recurrence)
+        given = dict(zip(self.input_names if len(args) <= len(self.input_names) else program_inputs, args))
         for name, value in kwargs.items():
             if name in given:
                 raise ValueError(f"argument {name!r} given twice")

@@ -405,3 +405,21 @@ def test_lru_step_by_step_equals_the_whole_sequence():
         ys.append(y)
     assert h.dtype == np.complex128
     assert rel_err(np.stack(ys, 1), whole) <= 1e-13 and rel_err(h, h_last) <= 1e-13
+
+
+def test_torch_recurrence_module_holds_complex_params_as_real_pairs():
+    """ssmc.torch.Recurrence of the LRU: B and C are the parameters B_re, B_im, C_re, C_im; the final
+    state comes back complex, and the output is the LRU's with B = B_re + i B_im."""
+    torch.manual_seed(0)
+    layer = ssmc.torch.Recurrence(lru.SPEC, layout=lru.LAYOUT, sizes={"d": 4, "n": 3}).double()
+    names = dict(layer.named_parameters())
+    assert {"B_re", "B_im", "C_re", "C_im"} <= set(names)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    y, h = layer(x, return_final_states=True)
+    assert h.dtype == torch.complex128
+    p = {k: v.detach().numpy() for k, v in names.items()}
+    want, h_ref = lru.reference(x.numpy(), p["nu_log"], p["theta_log"], p["gamma_log"], p["B_re"] + 1j * p["B_im"],
+                                p["C_re"] + 1j * p["C_im"], p["D"])
+    assert rel_err(y.detach().numpy(), want) <= 1e-12 and rel_err(h.detach().numpy(), h_ref) <= 1e-12
+    y.sum().backward()
+    assert all(v.grad is not None for v in names.values())
