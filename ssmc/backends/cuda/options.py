@@ -40,9 +40,12 @@ class CudaOptions:
     hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
+    chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
+    persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
+    flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
     sm_count: SMs of the GPU the kernels are planned for
     """
 
@@ -59,9 +62,12 @@ class CudaOptions:
     hoist: bool = True
     chunked: bool | None = None
     chunk: int | None = None
+    chunk_kernels: bool | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
+    persistent: bool | None = None
     emulate: bool = False
+    flash: bool = True
     sm_count: int = SM_COUNT
 
     @cached_property
