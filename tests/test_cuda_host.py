@@ -73,7 +73,7 @@ class _Function:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, grid, block, args, stream=None):
+    def __call__(self, grid, block, args, stream=None, shared_mem=0):
         self.calls.append((grid, block, [int(a) for a in args], stream))
 
 
@@ -99,6 +99,31 @@ def test_a_driver_launch_passes_the_two_ints_and_every_pointer(monkeypatch):
     pointers = [2**40 + 256, 2**33, 7 * 2**20]
     launch.launch_kernel(_Function(), (13, 128), 180, np.int32(3), pointers)
     assert seen == [(0xF00, (13, 1, 1), (128, 1, 1), 0, 0x5EA, [180, 3], pointers, None)]
+
+
+def test_a_launch_past_48_kib_of_shared_memory_allows_it_first(monkeypatch):
+    """Dynamic shared memory past 48 KiB: the kernel is allowed it once (CuPy's attribute, which sets
+    the driver's), and the launch asks for it; a device with less is a ValueError naming the kernel."""
+    from ssmc.backends.cuda import launch
+
+    seen: list = []
+    monkeypatch.setattr(launch, "_driver", _fake_driver(seen))
+    monkeypatch.setattr(launch, "current_stream", lambda: 0)
+    fn = _Function()
+    for _ in range(2):
+        launch.launch_kernel(fn, (4, 128), 7, 1, [16], shared=96 * 1024)
+    assert fn.max_dynamic_shared_size_bytes == 96 * 1024
+    assert [call[3] for call in seen] == [96 * 1024, 96 * 1024]
+
+    class Small(_Function):
+        name = "big_tiles"
+
+        def __setattr__(self, key, value):
+            if key == "max_dynamic_shared_size_bytes":
+                raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
+            super().__setattr__(key, value)
+    with pytest.raises(ValueError, match="big_tiles asks for 300000 bytes"):
+        launch.launch_kernel(Small(), (4, 128), 7, 1, [16], shared=300000)
 
 
 def test_a_failed_driver_launch_goes_through_cupy(monkeypatch):

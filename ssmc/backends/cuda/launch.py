@@ -121,21 +121,42 @@ def _cupy_stream(pointer: int):
     return stream
 
 
-def launch_kernel(function, grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
+def launch_kernel(function, grid: tuple[int, int], length: int, nblk: int, pointers, shared: int = 0) -> None:
     """Launch `function` with `grid` = (blocks, threads a block) on torch's current stream, with the
     arguments (length, nblk, *pointers): two ints, then one device address per array (host addresses,
-    and run to completion, where `function` is emulated: backends/cuda/emulator.py)."""
+    and run to completion, where `function` is emulated: backends/cuda/emulator.py). `shared`: bytes of
+    dynamic shared memory (``extern __shared__``), past the 48 KiB a kernel gets without asking too."""
     if getattr(function, "emulated", False):
         function(grid, length, nblk, pointers)
         return
+    if shared > _DEFAULT_SHARED:
+        _allow_shared(function, shared)
     stream = current_stream()
     driver = _load_driver() if use_driver else None
     if driver is not None:
         values, params = _argument_slots(2 + len(pointers))
         values[:] = (length, nblk, *pointers)
-        if driver(_handle(function), grid[0], 1, 1, grid[1], 1, 1, 0, stream, params, None) == 0:
+        if driver(_handle(function), grid[0], 1, 1, grid[1], 1, 1, shared, stream, params, None) == 0:
             return
     import numpy as np
 
     function((grid[0],), (grid[1],), (np.int32(length), np.int32(nblk), *(np.uint64(p) for p in pointers)),
-             stream=_cupy_stream(stream))
+             stream=_cupy_stream(stream), shared_mem=shared)
+
+
+_DEFAULT_SHARED = 48 * 1024
+_allowed: dict = {}  # CuPy function -> the dynamic shared memory it has been allowed
+
+
+def _allow_shared(function, nbytes: int) -> None:
+    """Let `function` take `nbytes` of dynamic shared memory (CUDA asks for an opt-in past 48 KiB),
+    once per function and size; raises ValueError naming the kernel where the device has less."""
+    if _allowed.get(function, 0) >= nbytes:
+        return
+    inner = getattr(function, "kernel", function)
+    try:
+        inner.max_dynamic_shared_size_bytes = nbytes
+    except Exception as err:  # CuPy's CUDADriverError: the device's limit is lower
+        raise ValueError(f"kernel {getattr(inner, 'name', function)} asks for {nbytes} bytes of dynamic shared"
+                         f" memory, more than this GPU allows a block: {err}") from err
+    _allowed[function] = nbytes
