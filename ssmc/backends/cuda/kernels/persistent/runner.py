@@ -1,7 +1,7 @@
 """The persistent forward as a runner (the runner contract of `StepLoop.run`), with the step loop as
 its fallback for every shape, dtype or device it does not take.
 
-    loop = persistent_loop(program, compute, step_loop(program, compute))   # hoisted.HoistedRunner.loop
+    loop = persistent_loop(program, compute, StepLoop(program, compute))   # in step_loop.step_loop
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
 A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
