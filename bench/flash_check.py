@@ -1,13 +1,16 @@
-"""Check and time ssmc's flash attention forward (backends/cuda/kernels/flash) on a GPU.
+"""Check and time ssmc's flash attention forward and backward (backends/cuda/kernels/flash) on a GPU.
 
-    python bench/flash_check.py [--out DIR] [--small]
+    python bench/flash_check.py [--out DIR] [--small] [--forward-only]
 
 For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf16 and a small shape
 (B2 H4 L1000 d64): the flash kernel's output against torch SDPA (causal) or FlexAttention (ALiBi,
 window) and the tiled torch path (max abs error, lse error against the tiled path), then the forward's
 time (triton.testing.do_bench, else CUDA events) against SDPA (causal) and FlexAttention under
-torch.compile (ALiBi, window) and the tiled path. Prints a markdown table; with --out, writes it to
-DIR/flash.md. Needs torch, triton and cupy; no network.
+torch.compile (ALiBi, window) and the tiled path. Then forward + backward (`ssmc.torch.function`'s
+autograd, out.backward(dO)): the gradients of q, k, v (and the ALiBi slope) against the peer's autograd
+and the tiled backward (``SSMC_CUDA_FLASH_BACKWARD=0``), max abs error over the gradient's max abs
+value, then the time of forward + backward against the same peers. Prints markdown tables; with
+--out, writes them to DIR/flash.md. Needs torch, triton and cupy; no network.
 """
 
 from __future__ import annotations
@@ -142,10 +145,73 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _grads(fn, inputs: list, do: torch.Tensor) -> list:
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    fn(*leaves).backward(do)
+    return [t.grad for t in leaves]
+
+
+def _rel_err(got: list, want: list) -> float:
+    """The largest of max |got - want| / max |want| over the gradients."""
+    return max(((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-6)).item()
+               for g, w in zip(got, want))
+
+
+def train_row(name: str, b: int, h: int, length: int, d: int) -> dict:
+    """Forward + backward of spec `name`: gradients checked against the peer and the tiled backward,
+    then timed (fwd + bwd) against the peer and the tiled backward."""
+    import ssmc.torch
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    slope = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda", dtype=torch.float32) / h)
+    fn = ssmc.torch.function(SPECS[name], layout="b h t ...")
+    inputs = [q, k, v] + ([slope] if name == "alibi" else [])
+    got = _grads(fn, inputs, do)
+    if fn.tiled.flash_backward_reason is not None:
+        raise SystemExit(f"{name}: the flash backward does not run this call: {fn.tiled.flash_backward_reason}")
+    os.environ["SSMC_CUDA_FLASH_BACKWARD"] = "0"
+    try:
+        want_tiled = _grads(fn, inputs, do)
+        ms_tiled = timed(lambda: _grads(fn, inputs, do))
+    finally:
+        del os.environ["SSMC_CUDA_FLASH_BACKWARD"]
+    err_tiled = _rel_err(got, want_tiled)
+    flex = flex_reference(name, b, h, length, slope)
+    if name == "causal":
+        ref_name, ref = "SDPA", lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                                  is_causal=True)
+    elif flex is not None:
+        ref_name, ref = "FlexAttention", flex
+    else:
+        ref_name, ref = "tiled", None
+    # the peers' slope is a constant: q, k, v's gradients compared
+    err_ref = _rel_err(got[:3], _grads(ref, [q, k, v], do)) if ref is not None else err_tiled
+    ms_ssmc = timed(lambda: _grads(fn, inputs, do))
+    ms_ref = timed(lambda: _grads(ref, [q, k, v], do)) if ref is not None else float("nan")
+    flops = 14.0 * b * h * length * length * d * visible_fraction(name, length)  # 2 + 5 products
+    return {"spec": name, "shape": f"B{b} H{h} L{length} d{d}", "ref": ref_name, "err_ref": err_ref,
+            "err_tiled": err_tiled, "ms_ssmc": ms_ssmc, "ms_ref": ms_ref, "ms_tiled": ms_tiled,
+            "tflops": flops / ms_ssmc / 1e9}
+
+
+def train_table(rows: list[dict]) -> str:
+    head = ("| spec | shape | grad rel err vs ref | vs tiled | ssmc fwd+bwd ms | ref | ref ms | ssmc / ref | "
+            "tiled bwd ms | ssmc TFLOP/s |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        ratio = r["ms_ref"] / r["ms_ssmc"] if math.isfinite(r["ms_ref"]) else float("nan")
+        lines.append(f"| {r['spec']} | {r['shape']} | {r['err_ref']:.2e} | {r['err_tiled']:.2e} | "
+                     f"{r['ms_ssmc']:.3f} | {r['ref']} | {r['ms_ref']:.3f} | {ratio:.2f}x | {r['ms_tiled']:.3f} | "
+                     f"{r['tflops']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="folder to write flash.md to")
     parser.add_argument("--small", action="store_true", help="the small shape only")
+    parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -157,14 +223,28 @@ def main() -> None:
             r = rows[-1]
             print(f"{r['spec']} {r['shape']}: err {r['err_ref']:.2e} / {r['err_tiled']:.2e}, "
                   f"flash {r['ms_flash']:.3f} ms, {r['ref']} {r['ms_ref']:.3f} ms", flush=True)
+    train = []
+    if not args.forward_only:
+        for shape in shapes:
+            for name in SPECS:
+                train.append(train_row(name, *shape))
+                r = train[-1]
+                print(f"{r['spec']} {r['shape']} fwd+bwd: grad err {r['err_ref']:.2e} / {r['err_tiled']:.2e}, "
+                      f"ssmc {r['ms_ssmc']:.3f} ms, {r['ref']} {r['ms_ref']:.3f} ms", flush=True)
     text = (f"# ssmc flash attention forward\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; "
             "ref: SDPA (causal), FlexAttention under torch.compile (ALiBi, window); flash / ref > 1: flash faster; "
             "tiled: the torch path it replaces.\n\n" + table(rows) + "\n")
+    if train:
+        text += ("\n# forward + backward\n\nssmc.torch.function's autograd (flash forward and backward kernels) "
+                 "against the peer's autograd; grad rel err: max |error| / max |gradient| over q, k, v (and the "
+                 "slope against the tiled backward); tiled bwd: the flash forward with the tiled backward.\n\n"
+                 + train_table(train) + "\n")
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "flash.md").write_text(text)
     bad = [r for r in rows if not (r["err_tiled"] < 3e-2 and r["err_ref"] < 3e-2 and r["err_lse"] < 1e-2)]
+    bad += [r for r in train if not (r["err_tiled"] < 3e-2 and r["err_ref"] < 3e-2)]
     if bad:
         raise SystemExit(f"errors too large: {[(r['spec'], r['shape']) for r in bad]}")
 

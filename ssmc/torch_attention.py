@@ -4,11 +4,12 @@
     out = f(q, k, v, slope)            # or slope=...; q, k [b h t d], v [b h t e] -> out [b h t e]
     out.sum().backward()               # q.grad, k.grad, v.grad, slope.grad
 
-Forward and backward run the tiled torch path (backends/tiled_attention.py) on the tensors' device
-whatever `backend` `ssmc.torch.function` is given (attention has no kernels of its own yet):
-the forward keeps the log-sum-exp of each query row, the backward recomputes the probabilities per
-block of queries from it. The output has q's dtype; each gradient its input's. Under `torch.compile`
-the function is one custom op (torch_library.py).
+Forward and backward run `TiledAttention` (backends/tiled_attention.py) on the tensors' device
+whatever `backend` `ssmc.torch.function` is given: the flash kernels on CUDA bf16 / fp16 tensors they
+take, else the tiled torch path. The forward keeps the log-sum-exp of each query row (and the output,
+for the flash backward's delta), the backward recomputes the probabilities from it. The output has
+q's dtype; each gradient its input's. Under `torch.compile` the function is one custom op
+(torch_library.py).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, fn: AttentionFunction, names: tuple, q, k, v, *params):
         tiled, p = fn.tiled, fn.program
         call = tiled.bind(q, k, v, fn.layout, dict(zip(names, params)))
-        out, lse = tiled.forward(call)
-        # saved, so an input changed in place before the backward is torch's error, not a wrong gradient
-        ctx.save_for_backward(q, k, v, *params)
-        ctx.fn, ctx.call, ctx.lse = fn, call, lse
-        return tiled.to_layout(call, out, "out", p.v_axes, fn.layout)
+        out32 = tiled.delta_output(call)
+        out, lse = tiled.forward(call, out32=out32)
+        y = tiled.to_layout(call, out, "out", p.v_axes, fn.layout)
+        # saved, so an input changed in place before the backward is torch's error, not a wrong gradient;
+        # the output too where the flash backward takes its delta from it (its fp32 copy where params are)
+        flash = tiled.flash_backward(call) is not None and out32 is None
+        ctx.save_for_backward(q, k, v, *params, *((y,) if flash else ()))
+        ctx.fn, ctx.call, ctx.lse, ctx.flash, ctx.out32 = fn, call, lse, flash, out32
+        return y
 
     @staticmethod
     @once_differentiable  # the backward is not itself differentiable by torch: an error, not zeros
@@ -38,11 +43,12 @@ class _Attention(torch.autograd.Function):
         tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
         fn, call = ctx.fn, ctx.call
         tiled, p = fn.tiled, fn.program
-        grads = tiled.backward(call, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout))
+        out = tiled.from_layout(call, tensors[-1], "out", fn.layout) if ctx.flash else ctx.out32
+        grads = tiled.backward(call, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout), out=out)
         q, k, v = tensors[:3]
         result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
-        result += [grads[d.name].to(t.dtype) for d, t in zip(p.params, tensors[3:])]
+        result += [grads[d.name].to(t.dtype) for d, t in zip(p.params, tensors[3:len(tensors) - ctx.flash])]
         return (None, None, *result)
 
 

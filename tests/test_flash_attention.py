@@ -96,7 +96,7 @@ def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
     lse = np.zeros((1, heads, lq), np.float32)
     arrays = [bits["q"], bits["k"], bits["v"], table, spans, out, lse]
     kernel = _emulated(name, d, bf16)
-    kernel((-(-lq // flash.BM) * heads, flash.THREADS), lq, lk, [a.ctypes.data for a in arrays])
+    kernel((-(-lq // flash.BM) * heads, flash.THREADS), lq, lk, [a.ctypes.data for a in arrays] + [0])
     q, k, v = (_half_float(bits[n], bf16) for n in "qkv")
     want_out, want_lse = _reference(program, q, k, v, params, sizes)
     return _half_float(out, bf16), lse, want_out, want_lse

@@ -17,7 +17,9 @@ the blocks in fp32. The modifiers are evaluated from the IR by `backends/torch_e
 
 On CUDA tensors of bf16 / fp16 (head dim 64 or 128, modifiers the printer takes) the forward is one
 launch of the generated flash kernel instead (backends/cuda/kernels/flash; `TiledAttention.flash` says
-when, ``SSMC_CUDA_FLASH=0`` turns it off); its lse feeds the same backward.
+when, ``SSMC_CUDA_FLASH=0`` turns it off), and so is the backward (`TiledAttention.flash_backward`; a
+delta from the forward's output, then one kernel per key block; ``SSMC_CUDA_FLASH_BACKWARD=0`` keeps
+the tiled backward from the kernel's lse).
 
 Matrix products take the inputs' dtype (bf16 / fp16 stay so on the GPU, with fp32 results); scores,
 softmax and every sum are fp32 (fp64 for fp64 inputs). Arrays are canonical here: q [*batch, Lq, d],
@@ -131,6 +133,8 @@ class TiledAttention:
         self._spans: dict = {}
         self._flash = None         # the flash forward kernel, made on the first CUDA call
         self.flash_reason = None   # why the last call did not run it (None: it did)
+        self._flash_bwd = None     # the flash backward kernel, likewise
+        self.flash_backward_reason = None  # why the last backward did not run it (None: it did)
 
     @cached_property
     def backward_ir(self):
@@ -198,12 +202,13 @@ class TiledAttention:
         output's cotangent in `layout` (None: zeros); NumPy where q is, else torch tensors."""
         p = self.program
         call = self.bind(q, k, v, layout, params)
-        out, lse = self.forward(call)
+        out32 = self.delta_output(call)
+        out, lse = self.forward(call, out32=out32)
         if grad_outputs is None:
             d_out = torch.zeros_like(out)
         else:
             d_out = self.from_layout(call, grad_outputs, "grad_outputs", layout)
-        grads = self.backward(call, lse, d_out)
+        grads = self.backward(call, lse, d_out, out=out if out32 is None else out32)
         result = {name: self.to_layout(call, grads[name], name, axes, layout)
                   for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes))}
         for d in p.params:
@@ -223,8 +228,13 @@ class TiledAttention:
         from .cuda.kernels.flash.forward import unsupported
 
         reason = unsupported(self.program)
-        flash = ("the flash forward kernel on CUDA bf16 / fp16 tensors of head dim 64 or 128, the tiled path "
-                 "elsewhere and for the backward" if reason is None else f"no flash forward kernel: {reason}")
+        from .cuda.kernels.flash.backward import unsupported as backward_unsupported
+
+        back = backward_unsupported(self.program) if reason is None else reason
+        flash = ("the flash forward and backward kernels on CUDA bf16 / fp16 tensors of head dim 64 or 128, the "
+                 "tiled path elsewhere" if back is None else
+                 f"the flash forward kernel on CUDA bf16 / fp16 tensors of head dim 64 or 128, the tiled path "
+                 f"elsewhere and for the backward ({back})" if reason is None else f"no flash forward kernel: {reason}")
         return f"{text}; {flash}"
 
     # -- the forward -----------------------------------------------------------------------------
@@ -297,14 +307,43 @@ class TiledAttention:
         self.flash_reason = reason
         return None if reason else self._flash
 
-    def forward(self, call: Call, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def flash_backward(self, call: Call):
+        """The flash backward kernel where it runs this call, else None: where `flash` would run the
+        forward, the backward's modifiers print, and ``SSMC_CUDA_FLASH_BACKWARD`` is not 0.
+        `flash_backward_reason` keeps why not."""
+        import os
+
+        if self.flash(call) is None:
+            self.flash_backward_reason = self.flash_reason
+            return None
+        if os.environ.get("SSMC_CUDA_FLASH_BACKWARD", "1").strip().lower() in ("0", "false", "no", "off"):
+            self.flash_backward_reason = "SSMC_CUDA_FLASH_BACKWARD=0"
+            return None
+        from .cuda.kernels.flash import backward as flash_bwd
+
+        if self._flash_bwd is None:
+            self._flash_bwd = flash_bwd.FlashBackward(self.program)
+        self.flash_backward_reason = self._flash_bwd.reason
+        return None if self._flash_bwd.reason else self._flash_bwd
+
+    def delta_output(self, call: Call) -> torch.Tensor | None:
+        """An fp32 buffer [*batch, Lq, e] for the flash forward's unrounded output where the flash backward
+        runs the call and the spec has params (their gradients, sums weighted by positions, would feel a
+        16-bit output's rounding in delta); else None (delta from the 16-bit output, as FlashAttention)."""
+        if not self.program.params or self.flash_backward(call) is None:
+            return None
+        return torch.empty((*call.q.shape[:-1], call.v.shape[-1]), dtype=torch.float32, device=call.q.device)
+
+    def forward(self, call: Call, block: int | None = None,
+                out32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [*batch, Lq, e] in `call.acc`, lse [*batch, Lq] in `call.acc`): the module docstring's loop.
         Where the flash kernel runs the call (`flash`; not when a `block` is forced), one launch of it
-        instead: out then in q's dtype (the 16-bit result the call returns), lse fp32."""
+        instead: out then in q's dtype (the 16-bit result the call returns), lse fp32, and the output in
+        fp32 also into `out32` where given (`delta_output`)."""
         if block is None:
             kernel = self.flash(call)
             if kernel is not None:
-                return kernel(call)
+                return kernel(call, out32)
         p = self.program
         block = block or block_rows(call)
         ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
@@ -330,12 +369,25 @@ class TiledAttention:
     # -- the backward ----------------------------------------------------------------------------
 
     def backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor,
-                 block: int | None = None) -> dict[str, torch.Tensor]:
+                 block: int | None = None, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `lse`
         [*batch, Lq] and the output's cotangent `d_out` [*batch, Lq, e]. A block holds its rows' whole
         key span, so FlashAttention's rowsum(dO * O) is taken as rowsum(P * dP) in fp32 and the output
         is not needed (a bf16 output's rounding would reach the params' gradients, sums weighted by
-        positions)."""
+        positions).
+
+        Where the flash backward kernel runs the call (`flash_backward`; not when a `block` is forced),
+        one launch of it instead, from the forward's output `out` [*batch, Lq, e] (canonical, the fp32 one
+        of `delta_output` where the spec has params; recomputed by the forward kernel where None): dq fp32,
+        dk, dv in q's dtype, params fp32."""
+        if block is None:
+            kernel = self.flash_backward(call)
+            if kernel is not None:
+                if out is None:
+                    out32 = self.delta_output(call)
+                    out, lse = self.forward(call, out32=out32)
+                    out = out if out32 is None else out32
+                return kernel(call, out, lse, d_out)
         p, bw = self.program, self.backward_ir
         block = block or block_rows(call)
         scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])

@@ -66,9 +66,13 @@ def float_literal(x: float) -> str:
     return f"{float(x)!r}f" if "e" in repr(float(x)) or "." in repr(float(x)) else f"{float(x)!r}.0f"
 
 
-def print_body(root: Node | None, program: Attention, default: str) -> str:
+def print_body(root: Node | None, program: Attention, default: str,
+               leaves: tuple[str, ...] = ("score", "q_idx", "kv_idx"), batch_sums: bool = False) -> str:
     """The statements of a modifier's C function body returning `root` (`default` where None): one
-    local per node, in topological order. Raises `Unprintable` for an op or leaf outside the subset."""
+    local per node, in topological order; `leaves` are the function's own arguments (the backward adds
+    "grad_score"). `batch_sums`: a sum over batch axes prints as its argument, the value of one batch
+    index (a param gradient's summand, linear in grad_score: the host sums the batch indices). Raises
+    `Unprintable` for an op or leaf outside the subset."""
     if root is None:
         return f"    return {default};"
     params = [d.name for d in program.params]
@@ -81,7 +85,7 @@ def print_body(root: Node | None, program: Attention, default: str) -> str:
             raise Unprintable(f"{n.op.name.lower()} has axes {n.axes} beyond the batch axes")
         op, a = n.op, [names[x] for x in n.args]
         if op is Op.INPUT:
-            if n.arg in ("score", "q_idx", "kv_idx"):
+            if n.arg in leaves:
                 names[n] = str(n.arg)
                 continue
             if n.arg not in params:
@@ -91,6 +95,9 @@ def print_body(root: Node | None, program: Attention, default: str) -> str:
             expr = float_literal(n.arg)
         elif op is Op.SIZE and n.arg in static:
             expr = float_literal(float(static[n.arg]))
+        elif op is Op.SUM and batch_sums and set(n.arg if isinstance(n.arg, tuple) else (n.arg,)) <= batch:
+            names[n] = a[0]
+            continue
         elif op in (Op.RENAME, Op.EXPAND):
             names[n] = a[0]  # the same value per batch index
             continue
@@ -270,9 +277,10 @@ class FlashForward:
             t = self._spans[key] = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
         return t
 
-    def __call__(self, call):
+    def __call__(self, call, out32=None):
         """(out [*batch, Lq, d] in q's dtype, lse [*batch, Lq] fp32) of a bound call that `call_unsupported`
-        accepts."""
+        accepts; where `out32` (an fp32 contiguous tensor of out's shape) is given, the output unrounded
+        into it too."""
         import torch
 
         from ...launch import launch_kernel
@@ -291,7 +299,7 @@ class FlashForward:
         fn = self._function(q.device, d, q.dtype == torch.bfloat16)
         blocks = -(-lq // BM) * bh
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
-                    lse.data_ptr()]
+                    lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
         if q.is_cuda and q.device.index != torch.cuda.current_device():  # the function lives in q's device's context
             with torch.cuda.device(q.device):
                 launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)

@@ -1,0 +1,205 @@
+"""The flash attention backward of an `Attention` program: one kernel launch on the tensor cores.
+
+    reason = unsupported(program)                      # None where the backward's modifiers print as CUDA C
+    name, text = kernel_source(program, d=128, bf16=True)
+    bwd = FlashBackward(program); grads = bwd(call, out, lse, d_out)   # {"q", "k", "v", param names}
+
+FlashAttention-2's backward: delta[bh, i] = sum_e d_out[bh, i, e] out[bh, i, e] (torch, fp32), then the
+kernel (``backward.cu.j2``), per batch index bh and block of `BN` keys j, as a plain loop:
+
+    for each query tile [m0, m0 + BQ) of the queries the key block may be visible to   (key_block_spans)
+        s[i, j] = scale * sum_d q[bh, i, d] k[bh, j, d];  m = score_mod(s, i, j, params[bh])
+        p[i, j] = exp(m - lse[bh, i]), 0 where not mask_mod(i, j) or j >= Lk or lse[bh, i] = -inf
+        dv[bh, j] += sum_i p[i, j] d_out[bh, i]
+        dm[i, j] = p[i, j] (sum_e d_out[bh, i, e] v[bh, j, e] - delta[bh, i])
+        ds[i, j] = d_score(dm, s, i, j, params[bh])        (0 where p = 0; passes/attention_grad.py)
+        dk[bh, j] += scale * sum_i ds[i, j] q[bh, i];   dq[bh, i] += scale * sum_j ds[i, j] k[bh, j]  (fp32 atomics)
+        dparams[kb, bh, n] += sum_{i, j} d_param_n(dm, s, i, j, params[bh])
+
+dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
+into a zeroed [BH, Lq, d] buffer (summation order not fixed); the params' per-(key block, batch index)
+sums are added up by torch in a fixed order. Products in the inputs' 16-bit type with fp32 accumulation;
+P and dS rounded to 16 bits as operands (as FlashAttention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+
+from .....ir.program import Attention
+from .....passes.attention_grad import derive_attention_backward
+from .. import template
+from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
+
+BQ = {64: 32, 128: 16}   # query rows a tile per head dim (the block's registers and shared memory bound it)
+LEAVES = ("grad_score", "score", "q_idx", "kv_idx")
+
+
+def _bodies(program: Attention) -> tuple[str, list[str]]:
+    bw = derive_attention_backward(program)
+    dscore = print_body(bw.d_score if program.score is not None else None, program, "grad_score", LEAVES)
+    params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, g in bw.param_grads]
+    return dscore, params
+
+
+def unsupported(program: Attention) -> str | None:
+    """Why the flash backward cannot run `program` whatever the call (None: it can, for supported calls)."""
+    from .forward import unsupported as forward_unsupported
+
+    reason = forward_unsupported(program)
+    if reason is not None:
+        return reason
+    try:
+        _bodies(program)
+    except Unprintable as err:
+        return f"backward: {err}"
+    return None
+
+
+_SOURCES: dict = {}
+
+
+def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+    """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
+    `d` (64 or 128), bf16 or fp16 inputs; cached. Raises `Unprintable` where `unsupported` says why."""
+    from ...source import mma_header
+
+    key = (program, d, bf16)
+    hit = _SOURCES.get(key)
+    if hit is not None:
+        return hit
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
+    score_body = print_body(program.score, program, "score")
+    mask_body = print_body(program.mask, program, "true")
+    dscore_body, param_bodies = _bodies(program)
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
+    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
+    name = f"flash_bwd_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
+    text = template("flash/backward.cu.j2").render(
+        name=name, d=d, bn=BN, bq=BQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
+        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies)
+    _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
+    return hit
+
+
+def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int]) -> list[tuple[int, int, int, int]]:
+    """Per block of `BN` keys, (qlo, qhi, qflo, qfhi) in query rows (multiples of `BM`): queries outside
+    [qlo, qhi) see none of its keys (the query blocks whose `block_spans` span holds the key block, first
+    to last; a block between them that does not is visited with its mask evaluated: sound), and in
+    [qflo, qfhi) the key block is a full tile (every key visible to every query, below Lk: no mask)."""
+    spans = block_spans(mask, lq, lk, sizes)
+    out = []
+    for kb in range(-(-lk // BN)):
+        n0 = kb * BN
+        seen = [b for b, (lo, hi, _, _) in enumerate(spans) if lo <= n0 < hi]
+        full = [b for b, (_, _, flo, fhi) in enumerate(spans) if flo <= n0 and n0 + BN <= fhi]
+        if not seen:
+            out.append((0, 0, 0, 0))
+            continue
+        best, run = (0, 0), None  # the longest run of consecutive full query blocks
+        for b in full:
+            run = (run[0], b + 1) if run is not None and run[1] == b else (b, b + 1)
+            if run[1] - run[0] > best[1] - best[0]:
+                best = run
+        out.append((seen[0] * BM, (seen[-1] + 1) * BM, best[0] * BM, best[1] * BM))
+    return out
+
+
+class FlashBackward:
+    """The flash backward of one program on CUDA tensors (module docstring): compiled per (device, source)
+    with CuPy (NVRTC), launched on torch's current stream."""
+
+    def __init__(self, program: Attention):
+        self.program = program
+        self.reason = unsupported(program)
+        self._modules: dict = {}
+        self._spans: dict = {}
+        self._lock = threading.Lock()
+
+    def _function(self, device, d: int, bf16: bool):
+        name, text = kernel_source(self.program, d, bf16)
+        key = (device.type, device.index, text)
+        fn = self._modules.get(key)
+        if fn is None and device.type == "cpu":  # SSMC_CUDA_EMULATE=1 (tests): on the CPU emulator
+            from ...emulator import emulated
+
+            fn = self._modules[key] = emulated(text, name)
+        elif fn is None:
+            import cupy
+
+            from ...source import compile_options
+
+            with self._lock, cupy.cuda.Device(device.index or 0):
+                module = cupy.RawModule(code=text, options=compile_options(text))
+                module.compile()
+                fn = self._modules[key] = module.get_function(name)
+        return fn
+
+    def _span_tensor(self, call):
+        import torch
+
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device)
+        t = self._spans.get(key)
+        if t is None:
+            if len(self._spans) > 64:
+                self._spans.clear()
+            spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes)
+            flat = [x for span in spans for x in span]
+            t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
+        return t
+
+    def param_gradients(self, partials, sizes: dict[str, int]) -> dict:
+        """Each param's gradient by its axes from the kernel's sums `partials` [key blocks, BH, NP] (fp32):
+        summed over the key blocks and over the batch axes the param lacks."""
+        p = self.program
+        batch = p.batch_axes
+        per_bh = partials.sum(0).reshape(*[sizes[a] for a in batch], partials.shape[-1])
+        out = {}
+        for n, d in enumerate(p.params):
+            g = per_bh[..., n]
+            lacking = [i for i, a in enumerate(batch) if a not in d.axes]
+            if lacking:
+                g = g.sum(dim=lacking)
+            kept = [a for a in batch if a in d.axes]
+            out[d.name] = g.permute(*[kept.index(a) for a in d.axes]).contiguous()
+        return out
+
+    def __call__(self, call, out, lse, d_out) -> dict:
+        """{"q": dq fp32, "k", "v": in q's dtype, param names: fp32 by their axes}, canonical, of a bound
+        call that `forward.call_unsupported` accepts, given the forward's out [*batch, Lq, d] and lse
+        [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]."""
+        import torch
+
+        from ...launch import launch_kernel
+        from .forward import param_table
+
+        q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
+        do = d_out.to(q.dtype).contiguous()
+        q, k, v, do = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, do))
+        batch = q.shape[:-2]
+        bh, lq, lk, d = math.prod(batch), call.lq, call.lk, q.shape[-1]
+        # delta in fp32 from the 16-bit cotangent the products see and the forward's output
+        delta = (do.float() * out.float()).sum(-1).contiguous()
+        lse = lse.to(torch.float32).contiguous()
+        dq = torch.zeros((*batch, lq, d), dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+        nkb = -(-lk // BN)
+        np_ = len(self.program.params)
+        partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
+        if bh and lq and lk:
+            params = param_table(self.program, call.params, call.sizes).to(q.device)
+            spans = self._span_tensor(call)
+            fn = self._function(q.device, d, q.dtype == torch.bfloat16)
+            pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
+                        params.data_ptr(), spans.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                        partials.data_ptr()]
+            if q.is_cuda and q.device.index != torch.cuda.current_device():
+                with torch.cuda.device(q.device):
+                    launch_kernel(fn, (nkb * bh, THREADS), lq, lk, pointers)
+            else:
+                launch_kernel(fn, (nkb * bh, THREADS), lq, lk, pointers)
+        return {"q": dq, "k": dk, "v": dv, **self.param_gradients(partials[..., :np_], call.sizes)}

@@ -1,0 +1,253 @@
+"""The flash attention backward kernel (backends/cuda/kernels/flash/backward.py): its key-block spans
+against brute force, the kernel run on the CPU emulator at tiny sizes against the tiled backward in
+float64 (from the same 16-bit inputs), plugged into `TiledAttention.gradients` and `ssmc.torch.function`
+(emulated), its NVRTC build for sm_80 / sm_90 without spills, and on a GPU (``-m gpu``) against the
+tiled backward and torch autograd of SDPA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ssmc.backends.cuda import emulator, nvrtc
+from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+from ssmc.backends.cuda.kernels.flash import forward as flash
+
+torch = pytest.importorskip("torch")
+
+from test_flash_attention import BRUTE_MASKS, GPU_LENGTHS, SPECS, _gpu_inputs, _params  # noqa: E402
+
+needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+
+# relative to the gradient's largest entry: P, dS and dO are rounded to 16 bits as operands, dk and dv
+# stored in 16 bits, delta taken from the 16-bit output (as FlashAttention)
+GRAD_TOL = {True: 2e-2, False: 4e-3}
+PARAM_TOL = {True: 1e-2, False: 2e-3}
+
+
+# -- the spans of key blocks ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(BRUTE_MASKS))
+@pytest.mark.parametrize("lq, lk", [(1, 1), (70, 70), (200, 130), (130, 300), (256, 256)])
+def test_key_block_spans_are_sound_and_find_the_full_tiles(name, lq, lk):
+    """Queries outside a key block's [qlo, qhi) see none of its keys; in [qflo, qfhi) every key of the
+    block is visible to every query and below Lk."""
+    spans = flash_bwd.key_block_spans(SPECS[name].program.mask, lq, lk, {"b": 1, "h": 1, "d": 64})
+    visible = BRUTE_MASKS[name](np.arange(lq)[:, None], np.arange(lk)[None, :])
+    assert len(spans) == -(-lk // flash.BN)
+    for kb, (qlo, qhi, qflo, qfhi) in enumerate(spans):
+        cols = visible[:, kb * flash.BN:(kb + 1) * flash.BN]
+        assert not cols[:qlo].any() and not cols[qhi:].any()
+        assert qflo == qfhi or (qlo <= qflo < qfhi <= qhi and (kb + 1) * flash.BN <= lk)
+        assert cols[qflo:min(qfhi, lq)].all()
+        if name == "causal" and lq == lk == 256:
+            assert (qflo, qfhi) == ((kb + 1) * flash.BM, 256) or qflo == qfhi
+
+
+# -- the kernel on the CPU emulator ---------------------------------------------------------------------------
+
+def _half(x: np.ndarray, dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+
+
+def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0, monkeypatch=None):
+    """(got, want): the kernel's gradients and the tiled backward's in float64 from the same 16-bit q, k,
+    v, d_out (the output for delta: the float64 forward's, in fp32 for a spec with params, else rounded
+    to 16 bits, as `TiledAttention` hands the forward kernel's to the backward)."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS[name].program
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    rng = np.random.default_rng(seed)
+    sizes = {"b": 1, "h": heads, "d": d}
+    q, do = (_half(rng.standard_normal((1, heads, lq, d)), dtype) for _ in range(2))
+    k, v = (_half(rng.standard_normal((1, heads, lk, d)), dtype) for _ in range(2))
+    params = {n: torch.from_numpy(np.asarray(x, np.float64)) for n, x in _params(program, sizes, rng).items()}
+    tiled = TiledAttention(program)
+    call64 = tiled.bind(q.double(), k.double(), v.double(), "b h t ...", params)
+    out64, lse64 = tiled.forward(call64)
+    want = tiled.backward(call64, lse64, do.double())
+    call = tiled.bind(q, k, v, "b h t ...", params)
+    assert flash.call_unsupported(call) is None
+    out = out64.float() if program.params else out64.to(dtype)  # as `TiledAttention.delta_output` says
+    got = flash_bwd.FlashBackward(program)(call, out, lse64.float(), do.float())
+    return got, want
+
+
+def _check(got, want, bf16=True):
+    for name, w in want.items():
+        g = got[name].double()
+        assert g.shape == w.shape, name
+        assert torch.isfinite(g).all(), name
+        tol = (GRAD_TOL if name in "qkv" else PARAM_TOL)[bf16] * max(w.abs().max().item(), 1e-3)
+        err = (g - w).abs().max().item()
+        assert err <= tol, f"{name}: max error {err:.3g} over {tol:.3g}"
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, lq, lk", [("causal", n, n) for n in (1, 7, 33, 70, 130)]
+                         + [("alibi", 7, 7), ("alibi", 70, 70), ("alibi", 130, 130), ("alibi", 70, 7),
+                            ("alibi", 7, 70), ("alibi", 33, 130), ("window", 130, 130), ("window", 70, 33),
+                            ("full", 33, 33), ("full", 70, 130), ("softcap_empty_rows", 20, 20),
+                            ("softcap_empty_rows", 70, 7)])
+def test_emulated_flash_backward_matches_the_tiled_backward(name, lq, lk, emulate):
+    """Causal (full tiles below the diagonal at 130), ALiBi (its slope's gradient), a window of 20 (a
+    skipped key block), no mask, a soft-cap with rows that see no key; Lq apart from Lk."""
+    heads = 2 if max(lq, lk) <= 33 else 1
+    _check(*_run_emulated(name, lq, lk, heads, seed=lq + 3 * lk))
+
+
+@needs_emulator
+@pytest.mark.parametrize("lq, lk", [(33, 33), (70, 130)])
+def test_emulated_flash_backward_fp16_and_head_dim_128(lq, lk, emulate):
+    _check(*_run_emulated("alibi", lq, lk, 1, d=128, bf16=False, seed=lq), bf16=False)
+
+
+@needs_emulator
+def test_emulated_rows_without_a_key_get_zero_gradients(emulate):
+    got, _ = _run_emulated("softcap_empty_rows", 20, 20, 1)
+    assert (got["q"][..., 8:, :] == 0).all()
+
+
+@needs_emulator
+@pytest.mark.parametrize("layout", ["b h t ...", "b t h ..."])
+def test_emulated_gradients_through_the_tiled_path_run_the_kernels(layout, monkeypatch):
+    """`TiledAttention.gradients` on CPU bf16 tensors with the emulator on: the forward and backward
+    kernels; SSMC_CUDA_FLASH_BACKWARD=0 gives the tiled backward's answer back."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS["alibi"].program
+    rng = np.random.default_rng(5)
+    lq = 40
+    shape = (2, 3, lq, 64) if layout == "b h t ..." else (2, lq, 3, 64)
+    q, k, v, do = (_half(rng.standard_normal(shape), torch.bfloat16) for _ in range(4))
+    slope = torch.from_numpy(_params(program, {"b": 2, "h": 3}, rng)["slope"])
+    tiled = TiledAttention(program)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    got = tiled.gradients(q, k, v, do, layout, {"slope": slope})
+    assert tiled.flash_reason is None and tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    want = tiled.gradients(q, k, v, do, layout, {"slope": slope})
+    assert tiled.flash_backward_reason == "SSMC_CUDA_FLASH_BACKWARD=0"
+    for name in ("q", "k", "v"):
+        assert got[name].dtype == want[name].dtype == torch.bfloat16 and got[name].shape == want[name].shape
+    _check(got, {n: w.double() for n, w in want.items()})
+
+
+@needs_emulator
+def test_emulated_torch_function_backward_runs_the_kernel(monkeypatch):
+    """ssmc.torch.function's autograd on CPU bf16 tensors, emulated: the flash backward (the output saved
+    for delta) against SSMC_CUDA_FLASH_BACKWARD=0."""
+    import ssmc.torch
+
+    rng = np.random.default_rng(7)
+    fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    q, k, v, do = (_half(rng.standard_normal((1, 2, 30, 64)), torch.bfloat16) for _ in range(4))
+    slope = torch.from_numpy(_params(SPECS["alibi"].program, {"b": 1, "h": 2}, rng)["slope"]).float()
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, slope)]
+        fn(*leaves).backward(do)
+        return {n: t.grad.double() for n, t in zip(("q", "k", "v", "slope"), leaves)}
+
+    got = grads()
+    assert fn.tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    _check(got, grads())
+
+
+# -- NVRTC: the kernel builds for sm_80 and sm_90 without spills -----------------------------------------------
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
+def test_flash_backward_compiles_without_spills(arch, d, name):
+    from ssmc.backends.cuda.source import compile_options
+
+    kname, text = flash_bwd.kernel_source(SPECS[name].program, d, True)
+    usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+    assert not usage.spills, str(usage)
+    assert usage.shared_bytes <= 48 * 1024
+
+
+def test_backward_modifiers_print_and_param_sums_are_per_batch_index():
+    text = flash_bwd.kernel_source(SPECS["alibi"].program, 64, True)[1]
+    assert "d_param0(float grad_score" in text and "pacc[0] +=" in text
+    assert flash_bwd.unsupported(SPECS["softcap_empty_rows"].program) is None
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------------
+
+def _gpu_grads(fn, q, k, v, params, do):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, *params.values())]
+    fn(*leaves).backward(do)
+    return {n: t.grad for n, t in zip(("q", "k", "v", *params), leaves)}
+
+
+def _close(got, want, bf16):
+    for name, w in want.items():
+        g, w = got[name].double(), w.double()
+        tol = (GRAD_TOL if name in "qkv" else PARAM_TOL)[bf16] * max(w.abs().max().item(), 1e-3)
+        assert torch.isfinite(g).all(), name
+        err = (g - w).abs().max().item()
+        assert err <= tol, f"{name}: max error {err:.3g} over {tol:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full", "softcap_empty_rows"])
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_flash_backward_matches_the_tiled_backward(name, length, dtype, monkeypatch):
+    import ssmc.torch
+
+    dtype = getattr(torch, dtype)
+    q, k, v, params = _gpu_inputs(SPECS[name].program, length, dtype)
+    do = torch.randn_like(q)
+    fn = ssmc.torch.function(SPECS[name], layout="b h t ...")
+    got = _gpu_grads(fn, q, k, v, params, do)
+    assert fn.tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    want = _gpu_grads(fn, q, k, v, params, do)
+    _close(got, want, dtype == torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_flash_backward_causal_matches_sdpa_autograd(length, d):
+    import ssmc.torch
+
+    q, k, v, _ = _gpu_inputs(SPECS["causal"].program, length, torch.bfloat16, d=d)
+    do = torch.randn_like(q)
+    fn = ssmc.torch.function(SPECS["causal"], layout="b h t ...")
+    got = _gpu_grads(fn, q, k, v, {}, do)
+    assert fn.tiled.flash_backward_reason is None
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    _close(got, _gpu_grads(sdpa, q, k, v, {}, do), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq, lk", [(7, 1000), (1000, 7), (180, 4097)])
+def test_gpu_flash_backward_time_major_layout_and_lq_apart_from_lk(lq, lk, monkeypatch):
+    import ssmc.torch
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn((2, lq, 4, 64), device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (torch.randn((2, lk, 4, 64), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+    params = {"slope": 2.0 ** (-8.0 * torch.rand(4, device="cuda"))}
+    do = torch.randn_like(q)
+    fn = ssmc.torch.function(SPECS["alibi"], layout="b t h ...")
+    got = _gpu_grads(fn, q, k, v, params, do)
+    assert fn.tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    _close(got, _gpu_grads(fn, q, k, v, params, do), False)
