@@ -192,8 +192,7 @@ _LOOPS: dict[tuple, PersistentLoop | None] = {}
 def persistent_loop(program, compute: str, loop):
     """The persistent runner of `program` with `loop` (its StepLoop) as the fallback, where the program
     fits (`analysis.analyse`), the compute type is float32 and SSMC_CUDA_PERSISTENT is not 0; else `loop`."""
-    # getattr: the option's field is added to options.py separately from this module
-    if loop is None or getattr(options(), "persistent", None) is False or compute != "float32":
+    if loop is None or options().persistent is False or compute != "float32":
         return loop
     key = (program, compute, loop)
     if key not in _LOOPS:
