@@ -45,12 +45,25 @@ def _swap_inputs(rng, length: int) -> dict:
             "h": rng.standard_normal((2, 4)), "c": rng.standard_normal((2, 4))}
 
 
+@ssmc.recurrence
+def scalar_state(h: ssmc.State["b k"], s: ssmc.State[""], x: ssmc.Seq["b k"], U: ssmc.Param["j k"]):
+    """A state with no axes beside the recurrent product's (its new value expanded to no shape)."""
+    h = ssmc.tanh(x + s * ssmc.dot(h.rename(k="j"), U, over="j"))
+    return (h, 0.5 * s + 0.25), h
+
+
+def _scalar_state_inputs(rng, length: int) -> dict:
+    return {"x": rng.standard_normal((2, length, 4)), "U": 0.4 * rng.standard_normal((4, 4)),
+            "h": rng.standard_normal((2, 4)), "s": np.array(1.0)}
+
+
 CASES = {
     "lstm": (lstm.SPEC, lstm.LAYOUT, lambda rng, L: lstm.make_inputs(rng, L)),
     "gru": (gru.SPEC, gru.LAYOUT, lambda rng, L: gru.make_inputs(rng, L)),
     "layernorm_lstm": (layernorm_lstm.SPEC, layernorm_lstm.LAYOUT, lambda rng, L: layernorm_lstm.make_inputs(rng, L)),
     "elman": (elman, "b t ...", _elman_inputs),
     "swap": (swap, "b t ...", _swap_inputs),
+    "scalar_state": (scalar_state, "b t ...", _scalar_state_inputs),
 }
 
 
@@ -113,6 +126,10 @@ def test_step_loop_matches_the_interpreter(name, length):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SSMC_CUDA_EMULATE", "1")
         _check(name, length, "float64", 1e-10)
+
+
+def test_a_state_with_no_axes(emulated_cuda):
+    _check("scalar_state", 7, "float64", 1e-10)
 
 
 def test_every_program_of_a_training_step_runs_as_the_loop(emulated_cuda, counted):

@@ -28,29 +28,8 @@ from functools import cached_property, partial
 from ....ir.node import Node, depending_on, toposort
 from ....ir.ops import Op
 from ....passes.classify import classify
+from ....passes.recurrent_products import recurrent_products
 from ..options import options
-
-
-def recurrent_products(program) -> list[Node]:
-    """The matrix-vector products of a state-dependent value with a value that reads no state and no
-    sequence (a param's): ``SUM over a of MUL(h, U)`` where U brings an axis h lacks (an LSTM's
-    ``sum_j h[b, j] U[j, g, k]``: each unit of the new state reads every unit of the old). A product
-    that brings no new axis (a convolution's taps, ``sum_n h[b, d, n] C[n]``) keeps the recurrences
-    independent: the kernels run it."""
-    nodes = toposort(program.roots)
-    state_names = {s.name for s in program.states}
-    stateful = depending_on(nodes, state_names)
-    timed = depending_on(nodes, state_names | {d.name for d in program.seqs})
-    found = []
-    for n in nodes:
-        if n.op is Op.SUM and n.args[0].op is Op.MUL:
-            a, b = n.args[0].args
-            for state_side, fixed in ((a, b), (b, a)):
-                if state_side in stateful and fixed not in timed and (
-                        set(fixed.axes) - set(state_side.axes) - {n.arg}):
-                    found.append(n)
-                    break
-    return found
 
 
 def applies(program) -> str | None:
@@ -151,7 +130,7 @@ class StepLoop:
             memo = dict(at)
             self._evaluate(ev, {**env, **carry}, memo, self.order, fast)
             values = [memo[r] for r in self.step_roots]
-            new = {s.name: (align(v, s.axes).expand(*[sizes[a] for a in s.axes]), s.axes)
+            new = {s.name: (align(v, s.axes).expand([sizes[a] for a in s.axes]), s.axes)
                    for s, v in zip(p.states, values[:k])}
             ys = {name: align(v, y.axes) for (name, y), v in zip(p.outputs, values[k:]) if y not in free}
             return new, ys

@@ -1,6 +1,6 @@
 """Which hoisted programs the persistent forward kernel takes, and how a shape is split over blocks.
 
-`analyse(program)` reads a program the step loop takes (`step_loop.recurrent_products`) and returns a
+`analyse(program)` reads a program the step loop takes (`passes/recurrent_products.py`) and returns a
 `Cell` or a one-line refusal. The kernel needs:
 
     P[rows, cols, s] = sum over j of op[rows, j] * U[j, cols, s]     one recurrent product
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .....ir.node import Node, depending_on, toposort
 from .....ir.ops import ELEMENTWISE, Op
-from ..step_loop import recurrent_products
+from .....passes.recurrent_products import recurrent_products
 
 STATIC_SHARED = 48 * 1024   # bytes of static shared memory a block may declare (no opt-in needed)
 STAGE_BYTES = 16 * 1024     # at most this much of it for the staged chunk of h [rows][JC + 1]
