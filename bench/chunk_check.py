@@ -12,7 +12,9 @@ K128 V128 bf16:
    sides) the final state; the kernels must be within 2e-2 of the peer;
 2. time (triton.testing.do_bench, else CUDA events; median ms): the whole compiled forward on the
    kernels, on the torch path, the peer's forward; and the chunked core alone (`mma.forward` against
-   `algorithm.forward` on the same chunked operands, chunk 64).
+   `algorithm.forward` on the same chunked operands) at each chunk the kernels take (64, 128, 256),
+   with each kernel's own time (CUDA events around its launch, median of 30 calls) and the bytes it
+   moves at the least, as GB/s.
 
 Prints a markdown table; with --out, writes it to DIR/chunk.md. Needs torch, triton, cupy; the peers
 are installed from peers/ as bench/harness.py does (no network).
@@ -84,9 +86,9 @@ def counted_kernels():
     """A list that grows by one per `mma.forward` call (the kernels ran), and the undo."""
     calls, original = [], mma.forward
 
-    def wrapped(x):
+    def wrapped(x, *args, **kwargs):
         calls.append(1)
-        return original(x)
+        return original(x, *args, **kwargs)
 
     mma.forward = wrapped
     return calls, lambda: setattr(mma, "forward", original)
@@ -133,9 +135,43 @@ def retnet_peer(peers, a: dict):
     return lambda: chunk_retention(a["q"], a["k"], a["v"], scale=1.0)[0]
 
 
-def core_chunks(name: str, g: torch.Generator) -> algorithm.Chunks:
-    """Random chunked operands of the workload's core at chunk 64 (SSD: q, k shared by the heads)."""
-    c = mma.CHUNK
+def kernel_times(x: algorithm.Chunks, reps: int = 30) -> dict[str, float]:
+    """Each kernel of `mma.forward(x)`: median milliseconds over `reps` calls (CUDA events)."""
+    for _ in range(3):
+        mma.forward(x)
+    runs = []
+    for _ in range(reps):
+        events: list = []
+        mma.forward(x, events=events)
+        runs.append(events)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for events in runs:
+        for name, start, end in events:
+            times.setdefault(name, []).append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def kernel_bytes(x: algorithm.Chunks) -> dict[str, int]:
+    """The least bytes each kernel moves through HBM (every operand and state read or written once per
+    block that needs it: chunk_output reads q, k once per value tile)."""
+    heads = torch.broadcast_shapes(x.q.shape[:-3], x.v.shape[:-3], x.ell.shape[:-2])
+    nh = int(torch.tensor(heads).prod()) if heads else 1
+    nc, c, key, value = x.q.shape[-3], x.q.shape[-2], x.q.shape[-1], x.v.shape[-1]
+    steps = nc * c
+    qk = steps * key * 2 * nh                     # one of q, k over all heads (as read, not as stored)
+    vv = steps * value * 2 * nh
+    ell = steps * 4 * nh
+    states = nh * nc * key * value * 4
+    tiles_v = value // 64
+    return {"chunk_states": qk * tiles_v + vv * (key // 64) + ell + states,
+            "chunk_states_scan": qk * tiles_v + vv * (key // 64) + ell + states + 2 * nh * key * value * 4,
+            "state_pass": 2 * states + nh * key * value * 8,
+            "chunk_output": 2 * qk * tiles_v + vv + ell + states + steps * value * 4 * nh}
+
+
+def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.Chunks:
+    """Random chunked operands of the workload's core at chunk `c` (SSD: q, k shared by the heads)."""
     if name == "ssd":
         b, r, p, n, t = SSD["b"], SSD["r"], SSD["p"], SSD["n"], SSD["t"]
         heads_qk, heads_v, key, value = (b, 1), (b, r), n, p
@@ -178,20 +214,28 @@ def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
         with kernels_off():
             t_torch = timed(lambda: fn(**a))
         t_peer = timed(peer_run) if peer_run is not None else None
-        x = core_chunks(name, g)
-        assert mma.kernels_apply(x)
-        t_core = timed(lambda: mma.forward(x))
-        t_core_torch = timed(lambda: algorithm.forward(x))
-        core_err = rel(mma.forward(x)[0], algorithm.forward(x)[0])
+        cores = []
+        for c in mma.CHUNKS:
+            x = core_chunks(name, g, c)
+            assert mma.kernels_apply(x)
+            t_core = timed(lambda x=x: mma.forward(x))
+            t_core_torch = timed(lambda x=x: algorithm.forward(x))
+            core_err = rel(mma.forward(x)[0], algorithm.forward(x)[0])
+            moved = kernel_bytes(x)
+            parts = {}
+            for k, t in kernel_times(x).items():
+                parts[k] = f"{t:.3f} ms, {moved[k] / t / 1e6:.0f} GB/s"
+            cores.append((c, t_core, t_core_torch, core_err, parts))
     finally:
         undo()
     title = ("SSD B4 L4096 H32 P64 N128 bf16" if name == "ssd" else "RetNet B4 L4096 H16 K128 V128 bf16")
     peer = "mamba_chunk_scan_combined" if name == "ssd" else "fla chunk_retention"
     rows.append({"workload": title, "what": "forward", "kernels": t_kernels, "torch": t_torch, "peer": t_peer,
                  "peer_name": peer, "checks": checks, "ok": ok})
-    rows.append({"workload": title, "what": "core only (chunk 64)", "kernels": t_core, "torch": t_core_torch,
-                 "peer": None, "peer_name": "", "checks": {"kernels vs torch core: output": core_err},
-                 "ok": core_err < TOLERANCE})
+    for c, t_core, t_core_torch, core_err, parts in cores:
+        rows.append({"workload": title, "what": f"core only (chunk {c})", "kernels": t_core, "torch": t_core_torch,
+                     "peer": None, "peer_name": "", "checks": {"kernels vs torch core: output": core_err, **parts},
+                     "ok": core_err < TOLERANCE})
     return rows
 
 
@@ -206,7 +250,7 @@ def table(rows: list[dict]) -> str:
              "| check |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        checks = "; ".join(f"{k} {v:.1e}" if not isinstance(v, str) else f"{k} {v}" for k, v in r["checks"].items())
+        checks = "; ".join(f"{k} {v:.1e}" if not isinstance(v, str) else f"{k}: {v}" for k, v in r["checks"].items())
         lines.append(f"| {r['workload']} | {r['what']} | {ms(r['kernels'])} | {ms(r['torch'])} | "
                      f"{ms(r['peer'])} {r['peer_name']} | {ratio(r['peer'], r['kernels'])} | "
                      f"{ratio(r['torch'], r['kernels'])} | {'ok' if r['ok'] else 'FAILED'}: {checks} |")

@@ -2,9 +2,11 @@
 
 - emulated on the CPU (SSMC_CUDA_EMULATE=1: the kernels' fragments, shuffles and barriers run as C++):
   the kernels' (output, entering states, final state) against algorithm.py's torch forward in float64
-  on the same rounded inputs, at lengths that leave the last chunk partial, heads broadcast as SSD's B
-  and C are, operands in the time-first layout (strided steps);
-- NVRTC builds every size the kernels take for sm_80 and sm_90 with no spills;
+  on the same rounded inputs, at every chunk size they take (64, 128, 256) and lengths that leave the
+  last chunk partial, heads broadcast as SSD's B and C are, operands in the time-first layout (strided
+  steps);
+- NVRTC builds every size and chunk the kernels take for sm_80 and sm_90 with no spills, their dynamic
+  shared memory within what an sm_80 block may have;
 - which calls take the kernels (16-bit, sizes, the switch), and ChunkedCore choosing them;
 - on a GPU: whole compiled specs (Mamba-2, RetNet) in bf16 against the torch path and the interpreter.
 """
@@ -21,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
 C = mma.CHUNK
+SM80_SHARED = 163 * 1024  # the most shared memory an sm_80 block may opt into
 
 
 def _rel(x, ref) -> float:
@@ -29,7 +32,7 @@ def _rel(x, ref) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _time_first(rng, length: int, heads: tuple[int, ...], dim: int | None, dtype, scale=1.0):
+def _time_first(rng, length: int, heads: tuple[int, ...], dim: int | None, dtype, scale=1.0, chunk: int = C):
     """A random operand as the program holds it ([L, *heads(, dim)], time first) and chunked as
     `ChunkedCore._arrange` gives it: [*heads, NC, C(, dim)], a strided view where the chunks are whole,
     else a copy zero past `length`."""
@@ -37,30 +40,32 @@ def _time_first(rng, length: int, heads: tuple[int, ...], dim: int | None, dtype
     x = torch.from_numpy(rng.standard_normal(shape) * scale).to(dtype)
     nh = len(heads)
     y = x.permute(*range(1, nh + 1), 0, *([nh + 1] if dim else []))
-    padded = -(-length // C) * C
+    padded = -(-length // chunk) * chunk
     inner = [dim] if dim else []
     if padded == length:
-        return y.reshape(*heads, padded // C, C, *inner)
+        return y.reshape(*heads, padded // chunk, chunk, *inner)
     out = torch.zeros((*heads, padded, *inner), dtype=dtype)
     out.narrow(nh, 0, length).copy_(y)
-    return out.reshape(*heads, padded // C, C, *inner)
+    return out.reshape(*heads, padded // chunk, chunk, *inner)
 
 
 def _chunks(length: int, key: int = 64, value: int = 64, dtype=torch.bfloat16, seed: int = 0,
-            q_heads=(1, 1), k_heads=(1, 1), v_heads=(1, 2), ell_heads=(1, 2), s0_heads=(1, 2)):
-    """Chunks with SSD's broadcast (q, k without the head axis r, here heads (b=1, r=2))."""
+            q_heads=(1, 1), k_heads=(1, 1), v_heads=(1, 2), ell_heads=(1, 2), s0_heads=(1, 2), chunk: int = C,
+            decay: float = 0.3):
+    """Chunks with SSD's broadcast (q, k without the head axis r, here heads (b=1, r=2)); log decays
+    uniform in [-decay, 0]."""
     rng = np.random.default_rng(seed)
-    q = _time_first(rng, length, q_heads, key, dtype, key ** -0.5)
-    k = _time_first(rng, length, k_heads, key, dtype)
-    v = _time_first(rng, length, v_heads, value, dtype)
-    ell = -torch.from_numpy(rng.uniform(0.0, 0.3, (length, *ell_heads))).float()
+    q = _time_first(rng, length, q_heads, key, dtype, key ** -0.5, chunk)
+    k = _time_first(rng, length, k_heads, key, dtype, 1.0, chunk)
+    v = _time_first(rng, length, v_heads, value, dtype, 1.0, chunk)
+    ell = -torch.from_numpy(rng.uniform(0.0, decay, (length, *ell_heads))).float()
     nh = len(ell_heads)
     ell = ell.permute(*range(1, nh + 1), 0)
-    padded = -(-length // C) * C
+    padded = -(-length // chunk) * chunk
     full = torch.zeros((*ell_heads, padded))
     full[..., :length] = ell
     s0 = torch.from_numpy(rng.standard_normal((*s0_heads, key, value)) * 0.1).float()
-    return algorithm.Chunks(q, k, v, full.reshape(*ell_heads, -1, C), s0)
+    return algorithm.Chunks(q, k, v, full.reshape(*ell_heads, -1, chunk), s0)
 
 
 def _reference(x: algorithm.Chunks):
@@ -76,9 +81,13 @@ def emulate(monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("length", [1, 7, 70, 130])
-def test_emulated_kernels_agree_with_the_torch_forward(emulate, length):
-    x = _chunks(length, seed=length)
+@pytest.mark.parametrize("chunk, length", [(64, 1), (64, 130), (128, 7), (128, 130), (256, 300)])
+def test_emulated_kernels_agree_with_the_torch_forward(emulate, chunk, length):
+    """Every chunk size, the last chunk partial (or the only one), several chunks through state_pass;
+    decays slow enough (at most 0.02 a step) that the state entering a chunk of 256 still counts. At
+    chunk 256 one head (16 warps a block: the emulator's slowest case)."""
+    heads = {} if chunk < 256 else {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)}
+    x = _chunks(length, seed=length, chunk=chunk, decay=0.3 if chunk == 64 else 0.02, **heads)
     assert mma.kernels_apply(x)
     out, entering, final = mma.forward(x)
     ref_out, ref_entering, ref_final = _reference(x)
@@ -95,7 +104,7 @@ def test_emulated_kernels_with_every_operand_per_head_in_fp16(emulate):
     """Two heads on every operand (no broadcast), fp16, a value size of 128 (two value tiles)."""
     h = (2,)
     x = _chunks(128, value=128, dtype=torch.float16, seed=3, q_heads=h, k_heads=h, v_heads=h, ell_heads=h,
-                s0_heads=h)  # whole chunks: the operands are strided views of the time-first arrays
+                s0_heads=h, chunk=64)  # whole chunks: the operands are strided views of the time-first arrays
     assert not x.q.is_contiguous()
     out, entering, final = mma.forward(x)
     ref_out, ref_entering, ref_final = _reference(x)
@@ -114,6 +123,8 @@ def test_which_calls_take_the_kernels(monkeypatch):
     assert not mma.kernels_apply(_chunks(7, dtype=torch.float32))   # fp32: the torch path
     assert not mma.kernels_apply(_chunks(7, key=32))                 # key size 32: the torch path
     assert not mma.kernels_apply(_chunks(7, value=96))
+    assert not mma.kernels_apply(_chunks(7, chunk=32))               # chunks of 32: the torch path
+    assert all(mma.kernels_apply(_chunks(7, chunk=c)) for c in mma.CHUNKS)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "0")
     assert not mma.kernels_apply(x)                                  # CPU tensors, no emulation
 
@@ -123,15 +134,19 @@ def test_which_calls_take_the_kernels(monkeypatch):
 def test_the_kernels_compile_without_spills(arch):
     from ssmc.backends.cuda.source import compile_options
 
-    for key in mma.SIZES:
-        for value in mma.SIZES:
-            for bf16 in (True, False):
-                text = mma.source(key, value, C, bf16)
-                resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-                assert set(resources) == {"chunk_states", "state_pass", "chunk_output"}
-                for r in resources.values():
-                    assert not r.spills, r.summary()
-                    assert r.shared_bytes <= 48 * 1024, r.summary()
+    for chunk in mma.CHUNKS:
+        for key in mma.SIZES:
+            for value in mma.SIZES:
+                # fp16 differs only in its conversions: built at the largest sizes alone (CI's time)
+                for bf16 in (True, False) if key == value == max(mma.SIZES) else (True,):
+                    text = mma.source(key, value, chunk, bf16)
+                    resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+                    assert set(resources) == {"chunk_states", "state_pass", "chunk_output"}
+                    dynamic = mma.shared_bytes(key, value, chunk)
+                    for name, r in resources.items():
+                        assert not r.spills, r.summary()
+                        assert r.shared_bytes <= 48 * 1024, r.summary()  # the static part
+                        assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
 
 
 # -- the chunked core choosing the kernels ----------------------------------------------------------
@@ -178,10 +193,13 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     rng = np.random.default_rng(5)
     seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
     calls = []
-    monkeypatch.setattr(chunk.mma, "forward", lambda x, _f=chunk.mma.forward: calls.append(1) or _f(x))
+    monkeypatch.setattr(chunk.mma, "forward",
+                        lambda x, _f=chunk.mma.forward, **kw: calls.append(kw.get("out")) or _f(x, **kw))
     core = chunk.ChunkedCore(program, "float32")
     outs, finals, tape = core.forward(seqs, params, initial, sizes, length)
-    assert calls and tape.chunks.q.shape[-2] == mma.CHUNK
+    assert calls and tape.chunks.q.shape[-2] == mma.chunk_for(length)
+    # the output written in place, time first (RetNet's heads h, b in the output's order)
+    assert calls[0] is not None and outs[core.output].data_ptr() == calls[0].data_ptr()
     wide = chunk.ChunkedCore(program, "float64")
     d = torch.float64
     ref_outs, ref_finals, _ = wide.forward({k: v.to(d) for k, v in seqs.items()},
@@ -198,7 +216,7 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     got = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
-    assert len(calls) == 1 and torch_tape.chunks.q.shape[-2] == mma.CHUNK
+    assert len(calls) == 1  # the torch path (its chunk by the state's size, maybe not the kernels')
     want = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
     for part, ref in zip(got, want):
         assert set(part) == set(ref)
@@ -246,7 +264,7 @@ def test_gpu_specs_on_the_kernels_match_the_torch_path_and_the_interpreter(name,
         ref = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")(**rounded, return_final_states=True)
     ref = [torch.as_tensor(np.asarray(r.cpu() if hasattr(r, "cpu") else r), device="cuda").double() for r in ref]
     calls = []
-    monkeypatch.setattr(chunk.mma, "forward", lambda x, _f=chunk.mma.forward: calls.append(1) or _f(x))
+    monkeypatch.setattr(chunk.mma, "forward", lambda x, _f=chunk.mma.forward, **kw: calls.append(1) or _f(x, **kw))
     got = ssmc.compile(spec, layout=layout, backend="cuda")(**bf, return_final_states=True)
     assert calls, "the kernels did not run"
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")

@@ -37,13 +37,14 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None) -> int:
-    """Steps per chunk: SSMC_CUDA_CHUNK where set; the kernels' where q of `dtype` would run on them
+    """Steps per chunk: SSMC_CUDA_CHUNK where set (the kernels take 64, 128 and 256; another size runs the
+    torch path); the kernels' (`mma.chunk_for`) where q of `dtype` would run on them
     (`mma.kernels_wanted`: a short call pads its one chunk); else by the state's size."""
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
     if dtype is not None and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
-        return mma.CHUNK
+        return mma.chunk_for(length)
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
@@ -153,14 +154,33 @@ class ChunkedCore:
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         return Chunks(q, k, v, ell, s0), decay
 
-    def _outputs(self, out, final, sizes, length, out_dtype):
+    def _time_first_out(self, sizes, length, chunk, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the output as the program holds it, [padded length, *axes] fp32, and the same memory as
+        [*H, NC, C, V], the layout `mma.forward` writes), where the output has every head axis and the
+        value axis last; else None. The kernels then write the output in place: no permuting copy."""
+        ml, axes = self.ml, tuple(self.out_node.axes)
+        if set(axes) != {*ml.heads, ml.value} or axes[-1] != ml.value:
+            return None
+        padded = -(-length // chunk) * chunk
+        buf = torch.empty((padded, *[sizes[a] for a in axes]), dtype=torch.float32, device=device)
+        names = ["~t", *axes]
+        view = buf.permute(*[names.index(n) for n in (*ml.heads, "~t", ml.value)])
+        t = len(ml.heads)
+        return buf, view.reshape(*view.shape[:t], padded // chunk, chunk, view.shape[-1])
+
+    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None):
+        """(outputs, final states) in the program's layouts, from O [*H, NC, C, V] or, where given, the
+        time-first array O was written into (`_time_first_out`)."""
         ml = self.ml
         t = len(ml.heads)
         full = [sizes[h] for h in ml.heads]
-        o = out.reshape(*out.shape[:t], -1, out.shape[-1]).narrow(t, 0, length)
-        o = o.expand(*full, length, sizes[ml.value])
-        names = [*ml.heads, "~t", ml.value]
-        o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
+        if time_first is not None:
+            o = time_first.narrow(0, 0, length)  # a contiguous view
+        else:
+            o = out.reshape(*out.shape[:t], -1, out.shape[-1]).narrow(t, 0, length)
+            o = o.expand(*full, length, sizes[ml.value])
+            names = [*ml.heads, "~t", ml.value]
+            o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
         o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
         s = ml.state
         final = final.expand(*full, sizes[ml.key], sizes[ml.value])
@@ -189,8 +209,15 @@ class ChunkedCore:
         q_arr, _ = self._input(self.ml.q, seqs, params)
         chunk = chunk_size(self.ml, sizes, length, q_arr.dtype)
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
-        out, entering, final = mma.forward(x) if mma.kernels_apply(x) else forward(x)
-        outs, finals = self._outputs(out, final, sizes, length, out_dtype)
+        time_first = None
+        if mma.kernels_apply(x):
+            direct = self._time_first_out(sizes, length, chunk, x.q.device)
+            out, entering, final = mma.forward(x, out=None if direct is None else direct[1])
+            if direct is not None and out.data_ptr() == direct[1].data_ptr():
+                time_first = direct[0]
+        else:
+            out, entering, final = forward(x)
+        outs, finals = self._outputs(out, final, sizes, length, out_dtype, time_first)
         return outs, finals, ChunkTape(x, entering, final, decay)
 
     def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length):

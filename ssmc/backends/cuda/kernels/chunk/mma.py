@@ -3,6 +3,8 @@ kernels, for 16-bit q, k, v with fp32 decays and states.
 
     if kernels_apply(x): out, entering, final = forward(x)      # else algorithm.forward(x)
 
+Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK forces one):
+
 1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) k_jᵀ v_j`` (fp32);
 2. ``state_pass``: per (head, state entry), the chunks in order: the state entering each chunk, in
    place of the chunk's sum, and the final state;
@@ -27,10 +29,28 @@ from ...options import options
 from .. import template
 from .algorithm import Chunks
 
-CHUNK = 64          # steps per chunk the kernels take (4 warps of 16 query rows)
-SIZES = (64, 128)   # key and value sizes they take
+CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a warp per 16 query rows)
+# the default: the fp32 chunk states ([K, V] per head and chunk, written, passed and read again) shrink
+# as 1/C, the intra-chunk products (≈ C/2 (K + V) per step) grow as C; at K·V ≥ 8192 and C = 64 the states'
+# bytes outweigh the operands' (docs/design/matrix-linear-chunks.md, "where step 2 stands")
+CHUNK = 128
+SHORT = 64               # calls of at most this many steps: one chunk of 64 (less padding)
+SIZES = (64, 128)        # key and value sizes they take
 _modules: dict = {}
 _tables: dict = {}
+
+
+def chunk_for(length: int) -> int:
+    """Steps per chunk of a call of `length` steps on the kernels (`CHUNK`; `SHORT` calls take 64)."""
+    return CHUNKS[0] if length <= SHORT else CHUNK
+
+
+def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
+    """Bytes of dynamic shared memory of each kernel (the 16-bit tiles, rows padded by 8 values)."""
+    tile, pad = 64, 8
+    return {"chunk_states": 2 * tile * (chunk + pad) * 2,
+            "state_pass": 0,
+            "chunk_output": (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2}
 
 
 @cache
@@ -38,7 +58,10 @@ def source(key: int, value: int, chunk: int, bf16: bool) -> str:
     """The module of the three kernels for these sizes and 16-bit format."""
     from ...source import mma_header
 
-    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16)
+    shared = shared_bytes(key, value, chunk)
+    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16,
+                                                  states_shared=shared["chunk_states"],
+                                                  output_shared=shared["chunk_output"])
     return mma_header() + "\n" + body
 
 
@@ -73,10 +96,10 @@ def kernels_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
 
 def kernels_apply(x: Chunks) -> bool:
     """Whether `forward` takes `x`: 16-bit q, k, v of one format on the backend's device, fp32 decays
-    and initial state, chunks of `CHUNK` steps, key and value sizes in `SIZES`."""
+    and initial state, chunks of a size in `CHUNKS`, key and value sizes in `SIZES`."""
     q, k, v = x.q, x.k, x.v
     return (kernels_wanted(q.dtype, q.shape[-1], v.shape[-1]) and k.dtype == q.dtype and v.dtype == q.dtype
-            and k.shape[-1] == q.shape[-1] and q.shape[-2] == CHUNK and x.ell.dtype == torch.float32
+            and k.shape[-1] == q.shape[-1] and q.shape[-2] in CHUNKS and x.ell.dtype == torch.float32
             and x.s0.dtype == torch.float32 and all(t.numel() > 0 and on_backend_device(t)
                                                     for t in (q, k, v, x.ell, x.s0)))
 
@@ -91,9 +114,9 @@ def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
 
 
 def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets [heads, 4] int64: each array's element offset of a head, its storage offset included,
-    repeated along the head axes it lacks; steps [4] int64: each array's stride between steps), on
-    `device`. Cached per layout: a call of a layout seen before copies nothing to the device."""
+    """(offsets [heads, len(arrays)] int64: each array's element offset of a head, its storage offset
+    included, repeated along the head axes it lacks; steps [len(arrays)] int64: each array's stride
+    between steps), on `device`. Cached per layout: a call of a layout seen before copies nothing to the device."""
     layouts = tuple((t.shape[:len(heads)], t.stride()[:len(heads)], t.storage_offset(),
                      t.stride(-2) if t.dim() > len(heads) + 2 else t.stride(-1)) for t in arrays)
     key = (heads, layouts, str(device))
@@ -115,9 +138,24 @@ def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, t
     return found
 
 
-def forward(x: Chunks):
+def writable_out(out: torch.Tensor | None, heads, nc: int, chunk: int, value: int) -> bool:
+    """Whether `forward` can write O into `out`: fp32 [*heads, NC, C, V], the value axis contiguous,
+    the chunk stride C step strides, every head's offset and the step stride even (8-byte stores)."""
+    if out is None or out.dtype != torch.float32 or tuple(out.shape) != (*heads, nc, chunk, value):
+        return False
+    t = len(heads)
+    step = out.stride(t + 1)
+    return (out.stride(-1) == 1 and (nc == 1 or out.stride(t) == chunk * step) and step % 2 == 0
+            and out.storage_offset() % 2 == 0 and all(s % 2 == 0 or n == 1 for n, s in zip(heads, out.stride())))
+
+
+def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = None):
     """`algorithm.forward(x)` on the kernels: (O [*H, NC, C, V] fp32, the state entering each chunk
-    [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast."""
+    [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast.
+    `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
+    and returned; else into a new array.
+    `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
+    recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     q = _chunked_view(x.q, True)
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
@@ -128,24 +166,36 @@ def forward(x: Chunks):
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
     # the storage offsets go into the table; the kernels get each array's storage base
-    offs, steps = _tables_for(heads, (q, k, v, ell), dev)
+    if not writable_out(out, heads, nc, chunk, value):
+        out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    offs, steps = _tables_for(heads, (q, k, v, ell, out), dev)
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
     text = source(key, value, chunk, q.dtype == torch.bfloat16)
 
     def base(a):
         return a.data_ptr() - a.storage_offset() * a.element_size()
 
     tiles = (key // 64) * (value // 64)
-    launch_kernel(_function(text, "chunk_states"), (nh * nc * tiles, 128), nc * chunk, nc,
-                  [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
-                   gamma.data_ptr()])
-    launch_kernel(_function(text, "state_pass"), (nh * key * value // 256, 256), nc * chunk, nc,
-                  [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()])
-    launch_kernel(_function(text, "chunk_output"), (nh * nc * (value // 64), 2 * chunk), nc * chunk, nc,
-                  [base(q), base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
-                   out.data_ptr()])
+    shared = shared_bytes(key, value, chunk)
+    launches = [
+        ("chunk_states", nh * nc * tiles, 128,
+         [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(), gamma.data_ptr()]),
+        ("state_pass", nh * key * value // 256, 256,
+         [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]),
+        ("chunk_output", nh * nc * (value // 64), 2 * chunk,
+         [base(q), base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+          base(out)]),
+    ]
+    for name, blocks, threads, pointers in launches:
+        timing = events is not None and not emulating()
+        if timing:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        launch_kernel(_function(text, name), (blocks, threads), nc * chunk, nc, pointers, shared=shared[name])
+        if timing:
+            end.record()
+            events.append((name, start, end))
     return out, states, final
