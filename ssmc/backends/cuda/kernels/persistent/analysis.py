@@ -1,22 +1,27 @@
-"""Which hoisted programs the persistent forward kernel takes, and how a shape is split over blocks.
+"""Which hoisted programs the persistent kernel takes, and how a shape is split over blocks.
 
 `analyse(program)` reads a program the step loop takes (`passes/recurrent_products.py`) and returns a
-`Cell` or a one-line refusal. The kernel needs:
+`Cell` or a one-line refusal. The kernel needs one recurrent product, in one of two forms:
 
-    P[rows, cols, s] = sum over j of op[rows, j] * U[j, cols, s]     one recurrent product
-    op = rename(h, s -> j)                                            of one state h[rows, s]
-    everything else element-wise along rows and s (`cols`, the gate axis g, stays whole in a thread)
+    forward:  P[rows, cols, s] = sum over j of op[rows, j] U[j, cols, s],     op = rename(h, s -> j)
+    adjoint:  P[rows, j] = sum over g, s of dz[g, rows, s] U[j, g, s],        the cell reads rename(P, j -> s)
 
-so a thread owning (row, unit s) computes all of the cell's values at that index from P[row, :, s],
-its own carries and the step's sequences, and the only data blocks exchange is the new h. As a plain
-loop, for the LSTM after hoisting (hz0 = x W):
+and everything else element-wise along rows and the units s (the gate axis g stays whole in a
+thread), so a thread owning (row, unit s) computes the cell at that index from P[row, :, s], its
+own carries and the step's sequences; the only data blocks exchange is the operand (h, or dz at all
+gates). As a plain loop, for the LSTM after hoisting (hz0 = x W):
 
     for t: P[b, g, k] = sum_j h[b, j] U[j, g, k]
            z = hz0[t] + P + bias;  c = sig(z[1]) c + sig(z[0]) tanh(z[2]);  h = sig(z[3]) tanh(c)
 
+and for its adjoint (reverse time; hz0 + hz1 = x W + h U recomputed before the loop):
+
+    for t: dz[g, b, k] = cell'(grad_h, grad_c, hz[t], c[t], ...)      (local at (b, k))
+           grad_h[b, k] = sum_{g, k'} dz[g, b, k'] U[k, g, k'];  grad_c = ...
+
 `plan(cell, sizes, sm_count)` picks the split of a shape: KU units a block (one block an SM at most,
-so a cooperative grid is co-resident), the block's U slice resident in shared memory, h staged in
-chunks of JC contracted indices; or a refusal (the step loop runs the shape).
+so a cooperative grid is co-resident), the block's U slice resident in shared memory, the operand
+staged in chunks of JC contracted indices; or a refusal (the step loop runs the shape).
 """
 
 from __future__ import annotations
@@ -37,25 +42,46 @@ CHUNKS = (32, 16, 8, 4, 2, 1)
 
 @dataclass(frozen=True)
 class Cell:
-    """A program the persistent kernel runs: its product ``sum over contracted of op * weight`` with
-    op = rename(state, split -> contracted), the row axes (the state's others), the local axes (the
-    weight's others: g), and the cell's nodes in evaluation order (everything but the product's
-    operand, weight and multiply; the product itself is the kernel's accumulators)."""
+    """A program the persistent kernel runs. Its product, as a plain loop over the block's units u:
+
+        P[rows, cols, u] = sum over contracted of op[rows, contracted] * U[contracted, cols, u]
+
+    op is `operand` (the forward: rename(h, split -> j); the adjoint: dz[g, rows, split], contracted
+    (g, split)); `unit` is the contracted axis that is the operand's own unit (j, resp. split), the
+    others (`op_local`: g in the adjoint) stay whole in a thread; `out_unit` is P's unit axis (split in
+    the forward; j in the adjoint, where the cell reads rename(P, j -> split)); `cols` are U's other
+    axes (g in the forward). `local` = cols + op_local: the axes a thread holds whole. `nodes`: the
+    cell's nodes in evaluation order (the product node, `product`, stands for the accumulators);
+    `publish`: the node whose value a thread publishes at its (row, unit) (the operand before a
+    rename along the units); `state`: the state it reads (describe only)."""
 
     program: object
     product: Node
     state: str
     weight: str
-    contracted: str
+    contracted: tuple[str, ...]
     split: str
     rows: tuple[str, ...]
     local: tuple[str, ...]
     nodes: tuple[Node, ...]
+    unit: str = ""
+    out_unit: str = ""
+    cols: tuple[str, ...] = ()
+    op_local: tuple[str, ...] = ()
+    publish: Node | None = None
 
     def describe(self) -> str:
-        cols = " ".join(self.local)
-        return (f"recurrent product sum over {self.contracted} of {self.state}[{' '.join(self.rows)} "
-                f"{self.contracted}] {self.weight}[{self.contracted} {cols} {self.split}]")
+        w_axes = " ".join((*self.contracted, *self.cols, self.out_unit))
+        return (f"recurrent product sum over {' '.join(self.contracted)} of {self.state}"
+                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]")
+
+
+def _consumers(nodes) -> dict:
+    out: dict = {}
+    for n in nodes:
+        for a in n.args:
+            out.setdefault(a, []).append(n)
+    return out
 
 
 def analyse(program) -> Cell | str:
@@ -65,30 +91,58 @@ def analyse(program) -> Cell | str:
     products = recurrent_products(program)
     if len(products) != 1:
         return f"{len(products)} recurrent products (one is supported)"
-    p = products[0]
-    mul = p.args[0]
+    nodes = toposort(program.roots)
+    users = _consumers(nodes)
+    # the product as a chain of sums over one multiply (the adjoint's sum over g, then over k)
+    chain = [products[0]]
+    while len(users.get(chain[-1], [])) == 1 and users[chain[-1]][0].op is Op.SUM:
+        chain.append(users[chain[-1]][0])
+    p = chain[-1]
+    contracted = tuple(n.arg for n in chain)
+    mul = chain[0].args[0]
     state_names = {s.name for s in program.states}
     roles = {d.name: d.role.name for d in program.decls}
-    nodes = toposort(program.roots)
     stateful = depending_on(nodes, state_names)
     a, w = mul.args if mul.args[0] in stateful else reversed(mul.args)
     if not (w.op is Op.INPUT and roles.get(w.arg) == "PARAM"):
         return "the recurrent product's weight is not a param (a computed weight)"
-    if not (a.op is Op.RENAME and a.args[0].op is Op.INPUT and a.args[0].arg in state_names
-            and len(a.arg) == 1 and a.arg[0][1] == p.arg):
-        return "the recurrent product's operand is not a state renamed along the contracted axis (rename(h, k->j))"
-    state = a.args[0]
-    split = a.arg[0][0]
-    rows = tuple(x for x in state.axes if x != split)
-    if p.arg not in w.axes or split not in w.axes:
-        return f"the weight {w.arg} lacks the contracted axis {p.arg} or the state's axis {split}"
+    if any(x not in w.axes or x not in a.axes for x in contracted):
+        return f"a contracted axis ({' '.join(contracted)}) the weight or the operand lacks"
+    rows = tuple(x for x in a.axes if x not in contracted)
     if set(rows) & set(w.axes):
-        return f"the weight {w.arg} shares a row axis with the state (heads are not supported)"
-    local = tuple(x for x in w.axes if x not in (p.arg, split))
+        return f"the weight {w.arg} shares a row axis with the operand (heads are not supported)"
+    state_axes = [set(s.axes) for s in program.states]
+    if a.op is Op.RENAME and len(a.arg) == 1 and a.arg[0][1] in contracted:
+        split, unit = a.arg[0]
+        publish = a.args[0]
+    else:
+        units = [x for x in contracted if all(x in sa for sa in state_axes)]
+        if len(units) != 1:
+            return ("the recurrent product's operand is neither a state renamed along the contracted axis "
+                    "(rename(h, k->j)) nor contracted along one axis of every state")
+        split = unit = units[0]
+        publish = a
+    op_local = tuple(x for x in contracted if x != unit)
+    free = tuple(x for x in w.axes if x not in contracted)
+    if split in free:
+        out_unit = split
+    else:
+        renames = users.get(p, [])
+        pairs = {r.arg for r in renames if r.op is Op.RENAME}
+        if not renames or len(pairs) != 1 or len(renames) != sum(r.op is Op.RENAME for r in renames):
+            return f"the weight {w.arg} lacks the state's axis {split} and the product is not renamed onto it"
+        (pair,) = pairs
+        if len(pair) != 1 or pair[0][1] != split or pair[0][0] not in free:
+            return f"the product is renamed {pair}, not onto the state's axis {split}"
+        out_unit = pair[0][0]
+    cols = tuple(x for x in free if x != out_unit)
+    local = cols + tuple(x for x in op_local if x not in cols)
     allowed = set(rows) | set(local) | {split}
-    skip = {mul, a, w}
+    skip = {mul, w, *chain[:-1]}
+    if publish is not a:
+        skip.add(a)
     for n in nodes:
-        if n is not p and n is not mul and n.op in (Op.SUM, Op.REDUCE_MAX):
+        if n not in chain and n.op in (Op.SUM, Op.REDUCE_MAX):
             what = "sum" if n.op is Op.SUM else "max"
             return (f"a {what} over {n.arg} in the cell besides the recurrent product (a product not hoisted, or "
                     "a reduction such as LayerNorm's across the units: not supported yet)")
@@ -110,33 +164,44 @@ def analyse(program) -> Cell | str:
             axis, index = n.arg
             if axis not in local or not isinstance(index, int):
                 return f"select along {axis} (only along a gate axis {' '.join(local)} at a fixed index)"
+        elif n.op is Op.IOTA:
+            if n.arg not in local:
+                return f"iota along {n.arg} (only along a gate axis)"
+        elif n.op is Op.RENAME:
+            if n.args[0] is not p:
+                return "a rename in the cell other than the product's onto the units"
         elif n.op is not Op.CONST and n.op not in ELEMENTWISE:
             return f"{n.op.name.lower()} in the cell (not element-wise along the units {split})"
         cell.append(n)
     for s in program.states:
         if not set(rows) | {split} <= set(s.axes) or not set(s.axes) <= allowed:
             return f"state {s.name}[{' '.join(s.axes)}] is not along the rows and units [{' '.join((*rows, split))}]"
-    if tuple(state.axes) != tuple(next(s for s in program.states if s.name == state.arg).axes):
-        return "the operand state's axes differ from its declaration"
-    return Cell(program, p, state.arg, w.arg, p.arg, split, rows, local, tuple(cell))
+    if publish.op is Op.INPUT:
+        decl = next((s for s in program.states if s.name == publish.arg), None)
+        if decl is not None and tuple(publish.axes) != tuple(decl.axes):
+            return "the operand state's axes differ from its declaration"
+    state = publish.arg if publish.op is Op.INPUT else "dz"
+    return Cell(program, p, state, w.arg, contracted, split, rows, local, tuple(cell), unit, out_unit, cols,
+                op_local, publish)
 
 
 @dataclass(frozen=True)
 class Plan:
     """A shape's split: `blocks` blocks of `threads`, each owning `units` consecutive indices of the
-    split axis (all rows, all local columns): its U slice su[jpad][cols][units] in shared memory, the
-    operand staged [rows][chunk + 1] a chunk of the contracted axis at a time; `pairs` (row, unit)
-    pairs a thread."""
+    split axis (all rows, all local columns): its U slice su[jpad][units][cols] in shared memory (jpad:
+    the contracted indices, `depth` = their product, padded to a whole chunk), the operand staged
+    [rows][chunk + 1] a chunk of the contracted indices at a time; `pairs` (row, unit) pairs a thread."""
 
     rows: int
-    size: int        # the split axis' size (= the contracted axis')
-    cols: int        # product of the local axes' sizes (G)
+    size: int        # the split axis' size (the units)
+    cols: int        # product of the product's column axes' sizes (G in the forward, 1 in the adjoint)
     units: int
     blocks: int
     threads: int
     pairs: int
     chunk: int
     jpad: int
+    depth: int = 0   # product of the contracted axes' sizes (H in the forward, G H in the adjoint)
 
     @property
     def shared_bytes(self) -> int:
@@ -152,9 +217,11 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     the emulator's one), or why none fits."""
     rows = math.prod(sizes[a] for a in cell.rows)
     size = sizes[cell.split]
-    if sizes.get(cell.contracted, size) != size:
-        return f"the contracted axis {cell.contracted} and the units {cell.split} differ in size"
-    cols = math.prod(sizes[a] for a in cell.local)
+    for axis in (cell.unit, cell.out_unit):
+        if sizes.get(axis, size) != size:
+            return f"the axis {axis} and the units {cell.split} differ in size"
+    depth = math.prod(sizes.get(a, size) for a in cell.contracted)
+    cols = math.prod(sizes[a] for a in cell.cols)
     chunk = next((c for c in CHUNKS if rows * (c + 1) * 4 <= STAGE_BYTES), None)
     if chunk is None:
         return f"{rows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
@@ -167,9 +234,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     pairs = -(-pairs_total // threads)
     if pairs > MAX_PAIRS:
         return f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
-    jpad = -(-size // chunk) * chunk
-    result = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad)
+    jpad = -(-depth // chunk) * chunk
+    result = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth)
     if result.shared_bytes > STATIC_SHARED:
         return (f"U slice and staging {result.shared_bytes} bytes a block exceed {STATIC_SHARED} "
-                f"({units} units x {cols} columns x {size}) over {nblocks} blocks")
+                f"({units} units x {cols} columns x {depth}) over {nblocks} blocks")
     return result

@@ -1,23 +1,28 @@
-"""CUDA C of the persistent forward kernel: one cooperative launch for the whole sequence.
+"""CUDA C of the persistent kernel: one cooperative launch for the whole sequence, a forward or an
+adjoint (the same code: `Cell` says which product; REVERSE, the time order).
 
-Block x owns units k in [x KU, x KU + KU) of the split axis, all rows and all columns (gates) of them,
-so the cell's element-wise math is local; its slice of U sits in shared memory for the whole call.
-Thread pair q owns one (row r, unit k) for the whole call (carries in registers). As a plain loop:
+Block x owns units k in [x KU, x KU + KU) of the split axis, all rows and all local (gate) columns of
+them, so the cell's element-wise math is local; its slice of U sits in shared memory for the whole
+call. Thread pair q owns one (row r, unit k) for the whole call (carries in registers). As a plain
+loop (e: the flat contracted index, j in the forward, (g, k') in the adjoint; D its size):
 
-    su[j][u][c] = U[j, c, x KU + u]                      once (zero past the axis' end)
-    st[q] = initial states at (r, k);  xo[0][r][k] = initial operand state (the host)
+    su[e][u][c] = U[e, c, x KU + u]                      once (zero past the axes' ends)
+    st[q] = initial states at (r, k)
     for s in range(L):  t = s (L - 1 - s where reversed)
-        seq[q] = sequences at (t, r, k)                  issued before the product (latency hidden)
-        acc[q][c] = sum_j xo[s % 2][r][j] su[j][u][c]    xo staged [rows][JC + 1] a chunk at a time,
+        seq[q] = sequences at (t, r, k)                  issued first (latency hidden)
+        xo[s % 2][r][e(k, g)] = op at (r, k, g)          the forward: h; the adjoint: dz, from the
+                                                         carries and seq (the cell's nodes it needs)
+        grid barrier                                     every block's operand written before any reads it
+        acc[q][c] = sum_e xo[s % 2][r][e] su[e][u][c]    xo staged [rows][JC + 1] a chunk at a time,
                                                          the next chunk's loads in flight meanwhile
-        cell(acc, seq, st, params) -> outputs at t, the new states st, xo[(s + 1) % 2][r][k] = new h
-        grid barrier                                     every block's h written before any reads it
+        cell(acc, seq, st, params) -> outputs at t, the new states st
 
 The exchange buffer xo is double-buffered by step parity: a block writing step s + 1's operand cannot
-overwrite what a slower block still reads at step s, since both sit between the same two barriers.
-xo is read through L2 only (`ld_l2`: a stale L1 line of two steps before would be read otherwise).
+overwrite what a slower block still reads at step s (that block has not yet passed barrier s + 1,
+which the writer needs to reach step s + 2's write to the same half). xo is read through L2 only
+(`ld_l2`: a stale L1 line of two steps before would be read otherwise).
 
-The cell is printed from the IR node by node (`cell_code`), each node's value one register per index
+The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
 functions). Off the GPU (the emulator: one block at a time) the barrier is compiled out; the host
 launches one block there.
@@ -97,6 +102,7 @@ class CellPrinter:
         self.params = {d.name: i for i, d in enumerate(p.params)}
         self.at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "k"}
         self.printer = _Exprs()
+        self.weight_axes = next(d.axes for d in p.params if d.name == cell.weight)
 
     def own(self, n: Node) -> tuple[str, ...]:
         return tuple(a for a in n.axes if a in self.cell.local)
@@ -116,8 +122,12 @@ class CellPrinter:
             if n.arg in self.seqs:
                 return Var(f"sv{self.seqs[n.arg]}[q][{c}]")
             return Var(f"pv{self.params[n.arg]}[q][{c}]")
+        if n.op is Op.IOTA:
+            return Num(float(assign[n.arg]))
         if n is self.cell.product:
-            return Var(f"acc[q][{flat(self.cell.local, self.sizes, assign)}]")
+            return Var(f"acc[q][{flat(self.cell.cols, self.sizes, assign)}]")
+        if n.op is Op.RENAME:  # the adjoint's rename(P, j -> k): the pair's own unit
+            return self.ref(n.args[0], assign)
         return Var(f"v{self.index[n]}_{c}")
 
     def node(self, n: Node, assign: dict[str, int]):
@@ -134,17 +144,43 @@ class CellPrinter:
             return Call(_CALLS[n.op], tuple(args))
         raise TypeError(f"{n.op} in the cell")
 
-    def body(self) -> list[str]:
-        """Statements of the cell for pair q: every node, then the outputs at t, the new carries and
-        the published operand."""
+    def values(self, nodes) -> list[str]:
+        """The registers of `nodes` (cell nodes, in order) for pair q."""
         out = []
-        for n in self.cell.nodes:
-            if n.op in (Op.INPUT, Op.CONST) or n is self.cell.product:
+        for n in nodes:
+            if n.op in (Op.INPUT, Op.CONST, Op.IOTA, Op.RENAME) or n is self.cell.product:
                 continue
             ctype = "bool" if n.dtype == "bool" else "F"
             for assign in combos(self.own(n), self.sizes):
                 value = self.printer.expr(self.node(n, assign))
                 out.append(f"const {ctype} v{self.index[n]}_{flat(self.own(n), self.sizes, assign)} = {value};")
+        return out
+
+    def publish(self) -> list[str]:
+        """Statements for pair q before the product: the values the operand needs, and the operand at
+        (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][DEPTH] (the
+        contracted axes flat in the weight's order)."""
+        cell = self.cell
+        needed, todo = set(), [cell.publish]
+        while todo:
+            n = todo.pop()
+            if n not in needed:
+                needed.add(n)
+                todo.extend(n.args)
+        out = self.values([n for n in cell.nodes if n in needed])
+        order = tuple(a for a in self.weight_axes if a in cell.contracted)
+        own = tuple(a for a in cell.publish.axes if a in cell.local)
+        for assign in combos(own, self.sizes):
+            at = {cell.unit: "k"} | {a: str(v) for a, v in assign.items()}
+            out.append(f"xw[(long long)r * DEPTH + {contiguous_index(order, self.sizes, at)}] = "
+                       f"{self.printer.expr(self.ref(cell.publish, assign))};")
+        return out
+
+    def body(self) -> list[str]:
+        """Statements of the cell for pair q after the product: every node (those before the product
+        recomputed: cheaper than keeping them in registers across the barrier), then the outputs at t
+        and the new carries."""
+        out = self.values(self.cell.nodes)
         p = self.cell.program
         for i, (_, y) in enumerate(p.outputs):
             axes = y.axes
@@ -162,7 +198,6 @@ class CellPrinter:
             i = self.states[s.name]
             for c in range(self.count(self.own_of(s.axes))):
                 out.append(f"st{i}[q][{c}] = n{i}_{c};")
-        out.append(f"hout[(long long)r * {self.sizes[self.cell.split]} + k] = n{self.states[self.cell.state]}_0;")
         return out
 
     def own_of(self, axes) -> tuple[str, ...]:
@@ -188,7 +223,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
     args += ["float* xo", "unsigned int* bar"]
     weight = pr.params[cell.weight]
-    wat = {cell.contracted: "j", cell.split: "kk"} | {a: f"c_{a}" for a in cell.local}
+    order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
+    wat = {a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
     rsz = [sizes[a] for a in cell.rows]
 
     def full(axes) -> list[int]:
@@ -213,15 +249,18 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     # U slice: su[j][u][c], c flat over the local axes in the weight's order (a unit's columns
     # adjacent: one wide shared load where COLS is 2 or 4)
     local_decode = []
-    for i, a in enumerate(cell.local):
-        inner = math.prod(sizes[b] for b in cell.local[i + 1:])
+    for i, a in enumerate(cell.cols):
+        inner = math.prod(sizes[b] for b in cell.cols[i + 1:])
         local_decode.append(f"const int c_{a} = (c / {inner}) % {sizes[a]};")
+    for i, a in enumerate(order):
+        inner = math.prod(sizes[b] for b in order[i + 1:])
+        local_decode.append(f"const int e_{a} = (j / {inner}) % {sizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
     load_u = [
         "for (int e = threadIdx.x; e < JPAD * COLS * UNITS; e += THREADS) {",
         "    const int j = e / (COLS * UNITS), c = (e / UNITS) % COLS, u = e % UNITS, kk = k0 + u;",
         *("    " + line for line in local_decode),
-        f"    su[j][u][c] = (j < SIZE && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+        f"    su[j][u][c] = (j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
         "}",
     ]
     # registers: carries, params, the step's sequences
@@ -266,6 +305,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
     cell_lines = pr.body()
+    publish_lines = pr.publish()
     product = [
         "#pragma unroll 4",
         "for (int jj = 0; jj < CHUNK; ++jj) {",
@@ -286,6 +326,7 @@ typedef float F;
 #define PAIRS {plan.pairs}
 #define CHUNK {plan.chunk}
 #define JPAD {plan.jpad}
+#define DEPTH {plan.depth}
 #define STAGED {-(-plan.rows * plan.chunk // plan.threads)}
 #define REVERSE {int(p.reverse)}
 
@@ -318,14 +359,14 @@ inline float ld_l2(const float* p) {{ return *p; }}
 inline void grid_barrier(unsigned int*, unsigned int, int) {{}}  // the emulator runs one block
 #endif
 
-// The values of h[r][j0 .. j0 + CHUNK) this thread stages (element e = threadIdx.x + i THREADS of the
+// The values of the operand op[r][j0 .. j0 + CHUNK) this thread stages (element e = threadIdx.x + i THREADS of the
 // [ROWS][CHUNK] chunk), zero past the axis' end.
 __device__ __forceinline__ void stage(F* staged, const F* hin, int j0)
 {{
     #pragma unroll
     for (int i = 0; i < STAGED; ++i) {{
         const int e = threadIdx.x + i * THREADS, r = e / CHUNK, j = j0 + e % CHUNK;
-        staged[i] = (e < ROWS * CHUNK && j < SIZE) ? ld_l2(hin + (long long)r * SIZE + j) : F(0);
+        staged[i] = (e < ROWS * CHUNK && j < DEPTH) ? ld_l2(hin + (long long)r * DEPTH + j) : F(0);
     }}
 }}
 
@@ -339,15 +380,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(prologue)}
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
-        const F* hin = xo + (s & 1) * (ROWS * SIZE);
-        F* hout = xo + ((s + 1) & 1) * (ROWS * SIZE);
+        F* xw = xo + (s & 1) * (ROWS * DEPTH);
 {per_pair(seq_loads, depth=2)}
+{per_pair(publish_lines, depth=2)}
+        // every block's operand of this step written before any block stages it
+        if (gridDim.x > 1) grid_barrier(bar, (unsigned int)(s + 1) * gridDim.x, s);
+        else __syncthreads();
         #pragma unroll
         for (int q = 0; q < PAIRS; ++q)
             #pragma unroll
             for (int c = 0; c < COLS; ++c) acc[q][c] = F(0);
         F staged[STAGED];  // this thread's values of the next chunk, loaded while the block multiplies
-        stage(staged, hin, 0);
+        stage(staged, xw, 0);
         for (int j0 = 0; j0 < JPAD; j0 += CHUNK) {{
             __syncthreads();  // every thread done with the previous chunk
             #pragma unroll
@@ -356,13 +400,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
                 if (e < ROWS * CHUNK) sh[e / CHUNK][e % CHUNK] = staged[i];
             }}
             __syncthreads();
-            if (j0 + CHUNK < JPAD) stage(staged, hin, j0 + CHUNK);
+            if (j0 + CHUNK < JPAD) stage(staged, xw, j0 + CHUNK);
 {per_pair(product, guard="r < ROWS", depth=3)}
         }}
 {per_pair(cell_lines, depth=2)}
-        // h of this step written by every thread (of the grid) before the next step stages it
-        if (gridDim.x > 1) grid_barrier(bar, (unsigned int)(s + 1) * gridDim.x, s);
-        else __syncthreads();
     }}
 {per_pair(finals)}
 }}

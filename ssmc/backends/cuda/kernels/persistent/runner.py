@@ -1,11 +1,12 @@
-"""The persistent forward as a runner (the runner contract of `StepLoop.run`), with the step loop as
-its fallback for every shape, dtype or device it does not take.
+"""The persistent kernel (a forward, or an adjoint: reverse time, the operand dz) as a runner (the
+runner contract of `StepLoop.run`), with the step loop as its fallback for every shape, dtype or
+device it does not take.
 
     loop = persistent_loop(program, compute, StepLoop(program, compute))   # in step_loop.step_loop
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
 A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
-xo [2][rows][units] (xo[0] = the initial operand state) and a zeroed barrier word, and makes one
+xo [2][rows][depth] (the operand of a step by its parity) and a zeroed barrier word, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
 """
@@ -97,11 +98,8 @@ class PersistentLoop:
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
         outs = [torch.empty((length, *full(y.axes)), dtype=f32, device=device) for _, y in p.outputs]
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
-        operand = next(i for i, s in enumerate(p.states) if s.name == cell.state)
-        axes = p.states[operand].axes
-        order = [axes.index(a) for a in (*cell.rows, cell.split)]
-        xo = torch.empty(2 * chosen.rows * chosen.size, dtype=f32, device=device)
-        xo[:chosen.rows * chosen.size].copy_(ini_t[operand].permute(*order).reshape(-1))
+        # the exchange buffer, each step's operand [rows][depth] by step parity (the kernel writes it)
+        xo = torch.empty(2 * chosen.rows * chosen.depth, dtype=f32, device=device)
         bar = torch.zeros(3, dtype=torch.int32, device=device)
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, xo, bar]

@@ -1,0 +1,134 @@
+"""The adjoint of a recurrence with a recurrent product on the persistent kernel
+(backends/cuda/kernels/persistent/): its product reads the cotangent dz, not a renamed state,
+
+    grad_h[b, k] = sum over g, k' of dz[g, b, k'] U[k, g, k']     (+ the cell's local terms)
+
+so each block owns a slice of the output units, keeps U[its units, all g, all k'] in shared memory,
+publishes dz of its own units each step and reads every block's. Which adjoints fit and why others
+do not; the kernels through NVRTC (sm_80, sm_90, no spills); `ssmc.grad` with one emulated block on
+the CPU against the interpreter's gradients, the adjoint counted as a persistent launch; on a GPU,
+the same at L 1, 7, 180 with many blocks and the grid barrier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_persistent_rnn import CASES, _flat, _relative, launched, two  # noqa: F401  (launched: a fixture)
+
+import ssmc
+from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
+from ssmc.backends.cuda.kernels.persistent.analysis import STATIC_SHARED, Cell, analyse, plan
+from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
+from ssmc.examples import layernorm_lstm
+from ssmc.lowering.hoist import hoist
+from ssmc.passes.autodiff import derive_backward
+
+pytest.importorskip("torch")
+
+
+def _adjoint(spec):
+    """The hoisted adjoint program of `spec` (the program the gradient's step loop receives)."""
+    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
+
+
+def _check_grads(name: str, length: int, batch: int, hidden: int, tol: float, seed: int = 0):
+    """`ssmc.grad` on the CUDA backend against the interpreter's (float64) for every input."""
+    spec, layout, make = CASES[name]
+    rng = np.random.default_rng(seed)
+    inputs = make(rng, length, batch, hidden)
+    outs = ssmc.compile(spec, layout=layout, backend="interpreter")(**inputs)
+    cot = rng.standard_normal(np.shape(outs))
+    want = ssmc.grad(spec, backend="interpreter", layout=layout)(**inputs, grad_outputs=cot)
+    have = ssmc.grad(spec, backend="cuda", layout=layout, dtype="float32")(**inputs, grad_outputs=cot)
+    assert set(have) == set(want)
+    for k in want:
+        (a,), (b,) = _flat(have[k]), _flat(want[k])
+        assert _relative(a, b) < tol, (name, k, length, batch, hidden, _relative(a, b))
+
+
+# -- which adjoints ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,gates", [("lstm", 4), ("gru", 3), ("elman", 1), ("swap", 1), ("gated", 1)])
+def test_adjoints_fit(name, gates):
+    cell = analyse(_adjoint(CASES[name][0]))
+    assert isinstance(cell, Cell), cell
+    local = ("g",) if gates > 1 else ()
+    assert (cell.weight, cell.split, cell.unit, cell.out_unit, cell.rows, cell.cols, cell.op_local) == (
+        "U", "k", "k", "j", ("b",), (), local)
+    assert set(cell.contracted) == {"k", *local}
+    sizes = {"b": 64, "k": 512, "j": 512, "g": gates, "i": 512, "o": 3}
+    chosen = plan(cell, sizes, 132)
+    assert not isinstance(chosen, str), chosen
+    assert (chosen.blocks, chosen.units, chosen.cols, chosen.depth) == (128, 4, 1, gates * 512)
+    assert chosen.shared_bytes <= STATIC_SHARED
+
+
+def test_adjoint_refusals_say_why():
+    assert "sum over" in analyse(_adjoint(layernorm_lstm.SPEC))   # LayerNorm across the units
+    assert "2 recurrent products" in analyse(_adjoint(two))
+    too_wide = plan(analyse(_adjoint(CASES["lstm"][0])), {"b": 64, "k": 1024, "j": 1024, "g": 4}, 132)
+    assert isinstance(too_wide, str) and "exceed" in too_wide
+    # a row axis the weight's gradient sums over (grad a = sum over b): not hoisted, refused
+    assert "sum over b" in analyse(_adjoint(CASES["two_rows"][0]))
+
+
+# -- NVRTC ----------------------------------------------------------------------------------------------------------
+
+SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k": 512, "j": 512, "g": 3}),
+          ("lstm", {"b": 5, "k": 37, "j": 37, "g": 4}), ("gru", {"b": 7, "k": 129, "j": 129, "g": 3}),
+          ("elman", {"b": 3, "k": 700, "j": 700, "o": 3})]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name,sizes", SHAPES)
+def test_nvrtc_compiles_without_spills(name, sizes, arch):
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip(nvrtc.unavailable_reason())
+    cell = analyse(_adjoint(CASES[name][0]))
+    chosen = plan(cell, sizes, 132)
+    assert not isinstance(chosen, str), chosen
+    source = kernel_source(cell, chosen, sizes)
+    built = nvrtc.compile_source(source, arch, compile_options(source))
+    used = built.resources[kernel_name(cell)]
+    assert not used.spills and used.stack_frame_bytes == 0, used.summary()
+    assert used.registers <= 255, used.summary()
+    assert used.shared_bytes == chosen.shared_bytes <= STATIC_SHARED, used.summary()
+
+
+# -- emulated: one block on the CPU ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated"])
+@pytest.mark.parametrize("length", [1, 7])
+def test_emulated_gradients(name, length, emulated_cuda, launched):  # noqa: F811
+    _check_grads(name, length, batch=3, hidden=5, tol=1e-5)
+    assert f"{name}_backward" in launched, launched
+
+
+def test_emulated_gradients_more_pairs_than_threads(emulated_cuda, launched):  # noqa: F811
+    """B 37 x H 9 = 333 (row, unit) pairs over 256 threads: two pairs a thread, the second partial."""
+    _check_grads("lstm", 5, batch=37, hidden=9, tol=1e-5)
+    assert "lstm_backward" in launched
+
+
+def test_switched_off(emulated_cuda, launched):  # noqa: F811
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "0")
+    _check_grads("gru", 4, batch=3, hidden=5, tol=1e-5)
+    assert launched == []
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
+@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
+def test_gpu_gradients(name, length, batch, hidden, launched):  # noqa: F811
+    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4)."""
+    _check_grads(name, length, batch, hidden, tol=1e-4)
+    assert f"{name}_backward" in launched, "the adjoint did not run persistent (see PersistentLoop.refusals)"
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"
