@@ -10,7 +10,8 @@ torch.compile (ALiBi, window) and the tiled path. Then forward + backward (`ssmc
 autograd, out.backward(dO)): the gradients of q, k, v (and the ALiBi slope) against the peer's autograd
 and the tiled backward (``SSMC_CUDA_FLASH_BACKWARD=0``), max abs error over the gradient's max abs
 value, then the time of forward + backward against the same peers. Prints markdown tables; with
---out, writes them to DIR/flash.md. Needs torch, triton and cupy; no network.
+--out, writes them to DIR/flash.md. ``SSMC_CUDA_FLASH_DQ=kernel`` in the environment times the
+backward with its deterministic dQ kernel instead of atomics. Needs torch, triton and cupy; no network.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main() -> None:
     if train:
         text += ("\n# forward + backward\n\nssmc.torch.function's autograd (flash forward and backward kernels) "
                  "against the peer's autograd; grad rel err: max |error| / max |gradient| over q, k, v (and the "
-                 "slope against the tiled backward); tiled bwd: the flash forward with the tiled backward.\n\n"
+                 "slope against the tiled backward); tiled bwd: the flash forward with the tiled backward; dQ: "
+                 f"{os.environ.get('SSMC_CUDA_FLASH_DQ') or 'atomic'}.\n\n"
                  + train_table(train) + "\n")
     print(text)
     if args.out:

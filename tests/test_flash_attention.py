@@ -276,7 +276,7 @@ def test_gpu_tiled_forward_runs_the_flash_kernel_and_the_switch_turns_it_off(mon
 
 
 @pytest.mark.gpu
-def test_gpu_gradients_still_flow_through_the_tiled_backward():
+def test_gpu_gradients_flow_through_ssmc_torch_function():
     import ssmc.torch
 
     program = SPECS["alibi"].program

@@ -15,6 +15,7 @@ from ssmc.backends.cuda.kernels.flash import forward as flash
 
 torch = pytest.importorskip("torch")
 
+from profiles import nightly  # noqa: E402
 from test_flash_attention import BRUTE_MASKS, GPU_LENGTHS, SPECS, _gpu_inputs, _params  # noqa: E402
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
@@ -89,12 +90,17 @@ def emulate(monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
 
 
+# the emulator takes seconds a case: the larger ones only in the nightly run (tests/profiles.py)
+EMULATED_CASES = ([("causal", n, n) for n in (1, 7, 33, 70, 130)]
+                  + [("alibi", 7, 7), ("alibi", 70, 70), ("alibi", 70, 7), ("alibi", 7, 70), ("alibi", 33, 100),
+                     ("window", 130, 130), ("full", 33, 33), ("softcap_empty_rows", 20, 20),
+                     ("softcap_empty_rows", 70, 7)]
+                  + ([("alibi", 130, 130), ("alibi", 33, 130), ("window", 70, 33), ("full", 70, 130)]
+                     if nightly() else []))
+
+
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk", [("causal", n, n) for n in (1, 7, 33, 70, 130)]
-                         + [("alibi", 7, 7), ("alibi", 70, 70), ("alibi", 130, 130), ("alibi", 70, 7),
-                            ("alibi", 7, 70), ("alibi", 33, 130), ("window", 130, 130), ("window", 70, 33),
-                            ("full", 33, 33), ("full", 70, 130), ("softcap_empty_rows", 20, 20),
-                            ("softcap_empty_rows", 70, 7)])
+@pytest.mark.parametrize("name, lq, lk", EMULATED_CASES)
 def test_emulated_flash_backward_matches_the_tiled_backward(name, lq, lk, emulate):
     """Causal (full tiles below the diagonal at 130), ALiBi (its slope's gradient), a window of 20 (a
     skipped key block), no mask, a soft-cap with rows that see no key; Lq apart from Lk."""
@@ -103,9 +109,25 @@ def test_emulated_flash_backward_matches_the_tiled_backward(name, lq, lk, emulat
 
 
 @needs_emulator
-@pytest.mark.parametrize("lq, lk", [(33, 33), (70, 130)])
+@pytest.mark.parametrize("lq, lk", [(33, 33), (33, 70)] + ([(70, 130)] if nightly() else []))
 def test_emulated_flash_backward_fp16_and_head_dim_128(lq, lk, emulate):
     _check(*_run_emulated("alibi", lq, lk, 1, d=128, bf16=False, seed=lq), bf16=False)
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, lq, lk, d, bf16", [("alibi", 130, 70, 64, True), ("alibi", 7, 70, 64, True),
+                                                  ("softcap_empty_rows", 70, 7, 128, False)])
+def test_emulated_flash_backward_with_the_dq_kernel(name, lq, lk, d, bf16, emulate, monkeypatch):
+    """SSMC_CUDA_FLASH_DQ=kernel: the key-block kernel without atomics, then the dQ kernel per query block
+    (full key tiles for query blocks 1 and 2 at Lq 130; rows without a key; fp16 d128)."""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", "kernel")
+    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + lk), bf16=bf16)
+
+
+def test_an_unknown_dq_mode_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", "sometimes")
+    with pytest.raises(ValueError, match="SSMC_CUDA_FLASH_DQ"):
+        flash_bwd.dq_mode()
 
 
 @needs_emulator
@@ -115,18 +137,16 @@ def test_emulated_rows_without_a_key_get_zero_gradients(emulate):
 
 
 @needs_emulator
-@pytest.mark.parametrize("layout", ["b h t ...", "b t h ..."])
-def test_emulated_gradients_through_the_tiled_path_run_the_kernels(layout, monkeypatch):
-    """`TiledAttention.gradients` on CPU bf16 tensors with the emulator on: the forward and backward
-    kernels; SSMC_CUDA_FLASH_BACKWARD=0 gives the tiled backward's answer back."""
+def test_emulated_gradients_through_the_tiled_path_run_the_kernels(monkeypatch):
+    """`TiledAttention.gradients` on CPU bf16 tensors in layout "b t h ..." with the emulator on: the
+    forward and backward kernels; SSMC_CUDA_FLASH_BACKWARD=0 gives the tiled backward's answer back."""
     from ssmc.backends.tiled_attention import TiledAttention
 
     program = SPECS["alibi"].program
     rng = np.random.default_rng(5)
-    lq = 40
-    shape = (2, 3, lq, 64) if layout == "b h t ..." else (2, lq, 3, 64)
-    q, k, v, do = (_half(rng.standard_normal(shape), torch.bfloat16) for _ in range(4))
-    slope = torch.from_numpy(_params(program, {"b": 2, "h": 3}, rng)["slope"])
+    layout, lq = "b t h ...", 40
+    q, k, v, do = (_half(rng.standard_normal((2, lq, 2, 64)), torch.bfloat16) for _ in range(4))
+    slope = torch.from_numpy(_params(program, {"b": 2, "h": 2}, rng)["slope"])
     tiled = TiledAttention(program)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     got = tiled.gradients(q, k, v, do, layout, {"slope": slope})
@@ -169,12 +189,16 @@ def test_emulated_torch_function_backward_runs_the_kernel(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
 def test_flash_backward_compiles_without_spills(arch, d, name):
+    """The key-block kernel with atomic dQ, without, and the dQ kernel."""
     from ssmc.backends.cuda.source import compile_options
 
-    kname, text = flash_bwd.kernel_source(SPECS[name].program, d, True)
-    usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
-    assert not usage.spills, str(usage)
-    assert usage.shared_bytes <= 48 * 1024
+    sources = [flash_bwd.kernel_source(SPECS[name].program, d, True),
+               flash_bwd.kernel_source(SPECS[name].program, d, True, atomic_dq=False),
+               flash_bwd.dq_source(SPECS[name].program, d, True)]
+    for kname, text in sources:
+        usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+        assert not usage.spills, str(usage)
+        assert usage.shared_bytes <= 48 * 1024
 
 
 def test_backward_modifiers_print_and_param_sums_are_per_batch_index():
@@ -216,6 +240,25 @@ def test_gpu_flash_backward_matches_the_tiled_backward(name, length, dtype, monk
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
     want = _gpu_grads(fn, q, k, v, params, do)
     _close(got, want, dtype == torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "alibi", "softcap_empty_rows"])
+@pytest.mark.parametrize("length", [7, 1000, 4097])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dq_kernel_matches_the_tiled_backward_and_repeats_bitwise(name, length, d, monkeypatch):
+    import ssmc.torch
+
+    q, k, v, params = _gpu_inputs(SPECS[name].program, length, torch.bfloat16, d=d)
+    do = torch.randn_like(q)
+    fn = ssmc.torch.function(SPECS[name], layout="b h t ...")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", "kernel")
+    got = _gpu_grads(fn, q, k, v, params, do)
+    again = _gpu_grads(fn, q, k, v, params, do)
+    assert fn.tiled.flash_backward_reason is None
+    assert all(torch.equal(got[n], again[n]) for n in got)
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    _close(got, _gpu_grads(fn, q, k, v, params, do), True)
 
 
 @pytest.mark.gpu

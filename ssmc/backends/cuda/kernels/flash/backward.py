@@ -17,8 +17,11 @@ kernel (``backward.cu.j2``), per batch index bh and block of `BN` keys j, as a p
         dparams[kb, bh, n] += sum_{i, j} d_param_n(dm, s, i, j, params[bh])
 
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
-into a zeroed [BH, Lq, d] buffer (summation order not fixed); the params' per-(key block, batch index)
-sums are added up by torch in a fixed order. Products in the inputs' 16-bit type with fp32 accumulation;
+into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
+second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
+spans and sums dq[i] = scale * sum_j ds[i, j] k[j] in registers (no atomics: bitwise repeatable, 7
+products instead of 5); the params' per-(key block, batch index) sums are added up by torch in a fixed
+order. Products in the inputs' 16-bit type with fp32 accumulation;
 P and dS rounded to 16 bits as operands (as FlashAttention).
 """
 
@@ -61,12 +64,25 @@ def unsupported(program: Attention) -> str | None:
 _SOURCES: dict = {}
 
 
-def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+def dq_mode() -> str:
+    """How the backward sums dQ: "atomic" (default: fp32 atomics in the key-block kernel, 5 products) or
+    "kernel" (``SSMC_CUDA_FLASH_DQ=kernel``: a second kernel per query block, no atomics, bitwise
+    repeatable, 7 products)."""
+    import os
+
+    mode = os.environ.get("SSMC_CUDA_FLASH_DQ", "atomic").strip().lower() or "atomic"
+    if mode not in ("atomic", "kernel"):
+        raise ValueError(f"SSMC_CUDA_FLASH_DQ={mode!r}: expected 'atomic' or 'kernel'")
+    return mode
+
+
+def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs; cached. Raises `Unprintable` where `unsupported` says why."""
+    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then);
+    cached. Raises `Unprintable` where `unsupported` says why."""
     from ...source import mma_header
 
-    key = (program, d, bf16)
+    key = (program, d, bf16, atomic_dq)
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
@@ -77,10 +93,38 @@ def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
     dscore_body, param_bodies = _bodies(program)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    name = f"flash_bwd_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
+    name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
     text = template("flash/backward.cu.j2").render(
         name=name, d=d, bn=BN, bq=BQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
-        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies)
+        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies,
+        atomic_dq=atomic_dq)
+    _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
+    return hit
+
+
+BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
+
+
+def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+    """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
+    `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; cached."""
+    from ...source import mma_header
+
+    key = (program, d, bf16, "dq")
+    hit = _SOURCES.get(key)
+    if hit is not None:
+        return hit
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
+    score_body = print_body(program.score, program, "score")
+    mask_body = print_body(program.mask, program, "true")
+    dscore_body, _ = _bodies(program)
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
+    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, repr(scale)]).encode())
+    name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
+    text = template("flash/backward_dq.cu.j2").render(
+        name=name, d=d, bn2=BN_DQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
+        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body)
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
@@ -119,8 +163,9 @@ class FlashBackward:
         self._spans: dict = {}
         self._lock = threading.Lock()
 
-    def _function(self, device, d: int, bf16: bool):
-        name, text = kernel_source(self.program, d, bf16)
+    def _function(self, device, d: int, bf16: bool, which: str = "atomic"):
+        name, text = dq_source(self.program, d, bf16) if which == "dq" else kernel_source(
+            self.program, d, bf16, atomic_dq=which == "atomic")
         key = (device.type, device.index, text)
         fn = self._modules.get(key)
         if fn is None and device.type == "cpu":  # SSMC_CUDA_EMULATE=1 (tests): on the CPU emulator
@@ -138,15 +183,18 @@ class FlashBackward:
                 fn = self._modules[key] = module.get_function(name)
         return fn
 
-    def _span_tensor(self, call):
+    def _span_tensor(self, call, per_query_block: bool = False):
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
                 self._spans.clear()
-            spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes)
+            if per_query_block:
+                spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
+            else:
+                spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes)
             flat = [x for span in spans for x in span]
             t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
         return t
@@ -192,14 +240,19 @@ class FlashBackward:
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
         if bh and lq and lk:
             params = param_table(self.program, call.params, call.sizes).to(q.device)
-            spans = self._span_tensor(call)
-            fn = self._function(q.device, d, q.dtype == torch.bfloat16)
-            pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
-                        params.data_ptr(), spans.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                        partials.data_ptr()]
-            if q.is_cuda and q.device.index != torch.cuda.current_device():
-                with torch.cuda.device(q.device):
-                    launch_kernel(fn, (nkb * bh, THREADS), lq, lk, pointers)
-            else:
-                launch_kernel(fn, (nkb * bh, THREADS), lq, lk, pointers)
+            bf16, atomic = q.dtype == torch.bfloat16, dq_mode() == "atomic"
+            inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
+                      params.data_ptr()]
+            launches = [(self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh,
+                         [*inputs, self._span_tensor(call).data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                          partials.data_ptr()])]
+            if not atomic:
+                launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh,
+                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr()]))
+            for fn, blocks, pointers in launches:
+                if q.is_cuda and q.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(q.device):
+                        launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+                else:
+                    launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
         return {"q": dq, "k": dk, "v": dv, **self.param_gradients(partials[..., :np_], call.sizes)}
