@@ -160,19 +160,21 @@ def test_emulated_gradients_through_the_tiled_path_run_the_kernels(monkeypatch):
 
 
 @needs_emulator
-def test_emulated_torch_function_backward_runs_the_kernel(monkeypatch):
-    """ssmc.torch.function's autograd on CPU bf16 tensors, emulated: the flash backward (the output saved
-    for delta) against SSMC_CUDA_FLASH_BACKWARD=0."""
+@pytest.mark.parametrize("name", ["alibi", "causal"])
+def test_emulated_torch_function_backward_runs_the_kernel(name, monkeypatch):
+    """ssmc.torch.function's autograd on CPU bf16 tensors, emulated: the flash backward (delta from the
+    saved fp32 output with a param, from the 16-bit output without) against SSMC_CUDA_FLASH_BACKWARD=0."""
     import ssmc.torch
 
     rng = np.random.default_rng(7)
-    fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")
+    fn = ssmc.torch.function(SPECS[name], layout="b h t ...")
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     q, k, v, do = (_half(rng.standard_normal((1, 2, 30, 64)), torch.bfloat16) for _ in range(4))
-    slope = torch.from_numpy(_params(SPECS["alibi"].program, {"b": 1, "h": 2}, rng)["slope"]).float()
+    params = [torch.from_numpy(_params(SPECS[name].program, {"b": 1, "h": 2}, rng)["slope"]).float()
+              ] if name == "alibi" else []
 
     def grads():
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, slope)]
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, *params)]
         fn(*leaves).backward(do)
         return {n: t.grad.double() for n, t in zip(("q", "k", "v", "slope"), leaves)}
 
