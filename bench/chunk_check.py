@@ -14,7 +14,8 @@ K128 V128 bf16:
    kernels, on the torch path, the peer's forward; and the chunked core alone (`mma.forward` against
    `algorithm.forward` on the same chunked operands) at each chunk the kernels take (64, 128, 256),
    with each kernel's own time (CUDA events around its launch, median of 30 calls) and the bytes it
-   moves at the least, as GB/s.
+   moves at the least, as GB/s; and the one-pass states variant (`mma.forward(x, one_pass=True)`:
+   chunk_states_scan in place of chunk_states and state_pass), its time and error.
 
 Prints a markdown table; with --out, writes it to DIR/chunk.md. Needs torch, triton, cupy; the peers
 are installed from peers/ as bench/harness.py does (no network).
@@ -135,14 +136,14 @@ def retnet_peer(peers, a: dict):
     return lambda: chunk_retention(a["q"], a["k"], a["v"], scale=1.0)[0]
 
 
-def kernel_times(x: algorithm.Chunks, reps: int = 30) -> dict[str, float]:
+def kernel_times(x: algorithm.Chunks, reps: int = 30, one_pass: bool | None = None) -> dict[str, float]:
     """Each kernel of `mma.forward(x)`: median milliseconds over `reps` calls (CUDA events)."""
     for _ in range(3):
-        mma.forward(x)
+        mma.forward(x, one_pass=one_pass)
     runs = []
     for _ in range(reps):
         events: list = []
-        mma.forward(x, events=events)
+        mma.forward(x, events=events, one_pass=one_pass)
         runs.append(events)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
@@ -223,8 +224,12 @@ def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
             core_err = rel(mma.forward(x)[0], algorithm.forward(x)[0])
             moved = kernel_bytes(x)
             parts = {}
-            for k, t in kernel_times(x).items():
-                parts[k] = f"{t:.3f} ms, {moved[k] / t / 1e6:.0f} GB/s"
+            for one_pass in (False, True):
+                for k, t in kernel_times(x, one_pass=one_pass).items():
+                    parts[k] = f"{t:.3f} ms, {moved[k] / t / 1e6:.0f} GB/s"
+            one_err = rel(mma.forward(x, one_pass=True)[0], algorithm.forward(x)[0])
+            t_one = timed(lambda x=x: mma.forward(x, one_pass=True))
+            parts["one pass (chunk_states_scan)"] = f"{t_one:.3f} ms, error {one_err:.1e}"
             cores.append((c, t_core, t_core_torch, core_err, parts))
     finally:
         undo()

@@ -100,6 +100,20 @@ def test_emulated_kernels_agree_with_the_torch_forward(emulate, chunk, length):
 
 
 @needs_emulator
+@pytest.mark.parametrize("chunk, length", [(64, 130), (128, 300)])
+def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
+    """chunk_states_scan (a block per state tile walking the chunks) in place of chunk_states and
+    state_pass: the same entering states, final state and output."""
+    x = _chunks(length, seed=length + 1, chunk=chunk, decay=0.02)
+    out, entering, final = mma.forward(x, one_pass=True)
+    ref_out, ref_entering, ref_final = _reference(x)
+    assert _rel(out, ref_out) < 1e-2
+    assert _rel(final, ref_final) < 1e-2
+    assert _rel(entering, ref_entering) < 1e-2
+    torch.testing.assert_close(entering[..., 0, :, :], x.s0.expand_as(entering[..., 0, :, :]))
+
+
+@needs_emulator
 def test_emulated_kernels_with_every_operand_per_head_in_fp16(emulate):
     """Two heads on every operand (no broadcast), fp16, a value size of 128 (two value tiles)."""
     h = (2,)
@@ -141,7 +155,7 @@ def test_the_kernels_compile_without_spills(arch):
                 for bf16 in (True, False) if key == value == max(mma.SIZES) else (True,):
                     text = mma.source(key, value, chunk, bf16)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-                    assert set(resources) == {"chunk_states", "state_pass", "chunk_output"}
+                    assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()

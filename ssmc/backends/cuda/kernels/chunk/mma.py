@@ -8,6 +8,8 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
 1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) k_jᵀ v_j`` (fp32);
 2. ``state_pass``: per (head, state entry), the chunks in order: the state entering each chunk, in
    place of the chunk's sum, and the final state;
+   or, for both (``one_pass``), ``chunk_states_scan``: per (head, 64 keys, 64 values), the chunks in
+   order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
    (q_i·k_j) v_j``, the scores in registers only.
 
@@ -36,6 +38,10 @@ CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a war
 CHUNK = 128
 SHORT = 64               # calls of at most this many steps: one chunk of 64 (less padding)
 SIZES = (64, 128)        # key and value sizes they take
+# the states by chunk_states_scan (a block per state tile walks the chunks: each state written once)
+# in place of chunk_states + state_pass (a block per chunk, then a pass: chunk sums written and read
+# again, but NC times the blocks); off until timed (bench/chunk_check.py times both)
+ONE_PASS = False
 _modules: dict = {}
 _tables: dict = {}
 
@@ -48,7 +54,7 @@ def chunk_for(length: int) -> int:
 def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     """Bytes of dynamic shared memory of each kernel (the 16-bit tiles, rows padded by 8 values)."""
     tile, pad = 64, 8
-    return {"chunk_states": 2 * tile * (chunk + pad) * 2,
+    return {"chunk_states": 2 * tile * (chunk + pad) * 2, "chunk_states_scan": 2 * tile * (chunk + pad) * 2,
             "state_pass": 0,
             "chunk_output": (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2}
 
@@ -149,11 +155,13 @@ def writable_out(out: torch.Tensor | None, heads, nc: int, chunk: int, value: in
             and out.storage_offset() % 2 == 0 and all(s % 2 == 0 or n == 1 for n, s in zip(heads, out.stride())))
 
 
-def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = None):
+def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = None,
+            one_pass: bool | None = None):
     """`algorithm.forward(x)` on the kernels: (O [*H, NC, C, V] fp32, the state entering each chunk
     [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast.
     `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
-    and returned; else into a new array.
+    and returned; else into a new array. `one_pass`: the states by chunk_states_scan (default
+    `ONE_PASS`).
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     q = _chunked_view(x.q, True)
@@ -180,11 +188,18 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
 
     tiles = (key // 64) * (value // 64)
     shared = shared_bytes(key, value, chunk)
-    launches = [
-        ("chunk_states", nh * nc * tiles, 128,
-         [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(), gamma.data_ptr()]),
-        ("state_pass", nh * key * value // 256, 256,
-         [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]),
+    if ONE_PASS if one_pass is None else one_pass:
+        launches = [("chunk_states_scan", nh * tiles, 128,
+                     [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
+                      states.data_ptr(), final.data_ptr()])]
+    else:
+        launches = [
+            ("chunk_states", nh * nc * tiles, 128,
+             [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(), gamma.data_ptr()]),
+            ("state_pass", nh * key * value // 256, 256,
+             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]),
+        ]
+    launches += [
         ("chunk_output", nh * nc * (value // 64), 2 * chunk,
          [base(q), base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
           base(out)]),
