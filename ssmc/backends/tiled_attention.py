@@ -225,11 +225,10 @@ class TiledAttention:
         text = (f"tiled torch path: {len(spans)} blocks of {block} query rows; the scores of "
                 f"{visited / (lq * lk):.0%} of the Lq x Lk pairs computed (keys outside the mask's spans "
                 f"skipped); per block 2 matrix products forward, 5 backward, scores and softmax in fp32")
+        from .cuda.kernels.flash.backward import unsupported as backward_unsupported
         from .cuda.kernels.flash.forward import unsupported
 
         reason = unsupported(self.program)
-        from .cuda.kernels.flash.backward import unsupported as backward_unsupported
-
         back = backward_unsupported(self.program) if reason is None else reason
         flash = ("the flash forward and backward kernels on CUDA bf16 / fp16 tensors of head dim 64 or 128, the "
                  "tiled path elsewhere" if back is None else
