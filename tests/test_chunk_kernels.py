@@ -289,3 +289,25 @@ def test_gpu_specs_on_the_kernels_match_the_torch_path_and_the_interpreter(name,
         assert g.shape == r.shape
         assert _rel(g, r) < 1e-2, (_rel(g, r), _rel(t, r))
         assert _rel(g, r) < 2 * _rel(t, r) + 1e-3, (_rel(g, r), _rel(t, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("key, value", [(128, 64), (128, 128)])
+def test_gpu_kernels_at_every_chunk_agree_with_the_torch_forward(chunk, one_pass, key, value, monkeypatch):
+    """The kernels on the GPU (dynamic shared memory past 48 KiB, both ways to the states) against
+    algorithm.py in float64 on the same rounded values: L 1000 (the last chunk partial), SSD's
+    broadcast of q and k over two heads."""
+    from ssmc.backends.cuda.kernels.chunk import algorithm as alg
+
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02)
+    gpu = alg.Chunks(*(t.cuda() for t in (x.q, x.k, x.v, x.ell, x.s0)))
+    assert mma.kernels_apply(gpu)
+    out, entering, final = (t.cpu() for t in mma.forward(gpu, one_pass=one_pass))
+    ref_out, ref_entering, ref_final = _reference(x)
+    assert _rel(out, ref_out) < 1e-2
+    assert _rel(final, ref_final) < 1e-2
+    assert _rel(entering, ref_entering) < 1e-2
