@@ -132,3 +132,59 @@ def test_gpu_gradients(name, length, batch, hidden, launched):  # noqa: F811
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
             assert loop.status() == (False, 0), "a grid barrier timed out"
+
+
+# -- emulated: several blocks, one step -----------------------------------------------------------------------
+
+def _forward_program(spec):
+    return hoist(spec.program, transpose=False).program
+
+
+@pytest.mark.parametrize("direction", ["forward", "adjoint"])
+@pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_emulated_blocks_one_step(name, direction, blocks):
+    """The split over blocks (U slices, publish offsets, each block's units of the outputs) at L 1:
+    the emulator runs blocks one after another with the grid barrier compiled out, so a first launch
+    leaves every block's step-0 operand in xo (it reads only the initial carries and the step's
+    sequences), and a second launch with the same xo computes the step from the complete operand."""
+    import torch
+
+    from ssmc.backends import interpreter
+    from ssmc.backends.cuda.emulator import emulated
+
+    spec = CASES[name][0]
+    program = _forward_program(spec) if direction == "forward" else _adjoint(spec)
+    cell = analyse(program)
+    assert isinstance(cell, Cell), cell
+    gates = {"lstm": 4, "gru": 3, "elman": 1}[name]
+    sizes = {"b": 3, "k": 5, "j": 5, "g": gates, "i": 4, "o": 3}
+    chosen = plan(cell, sizes, 132, blocks=blocks)
+    assert not isinstance(chosen, str) and chosen.blocks == blocks, chosen
+    rng = np.random.default_rng(blocks)
+
+    def full(axes):
+        return [sizes[a] for a in axes]
+
+    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
+    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
+    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
+    want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
+
+    def f32(a):
+        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
+
+    arrays = [f32(seqs[d.name]) for d in program.seqs] + [f32(params[d.name]) for d in program.params]
+    arrays += [f32(initial[s.name]) for s in program.states]
+    outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
+    finals = [torch.zeros(full(s.axes)) for s in program.states]
+    xo = torch.full((2 * chosen.rows * chosen.depth,), float("nan"))
+    bar = torch.zeros(3, dtype=torch.int32)
+    arrays += [*outs, *finals, xo, bar]
+    fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
+    for _ in range(2):
+        fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
+    for (out_name, _), got in zip(program.outputs, outs):
+        assert _relative(got.double().numpy(), want_outs[out_name]) < 1e-5, out_name
+    for s, got in zip(program.states, finals):
+        assert _relative(got.double().numpy(), want_finals[s.name]) < 1e-5, s.name
