@@ -310,12 +310,12 @@ class TiledAttention:
         """The flash backward kernel where it runs this call, else None: where `flash` would run the
         forward, the backward's modifiers print, and ``SSMC_CUDA_FLASH_BACKWARD`` is not 0.
         `flash_backward_reason` keeps why not."""
-        import os
+        from .cuda.options import options
 
         if self.flash(call) is None:
             self.flash_backward_reason = self.flash_reason
             return None
-        if os.environ.get("SSMC_CUDA_FLASH_BACKWARD", "1").strip().lower() in ("0", "false", "no", "off"):
+        if not options().flash_backward:
             self.flash_backward_reason = "SSMC_CUDA_FLASH_BACKWARD=0"
             return None
         from .cuda.kernels.flash import backward as flash_bwd

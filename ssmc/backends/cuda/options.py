@@ -46,6 +46,8 @@ class CudaOptions:
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
+    flash_backward: False keeps softmax attention's backward on the tiled torch path
+    flash_dq: how the flash backward sums dQ: "atomic" (fp32 atomics) or "kernel" (a second kernel, repeatable)
     sm_count: SMs of the GPU the kernels are planned for
     """
 
@@ -68,6 +70,8 @@ class CudaOptions:
     persistent: bool | None = None
     emulate: bool = False
     flash: bool = True
+    flash_backward: bool = True
+    flash_dq: str | None = None
     sm_count: int = SM_COUNT
 
     @cached_property
@@ -101,6 +105,10 @@ def _parse(name: str, field: str, raw: str):
     if field == "strategy":
         if raw not in STRATEGIES:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(STRATEGIES)}")
+        return raw
+    if field == "flash_dq":
+        if raw not in ("atomic", "kernel"):
+            raise ValueError(f"{name}={raw!r}: expected 'atomic' or 'kernel'")
         return raw
     if "bool" in str(kind):
         if raw not in _BOOLS:

@@ -33,6 +33,7 @@ import threading
 
 from .....ir.program import Attention
 from .....passes.attention_grad import derive_attention_backward
+from ...options import options
 from .. import template
 from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
 
@@ -68,12 +69,7 @@ def dq_mode() -> str:
     """How the backward sums dQ: "atomic" (default: fp32 atomics in the key-block kernel, 5 products) or
     "kernel" (``SSMC_CUDA_FLASH_DQ=kernel``: a second kernel per query block, no atomics, bitwise
     repeatable, 7 products)."""
-    import os
-
-    mode = os.environ.get("SSMC_CUDA_FLASH_DQ", "atomic").strip().lower() or "atomic"
-    if mode not in ("atomic", "kernel"):
-        raise ValueError(f"SSMC_CUDA_FLASH_DQ={mode!r}: expected 'atomic' or 'kernel'")
-    return mode
+    return options().flash_dq or "atomic"
 
 
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True) -> tuple[str, str]:
