@@ -155,6 +155,12 @@ def test_lstm_and_gru_fit():
         chosen = plan(cell, {"b": 64, "k": 512, "j": 512, "g": cols, "i": 512}, 132)
         assert (chosen.blocks, chosen.units, chosen.threads, chosen.pairs) == (128, 4, 256, 1)
         assert chosen.shared_bytes <= STATIC_SHARED
+    # GRU's three gates padded to four in shared memory (one 16-byte load a contracted index) where
+    # that fits; at H 600 it does not, and the unpadded slice still does
+    gru_cell = analyse(_hoisted(gru.SPEC))
+    assert plan(gru_cell, {"b": 64, "k": 512, "j": 512, "g": 3}, 132).cpad == 4
+    wide = plan(gru_cell, {"b": 64, "k": 600, "j": 600, "g": 3}, 132)
+    assert wide.cpad == 3 and wide.shared_bytes <= STATIC_SHARED
     assert isinstance(analyse(_hoisted(swap)), Cell) and analyse(_hoisted(swap)).state == "c"
     assert isinstance(analyse(_hoisted(elman)), Cell)
     assert isinstance(analyse(_hoisted(gated)), Cell)

@@ -246,8 +246,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
         return contiguous_index(axes, sizes, at)
 
-    # U slice: su[j][u][c], c flat over the local axes in the weight's order (a unit's columns
-    # adjacent: one wide shared load where COLS is 2 or 4)
+    # U slice: su[j][u][c], c flat over the product's columns in the weight's order, padded to CPAD
+    # (a unit's columns adjacent: one wide shared load where CPAD is 2 or 4)
     local_decode = []
     for i, a in enumerate(cell.cols):
         inner = math.prod(sizes[b] for b in cell.cols[i + 1:])
@@ -257,10 +257,10 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         local_decode.append(f"const int e_{a} = (j / {inner}) % {sizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
     load_u = [
-        "for (int e = threadIdx.x; e < JPAD * COLS * UNITS; e += THREADS) {",
-        "    const int j = e / (COLS * UNITS), c = (e / UNITS) % COLS, u = e % UNITS, kk = k0 + u;",
+        "for (int e = threadIdx.x; e < JPAD * CPAD * UNITS; e += THREADS) {",
+        "    const int j = e / (CPAD * UNITS), c = (e / UNITS) % CPAD, u = e % UNITS, kk = k0 + u;",
         *("    " + line for line in local_decode),
-        f"    su[j][u][c] = (j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+        f"    su[j][u][c] = (c < COLS && j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
         "}",
     ]
     # registers: carries, params, the step's sequences
@@ -310,8 +310,14 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "#pragma unroll 4",
         "for (int jj = 0; jj < CHUNK; ++jj) {",
         "    const F hv = sh[r][jj];",
+        "#if CPAD == 4",
+        "    const float4 w4 = *reinterpret_cast<const float4*>(&su[j0 + jj][pq % UNITS][0]);",
+        "    const F wv[4] = {w4.x, w4.y, w4.z, w4.w};",
+        "#else",
+        "    const F* wv = &su[j0 + jj][pq % UNITS][0];",
+        "#endif",
         "    #pragma unroll",
-        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, su[j0 + jj][pq % UNITS][c], acc[q][c]);",
+        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, wv[c], acc[q][c]);",
         "}",
     ]
     src = f"""{math_header()}
@@ -321,6 +327,7 @@ typedef float F;
 #define ROWS {plan.rows}
 #define SIZE {plan.size}
 #define COLS {plan.cols}
+#define CPAD {plan.cpad or plan.cols}
 #define UNITS {plan.units}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
@@ -372,7 +379,7 @@ __device__ __forceinline__ void stage(F* staged, const F* hin, int j0)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
 {{
-    __shared__ __align__(16) F su[JPAD][UNITS][COLS];
+    __shared__ __align__(16) F su[JPAD][UNITS][CPAD];
     __shared__ F sh[ROWS][CHUNK + 1];
     const int k0 = blockIdx.x * UNITS;
 {chr(10).join("    " + line for line in load_u)}
