@@ -114,6 +114,26 @@ def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, l
 
 
 @needs_emulator
+def test_emulated_kernels_on_unaligned_operands(emulate, monkeypatch):
+    """k at an odd storage offset with an odd step stride: the tiles load value by value (the aligned
+    build, 16 bytes at a time, takes the others); both agree with the torch forward."""
+    x = _chunks(70, seed=11)
+    k = x.k
+    wide = torch.zeros((*k.shape[:-1], k.shape[-1] + 1), dtype=k.dtype)
+    wide[..., 1:] = k
+    odd = algorithm.Chunks(x.q, wide[..., 1:], x.v, x.ell, x.s0)
+    built = []
+    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[-1]) or _f(*a))
+    ref_out, ref_entering, ref_final = _reference(x)
+    for case in (x, odd):
+        out, entering, final = mma.forward(case)
+        assert _rel(out, ref_out) < 1e-2
+        assert _rel(final, ref_final) < 1e-2
+        assert _rel(entering, ref_entering) < 1e-2
+    assert built == [True, False]
+
+
+@needs_emulator
 def test_emulated_kernels_with_every_operand_per_head_in_fp16(emulate):
     """Two heads on every operand (no broadcast), fp16, a value size of 128 (two value tiles)."""
     h = (2,)
@@ -151,9 +171,10 @@ def test_the_kernels_compile_without_spills(arch):
     for chunk in mma.CHUNKS:
         for key in mma.SIZES:
             for value in mma.SIZES:
-                # fp16 differs only in its conversions: built at the largest sizes alone (CI's time)
-                for bf16 in (True, False) if key == value == max(mma.SIZES) else (True,):
-                    text = mma.source(key, value, chunk, bf16)
+                # fp16 and the unaligned loads: built at the largest sizes alone (CI's time)
+                largest = key == value == max(mma.SIZES)
+                for bf16, aligned in ((True, True), (False, True), (True, False)) if largest else ((True, True),):
+                    text = mma.source(key, value, chunk, bf16, aligned)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
                     assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output"}
                     dynamic = mma.shared_bytes(key, value, chunk)

@@ -60,12 +60,13 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
 
 
 @cache
-def source(key: int, value: int, chunk: int, bf16: bool) -> str:
-    """The module of the three kernels for these sizes and 16-bit format."""
+def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False) -> str:
+    """The module of the kernels for these sizes and 16-bit format; `aligned`: q, k, v's head offsets
+    and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time)."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
-    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16,
+    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
                                                   states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     return mma_header() + "\n" + body
@@ -119,10 +120,12 @@ def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(offsets [heads, len(arrays)] int64: each array's element offset of a head, its storage offset
     included, repeated along the head axes it lacks; steps [len(arrays)] int64: each array's stride
-    between steps), on `device`. Cached per layout: a call of a layout seen before copies nothing to the device."""
+    between steps), on `device`; and per array whether every offset and the step stride are multiples
+    of 8 (bool [len(arrays)], on the host). Cached per layout: a call of a layout seen before copies
+    nothing to the device."""
     layouts = tuple((t.shape[:len(heads)], t.stride()[:len(heads)], t.storage_offset(),
                      t.stride(-2) if t.dim() > len(heads) + 2 else t.stride(-1)) for t in arrays)
     key = (heads, layouts, str(device))
@@ -140,7 +143,9 @@ def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, t
         steps = torch.tensor([layout[3] for layout in layouts], dtype=torch.int64)
         if len(_tables) >= 256:  # views at ever new storage offsets: keep the cache bounded
             _tables.clear()
-        found = _tables[key] = (torch.stack(cols, 1).contiguous().to(device), steps.to(device))
+        table = torch.stack(cols, 1)
+        eights = ((table % 8 == 0).all(0) & (steps % 8 == 0))
+        found = _tables[key] = (table.contiguous().to(device), steps.to(device), eights)
     return found
 
 
@@ -176,15 +181,16 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     # the storage offsets go into the table; the kernels get each array's storage base
     if not writable_out(out, heads, nc, chunk, value):
         out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
-    offs, steps = _tables_for(heads, (q, k, v, ell, out), dev)
+    offs, steps, aligned_rows = _tables_for(heads, (q, k, v, ell, out), dev)
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    text = source(key, value, chunk, q.dtype == torch.bfloat16)
-
     def base(a):
         return a.data_ptr() - a.storage_offset() * a.element_size()
+
+    aligned = bool(aligned_rows[:3].all()) and all(base(a) % 16 == 0 for a in (q, k, v))
+    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned)
 
     tiles = (key // 64) * (value // 64)
     shared = shared_bytes(key, value, chunk)
