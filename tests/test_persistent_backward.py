@@ -59,7 +59,7 @@ def test_adjoints_fit(name, gates):
     sizes = {"b": 64, "k": 512, "j": 512, "g": gates, "i": 512, "o": 3}
     chosen = plan(cell, sizes, 132)
     assert not isinstance(chosen, str), chosen
-    assert (chosen.blocks, chosen.units, chosen.cols, chosen.depth) == (128, 4, 1, gates * 512)
+    assert (chosen.blocks, chosen.units, chosen.cols, chosen.depth, chosen.vec) == (128, 4, 1, gates * 512, True)
     assert chosen.shared_bytes <= STATIC_SHARED
 
 

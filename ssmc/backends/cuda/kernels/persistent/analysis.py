@@ -203,9 +203,13 @@ class Plan:
     jpad: int
     depth: int = 0   # product of the contracted axes' sizes (H in the forward, G H in the adjoint)
     cpad: int = 0    # a unit's columns in shared memory: 4 for 3 (one 16-byte load a contracted index)
+    vec: bool = False  # one column (the adjoint): su[units][jpad + 4], staged rows of chunk + 4, both read
+                       # 4 contracted indices a 16-byte load (1 shared load for 2 FMAs, not 2 for 1)
 
     @property
     def shared_bytes(self) -> int:
+        if self.vec:
+            return 4 * (self.units * (self.jpad + 4) + self.rows * (self.chunk + 4))
         return 4 * (self.jpad * (self.cpad or self.cols) * self.units + self.rows * (self.chunk + 1))
 
     def describe(self) -> str:
@@ -238,6 +242,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
         return f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
     jpad = -(-depth // chunk) * chunk
     result = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, cols)
+    vec = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, cols, True)
+    if cols == 1 and chunk % 4 == 0 and rows * (chunk + 4) * 4 <= STAGE_BYTES and vec.shared_bytes <= STATIC_SHARED:
+        result = vec
     if cols == 3:  # three gates (GRU): padded to 4 where it fits, one vector load for three FMAs
         padded = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, 4)
         result = padded if padded.shared_bytes <= STATIC_SHARED else result

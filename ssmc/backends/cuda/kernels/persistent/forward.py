@@ -256,13 +256,22 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         inner = math.prod(sizes[b] for b in order[i + 1:])
         local_decode.append(f"const int e_{a} = (j / {inner}) % {sizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
-    load_u = [
-        "for (int e = threadIdx.x; e < JPAD * CPAD * UNITS; e += THREADS) {",
-        "    const int j = e / (CPAD * UNITS), c = (e / UNITS) % CPAD, u = e % UNITS, kk = k0 + u;",
-        *("    " + line for line in local_decode),
-        f"    su[j][u][c] = (c < COLS && j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
-        "}",
-    ]
+    if plan.vec:  # su[u][j]: j fastest (the adjoint's U[j-unit, (g, k)] is contiguous along it)
+        load_u = [
+            "for (int e = threadIdx.x; e < JPAD * UNITS; e += THREADS) {",
+            "    const int j = e % JPAD, u = e / JPAD, kk = k0 + u;",
+            *("    " + line for line in local_decode),
+            f"    su[u][j] = (j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+            "}",
+        ]
+    else:
+        load_u = [
+            "for (int e = threadIdx.x; e < JPAD * CPAD * UNITS; e += THREADS) {",
+            "    const int j = e / (CPAD * UNITS), c = (e / UNITS) % CPAD, u = e % UNITS, kk = k0 + u;",
+            *("    " + line for line in local_decode),
+            f"    su[j][u][c] = (c < COLS && j < DEPTH && kk < SIZE) ? w{weight}[{u_index}] : F(0);",
+            "}",
+        ]
     # registers: carries, params, the step's sequences
     decl = ["F acc[PAIRS][COLS];"]
     prologue = []
@@ -307,6 +316,17 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     cell_lines = pr.body()
     publish_lines = pr.publish()
     product = [
+        "#if VEC",
+        "#pragma unroll",
+        "for (int jj = 0; jj < CHUNK; jj += 4) {",
+        "    const float4 h4 = *reinterpret_cast<const float4*>(&sh[r][jj]);",
+        "    const float4 w4 = *reinterpret_cast<const float4*>(&su[pq % UNITS][j0 + jj]);",
+        "    acc[q][0] = fmaf(h4.x, w4.x, acc[q][0]);",
+        "    acc[q][0] = fmaf(h4.y, w4.y, acc[q][0]);",
+        "    acc[q][0] = fmaf(h4.z, w4.z, acc[q][0]);",
+        "    acc[q][0] = fmaf(h4.w, w4.w, acc[q][0]);",
+        "}",
+        "#else",
         "#pragma unroll 4",
         "for (int jj = 0; jj < CHUNK; ++jj) {",
         "    const F hv = sh[r][jj];",
@@ -319,6 +339,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "    #pragma unroll",
         "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, wv[c], acc[q][c]);",
         "}",
+        "#endif",
     ]
     src = f"""{math_header()}
 using namespace ssmc;
@@ -328,6 +349,8 @@ typedef float F;
 #define SIZE {plan.size}
 #define COLS {plan.cols}
 #define CPAD {plan.cpad or plan.cols}
+#define VEC {int(plan.vec)}
+#define SHS {plan.chunk + (4 if plan.vec else 1)}
 #define UNITS {plan.units}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
@@ -379,8 +402,12 @@ __device__ __forceinline__ void stage(F* staged, const F* hin, int j0)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
 {{
+#if VEC
+    __shared__ __align__(16) F su[UNITS][JPAD + 4];  // + 4: the units' rows start in different banks
+#else
     __shared__ __align__(16) F su[JPAD][UNITS][CPAD];
-    __shared__ F sh[ROWS][CHUNK + 1];
+#endif
+    __shared__ __align__(16) F sh[ROWS][SHS];
     const int k0 = blockIdx.x * UNITS;
 {chr(10).join("    " + line for line in load_u)}
 {chr(10).join("    " + line for line in decl)}
