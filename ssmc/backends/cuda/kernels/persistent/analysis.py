@@ -71,7 +71,7 @@ class Cell:
     publish: Node | None = None
 
     def describe(self) -> str:
-        w_axes = " ".join((*self.contracted, *self.cols, self.out_unit))
+        w_axes = " ".join(next(d.axes for d in self.program.params if d.name == self.weight))
         return (f"recurrent product sum over {' '.join(self.contracted)} of {self.state}"
                 f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]")
 
