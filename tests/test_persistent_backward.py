@@ -126,8 +126,10 @@ def test_switched_off(emulated_cuda, launched):  # noqa: F811
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
 def test_gpu_gradients(name, length, batch, hidden, launched):  # noqa: F811
-    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4)."""
-    _check_grads(name, length, batch, hidden, tol=1e-4)
+    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4). At
+    L 180 the fp32 sums over steps (the adjoint's carries, dU = sum_t h dz) part further from float64;
+    a wrong index parts by O(1)."""
+    _check_grads(name, length, batch, hidden, tol=1e-4 if length < 100 else 1e-3)
     assert f"{name}_backward" in launched, "the adjoint did not run persistent (see PersistentLoop.refusals)"
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
