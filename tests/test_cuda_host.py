@@ -107,23 +107,21 @@ def test_a_launch_past_48_kib_of_shared_memory_allows_it_first(monkeypatch):
     from ssmc.backends.cuda import launch
 
     seen: list = []
+    allowed: list = []
     monkeypatch.setattr(launch, "_driver", _fake_driver(seen))
+    monkeypatch.setattr(launch, "_set_attribute", lambda handle, attribute, n: allowed.append((handle, attribute, n))
+                        or (0 if n <= 227 * 1024 else 1))
     monkeypatch.setattr(launch, "current_stream", lambda: 0)
     fn = _Function()
     for _ in range(2):
         launch.launch_kernel(fn, (4, 128), 7, 1, [16], shared=96 * 1024)
-    assert fn.max_dynamic_shared_size_bytes == 96 * 1024
+    assert allowed == [(0xF00, 8, 96 * 1024)]  # once: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     assert [call[3] for call in seen] == [96 * 1024, 96 * 1024]
 
-    class Small(_Function):
+    class Big(_Function):
         name = "big_tiles"
-
-        def __setattr__(self, key, value):
-            if key == "max_dynamic_shared_size_bytes":
-                raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
-            super().__setattr__(key, value)
     with pytest.raises(ValueError, match="big_tiles asks for 300000 bytes"):
-        launch.launch_kernel(Small(), (4, 128), 7, 1, [16], shared=300000)
+        launch.launch_kernel(Big(), (4, 128), 7, 1, [16], shared=300000)
 
 
 def test_a_failed_driver_launch_goes_through_cupy(monkeypatch):

@@ -153,10 +153,39 @@ def _allow_shared(function, nbytes: int) -> None:
     once per function and size; raises ValueError naming the kernel where the device has less."""
     if _allowed.get(function, 0) >= nbytes:
         return
-    inner = getattr(function, "kernel", function)
-    try:
-        inner.max_dynamic_shared_size_bytes = nbytes
-    except Exception as err:  # CuPy's CUDADriverError: the device's limit is lower
-        raise ValueError(f"kernel {getattr(inner, 'name', function)} asks for {nbytes} bytes of dynamic shared"
-                         f" memory, more than this GPU allows a block: {err}") from err
+    name = getattr(function, "name", None) or getattr(getattr(function, "kernel", None), "name", function)
+    attribute = _load_set_attribute()
+    if attribute is not None:  # the driver's cuFuncSetAttribute on the CUfunction the launch uses
+        status = attribute(_handle(function), _MAX_DYNAMIC_SHARED, nbytes)
+        error = None if status == 0 else f"CUresult {status}"
+    else:  # CuPy's RawKernel attribute (its Function objects have none)
+        try:
+            function.max_dynamic_shared_size_bytes = nbytes
+            error = None
+        except Exception as err:  # CuPy's CUDADriverError: the device's limit is lower
+            error = str(err)
+    if error is not None:
+        raise ValueError(f"kernel {name} asks for {nbytes} bytes of dynamic shared memory, more than this GPU"
+                         f" allows a block ({error})")
     _allowed[function] = nbytes
+
+
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_set_attribute = _UNLOADED
+
+
+def _load_set_attribute():
+    """libcuda's cuFuncSetAttribute with its argument types, or None."""
+    global _set_attribute
+    if _set_attribute is _UNLOADED:
+        _set_attribute = None
+        if _load_driver() is not None and use_driver:
+            try:
+                fn = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1").cuFuncSetAttribute
+            except (OSError, AttributeError):
+                pass
+            else:
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _set_attribute = fn
+    return _set_attribute
