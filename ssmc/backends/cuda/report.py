@@ -21,7 +21,7 @@ from . import nvrtc
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .kernels.base import Launch
-from .kernels.chunk import chunk_size, chunked_core
+from .kernels.chunk import chunk_size, chunked_core, mma
 from .kernels.step_loop import step_loop
 from .options import options
 from .printer import ArraySpec, contiguous_strides
@@ -121,12 +121,17 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
     for stage in _stages(program).stages:
         core = chunked_core(stage.program, compute)
         if core is not None:
-            ml, c = core.ml, chunk_size(core.ml, sizes, length)
+            import torch
+
+            half = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else None
+            ml, c = core.ml, chunk_size(core.ml, sizes, length, half)
+            kernels = half is not None and mma.kernels_wanted(half, sizes[ml.key], sizes[ml.value])
+            how = ("its forward as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch), its VJP as batched torch"
+                   " matrix products" if kernels else "as batched torch matrix products (forward and VJP)")
             heads = int(np.prod([sizes[h] for h in ml.heads]))
             lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads"
-                         f" x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, as batched torch"
-                         " matrix products (forward and VJP); the table lists the kernels of the stages around it"
-                         " (SSMC_CUDA_CHUNKED=0: the element-wise scan)")
+                         f" x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; the table"
+                         " lists the kernels of the stages around it (SSMC_CUDA_CHUNKED=0: the element-wise scan)")
         loop = _step_loop(stage.program, compute)
         if loop is not None:
             hoisted = hoisted_runner(stage.program, compute)

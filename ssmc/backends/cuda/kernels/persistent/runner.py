@@ -34,7 +34,7 @@ class PersistentLoop:
 
     @property
     def describe(self) -> str:
-        return (f"{self.fallback.describe}; its forward, where the shape fits, one persistent kernel a call "
+        return (f"{self.fallback.describe}; where the shape fits, one persistent kernel a call "
                 f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
