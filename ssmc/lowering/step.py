@@ -12,13 +12,14 @@ from .kernel import Kernel
 from .loops import Assign, Bin, Buffer, Call, InRange, Load, Loop, Num, Select, Var
 
 _VIEWS = {Op.RENAME, Op.SELECT, Op.SLICE, Op.PAD, Op.EXPAND}
-_BINOPS = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=", Op.GT: ">",
-           Op.GE: ">=", Op.EQ: "==", Op.NE: "!=", Op.AND: "and", Op.OR: "or"}
-_CALLS = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SQRT: "sqrt", Op.RSQRT: "rsqrt", Op.ABS: "abs",
-          Op.SIGMOID: "sigmoid", Op.TANH: "tanh", Op.SOFTPLUS: "softplus", Op.SILU: "silu", Op.GELU: "gelu",
-          Op.RELU: "relu", Op.ERF: "erf", Op.SIN: "sin", Op.COS: "cos", Op.TAN: "tan", Op.LOG1P: "log1p",
-          Op.EXPM1: "expm1", Op.SIGN: "sign", Op.ATAN2: "atan2", Op.NOT: "not", Op.MAX: "max", Op.MIN: "min",
-          Op.POW: "pow"}
+# the IR ops printed as C operators and as ssmc_math.cuh's functions (the persistent kernel's cell too)
+BINOPS = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.LT: "<", Op.LE: "<=", Op.GT: ">",
+          Op.GE: ">=", Op.EQ: "==", Op.NE: "!=", Op.AND: "and", Op.OR: "or"}
+CALLS = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SQRT: "sqrt", Op.RSQRT: "rsqrt", Op.ABS: "abs",
+         Op.SIGMOID: "sigmoid", Op.TANH: "tanh", Op.SOFTPLUS: "softplus", Op.SILU: "silu", Op.GELU: "gelu",
+         Op.RELU: "relu", Op.ERF: "erf", Op.SIN: "sin", Op.COS: "cos", Op.TAN: "tan", Op.LOG1P: "log1p",
+         Op.EXPM1: "expm1", Op.SIGN: "sign", Op.ATAN2: "atan2", Op.NOT: "not", Op.MAX: "max", Op.MIN: "min",
+         Op.POW: "pow"}
 
 
 def size_var(axis: str) -> str:
@@ -277,10 +278,10 @@ class StepBuilder:
         if op is Op.WHERE:
             c, a, b = (self.expr(x, env) for x in node.args)
             return Select(c, a, b)
-        if op in _BINOPS:
-            return Bin(_BINOPS[op], self.expr(node.args[0], env), self.expr(node.args[1], env))
-        if op in _CALLS:
-            return Call(_CALLS[op], tuple(self.expr(a, env) for a in node.args))
+        if op in BINOPS:
+            return Bin(BINOPS[op], self.expr(node.args[0], env), self.expr(node.args[1], env))
+        if op in CALLS:
+            return Call(CALLS[op], tuple(self.expr(a, env) for a in node.args))
         (x,) = node.args
         if op is Op.EXPAND:
             return self.expr(x, env)

@@ -36,7 +36,7 @@ import math
 from .....ir.node import Node
 from .....ir.ops import BINARY, UNARY, Op
 from .....lowering.loops import Bin, Call, Num, Select, Var
-from .....lowering.step import _BINOPS, _CALLS
+from .....lowering.step import BINOPS, CALLS
 from ...printer import CPrinter
 from ...source import math_header
 from .analysis import Cell, Plan
@@ -138,10 +138,10 @@ class CellPrinter:
         args = [self.ref(a, assign) for a in n.args]
         if n.op is Op.WHERE:
             return Select(*args)
-        if n.op in _BINOPS:
-            return Bin(_BINOPS[n.op], *args)
+        if n.op in BINOPS:
+            return Bin(BINOPS[n.op], *args)
         if n.op in UNARY or n.op in BINARY:
-            return Call(_CALLS[n.op], tuple(args))
+            return Call(CALLS[n.op], tuple(args))
         raise TypeError(f"{n.op} in the cell")
 
     def values(self, nodes) -> list[str]:
