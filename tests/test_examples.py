@@ -11,7 +11,7 @@ import pytest
 import ssmc
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv")
+               "layernorm_lstm", "mamba_conv", "lru")
 ATTENTIONS = ("alibi_attention",)
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}
@@ -67,13 +67,21 @@ def test_contract(name):
     assert (m.FAMILY == "softmax over keys") == (name in ATTENTIONS)
 
 
+def state_names(spec) -> list[str]:
+    """The states as the user declared them (a complex state is one, its IR program has a real pair)."""
+    signature = getattr(spec, "complex_signature", None)
+    if signature is not None:
+        return [name for name, _ in signature.states]
+    return [s.name for s in spec.program.states]
+
+
 @pytest.mark.parametrize("name", RECURRENCES)
 def test_initial_states_given(name):
     m = load(name)
     inputs = m.make_inputs(np.random.default_rng(0), 3)
-    states = {s.name for s in m.SPEC.program.states}
+    states = set(state_names(m.SPEC))
     assert states <= inputs.keys(), f"make_inputs leaves out initial states {states - inputs.keys()}"
-    assert all(isinstance(v, np.ndarray) and v.dtype == np.float64 for v in inputs.values())
+    assert all(isinstance(v, np.ndarray) and v.dtype in (np.float64, np.complex128) for v in inputs.values())
 
 
 @pytest.mark.parametrize("length", (1, 7, 180, 1000))
@@ -92,8 +100,8 @@ def test_recurrence_zero_initial_states(name):
     """Leaving the initial states out means zeros, on both sides."""
     m = load(name)
     inputs = m.make_inputs(np.random.default_rng(99), 7)
-    for s in m.SPEC.program.states:
-        del inputs[s.name]
+    for s in state_names(m.SPEC):
+        del inputs[s]
     got = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
     check(got, m.reference(**inputs))
 
