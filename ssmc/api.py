@@ -74,7 +74,9 @@ class Compiled:
                 return prepared(seqs, params, initial)
         return run(seqs, params, initial, bound.sizes, bound.length, **options)
 
-    def __call__(self, *args, return_final_states: bool = False, layout=None, **kwargs):
+    def __call__(self, *args, return_final_states: bool = False, layout=None, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None:  # packed sequences: ssmc/packed.py
+            return self._packed(args, kwargs, return_final_states, layout, cu_seqlens)
         outs, finals = self.run(*args, layout=layout, **kwargs)
         layout = layout or self.layout
         perms = self._output_perms.get(hashable_layout(layout))
@@ -87,6 +89,28 @@ class Compiled:
         if not return_final_states:
             return ys
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
+
+    def _packed(self, args, kwargs, return_final_states, layout, cu_seqlens):
+        """`cu_seqlens`: a call per sequence over its time slice (packed.py)."""
+        from . import packed
+
+        p = self.program
+        states = {s.name: kwargs.pop(s.name) for s in p.states if s.name in kwargs}
+        inputs = {**dict(zip([d.name for d in p.inputs], args)), **kwargs}  # unknown names: the call's error
+        missing = [d.name for d in p.seqs if d.name not in inputs]
+        if missing:
+            raise ValueError(f"{p.name}: missing the sequences {missing}")
+        inputs = {k: x if hasattr(x, "shape") else np.asarray(x) for k, x in inputs.items()}
+        states = {k: h if hasattr(h, "shape") else np.asarray(h) for k, h in states.items()}
+
+        def run(one: dict, h0: dict) -> tuple:
+            ys, finals = self(**one, **h0, layout=layout, return_final_states=True)
+            ys = () if ys is None else ys if isinstance(ys, tuple) else (ys,)
+            return ys, finals if isinstance(finals, tuple) else (finals,)
+
+        ys, finals = packed.call(run, p, layout or self.layout, inputs, states, cu_seqlens)
+        ys = _single(ys) if ys else None
+        return (ys, _single(finals)) if return_final_states else ys
 
 
 def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):

@@ -4,6 +4,7 @@
     y = f(x, gate, h=h0)                                     # h: optional initial state
     y, h_last = ssmc.torch.function(spec, return_final_states=True)(x, gate)
     loss(y).backward()                                       # gradients from the derived backward
+    y, h_last = f(x, gate, cu_seqlens=cu)    # packed: x [1 T ...], cu [N+1]; h_last [N ...] (packed.py)
     attn = ssmc.torch.function(alibi_attention.SPEC, layout="b h t ...")   # ssmc.attention: torch_attention.py
     layer = ssmc.torch.Recurrence(lstm.SPEC, sizes={"i": 16, "j": 32, "k": 32})      # an nn.Module: torch_layers.py
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import packed
 from .api import compile
 from .autograd import make_grad
 from .autograd.lean import LeanStep
@@ -146,11 +148,32 @@ class SsmcFunction:
                 states.append(kwargs.pop(s.name))
             else:
                 break  # initial states are given as a prefix, by name
+        cu_seqlens = kwargs.pop("cu_seqlens", None)
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)}")
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
+        if cu_seqlens is not None:
+            return self._results(self._packed(tensors, cu_seqlens))
+        return self._results(self._flat(tensors))
+
+    def _packed(self, tensors: list, cu_seqlens) -> tuple:
+        """A packed call (packed.py): one call of `_flat` per sequence, joined by torch (autograd follows)."""
+        p = self.program
+        n_in, n_out = len(p.inputs), len(p.outputs)
+        inputs = dict(zip(self.names[:n_in], tensors[:n_in]))
+        states = dict(zip(self.state_names, tensors[n_in:]))
+
+        def run(one: dict, h0: dict) -> tuple:
+            results = self._flat([one[n] for n in inputs] + [h0[s] for s in states])
+            return results[:n_out], results[n_out:]
+
+        ys, finals = packed.call(run, p, self.layout, inputs, states, cu_seqlens)
+        return ys + finals
+
+    def _flat(self, tensors: list) -> tuple:
+        """One call: the outputs, then every final state."""
         if _compiling() and self._op is not None:  # traced by torch.compile: one custom op (torch_library.py)
-            return self._results(self._op(tensors))
+            return self._op(tensors)
         backend = self.backend or for_tensor(tensors[0])
         self.compiled, self.grad = self._for(backend)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
@@ -166,7 +189,7 @@ class SsmcFunction:
                 if key is not None and key not in self._lean:
                     self._lean.remember(key, LeanStep.build(self.last_step, self.names[:len(tensors)],
                                                             self.output_perms, tensors))
-        return self._results(results)
+        return results
 
     def _results(self, results) -> tuple:
         n_out = len(self.program.outputs)

@@ -1,0 +1,118 @@
+"""Packed variable-length batches: ``cu_seqlens=`` (#43 item 5), as fla and flash-attn take them.
+
+N sequences of lengths L_0 .. L_{N-1} are packed one after another along the time axis of a batch
+of size 1 (every sequence input [1, T, ...] in its layout, T = sum L_i); ``cu_seqlens`` [N+1] holds
+the cumulative lengths, 0 first and T last. The states restart at each boundary:
+
+    for i in range(N):
+        a, b = cu_seqlens[i], cu_seqlens[i + 1]
+        states = initial_states[i] if given else zeros          # each [N, ...] in place of the batch axis
+        y[:, a:b], final_states[i] = run(inputs[:, a:b], params, states)
+
+so the outputs are packed as the inputs are, and each state comes back per sequence, [N, ...] with N in
+place of the batch axis. The batch axis is the first axis of the first state that every sequence and
+state has and no param does (``b`` in every example; `batch_axis`).
+
+This first version runs exactly that loop: one call per sequence over its time slice, so the work
+follows the total length T (no padding to the longest sequence), gradients flowing through torch's
+autograd over the slices and the concatenation. Its cost is a call (kernel launches, host time) per
+sequence; a kernel-level version that takes the offsets and runs every sequence in one launch is
+what improves on it.
+"""
+
+from __future__ import annotations
+
+import sys
+from itertools import pairwise
+
+import numpy as np
+
+ARGUMENT = "cu_seqlens"
+
+
+def batch_axis(program) -> str:
+    """The batch axis: the first axis of the first state (else sequence) that every sequence and state has
+    and no param does (``b`` in every example); a ValueError where there is none."""
+    arrays = [s.axes for s in program.states] + [d.axes for d in program.seqs]
+    in_params = {a for d in program.params for a in d.axes}
+    for a in arrays[0] if arrays else ():
+        if a not in in_params and all(a in axes for axes in arrays):
+            return a
+    raise ValueError(f"{ARGUMENT}: {program.name} has no batch axis (an axis of every sequence and state and "
+                     f"of no param)")
+
+
+def offsets(cu_seqlens, total: int) -> list[int]:
+    """`cu_seqlens` as a list of ints, checked: 1-D integers, 0 first, increasing, `total` last."""
+    if hasattr(cu_seqlens, "detach"):  # torch
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    elif hasattr(cu_seqlens, "get") and not isinstance(cu_seqlens, (dict, np.ndarray)):  # cupy
+        cu_seqlens = cu_seqlens.get()
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"{ARGUMENT}: a 1-D array [N+1] of at least two offsets, not shape {cu.shape}")
+    if cu.dtype.kind not in "iu":
+        raise ValueError(f"{ARGUMENT}: integer offsets, not dtype {cu.dtype}")
+    cu = [int(c) for c in cu]
+    if cu[0] != 0:
+        raise ValueError(f"{ARGUMENT}: the first offset is 0, not {cu[0]}")
+    if any(b <= a for a, b in pairwise(cu)):
+        raise ValueError(f"{ARGUMENT}: offsets strictly increasing (every sequence at least one step), not {cu}")
+    if cu[-1] != total:
+        raise ValueError(f"{ARGUMENT}: the last offset is the packed length {total}, not {cu[-1]}")
+    return cu
+
+
+def _take(x, position: int, start: int, stop: int):
+    return x[(slice(None),) * position + (slice(start, stop),)]
+
+
+def _concatenate(parts: list, position: int):
+    first = parts[0]
+    if hasattr(first, "detach"):  # torch: autograd follows the cat
+        import torch
+
+        return torch.cat(parts, dim=position)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(first, cupy.ndarray):
+        return cupy.concatenate(parts, axis=position)
+    return np.concatenate(parts, axis=position)
+
+
+def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[tuple, tuple]:
+    """The packed call (module docstring): `run(inputs, states)` runs one sequence, both dicts by name,
+    and returns (the outputs in program order, the final states in state order), in `layout`; `inputs`
+    holds every input (sequences packed, batch 1), `states` the initial states given ([N, ...]).
+    Returns the outputs packed and the final states per sequence, as `run` orders them."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    batch = batch_axis(program)
+    seq_time, seq_batch = {}, {}
+    for d in program.seqs:
+        order = layout_of(layout, d.name, d.axes)
+        seq_time[d.name], seq_batch[d.name] = order.index(TIME), order.index(batch)
+        size = inputs[d.name].shape[seq_batch[d.name]]
+        if size != 1:
+            raise ValueError(f"{ARGUMENT}: sequences are packed along time in a batch of 1; "
+                             f"{d.name!r} has a batch of {size}")
+    first = program.seqs[0].name
+    cu = offsets(cu_seqlens, int(inputs[first].shape[seq_time[first]]))
+    n = len(cu) - 1
+    state_batch = {s.name: s.axes.index(batch) for s in program.states}
+    for name, h in states.items():
+        if h.shape[state_batch[name]] != n:
+            raise ValueError(f"{ARGUMENT}: {n} sequences, so initial state {name!r} has {n} along its batch "
+                             f"axis {batch!r} (position {state_batch[name]}), not {h.shape[state_batch[name]]}")
+    ys, finals = [], []
+    for i, (a, b) in enumerate(pairwise(cu)):
+        one = {k: _take(x, seq_time[k], a, b) if k in seq_time else x for k, x in inputs.items()}
+        h0 = {k: _take(h, state_batch[k], i, i + 1) for k, h in states.items()}
+        y, f = run(one, h0)
+        ys.append(y)
+        finals.append(f)
+    out_time = [layout_of(layout, name, y.axes).index(TIME) for name, y in program.outputs]
+    packed = tuple(_concatenate([y[k] for y in ys], pos) for k, pos in enumerate(out_time))
+    per_sequence = tuple(_concatenate([f[k] for f in finals], state_batch[s.name])
+                         for k, s in enumerate(program.states))
+    return packed, per_sequence
