@@ -165,11 +165,14 @@ class Recurrence(nn.Module):
             raise ValueError(f"{argument}: give the states in order from the first ({names}); got {sorted(given)}")
         return {n: given[n] for n in prefix}
 
-    def forward(self, *seqs, initial_states=None, return_final_states: bool = False, **named):
+    def forward(self, *seqs, initial_states=None, return_final_states: bool = False, cu_seqlens=None, **named):
         """The outputs over the sequences (in `layout`), and with `return_final_states` the final
         states (one tensor, or a tuple in state order). `initial_states`: one tensor, a tuple in state
-        order, or a dict by name (the states left out start at zero, those given from the first on)."""
-        ys, finals = self._fn(*self._arguments(seqs, named), **self._states(initial_states, "initial_states"))
+        order, or a dict by name (the states left out start at zero, those given from the first on).
+        `cu_seqlens` [N+1]: sequences packed along time in a batch of 1, states per sequence (packed.py)."""
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        ys, finals = self._fn(*self._arguments(seqs, named), **self._states(initial_states, "initial_states"),
+                              **packed)
         return (ys, finals) if return_final_states else ys
 
     def step(self, *seqs, states=None, **named):

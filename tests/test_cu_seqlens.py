@@ -125,6 +125,17 @@ def test_one_sequence_equals_the_plain_call_and_compile_takes_cu_seqlens():
     assert compiled(**inputs, cu_seqlens=cu).shape == (1, 6, 4)
 
 
+def test_the_layer_takes_cu_seqlens():
+    layer = st.Recurrence(lstm.SPEC, layout=lstm.LAYOUT, sizes={"i": 3, "j": 4, "k": 4}, dtype=torch.float64,
+                          backend=BACKEND)
+    x = torch.randn(1, 5, 3, dtype=torch.float64)
+    y, (h, _) = layer(x, cu_seqlens=torch.tensor([0, 2, 5]), return_final_states=True)
+    y1, (h1, _) = layer(x[:, 2:], return_final_states=True)
+    torch.testing.assert_close(y[:, 2:], y1)
+    torch.testing.assert_close(h[1:], h1)
+    assert h.shape == (2, 4)
+
+
 def test_each_malformed_cu_seqlens_is_a_value_error_naming_it():
     inputs, _ = _packed_case(hgrn, [5], 0)
     f = st.function(hgrn.SPEC, BACKEND, layout=hgrn.LAYOUT, return_final_states=True)
