@@ -28,3 +28,4 @@ def template(path: str | Path) -> jinja2.Template:
     """The template at `path`: a strategy's ``<name>.cu.j2`` (a relative path is under this package)."""
     path = HERE / path
     return environment().from_string(path.read_text())
+

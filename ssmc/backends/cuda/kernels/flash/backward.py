@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 
 from .....ir.program import Attention
 from .....passes.attention_grad import derive_attention_backward
 from ...options import options
 from .. import template
+from ..loaded import loaded_function
 from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
 
 BQ = {64: 32, 128: 16}   # query rows a tile per head dim (the block's registers and shared memory bound it)
@@ -155,29 +155,12 @@ class FlashBackward:
     def __init__(self, program: Attention):
         self.program = program
         self.reason = unsupported(program)
-        self._modules: dict = {}
         self._spans: dict = {}
-        self._lock = threading.Lock()
 
     def _function(self, device, d: int, bf16: bool, which: str = "atomic"):
         name, text = dq_source(self.program, d, bf16) if which == "dq" else kernel_source(
             self.program, d, bf16, atomic_dq=which == "atomic")
-        key = (device.type, device.index, text)
-        fn = self._modules.get(key)
-        if fn is None and device.type == "cpu":  # SSMC_CUDA_EMULATE=1 (tests): on the CPU emulator
-            from ...emulator import emulated
-
-            fn = self._modules[key] = emulated(text, name)
-        elif fn is None:
-            import cupy
-
-            from ...source import compile_options
-
-            with self._lock, cupy.cuda.Device(device.index or 0):
-                module = cupy.RawModule(code=text, options=compile_options(text))
-                module.compile()
-                fn = self._modules[key] = module.get_function(name)
-        return fn
+        return loaded_function(text, name, device)
 
     def _span_tensor(self, call, per_query_block: bool = False):
         import torch

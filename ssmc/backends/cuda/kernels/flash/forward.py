@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 
 from .....ir.node import BOOL, Node, toposort
 from .....ir.ops import Op
 from .....ir.program import Attention
 from .. import template
+from ..loaded import loaded_function
 
 BM = 64                 # query rows a block: 4 warps of 16
 BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
@@ -242,28 +242,11 @@ class FlashForward:
     def __init__(self, program: Attention):
         self.program = program
         self.reason = unsupported(program)
-        self._modules: dict = {}
         self._spans: dict = {}
-        self._lock = threading.Lock()
 
     def _function(self, device, d: int, bf16: bool):
         name, text = kernel_source(self.program, d, bf16)
-        key = (device.type, device.index, text)
-        fn = self._modules.get(key)
-        if fn is None and device.type == "cpu":  # SSMC_CUDA_EMULATE=1 (tests): on the CPU emulator
-            from ...emulator import emulated
-
-            fn = self._modules[key] = emulated(text, name)
-        elif fn is None:
-            import cupy
-
-            from ...source import compile_options
-
-            with self._lock, cupy.cuda.Device(device.index or 0):
-                module = cupy.RawModule(code=text, options=compile_options(text))
-                module.compile()
-                fn = self._modules[key] = module.get_function(name)
-        return fn
+        return loaded_function(text, name, device)
 
     def _span_tensor(self, call):
         import torch
