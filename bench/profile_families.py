@@ -1,0 +1,131 @@
+"""Where each new kernel family's time goes: the torch profiler's kernel table of one warm call.
+
+    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,flash]
+
+For the benchmark workloads of bench/persistent_check.py (LSTM / GRU B64 L180 I512 H512 fp32, forward +
+backward), bench/chunk_check.py (SSD, RetNet bf16, forward and forward + backward) and bench/flash_check.py
+(causal attention B4 H16 L4096 d128 bf16, forward + backward): two warm-up calls, then one profiled call;
+prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the call, so
+the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+import ssmc  # noqa: E402
+
+
+def profiled(name: str, fn, rows: int = 14) -> str:
+    """One profiled call of `fn` after two warm-ups: a markdown section with its kernel table."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    lines = [f"## {name}", "", f"wall {wall:.3f} ms (unprofiled), GPU kernels {total:.3f} ms", "",
+             "| kernel | calls | GPU ms | share |", "|---|---|---|---|"]
+    for e in events[:rows]:
+        ms = e.self_device_time_total / 1e3
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {ms:.3f} | {ms / total:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def rnn_cases(kind: str) -> list:
+    import persistent_check as pc
+    inputs = pc.make_inputs(kind, 64, 180, 512, 512)
+    fwd = pc.ssmc_call(kind, inputs, True)
+    example = pc.KINDS[kind][0]
+    fn = ssmc.torch.function(example.SPEC, layout=example.LAYOUT)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    dy = torch.randn(64, 180, 512, device="cuda")
+
+    def train():
+        for v in leaves.values():
+            v.grad = None
+        fn(**leaves).backward(dy)
+    return [(f"{kind} B64 L180 I512 H512 fp32 forward", fwd), (f"{kind} forward + backward", train)]
+
+
+def chunk_cases(name: str) -> list:
+    import chunk_check as cc
+
+    from ssmc.examples import mamba2, retnet
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    spec, layout = (mamba2.SPEC, mamba2.LAYOUT) if name == "ssd" else (retnet.SPEC, retnet.LAYOUT)
+    a = cc.ssd_inputs(g) if name == "ssd" else cc.retnet_inputs(g)
+    fn = ssmc.compile(spec, layout=layout, backend="cuda")
+    tfn = ssmc.torch.function(spec, layout=layout)
+    leaves = {k: (v.detach().clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in a.items()}
+    out = tfn(**leaves)
+    dy = torch.randn_like(out)
+
+    def train():
+        for v in leaves.values():
+            v.grad = None
+        tfn(**leaves).backward(dy)
+    return [(f"{name} forward", lambda: fn(**a)), (f"{name} forward + backward", train)]
+
+
+def flash_cases() -> list:
+    import flash_check as fc
+
+    import ssmc.torch
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fn = ssmc.torch.function(fc.SPECS["causal"], layout="b h t ...")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v)
+
+    def train():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(do)
+    return [("causal attention B4 H16 L4096 d128 bf16 forward", fwd), ("causal attention forward + backward", train)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", default="lstm,gru,ssd,retnet,flash")
+    args = ap.parse_args()
+    import ssmc.torch  # noqa: F401
+    sections = []
+    for name in args.only.split(","):
+        try:
+            cases = (rnn_cases(name.upper()) if name in ("lstm", "gru") else
+                     flash_cases() if name == "flash" else chunk_cases(name))
+            for title, fn in cases:
+                sections.append(profiled(title, fn))
+        except Exception as err:  # one family failing must not hide the others' profiles
+            sections.append(f"## {name}\n\nfailed: {type(err).__name__}: {err}\n")
+        print(sections[-1], flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.md").write_text("# Kernel profiles\n\n" + "\n".join(sections))
+
+
+if __name__ == "__main__":
+    main()
