@@ -60,3 +60,9 @@ def examples(default: int, ci: int | None = None) -> int:
 def nightly() -> bool:
     """Whether the nightly profile is loaded (its draws random where others' are fixed)."""
     return _profile() == "nightly"
+
+
+def in_ci() -> bool:
+    """Whether the ci profile is loaded (CI's 2 cores: a test may leave a case that repeats another's
+    shape at a long compile to the local and nightly runs)."""
+    return _profile() == "ci"
