@@ -239,6 +239,21 @@ def test_switched_off_runs_the_step_loop(emulated_cuda, launched):
     assert launched == []
 
 
+def test_a_barrier_that_timed_out_raises_at_the_next_call(emulated_cuda, launched):
+    """A grid barrier that waited past its limit flags bar[1] (and the step in bar[2]) and goes on: the
+    runner reads the flag behind the launch and raises BarrierTimeout at the loop's next call, naming the
+    step (here the flag is set by hand on the launch's kept barrier words; the emulator has no barrier)."""
+    _check("lstm", 3, batch=2, hidden=5, tol=1e-5)
+    loops = [loop for loop in persistent_runner._LOOPS.values()
+             if loop is not None and loop.program.name == "lstm" and loop._pending is not None]
+    assert launched == ["lstm"] and len(loops) == 1
+    words = loops[0]._pending[1]
+    words[1], words[2] = 1, 2
+    with pytest.raises(persistent_runner.BarrierTimeout, match="timed out at step 2 of an earlier call"):
+        _check("lstm", 3, batch=2, hidden=5, tol=1e-5)
+    _check("lstm", 3, batch=2, hidden=5, tol=1e-5)  # reported once: the calls after it run
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

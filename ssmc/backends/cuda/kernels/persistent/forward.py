@@ -42,7 +42,7 @@ from ...source import math_header
 from .analysis import Cell, Plan
 
 # cycles a block waits at a barrier before it flags a failure in bar[1] (and goes on): a bug then
-# shows as wrong values and a status, not a hang
+# shows as a BarrierTimeout at the runner's next call, not a hang
 BARRIER_TIMEOUT = 1 << 33
 
 

@@ -9,6 +9,8 @@ A call converts its arrays to contiguous fp32, allocates the outputs, the exchan
 xo [2][rows][depth] (the operand of a step by its parity) and a zeroed barrier word, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
+A barrier that waits past its limit flags the barrier words and goes on (no hang); the runner copies
+them to the host behind the launch and raises `BarrierTimeout` at its next call (no call syncs).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
 
+class BarrierTimeout(RuntimeError):
+    """A persistent kernel's grid barrier waited past its limit: the launch went on with wrong values."""
+
+
 class PersistentLoop:
     """Runs `cell`'s program as one persistent kernel a call where its shape fits (`analysis.plan`),
     else as `fallback` (the StepLoop). `refusals`: sizes key -> why a shape ran as the fallback."""
@@ -31,6 +37,7 @@ class PersistentLoop:
         self._plans: dict[tuple, object] = {}
         self._functions: dict[tuple, object] = {}
         self._last_bar = None
+        self._pending = None  # (event or None, host copy of the barrier words) of the last launch, unread
 
     @property
     def describe(self) -> str:
@@ -54,6 +61,7 @@ class PersistentLoop:
         device = arrays[0].device if arrays else None
         emulate = emulating()
         on_device = device is not None and (device.type == "cpu" if emulate else device.type == "cuda")
+        self._check()
         chosen = self.plan_for(sizes)
         key = tuple(sorted(sizes.items()))
         if length < 1 or not on_device or isinstance(chosen, str):
@@ -70,6 +78,40 @@ class PersistentLoop:
         outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
         finals = {s.name: f if f.dtype == dtype else f.to(dtype) for s, f in zip(p.states, finals)}
         return outs, finals
+
+    def _watch(self, bar) -> None:
+        """Keep the launch's barrier words for `_check`: on a GPU a copy to pinned host memory and an event
+        behind the launch (no sync now); none while a CUDA graph is being captured."""
+        import torch
+
+        if bar.device.type != "cuda":
+            self._pending = (None, bar)
+        elif torch.cuda.is_current_stream_capturing():
+            self._pending = None
+        else:
+            host = torch.empty(3, dtype=torch.int32, pin_memory=True)
+            host.copy_(bar, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (event, host)
+
+    def _check(self, wait: bool = False) -> None:
+        """Raise `BarrierTimeout` where an earlier launch's grid barrier timed out (its results are wrong).
+        Read at the next call, once that launch has finished (`wait`: wait for it), so no call syncs."""
+        if self._pending is None:
+            return
+        event, host = self._pending
+        if event is not None:
+            if not wait and not event.query():
+                return
+            event.synchronize()
+        self._pending = None
+        words = host.tolist()
+        if words[1]:
+            raise BarrierTimeout(f"{self.program.name}: the persistent kernel's grid barrier timed out at step "
+                                 f"{words[2]} of an earlier call, so that call's outputs and states are wrong (the "
+                                 "GPU shared with another process, or a bug); SSMC_CUDA_PERSISTENT=0 runs the "
+                                 "step loop instead")
 
     def status(self) -> tuple[bool, int]:
         """(whether a barrier of the last launch timed out, the step it did): reads the device (a sync)."""
@@ -113,9 +155,13 @@ class PersistentLoop:
             if fn is None:
                 fn = self._functions[("emulated", source)] = emulated(source, name)
             fn((chosen.blocks, chosen.threads), length, 0, pointers)
+            self._watch(bar)
             return outs, finals
         refused = _cooperative_launch(self._function(source, name, device), chosen, length, pointers)
-        return refused or (outs, finals)
+        if refused:
+            return refused
+        self._watch(bar)
+        return outs, finals
 
     def _function(self, source: str, name: str, device):
         key = (device.index, source)
