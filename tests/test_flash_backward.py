@@ -296,3 +296,31 @@ def test_gpu_flash_backward_time_major_layout_and_lq_apart_from_lk(lq, lk, monke
     assert fn.tiled.flash_backward_reason is None
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
     _close(got, _gpu_grads(fn, q, k, v, params, do), False)
+
+
+@needs_emulator
+@pytest.mark.parametrize("layout, dq", [("b t h ...", "atomic"), ("b h t ...", "kernel")])
+def test_emulated_param_gradient_with_more_queries_than_keys_from_the_forward_kernels_output(layout, dq, monkeypatch):
+    """ALiBi at Lq 70 > Lk 7, the forward and backward kernels both emulated (delta from the forward
+    kernel's fp32 output, whose P V product took P rounded to 16 bits, so rowsum(dO O) is off
+    rowsum(P dP) by ~1e-3 a row): the slope's summands -(i - j) dM grow with the query index while a row's
+    dM should sum to 0, so without the kernels' correction sum_i (sum_j dM) (sum_j P (i - j)) the slope's
+    gradient was 6x the tolerance off the float64 backward (both dQ modes: the key-block kernel's row
+    sums by atomics, the dQ kernel's per query block)."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS["alibi"].program
+    rng = np.random.default_rng(11)
+    lq, lk, heads = 130, 7, 2
+    shape = (lambda t: (1, t, heads, 64)) if layout == "b t h ..." else (lambda t: (1, heads, t, 64))
+    q, do = (_half(rng.standard_normal(shape(lq)), torch.bfloat16) for _ in range(2))
+    k, v = (_half(rng.standard_normal(shape(lk)), torch.bfloat16) for _ in range(2))
+    slope = torch.from_numpy(np.asarray(_params(program, {"b": 1, "h": heads}, rng)["slope"], np.float64))
+    want = TiledAttention(program).gradients(q.double(), k.double(), v.double(), do.double(), layout,
+                                             {"slope": slope})
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", dq)
+    tiled = TiledAttention(program)
+    got = tiled.gradients(q, k, v, do, layout, {"slope": slope.float()})
+    assert tiled.flash_reason is None and tiled.flash_backward_reason is None
+    _check(got, want)

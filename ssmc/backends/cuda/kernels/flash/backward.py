@@ -23,6 +23,15 @@ spans and sums dq[i] = scale * sum_j ds[i, j] k[j] in registers (no atomics: bit
 products instead of 5); the params' per-(key block, batch index) sums are added up by torch in a fixed
 order. Products in the inputs' 16-bit type with fp32 accumulation;
 P and dS rounded to 16 bits as operands (as FlashAttention).
+
+Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
+its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
+A param's summand is linear in grad_score, d_param(dm) = dm * g, and g may grow with the positions (ALiBi:
+-(i - j)): the error sum_i r[i] sum_j p[i, j] g[i, j] reached 5-20x the tolerance at Lq >> Lk. The
+kernels also sum per query row r[i] and G_n[i] = sum_j d_param_n(p[i, j]) (the summand at grad_score =
+p), and the host subtracts sum_i r[i] G_n[i]: exactly the gradient with delta = rowsum(P dP). With atomic
+dQ the key-block kernel adds its keys' part of r and G into a zeroed [BH, Lq, 1 + NP] buffer (atomics);
+the dQ kernel sees whole rows and writes per query block the sum of the products (fixed order).
 """
 
 from __future__ import annotations
@@ -93,7 +102,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
     text = template("flash/backward.cu.j2").render(
         name=name, d=d, bn=BN, bq=BQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
         score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies,
-        atomic_dq=atomic_dq)
+        atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params))
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
@@ -114,13 +123,13 @@ def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     score_body = print_body(program.score, program, "score")
     mask_body = print_body(program.mask, program, "true")
-    dscore_body, _ = _bodies(program)
+    dscore_body, param_bodies = _bodies(program)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
-    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, repr(scale)]).encode())
+    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
     name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
     text = template("flash/backward_dq.cu.j2").render(
         name=name, d=d, bn2=BN_DQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
-        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body)
+        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies)
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
@@ -178,12 +187,12 @@ class FlashBackward:
             t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
         return t
 
-    def param_gradients(self, partials, sizes: dict[str, int]) -> dict:
-        """Each param's gradient by its axes from the kernel's sums `partials` [key blocks, BH, NP] (fp32):
-        summed over the key blocks and over the batch axes the param lacks."""
+    def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
+        """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index: summed
+        over the batch axes the param lacks."""
         p = self.program
         batch = p.batch_axes
-        per_bh = partials.sum(0).reshape(*[sizes[a] for a in batch], partials.shape[-1])
+        per_bh = per_bh.reshape(*[sizes[a] for a in batch], per_bh.shape[-1])
         out = {}
         for n, d in enumerate(p.params):
             g = per_bh[..., n]
@@ -217,21 +226,31 @@ class FlashBackward:
         nkb = -(-lk // BN)
         np_ = len(self.program.params)
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
+        atomic = dq_mode() == "atomic"
+        # delta's correction (module docstring): per query row, sum_j dM and each param's sum_j summand at P
+        # (atomic dQ: added up by the key-block kernel), or per query block the sum of their products (the
+        # dQ kernel, which sees whole rows: fixed order)
+        rowsums = torch.zeros((bh, lq, 1 + np_) if np_ and atomic else (1,), dtype=torch.float32, device=q.device)
+        corr = torch.zeros((-(-lq // BM), bh, np_) if np_ and not atomic else (1,), dtype=torch.float32,
+                           device=q.device)
         if bh and lq and lk:
             params = param_table(self.program, call.params, call.sizes).to(q.device)
-            bf16, atomic = q.dtype == torch.bfloat16, dq_mode() == "atomic"
+            bf16 = q.dtype == torch.bfloat16
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
             launches = [(self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh,
                          [*inputs, self._span_tensor(call).data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                          partials.data_ptr()])]
+                          partials.data_ptr(), rowsums.data_ptr()])]
             if not atomic:
                 launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh,
-                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr()]))
+                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()]))
             for fn, blocks, pointers in launches:
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):
                         launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
                 else:
                     launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
-        return {"q": dq, "k": dk, "v": dv, **self.param_gradients(partials[..., :np_], call.sizes)}
+        per_bh = partials[..., :np_].sum(0)
+        if np_:
+            per_bh = per_bh - ((rowsums[..., :1] * rowsums[..., 1:]).sum(1) if atomic else corr.sum(0))
+        return {"q": dq, "k": dk, "v": dv, **self.param_gradients(per_bh, call.sizes)}
