@@ -257,18 +257,24 @@ class Step:
         self.backend = backend
         self.layout = layout
         self._seq_time, self._out_time = time_positions(program, layout)
+        # what every call reads (a decoder calls once a token: host time)
+        self._names = [d.name for d in program.inputs]
+        self._state_names = {s.name for s in program.states}
+        self._one_state = program.states[0].name if len(program.states) == 1 else None
 
     def __repr__(self) -> str:
         return f"<ssmc.Step {self.program.name} backend={self.backend}>"
 
     def __call__(self, *args, states=None, **kwargs):
-        p = self.program
-        names = [d.name for d in p.inputs]
+        p, names = self.program, self._names
         if len(args) > len(names):
             raise ValueError(f"{p.name} takes the inputs {names}; got {len(args)} positional arguments")
         given = dict(zip(names, args))
-        state_names = {s.name for s in p.states}
-        initial = state_dict_of(p, states)
+        state_names = self._state_names
+        if states is not None and self._one_state is not None and hasattr(states, "shape"):
+            initial = {self._one_state: states}  # the common case of `state_dict_of`
+        else:
+            initial = state_dict_of(p, states)
         for name in list(kwargs):
             if name in given or name in initial:
                 raise ValueError(f"argument {name!r} given twice")
