@@ -1,7 +1,7 @@
 """ssmc's torch ops inside a real training setup on the GPU (issue 43): `torch.compile(fullgraph=True)`
 with inductor, and a whole training step (forward + backward) captured once as a CUDA graph and replayed
 on new values. One case per kernel family: a diagonal scan (hgrn, Mamba-1), a recurrence with recurrent
-products (LSTM, the persistent kernel), a matrix-linear recurrence in chunks (Mamba-2), softmax attention
+products (LSTM, the persistent kernel), matrix-linear recurrences in chunks (Mamba-2, RetNet), softmax attention
 (ALiBi, the flash kernels). Each is checked against the same model run eagerly."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ssmc.examples import alibi_attention, hgrn, lstm, mamba1, mamba2
+from ssmc.examples import alibi_attention, hgrn, lstm, mamba1, mamba2, retnet
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("ssmc.torch")
@@ -60,6 +60,14 @@ def _case(name: str):
         def model(x, dt, B, C):
             return f(x, dt, params[0], B, C, params[1]).float().pow(2).mean()
         return model, [v[n] for n in ("x", "dt", "B", "C")], params, 3e-2, 3e-2
+    if name == "retnet":  # a decay given as is: the chunk path checks it is positive (not while captured)
+        values = retnet.make_inputs(rng, 300, batch=2, heads=4, dk=64, dv=64)
+        v = _tensors(values, torch.float32, half=("q", "k", "v"), half_dtype=torch.bfloat16)
+        f = st.function(retnet.SPEC, layout=retnet.LAYOUT)
+
+        def model(q, k, vv):
+            return f(q, k, vv, v["gamma"]).float().pow(2).mean()
+        return model, [v["q"], v["k"], v["v"]], [], 3e-2, 3e-2
     if name == "alibi":
         values = alibi_attention.make_inputs(rng, 500, batch=2, heads=4, dim=64)
         v = _tensors(values, torch.bfloat16, half=("slope",), half_dtype=torch.float32)
@@ -71,7 +79,7 @@ def _case(name: str):
     raise ValueError(name)
 
 
-CASES = ["hgrn", "mamba1", "lstm", "mamba2", "alibi"]
+CASES = ["hgrn", "mamba1", "lstm", "mamba2", "retnet", "alibi"]
 
 
 def _grads(model, args, params):
