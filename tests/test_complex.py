@@ -97,6 +97,35 @@ def test_lru_matches_numpy_and_torch_gradients(backend, monkeypatch):
             assert rel_err(_numpy(got[k]), w) <= TOL[np.complex128], (length, k)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
+def test_gpu_lru_matches_numpy_and_torch_gradients(dtype):
+    """On a GPU: `ssmc.compile` and `ssmc.grad` of the LRU on CUDA tensors (complex128 and complex64, the
+    real inputs in float64 / float32) against the NumPy loop and torch autograd in complex128, at
+    L = 1, 7, 180, 1000."""
+    real = np.float64 if dtype == np.complex128 else np.float32
+    tol = TOL[dtype] * (10 if dtype == np.complex64 else 1)  # float32 over 1000 steps
+    f = ssmc.compile(lru.SPEC, "cuda", layout=lru.LAYOUT)
+    g = ssmc.grad(lru.SPEC, "cuda", layout=lru.LAYOUT)
+    for length in [*LENGTHS, 1000]:
+        rng = np.random.default_rng(length)
+        inputs = {k: v.astype(dtype if np.iscomplexobj(v) else real) for k, v in lru.make_inputs(rng, length).items()}
+        wide = {k: v.astype(np.complex128 if np.iscomplexobj(v) else np.float64) for k, v in inputs.items()}
+        on_gpu = {k: torch.tensor(v, device="cuda") for k, v in inputs.items()}
+        y, h = f(**on_gpu, return_final_states=True)
+        y_ref, h_ref = lru.reference(**wide)
+        assert h.dtype == torch.tensor(np.zeros(1, dtype)).dtype and h.is_cuda
+        assert rel_err(_numpy(y), y_ref) <= tol, length
+        assert rel_err(_numpy(h), h_ref) <= tol, length
+        gy = rng.standard_normal(y_ref.shape)
+        gh = rng.standard_normal(h_ref.shape) + 1j * rng.standard_normal(h_ref.shape)
+        got = g(**on_gpu, grad_outputs=torch.tensor(gy.astype(real), device="cuda"),
+                grad_final_states=torch.tensor(gh.astype(dtype), device="cuda"))
+        want = lru_reference_grads(wide, gy.astype(real).astype(np.float64), gh.astype(dtype).astype(np.complex128))
+        for k, w in want.items():
+            assert rel_err(_numpy(got[k]), w) <= tol, (length, k)
+
+
 def test_lru_complex64_on_numba():
     """complex64 inputs (float32 parts): Numba computes in float32 and returns complex64."""
     rng = np.random.default_rng(3)
