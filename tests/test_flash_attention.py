@@ -68,19 +68,21 @@ def _reference(program, q, k, v, params, sizes):
     return np.moveaxis(out, 0, 2), np.moveaxis(lse, 0, 2)
 
 
-_EMULATED: dict = {}  # (spec, d, bf16) -> the emulated kernel: one C++ build per source across tests
+_EMULATED: dict = {}  # (spec, d, bf16, config) -> the emulated kernel: one C++ build per source across tests
+NEW_CONFIGS = ["bm128w8", "bm128w4"]  # the 128-row forward kernels (forward_bm128.cu.j2)
 
 
-def _emulated(name: str, d: int, bf16: bool):
-    key = (name, d, bf16)
+def _emulated(name: str, d: int, bf16: bool, config: str = "bm64"):
+    key = (name, d, bf16, config)
     if key not in _EMULATED:
-        kname, text = flash.kernel_source(SPECS[name].program, d, bf16)
+        kname, text = flash.kernel_source(SPECS[name].program, d, bf16, config)
         _EMULATED[key] = emulator.emulated(text, kname)
     return _EMULATED[key]
 
 
-def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
-    """(got out, got lse, want out, want lse) of spec `name` at b=1, `heads` heads, on the emulator."""
+def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0, config="bm64"):
+    """(got out, got lse, want out, want lse) of spec `name` at b=1, `heads` heads, on the emulator, in
+    forward config `config`."""
     program = SPECS[name].program
     rng = np.random.default_rng(seed)
     sizes = {"b": 1, "h": heads, "d": d}
@@ -91,12 +93,14 @@ def _run_emulated(name, lq, lk, heads, d=64, bf16=True, seed=0):
     table = np.ascontiguousarray(table.numpy(), np.float32).reshape(-1)
     if table.size == 0:
         table = np.zeros(1, np.float32)
-    spans = np.asarray(flash.span_table(flash.block_spans(program.mask, lq, lk, sizes)), np.int32)
-    out = np.zeros((1, heads, lq, d), np.uint16)
-    lse = np.zeros((1, heads, lq), np.float32)
+    cfg = flash.config(d, config)
+    spans = np.asarray(flash.span_table(flash.block_spans(program.mask, lq, lk, sizes, cfg.bm, cfg.bn)), np.int32)
+    # out and lse start as NaN: a row or column the kernel does not write fails the check
+    out = np.full((1, heads, lq, d), 0x7fff if bf16 else 0x7e00, np.uint16)
+    lse = np.full((1, heads, lq), np.nan, np.float32)
     arrays = [bits["q"], bits["k"], bits["v"], table, spans, out, lse]
-    kernel = _emulated(name, d, bf16)
-    kernel((-(-lq // flash.BM) * heads, flash.THREADS), lq, lk, [a.ctypes.data for a in arrays] + [0])
+    kernel = _emulated(name, d, bf16, config)
+    kernel((-(-lq // cfg.bm) * heads, cfg.threads), lq, lk, [a.ctypes.data for a in arrays] + [0])
     q, k, v = (_half_float(bits[n], bf16) for n in "qkv")
     want_out, want_lse = _reference(program, q, k, v, params, sizes)
     return _half_float(out, bf16), lse, want_out, want_lse
@@ -111,6 +115,7 @@ LSE_TOL = 1e-4
 
 
 def _check(got_out, got_lse, want_out, want_lse, bf16=True):
+    assert not np.isnan(got_lse).any()
     assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=LSE_TOL, atol=LSE_TOL)
@@ -191,20 +196,72 @@ def test_emulated_flash_forward_fp16_and_head_dim_128():
     _check(*_run_emulated("alibi", 33, 33, 1, d=128, bf16=False), bf16=False)
 
 
+# the 128-row kernels: two query blocks, several key tiles (d 64: 2 of 128 in bm128w8, 4 of 64 in bm128w4),
+# lengths off the tiles, Lq != Lk, a window whose last block skips tiles, rows without a key, fp16 at d 128
+BM128_CASES = [("causal", 200, 200, 64, True), ("alibi", 150, 150, 64, True), ("window", 300, 300, 64, True),
+               ("full", 7, 150, 64, True), ("alibi", 150, 40, 64, True), ("softcap_empty_rows", 20, 20, 64, True),
+               ("alibi", 130, 100, 128, False)]
+
+
+@needs_emulator
+@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("name, lq, lk, d, bf16", BM128_CASES)
+def test_emulated_bm128_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
+    """The 128-row kernels (K and V double-buffered: a tile read before its cp.async group's wait, or a
+    stage overwritten while a warp still reads it, shows here) against the interpreter. A block of 256
+    emulated threads takes minutes on a loaded machine: the hang timeout is raised."""
+    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
+    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 3 * lk, config=config), bf16=bf16)
+
+
+def test_the_forward_config_comes_from_the_options(monkeypatch):
+    monkeypatch.delenv("SSMC_CUDA_FLASH_FORWARD", raising=False)
+    assert flash.config(128).name == flash.DEFAULT_CONFIG
+    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "bm128w8")
+    cfg = flash.config(128)
+    assert (cfg.name, cfg.bm, cfg.threads) == ("bm128w8", 128, 256)
+    assert "bm128w8" in flash.kernel_source(SPECS["alibi"].program, 128, True)[0]
+    assert flash.config(64, "bm64").shared(64) == 0
+    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "bm96")
+    with pytest.raises(ValueError, match="SSMC_CUDA_FLASH_FORWARD"):
+        flash.config(128)
+
+
+@pytest.mark.parametrize("name", list(BRUTE_MASKS))
+@pytest.mark.parametrize("bm, bn", [(128, 32), (128, 64), (128, 128)])
+def test_block_spans_of_the_bm128_tiles_are_sound(name, bm, bn):
+    lq, lk = 300, 290
+    spans = flash.block_spans(SPECS[name].program.mask, lq, lk, {"b": 1, "h": 1, "d": 64}, bm, bn)
+    visible = BRUTE_MASKS[name](np.arange(lq)[:, None], np.arange(lk)[None, :])
+    assert len(spans) == -(-lq // bm)
+    for b, (lo, hi, flo, fhi) in enumerate(spans):
+        rows = visible[b * bm:(b + 1) * bm]
+        assert not rows[:, :lo].any() and not rows[:, hi:].any() and lo % bn == 0
+        assert fhi <= lk and (flo == fhi or lo <= flo < fhi <= hi) and (fhi - flo) % bn == 0
+        assert rows[:, flo:fhi].all()
+        if name == "causal":
+            assert (flo, fhi) == (0, (b * bm // bn) * bn)
+
+
 # -- NVRTC: the kernel builds for sm_80 and sm_90 without spills -----------------------------------------
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("config", ["bm64", *NEW_CONFIGS])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
-def test_flash_forward_compiles_without_spills(arch, d, name):
+def test_flash_forward_compiles_without_spills(arch, d, name, config):
+    """No spills, at most 255 registers; static shared memory within 48 KiB ("bm64"), dynamic within
+    the 227 KiB an sm_80 / sm_90 block may have and small enough for one block an SM (the 128-row kernels)."""
     from ssmc.backends.cuda.source import compile_options
 
-    kname, text = flash.kernel_source(SPECS[name].program, d, True)
+    kname, text = flash.kernel_source(SPECS[name].program, d, True, config)
     compiled = nvrtc.compile_source(text, arch=arch, options=compile_options(text))
     usage = compiled.resources[kname]
-    assert not usage.spills, str(usage)
+    assert not usage.spills and usage.registers <= 255, str(usage)
     assert usage.shared_bytes <= 48 * 1024
+    dynamic = flash.config(d, config).shared(d)
+    assert (dynamic == 0) == (config == "bm64") and usage.shared_bytes + dynamic <= 160 * 1024
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------
@@ -244,6 +301,71 @@ def test_gpu_flash_forward_matches_the_tiled_path(name, length, dtype, monkeypat
     assert (lse[fin] - want_lse[fin]).abs().max().item() < 2e-3
     tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # about one ulp of the 16-bit result
     torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("name", ["causal", "alibi", "window", "full", "softcap_empty_rows"])
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bm128_forward_matches_the_tiled_path(config, name, length, dtype, d, monkeypatch):
+    """The 128-row kernels at both head dims against the tiled path (float32 products of the same
+    16-bit inputs), the fp32 output (out32) too; every row written (out starts as NaN)."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    dtype = getattr(torch, dtype)
+    program = SPECS[name].program
+    q, k, v, params = _gpu_inputs(program, length, dtype, d=d)
+    tiled = TiledAttention(program)
+    call = tiled.bind(q, k, v, "b h t ...", params)
+    out32 = torch.full(q.shape, float("nan"), device="cuda")
+    out, lse = flash.FlashForward(program, config=config)(call, out32)
+    monkeypatch.setenv("SSMC_CUDA_FLASH", "0")
+    want_out, want_lse = tiled.forward(call)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max().item() < 2e-3
+    tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # about one ulp of the 16-bit result
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out32, want_out.float(), atol=2e-3, rtol=2e-3)  # P rounded to 16 bits only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("length", [1, 180, 4097])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bm128_forward_through_the_switch_matches_sdpa(config, length, d, monkeypatch):
+    """SSMC_CUDA_FLASH_FORWARD picks the kernel of a compiled spec's call (its name in the loaded
+    functions), and the causal output matches SDPA's."""
+    from ssmc.backends.cuda.kernels import loaded
+
+    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
+    program = SPECS["causal"].program
+    q, k, v, _ = _gpu_inputs(program, length, torch.bfloat16, d=d)
+    got = torch.as_tensor(SPECS["causal"].compile(layout="b h t ...")(q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    assert any(f"_{config}_" in key[3] for key in loaded._functions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", NEW_CONFIGS)
+def test_gpu_bm128_forward_at_the_benchmark_shape_matches_bm64(config):
+    """B4 H16 L4096 d128 bf16 causal + ALiBi: the 128-row kernel's output and lse against the 64-row
+    kernel's (the same rounding points: within a 16-bit ulp and fp32 sums)."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS["alibi"].program
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn((4, 16, 4096, 128), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    slope = 2.0 ** (-8.0 * torch.arange(1, 17, device="cuda", dtype=torch.float32) / 16)
+    call = TiledAttention(program).bind(q, k, v, "b h t ...", {"slope": slope})
+    out, lse = flash.FlashForward(program, config=config)(call)
+    want, want_lse = flash.FlashForward(program, config="bm64")(call)
+    assert (lse - want_lse).abs().max().item() < 1e-3
+    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.mark.gpu
@@ -292,12 +414,16 @@ def test_gpu_gradients_flow_through_ssmc_torch_function():
 # -- plugged into the tiled path: the whole call on the emulator (SSMC_CUDA_EMULATE=1, CPU tensors) ---------
 
 @needs_emulator
-@pytest.mark.parametrize("layout", ["b h t ...", "b t h ..."])
-def test_emulated_call_through_the_tiled_path_runs_the_kernel(layout, monkeypatch):
+@pytest.mark.parametrize("layout, config", [("b h t ...", None), ("b t h ...", None), ("b t h ...", "bm128w8")])
+def test_emulated_call_through_the_tiled_path_runs_the_kernel(layout, config, monkeypatch):
     """A compiled spec's call on CPU bf16 tensors with the emulator on: bind, the params' table, the
-    spans and the launch of `TiledAttention.forward`'s flash branch, in both layouts; SSMC_CUDA_FLASH=0
-    gives the tiled path's answer back."""
+    spans and the launch of `TiledAttention.forward`'s flash branch, in both layouts, in the default
+    config and a 128-row one (SSMC_CUDA_FLASH_FORWARD); SSMC_CUDA_FLASH=0 gives the tiled path's answer back."""
     from ssmc.backends.tiled_attention import TiledAttention
+
+    if config is not None:
+        monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
+        monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
 
     program = SPECS["alibi"].program
     rng = np.random.default_rng(5)
@@ -310,6 +436,10 @@ def test_emulated_call_through_the_tiled_path_runs_the_kernel(layout, monkeypatc
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     got, got_lse = tiled(q, k, v, layout, {"slope": slope}, return_lse=True)
     assert tiled.flash_reason is None
+    if config is not None:  # the switch's kernel ran (loaded on the emulator)
+        from ssmc.backends.cuda.kernels import loaded
+
+        assert any(key[0] == "cpu" and f"_{config}_" in key[3] for key in loaded._functions)
     monkeypatch.setenv("SSMC_CUDA_FLASH", "0")
     want, want_lse = tiled(q, k, v, layout, {"slope": slope}, return_lse=True)
     assert tiled.flash_reason == "SSMC_CUDA_FLASH=0"

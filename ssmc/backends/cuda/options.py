@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
+FLASH_FORWARD = ("bm64", "bm128w8", "bm128w4")  # kernels/flash/forward.py's CONFIGS
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -48,6 +49,8 @@ class CudaOptions:
     flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
     flash_backward: False keeps softmax attention's backward on the tiled torch path
     flash_dq: how the flash backward sums dQ: "atomic" (fp32 atomics) or "kernel" (a second kernel, repeatable)
+    flash_forward: the flash forward's config (kernels/flash/forward.py `CONFIGS`): "bm64" (64-row blocks of
+        4 warps), "bm128w8" (128-row blocks of 8 warps) or "bm128w4" (128-row blocks of 4 warps of 32 rows)
     sm_count: SMs of the GPU the kernels are planned for
     """
 
@@ -72,6 +75,7 @@ class CudaOptions:
     flash: bool = True
     flash_backward: bool = True
     flash_dq: str | None = None
+    flash_forward: str | None = None
     sm_count: int = SM_COUNT
 
     @cached_property
@@ -109,6 +113,10 @@ def _parse(name: str, field: str, raw: str):
     if field == "flash_dq":
         if raw not in ("atomic", "kernel"):
             raise ValueError(f"{name}={raw!r}: expected 'atomic' or 'kernel'")
+        return raw
+    if field == "flash_forward":
+        if raw not in FLASH_FORWARD:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(FLASH_FORWARD)}")
         return raw
     if "bool" in str(kind):
         if raw not in _BOOLS:

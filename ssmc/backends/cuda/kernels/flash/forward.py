@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 from .....ir.node import BOOL, Node, toposort
 from .....ir.ops import Op
@@ -31,10 +32,58 @@ from .....ir.program import Attention
 from .. import template
 from ..loaded import loaded_function
 
-BM = 64                 # query rows a block: 4 warps of 16
+BM = 64                 # query rows a block of the "bm64" kernel: 4 warps of 16
 BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
 THREADS = 128
 HEAD_DIMS = (64, 128)   # the kernel's head (and value) dims; others stay on the tiled path
+
+
+@dataclass(frozen=True)
+class Config:
+    """One forward kernel's shape: `bm` query rows a block, `warps` warps of `rt` tiles of 16 rows, key
+    tiles of `bn`; "bm64" is ``forward.cu.j2`` (static shared memory, K and V single-buffered), the others
+    ``forward_bm128.cu.j2`` (K and V double-buffered in dynamic shared memory); `qreg`: Q's fragments in
+    registers for the whole block (else read from shared memory per tile); `min_blocks`: the launch
+    bounds' blocks an SM."""
+
+    name: str
+    bm: int
+    bn: int
+    warps: int
+    rt: int = 1
+    qreg: bool = True
+    min_blocks: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def shared(self, d: int) -> int:
+        """Bytes of dynamic shared memory a block (0: "bm64"'s static arrays): Q where not in registers,
+        then two stages of a K and a V tile, rows padded to d + 8 values."""
+        if self.name == "bm64":
+            return 0
+        return ((0 if self.qreg else self.bm) + 4 * self.bn) * (d + 8) * 2
+
+
+# per head dim; "bm128w8": 8 warps of 16 rows (Q in registers), "bm128w4": 4 warps of 32 rows (at d 128 Q
+# read from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators
+# would not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled)
+CONFIGS = {
+    "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
+    "bm128w8": {64: Config("bm128w8", 128, 128, 8), 128: Config("bm128w8", 128, 64, 8)},
+    "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
+}
+DEFAULT_CONFIG = "bm64"
+
+
+def config(d: int, name: str | None = None) -> Config:
+    """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else the default."""
+    if name is None:
+        from ...options import options
+
+        name = options().flash_forward or DEFAULT_CONFIG
+    return CONFIGS[name][d]
 
 
 class Unprintable(ValueError):
@@ -159,25 +208,33 @@ _CUPY: str | None = None
 _SOURCES: dict = {}
 
 
-def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs; cached. Raises `Unprintable` where `unsupported` says why."""
+    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options');
+    cached. Raises `Unprintable` where `unsupported` says why."""
     from ...source import mma_header
 
-    key = (program, d, bf16)
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
+    cfg = config(d, config_name)
+    key = (program, d, bf16, cfg)
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     score_body = print_body(program.score, program, "score")
     mask_body = print_body(program.mask, program, "true")
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256(f"{score_body}\n{mask_body}\n{scale!r}".encode()).hexdigest()[:10]
-    name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
-    text = template("flash/forward.cu.j2").render(
-        name=name, d=d, bm=BM, bn=BN, bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
-        score_body=score_body, mask_body=mask_body)
+    suffix = "" if cfg.name == "bm64" else "_" + cfg.name
+    name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
+    common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
+                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body)
+    if cfg.name == "bm64":
+        text = template("flash/forward.cu.j2").render(**common)
+    else:
+        text = template("flash/forward_bm128.cu.j2").render(
+            **common, warps=cfg.warps, rt=cfg.rt, qreg=cfg.qreg, min_blocks=cfg.min_blocks, shared=cfg.shared(d),
+            raw=program.score is None and scale > 0)
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
@@ -202,28 +259,29 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     return torch.stack(cols, dim=1).contiguous()
 
 
-def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int]) -> list[tuple[int, int, int, int]]:
-    """Per block of `BM` queries, (lo, hi, full_lo, full_hi): keys outside [lo, hi) are masked for every
-    query of the block (`mask_blocks.key_spans`), and every key tile inside [full_lo, full_hi) is visible
-    to every query of the block and below Lk (the mask proven true over the whole rectangle), so the
-    kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is."""
+def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: int = BM,
+                bn: int = BN) -> list[tuple[int, int, int, int]]:
+    """Per block of `bm` queries, (lo, hi, full_lo, full_hi): keys outside [lo, hi) are masked for every
+    query of the block (`mask_blocks.key_spans` over key tiles of `bn`), and every key tile inside
+    [full_lo, full_hi) is visible to every query of the block and below Lk (the mask proven true over the
+    whole rectangle), so the kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is."""
     from .....passes.mask_blocks import _bool, _evaluate, key_spans
 
-    spans = key_spans(mask, lq, lk, BM, BN, sizes)
+    spans = key_spans(mask, lq, lk, bm, bn, sizes)
     order = toposort([mask]) if mask is not None else None
     out = []
     for b, (lo, hi) in enumerate(spans):
-        q = (float(b * BM), float(min((b + 1) * BM, lq) - 1))
+        q = (float(b * bm), float(min((b + 1) * bm, lq) - 1))
         full = []
-        for t0 in range(lo, hi, BN):
-            if t0 + BN > lk:
+        for t0 in range(lo, hi, bn):
+            if t0 + bn > lk:
                 continue  # keys past Lk: masked element-wise
-            if order is None or not _bool(_evaluate(order, q, (float(t0), float(t0 + BN - 1)), sizes))[1]:
+            if order is None or not _bool(_evaluate(order, q, (float(t0), float(t0 + bn - 1)), sizes))[1]:
                 full.append(t0)
         # the longest run of consecutive full tiles (others stay partial: sound)
         best, run = (0, 0), None
         for t0 in full:
-            run = (run[0], t0 + BN) if run is not None and run[1] == t0 else (t0, t0 + BN)
+            run = (run[0], t0 + bn) if run is not None and run[1] == t0 else (t0, t0 + bn)
             if run[1] - run[0] > best[1] - best[0]:
                 best = run
         out.append((lo, hi, *best))
@@ -237,26 +295,30 @@ def span_table(spans: list[tuple[int, ...]]) -> list[int]:
 
 class FlashForward:
     """The flash forward of one program on CUDA tensors (module docstring): compiled per (device, source)
-    with CuPy (NVRTC), launched on torch's current stream."""
+    with CuPy (NVRTC), launched on torch's current stream, in the config `config` (a `CONFIGS` name; None:
+    ``SSMC_CUDA_FLASH_FORWARD``'s at each call, else `DEFAULT_CONFIG`)."""
 
-    def __init__(self, program: Attention):
+    def __init__(self, program: Attention, config: str | None = None):
+        if config is not None and config not in CONFIGS:
+            raise ValueError(f"flash forward config {config!r}: expected one of {', '.join(CONFIGS)}")
         self.program = program
+        self.config = config
         self.reason = unsupported(program)
         self._spans: dict = {}
 
-    def _function(self, device, d: int, bf16: bool):
-        name, text = kernel_source(self.program, d, bf16)
+    def _function(self, device, d: int, bf16: bool, cfg: Config):
+        name, text = kernel_source(self.program, d, bf16, cfg.name)
         return loaded_function(text, name, device)
 
-    def _span_tensor(self, call):
+    def _span_tensor(self, call, cfg: Config):
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
                 self._spans.clear()
-            spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
+            spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn)
             t = self._spans[key] = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
         return t
 
@@ -276,16 +338,17 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
+        cfg = config(d, self.config)
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = param_table(self.program, call.params, call.sizes).to(q.device)
-        spans = self._span_tensor(call)
-        fn = self._function(q.device, d, q.dtype == torch.bfloat16)
-        blocks = -(-lq // BM) * bh
+        spans = self._span_tensor(call, cfg)
+        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg)
+        grid = (-(-lq // cfg.bm) * bh, cfg.threads)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
                     lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
         if q.is_cuda and q.device.index != torch.cuda.current_device():  # the function lives in q's device's context
             with torch.cuda.device(q.device):
-                launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+                launch_kernel(fn, grid, lq, lk, pointers, shared=cfg.shared(d))
         else:
-            launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+            launch_kernel(fn, grid, lq, lk, pointers, shared=cfg.shared(d))
         return out, lse
