@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check and time the chunked matrix-linear forward on tensor cores (backends/cuda/kernels/chunk/mma.py).
+"""Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
     python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--only ssd,retnet]
 
@@ -15,7 +15,12 @@ K128 V128 bf16:
    `algorithm.forward` on the same chunked operands) at each chunk the kernels take (64, 128, 256),
    with each kernel's own time (CUDA events around its launch, median of 30 calls) and the bytes it
    moves at the least, as GB/s; and the one-pass states variant (`mma.forward(x, one_pass=True)`:
-   chunk_states_scan in place of chunk_states and state_pass), its time and error.
+   chunk_states_scan in place of chunk_states and state_pass), its time and error;
+3. forward + backward (`ssmc.torch.function`, a training step's `.backward(dy)`): first every gradient
+   against the peer's (autograd through the peer's Triton backward; RetNet: q, k, v, fla fixes gamma)
+   and against ssmc's torch backward on the same forward (SSMC_CUDA_CHUNK_BACKWARD=0), then the times
+   of ssmc on the backward kernels, ssmc with the torch backward, and the peer; the core's backward
+   alone (`mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time.
 
 Prints a markdown table; with --out, writes it to DIR/chunk.md. Needs torch, triton, cupy; the peers
 are installed from peers/ as bench/harness.py does (no network).
@@ -69,18 +74,31 @@ def rel(got, want) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-class kernels_off:
-    """SSMC_CUDA_CHUNK_KERNELS=0 for the duration (the torch path)."""
+class switched_off:
+    """An SSMC_CUDA_* switch set to 0 for the duration."""
+
+    def __init__(self, variable: str):
+        self.variable = variable
 
     def __enter__(self):
-        self.old = os.environ.get("SSMC_CUDA_CHUNK_KERNELS")
-        os.environ["SSMC_CUDA_CHUNK_KERNELS"] = "0"
+        self.old = os.environ.get(self.variable)
+        os.environ[self.variable] = "0"
 
     def __exit__(self, *exc):
         if self.old is None:
-            os.environ.pop("SSMC_CUDA_CHUNK_KERNELS", None)
+            os.environ.pop(self.variable, None)
         else:
-            os.environ["SSMC_CUDA_CHUNK_KERNELS"] = self.old
+            os.environ[self.variable] = self.old
+
+
+def kernels_off():
+    """SSMC_CUDA_CHUNK_KERNELS=0 for the duration (the torch path)."""
+    return switched_off("SSMC_CUDA_CHUNK_KERNELS")
+
+
+def backward_kernels_off():
+    """SSMC_CUDA_CHUNK_BACKWARD=0 for the duration (the torch backward on the kernels' forward)."""
+    return switched_off("SSMC_CUDA_CHUNK_BACKWARD")
 
 
 def counted_kernels():
@@ -136,14 +154,18 @@ def retnet_peer(peers, a: dict):
     return lambda: chunk_retention(a["q"], a["k"], a["v"], scale=1.0)[0]
 
 
-def kernel_times(x: algorithm.Chunks, reps: int = 30, one_pass: bool | None = None) -> dict[str, float]:
-    """Each kernel of `mma.forward(x)`: median milliseconds over `reps` calls (CUDA events)."""
+def kernel_times(x: algorithm.Chunks, reps: int = 30, one_pass: bool | None = None, call=None) -> dict[str, float]:
+    """Each kernel of `mma.forward(x)` (or of ``call(events)``): median milliseconds over `reps` calls
+    (CUDA events)."""
+    if call is None:
+        def call(events):
+            return mma.forward(x, events=events, one_pass=one_pass)
     for _ in range(3):
-        mma.forward(x, one_pass=one_pass)
+        call(None)
     runs = []
     for _ in range(reps):
         events: list = []
-        mma.forward(x, events=events, one_pass=one_pass)
+        call(events)
         runs.append(events)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
@@ -189,6 +211,104 @@ def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.
     ell = -torch.rand(*heads_v, nc, c, generator=g, device="cuda") * 0.1
     s0 = torch.zeros(*heads_v, key, value, device="cuda")
     return algorithm.Chunks(q, k, v, ell, s0)
+
+
+def counted_backward():
+    """A list that grows by one per `mma.backward` call (the backward kernels ran), and the undo."""
+    calls, original = [], mma.backward
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    mma.backward = wrapped
+    return calls, lambda: setattr(mma, "backward", original)
+
+
+# gradients held to TOLERANCE against the peer's; the decays' (sums over every step of differences) to this
+DECAY_TOLERANCE = 5e-2
+
+
+def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -> list[dict]:
+    """The forward + backward rows (module docstring, 3.)."""
+    import ssmc.torch
+
+    tfn = ssmc.torch.function(spec, layout=layout)
+    leaves = {k: (v.detach().clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in a.items()}
+    peer_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
+    dy = torch.randn(tfn(**leaves).shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    def train(fn, inputs):
+        def step():
+            for v in inputs.values():
+                v.grad = None
+            fn(**inputs).backward(dy)
+        return step
+
+    def grads(inputs):
+        return {k: v.grad.detach().clone() for k, v in inputs.items() if v.grad is not None}
+
+    ssmc_step = train(tfn, leaves)
+    calls, undo = counted_backward()
+    try:
+        ssmc_step()
+        if not calls:
+            raise RuntimeError("the backward kernels did not run (see mma.backward_applies)")
+        got = grads(leaves)
+        with backward_kernels_off():
+            ssmc_step()
+            torch_bwd = grads(leaves)
+        checks: dict = {}
+        ok = True
+        decays = {"dt", "A", "gamma"}
+        for k, v in got.items():
+            checks[f"d{k} vs torch backward"] = e = rel(v, torch_bwd[k])
+            ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
+        peer_step = None
+        try:
+            if name == "ssd":
+                run = ssd_peer(peers, peer_leaves)
+            else:
+                run = retnet_peer(peers, peer_leaves)
+
+            def peer_step():
+                for v in peer_leaves.values():
+                    v.grad = None
+                run().backward(dy)
+            peer_step()
+            want = grads(peer_leaves)
+            for k, w in want.items():
+                checks[f"d{k} vs peer"] = e = rel(got[k], w)
+                ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
+        except Exception as err:
+            checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
+            peer_step = None
+        t_kernels = timed(ssmc_step)
+        with backward_kernels_off():
+            t_torch = timed(ssmc_step)
+        t_peer = timed(peer_step) if peer_step is not None else None
+        # the core's backward alone, at the default chunk
+        x = core_chunks(name, g)
+        out, entering, final = mma.forward(x)
+        d_out = torch.randn(out.shape, generator=g, device="cuda").to(x.q.dtype)
+        d_final = torch.zeros_like(final)
+        t_core = timed(lambda: mma.backward(x, entering, final, d_out, d_final))
+        t_core_torch = timed(lambda: algorithm.vjp(x, entering, final, d_out.float(), d_final))
+        errs = [rel(a_, b_) for a_, b_ in zip(mma.backward(x, entering, final, d_out, d_final),
+                                              algorithm.vjp(x, entering, final, d_out.float(), d_final))]
+        parts = {"errors dq, dk, dv, dell, ds0 vs torch vjp": ", ".join(f"{e:.1e}" for e in errs)}
+        for k, t in kernel_times(x, call=lambda ev: mma.backward(x, entering, final, d_out, d_final,
+                                                                   events=ev)).items():
+            parts[k] = f"{t:.3f} ms"
+    finally:
+        undo()
+    title = ("SSD B4 L4096 H32 P64 N128 bf16" if name == "ssd" else "RetNet B4 L4096 H16 K128 V128 bf16")
+    peer = "mamba_chunk_scan_combined" if name == "ssd" else "fla chunk_retention"
+    return [{"workload": title, "what": "forward + backward (torch column: SSMC_CUDA_CHUNK_BACKWARD=0)",
+             "kernels": t_kernels, "torch": t_torch, "peer": t_peer, "peer_name": peer, "checks": checks, "ok": ok},
+            {"workload": title, "what": f"core backward only (chunk {x.q.shape[-2]})", "kernels": t_core,
+             "torch": t_core_torch, "peer": None, "peer_name": "", "checks": parts,
+             "ok": max(errs) < TOLERANCE}]
 
 
 def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
@@ -241,7 +361,7 @@ def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
         rows.append({"workload": title, "what": f"core only (chunk {c})", "kernels": t_core, "torch": t_core_torch,
                      "peer": None, "peer_name": "", "checks": {"kernels vs torch core: output": core_err, **parts},
                      "ok": core_err < TOLERANCE})
-    return rows
+    return rows + training_rows(name, spec, layout, a, peers, g)
 
 
 def table(rows: list[dict]) -> str:
@@ -283,7 +403,7 @@ def main() -> int:
             rows.append({"workload": name, "what": "error", "kernels": None, "torch": None, "peer": None,
                          "peer_name": "", "checks": {"error": traceback.format_exc().splitlines()[-1][:200]},
                          "ok": False})
-    text = (f"# Chunked matrix-linear forward: mma.sync kernels\n\n{torch.cuda.get_device_name()}, torch "
+    text = (f"# Chunked matrix-linear forward and backward: mma.sync kernels\n\n{torch.cuda.get_device_name()}, torch "
             f"{torch.__version__}\n\n" + table(rows) + "\n" + "\n".join(peers.notes))
     print(text)
     if args.out:

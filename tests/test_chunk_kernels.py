@@ -1,14 +1,19 @@
-"""The chunked matrix-linear forward on tensor cores (backends/cuda/kernels/chunk/mma.py, forward.cu.j2).
+"""The chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py,
+chunk.cu.j2).
 
 - emulated on the CPU (SSMC_CUDA_EMULATE=1: the kernels' fragments, shuffles and barriers run as C++):
   the kernels' (output, entering states, final state) against algorithm.py's torch forward in float64
   on the same rounded inputs, at every chunk size they take (64, 128, 256) and lengths that leave the
   last chunk partial, heads broadcast as SSD's B and C are, operands in the time-first layout (strided
   steps);
+- the backward's five kernels (emulated) against algorithm.vjp in float64 on the same rounded values,
+  every cotangent (q, k, v, the log decays, the initial state), K and V apart, unaligned operands;
+  ChunkedCore's backward on them against its torch backward;
 - NVRTC builds every size and chunk the kernels take for sm_80 and sm_90 with no spills, their dynamic
   shared memory within what an sm_80 block may have;
 - which calls take the kernels (16-bit, sizes, the switch), and ChunkedCore choosing them;
-- on a GPU: whole compiled specs (Mamba-2, RetNet) in bf16 against the torch path and the interpreter.
+- on a GPU: whole compiled specs (Mamba-2, RetNet) in bf16 against the torch path and the interpreter,
+  forward and every gradient.
 """
 
 from __future__ import annotations
@@ -176,7 +181,9 @@ def test_the_kernels_compile_without_spills(arch):
                 for bf16, aligned in ((True, True), (False, True), (True, False)) if largest else ((True, True),):
                     text = mma.source(key, value, chunk, bf16, aligned)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-                    assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output"}
+                    assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output",
+                                              "chunk_dstates", "state_pass_reverse", "chunk_dq", "chunk_dk",
+                                              "chunk_dv"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()
@@ -219,7 +226,8 @@ def _core_inputs(program, sizes, length, rng, dtype):
 @pytest.mark.parametrize("name", ["mamba2", "retnet"])
 def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, emulate, monkeypatch):
     """ChunkedCore on bf16 operands: the forward on the kernels (counted), outputs and final state as
-    the torch path's in float64; the backward from their tape as from the torch path's."""
+    the torch path's in float64; the backward on the kernels (counted), the torch backward on their
+    tape and the torch path's backward on its own, each gradient against float64."""
     from ssmc.backends.cuda.kernels import chunk
     from ssmc.passes.autodiff import GRAD
 
@@ -248,15 +256,33 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     output, state = core.output, program.states[0].name
     cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).float()}
     lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+    backward_calls = []
+    monkeypatch.setattr(chunk.mma, "backward", lambda *a, _f=chunk.mma.backward, **kw: backward_calls.append(1)
+                        or _f(*a, **kw))
     got = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
+    assert backward_calls == [1]
+    # the torch backward on the kernels' tape, then on the torch forward's
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    on_tape = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
     assert len(calls) == 1  # the torch path (its chunk by the state's size, maybe not the kernels')
-    want = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
-    for part, ref in zip(got, want):
-        assert set(part) == set(ref)
+    torch_path = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
+    assert backward_calls == [1]
+    _, _, wide_tape = wide.forward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()},
+                                   {k: v.to(d) for k, v in initial.items()}, sizes, length)
+    want = wide.backward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()}, wide_tape,
+                         {k: v.to(d) for k, v in cot.items()}, {k: v.to(d) for k, v in lam.items()}, None, sizes,
+                         length)
+    # every gradient (q, k, v / x, B, C; the decay or its log; the initial state) within 1e-2 of float64
+    # (bf16 operands, the cotangent of the output rounded to bf16 on the kernels)
+    for kernels, tape_torch, torch_only, ref in zip(got, on_tape, torch_path, want):
+        assert set(kernels) == set(ref) == set(tape_torch) == set(torch_only)
         for k in ref:
-            assert _rel(part[k], ref[k]) < 2e-2, k
+            assert kernels[k].shape == ref[k].shape, k
+            assert _rel(kernels[k], ref[k]) < 1e-2, (k, _rel(kernels[k], ref[k]))
+            assert _rel(tape_torch[k], ref[k]) < 1e-2, k
+            assert _rel(torch_only[k], ref[k]) < 1e-2, k
 
 
 # -- on the GPU: whole specs --------------------------------------------------------------------------
@@ -332,3 +358,135 @@ def test_gpu_kernels_at_every_chunk_agree_with_the_torch_forward(chunk, one_pass
     assert _rel(out, ref_out) < 1e-2
     assert _rel(final, ref_final) < 1e-2
     assert _rel(entering, ref_entering) < 1e-2
+
+
+# -- the backward on the kernels ----------------------------------------------------------------------
+
+def _cotangents(x: algorithm.Chunks, seed: int):
+    """(d_out [*H, NC, C, V] in q's dtype, zero past the call's steps as `ChunkedCore._arrange` pads it,
+    d_final [*H, K, V] fp32), H the heads of all operands."""
+    t = x.q.dim() - 3
+    heads = torch.broadcast_shapes(x.q.shape[:t], x.k.shape[:t], x.v.shape[:t], x.ell.shape[:t], x.s0.shape[:t])
+    g = torch.Generator().manual_seed(seed)
+    d_out = torch.randn(*heads, *x.q.shape[-3:-1], x.v.shape[-1], generator=g)
+    d_out = d_out * (x.v.abs().sum(-1, keepdim=True) > 0)  # zero on the padded steps (v is zero there)
+    d_final = torch.randn(*heads, x.q.shape[-1], x.v.shape[-1], generator=g)
+    return d_out.to(x.q.dtype), d_final
+
+
+def _reference_vjp(x: algorithm.Chunks, d_out, d_final):
+    """algorithm.forward and vjp in float64 on the same (rounded) values: (dq, dk, dv, dell, ds0)."""
+    d = torch.float64
+    wide = algorithm.Chunks(x.q.to(d), x.k.to(d), x.v.to(d), x.ell.to(d), x.s0.to(d))
+    _, entering, final = algorithm.forward(wide)
+    return algorithm.vjp(wide, entering, final, d_out.to(d), d_final.to(d))
+
+
+def _check_backward(x: algorithm.Chunks, seed: int, tol: float, events=None):
+    d_out, d_final = _cotangents(x, seed)
+    assert mma.backward_applies(x, d_out)
+    _, entering, final = mma.forward(x)
+    got = mma.backward(x, entering, final, d_out, d_final, events=events)
+    want = _reference_vjp(x, d_out, d_final)
+    for name, g, w in zip(("dq", "dk", "dv", "dell", "ds0"), got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        assert g.dtype == torch.float32, name
+        assert _rel(g, w) < tol, (name, _rel(g, w))
+
+
+@needs_emulator
+@pytest.mark.parametrize("chunk, length", [(64, 1), (64, 130), (128, 7)])
+def test_emulated_backward_agrees_with_the_torch_vjp(emulate, chunk, length):
+    """The five backward kernels (and the log decays' cotangent after them) against algorithm.vjp in
+    float64 on the same rounded values: SSD's broadcast of q and k over two heads, K = V = 64, the last
+    chunk partial or the only one, several chunks through the reverse pass."""
+    x = _chunks(length, seed=length + 7, chunk=chunk, decay=0.3 if chunk == 64 else 0.02)
+    _check_backward(x, length, 6e-3)
+
+
+@needs_emulator
+def test_emulated_backward_with_key_and_value_sizes_apart(emulate):
+    """K = 64, V = 128: dq and dk come from the module of (V, K), dv and the states from that of (K, V)
+    (two value tiles: the end dots summed over them); fp16, every operand per head; L 70 over two
+    chunks of 64. (The forward's module is test_emulated_kernels_with_every_operand_per_head_in_fp16's:
+    built once.)"""
+    h = (2,)
+    x = _chunks(70, value=128, dtype=torch.float16, seed=5, q_heads=h, k_heads=h, v_heads=h, ell_heads=h,
+                s0_heads=h, chunk=64)
+    _check_backward(x, 3, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
+    """A training step through ssmc.torch.function on bf16 inputs (the initial state included): every
+    gradient (x, B, C, dt, A, D, the initial state; q, k, v, gamma, S) with the backward kernels
+    (counted) against float64 on the same rounded inputs and cotangents (the chunked torch path, which
+    tests/test_chunked.py holds to the interpreter), relative RMS error within 2e-2 (3e-2 for the
+    decays' parameters: sums over every step), and at most twice the torch backward's
+    (SSMC_CUDA_CHUNK_BACKWARD=0) plus 2e-3."""
+    import ssmc
+    import ssmc.torch
+    from ssmc.backends.cuda.kernels import chunk
+
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_BACKWARD", raising=False)
+    spec, layout, inputs = _spec_case(name, length)
+    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
+          for k, v in inputs.items()}
+    fn = ssmc.torch.function(spec, layout=layout, return_final_states=True)
+    rng = np.random.default_rng(length + 1)
+    y, final = fn(**bf)
+    dy = torch.from_numpy(rng.standard_normal(tuple(y.shape))).to("cuda", torch.bfloat16)
+    dfinal = torch.from_numpy(rng.standard_normal(tuple(final.shape))).to("cuda", torch.float32)
+    calls = []
+    monkeypatch.setattr(chunk.mma, "backward", lambda *a, _f=chunk.mma.backward, **kw: calls.append(1) or _f(*a, **kw))
+
+    def gradients():
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        y, final = fn(**leaves)
+        torch.autograd.backward([y, final], [dy.to(y.dtype), dfinal.to(final.dtype)])
+        return {k: v.grad for k, v in leaves.items()}
+
+    got = gradients()
+    assert calls, "the backward kernels did not run"
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    n = len(calls)
+    torch_backward = gradients()
+    assert len(calls) == n
+    rounded = {k: v.double().cpu().numpy() for k, v in bf.items()}
+    state = spec.program.states[0].name
+    output = spec.program.outputs[0][0]
+    want = ssmc.grad(spec, backend="cuda", layout=layout, dtype="float64")(
+        **rounded, grad_outputs={output: dy.double().cpu().numpy()},
+        grad_final_states={state: dfinal.double().cpu().numpy()})
+    for k, w in want.items():
+        w = torch.as_tensor(np.asarray(w.cpu() if hasattr(w, "cpu") else w), device="cuda").double()
+        g, t = got[k], torch_backward[k]
+        assert g is not None and g.shape == w.shape, k
+        tol = 3e-2 if k in ("dt", "A", "gamma") else 2e-2
+        assert _rel(g, w) < tol, (k, _rel(g, w), _rel(t, w))
+        assert _rel(g, w) < 2 * _rel(t, w) + 2e-3, (k, _rel(g, w), _rel(t, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("key, value", [(128, 64), (128, 128), (64, 128)])
+def test_gpu_backward_kernels_at_every_chunk_agree_with_the_torch_vjp(chunk, key, value, monkeypatch):
+    """The backward kernels on the GPU (dynamic shared memory past 48 KiB; dq and dk from the module of
+    (V, K)) against algorithm.vjp in float64 on the same rounded values: L 1000 (the last chunk
+    partial), SSD's broadcast of q and k over two heads, every cotangent within 6e-3."""
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_BACKWARD", raising=False)
+    x = _chunks(1000, key=key, value=value, seed=chunk + key + value + 1, chunk=chunk, decay=0.02)
+    d_out, d_final = _cotangents(x, chunk)
+    want = _reference_vjp(x, d_out, d_final)
+    gpu = algorithm.Chunks(*(t.cuda() for t in (x.q, x.k, x.v, x.ell, x.s0)))
+    _, entering, final = mma.forward(gpu)
+    got = mma.backward(gpu, entering, final, d_out.cuda(), d_final.cuda())
+    for name, g, w in zip(("dq", "dk", "dv", "dell", "ds0"), got, want):
+        assert g.shape == w.shape, name
+        assert _rel(g.cpu(), w) < 6e-3, (name, _rel(g.cpu(), w))

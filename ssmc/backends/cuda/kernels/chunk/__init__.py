@@ -9,10 +9,12 @@ input's own axes) and the chunked one of `algorithm.py`, which holds the math:
     ChunkedCore(program, "float32").run(seqs, params, initial, sizes, length)   # the runner contract
     g = ChunkedCore(...); outs, finals, tape = g.forward(...); g.backward(..., tape, cot, lam, ...)
 
-The forward runs on the mma.sync kernels of `mma.py` (forward.cu.j2) where q, k, v are 16-bit with
+The forward runs on the mma.sync kernels of `mma.py` (chunk.cu.j2) where q, k, v are 16-bit with
 key and value sizes they take, else (fp32 / float64 inputs, other sizes, SSMC_CUDA_CHUNK_KERNELS=0)
-as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward is `algorithm.vjp` on what
-either forward saved (docs/design/matrix-linear-chunks.md).
+as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward likewise: `mma.backward`
+where the kernels take the call (the output's cotangent rounded to q's 16 bits;
+SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forward saved
+(docs/design/matrix-linear-chunks.md).
 """
 
 from __future__ import annotations
@@ -228,11 +230,17 @@ class ChunkedCore:
         ml, x = self.ml, tape.chunks
         chunk = x.q.shape[-2]
         s = ml.state
-        d_out = self._arrange(cot[GRAD + self.output], self.out_node.axes, True, ml.value, length, chunk,
-                              x.compute)
         d_final = lam[GRAD + s.name].to(x.compute)
         d_final = d_final.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
-        dq, dk, dv, d_ell, ds0 = vjp(x, tape.entering, tape.final, d_out, d_final)
+        cot_out = cot[GRAD + self.output]
+        d_out = None
+        if mma.kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
+            d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
+        if d_out is not None and mma.backward_applies(x, d_out):
+            dq, dk, dv, d_ell, ds0 = mma.backward(x, tape.entering, tape.final, d_out, d_final)
+        else:
+            d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
+            dq, dk, dv, d_ell, ds0 = vjp(x, tape.entering, tape.final, d_out, d_final)
         grads: dict[str, torch.Tensor] = {}
 
         def add(node, grad, inner):

@@ -137,3 +137,22 @@ def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Ten
     d_lam[..., -1] += (d_end * ending).sum((-1, -2))
     d_ell = torch.flip(torch.cumsum(torch.flip(d_lam, (-1,)), -1), (-1,))
     return dq, dk, dv, d_ell, d_s0
+
+
+def log_decay_grad(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, at_end: torch.Tensor,
+                   gamma: torch.Tensor, d_end: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+    """The log decays' cotangent [*H, NC, C] from the kernels' fp32 dq, dk [*H, NC, C, K], the
+    cotangent of each chunk's end state d_end and the state entering it [*H, NC, K, V], Γ [*H, NC] and
+    ``at_end`` [*H, NC]: Σ_j k_j·dk_j's part through d_end, ``Σ_j exp(Γ − Λ_j) k_j d_end v_jᵀ``.
+
+    `vjp`'s ``dΛ_i = q_i·dq_i − k_i·dk_i (+ ⟨d_end, S_e⟩ at the chunk's last step)``, then
+    ``dℓ_t = Σ_{i≥t} dΛ_i``, with ``⟨d_end, S_e⟩ = exp(Γ) ⟨d_end, S_p⟩ + at_end``: S_e's part from the
+    chunk's own steps cancels k·dk's part through d_end, and taking both from the same (16-bit
+    rounded) d_end that dk's kernel multiplied leaves no difference of roundings for the reverse sum
+    to spread over every step of the chunk (where S_e is the forward's state, it does: its own 16-bit
+    rounding of k against dk's of d_end)."""
+    d_lam = (q * dq).sum(-1) - (k * dk).sum(-1)   # 16-bit q, k promoted inside the product
+    flat = d_end.reshape(*d_end.shape[:-2], 1, -1)
+    entered = entering.reshape(*entering.shape[:-2], -1, 1)
+    d_lam[..., -1] += at_end + torch.exp(gamma) * torch.matmul(flat, entered)[..., 0, 0]
+    return torch.flip(torch.cumsum(torch.flip(d_lam, (-1,)), -1), (-1,))

@@ -1,7 +1,8 @@
-"""The chunked forward on tensor cores (``forward.cu.j2``): `algorithm.forward`'s result from three
-kernels, for 16-bit q, k, v with fp32 decays and states.
+"""The chunked forward and backward on tensor cores (``chunk.cu.j2``): `algorithm.forward`'s result
+from three kernels, `algorithm.vjp`'s from five, for 16-bit q, k, v with fp32 decays and states.
 
     if kernels_apply(x): out, entering, final = forward(x)      # else algorithm.forward(x)
+    dq, dk, dv, d_ell, ds0 = backward(x, entering, final, d_out, d_final)   # where backward_applies
 
 Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK forces one):
 
@@ -12,6 +13,11 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
    order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
    (q_i·k_j) v_j``, the scores in registers only.
+
+The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
+chunk's end state (the chunks last first, as the forward's states), then ``chunk_dq``, ``chunk_dk``,
+``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
+decays' cotangent is `algorithm.log_decay_grad` on their fp32 results.
 
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
 the kernels read, so no operand is expanded. Under ``SSMC_CUDA_EMULATE=1`` the same launches run on
@@ -29,7 +35,7 @@ from ...devices import current_device, emulating, on_backend_device
 from ...launch import launch_kernel
 from ...options import options
 from .. import template
-from .algorithm import Chunks
+from .algorithm import Chunks, log_decay_grad
 
 CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a warp per 16 query rows)
 # the default: the fp32 chunk states ([K, V] per head and chunk, written, passed and read again) shrink
@@ -52,11 +58,14 @@ def chunk_for(length: int) -> int:
 
 
 def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
-    """Bytes of dynamic shared memory of each kernel (the 16-bit tiles, rows padded by 8 values)."""
+    """Bytes of dynamic shared memory of each kernel of the module of (`key`, `value`) (the 16-bit
+    tiles, rows padded by 8 values)."""
     tile, pad = 64, 8
-    return {"chunk_states": 2 * tile * (chunk + pad) * 2, "chunk_states_scan": 2 * tile * (chunk + pad) * 2,
-            "state_pass": 0,
-            "chunk_output": (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2}
+    states = 2 * tile * (chunk + pad) * 2
+    product = (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2
+    return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
+            "state_pass": 0, "state_pass_reverse": 0,
+            "chunk_output": product, "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
 
 
 @cache
@@ -66,7 +75,7 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False) 
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
-    body = template("chunk/forward.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
+    body = template("chunk/chunk.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
                                                   states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     return mma_header() + "\n" + body
@@ -178,45 +187,116 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
-    # the storage offsets go into the table; the kernels get each array's storage base
     if not writable_out(out, heads, nc, chunk, value):
         out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
-    offs, steps, aligned_rows = _tables_for(heads, (q, k, v, ell, out), dev)
+    offs, steps, aligned_rows = _tables_for(heads, (q, k, v, ell, out, v), dev)  # no extra: v again
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    def base(a):
-        return a.data_ptr() - a.storage_offset() * a.element_size()
-
-    aligned = bool(aligned_rows[:3].all()) and all(base(a) % 16 == 0 for a in (q, k, v))
+    aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
     text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned)
 
     tiles = (key // 64) * (value // 64)
-    shared = shared_bytes(key, value, chunk)
     if ONE_PASS if one_pass is None else one_pass:
         launches = [("chunk_states_scan", nh * tiles, 128,
-                     [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
+                     [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
                       states.data_ptr(), final.data_ptr()])]
     else:
         launches = [
             ("chunk_states", nh * nc * tiles, 128,
-             [base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(), gamma.data_ptr()]),
+             [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+              gamma.data_ptr()]),
             ("state_pass", nh * key * value // 256, 256,
              [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]),
         ]
     launches += [
         ("chunk_output", nh * nc * (value // 64), 2 * chunk,
-         [base(q), base(k), base(v), base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
-          base(out)]),
+         [_base(q), _base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+          _base(out)]),
     ]
     for name, blocks, threads, pointers in launches:
-        timing = events is not None and not emulating()
-        if timing:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        launch_kernel(_function(text, name), (blocks, threads), nc * chunk, nc, pointers, shared=shared[name])
-        if timing:
-            end.record()
-            events.append((name, start, end))
+        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(key, value, chunk)[name], events)
     return out, states, final
+
+
+def _base(a: torch.Tensor) -> int:
+    """The address of `a`'s storage (its storage offset goes into the offset tables)."""
+    return a.data_ptr() - a.storage_offset() * a.element_size()
+
+
+def _launch(text: str, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
+            events: list | None) -> None:
+    timing = events is not None and not emulating()
+    if timing:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    launch_kernel(_function(text, name), (blocks, threads), nc * chunk, nc, pointers, shared=shared)
+    if timing:
+        end.record()
+        events.append((name, start, end))
+
+
+def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
+    """Whether `backward` takes `x` (as `kernels_apply`, SSMC_CUDA_CHUNK_BACKWARD not 0) with `d_out`
+    in q's dtype and shape [*H, NC, C, V]."""
+    return (kernels_apply(x) and options().chunk_backward is not False and d_out.dtype == x.q.dtype
+            and tuple(d_out.shape[-3:]) == (*x.q.shape[-3:-1], x.v.shape[-1]) and on_backend_device(d_out))
+
+
+def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
+             events: list | None = None):
+    """`algorithm.vjp` on the kernels: (dq [*H, NC, C, K], dk [*H, NC, C, K], dv [*H, NC, C, V], dell
+    [*H, NC, C], ds0 [*H, K, V]), all fp32 over every head H (the caller sums them over the heads an
+    operand lacks), from what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
+    [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
+    d_final [*H', K, V] fp32. `events` as `forward`'s."""
+    q = _chunked_view(x.q, True)
+    k = _chunked_view(x.k, True)
+    v = _chunked_view(x.v, True)
+    do = _chunked_view(d_out, True)
+    ell = _chunked_view(x.ell, False)
+    t = q.dim() - 3
+    heads = tuple(entering.shape[:t])
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev = q.device
+    entering = entering.contiguous()
+    d_final = d_final.to(torch.float32).expand(*heads, key, value).contiguous()
+    d_end = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
+    gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
+    dq = torch.empty((*heads, nc, chunk, key), dtype=torch.float32, device=dev)
+    dk = torch.empty_like(dq)
+    dv = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    ends = torch.empty((*heads, nc, chunk, value // 64), dtype=torch.float32, device=dev)
+    bf16 = q.dtype == torch.bfloat16
+    _, _, eights = _tables_for(heads, (q, k, v, do), dev)
+    aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
+    kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
+    vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
+
+    def table(*arrays):
+        offs, steps, _ = _tables_for(heads, arrays, dev)
+        return offs.data_ptr(), steps.data_ptr()
+
+    tiles = (key // 64) * (value // 64)
+    # the table's columns are (q, k, v, ell, out, extra) of chunk_output's roles
+    states_table = table(q, q, do, ell, dq, q)
+    launches = [
+        (kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
+         [_base(q), _base(do), _base(ell), *states_table, d_end.data_ptr(), gamma.data_ptr()]),
+        (kv, "state_pass_reverse", nh * key * value // 256, 256, key, value,
+         [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()]),
+        (vk, "chunk_dq", nh * nc * (key // 64), 2 * chunk, value, key,
+         [_base(do), _base(v), _base(k), _base(ell), *table(do, v, k, ell, dq, do), entering.data_ptr(), _base(dq)]),
+        (vk, "chunk_dk", nh * nc * (key // 64), 2 * chunk, value, key,
+         [_base(v), _base(do), _base(q), _base(ell), *table(v, do, q, ell, dk, v), d_end.data_ptr(), _base(dk)]),
+        (kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
+         [_base(k), _base(q), _base(do), _base(ell), *table(k, q, do, ell, dv, v), d_end.data_ptr(), _base(dv),
+          _base(v), ends.data_ptr()]),
+    ]
+    for text, name, blocks, threads, ck, cv, pointers in launches:
+        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events)
+    d_ell = log_decay_grad(q, k, dq, dk, ends.sum((-1, -2)), gamma, d_end, entering)
+    return dq, dk, dv, d_ell, ds0
