@@ -45,6 +45,7 @@ class Compiled:
         self._runs: dict = {}  # compute dtype -> run function (finding it hashes the program: host time)
         self._calls = PreparedCalls()  # call key -> a prepared run taking (args, kwargs), or False
         self._output_perms: dict = {}  # layout -> (output, its axes' order from time-first)
+        self._reset_compiled = None  # packed calls in one (packed.reset_program), made at the first such call
 
     def __repr__(self) -> str:
         return f"<ssmc.Compiled {self.program.name} backend={self.backend}>"
@@ -91,7 +92,8 @@ class Compiled:
         return ys, _single(tuple(finals[s.name] for s in self.program.states))
 
     def _packed(self, args, kwargs, return_final_states, layout, cu_seqlens):
-        """`cu_seqlens`: a call per sequence over its time slice (packed.py)."""
+        """`cu_seqlens` (packed.py): one call restarting the states at the boundaries where no initial states
+        are given and no final states wanted, else a call per sequence over its time slice."""
         from . import packed
 
         p = self.program
@@ -108,6 +110,14 @@ class Compiled:
             ys = () if ys is None else ys if isinstance(ys, tuple) else (ys,)
             return ys, finals if isinstance(finals, tuple) else (finals,)
 
+        reset = None if states or return_final_states else packed.reset_program(p)
+        if reset is not None:  # one call that restarts the states at the boundaries (packed.py)
+            layout = layout or self.layout
+            cu, _ = packed.checked(p, layout, inputs, states, cu_seqlens)
+            if self._reset_compiled is None:
+                self._reset_compiled = Compiled(reset, self.backend, self.layout, self.dtype)
+            marks = packed.reset_sequence(p, layout, cu, inputs[p.seqs[0].name])
+            return self._reset_compiled(**inputs, **{packed.RESET: marks}, layout=layout)
         ys, finals = packed.call(run, p, layout or self.layout, inputs, states, cu_seqlens)
         ys = _single(ys) if ys else None
         return (ys, _single(finals)) if return_final_states else ys

@@ -13,21 +13,31 @@ so the outputs are packed as the inputs are, and each state comes back per seque
 place of the batch axis. The batch axis is the first axis of the first state that every sequence and
 state has and no param does (``b`` in every example; `batch_axis`).
 
-This first version runs exactly that loop: one call per sequence over its time slice, so the work
+The general path runs exactly that loop: one call per sequence over its time slice, so the work
 follows the total length T (no padding to the longest sequence), gradients flowing through torch's
-autograd over the slices and the concatenation. Its cost is a call (kernel launches, host time) per
-sequence; a kernel-level version that takes the offsets and runs every sequence in one launch is
-what improves on it.
+autograd over the slices and the concatenation; its cost is a call (kernel launches, host time) per
+sequence. A call that gives no initial states and wants no final states (a training step on packed
+batches) runs as ONE call instead, of `reset_program`: the program with one more sequence,
+
+    reset[t] = 1 where the step after t starts a new sequence (in the program's time order), else 0
+    new carry = (1 - reset[t]) * update(carry, inputs[t])       every state, every step
+
+so each sequence starts from the zero states a call of its own starts from, and the outputs (which
+read the unmasked update) are those of the sequences alone. A diagonal-linear program stays diagonal
+linear (a and b scaled by 1 - reset) and takes its scans; a matrix-linear one (whose chunked core
+takes the log of its decay) keeps the per-sequence calls.
 """
 
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
 
 ARGUMENT = "cu_seqlens"
+RESET = "cu_seqlens_reset"  # the sequence `reset_program` adds
 
 
 def batch_axis(program) -> str:
@@ -79,6 +89,33 @@ def _concatenate(parts: list, position: int):
     return np.concatenate(parts, axis=position)
 
 
+def checked(program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[list[int], dict[str, int]]:
+    """(the offsets as ints, each sequence's time position in `layout`), after checking a packed call:
+    sequences in a batch of 1, offsets that cover their time axis, an initial state per sequence; a
+    ValueError naming the argument else."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    batch = batch_axis(program)
+    seq_time = {}
+    for d in program.seqs:
+        order = layout_of(layout, d.name, d.axes)
+        seq_time[d.name] = order.index(TIME)
+        size = inputs[d.name].shape[order.index(batch)]
+        if size != 1:
+            raise ValueError(f"{ARGUMENT}: sequences are packed along time in a batch of 1; "
+                             f"{d.name!r} has a batch of {size}")
+    first = program.seqs[0].name
+    cu = offsets(cu_seqlens, int(inputs[first].shape[seq_time[first]]))
+    n = len(cu) - 1
+    for s in program.states:
+        if s.name in states and states[s.name].shape[s.axes.index(batch)] != n:
+            position = s.axes.index(batch)
+            raise ValueError(f"{ARGUMENT}: {n} sequences, so initial state {s.name!r} has {n} along its batch "
+                             f"axis {batch!r} (position {position}), not {states[s.name].shape[position]}")
+    return cu, seq_time
+
+
 def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[tuple, tuple]:
     """The packed call (module docstring): `run(inputs, states)` runs one sequence, both dicts by name,
     and returns (the outputs in program order, the final states in state order), in `layout`; `inputs`
@@ -87,23 +124,8 @@ def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[
     from .ir.axes import TIME
     from .runtime.binding import layout_of
 
-    batch = batch_axis(program)
-    seq_time, seq_batch = {}, {}
-    for d in program.seqs:
-        order = layout_of(layout, d.name, d.axes)
-        seq_time[d.name], seq_batch[d.name] = order.index(TIME), order.index(batch)
-        size = inputs[d.name].shape[seq_batch[d.name]]
-        if size != 1:
-            raise ValueError(f"{ARGUMENT}: sequences are packed along time in a batch of 1; "
-                             f"{d.name!r} has a batch of {size}")
-    first = program.seqs[0].name
-    cu = offsets(cu_seqlens, int(inputs[first].shape[seq_time[first]]))
-    n = len(cu) - 1
-    state_batch = {s.name: s.axes.index(batch) for s in program.states}
-    for name, h in states.items():
-        if h.shape[state_batch[name]] != n:
-            raise ValueError(f"{ARGUMENT}: {n} sequences, so initial state {name!r} has {n} along its batch "
-                             f"axis {batch!r} (position {state_batch[name]}), not {h.shape[state_batch[name]]}")
+    cu, seq_time = checked(program, layout, inputs, states, cu_seqlens)
+    state_batch = {s.name: s.axes.index(batch_axis(program)) for s in program.states}
     ys, finals = [], []
     for i, (a, b) in enumerate(pairwise(cu)):
         one = {k: _take(x, seq_time[k], a, b) if k in seq_time else x for k, x in inputs.items()}
@@ -116,3 +138,52 @@ def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[
     per_sequence = tuple(_concatenate([f[k] for f in finals], state_batch[s.name])
                          for k, s in enumerate(program.states))
     return packed, per_sequence
+
+
+@lru_cache(maxsize=64)
+def reset_program(program):
+    """`program` with the sequence RESET [batch] that restarts its states (module docstring), or None
+    where the one-call path does not apply: no states, no batch axis, a name taken, or matrix linear."""
+    from .ir import build
+    from .ir.node import Node
+    from .ir.ops import Op
+    from .ir.program import Decl, Recurrence, Role
+    from .passes.classify import classify
+
+    if not program.states or any(d.name == RESET for d in program.decls):
+        return None
+    if classify(program).family == "matrix linear":
+        return None
+    try:
+        batch = batch_axis(program)
+    except ValueError:
+        return None
+    keep = build.sub(build.ONE, Node.make(Op.INPUT, (), RESET, (batch,)))
+    updates = tuple(build.expand(build.mul(u, keep), s.axes) for u, s in zip(program.updates, program.states))
+    decls = (*program.decls, Decl(RESET, Role.SEQ, (batch,), program.loc))
+    return Recurrence(f"{program.name}_packed", decls, updates, program.outputs, program.sizes, program.reverse,
+                      program.loc, program.doc)
+
+
+def reset_sequence(program, layout, cu: list[int], like):
+    """RESET's array for `reset_program(program)` in `layout` (batch 1, time T = cu[-1]; `cu` the
+    offsets as `checked` returns them), of `like`'s kind, dtype and device: 1 at the last step of every
+    sequence but the last (at the first step of every sequence but the first, for a program that runs
+    time backward), 0 elsewhere."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    order = layout_of(layout, RESET, (batch_axis(program),))
+    steps = cu[1:-1] if program.reverse else [c - 1 for c in cu[1:-1]]
+    flat = np.zeros(cu[-1])
+    flat[steps] = 1.0
+    values = flat.reshape([cu[-1] if a == TIME else 1 for a in order])
+    if hasattr(like, "detach"):  # torch
+        import torch
+
+        return torch.as_tensor(values, dtype=like.dtype, device=like.device)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(like, cupy.ndarray):
+        return cupy.asarray(values, dtype=like.dtype)
+    dtype = np.asarray(like).dtype
+    return values.astype(dtype if dtype.kind == "f" else np.float64)

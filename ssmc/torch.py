@@ -129,6 +129,7 @@ class SsmcFunction:
         self._by_backend: dict[str, tuple] = {}
         self._lean = PreparedCalls()  # call signature (`_signature`) -> its LeanStep, or None (the general path)
         self.last_step = None
+        self._reset_fn = None  # packed calls in one (packed.reset_program), made at the first such call
         self._op = recurrence_op(self)  # the custom op torch.compile traces (None: this torch has none)
 
     def _for(self, backend: str):
@@ -157,11 +158,20 @@ class SsmcFunction:
         return self._results(self._flat(tensors))
 
     def _packed(self, tensors: list, cu_seqlens) -> tuple:
-        """A packed call (packed.py): one call of `_flat` per sequence, joined by torch (autograd follows)."""
+        """A packed call (packed.py): without initial states given or final states wanted, one call of the
+        program that restarts its states at the boundaries (`packed.reset_program`); else one call of
+        `_flat` per sequence, joined by torch (autograd follows)."""
         p = self.program
         n_in, n_out = len(p.inputs), len(p.outputs)
         inputs = dict(zip(self.names[:n_in], tensors[:n_in]))
         states = dict(zip(self.state_names, tensors[n_in:]))
+        reset = None if states or self.return_final_states else packed.reset_program(p)
+        if reset is not None:
+            cu, _ = packed.checked(p, self.layout, inputs, states, cu_seqlens)
+            if self._reset_fn is None:
+                self._reset_fn = SsmcFunction(reset, self.backend, self.layout, self.chunk)
+            marks = packed.reset_sequence(p, self.layout, cu, inputs[p.seqs[0].name])
+            return self._reset_fn._flat([*tensors[:n_in], marks])[:n_out]
 
         def run(one: dict, h0: dict) -> tuple:
             results = self._flat([one[n] for n in inputs] + [h0[s] for s in states])

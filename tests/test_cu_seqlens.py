@@ -107,6 +107,55 @@ def test_packed_equals_each_sequence_alone_forward_and_gradients(module, lengths
         torch.testing.assert_close(t.grad, grads[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
+def _one_call_case(module, backend, lengths, seed, device="cpu"):
+    """The packed call without initial states or final states (one call of packed.reset_program): its
+    outputs and every input's gradient against each sequence run alone (`_alone`, on the interpreter)."""
+    inputs, states = _packed_case(module, lengths, seed)
+    f = st.function(module.SPEC, backend, layout=module.LAYOUT)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    leaves = {k: torch.tensor(x, dtype=dtype, device=device, requires_grad=True) for k, x in inputs.items()}
+    y = _tuple(f(**leaves, cu_seqlens=torch.tensor(np.cumsum([0, *lengths]))))
+    assert f._reset_fn is not None, "the packed call did not take the one-call path"
+    rng = np.random.default_rng(seed + 1)
+    weights = ([torch.tensor(rng.standard_normal(a.shape)) for a in y], [])
+    sum((a.double().cpu() * w).sum() for a, w in zip(y, weights[0])).backward()
+    ys, _, grads = _alone(module, inputs, states, lengths, False, weights)
+    out_time = list(ssmc.api.time_positions(module.SPEC.program, module.LAYOUT)[1].values())
+    tol = 1e-10 if device == "cpu" else 1e-4
+    for k, pos in enumerate(out_time):
+        want = torch.cat([one[k] for one in ys], dim=pos)
+        assert (y[k].detach().double().cpu() - want).abs().max() <= tol * max(want.abs().max().item(), 1.0)
+    for k, t in leaves.items():
+        assert (t.grad.double().cpu() - grads[k]).abs().max() <= tol * max(grads[k].abs().max().item(), 1.0), k
+
+
+@settings(max_examples=examples(8, ci=3), deadline=None)
+@given(module=hs.sampled_from(sorted(MODULES)), lengths=hs.lists(hs.integers(1, 5), min_size=1, max_size=4),
+       seed=hs.integers(0, 2**16))
+def test_packed_without_states_is_one_call_equal_to_each_sequence_alone(module, lengths, seed):
+    _one_call_case(MODULES[module], BACKEND, lengths, seed)
+
+
+def test_packed_one_call_on_numba():
+    _one_call_case(hgrn, "numba", [3, 1, 5, 2], 4)
+
+
+def test_matrix_linear_keeps_the_calls_per_sequence():
+    """The chunked core takes the log of its decay: a matrix-linear program is not made into one call."""
+    from ssmc import packed
+    from ssmc.examples import mamba2
+
+    assert packed.reset_program(mamba2.SPEC.program) is None
+    assert packed.reset_program(lstm.SPEC.program) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_gpu_packed_one_call(module):
+    """On CUDA tensors (float32): the one call against each sequence alone, sequences of 1, 7, 180, 1000 steps."""
+    _one_call_case(MODULES[module], None, [1, 7, 180, 1000], 5, device="cuda")
+
+
 def test_one_sequence_equals_the_plain_call_and_compile_takes_cu_seqlens():
     inputs, states = _packed_case(lstm, [6], 3)
     f = st.function(lstm.SPEC, BACKEND, layout=lstm.LAYOUT, return_final_states=True)
