@@ -17,7 +17,7 @@ from test_persistent_rnn import CASES, _flat, _relative, launched, two  # noqa: 
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
-from ssmc.backends.cuda.kernels.persistent.analysis import STATIC_SHARED, Cell, analyse, plan
+from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
 from ssmc.examples import layernorm_lstm
 from ssmc.lowering.hoist import hoist
@@ -59,14 +59,17 @@ def test_adjoints_fit(name, gates):
     sizes = {"b": 64, "k": 512, "j": 512, "g": gates, "i": 512, "o": 3}
     chosen = plan(cell, sizes, 132)
     assert not isinstance(chosen, str), chosen
-    assert (chosen.blocks, chosen.units, chosen.cols, chosen.depth, chosen.vec) == (128, 4, 1, gates * 512, True)
-    assert chosen.shared_bytes <= STATIC_SHARED
+    # batch tiles: as many as the U slices fit (U spread over a tile's blocks; a block stages its tile's rows)
+    tiles = 4 if gates == 4 else 8
+    assert (chosen.blocks, chosen.tiles, chosen.trows, chosen.units, chosen.cols, chosen.depth, chosen.vec) == (
+        128, tiles, 64 // tiles, 512 * tiles // 128, 1, gates * 512, True)
+    assert chosen.shared_bytes <= BLOCK_SHARED
 
 
 def test_adjoint_refusals_say_why():
     assert "sum over" in analyse(_adjoint(layernorm_lstm.SPEC))   # LayerNorm across the units
     assert "2 recurrent products" in analyse(_adjoint(two))
-    too_wide = plan(analyse(_adjoint(CASES["lstm"][0])), {"b": 64, "k": 1024, "j": 1024, "g": 4}, 132)
+    too_wide = plan(analyse(_adjoint(CASES["lstm"][0])), {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)
     assert isinstance(too_wide, str) and "exceed" in too_wide
     # a row axis the weight's gradient sums over (grad a = sum over b): not hoisted, refused
     assert "sum over b" in analyse(_adjoint(CASES["two_rows"][0]))
@@ -95,7 +98,7 @@ def test_nvrtc_compiles_without_spills(name, sizes, arch):
     used = built.resources[kernel_name(cell)]
     assert not used.spills and used.stack_frame_bytes == 0, used.summary()
     assert used.registers <= 255, used.summary()
-    assert used.shared_bytes == chosen.shared_bytes <= STATIC_SHARED, used.summary()
+    assert used.shared_bytes == 0 and chosen.shared_bytes <= BLOCK_SHARED, used.summary()  # all dynamic
 
 
 # -- emulated: one block on the CPU ----------------------------------------------------------------------
@@ -144,9 +147,11 @@ def _forward_program(spec):
 
 @pytest.mark.parametrize("direction", ["forward", "adjoint"])
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
-@pytest.mark.parametrize("blocks", [2, 3])
-def test_emulated_blocks_one_step(name, direction, blocks):
-    """The split over blocks (U slices, publish offsets, each block's units of the outputs) at L 1:
+@pytest.mark.parametrize("blocks,tiles,batch,hidden", [(2, 1, 3, 5), (3, 1, 3, 5), (4, 2, 3, 5), (6, 3, 3, 5),
+                                                      (2, 2, 16, 8), (4, 2, 16, 16)])
+def test_emulated_blocks_one_step(name, direction, blocks, tiles, batch, hidden):
+    """The split over blocks (U slices, publish offsets, each block's units of the outputs) at L 1, and
+    over batch tiles (each block's rows, a partial last tile at B 3, a warp of 8 rows x 4 units at B 16):
     the emulator runs blocks one after another with the grid barrier compiled out, so a first launch
     leaves every block's step-0 operand in xo (it reads only the initial carries and the step's
     sequences), and a second launch with the same xo computes the step from the complete operand."""
@@ -160,9 +165,9 @@ def test_emulated_blocks_one_step(name, direction, blocks):
     cell = analyse(program)
     assert isinstance(cell, Cell), cell
     gates = {"lstm": 4, "gru": 3, "elman": 1}[name]
-    sizes = {"b": 3, "k": 5, "j": 5, "g": gates, "i": 4, "o": 3}
-    chosen = plan(cell, sizes, 132, blocks=blocks)
-    assert not isinstance(chosen, str) and chosen.blocks == blocks, chosen
+    sizes = {"b": batch, "k": hidden, "j": hidden, "g": gates, "i": 4, "o": 3}
+    chosen = plan(cell, sizes, 132, blocks=blocks, tiles=tiles)
+    assert not isinstance(chosen, str) and (chosen.blocks, chosen.tiles) == (blocks, tiles), chosen
     rng = np.random.default_rng(blocks)
 
     def full(axes):
@@ -180,8 +185,8 @@ def test_emulated_blocks_one_step(name, direction, blocks):
     arrays += [f32(initial[s.name]) for s in program.states]
     outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
     finals = [torch.zeros(full(s.axes)) for s in program.states]
-    xo = torch.full((2 * chosen.rows * chosen.depth,), float("nan"))
-    bar = torch.zeros(3, dtype=torch.int32)
+    xo = torch.full((2 * chosen.tiles * chosen.trows * chosen.jpad,), float("nan"))
+    bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32)
     arrays += [*outs, *finals, xo, bar]
     fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
     for _ in range(2):
@@ -190,3 +195,71 @@ def test_emulated_blocks_one_step(name, direction, blocks):
         assert _relative(got.double().numpy(), want_outs[out_name]) < 1e-5, out_name
     for s, got in zip(program.states, finals):
         assert _relative(got.double().numpy(), want_finals[s.name]) < 1e-5, s.name
+
+
+# -- the training step: one recording forward, one adjoint ----------------------------------------------------
+
+def test_training_step_keeps_every_carry():
+    """A recurrence read through a recurrent product keeps every carry on the device (the chunk is the
+    whole sequence): recomputing them would be a second sequential pass as long as the forward. Before,
+    LSTM B64 L180 I512 H512 had chunks of 90 steps (carries no bigger than the inputs), so a training
+    step ran the forward twice, the carries' recompute twice and the adjoint twice."""
+    from ssmc.autograd import default_chunk
+    from ssmc.examples import lstm, mamba1
+
+    sizes = {"b": 64, "i": 512, "k": 512, "g": 4}
+    assert default_chunk("cuda", 180, lstm.SPEC.program, sizes) == 180
+    assert default_chunk("cuda", 100_000, lstm.SPEC.program, sizes) < 100_000   # within the budget
+    # a scan's carries stay as before (no larger than its inputs)
+    assert default_chunk("cuda", 2048, mamba1.SPEC.program, {"b": 8, "d": 1536, "n": 16}) < 2048
+
+
+def test_emulated_training_step_launches(emulated_cuda, launched):  # noqa: F811
+    """`ssmc.torch.function`'s training step of the LSTM, at a length the old rule cut into 3 chunks
+    (B3 I4 H5 L200: 80 steps): one launch of the recording forward and one of the adjoint, no
+    carries' recompute, no plain forward; the gradients as the interpreter's."""
+    import torch
+
+    import ssmc.torch
+    from ssmc.examples import lstm
+
+    rng = np.random.default_rng(0)
+    length = 200
+    inputs = lstm.make_inputs(rng, length, batch=3, inp=4, hidden=5)
+    leaves = {k: torch.tensor(v, dtype=torch.float32, requires_grad=True) for k, v in inputs.items()}
+    dy = rng.standard_normal((3, length, 5))
+    fn = ssmc.torch.function(lstm.SPEC, "cuda", layout=lstm.LAYOUT)
+    for _ in range(2):  # the first call of a signature, then one through its prepared step
+        launched.clear()
+        for v in leaves.values():
+            v.grad = None
+        with _CountedOps() as ops:
+            fn(**leaves).backward(torch.tensor(dy, dtype=torch.float32))
+        assert launched == ["lstm_recording", "lstm_backward"], launched
+        # the matrix products: x W (the forward), dz W^T, x^T dz, h^T dz; not h U again (the forward
+        # recorded its product); no copy of a sequence (the kernels write as the products read)
+        assert ops.get("mm") == 4 and not ops.get("clone") and not ops.get("copy_"), ops
+    want = ssmc.grad(lstm.SPEC, backend="interpreter", layout=lstm.LAYOUT)(**inputs, grad_outputs=dy)
+    for k, w in want.items():
+        assert _relative(leaves[k].grad.double().numpy(), w) < 1e-5, k
+
+
+class _CountedOps:
+    """The aten ops run inside a `with` (name -> calls), through torch's dispatch."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return counts
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

@@ -5,7 +5,7 @@ are imported inside the methods, so that the other backends run where CuPy or to
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -167,8 +167,16 @@ class CudaBackend(Backend):
     def default_chunk(self, length: int, program, sizes: dict[str, int], itemsize: int = 4) -> int:
         """Every chunk costs a few kernel launches, so the chunk is as long as keeps the recomputed
         carries no bigger than the sequences given: one chunk for a scan whose state is as big as
-        its input, about L / 5 steps for Mamba-1 (state N = 16 per channel); at least `DEFAULT_CHUNK`."""
+        its input, about L / 5 steps for Mamba-1 (state N = 16 per channel); at least `DEFAULT_CHUNK`.
+
+        A recurrence that reads its states through a recurrent product (`sequential_recompute`: an
+        LSTM, a GRU) is the exception: recomputing its carries is a second sequential pass as long as
+        the forward (the persistent kernel, or the step loop), where keeping them costs memory only.
+        Its chunk is the whole sequence as long as every carry fits `DEVICE_CARRIES_BUDGET`: the
+        training step is then one recording forward and one adjoint, nothing recomputed."""
         per_step_state = sum(math.prod(sizes[a] for a in s.axes) for s in program.states)
+        if sequential_recompute(program):
+            return max(DEFAULT_CHUNK, min(length, DEVICE_CARRIES_BUDGET // max(per_step_state * itemsize, 1)))
         per_step_seqs = sum(math.prod(sizes[a] for a in d.axes) for d in program.seqs)
         return max(DEFAULT_CHUNK, min(length, length * per_step_seqs // max(per_step_state, 1)))
 
@@ -181,6 +189,23 @@ class CudaBackend(Backend):
             return core
 
         return fused_backward_runner(backward, dtype)
+
+
+# bytes of carries a gradient of a sequential recurrence keeps on the device rather than recompute
+# (`CudaBackend.default_chunk`): LSTM B64 L180 H512 fp32 keeps 47 MiB, B256 L1024 H1024 2 GiB
+DEVICE_CARRIES_BUDGET = 4 << 30
+
+
+@lru_cache(maxsize=256)
+def sequential_recompute(program) -> bool:
+    """Whether recomputing `program`'s carries is a sequential pass over steps as costly as its forward:
+    after the hoisting of its state-free products, it reads its states through a recurrent product
+    (`kernels.step_loop.applies`: nonlinear or general linear, no scan takes it). Decided from the
+    IR alone, whatever runs it (the persistent kernel, the step loop, the thread kernels)."""
+    from ...lowering.hoist import hoist
+    from .kernels.step_loop import applies
+
+    return applies(hoist(program, transpose=False).program) is not None
 
 
 def cuda_stages(program):

@@ -136,8 +136,11 @@ class HoistedRunner:
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
         inner = self.loop or self.kernels
+        # the persistent kernel writes the per-step values the post products read in their order, and
+        # a forward's recurrent product of every step into `products` (an adjoint's pre product)
+        extra = {"orders": h.product_orders, "products": products} if getattr(inner, "writes_in_order", False) else {}
         outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
-                                        initial, sizes, length)
+                                 initial, sizes, length, **extra)
         outs = in_original_order(h, outs, xp=TORCH)
         post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=TORCH)
         outs.update(post_outs)

@@ -19,9 +19,10 @@ and for its adjoint (reverse time; hz0 + hz1 = x W + h U recomputed before the l
     for t: dz[g, b, k] = cell'(grad_h, grad_c, hz[t], c[t], ...)      (local at (b, k))
            grad_h[b, k] = sum_{g, k'} dz[g, b, k'] U[k, g, k'];  grad_c = ...
 
-`plan(cell, sizes, sm_count)` picks the split of a shape: KU units a block (one block an SM at most,
-so a cooperative grid is co-resident), the block's U slice resident in shared memory, the operand
-staged in chunks of JC contracted indices; or a refusal (the step loop runs the shape).
+`plan(cell, sizes, sm_count)` picks the split of a shape: batch tiles of rows, KU units a block (one
+block an SM at most, so a cooperative grid is co-resident), the block's U slice resident in shared
+memory, its tile's operand staged in a ring of chunks of contracted indices; or a refusal (the step
+loop runs the shape).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from .....ir.node import Node, depending_on, toposort
 from .....ir.ops import ELEMENTWISE, Op
 from .....passes.recurrent_products import recurrent_products
 
-STATIC_SHARED = 48 * 1024   # bytes of static shared memory a block may declare (no opt-in needed)
-STAGE_BYTES = 16 * 1024     # at most this much of it for the staged chunk of h [rows][JC + 1]
+BLOCK_SHARED = 227 * 1024   # bytes of dynamic shared memory a block may take after the opt-in (sm_90)
+STAGE_BYTES = 36 * 1024     # at most this much for one staged chunk of the operand [rows][chunk + 4]
 MAX_THREADS = 256           # threads a block (one block an SM: 256 threads leave 255 registers each)
 MAX_PAIRS = 8               # (row, unit) pairs a thread owns at most: its accumulators are registers
-CHUNKS = (32, 16, 8, 4, 2, 1)
+CHUNKS = (128, 64, 32, 16, 8, 4)  # contracted indices a staged chunk: whole 16-byte copies of a row
+STAGES = (3, 2)             # chunks in the ring: STAGES - 1 in flight while the block multiplies one
 
 
 @dataclass(frozen=True)
@@ -187,10 +189,16 @@ def analyse(program) -> Cell | str:
 
 @dataclass(frozen=True)
 class Plan:
-    """A shape's split: `blocks` blocks of `threads`, each owning `units` consecutive indices of the
-    split axis (all rows, all local columns): its U slice su[jpad][units][cols] in shared memory (jpad:
-    the contracted indices, `depth` = their product, padded to a whole chunk), the operand staged
-    [rows][chunk + 1] a chunk of the contracted indices at a time; `pairs` (row, unit) pairs a thread."""
+    """A shape's split: the rows in `tiles` batch tiles of `trows` rows, each tile's recurrences run
+    by `blocks / tiles` blocks of `threads`, each owning `units` consecutive indices of the split axis
+    (the tile's rows, all local columns): its U slice in shared memory (jpad: the contracted indices,
+    `depth` = their product, padded to a whole chunk), the tile's operand staged in a ring of `stages`
+    buffers [trows][chunk + 4], a chunk of the contracted indices each, `stages - 1` of them loading
+    (cp.async) while the block multiplies one; `pairs` (row, unit) pairs a thread. The blocks of a tile
+    meet at their own barrier; a block reads only its tile's rows of the exchange buffer (the L2
+    traffic of a step is blocks x trows x depth, not blocks x rows x depth). All of the shared memory
+    is dynamic (`shared_bytes`, past the 48 KiB a block gets without the opt-in). The exchange buffer's
+    rows are `jpad` long (16-byte copies; its pad columns are zero), tiles x trows of them."""
 
     rows: int
     size: int        # the split axis' size (the units)
@@ -203,24 +211,50 @@ class Plan:
     jpad: int
     depth: int = 0   # product of the contracted axes' sizes (H in the forward, G H in the adjoint)
     cpad: int = 0    # a unit's columns in shared memory: 4 for 3 (one 16-byte load a contracted index)
-    vec: bool = False  # one column (the adjoint): su[units][jpad + 4], staged rows of chunk + 4, both read
-                       # 4 contracted indices a 16-byte load (1 shared load for 2 FMAs, not 2 for 1)
+    vec: bool = False  # one column (the adjoint): su[units][jpad + 4], read 4 contracted indices a 16-byte
+                       # load, as the staged rows are (1 shared load for 2 FMAs, not 2 for 1)
+    stages: int = 2
+    tiles: int = 1
+    trows: int = 0   # rows a batch tile (the rows where 0)
+
+    def __post_init__(self):
+        if not self.trows:
+            object.__setattr__(self, "trows", self.rows)
+
+    @property
+    def u_bytes(self) -> int:
+        """Bytes of the block's U slice (the start of the staging ring, a multiple of 16)."""
+        if self.vec:
+            return 4 * self.units * (self.jpad + 4)
+        return -(-4 * self.jpad * (self.cpad or self.cols) * self.units // 16) * 16
+
+    @property
+    def stage_bytes(self) -> int:
+        return 4 * self.trows * (self.chunk + 4)
 
     @property
     def shared_bytes(self) -> int:
-        if self.vec:
-            return 4 * (self.units * (self.jpad + 4) + self.rows * (self.chunk + 4))
-        return 4 * (self.jpad * (self.cpad or self.cols) * self.units + self.rows * (self.chunk + 1))
+        return self.u_bytes + self.stages * self.stage_bytes
 
     def describe(self) -> str:
-        return (f"{self.blocks} blocks x {self.threads} threads, {self.units} units x {self.cols} columns a block, "
-                f"U slice {self.jpad * (self.cpad or self.cols) * self.units * 4 // 1024} KiB resident in shared "
-                "memory")
+        return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
+                f"{self.units} units x {self.cols} columns a block, U slice {self.u_bytes // 1024} KiB resident "
+                f"in shared memory, the operand staged {self.chunk} contracted indices a chunk, "
+                f"{self.stages} chunks a ring")
 
 
-def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None) -> Plan | str:
+TILES = (8, 4, 2, 1)  # batch tiles tried, most first: each halving of a block's rows halves its L2 reads
+MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
+
+
+def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
+         shared_limit: int = BLOCK_SHARED, tiles: int | None = None) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
-    the emulator's one), or why none fits."""
+    the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
+    memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
+    batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
+    largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
+    loads take about as long as its products), the deepest ring."""
     rows = math.prod(sizes[a] for a in cell.rows)
     size = sizes[cell.split]
     for axis in (cell.unit, cell.out_unit):
@@ -228,27 +262,39 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
             return f"the axis {axis} and the units {cell.split} differ in size"
     depth = math.prod(sizes.get(a, size) for a in cell.contracted)
     cols = math.prod(sizes[a] for a in cell.cols)
-    chunk = next((c for c in CHUNKS if rows * (c + 1) * 4 <= STAGE_BYTES), None)
-    if chunk is None:
-        return f"{rows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
-    units = -(-size // max(1, blocks or sm_count))
-    nblocks = -(-size // units)
-    if blocks is not None and nblocks != blocks:
-        return f"{size} units do not split into {blocks} blocks"
-    pairs_total = rows * units
-    threads = min(MAX_THREADS, -(-pairs_total // 32) * 32)
-    pairs = -(-pairs_total // threads)
-    if pairs > MAX_PAIRS:
-        return f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
-    jpad = -(-depth // chunk) * chunk
-    result = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, cols)
-    vec = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, cols, True)
-    if cols == 1 and chunk % 4 == 0 and rows * (chunk + 4) * 4 <= STAGE_BYTES and vec.shared_bytes <= STATIC_SHARED:
-        result = vec
-    if cols == 3:  # three gates (GRU): padded to 4 where it fits, one vector load for three FMAs
-        padded = Plan(rows, size, cols, units, nblocks, threads, pairs, chunk, jpad, depth, 4)
-        result = padded if padded.shared_bytes <= STATIC_SHARED else result
-    if result.shared_bytes > STATIC_SHARED:
-        return (f"U slice and staging {result.shared_bytes} bytes a block exceed {STATIC_SHARED} "
-                f"({units} units x {cols} columns x {depth}) over {nblocks} blocks")
-    return result
+    vec = cols == 1
+    cpad = 4 if cols == 3 else cols
+    wide = -(-depth // 4) * 4
+    why = None
+    for pad in ((cpad, cols) if cpad != cols else (cols,)):  # GRU's 3 gates padded to 4 where it fits
+        for ntiles in ((tiles,) if tiles else TILES):
+            trows = -(-rows // ntiles)
+            if tiles is None and ntiles > 1 and trows < MIN_TILE_ROWS:
+                continue
+            per_tile = max(1, (blocks or sm_count) // ntiles)
+            units = -(-size // per_tile)
+            nbt = -(-size // units)
+            if blocks is not None and nbt * ntiles != blocks:
+                why = why or f"{size} units x {ntiles} tiles do not split into {blocks} blocks"
+                continue
+            pairs_total = trows * units
+            threads = min(MAX_THREADS, -(-pairs_total // 32) * 32)
+            pairs = -(-pairs_total // threads)
+            if pairs > MAX_PAIRS:
+                why = why or f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
+                continue
+            chunks = [c for c in CHUNKS if c <= max(wide, CHUNKS[-1]) and 4 * trows * (c + 4) <= STAGE_BYTES]
+            if not chunks:
+                why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
+                continue
+            for chunk in chunks:
+                jpad = -(-depth // chunk) * chunk
+                for stages in STAGES:
+                    candidate = Plan(rows, size, cols, units, nbt * ntiles, threads, pairs, chunk, jpad, depth,
+                                     pad, vec, stages, ntiles, trows)
+                    if candidate.shared_bytes <= shared_limit:
+                        return candidate
+            if why is None or "exceed" not in why:
+                why = (f"U slice and staging {candidate.shared_bytes} bytes a block exceed {shared_limit} "
+                       f"({units} units x {cols} columns x {depth}) over {nbt * ntiles} blocks")
+    return why or "no split fits"

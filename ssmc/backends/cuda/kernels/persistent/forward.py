@@ -1,31 +1,36 @@
 """CUDA C of the persistent kernel: one cooperative launch for the whole sequence, a forward or an
 adjoint (the same code: `Cell` says which product; REVERSE, the time order).
 
-Block x owns units k in [x KU, x KU + KU) of the split axis, all rows and all local (gate) columns of
-them, so the cell's element-wise math is local; its slice of U sits in shared memory for the whole
-call. Thread pair q owns one (row r, unit k) for the whole call (carries in registers). As a plain
-loop (e: the flat contracted index, j in the forward, (g, k') in the adjoint; D its size):
+The rows are cut into batch tiles (`Plan.tiles` of `trows` rows: independent recurrences); block x
+owns tile x / NBT and units k in [k0, k0 + KU) of the split axis (k0 = (x % NBT) KU), all local
+(gate) columns of them, so the cell's element-wise math is local; its slice of U sits in shared
+memory for the whole call. Thread pair q owns one (row r, unit k) of its tile for the whole call
+(carries in registers). As a plain loop (e: the flat contracted index, j in the forward, (g, k') in
+the adjoint; D its size, padded to JPAD):
 
-    su[e][u][c] = U[e, c, x KU + u]                      once (zero past the axes' ends)
+    su[e][u][c] = U[e, c, k0 + u]                        once (zero past the axes' ends)
     st[q] = initial states at (r, k)
     for s in range(L):  t = s (L - 1 - s where reversed)
         seq[q] = sequences at (t, r, k)                  issued first (latency hidden)
         xo[s % 2][r][e(k, g)] = op at (r, k, g)          the forward: h; the adjoint: dz, from the
                                                          carries and seq (the cell's nodes it needs)
-        grid barrier                                     every block's operand written before any reads it
-        acc[q][c] = sum_e xo[s % 2][r][e] su[e][u][c]    xo staged [rows][JC + 1] a chunk at a time,
-                                                         the next chunk's loads in flight meanwhile
-        cell(acc, seq, st, params) -> outputs at t, the new states st
+        tile barrier                                     the tile's blocks' operands written before any reads them
+        acc[q][c] = sum_e xo[s % 2][r][e] su[e][u][c]    the tile's rows of xo staged a chunk of CHUNK
+                                                         contracted indices at a time through a ring of
+                                                         NSTAGE buffers, NSTAGE - 1 chunks in flight (16-byte
+                                                         cp.async through L2) while the block multiplies one
+        cell(acc, seq, st, params) -> outputs at t (and the product itself, `record`), the new states st
 
 The exchange buffer xo is double-buffered by step parity: a block writing step s + 1's operand cannot
 overwrite what a slower block still reads at step s (that block has not yet passed barrier s + 1,
 which the writer needs to reach step s + 2's write to the same half). xo is read through L2 only
-(`ld_l2`: a stale L1 line of two steps before would be read otherwise).
+(cp.async.cg: a stale L1 line of two steps before would be read otherwise). Its rows are JPAD long,
+the pad columns zeroed once by block 0 (U is zero there, but uninitialised memory may hold a NaN).
 
 The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
-functions). Off the GPU (the emulator: one block at a time) the barrier is compiled out; the host
-launches one block there.
+functions). Off the GPU (the emulator: one block at a time) the barrier is a block barrier; the
+host launches one block there, and all shared memory is a function static.
 """
 
 from __future__ import annotations
@@ -158,8 +163,8 @@ class CellPrinter:
 
     def publish(self) -> list[str]:
         """Statements for pair q before the product: the values the operand needs, and the operand at
-        (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][DEPTH] (the
-        contracted axes flat in the weight's order)."""
+        (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][JPAD] (the
+        contracted axes flat in the weight's order; the columns past DEPTH stay zero)."""
         cell = self.cell
         needed, todo = set(), [cell.publish]
         while todo:
@@ -172,23 +177,38 @@ class CellPrinter:
         own = tuple(a for a in cell.publish.axes if a in cell.local)
         for assign in combos(own, self.sizes):
             at = {cell.unit: "k"} | {a: str(v) for a, v in assign.items()}
-            out.append(f"xw[(long long)r * DEPTH + {contiguous_index(order, self.sizes, at)}] = "
+            out.append(f"xw[(long long)r * JPAD + {contiguous_index(order, self.sizes, at)}] = "
                        f"{self.printer.expr(self.ref(cell.publish, assign))};")
         return out
 
-    def body(self) -> list[str]:
+    def strided(self, axes: tuple[str, ...], strides: tuple[int, ...] | None, assign: dict[str, int]) -> str:
+        """The offset of step t and the pair's indices (`assign`: the local axes') in an array [L, *axes]
+        at element `strides` (time first; None: contiguous)."""
+        if strides is None:
+            strides = (math.prod(self.sizes[a] for a in axes), *_contiguous([self.sizes[a] for a in axes]))
+        at = self.at | {a: str(v) for a, v in assign.items()}
+        terms = [f"(long long)t * {strides[0]}"]
+        terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(axes, strides[1:]) if st]
+        return " + ".join(terms)
+
+    def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None) -> list[str]:
         """Statements of the cell for pair q after the product: every node (those before the product
         recomputed: cheaper than keeping them in registers across the barrier), then the outputs at t
-        and the new carries."""
+        (at `out_strides`: name -> element strides of time and each axis; default contiguous), the
+        product itself where `record` gives its array's strides (rp [L, *product axes]), and the new
+        carries."""
         out = self.values(self.cell.nodes)
         p = self.cell.program
-        for i, (_, y) in enumerate(p.outputs):
+        for i, (name, y) in enumerate(p.outputs):
             axes = y.axes
-            step = math.prod(self.sizes[a] for a in axes)
             for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                at = self.at | {a: str(v) for a, v in assign.items()}
-                out.append(f"o{i}[(long long)t * {step} + {contiguous_index(axes, self.sizes, at)}] = "
+                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = "
                            f"{self.printer.expr(self.ref(y, assign))};")
+        if record is not None:
+            axes = self.cell.product.axes
+            for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
+                value = self.printer.expr(self.ref(self.cell.product, assign))
+                out.append(f"rp[{self.strided(axes, record, assign)}] = {value};")
         for s, u in zip(p.states, p.updates):
             i = self.states[s.name]
             for assign in combos(self.own_of(s.axes), self.sizes):
@@ -205,13 +225,18 @@ class CellPrinter:
 
 
 def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
-                  seq_strides: dict[str, tuple[int, ...]] | None = None) -> str:
+                  seq_strides: dict[str, tuple[int, ...]] | None = None,
+                  out_strides: dict[str, tuple[int, ...]] | None = None,
+                  record: tuple[int, ...] | None = None) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
-    final states, xo [2][rows][units], bar [3] (counter, failed, step)); fp32 arrays, contiguous in
-    their declaration's axis order but for the sequences, read in place at `seq_strides` (name ->
-    element strides of time and each axis; 0 along a broadcast axis; default contiguous)."""
+    final states, [rp [L, product axes...] where `record`,] xo [2][rows][jpad], bar [3 + tiles] (unused,
+    failed, step, a counter a tile)); fp32 arrays, contiguous in their declaration's axis order but for the
+    sequences, read in place at `seq_strides` (name -> element strides of time and each axis; 0 along a
+    broadcast axis; default contiguous), and the outputs, written at `out_strides` (the same form).
+    `record`: the strides of rp, where the kernel writes its recurrent product of every step (the
+    forward's h U, which the adjoint would otherwise compute again as a matrix product)."""
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
@@ -221,6 +246,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     args += [f"const float* __restrict__ i{i}" for i, _ in enumerate(p.states)]
     args += [f"float* __restrict__ o{i}" for i, _ in enumerate(p.outputs)]
     args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
+    if record is not None:
+        args.append("float* __restrict__ rp")
     args += ["float* xo", "unsigned int* bar"]
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
@@ -238,8 +265,15 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         return out
 
     def pair_head() -> list[str]:
-        return ["const int pq = threadIdx.x + q * THREADS;", "const int r = pq / UNITS;",
-                "const int k = k0 + pq % UNITS;", "const bool on = r < ROWS && k < SIZE;",
+        # pair pq -> (its row lr of the block's tile, its unit u): a warp spans 8 rows x 4 units where the
+        # tile has 8 rows or more and the units come in fours (one 16-byte shared load of the staged
+        # rows and one of U serve the warp); else the units fastest
+        if plan.units % 4 == 0 and plan.units > 4 and plan.trows >= 8:
+            decode = ["const int lr = (pq / 4) % TROWS;", "const int u = 4 * (pq / (4 * TROWS)) + pq % 4;"]
+        else:
+            decode = ["const int lr = pq / UNITS;", "const int u = pq % UNITS;"]
+        return ["const int pq = threadIdx.x + q * THREADS;", *decode, "const int r = row0 + lr;",
+                "const int k = k0 + u;", "const bool on = lr < TROWS && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -313,31 +347,35 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         return (f"{pad}#pragma unroll\n{pad}for (int q = 0; q < PAIRS; ++q) {{\n{head}\n"
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
-    cell_lines = pr.body()
+    cell_lines = pr.body(out_strides, record)
     publish_lines = pr.publish()
     product = [
         "#if VEC",
-        "#pragma unroll",
+        "#pragma unroll 8",
         "for (int jj = 0; jj < CHUNK; jj += 4) {",
-        "    const float4 h4 = *reinterpret_cast<const float4*>(&sh[r][jj]);",
-        "    const float4 w4 = *reinterpret_cast<const float4*>(&su[pq % UNITS][j0 + jj]);",
+        "    const float4 h4 = *reinterpret_cast<const float4*>(&sh[lr][jj]);",
+        "    const float4 w4 = *reinterpret_cast<const float4*>(&su[u][j0 + jj]);",
         "    acc[q][0] = fmaf(h4.x, w4.x, acc[q][0]);",
         "    acc[q][0] = fmaf(h4.y, w4.y, acc[q][0]);",
         "    acc[q][0] = fmaf(h4.z, w4.z, acc[q][0]);",
         "    acc[q][0] = fmaf(h4.w, w4.w, acc[q][0]);",
         "}",
         "#else",
-        "#pragma unroll 4",
-        "for (int jj = 0; jj < CHUNK; ++jj) {",
-        "    const F hv = sh[r][jj];",
-        "#if CPAD == 4",
-        "    const float4 w4 = *reinterpret_cast<const float4*>(&su[j0 + jj][pq % UNITS][0]);",
-        "    const F wv[4] = {w4.x, w4.y, w4.z, w4.w};",
-        "#else",
-        "    const F* wv = &su[j0 + jj][pq % UNITS][0];",
-        "#endif",
+        "#pragma unroll 2",
+        "for (int jj = 0; jj < CHUNK; jj += 4) {",
+        "    const float4 h4 = *reinterpret_cast<const float4*>(&sh[lr][jj]);",
+        "    const F hv[4] = {h4.x, h4.y, h4.z, h4.w};",
         "    #pragma unroll",
-        "    for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv, wv[c], acc[q][c]);",
+        "    for (int i = 0; i < 4; ++i) {",
+        "#if CPAD == 4",
+        "        const float4 w4 = *reinterpret_cast<const float4*>(&su[j0 + jj + i][u][0]);",
+        "        const F wv[4] = {w4.x, w4.y, w4.z, w4.w};",
+        "#else",
+        "        const F* wv = &su[j0 + jj + i][u][0];",
+        "#endif",
+        "        #pragma unroll",
+        "        for (int c = 0; c < COLS; ++c) acc[q][c] = fmaf(hv[i], wv[c], acc[q][c]);",
+        "    }",
         "}",
         "#endif",
     ]
@@ -346,26 +384,34 @@ using namespace ssmc;
 typedef float F;
 
 #define ROWS {plan.rows}
+#define TROWS {plan.trows}
+#define XROWS {plan.tiles * plan.trows}
+#define NBT {plan.blocks // plan.tiles}
 #define SIZE {plan.size}
 #define COLS {plan.cols}
 #define CPAD {plan.cpad or plan.cols}
 #define VEC {int(plan.vec)}
-#define SHS {plan.chunk + (4 if plan.vec else 1)}
+#define SHS {plan.chunk + 4}
 #define UNITS {plan.units}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
 #define CHUNK {plan.chunk}
+#define NCHUNK {plan.jpad // plan.chunk}
+#define NSTAGE {plan.stages}
 #define JPAD {plan.jpad}
 #define DEPTH {plan.depth}
-#define STAGED {-(-plan.rows * plan.chunk // plan.threads)}
+#define U_BYTES {plan.u_bytes}
+#define SHARED_BYTES {plan.shared_bytes}
+#define COPIES {-(-plan.trows * plan.chunk // 4 // plan.threads)}
 #define REVERSE {int(p.reverse)}
+static_assert(CHUNK % 4 == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
 #ifdef __CUDA_ARCH__
-__device__ __forceinline__ float ld_l2(const float* p) {{ return __ldcg(p); }}
-// Every block of the grid arrives (counter += 1) and waits until all have: target = steps x blocks,
-// the counter never reset within a launch. The fences order the block's stores before its arrival
-// and the others' stores before its reads.
-__device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int target, int step)
+// Every block of a batch tile arrives (its counter += 1) and waits until all have: target = steps x the
+// tile's blocks, the counter never reset within a launch. The fences order the block's stores before
+// its arrival and the others' stores before its reads. A wait past the timeout sets flags[1] and
+// flags[2] = the step (PersistentLoop.status, BarrierTimeout) and goes on.
+__device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int target, int step, unsigned int* flags)
 {{
     __syncthreads();
     if (threadIdx.x == 0) {{
@@ -375,8 +421,8 @@ __device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int tar
         while (*(volatile unsigned int*)bar < target) {{
             __nanosleep(20);
             if (clock64() - start > {BARRIER_TIMEOUT}LL) {{
-                atomicExch(bar + 1, 1u);
-                atomicMax(bar + 2, (unsigned int)step);
+                atomicExch(flags + 1, 1u);
+                atomicMax(flags + 2, (unsigned int)step);
                 break;
             }}
         }}
@@ -385,57 +431,105 @@ __device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int tar
     __syncthreads();
 }}
 #else
-inline float ld_l2(const float* p) {{ return *p; }}
-inline void grid_barrier(unsigned int*, unsigned int, int) {{}}  // the emulator runs one block
+// the emulator runs a block at a time (a multi-block launch computes one step from a buffer an earlier
+// launch filled: tests/test_persistent_backward.py)
+inline void grid_barrier(unsigned int*, unsigned int, int, unsigned int*) {{ __syncthreads(); }}
 #endif
 
-// The values of the operand op[r][j0 .. j0 + CHUNK) this thread stages (element e = threadIdx.x + i THREADS of the
-// [ROWS][CHUNK] chunk), zero past the axis' end.
-__device__ __forceinline__ void stage(F* staged, const F* hin, int j0)
+// 16 bytes of the exchange buffer into shared memory through L2 only (another block wrote them this
+// step: an L1 line of two steps before would be stale): cp.async.cg on sm_80 and later (complete at
+// `copies_wait`), a load through L2 and a store before; a plain copy in the emulator.
+__device__ __forceinline__ void copy16(F* dst, const F* src)
+{{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+#elif defined(__CUDA_ARCH__)
+    *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
+#else
+    *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+#endif
+}}
+__device__ __forceinline__ void copies_commit()
+{{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\\n" ::: "memory");
+#endif
+}}
+// until at most NSTAGE - 2 of this thread's newest groups are in flight
+__device__ __forceinline__ void copies_wait()
+{{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\\n" :: "n"(NSTAGE - 2) : "memory");
+#endif
+}}
+
+// chunk c of the tile's operand, op[r][c CHUNK .. c CHUNK + CHUNK), into the ring buffer `sh` (one group
+// of copies, 16 bytes each: element e = threadIdx.x + i THREADS of its [TROWS][CHUNK / 4])
+__device__ __forceinline__ void stage(F (*sh)[SHS], const F* hin, int c)
 {{
     #pragma unroll
-    for (int i = 0; i < STAGED; ++i) {{
-        const int e = threadIdx.x + i * THREADS, r = e / CHUNK, j = j0 + e % CHUNK;
-        staged[i] = (e < ROWS * CHUNK && j < DEPTH) ? ld_l2(hin + (long long)r * DEPTH + j) : F(0);
+    for (int i = 0; i < COPIES; ++i) {{
+        const int e = threadIdx.x + i * THREADS, r = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
+        if (e < TROWS * (CHUNK / 4)) copy16(&sh[r][j], hin + (long long)r * JPAD + c * CHUNK + j);
     }}
 }}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
 {{
-#if VEC
-    __shared__ __align__(16) F su[UNITS][JPAD + 4];  // + 4: the units' rows start in different banks
+    // dynamic shared memory (SHARED_BYTES, past the 48 KiB of static shared memory at H 512); the emulator
+    // has none: a function static there
+#ifdef __CUDA_ARCH__
+    extern __shared__ __align__(16) unsigned char smem[];
 #else
-    __shared__ __align__(16) F su[JPAD][UNITS][CPAD];
+    __shared__ __align__(16) unsigned char smem[SHARED_BYTES];
 #endif
-    __shared__ __align__(16) F sh[ROWS][SHS];
-    const int k0 = blockIdx.x * UNITS;
+#if VEC
+    F (*su)[JPAD + 4] = reinterpret_cast<F (*)[JPAD + 4]>(smem);  // + 4: the units' rows start in different banks
+#else
+    F (*su)[UNITS][CPAD] = reinterpret_cast<F (*)[UNITS][CPAD]>(smem);
+#endif
+    // the ring of staged chunks [NSTAGE][TROWS][CHUNK + 4] (+ 4: a warp's rows in different banks)
+    F (*ring)[TROWS][SHS] = reinterpret_cast<F (*)[TROWS][SHS]>(smem + U_BYTES);
+    // block x: the tile x / NBT of TROWS rows, the units of its slice x % NBT
+    const int tile = blockIdx.x / NBT, row0 = tile * TROWS, k0 = (blockIdx.x % NBT) * UNITS;
 {chr(10).join("    " + line for line in load_u)}
+    // the exchange buffer's pad columns [DEPTH, JPAD): zero, and never written again (U is zero there too,
+    // but a NaN of uninitialised memory times zero is not)
+    if (blockIdx.x == 0 && JPAD > DEPTH)
+        for (int e = threadIdx.x; e < 2 * XROWS * (JPAD - DEPTH); e += THREADS)
+            xo[(long long)(e / (JPAD - DEPTH)) * JPAD + DEPTH + e % (JPAD - DEPTH)] = F(0);
 {chr(10).join("    " + line for line in decl)}
 {per_pair(prologue)}
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
-        F* xw = xo + (s & 1) * (ROWS * DEPTH);
+        F* xw = xo + (s & 1) * (XROWS * JPAD);
+        const F* xt = xw + (long long)row0 * JPAD;  // the tile's rows
 {per_pair(seq_loads, depth=2)}
 {per_pair(publish_lines, depth=2)}
-        // every block's operand of this step written before any block stages it
-        if (gridDim.x > 1) grid_barrier(bar, (unsigned int)(s + 1) * gridDim.x, s);
+        // every block's operand of this step written before any block of its tile stages it
+        if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
         else __syncthreads();
         #pragma unroll
         for (int q = 0; q < PAIRS; ++q)
             #pragma unroll
             for (int c = 0; c < COLS; ++c) acc[q][c] = F(0);
-        F staged[STAGED];  // this thread's values of the next chunk, loaded while the block multiplies
-        stage(staged, xw, 0);
-        for (int j0 = 0; j0 < JPAD; j0 += CHUNK) {{
-            __syncthreads();  // every thread done with the previous chunk
-            #pragma unroll
-            for (int i = 0; i < STAGED; ++i) {{
-                const int e = threadIdx.x + i * THREADS;
-                if (e < ROWS * CHUNK) sh[e / CHUNK][e % CHUNK] = staged[i];
-            }}
+        // the first NSTAGE - 1 chunks in flight; then at chunk c: wait for it, the block's barrier (every
+        // thread's copies of it landed, every thread done with chunk c - 1), chunk c + NSTAGE - 1 into the
+        // buffer chunk c - 1 left, the products of chunk c
+        #pragma unroll
+        for (int c = 0; c < NSTAGE - 1; ++c) {{
+            if (c < NCHUNK) stage(ring[c], xt, c);
+            copies_commit();
+        }}
+        for (int c = 0; c < NCHUNK; ++c) {{
+            copies_wait();
             __syncthreads();
-            if (j0 + CHUNK < JPAD) stage(staged, xw, j0 + CHUNK);
-{per_pair(product, guard="r < ROWS", depth=3)}
+            if (c + NSTAGE - 1 < NCHUNK) stage(ring[(c + NSTAGE - 1) % NSTAGE], xt, c + NSTAGE - 1);
+            copies_commit();  // a group every chunk, empty ones included: the wait counts groups
+            F (*sh)[SHS] = ring[c % NSTAGE];
+            const int j0 = c * CHUNK;
+{per_pair(product, guard="lr < TROWS", depth=3)}
         }}
 {per_pair(cell_lines, depth=2)}
     }}

@@ -6,7 +6,7 @@ device it does not take.
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
 A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
-xo [2][rows][depth] (the operand of a step by its parity) and a zeroed barrier word, and makes one
+xo [2][rows][jpad] (the operand of a step by its parity) and zeroed barrier words, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
 A barrier that waits past its limit flags the barrier words and goes on (no hang); the runner copies
@@ -19,8 +19,11 @@ import ctypes
 import sys
 
 from ...options import emulating, options
+from ...runner import batch_outer
 from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
+
+TIME = "~t"  # the time axis among an output's axes while allocating it
 
 
 class BarrierTimeout(RuntimeError):
@@ -55,8 +58,16 @@ class PersistentLoop:
         return self._plans[key]
 
 
-    def run(self, seqs, params, initial, sizes, length, out_dtype=None):
-        """The runner contract (time-first torch tensors in and out, as `StepLoop.run`)."""
+    # `hoisted.HoistedRunner` passes `orders` and `products` to `run`
+    writes_in_order = True
+
+    def run(self, seqs, params, initial, sizes, length, out_dtype=None, orders=None, products=None):
+        """The runner contract (time-first torch tensors in and out, as `StepLoop.run`). The outputs are
+        allocated as the sequences lie (batch outer where they are: `runner.batch_outer`), each with its
+        axes in the order `orders` gives (output name -> axes: the post products' order, so that they
+        read it as a matrix without a copy; the returned views have the program's order). `products`
+        (a forward's, as in `hoist.compute_pre`): where given, the kernel also writes its recurrent
+        product of every step there, keyed by its node (the adjoint's ``h U`` is that very node)."""
         arrays = [*seqs.values(), *params.values(), *initial.values()]
         device = arrays[0].device if arrays else None
         emulate = emulating()
@@ -68,11 +79,14 @@ class PersistentLoop:
             if isinstance(chosen, str):
                 self.refusals[key] = chosen
             return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
-        result = self._launch(chosen, seqs, params, initial, sizes, length, device, emulate)
+        record = products is not None and not self.program.reverse and self.cell.product not in products
+        result = self._launch(chosen, seqs, params, initial, sizes, length, device, emulate, orders or {}, record)
         if isinstance(result, str):  # the driver refused the cooperative launch
             self.refusals[key] = result
             return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
-        outs, finals = result
+        outs, finals, recorded = result
+        if recorded is not None:
+            products[self.cell.product] = recorded
         dtype = out_dtype or torch_float32()
         p = self.program
         outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
@@ -81,16 +95,16 @@ class PersistentLoop:
 
     def _watch(self, bar) -> None:
         """Keep the launch's barrier words for `_check`: on a GPU a copy to pinned host memory and an event
-        behind the launch (no sync now); none while a CUDA graph is being captured."""
+        behind the launch (no sync now); nothing new while a CUDA graph is being captured."""
         import torch
 
         if bar.device.type != "cuda":
             self._pending = (None, bar)
         elif torch.cuda.is_current_stream_capturing():
-            self._pending = None
+            pass  # a replay's barrier words are not read (the launch before the capture's still are)
         else:
             host = torch.empty(3, dtype=torch.int32, pin_memory=True)
-            host.copy_(bar, non_blocking=True)
+            host.copy_(bar[:3], non_blocking=True)  # then the tiles' counters
             event = torch.cuda.Event()
             event.record()
             self._pending = (event, host)
@@ -102,7 +116,10 @@ class PersistentLoop:
             return
         event, host = self._pending
         if event is not None:
-            if not wait and not event.query():
+            import torch
+
+            # an event is neither queried nor waited for while a CUDA graph is captured: read it later
+            if torch.cuda.is_current_stream_capturing() or (not wait and not event.query()):
                 return
             event.synchronize()
         self._pending = None
@@ -120,7 +137,7 @@ class PersistentLoop:
         bar = self._last_bar.cpu().tolist()
         return bool(bar[1]), int(bar[2])
 
-    def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate):
+    def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate, orders, record):
         import torch
 
         p, cell = self.program, self.cell
@@ -138,15 +155,30 @@ class PersistentLoop:
         seq_strides = {d.name: tuple(t.stride()) for d, t in zip(p.seqs, seq_t)}
         par_t = [dense(params[d.name], full(d.axes)) for d in p.params]
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
-        outs = [torch.empty((length, *full(y.axes)), dtype=f32, device=device) for _, y in p.outputs]
+        outer = batch_outer(seq_t)
+
+        def allocated(axes, order):
+            """[L, *axes] as a view of memory [L, *order] ([order[0], L, *order[1:]] where `outer`)."""
+            memory = ((order[0], TIME, *order[1:]) if outer and order else (TIME, *order))
+            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=f32, device=device)
+            return t.permute(*[memory.index(a) for a in (TIME, *axes)])
+
+        outs = [allocated(y.axes, tuple(orders.get(name, y.axes))) for name, y in p.outputs]
+        out_strides = {name: tuple(o.stride()) for (name, _), o in zip(p.outputs, outs)}
+        axes = cell.product.axes  # recorded rows first, as the adjoint's h U would lie
+        rows_first = tuple(a for a in axes if a in cell.rows) + tuple(a for a in axes if a not in cell.rows)
+        recorded = allocated(axes, rows_first) if record else None
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
-        # the exchange buffer, each step's operand [rows][depth] by step parity (the kernel writes it)
-        xo = torch.empty(2 * chosen.rows * chosen.depth, dtype=f32, device=device)
-        bar = torch.zeros(3, dtype=torch.int32, device=device)
+        # the exchange buffer, each step's operand [rows][jpad] by step parity (the kernel writes it, and
+        # zeroes its pad columns once)
+        xo = torch.empty(2 * chosen.tiles * chosen.trows * chosen.jpad, dtype=f32, device=device)
+        # (unused, a barrier timed out, the step it did), then a counter a batch tile
+        bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32, device=device)
         self._last_bar = bar
-        tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, xo, bar]
+        tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, *([recorded] if record else []), xo, bar]
         pointers = [t.data_ptr() for t in tensors]
-        source = kernel_source(cell, chosen, sizes, seq_strides)
+        source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
+                               tuple(recorded.stride()) if record else None)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
@@ -156,12 +188,12 @@ class PersistentLoop:
                 fn = self._functions[("emulated", source)] = emulated(source, name)
             fn((chosen.blocks, chosen.threads), length, 0, pointers)
             self._watch(bar)
-            return outs, finals
+            return outs, finals, recorded
         refused = _cooperative_launch(self._function(source, name, device), chosen, length, pointers)
         if refused:
             return refused
         self._watch(bar)
-        return outs, finals
+        return outs, finals, recorded
 
     def _function(self, source: str, name: str, device):
         key = (device.index, source)
@@ -215,16 +247,23 @@ def _cooperative_launch(function, chosen, length: int, pointers) -> str | None:
     launch = _driver_call("cuLaunchCooperativeKernel", [vp, u, u, u, u, u, u, u, vp, vp])
     if occupancy is None or launch is None:
         return "no CUDA driver library for a cooperative launch"
+    from ...launch import _DEFAULT_SHARED, _allow_shared
+
+    if chosen.shared_bytes > _DEFAULT_SHARED:
+        try:
+            _allow_shared(function, chosen.shared_bytes)
+        except ValueError as err:
+            return str(err)
     handle = _handle(function)
     per_sm = ctypes.c_int(0)
-    if occupancy(ctypes.byref(per_sm), handle, chosen.threads, 0) != 0:
+    if occupancy(ctypes.byref(per_sm), handle, chosen.threads, chosen.shared_bytes) != 0:
         return "the occupancy query failed"
     if per_sm.value * options().sm_count < chosen.blocks:
         return (f"{chosen.blocks} blocks cannot be co-resident ({per_sm.value} a multiprocessor x "
                 f"{options().sm_count})")
     values, slots = _argument_slots(2 + len(pointers))
     values[:] = (length, 0, *pointers)
-    code = launch(handle, chosen.blocks, 1, 1, chosen.threads, 1, 1, 0, current_stream(), slots)
+    code = launch(handle, chosen.blocks, 1, 1, chosen.threads, 1, 1, chosen.shared_bytes, current_stream(), slots)
     if code != 0:
         return f"cuLaunchCooperativeKernel failed ({code})"
     return None
