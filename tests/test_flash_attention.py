@@ -69,7 +69,7 @@ def _reference(program, q, k, v, params, sizes):
 
 
 _EMULATED: dict = {}  # (spec, d, bf16, config) -> the emulated kernel: one C++ build per source across tests
-NEW_CONFIGS = ["bm128w8", "bm128w4"]  # the 128-row forward kernels (forward_bm128.cu.j2)
+NEW_CONFIGS = ["bm128w8", "bm128w8n128", "bm128w4"]  # the 128-row forward kernels (forward_bm128.cu.j2)
 
 
 def _emulated(name: str, d: int, bf16: bool, config: str = "bm64"):
@@ -201,11 +201,13 @@ def test_emulated_flash_forward_fp16_and_head_dim_128():
 BM128_CASES = [("causal", 200, 200, 64, True), ("alibi", 150, 150, 64, True), ("window", 300, 300, 64, True),
                ("full", 7, 150, 64, True), ("alibi", 150, 40, 64, True), ("softcap_empty_rows", 20, 20, 64, True),
                ("alibi", 130, 100, 128, False)]
+# bm128w8n128 is bm128w8's source with key tiles of 128: the cases where that changes the tiles' split
+BM128_EMULATED = ([(c, *case) for c in ("bm128w8", "bm128w4") for case in BM128_CASES]
+                  + [("bm128w8n128", *case) for case in BM128_CASES if case[0] in ("window", "full") or case[3] == 128])
 
 
 @needs_emulator
-@pytest.mark.parametrize("config", NEW_CONFIGS)
-@pytest.mark.parametrize("name, lq, lk, d, bf16", BM128_CASES)
+@pytest.mark.parametrize("config, name, lq, lk, d, bf16", BM128_EMULATED)
 def test_emulated_bm128_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
     """The 128-row kernels (K and V double-buffered: a tile read before its cp.async group's wait, or a
     stage overwritten while a warp still reads it, shows here) against the interpreter. A block of 256
@@ -216,7 +218,7 @@ def test_emulated_bm128_forward_matches_the_interpreter(config, name, lq, lk, d,
 
 def test_the_forward_config_comes_from_the_options(monkeypatch):
     monkeypatch.delenv("SSMC_CUDA_FLASH_FORWARD", raising=False)
-    assert flash.config(128).name == flash.DEFAULT_CONFIG
+    assert flash.config(128).name == flash.DEFAULT_CONFIG[128] and flash.config(64).name == flash.DEFAULT_CONFIG[64]
     monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "bm128w8")
     cfg = flash.config(128)
     assert (cfg.name, cfg.bm, cfg.threads) == ("bm128w8", 128, 256)

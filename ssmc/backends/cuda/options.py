@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
-FLASH_FORWARD = ("bm64", "bm128w8", "bm128w4")  # kernels/flash/forward.py's CONFIGS
+FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4")  # kernels/flash/forward.py's CONFIGS
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -42,7 +42,6 @@ class CudaOptions:
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
-    chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
@@ -51,7 +50,8 @@ class CudaOptions:
     flash_backward: False keeps softmax attention's backward on the tiled torch path
     flash_dq: how the flash backward sums dQ: "atomic" (fp32 atomics) or "kernel" (a second kernel, repeatable)
     flash_forward: the flash forward's config (kernels/flash/forward.py `CONFIGS`): "bm64" (64-row blocks of
-        4 warps), "bm128w8" (128-row blocks of 8 warps) or "bm128w4" (128-row blocks of 4 warps of 32 rows)
+        4 warps), "bm128w8" / "bm128w8n128" (128-row blocks of 8 warps, key tiles of 64 / 128) or "bm128w4"
+        (128-row blocks of 4 warps of 32 rows)
     sm_count: SMs of the GPU the kernels are planned for
     """
 
@@ -69,7 +69,6 @@ class CudaOptions:
     chunked: bool | None = None
     chunk: int | None = None
     chunk_kernels: bool | None = None
-    chunk_backward: bool | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
     persistent: bool | None = None

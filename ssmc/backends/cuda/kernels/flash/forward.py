@@ -66,23 +66,25 @@ class Config:
         return ((0 if self.qreg else self.bm) + 4 * self.bn) * (d + 8) * 2
 
 
-# per head dim; "bm128w8": 8 warps of 16 rows (Q in registers), "bm128w4": 4 warps of 32 rows (at d 128 Q
-# read from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators
-# would not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled)
+# per head dim; "bm128w8": 8 warps of 16 rows, Q in registers, key tiles of 64 ("bm128w8n128": of 128, half
+# the barriers and rescales a key, twice the shared memory); "bm128w4": 4 warps of 32 rows (at d 128 Q read
+# from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators would
+# not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled)
 CONFIGS = {
     "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
-    "bm128w8": {64: Config("bm128w8", 128, 128, 8), 128: Config("bm128w8", 128, 64, 8)},
+    "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8)},
+    "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
 }
-DEFAULT_CONFIG = "bm64"
+DEFAULT_CONFIG = {64: "bm64", 128: "bm64"}  # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset
 
 
 def config(d: int, name: str | None = None) -> Config:
-    """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else the default."""
+    """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else `DEFAULT_CONFIG`'s."""
     if name is None:
         from ...options import options
 
-        name = options().flash_forward or DEFAULT_CONFIG
+        name = options().flash_forward or DEFAULT_CONFIG[d]
     return CONFIGS[name][d]
 
 
@@ -296,7 +298,7 @@ def span_table(spans: list[tuple[int, ...]]) -> list[int]:
 class FlashForward:
     """The flash forward of one program on CUDA tensors (module docstring): compiled per (device, source)
     with CuPy (NVRTC), launched on torch's current stream, in the config `config` (a `CONFIGS` name; None:
-    ``SSMC_CUDA_FLASH_FORWARD``'s at each call, else `DEFAULT_CONFIG`)."""
+    ``SSMC_CUDA_FLASH_FORWARD``'s at each call, else the head dim's `DEFAULT_CONFIG`)."""
 
     def __init__(self, program: Attention, config: str | None = None):
         if config is not None and config not in CONFIGS:
