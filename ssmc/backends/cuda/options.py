@@ -42,6 +42,7 @@ class CudaOptions:
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
+    chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
@@ -69,6 +70,7 @@ class CudaOptions:
     chunked: bool | None = None
     chunk: int | None = None
     chunk_kernels: bool | None = None
+    chunk_backward: bool | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
     persistent: bool | None = None
