@@ -423,9 +423,10 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
     """A training step through ssmc.torch.function on bf16 inputs (the initial state included): every
     gradient (x, B, C, dt, A, D, the initial state; q, k, v, gamma, S) with the backward kernels
     (counted) against float64 on the same rounded inputs and cotangents (the chunked torch path, which
-    tests/test_chunked.py holds to the interpreter), relative RMS error within 2e-2 (3e-2 for the
-    decays' parameters: sums over every step), and at most twice the torch backward's
-    (SSMC_CUDA_CHUNK_BACKWARD=0) plus 2e-3."""
+    tests/test_chunked.py holds to the interpreter), relative RMS error within 2e-2 and at most twice
+    the torch backward's (SSMC_CUDA_CHUNK_BACKWARD=0: fp32 products) plus 2e-3; the decays' parameters
+    (sums over every step) within 3e-2. The training call takes the kernels (q, k, v kept 16-bit:
+    `ChunkedCore.half_inputs`), the forward counted too."""
     import ssmc
     import ssmc.torch
     from ssmc.backends.cuda.kernels import chunk
@@ -441,8 +442,9 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
     y, final = fn(**bf)
     dy = torch.from_numpy(rng.standard_normal(tuple(y.shape))).to("cuda", torch.bfloat16)
     dfinal = torch.from_numpy(rng.standard_normal(tuple(final.shape))).to("cuda", torch.float32)
-    calls = []
+    calls, forwards = [], []
     monkeypatch.setattr(chunk.mma, "backward", lambda *a, _f=chunk.mma.backward, **kw: calls.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(chunk.mma, "forward", lambda *a, _f=chunk.mma.forward, **kw: forwards.append(1) or _f(*a, **kw))
 
     def gradients():
         leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
@@ -451,7 +453,7 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
         return {k: v.grad for k, v in leaves.items()}
 
     got = gradients()
-    assert calls, "the backward kernels did not run"
+    assert calls and forwards, "the kernels did not run"
     monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
     n = len(calls)
     torch_backward = gradients()
@@ -466,9 +468,12 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
         w = torch.as_tensor(np.asarray(w.cpu() if hasattr(w, "cpu") else w), device="cuda").double()
         g, t = got[k], torch_backward[k]
         assert g is not None and g.shape == w.shape, k
-        tol = 3e-2 if k in ("dt", "A", "gamma") else 2e-2
-        assert _rel(g, w) < tol, (k, _rel(g, w), _rel(t, w))
-        assert _rel(g, w) < 2 * _rel(t, w) + 2e-3, (k, _rel(g, w), _rel(t, w))
+        if k in ("dt", "A", "gamma"):  # sums over every step: the kernels' 16-bit products weigh more there
+            assert _rel(g, w) < 3e-2, (k, _rel(g, w), _rel(t, w))
+        else:
+            assert _rel(g, w) < 2e-2, (k, _rel(g, w), _rel(t, w))
+            assert _rel(g, w) < 2 * _rel(t, w) + 2e-3, (k, _rel(g, w), _rel(t, w))
+        assert _rel(t, w) < 2e-2, (k, _rel(t, w))  # the torch backward on the kernels' forward
 
 
 @pytest.mark.gpu

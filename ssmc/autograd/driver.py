@@ -192,6 +192,8 @@ class Grad(Driver):
         if fwd.reverse:
             raise NotImplementedError("gradients of a reverse-time spec")  # not produced by the frontend
         path, fused = self._path(tape, outputs, key)
+        if path == FUSED and hasattr(fused, "half_inputs"):  # a runner that reads some 16-bit sequences as given
+            seqs = tape.seqs = fused.half_inputs(seqs, {n: bound.arrays[n] for n in seqs}, sizes)
         if path == FUSED:  # one kernel saving the carry every round; the backward is one kernel too
             if key is not None:
                 tape.step = self._steps.remember(key, PreparedStep(self, layout, bound, dtype, set(kwargs), fused,

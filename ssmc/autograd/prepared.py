@@ -134,6 +134,11 @@ class PreparedStep(_Signature):
     def forward(self, args: tuple, kwargs: dict, outputs: bool):
         """What `Grad._forward` returns for a call of this signature."""
         seqs, params, initial, tape = self._arrays(args, kwargs)
+        if hasattr(self.fused, "half_inputs"):  # as `Grad._forward`: 16-bit sequences the runner reads as given
+            arrays = dict(zip(self.names, args))
+            arrays.update(kwargs)
+            seqs = tape.seqs = self.fused.half_inputs(
+                seqs, {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first.items()}, self.sizes)
         if outputs:
             run = self.run_forward
         else:

@@ -208,6 +208,18 @@ class ChunkedCore:
     def applies(self, seqs, sizes, length) -> bool:
         return True
 
+    def half_inputs(self, cast: dict, given: dict, sizes) -> dict:
+        """The sequences a training call runs on: those `Grad` cast to the compute dtype (`cast`), but q, k
+        and v as given (`given`, time first) where q is 16-bit and the kernels take its sizes, so that the
+        training forward and backward run on the tensor-core kernels as an inference call does (the
+        operands rounded to q's 16 bits either way: `_chunks`); else `cast` as is."""
+        ml = self.ml
+        q = given.get(ml.q.arg)
+        if q is None or not mma.kernels_wanted(q.dtype, sizes[ml.key], sizes[ml.value]):
+            return cast
+        keep = {node.arg for node in (ml.q, ml.k, ml.v) if node.arg in given and given[node.arg].dtype == q.dtype}
+        return {n: given[n] if n in keep else v for n, v in cast.items()}
+
     def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None):
         """(outputs, final states, tape) of a training forward: outputs time first."""
         q_arr, _ = self._input(self.ml.q, seqs, params)
@@ -245,7 +257,8 @@ class ChunkedCore:
 
         def add(node, grad, inner):
             arr, timed = self._input(node, seqs, params)
-            g = self._unarrange(grad, node.axes, timed, inner, length).to(arr.dtype)
+            g = self._unarrange(grad, node.axes, timed, inner, length)
+            g = g.to(x.compute if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
             key = GRAD + node.arg
             grads[key] = grads[key] + g if key in grads else g
 

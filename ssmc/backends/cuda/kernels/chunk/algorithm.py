@@ -118,7 +118,8 @@ def forward(x: Chunks):
 def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor):
     """Cotangents (dq, dk, dv, dell, ds0) of `forward`'s inputs, in the shapes of the full heads
     (the caller sums them over the heads an operand lacks), given its outputs' (d_out [*H, NC, C, V],
-    d_final [*H, K, V]) and what its forward returned."""
+    d_final [*H, K, V]) and what its forward returned (`final` is not read: the log decays' cotangent
+    takes the state at a chunk's end as `log_decay_grad` says)."""
     f32 = x.compute
     lam, gamma, decay = _decays(x.ell)
     q, k, v, d_out = x.q.to(f32), x.k.to(f32), x.v.to(f32), d_out.to(f32)
@@ -127,21 +128,18 @@ def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Ten
     # the cotangent of each chunk's end state, through the chunks last first
     into_state = _mm((q * from_start).transpose(-1, -2), d_out, f32)
     d_end, d_s0 = _scan(gamma, into_state, d_final, reverse=True)
-    ending = torch.cat([entering[..., 1:, :, :], final[..., None, :, :].expand_as(entering[..., :1, :, :])], dim=-3)
     scores = _mm(x.q, x.k.transpose(-1, -2), x.mm).to(f32) * decay
     d_scores = _mm(d_out, v.transpose(-1, -2), f32) * decay
     dq = from_start * _mm(d_out, entering.transpose(-1, -2), f32) + _mm(d_scores, k, f32)
-    dk = into_end * _mm(v, d_end.transpose(-1, -2), f32) + _mm(d_scores.transpose(-1, -2), q, f32)
+    dk_end = into_end * _mm(v, d_end.transpose(-1, -2), f32)   # k_j·dk_j's part through d_end
+    dk = dk_end + _mm(d_scores.transpose(-1, -2), q, f32)
     dv = into_end * _mm(k, d_end, f32) + _mm(scores.transpose(-1, -2), d_out, f32)
-    d_lam = (q * dq).sum(-1) - (k * dk).sum(-1)
-    d_lam[..., -1] += (d_end * ending).sum((-1, -2))
-    d_ell = torch.flip(torch.cumsum(torch.flip(d_lam, (-1,)), -1), (-1,))
-    return dq, dk, dv, d_ell, d_s0
+    return dq, dk, dv, log_decay_grad(q, k, dq, dk, (k * dk_end).sum((-1, -2)), gamma, d_end, entering), d_s0
 
 
 def log_decay_grad(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, at_end: torch.Tensor,
                    gamma: torch.Tensor, d_end: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
-    """The log decays' cotangent [*H, NC, C] from the kernels' fp32 dq, dk [*H, NC, C, K], the
+    """The log decays' cotangent [*H, NC, C] from dq, dk [*H, NC, C, K] (`vjp`'s, the kernels'), the
     cotangent of each chunk's end state d_end and the state entering it [*H, NC, K, V], Γ [*H, NC] and
     ``at_end`` [*H, NC]: Σ_j k_j·dk_j's part through d_end, ``Σ_j exp(Γ − Λ_j) k_j d_end v_jᵀ``.
 
