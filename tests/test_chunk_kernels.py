@@ -285,6 +285,29 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
             assert _rel(torch_only[k], ref[k]) < 1e-2, k
 
 
+
+def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeypatch):
+    """`ChunkedCore.half_inputs` (what `Grad` hands a training forward): q, k, v as given where q is
+    16-bit and the kernels take the sizes; the compute dtype's casts otherwise (fp32 q, other sizes,
+    SSMC_CUDA_CHUNK_KERNELS=0), and always for the other sequences (the decays)."""
+    from ssmc.backends.cuda.kernels import chunk
+
+    program, sizes = _core("mamba2")
+    core = chunk.ChunkedCore(program, "float32")
+    ml = core.ml
+    rng = np.random.default_rng(0)
+    given, _, _ = _core_inputs(program, sizes, 5, rng, torch.bfloat16)
+    cast = {k: v.float() for k, v in given.items()}
+    kept = core.half_inputs(cast, given, sizes)
+    operands = {ml.q.arg, ml.k.arg, ml.v.arg}
+    assert set(kept) == set(cast) and operands <= set(kept) and len(operands) == 3
+    for name, value in kept.items():
+        assert value is (given[name] if name in operands else cast[name]), name
+    assert core.half_inputs(cast, cast, sizes) is cast                            # fp32 q
+    assert core.half_inputs(cast, given, {**sizes, ml.key: 32}) is cast           # a key size they do not take
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
+    assert core.half_inputs(cast, given, sizes) is cast
+
 # -- on the GPU: whole specs --------------------------------------------------------------------------
 
 def _spec_case(name: str, length: int):
