@@ -313,7 +313,7 @@ def test_gpu_flash_forward_matches_the_tiled_path(name, length, dtype, monkeypat
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_bm128_forward_matches_the_tiled_path(config, name, length, dtype, d, monkeypatch):
     """The 128-row kernels at both head dims against the tiled path (float32 products of the same
-    16-bit inputs), the fp32 output (out32) too; every row written (out starts as NaN)."""
+    16-bit inputs), the fp32 output (out32) too, which starts as NaN: an element not written fails."""
     from ssmc.backends.tiled_attention import TiledAttention
 
     dtype = getattr(torch, dtype)
