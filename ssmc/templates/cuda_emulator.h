@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -49,8 +50,8 @@ template <class T> T exchange(T v, int src, bool valid) {
     return out;
 }
 
-// One block's barriers and its count of finished threads. Left allocated where the block does not
-// finish in time: its threads, detached, still wait on its barriers.
+// One block's barriers and its count of finished threads, held by its threads and the launch loop (its
+// threads, detached, keep it where the block does not finish in time: they still wait on its barriers).
 struct Block {
     std::barrier<> bar;
     std::vector<Warp> warps;
@@ -60,21 +61,40 @@ struct Block {
     Block(unsigned threads, unsigned count) : bar((std::ptrdiff_t)threads), warps(count) {}
 };
 
+// A thread of the block, started where the machine lets it: another process's threads (test workers
+// side by side under a limit on processes and threads) may hold the last ones a while; false where
+// none could be started within `timeout` seconds.
+template <class Body> bool start(Body&& body, double timeout) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+    for (;;) {
+        try {
+            std::thread(body).detach();
+            return true;
+        } catch (const std::system_error&) {
+            if (std::chrono::steady_clock::now() > until) return false;
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+    }
+}
+
 // `kernel()` run by `block` threads in each of `grid` blocks, a block at a time; the index of the
 // first block not finished within `timeout` seconds (its threads wait on a barrier that not all
-// of them reach: a kernel bug, or a divergence the emulator cannot follow), else -1
+// of them reach: a kernel bug, or a divergence the emulator cannot follow), -2 - that index where
+// its threads could not be started (no thread left), else -1. The block is shared by its threads
+// and this loop: freed by the last of them (a thread may still be leaving its lock when the loop
+// sees the count complete).
 template <class Kernel> long run(unsigned grid, unsigned block, double timeout, Kernel&& kernel) {
     block_dim = {block, 1, 1};
     grid_dim = {grid, 1, 1};
     const unsigned count = (block + 31) / 32;
     for (unsigned b = 0; b < grid; ++b) {
-        Block* blk = new Block(block, count);
+        auto blk = std::make_shared<Block>(block, count);
         for (unsigned w = 0; w < count; ++w)
             blk->warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, block - 32 * w));
         block_bar = &blk->bar;
         warps = blk->warps.data();
-        for (unsigned t = 0; t < block; ++t)
-            std::thread([&kernel, blk, t, b] {
+        for (unsigned t = 0; t < block; ++t) {
+            const bool started = start([&kernel, blk, t, b] {
                 thread_idx = {t, 1, 1};
                 block_idx = {b, 1, 1};
                 kernel();
@@ -83,13 +103,13 @@ template <class Kernel> long run(unsigned grid, unsigned block, double timeout, 
                 std::lock_guard<std::mutex> lock(blk->mutex);
                 ++blk->done;
                 blk->all_done.notify_one();
-            }).detach();
+            }, timeout);
+            if (!started) return -2 - (long)b;  // the threads started wait on its barriers: `blk` stays
+        }
         std::unique_lock<std::mutex> lock(blk->mutex);
         const bool finished = blk->all_done.wait_for(lock, std::chrono::duration<double>(timeout),
                                                      [&] { return blk->done == block; });
-        if (!finished) return (long)b;  // `blk` stays: its threads still use it
-        lock.unlock();
-        delete blk;
+        if (!finished) return (long)b;  // its threads hold `blk`
     }
     return -1;
 }

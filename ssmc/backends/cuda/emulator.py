@@ -12,17 +12,25 @@ block sums lost the vectors past a block's threads) needed a GPU to show before.
     kernel((blocks, threads), length, nblk, [a.ctypes.data for a in arrays])   # NumPy arrays
 
 A block that does not finish within ``$SSMC_EMULATE_TIMEOUT`` seconds (default 60) raises
-`EmulatedHang`: its threads wait at a barrier or shuffle that not all of them reach.
+`EmulatedHang`: its threads wait at a barrier or shuffle that not all of them reach. A thread the
+machine cannot start yet (test workers side by side under a limit on threads) is retried for as long;
+blocks wider than `WIDE_BLOCK` threads take turns across the processes sharing the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import shutil
 import subprocess
 from importlib import resources
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock (wide blocks run as they come)
+    fcntl = None
 
 from ...runtime.cache import cache_dir, content_key
 from .options import environment_variable
@@ -67,13 +75,37 @@ def emulated(source: str, name: str):
             raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
         table = (ctypes.c_void_p * max(1, count))(*pointers)
         timeout = float(environment_variable("SSMC_EMULATE_TIMEOUT", "60"))
-        stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
+        with _wide_block_lock(grid[1]):
+            stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
+        if stuck <= -2:
+            raise EmulatedHang(f"{name}: block {-2 - stuck} of {grid[0]}: its {grid[1]} threads could not all be "
+                               f"started in {timeout:g} s (the machine's limit on threads: other processes hold them)")
         if stuck >= 0:
             raise EmulatedHang(f"{name}: block {stuck} of {grid[0]} ({grid[1]} threads) did not finish in "
                                f"{timeout:g} s: its threads wait at a barrier or shuffle not all of them reach")
 
     launch.emulated = True  # launch.launch_kernel calls it in place of the driver
     return launch
+
+
+# A launch's block runs as that many OS threads at once. Test workers side by side share the machine's
+# limit on threads (a container's can be 512): blocks wider than this take turns across processes.
+WIDE_BLOCK = 128
+
+
+@contextlib.contextmanager
+def _wide_block_lock(threads: int):
+    """Held around a launch of blocks wider than WIDE_BLOCK threads: one such launch at a time among the
+    processes sharing this cache (an flock on a file in it; no lock where fcntl is missing)."""
+    if threads <= WIDE_BLOCK or fcntl is None:
+        yield
+        return
+    with open(cache_dir("emulator") / "wide_blocks.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _params(source: str, name: str) -> list[str]:
