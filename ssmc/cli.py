@@ -155,17 +155,17 @@ def cmd_inspect(args) -> int:
 
 
 def _attention_path(label: str, spec: AttentionSpec, given: dict[str, int], length: int) -> str:
-    """How attention runs on the cuda backend at these sizes (no CUDA kernels generated yet)."""
+    """How attention runs on the cuda backend at these sizes (the flash kernels, or the tiled torch path)."""
     program = spec.program
     unknown = sorted(set(given) - {*program.q_axes, *program.v_axes, *(a for d in program.params for a in d.axes)})
     if unknown:
         raise UsageError(f"--sizes: {label} has no axes {unknown}")
     tiled = get_backend("cuda").attention(program)
     if tiled is None:
-        return f"{label}: attention runs on the interpreter (torch is not importable); no CUDA kernels yet"
+        return f"{label}: attention runs on the interpreter (torch is not importable)"
     sizes = default_sizes(program, given)
     shape = " ".join(f"{a}={n}" for a, n in sizes.items())
-    return (f"{label}: {shape} Lq=Lk={length}: no CUDA kernels yet; on the numba and cuda backends and "
+    return (f"{label}: {shape} Lq=Lk={length}: on the numba and cuda backends and "
             f"through ssmc.torch.function, the {tiled.describe(sizes, length, length)}")
 
 
