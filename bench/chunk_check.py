@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
-    python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--only ssd,retnet]
+    python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--only ssd,retnet] [--no-cores]
 
 SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16 and RetNet (examples/retnet.py) at B4 L4096 H16
 K128 V128 bf16:
@@ -22,8 +22,9 @@ K128 V128 bf16:
    of ssmc on the backward kernels, ssmc with the torch backward, and the peer; the core's backward
    alone (`mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time.
 
-Prints a markdown table; with --out, writes it to DIR/chunk.md. Needs torch, triton, cupy; the peers
-are installed from peers/ as bench/harness.py does (no network).
+Prints each workload's rows as it finishes them, then the whole markdown table; with --out, writes it
+to DIR/chunk.md. --no-cores skips 2.'s sweep of the cores alone (most of the run's time). Needs
+torch, triton, cupy; the peers are installed from peers/ as bench/harness.py does (no network).
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
              "ok": max(errs) < TOLERANCE}]
 
 
-def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
+def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> list[dict]:
     spec, layout = (mamba2.SPEC, mamba2.LAYOUT) if name == "ssd" else (retnet.SPEC, retnet.LAYOUT)
     a = ssd_inputs(g) if name == "ssd" else retnet_inputs(g)
     fn = ssmc.compile(spec, layout=layout, backend="cuda")
@@ -336,7 +337,7 @@ def run_case(name: str, peers, g: torch.Generator) -> list[dict]:
             t_torch = timed(lambda: fn(**a))
         t_peer = timed(peer_run) if peer_run is not None else None
         cores = []
-        for c in mma.CHUNKS:
+        for c in mma.CHUNKS if cores_too else ():
             x = core_chunks(name, g, c)
             assert mma.kernels_apply(x)
             t_core = timed(lambda x=x: mma.forward(x))
@@ -388,6 +389,8 @@ def main() -> int:
     ap.add_argument("--peers", type=Path, default=BENCH.parent / "peers")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ssmc_peers"))
     ap.add_argument("--only", default="ssd,retnet")
+    ap.add_argument("--no-cores", action="store_true",
+                    help="skip the cores alone at every chunk (the whole calls' forward and forward + backward only)")
     args = ap.parse_args()
     from harness import Peers
 
@@ -396,7 +399,9 @@ def main() -> int:
     rows, failed = [], False
     for name in args.only.split(","):
         try:
-            rows += run_case(name, peers, g)
+            done = run_case(name, peers, g, cores_too=not args.no_cores)
+            rows += done
+            print(table(done), flush=True)  # as it goes: a run cut short by a time limit still shows these
         except Exception:
             failed = True
             traceback.print_exc()
