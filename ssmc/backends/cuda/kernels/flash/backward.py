@@ -81,16 +81,10 @@ def dq_mode() -> str:
     return options().flash_dq or "atomic"
 
 
-def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True) -> tuple[str, str]:
-    """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then);
-    cached. Raises `Unprintable` where `unsupported` says why."""
-    from ...source import mma_header
-
-    key = (program, d, bf16, atomic_dq)
-    hit = _SOURCES.get(key)
-    if hit is not None:
-        return hit
+def _printed(program: Attention, d: int) -> tuple[dict, str]:
+    """What both backward templates print of `program` at head dim `d`: (their common arguments: the score
+    modifier, mask, dS and each param's summand as C, the scale, the head dim; a digest of the printed
+    code for the kernel's name). Raises `Unprintable` where `unsupported` says why."""
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     score_body = print_body(program.score, program, "score")
@@ -98,13 +92,32 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
     dscore_body, param_bodies = _bodies(program)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
-    text = template("flash/backward.cu.j2").render(
-        name=name, d=d, bn=BN, bq=BQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
-        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies,
-        atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params))
-    _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
+    return (dict(d=d, nparams=len(program.params), scale=float_literal(scale), score_body=score_body,
+                 mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
+
+
+def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
+    """(kernel name, CUDA source with the tile-product header), cached by `key`: `build(args, digest)`
+    gives (name, the rendered template) from `_printed`'s arguments."""
+    from ...source import mma_header
+
+    hit = _SOURCES.get(key)
+    if hit is None:
+        name, text = build(*_printed(program, d))
+        _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
+
+
+def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True) -> tuple[str, str]:
+    """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
+    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then);
+    cached. Raises `Unprintable` where `unsupported` says why."""
+    def build(args: dict, digest: str):
+        name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
+        return name, template("flash/backward.cu.j2").render(
+            name=name, bn=BN, bq=BQ[d], bf16=bf16, atomic_dq=atomic_dq,
+            row_sums=atomic_dq and bool(program.params), **args)
+    return _source((program, d, bf16, atomic_dq), program, d, build)
 
 
 BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
@@ -113,25 +126,10 @@ BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its regi
 def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
     """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
     `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; cached."""
-    from ...source import mma_header
-
-    key = (program, d, bf16, "dq")
-    hit = _SOURCES.get(key)
-    if hit is not None:
-        return hit
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
-    score_body = print_body(program.score, program, "score")
-    mask_body = print_body(program.mask, program, "true")
-    dscore_body, param_bodies = _bodies(program)
-    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
-    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest.hexdigest()[:10]}"
-    text = template("flash/backward_dq.cu.j2").render(
-        name=name, d=d, bn2=BN_DQ[d], bf16=bf16, nparams=len(program.params), scale=float_literal(scale),
-        score_body=score_body, mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies)
-    _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
-    return hit
+    def build(args: dict, digest: str):
+        name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
+        return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, **args)
+    return _source((program, d, bf16, "dq"), program, d, build)
 
 
 def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int]) -> list[tuple[int, int, int, int]]:
