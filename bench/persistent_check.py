@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import rnn as rnn_workloads  # bench/workloads/rnn.py: the example's weights in torch.nn.LSTM / GRU
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
@@ -72,19 +75,7 @@ def make_inputs(kind: str, b: int, t: int, i: int, k: int, seed: int = 0) -> dic
 
 def torch_module(kind: str, inputs: dict):
     """torch.nn.LSTM / GRU with the example's weights, and its call on x from the same initial states."""
-    W, U = inputs["W"], inputs["U"]
-    i, gates, k = W.shape
-    module = getattr(torch.nn, kind)(i, k, batch_first=True, device="cuda", dtype=torch.float32)
-    with torch.no_grad():
-        module.weight_ih_l0.copy_(W.reshape(i, gates * k).T)
-        module.weight_hh_l0.copy_(U.reshape(k, gates * k).T)
-        if kind == "LSTM":  # one bias: torch's two add up
-            module.bias_ih_l0.copy_(inputs["bias"].reshape(-1))
-            module.bias_hh_l0.zero_()
-        else:
-            module.bias_ih_l0.copy_(inputs["b_i"].reshape(-1))
-            module.bias_hh_l0.copy_(inputs["b_h"].reshape(-1))
-    module.flatten_parameters()
+    module = rnn_workloads.torch_module(kind, inputs, "cuda", torch.float32)
     h0 = inputs["h"][None].contiguous()
     state = (h0, inputs["c"][None].contiguous()) if kind == "LSTM" else h0
 
@@ -167,19 +158,8 @@ def run(kind: str, b: int, t: int, i: int, k: int) -> dict:
 def torch_train(kind: str, inputs: dict, dy: torch.Tensor):
     """Forward + backward through torch.nn.LSTM / GRU (cuDNN) with the example's weights: a call returns
     the gradients named as the example's inputs (torch's weight gradients mapped back)."""
-    W = inputs["W"]
-    i, gates, k = W.shape
-    module = getattr(torch.nn, kind)(i, k, batch_first=True, device="cuda", dtype=torch.float32)
-    with torch.no_grad():
-        module.weight_ih_l0.copy_(W.reshape(i, gates * k).T)
-        module.weight_hh_l0.copy_(inputs["U"].reshape(k, gates * k).T)
-        if kind == "LSTM":
-            module.bias_ih_l0.copy_(inputs["bias"].reshape(-1))
-            module.bias_hh_l0.zero_()
-        else:
-            module.bias_ih_l0.copy_(inputs["b_i"].reshape(-1))
-            module.bias_hh_l0.copy_(inputs["b_h"].reshape(-1))
-    module.flatten_parameters()
+    i, gates, k = inputs["W"].shape
+    module = rnn_workloads.torch_module(kind, inputs, "cuda", torch.float32)
     x = inputs["x"].detach().clone().requires_grad_(True)
     h0 = inputs["h"][None].detach().clone().requires_grad_(True)
     c0 = inputs["c"][None].detach().clone().requires_grad_(True) if kind == "LSTM" else None

@@ -31,25 +31,34 @@ def _inputs(gates: int, biases: tuple[str, ...]):
     return build
 
 
+def torch_module(kind: str, inputs: dict, device, dtype) -> torch.nn.Module:
+    """torch.nn.LSTM / GRU ("LSTM" / "GRU") holding the example's weights `inputs` (W [i g k], U [k g k],
+    the biases [g k]): weight_ih = W[i (g k)]^T, weight_hh = U[j (g k)]^T; the LSTM's one bias as bias_ih
+    (torch's two add up), the GRU's b_i and b_h as bias_ih and bias_hh."""
+    W, U = inputs["W"], inputs["U"]
+    i, gates, k = W.shape
+    module = getattr(torch.nn, kind)(i, k, batch_first=True, device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight_ih_l0.copy_(W.reshape(i, gates * k).T)
+        module.weight_hh_l0.copy_(U.reshape(k, gates * k).T)
+        if kind == "LSTM":
+            module.bias_ih_l0.copy_(inputs["bias"].reshape(-1))
+            module.bias_hh_l0.zero_()
+        else:
+            module.bias_ih_l0.copy_(inputs["b_i"].reshape(-1))
+            module.bias_hh_l0.copy_(inputs["b_h"].reshape(-1))
+    module.flatten_parameters()
+    return module
+
+
 def _torch_rnn(kind: str):
     """The peer: a torch.nn.LSTM / GRU module holding the workload's weights."""
     def peer(peers, device: str) -> Side:
         def prepare(inputs, dout):
-            x, W, U = inputs["x"], inputs["W"], inputs["U"]
-            i, gates, k = W.shape
-            module = getattr(torch.nn, kind)(i, k, batch_first=True, device=device, dtype=x.dtype)
-            with torch.no_grad():
-                module.weight_ih_l0.copy_(W.reshape(i, gates * k).T)
-                module.weight_hh_l0.copy_(U.reshape(k, gates * k).T)
-                if kind == "LSTM":  # one bias: torch's two add up
-                    module.bias_ih_l0.copy_(inputs["bias"].reshape(-1))
-                    module.bias_hh_l0.zero_()
-                else:
-                    module.bias_ih_l0.copy_(inputs["b_i"].reshape(-1))
-                    module.bias_hh_l0.copy_(inputs["b_h"].reshape(-1))
-            module.flatten_parameters()
+            x = inputs["x"]
+            module = torch_module(kind, inputs, device, x.dtype)
             return {"module": module, "x": x.detach().clone().requires_grad_(), "dout": dout,
-                    "shape": (i, gates, k)}
+                    "shape": tuple(inputs["W"].shape)}
 
         def step(p):
             m = p["module"]
