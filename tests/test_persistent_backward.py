@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_persistent_rnn import CASES, _flat, _relative, launched, two  # noqa: F401  (launched: a fixture)
+from test_persistent_rnn import CASES, _flat, _relative, compiles_without_spills, launched, two  # noqa: F401  (launched: a fixture)
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
@@ -85,20 +85,7 @@ SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k"
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,sizes", SHAPES)
 def test_nvrtc_compiles_without_spills(name, sizes, arch):
-    from ssmc.backends.cuda import nvrtc
-    from ssmc.backends.cuda.source import compile_options
-
-    if not nvrtc.available():
-        pytest.skip(nvrtc.unavailable_reason())
-    cell = analyse(_adjoint(CASES[name][0]))
-    chosen = plan(cell, sizes, 132)
-    assert not isinstance(chosen, str), chosen
-    source = kernel_source(cell, chosen, sizes)
-    built = nvrtc.compile_source(source, arch, compile_options(source))
-    used = built.resources[kernel_name(cell)]
-    assert not used.spills and used.stack_frame_bytes == 0, used.summary()
-    assert used.registers <= 255, used.summary()
-    assert used.shared_bytes == 0 and chosen.shared_bytes <= BLOCK_SHARED, used.summary()  # all dynamic
+    compiles_without_spills(_adjoint(CASES[name][0]), sizes, arch)
 
 
 # -- emulated: one block on the CPU ----------------------------------------------------------------------

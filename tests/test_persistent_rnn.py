@@ -187,12 +187,18 @@ SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k"
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,sizes", SHAPES)
 def test_nvrtc_compiles_without_spills(name, sizes, arch):
+    compiles_without_spills(_hoisted(CASES[name][0]), sizes, arch)
+
+
+def compiles_without_spills(program, sizes: dict[str, int], arch: str):
+    """`program`'s persistent kernel at `sizes`, through NVRTC for `arch`: a plan, no spills, no stack
+    frame, at most 255 registers, all its shared memory dynamic and within a block's."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.source import compile_options
 
     if not nvrtc.available():
         pytest.skip(nvrtc.unavailable_reason())
-    cell = analyse(_hoisted(CASES[name][0]))
+    cell = analyse(program)
     chosen = plan(cell, sizes, 132)
     assert not isinstance(chosen, str), chosen
     source = kernel_source(cell, chosen, sizes)
