@@ -76,7 +76,8 @@ CONFIGS = {
     "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
 }
-DEFAULT_CONFIG = {64: "bm64", 128: "bm64"}  # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset
+# per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest at both in bench/flash_forward_configs.py
+DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4"}
 
 
 def config(d: int, name: str | None = None) -> Config:
