@@ -38,7 +38,9 @@ def profiled(name: str, fn, rows: int = 14) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    # kernels and copies alone (CUDA events): the ops and autograd functions above them repeat their time
+    timed = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events = [e for e in timed if e.device_type == torch.autograd.DeviceType.CUDA] or timed
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 1e3
     lines = [f"## {name}", "", f"wall {wall:.3f} ms (unprofiled), GPU kernels {total:.3f} ms", "",
