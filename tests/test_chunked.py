@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssmc
-from ssmc.examples import linear_attention, lstm, mamba1, mamba2, retnet
+from ssmc.examples import linear_attention, lstm, mamba1, mamba2, retnet, simple_gla
 from ssmc.passes.matrix_linear import chunk_stages, core_form, matrix_linear
 from tests.profiles import examples
 
@@ -128,6 +128,7 @@ def test_refusals_say_why(spec, reason):
 CASES = {
     "mamba2": (mamba2.SPEC, mamba2.LAYOUT, lambda rng, L: mamba2.make_inputs(rng, L)),
     "retnet": (retnet.SPEC, retnet.LAYOUT, lambda rng, L: retnet.make_inputs(rng, L)),
+    "simple_gla": (simple_gla.SPEC, simple_gla.LAYOUT, lambda rng, L: simple_gla.make_inputs(rng, L)),
     "linear_attention": (linear_attention.SPEC, linear_attention.LAYOUT,
                          lambda rng, L: linear_attention.make_inputs(rng, L)),
     "gated": (gated, "b t ...", lambda rng, L: _inputs(gated, SIZES["gated"], L, rng)),

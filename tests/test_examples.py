@@ -11,7 +11,7 @@ import pytest
 import ssmc
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lru")
+               "layernorm_lstm", "mamba_conv", "lru", "simple_gla")
 ATTENTIONS = ("alibi_attention",)
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}

@@ -126,8 +126,9 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             half = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else None
             ml, c = core.ml, chunk_size(core.ml, sizes, length, half)
             kernels = half is not None and mma.kernels_wanted(half, sizes[ml.key], sizes[ml.value])
-            how = ("its forward as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch), its VJP as batched torch"
-                   " matrix products" if kernels else "as batched torch matrix products (forward and VJP)")
+            how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
+                   "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)" if kernels
+                   else "as batched torch matrix products (forward and VJP)")
             heads = int(np.prod([sizes[h] for h in ml.heads]))
             lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads"
                          f" x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; the table"
