@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
-    python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--only ssd,retnet] [--no-cores]
+    python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--no-cores]
+                                [--only ssd,retnet,gla,ssd_short]
 
-SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16 and RetNet (examples/retnet.py) at B4 L4096 H16
-K128 V128 bf16:
+SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16, RetNet (examples/retnet.py) at B4 L4096 H16 K128
+V128 bf16, simple GLA (examples/simple_gla.py, "gla": a log-decay per head and step) at the same shape against
+fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16 P64 N64, steps 1 and 3):
 
 1. check: ssmc's forward on the kernels against the peer (mamba-ssm's Triton `mamba_chunk_scan_combined`,
    chunk 256, from the sdist in peers/; fla's `chunk_retention`) and against ssmc's torch path
@@ -19,8 +21,9 @@ K128 V128 bf16:
 3. forward + backward (`ssmc.torch.function`, a training step's `.backward(dy)`): first every gradient
    against the peer's (autograd through the peer's Triton backward; RetNet: q, k, v, fla fixes gamma)
    and against ssmc's torch backward on the same forward (SSMC_CUDA_CHUNK_BACKWARD=0), then the times
-   of ssmc on the backward kernels, ssmc with the torch backward, and the peer; the core's backward
-   alone (`mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time.
+   of ssmc on the backward kernels, ssmc with the torch backward, and the peer, and the peak memory a
+   training step allocates beyond its inputs (ssmc's, the peer's); the core's backward alone (SSD, RetNet:
+   `mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time.
 
 Prints each workload's rows as it finishes them, then the whole markdown table; with --out, writes it
 to DIR/chunk.md. --no-cores skips 2.'s sweep of the cores alone (most of the run's time). Needs
@@ -42,9 +45,10 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import ssmc  # noqa: E402
 from ssmc.backends.cuda.kernels.chunk import algorithm, mma  # noqa: E402
-from ssmc.examples import mamba2, retnet  # noqa: E402
+from ssmc.examples import mamba2, retnet, simple_gla  # noqa: E402
 
 SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}
+SSD_SHORT = {"b": 32, "t": 180, "g": 1, "r": 16, "p": 64, "n": 64}
 RETNET = {"b": 4, "t": 4096, "h": 16, "k": 128, "v": 128}
 TOLERANCE = 2e-2
 
@@ -114,8 +118,7 @@ def counted_kernels():
     return calls, lambda: setattr(mma, "forward", original)
 
 
-def ssd_inputs(g: torch.Generator) -> dict:
-    s = SSD
+def ssd_inputs(g: torch.Generator, s: dict = SSD) -> dict:
     b, t, gr, r, p, n = s["b"], s["t"], s["g"], s["r"], s["p"], s["n"]
 
     def randn(*shape, scale=1.0, shift=0.0):
@@ -139,6 +142,18 @@ def retnet_inputs(g: torch.Generator) -> dict:
             "gamma": 1 - 2.0 ** (-5.0 - torch.arange(h, device="cuda", dtype=torch.float32))}
 
 
+def gla_inputs(g: torch.Generator) -> dict:
+    a = retnet_inputs(g)
+    b, t, h = a["q"].shape[:3]
+    log_decay = torch.log(1 - 2.0 ** (-5.0 - 4 * torch.rand(b, t, h, generator=g, device="cuda")))
+    return {"q": a["q"], "k": a["k"], "v": a["v"], "g": log_decay.to(torch.bfloat16)}
+
+
+def gla_peer(peers, a: dict):
+    chunk_simple_gla = peers.module("fla.ops.simple_gla").chunk_simple_gla
+    return lambda: chunk_simple_gla(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0)[0]
+
+
 def ssd_peer(peers, a: dict):
     combined = peers.mamba("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
     b, t, g, r, p = a["x"].shape
@@ -153,6 +168,28 @@ def ssd_peer(peers, a: dict):
 def retnet_peer(peers, a: dict):
     chunk_retention = peers.module("fla.ops.retention").chunk_retention
     return lambda: chunk_retention(a["q"], a["k"], a["v"], scale=1.0)[0]
+
+
+# name: (title, spec, inputs, peer, peer's name, whether the cores alone are timed too)
+CASES = {
+    "ssd": ("SSD B4 L4096 H32 P64 N128 bf16", mamba2, ssd_inputs, ssd_peer, "mamba_chunk_scan_combined", True),
+    "retnet": ("RetNet B4 L4096 H16 K128 V128 bf16", retnet, retnet_inputs, retnet_peer, "fla chunk_retention",
+               True),
+    "gla": ("simple GLA B4 L4096 H16 K128 V128 bf16", simple_gla, gla_inputs, gla_peer, "fla chunk_simple_gla",
+            False),
+    "ssd_short": ("SSD B32 L180 H16 P64 N64 bf16", mamba2, lambda g: ssd_inputs(g, SSD_SHORT), ssd_peer,
+                  "mamba_chunk_scan_combined", False),
+}
+
+
+def peak_mib(step) -> float:
+    """MiB a call of `step` allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def kernel_times(x: algorithm.Chunks, reps: int = 30, one_pass: bool | None = None, call=None) -> dict[str, float]:
@@ -234,6 +271,7 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
     """The forward + backward rows (module docstring, 3.)."""
     import ssmc.torch
 
+    title, _, _, make_peer, peer, cores = CASES[name]
     tfn = ssmc.torch.function(spec, layout=layout)
     leaves = {k: (v.detach().clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in a.items()}
     peer_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
@@ -261,16 +299,13 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
             torch_bwd = grads(leaves)
         checks: dict = {}
         ok = True
-        decays = {"dt", "A", "gamma"}
+        decays = {"dt", "A", "gamma", "g"}
         for k, v in got.items():
             checks[f"d{k} vs torch backward"] = e = rel(v, torch_bwd[k])
             ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
         peer_step = None
         try:
-            if name == "ssd":
-                run = ssd_peer(peers, peer_leaves)
-            else:
-                run = retnet_peer(peers, peer_leaves)
+            run = make_peer(peers, peer_leaves)
 
             def peer_step():
                 for v in peer_leaves.values():
@@ -288,6 +323,13 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
         with backward_kernels_off():
             t_torch = timed(ssmc_step)
         t_peer = timed(peer_step) if peer_step is not None else None
+        checks["peak MiB ssmc"] = f"{peak_mib(ssmc_step):.0f}"
+        if peer_step is not None:
+            checks["peak MiB peer"] = f"{peak_mib(peer_step):.0f}"
+        if not cores:
+            return [{"workload": title, "what": "forward + backward (torch column: SSMC_CUDA_CHUNK_BACKWARD=0)",
+                     "kernels": t_kernels, "torch": t_torch, "peer": t_peer, "peer_name": peer, "checks": checks,
+                     "ok": ok}]
         # the core's backward alone, at the default chunk
         x = core_chunks(name, g)
         out, entering, final = mma.forward(x)
@@ -303,8 +345,6 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
             parts[k] = f"{t:.3f} ms"
     finally:
         undo()
-    title = ("SSD B4 L4096 H32 P64 N128 bf16" if name == "ssd" else "RetNet B4 L4096 H16 K128 V128 bf16")
-    peer = "mamba_chunk_scan_combined" if name == "ssd" else "fla chunk_retention"
     return [{"workload": title, "what": "forward + backward (torch column: SSMC_CUDA_CHUNK_BACKWARD=0)",
              "kernels": t_kernels, "torch": t_torch, "peer": t_peer, "peer_name": peer, "checks": checks, "ok": ok},
             {"workload": title, "what": f"core backward only (chunk {x.q.shape[-2]})", "kernels": t_core,
@@ -313,8 +353,9 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
 
 
 def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> list[dict]:
-    spec, layout = (mamba2.SPEC, mamba2.LAYOUT) if name == "ssd" else (retnet.SPEC, retnet.LAYOUT)
-    a = ssd_inputs(g) if name == "ssd" else retnet_inputs(g)
+    title, example, make_inputs, make_peer, peer, cores = CASES[name]
+    spec, layout = example.SPEC, example.LAYOUT
+    a = make_inputs(g)
     fn = ssmc.compile(spec, layout=layout, backend="cuda")
     rows = []
     calls, undo = counted_kernels()
@@ -327,7 +368,7 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> li
         checks = {"vs torch path: output": rel(y, y_torch), "vs torch path: final state": rel(final, final_torch)}
         peer_run = None
         try:
-            peer_run = ssd_peer(peers, a) if name == "ssd" else retnet_peer(peers, a)
+            peer_run = make_peer(peers, a)
             checks["vs peer: output"] = rel(y, peer_run())
         except Exception as err:  # a peer that does not import or run: reported, the rest goes on
             checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
@@ -337,7 +378,7 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> li
             t_torch = timed(lambda: fn(**a))
         t_peer = timed(peer_run) if peer_run is not None else None
         cores = []
-        for c in mma.CHUNKS if cores_too else ():
+        for c in mma.CHUNKS if cores_too and cores else ():
             x = core_chunks(name, g, c)
             assert mma.kernels_apply(x)
             t_core = timed(lambda x=x: mma.forward(x))
@@ -354,8 +395,6 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> li
             cores.append((c, t_core, t_core_torch, core_err, parts))
     finally:
         undo()
-    title = ("SSD B4 L4096 H32 P64 N128 bf16" if name == "ssd" else "RetNet B4 L4096 H16 K128 V128 bf16")
-    peer = "mamba_chunk_scan_combined" if name == "ssd" else "fla chunk_retention"
     rows.append({"workload": title, "what": "forward", "kernels": t_kernels, "torch": t_torch, "peer": t_peer,
                  "peer_name": peer, "checks": checks, "ok": ok})
     for c, t_core, t_core_torch, core_err, parts in cores:
@@ -388,7 +427,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write DIR/chunk.md")
     ap.add_argument("--peers", type=Path, default=BENCH.parent / "peers")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ssmc_peers"))
-    ap.add_argument("--only", default="ssd,retnet")
+    ap.add_argument("--only", default=",".join(CASES))
     ap.add_argument("--no-cores", action="store_true",
                     help="skip the cores alone at every chunk (the whole calls' forward and forward + backward only)")
     args = ap.parse_args()
