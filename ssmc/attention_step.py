@@ -75,8 +75,8 @@ class AttentionCache:
                 f"{self.k.dtype}>")
 
     def workspace(self, splits: int):
-        """(work, meta) for the decode kernel at `splits` splits: made once, grown where more splits ask
-        for more room (never per step at a fixed split count)."""
+        """(work, meta) for the decode kernel with room for `splits` splits a batch index: made once (the
+        kernel asks for the most splits the cache's length can take), grown only where more are asked."""
         import torch
 
         bh = math.prod(self.k.shape[:-2])
@@ -349,7 +349,7 @@ class AttentionStep:
             from .backends.cuda.kernels.flash.decode import fitted_splits
 
             splits = fitted_splits(cache.length + 1, d, splits)
-        kernel(q2, k2, v2, cache, table, target, splits)
+        kernel(q2, k2, v2, cache, table, target, splits, self.splits or 1)
         y = target.view(*q.shape[:-1], d)
         if out is not None and y2 is None:
             _, to_canonical, _ = self._orders["out"]

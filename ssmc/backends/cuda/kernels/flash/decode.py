@@ -79,6 +79,11 @@ def choose_splits(bh: int, keys: int, d: int, sms: int) -> int:
     return fitted_splits(keys, d, max(1, want))
 
 
+def most_splits(bh: int, max_len: int, sms: int) -> int:
+    """An upper bound of `choose_splits` over every length up to `max_len`: the workspace made once."""
+    return max(1, min(MAX_SPLITS, -(-4 * sms // max(1, bh)), max_len // MIN_KEYS_A_SPLIT))
+
+
 def fitted_splits(keys: int, d: int, splits: int) -> int:
     """`splits` cut down to the splits the kernel's whole passes of keys make non-empty."""
     passes = -(-keys // KEYS_A_PASS[d])
@@ -93,9 +98,10 @@ class FlashDecode:
     def __init__(self, program: Attention):
         self.program = program
 
-    def __call__(self, q, k, v, cache, params, out, splits: int) -> None:
+    def __call__(self, q, k, v, cache, params, out, splits: int, room: int = 1) -> None:
         """One step: q, k, v [BH, d] contiguous 16-bit tensors; `params` the [BH, NP] fp32 table (contiguous);
-        `out` [BH, d] of q's dtype; `splits` from `choose_splits`. Writes k, v into the cache at row
+        `out` [BH, d] of q's dtype; `splits` from `choose_splits`; `room`: the most splits later steps of
+        this cache may ask (their workspace made now, once). Writes k, v into the cache at row
         `cache.length` and the output into `out` (the caller advances the length)."""
         import torch
 
@@ -104,7 +110,8 @@ class FlashDecode:
         bh, d = q.shape
         name, text = kernel_source(self.program, d, q.dtype == torch.bfloat16)
         fn = loaded_function(text, name, q.device)
-        work, meta = cache.workspace(splits)
+        room = max(splits, room, most_splits(bh, cache.max_len, multiprocessors(q.device)))
+        work, meta = cache.workspace(room)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
                     params.data_ptr(), work.data_ptr(), meta.data_ptr(), out.data_ptr()]
         grid = (bh * splits, THREADS)
