@@ -102,6 +102,7 @@ class AttentionStep:
         self.splits: int | None = None
         self.kernel_reason: str | None = None  # why the last step did not run the decode kernel (None: it did)
         self._decode = None
+        self._unprintable: str | None = None  # why the modifiers do not print as CUDA C ("" where they do)
         p = program
         self._orders = {}
         for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes), ("out", p.v_axes)):
@@ -143,7 +144,8 @@ class AttentionStep:
     def __call__(self, q, k, v, cache: AttentionCache, *args, out=None, **params):
         p = self.program
         if not isinstance(cache, AttentionCache):
-            raise ValueError(f"{p.name} step: the fourth argument must be an AttentionCache, got {type(cache).__name__}")
+            raise ValueError(f"{p.name} step: the fourth argument must be an AttentionCache, "
+                             f"got {type(cache).__name__}")
         if cache.length >= cache.max_len:
             raise ValueError(f"{p.name} step: the cache is full ({cache.length} of {cache.max_len} tokens)")
         params = attention_params(p, args, params)
@@ -235,7 +237,7 @@ class AttentionStep:
 
     def _out_view(self, out, sizes, cache: AttentionCache):
         p = self.program
-        order, to_canonical, _ = self._orders["out"]
+        order = self._orders["out"][0]
         want = tuple(sizes[a] for a in order)
         if cache.numpy:
             ok = isinstance(out, np.ndarray) and out.dtype == np.float64
@@ -277,13 +279,16 @@ class AttentionStep:
         elif q.dtype not in (torch.bfloat16, torch.float16):
             reason = f"dtype {q.dtype} (the kernel takes bf16 or fp16)"
         elif cache.k.shape[-1] not in (64, 128) or cache.v.shape[-1] != cache.k.shape[-1]:
-            reason = f"head dim {cache.k.shape[-1]}, value dim {cache.v.shape[-1]} (the kernel takes equal dims 64 or 128)"
+            reason = (f"head dim {cache.k.shape[-1]}, value dim {cache.v.shape[-1]} (the kernel takes equal dims "
+                      "64 or 128)")
         elif not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             reason = "a cache of non-contiguous tensors"
         else:
             from .backends.cuda.kernels.flash import forward
 
-            reason = forward.unsupported(self.program) or (forward.cupy_missing() if q.is_cuda else None)
+            if self._unprintable is None:  # printing the modifiers walks the IR: once a step object
+                self._unprintable = forward.unsupported(self.program) or ""
+            reason = self._unprintable or (forward.cupy_missing() if q.is_cuda else None)
         self.kernel_reason = reason
         if reason is not None:
             return None

@@ -11,7 +11,6 @@ from profiles import in_ci
 from test_flash_attention import OUT_TOL, SPECS, _params, needs_emulator
 
 import ssmc
-from ssmc.backends import interpreter
 
 torch = pytest.importorskip("torch")
 
@@ -39,7 +38,8 @@ def _want(name: str, q, k, v, params) -> np.ndarray:
 def _steps(s, cache, q, k, v, params, to=lambda x: x) -> np.ndarray:
     outs = []
     for t in range(q.shape[2]):
-        y = s(*(to(np.ascontiguousarray(x[:, :, t])) for x in (q, k, v)), cache, **{n: to(x) for n, x in params.items()})
+        y = s(*(to(np.ascontiguousarray(x[:, :, t])) for x in (q, k, v)), cache,
+              **{n: to(x) for n, x in params.items()})
         outs.append(y.double().numpy() if hasattr(y, "numpy") and hasattr(y, "double") else np.asarray(y))
     return np.stack(outs, axis=2)
 
@@ -57,8 +57,12 @@ def test_interpreter_steps_equal_the_full_call(name, length):
         assert (got[:, :, 8:] == 0).all()  # queries past 8 see no key
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("length", LENGTHS)
+# CI's time: 180 steps of the torch ops for two specs (the mask with rows without a key among them)
+TORCH_CASES = [(n, length) for n in SPECS for length in LENGTHS
+               if length < 180 or not in_ci() or n in ("alibi", "softcap_empty_rows")]
+
+
+@pytest.mark.parametrize("name, length", TORCH_CASES)
 def test_torch_steps_equal_the_full_call(name, length):
     """The torch ops (backend "numba": attention through torch) on CPU float64 tensors."""
     q, k, v, params = _inputs(name, length, seed=1)
@@ -84,7 +88,7 @@ def test_the_layout_orders_the_token_arrays_and_the_output():
 def test_reset_and_a_cache_the_user_owns():
     q, k, v, params = _inputs("causal", 5)
     s = ssmc.step(SPECS["causal"], backend="numba", layout="b h t ...")
-    cache = ssmc.AttentionCache(torch.zeros(2, 3, 5, 8, dtype=torch.float64), torch.zeros(2, 3, 5, 8, dtype=torch.float64))
+    cache = ssmc.AttentionCache(*(torch.zeros(2, 3, 5, 8, dtype=torch.float64) for _ in range(2)))
     first = _steps(s, cache, q, k, v, params, to=torch.from_numpy)
     cache.reset()
     again = _steps(s, cache, q, k, v, params, to=torch.from_numpy)
@@ -105,7 +109,7 @@ def _error_step(backend="numba"):
 @pytest.mark.parametrize("backend", ["numba", "interpreter"])
 def test_wrong_shapes_params_and_a_full_cache_raise_before_any_write(backend):
     s, cache, x, slope = _error_step(backend)
-    bad = x[:, :2] if backend != "interpreter" else x[:, :2]
+    bad = x[:, :2]
     with pytest.raises(ValueError, match=r"argument 'k' has shape \(2, 2, 8\), expected \(2, 3, 8\)"):
         s(x, bad, x, cache, slope)
     with pytest.raises(ValueError, match="missing the params"):
@@ -126,7 +130,7 @@ def test_wrong_shapes_params_and_a_full_cache_raise_before_any_write(backend):
 
 def test_wrong_dtype_and_cache_arguments_raise():
     s, cache, x, slope = _error_step()
-    with pytest.raises(ValueError, match="argument 'v' is torch.float64 but the cache holds torch.float32"):
+    with pytest.raises(ValueError, match=r"argument 'v' is torch\.float64 but the cache holds torch\.float32"):
         s(x, x, x.double(), cache, slope)
     with pytest.raises(ValueError, match="sizes must name the axes"):
         s.cache({"b": 2, "d": 8}, max_len=4)
@@ -141,12 +145,12 @@ def test_wrong_dtype_and_cache_arguments_raise():
 
 # -- the decode kernel on the CPU emulator ------------------------------------------------------------------
 
-# (spec, L, head dim, bf16, forced splits): every spec at each length locally and nightly; in CI the
-# combine of several splits (alibi at 180 keys in 3 splits), the rows without a key, and fp16 at d 128
+# (spec, L, head dim, bf16, forced splits): every spec at each length locally and nightly, fp16 at d 128;
+# in CI the combine of two splits (alibi at 100 keys) and the rows without a key
 EMULATED = [(n, length, 64, True, 3 if length == 180 else None) for n in SPECS for length in LENGTHS]
 EMULATED += [("alibi", 40, 128, False, 2), ("softcap_empty_rows", 20, 64, True, 2)]
 if in_ci():
-    EMULATED = [("alibi", 180, 64, True, 3), ("softcap_empty_rows", 20, 64, True, 2), ("alibi", 40, 128, False, 2)]
+    EMULATED = [("alibi", 100, 64, True, 2), ("softcap_empty_rows", 20, 64, True, 2)]
 
 
 @needs_emulator
@@ -184,7 +188,7 @@ def test_emulated_decode_kernel_steps_equal_the_full_call(name, length, d, bf16,
 def test_emulated_kernel_returns_the_layout_and_falls_back_when_turned_off(monkeypatch):
     """Without out=: the output in the layout's order; SSMC_CUDA_FLASH=0: the torch ops, the same numbers."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    q, k, v, params = _inputs("causal", 3, b=2, h=1, d=64, seed=3)
+    q, k, v, _ = _inputs("causal", 3, b=2, h=1, d=64, seed=3)
     q, k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
     s = ssmc.step(SPECS["causal"], backend="cuda", layout="h b t ...")
     results = []

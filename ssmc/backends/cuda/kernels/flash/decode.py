@@ -97,6 +97,7 @@ class FlashDecode:
 
     def __init__(self, program: Attention):
         self.program = program
+        self._functions: dict = {}  # (device, d, bf16) -> the loaded kernel (finding the source hashes the IR)
 
     def __call__(self, q, k, v, cache, params, out, splits: int, room: int = 1) -> None:
         """One step: q, k, v [BH, d] contiguous 16-bit tensors; `params` the [BH, NP] fp32 table (contiguous);
@@ -108,8 +109,11 @@ class FlashDecode:
         from ...launch import launch_kernel
 
         bh, d = q.shape
-        name, text = kernel_source(self.program, d, q.dtype == torch.bfloat16)
-        fn = loaded_function(text, name, q.device)
+        key = (q.device, d, q.dtype)
+        fn = self._functions.get(key)
+        if fn is None:
+            name, text = kernel_source(self.program, d, q.dtype == torch.bfloat16)
+            fn = self._functions[key] = loaded_function(text, name, q.device)
         room = max(splits, room, most_splits(bh, cache.max_len, multiprocessors(q.device)))
         work, meta = cache.workspace(room)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
