@@ -107,7 +107,11 @@ class AttentionStep:
         self._orders = {}
         for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes), ("out", p.v_axes)):
             order = tuple(a for a in layout_of(layout, name, axes) if a != TIME)
-            self._orders[name] = (order, [order.index(a) for a in axes], [axes.index(a) for a in order])
+            to_canonical = [order.index(a) for a in axes]
+            # None where the layout's order is already canonical: no permute a step (host time)
+            ident = to_canonical == sorted(to_canonical)
+            self._orders[name] = (order, None if ident else to_canonical,
+                                  None if ident else [axes.index(a) for a in order])
 
     def __repr__(self) -> str:
         return f"<ssmc.AttentionStep {self.program.name} backend={self.backend}>"
@@ -156,12 +160,16 @@ class AttentionStep:
             out = self._out_view(out, sizes, cache)
         if cache.numpy:
             y = self._numpy_step(qc, kc, vc, cache, prm, sizes)
+            if out is not None:
+                self._canonical_out(out)[...] = y
         else:
             y = self._torch_or_kernel_step(qc, kc, vc, cache, prm, sizes, out)
         cache.length += 1
         if out is not None:
             return out
-        _, _, back = self._orders["out"]
+        back = self._orders["out"][2]
+        if back is None:
+            return y
         return y.transpose(back) if cache.numpy else y.permute(*back)
 
     def _sizes(self, cache: AttentionCache) -> dict[str, int]:
@@ -194,7 +202,7 @@ class AttentionStep:
         else:
             import torch
 
-            if not isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
                 from .backends.tiled_attention import to_tensor
 
                 x = to_tensor(x, name)
@@ -202,9 +210,11 @@ class AttentionStep:
                 raise ValueError(f"{p.name} step: argument {name!r} is {x.dtype} but the cache holds {cache.k.dtype}")
             if x.device != cache.k.device:
                 raise ValueError(f"{p.name} step: argument {name!r} is on {x.device} but the cache on {cache.k.device}")
-        if tuple(x.shape) != want:
+        if x.shape != want:
             raise ValueError(f"{p.name} step: argument {name!r} has shape {tuple(x.shape)}, expected {want} for "
                              f"axes {' '.join(order)} (one token: no time axis)")
+        if to_canonical is None:
+            return x
         return x.transpose(to_canonical) if cache.numpy else x.permute(*to_canonical)
 
     def _params(self, params: dict, sizes: dict[str, int], cache: AttentionCache) -> dict:
@@ -293,9 +303,10 @@ class AttentionStep:
         if reason is not None:
             return None
         if self._decode is None:
-            from .backends.cuda.kernels.flash.decode import FlashDecode
+            from .backends.cuda.kernels.flash import decode
 
-            self._decode = FlashDecode(self.program)
+            self._decode_module = decode
+            self._decode = decode.FlashDecode(self.program)
         return self._decode
 
     def _param_table(self, cache: AttentionCache, params: dict, sizes: dict[str, int]):
@@ -329,37 +340,34 @@ class AttentionStep:
         if kernel is None:
             y = self._torch_step(q, k, v, cache, params, sizes)
             if out is not None:
-                _, to_canonical, _ = self._orders["out"]
-                out.permute(*to_canonical).copy_(y)
+                self._canonical_out(out).copy_(y)
             return y
-        bh = math.prod(q.shape[:-1])
         d = q.shape[-1]
-        q2, k2, v2 = (t.reshape(bh, d) for t in (q, k, v))
+        bh = q.numel() // d
         q2, k2, v2 = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
-                      for t in (q2, k2, v2))
+                      for t in (q, k, v))  # the kernel reads 16 bytes at a time
         y2 = None
         if out is not None:
-            _, to_canonical, _ = self._orders["out"]
-            view = out.permute(*to_canonical)
-            if view.is_contiguous() and view.data_ptr() % 2 == 0:
-                y2 = view.view(bh, d)
-        target = y2 if y2 is not None else torch.empty((bh, d), dtype=q.dtype, device=q.device)
+            view = self._canonical_out(out)
+            if view.is_contiguous():
+                y2 = view
+        target = y2 if y2 is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         table = self._param_table(cache, params, sizes)
-        splits = self.splits
-        if splits is None:
-            from .backends.cuda.kernels.flash.decode import choose_splits, multiprocessors
-
-            splits = choose_splits(bh, cache.length + 1, d, multiprocessors(q.device))
+        decode = self._decode_module
+        if self.splits is None:
+            splits = decode.choose_splits(bh, cache.length + 1, d, decode.multiprocessors(q.device))
         else:
-            from .backends.cuda.kernels.flash.decode import fitted_splits
-
-            splits = fitted_splits(cache.length + 1, d, splits)
+            splits = decode.fitted_splits(cache.length + 1, d, self.splits)
         kernel(q2, k2, v2, cache, table, target, splits, self.splits or 1)
-        y = target.view(*q.shape[:-1], d)
         if out is not None and y2 is None:
-            _, to_canonical, _ = self._orders["out"]
-            out.permute(*to_canonical).copy_(y)
-        return y
+            self._canonical_out(out).copy_(target)
+        return target
+
+    def _canonical_out(self, out):
+        to_canonical = self._orders["out"][1]
+        if to_canonical is None:
+            return out
+        return out.transpose(to_canonical) if isinstance(out, np.ndarray) else out.permute(*to_canonical)
 
     def _torch_step(self, q, k, v, cache: AttentionCache, params: dict, sizes: dict[str, int]):
         """The step in torch ops on the cache's device: scores and softmax in fp32 (fp64 for fp64)."""

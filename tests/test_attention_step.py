@@ -83,6 +83,10 @@ def test_the_layout_orders_the_token_arrays_and_the_output():
                     for t in range(9)], axis=2)
     assert got.shape == (3, 2, 9, 8)
     np.testing.assert_allclose(got.transpose(1, 0, 2, 3), want, atol=1e-12)
+    cache.reset()
+    out = np.full((3, 2, 8), np.nan)
+    assert s(*(x[:, :, 0].transpose(1, 0, 2) for x in (q, k, v)), cache, params["slope"], out=out) is out
+    np.testing.assert_allclose(out, got[:, :, 0], atol=1e-12)
 
 
 def test_reset_and_a_cache_the_user_owns():
