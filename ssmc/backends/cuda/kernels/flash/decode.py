@@ -100,10 +100,11 @@ class FlashDecode:
         self._functions: dict = {}  # (device, d, bf16) -> the loaded kernel (finding the source hashes the IR)
 
     def __call__(self, q, k, v, cache, params, out, splits: int, room: int = 1) -> None:
-        """One step: q, k, v [*batch, d] contiguous 16-bit tensors (BH rows of d); `params` the [BH, NP] fp32 table (contiguous);
-        `out` contiguous, q's shape and dtype; `splits` from `choose_splits`; `room`: the most splits later steps of
-        this cache may ask (their workspace made now, once). Writes k, v into the cache at row
-        `cache.length` and the output into `out` (the caller advances the length)."""
+        """One step: q, k, v [*batch, d] contiguous 16-bit tensors (BH rows of d); `params` the [BH, NP]
+        fp32 table (contiguous); `out` contiguous, q's shape and dtype; `splits` from `choose_splits`;
+        `room`: the most splits later steps of this cache may ask (their workspace made now, once).
+        Writes k, v into the cache at row `cache.length` and the output into `out` (the caller advances
+        the length)."""
         import torch
 
         from ...launch import launch_kernel
