@@ -291,8 +291,9 @@ class AttentionStep:
         elif cache.k.shape[-1] not in (64, 128) or cache.v.shape[-1] != cache.k.shape[-1]:
             reason = (f"head dim {cache.k.shape[-1]}, value dim {cache.v.shape[-1]} (the kernel takes equal dims "
                       "64 or 128)")
-        elif not (cache.k.is_contiguous() and cache.v.is_contiguous()):
-            reason = "a cache of non-contiguous tensors"
+        elif (not (cache.k.is_contiguous() and cache.v.is_contiguous())
+              or (cache.k.data_ptr() | cache.v.data_ptr()) % 16):
+            reason = "a cache of non-contiguous tensors, or not 16-byte aligned"
         else:
             from .backends.cuda.kernels.flash import forward
 
