@@ -44,7 +44,9 @@ class AttentionCache:
     dtype and device, and `length`, the tokens held (rows 0..length-1; one count for the batch).
 
     Own one by giving the arrays (``AttentionCache(k, v)``), or let `AttentionStep.cache` allocate it;
-    `reset()` empties it for a new batch of sequences."""
+    `reset()` empties it for a new batch of sequences. A prompt's keys and values go in directly:
+    ``cache.k[..., :n, :] = k_prompt; cache.v[..., :n, :] = v_prompt; cache.length = n`` (canonical order),
+    its outputs from the full-sequence call; the steps then continue at position n."""
 
     def __init__(self, k, v, length: int = 0):
         if k.ndim < 2 or v.ndim != k.ndim or k.shape[:-1] != v.shape[:-1]:

@@ -280,3 +280,31 @@ def test_gpu_decode_matches_sdpa_on_a_long_cache_and_allocates_nothing():
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
     want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], cache.k, cache.v)[:, :, 0]
     torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_from_a_cuda_graph():
+    """One step (ALiBi, B2 H4 d128 bf16, 300 tokens held, splits chosen) captured in a CUDA graph: its
+    replay writes the eager step's output (the position is the one captured)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    s = ssmc.step(SPECS["alibi"], backend="cuda", layout="b h t ...")
+    s.splits = 3
+    cache = s.cache({"b": 2, "h": 4, "d": 128}, max_len=301, dtype=torch.bfloat16, device="cuda")
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    q, k, v = (torch.randn(2, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    slope = torch.rand(4, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(3):  # warm-up: the kernel loaded, the workspace and the params' table made
+        cache.length = 300
+        s(q, k, v, cache, slope, out=out)
+    want = out.clone()
+    out.zero_()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cache.length = 300
+        s(q, k, v, cache, slope, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
