@@ -5,6 +5,7 @@ interpreter, derived backward passes and compiled kernels. Start with `recurrenc
 """
 
 from .api import compile, default_backend, grad, step
+from .attention_step import AttentionCache
 from .errors import SpecError
 from .frontend.attention import attention, causal, sliding_window
 from .frontend.functions import (
@@ -50,6 +51,7 @@ from .frontend.tensor import Tensor
 from .version import __version__ as __version__
 
 __all__ = [
+    "AttentionCache",
     "Param",
     "Seq",
     "SpecError",

@@ -314,9 +314,17 @@ def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None)
         y, h = s(x_t, f_t, states=h)       # the next step
 
     `layout` is the full-sequence layout (where time would sit); the arrays given leave time out.
+
+    An attention spec gives an `attention_step.AttentionStep`, which decodes against a KV cache:
+
+        s = ssmc.step(attention_spec, layout="b h t ...")
+        cache = s.cache({"b": 2, "h": 16, "d": 128}, max_len=4096, dtype=torch.bfloat16, device="cuda")
+        out_t = s(q_t, k_t, v_t, cache, *params)   # [b h d] each; appends k_t, v_t at cache.length, attends
     """
     if isinstance(spec, AttentionSpec):
-        raise ValueError("step: an attention spec has no single-step form here (it needs a KV cache)")
+        from .attention_step import AttentionStep
+
+        return AttentionStep(spec.program, check_backend(backend or default_backend()), layout)
     backend = check_backend(backend or default_backend())
     signature = getattr(spec, "complex_signature", None)
     if signature is not None:  # complex arrays in and out (complex_io.py)

@@ -215,8 +215,10 @@ def run_recurrence(program: Recurrence, seqs: dict[str, np.ndarray], params: dic
 
 
 def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                  params: dict[str, np.ndarray], sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """q: (Lq, *batch, d), k: (Lk, *batch, d), v: (Lk, *batch, e), float64.
+                  params: dict[str, np.ndarray], sizes: dict[str, int],
+                  q_offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """q: (Lq, *batch, d), k: (Lk, *batch, d), v: (Lk, *batch, e), float64; the queries' positions
+    (q_idx) start at `q_offset` (a decode step's one query sits at the cache's length).
 
     Returns (out: (Lq, *batch, e), lse: (Lq, *batch)), the log-sum-exp of each row's scores
     (-inf for a row whose keys are all masked; its output is 0).
@@ -228,7 +230,7 @@ def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarra
     ev = Evaluator(sizes, {"~q": lq, "~k": lk})
     env: dict[str, Value] = {
         "score": (scores, ("~q", "~k", *batch)),
-        "q_idx": (np.arange(lq, dtype=np.float64), ("~q",)),
+        "q_idx": (np.arange(q_offset, q_offset + lq, dtype=np.float64), ("~q",)),
         "kv_idx": (np.arange(lk, dtype=np.float64), ("~k",)),
     }
     env.update({d.name: (params[d.name], d.axes) for d in program.params})

@@ -130,6 +130,8 @@ template <class Kernel> long run(unsigned grid, unsigned block, double timeout, 
 
 inline void __syncthreads() { ssmc_emu::block_bar->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp().bar->arrive_and_wait(); }
+// one block runs at a time: a fence orders this thread's writes before its later ones (atomics)
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // lanes in segments of `width` (a power of two), as CUDA's shuffles
 template <class T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
