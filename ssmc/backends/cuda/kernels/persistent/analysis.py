@@ -56,7 +56,8 @@ class Cell:
     axes (g in the forward). `local` = cols + op_local: the axes a thread holds whole. `nodes`: the
     cell's nodes in evaluation order (the product node, `product`, stands for the accumulators);
     `publish`: the node whose value a thread publishes at its (row, unit) (the operand before a
-    rename along the units); `state`: the state it reads (describe only)."""
+    rename along the units); `state`: the state it reads (describe only). `heads`: the row axes U has
+    too (the first rows: a block-diagonal U, one recurrence a head, each block within one head)."""
 
     program: object
     product: Node
@@ -72,11 +73,13 @@ class Cell:
     cols: tuple[str, ...] = ()
     op_local: tuple[str, ...] = ()
     publish: Node | None = None
+    heads: tuple[str, ...] = ()
 
     def describe(self) -> str:
         w_axes = " ".join(next(d.axes for d in self.program.params if d.name == self.weight))
+        heads = f", heads {' '.join(self.heads)}" if self.heads else ""
         return (f"recurrent product sum over {' '.join(self.contracted)} of {self.state}"
-                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]")
+                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]{heads}")
 
 
 def _consumers(nodes) -> dict:
@@ -112,8 +115,10 @@ def analyse(program) -> Cell | str:
     if any(x not in w.axes or x not in a.axes for x in contracted):
         return f"a contracted axis ({' '.join(contracted)}) the weight or the operand lacks"
     rows = tuple(x for x in a.axes if x not in contracted)
-    if set(rows) & set(w.axes):
-        return f"the weight {w.arg} shares a row axis with the operand (heads are not supported)"
+    # heads: row axes the weight has too (a block-diagonal U: each head its own recurrence, its own U);
+    # first among the rows, so that a head's rows are consecutive
+    heads = tuple(x for x in rows if x in w.axes)
+    rows = heads + tuple(x for x in rows if x not in heads)
     state_axes = [set(s.axes) for s in program.states]
     if a.op is Op.RENAME and len(a.arg) == 1 and a.arg[0][1] in contracted:
         split, unit = a.arg[0]
@@ -126,7 +131,7 @@ def analyse(program) -> Cell | str:
         split = unit = units[0]
         publish = a
     op_local = tuple(x for x in contracted if x != unit)
-    free = tuple(x for x in w.axes if x not in contracted)
+    free = tuple(x for x in w.axes if x not in contracted and x not in heads)
     if split in free:
         out_unit = split
     else:
@@ -185,7 +190,7 @@ def analyse(program) -> Cell | str:
             return "the operand state's axes differ from its declaration"
     state = publish.arg if publish.op is Op.INPUT else "dz"
     return Cell(program, p, state, w.arg, contracted, split, rows, local, tuple(cell), unit, out_unit, cols,
-                op_local, publish)
+                op_local, publish, heads)
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,7 @@ class Plan:
     stages: int = 2
     tiles: int = 1
     trows: int = 0   # rows a batch tile (the rows where 0)
+    heads: int = 1   # the heads (`Cell.heads`): tiles / heads batch tiles a head, of rows / heads rows
     mma: bool = False  # 16-bit inputs: U and the operand in bf16 / fp16 on chip, the product on tensor cores
                        # (mma.sync m16n8k16, fp32 accumulators; the cell and its carries stay fp32)
 
@@ -228,6 +234,12 @@ class Plan:
     # columns n = u * cols + c; U as sub[npad][jpad + 8] (k contiguous: a B fragment's pair of 16-bit values
     # is one 32-bit load; + 8: the 8 rows a fragment reads in different banks), the ring's rows so too, and
     # the result through sp[mpad][npad + 4] fp32 to the threads owning (row, unit) pairs
+    @property
+    def xrows(self) -> int:
+        """Rows of the exchange buffer: the tiles' (past a head's last row a tile reads the next head's,
+        or the slack after the last head's, and leaves them unused)."""
+        return self.tiles * self.trows if self.heads == 1 else self.rows + self.trows
+
     @property
     def mpad(self) -> int:
         return -(-self.trows // 16) * 16
@@ -283,6 +295,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     loads take about as long as its products), the deepest ring. `mma`: the tensor-core form (16-bit U
     and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps."""
     rows = math.prod(sizes[a] for a in cell.rows)
+    nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
     for axis in (cell.unit, cell.out_unit):
         if sizes.get(axis, size) != size:
@@ -296,9 +309,10 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     if mma:
         cpad = cols  # the columns of all units are one flat axis n there
     for pad in ((cpad, cols) if cpad != cols else (cols,)):  # GRU's 3 gates padded to 4 where it fits
-        for ntiles in ((tiles,) if tiles else TILES):
-            trows = -(-rows // ntiles)
-            if tiles is None and ntiles > 1 and trows < MIN_TILE_ROWS:
+        for per_head in ((tiles,) if tiles else TILES):
+            ntiles = nheads * per_head
+            trows = -(-(rows // nheads) // per_head)
+            if tiles is None and per_head > 1 and trows < MIN_TILE_ROWS:
                 continue
             per_tile = max(1, (blocks or sm_count) // ntiles)
             units = -(-size // per_tile)
@@ -325,7 +339,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 jpad = -(-depth // chunk) * chunk
                 for stages in STAGES:
                     candidate = Plan(rows, size, cols, units, nbt * ntiles, threads, pairs, chunk, jpad, depth,
-                                     pad, vec, stages, ntiles, trows, mma)
+                                     pad, vec, stages, ntiles, trows, nheads, mma)
                     if candidate.shared_bytes <= shared_limit:
                         return candidate
             if why is None or "exceed" not in why:

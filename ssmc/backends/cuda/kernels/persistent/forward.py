@@ -279,7 +279,12 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     args += ["X* xo", "unsigned int* bar"]
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
-    wat = {a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
+    wat = ({a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
+           | {a: f"hd_{a}" for a in cell.heads})
+    head_decode = []  # the block's head (its tile's), each head axis' index
+    for i, a in enumerate(cell.heads):
+        inner = math.prod(sizes[b] for b in cell.heads[i + 1:])
+        head_decode.append(f"const int hd_{a} = (tile / TPH / {inner}) % {sizes[a]};")
     rsz = [sizes[a] for a in cell.rows]
 
     def full(axes) -> list[int]:
@@ -301,7 +306,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         else:
             decode = ["const int lr = pq / UNITS;", "const int u = pq % UNITS;"]
         return ["const int pq = threadIdx.x + q * THREADS;", *decode, "const int r = row0 + lr;",
-                "const int k = k0 + u;", "const bool on = lr < TROWS && r < ROWS && k < SIZE;",
+                "const int k = k0 + u;", "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -462,7 +467,9 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 
 #define ROWS {plan.rows}
 #define TROWS {plan.trows}
-#define XROWS {plan.tiles * plan.trows}
+#define XROWS {plan.xrows}
+#define HB {plan.rows // plan.heads}
+#define TPH {plan.tiles // plan.heads}
 #define NBT {plan.blocks // plan.tiles}
 #define SIZE {plan.size}
 #define COLS {plan.cols}
@@ -589,8 +596,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     // the ring of staged chunks [NSTAGE][RROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
     // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero)
     X (*ring)[RROWS][SHS] = reinterpret_cast<X (*)[RROWS][SHS]>(smem + U_BYTES);
-    // block x: the tile x / NBT of TROWS rows, the units of its slice x % NBT
-    const int tile = blockIdx.x / NBT, row0 = tile * TROWS, k0 = (blockIdx.x % NBT) * UNITS;
+    // block x: the tile x / NBT of TROWS rows (TPH tiles a head of HB rows: TLIM of them in the tile), the
+    // units of its slice x % NBT
+    const int tile = blockIdx.x / NBT, k0 = (blockIdx.x % NBT) * UNITS;
+    const int row0 = (tile / TPH) * HB + (tile % TPH) * TROWS, TLIM = min(TROWS, HB - (tile % TPH) * TROWS);
+{chr(10).join("    " + line for line in head_decode)}
 {chr(10).join("    " + line for line in load_u)}
     // the exchange buffer's pad columns [DEPTH, JPAD): zero, and never written again (U is zero there too,
     // but a NaN of uninitialised memory times zero is not)

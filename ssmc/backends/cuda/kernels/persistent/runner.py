@@ -16,6 +16,7 @@ them to the host behind the launch and raises `BarrierTimeout` at its next call 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 
 from ...options import emulating, options
@@ -56,7 +57,8 @@ class PersistentLoop:
         sm = options().sm_count
         key = (tuple(sorted(sizes.items())), emulate, sm, half)
         if key not in self._plans:
-            blocks = 1 if emulate else None
+            # emulated: a block a head (the blocks run one after another: no grid barrier between them)
+            blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
             chosen = plan(self.cell, sizes, sm, blocks=blocks, mma=True) if half else None
             if chosen is None or isinstance(chosen, str):
                 chosen = plan(self.cell, sizes, sm, blocks=blocks)
@@ -193,7 +195,7 @@ class PersistentLoop:
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
         # the exchange buffer, each step's operand [rows][jpad] by step parity (the kernel writes it, and
         # zeroes its pad columns once)
-        xo = torch.empty(2 * chosen.tiles * chosen.trows * chosen.jpad, dtype=half or f32, device=device)
+        xo = torch.empty(2 * chosen.xrows * chosen.jpad, dtype=half or f32, device=device)
         # (unused, a barrier timed out, the step it did), then a counter a batch tile
         bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32, device=device)
         self._last_bar = bar
