@@ -281,22 +281,30 @@ class Plan:
                 f"contracted indices a chunk, {self.stages} chunks a ring")
 
 
+# a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound
+# by its latency (the grid barrier, the staging through L2), not by the FMAs, and a thread's share is one
+# pair either way; fewer, fuller blocks arrive at a barrier with fewer atomics and read fewer bytes of L2
+MIN_BLOCK_PAIRS = 128
 TILES = (8, 4, 2, 1)  # batch tiles tried, most first: each halving of a block's rows halves its L2 reads
 MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
 
 
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
-         shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False) -> Plan | str:
+         shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
+         max_blocks: int | None = None) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
     batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
     loads take about as long as its products), the deepest ring. `mma`: the tensor-core form (16-bit U
-    and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps."""
+    and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
+    `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
+    shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads."""
     rows = math.prod(sizes[a] for a in cell.rows)
     nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
+    budget = min(sm_count, max_blocks or sm_count, max(1, rows * size // MIN_BLOCK_PAIRS))
     for axis in (cell.unit, cell.out_unit):
         if sizes.get(axis, size) != size:
             return f"the axis {axis} and the units {cell.split} differ in size"
@@ -314,7 +322,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
             trows = -(-(rows // nheads) // per_head)
             if tiles is None and per_head > 1 and trows < MIN_TILE_ROWS:
                 continue
-            per_tile = max(1, (blocks or sm_count) // ntiles)
+            per_tile = max(1, (blocks or budget) // ntiles)
             units = -(-size // per_tile)
             nbt = -(-size // units)
             if blocks is not None and nbt * ntiles != blocks:

@@ -54,14 +54,14 @@ class PersistentLoop:
         `half`: the tensor-core form (16-bit U and operand on chip), falling back to the fp32 form where
         that does not fit."""
         emulate = emulating()
-        sm = options().sm_count
-        key = (tuple(sorted(sizes.items())), emulate, sm, half)
+        sm, cap = options().sm_count, options().persistent_blocks
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
-            chosen = plan(self.cell, sizes, sm, blocks=blocks, mma=True) if half else None
+            chosen = plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap) if half else None
             if chosen is None or isinstance(chosen, str):
-                chosen = plan(self.cell, sizes, sm, blocks=blocks)
+                chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
             self._plans[key] = chosen
         return self._plans[key]
 
