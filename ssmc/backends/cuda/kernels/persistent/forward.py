@@ -225,22 +225,33 @@ class CellPrinter:
         return tuple(a for a in axes if a in self.cell.local)
 
 
+# clocks an SM sub-partition (a quarter of the SM's warps) takes per mma.sync m16n8k16, against one clock
+# per 128-byte shared-memory wavefront of the SM (one 32-bit load a lane): the ratio the split weighs
+MMA_CLOCKS = 6
+
+
 def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
     """The tensor-core form's split of the block's product tiles (16 x 8: MPAD / 16 x NPAD / 8 of them)
     over its warps: (GM, GN, WM, WN), warp w owning the WM x WN tiles at m-tile (w % GM) WM + i, n-tile
-    (w / GM) WN + n (those past the ends skipped). The least per-warp work a k16 step (its A fragments'
-    4 loads a row of tiles, its B fragments' 2 a column, one mma a tile), at most 64 accumulators a thread."""
+    (w / GM) WN + n (those past the ends skipped). A k16 step costs the block its fragments' shared loads
+    (4 wavefronts a warp's row of tiles, 2 a column: GN x MT x 4 + GM x NT x 2 in all) or its mma issue
+    (the busiest sub-partition's warps' tiles), whichever is longer; the least of that, at most 64
+    accumulators a thread; fewer where a thread owns 8 pairs (their carries and cells need the registers:
+    32, and 16 in an adjoint, whose cell keeps every gate's derivative)."""
     mt, nt, warps = plan.mpad // 16, plan.npad // 8, plan.threads // 32
+    most = 64 if plan.pairs < 8 else 32 if plan.cols > 1 else 16
     best = None
     for gm in range(1, min(warps, mt) + 1):
-        gn = min(warps // gm, nt)
-        wm, wn = -(-mt // gm), -(-nt // gn)
-        if wm * wn * 4 > 64:
-            continue
-        cost = (4 * wm + 2 * wn + wm * wn, -gm * gn)
-        if best is None or cost < best[0]:
-            best = (cost, (gm, gn, wm, wn))
-    if best is None:  # more tiles than a warp grid holds in 64 accumulators: the largest grid, wide tiles
+        for gn in range(1, min(warps // gm, nt) + 1):
+            wm, wn = -(-mt // gm), -(-nt // gn)
+            if wm * wn * 4 > most:
+                continue
+            loads = gm * gn * (4 * wm + 2 * wn)
+            issue = -(-gm * gn // 4) * wm * wn * MMA_CLOCKS
+            cost = (max(loads, issue), loads, -gm * gn)
+            if best is None or cost < best[0]:
+                best = (cost, (gm, gn, wm, wn))
+    if best is None:  # more tiles than the warps hold in 64 accumulators: the largest grid, wide tiles
         gm = min(warps, mt)
         gn = max(1, min(warps // gm, nt))
         return gm, gn, -(-mt // gm), -(-nt // gn)
