@@ -87,6 +87,18 @@ def test_small_shapes_take_fewer_fuller_blocks():
     assert plan(cell, {"b": 64, "k": 512, "j": 512, "g": 4}, 132).blocks == 128
 
 
+def test_inspect_names_the_persistent_split():
+    """`ssmc inspect`'s notes (report.path_notes) give the forward's and the adjoint's split at the sizes and
+    dtype asked: the tensor-core form in bf16, the FMA form in fp32."""
+    from ssmc.backends.cuda.report import path_notes
+
+    sizes = {"b": 256, "i": 1024, "k": 1024}
+    half = [line for line in path_notes(lstm.SPEC.program, sizes, 1024, "bfloat16") if line.startswith("persistent")]
+    assert len(half) == 2 and all("tensor cores" in line and "2 batch tiles" in line for line in half), half
+    full = [line for line in path_notes(lstm.SPEC.program, sizes, 1024) if line.startswith("persistent")]
+    assert len(full) == 2 and not any("tensor cores" in line for line in full), full
+
+
 # -- NVRTC ----------------------------------------------------------------------------------------------------
 
 HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoint(lstm.SPEC), LSTM_BIG),
