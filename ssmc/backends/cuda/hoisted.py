@@ -62,11 +62,11 @@ class TorchArrays:
         by_stride = sorted(range(arr.dim()), key=lambda i: -arr.stride(i))  # a permutation of a contiguous array?
         return arr if arr.permute(*by_stride).is_contiguous() else arr.contiguous()
 
-    @staticmethod
-    def dtype_of(*arrays):
+    def dtype_of(self, *arrays):
+        """The dtype of a hoisted product of `arrays` (`half` where set: the kernels read it so)."""
         import torch
 
-        return reduce(torch.promote_types, (a.dtype for a in arrays))
+        return self.half or reduce(torch.promote_types, (a.dtype for a in arrays))
 
     def pair(self, a, la: tuple[str, ...], b, lb: tuple[str, ...], out: tuple[str, ...]):
         """``sum over the shared axes of a * b`` as one `torch.matmul`, (array, labels); None where an
