@@ -21,6 +21,7 @@ import sys
 
 from ...options import emulating, options
 from ...runner import batch_outer
+from . import analysis
 from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
@@ -55,7 +56,7 @@ class PersistentLoop:
         that does not fit."""
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap)
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS)  # (tests change it)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
