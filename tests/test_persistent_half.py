@@ -228,19 +228,21 @@ def test_heads_example_matches_its_reference():
 
 # -- GPU ----------------------------------------------------------------------------------------------------------
 
-ODD = ((5, 37), (3, 129), (19, 700))  # (batch, hidden): neither a multiple of the m16 / n8 tiles
-GPU_CASES = ([("lstm", length, batch, hidden) for length in (1, 7, 180) for batch, hidden in ODD]
-             + [("gru", 1, 5, 37), ("gru", 7, 3, 129), ("gru", 180, 19, 700)]
-             + [("heads", 1, 5, 37), ("heads", 7, 3, 129), ("heads", 180, 19, 300)])
+# (batch, hidden) neither a multiple of the m16 / n8 tiles; H 700 at L 1 and 7 only (the interpreter's
+# float64 reference of 180 steps at that size takes minutes)
+ODD = ((5, 37), (3, 129), (19, 700))
+GPU_CASES = ([("lstm", length, batch, hidden) for length in (1, 7) for batch, hidden in ODD]
+             + [("lstm", 180, 5, 37), ("lstm", 180, 3, 129)]
+             + [("gru", 1, 19, 700), ("gru", 7, 3, 129), ("gru", 180, 5, 37)]
+             + [("heads", 1, 19, 300), ("heads", 7, 3, 129), ("heads", 180, 5, 37)])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,length,batch,hidden", GPU_CASES)
 def test_gpu_bf16(name, length, batch, hidden, half_launches):
     """Many blocks, the grid barrier, m16 tiles past the rows (5, 3, 19 rows) and n8 tiles past the units
-    (37, 129, 700 units; 3 heads of 37, 129, 300), forward and gradients (but at L 180 x H 700, where the
-    interpreter's float64 gradient takes long)."""
-    check_half(name, length, batch, hidden, device="cuda", grads=length * hidden < 180 * 300)
+    (37, 129, 700 units; 3 heads of 37, 129, 300), forward and gradients."""
+    check_half(name, length, batch, hidden, device="cuda")
     assert any(mma for _, mma in half_launches), f"no tensor-core launch: {half_launches}"
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
@@ -249,7 +251,7 @@ def test_gpu_bf16(name, length, batch, hidden, half_launches):
 
 @pytest.mark.gpu
 def test_gpu_bf16_benchmark_shape(half_launches):
-    """LSTM B256 L16 H1024 in bf16: the benchmark's plan (2 batch tiles x 64 blocks), the forward (L 16: the
+    """LSTM B256 L3 H1024 in bf16: the benchmark's plan (2 batch tiles x 64 blocks), the forward (L 3: the
     interpreter's float64 reference at this size takes a while)."""
-    check_half("lstm", 16, batch=256, hidden=1024, device="cuda", grads=False)
+    check_half("lstm", 3, batch=256, hidden=1024, device="cuda", grads=False)
     assert ("lstm", True) in half_launches
