@@ -135,10 +135,13 @@ class HoistedRunner:
 
         h = self.hoisted
         compute = torch.float64 if self.compute == "float64" else torch.float32
-        # 16-bit inputs (as given, or cast by a gradient's path: runtime/precision.py): the products
-        # in them, accumulated in fp32 (a float32 product of those shapes takes 10 x longer); the
-        # sequences given in it stay so (the kernels read 16-bit sequences)
-        half = (half_of([*seqs.values(), *params.values()]) or half_inputs()) if compute == torch.float32 else None
+        inner = self.loop or self.kernels
+        # 16-bit inputs (as given, or cast by a gradient's path: runtime/precision.py) of a loop with a
+        # 16-bit form (the persistent kernel's `reads_half`): the products in them, accumulated in fp32
+        # (a float32 product of those shapes takes 10 x longer); the sequences given in it stay so
+        half = None
+        if compute == torch.float32 and getattr(inner, "reads_half", False):
+            half = half_of([*seqs.values(), *params.values()]) or half_inputs()
         xp = TORCH if half is None else TorchArrays(half)
         cast = {n: TORCH.contiguous(v, compute) if v.dtype not in (compute, half) else v for n, v in seqs.items()}
         cast_params = {n: v if v.dtype == compute else v.to(compute) for n, v in params.items()}
@@ -147,7 +150,6 @@ class HoistedRunner:
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
-        inner = self.loop or self.kernels
         # the persistent kernel writes the per-step values the post products read in their order, and
         # a forward's recurrent product of every step into `products` (an adjoint's pre product)
         extra = {"orders": h.product_orders, "products": products} if getattr(inner, "writes_in_order", False) else {}

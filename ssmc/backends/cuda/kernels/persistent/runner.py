@@ -78,8 +78,10 @@ class PersistentLoop:
         return w.dtype if w is not None and w.dtype in (torch.bfloat16, torch.float16) else half_inputs()
 
 
-    # `hoisted.HoistedRunner` passes `orders` and `products` to `run`
+    # `hoisted.HoistedRunner` passes `orders` and `products` to `run`, and computes the hoisted products of
+    # 16-bit inputs in 16 bits (this runner reads them so, in its tensor-core form)
     writes_in_order = True
+    reads_half = True
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None, orders=None, products=None):
         """The runner contract (time-first torch tensors in and out, as `StepLoop.run`). The outputs are
