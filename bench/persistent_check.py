@@ -449,22 +449,23 @@ def main() -> None:
     count_launches()
     shapes = [(args.b, args.t, args.i, args.k)] + ([(5, 37, 16, 37)] if args.small else [])
     shapes += [(16, 180, 128, 256)] if args.all else []
-    rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
     device = torch.cuda.get_device_name()
-    text = (f"# Persistent RNN forward vs step loop vs cuDNN\n\n{device}, torch {torch.__version__}, "
-            f"ssmc {ssmc.__version__}\n\n{table(rows)}\n")
-    print(text)
+    text = f"{device}, torch {torch.__version__}, ssmc {ssmc.__version__}\n"
+
+    def emit(part: str) -> None:
+        """Print `part` and keep it (and the file so far: a run cut by its time limit leaves what it did)."""
+        nonlocal text
+        print(part, flush=True)
+        text += part
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "persistent.md").write_text(text)
+    rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
+    emit(f"\n# Persistent RNN forward vs step loop vs cuDNN\n\n{table(rows)}\n")
     bad = [r for r in rows if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-4
            or not any(n for n, _, _ in r["runners"].values())
            or any(status[0] for _, _, status in r["runners"].values())]
-    if not args.forward_only:
-        train = [train_row(kind, *shape) for shape in shapes for kind in KINDS]
-        part = f"\n# Forward + backward\n\n{train_table(train)}\n"
-        print(part)
-        text += part
-        bad += [r for r in train if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-3 or not r["adjoint"]
-                or any(status[0] for _, _, status in r["runners"].values())]
-    if args.all:
+    if args.all:  # before the forward + backward rows of fp32: the workloads a run cut short would miss
         sections = [("bf16 LSTM (tensor-core form) vs cuDNN bf16",
                      ["| workload | cuDNN bf16 ms | ssmc ms | ssmc / cuDNN | ssmc err | cuDNN bf16 err |",
                       "|---|---|---|---|---|---|"], half_rows),
@@ -476,17 +477,17 @@ def main() -> None:
                 body = fn()
             except Exception as err:  # one workload's failure is reported, the others still run
                 body = [f"MISMATCH ({title}): {type(err).__name__}: {err}"]
-            part = f"\n# {title}\n\n" + "\n".join(head + body) + "\n"
-            print(part, flush=True)
-            text += part
+            if title.startswith("bf16"):
+                body.append("\nerrors: max |got - want| / max |want| against cuDNN fp32 (TF32 off) on the bf16 "
+                            "inputs; fwd: outputs and final states, fwd+bwd: every gradient")
+            emit(f"\n# {title}\n\n" + "\n".join(head + body) + "\n")
             if any(line.startswith("MISMATCH") for line in body):
                 bad.append({"kind": title, "shape": ""})
-        if "bf16 LSTM" in text:
-            text += ("\nerrors: max |got - want| / max |want| against cuDNN fp32 (TF32 off) on the bf16 inputs; "
-                     "fwd: outputs and final states, fwd+bwd: every gradient\n")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "persistent.md").write_text(text)
+    if not args.forward_only:
+        train = [train_row(kind, *shape) for shape in shapes for kind in KINDS]
+        emit(f"\n# Forward + backward\n\n{train_table(train)}\n")
+        bad += [r for r in train if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-3 or not r["adjoint"]
+                or any(status[0] for _, _, status in r["runners"].values())]
     if bad:
         raise SystemExit(f"mismatch or barrier timeout: {[r['kind'] + ' ' + r['shape'] for r in bad]}")
 
