@@ -1,6 +1,7 @@
 """Check and time ssmc's persistent RNN forward and backward (backends/cuda/kernels/persistent) on a GPU.
 
     python bench/persistent_check.py [--out DIR] [--b 64 --t 180 --i 512 --k 512] [--small] [--forward-only]
+                                     [--all [--peak-tflops T --peak-gbs G]]
 
 For examples/lstm.py and examples/gru.py (fp32): ssmc's forward (y and the final states) against
 torch.nn.LSTM / GRU (cuDNN) holding the same weights (torch's weight_ih = W[i (g k)]^T, weight_hh =
@@ -13,6 +14,17 @@ every gradient (x, W, U, biases, initial states) against torch's autograd throug
 same weights (TF32 off), max |got - want| / max |want|, and the persistent adjoint against the step
 loop's; then the time of forward + backward (persistent, step loop, cuDNN). With --out, writes the
 tables to DIR/persistent.md. Needs torch and cupy; no network.
+
+--all adds the other workloads of the persistent kernel's targets:
+- LSTM B256 L1024 I1024 H1024 in bf16 (the tensor-core form): ssmc and cuDNN both given bf16 inputs,
+  each checked against cuDNN in fp32 (TF32 off) on the same bf16-rounded values (outputs, and every
+  gradient of forward + backward); times of the forward and of forward + backward.
+- LSTM B16 L180 I128 H256 in fp32 (short and narrow: latency-bound): as the B64 rows, and the forward's
+  time at several grids (SSMC_CUDA_PERSISTENT_BLOCKS: the blocks at most).
+- examples/lstm_heads.py, 4 heads of 128, B64 L1024 I512 in bf16 (no peer): checked against ssmc's own
+  fp32 call on the same values; forward and forward + backward times as TFLOP/s (the input and the
+  recurrent products' FLOPs) and GB/s (the sequences' and the hoisted product's bytes), and as
+  fractions of the peaks given by --peak-tflops / --peak-gbs.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from workloads import rnn as rnn_workloads  # bench/workloads/rnn.py: the exampl
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
-from ssmc.examples import gru, lstm
+from ssmc.examples import gru, lstm, lstm_heads
 
 KINDS = {"LSTM": (lstm, 4), "GRU": (gru, 3)}
 
@@ -274,6 +286,153 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _plans() -> dict:
+    """Per program: the plans its persistent runner made (describe lines), for the logs."""
+    found = {}
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            found.setdefault(loop.program.name, set()).update(
+                p.describe() if not isinstance(p, str) else f"refused: {p}" for p in loop._plans.values())
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def half_rows(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list[str]:
+    """LSTM in bf16 (module docstring): lines of a markdown table and notes (a line starting MISMATCH where
+    an error is past its bound or the persistent kernel did not run)."""
+    inputs = make_inputs("LSTM", b, t, i, k)
+    bf = {n: v.to(torch.bfloat16) for n, v in inputs.items()}
+    exact = {n: v.float() for n, v in bf.items()}  # the bf16 values in fp32: the reference's inputs
+    LAUNCHED.clear()
+    forward = ssmc.compile(lstm.SPEC, "cuda", layout=lstm.LAYOUT)
+    ours = lambda: forward(**bf, return_final_states=True)  # noqa: E731
+    torch.backends.cudnn.allow_tf32 = False
+    ref = torch_module("LSTM", exact)
+    y_ref, (h_ref, c_ref) = ref()
+    want = [y_ref, h_ref[0], c_ref[0]]
+    module = rnn_workloads.torch_module("LSTM", bf, "cuda", torch.bfloat16)
+    state = (bf["h"][None].contiguous(), bf["c"][None].contiguous())
+
+    def cudnn():
+        with torch.no_grad():
+            return module(bf["x"], state)
+    got = as_list(ours())
+    y_c, (h_c, c_c) = cudnn()
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        return max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(a, b))
+    err, err_cudnn = rel(got, want), rel([y_c, h_c[0], c_c[0]], want)
+    ms, ms_cudnn = timed(ours, reps=20), timed(cudnn, reps=20)
+    runners = launches()
+    lines = [f"| LSTM B{b} L{t} I{i} H{k} bf16 fwd | {ms_cudnn:.3f} | {ms:.3f} | {ms / ms_cudnn:.2f} | "
+             f"{err:.2e} | {err_cudnn:.2e} |"]
+    bad = err > 5e-2 or not runners.get("lstm", (0,))[0]
+    # forward + backward: ssmc.torch.function and cuDNN, both bf16; the reference cuDNN fp32 (TF32 off)
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1)
+    dy = torch.randn((b, t, k), device="cuda", generator=g).to(torch.bfloat16)
+    want_g = torch_train("LSTM", exact, dy.float())()
+    train = ssmc_train("LSTM", bf, dy, True)
+    LAUNCHED.clear()
+    got_g = train()
+    adjoint = {n: c for n, c in LAUNCHED.items() if n.endswith("_backward")}
+    cudnn_train = _torch_train_dtype(bf, dy, torch.bfloat16)
+    got_c = cudnn_train()
+    torch.cuda.synchronize()
+    gerr, gerr_cudnn = relative_error(got_g, want_g), relative_error(got_c, want_g)
+    ms_t, ms_t_cudnn = timed(train, reps=10), timed(cudnn_train, reps=10)
+    torch.backends.cudnn.allow_tf32 = True
+    lines.append(f"| LSTM B{b} L{t} I{i} H{k} bf16 fwd+bwd | {ms_t_cudnn:.3f} | {ms_t:.3f} | "
+                 f"{ms_t / ms_t_cudnn:.2f} | {gerr:.2e} | {gerr_cudnn:.2e} |")
+    bad = bad or gerr > 1e-1 or not adjoint
+    lines += ["", f"adjoint launches: {adjoint}; plans: {_plans()}"]
+    if bad:
+        lines.append(f"MISMATCH (bf16 H{k}): errors {err:.2e} / {gerr:.2e}, launches {runners}")
+    return lines
+
+
+def _torch_train_dtype(inputs: dict, dy: torch.Tensor, dtype):
+    """`torch_train` with the module and its inputs in `dtype`."""
+    i, gates, k = inputs["W"].shape
+    module = rnn_workloads.torch_module("LSTM", inputs, "cuda", dtype)
+    x = inputs["x"].detach().clone().requires_grad_(True)
+    h0 = inputs["h"][None].detach().clone().requires_grad_(True)
+    c0 = inputs["c"][None].detach().clone().requires_grad_(True)
+
+    def call() -> dict:
+        for t in (x, h0, c0, *module.parameters()):
+            t.grad = None
+        y, _ = module(x, (h0, c0))
+        y.backward(dy)
+        return {"x": x.grad, "W": module.weight_ih_l0.grad.T.reshape(i, gates, k),
+                "U": module.weight_hh_l0.grad.T.reshape(k, gates, k), "h": h0.grad[0],
+                "bias": module.bias_ih_l0.grad.reshape(gates, k), "c": c0.grad[0]}
+    return call
+
+
+def grid_sweep(b: int = 16, t: int = 180, i: int = 128, k: int = 256) -> list[str]:
+    """The fp32 LSTM forward's time at several caps on the persistent grid (SSMC_CUDA_PERSISTENT_BLOCKS)."""
+    inputs = make_inputs("LSTM", b, t, i, k)
+    forward = ssmc.compile(lstm.SPEC, "cuda", layout=lstm.LAYOUT)
+    lines = ["| blocks at most | ms | plan |", "|---|---|---|"]
+    for cap in ("", "128", "64", "16", "8"):
+        os.environ["SSMC_CUDA_PERSISTENT_BLOCKS"] = cap
+        ms = timed(lambda: forward(**inputs, return_final_states=True))
+        loops = [loop for loop in persistent_runner._LOOPS.values() if loop is not None and loop.program.name == "lstm"]
+        chosen = loops[0].plan_for({"b": b, "i": i, "k": k, "j": k, "g": 4}) if loops else "no persistent runner"
+        lines.append(f"| {cap or 'default'} | {ms:.3f} | {chosen if isinstance(chosen, str) else chosen.describe()} |")
+    os.environ["SSMC_CUDA_PERSISTENT_BLOCKS"] = ""
+    return lines
+
+
+def heads_rows(peak_tflops: float | None, peak_gbs: float | None, b: int = 64, t: int = 1024, i: int = 512,
+               heads: int = 4, k: int = 128) -> list[str]:
+    """examples/lstm_heads.py in bf16: TFLOP/s and GB/s of the forward and of forward + backward."""
+    import ssmc.torch
+    g = torch.Generator(device="cuda")
+    g.manual_seed(2)
+    s = k ** -0.5
+
+    def uniform(*shape):
+        return ((torch.rand(shape, device="cuda", generator=g) * 2 - 1) * s).to(torch.bfloat16)
+    bf = {"x": torch.randn((b, t, i), device="cuda", generator=g).to(torch.bfloat16),
+          "W": uniform(heads, i, 4, k), "U": uniform(heads, k, 4, k), "bias": uniform(heads, 4, k),
+          "h": (0.5 * torch.randn((b, heads, k), device="cuda", generator=g)).to(torch.bfloat16),
+          "c": (0.5 * torch.randn((b, heads, k), device="cuda", generator=g)).to(torch.bfloat16)}
+    forward = ssmc.compile(lstm_heads.SPEC, "cuda", layout=lstm_heads.LAYOUT)
+    LAUNCHED.clear()
+    got = as_list(forward(**bf, return_final_states=True))
+    want = as_list(forward(**{n: v.float() for n, v in bf.items()}, return_final_states=True))
+    err = max(float((x.float() - y).abs().max() / y.abs().max()) for x, y in zip(got, want))
+    ms = timed(lambda: forward(**bf, return_final_states=True))
+    fn = ssmc.torch.function(lstm_heads.SPEC, layout=lstm_heads.LAYOUT)
+    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in bf.items()}
+    dy = torch.randn((b, t, heads, k), device="cuda", generator=g).to(torch.bfloat16)
+
+    def train():
+        for v in leaves.values():
+            v.grad = None
+        fn(**leaves).backward(dy)
+    train()
+    ms_t = timed(train, reps=10)
+    gates = 4 * heads * k
+    flops = 2 * b * t * (i * gates + k * gates)          # x W and h U of every step
+    moved = 2 * b * t * (i + heads * k + 2 * gates)      # x and y, the hoisted x W written and read (bf16)
+    lines = ["| heads LSTM | ms | TFLOP/s | GB/s | of peak FLOP/s | of peak bytes/s | err vs fp32 |",
+             "|---|---|---|---|---|---|---|"]
+    for what, time_ms, f, m in (("fwd", ms, flops, moved), ("fwd+bwd", ms_t, 3 * flops, 3 * moved)):
+        tf, gb = f / time_ms / 1e9, m / time_ms / 1e6
+        of_tf = f"{tf / peak_tflops:.1%}" if peak_tflops else "-"
+        of_gb = f"{gb / peak_gbs:.1%}" if peak_gbs else "-"
+        lines.append(f"| {heads}x{k} B{b} L{t} I{i} bf16 {what} | {time_ms:.3f} | {tf:.1f} | {gb:.0f} | {of_tf} | "
+                     f"{of_gb} | {err:.2e} |")
+    lines += ["", "fwd+bwd counts 3x the forward's FLOPs and bytes (the adjoint's product and the two weight "
+              f"gradients' matrix products). Launches: {dict(LAUNCHED)}; plans: {_plans()}"]
+    if err > 5e-2 or not LAUNCHED.get("lstm_heads"):
+        lines.append(f"MISMATCH (heads): error {err:.2e}, launches {dict(LAUNCHED)}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -283,27 +442,52 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--small", action="store_true", help="also B5 L37 I16 H37")
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
+    parser.add_argument("--all", action="store_true", help="also bf16 H1024, B16 H256 (and its grids), heads")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 TFLOP/s (for the heads rows)")
+    parser.add_argument("--peak-gbs", type=float, help="the device's memory GB/s (for the heads rows)")
     args = parser.parse_args()
     count_launches()
     shapes = [(args.b, args.t, args.i, args.k)] + ([(5, 37, 16, 37)] if args.small else [])
-    rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
+    shapes += [(16, 180, 128, 256)] if args.all else []
     device = torch.cuda.get_device_name()
-    text = (f"# Persistent RNN forward vs step loop vs cuDNN\n\n{device}, torch {torch.__version__}, "
-            f"ssmc {ssmc.__version__}\n\n{table(rows)}\n")
-    print(text)
+    text = f"{device}, torch {torch.__version__}, ssmc {ssmc.__version__}\n"
+
+    def emit(part: str) -> None:
+        """Print `part` and keep it (and the file so far: a run cut by its time limit leaves what it did)."""
+        nonlocal text
+        print(part, flush=True)
+        text += part
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "persistent.md").write_text(text)
+    rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
+    emit(f"\n# Persistent RNN forward vs step loop vs cuDNN\n\n{table(rows)}\n")
     bad = [r for r in rows if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-4
            or not any(n for n, _, _ in r["runners"].values())
            or any(status[0] for _, _, status in r["runners"].values())]
+    if args.all:  # before the forward + backward rows of fp32: the workloads a run cut short would miss
+        sections = [("bf16 LSTM (tensor-core form) vs cuDNN bf16",
+                     ["| workload | cuDNN bf16 ms | ssmc ms | ssmc / cuDNN | ssmc err | cuDNN bf16 err |",
+                      "|---|---|---|---|---|---|"], half_rows),
+                    ("B16 L180 I128 H256 fp32 forward: the grid", [], grid_sweep),
+                    ("LSTM heads (block-diagonal U), bf16", [],
+                     lambda: heads_rows(args.peak_tflops, args.peak_gbs))]
+        for title, head, fn in sections:
+            try:
+                body = fn()
+            except Exception as err:  # one workload's failure is reported, the others still run
+                body = [f"MISMATCH ({title}): {type(err).__name__}: {err}"]
+            if title.startswith("bf16"):
+                body.append("\nerrors: max |got - want| / max |want| against cuDNN fp32 (TF32 off) on the bf16 "
+                            "inputs; fwd: outputs and final states, fwd+bwd: every gradient")
+            emit(f"\n# {title}\n\n" + "\n".join(head + body) + "\n")
+            if any(line.startswith("MISMATCH") for line in body):
+                bad.append({"kind": title, "shape": ""})
     if not args.forward_only:
         train = [train_row(kind, *shape) for shape in shapes for kind in KINDS]
-        part = f"\n# Forward + backward\n\n{train_table(train)}\n"
-        print(part)
-        text += part
+        emit(f"\n# Forward + backward\n\n{train_table(train)}\n")
         bad += [r for r in train if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-3 or not r["adjoint"]
                 or any(status[0] for _, _, status in r["runners"].values())]
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "persistent.md").write_text(text)
     if bad:
         raise SystemExit(f"mismatch or barrier timeout: {[r['kind'] + ' ' + r['shape'] for r in bad]}")
 

@@ -16,6 +16,7 @@ import pytest
 from test_persistent_rnn import CASES, _flat, _relative, compiles_without_spills, launched, two  # noqa: F401  (launched: a fixture)
 
 import ssmc
+from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
@@ -115,10 +116,12 @@ def test_switched_off(emulated_cuda, launched):  # noqa: F811
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
-def test_gpu_gradients(name, length, batch, hidden, launched):  # noqa: F811
-    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4). At
+def test_gpu_gradients(name, length, batch, hidden, launched, monkeypatch):  # noqa: F811
+    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4; a block
+    for every pair allowed, MIN_BLOCK_PAIRS 1, where small shapes take 1 and 3 by default). At
     L 180 the fp32 sums over steps (the adjoint's carries, dU = sum_t h dz) part further from float64;
     a wrong index parts by O(1)."""
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
     _check_grads(name, length, batch, hidden, tol=1e-4 if length < 100 else 1e-3)
     assert f"{name}_backward" in launched, "the adjoint did not run persistent (see PersistentLoop.refusals)"
     for loop in persistent_runner._LOOPS.values():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ssmc
+from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
@@ -267,8 +268,11 @@ def test_a_barrier_that_timed_out_raises_at_the_next_call(emulated_cuda, launche
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated", "two_rows"])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
-def test_gpu(name, length, batch, hidden, launched):
-    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4)."""
+def test_gpu(name, length, batch, hidden, launched, monkeypatch):
+    """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4, 4 batch
+    tiles); a block for every pair allowed (MIN_BLOCK_PAIRS 1: by default these small shapes take 1 and 3
+    blocks, and the barrier is what this tests)."""
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
     for seed in (0, 1):
         _check(name, length, batch, hidden, tol=1e-4, seed=seed)
     assert launched, "the persistent kernel did not run (a refusal: see PersistentLoop.refusals)"

@@ -32,6 +32,7 @@ from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
 from ..passes.autodiff import DEFAULT_CHUNK, GRAD, Backward, derive_backward
 from ..runtime.binding import DEFAULT_LAYOUT
+from ..runtime.precision import given_half, half_of
 from ..runtime.prologue import PreparedCalls, bind_call
 from .lean import LeanStep
 from .prepared import PreparedChunk, PreparedStep
@@ -76,12 +77,13 @@ class Driver:
     def backward(self, tape: Tape, grad_outputs=None, grad_final_states=None) -> dict:
         """Gradients {input name: array} (inputs' layouts) from a `forward`'s tape and the cotangents
         of its outputs and final states (given in the forward's layout; missing ones are zero)."""
-        if tape.step is not None:  # a prepared step's tape: its path, where the cotangents suit it
-            grads = tape.step.backward(tape, grad_outputs, grad_final_states)
-            if grads is not None:
-                return grads
-        cot, lam = cotangents(self.program, self.xp, tape, grad_outputs, grad_final_states)
-        return in_layout(self.program, self.adjoint(tape, cot, lam), tape.layout, self.xp)
+        with given_half(tape.half):  # 16-bit inputs: runners with a 16-bit form take it (runtime/precision.py)
+            if tape.step is not None:  # a prepared step's tape: its path, where the cotangents suit it
+                grads = tape.step.backward(tape, grad_outputs, grad_final_states)
+                if grads is not None:
+                    return grads
+            cot, lam = cotangents(self.program, self.xp, tape, grad_outputs, grad_final_states)
+            return in_layout(self.program, self.adjoint(tape, cot, lam), tape.layout, self.xp)
 
     def adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
         """Gradients {input name: array}, sequences time first, from time-first cotangents of every
@@ -117,7 +119,11 @@ class Grad(Driver):
             grads = self._lean_call(key, args, kwargs, grad_outputs)
             if grads is not None:
                 return grads
-        tape = self._forward(args, kwargs, layout, False, key)[2]
+        half = half_of([*args, *kwargs.values()])
+        with given_half(half):
+            tape = self._forward(args, kwargs, layout, False, key)[2]
+        if half is not None and tape is not None:
+            tape.half = half
         return self.backward(tape, grad_outputs=grad_outputs, grad_final_states=grad_final_states)
 
     def _lean_call(self, key, args: tuple, kwargs: dict, grad_outputs) -> dict | None:
@@ -169,8 +175,13 @@ class Grad(Driver):
     def forward(self, *args, layout=None, **kwargs):
         """(outputs, final states, tape): outputs as name -> array [L, *axes] (time first) and final
         states by name, in the compute dtype; the tape for `backward`."""
-        return self._forward(args, kwargs, layout, True, self._steps.key(self.target, args, kwargs,
-                                                                          layout or self.layout))
+        half = half_of([*args, *kwargs.values()])
+        with given_half(half):  # the runners see 16-bit inputs only cast (runtime/precision.py)
+            found = self._forward(args, kwargs, layout, True, self._steps.key(self.target, args, kwargs,
+                                                                               layout or self.layout))
+        if half is not None and found[2] is not None:
+            found[2].half = half
+        return found
 
     @on_arrays_device(lambda a, kw: (*a[0], a[1]))  # (args, kwargs, layout, outputs, key)
     def _forward(self, args, kwargs, layout, outputs: bool, key=None):

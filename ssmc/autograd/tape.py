@@ -26,7 +26,8 @@ class Tape:
     `rounds` holds the carry into every round of the backend's fused backward, written by its
     forward (`boundaries` is then the initial state alone). `step`: the prepared step whose forward
     made the tape, whose backward's path it takes (prepared.py). `tapes`: a staged layer's tape per
-    stage, in stage order (`StagedGrad`; its own arrays are then empty)."""
+    stage, in stage order (`StagedGrad`; its own arrays are then empty). `half`: the 16-bit dtype the
+    forward's inputs came in (its backward runs under it too: runtime/precision.py)."""
 
     sizes: dict[str, int]
     length: int
@@ -41,6 +42,7 @@ class Tape:
     rounds: dict | None = None
     step: object = None
     tapes: list[Tape] | None = None
+    half: object = None  # the 16-bit dtype the inputs were given in (runtime/precision.py), or None
 
 
 def tape_arrays(tape: Tape) -> tuple[dict, dict]:

@@ -22,13 +22,19 @@ import math
 from functools import reduce
 
 from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre, hoist, in_original_order
+from ...runtime.precision import half_inputs, half_of
 from .kernels.step_loop import step_loop
 from .options import options
 from .runner import batch_outer, runner_for, time_contiguous
 
 
 class TorchArrays:
-    """`hoist.NumPyArrays` for torch tensors: what evaluating the hoisted parts asks of them."""
+    """`hoist.NumPyArrays` for torch tensors: what evaluating the hoisted parts asks of them. `half`: a
+    16-bit dtype the matrix products read their operands in (fp32 accumulation on tensor cores, the
+    result in that dtype; the sums and everything else as given), or None."""
+
+    def __init__(self, half=None):
+        self.half = half
 
     @staticmethod
     def take(arr, index: int, axis: int):
@@ -56,14 +62,13 @@ class TorchArrays:
         by_stride = sorted(range(arr.dim()), key=lambda i: -arr.stride(i))  # a permutation of a contiguous array?
         return arr if arr.permute(*by_stride).is_contiguous() else arr.contiguous()
 
-    @staticmethod
-    def dtype_of(*arrays):
+    def dtype_of(self, *arrays):
+        """The dtype of a hoisted product of `arrays` (`half` where set: the kernels read it so)."""
         import torch
 
-        return reduce(torch.promote_types, (a.dtype for a in arrays))
+        return self.half or reduce(torch.promote_types, (a.dtype for a in arrays))
 
-    @staticmethod
-    def pair(a, la: tuple[str, ...], b, lb: tuple[str, ...], out: tuple[str, ...]):
+    def pair(self, a, la: tuple[str, ...], b, lb: tuple[str, ...], out: tuple[str, ...]):
         """``sum over the shared axes of a * b`` as one `torch.matmul`, (array, labels); None where an
         axis both have is kept (a batched product: einsum's). Every axis group in the order its
         operand lies in memory (largest stride first), so the 2-D views need no copy where the
@@ -91,6 +96,8 @@ class TorchArrays:
         rows, inner, cols = (math.prod(size[x] for x in axes) for axes in (fa, shared, fb))
         a2 = a.permute(*[la.index(x) for x in fa + shared]).reshape(rows, inner)
         b2 = b.permute(*[lb.index(x) for x in shared + fb]).reshape(inner, cols)
+        if self.half is not None and (a2.dtype != self.half or b2.dtype != self.half):
+            a2, b2 = a2.to(self.half), b2.to(self.half)
         return torch.matmul(a2, b2).reshape([size[x] for x in fa + fb]), tuple(fa + fb)
 
 
@@ -128,21 +135,28 @@ class HoistedRunner:
 
         h = self.hoisted
         compute = torch.float64 if self.compute == "float64" else torch.float32
-        cast = {n: TORCH.contiguous(v, compute) if v.dtype != compute else v for n, v in seqs.items()}
+        inner = self.loop or self.kernels
+        # 16-bit inputs (as given, or cast by a gradient's path: runtime/precision.py) of a loop with a
+        # 16-bit form (the persistent kernel's `reads_half`): the products in them, accumulated in fp32
+        # (a float32 product of those shapes takes 10 x longer); the sequences given in it stay so
+        half = None
+        if compute == torch.float32 and getattr(inner, "reads_half", False):
+            half = half_of([*seqs.values(), *params.values()]) or half_inputs()
+        xp = TORCH if half is None else TorchArrays(half)
+        cast = {n: TORCH.contiguous(v, compute) if v.dtype not in (compute, half) else v for n, v in seqs.items()}
         cast_params = {n: v if v.dtype == compute else v.to(compute) for n, v in params.items()}
-        pre = compute_pre(h, cast, cast_params, products=products, xp=TORCH)
+        pre = compute_pre(h, cast, cast_params, products=products, xp=xp)
         if time_contiguous(seqs):  # the kernels take every sequence with time contiguous, or none
             pre = {n: v.movedim(0, -1).contiguous().movedim(-1, 0) for n, v in pre.items()}
         elif batch_outer(list(seqs.values())):  # "b t ...": the outputs are then allocated so too
             pre = {n: v.movedim(0, 1).contiguous().movedim(1, 0) if v.dim() > 2 else v for n, v in pre.items()}
-        inner = self.loop or self.kernels
         # the persistent kernel writes the per-step values the post products read in their order, and
         # a forward's recurrent product of every step into `products` (an adjoint's pre product)
         extra = {"orders": h.product_orders, "products": products} if getattr(inner, "writes_in_order", False) else {}
         outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                  initial, sizes, length, **extra)
         outs = in_original_order(h, outs, xp=TORCH)
-        post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=TORCH)
+        post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=xp)
         outs.update(post_outs)
         finals.update(post_finals)
         outs = {n: outs[n] if out_dtype is None else outs[n].to(out_dtype) for n, _ in self.program.outputs}

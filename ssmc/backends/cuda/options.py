@@ -46,6 +46,7 @@ class CudaOptions:
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
+    persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
     flash_backward: False keeps softmax attention's backward on the tiled torch path
@@ -74,6 +75,7 @@ class CudaOptions:
     step_loop: bool | None = None
     step_graphs: bool | None = None
     persistent: bool | None = None
+    persistent_blocks: int | None = None
     emulate: bool = False
     flash: bool = True
     flash_backward: bool = True

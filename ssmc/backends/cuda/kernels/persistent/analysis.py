@@ -40,6 +40,7 @@ MAX_THREADS = 256           # threads a block (one block an SM: 256 threads leav
 MAX_PAIRS = 8               # (row, unit) pairs a thread owns at most: its accumulators are registers
 CHUNKS = (128, 64, 32, 16, 8, 4)  # contracted indices a staged chunk: whole 16-byte copies of a row
 STAGES = (3, 2)             # chunks in the ring: STAGES - 1 in flight while the block multiplies one
+MMA_CHUNKS = (128, 64, 32, 16)  # the tensor-core form's chunks: whole k16 steps of mma.sync
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Cell:
     axes (g in the forward). `local` = cols + op_local: the axes a thread holds whole. `nodes`: the
     cell's nodes in evaluation order (the product node, `product`, stands for the accumulators);
     `publish`: the node whose value a thread publishes at its (row, unit) (the operand before a
-    rename along the units); `state`: the state it reads (describe only)."""
+    rename along the units); `state`: the state it reads (describe only). `heads`: the row axes U has
+    too (the first rows: a block-diagonal U, one recurrence a head, each block within one head)."""
 
     program: object
     product: Node
@@ -71,11 +73,13 @@ class Cell:
     cols: tuple[str, ...] = ()
     op_local: tuple[str, ...] = ()
     publish: Node | None = None
+    heads: tuple[str, ...] = ()
 
     def describe(self) -> str:
         w_axes = " ".join(next(d.axes for d in self.program.params if d.name == self.weight))
+        heads = f", heads {' '.join(self.heads)}" if self.heads else ""
         return (f"recurrent product sum over {' '.join(self.contracted)} of {self.state}"
-                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]")
+                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]{heads}")
 
 
 def _consumers(nodes) -> dict:
@@ -111,8 +115,10 @@ def analyse(program) -> Cell | str:
     if any(x not in w.axes or x not in a.axes for x in contracted):
         return f"a contracted axis ({' '.join(contracted)}) the weight or the operand lacks"
     rows = tuple(x for x in a.axes if x not in contracted)
-    if set(rows) & set(w.axes):
-        return f"the weight {w.arg} shares a row axis with the operand (heads are not supported)"
+    # heads: row axes the weight has too (a block-diagonal U: each head its own recurrence, its own U);
+    # first among the rows, so that a head's rows are consecutive
+    heads = tuple(x for x in rows if x in w.axes)
+    rows = heads + tuple(x for x in rows if x not in heads)
     state_axes = [set(s.axes) for s in program.states]
     if a.op is Op.RENAME and len(a.arg) == 1 and a.arg[0][1] in contracted:
         split, unit = a.arg[0]
@@ -125,7 +131,7 @@ def analyse(program) -> Cell | str:
         split = unit = units[0]
         publish = a
     op_local = tuple(x for x in contracted if x != unit)
-    free = tuple(x for x in w.axes if x not in contracted)
+    free = tuple(x for x in w.axes if x not in contracted and x not in heads)
     if split in free:
         out_unit = split
     else:
@@ -184,7 +190,7 @@ def analyse(program) -> Cell | str:
             return "the operand state's axes differ from its declaration"
     state = publish.arg if publish.op is Op.INPUT else "dz"
     return Cell(program, p, state, w.arg, contracted, split, rows, local, tuple(cell), unit, out_unit, cols,
-                op_local, publish)
+                op_local, publish, heads)
 
 
 @dataclass(frozen=True)
@@ -216,47 +222,89 @@ class Plan:
     stages: int = 2
     tiles: int = 1
     trows: int = 0   # rows a batch tile (the rows where 0)
+    heads: int = 1   # the heads (`Cell.heads`): tiles / heads batch tiles a head, of rows / heads rows
+    mma: bool = False  # 16-bit inputs: U and the operand in bf16 / fp16 on chip, the product on tensor cores
+                       # (mma.sync m16n8k16, fp32 accumulators; the cell and its carries stay fp32)
 
     def __post_init__(self):
         if not self.trows:
             object.__setattr__(self, "trows", self.rows)
 
+    # the tensor-core form (`mma`): the block's product P[mpad][npad] = op[mpad][jpad] U[jpad][npad], its
+    # columns n = u * cols + c; U as sub[npad][jpad + 8] (k contiguous: a B fragment's pair of 16-bit values
+    # is one 32-bit load; + 8: the 8 rows a fragment reads in different banks), the ring's rows so too, and
+    # the result through sp[mpad][npad + 4] fp32 to the threads owning (row, unit) pairs
+    @property
+    def xrows(self) -> int:
+        """Rows of the exchange buffer: the tiles' (past a head's last row a tile reads the next head's,
+        or the slack after the last head's, and leaves them unused)."""
+        return self.tiles * self.trows if self.heads == 1 else self.rows + self.trows
+
+    @property
+    def mpad(self) -> int:
+        return -(-self.trows // 16) * 16
+
+    @property
+    def npad(self) -> int:
+        return -(-self.units * self.cols // 8) * 8
+
     @property
     def u_bytes(self) -> int:
         """Bytes of the block's U slice (the start of the staging ring, a multiple of 16)."""
+        if self.mma:
+            return -(-2 * self.npad * (self.jpad + 8) // 16) * 16
         if self.vec:
             return 4 * self.units * (self.jpad + 4)
         return -(-4 * self.jpad * (self.cpad or self.cols) * self.units // 16) * 16
 
     @property
     def stage_bytes(self) -> int:
+        if self.mma:
+            return 2 * self.mpad * (self.chunk + 8)
         return 4 * self.trows * (self.chunk + 4)
 
     @property
+    def sp_bytes(self) -> int:
+        """Bytes of the tensor-core form's result tile sp (0 otherwise)."""
+        return 4 * self.mpad * (self.npad + 4) if self.mma else 0
+
+    @property
     def shared_bytes(self) -> int:
-        return self.u_bytes + self.stages * self.stage_bytes
+        return self.u_bytes + self.stages * self.stage_bytes + self.sp_bytes
 
     def describe(self) -> str:
+        form = (f"U slice {self.u_bytes // 1024} KiB in 16 bits resident in shared memory, the product on tensor "
+                "cores (mma.sync m16n8k16)" if self.mma else
+                f"U slice {self.u_bytes // 1024} KiB resident in shared memory")
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
-                f"{self.units} units x {self.cols} columns a block, U slice {self.u_bytes // 1024} KiB resident "
-                f"in shared memory, the operand staged {self.chunk} contracted indices a chunk, "
-                f"{self.stages} chunks a ring")
+                f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
+                f"contracted indices a chunk, {self.stages} chunks a ring")
 
 
+# a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound
+# by its latency (the grid barrier, the staging through L2), not by the FMAs, and a thread's share is one
+# pair either way; fewer, fuller blocks arrive at a barrier with fewer atomics and read fewer bytes of L2
+MIN_BLOCK_PAIRS = 128
 TILES = (8, 4, 2, 1)  # batch tiles tried, most first: each halving of a block's rows halves its L2 reads
 MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
 
 
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
-         shared_limit: int = BLOCK_SHARED, tiles: int | None = None) -> Plan | str:
+         shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
+         max_blocks: int | None = None) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
     batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
-    loads take about as long as its products), the deepest ring."""
+    loads take about as long as its products), the deepest ring. `mma`: the tensor-core form (16-bit U
+    and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
+    `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
+    shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads."""
     rows = math.prod(sizes[a] for a in cell.rows)
+    nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
+    budget = min(sm_count, max_blocks or sm_count, max(1, rows * size // MIN_BLOCK_PAIRS))
     for axis in (cell.unit, cell.out_unit):
         if sizes.get(axis, size) != size:
             return f"the axis {axis} and the units {cell.split} differ in size"
@@ -266,12 +314,15 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     cpad = 4 if cols == 3 else cols
     wide = -(-depth // 4) * 4
     why = None
+    if mma:
+        cpad = cols  # the columns of all units are one flat axis n there
     for pad in ((cpad, cols) if cpad != cols else (cols,)):  # GRU's 3 gates padded to 4 where it fits
-        for ntiles in ((tiles,) if tiles else TILES):
-            trows = -(-rows // ntiles)
-            if tiles is None and ntiles > 1 and trows < MIN_TILE_ROWS:
+        for per_head in ((tiles,) if tiles else TILES):
+            ntiles = nheads * per_head
+            trows = -(-(rows // nheads) // per_head)
+            if tiles is None and per_head > 1 and trows < MIN_TILE_ROWS:
                 continue
-            per_tile = max(1, (blocks or sm_count) // ntiles)
+            per_tile = max(1, (blocks or budget) // ntiles)
             units = -(-size // per_tile)
             nbt = -(-size // units)
             if blocks is not None and nbt * ntiles != blocks:
@@ -283,7 +334,12 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
             if pairs > MAX_PAIRS:
                 why = why or f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
                 continue
-            chunks = [c for c in CHUNKS if c <= max(wide, CHUNKS[-1]) and 4 * trows * (c + 4) <= STAGE_BYTES]
+            if mma:
+                mpad = -(-trows // 16) * 16
+                chunks = [c for c in MMA_CHUNKS if c <= max(-(-depth // 16) * 16, 16)
+                          and 2 * mpad * (c + 8) <= STAGE_BYTES]
+            else:
+                chunks = [c for c in CHUNKS if c <= max(wide, CHUNKS[-1]) and 4 * trows * (c + 4) <= STAGE_BYTES]
             if not chunks:
                 why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
                 continue
@@ -291,7 +347,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 jpad = -(-depth // chunk) * chunk
                 for stages in STAGES:
                     candidate = Plan(rows, size, cols, units, nbt * ntiles, threads, pairs, chunk, jpad, depth,
-                                     pad, vec, stages, ntiles, trows)
+                                     pad, vec, stages, ntiles, trows, nheads, mma)
                     if candidate.shared_bytes <= shared_limit:
                         return candidate
             if why is None or "exceed" not in why:

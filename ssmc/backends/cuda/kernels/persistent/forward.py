@@ -43,7 +43,7 @@ from .....ir.ops import BINARY, UNARY, Op
 from .....lowering.loops import Bin, Call, Num, Select, Var
 from .....lowering.step import BINOPS, CALLS
 from ...printer import CPrinter
-from ...source import math_header
+from ...source import math_header, mma_header
 from .analysis import Cell, Plan
 
 # cycles a block waits at a barrier before it flags a failure in bar[1] (and goes on): a bug then
@@ -161,7 +161,7 @@ class CellPrinter:
                 out.append(f"const {ctype} v{self.index[n]}_{flat(self.own(n), self.sizes, assign)} = {value};")
         return out
 
-    def publish(self) -> list[str]:
+    def publish(self, half: bool = False) -> list[str]:
         """Statements for pair q before the product: the values the operand needs, and the operand at
         (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][JPAD] (the
         contracted axes flat in the weight's order; the columns past DEPTH stay zero)."""
@@ -177,8 +177,9 @@ class CellPrinter:
         own = tuple(a for a in cell.publish.axes if a in cell.local)
         for assign in combos(own, self.sizes):
             at = {cell.unit: "k"} | {a: str(v) for a, v in assign.items()}
+            value = self.printer.expr(self.ref(cell.publish, assign))
             out.append(f"xw[(long long)r * JPAD + {contiguous_index(order, self.sizes, at)}] = "
-                       f"{self.printer.expr(self.ref(cell.publish, assign))};")
+                       + (f"ssmc_mma::float_half<BF16>({value});" if half else f"{value};"))
         return out
 
     def strided(self, axes: tuple[str, ...], strides: tuple[int, ...] | None, assign: dict[str, int]) -> str:
@@ -224,10 +225,44 @@ class CellPrinter:
         return tuple(a for a in axes if a in self.cell.local)
 
 
+# clocks an SM sub-partition (a quarter of the SM's warps) takes per mma.sync m16n8k16, against one clock
+# per 128-byte shared-memory wavefront of the SM (one 32-bit load a lane): the ratio the split weighs
+MMA_CLOCKS = 6
+
+
+def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
+    """The tensor-core form's split of the block's product tiles (16 x 8: MPAD / 16 x NPAD / 8 of them)
+    over its warps: (GM, GN, WM, WN), warp w owning the WM x WN tiles at m-tile (w % GM) WM + i, n-tile
+    (w / GM) WN + n (those past the ends skipped). A k16 step costs the block its fragments' shared loads
+    (4 wavefronts a warp's row of tiles, 2 a column: GN x MT x 4 + GM x NT x 2 in all) or its mma issue
+    (the busiest sub-partition's warps' tiles), whichever is longer; the least of that, at most 64
+    accumulators a thread; fewer where a thread owns 8 pairs (their carries and cells need the registers:
+    32, and 16 in an adjoint, whose cell keeps every gate's derivative)."""
+    mt, nt, warps = plan.mpad // 16, plan.npad // 8, plan.threads // 32
+    most = 64 if plan.pairs < 8 else 32 if plan.cols > 1 else 16
+    best = None
+    for gm in range(1, min(warps, mt) + 1):
+        for gn in range(1, min(warps // gm, nt) + 1):
+            wm, wn = -(-mt // gm), -(-nt // gn)
+            if wm * wn * 4 > most:
+                continue
+            loads = gm * gn * (4 * wm + 2 * wn)
+            issue = -(-gm * gn // 4) * wm * wn * MMA_CLOCKS
+            cost = (max(loads, issue), loads, -gm * gn)
+            if best is None or cost < best[0]:
+                best = (cost, (gm, gn, wm, wn))
+    if best is None:  # more tiles than the warps hold in 64 accumulators: the largest grid, wide tiles
+        gm = min(warps, mt)
+        gn = max(1, min(warps // gm, nt))
+        return gm, gn, -(-mt // gm), -(-nt // gn)
+    return best[1]
+
+
 def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   seq_strides: dict[str, tuple[int, ...]] | None = None,
                   out_strides: dict[str, tuple[int, ...]] | None = None,
-                  record: tuple[int, ...] | None = None) -> str:
+                  record: tuple[int, ...] | None = None, bf16: bool = True,
+                  half_seqs: frozenset = frozenset()) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
@@ -236,22 +271,31 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     sequences, read in place at `seq_strides` (name -> element strides of time and each axis; 0 along a
     broadcast axis; default contiguous), and the outputs, written at `out_strides` (the same form).
     `record`: the strides of rp, where the kernel writes its recurrent product of every step (the
-    forward's h U, which the adjoint would otherwise compute again as a matrix product)."""
+    forward's h U, which the adjoint would otherwise compute again as a matrix product).
+
+    The tensor-core form (`plan.mma`): xo holds 16-bit values (bf16 where `bf16`, else fp16), U is
+    converted to them once into shared memory, and the product is mma.sync tiles with fp32
+    accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32)."""
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
     args = ["int length", "int nblk"]
-    args += [f"const float* __restrict__ s{i}" for i, _ in enumerate(p.seqs)]
+    args += [f"const {'H' if d.name in half_seqs else 'float'}* __restrict__ s{i}" for i, d in enumerate(p.seqs)]
     args += [f"const float* __restrict__ w{i}" for i, _ in enumerate(p.params)]
     args += [f"const float* __restrict__ i{i}" for i, _ in enumerate(p.states)]
     args += [f"float* __restrict__ o{i}" for i, _ in enumerate(p.outputs)]
     args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
     if record is not None:
         args.append("float* __restrict__ rp")
-    args += ["float* xo", "unsigned int* bar"]
+    args += ["X* xo", "unsigned int* bar"]
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
-    wat = {a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
+    wat = ({a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
+           | {a: f"hd_{a}" for a in cell.heads})
+    head_decode = []  # the block's head (its tile's), each head axis' index
+    for i, a in enumerate(cell.heads):
+        inner = math.prod(sizes[b] for b in cell.heads[i + 1:])
+        head_decode.append(f"const int hd_{a} = (tile / TPH / {inner}) % {sizes[a]};")
     rsz = [sizes[a] for a in cell.rows]
 
     def full(axes) -> list[int]:
@@ -273,7 +317,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         else:
             decode = ["const int lr = pq / UNITS;", "const int u = pq % UNITS;"]
         return ["const int pq = threadIdx.x + q * THREADS;", *decode, "const int r = row0 + lr;",
-                "const int k = k0 + u;", "const bool on = lr < TROWS && r < ROWS && k < SIZE;",
+                "const int k = k0 + u;", "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -290,7 +334,16 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         inner = math.prod(sizes[b] for b in order[i + 1:])
         local_decode.append(f"const int e_{a} = (j / {inner}) % {sizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
-    if plan.vec:  # su[u][j]: j fastest (the adjoint's U[j-unit, (g, k)] is contiguous along it)
+    if plan.mma:  # sub[n][j], n = u * COLS + c: j fastest (a B fragment's k pair one 32-bit load)
+        load_u = [
+            "for (int e = threadIdx.x; e < NPAD * JPAD; e += THREADS) {",
+            "    const int j = e % JPAD, n = e / JPAD, u = n / COLS, c = n % COLS, kk = k0 + u;",
+            *("    " + line for line in local_decode),
+            f"    sub[(long long)n * UST + j] = (u < UNITS && j < DEPTH && kk < SIZE) ? "
+            f"ssmc_mma::float_half<BF16>(w{weight}[{u_index}]) : (H)0;",
+            "}",
+        ]
+    elif plan.vec:  # su[u][j]: j fastest (the adjoint's U[j-unit, (g, k)] is contiguous along it)
         load_u = [
             "for (int e = threadIdx.x; e < JPAD * UNITS; e += THREADS) {",
             "    const int j = e % JPAD, u = e / JPAD, kk = k0 + u;",
@@ -333,7 +386,10 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
             terms = [f"(long long)t * {strides[0]}"]
             terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(d.axes, strides[1:]) if st]
-            seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = s{i}[{' + '.join(terms)}];")
+            value = f"s{i}[{' + '.join(terms)}]"
+            if d.name in half_seqs:
+                value = f"ssmc_mma::half_float<BF16>({value})"
+            seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = {value};")
     finals = []
     for s in p.states:
         i = pr.states[s.name]
@@ -348,7 +404,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
     cell_lines = pr.body(out_strides, record)
-    publish_lines = pr.publish()
+    publish_lines = pr.publish(plan.mma)
     product = [
         "#if VEC",
         "#pragma unroll 8",
@@ -379,19 +435,71 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "}",
         "#endif",
     ]
+    gm, gn, wm, wn = warp_grid(plan) if plan.mma else (1, 1, 1, 1)
+    mma_product = [
+        "// the warp's WM x WN tiles of P += sh[rows][j0 .. j0 + CHUNK) sub[n][j0 ..], a k16 step at a time",
+        "if (warp < GM * GN) {",
+        "    #pragma unroll 2",
+        "    for (int kk = 0; kk < CHUNK; kk += 16) {",
+        "        unsigned a[WM][4], b[WN][2];",
+        "        #pragma unroll",
+        "        for (int i = 0; i < WM; ++i) {",
+        "            if (wm0 + i < MT) {",
+        "                const X* r0 = &sh[(wm0 + i) * 16 + lg][kk + 2 * lq];",
+        "                a[i][0] = *reinterpret_cast<const unsigned*>(r0);",
+        "                a[i][1] = *reinterpret_cast<const unsigned*>(r0 + 8 * SHS);",
+        "                a[i][2] = *reinterpret_cast<const unsigned*>(r0 + 8);",
+        "                a[i][3] = *reinterpret_cast<const unsigned*>(r0 + 8 * SHS + 8);",
+        "            }",
+        "        }",
+        "        #pragma unroll",
+        "        for (int n = 0; n < WN; ++n) {",
+        "            if (wn0 + n < NT) {",
+        "                const H* c0 = sub + (long long)((wn0 + n) * 8 + lg) * UST + j0 + kk + 2 * lq;",
+        "                b[n][0] = *reinterpret_cast<const unsigned*>(c0);",
+        "                b[n][1] = *reinterpret_cast<const unsigned*>(c0 + 8);",
+        "            }",
+        "        }",
+        "        #pragma unroll",
+        "        for (int i = 0; i < WM; ++i)",
+        "            #pragma unroll",
+        "            for (int n = 0; n < WN; ++n)",
+        "                if (wm0 + i < MT && wn0 + n < NT) ssmc_mma::mma_16816<BF16>(d[i][n], a[i], b[n]);",
+        "    }",
+        "}",
+    ]
+    from_sp = ["#pragma unroll", "for (int c = 0; c < COLS; ++c) acc[q][c] = sp[lr * SPS + u * COLS + c];"]
     src = f"""{math_header()}
+{mma_header() if plan.mma else ""}
 using namespace ssmc;
 typedef float F;
+typedef unsigned short H;  // a bf16 / fp16 value's bits
+typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged operand's element
 
 #define ROWS {plan.rows}
 #define TROWS {plan.trows}
-#define XROWS {plan.tiles * plan.trows}
+#define XROWS {plan.xrows}
+#define HB {plan.rows // plan.heads}
+#define TPH {plan.tiles // plan.heads}
 #define NBT {plan.blocks // plan.tiles}
 #define SIZE {plan.size}
 #define COLS {plan.cols}
 #define CPAD {plan.cpad or plan.cols}
 #define VEC {int(plan.vec)}
-#define SHS {plan.chunk + 4}
+#define MMA {int(plan.mma)}
+#define BF16 {"true" if bf16 else "false"}
+#define EPC {8 if plan.mma else 4}
+#define SHS {plan.chunk + (8 if plan.mma else 4)}
+#define RROWS {plan.mpad if plan.mma else plan.trows}
+#define NPAD {plan.npad}
+#define UST {plan.jpad + 8}
+#define SPS {plan.npad + 4}
+#define MT {plan.mpad // 16}
+#define NT {plan.npad // 8}
+#define GM {gm}
+#define GN {gn}
+#define WM {wm}
+#define WN {wn}
 #define UNITS {plan.units}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
@@ -402,9 +510,9 @@ typedef float F;
 #define DEPTH {plan.depth}
 #define U_BYTES {plan.u_bytes}
 #define SHARED_BYTES {plan.shared_bytes}
-#define COPIES {-(-plan.trows * plan.chunk // 4 // plan.threads)}
+#define COPIES {-(-plan.trows * plan.chunk // (8 if plan.mma else 4) // plan.threads)}
 #define REVERSE {int(p.reverse)}
-static_assert(CHUNK % 4 == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
+static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
 #ifdef __CUDA_ARCH__
 // Every block of a batch tile arrives (its counter += 1) and waits until all have: target = steps x the
@@ -439,7 +547,7 @@ inline void grid_barrier(unsigned int*, unsigned int, int, unsigned int*) {{ __s
 // 16 bytes of the exchange buffer into shared memory through L2 only (another block wrote them this
 // step: an L1 line of two steps before would be stale): cp.async.cg on sm_80 and later (complete at
 // `copies_wait`), a load through L2 and a store before; a plain copy in the emulator.
-__device__ __forceinline__ void copy16(F* dst, const F* src)
+__device__ __forceinline__ void copy16(X* dst, const X* src)
 {{
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n"
@@ -465,13 +573,13 @@ __device__ __forceinline__ void copies_wait()
 }}
 
 // chunk c of the tile's operand, op[r][c CHUNK .. c CHUNK + CHUNK), into the ring buffer `sh` (one group
-// of copies, 16 bytes each: element e = threadIdx.x + i THREADS of its [TROWS][CHUNK / 4])
-__device__ __forceinline__ void stage(F (*sh)[SHS], const F* hin, int c)
+// of copies, 16 bytes (EPC elements) each: element e = threadIdx.x + i THREADS of its [TROWS][CHUNK / EPC])
+__device__ __forceinline__ void stage(X (*sh)[SHS], const X* hin, int c)
 {{
     #pragma unroll
     for (int i = 0; i < COPIES; ++i) {{
-        const int e = threadIdx.x + i * THREADS, r = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
-        if (e < TROWS * (CHUNK / 4)) copy16(&sh[r][j], hin + (long long)r * JPAD + c * CHUNK + j);
+        const int e = threadIdx.x + i * THREADS, r = e / (CHUNK / EPC), j = EPC * (e % (CHUNK / EPC));
+        if (e < TROWS * (CHUNK / EPC)) copy16(&sh[r][j], hin + (long long)r * JPAD + c * CHUNK + j);
     }}
 }}
 
@@ -484,36 +592,60 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #else
     __shared__ __align__(16) unsigned char smem[SHARED_BYTES];
 #endif
-#if VEC
+#if MMA
+    H* sub = reinterpret_cast<H*>(smem);  // [NPAD][UST]: U slice, 16-bit, the contracted index fastest
+    // the product's result [MPAD][SPS] fp32 (after the ring), read by the threads owning the pairs
+    F* sp = reinterpret_cast<F*>(smem + U_BYTES + NSTAGE * (RROWS * SHS * 2));
+    const int warp = threadIdx.x / 32, lg = (threadIdx.x % 32) / 4, lq = threadIdx.x % 4;
+    const int wm0 = (warp % GM) * WM, wn0 = (warp / GM) * WN;  // the warp's first m-tile and n-tile
+    F d[WM][WN][4];
+#elif VEC
     F (*su)[JPAD + 4] = reinterpret_cast<F (*)[JPAD + 4]>(smem);  // + 4: the units' rows start in different banks
 #else
     F (*su)[UNITS][CPAD] = reinterpret_cast<F (*)[UNITS][CPAD]>(smem);
 #endif
-    // the ring of staged chunks [NSTAGE][TROWS][CHUNK + 4] (+ 4: a warp's rows in different banks)
-    F (*ring)[TROWS][SHS] = reinterpret_cast<F (*)[TROWS][SHS]>(smem + U_BYTES);
-    // block x: the tile x / NBT of TROWS rows, the units of its slice x % NBT
-    const int tile = blockIdx.x / NBT, row0 = tile * TROWS, k0 = (blockIdx.x % NBT) * UNITS;
+    // the ring of staged chunks [NSTAGE][RROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
+    // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero)
+    X (*ring)[RROWS][SHS] = reinterpret_cast<X (*)[RROWS][SHS]>(smem + U_BYTES);
+    // block x: the tile x / NBT of TROWS rows (TPH tiles a head of HB rows: TLIM of them in the tile), the
+    // units of its slice x % NBT
+    const int tile = blockIdx.x / NBT, k0 = (blockIdx.x % NBT) * UNITS;
+    const int row0 = (tile / TPH) * HB + (tile % TPH) * TROWS, TLIM = min(TROWS, HB - (tile % TPH) * TROWS);
+{chr(10).join("    " + line for line in head_decode)}
 {chr(10).join("    " + line for line in load_u)}
     // the exchange buffer's pad columns [DEPTH, JPAD): zero, and never written again (U is zero there too,
     // but a NaN of uninitialised memory times zero is not)
     if (blockIdx.x == 0 && JPAD > DEPTH)
         for (int e = threadIdx.x; e < 2 * XROWS * (JPAD - DEPTH); e += THREADS)
-            xo[(long long)(e / (JPAD - DEPTH)) * JPAD + DEPTH + e % (JPAD - DEPTH)] = F(0);
+            xo[(long long)(e / (JPAD - DEPTH)) * JPAD + DEPTH + e % (JPAD - DEPTH)] = (X)0;
+#if MMA
+    for (int e = threadIdx.x; e < NSTAGE * (RROWS - TROWS) * SHS; e += THREADS)
+        ring[e / ((RROWS - TROWS) * SHS)][TROWS + (e / SHS) % (RROWS - TROWS)][e % SHS] = (X)0;
+#endif
 {chr(10).join("    " + line for line in decl)}
 {per_pair(prologue)}
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
-        F* xw = xo + (s & 1) * (XROWS * JPAD);
-        const F* xt = xw + (long long)row0 * JPAD;  // the tile's rows
+        X* xw = xo + (s & 1) * (XROWS * JPAD);
+        const X* xt = xw + (long long)row0 * JPAD;  // the tile's rows
 {per_pair(seq_loads, depth=2)}
 {per_pair(publish_lines, depth=2)}
         // every block's operand of this step written before any block of its tile stages it
         if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
         else __syncthreads();
+#if MMA
+        #pragma unroll
+        for (int i = 0; i < WM; ++i)
+            #pragma unroll
+            for (int n = 0; n < WN; ++n)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v) d[i][n][v] = F(0);
+#else
         #pragma unroll
         for (int q = 0; q < PAIRS; ++q)
             #pragma unroll
             for (int c = 0; c < COLS; ++c) acc[q][c] = F(0);
+#endif
         // the first NSTAGE - 1 chunks in flight; then at chunk c: wait for it, the block's barrier (every
         // thread's copies of it landed, every thread done with chunk c - 1), chunk c + NSTAGE - 1 into the
         // buffer chunk c - 1 left, the products of chunk c
@@ -527,10 +659,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
             __syncthreads();
             if (c + NSTAGE - 1 < NCHUNK) stage(ring[(c + NSTAGE - 1) % NSTAGE], xt, c + NSTAGE - 1);
             copies_commit();  // a group every chunk, empty ones included: the wait counts groups
-            F (*sh)[SHS] = ring[c % NSTAGE];
+            X (*sh)[SHS] = ring[c % NSTAGE];
             const int j0 = c * CHUNK;
+#if MMA
+{chr(10).join("            " + line for line in mma_product)}
+#else
 {per_pair(product, guard="lr < TROWS", depth=3)}
+#endif
         }}
+#if MMA
+        // the warp's tiles to sp, then each pair's columns from it (sp is read before the next step's
+        // product writes it: the block barriers of its chunk loop are between)
+        if (warp < GM * GN) {{
+            #pragma unroll
+            for (int i = 0; i < WM; ++i)
+                #pragma unroll
+                for (int n = 0; n < WN; ++n)
+                    if (wm0 + i < MT && wn0 + n < NT) {{
+                        F* o = sp + ((wm0 + i) * 16 + lg) * SPS + (wn0 + n) * 8 + 2 * lq;
+                        o[0] = d[i][n][0];
+                        o[1] = d[i][n][1];
+                        o[8 * SPS] = d[i][n][2];
+                        o[8 * SPS + 1] = d[i][n][3];
+                    }}
+        }}
+        __syncthreads();
+{per_pair(from_sp, guard="lr < TROWS", depth=2)}
+#endif
 {per_pair(cell_lines, depth=2)}
     }}
 {per_pair(finals)}

@@ -16,10 +16,12 @@ them to the host behind the launch and raises `BarrierTimeout` at its next call 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 
 from ...options import emulating, options
 from ...runner import batch_outer
+from . import analysis
 from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
@@ -48,18 +50,38 @@ class PersistentLoop:
                 f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
-    def plan_for(self, sizes: dict[str, int]):
-        """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal."""
+    def plan_for(self, sizes: dict[str, int], half: bool = False):
+        """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal;
+        `half`: the tensor-core form (16-bit U and operand on chip), falling back to the fp32 form where
+        that does not fit."""
         emulate = emulating()
-        sm = options().sm_count
-        key = (tuple(sorted(sizes.items())), emulate, sm)
+        sm, cap = options().sm_count, options().persistent_blocks
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS)  # (tests change it)
         if key not in self._plans:
-            self._plans[key] = plan(self.cell, sizes, sm, blocks=1 if emulate else None)
+            # emulated: a block a head (the blocks run one after another: no grid barrier between them)
+            blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
+            chosen = plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap) if half else None
+            if chosen is None or isinstance(chosen, str):
+                chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
+            self._plans[key] = chosen
         return self._plans[key]
 
+    def half_dtype(self, params):
+        """The 16-bit dtype of the recurrent weight as given (bfloat16 / float16: the tensor-core form), or
+        that of the call's inputs where a gradient's path cast them to fp32 (runtime/precision.py), or None
+        (the fp32 form)."""
+        import torch
 
-    # `hoisted.HoistedRunner` passes `orders` and `products` to `run`
+        from .....runtime.precision import half_inputs
+
+        w = params.get(self.cell.weight)
+        return w.dtype if w is not None and w.dtype in (torch.bfloat16, torch.float16) else half_inputs()
+
+
+    # `hoisted.HoistedRunner` passes `orders` and `products` to `run`, and computes the hoisted products of
+    # 16-bit inputs in 16 bits (this runner reads them so, in its tensor-core form)
     writes_in_order = True
+    reads_half = True
 
     def run(self, seqs, params, initial, sizes, length, out_dtype=None, orders=None, products=None):
         """The runner contract (time-first torch tensors in and out, as `StepLoop.run`). The outputs are
@@ -73,14 +95,16 @@ class PersistentLoop:
         emulate = emulating()
         on_device = device is not None and (device.type == "cpu" if emulate else device.type == "cuda")
         self._check()
-        chosen = self.plan_for(sizes)
+        half = self.half_dtype(params)
+        chosen = self.plan_for(sizes, half is not None)
         key = tuple(sorted(sizes.items()))
         if length < 1 or not on_device or isinstance(chosen, str):
             if isinstance(chosen, str):
                 self.refusals[key] = chosen
             return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
         record = products is not None and not self.program.reverse and self.cell.product not in products
-        result = self._launch(chosen, seqs, params, initial, sizes, length, device, emulate, orders or {}, record)
+        result = self._launch(chosen, seqs, params, initial, sizes, length, device, emulate, orders or {}, record,
+                              half if chosen.mma else None)
         if isinstance(result, str):  # the driver refused the cooperative launch
             self.refusals[key] = result
             return self.fallback.run(seqs, params, initial, sizes, length, out_dtype)
@@ -137,7 +161,7 @@ class PersistentLoop:
         bar = self._last_bar.cpu().tolist()
         return bool(bar[1]), int(bar[2])
 
-    def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate, orders, record):
+    def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate, orders, record, half=None):
         import torch
 
         p, cell = self.program, self.cell
@@ -151,7 +175,10 @@ class PersistentLoop:
             return [sizes[a] for a in axes]
 
         # sequences read in place (their strides printed into the source; 0 along a broadcast axis)
-        seq_t = [_as_f32(seqs[d.name]).expand(length, *full(d.axes)) for d in p.seqs]
+        # (in the tensor-core form, those in its 16-bit dtype as they are: the kernel converts them)
+        seq_t = [(seqs[d.name] if half is not None and seqs[d.name].dtype == half else _as_f32(seqs[d.name]))
+                 .expand(length, *full(d.axes)) for d in p.seqs]
+        half_seqs = frozenset(d.name for d, t in zip(p.seqs, seq_t) if t.dtype != f32)
         seq_strides = {d.name: tuple(t.stride()) for d, t in zip(p.seqs, seq_t)}
         par_t = [dense(params[d.name], full(d.axes)) for d in p.params]
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
@@ -171,14 +198,15 @@ class PersistentLoop:
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
         # the exchange buffer, each step's operand [rows][jpad] by step parity (the kernel writes it, and
         # zeroes its pad columns once)
-        xo = torch.empty(2 * chosen.tiles * chosen.trows * chosen.jpad, dtype=f32, device=device)
+        xo = torch.empty(2 * chosen.xrows * chosen.jpad, dtype=half or f32, device=device)
         # (unused, a barrier timed out, the step it did), then a counter a batch tile
         bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32, device=device)
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, *([recorded] if record else []), xo, bar]
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
-                               tuple(recorded.stride()) if record else None)
+                               tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
+                               half_seqs=half_seqs)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated

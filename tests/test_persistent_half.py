@@ -1,0 +1,257 @@
+"""The persistent kernel's tensor-core form (backends/cuda/kernels/persistent/, `Plan.mma`): 16-bit
+inputs keep U and each step's operand (h, or the adjoint's dz) in bf16 / fp16 on chip and multiply
+them with mma.sync m16n8k16 into fp32 accumulators, the cell and its carries in fp32; heads (a
+block-diagonal U, examples/lstm_heads.py) as batch tiles within one head; the grid of a small shape.
+
+CPU: the plans at the benchmark shapes, NVRTC (sm_80, sm_90: no spills), one emulated block against
+the interpreter (the emulator multiplies the mma fragments lane by lane: templates/ssmc_mma.cuh).
+GPU: bf16 calls and their gradients against the interpreter (float64, on the bf16-rounded inputs) at
+L = 1, 7, 180 and hidden sizes that are not multiples of the tiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from profiles import in_ci
+from test_persistent_rnn import launched  # noqa: F401  (a fixture)
+
+import ssmc
+from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
+from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, analyse, plan
+from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source, warp_grid
+from ssmc.examples import gru, lstm, lstm_heads
+from ssmc.lowering.hoist import hoist
+from ssmc.passes.autodiff import derive_backward
+
+torch = pytest.importorskip("torch")
+
+# bf16 keeps 8 bits of mantissa: the outputs come back rounded to it (2e-3 relative each), x W and the
+# operand of every step's product are rounded to it too; over a contracting recurrence these stay within
+# a few of those roundings of the float64 reference on the same (rounded) inputs
+BF16_TOL = 3e-2        # outputs and final states: max |got - want| / max |want|
+BF16_GRAD_TOL = 6e-2   # every gradient, the same measure
+
+
+def _forward(spec):
+    return hoist(spec.program, transpose=False).program
+
+
+def _adjoint(spec):
+    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
+
+
+LSTM_BIG = {"b": 256, "k": 1024, "j": 1024, "g": 4, "i": 1024}
+HEADS = {"b": 64, "n": 4, "k": 128, "j": 128, "g": 4, "i": 512}
+
+
+# -- plans ------------------------------------------------------------------------------------------------------
+
+def test_bf16_lstm_h1024_plans_on_tensor_cores():
+    """B256 H1024: U in bf16 (8 MiB) spread over 128 blocks in 2 batch tiles of 128 rows, 16 units x 4
+    gates a block (129 KiB); in fp32 only 1 tile fits (8 units a block, every block staging all 256 rows)."""
+    for program, cols in ((_forward(lstm.SPEC), 4), (_adjoint(lstm.SPEC), 1)):
+        cell = analyse(program)
+        half = plan(cell, LSTM_BIG, 132, mma=True)
+        assert not isinstance(half, str), half
+        assert (half.mma, half.blocks, half.tiles, half.trows, half.units, half.cols) == (True, 128, 2, 128, 16, cols)
+        assert half.shared_bytes <= BLOCK_SHARED and half.chunk % 16 == 0
+        gm, gn, wm, wn = warp_grid(half)
+        assert gm * gn <= half.threads // 32 and gm * wm * 16 >= half.mpad and gn * wn * 8 >= half.npad
+        full = plan(cell, LSTM_BIG, 132)
+        assert not full.mma and full.tiles == 1
+
+
+def test_heads_take_the_persistent_kernel():
+    """4 heads of 128: each head's tiles own its rows and its U slice (a block never spans two heads)."""
+    for program in (_forward(lstm_heads.SPEC), _adjoint(lstm_heads.SPEC)):
+        cell = analyse(program)
+        assert not isinstance(cell, str), cell
+        assert cell.heads == ("n",) and cell.rows[0] == "n"
+        for mma in (False, True):
+            chosen = plan(cell, HEADS, 132, mma=mma)
+            assert not isinstance(chosen, str), chosen
+            assert chosen.heads == 4 and chosen.tiles % 4 == 0 and 64 % (chosen.tiles // 4) == 0
+            assert chosen.blocks <= 132 and chosen.xrows >= chosen.rows + chosen.trows
+
+
+def test_small_shapes_take_fewer_fuller_blocks():
+    """B16 H256 (4096 pairs): 32 blocks of 128 threads, not 128 of 32 (a barrier of fewer arrivals, the
+    same work a thread); `max_blocks` (SSMC_CUDA_PERSISTENT_BLOCKS) caps the grid; a large shape keeps
+    a block an SM."""
+    cell = analyse(_forward(lstm.SPEC))
+    small = {"b": 16, "k": 256, "j": 256, "g": 4, "i": 128}
+    chosen = plan(cell, small, 132)
+    assert (chosen.blocks, chosen.threads, chosen.pairs) == (32, 128, 1)
+    capped = plan(cell, small, 132, max_blocks=8)
+    assert capped.blocks <= 8 and capped.pairs <= 8
+    assert plan(cell, {"b": 64, "k": 512, "j": 512, "g": 4}, 132).blocks == 128
+
+
+def test_inspect_names_the_persistent_split():
+    """`ssmc inspect`'s notes (report.path_notes) give the forward's and the adjoint's split at the sizes and
+    dtype asked: the tensor-core form in bf16, the FMA form in fp32."""
+    from ssmc.backends.cuda.report import path_notes
+
+    sizes = {"b": 256, "i": 1024, "k": 1024}
+    half = [line for line in path_notes(lstm.SPEC.program, sizes, 1024, "bfloat16") if line.startswith("persistent")]
+    assert len(half) == 2 and all("tensor cores" in line and "2 batch tiles" in line for line in half), half
+    full = [line for line in path_notes(lstm.SPEC.program, sizes, 1024) if line.startswith("persistent")]
+    assert len(full) == 2 and not any("tensor cores" in line for line in full), full
+
+
+# -- NVRTC ----------------------------------------------------------------------------------------------------
+
+HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoint(lstm.SPEC), LSTM_BIG),
+               ("heads", _forward(lstm_heads.SPEC), HEADS), ("heads adjoint", _adjoint(lstm_heads.SPEC), HEADS),
+               ("gru", _forward(gru.SPEC), {"b": 64, "k": 512, "j": 512, "g": 3}),
+               ("lstm odd", _forward(lstm.SPEC), {"b": 5, "k": 129, "j": 129, "g": 4})]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name,program,sizes", HALF_SHAPES, ids=[s[0] for s in HALF_SHAPES])
+def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, arch):
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip(nvrtc.unavailable_reason())
+    cell = analyse(program)
+    chosen = plan(cell, sizes, 132, mma=True)
+    assert not isinstance(chosen, str) and chosen.mma, chosen
+    source = kernel_source(cell, chosen, sizes, half_seqs=frozenset(d.name for d in cell.program.seqs))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in source
+    used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
+    assert not used.spills and used.stack_frame_bytes == 0, used.summary()
+    assert used.registers <= 255 and used.shared_bytes == 0, used.summary()
+
+
+# -- against the interpreter -----------------------------------------------------------------------------------
+
+def _tensor(x):
+    return x.detach().float().cpu().numpy().astype(np.float64) if hasattr(x, "detach") else np.asarray(x, np.float64)
+
+
+def _flat(x) -> list:
+    if isinstance(x, dict):
+        return [a for v in x.values() for a in _flat(v)]
+    if isinstance(x, (tuple, list)):
+        return [a for v in x for a in _flat(v)]
+    return [_tensor(x)]
+
+
+def _relative(a, b) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _inputs(name: str, rng, length: int, batch: int, hidden: int) -> dict:
+    if name == "heads":
+        return lstm_heads.make_inputs(rng, length, batch=batch, inp=4, heads=3, hidden=hidden)
+    module = {"lstm": lstm, "gru": gru}[name]
+    return module.make_inputs(rng, length, batch=batch, inp=4, hidden=hidden)
+
+
+SPECS = {"lstm": lstm, "gru": gru, "heads": lstm_heads}
+
+
+def check_half(name: str, length: int, batch: int, hidden: int, device: str, grads: bool = True,
+               dtype=torch.bfloat16, seed: int = 0) -> None:
+    """`name`'s call in `dtype` (inputs rounded to it) against the interpreter's float64 on the same rounded
+    values: outputs and final states within BF16_TOL, every gradient (`ssmc.grad`, cotangents rounded
+    too) within BF16_GRAD_TOL."""
+    m = SPECS[name]
+    rng = np.random.default_rng(seed)
+    given = {k: torch.as_tensor(v).to(dtype) for k, v in _inputs(name, rng, length, batch, hidden).items()}
+    exact = {k: v.double().numpy() for k, v in given.items()}
+    on = {k: v.to(device) for k, v in given.items()}
+    want = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="interpreter")(**exact, return_final_states=True)
+    got = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="cuda")(**on, return_final_states=True)
+    for a, b in zip(_flat(got), _flat(want), strict=True):
+        assert _relative(a, b) < BF16_TOL, (name, length, batch, hidden, _relative(a, b))
+    if grads:
+        cot = torch.as_tensor(rng.standard_normal(np.shape(want[0]))).to(dtype)
+        want_g = ssmc.grad(m.SPEC, backend="interpreter", layout=m.LAYOUT)(**exact, grad_outputs=cot.double().numpy())
+        have_g = ssmc.grad(m.SPEC, backend="cuda", layout=m.LAYOUT)(**on, grad_outputs=cot.to(device))
+        assert set(have_g) == set(want_g)
+        for k in want_g:
+            err = _relative(_tensor(have_g[k]), np.asarray(want_g[k], np.float64))
+            assert err < BF16_GRAD_TOL, (name, k, length, batch, hidden, err)
+
+
+@pytest.fixture
+def half_launches(monkeypatch):
+    """(program, whether the tensor-core form) of every persistent launch."""
+    ran = []
+    original = persistent_runner.PersistentLoop._launch
+
+    def spy(self, chosen, *a, **k):
+        result = original(self, chosen, *a, **k)
+        if not isinstance(result, str):
+            ran.append((self.program.name, chosen.mma))
+        return result
+    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
+    return ran
+
+
+def test_emulated_bf16_lstm(emulated_cuda, half_launches):
+    """One emulated block: the forward, the carries' recompute and the adjoint all in the tensor-core form
+    (the gradient's path casts the inputs to fp32: runtime/precision.py keeps their dtype known)."""
+    check_half("lstm", 7, batch=3, hidden=5, device="cpu")
+    assert {name for name, mma in half_launches if mma} >= {"lstm", "lstm_backward"}, half_launches
+
+
+@pytest.mark.skipif(in_ci(), reason="CI runs the bf16 LSTM (the same kernel; heads only change its indexing)")
+def test_emulated_heads(emulated_cuda, half_launches):
+    """3 heads, a block each (emulated blocks run one after another: no barrier between heads)."""
+    check_half("heads", 7, batch=3, hidden=5, device="cpu")
+    assert ("lstm_heads", True) in half_launches and ("lstm_heads_backward", True) in half_launches
+
+
+def test_emulated_heads_fp32(emulated_cuda, half_launches):
+    """The heads in fp32 (the FMA form), forward only, against the interpreter."""
+    rng = np.random.default_rng(3)
+    inputs = lstm_heads.make_inputs(rng, 5, batch=2, inp=3, heads=2, hidden=3)
+    want = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="interpreter")(
+        **inputs, return_final_states=True)
+    got = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="cuda", dtype="float32")(
+        **inputs, return_final_states=True)
+    for a, b in zip(_flat(got), _flat(want), strict=True):
+        assert _relative(a, b) < 1e-5
+    assert half_launches == [("lstm_heads", False)]
+
+
+def test_heads_example_matches_its_reference():
+    err = lstm_heads.reference(**lstm_heads.make_inputs(np.random.default_rng(0), 7))[0]
+    got = ssmc.compile(lstm_heads.SPEC, "interpreter", layout=lstm_heads.LAYOUT)(
+        **lstm_heads.make_inputs(np.random.default_rng(0), 7))
+    assert np.abs(got - err).max() < 1e-12
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------------
+
+# (batch, hidden) neither a multiple of the m16 / n8 tiles; H 700 at L 1 and 7 only (the interpreter's
+# float64 reference of 180 steps at that size takes minutes)
+ODD = ((5, 37), (3, 129), (19, 700))
+GPU_CASES = ([("lstm", length, batch, hidden) for length in (1, 7) for batch, hidden in ODD]
+             + [("lstm", 180, 5, 37), ("lstm", 180, 3, 129)]
+             + [("gru", 1, 19, 700), ("gru", 7, 3, 129), ("gru", 180, 5, 37)]
+             + [("heads", 1, 19, 300), ("heads", 7, 3, 129), ("heads", 180, 5, 37)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,length,batch,hidden", GPU_CASES)
+def test_gpu_bf16(name, length, batch, hidden, half_launches):
+    """Many blocks, the grid barrier, m16 tiles past the rows (5, 3, 19 rows) and n8 tiles past the units
+    (37, 129, 700 units; 3 heads of 37, 129, 300), forward and gradients."""
+    check_half(name, length, batch, hidden, device="cuda")
+    assert any(mma for _, mma in half_launches), f"no tensor-core launch: {half_launches}"
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_benchmark_shape(half_launches):
+    """LSTM B256 L3 H1024 in bf16: the benchmark's plan (2 batch tiles x 64 blocks), the forward (L 3: the
+    interpreter's float64 reference at this size takes a while)."""
+    check_half("lstm", 3, batch=256, hidden=1024, device="cuda", grads=False)
+    assert ("lstm", True) in half_launches
