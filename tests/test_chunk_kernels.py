@@ -181,9 +181,10 @@ def test_the_kernels_compile_without_spills(arch):
                 for bf16, aligned in ((True, True), (False, True), (True, False)) if largest else ((True, True),):
                     text = mma.source(key, value, chunk, bf16, aligned)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-                    assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output",
-                                              "chunk_dstates", "state_pass_reverse", "chunk_dq", "chunk_dk",
-                                              "chunk_dv"}
+                    assert set(resources) == {"chunk_states", "state_pass", "state_pass_half", "chunk_states_scan",
+                                              "chunk_output", "chunk_output_hs", "chunk_output_ho",
+                                              "chunk_output_hs_ho", "chunk_dstates", "state_pass_reverse",
+                                              "chunk_dq", "chunk_dk", "chunk_dv"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()
