@@ -105,6 +105,25 @@ def test_emulated_kernels_agree_with_the_torch_forward(emulate, chunk, length):
 
 
 @needs_emulator
+def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
+    """An inference call's forward (`half_states`: state_pass_half, chunk_output_hs; `out_dtype` 16-bit:
+    chunk_output_ho / _hs_ho): the entering states are the fp32 pass's rounded to q's 16 bits, the
+    output bit for bit the fp32 kernels' output (chunk_output rounds the states so either way) or it
+    rounded, the final state the same; a head per operand broadcast as SSD's."""
+    x = _chunks(130, seed=7, chunk=64)
+    out, entering, final = mma.forward(x)
+    for half_out in (False, True):
+        dtype = x.q.dtype if half_out else torch.float32
+        got, half, got_final = mma.forward(x, half_states=True, out_dtype=dtype)
+        assert half.dtype == x.q.dtype and got.dtype == dtype
+        assert torch.equal(half, entering.to(x.q.dtype))
+        assert torch.equal(got, out.to(dtype))
+        assert torch.equal(got_final, final)
+    got, _, _ = mma.forward(x, out_dtype=x.q.dtype)  # fp32 states, 16-bit output
+    assert torch.equal(got, out.to(x.q.dtype))
+
+
+@needs_emulator
 @pytest.mark.parametrize("chunk, length", [(64, 130), (128, 300)])
 def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
     """chunk_states_scan (a block per state tile walking the chunks) in place of chunk_states and

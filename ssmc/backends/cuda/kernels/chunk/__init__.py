@@ -20,6 +20,7 @@ SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forw
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,23 @@ class ChunkTape:
     entering: torch.Tensor
     final: torch.Tensor
     decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
+
+
+# decays found positive: id of the array as checked -> (a weak reference to it, its address, its version);
+# it holds while that very array is alive, where it was and unwritten since (an in-place write bumps the
+# version); a new array, a view of it included, is checked again
+_POSITIVE: dict = {}
+
+
+def _positive_before(x: torch.Tensor) -> bool:
+    seen = _POSITIVE.get(id(x))
+    return seen is not None and seen[0]() is x and seen[1:] == (x.data_ptr(), x._version)
+
+
+def _found_positive(x: torch.Tensor) -> None:
+    if len(_POSITIVE) > 256:  # ever new arrays (decays given as sequences): keep it bounded
+        _POSITIVE.clear()
+    _POSITIVE[id(x)] = (weakref.ref(x), x.data_ptr(), x._version)
 
 
 class NonPositiveDecay(ValueError):
@@ -140,13 +158,17 @@ class ChunkedCore:
             node = ml.log_decay if ml.log_decay is not None else ml.decay
             arr, timed = self._input(node, seqs, params)
             if ml.decay is not None:
-                arr = arr.to(f)
-                # a host sync: not while a CUDA graph is captured (a decay <= 0 then gives NaN outputs)
+                given, arr = arr, arr.to(f)
+                # a host sync: not while a CUDA graph is captured (a decay <= 0 then gives NaN outputs), and
+                # once per array as it stands (a param's decays, RetNet's gamma, checked at its first call
+                # only: a sync a call would leave the GPU idle while the host launches the next call)
                 capturing = arr.is_cuda and torch.cuda.is_current_stream_capturing()
-                if not capturing and not bool((arr > 0).all()):
+                if not capturing and not _positive_before(given) and not bool((arr > 0).all()):
                     raise NonPositiveDecay(
                         f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its log"
                         " (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
+                if not capturing:
+                    _found_positive(given)
             ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
             if ml.decay is not None:  # padded steps: decay 1
                 decay = ell.masked_fill(ell == 0, 1.0)
