@@ -328,6 +328,34 @@ def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeyp
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     assert core.half_inputs(cast, given, sizes) is cast
 
+def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the_calls_dtype(monkeypatch):
+    """`CudaBackend.stage_dtypes` for Mamba-2 (pre, core, post): the pre stage writes v (x · softplus(dt))
+    in C's bf16, the core's rounding, and its log decays in the compute dtype; the core's contraction
+    (read by post) stays in the compute dtype; post, whose every output is a result, writes the call's
+    dtype. fp32 q, a key size the kernels do not take: nothing in 16 bits. `runner.output_dtype` reads
+    the per-output pairs."""
+    from ssmc.backends.cuda.backend import CudaBackend, cuda_stages
+    from ssmc.backends.cuda.runner import output_dtype
+    from ssmc.examples import mamba2
+
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    fused = cuda_stages(mamba2.SPEC.program)
+    assert [st.kind for st in fused.stages] == ["pre", "core", "post"]
+    dtypes = CudaBackend("cuda").stage_dtypes(fused, np.dtype("float32"))
+    sizes = {"b": 1, "g": 1, "r": 2, "p": 64, "n": 128}
+    seqs = {name: torch.zeros(3, dtype=torch.bfloat16) for name in ("x", "dt", "B", "C")}
+    pre = fused.stages[0]
+    v_name = next(n for n in pre.writes if n.endswith("_v"))
+    ell_name = next(n for n in pre.writes if n.endswith("_ell"))
+    wanted = dtypes(0, seqs, sizes, torch.bfloat16)
+    assert output_dtype(wanted, v_name) == torch.bfloat16 and output_dtype(wanted, ell_name) is None
+    assert dtypes(1, {**seqs, v_name: None, ell_name: None}, sizes, torch.bfloat16) is None
+    assert dtypes(2, seqs, sizes, torch.bfloat16) == torch.bfloat16
+    assert dtypes(0, {**seqs, "C": seqs["C"].float()}, sizes, torch.float32) is None
+    assert dtypes(0, seqs, {**sizes, "n": 32}, torch.bfloat16) is None
+    assert output_dtype(torch.float16, "y") == torch.float16 and output_dtype(None, "y") is None
+
+
 # -- on the GPU: whole specs --------------------------------------------------------------------------
 
 def _spec_case(name: str, length: int):

@@ -443,8 +443,6 @@ class CudaRunner:
 MAX_PLANS = 4096
 
 
-
-@dataclass(frozen=True)
 def output_dtype(out_dtype, name: str):
     """The dtype output `name` is written in: `out_dtype` as a run takes it, one torch dtype for every
     output, None (the compute dtype) or pairs ((output name, dtype), ...) for some outputs
@@ -454,6 +452,7 @@ def output_dtype(out_dtype, name: str):
     return out_dtype
 
 
+@dataclass(frozen=True)
 class Allocation:
     """An array a launch writes: allocated C-contiguous with `shape`, in which the time axis is at
     `time_at` (-1: the caller's time-first order as it is); the view returned has it moved to
