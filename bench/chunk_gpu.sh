@@ -18,10 +18,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     > "$out/machine.log" 2>&1
 cores="--no-cores"
 [ "${CORES:-0}" = 1 ] && cores=""
-{ timeout 110 python3 bench/chunk_check.py $cores --out "$out"; echo "exit $?"; } > "$out/chunk_check.log" 2>&1
+{ timeout 120 python3 bench/chunk_check.py $cores --out "$out"; echo "exit $?"; } > "$out/chunk_check.log" 2>&1
 { timeout 40 python3 bench/profile_families.py --only ssd,retnet --out "$out"; echo "exit $?"; } \
     > "$out/profile.log" 2>&1
-{ timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_chunk_kernels.py tests/test_chunked.py
+{ timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_chunk_kernels.py tests/test_chunked.py
   echo "exit $?"; } > "$out/gpu_tests.log" 2>&1
 tail -n 3 "$out/gpu_tests.log"
 grep -E "FAILED|ok:|exit" "$out/chunk_check.log" | cut -c1-400

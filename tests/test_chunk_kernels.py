@@ -273,6 +273,15 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
         assert outs[k].shape == ref_outs[k].shape and _rel(outs[k], ref_outs[k]) < 1e-2
     for k in ref_finals:
         assert finals[k].shape == ref_finals[k].shape and _rel(finals[k], ref_finals[k]) < 1e-2
+    # an inference call (`run`, no tape): 16-bit entering states and output on the kernels, the output
+    # bit for bit the training forward's rounded, written in place (time first), the final state the same
+    run_outs, run_finals = core.run(seqs, params, initial, sizes, length, out_dtype=torch.bfloat16)
+    assert len(calls) == 2 and calls[1].dtype == torch.bfloat16
+    assert run_outs[core.output].data_ptr() == calls[1].data_ptr()
+    for k in outs:
+        assert torch.equal(run_outs[k], outs[k].to(torch.bfloat16)), k
+    for k in finals:
+        assert torch.equal(run_finals[k], finals[k]), k
     output, state = core.output, program.states[0].name
     cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).float()}
     lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
@@ -286,7 +295,7 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     on_tape = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
-    assert len(calls) == 1  # the torch path (its chunk by the state's size, maybe not the kernels')
+    assert len(calls) == 2  # the torch path (its chunk by the state's size, maybe not the kernels')
     torch_path = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
     assert backward_calls == [1]
     _, _, wide_tape = wide.forward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()},
