@@ -16,7 +16,8 @@ fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16
    kernels, on the torch path, the peer's forward; and the chunked core alone (`mma.forward` against
    `algorithm.forward` on the same chunked operands) at each chunk the kernels take (64, 128, 256),
    with each kernel's own time (CUDA events around its launch, median of 30 calls) and the bytes it
-   moves at the least, as GB/s; and the one-pass states variant (`mma.forward(x, one_pass=True)`:
+   moves at the least, as GB/s, also of an inference call's variants (state_pass_half, chunk_output_hs_ho:
+   16-bit entering states and output); and the one-pass states variant (`mma.forward(x, one_pass=True)`:
    chunk_states_scan in place of chunk_states and state_pass), its time and error;
 3. forward + backward (`ssmc.torch.function`, a training step's `.backward(dy)`): first every gradient
    against the peer's (autograd through the peer's Triton backward; RetNet: q, k, v, fla fixes gamma)
@@ -225,10 +226,15 @@ def kernel_bytes(x: algorithm.Chunks) -> dict[str, int]:
     ell = steps * 4 * nh
     states = nh * nc * key * value * 4
     tiles_v = value // 64
+    output = 2 * qk * tiles_v + vv + ell
     return {"chunk_states": qk * tiles_v + vv * (key // 64) + ell + states,
             "chunk_states_scan": qk * tiles_v + vv * (key // 64) + ell + states + 2 * nh * key * value * 4,
             "state_pass": 2 * states + nh * key * value * 8,
-            "chunk_output": 2 * qk * tiles_v + vv + ell + states + steps * value * 4 * nh}
+            "state_pass_half": states + states // 2 + nh * key * value * 8,
+            "chunk_output": output + states + steps * value * 4 * nh,
+            "chunk_output_ho": output + states + steps * value * 2 * nh,
+            "chunk_output_hs": output + states // 2 + steps * value * 4 * nh,
+            "chunk_output_hs_ho": output + states // 2 + steps * value * 2 * nh}
 
 
 def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.Chunks:
@@ -389,6 +395,13 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> li
             for one_pass in (False, True):
                 for k, t in kernel_times(x, one_pass=one_pass).items():
                     parts[k] = f"{t:.3f} ms, {moved[k] / t / 1e6:.0f} GB/s"
+            # an inference call's kernels: the entering states and the output in 16 bits
+            for k, t in kernel_times(x, call=lambda ev, x=x: mma.forward(x, events=ev, half_states=True,
+                                                                         out_dtype=x.q.dtype)).items():
+                parts[k] = f"{t:.3f} ms, {moved[k] / t / 1e6:.0f} GB/s"
+            t_half = timed(lambda x=x: mma.forward(x, half_states=True, out_dtype=x.q.dtype))
+            half_err = rel(mma.forward(x, half_states=True, out_dtype=x.q.dtype)[0], algorithm.forward(x)[0])
+            parts["16-bit states and output (inference)"] = f"{t_half:.3f} ms, error {half_err:.1e}"
             one_err = rel(mma.forward(x, one_pass=True)[0], algorithm.forward(x)[0])
             t_one = timed(lambda x=x: mma.forward(x, one_pass=True))
             parts["one pass (chunk_states_scan)"] = f"{t_one:.3f} ms, error {one_err:.1e}"

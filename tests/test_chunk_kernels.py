@@ -105,6 +105,25 @@ def test_emulated_kernels_agree_with_the_torch_forward(emulate, chunk, length):
 
 
 @needs_emulator
+def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
+    """An inference call's forward (`half_states`: state_pass_half, chunk_output_hs; `out_dtype` 16-bit:
+    chunk_output_ho / _hs_ho): the entering states are the fp32 pass's rounded to q's 16 bits, the
+    output bit for bit the fp32 kernels' output (chunk_output rounds the states so either way) or it
+    rounded, the final state the same; a head per operand broadcast as SSD's."""
+    x = _chunks(130, seed=7, chunk=64)
+    out, entering, final = mma.forward(x)
+    for half_out in (False, True):
+        dtype = x.q.dtype if half_out else torch.float32
+        got, half, got_final = mma.forward(x, half_states=True, out_dtype=dtype)
+        assert half.dtype == x.q.dtype and got.dtype == dtype
+        assert torch.equal(half, entering.to(x.q.dtype))
+        assert torch.equal(got, out.to(dtype))
+        assert torch.equal(got_final, final)
+    got, _, _ = mma.forward(x, out_dtype=x.q.dtype)  # fp32 states, 16-bit output
+    assert torch.equal(got, out.to(x.q.dtype))
+
+
+@needs_emulator
 @pytest.mark.parametrize("chunk, length", [(64, 130), (128, 300)])
 def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
     """chunk_states_scan (a block per state tile walking the chunks) in place of chunk_states and
@@ -181,9 +200,10 @@ def test_the_kernels_compile_without_spills(arch):
                 for bf16, aligned in ((True, True), (False, True), (True, False)) if largest else ((True, True),):
                     text = mma.source(key, value, chunk, bf16, aligned)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-                    assert set(resources) == {"chunk_states", "state_pass", "chunk_states_scan", "chunk_output",
-                                              "chunk_dstates", "state_pass_reverse", "chunk_dq", "chunk_dk",
-                                              "chunk_dv"}
+                    assert set(resources) == {"chunk_states", "state_pass", "state_pass_half", "chunk_states_scan",
+                                              "chunk_output", "chunk_output_hs", "chunk_output_ho",
+                                              "chunk_output_hs_ho", "chunk_dstates", "state_pass_reverse",
+                                              "chunk_dq", "chunk_dk", "chunk_dv"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()
@@ -253,6 +273,15 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
         assert outs[k].shape == ref_outs[k].shape and _rel(outs[k], ref_outs[k]) < 1e-2
     for k in ref_finals:
         assert finals[k].shape == ref_finals[k].shape and _rel(finals[k], ref_finals[k]) < 1e-2
+    # an inference call (`run`, no tape): 16-bit entering states and output on the kernels, the output
+    # bit for bit the training forward's rounded, written in place (time first), the final state the same
+    run_outs, run_finals = core.run(seqs, params, initial, sizes, length, out_dtype=torch.bfloat16)
+    assert len(calls) == 2 and calls[1].dtype == torch.bfloat16
+    assert run_outs[core.output].data_ptr() == calls[1].data_ptr()
+    for k in outs:
+        assert torch.equal(run_outs[k], outs[k].to(torch.bfloat16)), k
+    for k in finals:
+        assert torch.equal(run_finals[k], finals[k]), k
     output, state = core.output, program.states[0].name
     cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).float()}
     lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
@@ -266,7 +295,7 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     on_tape = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
-    assert len(calls) == 1  # the torch path (its chunk by the state's size, maybe not the kernels')
+    assert len(calls) == 2  # the torch path (its chunk by the state's size, maybe not the kernels')
     torch_path = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
     assert backward_calls == [1]
     _, _, wide_tape = wide.forward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()},
@@ -307,6 +336,34 @@ def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeyp
     assert core.half_inputs(cast, given, {**sizes, ml.key: 32}) is cast           # a key size they do not take
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     assert core.half_inputs(cast, given, sizes) is cast
+
+def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the_calls_dtype(monkeypatch):
+    """`CudaBackend.stage_dtypes` for Mamba-2 (pre, core, post): the pre stage writes v (x · softplus(dt))
+    in C's bf16, the core's rounding, and its log decays in the compute dtype; the core's contraction
+    (read by post) stays in the compute dtype; post, whose every output is a result, writes the call's
+    dtype. fp32 q, a key size the kernels do not take: nothing in 16 bits. `runner.output_dtype` reads
+    the per-output pairs."""
+    from ssmc.backends.cuda.backend import CudaBackend, cuda_stages
+    from ssmc.backends.cuda.runner import output_dtype
+    from ssmc.examples import mamba2
+
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    fused = cuda_stages(mamba2.SPEC.program)
+    assert [st.kind for st in fused.stages] == ["pre", "core", "post"]
+    dtypes = CudaBackend("cuda").stage_dtypes(fused, np.dtype("float32"))
+    sizes = {"b": 1, "g": 1, "r": 2, "p": 64, "n": 128}
+    seqs = {name: torch.zeros(3, dtype=torch.bfloat16) for name in ("x", "dt", "B", "C")}
+    pre = fused.stages[0]
+    v_name = next(n for n in pre.writes if n.endswith("_v"))
+    ell_name = next(n for n in pre.writes if n.endswith("_ell"))
+    wanted = dtypes(0, seqs, sizes, torch.bfloat16)
+    assert output_dtype(wanted, v_name) == torch.bfloat16 and output_dtype(wanted, ell_name) is None
+    assert dtypes(1, {**seqs, v_name: None, ell_name: None}, sizes, torch.bfloat16) is None
+    assert dtypes(2, seqs, sizes, torch.bfloat16) == torch.bfloat16
+    assert dtypes(0, {**seqs, "C": seqs["C"].float()}, sizes, torch.float32) is None
+    assert dtypes(0, seqs, {**sizes, "n": 32}, torch.bfloat16) is None
+    assert output_dtype(torch.float16, "y") == torch.float16 and output_dtype(None, "y") is None
+
 
 # -- on the GPU: whole specs --------------------------------------------------------------------------
 

@@ -110,7 +110,8 @@ class Backend:
         fused = self.stages(program)
         if not fused.staged:
             return self.compiled(program, dtype, products)
-        staged = partial(run_stages, fused, [self.compiled(st.program, dtype) for st in fused.stages])
+        staged = partial(run_stages, fused, [self.compiled(st.program, dtype) for st in fused.stages],
+                         dtypes=self.stage_dtypes(fused, dtype))
         return self.layer_runner(fused, dtype, staged)
 
     def stages(self, program) -> Fused:
@@ -124,6 +125,13 @@ class Backend:
     def layer_runner(self, fused: Fused, dtype: np.dtype, staged: Runner) -> Runner:
         """The run function of a layer cut into stages, given `staged` (the stages in order)."""
         return staged
+
+    def stage_dtypes(self, fused: Fused, dtype: np.dtype):
+        """``dtypes(index, seqs, sizes, out_dtype) -> the out_dtype argument of stage `index`'s run``
+        (`run_stages`; seqs: the call's and the earlier stages' sequences), where the backend's runners
+        write some stage's outputs in other dtypes than the compute dtype; else None (intermediates in
+        the compute dtype, the results cast to the call's dtype at the end)."""
+        return None
 
     def preparer(self, program, dtype: np.dtype):
         """``prepare(seqs, params, initial, sizes, length, out_dtype) -> call or None`` where the
@@ -206,21 +214,25 @@ class Backend:
         return None
 
 
-def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, length, out_dtype=None):
+def run_stages(fused: Fused, runs: list[Runner], seqs, params, initial, sizes, length, out_dtype=None,
+               dtypes=None):
     """Run the stages in order, each stage's intermediates (``row<k>``, ``cut<k>``) becoming the
     sequences of the next; the runner contract. Intermediates stay in the compute dtype (norm
-    statistics in fp32 whatever the inputs); results are cast to `out_dtype` at the end."""
+    statistics in fp32 whatever the inputs); results are cast to `out_dtype` at the end. `dtypes`
+    (`Backend.stage_dtypes`), where given, says what each stage's run writes its outputs in instead."""
     seqs = dict(seqs)
     outs, finals = {}, {}
-    for stage, run in zip(fused.stages, runs):
+    for index, (stage, run) in enumerate(zip(fused.stages, runs)):
         p = stage.program
+        own = dtypes(index, seqs, sizes, out_dtype) if dtypes is not None else None
         got, fin = run({d.name: seqs[d.name] for d in p.seqs}, {d.name: params[d.name] for d in p.params},
-                       {s.name: initial[s.name] for s in p.states}, sizes, length)
+                       {s.name: initial[s.name] for s in p.states}, sizes, length,
+                       **({} if own is None else {"out_dtype": own}))
         finals.update(fin)
         for name, value in got.items():
             if name in stage.writes:
                 seqs[name] = value
             else:
-                outs[name] = value if out_dtype is None else value.to(out_dtype)
+                outs[name] = value if out_dtype is None else value.to(out_dtype)  # no copy where so already
     program = fused.program
     return {n: outs[n] for n, _ in program.outputs}, {s.name: finals[s.name] for s in program.states}

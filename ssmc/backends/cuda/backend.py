@@ -88,6 +88,31 @@ class CudaBackend(Backend):
 
         return layer_runner(fused, dtype.name, staged)
 
+    def stage_dtypes(self, fused, dtype: np.dtype):
+        """Around a chunked core (`cuda_stages` of a matrix-linear program): the stages whose every output is
+        a result of the call write it in the call's dtype (no cast after), and a stage writes the core's
+        operands q, k, v in the 16 bits the core's kernels round them to (`ChunkedCore.operand_dtypes`: no
+        fp32 copy written, read and cast); intermediates read otherwise (the log decays, the contraction a
+        post stage reads) stay in the compute dtype. Other staged programs: None."""
+        from .kernels.chunk import chunked_core
+
+        cores = [(i, chunked_core(st.program, dtype.name)) for i, st in enumerate(fused.stages)]
+        cores = [(i, core) for i, core in cores if core is not None]
+        if not cores:
+            return None
+
+        def dtypes(index, seqs, sizes, out_dtype):
+            stage = fused.stages[index]
+            if not stage.writes:
+                return out_dtype
+            half = {}
+            for i, core in cores:
+                if i > index:
+                    half.update(core.operand_dtypes(seqs, sizes))
+            wanted = tuple((n, half[n]) for n in stage.writes if n in half)
+            return wanted or None
+        return dtypes
+
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
         around its kernels); else None."""

@@ -25,7 +25,7 @@ from ...lowering.hoist import Hoisted, compute_params, compute_post, compute_pre
 from ...runtime.precision import half_inputs, half_of
 from .kernels.step_loop import step_loop
 from .options import options
-from .runner import batch_outer, runner_for, time_contiguous
+from .runner import batch_outer, output_dtype, runner_for, time_contiguous
 
 
 class TorchArrays:
@@ -159,7 +159,8 @@ class HoistedRunner:
         post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=xp)
         outs.update(post_outs)
         finals.update(post_finals)
-        outs = {n: outs[n] if out_dtype is None else outs[n].to(out_dtype) for n, _ in self.program.outputs}
+        wanted = {n: output_dtype(out_dtype, n) for n, _ in self.program.outputs}
+        outs = {n: outs[n] if wanted[n] is None else outs[n].to(wanted[n]) for n in wanted}
         return outs, {s.name: finals[s.name] for s in self.program.states}
 
 

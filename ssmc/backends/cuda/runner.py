@@ -282,7 +282,8 @@ class CudaRunner:
                 continue
             shape = [length if ax == "t" else nblk if ax == "block" else sizes[ax] for ax in a.axes]
             partial = groups > 1 and not mapping.row and a.role in ("out", "final")
-            dtype = out_dtype if a.role == "out" and out_dtype is not None and not partial else state_dtype
+            wanted = output_dtype(out_dtype, a.name[len("out_"):]) if a.role == "out" else None
+            dtype = wanted if wanted is not None and not partial else state_dtype
             lead = [groups] if partial else []
             if (warp or time_contiguous) and a.role in ("out", "prev") and len(shape) > 1:
                 # time contiguous: lanes write (warp kernel) or read (epilogue) neighbouring steps
@@ -359,15 +360,16 @@ class CudaRunner:
                 out = made[f"out_{n}"]
                 if groups > 1 and not launch.mapping.row:  # split-K partials
                     out = out.sum(0)
-                    out = out.to(own_dtype) if own_dtype is not None else out
+                    wanted = output_dtype(own_dtype, n)
+                    out = out.to(wanted) if wanted is not None else out
                 outs[n] = out
         for s, name, axes in low.from_outputs:
             out = outs[name]
             dims, perm = sum_of_output(p, s, name, axes)
             part = out.sum(dims).permute(perm)  # in the compute dtype (own_dtype)
             finals[s] = initial[s].to(part.dtype) + part
-            if out_dtype is not None:
-                outs[name] = out.to(out_dtype)
+            if output_dtype(out_dtype, name) is not None:
+                outs[name] = out.to(output_dtype(out_dtype, name))
         return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
 
     def prepare(self, seqs, params, initial, sizes, length, out_dtype=None):
@@ -440,6 +442,14 @@ class CudaRunner:
 # plans and decisions a runner keeps (by shape, length and overrides), before it starts over
 MAX_PLANS = 4096
 
+
+def output_dtype(out_dtype, name: str):
+    """The dtype output `name` is written in: `out_dtype` as a run takes it, one torch dtype for every
+    output, None (the compute dtype) or pairs ((output name, dtype), ...) for some outputs
+    (`run_stages` hands a stage's outputs that a chunked core reads in 16 bits so: no cast between)."""
+    if isinstance(out_dtype, tuple):
+        return dict(out_dtype).get(name)
+    return out_dtype
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forw
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,23 @@ class ChunkTape:
     entering: torch.Tensor
     final: torch.Tensor
     decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
+
+
+# decays found positive: id of the array as checked -> (a weak reference to it, its address, its version);
+# it holds while that very array is alive, where it was and unwritten since (an in-place write bumps the
+# version); a new array, a view of it included, is checked again
+_POSITIVE: dict = {}
+
+
+def _positive_before(x: torch.Tensor) -> bool:
+    seen = _POSITIVE.get(id(x))
+    return seen is not None and seen[0]() is x and seen[1:] == (x.data_ptr(), x._version)
+
+
+def _found_positive(x: torch.Tensor) -> None:
+    if len(_POSITIVE) > 256:  # ever new arrays (decays given as sequences): keep it bounded
+        _POSITIVE.clear()
+    _POSITIVE[id(x)] = (weakref.ref(x), x.data_ptr(), x._version)
 
 
 class NonPositiveDecay(ValueError):
@@ -140,13 +158,17 @@ class ChunkedCore:
             node = ml.log_decay if ml.log_decay is not None else ml.decay
             arr, timed = self._input(node, seqs, params)
             if ml.decay is not None:
-                arr = arr.to(f)
-                # a host sync: not while a CUDA graph is captured (a decay <= 0 then gives NaN outputs)
+                given, arr = arr, arr.to(f)
+                # a host sync: not while a CUDA graph is captured (a decay <= 0 then gives NaN outputs), and
+                # once per array as it stands (a param's decays, RetNet's gamma, checked at its first call
+                # only: a sync a call would leave the GPU idle while the host launches the next call)
                 capturing = arr.is_cuda and torch.cuda.is_current_stream_capturing()
-                if not capturing and not bool((arr > 0).all()):
+                if not capturing and not _positive_before(given) and not bool((arr > 0).all()):
                     raise NonPositiveDecay(
                         f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its log"
                         " (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
+                if not capturing:
+                    _found_positive(given)
             ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
             if ml.decay is not None:  # padded steps: decay 1
                 decay = ell.masked_fill(ell == 0, 1.0)
@@ -158,15 +180,16 @@ class ChunkedCore:
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         return Chunks(q, k, v, ell, s0), decay
 
-    def _time_first_out(self, sizes, length, chunk, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the output as the program holds it, [padded length, *axes] fp32, and the same memory as
+    def _time_first_out(self, sizes, length, chunk, device, dtype=torch.float32
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the output as the program holds it, [padded length, *axes] of `dtype`, and the same memory as
         [*H, NC, C, V], the layout `mma.forward` writes), where the output has every head axis and the
         value axis last; else None. The kernels then write the output in place: no permuting copy."""
         ml, axes = self.ml, tuple(self.out_node.axes)
         if set(axes) != {*ml.heads, ml.value} or axes[-1] != ml.value:
             return None
         padded = -(-length // chunk) * chunk
-        buf = torch.empty((padded, *[sizes[a] for a in axes]), dtype=torch.float32, device=device)
+        buf = torch.empty((padded, *[sizes[a] for a in axes]), dtype=dtype, device=device)
         names = ["~t", *axes]
         view = buf.permute(*[names.index(n) for n in (*ml.heads, "~t", ml.value)])
         t = len(ml.heads)
@@ -196,8 +219,11 @@ class ChunkedCore:
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence` (torch tensors in and out). A decay given as is
         with values <= 0 runs as the element-wise scan instead."""
+        from ...runner import output_dtype
+
+        out_dtype = output_dtype(out_dtype, self.output)
         try:
-            outs, finals, _ = self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype)
+            outs, finals, _ = self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype, tape=False)
         except NonPositiveDecay:
             from ...runner import runner_for
 
@@ -220,15 +246,29 @@ class ChunkedCore:
         keep = {node.arg for node in (ml.q, ml.k, ml.v) if node.arg in given and given[node.arg].dtype == q.dtype}
         return {n: given[n] if n in keep else v for n, v in cast.items()}
 
-    def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None):
-        """(outputs, final states, tape) of a training forward: outputs time first."""
+    def operand_dtypes(self, seqs, sizes) -> dict:
+        """{name: 16-bit dtype} for the operands q, k, v that an earlier stage writes (names not in `seqs`,
+        the call's and earlier stages' sequences), where q is among `seqs` in 16 bits and the kernels take
+        the sizes: `_chunks` rounds them to q's dtype either way, so the stage may write them so."""
+        ml = self.ml
+        q = seqs.get(ml.q.arg)
+        if q is None or not mma.kernels_wanted(q.dtype, sizes[ml.key], sizes[ml.value]):
+            return {}
+        return {node.arg: q.dtype for node in (ml.k, ml.v) if node.arg not in seqs}
+
+    def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None, tape=True):
+        """(outputs, final states, tape) of a training forward: outputs time first. `tape` False (an
+        inference call): the tape's entering states may be 16-bit (`mma.forward`'s half_states), the
+        output written in `out_dtype` by the kernels where that is q's 16-bit dtype."""
         q_arr, _ = self._input(self.ml.q, seqs, params)
         chunk = chunk_size(self.ml, sizes, length, q_arr.dtype)
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
         time_first = None
         if mma.kernels_apply(x):
-            direct = self._time_first_out(sizes, length, chunk, x.q.device)
-            out, entering, final = mma.forward(x, out=None if direct is None else direct[1])
+            o_dtype = out_dtype if out_dtype == x.q.dtype else torch.float32
+            direct = self._time_first_out(sizes, length, chunk, x.q.device, o_dtype)
+            out, entering, final = mma.forward(x, out=None if direct is None else direct[1], half_states=not tape,
+                                               out_dtype=o_dtype)
             if direct is not None and out.data_ptr() == direct[1].data_ptr():
                 time_first = direct[0]
         else:

@@ -7,8 +7,9 @@ from three kernels, `algorithm.vjp`'s from five, for 16-bit q, k, v with fp32 de
 Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK forces one):
 
 1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) k_jᵀ v_j`` (fp32);
-2. ``state_pass``: per (head, state entry), the chunks in order: the state entering each chunk, in
-   place of the chunk's sum, and the final state;
+2. ``state_pass``: per (head, 4 state entries), the chunks in order: the state entering each chunk, in
+   place of the chunk's sum, and the final state (``state_pass_half``, for a call that keeps no tape:
+   the entering states in 16 bits, as chunk_output reads them);
    or, for both (``one_pass``), ``chunk_states_scan``: per (head, 64 keys, 64 values), the chunks in
    order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
@@ -64,8 +65,9 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     states = 2 * tile * (chunk + pad) * 2
     product = (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2
     return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
-            "state_pass": 0, "state_pass_reverse": 0,
-            "chunk_output": product, "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
+            "state_pass": 0, "state_pass_half": 0, "state_pass_reverse": 0,
+            "chunk_output": product, "chunk_output_hs": product, "chunk_output_ho": product,
+            "chunk_output_hs_ho": product, "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
 
 
 @cache
@@ -158,10 +160,12 @@ def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, t
     return found
 
 
-def writable_out(out: torch.Tensor | None, heads, nc: int, chunk: int, value: int) -> bool:
-    """Whether `forward` can write O into `out`: fp32 [*heads, NC, C, V], the value axis contiguous,
-    the chunk stride C step strides, every head's offset and the step stride even (8-byte stores)."""
-    if out is None or out.dtype != torch.float32 or tuple(out.shape) != (*heads, nc, chunk, value):
+def writable_out(out: torch.Tensor | None, heads, nc: int, chunk: int, value: int,
+                 dtypes=(torch.float32,)) -> bool:
+    """Whether `forward` can write O into `out`: [*heads, NC, C, V] of one of `dtypes`, the value axis
+    contiguous, the chunk stride C step strides, every head's offset and the step stride even (column
+    pairs: 8-byte fp32 or 4-byte 16-bit stores)."""
+    if out is None or out.dtype not in dtypes or tuple(out.shape) != (*heads, nc, chunk, value):
         return False
     t = len(heads)
     step = out.stride(t + 1)
@@ -170,12 +174,15 @@ def writable_out(out: torch.Tensor | None, heads, nc: int, chunk: int, value: in
 
 
 def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = None,
-            one_pass: bool | None = None):
+            one_pass: bool | None = None, half_states: bool = False, out_dtype: torch.dtype = torch.float32):
     """`algorithm.forward(x)` on the kernels: (O [*H, NC, C, V] fp32, the state entering each chunk
     [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast.
     `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
     and returned; else into a new array. `one_pass`: the states by chunk_states_scan (default
-    `ONE_PASS`).
+    `ONE_PASS`). `half_states` (a call that keeps no tape): the entering states are passed to
+    chunk_output in q's 16 bits (state_pass_half; chunk_output rounds them so either way: the same
+    output, half the bytes written and read) and returned so; not with `one_pass`. `out_dtype`: O in
+    fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     q = _chunked_view(x.q, True)
@@ -187,8 +194,10 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
-    if not writable_out(out, heads, nc, chunk, value):
-        out = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    if out_dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
+    if not writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype)):
+        out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
     offs, steps, aligned_rows = _tables_for(heads, (q, k, v, ell, out, v), dev)  # no extra: v again
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
@@ -198,6 +207,7 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned)
 
     tiles = (key // 64) * (value // 64)
+    entering = states
     if ONE_PASS if one_pass is None else one_pass:
         launches = [("chunk_states_scan", nh * tiles, 128,
                      [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
@@ -207,17 +217,25 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
             ("chunk_states", nh * nc * tiles, 128,
              [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
               gamma.data_ptr()]),
-            ("state_pass", nh * key * value // 256, 256,
-             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]),
         ]
+        if half_states:
+            entering = torch.empty(states.shape, dtype=q.dtype, device=dev)
+            launches.append(("state_pass_half", nh * key * value // 1024, 256,
+                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), entering.data_ptr(),
+                              final.data_ptr()]))
+        else:
+            launches.append(("state_pass", nh * key * value // 1024, 256,
+                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
+    output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
+        "_ho" if out.dtype != torch.float32 else "")
     launches += [
-        ("chunk_output", nh * nc * (value // 64), 2 * chunk,
-         [_base(q), _base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+        (output, nh * nc * (value // 64), 2 * chunk,
+         [_base(q), _base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), entering.data_ptr(),
           _base(out)]),
     ]
     for name, blocks, threads, pointers in launches:
         _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(key, value, chunk)[name], events)
-    return out, states, final
+    return out, entering, final
 
 
 def _base(a: torch.Tensor) -> int:
@@ -286,7 +304,7 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     launches = [
         (kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
          [_base(q), _base(do), _base(ell), *states_table, d_end.data_ptr(), gamma.data_ptr()]),
-        (kv, "state_pass_reverse", nh * key * value // 256, 256, key, value,
+        (kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
          [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()]),
         (vk, "chunk_dq", nh * nc * (key // 64), 2 * chunk, value, key,
          [_base(do), _base(v), _base(k), _base(ell), *table(do, v, k, ell, dq, do), entering.data_ptr(), _base(dq)]),
