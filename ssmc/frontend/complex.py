@@ -270,7 +270,7 @@ def imag(z) -> Tensor:
 
 def conj(z):
     """The complex conjugate (a real value is its own)."""
-    return z.conj() if isinstance(z, ComplexTensor) else as_tensor(z)
+    return promote(z).conj() if is_complex(z) else as_tensor(z)
 
 
 def abs_(z: ComplexTensor) -> Tensor:
