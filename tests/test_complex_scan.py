@@ -163,7 +163,7 @@ def test_gpu_complex_scans_match_torch(layout, dtype):
     tol = 1e-9 if dtype == torch.complex128 else 2e-4
     f = ssmc.compile(complex_diagonal, "cuda", layout=layout)
     g = ssmc.grad(complex_diagonal, "cuda", layout=layout)
-    for length in LENGTHS + [4096]:
+    for length in [*LENGTHS, 4096]:
         rng = np.random.default_rng(length)
         inputs = _inputs(rng, length, "b t d", batch=4, dim=96)
         wide = {k: torch.tensor(v, requires_grad=True) for k, v in inputs.items()}
