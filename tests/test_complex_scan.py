@@ -9,7 +9,8 @@ backward (the adjoint: the conjugate coefficient in reverse time) where it is.
 - Classification: a hand-split pair with any names is found; couplings that are not a complex
   product (a hyperbolic rotation, unequal diagonals) are not; the adjoint pairs up too.
 - The emulated CUDA backend (no GPU) under each scan strategy against the interpreter at
-  L = 1, 7, 180, 1000, complex128: outputs, the complex final state, every gradient.
+  L = 1, 7, 180, 1000, complex128: outputs, the complex final state, every gradient; and a state with
+  an axis of its own (S4D-like) through the state-major warp kernels and fused backward.
 - NVRTC: the scan kernels at B8 D1536 L2048 complex64 compile for sm_80 and sm_90 without spills.
 - GPU (``-m gpu``): the same on the hardware in complex64 and complex128, against a torch loop.
 """
@@ -38,6 +39,15 @@ def complex_diagonal(h: ssmc.State["b d", complex], x: ssmc.Seq["b d", complex],
     """h[b, d] = lam[d] * h[b, d] + x[t, b, d] for each t (complex); y = h."""
     h = lam * h + x
     return h, h
+
+
+@ssmc.recurrence
+def complex_s4d(h: ssmc.State["b d n", complex], x: ssmc.Seq["b d"], Bt: ssmc.Seq["b n"], C: ssmc.Seq["b n"],
+                A: ssmc.Param["d n", complex]):
+    """S4D-like, a state axis of its own read along a sequence (as Mamba-1's B[t, n]): h[b, d, n] =
+    A[d, n] h[b, d, n] + x[t, b, d] Bt[t, b, n]; y[b, d] = Re(sum_n h[b, d, n] C[t, b, n])."""
+    h = A * h + x * Bt
+    return h, ssmc.sum(h * C, "n").real
 
 
 @ssmc.recurrence
@@ -127,6 +137,39 @@ def test_emulated_complex_scans_match_the_interpreter(strategy, layout, monkeypa
         want = gi(**inputs, grad_outputs=cot, grad_final_states=cot_h)
         got = g(**tensors, grad_outputs=torch.tensor(cot), grad_final_states=torch.tensor(cot_h))
         assert set(got) == set(want)
+        for k, w in want.items():
+            assert _rel(got[k], w) <= 1e-10, (length, k)
+
+
+@pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+def test_emulated_state_major_complex_scans_match_the_interpreter(monkeypatch):
+    """A complex state with an axis of its own, time contiguous, the warp kernel forced: its forward,
+    training forward and fused backward are the state-major kernels (each state value scanned across
+    the lanes in turn, `_combine_state_values`), against the interpreter, complex128."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "warp")
+    monkeypatch.setenv("SSMC_CUDA_FUSED_BACKWARD", "1")
+    reports = kernel_reports(complex_s4d.program, {"b": 2, "d": 4, "n": 3}, 180, "float64", compile_kernels=False,
+                             time_contiguous=True)
+    assert all("one state value at a time" in r.source for r in reports), [r.program for r in reports]
+    layout = "b ... t"
+    f, g = ssmc.compile(complex_s4d, "cuda", layout=layout), ssmc.grad(complex_s4d, "cuda", layout=layout)
+    fi = ssmc.compile(complex_s4d, "interpreter", layout=layout)
+    gi = ssmc.grad(complex_s4d, "interpreter", layout=layout)
+    for length in [180] if in_ci() else [7, 180]:
+        rng = np.random.default_rng(length)
+        b, d, n = 2, 4, 3
+        inputs = {"x": rng.standard_normal((b, d, length)), "Bt": rng.standard_normal((b, n, length)),
+                  "C": rng.standard_normal((b, n, length)),
+                  "A": np.sqrt(rng.uniform(0.5, 0.99, (d, n))) * np.exp(1j * rng.uniform(0.0, 2 * np.pi, (d, n))),
+                  "h": rng.standard_normal((b, d, n)) + 1j * rng.standard_normal((b, d, n))}
+        y, h = fi(**inputs, return_final_states=True)
+        tensors = {k: torch.tensor(v) for k, v in inputs.items()}
+        got_y, got_h = f(**tensors, return_final_states=True)
+        assert _rel(got_y, y) <= 1e-10 and _rel(got_h, h) <= 1e-10, length
+        cot = rng.standard_normal(y.shape)
+        want = gi(**inputs, grad_outputs=cot)
+        got = g(**tensors, grad_outputs=torch.tensor(cot))
         for k, w in want.items():
             assert _rel(got[k], w) <= 1e-10, (length, k)
 
