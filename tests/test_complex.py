@@ -8,8 +8,8 @@ and joined at the call (complex_io.py, ssmc.torch.ComplexFunction).
   finite differences along the real and the imaginary parts.
 - A Hypothesis property: random small complex elementwise / diagonal step bodies (complex and real
   states, sequences and params, + - * /, conj, exp, abs, real, imag, complex, powers, sums over an
-  axis; sin, cos, expm1, atan2, clamp, log1p of their parts), the same body run by ssmc, by a NumPy loop and by a torch loop (gradients), on the
-  interpreter and Numba.
+  axis; sin, cos, expm1, atan2, clamp, log1p of their parts), the same body run by ssmc, by a NumPy
+  loop and by a torch loop (gradients), on the interpreter and Numba.
 - ``ssmc.torch.function`` on complex tensors against torch autograd of a torch loop (torch's
   convention for complex gradients: dL/d(re) + i dL/d(im)).
 - Misuse: SpecErrors at the user's line, ValueErrors naming the argument.
