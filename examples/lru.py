@@ -11,7 +11,8 @@ normalisation sqrt(1 - |lambda|^2) (a parameter, initialised so).
 Layout ``"b t ..."``: x and y are ``[b t d]``. The state h ``[b n]`` and the params B ``[n d]`` and
 C ``[d n]`` are complex (complex128 arrays); nu_log, theta_log, gamma_log ``[n]`` and D ``[d]`` real.
 ssmc traces the complex values as pairs of real ones, so h runs as two real states (the complex
-arithmetic written out; a complex scan is later work).
+arithmetic written out), which classification pairs up as a complex diagonal recurrence: the
+diagonal-linear scans run it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ and joined at the call (complex_io.py, ssmc.torch.ComplexFunction).
   finite differences along the real and the imaginary parts.
 - A Hypothesis property: random small complex elementwise / diagonal step bodies (complex and real
   states, sequences and params, + - * /, conj, exp, abs, real, imag, complex, powers, sums over an
-  axis), the same body run by ssmc, by a NumPy loop and by a torch loop (gradients), on the
-  interpreter and Numba.
+  axis; sin, cos, expm1, atan2, clamp, log1p of their parts), the same body run by ssmc, by a NumPy
+  loop and by a torch loop (gradients), on the interpreter and Numba.
 - ``ssmc.torch.function`` on complex tensors against torch autograd of a torch loop (torch's
   convention for complex gradients: dL/d(re) + i dL/d(im)).
 - Misuse: SpecErrors at the user's line, ValueErrors naming the argument.
@@ -205,6 +205,8 @@ def test_lru_runs_in_pieces():
 
 class _NumpyS:
     exp, conj, real, imag = np.exp, np.conj, np.real, np.imag
+    sin, cos, expm1, log1p, atan2 = np.sin, np.cos, np.expm1, np.log1p, np.arctan2
+    clamp = staticmethod(lambda v, lo, hi: np.clip(v, lo, hi))
     complex = staticmethod(lambda re, im: re + 1j * im)
     sum = staticmethod(lambda v, axis: np.sum(v, -1, keepdims=True))
 
@@ -223,11 +225,21 @@ class _TorchS:
     imag = staticmethod(lambda v: _t(v).imag if _t(v).is_complex() else torch.zeros_like(_t(v)))
     complex = staticmethod(lambda re, im: re + 1j * im)
     sum = staticmethod(lambda v, axis: torch.sum(v, -1, keepdim=True))
+    sin = staticmethod(lambda v: torch.sin(_t(v)))
+    cos = staticmethod(lambda v: torch.cos(_t(v)))
+    expm1 = staticmethod(lambda v: torch.expm1(_t(v)))
+    log1p = staticmethod(lambda v: torch.log1p(_t(v)))
+    atan2 = staticmethod(lambda y, x: torch.atan2(_t(y), _t(x)))
+    clamp = staticmethod(lambda v, lo, hi: torch.clamp(_t(v), lo, hi))
 
 
 SEQS, LEAVES = ["x", "r"], ["h", "g", "x", "r", "a", "w", "0.7", "(0.3 - 0.4j)"]
 UNARY = ["S.conj({})", "S.exp(0.2 * {})", "abs({})", "S.real({})", "S.imag({})", "(0.5j * {})", "({} ** 2)",
-         "S.complex(S.real({0}), -S.imag({0}))"]
+         "S.complex(S.real({0}), -S.imag({0}))",
+         # the real elementary ops of issue #44 on the parts of complex values
+         "S.complex(S.cos(S.real({0})), S.sin(S.imag({0})))",
+         "S.complex(S.expm1(0.3 * S.real({0})), S.atan2(S.imag({0}), 1.5))",
+         "S.complex(S.clamp(S.real({0}), -2.0, 2.0), S.log1p(abs({0})))"]
 BINARY = ["({} + {})", "({} - {})", "({} * {})", "({} / (1.5 + abs({})))"]
 
 

@@ -26,7 +26,7 @@ from ssmc.runtime.random_inputs import axis_sizes
 pytestmark = pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
 
 RECURRENCES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv"]
+               "layernorm_lstm", "mamba_conv", "lru"]
 
 
 def kernels(program, arch="sm_90", dtype="float32", lengths=(16, 4096)):

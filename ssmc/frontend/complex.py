@@ -11,8 +11,9 @@ written out in real operations as the step is traced, so the IR, autodiff, the i
 backend see real programs only: a complex state ``h`` is the two real states ``h_re`` and ``h_im``,
 a complex input the two real inputs ``x_re`` and ``x_im``, a complex output ``y`` the real outputs
 ``y_re`` and ``y_im`` (`ComplexSignature` keeps the pairing; api.py and torch.py join them again at
-the call). A complex diagonal recurrence is therefore run as real arithmetic, not (yet) as a complex
-scan.
+the call). A complex diagonal recurrence becomes two real states whose updates are the parts of a
+complex product; classification (passes/classify.py) pairs them up again as a complex diagonal
+recurrence, which the scans combine with complex products.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ def imag(z) -> Tensor:
 
 def conj(z):
     """The complex conjugate (a real value is its own)."""
-    return z.conj() if isinstance(z, ComplexTensor) else as_tensor(z)
+    return promote(z).conj() if is_complex(z) else as_tensor(z)
 
 
 def abs_(z: ComplexTensor) -> Tensor:

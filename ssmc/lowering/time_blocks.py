@@ -31,7 +31,15 @@ from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from .kernel import Kernel, independent_axes
 from .plan import build_kernel
-from .summary import partial_name, product_name, summary_names, summary_program
+from .summary import (
+    complex_pairs,
+    complex_product,
+    identity_product,
+    partial_name,
+    product_name,
+    summary_names,
+    summary_program,
+)
 
 
 @dataclass
@@ -55,11 +63,21 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
     if summary is None:
         return None
     decls, updates = [], []
+    pairs = complex_pairs(program)
+    imag = {im: re for re, im in pairs.items()}
+
+    def leaf(name, axes):
+        return Node.make(Op.INPUT, (), name, axes)
+
     for s in program.states:
-        carry = Node.make(Op.INPUT, (), s.name, s.axes)
-        prod = Node.make(Op.INPUT, (), product_name(s.name), s.axes)
-        part = Node.make(Op.INPUT, (), partial_name(s.name), s.axes)
+        carry, prod, part = (leaf(n, s.axes) for n in (s.name, product_name(s.name), partial_name(s.name)))
         decls += [Decl(prod.arg, Role.SEQ, s.axes, s.loc), Decl(part.arg, Role.SEQ, s.axes, s.loc)]
+        if s.name in pairs or s.name in imag:  # a complex pair: the carry times the complex product
+            re, im = (s.name, pairs[s.name]) if s.name in pairs else (imag[s.name], s.name)
+            z = complex_product(leaf(product_name(re), s.axes), leaf(product_name(im), s.axes),
+                                leaf(re, s.axes), leaf(im, s.axes))
+            updates.append(build.add(z[0 if s.name in pairs else 1], part))
+            continue
         updates.append(build.add(build.mul(prod, carry), part))
     combine = Recurrence(f"{program.name}_combine", tuple(decls) + program.states, tuple(updates), (),
                          program.sizes, program.reverse, program.loc)
@@ -76,11 +94,12 @@ def time_blocks(program: Recurrence) -> TimeBlocks | None:
 
 def summary_inits(program, sizes: dict[str, int], nblk: int, full) -> dict:
     """The summary kernel's initial states, one per block of time: products 1, partials 0, made by
-    `full(shape, value)` (a broadcast view is enough: they are only read)."""
+    `full(shape, value)` (a broadcast view is enough: they are only read); a complex pair's
+    products start at 1 + 0i."""
     init = {}
     for s in program.states:
         shape = (nblk, *(sizes[a] for a in s.axes))
-        init[f"init_{product_name(s.name)}"] = full(shape, 1.0)
+        init[f"init_{product_name(s.name)}"] = full(shape, identity_product(program, s.name))
         init[f"init_{partial_name(s.name)}"] = full(shape, 0.0)
     return init
 

@@ -12,6 +12,14 @@ For each state update ``h_t = U(carry, inputs)``:
   and `a` is constant along at least one of them (Mamba-2/SSD, RetNet, GLA, linear attention):
   the chunked, matmul-based form applies.
 
+- **complex diagonal** (a kind of diagonal linear): two states of the same axes that are the real and
+  imaginary parts of one complex ``z_t = λ ⊙ z_{t-1} + β`` (``z = p + i q``), as a complex state
+  traces (frontend/complex.py): ``p_t = a p - c q + b_p``, ``q_t = c p + a q + b_q`` with `a`, `c`,
+  `b_p`, `b_q` free of the carry. Found from the derivatives (dp'/dp = dq'/dq, dp'/dq = -dq'/dp), not
+  from names; the first state in program order is the real part. Each state's class keeps λ's real
+  part as `a` (the same for both), its imaginary part as `a_im`, its own part of β as `b`, and the
+  other state as `partner`; scans combine the pairs with complex products.
+
 - **accumulator**: ``h_t = h_{t-1} + b`` where `b` may read other states but nothing reads `h`
   except its own update: a sum over time (the param gradients of an adjoint). It is lowered as a
   reduction of a per-step value and does not count towards the family.
@@ -48,9 +56,15 @@ class StateClass:
     coefficient: str = "-"           # "one", "diagonal", "shared over [..]", "-" when not diagonal
     a: Node | None = None
     b: Node | None = None
+    partner: str | None = None       # complex diagonal: the other part's state
+    a_im: Node | None = None         # complex diagonal: the coefficient's imaginary part
+    imag: bool = False               # complex diagonal: this state is the imaginary part
 
     def describe(self) -> str:
         coef = f", coefficient {self.coefficient}" if self.a is not None else ""
+        if self.partner is not None:
+            part = "imaginary" if self.imag else "real"
+            coef += f", complex: the {part} part, with {self.partner}"
         return f"{self.state}: {self.family}{coef}"
 
 
@@ -59,6 +73,10 @@ class Classification:
     family: str
     reverse: bool
     states: tuple[StateClass, ...]
+
+    def pairs(self) -> dict[str, str]:
+        """The complex diagonal states (module docstring): real part's state -> imaginary part's."""
+        return {c.state: c.partner for c in self.states if c.partner is not None and not c.imag}
 
     @property
     def label(self) -> str:
@@ -231,9 +249,58 @@ def _classify_state_or_general(program: Recurrence, regions: _Regions, index: in
         return StateClass(program.states[index].name, family)
 
 
+def _node(e: sp.Basic, symbols: dict) -> Node:
+    return from_sympy(e, symbols) if e.free_symbols else build.const(float(e))
+
+
+def _complex_pair(program: Recurrence, regions: _Regions, i: int, j: int) -> tuple[StateClass, StateClass] | None:
+    """States i (real part) and j (imaginary part) as one complex diagonal recurrence (module
+    docstring), or None where their updates are not of that form."""
+    si, sj = program.states[i], program.states[j]
+    ui, uj = program.updates[i], program.updates[j]
+    if si.axes != sj.axes or not (regions.affine(ui) and regions.affine(uj)):
+        return None
+    p = regions.symbol(Node.make(Op.INPUT, (), si.name, si.axes))
+    q = regions.symbol(Node.make(Op.INPUT, (), sj.name, sj.axes))
+    ei, ej = regions.expr(ui), regions.expr(uj)
+    for e in (ei, ej):
+        if any(v not in (p, q) and regions.symbols.get(v) in regions.dependent for v in e.free_symbols):
+            return None
+    app, apq, aqp, aqq = sp.diff(ei, p), sp.diff(ei, q), sp.diff(ej, p), sp.diff(ej, q)
+    if apq == 0 or not (_is_zero(app - aqq) and _is_zero(apq + aqp)):
+        return None
+    bp, bq = ei.subs({p: 0, q: 0}), ej.subs({p: 0, q: 0})
+    try:
+        a, a_im = _node(app, regions.symbols), _node(aqp, regions.symbols)
+        b_p, b_q = _node(bp, regions.symbols), _node(bq, regions.symbols)
+    except TypeError:  # a form from_sympy cannot translate: no pair claimed
+        return None
+    coef_axes = set(a.axes) | set(a_im.axes)
+    if not coef_axes <= set(si.axes):
+        return None
+    outer = tuple(x for x in si.axes if x not in coef_axes)
+    coefficient = f"shared over {format_axes(outer)}" if outer else "diagonal"
+    return (StateClass(si.name, "diagonal linear", coefficient, a, b_p, sj.name, a_im, False),
+            StateClass(sj.name, "diagonal linear", coefficient, a, b_q, si.name, a_im, True))
+
+
+def _complex_pairs(program: Recurrence, regions: _Regions, states: list[StateClass]) -> None:
+    """Replaces, in `states`, the general-linear states that pair up as complex diagonal ones."""
+    open_ = [i for i, c in enumerate(states) if c.family == "general linear"]
+    for i in open_:
+        for j in open_:
+            if j <= i or states[i].family != "general linear" or states[j].family != "general linear":
+                continue
+            pair = _complex_pair(program, regions, i, j)
+            if pair is not None:
+                states[i], states[j] = pair
+
+
 def classify(program: Recurrence) -> Classification:
     regions = _Regions(program)
-    states = tuple(_classify_state_or_general(program, regions, i) for i in range(len(program.states)))
+    states = [_classify_state_or_general(program, regions, i) for i in range(len(program.states))]
+    _complex_pairs(program, regions, states)
+    states = tuple(states)
     ranked = [s.family for s in states if s.family in FAMILIES] or ["diagonal linear"]
     family = max(ranked, key=FAMILIES.index)
     return Classification(family, program.reverse, states)

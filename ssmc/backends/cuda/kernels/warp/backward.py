@@ -11,6 +11,7 @@ from .....lowering.loops import (
     Load,
 )
 from .....lowering.plan import size_var
+from .....lowering.summary import complex_pairs
 from ...hardware import (
     WARP,
 )
@@ -39,7 +40,7 @@ from .analysis import (
 )
 from .backward_analysis import FusedBackward
 from .forward import (
-    _combine_state_value,
+    _combine_state_values,
     _full_or_partial,
     _lane_scan,
     _state_loops,
@@ -80,8 +81,8 @@ def fused_backward_context(fb: FusedBackward, arrays: dict[str, ArraySpec], size
     stage_len = WARP * (steps_per_lane + 1)
     fwd_states = fb.backward.forward.states
     core_states = [s for s in fb.adjoint.program.states if s.name in fb.core]
-    forward_scan = _lane_scan(fwd_states, parallel, sizes)
-    adjoint_scan = _lane_scan(core_states, parallel, sizes, reverse=True)
+    forward_scan = _lane_scan(fwd_states, parallel, sizes, pairs=_forward_pairs(fb))
+    adjoint_scan = _lane_scan(core_states, parallel, sizes, reverse=True, pairs=_core_pairs(fb))
     registers_decl = []
     load_round = []
     for s in fwd_states:
@@ -358,15 +359,13 @@ def _fused_state_major_round(fb: FusedBackward, major: FusedStateMajor, printers
         lines += [f"{pad}{{",
                   f"{pad}    const int {_next(var)} = min({var} + 1, {size_var(own[0])} - 1);",
                   *_next_index_loads(depth + 1, reads, var, _next(var), declare=False), f"{pad}}}"]
-    lines += _summary_identity(forward_states, pad)
+    lines += _summary_identity(forward_states, pad, _forward_pairs(fb))
     lines += _fused_steps_loop(depth, K, pfs.stmts(fs.body, depth + 1), exits, False)
-    for s in forward_states:
-        lines += _combine_state_value(s.name, f"cf_{s.name}", pad)
+    lines += _combine_state_values(forward_states, lambda n: f"cf_{n}", pad, pairs=_forward_pairs(fb))
     lines += _fused_steps_loop(depth, K, pfc.stmts(fc.body, depth + 1), exits, False)
-    lines += _summary_identity(core, pad)
+    lines += _summary_identity(core, pad, _core_pairs(fb))
     lines += _fused_steps_loop(depth, K, pas.stmts(as_.body, depth + 1), exits, True)
-    for s in core:
-        lines += _combine_state_value(s.name, f"ca_{s.name}", pad, reverse=True)
+    lines += _combine_state_values(core, lambda n: f"ca_{n}", pad, reverse=True, pairs=_core_pairs(fb))
     lines += [f"{pad}cr_{s.name}{index} = ca_{s.name};  // the carry past the round" for s in core]
     body = [Assign(Load(atomics[s.target.array, s.target.index], (STEP,)), s.value)
             if s.op == "atomic+=" and (s.target.array, s.target.index) in atomics else s for s in ad.body]
@@ -428,3 +427,14 @@ def fused_backward_source(fb: FusedBackward, ctype: str, arrays: dict[str, Array
         return render(fb.backward.adjoint.name, "fused backward", ctype, [context], has_half(arrays),
                       exact_products(fb.backward.adjoint))
     return with_free_array_names(set(arrays), build)
+
+
+def _forward_pairs(fb: FusedBackward) -> dict[str, str]:
+    """The forward's complex diagonal states (real part's -> imaginary part's)."""
+    return complex_pairs(fb.backward.forward)
+
+
+def _core_pairs(fb: FusedBackward) -> dict[str, str]:
+    """The adjoint recurrences' complex diagonal states (real part's -> imaginary part's): where the
+    forward's are complex, so are their adjoints (the conjugate coefficient, in reverse time)."""
+    return {re: im for re, im in complex_pairs(fb.adjoint.program).items() if re in fb.core}

@@ -17,7 +17,7 @@ from .....lowering.loops import (
     loads,
 )
 from .....lowering.plan import size_var
-from .....lowering.summary import partial_name, product_name
+from .....lowering.summary import complex_pairs, partial_name, product_name
 from ...hardware import (
     STATIC_SHARED,
     WARP,
@@ -119,7 +119,7 @@ def warp_kernel_context(k: Kernel, summary: Kernel, arrays: dict[str, ArraySpec]
     ctx["summary_step"] = "\n".join(ps.stmts(summary.step, 3))
     ctx["step"] = "\n".join(pr.stmts(k.step, 3))
     ctx["finish"] = "\n".join(CPrinter(k, arrays, sizes).stmts(k.finish, 2))
-    scan = _lane_scan(program.states, set(k.parallel), sizes, warps=warps)
+    scan = _lane_scan(program.states, set(k.parallel), sizes, warps=warps, pairs=complex_pairs(program))
     save = [f"{head}{c_array(name)}[{pr.index(Load(name, (f't0 / {round_steps}', *env)))}]"
             f" = {_store(arrays[name].dtype, f'st_{s}{idx}')};"
             for s, head, idx, env, name in _round_arrays(k)]
@@ -271,14 +271,14 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
         first_step = pm.index(Load(array, ("t0", *index[1:])))
         lines += [f"{pad}F {reg}[{steps_per_lane}];",
                   f"{pad}load_steps<{steps_per_lane}>({reg}, {c_array(array)} + {first_step});"]
-    lines += _summary_identity(states, pad)
+    lines += _summary_identity(states, pad, complex_pairs(k.program))
     lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(summary, depth + 1), mode)
     rounds = {name for name, *_ in _round_arrays(k)}
+    idx = {s.name: _state_loops(s, parallel)[1] for s in states}
+    lines += _combine_state_values(states, lambda n: f"cr_{n}{idx[n]}", pad, pairs=complex_pairs(k.program))
     for s in states:
-        _, idx, env = _state_loops(s, parallel)
-        lines += _combine_state_value(s.name, f"cr_{s.name}{idx}", pad)
         if s.name in rounds:  # kept for the store after the loop (a branch here would split the round)
-            lines.append(f"{pad}sv_{s.name}{idx} = {scalar_name(f'st_{s.name}')};")
+            lines.append(f"{pad}sv_{s.name}{idx[s.name]} = {scalar_name(f'st_{s.name}')};")
     lines += _lane_steps_loop(depth, k, steps_per_lane, pm.stmts(second.body, depth + 1), mode)
     lines += ["    " * (depth - 1 - i) + "}" for i in range(len(own))]
     for s in states:
@@ -292,10 +292,13 @@ def _state_major_round(first: StateMajor, second: StateMajor, k: Kernel, pm: CPr
     return lines
 
 
-def _summary_identity(states, pad: str) -> list[str]:
-    """C lines starting the state-major summaries (scalars, one state index) of `states` at (1, 0)."""
-    names = [(scalar_name(f"st_{product_name(s.name)}"), scalar_name(f"st_{partial_name(s.name)}")) for s in states]
-    return [f"{pad}{prod} = F(1); {part} = F(0);" for prod, part in names]
+def _summary_identity(states, pad: str, pairs: dict[str, str] | None = None) -> list[str]:
+    """C lines starting the state-major summaries (scalars, one state index) of `states` at (1, 0)
+    (a complex pair's products at 1 + 0i: `pairs`, real part's state -> imaginary part's)."""
+    imag = set((pairs or {}).values())
+    names = [(scalar_name(f"st_{product_name(s.name)}"), scalar_name(f"st_{partial_name(s.name)}"),
+              "F(0)" if s.name in imag else "F(1)") for s in states]
+    return [f"{pad}{prod} = {one}; {part} = F(0);" for prod, part, one in names]
 
 
 def _combine_state_value(state: str, carry: str, pad: str, reverse: bool = False) -> list[str]:
@@ -304,6 +307,27 @@ def _combine_state_value(state: str, carry: str, pad: str, reverse: bool = False
     prod, part = (scalar_name(f"st_{name(state)}") for name in (product_name, partial_name))
     return [f"{pad}{{", *(pad + line for line in _combine_one(prod, part, carry, scalar_name(f"st_{state}"), reverse)),
             f"{pad}}}"]
+
+
+def _combine_state_values(states, carry, pad: str, reverse: bool = False,
+                          pairs: dict[str, str] | None = None) -> list[str]:
+    """`_combine_state_value` for each of `states` (`carry(name)`: its carry's C name), a complex
+    pair's two states scanned together with complex products (`_combine_complex`)."""
+    pairs = pairs or {}
+    imag = set(pairs.values())
+    lines = []
+    for s in states:
+        if s.name in imag:
+            continue
+        if s.name not in pairs:
+            lines += _combine_state_value(s.name, carry(s.name), pad, reverse)
+            continue
+        re, im = s.name, pairs[s.name]
+        scan = _combine_complex([scalar_name(f"st_{product_name(n)}") for n in (re, im)],
+                                [scalar_name(f"st_{partial_name(n)}") for n in (re, im)],
+                                [carry(re), carry(im)], [scalar_name(f"st_{n}") for n in (re, im)], reverse)
+        lines += [f"{pad}{{", *(pad + line for line in scan), f"{pad}}}"]
+    return lines
 
 
 @dataclass
@@ -327,10 +351,15 @@ def _state_loops(s, parallel: set[str]) -> tuple[str, str, list[str]]:
 
 
 def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool = False,
-               warps: int = 1) -> _LaneScan:
+               warps: int = 1, pairs: dict[str, str] | None = None) -> _LaneScan:
     """`_LaneScan` for `states`; `reverse`: lane 0 holds the latest steps of the round, the carry
     comes from the later side (a suffix scan, lanes after compose first); `warps` > 1: the block's
-    warps share the recurrence (scalar states only: `_combine_across_warps`)."""
+    warps share the recurrence (scalar states only: `_combine_across_warps`). `pairs` (real part's
+    state -> imaginary part's): complex diagonal states, scanned as complex values (`_combine_complex`)."""
+    pairs = pairs or {}
+    imag = set(pairs.values())
+    if pairs and warps > 1:
+        raise ValueError("complex states are not shared among warps (`shares_recurrence`)")
     carry, reset, combine, final = [], [], [], []
     for s in states:
         head, idx, _ = _state_loops(s, parallel)
@@ -340,11 +369,20 @@ def _lane_scan(states, parallel: set[str], sizes: dict[str, int], reverse: bool 
         carry.append(f"F cr_{s.name}{''.join(f'[{size_var(a)}]' for a in local)};")
         carry += f"{head}cr_{s.name}{idx} = st_{s.name}{idx};".split("\n")
         prod, part = f"st_{product_name(s.name)}{idx}", f"st_{partial_name(s.name)}{idx}"
-        reset += f"{head}{{ {prod} = F(1); {part} = F(0); }}".split("\n")
-        lines = (_combine_across_warps(prod, part, f"cr_{s.name}", f"st_{s.name}", f"sm_agg_{s.name}", warps)
-                 if warps > 1 else _combine_one(prod, part, f"cr_{s.name}{idx}", f"st_{s.name}{idx}", reverse))
-        combine += [*f"{head}{{".split("\n"), *lines, "}"]
+        reset += f"{head}{{ {prod} = {'F(0)' if s.name in imag else 'F(1)'}; {part} = F(0); }}".split("\n")
         final += f"{head}st_{s.name}{idx} = cr_{s.name}{idx};".split("\n")
+        if s.name in imag:  # scanned with its real part
+            continue
+        if s.name in pairs:
+            re, im = s.name, pairs[s.name]
+            lines = _combine_complex([f"st_{product_name(n)}{idx}" for n in (re, im)],
+                                     [f"st_{partial_name(n)}{idx}" for n in (re, im)],
+                                     [f"cr_{n}{idx}" for n in (re, im)], [f"st_{n}{idx}" for n in (re, im)], reverse)
+        elif warps > 1:
+            lines = _combine_across_warps(prod, part, f"cr_{s.name}", f"st_{s.name}", f"sm_agg_{s.name}", warps)
+        else:
+            lines = _combine_one(prod, part, f"cr_{s.name}{idx}", f"st_{s.name}{idx}", reverse)
+        combine += [*f"{head}{{".split("\n"), *lines, "}"]
     return _LaneScan(carry, reset, combine, final)
 
 
@@ -359,6 +397,38 @@ def _combine_one(prod: str, part: str, carry: str, into: str, reverse: bool = Fa
         f"    const F into = {shfl}(0xffffffffu, H, 1);  // the state past the previous lane's steps",
         f"    {into} = lane == {first} ? {carry} : into;  // the carry into this lane's steps",
         f"    {carry} = __shfl_sync(0xffffffffu, H, {last});",
+    ]
+
+
+def _combine_complex(prods: list[str], parts: list[str], carries: list[str], intos: list[str],
+                     reverse: bool = False) -> list[str]:
+    """`_combine_one` for a complex value, each argument its (real, imaginary) C names: the pairs
+    (P, H) of complex numbers combine as (P2 P1, P2 H1 + H2), complex products."""
+    shfl, first, last = ("__shfl_down_sync", WARP - 1, 0) if reverse else ("__shfl_up_sync", 0, WARP - 1)
+    before = f"lane + off < {WARP}" if reverse else "lane >= off"
+    (pr, pi), (hr, hi), (cr, ci), (ir, ii) = prods, parts, carries, intos
+    return [
+        f"    F Pr = {pr}, Pi = {pi}, Hr = {hr}, Hi = {hi};  // a complex (product, partial)",
+        f"    if (lane == {first}) {{  // the carry enters: H becomes the state past",
+        f"        const F er = Pr * {cr} - Pi * {ci} + Hr, ei = Pi * {cr} + Pr * {ci} + Hi;",
+        "        Hr = er; Hi = ei;",
+        "    }",
+        "    #pragma unroll",
+        f"    for (int off = 1; off < {WARP}; off <<= 1) {{  // inclusive: the lanes nearer the carry first",
+        f"        const F Hbr = {shfl}(0xffffffffu, Hr, off), Hbi = {shfl}(0xffffffffu, Hi, off);",
+        f"        const F Pbr = off < {WARP // 2} ? {shfl}(0xffffffffu, Pr, off) : F(1);  // the last P is unused",
+        f"        const F Pbi = off < {WARP // 2} ? {shfl}(0xffffffffu, Pi, off) : F(0);",
+        f"        if ({before}) {{",
+        "            const F nr = Pr * Hbr - Pi * Hbi + Hr, ni = Pi * Hbr + Pr * Hbi + Hi;",
+        "            const F qr = Pr * Pbr - Pi * Pbi, qi = Pr * Pbi + Pi * Pbr;",
+        "            Hr = nr; Hi = ni; Pr = qr; Pi = qi;",
+        "        }",
+        "    }",
+        f"    const F intor = {shfl}(0xffffffffu, Hr, 1), intoi = {shfl}(0xffffffffu, Hi, 1);",
+        f"    {ir} = lane == {first} ? {cr} : intor;  // the carry into this lane's steps",
+        f"    {ii} = lane == {first} ? {ci} : intoi;",
+        f"    {cr} = __shfl_sync(0xffffffffu, Hr, {last});",
+        f"    {ci} = __shfl_sync(0xffffffffu, Hi, {last});",
     ]
 
 
@@ -425,7 +495,7 @@ def shares_recurrence(k: Kernel, summary: Kernel) -> bool:
     carries saved for the fused backward's rounds."""
     parallel = set(k.parallel)
     return (warp_state_major(summary, k) is None and not any(a.role == "rounds" for a in k.arrays)
-            and all(a in parallel for s in k.program.states for a in s.axes))
+            and all(a in parallel for s in k.program.states for a in s.axes) and not complex_pairs(k.program))
 
 
 def recurrence_warps_fit(k: Kernel, summary: Kernel, steps_per_lane: int, value_bytes: int) -> int:
