@@ -4,11 +4,11 @@
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
 inputs) and the first-order scan h = a * h + x (bench/workloads/diagonal.py, B32 D512 L180): the host
-milliseconds of one forward call and of one backward call (`torch.cuda._sleep` keeps the GPU busy meanwhile,
-so the Python returns before any kernel runs: the wall time is host time alone, and a call that waits for the
-GPU shows as the sleep's length), the GPU kernels' time of one training step (the torch profiler's sum), and
-the step's time back to back (CUDA events around `--calls` steps). Prints a markdown table; with --out, writes
-DIR/host_time.md.
+milliseconds of a forward call and of a backward call, `--calls` of each back to back (`torch.cuda._sleep`
+keeps the GPU busy meanwhile, so the Python returns before any kernel runs: the wall time is host time alone,
+and a call that waits for the GPU shows as the sleep's length), the GPU kernels' time of one training step
+(the torch profiler's sum), and the step's time back to back (CUDA events around `--calls` steps). Prints a
+markdown table; with --out, writes DIR/host_time.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ssmc.examples import mamba1
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads.diagonal import scan as scan1  # h = a * h + x
 
-SLEEP_CYCLES = 50_000_000  # ~25 ms of GPU time: longer than any host call measured here
+SLEEP_CYCLES = 400_000_000  # ~0.2 s of GPU time: longer than all the host calls queued behind it
 
 
 def mamba1_inputs(b=32, d=512, n=16, t=180) -> dict:
@@ -48,17 +48,17 @@ def scan1_inputs(b=32, d=512, t=180) -> dict:
     return {"a": a, "x": torch.randn(b, d, t, generator=g, device="cuda").requires_grad_(True)}
 
 
-def host_ms(fn, calls: int) -> float:
-    """Median host milliseconds of `fn()` while the GPU works through a long sleep queued before it."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+def host_ms(fns) -> float:
+    """Host milliseconds per call of the calls `fns`, made back to back (steady state) while the GPU works
+    through a long sleep queued before them."""
     torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    for fn in fns:
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / len(fns)
+    torch.cuda.synchronize()
+    return ms
 
 
 def measure(name: str, fn, inputs: dict, calls: int) -> dict:
@@ -72,16 +72,10 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
     cotangent = torch.randn_like(forward())
     for _ in range(5):
         step()
-    fwd = host_ms(forward, calls)
-    outs = []
-
-    def backward():
-        outs.pop().backward(cotangent)
-    bwd_times = []
-    for _ in range(calls):
-        outs.append(forward())
-        bwd_times.append(host_ms(backward, 1))
-    bwd = sorted(bwd_times)[len(bwd_times) // 2]
+    fwd = host_ms([forward] * calls)
+    outs = [forward() for _ in range(calls)]
+    bwd = host_ms([lambda y=y: y.backward(cotangent) for y in outs])
+    del outs
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
