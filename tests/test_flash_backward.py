@@ -443,3 +443,27 @@ def test_gpu_flash_backward_configs_match_the_tiled_backward(config, name, lq, l
     _close(got, {n: want[n] for n in "qkv"}, True)
     if params:  # against float64 (`_float64_param_grads`: at Lq 1000, Lk 7 the fp32 tiled slope is off)
         _close(got, _float64_param_grads(SPECS[name], q, k, v, params, do, "b h t ..."), True)
+
+
+@needs_emulator
+@pytest.mark.skipif(not nightly(), reason="Lq 1000 emulated: the nightly run's (tests/profiles.py)")
+def test_emulated_slope_gradient_where_far_rows_have_an_lse_in_the_hundreds(monkeypatch):
+    """ALiBi at Lq 1000, Lk 7, slope 1, fp16, time-major (the GPU failure's case): a far row's lse is about
+    -(i - 7), so the forward kernel's fp32 lse puts sum_j P off 1 by ~1e-5 a row; the kernels' slope
+    gradient (delta's row-sum correction cancels the -i part of the summands) stays within the tolerance
+    of the float64 backward, which the fp32 tiled backward from that lse need not (`_float64_param_grads`)."""
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = SPECS["alibi"].program
+    rng = np.random.default_rng(5)
+    q, do = (_half(rng.standard_normal((1, 1000, 1, 64)), torch.float16) for _ in range(2))
+    k, v = (_half(rng.standard_normal((1, 7, 1, 64)), torch.float16) for _ in range(2))
+    slope = torch.ones(1, dtype=torch.float64)
+    want = TiledAttention(program).gradients(q.double(), k.double(), v.double(), do.double(), "b t h ...",
+                                             {"slope": slope})
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "600")
+    tiled = TiledAttention(program)
+    got = tiled.gradients(q, k, v, do, "b t h ...", {"slope": slope.float()})
+    assert tiled.flash_reason is None and tiled.flash_backward_reason is None
+    _check(got, want, bf16=False)
