@@ -21,6 +21,7 @@ from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4")  # kernels/flash/forward.py's CONFIGS
+FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32")  # kernels/flash/backward.py's CONFIGS
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -54,6 +55,10 @@ class CudaOptions:
     flash_forward: the flash forward's config (kernels/flash/forward.py `CONFIGS`): "bm64" (64-row blocks of
         4 warps), "bm128w8" / "bm128w8n128" (128-row blocks of 8 warps, key tiles of 64 / 128) or "bm128w4"
         (128-row blocks of 4 warps of 32 rows)
+    flash_backward_config: the flash backward's key-block kernel (kernels/flash/backward.py `CONFIGS`): "bn64"
+        (4 warps, 64 keys, query tiles of 32 / 16 rows at d 64 / 128), "w4q64" (4 warps, 64 keys, query tiles
+        of 64, two stages), "w8q64" (8 warps, 128 keys, query tiles of 64, two stages) or "w8q32" (the same
+        with query tiles of 32); unset: "w4q64" at head dim 64, "w8q32" at 128
     sm_count: SMs of the GPU the kernels are planned for
     """
 
@@ -80,6 +85,7 @@ class CudaOptions:
     flash: bool = True
     flash_backward: bool = True
     flash_dq: str | None = None
+    flash_backward_config: str | None = None
     flash_forward: str | None = None
     sm_count: int = SM_COUNT
 
@@ -114,6 +120,10 @@ def _parse(name: str, field: str, raw: str):
     if field == "strategy":
         if raw not in STRATEGIES:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(STRATEGIES)}")
+        return raw
+    if field == "flash_backward_config":
+        if raw not in FLASH_BACKWARD:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(FLASH_BACKWARD)}")
         return raw
     if field == "flash_dq":
         if raw not in ("atomic", "kernel"):

@@ -4,8 +4,9 @@
     name, text = kernel_source(program, d=128, bf16=True)
     bwd = FlashBackward(program); grads = bwd(call, out, lse, d_out)   # {"q", "k", "v", param names}
 
-FlashAttention-2's backward: delta[bh, i] = sum_e d_out[bh, i, e] out[bh, i, e] (torch, fp32), then the
-kernel (``backward.cu.j2``), per batch index bh and block of `BN` keys j, as a plain loop:
+FlashAttention-2's backward: delta[bh, i] = sum_e d_out[bh, i, e] out[bh, i, e] in fp32 (a small kernel,
+``backward_delta.cu.j2``, a warp a row), then the key-block kernel, per batch index bh and block of
+`config(d).bn` keys j, as a plain loop:
 
     for each query tile [m0, m0 + BQ) of the queries the key block may be visible to   (key_block_spans)
         s[i, j] = scale * sum_d q[bh, i, d] k[bh, j, d];  m = score_mod(s, i, j, params[bh])
@@ -16,6 +17,12 @@ kernel (``backward.cu.j2``), per batch index bh and block of `BN` keys j, as a p
         dk[bh, j] += scale * sum_i ds[i, j] q[bh, i];   dq[bh, i] += scale * sum_j ds[i, j] k[bh, j]  (fp32 atomics)
         dparams[kb, bh, n] += sum_{i, j} d_param_n(dm, s, i, j, params[bh])
 
+Configs (`CONFIGS`, ``SSMC_CUDA_FLASH_BACKWARD_CONFIG``): "bn64" (``backward.cu.j2``: 4 warps of 16 keys,
+query tiles of 32 rows at d 64 and 16 at d 128, static shared memory, Q and dO single-buffered), "w4q64" and
+"w8q64", "w8q32" (``backward_wide.cu.j2``: 4 or 8 warps of 16 keys, a block of 64 or 128 keys, query tiles
+of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage while this one computes, K, V,
+both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
+(`DEFAULT_CONFIG`).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 from .....ir.program import Attention
 from .....passes.attention_grad import derive_attention_backward
@@ -46,8 +54,53 @@ from .. import template
 from ..loaded import loaded_function
 from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
 
-BQ = {64: 32, 128: 16}   # query rows a tile per head dim (the block's registers and shared memory bound it)
+BQ = {64: 32, 128: 16}   # "bn64": query rows a tile per head dim (its registers and static shared memory bound it)
 LEAVES = ("grad_score", "score", "q_idx", "kv_idx")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The key-block kernel's shape: `warps` warps of 16 keys (a block of `bn` = 16 `warps` keys), query
+    tiles of `bq` rows. "bn64" is ``backward.cu.j2`` (static shared memory, Q and dO single-buffered), the
+    others ``backward_wide.cu.j2`` (K, V, two stages of Q and dO, dS^T in dynamic shared memory)."""
+
+    name: str
+    warps: int
+    bq: int
+    min_blocks: int = 1
+
+    @property
+    def bn(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def shared(self, d: int, atomic_dq: bool) -> int:
+        """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
+        if self.name == "bn64":
+            return 0
+        return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
+
+
+CONFIGS = {
+    "bn64": {d: Config("bn64", 4, BQ[d]) for d in HEAD_DIMS},
+    "w4q64": {d: Config("w4q64", 4, 64) for d in HEAD_DIMS},
+    "w8q64": {d: Config("w8q64", 8, 64) for d in HEAD_DIMS},
+    "w8q32": {d: Config("w8q32", 8, 32) for d in HEAD_DIMS},
+}
+# at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
+# modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
+DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
+
+
+def config(d: int, name: str | None = None) -> Config:
+    """The key-block kernel's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_BACKWARD_CONFIG``'s,
+    else the default of the head dim."""
+    if name is None:
+        name = options().flash_backward_config or DEFAULT_CONFIG[d]
+    return CONFIGS[name][d]
 
 
 def _bodies(program: Attention) -> tuple[str, list[str]]:
@@ -108,16 +161,26 @@ def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
     return hit
 
 
-def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True) -> tuple[str, str]:
+def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
+                  config_name: str | None = None) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then);
-    cached. Raises `Unprintable` where `unsupported` says why."""
+    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
+    config `config_name` (`config`: None for the options'); cached. Raises `Unprintable` where
+    `unsupported` says why."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
+    cfg = config(d, config_name)
+
     def build(args: dict, digest: str):
-        name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
-        return name, template("flash/backward.cu.j2").render(
-            name=name, bn=BN, bq=BQ[d], bf16=bf16, atomic_dq=atomic_dq,
-            row_sums=atomic_dq and bool(program.params), **args)
-    return _source((program, d, bf16, atomic_dq), program, d, build)
+        suffix = "" if cfg.name == "bn64" else "_" + cfg.name
+        name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
+        common = dict(name=name, bf16=bf16, atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params),
+                      **args)
+        if cfg.name == "bn64":
+            return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
+        return name, template("flash/backward_wide.cu.j2").render(
+            warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
+    return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
 
 
 BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
@@ -132,11 +195,40 @@ def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
     return _source((program, d, bf16, "dq"), program, d, build)
 
 
-def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int]) -> list[tuple[int, int, int, int]]:
-    """Per block of `BN` keys, (qlo, qhi, qflo, qfhi) in query rows (multiples of `BM`): queries outside
-    [qlo, qhi) see none of its keys (the query blocks whose `block_spans` span holds the key block, first
-    to last; a block between them that does not is visited with its mask evaluated: sound), and in
-    [qflo, qfhi) the key block is a full tile (every key visible to every query, below Lk: no mask)."""
+def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
+    """(kernel name, CUDA source) of the delta kernel (``backward_delta.cu.j2``): delta[r] = sum_e dout[r, e]
+    out[r, e] in fp32 per row, dout 16-bit, out 16-bit or fp32 (`out32`); cached."""
+    from ...source import mma_header
+
+    key = ("delta", d, bf16, out32)
+    hit = _SOURCES.get(key)
+    if hit is None:
+        name = f"flash_bwd_delta_d{d}_{'bf16' if bf16 else 'fp16'}{'_out32' if out32 else ''}"
+        text = template("flash/backward_delta.cu.j2").render(name=name, d=d, bf16=bf16, out32=out32)
+        _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
+    return hit
+
+
+def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN) -> list[tuple[int, int, int, int]]:
+    """Per block of `bn` keys (a multiple of `BN`), (qlo, qhi, qflo, qfhi) in query rows (multiples of `BM`):
+    queries outside [qlo, qhi) see none of its keys (the query blocks whose `block_spans` span holds the key
+    block, first to last; a block between them that does not is visited with its mask evaluated: sound),
+    and in [qflo, qfhi) the key block is a full tile (every key visible to every query, below Lk: no mask).
+    A block of several `BN` tiles: the union of their query spans, the intersection of their full ones
+    (none where the block passes Lk)."""
+    if bn != BN:
+        per = key_block_spans(mask, lq, lk, sizes)
+        k = bn // BN
+        out = []
+        for kb in range(-(-lk // bn)):
+            parts = per[kb * k:(kb + 1) * k]
+            seen = [(lo, hi) for lo, hi, _, _ in parts if lo < hi]
+            lo, hi = (min(a for a, _ in seen), max(b for _, b in seen)) if seen else (0, 0)
+            flo, fhi = max(p[2] for p in parts), min(p[3] for p in parts)
+            if len(parts) < k or flo >= fhi or any(p[2] >= p[3] for p in parts):
+                flo = fhi = 0
+            out.append((lo, hi, flo, fhi))
+        return out
     spans = block_spans(mask, lq, lk, sizes)
     out = []
     for kb in range(-(-lk // BN)):
@@ -165,14 +257,18 @@ class FlashBackward:
         self._spans: dict = {}
 
     def _function(self, device, d: int, bf16: bool, which: str = "atomic"):
-        name, text = dq_source(self.program, d, bf16) if which == "dq" else kernel_source(
-            self.program, d, bf16, atomic_dq=which == "atomic")
+        if which.startswith("delta"):
+            name, text = delta_source(d, bf16, which == "delta32")
+        elif which == "dq":
+            name, text = dq_source(self.program, d, bf16)
+        else:
+            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic")
         return loaded_function(text, name, device)
 
-    def _span_tensor(self, call, per_query_block: bool = False):
+    def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
@@ -180,7 +276,7 @@ class FlashBackward:
             if per_query_block:
                 spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
             else:
-                spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes)
+                spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
             flat = [x for span in spans for x in span]
             t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
         return t
@@ -212,16 +308,18 @@ class FlashBackward:
 
         q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
         do = d_out.to(q.dtype).contiguous()
-        q, k, v, do = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, do))
+        out = (out if out.dtype in (q.dtype, torch.float32) else out.float()).contiguous()
+        q, k, v, do, out = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, do, out))
         batch = q.shape[:-2]
         bh, lq, lk, d = math.prod(batch), call.lq, call.lk, q.shape[-1]
-        # delta in fp32 from the 16-bit cotangent the products see and the forward's output
-        delta = (do.float() * out.float()).sum(-1).contiguous()
+        # delta in fp32 from the 16-bit cotangent the products see and the forward's output: a kernel
+        delta = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         lse = lse.to(torch.float32).contiguous()
         dq = torch.zeros((*batch, lq, d), dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
         dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-        nkb = -(-lk // BN)
+        cfg = config(d)
+        nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
         atomic = dq_mode() == "atomic"
@@ -236,18 +334,22 @@ class FlashBackward:
             bf16 = q.dtype == torch.bfloat16
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
-            launches = [(self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh,
-                         [*inputs, self._span_tensor(call).data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                          partials.data_ptr(), rowsums.data_ptr()])]
+            launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
+                         -(-bh * lq // 4), 128, 0, [do.data_ptr(), out.data_ptr(), delta.data_ptr()], bh * lq, 0)]
+            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh, cfg.threads,
+                         cfg.shared(d, atomic),
+                         [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                          dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
             if not atomic:
-                launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh,
-                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()]))
-            for fn, blocks, pointers in launches:
+                launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh, THREADS, 0,
+                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()],
+                                 lq, lk))
+            for fn, blocks, threads, shared, pointers, n0, n1 in launches:
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):
-                        launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+                        launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
                 else:
-                    launch_kernel(fn, (blocks, THREADS), lq, lk, pointers)
+                    launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
         per_bh = partials[..., :np_].sum(0)
         if np_:
             per_bh = per_bh - ((rowsums[..., :1] * rowsums[..., 1:]).sum(1) if atomic else corr.sum(0))
