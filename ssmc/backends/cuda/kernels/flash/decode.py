@@ -19,13 +19,10 @@ product and sum in fp32, the output rounded to the 16-bit type once.
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 from .....ir.program import Attention
 from .. import template
 from ..loaded import loaded_function
-from .forward import HEAD_DIMS, float_literal, print_body
+from .forward import HEAD_DIMS, float_literal, printed_modifiers
 
 THREADS = 128
 KEYS_A_PASS = {64: 64, 128: 32}  # KPB of decode.cu.j2: 4 warps x (32 / (d / 8)) keys x 4 in flight
@@ -47,10 +44,7 @@ def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
-    score_body = print_body(program.score, program, "score")
-    mask_body = print_body(program.mask, program, "true")
-    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
-    digest = hashlib.sha256(f"{score_body}\n{mask_body}\n{scale!r}".encode()).hexdigest()[:10]
+    score_body, mask_body, scale, digest = printed_modifiers(program, d)
     name = f"attn_decode_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
     text = template("flash/decode.cu.j2").render(name=name, d=d, bf16=bf16, nparams=len(program.params),
                                                  scale=float_literal(scale), score_body=score_body,

@@ -211,6 +211,16 @@ _CUPY: str | None = None
 _SOURCES: dict = {}
 
 
+def printed_modifiers(program: Attention, d: int) -> tuple[str, str, float, str]:
+    """(score_mod's body, mask_mod's body as CUDA C, the score scale at head dim `d`, a digest of the three
+    for kernel names): what every flash kernel of `program` prints."""
+    score_body = print_body(program.score, program, "score")
+    mask_body = print_body(program.mask, program, "true")
+    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
+    digest = hashlib.sha256(f"{score_body}\n{mask_body}\n{scale!r}".encode()).hexdigest()[:10]
+    return score_body, mask_body, scale, digest
+
+
 def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
     `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options');
@@ -224,10 +234,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
-    score_body = print_body(program.score, program, "score")
-    mask_body = print_body(program.mask, program, "true")
-    scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
-    digest = hashlib.sha256(f"{score_body}\n{mask_body}\n{scale!r}".encode()).hexdigest()[:10]
+    score_body, mask_body, scale, digest = printed_modifiers(program, d)
     suffix = "" if cfg.name == "bm64" else "_" + cfg.name
     name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
     common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
