@@ -123,6 +123,7 @@ class SsmcFunction:
         self.return_final_states = return_final_states
         self.names = [d.name for d in self.program.inputs] + [s.name for s in self.program.states]
         self.state_names = [s.name for s in self.program.states]
+        self.param_names = {d.name for d in self.program.params}
         # per output: its name and the permutation from time first to its layout (`ssmc.compile`'s)
         self.output_perms = [(name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
                              for name, y in self.program.outputs]
@@ -186,6 +187,7 @@ class SsmcFunction:
             return self._op(tensors)
         backend = self.backend or for_tensor(tensors[0])
         self.compiled, self.grad = self._for(backend)
+        tensors = self._own_host_params(tensors)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             results = self._inference(tensors)
         else:
@@ -200,6 +202,18 @@ class SsmcFunction:
                     self._lean.remember(key, LeanStep.build(self.last_step, self.names[:len(tensors)],
                                                             self.output_perms, tensors))
         return results
+
+    def _own_host_params(self, tensors: list) -> list:
+        """`tensors` with each param on the CPU replaced by a copy (autograd flows through it).
+
+        On the host the backends read views of the tensors' memory (`Tensor.numpy()`, after which torch
+        refuses to resize that storage) and the tape keeps them until the backward. A param's storage may
+        be freed and refilled in between: FSDP (`fully_shard`, and `FullyShardedDataParallel`) frees the
+        gathered params after the forward by resizing their storage to zero and gathers them again before
+        the backward. A copy gives the host backends memory of their own; params are small beside the
+        sequences."""
+        params = self.param_names
+        return [t.clone() if n in params and t.device.type == "cpu" else t for n, t in zip(self.names, tensors)]
 
     def _results(self, results) -> tuple:
         n_out = len(self.program.outputs)

@@ -29,27 +29,31 @@ LR = 0.1
 
 
 class Tiny(torch.nn.Module):
-    """An LSTM layer (numba backend, CPU tensors) and a linear head."""
+    """An LSTM layer (CPU tensors; numba backend unless told) and a linear head."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "numba"):
         super().__init__()
-        self.rnn = st.Recurrence(lstm.SPEC, layout=lstm.LAYOUT, sizes=SIZES, dtype=torch.float64, backend="numba")
+        self.rnn = st.Recurrence(lstm.SPEC, layout=lstm.LAYOUT, sizes=SIZES, dtype=torch.float64, backend=backend)
         self.head = torch.nn.Linear(SIZES["k"], 1, dtype=torch.float64)
 
     def forward(self, x):
         return self.head(self.rnn(x)).square().mean()
 
 
-def _data(rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 + rank)  # different data per rank
+def _data(rank: int, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank + WORLD * step)  # different data per rank and step
     return torch.randn(BATCH, LENGTH, SIZES["i"], dtype=torch.float64, generator=g)
 
 
-def _worker(rank: int, port: int, state: dict, out: str) -> None:
+def _init_process_group(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+
+def _worker(rank: int, port: int, state: dict, out: str) -> None:
+    _init_process_group(rank, port)
     try:
         model = Tiny()
         model.load_state_dict(state)
@@ -90,3 +94,88 @@ def test_ddp_averages_gradients_and_keeps_params_in_sync(tmp_path):
         # after the step both ranks hold the same params: the start minus lr times the averaged gradient
         assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
         assert torch.allclose(got[0]["params"][n], state[n] - LR * want[n], rtol=1e-12, atol=1e-14), n
+
+
+FSDP_STEPS = 3
+
+
+def _train(model, rank: int) -> torch.Tensor:
+    """FSDP_STEPS SGD steps on this rank's data; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(FSDP_STEPS):
+        opt.zero_grad()
+        loss = model(_data(rank, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _fsdp_worker(rank: int, port: int, state: dict, out: str) -> None:
+    """`Tiny` (interpreter backend) under FSDP2 and under FSDP1, each trained from `state`: the losses, the
+    loss of a forward without grad after the steps, and the full params."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    _init_process_group(rank, port)
+    try:
+        results = {}
+        # FSDP2: every param a DTensor holding this rank's rows; the layer a unit of its own, its params
+        # gathered before its forward and freed after it (reshard_after_forward), gathered again for its backward
+        model = Tiny("interpreter")
+        model.load_state_dict(state)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        fully_shard(model.rnn, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        losses = _train(model, rank)
+        with torch.no_grad():
+            final = model(_data(rank, FSDP_STEPS))
+        results["fsdp2"] = (losses, final, {n: p.full_tensor() for n, p in model.state_dict().items()})
+        # FSDP1: the params flattened into one sharded FlatParameter per unit, the layer's params views of it
+        model = Tiny("interpreter")
+        model.load_state_dict(state)
+        fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                        auto_wrap_policy=ModuleWrapPolicy({st.Recurrence}))
+        losses = _train(fsdp, rank)
+        with torch.no_grad():
+            final = fsdp(_data(rank, FSDP_STEPS))
+        full = FullStateDictConfig(rank0_only=False)
+        with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, full):
+            results["fsdp1"] = (losses, final, fsdp.state_dict())
+        torch.save(results, os.path.join(out, f"fsdp_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_trains_as_one_process_on_all_the_data(tmp_path):
+    """FSDP2 (`fully_shard`) and FSDP1 on two CPU processes (gloo), FSDP_STEPS SGD steps on different
+    data per rank: each rank's losses, a forward without grad after the steps, and the final params equal
+    one process stepping on the mean of the ranks' losses (FSDP averages the gradients over the ranks).
+    The layer's params are freed between its forward and its backward there: ssmc.torch's host path
+    reads copies of them (`SsmcFunction._own_host_params`)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    torch.manual_seed(0)
+    model = Tiny("interpreter")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want_losses = torch.zeros(WORLD, FSDP_STEPS, dtype=torch.float64)
+    for step in range(FSDP_STEPS):
+        opt.zero_grad()
+        losses = [model(_data(rank, step)) for rank in range(WORLD)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        want_losses[:, step] = torch.stack(losses).detach()
+    with torch.no_grad():
+        want_final = [model(_data(rank, FSDP_STEPS)) for rank in range(WORLD)]
+    want_params = model.state_dict()
+    torch.multiprocessing.spawn(_fsdp_worker, args=(_free_port(), state, str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"fsdp_rank{rank}.pt")
+        for how, (losses, final, params) in got.items():
+            assert torch.allclose(losses, want_losses[rank], rtol=1e-12, atol=1e-14), (how, rank, losses)
+            assert torch.allclose(final, want_final[rank], rtol=1e-12, atol=1e-14), (how, rank)
+            assert set(params) == set(want_params), (how, sorted(params))
+            for n, p in params.items():
+                assert torch.allclose(p, want_params[n], rtol=1e-12, atol=1e-14), (how, rank, n)
