@@ -7,8 +7,10 @@
 
 Every `ssmc.Param` of the spec is an `nn.Parameter` of the module under its own name, of the shape its
 axes' sizes give (`sizes=`, or the static sizes the spec declares, ``"g=4"``), so it moves with `.to()`,
-saves and loads with `state_dict` and trains like any other. The call runs `ssmc.torch.function`
-(built once per module) on the sequences given and the parameters, in the spec's signature order.
+saves and loads with `state_dict` and trains like any other, under DDP and FSDP too (tests/test_ddp.py;
+FSDP2 gathers the params around `forward` alone: ``torch.distributed.fsdp.register_fsdp_forward_method(
+layer, "step")`` for `step`). The call runs `ssmc.torch.function` (built once per module) on the
+sequences given and the parameters, in the spec's signature order.
 
 Initialisation (`reset_parameters`): `init` maps a param's name to a callable that fills a tensor in
 place (`torch.nn.init.*` alike; a tensor it returns is copied in) or to a tensor (or array) of the

@@ -1,6 +1,8 @@
-"""`ssmc.torch.Recurrence` under `DistributedDataParallel` (#43 item 3): two CPU processes on gloo, one
-training step on different data per rank. The gradients after DDP's allreduce are the average of the two
-single-process gradients, and the params stay equal on both ranks after an optimizer step.
+"""`ssmc.torch.Recurrence` under `DistributedDataParallel` and FSDP (#43 item 3): two CPU processes on gloo.
+DDP: one training step on different data per rank; the gradients after DDP's allreduce are the average of
+the two single-process gradients, and the params stay equal on both ranks after an optimizer step.
+FSDP2 (`fully_shard`) and FSDP1 (`FullyShardedDataParallel`): a few steps train as one process would on
+both ranks' data.
 
 (`state_dict` round trip and `.to(torch.float64)`: tests/test_layers.py.)
 """
@@ -114,9 +116,9 @@ def _train(model, rank: int) -> torch.Tensor:
 
 def _fsdp_worker(rank: int, port: int, state: dict, out: str) -> None:
     """`Tiny` (interpreter backend) under FSDP2 and under FSDP1, each trained from `state`: the losses, the
-    loss of a forward without grad after the steps, and the full params."""
+    loss of a forward without grad after the steps (and under FSDP2 a `step`'s outputs), and the full params."""
+    from torch.distributed import fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     _init_process_group(rank, port)
@@ -127,23 +129,25 @@ def _fsdp_worker(rank: int, port: int, state: dict, out: str) -> None:
         model = Tiny("interpreter")
         model.load_state_dict(state)
         mesh = init_device_mesh("cpu", (WORLD,))
-        fully_shard(model.rnn, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fsdp.fully_shard(model.rnn, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
         losses = _train(model, rank)
+        fsdp.register_fsdp_forward_method(model.rnn, "step")  # FSDP2 gathers the params around `forward` only
         with torch.no_grad():
             final = model(_data(rank, FSDP_STEPS))
+            results["step"] = model.rnn.step(_data(rank, FSDP_STEPS)[:, 0])[0]
         results["fsdp2"] = (losses, final, {n: p.full_tensor() for n, p in model.state_dict().items()})
         # FSDP1: the params flattened into one sharded FlatParameter per unit, the layer's params views of it
         model = Tiny("interpreter")
         model.load_state_dict(state)
-        fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
-                                        auto_wrap_policy=ModuleWrapPolicy({st.Recurrence}))
-        losses = _train(fsdp, rank)
+        wrapped = fsdp.FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                                auto_wrap_policy=ModuleWrapPolicy({st.Recurrence}))
+        losses = _train(wrapped, rank)
         with torch.no_grad():
-            final = fsdp(_data(rank, FSDP_STEPS))
-        full = FullStateDictConfig(rank0_only=False)
-        with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, full):
-            results["fsdp1"] = (losses, final, fsdp.state_dict())
+            final = wrapped(_data(rank, FSDP_STEPS))
+        full = fsdp.FullStateDictConfig(rank0_only=False)
+        with fsdp.FullyShardedDataParallel.state_dict_type(wrapped, fsdp.StateDictType.FULL_STATE_DICT, full):
+            results["fsdp1"] = (losses, final, wrapped.state_dict())
         torch.save(results, os.path.join(out, f"fsdp_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -151,10 +155,10 @@ def _fsdp_worker(rank: int, port: int, state: dict, out: str) -> None:
 
 def test_fsdp_trains_as_one_process_on_all_the_data(tmp_path):
     """FSDP2 (`fully_shard`) and FSDP1 on two CPU processes (gloo), FSDP_STEPS SGD steps on different
-    data per rank: each rank's losses, a forward without grad after the steps, and the final params equal
-    one process stepping on the mean of the ranks' losses (FSDP averages the gradients over the ranks).
-    The layer's params are freed between its forward and its backward there: ssmc.torch's host path
-    reads copies of them (`SsmcFunction._own_host_params`)."""
+    data per rank: each rank's losses, a forward (and a `step`) without grad after the steps, and the final
+    params equal one process stepping on the mean of the ranks' losses (FSDP averages the gradients over
+    the ranks). The layer's params are freed between its forward and its backward there: ssmc.torch's
+    host path reads copies of them (`SsmcFunction._own_host_params`)."""
     pytest.importorskip("torch.distributed.fsdp")
     torch.manual_seed(0)
     model = Tiny("interpreter")
@@ -169,10 +173,12 @@ def test_fsdp_trains_as_one_process_on_all_the_data(tmp_path):
         want_losses[:, step] = torch.stack(losses).detach()
     with torch.no_grad():
         want_final = [model(_data(rank, FSDP_STEPS)) for rank in range(WORLD)]
+        want_step = [model.rnn.step(_data(rank, FSDP_STEPS)[:, 0])[0] for rank in range(WORLD)]
     want_params = model.state_dict()
     torch.multiprocessing.spawn(_fsdp_worker, args=(_free_port(), state, str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"fsdp_rank{rank}.pt")
+        assert torch.allclose(got.pop("step"), want_step[rank], rtol=1e-12, atol=1e-14), rank
         for how, (losses, final, params) in got.items():
             assert torch.allclose(losses, want_losses[rank], rtol=1e-12, atol=1e-14), (how, rank, losses)
             assert torch.allclose(final, want_final[rank], rtol=1e-12, atol=1e-14), (how, rank)

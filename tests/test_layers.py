@@ -144,6 +144,36 @@ def test_gradients_reach_the_parameters_as_with_the_function():
         assert torch.allclose(p.grad, params[n].grad, rtol=1e-12, atol=1e-12), n
 
 
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_params_freed_between_forward_and_backward_as_fsdp_does(backend):
+    """FSDP frees a unit's gathered params after its forward (their storage resized to zero) and gathers
+    them again, into new memory, before its backward (tests/test_ddp.py runs it). Done by hand here: the
+    resize is allowed (Tensor.numpy() of a param would forbid it), and the gradients, forward without grad
+    too, equal those of params left alone."""
+    layer = st.Recurrence(lstm.SPEC, sizes=LSTM_SIZES, dtype=torch.float64, backend=backend)
+    x = torch.randn(2, LENGTH, 3, dtype=torch.float64)
+    y = layer(x)
+    y.square().sum().backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    saved = {n: p.detach().clone() for n, p in layer.named_parameters()}
+
+    def free_and_gather():
+        for n, p in layer.named_parameters():
+            p.untyped_storage().resize_(0)  # "Trying to resize storage that is not resizable" where viewed
+            p.untyped_storage().resize_(saved[n].numel() * saved[n].element_size())
+            p.data.copy_(saved[n])  # `.data`: the version counter stays, as FSDP's gathers keep it
+
+    with torch.no_grad():
+        assert torch.equal(layer(x), y.detach())
+    free_and_gather()
+    y = layer(x)
+    free_and_gather()
+    y.square().sum().backward()
+    for n, p in layer.named_parameters():
+        assert torch.allclose(p.grad, want[n], rtol=1e-12, atol=1e-14), n
+
+
 def test_initial_states_must_be_a_prefix():
     layer = st.Recurrence(lstm.SPEC, sizes=LSTM_SIZES)
     with pytest.raises(ValueError, match="initial_states: give the states in order"):
