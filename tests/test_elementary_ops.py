@@ -235,10 +235,10 @@ def _backend(name: str):
         pytest.importorskip("torch")
 
 
-# the one long case of each backend in CI: Numba's float32 module (its own vectorised float32 math,
-# test_numba_math.py) at the longest length; the emulated CUDA kernels' float32 overloads (ssmc_math.cuh)
-# at 180, where the emulator's thread-at-a-time run is still short
-CI_LONG = {"numba": (1000, "float32"), "cuda": (180, "float32")}
+# the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
+# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
 
 
 @pytest.mark.parametrize("backend, length, dtype", [(b, *case) for b in ("numba", "cuda") for case in grid(CI_LONG[b])])

@@ -26,9 +26,10 @@ LENGTHS = [1, 7, 180, 1000]
 # (test_cuda.py), well above what is seen.
 TOL = {"float64": 1e-10, "float32": 1e-4}
 GRAD_TOL = {"float64": 1e-9, "float32": 1e-3}
-# the one long case of each backend in CI (float32: the dtype CI runs nowhere else in this file): Numba at
-# the longest length; the emulated CUDA kernels, which run a thread at a time, at 180
-CI_LONG = {"numba": (1000, "float32"), "cuda": (180, "float32")}
+# the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
+# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
 
 
 def grid(backend: str) -> list[tuple[int, str]]:
