@@ -2,10 +2,12 @@
 before them) in one recurrence: a state a function, ``h = a * h + f(x)``, and an output that applies
 it again, ``y = f(g(h))`` (`g` keeps the argument in the function's domain). Its inputs sit on the
 functions' edge cases (0, -0, tiny, large |x|, atan2's quadrants and axes, clamp's bounds). The
-interpreter against a NumPy loop, Numba and the emulated CUDA backend against the interpreter
-(float64, L = 1 and 7), and ``ssmc.grad``'s gradients on the interpreter and Numba against central
-finite differences, in smooth regions (the emulated CUDA backend's against the interpreter's); the CUDA
-kernels under NVRTC. One spec for all, so each backend compiles once."""
+interpreter against a NumPy loop (float64, L = 1, 7, 180, 1000); Numba and the emulated CUDA backend
+against the interpreter, outputs and gradients, in float64 and float32 (the interpreter on the inputs
+rounded to float32; tolerances `TOL`, `GRAD_TOL`) at L = 1, 7, 180, 1000 (`grid`: trimmed in CI);
+``ssmc.grad``'s gradients on the interpreter and Numba against central finite differences (float64,
+L = 1 and 7), in smooth regions; the CUDA kernels under NVRTC. One spec for all, so each backend
+compiles once a dtype."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from profiles import in_ci
 
 import ssmc
 from ssmc.backends.cuda import emulator, nvrtc
@@ -132,27 +135,49 @@ def vocabulary(h_neg: ssmc.State["d"], h_exp: ssmc.State["d"], h_log: ssmc.State
 
 D = max(len(v) for spec in OPS.values() for v in spec[2:])
 
+LENGTHS = [1, 7, 180, 1000]
+# A backend's outputs (gradients) against the interpreter's, which computes in float64 on the inputs
+# rounded to the dtype, relative to the largest magnitude of each. float64: roundings only. float32: a
+# step's rounding (2**-24 of the state's scale) is carried on at a decay of at most 0.6, so the state's
+# relative error stays a few ulp at any length, and the outputs amplify it by their condition number
+# (exp(h) by |h|, up to about 50 here); 1e-4 is some 30 times what is seen, 1e-3 for the gradients
+# (sums over time of products of such values) as elsewhere in the suite (test_cuda.py).
+TOL = {"float64": 1e-10, "float32": 1e-4}
+GRAD_TOL = {"float64": 1e-10, "float32": 1e-3}
+
+
+def grid(ci_long: tuple[int, str]) -> list[tuple[int, str]]:
+    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 locally and
+    nightly; in CI (tests/profiles.py) float64 at L = 1 and 7 and the one long case `ci_long` (a dtype
+    compiles the backend's kernels again, and the emulated CUDA kernels run a thread at a time)."""
+    if in_ci():
+        return [(1, "float64"), (7, "float64"), ci_long]
+    return [(length, dtype) for dtype in ("float64", "float32") for length in LENGTHS]
+
 
 def _seq_names(name: str) -> list[str]:
     return [f"x_{name}", f"w_{name}"] if len(OPS[name]) == 4 else [f"x_{name}"]
 
 
-def edge_inputs(length: int, seed: int) -> dict[str, np.ndarray]:
+def edge_inputs(length: int, seed: int, dtype: str = "float64") -> dict[str, np.ndarray]:
     """Each function's edge values along d (repeated to D), rotated by one place a step; random
-    initial states and decays."""
+    initial states and decays; in `dtype`. In float32 the tiny values (1e-300, zero there: log's
+    input) are +-1e-30."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, (_, _, *values) in OPS.items():
         for seq, vals in zip(_seq_names(name), values):
             row = np.resize(np.asarray(vals, dtype=np.float64), D)
+            if dtype == "float32":
+                row = np.where((row != 0) & (np.abs(row) < 1e-30), np.copysign(1e-30, row), row)
             out[seq] = np.stack([np.roll(row, t) for t in range(length)])
         out[f"h_{name}"] = rng.uniform(-1.0, 1.0, D)
     out["a"] = rng.uniform(0.1, 0.6, D)
-    return out
+    return {k: v.astype(dtype) for k, v in out.items()}
 
 
-def smooth_inputs(length: int, seed: int, d: int = 3) -> dict[str, np.ndarray]:
-    """Random inputs inside each function's smooth region (`GRAD_RANGES`, else [-2, 2])."""
+def smooth_inputs(length: int, seed: int, d: int = 3, dtype: str = "float64") -> dict[str, np.ndarray]:
+    """Random inputs inside each function's smooth region (`GRAD_RANGES`, else [-2, 2]), in `dtype`."""
     rng = np.random.default_rng(seed)
     out = {}
     for name in OPS:
@@ -161,7 +186,11 @@ def smooth_inputs(length: int, seed: int, d: int = 3) -> dict[str, np.ndarray]:
             out[seq] = rng.uniform(lo, hi, (length, d))
         out[f"h_{name}"] = rng.uniform(-1.0, 1.0, d)
     out["a"] = rng.uniform(0.1, 0.6, d)
-    return out
+    return {k: v.astype(dtype) for k, v in out.items()}
+
+
+def _float64(values: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
 
 
 def reference(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -193,40 +222,49 @@ def _assert_close(got: dict, want: dict, tol: float):
         assert err <= tol, f"{n}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("length", [1, 7])
+@pytest.mark.parametrize("length", LENGTHS)
 def test_interpreter_matches_numpy(length):
     inputs = edge_inputs(length, length)
     _assert_close(_outputs(ssmc.compile(vocabulary, "interpreter"), inputs), reference(inputs), 1e-13)
 
 
-@pytest.mark.parametrize("length", [1, 7])
-def test_numba_matches_the_interpreter(length):
-    inputs = edge_inputs(length, length)
-    want = _outputs(ssmc.compile(vocabulary, "interpreter"), inputs)
-    _assert_close(_outputs(ssmc.compile(vocabulary, "numba"), inputs), want, 1e-10)
+def _backend(name: str):
+    if name == "cuda":
+        if not emulator.available():
+            pytest.skip("no C++ compiler for the CUDA emulator")
+        pytest.importorskip("torch")
 
 
-@pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
-@pytest.mark.parametrize("length", [1, 7])
-def test_emulated_cuda_matches_the_interpreter(length, emulated_cuda):
-    pytest.importorskip("torch")
-    inputs = edge_inputs(length, length)
-    want = _outputs(ssmc.compile(vocabulary, "interpreter"), inputs)
-    _assert_close(_outputs(ssmc.compile(vocabulary, "cuda"), inputs), want, 1e-10)
+# the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
+# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
 
 
-@pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
-@pytest.mark.parametrize("length", [1, 7])
-def test_emulated_cuda_gradients_match_the_interpreter(length, emulated_cuda):
-    pytest.importorskip("torch")
-    inputs = smooth_inputs(length, 20 + length)
+@pytest.mark.parametrize("backend, length, dtype", [(b, *case) for b in ("numba", "cuda") for case in grid(CI_LONG[b])])
+def test_backends_match_the_interpreter(backend, length, dtype, emulated_cuda):
+    """Outputs on the edge inputs in `dtype` against the interpreter's on the same (rounded) values."""
+    _backend(backend)
+    inputs = edge_inputs(length, length, dtype)
+    want = _outputs(ssmc.compile(vocabulary, "interpreter"), _float64(inputs))
+    _assert_close(_outputs(ssmc.compile(vocabulary, backend), inputs), want, TOL[dtype])
+
+
+@pytest.mark.parametrize("backend, length, dtype", [(b, *case) for b in ("numba", "cuda") for case in grid(CI_LONG[b])])
+def test_backend_gradients_match_the_interpreter(backend, length, dtype, emulated_cuda):
+    """Every gradient on smooth inputs in `dtype` against the interpreter's on the same (rounded) values
+    and cotangents."""
+    _backend(backend)
+    inputs = smooth_inputs(length, 20 + length, dtype=dtype)
     rng = np.random.default_rng(length)
-    cot = {n: rng.standard_normal((length, 3)) for n in NAMES}
-    want = ssmc.grad(vocabulary, "interpreter")(**inputs, grad_outputs=cot)
-    got = ssmc.grad(vocabulary, "cuda")(**inputs, grad_outputs=cot)
+    cot = {n: rng.standard_normal((length, 3)).astype(dtype) for n in NAMES}
+    want = ssmc.grad(vocabulary, "interpreter")(**_float64(inputs), grad_outputs=_float64(cot))
+    got = ssmc.grad(vocabulary, backend)(**inputs, grad_outputs=cot)
+    assert set(got) == set(want)
     for key, w in want.items():
         g = np.asarray(got[key].cpu() if hasattr(got[key], "cpu") else got[key], dtype=np.float64)
-        assert np.abs(g - w).max() <= 1e-10 * max(np.abs(w).max(), 1e-30), key
+        err = np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)
+        assert err <= GRAD_TOL[dtype], f"{key}: relative error {err:.2e}"
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())

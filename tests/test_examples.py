@@ -7,11 +7,13 @@ import inspect
 
 import numpy as np
 import pytest
+from profiles import in_ci
 
 import ssmc
+from ssmc.backends.cuda import emulator
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lru", "simple_gla")
+               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "lru", "simple_gla")
 ATTENTIONS = ("alibi_attention",)
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}
@@ -147,3 +149,72 @@ def test_lstm_gru_references_follow_torch_gate_order():
             y, hn = net(torch.from_numpy(x), h0)
         want_finals = tuple(s[0].numpy() for s in hn) if name == "lstm" else hn[0].numpy()
         check((y.numpy(), want_finals), m.reference(**inputs))
+
+
+def _numpy(v) -> np.ndarray:
+    return np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=np.float64)
+
+
+def _gradient_lengths(backend: str) -> tuple[int, ...]:
+    """The lengths whose gradients a backend checks. In CI (tests/profiles.py) the emulated CUDA
+    backend's at L = 7 only (its kernels are compiled per length: some 25 s of CPU a length) and
+    Numba's not at all (its backward's compile is some 50 s of CPU; its forward shares main()'s
+    kernels, and the backward's parts run in CI in test_shifts.py (the convolution) and
+    test_fusion.py (the norm)); every length locally and nightly."""
+    if not in_ci() or backend == "interpreter":
+        return (3, 7)
+    return (7,) if backend == "cuda" else ()
+
+
+def _against_finite_differences(reference, values: dict, grads: dict, cot, cot_finals: list, rng):
+    """Each gradient along a random direction against the central difference (step 1e-6, float64) of
+    loss = sum(cot * out) + sum over the final states of their cotangent times them, out and the
+    final states from `reference` (plain NumPy)."""
+    def loss(vals):
+        out, finals = reference(**vals)
+        return float(np.sum(cot * out)) + sum(float(np.sum(c * f)) for c, f in zip(cot_finals, finals))
+
+    eps = 1e-6
+    for key, value in values.items():
+        v = rng.standard_normal(value.shape)
+        fd = (loss({**values, key: value + eps * v}) - loss({**values, key: value - eps * v})) / (2 * eps)
+        g = float(np.sum(grads[key] * v))
+        assert abs(g - fd) <= 1e-6 * max(float(np.sum(np.abs(grads[key] * v))), 1.0), (key, g, fd)
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba", "cuda"])
+def test_the_whole_mamba_block_on_every_backend(backend, emulated_cuda):
+    """examples/mamba_block_conv.py (conv1d, silu, selective scan, gate, RMSNorm over d, residual: one
+    spec), float64, L = 3 (shorter than the convolution's window) and 7, the window's initial states
+    given: outputs and final states against the NumPy reference; the interpreter's gradients (of every
+    input, param and initial state, the final states' cotangents included) against central differences
+    of the NumPy reference along a random direction; Numba's and the emulated CUDA backend's against the
+    interpreter's (at the lengths of `_gradient_lengths`)."""
+    if backend == "cuda":
+        if not emulator.available():
+            pytest.skip("no C++ compiler for the CUDA emulator")
+        torch = pytest.importorskip("torch")
+    wrap = (lambda a: torch.tensor(a)) if backend == "cuda" else (lambda a: a)
+    m = load("mamba_block_conv")
+    states = state_names(m.SPEC)
+    for length in (3, 7):
+        rng = np.random.default_rng(40 + length)
+        values = m.make_inputs(rng, length, batch=2, dim=4, state=3)
+        args = {k: wrap(v) for k, v in values.items()}
+        out, finals = ssmc.compile(m.SPEC, backend, layout=m.LAYOUT)(**args, return_final_states=True)
+        want_out, want_finals = m.reference(**values)
+        check((_numpy(out), tuple(map(_numpy, finals))), (want_out, want_finals))
+        if length not in _gradient_lengths(backend):
+            continue
+        cot = rng.standard_normal(want_out.shape)
+        cot_h = {s: rng.standard_normal(w.shape) for s, w in zip(states, want_finals)}
+        grads = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**values, grad_outputs=cot, grad_final_states=cot_h)
+        assert set(grads) == set(values)
+        if backend == "interpreter":
+            _against_finite_differences(m.reference, values, grads, cot, [cot_h[s] for s in states], rng)
+            continue
+        got = ssmc.grad(m.SPEC, backend, layout=m.LAYOUT)(**args, grad_outputs=wrap(cot),
+                                                          grad_final_states={s: wrap(c) for s, c in cot_h.items()})
+        assert set(got) == set(grads)
+        for key, want in grads.items():
+            assert rel_err(_numpy(got[key]), want) <= 1e-9, (length, key)

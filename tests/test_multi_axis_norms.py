@@ -2,19 +2,43 @@
 ``ssmc.rmsnorm``, ``ssmc.softmax`` and ``x.sum / mean / max("g k")``. A statistic over several axes is
 a chain of one-axis reductions in the IR, so the derived backward and every backend see plain sums and
 maxima. One spec (a gated scan over [b g k], then every norm of it over both axes in both orders,
-and a norm over both axes inside a second state's update) checked against NumPy at L = 1, 7, 180, on
-Numba and the emulated CUDA backend against the interpreter, and its gradients against central finite
-differences; LayerNorm over two axes against torch; misuse as SpecErrors at the user's line."""
+and a norm over both axes inside a second state's update) checked against NumPy at L = 1, 7, 180, 1000;
+on Numba and the emulated CUDA backend against the interpreter (outputs and every gradient, float64 and
+float32, L = 1, 7, 180, 1000: `grid`, trimmed in CI); its gradients against central finite differences;
+LayerNorm over two axes against torch; misuse as SpecErrors at the user's line."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from profiles import in_ci
 
 import ssmc
 from ssmc.backends.cuda import emulator
 
 EPS = 1e-5
+LENGTHS = [1, 7, 180, 1000]
+# A backend's outputs (gradients) against the interpreter's, which computes in float64 on the inputs
+# rounded to the dtype, relative to the largest magnitude of each. float64: roundings only. float32: the
+# gated states are averages (decay below 1), so a step's rounding does not grow with the length; the norms
+# divide by a standard deviation over 12 values (O(1) here) and the reductions add 12: a few ulp of the
+# output's scale. 1e-4 forward and 1e-3 for the gradients (sums over time), as elsewhere in the suite
+# (test_cuda.py), well above what is seen.
+TOL = {"float64": 1e-10, "float32": 1e-4}
+GRAD_TOL = {"float64": 1e-9, "float32": 1e-3}
+# the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
+# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
+
+
+def grid(backend: str) -> list[tuple[int, str]]:
+    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 locally and
+    nightly; in CI (tests/profiles.py) float64 at L = 1 and 7 and the one long case CI_LONG[backend] (a
+    dtype compiles the backend's kernels again)."""
+    if in_ci():
+        return [(1, "float64"), (7, "float64"), CI_LONG[backend]]
+    return [(length, dtype) for dtype in ("float64", "float32") for length in LENGTHS]
 
 
 @ssmc.recurrence
@@ -36,14 +60,19 @@ NAMES = [n for n, _ in norms.program.outputs]
 SIZES = {"b": 2, "g": 3, "k": 4}
 
 
-def inputs(length: int, seed: int) -> dict[str, np.ndarray]:
-    """Layout "t ...": x, a [t b g k]; w [g k], wk [k], beta [k g]; initial states [b g k]."""
+def inputs(length: int, seed: int, dtype: str = "float64") -> dict[str, np.ndarray]:
+    """Layout "t ...": x, a [t b g k]; w [g k], wk [k], beta [k g]; initial states [b g k]; in `dtype`."""
     rng = np.random.default_rng(seed)
     b, g, k = SIZES.values()
-    return {"x": rng.standard_normal((length, b, g, k)), "a": rng.standard_normal((length, b, g, k)),
-            "w": rng.uniform(0.5, 1.5, (g, k)), "wk": rng.uniform(0.5, 1.5, k),
-            "beta": rng.uniform(-0.5, 0.5, (k, g)), "h": rng.standard_normal((b, g, k)),
-            "r": rng.standard_normal((b, g, k))}
+    values = {"x": rng.standard_normal((length, b, g, k)), "a": rng.standard_normal((length, b, g, k)),
+              "w": rng.uniform(0.5, 1.5, (g, k)), "wk": rng.uniform(0.5, 1.5, k),
+              "beta": rng.uniform(-0.5, 0.5, (k, g)), "h": rng.standard_normal((b, g, k)),
+              "r": rng.standard_normal((b, g, k))}
+    return {n: v.astype(dtype) for n, v in values.items()}
+
+
+def _float64(values: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
 
 
 def _ln(v, eps=EPS):
@@ -79,7 +108,7 @@ def _assert_close(got: dict, want: dict, tol: float):
         assert err <= tol, f"{n}: relative error {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("length", [1, 7, 180])
+@pytest.mark.parametrize("length", LENGTHS)
 def test_interpreter_matches_numpy(length):
     values = inputs(length, length)
     _assert_close(_outputs(ssmc.compile(norms, "interpreter"), values), reference(**values), 1e-12)
@@ -93,21 +122,24 @@ def _backend(name: str):
     return name
 
 
-@pytest.mark.parametrize("backend", ["numba", "cuda"])
-@pytest.mark.parametrize("length", [1, 7, 180])
-def test_backends_match_the_interpreter(backend, length, emulated_cuda):
-    """Forward outputs (float64) and every gradient against the interpreter's."""
+@pytest.mark.parametrize("backend, length, dtype", [(b, *case) for b in ("numba", "cuda") for case in grid(b)])
+def test_backends_match_the_interpreter(backend, length, dtype, emulated_cuda):
+    """Forward outputs and every gradient in `dtype` against the interpreter's on the same (rounded)
+    inputs and cotangents."""
     _backend(backend)
-    values = inputs(length, 100 + length)
-    want = _outputs(ssmc.compile(norms, "interpreter"), values)
-    _assert_close(_outputs(ssmc.compile(norms, backend), values), want, 1e-10)
+    values = inputs(length, 100 + length, dtype)
+    exact = _float64(values)
+    want = _outputs(ssmc.compile(norms, "interpreter"), exact)
+    _assert_close(_outputs(ssmc.compile(norms, backend), values), want, TOL[dtype])
     rng = np.random.default_rng(length)
-    cot = {n: rng.standard_normal(v.shape) for n, v in want.items()}
-    want_g = ssmc.grad(norms, "interpreter")(**values, grad_outputs=cot)
+    cot = {n: rng.standard_normal(v.shape).astype(dtype) for n, v in want.items()}
+    want_g = ssmc.grad(norms, "interpreter")(**exact, grad_outputs=_float64(cot))
     got_g = ssmc.grad(norms, backend)(**values, grad_outputs=cot)
+    assert set(got_g) == set(want_g)
     for key, wg in want_g.items():
         g = np.asarray(got_g[key].cpu() if hasattr(got_g[key], "cpu") else got_g[key], dtype=np.float64)
-        assert np.abs(g - wg).max() <= 1e-9 * max(np.abs(wg).max(), 1e-30), key
+        err = np.abs(g - wg).max() / max(np.abs(wg).max(), 1e-30)
+        assert err <= GRAD_TOL[dtype], f"{key}: relative error {err:.2e} > {GRAD_TOL[dtype]:.0e}"
 
 
 @pytest.mark.parametrize("length", [1, 7])
