@@ -4,7 +4,7 @@ it again, ``y = f(g(h))`` (`g` keeps the argument in the function's domain). Its
 functions' edge cases (0, -0, tiny, large |x|, atan2's quadrants and axes, clamp's bounds). The
 interpreter against a NumPy loop (float64, L = 1, 7, 180, 1000); Numba and the emulated CUDA backend
 against the interpreter, outputs and gradients, in float64 and float32 (the interpreter on the inputs
-rounded to float32; tolerances `TOL`, `GRAD_TOL`) at L = 1, 7, 180, 1000 (`grid`: trimmed in CI);
+rounded to float32; tolerances `TOL`, `GRAD_TOL`) at L = 1, 7, 180, 1000 (`grid`: the full grid nightly);
 ``ssmc.grad``'s gradients on the interpreter and Numba against central finite differences (float64,
 L = 1 and 7), in smooth regions; the CUDA kernels under NVRTC. One spec for all, so each backend
 compiles once a dtype."""
@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from profiles import in_ci
+from profiles import nightly
 
 import ssmc
 from ssmc.backends.cuda import emulator, nvrtc
@@ -147,10 +147,11 @@ GRAD_TOL = {"float64": 1e-10, "float32": 1e-3}
 
 
 def grid(ci_long: tuple[int, str]) -> list[tuple[int, str]]:
-    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 locally and
-    nightly; in CI (tests/profiles.py) float64 at L = 1 and 7 and the one long case `ci_long` (a dtype
-    compiles the backend's kernels again, and the emulated CUDA kernels run a thread at a time)."""
-    if in_ci():
+    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 nightly
+    (SSMC_PROPERTY_EXAMPLES set); otherwise, CI and a local run alike: float64 at L = 1 and 7 and the one long
+    case `ci_long` (a dtype compiles the backend's kernels again, and the emulated CUDA kernels run a thread at
+    a time)."""
+    if not nightly():  # the full grid's float32 modules cost minutes of compiles
         return [(1, "float64"), (7, "float64"), ci_long]
     return [(length, dtype) for dtype in ("float64", "float32") for length in LENGTHS]
 
@@ -236,8 +237,8 @@ def _backend(name: str):
 
 
 # the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
-# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
-# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs nightly): Numba
+# at the longest length, the emulated CUDA kernels (a thread at a time) at 180
 CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
 
 

@@ -4,14 +4,14 @@ a chain of one-axis reductions in the IR, so the derived backward and every back
 maxima. One spec (a gated scan over [b g k], then every norm of it over both axes in both orders,
 and a norm over both axes inside a second state's update) checked against NumPy at L = 1, 7, 180, 1000;
 on Numba and the emulated CUDA backend against the interpreter (outputs and every gradient, float64 and
-float32, L = 1, 7, 180, 1000: `grid`, trimmed in CI); its gradients against central finite differences;
+float32, L = 1, 7, 180, 1000: `grid`, the full grid nightly); its gradients against central finite differences;
 LayerNorm over two axes against torch; misuse as SpecErrors at the user's line."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from profiles import in_ci
+from profiles import nightly
 
 import ssmc
 from ssmc.backends.cuda import emulator
@@ -27,16 +27,16 @@ LENGTHS = [1, 7, 180, 1000]
 TOL = {"float64": 1e-10, "float32": 1e-4}
 GRAD_TOL = {"float64": 1e-9, "float32": 1e-3}
 # the one long case of each backend in CI, in float64, whose kernels L = 1 and 7 compile already (a float32
-# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs locally and
-# nightly): Numba at the longest length, the emulated CUDA kernels (a thread at a time) at 180
+# module is one more compile of the forward and the backward: minutes of CI's CPU; float32 runs nightly): Numba
+# at the longest length, the emulated CUDA kernels (a thread at a time) at 180
 CI_LONG = {"numba": (1000, "float64"), "cuda": (180, "float64")}
 
 
 def grid(backend: str) -> list[tuple[int, str]]:
-    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 locally and
-    nightly; in CI (tests/profiles.py) float64 at L = 1 and 7 and the one long case CI_LONG[backend] (a
-    dtype compiles the backend's kernels again)."""
-    if in_ci():
+    """(length, dtype) cases of a backend: every length of LENGTHS in float64 and float32 nightly
+    (SSMC_PROPERTY_EXAMPLES set); otherwise, CI and a local run alike: float64 at L = 1 and 7 and the one long
+    case CI_LONG[backend] (a dtype compiles the backend's kernels again)."""
+    if not nightly():  # the full grid's float32 modules cost minutes of compiles
         return [(1, "float64"), (7, "float64"), CI_LONG[backend]]
     return [(length, dtype) for dtype in ("float64", "float32") for length in LENGTHS]
 
