@@ -71,6 +71,9 @@ def _reference(program, q, k, v, params, sizes):
 
 _EMULATED: dict = {}  # (spec, d, bf16, config) -> the emulated kernel: one C++ build per source across tests
 NEW_CONFIGS = ["bm128w8", "bm128w8n128", "bm128w4"]  # the 128-row forward kernels (forward_bm128.cu.j2)
+# on the GPU, the wgmma kernel too where the GPU is an sm_90 part
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+GPU_CONFIGS = NEW_CONFIGS + (["wg128"] if _SM90 else [])
 
 
 def _emulated(name: str, d: int, bf16: bool, config: str = "bm64"):
@@ -212,6 +215,23 @@ if in_ci():
                       ("bm128w8", "window", 300, 300, 64, True), ("bm128w8n128", "alibi", 130, 100, 128, False)]
 
 
+# the wgmma kernel (its products emulated from the descriptors: the swizzled layout, the column blocks and the
+# k-steps' addresses are checked here, the hardware's reading of them on the GPU): both head dims, a partial
+# tile, Lq != Lk, rows without a key, fp16
+WGMMA_EMULATED = [("causal", 200, 200, 64, True), ("alibi", 130, 100, 128, False),
+                  ("softcap_empty_rows", 20, 20, 128, True), ("window", 300, 300, 64, True),
+                  ("full", 7, 150, 128, True)]
+if in_ci():
+    WGMMA_EMULATED = WGMMA_EMULATED[:3]
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, lq, lk, d, bf16", WGMMA_EMULATED)
+def test_emulated_wgmma_forward_matches_the_interpreter(name, lq, lk, d, bf16, monkeypatch):
+    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
+    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 5 * lk, config="wg128"), bf16=bf16)
+
+
 @needs_emulator
 @pytest.mark.parametrize("config, name, lq, lk, d, bf16", BM128_EMULATED)
 def test_emulated_bm128_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
@@ -272,6 +292,31 @@ def test_flash_forward_compiles_without_spills(arch, d, name, config):
     assert (dynamic == 0) == (config == "bm64") and usage.shared_bytes + dynamic <= 160 * 1024
 
 
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
+def test_wgmma_forward_compiles_for_sm_90a_without_spills(d, name):
+    """The wgmma kernel for sm_90a: no spills, and shared memory for one block an SM."""
+    from ssmc.backends.cuda.source import compile_options
+
+    kname, text = flash.kernel_source(SPECS[name].program, d, True, "wg128")
+    compiled = nvrtc.compile_source(text, arch="sm_90a", options=compile_options(text))
+    usage = compiled.resources[kname]
+    assert not usage.spills and usage.registers <= 255, str(usage)
+    assert usage.shared_bytes == 0 and flash.config(d, "wg128").shared(d) <= 227 * 1024
+
+
+def test_the_wgmma_config_is_refused_off_sm_90(monkeypatch):
+    assert flash.config(128, "wg128").wgmma and flash.config(128, "wg128").arch == "sm_90a"
+    assert flash.config(64).name == flash.DEFAULT_CONFIG[64]  # no device: not the Hopper default
+    monkeypatch.setitem(flash._HOPPER, 0, False)
+    with pytest.raises(ValueError, match="sm_90"):
+        flash.config(128, "wg128", torch.device("cuda", 0))
+    monkeypatch.setitem(flash._HOPPER, 0, True)
+    monkeypatch.delenv("SSMC_CUDA_FLASH_FORWARD", raising=False)
+    assert flash.config(128, None, torch.device("cuda", 0)).name == flash.HOPPER_CONFIG[128]
+
+
 # -- on a GPU -------------------------------------------------------------------------------------------
 
 GPU_LENGTHS = [1, 7, 180, 1000, 4097]
@@ -312,7 +357,7 @@ def test_gpu_flash_forward_matches_the_tiled_path(name, length, dtype, monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 @pytest.mark.parametrize("name", ["causal", "alibi", "window", "full", "softcap_empty_rows"])
 @pytest.mark.parametrize("length", GPU_LENGTHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -342,7 +387,7 @@ def test_gpu_bm128_forward_matches_the_tiled_path(config, name, length, dtype, d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 @pytest.mark.parametrize("length", [1, 180, 4097])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_bm128_forward_through_the_switch_matches_sdpa(config, length, d, monkeypatch):
@@ -360,7 +405,7 @@ def test_gpu_bm128_forward_through_the_switch_matches_sdpa(config, length, d, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", NEW_CONFIGS)
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 def test_gpu_bm128_forward_at_the_benchmark_shape_matches_bm64(config):
     """B4 H16 L4096 d128 bf16 causal + ALiBi: the 128-row kernel's output and lse against the 64-row
     kernel's (the same rounding points: within a 16-bit ulp and fp32 sums)."""

@@ -13,7 +13,8 @@ rows i, as a plain loop:
         online softmax: m[i] = running max, l[i] = running sum of exp(s - m), o[i] = running sum of exp(s - m) v
     out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
 
-Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16); scores, softmax, l, m
+Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16; on sm_90 parts the
+"wg128" config's warpgroup products, ``forward_wgmma.cu.j2``); scores, softmax, l, m
 in fp32; P rounded to the input type as the P V product's operand (as FlashAttention). The modifiers
 are printed from the IR as straight-line CUDA C over (score, q_idx, kv_idx, the params' values for
 bh); anything else (a param with an axis beyond the batch axes, reductions, iota) is refused with a
@@ -53,6 +54,12 @@ class Config:
     rt: int = 1
     qreg: bool = True
     min_blocks: int = 1
+    wgmma: bool = False
+
+    @property
+    def arch(self) -> str | None:
+        """The architecture the kernel must be built for (None: the device's own)."""
+        return "sm_90a" if self.wgmma else None
 
     @property
     def threads(self) -> int:
@@ -63,30 +70,54 @@ class Config:
         then two stages of a K and a V tile, rows padded to d + 8 values."""
         if self.name == "bm64":
             return 0
+        if self.wgmma:  # Q, two stages of K and V, unpadded (swizzled), and 1024 bytes to align them
+            return (self.bm + 4 * self.bn) * d * 2 + 1024
         return ((0 if self.qreg else self.bm) + 4 * self.bn) * (d + 8) * 2
 
 
 # per head dim; "bm128w8": 8 warps of 16 rows, Q in registers, key tiles of 64 ("bm128w8n128": of 128, half
 # the barriers and rescales a key, twice the shared memory); "bm128w4": 4 warps of 32 rows (at d 128 Q read
 # from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators would
-# not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled)
+# not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled); "wg128" (sm_90a): two
+# warpgroups of 64 rows, key tiles of 128, wgmma from swizzled shared memory (``forward_wgmma.cu.j2``)
 CONFIGS = {
     "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
     "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8)},
     "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
+    "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True)},
 }
-# per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest at both in bench/flash_forward_configs.py
+# per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
+# sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
 DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4"}
+HOPPER_CONFIG = {64: "wg128", 128: "wg128"}
+_HOPPER: dict = {}  # torch device index -> whether it is an sm_90 part
 
 
-def config(d: int, name: str | None = None) -> Config:
-    """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else `DEFAULT_CONFIG`'s."""
+def hopper(device) -> bool:
+    """Whether `device` (a torch device, or None) is a CUDA device of compute capability 9.0 (wgmma)."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return False
+    index = device.index if device.index is not None else -1
+    hit = _HOPPER.get(index)
+    if hit is None:
+        import torch
+
+        hit = _HOPPER[index] = torch.cuda.get_device_capability(device) == (9, 0)
+    return hit
+
+
+def config(d: int, name: str | None = None, device=None) -> Config:
+    """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else the default
+    for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`)."""
     if name is None:
         from ...options import options
 
-        name = options().flash_forward or DEFAULT_CONFIG[d]
-    return CONFIGS[name][d]
+        name = options().flash_forward or (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+    cfg = CONFIGS[name][d]
+    if cfg.wgmma and device is not None and getattr(device, "type", None) == "cuda" and not hopper(device):
+        raise ValueError(f"flash forward config {name!r} needs an sm_90 GPU (wgmma); {device} is not one")
+    return cfg
 
 
 class Unprintable(ValueError):
@@ -241,6 +272,11 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
                   scale=float_literal(scale), score_body=score_body, mask_body=mask_body)
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
+    elif cfg.wgmma:
+        from ..wgmma import header
+
+        text = header() + "\n" + template("flash/forward_wgmma.cu.j2").render(
+            **common, shared=cfg.shared(d), raw=program.score is None and scale > 0)
     else:
         text = template("flash/forward_bm128.cu.j2").render(
             **common, warps=cfg.warps, rt=cfg.rt, qreg=cfg.qreg, min_blocks=cfg.min_blocks, shared=cfg.shared(d),
@@ -306,7 +342,7 @@ def span_table(spans: list[tuple[int, ...]]) -> list[int]:
 class FlashForward:
     """The flash forward of one program on CUDA tensors (module docstring): compiled per (device, source)
     with CuPy (NVRTC), launched on torch's current stream, in the config `config` (a `CONFIGS` name; None:
-    ``SSMC_CUDA_FLASH_FORWARD``'s at each call, else the head dim's `DEFAULT_CONFIG`)."""
+    ``SSMC_CUDA_FLASH_FORWARD``'s at each call, else the device's default: `config`)."""
 
     def __init__(self, program: Attention, config: str | None = None):
         if config is not None and config not in CONFIGS:
@@ -318,7 +354,7 @@ class FlashForward:
 
     def _function(self, device, d: int, bf16: bool, cfg: Config):
         name, text = kernel_source(self.program, d, bf16, cfg.name)
-        return loaded_function(text, name, device)
+        return loaded_function(text, name, device, arch=cfg.arch)
 
     def _span_tensor(self, call, cfg: Config):
         import torch
@@ -348,7 +384,7 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
-        cfg = config(d, self.config)
+        cfg = config(d, self.config, q.device)
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = param_table(self.program, call.params, call.sizes).to(q.device)
         spans = self._span_tensor(call, cfg)
