@@ -234,13 +234,17 @@ def test_flash_backward_compiles_without_spills(arch, d, name):
 
     program = SPECS[name].program
     configs = flash_bwd.CONFIGS
+    # the wgmma config ("wg") builds for sm_90a where the others build for sm_90, and not for sm_80
     sources = [(*flash_bwd.kernel_source(program, d, True, atomic_dq=atomic, config_name=config),
-                configs[config][d].shared(d, atomic), configs[config][d].bq)
-               for config in configs for atomic in (True, False)]
-    sources.append((*flash_bwd.dq_source(program, d, True), 0, 0))
-    for kname, text, dynamic, bq in sources:
-        usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
-        if d == 128 and bq == 64:
+                configs[config][d].shared(d, atomic), configs[config][d].bq, configs[config][d].wgmma)
+               for config in configs for atomic in (True, False) if arch == "sm_90" or not configs[config][d].wgmma]
+    sources.append((*flash_bwd.dq_source(program, d, True), 0, 0, False))
+    for kname, text, dynamic, bq, wgmma in sources:
+        build = "sm_90a" if wgmma else arch
+        usage = nvrtc.compile_source(text, arch=build, options=compile_options(text)).resources[kname]
+        if wgmma:
+            assert not usage.spills, str(usage)
+        elif d == 128 and bq == 64:
             # query tiles of 64 at d 128 sit at 255 registers: ptxas may put a few words on the stack (no
             # default config there)
             assert usage.spill_store_bytes <= 32 and configs[flash_bwd.DEFAULT_CONFIG[d]][d].bq != 64, str(usage)
@@ -426,6 +430,9 @@ def test_emulated_two_params_with_more_queries_than_keys(monkeypatch):
 def test_gpu_flash_backward_configs_match_the_tiled_backward(config, name, lq, lk, d, monkeypatch):
     """Each key-block kernel config (SSMC_CUDA_FLASH_BACKWARD_CONFIG) against the tiled backward, bf16."""
     import ssmc.torch
+
+    if flash_bwd.CONFIGS[config][d].wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma config needs an sm_90 GPU")
 
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
     gen = torch.Generator(device="cuda").manual_seed(lq + lk + d)

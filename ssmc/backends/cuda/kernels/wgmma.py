@@ -17,7 +17,8 @@ LBO and advances 2048 bytes (16 rows) a k-step. `store_offset` is the writers' s
 
 Per thread, the accumulators follow mma.sync's C layout a warp at a time: warp w of the group owns rows
 16 w + [0, 16); lane (g, t) = (lane / 4, lane % 4) holds d[4 j + 2 h + c] = D[16 w + g + 8 h][8 j + 2 t + c].
-An A operand in registers is four 32-bit words of mma.sync's A layout for the warp's 16 rows.
+An A operand in registers is four 32-bit words of mma.sync's A layout for the warp's 16 rows. An A operand
+in shared memory is K-major, or MN-major (TRANS_A: the M dim contiguous, rows = k) as B's.
 
 Off the GPU each thread computes its own accumulators from the same descriptors (decoded by the layout
 above, the A registers gathered by shuffles), so the CPU emulator checks the kernels' descriptors and
@@ -45,11 +46,12 @@ def _asm(n: int, regs_a: bool, bf16: bool) -> str:
     else:
         a_ops, b_op, p_op, nxt = f"%{k}", f"%{k + 1}", f"%{k + 2}", k + 3
         trans = f"%{nxt}, %{nxt + 1}, %{nxt + 2}, %{nxt + 3}"
-        inputs = '"l"(desc_a), "l"(desc_b), "r"(acc_in), "n"(1), "n"(1), "n"(0), "n"(TRANS_B)'
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(acc_in), "n"(1), "n"(1), "n"(TRANS_A), "n"(TRANS_B)'
         args = "unsigned long long desc_a, unsigned long long desc_b"
     outputs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
     kind = "rs" if regs_a else "ss"
-    return f"""template <bool TRANS_B> __device__ __forceinline__ void wgmma_{kind}_n{n}_{t}(float d[{n // 2}], {args},
+    tparams = "bool TRANS_B" if regs_a else "bool TRANS_A, bool TRANS_B"
+    return f"""template <{tparams}> __device__ __forceinline__ void wgmma_{kind}_n{n}_{t}(float d[{n // 2}], {args},
                                                                     int acc_in) {{
     asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, {p_op}, 0;\\n"
                  "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, {a_ops}, {b_op}, p, {trans};\\n}}\\n"
@@ -124,14 +126,14 @@ template <int M> __device__ __forceinline__ void hold(float (&d)[M]) {
 
 @GPU_WRAPPERS@
 
-template <int N, bool BF16, bool TRANS_B>
+template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
     if constexpr (N == 64) {
-        if constexpr (BF16) wgmma_ss_n64_bf16<TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n64_f16<TRANS_B>(d, da, db, acc);
+        if constexpr (BF16) wgmma_ss_n64_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
+        else wgmma_ss_n64_f16<TRANS_A, TRANS_B>(d, da, db, acc);
     } else {
-        if constexpr (BF16) wgmma_ss_n128_bf16<TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n128_f16<TRANS_B>(d, da, db, acc);
+        if constexpr (BF16) wgmma_ss_n128_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
+        else wgmma_ss_n128_f16<TRANS_A, TRANS_B>(d, da, db, acc);
     }
 }
 template <int N, bool BF16, bool TRANS_B>
@@ -166,8 +168,8 @@ template <bool BF16> inline float decoded(unsigned long long dsc, int r, int c) 
 }
 
 // one thread's share of D[64, N] (+)= A B: its rows 16 w + g (+ 8) and columns 8 j + 2 t (+ 1)
-template <int N, bool BF16, bool TRANS_B> inline void emulate(float* d, const unsigned* a, unsigned long long da,
-                                                             unsigned long long db, bool acc) {
+template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
+inline void emulate(float* d, const unsigned* a, unsigned long long da, unsigned long long db, bool acc) {
     const int lane = (int)(threadIdx.x % 32), w = (int)(threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
     float arow[2][16];
     for (int tp = 0; tp < 4; ++tp) {
@@ -181,7 +183,10 @@ template <int N, bool BF16, bool TRANS_B> inline void emulate(float* d, const un
     }
     if (a == nullptr) {
         for (int h = 0; h < 2; ++h)
-            for (int k = 0; k < 16; ++k) arow[h][k] = decoded<BF16>(da, 16 * w + g + 8 * h, k);
+            for (int k = 0; k < 16; ++k) {
+                const int m = 16 * w + g + 8 * h;
+                arow[h][k] = TRANS_A ? decoded<BF16>(da, k, m) : decoded<BF16>(da, m, k);
+            }
     }
     for (int j = 0; j < N / 8; ++j) {
         for (int c = 0; c < 2; ++c) {
@@ -197,13 +202,13 @@ template <int N, bool BF16, bool TRANS_B> inline void emulate(float* d, const un
     }
 }
 
-template <int N, bool BF16, bool TRANS_B> inline void mma_ss(float (&d)[N / 2], unsigned long long da,
-                                                             unsigned long long db, bool acc) {
-    emulate<N, BF16, TRANS_B>(d, nullptr, da, db, acc);
+template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
+inline void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
+    emulate<N, BF16, TRANS_A, TRANS_B>(d, nullptr, da, db, acc);
 }
-template <int N, bool BF16, bool TRANS_B> inline void mma_rs(float (&d)[N / 2], const unsigned a[4],
-                                                             unsigned long long db, bool acc) {
-    emulate<N, BF16, TRANS_B>(d, a, 0ull, db, acc);
+template <int N, bool BF16, bool TRANS_B>
+inline void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
+    emulate<N, BF16, false, TRANS_B>(d, a, 0ull, db, acc);
 }
 #endif
 

@@ -22,7 +22,8 @@ query tiles of 32 rows at d 64 and 16 at d 128, static shared memory, Q and dO s
 "w8q64", "w8q32" (``backward_wide.cu.j2``: 4 or 8 warps of 16 keys, a block of 64 or 128 keys, query tiles
 of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage while this one computes, K, V,
 both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
-(`DEFAULT_CONFIG`).
+(`DEFAULT_CONFIG`); on sm_90 parts "wg" (``backward_wgmma.cu.j2``: the wide kernel's algorithm on wgmma,
+warpgroups of 64 keys, query tiles of 64).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -68,6 +69,12 @@ class Config:
     warps: int
     bq: int
     min_blocks: int = 1
+    wgmma: bool = False
+
+    @property
+    def arch(self) -> str | None:
+        """The architecture the kernel must be built for (None: the device's own)."""
+        return "sm_90a" if self.wgmma else None
 
     @property
     def bn(self) -> int:
@@ -81,6 +88,8 @@ class Config:
         """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
+        if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
+            return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
         return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
 
 
@@ -89,18 +98,26 @@ CONFIGS = {
     "w4q64": {d: Config("w4q64", 4, 64) for d in HEAD_DIMS},
     "w8q64": {d: Config("w8q64", 8, 64) for d in HEAD_DIMS},
     "w8q32": {d: Config("w8q32", 8, 32) for d in HEAD_DIMS},
+    # sm_90a (``backward_wgmma.cu.j2``): warpgroups of 64 keys, one at d 64, two at d 128; query tiles of 64
+    "wg": {64: Config("wg", 4, 64, wgmma=True), 128: Config("wg", 8, 64, wgmma=True)},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
 DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
+HOPPER_CONFIG = {64: "wg", 128: "wg"}  # on sm_90 parts
 
 
-def config(d: int, name: str | None = None) -> Config:
+def config(d: int, name: str | None = None, device=None) -> Config:
     """The key-block kernel's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_BACKWARD_CONFIG``'s,
-    else the default of the head dim."""
+    else the head dim's default for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`)."""
+    from .forward import hopper
+
     if name is None:
-        name = options().flash_backward_config or DEFAULT_CONFIG[d]
-    return CONFIGS[name][d]
+        name = options().flash_backward_config or (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+    cfg = CONFIGS[name][d]
+    if cfg.wgmma and device is not None and getattr(device, "type", None) == "cuda" and not hopper(device):
+        raise ValueError(f"flash backward config {name!r} needs an sm_90 GPU (wgmma); {device} is not one")
+    return cfg
 
 
 def _bodies(program: Attention) -> tuple[str, list[str]]:
@@ -178,6 +195,11 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                       **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
+        if cfg.wgmma:
+            from ..wgmma import header
+
+            return name, header() + "\n" + template("flash/backward_wgmma.cu.j2").render(
+                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq), **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
     return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
@@ -262,7 +284,9 @@ class FlashBackward:
         elif which == "dq":
             name, text = dq_source(self.program, d, bf16)
         else:
-            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic")
+            cfg = config(d, None, device)
+            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name)
+            return loaded_function(text, name, device, arch=cfg.arch)
         return loaded_function(text, name, device)
 
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
@@ -318,7 +342,7 @@ class FlashBackward:
         dq = torch.zeros((*batch, lq, d), dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
         dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-        cfg = config(d)
+        cfg = config(d, None, q.device)
         nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
