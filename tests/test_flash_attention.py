@@ -73,7 +73,7 @@ _EMULATED: dict = {}  # (spec, d, bf16, config) -> the emulated kernel: one C++ 
 NEW_CONFIGS = ["bm128w8", "bm128w8n128", "bm128w4"]  # the 128-row forward kernels (forward_bm128.cu.j2)
 # on the GPU, the wgmma kernel too where the GPU is an sm_90 part
 _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-GPU_CONFIGS = NEW_CONFIGS + (["wg128"] if _SM90 else [])
+GPU_CONFIGS = NEW_CONFIGS + (["wg128", "wg128s"] if _SM90 else [])
 
 
 def _emulated(name: str, d: int, bf16: bool, config: str = "bm64"):
@@ -221,15 +221,16 @@ if in_ci():
 WGMMA_EMULATED = [("causal", 200, 200, 64, True), ("alibi", 130, 100, 128, False),
                   ("softcap_empty_rows", 20, 20, 128, True), ("window", 300, 300, 64, True),
                   ("full", 7, 150, 128, True)]
-if in_ci():
-    WGMMA_EMULATED = WGMMA_EMULATED[:3]
+WGMMA_EMULATED = [("wg128", *case) for case in WGMMA_EMULATED] + [("wg128s", *case) for case in WGMMA_EMULATED]
+if in_ci():  # "wg128s": its staggered warpgroup's first, middle and last tiles at L 300 (three tiles)
+    WGMMA_EMULATED = [*WGMMA_EMULATED[:3], ("wg128s", "window", 300, 300, 64, True)]
 
 
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk, d, bf16", WGMMA_EMULATED)
-def test_emulated_wgmma_forward_matches_the_interpreter(name, lq, lk, d, bf16, monkeypatch):
+@pytest.mark.parametrize("config, name, lq, lk, d, bf16", WGMMA_EMULATED)
+def test_emulated_wgmma_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
     monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
-    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 5 * lk, config="wg128"), bf16=bf16)
+    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 5 * lk, config=config), bf16=bf16)
 
 
 @needs_emulator
@@ -293,17 +294,18 @@ def test_flash_forward_compiles_without_spills(arch, d, name, config):
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("config", ["wg128", "wg128s"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
-def test_wgmma_forward_compiles_for_sm_90a_without_spills(d, name):
-    """The wgmma kernel for sm_90a: no spills, and shared memory for one block an SM."""
+def test_wgmma_forward_compiles_for_sm_90a_without_spills(config, d, name):
+    """The wgmma kernels for sm_90a: no spills, and shared memory for one block an SM."""
     from ssmc.backends.cuda.source import compile_options
 
-    kname, text = flash.kernel_source(SPECS[name].program, d, True, "wg128")
+    kname, text = flash.kernel_source(SPECS[name].program, d, True, config)
     compiled = nvrtc.compile_source(text, arch="sm_90a", options=compile_options(text))
     usage = compiled.resources[kname]
     assert not usage.spills and usage.registers <= 255, str(usage)
-    assert usage.shared_bytes == 0 and flash.config(d, "wg128").shared(d) <= 227 * 1024
+    assert usage.shared_bytes == 0 and flash.config(d, config).shared(d) <= 227 * 1024
 
 
 def test_the_wgmma_config_is_refused_off_sm_90(monkeypatch):

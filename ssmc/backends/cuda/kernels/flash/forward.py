@@ -55,6 +55,7 @@ class Config:
     qreg: bool = True
     min_blocks: int = 1
     wgmma: bool = False
+    stagger: bool = False
 
     @property
     def arch(self) -> str | None:
@@ -70,8 +71,8 @@ class Config:
         then two stages of a K and a V tile, rows padded to d + 8 values."""
         if self.name == "bm64":
             return 0
-        if self.wgmma:  # Q, two stages of K and V, unpadded (swizzled), and 1024 bytes to align them
-            return (self.bm + 4 * self.bn) * d * 2 + 1024
+        if self.wgmma:  # Q, two (three: stagger) stages of K and V, unpadded (swizzled), 1024 bytes to align them
+            return (self.bm + 2 * (3 if self.stagger else 2) * self.bn) * d * 2 + 1024
         return ((0 if self.qreg else self.bm) + 4 * self.bn) * (d + 8) * 2
 
 
@@ -79,13 +80,15 @@ class Config:
 # the barriers and rescales a key, twice the shared memory); "bm128w4": 4 warps of 32 rows (at d 128 Q read
 # from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators would
 # not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled); "wg128" (sm_90a): two
-# warpgroups of 64 rows, key tiles of 128, wgmma from swizzled shared memory (``forward_wgmma.cu.j2``)
+# warpgroups of 64 rows, key tiles of 128, wgmma from swizzled shared memory (``forward_wgmma.cu.j2``);
+# "wg128s": the same with warpgroup 1 half a tile behind (its products beside warpgroup 0's softmax), 3 stages
 CONFIGS = {
     "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
     "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8)},
     "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
     "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True)},
+    "wg128s": {d: Config("wg128s", 128, 128, 8, wgmma=True, stagger=True) for d in HEAD_DIMS},
 }
 # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
 # sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
@@ -276,7 +279,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
         from ..wgmma import header
 
         text = header() + "\n" + template("flash/forward_wgmma.cu.j2").render(
-            **common, shared=cfg.shared(d), raw=program.score is None and scale > 0)
+            **common, shared=cfg.shared(d), raw=program.score is None and scale > 0, stagger=cfg.stagger)
     else:
         text = template("flash/forward_bm128.cu.j2").render(
             **common, warps=cfg.warps, rt=cfg.rt, qreg=cfg.qreg, min_blocks=cfg.min_blocks, shared=cfg.shared(d),
