@@ -93,7 +93,10 @@ CONFIGS = {
 # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
 # sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
 DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4"}
-HOPPER_CONFIG = {64: "wg128", 128: "wg128"}
+HOPPER_CONFIG = {64: "wg128", 128: "wg128s"}
+# the staggered kernel pays half a tile at each end of a block's span: on spans shorter than this many key
+# tiles on average (a sliding window) the default takes the plain one
+STAGGER_MIN_TILES = 8
 _HOPPER: dict = {}  # torch device index -> whether it is an sm_90 part
 
 
@@ -108,6 +111,13 @@ def hopper(device) -> bool:
 
         hit = _HOPPER[index] = torch.cuda.get_device_capability(device) == (9, 0)
     return hit
+
+
+def _forced() -> bool:
+    """Whether ``SSMC_CUDA_FLASH_FORWARD`` names the config."""
+    from ...options import options
+
+    return bool(options().flash_forward)
 
 
 def config(d: int, name: str | None = None, device=None) -> Config:
@@ -360,16 +370,19 @@ class FlashForward:
         return loaded_function(text, name, device, arch=cfg.arch)
 
     def _span_tensor(self, call, cfg: Config):
+        """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape."""
         import torch
 
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn)
-        t = self._spans.get(key)
-        if t is None:
+        hit = self._spans.get(key)
+        if hit is None:
             if len(self._spans) > 64:
                 self._spans.clear()
             spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn)
-            t = self._spans[key] = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
-        return t
+            tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
+            t = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
+            hit = self._spans[key] = (t, tiles)
+        return hit
 
     def __call__(self, call, out32=None):
         """(out [*batch, Lq, d] in q's dtype, lse [*batch, Lq] fp32) of a bound call that `call_unsupported`
@@ -390,7 +403,9 @@ class FlashForward:
         cfg = config(d, self.config, q.device)
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = param_table(self.program, call.params, call.sizes).to(q.device)
-        spans = self._span_tensor(call, cfg)
+        spans, tiles = self._span_tensor(call, cfg)
+        if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
+            cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
         fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg)
         grid = (-(-lq // cfg.bm) * bh, cfg.threads)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
