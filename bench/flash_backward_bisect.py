@@ -222,7 +222,11 @@ def correctness_table(rows: list[dict]) -> str:
 
 
 def _time_peer(ref, q, k, v, do) -> tuple[float, float]:
-    """(the peer's backward alone, its forward + backward) in ms."""
+    """(the peer's backward alone, its forward + backward) in ms. The backward alone repeats one graph's
+    backward (retain_graph): torch.compile's donated buffers (FlexAttention's) refuse that, so they are off."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out = ref(*leaves)
     bwd = timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
@@ -282,7 +286,7 @@ def timing_rows(b: int, h: int, length: int, d: int) -> list[dict]:
                 print(f"{name} {config}: {type(err).__name__}: {err}", flush=True)
                 ms_bwd = ms_all = float("nan")
             r = {"spec": name, "config": config, "ref": ref_name, "bwd": ms_bwd, "all": ms_all, "ref_bwd": peer_bwd,
-                 "ref_all": peer_all, "default": config == flash_bwd.DEFAULT_CONFIG[d]}
+                 "ref_all": peer_all, "default": config == flash_bwd.config(d, None, q.device).name}
             rows.append(r)
             print(f"{name} {config}: bwd {ms_bwd:.3f} ms (peer {peer_bwd:.3f}), fwd+bwd {ms_all:.3f} ms "
                   f"(peer {peer_all:.3f})", flush=True)
