@@ -56,7 +56,8 @@ class PersistentLoop:
         that does not fit."""
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS)  # (tests change it)
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS, analysis.SPLIT_BYTES,
+               analysis.SPLITS, analysis.SPLIT_ACCUMULATORS)  # (tests and bench/persistent_check.py change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
@@ -113,7 +114,8 @@ class PersistentLoop:
             products[self.cell.product] = recorded
         dtype = out_dtype or torch_float32()
         p = self.program
-        outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
+        # (an adjoint's dz written in 16 bits stays so: the post products read it in 16 bits)
+        outs = {name: o if o.dtype in (dtype, half) else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
         finals = {s.name: f if f.dtype == dtype else f.to(dtype) for s, f in zip(p.states, finals)}
         return outs, finals
 
@@ -184,29 +186,39 @@ class PersistentLoop:
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
         outer = batch_outer(seq_t)
 
-        def allocated(axes, order):
+        def allocated(axes, order, dtype=f32):
             """[L, *axes] as a view of memory [L, *order] ([order[0], L, *order[1:]] where `outer`)."""
             memory = ((order[0], TIME, *order[1:]) if outer and order else (TIME, *order))
-            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=f32, device=device)
+            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=dtype, device=device)
             return t.permute(*[memory.index(a) for a in (TIME, *axes)])
 
-        outs = [allocated(y.axes, tuple(orders.get(name, y.axes))) for name, y in p.outputs]
+        # the tensor-core form's adjoint writes the per-step values only its post products read (dz, named in
+        # `orders`) in 16 bits, as those products read them: half the bytes, no conversion before each
+        half_outs = frozenset(name for name, _ in p.outputs if half is not None and p.reverse and name in orders)
+        outs = [allocated(y.axes, tuple(orders.get(name, y.axes)), half if name in half_outs else f32)
+                for name, y in p.outputs]
         out_strides = {name: tuple(o.stride()) for (name, _), o in zip(p.outputs, outs)}
         axes = cell.product.axes  # recorded rows first, as the adjoint's h U would lie
         rows_first = tuple(a for a in axes if a in cell.rows) + tuple(a for a in axes if a not in cell.rows)
         recorded = allocated(axes, rows_first) if record else None
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
-        # the exchange buffer, each step's operand [rows][jpad] by step parity (the kernel writes it, and
-        # zeroes its pad columns once)
-        xo = torch.empty(2 * chosen.xrows * chosen.jpad, dtype=half or f32, device=device)
-        # (unused, a barrier timed out, the step it did), then a counter a batch tile
-        bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32, device=device)
+        # the exchange buffer, each step's operand [rows][xcols] by step parity (the kernel writes it, and
+        # zeroes its pad columns once; split, the pad columns lie in every K group's slice: zeroed here)
+        split = chosen.ksplit > 1
+        xo = (torch.zeros if split else torch.empty)(2 * chosen.xrows * chosen.xcols, dtype=half or f32, device=device)
+        # (unused, a barrier timed out, the step it did), then a counter a batch tile (split: a counter a K
+        # group, then one a J group, of every tile)
+        groups = chosen.ksplit + chosen.jsplit if split else 1
+        bar = torch.zeros(3 + chosen.tiles * groups, dtype=torch.int32, device=device)
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, *([recorded] if record else []), xo, bar]
+        if split:  # the K groups' fp32 partial products [2][ksplit][rows][units], by step parity
+            tensors.append(torch.empty(2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,
+                                       dtype=f32, device=device))
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs)
+                               half_seqs=half_seqs, half_outs=half_outs)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
