@@ -19,9 +19,10 @@ tables to DIR/persistent.md. Needs torch and cupy; no network.
 - LSTM B256 L1024 I1024 H1024 in bf16 (the tensor-core form): ssmc and cuDNN both given bf16 inputs,
   each checked against cuDNN in fp32 (TF32 off) on the same bf16-rounded values (outputs, and every
   gradient of forward + backward); times of the forward and of forward + backward. Then its training
-  step with the adjoint's contracted indices split in 1, 2 and 4 K groups (analysis.SPLITS; 2 is the
-  default at this shape): forward + backward ms, the adjoint kernel's and the recording forward's own
-  ms (torch.profiler), the gradients' error against cuDNN fp32, the plan.
+  step with the adjoint's contracted indices split in 1, 2 and 4 K groups (analysis.SPLITS; 4 is the
+  default at this shape), and 4 with the shallower rings of before: forward + backward ms, the adjoint
+  kernel's and the recording forward's own ms (torch.profiler), the gradients' error against cuDNN fp32,
+  the plan.
 - LSTM B16 L180 I128 H256 in fp32 (short and narrow: latency-bound): as the B64 rows, and the forward's
   time at several grids (SSMC_CUDA_PERSISTENT_BLOCKS: the blocks at most).
 - examples/lstm_heads.py, 4 heads of 128, B64 L1024 I512 in bf16 (no peer): checked against ssmc's own
@@ -356,18 +357,15 @@ def half_rows(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list
 
 
 def _kernel_ms(fn) -> dict:
-    """One call of `fn` under torch.profiler: CUDA ms by kernel name."""
+    """One call of `fn` under torch.profiler: GPU ms by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None)
-        us = e.cuda_time_total if us is None else us
-        out[e.key] = out.get(e.key, 0.0) + us / 1000
-    return out
+    # the kernels alone, not the operations above them (bench/host_time.py)
+    return {e.key: e.self_device_time_total / 1000 for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list[str]:
@@ -384,11 +382,13 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
     torch.backends.cudnn.allow_tf32 = True
     lines = ["| K groups | fwd+bwd ms | adjoint kernel ms | recording forward kernel ms | other kernels ms | "
              "grad err | plan of the adjoint |", "|---|---|---|---|---|---|---|"]
-    saved = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS)
+    saved = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES)
     try:
-        # (4 groups need 32 accumulators a thread: they compile with a few bytes of spill at this shape)
-        for splits, most in (((1,), 16), ((2,), 16), ((4,), 32)):
+        # the last row: the default's 4 groups with the rings of before (at most 3 buffers, forward too)
+        for splits, most, deep in (((1,), 32, saved[2]), ((2,), 32, saved[2]), ((4,), 32, saved[2]),
+                                   ((4,), 32, (3, 2))):
             persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS = splits, most
+            persistent_analysis.DEEP_STAGES = deep
             train = ssmc_train("LSTM", bf, dy, True)
             LAUNCHED.clear()
             got = train()
@@ -400,16 +400,19 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
             adjoint = sum(v for n, v in kernels.items() if "backward_persistent" in n)
             forward = sum(v for n, v in kernels.items() if n.endswith("_persistent") and "backward" not in n)
             other = sum(v for n, v in kernels.items() if "persistent" not in n)
+            # this variant's plan (the runner keys its plans by these constants too)
+            key = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES)
             plans = sorted({p.describe() for loop in persistent_runner._LOOPS.values()
                             if loop is not None and loop.program.name == "lstm_backward"
-                            for p in loop._plans.values()
-                            if not isinstance(p, str) and p.rows == b and p.size == k and p.ksplit == splits[0]})
-            lines.append(f"| {splits[0]} | {ms:.3f} | {adjoint:.3f} | {forward:.3f} | {other:.3f} | {err:.2e} | "
+                            for at, p in loop._plans.items()
+                            if not isinstance(p, str) and p.rows == b and p.size == k and at[-3:] == key})
+            label = f"{splits[0]}" + (" (rings of at most 3)" if deep != saved[2] else "")
+            lines.append(f"| {label} | {ms:.3f} | {adjoint:.3f} | {forward:.3f} | {other:.3f} | {err:.2e} | "
                          f"{'; '.join(plans) or 'none (another plan ran)'} |")
             if err > 1e-1 or not ran:
                 lines.append(f"MISMATCH (adjoint in {splits[0]} K groups): error {err:.2e}, adjoint launches {ran}")
     finally:
-        persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS = saved
+        persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES = saved
     lines.append("\nother kernels: the matrix products, conversions and element-wise ops of the step (profiled "
                  "sums, one call)")
     return lines

@@ -273,12 +273,12 @@ def _adjoint_program(spec):
 
 def test_the_bf16_adjoint_at_h1024_splits_its_contracted_indices():
     """LSTM B256 H1024's adjoint (dh = dz U^T, 4096 contracted indices) in the tensor-core form: a tile's 64
-    blocks as 2 K groups x 32 J groups (each block stages half of dz's indices: 64 MiB of L2 a step plus 4
-    of fp32 partials, not 128); the forward (1024 indices) is not split; small shapes are not."""
+    blocks as 4 K groups x 16 J groups (each block stages a quarter of dz's indices: 32 MiB of L2 a step plus
+    8 of fp32 partials, not 128); the forward (1024 indices) is not split; small shapes are not."""
     sizes = {"b": 256, "k": 1024, "j": 1024, "g": 4, "i": 1024}
     adjoint = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True)
-    assert (adjoint.ksplit, adjoint.jsplit, adjoint.tiles, adjoint.units, adjoint.nunits) == (2, 32, 2, 16, 32)
-    assert adjoint.step_bytes == (64 + 4) << 20 and adjoint.shared_bytes <= BLOCK_SHARED
+    assert (adjoint.ksplit, adjoint.jsplit, adjoint.tiles, adjoint.units, adjoint.nunits) == (4, 16, 2, 16, 64)
+    assert adjoint.step_bytes == (32 + 8) << 20 and adjoint.shared_bytes <= BLOCK_SHARED
     unsplit = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True, ksplit=1)
     assert unsplit.step_bytes == 128 << 20
     assert plan(analyse(_hoisted(lstm.SPEC)), sizes, 132, mma=True).ksplit == 1
@@ -327,14 +327,14 @@ def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
 @pytest.mark.parametrize("direction", ["adjoint", pytest.param("forward", marks=pytest.mark.skipif(
     in_ci(), reason="CI splits the adjoint (the form the plan takes; the forward has the same code path)"))])
 def test_emulated_split_matches_the_interpreter(direction):
-    """The split (2 K groups x 2 J groups, units not a multiple of the groups: H 7 over 4 blocks of 2 units, a
-    pad unit in each K group's slice) against the interpreter at L 1, within bf16's rounding (a wrong index
-    or group is off by O(1)); outside CI also against the same 4 blocks unsplit (the same bf16 operand and U,
-    only the fp32 sums in another order)."""
+    """The split (2 K groups x 2 J groups; H 13 over 4 blocks of 4 units, 3 pad units in the last J group; the
+    partials summed 4 units a 16-byte load) against the interpreter at L 1, within bf16's rounding (a wrong
+    index or group is off by O(1)); outside CI also against the same 4 blocks unsplit (the same bf16 operand
+    and U, only the fp32 sums in another order)."""
     from ssmc.backends import interpreter
 
     program = _adjoint_program(lstm.SPEC) if direction == "adjoint" else _hoisted(lstm.SPEC)
-    sizes = {"b": 3, "k": 7, "j": 7, "g": 4, "i": 4}
+    sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
     split = _one_step_blocks(program, sizes, 4, 2)
     rng = np.random.default_rng(0)  # the same draws as _one_step_blocks'
 

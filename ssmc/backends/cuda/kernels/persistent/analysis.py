@@ -40,10 +40,10 @@ MAX_THREADS = 256           # threads a block (one block an SM: 256 threads leav
 MAX_PAIRS = 8               # (row, unit) pairs a thread owns at most: its accumulators are registers
 CHUNKS = (128, 64, 32, 16, 8, 4)  # contracted indices a staged chunk: whole 16-byte copies of a row
 STAGES = (3, 2)             # chunks in the ring: STAGES - 1 in flight while the block multiplies one
-# the tensor-core adjoints' rings (their operand, dz at every gate, is the longest a block stages a step: the
-# chunk and depth that keep the most bytes in flight, what bounds a block's staging from L2 where it waits
-# on the latency, are taken)
-DEEP_STAGES = (8, 6, 4, 3, 2)
+# the tensor-core form's rings: the chunk and depth that keep the most bytes in flight (what bounds a block's
+# staging of its operand from L2 where it waits on the latency: B256 H1024's adjoint stages 512 KiB a block a
+# step, its forward 256) are taken
+DEEP_STAGES = (8, 7, 6, 5, 4, 3, 2)
 MMA_CHUNKS = (128, 64, 32, 16)  # the tensor-core form's chunks: whole k16 steps of mma.sync
 
 
@@ -296,7 +296,8 @@ class Plan:
 
     @property
     def sp_bytes(self) -> int:
-        """Bytes of the tensor-core form's result tile sp [mpad][sps] fp32 (0 otherwise)."""
+        """Bytes of the tensor-core form's result tile sp [mpad][sps] fp32 (0 otherwise), which lies in the
+        ring's memory (the ring is idle while it is used)."""
         return 4 * self.mpad * self.sps if self.mma else 0
 
     @property
@@ -310,7 +311,7 @@ class Plan:
 
     @property
     def shared_bytes(self) -> int:
-        return self.u_bytes + self.stages * self.stage_bytes + self.sp_bytes
+        return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes)
 
     def describe(self) -> str:
         form = (f"U slice {self.u_bytes // 1024} KiB in 16 bits resident in shared memory, the product on tensor "
@@ -334,9 +335,10 @@ MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
 # least this many bytes of the operand a step; into these many K groups, most first
 SPLIT_BYTES = 512 * 1024
 SPLITS = (4, 2)
-# fp32 accumulators a thread holds for a split product where it owns MAX_PAIRS pairs (their cell keeps most of
-# the registers: at B256 H1024 a split in 4 needs 32 and spills a few bytes, in 2 needs 16 and does not)
-SPLIT_ACCUMULATORS = 16
+# fp32 accumulators a thread may hold for a split product where it owns MAX_PAIRS pairs (their cells keep most
+# of the registers): B256 H1024's adjoint in 4 K groups needs 32 (238 / 254 registers for sm_90 / sm_80, no
+# spills), in 2 needs 16
+SPLIT_ACCUMULATORS = 32
 
 
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
@@ -347,8 +349,8 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
     batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
-    loads take about as long as its products), the deepest ring (the tensor-core adjoints: the chunk and ring
-    of the most bytes in flight, DEEP_STAGES). `mma`: the tensor-core form (16-bit U
+    loads take about as long as its products), the deepest ring (the tensor-core form: the chunk and ring of
+    the most bytes in flight, DEEP_STAGES). `mma`: the tensor-core form (16-bit U
     and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
     `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
     shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads.
@@ -420,19 +422,20 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 if not chunks:
                     why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
                     continue
-                deep = []  # the tensor-core adjoints: (bytes in flight, chunk, plan) of each chunk's deepest ring
+                deep = []  # the tensor-core form: (bytes in flight, chunk, plan) of each chunk's deepest ring
                 for chunk in chunks:
                     jpad = -(-kd // chunk) * chunk
-                    for stages in (DEEP_STAGES if mma and cols == 1 else STAGES):
+                    for stages in (DEEP_STAGES if mma else STAGES):
                         candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
                                          pad, vec, stages, ntiles, trows, nheads, mma, ks)
                         if candidate.shared_bytes <= shared_limit:
-                            if not (mma and cols == 1):
+                            if not mma:
                                 return candidate
                             deep.append(((stages - 1) * candidate.stage_bytes, chunk, candidate))
                             break
-                if deep:
-                    return max(deep, key=lambda d: d[:2])[2]
+                if deep:  # the most bytes in flight, in 16 KiB; of equals the smallest chunk (fewer registers live
+                    # in its unrolled loop: B256 H1024's adjoint keeps 8 pairs a thread)
+                    return max(deep, key=lambda d: (d[0] // 16384, -d[1]))[2]
                 if why is None or "exceed" not in why:
                     why = (f"U slice and staging {candidate.shared_bytes} bytes a block exceed {shared_limit} "
                            f"({units} units x {cols} columns x {depth}) over {nb * ntiles} blocks")

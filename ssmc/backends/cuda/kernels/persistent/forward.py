@@ -200,22 +200,19 @@ class CellPrinter:
         at = self.at | {a: str(v) for a, v in assign.items()}
         return time_offset(axes, strides, at)
 
-    def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None,
-             half_outs: frozenset = frozenset(), bf16: bool = True) -> list[str]:
+    def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None) -> list[str]:
         """Statements of the cell for pair q after the product: every node (those before the product
         recomputed: cheaper than keeping them in registers across the barrier), then the outputs at t
         (at `out_strides`: name -> element strides of time and each axis; default contiguous), the
         product itself where `record` gives its array's strides (rp [L, *product axes]), and the new
-        carries. The outputs named in `half_outs` are written in 16 bits (bf16 where `bf16`, else fp16)."""
+        carries."""
         out = self.values(self.cell.nodes)
         p = self.cell.program
         for i, (name, y) in enumerate(p.outputs):
             axes = y.axes
             for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                value = self.printer.expr(self.ref(y, assign))
-                if name in half_outs:
-                    value = f"ssmc_mma::float_half<{'true' if bf16 else 'false'}>({value})"
-                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = {value};")
+                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = "
+                           f"{self.printer.expr(self.ref(y, assign))};")
         if record is not None:
             axes = self.cell.product.axes
             for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
@@ -250,7 +247,9 @@ def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
     accumulators a thread; fewer where a thread owns 8 pairs (their carries and cells need the registers:
     32, and 16 in an adjoint, whose cell keeps every gate's derivative)."""
     mt, nt, warps = plan.mpad // 16, plan.npad // 8, plan.threads // 32
-    most = (64 if plan.pairs < 8 else analysis.SPLIT_ACCUMULATORS if plan.ksplit > 1 else 32 if plan.cols > 1 else 16)
+    most = 64 if plan.pairs < 8 else 32 if plan.cols > 1 else 16
+    if plan.ksplit > 1 and plan.pairs >= 8:  # as many as the split's tiles need over all warps, within the plan's
+        most = min(analysis.SPLIT_ACCUMULATORS, max(16, 4 * -(-mt * nt // warps)))
     best = None
     for gm in range(1, min(warps, mt) + 1):
         for gn in range(1, min(warps // gm, nt) + 1):
@@ -273,7 +272,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   seq_strides: dict[str, tuple[int, ...]] | None = None,
                   out_strides: dict[str, tuple[int, ...]] | None = None,
                   record: tuple[int, ...] | None = None, bf16: bool = True,
-                  half_seqs: frozenset = frozenset(), half_outs: frozenset = frozenset()) -> str:
+                  half_seqs: frozenset = frozenset()) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
@@ -286,9 +285,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
 
     The tensor-core form (`plan.mma`): xo holds 16-bit values (bf16 where `bf16`, else fp16), U is
     converted to them once into shared memory, and the product is mma.sync tiles with fp32
-    accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32), the outputs
-    named in `half_outs` written as 16-bit arrays (an adjoint's dz, which the post products read in 16 bits:
-    half the bytes written, and no conversion of it before each of them)."""
+    accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32)."""
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
@@ -296,7 +293,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     args += [f"const {'H' if d.name in half_seqs else 'float'}* __restrict__ s{i}" for i, d in enumerate(p.seqs)]
     args += [f"const float* __restrict__ w{i}" for i, _ in enumerate(p.params)]
     args += [f"const float* __restrict__ i{i}" for i, _ in enumerate(p.states)]
-    args += [f"{'H' if name in half_outs else 'float'}* __restrict__ o{i}" for i, (name, _) in enumerate(p.outputs)]
+    args += [f"float* __restrict__ o{i}" for i, _ in enumerate(p.outputs)]
     args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
     if record is not None:
         args.append("float* __restrict__ rp")
@@ -425,7 +422,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         return (f"{pad}#pragma unroll\n{pad}for (int q = 0; q < PAIRS; ++q) {{\n{head}\n"
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
-    cell_lines = pr.body(out_strides, record, half_outs, bf16)
+    cell_lines = pr.body(out_strides, record)
     publish_lines = pr.publish(plan.mma, plan.munits)
     product = [
         "#if VEC",
@@ -491,6 +488,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "}",
     ]
     from_sp = ["#pragma unroll", "for (int c = 0; c < COLS; ++c) acc[q][c] = sp[lr * SPS + u * COLS + c];"]
+    vr = 4 if plan.units * plan.cols % 4 == 0 else 1  # split: the partials summed 4 units a 16-byte load
     src = f"""{math_header()}
 {mma_header() if plan.mma else ""}
 using namespace ssmc;
@@ -529,6 +527,8 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define SPLIT {int(split)}
 #define XST {plan.xcols}
 #define PBW {plan.jsplit * plan.nunits * plan.cols}
+#define VR {vr}
+#define REDUCE {-(-plan.trows * plan.units * plan.cols // (plan.threads * vr))}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
 #define CHUNK {plan.chunk}
@@ -595,6 +595,14 @@ __device__ __forceinline__ float load_cg(const float* p)
     return *p;
 #endif
 }}
+__device__ __forceinline__ float4 load_cg4(const float* p)
+{{
+#ifdef __CUDA_ARCH__
+    return __ldcg(reinterpret_cast<const float4*>(p));
+#else
+    return *reinterpret_cast<const float4*>(p);
+#endif
+}}
 __device__ __forceinline__ void copies_commit()
 {{
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -631,8 +639,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #endif
 #if MMA
     H* sub = reinterpret_cast<H*>(smem);  // [NPAD][UST]: U slice, 16-bit, the contracted index fastest
-    // the product's result [MPAD][SPS] fp32 (after the ring), read by the threads owning the pairs
-    F* sp = reinterpret_cast<F*>(smem + U_BYTES + NSTAGE * (RROWS * SHS * 2));
+    // the product's result [MPAD][SPS] fp32, read by the threads owning the pairs: in the ring's memory (idle
+    // from the step's last chunk to the next step's first staging, with block barriers between)
+    F* sp = reinterpret_cast<F*>(smem + U_BYTES);
     const int warp = threadIdx.x / 32, lg = (threadIdx.x % 32) / 4, lq = threadIdx.x % 4;
     const int wm0 = (warp % GM) * WM, wn0 = (warp / GM) * WN;  // the warp's first m-tile and n-tile
     F d[WM][WN][4];
@@ -729,19 +738,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         }}
         grid_barrier(bar + 3 + tile * (KS + JS) + KS + jg, (unsigned int)(s + 1) * KS, s, bar);
         // the block's rows x units of the product: its KS partials summed in group order (fixed: deterministic)
-        // into sp, whence each pair's (a few registers a thread here, not 4 loads in flight a pair)
-        for (int e = threadIdx.x; e < TLIM * UNITS * COLS; e += THREADS) {{
-            const F* pr = pbs + (long long)(row0 + e / (UNITS * COLS)) * PBW + k0 * COLS + e % (UNITS * COLS);
-            F sum = F(0);
-            #pragma unroll
-            for (int g = 0; g < KS; ++g) sum += load_cg(pr + (long long)g * XROWS * PBW);
-            sp[(e / (UNITS * COLS)) * SPS + e % (UNITS * COLS)] = sum;
+        // into sp, whence each pair's (here the accumulators are free: all the loads in flight at once)
+        // (4 units a 16-byte load where a row's units come in fours)
+        #pragma unroll
+        for (int i = 0; i < REDUCE; ++i) {{
+            const int e = VR * (threadIdx.x + i * THREADS), lr = e / (UNITS * COLS), n = e % (UNITS * COLS);
+            if (lr < TLIM) {{
+                const F* pr = pbs + (long long)(row0 + lr) * PBW + k0 * COLS + n;
+#if VR == 4
+                float4 sum = make_float4(F(0), F(0), F(0), F(0));
+                #pragma unroll
+                for (int g = 0; g < KS; ++g) {{
+                    const float4 v = load_cg4(pr + (long long)g * XROWS * PBW);
+                    sum.x += v.x;
+                    sum.y += v.y;
+                    sum.z += v.z;
+                    sum.w += v.w;
+                }}
+                *reinterpret_cast<float4*>(sp + lr * SPS + n) = sum;
+#else
+                F sum = F(0);
+                #pragma unroll
+                for (int g = 0; g < KS; ++g) sum += load_cg(pr + (long long)g * XROWS * PBW);
+                sp[lr * SPS + n] = sum;
+#endif
+            }}
         }}
         __syncthreads();
 {per_pair(from_sp, guard="lr < TROWS", depth=2)}
 #elif MMA
-        // the warp's tiles to sp, then each pair's columns from it (sp is read before the next step's
-        // product writes it: the block barriers of its chunk loop are between)
+        // the warp's tiles to sp, then each pair's columns from it (sp lies in the ring: every warp done with
+        // the last chunk first; sp is read before the next step stages into the ring: its barrier between)
+        __syncthreads();
         if (warp < GM * GN) {{
             #pragma unroll
             for (int i = 0; i < WM; ++i)

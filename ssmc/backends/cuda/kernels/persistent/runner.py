@@ -57,7 +57,7 @@ class PersistentLoop:
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
         key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS, analysis.SPLIT_BYTES,
-               analysis.SPLITS, analysis.SPLIT_ACCUMULATORS)  # (tests and bench/persistent_check.py change them)
+               analysis.SPLITS, analysis.SPLIT_ACCUMULATORS, analysis.DEEP_STAGES)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
@@ -114,8 +114,7 @@ class PersistentLoop:
             products[self.cell.product] = recorded
         dtype = out_dtype or torch_float32()
         p = self.program
-        # (an adjoint's dz written in 16 bits stays so: the post products read it in 16 bits)
-        outs = {name: o if o.dtype in (dtype, half) else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
+        outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
         finals = {s.name: f if f.dtype == dtype else f.to(dtype) for s, f in zip(p.states, finals)}
         return outs, finals
 
@@ -186,17 +185,13 @@ class PersistentLoop:
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
         outer = batch_outer(seq_t)
 
-        def allocated(axes, order, dtype=f32):
+        def allocated(axes, order):
             """[L, *axes] as a view of memory [L, *order] ([order[0], L, *order[1:]] where `outer`)."""
             memory = ((order[0], TIME, *order[1:]) if outer and order else (TIME, *order))
-            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=dtype, device=device)
+            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=f32, device=device)
             return t.permute(*[memory.index(a) for a in (TIME, *axes)])
 
-        # the tensor-core form's adjoint writes the per-step values only its post products read (dz, named in
-        # `orders`) in 16 bits, as those products read them: half the bytes, no conversion before each
-        half_outs = frozenset(name for name, _ in p.outputs if half is not None and p.reverse and name in orders)
-        outs = [allocated(y.axes, tuple(orders.get(name, y.axes)), half if name in half_outs else f32)
-                for name, y in p.outputs]
+        outs = [allocated(y.axes, tuple(orders.get(name, y.axes))) for name, y in p.outputs]
         out_strides = {name: tuple(o.stride()) for (name, _), o in zip(p.outputs, outs)}
         axes = cell.product.axes  # recorded rows first, as the adjoint's h U would lie
         rows_first = tuple(a for a in axes if a in cell.rows) + tuple(a for a in axes if a not in cell.rows)
@@ -218,7 +213,7 @@ class PersistentLoop:
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs, half_outs=half_outs)
+                               half_seqs=half_seqs)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
