@@ -20,7 +20,7 @@ tables to DIR/persistent.md. Needs torch and cupy; no network.
   each checked against cuDNN in fp32 (TF32 off) on the same bf16-rounded values (outputs, and every
   gradient of forward + backward); times of the forward and of forward + backward. Then its training
   step with the adjoint's contracted indices split in 1, 2 and 4 K groups (analysis.SPLITS; 4 is the
-  default at this shape), and 4 with the shallower rings of before: forward + backward ms, the adjoint
+  default at this shape), and unsplit with the shallower rings of before: forward + backward ms, the adjoint
   kernel's and the recording forward's own ms (torch.profiler), the gradients' error against cuDNN fp32,
   the plan.
 - LSTM B16 L180 I128 H256 in fp32 (short and narrow: latency-bound): as the B64 rows, and the forward's
@@ -384,9 +384,10 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
              "grad err | plan of the adjoint |", "|---|---|---|---|---|---|---|"]
     saved = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES)
     try:
-        # the last row: the default's 4 groups with the rings of before (at most 3 buffers, forward too)
+        # the last row: no groups and the rings of before (at most 3 buffers, the forward's too), about the
+        # kernels of before (the adjoint's chunk 64 x 3 buffers there, was 128 x 2: about the bytes in flight)
         for splits, most, deep in (((1,), 32, saved[2]), ((2,), 32, saved[2]), ((4,), 32, saved[2]),
-                                   ((4,), 32, (3, 2))):
+                                   ((1,), 32, (3, 2))):
             persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS = splits, most
             persistent_analysis.DEEP_STAGES = deep
             train = ssmc_train("LSTM", bf, dy, True)
