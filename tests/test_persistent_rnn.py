@@ -15,7 +15,7 @@ from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
-from ssmc.examples import gru, layernorm_lstm, lstm
+from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads
 from ssmc.lowering.hoist import hoist
 
 pytest.importorskip("torch")
@@ -324,18 +324,24 @@ def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
     return [o.double().numpy() for o in outs], [f.double().numpy() for f in finals]
 
 
-@pytest.mark.parametrize("direction", ["adjoint", pytest.param("forward", marks=pytest.mark.skipif(
-    in_ci(), reason="CI splits the adjoint (the form the plan takes; the forward has the same code path)"))])
-def test_emulated_split_matches_the_interpreter(direction):
+_NOT_IN_CI = pytest.mark.skipif(in_ci(), reason="CI splits the LSTM's adjoint (the form the plan takes; the "
+                                                "forward and the heads have the same code path)")
+
+
+@pytest.mark.parametrize("case", ["adjoint", pytest.param("forward", marks=_NOT_IN_CI),
+                                  pytest.param("heads adjoint", marks=_NOT_IN_CI)])
+def test_emulated_split_matches_the_interpreter(case):
     """The split (2 K groups x 2 J groups; H 13 over 4 blocks of 4 units, 3 pad units in the last J group; the
-    partials summed 4 units a 16-byte load) against the interpreter at L 1, within bf16's rounding (a wrong
-    index or group is off by O(1)); outside CI also against the same 4 blocks unsplit (the same bf16 operand
-    and U, only the fp32 sums in another order)."""
+    partials summed 4 units a 16-byte load; with heads, 2 x 2 blocks a head) against the interpreter at L 1,
+    within bf16's rounding (a wrong index or group is off by O(1)); outside CI also against the same blocks
+    unsplit (the same bf16 operand and U, only the fp32 sums in another order)."""
     from ssmc.backends import interpreter
 
-    program = _adjoint_program(lstm.SPEC) if direction == "adjoint" else _hoisted(lstm.SPEC)
-    sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
-    split = _one_step_blocks(program, sizes, 4, 2)
+    spec = lstm_heads.SPEC if case.startswith("heads") else lstm.SPEC
+    program = _hoisted(spec) if case == "forward" else _adjoint_program(spec)
+    sizes = {"b": 3, "n": 2, "k": 13, "j": 13, "g": 4, "i": 4}
+    blocks = 8 if case.startswith("heads") else 4
+    split = _one_step_blocks(program, sizes, blocks, 2)
     rng = np.random.default_rng(0)  # the same draws as _one_step_blocks'
 
     def full(axes):
@@ -349,7 +355,7 @@ def test_emulated_split_matches_the_interpreter(direction):
     for a, b in zip(_flat(split), want, strict=True):
         assert _relative(a, np.asarray(b, np.float64)) < 1e-2
     if not in_ci():
-        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, 4, 1)), strict=True):
+        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1)), strict=True):
             assert _relative(a, b) < 1e-5
 
 
