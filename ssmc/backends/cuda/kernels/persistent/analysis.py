@@ -336,8 +336,8 @@ MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
 SPLIT_BYTES = 512 * 1024
 SPLITS = (4, 2)
 # fp32 accumulators a thread may hold for a split product where it owns MAX_PAIRS pairs (their cells keep most
-# of the registers): B256 H1024's adjoint in 4 K groups needs 32 (238 / 254 registers for sm_90 / sm_80, no
-# spills), in 2 needs 16
+# of the registers): B256 H1024's adjoint in 4 K groups needs 32 (about 240 / 254 registers for sm_90 / sm_80,
+# no spills), in 2 needs 16
 SPLIT_ACCUMULATORS = 32
 
 

@@ -27,6 +27,15 @@ which the writer needs to reach step s + 2's write to the same half). xo is read
 (cp.async.cg: a stale L1 line of two steps before would be read otherwise). Its rows are JPAD long,
 the pad columns zeroed once by block 0 (U is zero there, but uninitialised memory may hold a NaN).
 
+Split (`Plan.ksplit` KS > 1, the tensor-core form: an adjoint's long operand): a tile's blocks are KS K groups
+x JS J groups; block (kg, jg) owns the units k = jg JU + kg UNITS + u (JU = KS UNITS) and, a step:
+
+        xo[s % 2][r][kg JPAD + e(m, g)] = op at (r, k, g)     m = jg UNITS + u: the K group's units in order
+        K group barrier                                       (its JS blocks)
+        pb[s % 2][kg][r][jg JU + n] = sum over the group's e of xo[s % 2][r][kg JPAD + e] su[e][n]
+        J group barrier                                       (its KS blocks)
+        acc[q] = sum over kg' in order of pb[s % 2][kg'][r][k]
+
 The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
 functions). Off the GPU (the emulator: one block at a time) the barrier is a block barrier; the
@@ -276,10 +285,12 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
-    final states, [rp [L, product axes...] where `record`,] xo [2][rows][jpad], bar [3 + tiles] (unused,
-    failed, step, a counter a tile)); fp32 arrays, contiguous in their declaration's axis order but for the
-    sequences, read in place at `seq_strides` (name -> element strides of time and each axis; 0 along a
-    broadcast axis; default contiguous), and the outputs, written at `out_strides` (the same form).
+    final states, [rp [L, product axes...] where `record`,] xo [2][rows][ksplit jpad], bar [3 + tiles]
+    (unused, failed, step, a counter a tile; split: [3 + tiles (ksplit + jsplit)], a counter a K group and
+    one a J group of each tile), [pb [2][ksplit][rows][jsplit nunits cols] where split]); fp32 arrays,
+    contiguous in their declaration's axis order but for the sequences, read in place at `seq_strides`
+    (name -> element strides of time and each axis; 0 along a broadcast axis; default contiguous), and the
+    outputs, written at `out_strides` (the same form).
     `record`: the strides of rp, where the kernel writes its recurrent product of every step (the
     forward's h U, which the adjoint would otherwise compute again as a matrix product).
 

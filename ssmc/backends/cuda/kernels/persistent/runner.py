@@ -6,7 +6,8 @@ device it does not take.
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
 A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
-xo [2][rows][jpad] (the operand of a step by its parity) and zeroed barrier words, and makes one
+xo [2][rows][xcols] (the operand of a step by its parity; split, also the fp32 partial products
+pb [2][ksplit][rows][units]) and zeroed barrier words, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
 A barrier that waits past its limit flags the barrier words and goes on (no hang); the runner copies
