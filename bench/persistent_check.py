@@ -18,7 +18,11 @@ tables to DIR/persistent.md. Needs torch and cupy; no network.
 --all adds the other workloads of the persistent kernel's targets:
 - LSTM B256 L1024 I1024 H1024 in bf16 (the tensor-core form): ssmc and cuDNN both given bf16 inputs,
   each checked against cuDNN in fp32 (TF32 off) on the same bf16-rounded values (outputs, and every
-  gradient of forward + backward); times of the forward and of forward + backward.
+  gradient of forward + backward); times of the forward and of forward + backward. Then its training
+  step with the adjoint's contracted indices split in 1, 2 and 4 K groups (analysis.SPLITS; 4 is the
+  default at this shape), and unsplit with the shallower rings of before: forward + backward ms, the adjoint
+  kernel's and the recording forward's own ms (torch.profiler), the gradients' error against cuDNN fp32,
+  the plan.
 - LSTM B16 L180 I128 H256 in fp32 (short and narrow: latency-bound): as the B64 rows, and the forward's
   time at several grids (SSMC_CUDA_PERSISTENT_BLOCKS: the blocks at most).
 - examples/lstm_heads.py, 4 heads of 128, B64 L1024 I512 in bf16 (no peer): checked against ssmc's own
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import rnn as rnn_workloads  # bench/workloads/rnn.py: the example's weights in torch.nn.LSTM / GRU
 
 import ssmc
+from ssmc.backends.cuda.kernels.persistent import analysis as persistent_analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.examples import gru, lstm, lstm_heads
 
@@ -351,6 +356,69 @@ def half_rows(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list
     return lines
 
 
+def _kernel_ms(fn) -> dict:
+    """One call of `fn` under torch.profiler: GPU ms by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    # the kernels alone, not the operations above them (bench/host_time.py)
+    return {e.key: e.self_device_time_total / 1000 for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list[str]:
+    """The bf16 LSTM training step with the adjoint's contracted indices in 1, 2, 4 K groups (module
+    docstring): lines of a markdown table (MISMATCH where a gradient is off or the adjoint did not run)."""
+    inputs = make_inputs("LSTM", b, t, i, k)
+    bf = {n: v.to(torch.bfloat16) for n, v in inputs.items()}
+    exact = {n: v.float() for n, v in bf.items()}
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1)
+    dy = torch.randn((b, t, k), device="cuda", generator=g).to(torch.bfloat16)
+    torch.backends.cudnn.allow_tf32 = False
+    want_g = torch_train("LSTM", exact, dy.float())()
+    torch.backends.cudnn.allow_tf32 = True
+    lines = ["| K groups | fwd+bwd ms | adjoint kernel ms | recording forward kernel ms | other kernels ms | "
+             "grad err | plan of the adjoint |", "|---|---|---|---|---|---|---|"]
+    saved = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES)
+    try:
+        # the last row: no groups and the rings of before (at most 3 buffers, the forward's too), about the
+        # kernels of before (the adjoint's chunk 64 x 3 buffers there, was 128 x 2: about the bytes in flight)
+        for splits, most, deep in (((1,), 32, saved[2]), ((2,), 32, saved[2]), ((4,), 32, saved[2]),
+                                   ((1,), 32, (3, 2))):
+            persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS = splits, most
+            persistent_analysis.DEEP_STAGES = deep
+            train = ssmc_train("LSTM", bf, dy, True)
+            LAUNCHED.clear()
+            got = train()
+            torch.cuda.synchronize()
+            ran = LAUNCHED.get("lstm_backward", 0)
+            err = relative_error(got, want_g)
+            ms = timed(train, reps=5)
+            kernels = _kernel_ms(train)
+            adjoint = sum(v for n, v in kernels.items() if "backward_persistent" in n)
+            forward = sum(v for n, v in kernels.items() if n.endswith("_persistent") and "backward" not in n)
+            other = sum(v for n, v in kernels.items() if "persistent" not in n)
+            # this variant's plan (the runner keys its plans by these constants too)
+            key = (persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES)
+            plans = sorted({p.describe() for loop in persistent_runner._LOOPS.values()
+                            if loop is not None and loop.program.name == "lstm_backward"
+                            for at, p in loop._plans.items()
+                            if not isinstance(p, str) and p.rows == b and p.size == k and at[-3:] == key})
+            label = f"{splits[0]}" + (" (rings of at most 3)" if deep != saved[2] else "")
+            lines.append(f"| {label} | {ms:.3f} | {adjoint:.3f} | {forward:.3f} | {other:.3f} | {err:.2e} | "
+                         f"{'; '.join(plans) or 'none (another plan ran)'} |")
+            if err > 1e-1 or not ran:
+                lines.append(f"MISMATCH (adjoint in {splits[0]} K groups): error {err:.2e}, adjoint launches {ran}")
+    finally:
+        persistent_analysis.SPLITS, persistent_analysis.SPLIT_ACCUMULATORS, persistent_analysis.DEEP_STAGES = saved
+    lines.append("\nother kernels: the matrix products, conversions and element-wise ops of the step (profiled "
+                 "sums, one call)")
+    return lines
+
+
 def _torch_train_dtype(inputs: dict, dy: torch.Tensor, dtype):
     """`torch_train` with the module and its inputs in `dtype`."""
     i, gates, k = inputs["W"].shape
@@ -469,6 +537,7 @@ def main() -> None:
         sections = [("bf16 LSTM (tensor-core form) vs cuDNN bf16",
                      ["| workload | cuDNN bf16 ms | ssmc ms | ssmc / cuDNN | ssmc err | cuDNN bf16 err |",
                       "|---|---|---|---|---|---|"], half_rows),
+                    ("bf16 LSTM training step: the adjoint's contracted indices in K groups", [], split_sweep),
                     ("B16 L180 I128 H256 fp32 forward: the grid", [], grid_sweep),
                     ("LSTM heads (block-diagonal U), bf16", [],
                      lambda: heads_rows(args.peak_tflops, args.peak_gbs))]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from profiles import in_ci
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
-from ssmc.examples import gru, layernorm_lstm, lstm
+from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads
 from ssmc.lowering.hoist import hoist
 
 pytest.importorskip("torch")
@@ -262,6 +263,102 @@ def test_a_barrier_that_timed_out_raises_at_the_next_call(emulated_cuda, launche
     _check("lstm", 3, batch=2, hidden=5, tol=1e-5)  # reported once: the calls after it run
 
 
+# -- the split of the contracted indices (tensor-core form) -----------------------------------------------------
+
+def _adjoint_program(spec):
+    from ssmc.passes.autodiff import derive_backward
+
+    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
+
+
+def test_the_bf16_adjoint_at_h1024_splits_its_contracted_indices():
+    """LSTM B256 H1024's adjoint (dh = dz U^T, 4096 contracted indices) in the tensor-core form: a tile's 64
+    blocks as 4 K groups x 16 J groups (each block stages a quarter of dz's indices: 32 MiB of L2 a step plus
+    8 of fp32 partials, not 128); the forward (1024 indices) is not split; small shapes are not."""
+    sizes = {"b": 256, "k": 1024, "j": 1024, "g": 4, "i": 1024}
+    adjoint = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True)
+    assert (adjoint.ksplit, adjoint.jsplit, adjoint.tiles, adjoint.units, adjoint.nunits) == (4, 16, 2, 16, 64)
+    assert adjoint.step_bytes == (32 + 8) << 20 and adjoint.shared_bytes <= BLOCK_SHARED
+    unsplit = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True, ksplit=1)
+    assert unsplit.step_bytes == 128 << 20
+    assert plan(analyse(_hoisted(lstm.SPEC)), sizes, 132, mma=True).ksplit == 1
+    small = {"b": 64, "k": 512, "j": 512, "g": 4, "i": 512}
+    assert plan(analyse(_adjoint_program(lstm.SPEC)), small, 132, mma=True).ksplit == 1
+
+
+def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
+    """`program` at L 1 over `blocks` emulated blocks in the tensor-core form, `ksplit` K groups: (outputs,
+    finals). The emulator runs blocks one after another with the grid barriers compiled out, so a launch
+    sees the exchange buffers as the launch before left them: the first leaves every block's operand in xo,
+    the second every block's partial product (from the complete operand) in pb, the third computes the step
+    from both (each launch recomputes the same values)."""
+    import torch
+
+    from ssmc.backends.cuda.emulator import emulated
+
+    cell = analyse(program)
+    chosen = plan(cell, sizes, 132, blocks=blocks, tiles=1, mma=True, ksplit=ksplit)
+    assert not isinstance(chosen, str) and (chosen.blocks, chosen.ksplit) == (blocks, ksplit), chosen
+    rng = np.random.default_rng(seed)
+
+    def full(axes):
+        return [sizes[a] for a in axes]
+
+    def f32(a):
+        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
+
+    arrays = [f32(rng.standard_normal((1, *full(d.axes)))) for d in program.seqs]
+    arrays += [f32(rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"])) for d in program.params]
+    arrays += [f32(rng.standard_normal(full(s.axes))) for s in program.states]
+    outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
+    finals = [torch.zeros(full(s.axes)) for s in program.states]
+    xo = torch.zeros(2 * chosen.xrows * chosen.xcols, dtype=torch.bfloat16)
+    groups = chosen.ksplit + chosen.jsplit if ksplit > 1 else 1
+    arrays += [*outs, *finals, xo, torch.zeros(3 + chosen.tiles * groups, dtype=torch.int32)]
+    if ksplit > 1:
+        arrays.append(torch.full((2 * ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,),
+                                 float("nan")))
+    fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
+    for _ in range(3 if ksplit > 1 else 2):
+        fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
+    return [o.double().numpy() for o in outs], [f.double().numpy() for f in finals]
+
+
+_NOT_IN_CI = pytest.mark.skipif(in_ci(), reason="CI splits the LSTM's adjoint (the form the plan takes; the "
+                                                "forward and the heads have the same code path)")
+
+
+@pytest.mark.parametrize("case", ["adjoint", pytest.param("forward", marks=_NOT_IN_CI),
+                                  pytest.param("heads adjoint", marks=_NOT_IN_CI)])
+def test_emulated_split_matches_the_interpreter(case):
+    """The split (2 K groups x 2 J groups; H 13 over 4 blocks of 4 units, 3 pad units in the last J group; the
+    partials summed 4 units a 16-byte load; with heads, 2 x 2 blocks a head) against the interpreter at L 1,
+    within bf16's rounding (a wrong index or group is off by O(1)); outside CI also against the same blocks
+    unsplit (the same bf16 operand and U, only the fp32 sums in another order)."""
+    from ssmc.backends import interpreter
+
+    spec = lstm_heads.SPEC if case.startswith("heads") else lstm.SPEC
+    program = _hoisted(spec) if case == "forward" else _adjoint_program(spec)
+    sizes = {"b": 3, "n": 2, "k": 13, "j": 13, "g": 4, "i": 4}
+    blocks = 8 if case.startswith("heads") else 4
+    split = _one_step_blocks(program, sizes, blocks, 2)
+    rng = np.random.default_rng(0)  # the same draws as _one_step_blocks'
+
+    def full(axes):
+        return [sizes[a] for a in axes]
+
+    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
+    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
+    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
+    want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
+    want = [*(want_outs[n] for n, _ in program.outputs), *(want_finals[s.name] for s in program.states)]
+    for a, b in zip(_flat(split), want, strict=True):
+        assert _relative(a, np.asarray(b, np.float64)) < 1e-2
+    if not in_ci():
+        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1)), strict=True):
+            assert _relative(a, b) < 1e-5
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -293,3 +390,26 @@ def test_gpu_too_wide_falls_back(launched):
 def test_gpu_gradients(launched):
     _check("lstm", 40, batch=5, hidden=37, tol=1e-4, grads=True)
     assert "lstm" in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ksplit", [2, 4])
+@pytest.mark.parametrize("length,batch,hidden", [(1, 5, 37), (7, 3, 129), (180, 5, 37), (7, 19, 700)])
+def test_gpu_bf16_split_adjoint(ksplit, length, batch, hidden, launched, monkeypatch):
+    """The adjoint's contracted indices in `ksplit` K groups (forced at every size, a block for every pair
+    allowed, so the odd shapes take many blocks: H 37 as 40 blocks of one unit in 4 K groups, a pad unit in
+    three of them), both barriers a step and the partials' parity buffers over 180 steps: bf16 gradients
+    against the interpreter (tests/test_persistent_half.py's bounds)."""
+    from test_persistent_half import check_half
+
+    monkeypatch.setattr(analysis, "SPLIT_BYTES", 0)
+    monkeypatch.setattr(analysis, "SPLITS", (ksplit,))
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
+    check_half("lstm", length, batch, hidden, device="cuda")
+    split = [p for loop in persistent_runner._LOOPS.values()
+             if loop is not None and loop.program.name == "lstm_backward"
+             for p in loop._plans.values() if not isinstance(p, str) and p.ksplit == ksplit]
+    assert split and "lstm_backward" in launched, "the split adjoint did not run"
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"

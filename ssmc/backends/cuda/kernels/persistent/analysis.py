@@ -40,6 +40,10 @@ MAX_THREADS = 256           # threads a block (one block an SM: 256 threads leav
 MAX_PAIRS = 8               # (row, unit) pairs a thread owns at most: its accumulators are registers
 CHUNKS = (128, 64, 32, 16, 8, 4)  # contracted indices a staged chunk: whole 16-byte copies of a row
 STAGES = (3, 2)             # chunks in the ring: STAGES - 1 in flight while the block multiplies one
+# the tensor-core form's rings: the chunk and depth that keep the most bytes in flight (what bounds a block's
+# staging of its operand from L2 where it waits on the latency: B256 H1024's adjoint stages 512 KiB a block a
+# step, its forward 256) are taken
+DEEP_STAGES = (8, 7, 6, 5, 4, 3, 2)
 MMA_CHUNKS = (128, 64, 32, 16)  # the tensor-core form's chunks: whole k16 steps of mma.sync
 
 
@@ -225,6 +229,8 @@ class Plan:
     heads: int = 1   # the heads (`Cell.heads`): tiles / heads batch tiles a head, of rows / heads rows
     mma: bool = False  # 16-bit inputs: U and the operand in bf16 / fp16 on chip, the product on tensor cores
                        # (mma.sync m16n8k16, fp32 accumulators; the cell and its carries stay fp32)
+    ksplit: int = 1  # the tensor-core form's split of the contracted indices (`split`): the blocks of a tile as
+                     # ksplit K groups x jsplit J groups
 
     def __post_init__(self):
         if not self.trows:
@@ -245,8 +251,28 @@ class Plan:
         return -(-self.trows // 16) * 16
 
     @property
+    def jsplit(self) -> int:
+        """J groups a tile (`ksplit`): the tile's blocks are ksplit x jsplit."""
+        return self.blocks // self.tiles // self.ksplit
+
+    @property
+    def nunits(self) -> int:
+        """Units of the block's product (its N / cols): its own `units` x ksplit (its J group's)."""
+        return self.units * self.ksplit
+
+    @property
+    def munits(self) -> int:
+        """The unit axis' length in a K group's slice of the operand (the size where not split)."""
+        return self.size if self.ksplit == 1 else self.jsplit * self.units
+
+    @property
+    def xcols(self) -> int:
+        """The exchange buffer's row: ksplit slices of jpad."""
+        return self.ksplit * self.jpad
+
+    @property
     def npad(self) -> int:
-        return -(-self.units * self.cols // 8) * 8
+        return -(-self.nunits * self.cols // 8) * 8
 
     @property
     def u_bytes(self) -> int:
@@ -264,21 +290,39 @@ class Plan:
         return 4 * self.trows * (self.chunk + 4)
 
     @property
+    def sps(self) -> int:
+        """A row of sp: the product's columns + 4 (split: the block's own units' sums of the partials)."""
+        return (self.npad if self.ksplit == 1 else self.units * self.cols) + 4
+
+    @property
     def sp_bytes(self) -> int:
-        """Bytes of the tensor-core form's result tile sp (0 otherwise)."""
-        return 4 * self.mpad * (self.npad + 4) if self.mma else 0
+        """Bytes of the tensor-core form's result tile sp [mpad][sps] fp32 (0 otherwise), which lies in the
+        ring's memory (the ring is idle while it is used)."""
+        return 4 * self.mpad * self.sps if self.mma else 0
+
+    @property
+    def step_bytes(self) -> int:
+        """L2 bytes a step moves for the product: every block's staged operand (its tile's rows, its K
+        group's jpad indices), and where split the fp32 partials written and read back."""
+        elem = 2 if self.mma else 4
+        staged = self.blocks * self.trows * self.jpad * elem
+        partials = 2 * self.blocks * self.trows * self.nunits * self.cols * 4 if self.ksplit > 1 else 0
+        return staged + partials
 
     @property
     def shared_bytes(self) -> int:
-        return self.u_bytes + self.stages * self.stage_bytes + self.sp_bytes
+        return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes)
 
     def describe(self) -> str:
         form = (f"U slice {self.u_bytes // 1024} KiB in 16 bits resident in shared memory, the product on tensor "
                 "cores (mma.sync m16n8k16)" if self.mma else
                 f"U slice {self.u_bytes // 1024} KiB resident in shared memory")
+        split = (f", the contracted indices in {self.ksplit} groups (a tile's blocks {self.ksplit} x {self.jsplit}: a "
+                 f"block multiplies its group's slice into fp32 partials of {self.nunits} units, 2 barriers a step)"
+                 if self.ksplit > 1 else "")
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
                 f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
-                f"contracted indices a chunk, {self.stages} chunks a ring")
+                f"contracted indices a chunk, {self.stages} chunks a ring{split}")
 
 
 # a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound
@@ -287,20 +331,36 @@ class Plan:
 MIN_BLOCK_PAIRS = 128
 TILES = (8, 4, 2, 1)  # batch tiles tried, most first: each halving of a block's rows halves its L2 reads
 MIN_TILE_ROWS = 8     # rows a tile has at least (a warp spans 8 rows x 4 units)
+# the tensor-core form splits a one-column product's contracted indices (`plan`) where a block would stage at
+# least this many bytes of the operand a step; into these many K groups, most first
+SPLIT_BYTES = 512 * 1024
+SPLITS = (4, 2)
+# fp32 accumulators a thread may hold for a split product where it owns MAX_PAIRS pairs (their cells keep most
+# of the registers): B256 H1024's adjoint in 4 K groups needs 32 (about 240 / 254 registers for sm_90 / sm_80,
+# no spills), in 2 needs 16
+SPLIT_ACCUMULATORS = 32
 
 
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
          shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
-         max_blocks: int | None = None) -> Plan | str:
+         max_blocks: int | None = None, ksplit: int | None = None) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
     batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
-    loads take about as long as its products), the deepest ring. `mma`: the tensor-core form (16-bit U
+    loads take about as long as its products), the deepest ring (the tensor-core form: the chunk and ring of
+    the most bytes in flight, DEEP_STAGES). `mma`: the tensor-core form (16-bit U
     and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
     `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
-    shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads."""
+    shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads.
+
+    Split (`Plan.ksplit`, the tensor-core form of a one-column product: the adjoints): where a block would
+    stage at least SPLIT_BYTES of the operand a step (B256 H1024's adjoint: 128 rows x 4096 indices, 1 MiB a
+    block, 128 MiB a step over the grid), the tile's blocks are KS K groups x JS J groups: a block multiplies
+    the operand's K group slice (1/KS of the indices) by its U slice [its J group's KS x units units][that
+    slice] into fp32 partials, which the J group's blocks sum; the same U bytes a block, KS x fewer staged
+    (partials add 2 x rows x H x 4 bytes a K group). `ksplit`: exactly that split (1: none)."""
     rows = math.prod(sizes[a] for a in cell.rows)
     nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
@@ -312,7 +372,6 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     cols = math.prod(sizes[a] for a in cell.cols)
     vec = cols == 1
     cpad = 4 if cols == 3 else cols
-    wide = -(-depth // 4) * 4
     why = None
     if mma:
         cpad = cols  # the columns of all units are one flat axis n there
@@ -334,23 +393,50 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
             if pairs > MAX_PAIRS:
                 why = why or f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
                 continue
-            if mma:
-                mpad = -(-trows // 16) * 16
-                chunks = [c for c in MMA_CHUNKS if c <= max(-(-depth // 16) * 16, 16)
-                          and 2 * mpad * (c + 8) <= STAGE_BYTES]
+            mpad = -(-trows // 16) * 16
+            if ksplit is not None:
+                splits = (ksplit,)
+            elif mma and cols == 1 and 2 * trows * depth >= SPLIT_BYTES:
+                splits = (*SPLITS, 1)
             else:
-                chunks = [c for c in CHUNKS if c <= max(wide, CHUNKS[-1]) and 4 * trows * (c + 4) <= STAGE_BYTES]
-            if not chunks:
-                why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
-                continue
-            for chunk in chunks:
-                jpad = -(-depth // chunk) * chunk
-                for stages in STAGES:
-                    candidate = Plan(rows, size, cols, units, nbt * ntiles, threads, pairs, chunk, jpad, depth,
-                                     pad, vec, stages, ntiles, trows, nheads, mma)
-                    if candidate.shared_bytes <= shared_limit:
-                        return candidate
-            if why is None or "exceed" not in why:
-                why = (f"U slice and staging {candidate.shared_bytes} bytes a block exceed {shared_limit} "
-                       f"({units} units x {cols} columns x {depth}) over {nbt * ntiles} blocks")
+                splits = (1,)
+            for ks in splits:
+                js = -(-size // (ks * units))
+                nb = nbt if ks == 1 else ks * js
+                # split: the block's product tiles (mpad x ks units) in the accumulators a thread may hold
+                most = 64 if pairs < MAX_PAIRS else SPLIT_ACCUMULATORS
+                if ks > 1 and (not mma or js < 1 or nb * ntiles > (blocks or budget)
+                               or (mpad // 16) * -(-ks * units * cols // 8) * 4 > most * (threads // 32)):
+                    why = why or f"no split of the contracted indices in {ks} groups"
+                    continue
+                if blocks is not None and nb * ntiles != blocks:
+                    why = why or f"{size} units x {ntiles} tiles do not split into {blocks} blocks"
+                    continue
+                kd = depth if ks == 1 else depth // size * js * units  # the block's K group: js x units units
+                if mma:
+                    chunks = [c for c in MMA_CHUNKS if c <= max(-(-kd // 16) * 16, 16)
+                              and 2 * mpad * (c + 8) <= STAGE_BYTES]
+                else:
+                    chunks = [c for c in CHUNKS if c <= max(-(-kd // 4) * 4, CHUNKS[-1])
+                              and 4 * trows * (c + 4) <= STAGE_BYTES]
+                if not chunks:
+                    why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
+                    continue
+                deep = []  # the tensor-core form: (bytes in flight, chunk, plan) of each chunk's deepest ring
+                for chunk in chunks:
+                    jpad = -(-kd // chunk) * chunk
+                    for stages in (DEEP_STAGES if mma else STAGES):
+                        candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
+                                         pad, vec, stages, ntiles, trows, nheads, mma, ks)
+                        if candidate.shared_bytes <= shared_limit:
+                            if not mma:
+                                return candidate
+                            deep.append(((stages - 1) * candidate.stage_bytes, chunk, candidate))
+                            break
+                if deep:  # the most bytes in flight, in 16 KiB; of equals the smallest chunk (fewer registers live
+                    # in its unrolled loop: B256 H1024's adjoint keeps 8 pairs a thread)
+                    return max(deep, key=lambda d: (d[0] // 16384, -d[1]))[2]
+                if why is None or "exceed" not in why:
+                    why = (f"U slice and staging {candidate.shared_bytes} bytes a block exceed {shared_limit} "
+                           f"({units} units x {cols} columns x {depth}) over {nb * ntiles} blocks")
     return why or "no split fits"

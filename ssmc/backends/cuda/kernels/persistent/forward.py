@@ -27,6 +27,15 @@ which the writer needs to reach step s + 2's write to the same half). xo is read
 (cp.async.cg: a stale L1 line of two steps before would be read otherwise). Its rows are JPAD long,
 the pad columns zeroed once by block 0 (U is zero there, but uninitialised memory may hold a NaN).
 
+Split (`Plan.ksplit` KS > 1, the tensor-core form: an adjoint's long operand): a tile's blocks are KS K groups
+x JS J groups; block (kg, jg) owns the units k = jg JU + kg UNITS + u (JU = KS UNITS) and, a step:
+
+        xo[s % 2][r][kg JPAD + e(m, g)] = op at (r, k, g)     m = jg UNITS + u: the K group's units in order
+        K group barrier                                       (its JS blocks)
+        pb[s % 2][kg][r][jg JU + n] = sum over the group's e of xo[s % 2][r][kg JPAD + e] su[e][n]
+        J group barrier                                       (its KS blocks)
+        acc[q] = sum over kg' in order of pb[s % 2][kg'][r][k]
+
 The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
 functions). Off the GPU (the emulator: one block at a time) the barrier is a block barrier; the
@@ -44,6 +53,7 @@ from .....lowering.loops import Bin, Call, Num, Select, Var
 from .....lowering.step import BINOPS, CALLS
 from ...printer import CPrinter
 from ...source import math_header, mma_header
+from . import analysis
 from .analysis import Cell, Plan
 
 # cycles a block waits at a barrier before it flags a failure in bar[1] (and goes on): a bug then
@@ -71,6 +81,13 @@ def contiguous_index(axes: tuple[str, ...], sizes: dict[str, int], at: dict[str,
         terms.append(at[a] if stride == 1 else f"({at[a]}) * {stride}")
         stride *= sizes[a]
     return " + ".join(reversed(terms)) or "0"
+
+
+def time_offset(axes, strides, at: dict[str, str]) -> str:
+    """``t * strides[0] + sum of at[a] * stride`` for an array [L, *axes] at element `strides`, in 64 bits."""
+    terms = [f"(long long)t * {strides[0]}"]
+    terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(axes, strides[1:]) if st]
+    return " + ".join(terms)
 
 
 def _contiguous(shape: list[int]) -> tuple[int, ...]:
@@ -161,10 +178,11 @@ class CellPrinter:
                 out.append(f"const {ctype} v{self.index[n]}_{flat(self.own(n), self.sizes, assign)} = {value};")
         return out
 
-    def publish(self, half: bool = False) -> list[str]:
+    def publish(self, half: bool = False, munits: int | None = None) -> list[str]:
         """Statements for pair q before the product: the values the operand needs, and the operand at
-        (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][JPAD] (the
-        contracted axes flat in the weight's order; the columns past DEPTH stay zero)."""
+        (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][XST]: at the
+        block's K group's slice (kg JPAD), the contracted axes flat in the weight's order, the unit axis
+        as the pair's index km among the group's `munits` (the columns past DEPTH stay zero)."""
         cell = self.cell
         needed, todo = set(), [cell.publish]
         while todo:
@@ -175,10 +193,11 @@ class CellPrinter:
         out = self.values([n for n in cell.nodes if n in needed])
         order = tuple(a for a in self.weight_axes if a in cell.contracted)
         own = tuple(a for a in cell.publish.axes if a in cell.local)
+        sizes = self.sizes | {cell.unit: munits or self.sizes[cell.unit]}
         for assign in combos(own, self.sizes):
-            at = {cell.unit: "k"} | {a: str(v) for a, v in assign.items()}
+            at = {cell.unit: "km"} | {a: str(v) for a, v in assign.items()}
             value = self.printer.expr(self.ref(cell.publish, assign))
-            out.append(f"xw[(long long)r * JPAD + {contiguous_index(order, self.sizes, at)}] = "
+            out.append(f"xw[(long long)r * XST + kg * JPAD + {contiguous_index(order, sizes, at)}] = "
                        + (f"ssmc_mma::float_half<BF16>({value});" if half else f"{value};"))
         return out
 
@@ -188,9 +207,7 @@ class CellPrinter:
         if strides is None:
             strides = (math.prod(self.sizes[a] for a in axes), *_contiguous([self.sizes[a] for a in axes]))
         at = self.at | {a: str(v) for a, v in assign.items()}
-        terms = [f"(long long)t * {strides[0]}"]
-        terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(axes, strides[1:]) if st]
-        return " + ".join(terms)
+        return time_offset(axes, strides, at)
 
     def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None) -> list[str]:
         """Statements of the cell for pair q after the product: every node (those before the product
@@ -240,6 +257,8 @@ def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
     32, and 16 in an adjoint, whose cell keeps every gate's derivative)."""
     mt, nt, warps = plan.mpad // 16, plan.npad // 8, plan.threads // 32
     most = 64 if plan.pairs < 8 else 32 if plan.cols > 1 else 16
+    if plan.ksplit > 1 and plan.pairs >= 8:  # as many as the split's tiles need over all warps, within the plan's
+        most = min(analysis.SPLIT_ACCUMULATORS, max(16, 4 * -(-mt * nt // warps)))
     best = None
     for gm in range(1, min(warps, mt) + 1):
         for gn in range(1, min(warps // gm, nt) + 1):
@@ -266,10 +285,12 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
-    final states, [rp [L, product axes...] where `record`,] xo [2][rows][jpad], bar [3 + tiles] (unused,
-    failed, step, a counter a tile)); fp32 arrays, contiguous in their declaration's axis order but for the
-    sequences, read in place at `seq_strides` (name -> element strides of time and each axis; 0 along a
-    broadcast axis; default contiguous), and the outputs, written at `out_strides` (the same form).
+    final states, [rp [L, product axes...] where `record`,] xo [2][rows][ksplit jpad], bar [3 + tiles]
+    (unused, failed, step, a counter a tile; split: [3 + tiles (ksplit + jsplit)], a counter a K group and
+    one a J group of each tile), [pb [2][ksplit][rows][jsplit nunits cols] where split]); fp32 arrays,
+    contiguous in their declaration's axis order but for the sequences, read in place at `seq_strides`
+    (name -> element strides of time and each axis; 0 along a broadcast axis; default contiguous), and the
+    outputs, written at `out_strides` (the same form).
     `record`: the strides of rp, where the kernel writes its recurrent product of every step (the
     forward's h U, which the adjoint would otherwise compute again as a matrix product).
 
@@ -288,6 +309,9 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     if record is not None:
         args.append("float* __restrict__ rp")
     args += ["X* xo", "unsigned int* bar"]
+    split = plan.ksplit > 1
+    if split:
+        args.append("float* __restrict__ pb")
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
     wat = ({a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
@@ -317,7 +341,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         else:
             decode = ["const int lr = pq / UNITS;", "const int u = pq % UNITS;"]
         return ["const int pq = threadIdx.x + q * THREADS;", *decode, "const int r = row0 + lr;",
-                "const int k = k0 + u;", "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
+                "const int k = k0 + u;", "const int km = jg * UNITS + u;",
+                "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -330,16 +355,22 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     for i, a in enumerate(cell.cols):
         inner = math.prod(sizes[b] for b in cell.cols[i + 1:])
         local_decode.append(f"const int c_{a} = (c / {inner}) % {sizes[a]};")
+    msizes = sizes | {cell.unit: plan.munits}
     for i, a in enumerate(order):
-        inner = math.prod(sizes[b] for b in order[i + 1:])
-        local_decode.append(f"const int e_{a} = (j / {inner}) % {sizes[a]};")
+        inner = math.prod(msizes[b] for b in order[i + 1:])
+        if a == cell.unit and split:  # the index among the K group's units -> the unit
+            local_decode.append(f"const int m_{a} = (j / {inner}) % {msizes[a]};")
+            local_decode.append(f"const int e_{a} = (m_{a} / UNITS) * JU + kg * UNITS + m_{a} % UNITS;")
+        else:
+            local_decode.append(f"const int e_{a} = (j / {inner}) % {msizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
     if plan.mma:  # sub[n][j], n = u * COLS + c: j fastest (a B fragment's k pair one 32-bit load)
+        unit_in = f" && e_{cell.unit} < SIZE" if split else ""
         load_u = [
             "for (int e = threadIdx.x; e < NPAD * JPAD; e += THREADS) {",
-            "    const int j = e % JPAD, n = e / JPAD, u = n / COLS, c = n % COLS, kk = k0 + u;",
+            "    const int j = e % JPAD, n = e / JPAD, u = n / COLS, c = n % COLS, kk = n0 + u;",
             *("    " + line for line in local_decode),
-            f"    sub[(long long)n * UST + j] = (u < UNITS && j < DEPTH && kk < SIZE) ? "
+            f"    sub[(long long)n * UST + j] = (u < JU && j < DEPTH && kk < SIZE{unit_in}) ? "
             f"ssmc_mma::float_half<BF16>(w{weight}[{u_index}]) : (H)0;",
             "}",
         ]
@@ -384,9 +415,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         strides = (seq_strides or {}).get(d.name) or (math.prod(full(d.axes)), *_contiguous(full(d.axes)))
         for assign in combos(pr.own_of(d.axes), sizes):
             at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "kc"} | {a: str(v) for a, v in assign.items()}
-            terms = [f"(long long)t * {strides[0]}"]
-            terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(d.axes, strides[1:]) if st]
-            value = f"s{i}[{' + '.join(terms)}]"
+            offset = time_offset(d.axes, strides, at)
+            value = f"s{i}[{offset}]"
             if d.name in half_seqs:
                 value = f"ssmc_mma::half_float<BF16>({value})"
             seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = {value};")
@@ -404,7 +434,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
     cell_lines = pr.body(out_strides, record)
-    publish_lines = pr.publish(plan.mma)
+    publish_lines = pr.publish(plan.mma, plan.munits)
     product = [
         "#if VEC",
         "#pragma unroll 8",
@@ -469,6 +499,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "}",
     ]
     from_sp = ["#pragma unroll", "for (int c = 0; c < COLS; ++c) acc[q][c] = sp[lr * SPS + u * COLS + c];"]
+    vr = 4 if plan.units * plan.cols % 4 == 0 else 1  # split: the partials summed 4 units a 16-byte load
     src = f"""{math_header()}
 {mma_header() if plan.mma else ""}
 using namespace ssmc;
@@ -493,7 +524,7 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define RROWS {plan.mpad if plan.mma else plan.trows}
 #define NPAD {plan.npad}
 #define UST {plan.jpad + 8}
-#define SPS {plan.npad + 4}
+#define SPS {plan.sps}
 #define MT {plan.mpad // 16}
 #define NT {plan.npad // 8}
 #define GM {gm}
@@ -501,6 +532,14 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define WM {wm}
 #define WN {wn}
 #define UNITS {plan.units}
+#define KS {plan.ksplit}
+#define JS {plan.jsplit}
+#define JU {plan.nunits}
+#define SPLIT {int(split)}
+#define XST {plan.xcols}
+#define PBW {plan.jsplit * plan.nunits * plan.cols}
+#define VR {vr}
+#define REDUCE {-(-plan.trows * plan.units * plan.cols // (plan.threads * vr))}
 #define THREADS {plan.threads}
 #define PAIRS {plan.pairs}
 #define CHUNK {plan.chunk}
@@ -558,6 +597,23 @@ __device__ __forceinline__ void copy16(X* dst, const X* src)
     *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
 #endif
 }}
+// a float another block wrote this step, through L2 only (as copy16)
+__device__ __forceinline__ float load_cg(const float* p)
+{{
+#ifdef __CUDA_ARCH__
+    return __ldcg(p);
+#else
+    return *p;
+#endif
+}}
+__device__ __forceinline__ float4 load_cg4(const float* p)
+{{
+#ifdef __CUDA_ARCH__
+    return __ldcg(reinterpret_cast<const float4*>(p));
+#else
+    return *reinterpret_cast<const float4*>(p);
+#endif
+}}
 __device__ __forceinline__ void copies_commit()
 {{
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -579,7 +635,7 @@ __device__ __forceinline__ void stage(X (*sh)[SHS], const X* hin, int c)
     #pragma unroll
     for (int i = 0; i < COPIES; ++i) {{
         const int e = threadIdx.x + i * THREADS, r = e / (CHUNK / EPC), j = EPC * (e % (CHUNK / EPC));
-        if (e < TROWS * (CHUNK / EPC)) copy16(&sh[r][j], hin + (long long)r * JPAD + c * CHUNK + j);
+        if (e < TROWS * (CHUNK / EPC)) copy16(&sh[r][j], hin + (long long)r * XST + c * CHUNK + j);
     }}
 }}
 
@@ -594,8 +650,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #endif
 #if MMA
     H* sub = reinterpret_cast<H*>(smem);  // [NPAD][UST]: U slice, 16-bit, the contracted index fastest
-    // the product's result [MPAD][SPS] fp32 (after the ring), read by the threads owning the pairs
-    F* sp = reinterpret_cast<F*>(smem + U_BYTES + NSTAGE * (RROWS * SHS * 2));
+    // the product's result [MPAD][SPS] fp32, read by the threads owning the pairs: in the ring's memory (idle
+    // from the step's last chunk to the next step's first staging, with block barriers between)
+    F* sp = reinterpret_cast<F*>(smem + U_BYTES);
     const int warp = threadIdx.x / 32, lg = (threadIdx.x % 32) / 4, lq = threadIdx.x % 4;
     const int wm0 = (warp % GM) * WM, wn0 = (warp / GM) * WN;  // the warp's first m-tile and n-tile
     F d[WM][WN][4];
@@ -607,15 +664,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     // the ring of staged chunks [NSTAGE][RROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
     // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero)
     X (*ring)[RROWS][SHS] = reinterpret_cast<X (*)[RROWS][SHS]>(smem + U_BYTES);
-    // block x: the tile x / NBT of TROWS rows (TPH tiles a head of HB rows: TLIM of them in the tile), the
-    // units of its slice x % NBT
-    const int tile = blockIdx.x / NBT, k0 = (blockIdx.x % NBT) * UNITS;
+    // block x: the tile x / NBT of TROWS rows (TPH tiles a head of HB rows: TLIM of them in the tile); within
+    // it, K group kg and J group jg (KS x JS blocks: 1 x NBT where not split); the product's units [n0, n0 + JU)
+    // (its J group's), the cell's [k0, k0 + UNITS) (its own); the operand's slice kg (JPAD indices)
+    const int tile = blockIdx.x / NBT, kg = (blockIdx.x % NBT) % KS, jg = (blockIdx.x % NBT) / KS;
+    const int n0 = jg * JU, k0 = n0 + kg * UNITS;
     const int row0 = (tile / TPH) * HB + (tile % TPH) * TROWS, TLIM = min(TROWS, HB - (tile % TPH) * TROWS);
 {chr(10).join("    " + line for line in head_decode)}
 {chr(10).join("    " + line for line in load_u)}
     // the exchange buffer's pad columns [DEPTH, JPAD): zero, and never written again (U is zero there too,
     // but a NaN of uninitialised memory times zero is not)
-    if (blockIdx.x == 0 && JPAD > DEPTH)
+    // (split: the host zeroes xo, whose pad columns lie within each K group's slice)
+    if (!SPLIT && blockIdx.x == 0 && JPAD > DEPTH)
         for (int e = threadIdx.x; e < 2 * XROWS * (JPAD - DEPTH); e += THREADS)
             xo[(long long)(e / (JPAD - DEPTH)) * JPAD + DEPTH + e % (JPAD - DEPTH)] = (X)0;
 #if MMA
@@ -626,12 +686,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(prologue)}
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
-        X* xw = xo + (s & 1) * (XROWS * JPAD);
-        const X* xt = xw + (long long)row0 * JPAD;  // the tile's rows
+        X* xw = xo + (s & 1) * (XROWS * XST);
+        const X* xt = xw + (long long)row0 * XST + kg * JPAD;  // the tile's rows, the block's K group
 {per_pair(seq_loads, depth=2)}
 {per_pair(publish_lines, depth=2)}
-        // every block's operand of this step written before any block of its tile stages it
-        if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
+        // every block's operand of this step written before any block of its tile (its K group) stages it
+        if (SPLIT) grid_barrier(bar + 3 + tile * (KS + JS) + kg, (unsigned int)(s + 1) * JS, s, bar);
+        else if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
         else __syncthreads();
 #if MMA
         #pragma unroll
@@ -667,9 +728,59 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(product, guard="lr < TROWS", depth=3)}
 #endif
         }}
-#if MMA
-        // the warp's tiles to sp, then each pair's columns from it (sp is read before the next step's
-        // product writes it: the block barriers of its chunk loop are between)
+#if MMA && SPLIT
+        // the warp's tiles, the partial product over the K group, to pb[s % 2][kg][row][n0 COLS + n] (fp32);
+        // the J group's blocks meet; each pair sums its KS partials. pb[s % 2] is written again at step s + 2,
+        // after barrier s + 1 of the J group, which its readers reach after reading
+        const F* pbs = pb + (long long)(s & 1) * (KS * XROWS * PBW);
+        if (warp < GM * GN) {{
+            F* pw = pb + (long long)(s & 1) * (KS * XROWS * PBW) + ((long long)kg * XROWS + row0) * PBW + n0 * COLS;
+            #pragma unroll
+            for (int i = 0; i < WM; ++i)
+                #pragma unroll
+                for (int n = 0; n < WN; ++n)
+                    if (wm0 + i < MT && wn0 + n < NT) {{
+                        #pragma unroll
+                        for (int v = 0; v < 4; ++v) {{
+                            const int m = (wm0 + i) * 16 + lg + (v / 2) * 8, nn = (wn0 + n) * 8 + 2 * lq + v % 2;
+                            if (m < TLIM && nn < JU * COLS) pw[(long long)m * PBW + nn] = d[i][n][v];
+                        }}
+                    }}
+        }}
+        grid_barrier(bar + 3 + tile * (KS + JS) + KS + jg, (unsigned int)(s + 1) * KS, s, bar);
+        // the block's rows x units of the product: its KS partials summed in group order (fixed: deterministic)
+        // into sp, whence each pair's (here the accumulators are free: all the loads in flight at once)
+        // (4 units a 16-byte load where a row's units come in fours)
+        #pragma unroll
+        for (int i = 0; i < REDUCE; ++i) {{
+            const int e = VR * (threadIdx.x + i * THREADS), lr = e / (UNITS * COLS), n = e % (UNITS * COLS);
+            if (lr < TLIM) {{
+                const F* pr = pbs + (long long)(row0 + lr) * PBW + k0 * COLS + n;
+#if VR == 4
+                float4 sum = make_float4(F(0), F(0), F(0), F(0));
+                #pragma unroll
+                for (int g = 0; g < KS; ++g) {{
+                    const float4 v = load_cg4(pr + (long long)g * XROWS * PBW);
+                    sum.x += v.x;
+                    sum.y += v.y;
+                    sum.z += v.z;
+                    sum.w += v.w;
+                }}
+                *reinterpret_cast<float4*>(sp + lr * SPS + n) = sum;
+#else
+                F sum = F(0);
+                #pragma unroll
+                for (int g = 0; g < KS; ++g) sum += load_cg(pr + (long long)g * XROWS * PBW);
+                sp[lr * SPS + n] = sum;
+#endif
+            }}
+        }}
+        __syncthreads();
+{per_pair(from_sp, guard="lr < TROWS", depth=2)}
+#elif MMA
+        // the warp's tiles to sp, then each pair's columns from it (sp lies in the ring: every warp done with
+        // the last chunk first; sp is read before the next step stages into the ring: its barrier between)
+        __syncthreads();
         if (warp < GM * GN) {{
             #pragma unroll
             for (int i = 0; i < WM; ++i)

@@ -6,7 +6,8 @@ device it does not take.
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
 A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
-xo [2][rows][jpad] (the operand of a step by its parity) and zeroed barrier words, and makes one
+xo [2][rows][xcols] (the operand of a step by its parity; split, also the fp32 partial products
+pb [2][ksplit][rows][units]) and zeroed barrier words, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
 A barrier that waits past its limit flags the barrier words and goes on (no hang); the runner copies
@@ -56,7 +57,8 @@ class PersistentLoop:
         that does not fit."""
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS)  # (tests change it)
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS, analysis.SPLIT_BYTES,
+               analysis.SPLITS, analysis.SPLIT_ACCUMULATORS, analysis.DEEP_STAGES)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
@@ -196,13 +198,19 @@ class PersistentLoop:
         rows_first = tuple(a for a in axes if a in cell.rows) + tuple(a for a in axes if a not in cell.rows)
         recorded = allocated(axes, rows_first) if record else None
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
-        # the exchange buffer, each step's operand [rows][jpad] by step parity (the kernel writes it, and
-        # zeroes its pad columns once)
-        xo = torch.empty(2 * chosen.xrows * chosen.jpad, dtype=half or f32, device=device)
-        # (unused, a barrier timed out, the step it did), then a counter a batch tile
-        bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32, device=device)
+        # the exchange buffer, each step's operand [rows][xcols] by step parity (the kernel writes it, and
+        # zeroes its pad columns once; split, the pad columns lie in every K group's slice: zeroed here)
+        split = chosen.ksplit > 1
+        xo = (torch.zeros if split else torch.empty)(2 * chosen.xrows * chosen.xcols, dtype=half or f32, device=device)
+        # (unused, a barrier timed out, the step it did), then a counter a batch tile (split: a counter a K
+        # group, then one a J group, of every tile)
+        groups = chosen.ksplit + chosen.jsplit if split else 1
+        bar = torch.zeros(3 + chosen.tiles * groups, dtype=torch.int32, device=device)
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, *([recorded] if record else []), xo, bar]
+        if split:  # the K groups' fp32 partial products [2][ksplit][rows][units], by step parity
+            tensors.append(torch.empty(2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,
+                                       dtype=f32, device=device))
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
