@@ -12,8 +12,9 @@ and a call that waits for the GPU shows as the sleep's length), the GPU kernels'
 markdown table; with --out, writes DIR/host_time.md.
 
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
-(SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset a no-op, so
-the calls' wall time is the host code alone (the kernels are compiled for the emulator at the first
+(SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset a no-op, so a
+call's time is the host code alone, counted as this thread's CPU time (`time.thread_time_ns`: on a
+machine shared with other work, the time the thread waits for a core is left out) (the kernels are compiled for the emulator at the first
 call, then never run: outputs and gradients are garbage). Each backward is timed alone with the leaves'
 gradients set to None before it (torch then keeps the gradient given, where on the CPU an accumulation
 would be a real add over the tensor). The median and least of the forward and backward calls are printed beside
@@ -156,14 +157,14 @@ def _stub_measure(name: str, fn, inputs: dict, calls: int, profile_calls: bool) 
     def medians(forward) -> tuple[float, float]:
         fwd, bwd = [], []
         for _ in range(calls):
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()
             out = forward()
-            fwd.append(time.perf_counter_ns() - t0)
+            fwd.append(time.thread_time_ns() - t0)
             for t in leaves:
                 t.grad = None
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()
             out.backward(cotangent)
-            bwd.append(time.perf_counter_ns() - t0)
+            bwd.append(time.thread_time_ns() - t0)
         return (statistics.median(fwd) / 1e3, min(fwd) / 1e3), (statistics.median(bwd) / 1e3, min(bwd) / 1e3)
 
     for _ in range(5):
