@@ -210,7 +210,10 @@ class SsmcFunction:
         results = self._results(self._flat(tensors))
         if not _compiling() and all(x is t for x, t in zip(inputs + states, tensors)):
             self._keywords[given] = tuple(self.names[len(args):len(tensors)])
-            self._plans.remember(_call_signature(tensors), self._plan(tensors))
+            key = _call_signature(tensors)
+            plan = self._plans.get(key)
+            if plan is None or not plan.current():
+                self._plans.remember(key, self._plan(tensors))
         return results
 
     def _plan(self, tensors: list) -> _Plan:
