@@ -12,14 +12,16 @@ and a call that waits for the GPU shows as the sleep's length), the GPU kernels'
 markdown table; with --out, writes DIR/host_time.md.
 
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
-(SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset a no-op, so a
-call's time is the host code alone, counted as this thread's CPU time (`time.thread_time_ns`: on a
-machine shared with other work, the time the thread waits for a core is left out) (the kernels are compiled for the emulator at the first
-call, then never run: outputs and gradients are garbage). Each backward is timed alone with the leaves'
-gradients set to None before it (torch then keeps the gradient given, where on the CPU an accumulation
-would be a real add over the tensor). The median and least of the forward and backward calls are printed beside
-those of a bare `torch.autograd.Function` of the same tensors (one allocation and views each way): the
-floor torch's own machinery sets on this machine. --profile prints cProfile's top functions of each.
+(SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
+host code down to the driver's call, which does nothing (`_stub_launches`). The kernels are compiled for
+the emulator at the first call, then never run (outputs and gradients are garbage). A call's time is
+then the host code alone, counted as this thread's CPU time (`time.thread_time_ns`: on a machine shared
+with other work, the time the thread waits for a core is left out). Each backward is timed alone, the
+leaves' gradients set to None before it (torch then keeps the gradient given, where on the CPU an
+accumulation would be a real add over the tensor; on the GPU it is one more launch a leaf). The median
+and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
+of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
+machine. --profile prints cProfile's top functions of each.
 """
 
 from __future__ import annotations
@@ -111,19 +113,41 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
 
 
 def _stub_launches() -> None:
-    """Every kernel launch and device memset of ssmc: a no-op (the host code runs as on the GPU)."""
+    """Every kernel launch and device memset of ssmc runs its host code as on the GPU, down to the
+    driver's call, which is a C function that does nothing (libc's ``labs``, called through ctypes with
+    the driver's argument types: the arguments' conversion is counted) on a kernel handle of 0."""
+    import ctypes
+
     from ssmc.backends.cuda import launch
     from ssmc.backends.cuda.kernels.chunk import mma  # noqa: F401  (imported: patched below)
 
-    def nothing(*args, **kwargs):
-        return None
+    def c_function(argtypes):
+        fn = ctypes.CDLL(None).labs
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
+    u = ctypes.c_uint
+    launch._driver = c_function([ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p])
+    memset = c_function([ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p])
+    launch._raw_stream = lambda device: 0
+    real = launch.launch_kernel
+
+    class Kernel:  # not emulated: the driver's path; its handle 0 (``labs(0)``: success)
+        ptr = 0
+
+    kernel = Kernel()
+
+    def launched(function, grid, length, nblk, pointers, shared=0):
+        real(kernel, grid, length, nblk, pointers, shared)
+
+    def zeroed(pointer, nbytes, fallback):
+        memset(0, 0, nbytes // 4, launch.current_stream())
 
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("ssmc"):
-            for name in ("launch_kernel", "zero_bytes"):
+            for name, fn in (("launch_kernel", launched), ("zero_bytes", zeroed)):
                 if getattr(module, name, None) is not None:
-                    setattr(module, name, nothing)
-    launch.launch_kernel = launch.zero_bytes = nothing
+                    setattr(module, name, fn)
 
 
 class _Floor(torch.autograd.Function):

@@ -28,13 +28,16 @@ from torch.autograd.function import once_differentiable
 from . import packed
 from .api import compile
 from .autograd import make_grad
+from .autograd.driver import Grad
 from .autograd.lean import LeanStep
+from .autograd.prepared import PreparedChunk, PreparedStep
 from .backends.cuda.devices import current_device
 from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .runtime.binding import layout_of
+from .runtime.precision import half_of
 from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
@@ -75,18 +78,26 @@ def _first_order(backward):
 
 
 class _Recurrence(torch.autograd.Function):
+    """The general path: `Grad.forward` (its tape kept) and `Grad.backward`. `call`: the count of tensors
+    given, or (from a plan) the prepared step (`autograd.prepared`) that serves calls of this signature,
+    whose forward and backward are called directly: what `Grad.forward` and `Grad.backward` would call,
+    without their look-ups (the call key, 16-bit inputs, the device) that the plan made once."""
+
     @staticmethod
-    def forward(ctx, fn: SsmcFunction, n_given: int, *tensors):
-        names = fn.names[:n_given]
+    def forward(ctx, fn: SsmcFunction, call, *tensors):
+        names = fn.names[:len(tensors)]
         # as given: `Grad` detaches what it keeps (binding, or a prepared step's casts)
-        outs, finals, tape = fn.grad.forward(**dict(zip(names, tensors)))
+        if isinstance(call, int):
+            outs, finals, tape = fn.grad.forward(**dict(zip(names, tensors)))
+        else:
+            outs, finals, tape = call.forward((), dict(zip(names, tensors)), True)
         # the tape holds views of the inputs: saved, so an input changed in place before the backward
         # is torch's "modified by an inplace operation" error, not a wrong gradient
         ctx.save_for_backward(*tensors)
         # outputs the loss does not use get None, not zeros torch fills in: without a cotangent of the
         # final states the backward takes its prepared path (autograd/prepared.py)
-        ctx.set_materialize_grads(False)
-        ctx.fn, ctx.grad, ctx.tape = fn, fn.grad, tape
+        ctx.materialize_grads = False  # `set_materialize_grads(False)`, without its Python call
+        ctx.fn, ctx.grad, ctx.tape, ctx.direct = fn, fn.grad, tape, not isinstance(call, int)
         fn.last_step = getattr(tape, "step", None)  # the step a `LeanStep` serves calls like this one from
         like = tensors[0]
         ys = [_in_dtype(_to_torch(_permute(outs[name], perm), like), like.dtype)
@@ -97,7 +108,7 @@ class _Recurrence(torch.autograd.Function):
     @_first_order  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
         tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
-        return (None, None, *_general_backward(ctx.fn, ctx.grad, ctx.tape, tensors, cotangents))
+        return (None, None, *_general_backward(ctx.fn, ctx.grad, ctx.tape, tensors, cotangents, ctx.direct))
 
 
 class _LeanRecurrence(torch.autograd.Function):
@@ -107,7 +118,7 @@ class _LeanRecurrence(torch.autograd.Function):
     def forward(ctx, fn: SsmcFunction, lean, *tensors):
         results, buffer = lean.forward(tensors)
         ctx.save_for_backward(*tensors)
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False  # `set_materialize_grads(False)`, without its Python call
         ctx.call = (fn, lean, buffer, fn.grad)
         return results
 
@@ -126,16 +137,21 @@ class _LeanRecurrence(torch.autograd.Function):
 # these Functions have none, and looks for functorch transforms): a plan's call takes it where no functorch
 # transform is active
 _apply_lean = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LeanRecurrence)
+_apply_general = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Recurrence)
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
-def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents) -> tuple:
+def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct: bool = False) -> tuple:
     """The gradients of `tensors` through `grad.backward` (the `Grad` the forward ran), each as a torch
-    tensor of its argument's dtype."""
+    tensor of its argument's dtype. `direct`: the tape is a prepared step's, of a call on the current device
+    without 16-bit inputs (a plan's: `SsmcFunction._prepared_step`), whose backward is tried first, as
+    `Grad.backward` would."""
     n_out = len(fn.output_perms)
     grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
     grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
-    grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
+    grads = tape.step.backward(tape, grad_y, grad_h or None) if direct else None
+    if grads is None:
+        grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
     like = tensors[0]
     return tuple(_in_dtype(_to_torch(grads[n], like), t.dtype) for n, t in zip(fn.names, tensors))
 
@@ -241,13 +257,16 @@ class SsmcFunction:
         key = _signature(target, tensors)
         lean = self._lean.get(key) if key is not None else None
         if lean is None or copied:
-            n = len(tensors)
+            step = None if key is None or copied else self._prepared_step(target, tensors)
+            call = len(tensors) if step is None else step
 
             def run(tensors: list):
                 self.compiled, self.grad = compiled, grad
                 self.last_step = None
-                return shape_results(_Recurrence.apply(self, n, *owned(tensors)))
-            return _Plan(run)
+                apply = _Recurrence.apply if _transforms_active() else _apply_general
+                return shape_results(apply(self, call, *owned(tensors)))
+            # a prepared step holds for the options and the current device it was made under
+            return _Plan(run) if step is None else _Plan(run, cuda_options(), current_device())
 
         def run(tensors: list):
             self.compiled, self.grad = compiled, grad
@@ -300,6 +319,17 @@ class SsmcFunction:
                     self._lean.remember(key, LeanStep.build(self.last_step, self.names[:len(tensors)],
                                                             self.output_perms, tensors))
         return results
+
+    def _prepared_step(self, target, tensors: list):
+        """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `Grad` keeps for
+        calls like this one, where `Grad.forward` would take it as it is: a `Grad` (not staged), no 16-bit
+        input (`given_half`), the tensors on the current device (the caller's key says); else None."""
+        grad = self.grad
+        if not isinstance(grad, Grad) or half_of(tensors) is not None:
+            return None
+        key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
+        step = grad._steps.get(key) if key is not None else None
+        return step if isinstance(step, (PreparedStep, PreparedChunk)) else None
 
     def _own_host_params(self, tensors: list, backend: str) -> list:
         """`tensors` with each param on the CPU replaced by a copy (autograd flows through it), where
