@@ -5,7 +5,9 @@
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
 inputs) and the first-order scan h = a * h + x (bench/workloads/diagonal.py, B32 D512 L180): the host
-milliseconds of a forward call and of a backward call, `--calls` of each back to back (`torch.cuda._sleep`
+milliseconds of a forward call and of a backward call (into the leaves' gradients, which torch adds to: a
+launch a leaf; and with the gradients set to None before each, as after ``zero_grad(set_to_none=True)``),
+`--calls` of each back to back (`torch.cuda._sleep`
 keeps the GPU busy meanwhile, so the Python returns before any kernel runs: the wall time is host time alone,
 and a call that waits for the GPU shows as the sleep's length), the GPU kernels' time of one training step
 (the torch profiler's sum), and the step's time back to back (CUDA events around `--calls` steps). Prints a
@@ -93,6 +95,13 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
     fwd = host_ms([forward] * calls)
     outs = [forward() for _ in range(calls)]
     bwd = host_ms([lambda y=y: y.backward(cotangent) for y in outs])
+
+    def fresh_backward(y):  # as after `zero_grad(set_to_none=True)`: torch keeps the gradients, adds none
+        for t in leaves:
+            t.grad = None
+        y.backward(cotangent)
+    outs = [forward() for _ in range(calls)]
+    bwd_fresh = host_ms([lambda y=y: fresh_backward(y) for y in outs])
     del outs
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,8 +117,8 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3  # kernels alone, not the ops above them
     for t in leaves:
         t.grad = None
-    return {"name": name, "fwd_host": fwd, "bwd_host": bwd, "step": start.elapsed_time(end) / calls,
-            "kernels": kernels}
+    return {"name": name, "fwd_host": fwd, "bwd_host": bwd, "bwd_fresh": bwd_fresh,
+            "step": start.elapsed_time(end) / calls, "kernels": kernels}
 
 
 def _stub_launches() -> None:
@@ -248,10 +257,10 @@ def main() -> None:
                     mamba1_inputs(), args.calls),
             measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
                     scan1_inputs(), args.calls)]
-    lines = ["| workload | host ms forward | host ms backward | kernels ms (step) | step ms back to back |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | {r['bwd_host']:.4f} | {r['kernels']:.4f} | {r['step']:.4f} |"
-              for r in rows]
+    lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
+             "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | {r['bwd_host']:.4f} | {r['bwd_fresh']:.4f} | {r['kernels']:.4f} "
+              f"| {r['step']:.4f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
