@@ -133,12 +133,16 @@ class _LeanRecurrence(torch.autograd.Function):
         return (None, None, *grads)
 
 
-# torch's `Function.apply` without its Python wrapper (which binds default arguments for a `setup_context`,
-# these Functions have none, and looks for functorch transforms): a plan's call takes it where no functorch
-# transform is active
-_apply_lean = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LeanRecurrence)
-_apply_general = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Recurrence)
-_transforms_active = torch._C._are_functorch_transforms_active
+def _c_apply(cls):
+    """torch's `Function.apply` of `cls` without its Python wrapper, which binds default arguments for a
+    `setup_context` (these Functions have none) and looks for functorch transforms: a plan's call takes it
+    where no functorch transform is active. `cls.apply` where this torch has no such C method."""
+    apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+    return apply.__get__(None, cls) if hasattr(apply, "__get__") else cls.apply
+
+
+_apply_lean, _apply_general = _c_apply(_LeanRecurrence), _c_apply(_Recurrence)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct: bool = False) -> tuple:
@@ -257,7 +261,7 @@ class SsmcFunction:
         key = _signature(target, tensors)
         lean = self._lean.get(key) if key is not None else None
         if lean is None or copied:
-            step = None if key is None or copied else self._prepared_step(target, tensors)
+            step = None if key is None or copied else self._prepared_step(grad, target, tensors)
             call = len(tensors) if step is None else step
 
             def run(tensors: list):
@@ -320,11 +324,10 @@ class SsmcFunction:
                                                             self.output_perms, tensors))
         return results
 
-    def _prepared_step(self, target, tensors: list):
-        """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `Grad` keeps for
+    def _prepared_step(self, grad, target, tensors: list):
+        """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `grad` keeps for
         calls like this one, where `Grad.forward` would take it as it is: a `Grad` (not staged), no 16-bit
         input (`given_half`), the tensors on the current device (the caller's key says); else None."""
-        grad = self.grad
         if not isinstance(grad, Grad) or half_of(tensors) is not None:
             return None
         key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
