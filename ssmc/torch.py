@@ -21,6 +21,8 @@ autograd formula (torch_library.py); build it outside the compiled code. Eager c
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
@@ -246,7 +248,9 @@ class SsmcFunction:
         target = get_backend(backend)
         copied = [] if target.on_device else [i for i, (n, t) in enumerate(zip(self.names, tensors))
                                              if n in self.param_names and t.device.type == "cpu"]
-        shape_results = self._results
+        # what the function returns of the results (`_results`): the one output where that is all it returns
+        one_output = len(self.program.outputs) == 1 and not self.return_final_states
+        shape_results = _first if one_output else self._results
 
         def owned(tensors: list) -> list:
             for i in copied:
@@ -391,6 +395,7 @@ class SsmcFunction:
         return ys + finals
 
 
+_first = operator.itemgetter(0)
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
