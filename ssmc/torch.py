@@ -273,8 +273,9 @@ class SsmcFunction:
                 self.last_step = None
                 apply = _Recurrence.apply if _transforms_active() else _apply_general
                 return shape_results(apply(self, call, *owned(tensors)))
-            # a prepared step holds for the options and the current device it was made under
-            return _Plan(run) if step is None else _Plan(run, cuda_options(), current_device())
+            # on the device, the path (a prepared step or not) holds for the options and the current device
+            # it was decided under (a call on another device than the current one takes the general path)
+            return _Plan(run, cuda_options(), current_device()) if target.on_device else _Plan(run)
 
         def run(tensors: list):
             self.compiled, self.grad = compiled, grad
