@@ -1,19 +1,36 @@
 """Host time of ssmc's torch op per call, apart from the GPU's: is a small training step kernel-bound?
 
     python bench/host_time.py [--out DIR] [--calls 50]
+    python bench/host_time.py --cpu-stub [--calls 200] [--profile]   # no GPU: the host path alone
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
 inputs) and the first-order scan h = a * h + x (bench/workloads/diagonal.py, B32 D512 L180): the host
-milliseconds of a forward call and of a backward call, `--calls` of each back to back (`torch.cuda._sleep`
+milliseconds of a forward call and of a backward call (into the leaves' gradients, which torch adds to: a
+launch a leaf; and with the gradients set to None before each, as after ``zero_grad(set_to_none=True)``),
+`--calls` of each back to back (`torch.cuda._sleep`
 keeps the GPU busy meanwhile, so the Python returns before any kernel runs: the wall time is host time alone,
 and a call that waits for the GPU shows as the sleep's length), the GPU kernels' time of one training step
 (the torch profiler's sum), and the step's time back to back (CUDA events around `--calls` steps). Prints a
 markdown table; with --out, writes DIR/host_time.md.
+
+--cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
+(SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
+host code down to the driver's call, which does nothing (`_stub_launches`). The kernels are compiled for
+the emulator at the first call, then never run (outputs and gradients are garbage). A call's time is
+then the host code alone, counted as this thread's CPU time (`time.thread_time_ns`: on a machine shared
+with other work, the time the thread waits for a core is left out). Each backward is timed alone, the
+leaves' gradients set to None before it (torch then keeps the gradient given, where on the CPU an
+accumulation would be a real add over the tensor; on the GPU it is one more launch a leaf). The median
+and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
+of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
+machine. --profile prints cProfile's top functions of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,20 +49,23 @@ from workloads.diagonal import scan as scan1  # h = a * h + x
 SLEEP_CYCLES = 400_000_000  # ~0.2 s of GPU time: longer than all the host calls queued behind it
 
 
+DEVICE = "cuda"  # "cpu" with --cpu-stub
+
+
 def mamba1_inputs(b=32, d=512, n=16, t=180) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
 
     def randn(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale + shift).requires_grad_(True)
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale + shift).requires_grad_(True)
     return {"u": randn(b, d, t), "delta": randn(b, d, t, shift=-1.0), "A": randn(d, n, scale=0.5),
             "B": randn(b, n, t), "C": randn(b, n, t), "D": randn(d), "z": randn(b, d, t),
             "delta_bias": randn(d, scale=0.1)}
 
 
 def scan1_inputs(b=32, d=512, t=180) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(1)
-    a = torch.rand(b, d, t, generator=g, device="cuda").requires_grad_(True)
-    return {"a": a, "x": torch.randn(b, d, t, generator=g, device="cuda").requires_grad_(True)}
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    a = torch.rand(b, d, t, generator=g, device=DEVICE).requires_grad_(True)
+    return {"a": a, "x": torch.randn(b, d, t, generator=g, device=DEVICE).requires_grad_(True)}
 
 
 def host_ms(fns) -> float:
@@ -75,6 +95,13 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
     fwd = host_ms([forward] * calls)
     outs = [forward() for _ in range(calls)]
     bwd = host_ms([lambda y=y: y.backward(cotangent) for y in outs])
+
+    def fresh_backward(y):  # as after `zero_grad(set_to_none=True)`: torch keeps the gradients, adds none
+        for t in leaves:
+            t.grad = None
+        y.backward(cotangent)
+    outs = [forward() for _ in range(calls)]
+    bwd_fresh = host_ms([lambda y=y: fresh_backward(y) for y in outs])
     del outs
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,23 +117,150 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3  # kernels alone, not the ops above them
     for t in leaves:
         t.grad = None
-    return {"name": name, "fwd_host": fwd, "bwd_host": bwd, "step": start.elapsed_time(end) / calls,
-            "kernels": kernels}
+    return {"name": name, "fwd_host": fwd, "bwd_host": bwd, "bwd_fresh": bwd_fresh,
+            "step": start.elapsed_time(end) / calls, "kernels": kernels}
+
+
+def _stub_launches() -> None:
+    """Every kernel launch and device memset of ssmc runs its host code as on the GPU, down to the
+    driver's call, which is a C function that does nothing (libc's ``labs``, called through ctypes with
+    the driver's argument types: the arguments' conversion is counted) on a kernel handle of 0."""
+    import ctypes
+
+    from ssmc.backends.cuda import launch
+    from ssmc.backends.cuda.kernels.chunk import mma  # noqa: F401  (imported: patched below)
+
+    def c_function(argtypes):
+        fn = ctypes.CDLL(None).labs
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
+    u = ctypes.c_uint
+    launch._driver = c_function([ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p])
+    memset = c_function([ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p])
+    launch._raw_stream = lambda device: 0
+    real = launch.launch_kernel
+
+    class Kernel:  # not emulated: the driver's path; its handle 0 (``labs(0)``: success)
+        ptr = 0
+
+    kernel = Kernel()
+
+    def launched(function, grid, length, nblk, pointers, shared=0):
+        real(kernel, grid, length, nblk, pointers, shared)
+
+    def zeroed(pointer, nbytes, fallback):
+        memset(0, 0, nbytes // 4, launch.current_stream())
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("ssmc"):
+            for name, fn in (("launch_kernel", launched), ("zero_bytes", zeroed)):
+                if getattr(module, name, None) is not None:
+                    setattr(module, name, fn)
+
+
+class _Floor(torch.autograd.Function):
+    """torch's own cost of a call like ssmc's: the tensors in and saved, one allocation and a view out;
+    backward: one allocation and a view per gradient."""
+
+    @staticmethod
+    def forward(ctx, fn, lean, *tensors):
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        return torch.as_strided(torch.empty(fn.numel()), fn.shape, fn.stride())
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        tensors = ctx.saved_tensors
+        buffer, offset, grads = torch.empty(sum(t.numel() for t in tensors)), 0, []
+        for t in tensors:  # contiguous views: torch keeps them as the gradients (no copy)
+            grads.append(torch.as_strided(buffer, t.shape, t.stride(), offset))
+            offset += t.numel()
+        return (None, None, *grads)
+
+
+def _stub_measure(name: str, fn, inputs: dict, calls: int, profile_calls: bool) -> dict:
+    """Host microseconds (median, least) of a forward and of a backward call, launches stubbed (module docstring)."""
+    leaves = list(inputs.values())
+    y = fn(**inputs)
+    cotangent = torch.randn_like(y)
+    like = y.detach()
+    floor = lambda: _Floor.apply(like, None, *leaves)  # noqa: E731
+
+    def medians(forward) -> tuple[float, float]:
+        fwd, bwd = [], []
+        for _ in range(calls):
+            t0 = time.thread_time_ns()
+            out = forward()
+            fwd.append(time.thread_time_ns() - t0)
+            for t in leaves:
+                t.grad = None
+            t0 = time.thread_time_ns()
+            out.backward(cotangent)
+            bwd.append(time.thread_time_ns() - t0)
+        return (statistics.median(fwd) / 1e3, min(fwd) / 1e3), (statistics.median(bwd) / 1e3, min(bwd) / 1e3)
+
+    for _ in range(5):
+        medians(lambda: fn(**inputs))
+    fwd, bwd = medians(lambda: fn(**inputs))
+    floor_fwd, floor_bwd = medians(floor)
+    if profile_calls:
+        import cProfile
+        import pstats
+
+        outs = []
+        with cProfile.Profile() as prof:
+            for _ in range(calls):
+                outs.append(fn(**inputs))
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        with cProfile.Profile() as prof:
+            for out in outs:
+                for t in leaves:
+                    t.grad = None
+                out.backward(cotangent)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return {"name": name, "fwd": fwd, "bwd": bwd, "floor_fwd": floor_fwd, "floor_bwd": floor_bwd}
+
+
+def stub_main(args) -> None:
+    global DEVICE
+    DEVICE = "cpu"
+    os.environ["SSMC_CUDA_EMULATE"] = "1"
+    _stub_launches()
+    torch.set_num_threads(1)
+    rows = [_stub_measure("Mamba-1 B32 D512 L180 N16 fp32",
+                          ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT), mamba1_inputs(),
+                          args.calls, args.profile),
+            _stub_measure("scan h = a h + x B32 D512 L180 fp32",
+                          ssmc.torch.function(scan1, "cuda", layout="b d t"), scan1_inputs(), args.calls,
+                          args.profile)]
+    lines = ["| workload (CPU, launches stubbed; median / least of the calls) | host us forward | host us backward "
+             "| bare autograd.Function forward | bare backward |", "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}"
+                                            for k in ("fwd", "bwd", "floor_fwd", "floor_bwd")) + " |" for r in rows]
+    print("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--calls", type=int, default=None, help="calls of each kind (default 50; 200 with --cpu-stub)")
+    ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
+    ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
     args = ap.parse_args()
+    if args.cpu_stub:
+        args.calls = args.calls or 200
+        stub_main(args)
+        return
+    args.calls = args.calls or 50
     rows = [measure("Mamba-1 B32 D512 L180 N16 fp32", ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT),
                     mamba1_inputs(), args.calls),
             measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
                     scan1_inputs(), args.calls)]
-    lines = ["| workload | host ms forward | host ms backward | kernels ms (step) | step ms back to back |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | {r['bwd_host']:.4f} | {r['kernels']:.4f} | {r['step']:.4f} |"
-              for r in rows]
+    lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
+             "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | {r['bwd_host']:.4f} | {r['bwd_fresh']:.4f} | {r['kernels']:.4f} "
+              f"| {r['step']:.4f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -11,11 +11,17 @@
 The forward runs through `ssmc.grad`'s `Grad.forward` and keeps its tape (the inputs in the
 compute dtype and the carries at chunk boundaries, or, when one chunk covers the sequence on the
 CPU, every carry); the backward runs the adjoint from it, recomputing only what the tape lacks.
+A call's host work is decided once per call signature (`SsmcFunction._plan`: the arguments' types,
+shapes, strides, dtypes, devices and requires_grad, and whether grad mode is on): the backend, the
+path (a `LeanStep`'s, the general autograd Function's, or the forward without a tape), which params
+are copied; later calls of that signature compute the signature, look its plan up and run it.
 Under `torch.compile` (fullgraph too) the function is one custom op with a fake implementation and an
 autograd formula (torch_library.py); build it outside the compiled code. Eager calls do not take it.
 """
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 import torch
@@ -24,11 +30,16 @@ from torch.autograd.function import once_differentiable
 from . import packed
 from .api import compile
 from .autograd import make_grad
+from .autograd.driver import Grad
 from .autograd.lean import LeanStep
+from .autograd.prepared import PreparedChunk, PreparedStep
+from .backends.cuda.devices import current_device
+from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .runtime.binding import layout_of
+from .runtime.precision import half_of
 from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
@@ -53,19 +64,42 @@ def _permute(x, perm):
     return x.permute(*perm) if isinstance(x, torch.Tensor) else x.transpose(perm)
 
 
+def _first_order(backward):
+    """`once_differentiable` at less host time: torch runs a backward with grad mode off unless it builds a
+    graph of the backward (``create_graph=True``), and only then is torch's wrapper needed (it makes a
+    second derivative an error, not zeros); else the backward runs as it is, without the wrapper's
+    ``torch.no_grad()`` and its look at the cotangents."""
+    checked = once_differentiable(backward)
+    enabled = torch.is_grad_enabled
+
+    def wrapper(ctx, *cotangents):
+        if enabled():
+            return checked(ctx, *cotangents)
+        return backward(ctx, *cotangents)
+    return wrapper
+
+
 class _Recurrence(torch.autograd.Function):
+    """The general path: `Grad.forward` (its tape kept) and `Grad.backward`. `call`: the count of tensors
+    given, or (from a plan) the prepared step (`autograd.prepared`) that serves calls of this signature,
+    whose forward and backward are called directly: what `Grad.forward` and `Grad.backward` would call,
+    without their look-ups (the call key, 16-bit inputs, the device) that the plan made once."""
+
     @staticmethod
-    def forward(ctx, fn: SsmcFunction, n_given: int, *tensors):
-        names = fn.names[:n_given]
+    def forward(ctx, fn: SsmcFunction, call, *tensors):
+        names = fn.names[:len(tensors)]
         # as given: `Grad` detaches what it keeps (binding, or a prepared step's casts)
-        outs, finals, tape = fn.grad.forward(**dict(zip(names, tensors)))
+        if isinstance(call, int):
+            outs, finals, tape = fn.grad.forward(**dict(zip(names, tensors)))
+        else:
+            outs, finals, tape = call.forward((), dict(zip(names, tensors)), True)
         # the tape holds views of the inputs: saved, so an input changed in place before the backward
         # is torch's "modified by an inplace operation" error, not a wrong gradient
         ctx.save_for_backward(*tensors)
         # outputs the loss does not use get None, not zeros torch fills in: without a cotangent of the
         # final states the backward takes its prepared path (autograd/prepared.py)
-        ctx.set_materialize_grads(False)
-        ctx.fn, ctx.tape = fn, tape
+        ctx.materialize_grads = False  # `set_materialize_grads(False)`, without its Python call
+        ctx.fn, ctx.grad, ctx.tape, ctx.direct = fn, fn.grad, tape, not isinstance(call, int)
         fn.last_step = getattr(tape, "step", None)  # the step a `LeanStep` serves calls like this one from
         like = tensors[0]
         ys = [_in_dtype(_to_torch(_permute(outs[name], perm), like), like.dtype)
@@ -73,10 +107,10 @@ class _Recurrence(torch.autograd.Function):
         return tuple(ys + [_to_torch(finals[s], like) for s in fn.state_names])
 
     @staticmethod
-    @once_differentiable  # the derived backward is not itself differentiable by torch: an error, not zeros
+    @_first_order  # the derived backward is not itself differentiable by torch: an error, not zeros
     def backward(ctx, *cotangents):
         tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
-        return (None, None, *_general_backward(ctx.fn, ctx.tape, tensors, cotangents))
+        return (None, None, *_general_backward(ctx.fn, ctx.grad, ctx.tape, tensors, cotangents, ctx.direct))
 
 
 class _LeanRecurrence(torch.autograd.Function):
@@ -86,27 +120,44 @@ class _LeanRecurrence(torch.autograd.Function):
     def forward(ctx, fn: SsmcFunction, lean, *tensors):
         results, buffer = lean.forward(tensors)
         ctx.save_for_backward(*tensors)
-        ctx.set_materialize_grads(False)
-        ctx.fn, ctx.lean, ctx.buffer = fn, lean, buffer
+        ctx.materialize_grads = False  # `set_materialize_grads(False)`, without its Python call
+        ctx.call = (fn, lean, buffer, fn.grad)
         return results
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, *cotangents):
         tensors = ctx.saved_tensors
-        lean = ctx.lean
-        grads = lean.backward(tensors, ctx.buffer, cotangents)
+        fn, lean, buffer, grad = ctx.call
+        grads = lean.backward(tensors, buffer, cotangents)
         if grads is None:  # cotangents it does not take: the general path, from a tape made now
-            grads = _general_backward(ctx.fn, lean.tape(tensors, ctx.buffer), tensors, cotangents)
+            grads = _general_backward(fn, grad, lean.tape(tensors, buffer), tensors, cotangents)
         return (None, None, *grads)
 
 
-def _general_backward(fn: SsmcFunction, tape, tensors, cotangents) -> tuple:
-    """The gradients of `tensors` through `Grad.backward`, each as a torch tensor of its argument's dtype."""
+def _c_apply(cls):
+    """torch's `Function.apply` of `cls` without its Python wrapper, which binds default arguments for a
+    `setup_context` (these Functions have none) and looks for functorch transforms: a plan's call takes it
+    where no functorch transform is active. `cls.apply` where this torch has no such C method."""
+    apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+    return apply.__get__(None, cls) if hasattr(apply, "__get__") else cls.apply
+
+
+_apply_lean, _apply_general = _c_apply(_LeanRecurrence), _c_apply(_Recurrence)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct: bool = False) -> tuple:
+    """The gradients of `tensors` through `grad.backward` (the `Grad` the forward ran), each as a torch
+    tensor of its argument's dtype. `direct`: the tape is a prepared step's, of a call on the current device
+    without 16-bit inputs (a plan's: `SsmcFunction._prepared_step`), whose backward is tried first, as
+    `Grad.backward` would."""
     n_out = len(fn.output_perms)
     grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
     grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
-    grads = fn.grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
+    grads = tape.step.backward(tape, grad_y, grad_h or None) if direct else None
+    if grads is None:
+        grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
     like = tensors[0]
     return tuple(_in_dtype(_to_torch(grads[n], like), t.dtype) for n, t in zip(fn.names, tensors))
 
@@ -132,6 +183,10 @@ class SsmcFunction:
         self.last_step = None
         self._reset_fn = None  # packed calls in one (packed.reset_program), made at the first such call
         self._op = recurrence_op(self)  # the custom op torch.compile traces (None: this torch has none)
+        # (positional count, keyword names as given) -> the keyword names in the op's order (`names`), for
+        # calls of torch tensors only, without cu_seqlens
+        self._keywords: dict[tuple, tuple[str, ...]] = {}
+        self._plans = PreparedCalls()  # call signature (`_call_signature`) -> its `_Plan`
 
     def _for(self, backend: str):
         if backend not in self._by_backend:
@@ -140,6 +195,24 @@ class SsmcFunction:
         return self._by_backend[backend]
 
     def __call__(self, *args, **kwargs):
+        # a call of a signature planned before: its plan (`_plan`), after a look-up of the signature
+        keywords = self._keywords.get((len(args), *kwargs))
+        if keywords is not None and not _compiling():
+            tensors = [*args, *map(kwargs.__getitem__, keywords)] if keywords else list(args)
+            try:
+                key = _call_signature(tensors)
+            except AttributeError:  # an argument that is not a tensor: the general call converts it
+                key = None
+            plan = self._plans.get(key) if key is not None else None
+            if plan is not None and plan.current():
+                return plan.run(tensors)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict):
+        """A call whose signature has no plan yet (or one that takes none: cu_seqlens, arguments that are not
+        torch tensors, under torch.compile): the arguments checked, the call made, and its signature
+        planned (`_plan`) for the calls like it."""
+        given = (len(args), *kwargs)
         inputs = list(args) + [kwargs.pop(d.name) for d in self.program.inputs[len(args):] if d.name in kwargs]
         if len(inputs) != len(self.program.inputs):
             names = [d.name for d in self.program.inputs]
@@ -156,7 +229,60 @@ class SsmcFunction:
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in inputs + states]
         if cu_seqlens is not None:
             return self._results(self._packed(tensors, cu_seqlens))
-        return self._results(self._flat(tensors))
+        results = self._results(self._flat(tensors))
+        if not _compiling() and all(x is t for x, t in zip(inputs + states, tensors)):
+            self._keywords[given] = tuple(self.names[len(args):len(tensors)])
+            key = _call_signature(tensors)
+            plan = self._plans.get(key)
+            if plan is None or not plan.current():
+                self._plans.remember(key, self._plan(tensors))
+        return results
+
+    def _plan(self, tensors: list) -> _Plan:
+        """What calls of the signature of `tensors` do, decided once, after the first such call made its
+        prepared steps (`_flat`): the backend, the params copied (`_own_host_params`), and the path: the
+        forward without a tape where no gradient is wanted, else the `LeanStep` the first call left, else
+        the general autograd Function."""
+        backend = self.backend or for_tensor(tensors[0])
+        compiled, grad = self._for(backend)
+        target = get_backend(backend)
+        copied = [] if target.on_device else [i for i, (n, t) in enumerate(zip(self.names, tensors))
+                                             if n in self.param_names and t.device.type == "cpu"]
+        # what the function returns of the results (`_results`): the one output where that is all it returns
+        one_output = len(self.program.outputs) == 1 and not self.return_final_states
+        shape_results = _first if one_output else self._results
+
+        def owned(tensors: list) -> list:
+            for i in copied:
+                tensors[i] = tensors[i].clone()
+            return tensors
+
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            def run(tensors: list):
+                self.compiled, self.grad = compiled, grad
+                return shape_results(self._inference(owned(tensors)))
+            return _Plan(run)
+        key = _signature(target, tensors)
+        lean = self._lean.get(key) if key is not None else None
+        if lean is None or copied:
+            step = None if key is None or copied else self._prepared_step(grad, target, tensors)
+            call = len(tensors) if step is None else step
+
+            def run(tensors: list):
+                self.compiled, self.grad = compiled, grad
+                self.last_step = None
+                apply = _Recurrence.apply if _transforms_active() else _apply_general
+                return shape_results(apply(self, call, *owned(tensors)))
+            # on the device, the path (a prepared step or not) holds for the options and the current device
+            # it was decided under (a call on another device than the current one takes the general path)
+            return _Plan(run, cuda_options(), current_device()) if target.on_device else _Plan(run)
+
+        def run(tensors: list):
+            self.compiled, self.grad = compiled, grad
+            if _transforms_active():
+                return shape_results(_LeanRecurrence.apply(self, lean, *tensors))
+            return shape_results(_apply_lean(self, lean, *tensors))
+        return _Plan(run, cuda_options(), current_device())  # the lean step holds for these
 
     def _packed(self, tensors: list, cu_seqlens) -> tuple:
         """A packed call (packed.py): without initial states given or final states wanted, one call of the
@@ -187,7 +313,7 @@ class SsmcFunction:
             return self._op(tensors)
         backend = self.backend or for_tensor(tensors[0])
         self.compiled, self.grad = self._for(backend)
-        tensors = self._own_host_params(tensors)
+        tensors = self._own_host_params(tensors, backend)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             results = self._inference(tensors)
         else:
@@ -203,8 +329,19 @@ class SsmcFunction:
                                                             self.output_perms, tensors))
         return results
 
-    def _own_host_params(self, tensors: list) -> list:
-        """`tensors` with each param on the CPU replaced by a copy (autograd flows through it).
+    def _prepared_step(self, grad, target, tensors: list):
+        """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `grad` keeps for
+        calls like this one, where `Grad.forward` would take it as it is: a `Grad` (not staged), no 16-bit
+        input (`given_half`), the tensors on the current device (the caller's key says); else None."""
+        if not isinstance(grad, Grad) or half_of(tensors) is not None:
+            return None
+        key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
+        step = grad._steps.get(key) if key is not None else None
+        return step if isinstance(step, (PreparedStep, PreparedChunk)) else None
+
+    def _own_host_params(self, tensors: list, backend: str) -> list:
+        """`tensors` with each param on the CPU replaced by a copy (autograd flows through it), where
+        `backend` runs on the host.
 
         On the host the backends read views of the tensors' memory (`Tensor.numpy()`, after which torch
         refuses to resize that storage) and the tape keeps them until the backward. A param's storage may
@@ -212,6 +349,8 @@ class SsmcFunction:
         gathered params after the forward by resizing their storage to zero and gathers them again before
         the backward. A copy gives the host backends memory of their own; params are small beside the
         sequences."""
+        if get_backend(backend).on_device:  # a device backend reads tensors through torch, never NumPy views
+            return tensors
         params = self.param_names
         return [t.clone() if n in params and t.device.type == "cpu" else t for n, t in zip(self.names, tensors)]
 
@@ -235,7 +374,7 @@ class SsmcFunction:
         """The custom op's backward: the forward again for its tape, then the gradients of `tensors`."""
         self.compiled, self.grad = self._for(self.backend or for_tensor(tensors[0]))
         tape = self.grad.forward(**dict(zip(self.names, tensors)))[2]
-        return _general_backward(self, tape, tensors, cotangents)
+        return _general_backward(self, self.grad, tape, tensors, cotangents)
 
     def final_dtype(self, tensors: list) -> torch.dtype:
         """The final states' dtype for these tensors: the backend's compute dtype (float64 where one
@@ -257,8 +396,32 @@ class SsmcFunction:
         return ys + finals
 
 
+_first = operator.itemgetter(0)
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+class _Plan:
+    """A call signature's plan (`SsmcFunction._plan`): `run(tensors)` makes a call and returns what the
+    function returns; `current()` says whether the plan still holds: one made under the CUDA backend's
+    options and current device (`options`, `device`; None: it depends on neither) holds while they stay."""
+
+    __slots__ = ("device", "options", "run")
+
+    def __init__(self, run, options=None, device=None):
+        self.run, self.options, self.device = run, options, device
+
+    def current(self) -> bool:
+        if self.options is None:
+            return True
+        return cuda_options() is self.options and current_device() == self.device
+
+
+def _call_signature(tensors: list) -> tuple:
+    """What a call's plan depends on of its arguments: whether grad mode is on and, per tensor, its type,
+    shape, strides, dtype, device and requires_grad (AttributeError where one is not a tensor)."""
+    return (torch.is_grad_enabled(),
+            *[(type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
 
 
 def _signature(backend, tensors: list) -> tuple | None:

@@ -48,6 +48,7 @@ class LeanStep:
         self.arguments.update((f"init_{s}", self.arguments[s]) for s in step.given_states if s in self.arguments)
         self.kept = {f"init_{s}": t for s, t in step.zeros.items()}  # zero initial states: only read
         self.forward_sources = self._sources(self.forward_launch, {}, {})
+        self.forward_slots = _slots(self.forward_sources)
         allocated = {a.name: a for a in self.forward_launch.allocations}
         self.outputs = [] if gradients_only else [_view(allocated[f"out_{n}"], perm) for n, perm in output_perms]
         self.outputs += [_view(allocated[f"final_{s.name}"], None, [step.sizes[a] for a in s.axes])
@@ -98,9 +99,15 @@ class LeanStep:
         launch = self.forward_launch
         buffer = launch.buffer()
         base = buffer.data_ptr()
-        launch.launch_pointers([tensors[v].data_ptr() if k == ARGUMENT else base + v if k == BUFFER else v
-                                for k, v in self.forward_sources], self.length)
-        return tuple(torch.as_strided(buffer, *view) for view in self.outputs), buffer
+        pointers, arguments, offsets = self.forward_slots[:3]
+        pointers = pointers.copy()
+        for slot, i in arguments:
+            pointers[slot] = tensors[i].data_ptr()
+        for slot, offset in offsets:
+            pointers[slot] = base + offset
+        launch.launch_pointers(pointers, self.length)
+        as_strided = torch.as_strided
+        return tuple([as_strided(buffer, *view) for view in self.outputs]), buffer
 
     @property
     def lean_backward(self) -> bool:
@@ -144,6 +151,7 @@ class LeanStep:
         the later backwards lean where those are contiguous (the general path copies them else)."""
         rounds = {f"rounds_{s}": a.offset * self.forward_launch.dtype.itemsize for s, a in self.rounds.items()}
         self.backward_sources = self._sources(launch, {GRAD + n: i for i, n in enumerate(self.output_names)}, rounds)
+        self.backward_slots = _slots(self.backward_sources)
         allocated = {a.name: a for a in launch.allocations}
         self.gradients = []
         shapes = [list(t.shape) for t in tensors]
@@ -175,12 +183,28 @@ class LeanStep:
         launch = self.backward_launch
         grads = launch.buffer()
         base, forward = grads.data_ptr(), buffer.data_ptr()
-        pointers = []
-        for k, v in self.backward_sources:
-            pointers.append(tensors[v].data_ptr() if k == ARGUMENT else base + v if k == BUFFER else
-                            cot[v].data_ptr() if k == COTANGENT else forward + v if k == FORWARD_BUFFER else v)
+        pointers, arguments, offsets, given, saved = self.backward_slots
+        pointers = pointers.copy()
+        for slot, i in arguments:
+            pointers[slot] = tensors[i].data_ptr()
+        for slot, offset in offsets:
+            pointers[slot] = base + offset
+        for slot, i in given:
+            pointers[slot] = cot[i].data_ptr()
+        for slot, offset in saved:
+            pointers[slot] = forward + offset
         launch.launch_pointers(pointers, self.length)
-        return tuple(torch.as_strided(grads, *view) for view in self.gradients)
+        as_strided = torch.as_strided
+        return tuple([as_strided(grads, *view) for view in self.gradients])
+
+
+def _slots(sources: tuple) -> tuple:
+    """`sources` (`LeanStep._sources`) as a launch fills its pointers: (the pointers with the kept arrays'
+    addresses in their slots, then per kind of the others, ARGUMENT, BUFFER, COTANGENT, FORWARD_BUFFER,
+    its [(slot, value)]), so that a call writes each slot without asking its kind."""
+    pointers = [v if k == KEPT else 0 for k, v in sources]
+    return (pointers, *([(slot, v) for slot, (k, v) in enumerate(sources) if k == kind]
+                        for kind in (ARGUMENT, BUFFER, COTANGENT, FORWARD_BUFFER)))
 
 
 def _contiguous(shape, strides) -> bool:
