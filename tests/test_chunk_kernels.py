@@ -211,6 +211,85 @@ def test_the_kernels_compile_without_spills(arch):
                         assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
 
 
+# -- the tiles' shared-memory banks ---------------------------------------------------------------
+# A model of one warp's shared-memory access (32 banks of 4 bytes): the hardware serves it in as many
+# wavefronts as the most distinct 4-byte words any bank holds, per quarter warp for 16-byte accesses, per
+# half warp for 8-byte ones. The index expressions below mirror chunk.cu.j2's (the source checks pin
+# them): the transposed tiles' swizzle `sw`, the lanes of their stores and of the mma fragment reads.
+
+def _wavefronts(words: list[int], width: int) -> int:
+    """Wavefronts of one warp's access of `width` bytes a lane, lane l at 4-byte word words[l]."""
+    group = {4: 32, 8: 16, 16: 8}[width]
+    total = 0
+    for start in range(0, 32, group):
+        banks: dict[int, set[int]] = {}
+        for w in words[start:start + group]:
+            for k in range(width // 4):
+                banks.setdefault((w + k) % 32, set()).add(w + k)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def _tile_accesses(ck: int, cc: int, swizzle: bool):
+    """(what, width, [word a lane]) for every warp-wide access of chunk.cu.j2's transposed tiles at
+    key size `ck` and chunk `cc` (tile 64, rows padded by 8 16-bit values); `swizzle` False: the
+    layout without `sw`."""
+    tile, pad = 64, 8
+
+    def sw(r, j):
+        return j ^ (r & 56) if swizzle else j
+
+    def word(row, col, length):  # 16-bit entry [row][col] of rows `length` long: its 4-byte word
+        return (row * (length + pad) + col) // 2
+
+    def warps(items, threads):  # each warp's lanes' item e per iteration (e = tid + k * threads)
+        for k in range(-(-items // threads)):
+            for w in range(threads // 32):
+                es = [k * threads + 32 * w + lane for lane in range(32)]
+                if es[0] < items:
+                    yield es
+
+    for rows, length, threads, what in ((cc, cc, 128, "kT, vT store"), (cc, cc, 2 * cc, "vT store"),
+                                        (ck, ck, 2 * cc, "16-bit sT store")):
+        # steps (or state rows) j, j + 1 at columns d..d+7, a 32-bit word per column
+        for es in warps(rows * tile // 16, threads):
+            for i in range(8):
+                yield what, 4, [word(8 * (e % 8) + i, sw(8 * (e % 8), 2 * (e // 8)), length) for e in es]
+    for es in warps(ck * tile // 8, 2 * cc):  # fp32 sT: e = 64m + 32h + 8b + a
+        for i in range(4):
+            yield "fp32 sT store", 4, [word(4 * (e % 8 + 8 * ((e // 32) % 2)) + i,
+                                            sw(4 * (e % 8 + 8 * ((e // 32) % 2)), 2 * ((e // 8) % 4 + 4 * (e // 64))),
+                                            ck) for e in es]
+    for es in warps(ck * tile // 4, 2 * cc):  # sT of [CV, CK] states: 4 values a lane, 8 bytes
+        yield "transposed-state sT store", 8, [word(e // (ck // 4), sw(e // (ck // 4), 4 * (e % (ck // 4))), ck)
+                                               for e in es]
+    # fragment reads: rows 8 rb + g, columns sw(8 rb, c) + 2 q4 (+ 8), a 32-bit pair a lane
+    for rows, length, what in ((tile, cc, "vT / kT read"), (tile, ck, "sT read")):
+        for rb in range(rows // 8):
+            for c in range(0, length, 8):
+                yield what, 4, [word(8 * rb + lane // 4, sw(8 * rb, c) + 2 * (lane % 4), length) for lane in range(32)]
+
+
+def test_the_tiles_shared_memory_accesses_are_free_of_bank_conflicts():
+    """Every warp-wide store and fragment read of the transposed tiles takes the fewest wavefronts its
+    width allows (1 for 4-byte accesses, 2 for 8-byte ones), at every key size and chunk; without the
+    swizzle the transposing stores take 8 (ncu's 8-way conflict of chunk_states' stores)."""
+    source = mma.source(128, 64, 128, True, True)
+    for line in ("return j ^ (r & 56);", "const int d = 8 * (e % (TILE / 8)), j = 2 * (e / (TILE / 8));",
+                 "const int d = 8 * (e % (TILE / 8)), r = 2 * (e / (TILE / 8));",
+                 "const int d = 4 * (e % 8 + 8 * ((e / 32) % 2)), r = 2 * ((e / 8) % 4 + 4 * (e / 64));",
+                 "const int d = e / (CK / 4), r = 4 * (e % (CK / 4));", "&vT[r][sw(8 * n, c) + 2 * q4]",
+                 "&sT[r][sw(8 * n, c) + 2 * q4]", "&kT[row][sw(top, c) + 2 * q4]"):
+        assert line in source, line  # the model's expressions are the kernels' own
+    for ck in mma.SIZES:
+        for cc in mma.CHUNKS:
+            for what, width, words in _tile_accesses(ck, cc, swizzle=True):
+                assert _wavefronts(words, width) == width // 4, (ck, cc, what)
+    worst = max(_wavefronts(words, width) for what, width, words in _tile_accesses(128, 128, swizzle=False)
+                if "store" in what)
+    assert worst == 8
+
+
 # -- the chunked core choosing the kernels ----------------------------------------------------------
 
 def _core(name: str):
