@@ -40,9 +40,9 @@ MAX_THREADS = 256           # threads a block (one block an SM: 256 threads leav
 MAX_PAIRS = 8               # (row, unit) pairs a thread owns at most: its accumulators are registers
 CHUNKS = (128, 64, 32, 16, 8, 4)  # contracted indices a staged chunk: whole 16-byte copies of a row
 STAGES = (3, 2)             # chunks in the ring: STAGES - 1 in flight while the block multiplies one
-# the tensor-core form's rings: the chunk and depth that keep the most bytes in flight (what bounds a block's
+# the tensor-core adjoints' rings: the chunk and depth that keep the most bytes in flight (what bounds a block's
 # staging of its operand from L2 where it waits on the latency: B256 H1024's adjoint stages 512 KiB a block a
-# step, its forward 256) are taken
+# step) are taken
 DEEP_STAGES = (8, 7, 6, 5, 4, 3, 2)
 MMA_CHUNKS = (128, 64, 32, 16)  # the tensor-core form's chunks: whole k16 steps of mma.sync
 
@@ -349,7 +349,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
     batch tiles whose U slices fit (U is spread over a tile's blocks: more tiles, larger slices), the
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
-    loads take about as long as its products), the deepest ring (the tensor-core form: the chunk and ring of
+    loads take about as long as its products), the deepest ring (the tensor-core adjoints: the chunk and ring of
     the most bytes in flight, DEEP_STAGES). `mma`: the tensor-core form (16-bit U
     and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
     `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
@@ -422,14 +422,18 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 if not chunks:
                     why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
                     continue
-                deep = []  # the tensor-core form: (bytes in flight, chunk, plan) of each chunk's deepest ring
+                # the tensor-core adjoints (one column): the ring of the most bytes in flight; the forwards: the
+                # largest chunk's ring of STAGES (a GPU sweep at B256 H1024 bf16: the forward's kernel 33.1 ms so,
+                # 36.8 ms with the deepest ring)
+                deepest = mma and cols == 1
+                deep = []  # (bytes in flight, chunk, plan) of each chunk's deepest ring
                 for chunk in chunks:
                     jpad = -(-kd // chunk) * chunk
-                    for stages in (DEEP_STAGES if mma else STAGES):
+                    for stages in (DEEP_STAGES if deepest else STAGES):
                         candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
                                          pad, vec, stages, ntiles, trows, nheads, mma, ks)
                         if candidate.shared_bytes <= shared_limit:
-                            if not mma:
+                            if not deepest:
                                 return candidate
                             deep.append(((stages - 1) * candidate.stage_bytes, chunk, candidate))
                             break
