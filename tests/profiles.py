@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 # the properties run whole pipelines: an example takes seconds, not Hypothesis' 200 ms
@@ -66,3 +67,9 @@ def in_ci() -> bool:
     """Whether the ci profile is loaded (CI's 2 cores: a test may leave a case that repeats another's
     shape at a long compile to the local and nightly runs)."""
     return _profile() == "ci"
+
+
+def nightly_case(*values, reason: str):
+    """A `pytest.mark.parametrize` case that CI skips ("nightly: `reason`"), run locally and nightly: a
+    non-default kernel config, or a size whose branches a case CI keeps takes too (CI's 30 minutes)."""
+    return pytest.param(*values, marks=pytest.mark.skipif(in_ci(), reason=f"nightly: {reason}"))
