@@ -138,8 +138,10 @@ def test_emulated_flash_backward_fp16_and_head_dim_128(lq, lk, emulate):
 
 
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk, d, bf16", [("alibi", 130, 70, 64, True), ("alibi", 7, 70, 64, True),
-                                                  ("softcap_empty_rows", 70, 7, 128, False)])
+@pytest.mark.parametrize("name, lq, lk, d, bf16", [
+    ("alibi", 130, 70, 64, True),
+    nightly_case("alibi", 7, 70, 64, True, reason="Lq 130's walk: a partial query block over two key tiles"),
+    ("softcap_empty_rows", 70, 7, 128, False)])
 def test_emulated_flash_backward_with_the_dq_kernel(name, lq, lk, d, bf16, emulate, monkeypatch):
     """SSMC_CUDA_FLASH_DQ=kernel: the key-block kernel without atomics, then the dQ kernel per query block
     (full key tiles for query blocks 1 and 2 at Lq 130; rows without a key; fp16 d128)."""
