@@ -277,8 +277,9 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
     assert [type(lean).__name__ for lean in op._lean.values()] == ["LeanStep"]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                                                HealthCheck.data_too_large])
+# each fusing example compiles its kernels with the host C++ compiler: 2 in CI (tests/profiles.py)
+@settings(max_examples=examples(4, ci=2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 @given(spec=diagonal_linear_recurrences(), length=st.sampled_from([7, 70]), seed=st.integers(0, 2**16))
 def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
     """Random diagonal-linear specs that fuse, float64, the warp kernel and the fused backward forced."""
