@@ -169,7 +169,9 @@ def test_block_spans_are_sound_and_find_the_full_tiles(name, lq, lk):
 # -- the kernel on the CPU emulator ---------------------------------------------------------------------
 
 @needs_emulator
-@pytest.mark.parametrize("name, length", [(n, length) for n in ("causal", "alibi") for length in (1, 7, 33, 70)]
+@pytest.mark.parametrize("name, length", [
+    (n, length) if length != 7 else nightly_case(n, length, reason="a partial tile: L 1's and 33's")
+    for n in ("causal", "alibi") for length in (1, 7, 33, 70)]
                          + [("window", 7), ("window", 70), ("full", 7), ("full", 70)])
 def test_emulated_flash_forward_matches_the_interpreter(name, length):
     heads = 2 if length <= 33 else 1
