@@ -5,7 +5,9 @@
 - ``ci``, loaded where ``CI`` is set (.ci/run): the count given as ``ci=``, derandomized (the same
   examples every run: CI's time stays put, a red run reproduces on any machine), no example database.
   A property whose examples each compile kernels (Numba, NVRTC or the CUDA emulator's C++: 10 to 50 s
-  a random spec on CI's 2 cores) runs a few there; the nightly run is where many are drawn.
+  a random spec on CI's 2 cores) runs a few there; the nightly run is where many are drawn. CI also
+  skips the cases marked `nightly_case` ("nightly: ..." in its summary: kernel configs that are no
+  default, sizes whose tiles and branches a kept case takes too) and the trims behind `in_ci()`.
 - ``nightly``, loaded where ``SSMC_PROPERTY_EXAMPLES=N`` is set: N examples of every property,
   random draws (docs/performance.md, "Reliability").
 - ``no-shrink``: a failing example reported as found, not shrunk (shrinking a slow GPU property's
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 # the properties run whole pipelines: an example takes seconds, not Hypothesis' 200 ms
@@ -66,3 +69,9 @@ def in_ci() -> bool:
     """Whether the ci profile is loaded (CI's 2 cores: a test may leave a case that repeats another's
     shape at a long compile to the local and nightly runs)."""
     return _profile() == "ci"
+
+
+def nightly_case(*values, reason: str):
+    """A `pytest.mark.parametrize` case that CI skips ("nightly: `reason`"), run locally and nightly: a
+    non-default kernel config, or a size whose branches a case CI keeps takes too (CI's 30 minutes)."""
+    return pytest.param(*values, marks=pytest.mark.skipif(in_ci(), reason=f"nightly: {reason}"))

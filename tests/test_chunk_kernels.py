@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from profiles import in_ci, nightly_case
 
 from ssmc.backends.cuda import emulator, nvrtc
 from ssmc.backends.cuda.kernels.chunk import algorithm, mma
@@ -86,7 +87,10 @@ def emulate(monkeypatch):
 
 
 @needs_emulator
-@pytest.mark.parametrize("chunk, length", [(64, 1), (64, 130), (128, 7), (128, 130), (256, 300)])
+@pytest.mark.parametrize("chunk, length", [
+    (64, 1), (64, 130), (128, 7),
+    nightly_case(128, 130, reason="several chunks through state_pass: chunk 64's and 256's cases take them"),
+    (256, 300)])
 def test_emulated_kernels_agree_with_the_torch_forward(emulate, chunk, length):
     """Every chunk size, the last chunk partial (or the only one), several chunks through state_pass;
     decays slow enough (at most 0.02 a step) that the state entering a chunk of 256 still counts. At
@@ -110,7 +114,7 @@ def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
     chunk_output_ho / _hs_ho): the entering states are the fp32 pass's rounded to q's 16 bits, the
     output bit for bit the fp32 kernels' output (chunk_output rounds the states so either way) or it
     rounded, the final state the same; a head per operand broadcast as SSD's."""
-    x = _chunks(130, seed=7, chunk=64)
+    x = _chunks(70, seed=7, chunk=64)  # two chunks, the last partial
     out, entering, final = mma.forward(x)
     for half_out in (False, True):
         dtype = x.q.dtype if half_out else torch.float32
@@ -124,7 +128,8 @@ def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
 
 
 @needs_emulator
-@pytest.mark.parametrize("chunk, length", [(64, 130), (128, 300)])
+@pytest.mark.parametrize("chunk, length", [
+    (64, 70), nightly_case(128, 300, reason="chunk_states_scan's walk over the chunks: the chunks of 64 take it")])
 def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
     """chunk_states_scan (a block per state tile walking the chunks) in place of chunk_states and
     state_pass: the same entering states, final state and output."""
@@ -195,8 +200,11 @@ def test_the_kernels_compile_without_spills(arch):
     for chunk in mma.CHUNKS:
         for key in mma.SIZES:
             for value in mma.SIZES:
-                # fp16 and the unaligned loads: built at the largest sizes alone (CI's time)
+                # fp16 and the unaligned loads: built at the largest sizes alone (CI's time); CI builds
+                # every size for sm_90, the largest (the most registers and shared memory) for sm_80
                 largest = key == value == max(mma.SIZES)
+                if in_ci() and arch == "sm_80" and not largest:
+                    continue
                 for bf16, aligned in ((True, True), (False, True), (True, False)) if largest else ((True, True),):
                     text = mma.source(key, value, chunk, bf16, aligned)
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources

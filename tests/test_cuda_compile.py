@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from profiles import examples
+from profiles import examples, nightly_case
 from strategies import (
     diagonal_linear_recurrences,
     many_sequences,
@@ -41,8 +41,15 @@ def kernels(program, arch="sm_90", dtype="float32", lengths=(16, 4096)):
                 yield r
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("name", RECURRENCES)
+# CI builds sm_80 for the diagonal-linear examples (none of their kernels may spill); the others' (their
+# forward must not spill; their adjoint cores compile) sm_80 builds run locally and nightly
+STRICT = {"hgrn", "mamba1", "mamba1_block", "mingru", "lru"}
+
+
+@pytest.mark.parametrize("name, arch", [
+    (name, arch) if arch == "sm_90" or name in STRICT else nightly_case(
+        name, arch, reason="sm_80 builds of a family outside the diagonal-linear one (sm_90's run)")
+    for name in RECURRENCES for arch in ("sm_80", "sm_90")])
 def test_example_kernels_compile_without_spills(name, arch, monkeypatch):
     # the kernels, also of the programs the chunked path and the step loop run as matrix products
     monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")
@@ -53,6 +60,7 @@ def test_example_kernels_compile_without_spills(name, arch, monkeypatch):
     # matrix state) must compile; they spill until their own lowerings (chunked matrix form, per-step
     # GEMMs) replace them.
     strict = module.FAMILY == "diagonal linear"
+    assert strict == (name in STRICT)
     reports = list(kernels(module.SPEC.program, arch))
     assert {"forward", "recompute", "adjoint"} <= {r.program for r in reports}
     for r in reports:
@@ -583,7 +591,7 @@ LANES_SETTINGS = {**SETTINGS,
                   "suppress_health_check": [*SETTINGS["suppress_health_check"], HealthCheck.filter_too_much]}
 
 
-@settings(max_examples=examples(10), **LANES_SETTINGS)
+@settings(max_examples=examples(10, ci=5), **LANES_SETTINGS)
 @given(spec=state_axis_recurrences(), n=st.sampled_from([1, 3, 16, 33, 64]),
        dtype=st.sampled_from(["float32", "float64"]), time_contiguous=st.booleans())
 def test_random_lanes_kernels_compile_without_spills(spec, n, dtype, time_contiguous):

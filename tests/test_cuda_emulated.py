@@ -17,7 +17,7 @@ import pytest
 from emulation import fused_step
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from profiles import examples
+from profiles import examples, nightly_case
 from strategies import diagonal_linear_recurrences, draw_inputs, recurrences, time_last
 from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
@@ -56,7 +56,7 @@ def _check(spec, inputs: dict, rng, dtype, tol: float | None = None):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("length", [7, 70, 200])
+@pytest.mark.parametrize("length", [7, 70, nightly_case(200, reason="a partial last round, state-major: 70's")])
 @pytest.mark.parametrize("name", ["mamba1", "hgrn"])
 def test_emulated_fused_backward_matches_the_interpreter(name, length, dtype, monkeypatch):
     """Mamba-1 (state-major backward from L = 70, step-major at 7) and HGRN (a scan: no sums over
@@ -146,8 +146,10 @@ def _recording(fn, sources: list):
     return record
 
 
-@pytest.mark.parametrize("layout", ["b d t", "b t d"])
-@pytest.mark.parametrize("with_state", [False, True])
+# CI: each layout once, each with_state once (6 emulated training steps a case)
+@pytest.mark.parametrize("layout, with_state", [
+    ("b d t", False), nightly_case("b d t", True, reason="the lean steps of 'b d t' run without the state"),
+    nightly_case("b t d", False, reason="the prepared steps of 'b t d' run with the state"), ("b t d", True)])
 def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_runners):
     """`ssmc.grad`'s calls like earlier ones (the third on) take a `LeanStep` (grad.py `_lean_call`:
     one allocation and launch each way), Mamba-1 float32 through the fused backward, its kernels
@@ -193,14 +195,20 @@ def test_emulated_lean_training_steps(layout, with_state, monkeypatch, fresh_run
             assert leans == ([False] if call >= 2 else []), call
 
 
-@pytest.mark.parametrize("layout", ["b d t", "b t d"])
-@pytest.mark.parametrize("batch, dim, state, length", [
+# CI: every size in "b t d" (the lanes backward's default), the first in "b d t" too (forced there)
+_B_T_D_SIZES = "the sizes' tiles in 'b t d'; 'b d t' (forced) at the first size"
+LANES_SIZES = [
     (2, 40, 16, 100),   # 4 lanes a row, 3 blocks of 16 rows (the last 8 past d), a partial chunk
     (2, 8, 5, 64),      # 2 lanes a row owning 3 and 2 state values, two whole chunks
     (1, 32, 16, 70),    # two blocks of 16 rows tiling d (no row past the last), whole chunks, then a partial one
     (1, 3, 8, 1),       # one step
     (3, 20, 33, 33),    # 8 lanes a row, 5 values each (the last lane 33 - 32 = 1)
-])
+]
+
+
+@pytest.mark.parametrize("batch, dim, state, length, layout", [
+    (*size, layout) if layout == "b t d" or size == LANES_SIZES[0] else nightly_case(*size, layout, reason=_B_T_D_SIZES)
+    for layout in ("b d t", "b t d") for size in LANES_SIZES])
 def test_emulated_lanes_backward(batch, dim, state, length, layout, monkeypatch, fresh_runners):
     """Mamba-1's backward as lanes (kernels/lanes/backward.py) through `ssmc.grad` and the torch
     op, every kernel emulated: the training forward as the lanes kernel saving every chunk's carry
@@ -269,8 +277,9 @@ def _check_lanes_backward(batch, dim, state, length, layout, monkeypatch, chunk)
     assert [type(lean).__name__ for lean in op._lean.values()] == ["LeanStep"]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                                                HealthCheck.data_too_large])
+# each fusing example compiles its kernels with the host C++ compiler: 2 in CI (tests/profiles.py)
+@settings(max_examples=examples(4, ci=2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 @given(spec=diagonal_linear_recurrences(), length=st.sampled_from([7, 70]), seed=st.integers(0, 2**16))
 def test_emulated_random_specs_through_the_fused_backward(spec, length, seed):
     """Random diagonal-linear specs that fuse, float64, the warp kernel and the fused backward forced."""
@@ -343,8 +352,16 @@ def _example_inputs(name: str, length: int, rng) -> tuple:
         return m, m.make_inputs(rng, length)
 
 
-@pytest.mark.parametrize("length, strategy", [(7, ""), (70, ""), (70, "warp"), (70, "time blocks")])
-@pytest.mark.parametrize("name", EXAMPLES)
+# the examples whose kernels a forced strategy changes at these sizes; the others fall back to the kernels
+# of their (70, "") case (the same inputs): those repeats run locally and nightly
+FORCED_STRATEGY_APPLIES = {"hgrn", "mamba1", "mamba1_block", "mingru"}
+EXAMPLE_CASES = [case if case[2] == "" or case[0] in FORCED_STRATEGY_APPLIES else nightly_case(
+    *case, reason="the forced strategy falls back to the kernels of the example's (70, '') case")
+    for case in [(name, length, strategy) for name in EXAMPLES
+                 for length, strategy in [(7, ""), (70, ""), (70, "warp"), (70, "time blocks")]]]
+
+
+@pytest.mark.parametrize("name, length, strategy", EXAMPLE_CASES)
 def test_emulated_examples_match_the_interpreter(name, length, strategy, monkeypatch):
     """Every example through `ssmc.compile` and `ssmc.grad` on the cuda backend, its kernels emulated
     (the runners' own plans, launches and allocations, on torch CPU tensors), float64, with the
@@ -419,7 +436,7 @@ def test_emulated_random_recurrences(spec, length, seed):
         assert rel_err(got[key], want[key]) <= 1e-8 or err <= 1e-12 * max(scale, 1.0), key
 
 
-@pytest.mark.parametrize("length", [7, 70])
+@pytest.mark.parametrize("length", [nightly_case(7, reason="the prepared calls' plumbing: L = 70's"), 70])
 @pytest.mark.parametrize("name", ["hgrn", "mamba1", "mingru", "lstm", "mamba1_block"])
 def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
     """Calls alike after the first take the prepared paths (`api.Compiled._calls`, `Grad._steps`:

@@ -16,7 +16,7 @@ from ssmc.backends.cuda.kernels.flash import forward as flash
 
 torch = pytest.importorskip("torch")
 
-from profiles import nightly  # noqa: E402
+from profiles import in_ci, nightly, nightly_case  # noqa: E402
 from test_flash_attention import BRUTE_MASKS, GPU_LENGTHS, SPECS, _gpu_inputs, _params  # noqa: E402
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
@@ -108,9 +108,14 @@ def emulate(monkeypatch):
     monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "600")  # a block of 8 warps at d 128 takes a minute emulated
 
 
-# the emulator takes seconds a case: the larger ones only in the nightly run (tests/profiles.py)
-EMULATED_CASES = ([("causal", n, n) for n in (1, 7, 33, 70, 130)]
-                  + [("alibi", 7, 7), ("alibi", 70, 70), ("alibi", 70, 7), ("alibi", 7, 70), ("alibi", 33, 100),
+# the emulator takes seconds a case: the larger ones only in the nightly run (tests/profiles.py); CI skips
+# the sizes whose tiles another case of the mask takes too (causal: one row, a partial tile, full tiles below
+# the diagonal; ALiBi: Lq above Lk, below it, several key blocks)
+_SAME_TILES = "the tiles of another case of this mask (one row, a partial tile, full tiles, Lq apart from Lk)"
+EMULATED_CASES = ([("causal", 1, 1), nightly_case("causal", 7, 7, reason=_SAME_TILES), ("causal", 33, 33),
+                   nightly_case("causal", 70, 70, reason=_SAME_TILES), ("causal", 130, 130)]
+                  + [nightly_case("alibi", 7, 7, reason=_SAME_TILES), nightly_case("alibi", 70, 70, reason=_SAME_TILES),
+                     ("alibi", 70, 7), ("alibi", 7, 70), ("alibi", 33, 100),
                      ("window", 130, 130), ("full", 33, 33), ("softcap_empty_rows", 20, 20),
                      ("softcap_empty_rows", 70, 7)]
                   + ([("alibi", 130, 130), ("alibi", 33, 130), ("window", 70, 33), ("full", 70, 130)]
@@ -133,8 +138,10 @@ def test_emulated_flash_backward_fp16_and_head_dim_128(lq, lk, emulate):
 
 
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk, d, bf16", [("alibi", 130, 70, 64, True), ("alibi", 7, 70, 64, True),
-                                                  ("softcap_empty_rows", 70, 7, 128, False)])
+@pytest.mark.parametrize("name, lq, lk, d, bf16", [
+    ("alibi", 130, 70, 64, True),
+    nightly_case("alibi", 7, 70, 64, True, reason="Lq 130's walk: a partial query block over two key tiles"),
+    ("softcap_empty_rows", 70, 7, 128, False)])
 def test_emulated_flash_backward_with_the_dq_kernel(name, lq, lk, d, bf16, emulate, monkeypatch):
     """SSMC_CUDA_FLASH_DQ=kernel: the key-block kernel without atomics, then the dQ kernel per query block
     (full key tiles for query blocks 1 and 2 at Lq 130; rows without a key; fp16 d128)."""
@@ -143,7 +150,10 @@ def test_emulated_flash_backward_with_the_dq_kernel(name, lq, lk, d, bf16, emula
 
 
 @needs_emulator
-@pytest.mark.parametrize("config", list(flash_bwd.CONFIGS))
+@pytest.mark.parametrize("config", [
+    c if c in (flash_bwd.DEFAULT_CONFIG[64], flash_bwd.HOPPER_CONFIG[64]) else nightly_case(
+        c, reason="a config not d 64's default (every other emulated case runs d 64's; fp16 d 128 runs d 128's)")
+    for c in flash_bwd.CONFIGS])
 @pytest.mark.parametrize("name, lq, lk", [("window", 200, 200), ("alibi", 130, 70)])
 def test_emulated_flash_backward_in_each_config(config, name, lq, lk, emulate, monkeypatch):
     """SSMC_CUDA_FLASH_BACKWARD_CONFIG: the 4-warp kernel of 64 keys and small query tiles ("bn64"), and the
@@ -153,6 +163,16 @@ def test_emulated_flash_backward_in_each_config(config, name, lq, lk, emulate, m
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
     assert flash_bwd.config(64).name == config
     _check(*_run_emulated(name, lq, lk, 1, seed=lq + lk))
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, lq, lk, bf16", [
+    ("causal", 130, 130, True),
+    nightly_case("alibi", 70, 130, False, reason="the wgmma kernel's d 128 split once more, with a param and fp16")])
+def test_emulated_wgmma_backward_at_d128(name, lq, lk, bf16, emulate, monkeypatch):
+    """The wgmma key-block kernel at d 128: two warpgroups of 64 keys, dQ's columns split between them."""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wg")
+    _check(*_run_emulated(name, lq, lk, 1, d=128, bf16=bf16, seed=lq + lk), bf16=bf16)
 
 
 def test_an_unknown_backward_config_is_a_value_error(monkeypatch):
@@ -234,10 +254,13 @@ def test_flash_backward_compiles_without_spills(arch, d, name):
 
     program = SPECS[name].program
     configs = flash_bwd.CONFIGS
-    # the wgmma config ("wg") builds for sm_90a where the others build for sm_90, and not for sm_80
+    # CI builds the head dim's default configs, mma.sync and wgmma (the others: SSMC_CUDA_FLASH_BACKWARD_CONFIG),
+    # locally and nightly every config; the wgmma config ("wg") builds for sm_90a where the others build for
+    # sm_90, and not for sm_80
+    built = [flash_bwd.DEFAULT_CONFIG[d], flash_bwd.HOPPER_CONFIG[d]] if in_ci() else list(configs)
     sources = [(*flash_bwd.kernel_source(program, d, True, atomic_dq=atomic, config_name=config),
                 configs[config][d].shared(d, atomic), configs[config][d].bq, configs[config][d].wgmma)
-               for config in configs for atomic in (True, False) if arch == "sm_90" or not configs[config][d].wgmma]
+               for config in built for atomic in (True, False) if arch == "sm_90" or not configs[config][d].wgmma]
     sources.append((*flash_bwd.dq_source(program, d, True), 0, 0, False))
     for kname, text, dynamic, bq, wgmma in sources:
         build = "sm_90a" if wgmma else arch

@@ -15,6 +15,7 @@ import random
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
+from profiles import examples
 from strategies import diagonal_linear_recurrences
 
 import ssmc
@@ -270,7 +271,8 @@ def test_a_chain_over_the_steps_read_in_the_loops_is_not_interchanged():
     assert state_major(step, ("i_n",), {"st_h"}, {"st_h"}) is None
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+# an example renders a random spec's kernels and runs its steps both ways in Python (~1.5 s on CI's 2 cores)
+@settings(max_examples=examples(40, ci=12), deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=diagonal_linear_recurrences())
 def test_random_diagonal_linear_steps_compute_the_same_state_major(spec):
     """Where the interchange applies to a random diagonal-linear spec, one lane's K steps give the
