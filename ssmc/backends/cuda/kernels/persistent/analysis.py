@@ -423,8 +423,8 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     why = why or f"{trows} rows: a staged chunk of the operand exceeds {STAGE_BYTES} bytes"
                     continue
                 # the tensor-core adjoints (one column): the ring of the most bytes in flight; the forwards: the
-                # largest chunk's ring of STAGES (a GPU sweep at B256 H1024 bf16: the forward's kernel 33.1 ms so,
-                # 36.8 ms with the deepest ring)
+                # largest chunk's ring of STAGES, which the GPU sweep found faster for them than the deepest ring
+                # (docs/design/persistent-rnn.md, "Deeper rings")
                 deepest = mma and cols == 1
                 deep = []  # (bytes in flight, chunk, plan) of each chunk's deepest ring
                 for chunk in chunks:
