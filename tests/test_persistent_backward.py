@@ -14,7 +14,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from profiles import nightly_case
-from test_persistent_rnn import CASES, _flat, _relative, compiles_without_spills, launched, two  # noqa: F401  (launched: a fixture)
+from test_persistent_rnn import (  # noqa: F401  (launched: a fixture)
+    CASES,
+    _flat,
+    _one_step_inputs,
+    _relative,
+    compiles_without_spills,
+    launched,
+    two,
+)
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis
@@ -165,14 +173,11 @@ def test_emulated_blocks_one_step(name, direction, blocks, tiles, batch, hidden)
     sizes = {"b": batch, "k": hidden, "j": hidden, "g": gates, "i": 4, "o": 3}
     chosen = plan(cell, sizes, 132, blocks=blocks, tiles=tiles)
     assert not isinstance(chosen, str) and (chosen.blocks, chosen.tiles) == (blocks, tiles), chosen
-    rng = np.random.default_rng(blocks)
+    seqs, params, initial = _one_step_inputs(program, sizes, np.random.default_rng(blocks))
 
     def full(axes):
         return [sizes[a] for a in axes]
 
-    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
-    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
-    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
     want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
 
     def f32(a):

@@ -286,12 +286,24 @@ def test_the_bf16_adjoint_at_h1024_splits_its_contracted_indices():
     assert plan(analyse(_adjoint_program(lstm.SPEC)), small, 132, mma=True).ksplit == 1
 
 
-def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
-    """`program` at L 1 over `blocks` emulated blocks in the tensor-core form, `ksplit` K groups: (outputs,
-    finals). The emulator runs blocks one after another with the grid barriers compiled out, so a launch
-    sees the exchange buffers as the launch before left them: the first leaves every block's operand in xo,
-    the second every block's partial product (from the complete operand) in pb, the third computes the step
-    from both (each launch recomputes the same values)."""
+def _one_step_inputs(program, sizes: dict, rng) -> tuple[dict, dict, dict]:
+    """(seqs at L 1, params scaled by 1 / sqrt(k), initial states) of `program` at `sizes`, drawn from `rng`
+    in that order, float64."""
+    def full(axes):
+        return [sizes[a] for a in axes]
+
+    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
+    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
+    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
+    return seqs, params, initial
+
+
+def _one_step_blocks(program, sizes, blocks, ksplit, inputs):
+    """`program` at L 1 over `blocks` emulated blocks in the tensor-core form, `ksplit` K groups, from
+    `inputs` (`_one_step_inputs`): (outputs, finals). The emulator runs blocks one after another with the grid
+    barriers compiled out, so a launch sees the exchange buffers as the launch before left them: the first
+    leaves every block's operand in xo, the second every block's partial product (from the complete operand)
+    in pb, the third computes the step from both (each launch recomputes the same values)."""
     import torch
 
     from ssmc.backends.cuda.emulator import emulated
@@ -299,7 +311,7 @@ def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
     cell = analyse(program)
     chosen = plan(cell, sizes, 132, blocks=blocks, tiles=1, mma=True, ksplit=ksplit)
     assert not isinstance(chosen, str) and (chosen.blocks, chosen.ksplit) == (blocks, ksplit), chosen
-    rng = np.random.default_rng(seed)
+    seqs, params, initial = inputs
 
     def full(axes):
         return [sizes[a] for a in axes]
@@ -307,9 +319,8 @@ def _one_step_blocks(program, sizes, blocks, ksplit, seed=0):
     def f32(a):
         return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
 
-    arrays = [f32(rng.standard_normal((1, *full(d.axes)))) for d in program.seqs]
-    arrays += [f32(rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"])) for d in program.params]
-    arrays += [f32(rng.standard_normal(full(s.axes))) for s in program.states]
+    arrays = [f32(seqs[d.name]) for d in program.seqs] + [f32(params[d.name]) for d in program.params]
+    arrays += [f32(initial[s.name]) for s in program.states]
     outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
     finals = [torch.zeros(full(s.axes)) for s in program.states]
     xo = torch.zeros(2 * chosen.xrows * chosen.xcols, dtype=torch.bfloat16)
@@ -341,21 +352,14 @@ def test_emulated_split_matches_the_interpreter(case):
     program = _hoisted(spec) if case == "forward" else _adjoint_program(spec)
     sizes = {"b": 3, "n": 2, "k": 13, "j": 13, "g": 4, "i": 4}
     blocks = 8 if case.startswith("heads") else 4
-    split = _one_step_blocks(program, sizes, blocks, 2)
-    rng = np.random.default_rng(0)  # the same draws as _one_step_blocks'
-
-    def full(axes):
-        return [sizes[a] for a in axes]
-
-    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
-    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
-    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
-    want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
+    inputs = _one_step_inputs(program, sizes, np.random.default_rng(0))
+    split = _one_step_blocks(program, sizes, blocks, 2, inputs)
+    want_outs, want_finals = interpreter.run_recurrence(program, *inputs, dict(sizes), 1)
     want = [*(want_outs[n] for n, _ in program.outputs), *(want_finals[s.name] for s in program.states)]
     for a, b in zip(_flat(split), want, strict=True):
         assert _relative(a, np.asarray(b, np.float64)) < 1e-2
     if not in_ci():
-        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1)), strict=True):
+        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1, inputs)), strict=True):
             assert _relative(a, b) < 1e-5
 
 
