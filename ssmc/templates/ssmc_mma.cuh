@@ -62,6 +62,19 @@ template <bool BF16> __device__ __forceinline__ unsigned short float_half(float 
     return BF16 ? bf16_bits(x) : fp16_bits(x);
 }
 
+// two floats rounded to the 16-bit type in one register, `lo` in the lower half: one cvt on sm_80+ (round to
+// nearest even, as the portable conversion)
+template <bool BF16> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned r;
+    if (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pack(float_half<BF16>(lo), float_half<BF16>(hi));
+#endif
+}
+
 // d += A B for one warp (the fragments above); every lane of the warp calls it, converged
 template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], const unsigned b[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
