@@ -322,7 +322,6 @@ def main() -> None:
     if args.dry_run:
         DEVICE = "cpu"
         os.environ["SSMC_CUDA_EMULATE"] = "1"
-        os.environ.setdefault("SSMC_EMULATE_TIMEOUT", "600")
         lq, length, ds, heads = 70, 70, (64,), 2
     else:
         if not torch.cuda.is_available():

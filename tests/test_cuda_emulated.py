@@ -471,16 +471,34 @@ def test_emulated_prepared_calls_and_torch_steps(name, length, monkeypatch):
         assert f._calls and g._steps and op._lean
 
 
-def test_an_emulated_block_that_never_finishes_is_an_error(monkeypatch):
+def test_an_emulated_block_that_never_finishes_is_an_error():
     """Threads waiting at barriers the others never reach (half a warp at __syncwarp, the rest at
-    __syncthreads): the launch raises `EmulatedHang` after SSMC_EMULATE_TIMEOUT seconds, not a hung
-    test run."""
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "1")
+    __syncthreads): the launch raises `EmulatedHang` as soon as no thread can go on, not a hung run."""
     source = ('extern "C" __global__ void stuck(int L, int nblk, float* __restrict__ y)\n{\n'
               "    if (threadIdx.x % 32 < 16) __syncwarp(); else __syncthreads();\n    y[threadIdx.x] = 1.0f;\n}\n")
     y = np.zeros(64, np.float32)
     with pytest.raises(emulator.EmulatedHang, match="block 0 of 1"):
         emulator.emulated(source, "stuck")((1, 64), 1, 1, [y.ctypes.data])
+    assert not y.any()
+
+
+def test_an_emulated_block_that_loops_forever_through_barriers_is_an_error(monkeypatch):
+    """A loop through barriers that never ends runs past SSMC_EMULATE_TIMEOUT seconds: `EmulatedHang`.
+    The next launch in the same process (the stuck block's fibers abandoned) runs as usual."""
+    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "0.5")
+    source = ('extern "C" __global__ void spin(int L, int nblk, float* __restrict__ y)\n{\n'
+              "    while (y[0] == 0.0f) __syncthreads();\n}\n")
+    y = np.zeros(64, np.float32)
+    with pytest.raises(emulator.EmulatedHang, match=r"ran past 0\.5 s"):
+        emulator.emulated(source, "spin")((2, 64), 1, 1, [y.ctypes.data])
+    source = ('extern "C" __global__ void fill(int L, int nblk, float* __restrict__ y)\n{\n'
+              "    __shared__ float s[64];\n    s[63 - threadIdx.x] = (float)threadIdx.x;\n    __syncthreads();\n"
+              "    y[blockIdx.x * 64 + threadIdx.x] = s[threadIdx.x] + __shfl_xor_sync(~0u, 1.0f * threadIdx.x, 1);\n"
+              "}\n")
+    y = np.zeros(128, np.float32)
+    emulator.emulated(source, "fill")((2, 64), 1, 1, [y.ctypes.data])
+    t = np.arange(64)
+    np.testing.assert_array_equal(y, np.tile(63 - t + (t ^ 1), 2).astype(np.float32))
 
 
 def test_emulation_is_never_the_default_backend(monkeypatch):

@@ -231,7 +231,6 @@ if in_ci():  # "wg128s": its staggered warpgroup's first, middle and last tiles 
 @needs_emulator
 @pytest.mark.parametrize("config, name, lq, lk, d, bf16", WGMMA_EMULATED)
 def test_emulated_wgmma_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
     _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 5 * lk, config=config), bf16=bf16)
 
 
@@ -239,9 +238,7 @@ def test_emulated_wgmma_forward_matches_the_interpreter(config, name, lq, lk, d,
 @pytest.mark.parametrize("config, name, lq, lk, d, bf16", BM128_EMULATED)
 def test_emulated_bm128_forward_matches_the_interpreter(config, name, lq, lk, d, bf16, monkeypatch):
     """The 128-row kernels (K and V double-buffered: a tile read before its cp.async group's wait, or a
-    stage overwritten while a warp still reads it, shows here) against the interpreter. A block of 256
-    emulated threads takes minutes on a loaded machine: the hang timeout is raised."""
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
+    stage overwritten while a warp still reads it, shows here) against the interpreter."""
     _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + 3 * lk, config=config), bf16=bf16)
 
 
@@ -483,7 +480,6 @@ def test_emulated_call_through_the_tiled_path_runs_the_kernel(layout, config, mo
 
     if config is not None:
         monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
-        monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "900")
 
     program = SPECS["alibi"].program
     rng = np.random.default_rng(5)

@@ -105,7 +105,6 @@ def _check(got, want, bf16=True):
 @pytest.fixture
 def emulate(monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "600")  # a block of 8 warps at d 128 takes a minute emulated
 
 
 # the emulator takes seconds a case: the larger ones only in the nightly run (tests/profiles.py); CI skips
@@ -438,7 +437,6 @@ def test_emulated_two_params_with_more_queries_than_keys(monkeypatch):
               for n, x in _params(program, {"b": 1, "h": heads}, rng).items()}
     want = TiledAttention(program).gradients(q.double(), k.double(), v.double(), do.double(), "b h t ...", params)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "600")
     tiled = TiledAttention(program)
     got = tiled.gradients(q, k, v, do, "b h t ...", {n: x.float() for n, x in params.items()})
     assert tiled.flash_reason is None and tiled.flash_backward_reason is None
@@ -492,7 +490,6 @@ def test_emulated_slope_gradient_where_far_rows_have_an_lse_in_the_hundreds(monk
     want = TiledAttention(program).gradients(q.double(), k.double(), v.double(), do.double(), "b t h ...",
                                              {"slope": slope})
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    monkeypatch.setenv("SSMC_EMULATE_TIMEOUT", "600")
     tiled = TiledAttention(program)
     got = tiled.gradients(q, k, v, do, "b t h ...", {"slope": slope.float()})
     assert tiled.flash_reason is None and tiled.flash_backward_reason is None

@@ -1,117 +1,230 @@
 // A CUDA launch emulated on the CPU (backends/cuda/emulator.py): the generated kernel's source is
-// compiled as C++ after this header. A block at a time; its threads are OS threads; __syncthreads and
-// __syncwarp are barriers of the block's and the warp's threads; a shuffle is a write of each lane's
-// value to its warp's slots, a barrier, a read, a barrier. __shared__ arrays are function statics:
-// one block runs at a time, so they are the block's. A thread that returns leaves its barriers
-// (`arrive_and_drop`), as exited threads leave bar.sync. Only the kernels' float and double paths
-// (no half types); the sm_80 / sm_90 inline assembly stays behind __CUDA_ARCH__, undefined here.
-// For tests at tiny sizes: every barrier wakes every thread of the block.
+// compiled as C++ after this header. A block at a time; its threads are fibers (ucontext) on the
+// calling OS thread, switched at __syncthreads, __syncwarp and the shuffles, which are barriers of the
+// block's and the warp's threads; a shuffle is a write of each lane's value to its warp's slots, a
+// barrier, a read, a barrier. One OS thread, whatever the block's width: no limit on processes or
+// threads to meet, no data races, the same interleaving every run. __shared__ arrays are function
+// statics: one block runs at a time, so they are the block's. A thread that returns leaves its
+// barriers, as exited threads leave bar.sync. Only the kernels' float and double paths (no half
+// types); the sm_80 / sm_90 inline assembly stays behind __CUDA_ARCH__, undefined here.
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 600  // macOS declares ucontext only for X/Open
+#endif
 #include <math.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <bit>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
-#include <system_error>
-#include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 struct ssmc_dim3 { unsigned x = 1, y = 1, z = 1; };
 
 namespace ssmc_emu {
-inline thread_local ssmc_dim3 thread_idx, block_idx;
-inline ssmc_dim3 block_dim, grid_dim;
-struct Warp {
-    std::unique_ptr<std::barrier<>> bar;
-    unsigned long long slot[32];
-};
-inline std::barrier<>* block_bar = nullptr;
-inline Warp* warps = nullptr;
+// per OS thread: two Python threads may each run a launch
+inline thread_local ssmc_dim3 thread_idx, block_idx, block_dim, grid_dim;
 
-inline Warp& warp() { return warps[thread_idx.x / 32]; }
+// Each emulated thread's stack: mapped once per OS thread and width, reused by every block and launch.
+// Pages are committed as touched; a guard page below each one turns an overflow into a fault, not a
+// write into the next thread's stack.
+constexpr size_t STACK_BYTES = size_t(1) << 20;
+
+struct Stacks {
+    char* base = nullptr;
+    size_t count = 0, stride = 0;
+    char* get(unsigned threads) {
+        if (threads > count) {
+            release();
+            stride = STACK_BYTES + (size_t)sysconf(_SC_PAGESIZE);
+            void* p = mmap(nullptr, stride * threads, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (p == MAP_FAILED) return nullptr;
+            base = (char*)p;
+            count = threads;
+            for (unsigned t = 0; t < threads; ++t) mprotect(base + t * stride, stride - STACK_BYTES, PROT_NONE);
+        }
+        return base;
+    }
+    char* stack(unsigned t) const { return base + t * stride + (stride - STACK_BYTES); }
+    void release() {
+        if (base) munmap(base, stride * count);
+        base = nullptr;
+        count = 0;
+    }
+    ~Stacks() { release(); }
+};
+inline thread_local Stacks stacks;
+
+enum State : unsigned char { READY, AT_BLOCK, AT_WARP, DONE };
+
+// One block's threads and barriers. A barrier's last arrival releases the others and goes on; a
+// thread that waits switches to the next ready thread, or back to the launch loop where none is
+// (every thread left waits at a barrier that not all of them reach: the block is stuck).
+struct Block {
+    ucontext_t loop;
+    std::vector<ucontext_t> ctx;
+    std::vector<State> state;
+    std::vector<unsigned> warp_live, warp_waiting;
+    std::vector<unsigned long long> slots;  // a shuffle's values, 32 a warp
+    unsigned current = 0, live = 0, at_block = 0, done = 0;
+    void (*call)(void*) = nullptr;
+    void* kernel = nullptr;
+    std::chrono::steady_clock::time_point until;
+    unsigned long switches = 0;
+    bool late = false;  // past the block's time: unwinding to the launch loop
+};
+inline thread_local Block* block = nullptr;
+
+inline void release(State waiting, unsigned first, unsigned last) {
+    for (unsigned t = first; t < last; ++t)
+        if (block->state[t] == waiting) block->state[t] = READY;
+}
+
+// from thread `current` (waiting or done) to the next ready thread, else to the launch loop
+inline void switch_away() {
+    Block& b = *block;
+    const unsigned n = (unsigned)b.ctx.size(), from = b.current;
+    // a kernel that loops through barriers forever would never come back: its time is checked now and then
+    if ((++b.switches & 4095) == 0 && std::chrono::steady_clock::now() > b.until) b.late = true;
+    for (unsigned i = 1; i <= n && !b.late; ++i) {
+        const unsigned t = (from + i) % n;
+        if (b.state[t] == READY) {
+            b.current = t;
+            thread_idx = {t, 1, 1};
+            swapcontext(&b.ctx[from], &b.ctx[t]);
+            return;
+        }
+    }
+    swapcontext(&b.ctx[from], &b.loop);  // stuck: never resumed
+}
+
+inline void wait_block() {
+    Block& b = *block;
+    if (++b.at_block == b.live) {
+        b.at_block = 0;
+        release(AT_BLOCK, 0, (unsigned)b.ctx.size());
+        return;
+    }
+    b.state[b.current] = AT_BLOCK;
+    switch_away();
+}
+
+inline void wait_warp() {
+    Block& b = *block;
+    const unsigned w = b.current / 32;
+    if (++b.warp_waiting[w] == b.warp_live[w]) {
+        b.warp_waiting[w] = 0;
+        release(AT_WARP, 32 * w, std::min(32 * w + 32, (unsigned)b.ctx.size()));
+        return;
+    }
+    b.state[b.current] = AT_WARP;
+    switch_away();
+}
+
+// a thread's whole life: the kernel, then it leaves its barriers (completing them where the others
+// all wait) and gives the OS thread to the next
+inline void thread_main() {
+    Block& b = *block;
+    b.call(b.kernel);
+    const unsigned t = b.current, w = t / 32;
+    b.state[t] = DONE;
+    ++b.done;
+    --b.live;
+    --b.warp_live[w];
+    if (b.at_block && b.at_block == b.live) {
+        b.at_block = 0;
+        release(AT_BLOCK, 0, (unsigned)b.ctx.size());
+    }
+    if (b.warp_waiting[w] && b.warp_waiting[w] == b.warp_live[w]) {
+        b.warp_waiting[w] = 0;
+        release(AT_WARP, 32 * w, std::min(32 * w + 32, (unsigned)b.ctx.size()));
+    }
+    switch_away();
+}
+
+// What `thread_local` is to a real thread, for the emulated ones (the fibers share their OS thread's):
+// a T per thread of the block, value-initialised when it first asks within a block.
+inline thread_local unsigned long block_serial = 0;  // one more at each block's start
+
+template <class T> class PerThread {
+    std::vector<std::pair<unsigned long, T>> slots_;
+
+  public:
+    T& get() {
+        if (slots_.size() < block_dim.x) slots_.resize(block_dim.x);
+        auto& slot = slots_[thread_idx.x];
+        if (slot.first != block_serial) slot = {block_serial, T{}};
+        return slot.second;
+    }
+    T* operator->() { return &get(); }
+    T& operator*() { return get(); }
+};
 
 // every lane's `v` to the warp's slots; returns lane `src`'s where `valid`, else `v`
 template <class T> T exchange(T v, int src, bool valid) {
     static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
-    Warp& w = warp();
+    unsigned long long* slot = block->slots.data() + 32 * (thread_idx.x / 32);
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    w.slot[thread_idx.x % 32] = bits;
-    w.bar->arrive_and_wait();
+    slot[thread_idx.x % 32] = bits;
+    wait_warp();
     T out = v;
-    if (valid) std::memcpy(&out, &w.slot[src], sizeof(T));
-    w.bar->arrive_and_wait();  // no lane writes the slots again before every lane has read them
+    if (valid) std::memcpy(&out, &slot[src], sizeof(T));
+    wait_warp();  // no lane writes the slots again before every lane has read them
     return out;
 }
 
-// One block's barriers and its count of finished threads, held by its threads and the launch loop (its
-// threads, detached, keep it where the block does not finish in time: they still wait on its barriers).
-struct Block {
-    std::barrier<> bar;
-    std::vector<Warp> warps;
-    std::mutex mutex;
-    std::condition_variable all_done;
-    unsigned done = 0;
-    Block(unsigned threads, unsigned count) : bar((std::ptrdiff_t)threads), warps(count) {}
-};
-
-// A thread of the block, started where the machine lets it: another process's threads (test workers
-// side by side under a limit on processes and threads) may hold the last ones a while; false where
-// none could be started within `timeout` seconds.
-template <class Body> bool start(Body&& body, double timeout) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
-    for (;;) {
-        try {
-            std::thread(body).detach();
-            return true;
-        } catch (const std::system_error&) {
-            if (std::chrono::steady_clock::now() > until) return false;
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-    }
-}
-
-// `kernel()` run by `block` threads in each of `grid` blocks, a block at a time; the index of the
-// first block not finished within `timeout` seconds (its threads wait on a barrier that not all
-// of them reach: a kernel bug, or a divergence the emulator cannot follow), -2 - that index where
-// its threads could not be started (no thread left), else -1. The block is shared by its threads
-// and this loop: freed by the last of them (a thread may still be leaving its lock when the loop
-// sees the count complete).
-template <class Kernel> long run(unsigned grid, unsigned block, double timeout, Kernel&& kernel) {
-    block_dim = {block, 1, 1};
+// `kernel()` run by `threads` threads in each of `grid` blocks, a block at a time; the index of the
+// first block that did not finish (its threads wait at barriers not all of them reach, or it ran past
+// `timeout` seconds), -2 where the threads' stacks could not be mapped, else -1. A stuck block's
+// threads are abandoned where they wait (their stacks are reused by the next launch).
+template <class Kernel> long run(unsigned grid, unsigned threads, double timeout, Kernel&& kernel) {
+    block_dim = {threads, 1, 1};
     grid_dim = {grid, 1, 1};
-    const unsigned count = (block + 31) / 32;
-    for (unsigned b = 0; b < grid; ++b) {
-        auto blk = std::make_shared<Block>(block, count);
-        for (unsigned w = 0; w < count; ++w)
-            blk->warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, block - 32 * w));
-        block_bar = &blk->bar;
-        warps = blk->warps.data();
-        for (unsigned t = 0; t < block; ++t) {
-            const bool started = start([&kernel, blk, t, b] {
-                thread_idx = {t, 1, 1};
-                block_idx = {b, 1, 1};
-                kernel();
-                blk->warps[t / 32].bar->arrive_and_drop();
-                blk->bar.arrive_and_drop();
-                std::lock_guard<std::mutex> lock(blk->mutex);
-                ++blk->done;
-                blk->all_done.notify_one();
-            }, timeout);
-            if (!started) return -2 - (long)b;  // the threads started wait on its barriers: `blk` stays
+    if (!stacks.get(threads)) return -2;
+    Block b;
+    b.ctx.resize(threads);
+    b.state.resize(threads);
+    b.warp_live.resize((threads + 31) / 32);
+    b.warp_waiting.resize(b.warp_live.size());
+    b.slots.resize(32 * b.warp_live.size());
+    b.call = [](void* k) { (*static_cast<std::remove_reference_t<Kernel>*>(k))(); };
+    b.kernel = (void*)&kernel;
+    Block* outer = block;
+    block = &b;
+    long stuck = -1;
+    for (unsigned g = 0; g < grid && stuck < 0; ++g) {
+        block_idx = {g, 1, 1};
+        ++block_serial;
+        b.current = b.at_block = b.done = 0;
+        b.live = threads;
+        b.late = false;
+        b.until = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout));
+        for (unsigned w = 0; w < b.warp_live.size(); ++w) {
+            b.warp_live[w] = std::min(32u, threads - 32 * w);
+            b.warp_waiting[w] = 0;
         }
-        std::unique_lock<std::mutex> lock(blk->mutex);
-        const bool finished = blk->all_done.wait_for(lock, std::chrono::duration<double>(timeout),
-                                                     [&] { return blk->done == block; });
-        if (!finished) return (long)b;  // its threads hold `blk`
+        for (unsigned t = 0; t < threads; ++t) {
+            getcontext(&b.ctx[t]);
+            b.ctx[t].uc_stack.ss_sp = stacks.stack(t);
+            b.ctx[t].uc_stack.ss_size = STACK_BYTES;
+            b.ctx[t].uc_link = nullptr;
+            makecontext(&b.ctx[t], thread_main, 0);
+            b.state[t] = READY;
+        }
+        thread_idx = {0, 1, 1};
+        swapcontext(&b.loop, &b.ctx[0]);
+        if (b.done != threads) stuck = (long)g;
     }
-    return -1;
+    block = outer;
+    return stuck;
 }
 }  // namespace ssmc_emu
 
@@ -128,9 +241,9 @@ template <class Kernel> long run(unsigned grid, unsigned block, double timeout, 
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
-inline void __syncthreads() { ssmc_emu::block_bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp().bar->arrive_and_wait(); }
-// one block runs at a time: a fence orders this thread's writes before its later ones (atomics)
+inline void __syncthreads() { ssmc_emu::wait_block(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::wait_warp(); }
+// one OS thread runs the block: a fence orders nothing the fibers could see out of order
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // lanes in segments of `width` (a power of two), as CUDA's shuffles

@@ -1,36 +1,29 @@
 """Generated CUDA kernels run on the CPU, for tests at tiny sizes on machines without a GPU.
 
 The kernel's source is compiled by the host C++ compiler after ``templates/cuda_emulator.h``, which
-emulates a launch: a block at a time, its threads as OS threads, ``__syncthreads`` / ``__syncwarp``
-and the shuffles through barriers (the header says how). What it checks is the kernel's logic: its
-indexing, which thread does what, its barriers and shuffles, its partial rounds and chunks; not
-timing, not races the hardware would lose, and not the sm_80 / sm_90 assembly paths (cp.async, vector
-atomic adds), whose portable fallbacks run instead. A bug of the first kind (the fused backward's
-block sums lost the vectors past a block's threads) needed a GPU to show before.
+emulates a launch: a block at a time, its threads as fibers on the calling OS thread, switched at
+``__syncthreads`` / ``__syncwarp`` and the shuffles (the header says how). What it checks is the
+kernel's logic: its indexing, which thread does what, its barriers and shuffles, its partial rounds and
+chunks; not timing, not races the hardware would lose, and not the sm_80 / sm_90 assembly paths
+(cp.async, vector atomic adds), whose portable fallbacks run instead. A bug of the first kind (the fused
+backward's block sums lost the vectors past a block's threads) needed a GPU to show before.
 
     kernel = emulated(source, "mamba1_fused_backward")       # compiled once per source (cached)
     kernel((blocks, threads), length, nblk, [a.ctypes.data for a in arrays])   # NumPy arrays
 
-A block that does not finish within ``$SSMC_EMULATE_TIMEOUT`` seconds (default 60) raises
-`EmulatedHang`: its threads wait at a barrier or shuffle that not all of them reach. A thread the
-machine cannot start yet (test workers side by side under a limit on threads) is retried for as long;
-blocks wider than `WIDE_BLOCK` threads take turns across the processes sharing the cache.
+A block whose threads all wait at barriers that not all of them reach raises `EmulatedHang` at once; so
+does one still running after ``$SSMC_EMULATE_TIMEOUT`` seconds (default 600: a loop through barriers
+that never ends). The fibers need no OS threads, so test workers side by side meet no limit on them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import re
 import shutil
 import subprocess
 from importlib import resources
-
-try:
-    import fcntl
-except ImportError:  # Windows: no lock (wide blocks run as they come)
-    fcntl = None
 
 from ...runtime.cache import cache_dir, content_key
 from .options import environment_variable
@@ -74,38 +67,16 @@ def emulated(source: str, name: str):
         if len(pointers) != count:
             raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
         table = (ctypes.c_void_p * max(1, count))(*pointers)
-        timeout = float(environment_variable("SSMC_EMULATE_TIMEOUT", "60"))
-        with _wide_block_lock(grid[1]):
-            stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
-        if stuck <= -2:
-            raise EmulatedHang(f"{name}: block {-2 - stuck} of {grid[0]}: its {grid[1]} threads could not all be "
-                               f"started in {timeout:g} s (the machine's limit on threads: other processes hold them)")
+        timeout = float(environment_variable("SSMC_EMULATE_TIMEOUT", "600"))
+        stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
+        if stuck == -2:
+            raise MemoryError(f"{name}: the stacks of {grid[1]} emulated threads could not be mapped")
         if stuck >= 0:
-            raise EmulatedHang(f"{name}: block {stuck} of {grid[0]} ({grid[1]} threads) did not finish in "
-                               f"{timeout:g} s: its threads wait at a barrier or shuffle not all of them reach")
+            raise EmulatedHang(f"{name}: block {stuck} of {grid[0]} ({grid[1]} threads) did not finish: its threads "
+                               f"wait at barriers or shuffles not all of them reach (or it ran past {timeout:g} s)")
 
     launch.emulated = True  # launch.launch_kernel calls it in place of the driver
     return launch
-
-
-# A launch's block runs as that many OS threads at once. Test workers side by side share the machine's
-# limit on threads (a container's can be 512): blocks wider than this take turns across processes.
-WIDE_BLOCK = 128
-
-
-@contextlib.contextmanager
-def _wide_block_lock(threads: int):
-    """Held around a launch of blocks wider than WIDE_BLOCK threads: one such launch at a time among the
-    processes sharing this cache (an flock on a file in it; no lock where fcntl is missing)."""
-    if threads <= WIDE_BLOCK or fcntl is None:
-        yield
-        return
-    with open(cache_dir("emulator") / "wide_blocks.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _params(source: str, name: str) -> list[str]:
