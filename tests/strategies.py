@@ -32,6 +32,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 import ssmc
+from ssmc.ir.ops import Op
 from ssmc.runtime.random_inputs import random_recurrence_inputs
 
 AXES = ("b", "d", "n", "k")
@@ -589,3 +590,47 @@ def coupled_recurrences(draw):
         else:
             outputs.append(draw(st.sampled_from(new if kind == "new" else old)))
     return build_spec(sig, src, new, outputs)
+
+
+# Ops whose value or gradient jumps where two of their operands meet: a max's gradient goes to its
+# argmax, a comparison flips. Near such a point a backend whose rounding differs from the interpreter's
+# in the last bits (a GPU's tanh, a sum's order) may take the other side: both are right for their own
+# values, and no tolerance on the gradient can tell them apart.
+_KINKS = {Op.REDUCE_MAX, Op.MAX, Op.MIN, Op.LT, Op.LE, Op.GT, Op.GE}
+
+
+def near_ties(spec, inputs: dict[str, np.ndarray], layout: str = "t ...", rel: float = 1e-7) -> bool:
+    """Whether the interpreter's run of `spec` on `inputs` passes within `rel` (relative) of a kink:
+    a max over an axis whose two largest entries (ties included) are that close, or a pointwise
+    max / min / comparison of two values that close. Tests comparing a backend's gradients (or
+    comparisons) with the interpreter's skip such draws (hypothesis.assume)."""
+    from ssmc.backends.interpreter import Evaluator, _loop_axes, align
+
+    def margin(node, args) -> float:
+        if node.op is Op.REDUCE_MAX:
+            arr, axes = args[0]
+            top = np.sort(np.moveaxis(np.asarray(arr), axes.index(node.arg), -1), axis=-1)
+            if top.shape[-1] < 2:
+                return np.inf
+            gap = top[..., -1] - top[..., -2]
+            return float(np.min(gap / np.maximum(1.0, np.abs(top[..., -1])), initial=np.inf))
+        axes = _loop_axes(args) + node.axes
+        a, b = (np.asarray(align(v, axes)) for v in args)
+        return float(np.min(np.abs(a - b) / np.maximum(1.0, np.maximum(np.abs(a), np.abs(b))), initial=np.inf))
+
+    closest = [np.inf]
+    evaluate = Evaluator.eval_node
+
+    def watched(self, node, args, env):  # the interpreter's own evaluation, each kink's margin noted
+        constant = (all(a.op in (Op.CONST, Op.IOTA, Op.SIZE) for a in node.args)
+                    or (len(node.args) == 2 and node.args[0] is node.args[1]))
+        if node.op in _KINKS and not constant:
+            closest[0] = min(closest[0], margin(node, args))
+        return evaluate(self, node, args, env)
+
+    Evaluator.eval_node = watched
+    try:
+        ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
+    finally:
+        Evaluator.eval_node = evaluate
+    return closest[0] <= rel

@@ -14,6 +14,7 @@ from strategies import (
     draw_inputs,
     layers,
     many_sequences,
+    near_ties,
     param_in_setup,
     recurrences,
     state_axis_recurrences,
@@ -355,6 +356,7 @@ SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, He
 @given(spec=recurrences(), length=st.sampled_from([1, 7, 180, 1000]), seed=st.integers(0, 2**16))
 def test_random_recurrences_forward(spec, length, seed):
     inputs = draw_inputs(spec, length, seed)
+    assume(not near_ties(spec, inputs))  # a comparison decided by the last bits
     got = ssmc.compile(spec, "cuda", dtype="float64").run(**on_gpu(inputs, "float64"))
     want = ssmc.compile(spec, "interpreter").run(**inputs)
     # an output that cancels to roundoff by an absolute bound, as the gradients below (seen: a final
@@ -368,6 +370,7 @@ def test_random_recurrences_forward(spec, length, seed):
 @given(spec=diagonal_linear_recurrences(), seed=st.integers(0, 2**16))
 def test_random_recurrence_gradients(spec, seed):
     inputs = draw_inputs(spec, 9, seed)
+    assume(not near_ties(spec, inputs))  # a max's gradient or a comparison decided by the last bits
     outs, _ = ssmc.compile(spec, "interpreter").run(**inputs)
     rng = np.random.default_rng(seed)
     cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}

@@ -18,7 +18,7 @@ from emulation import fused_step
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from profiles import examples, nightly_case
-from strategies import diagonal_linear_recurrences, draw_inputs, recurrences, time_last
+from strategies import diagonal_linear_recurrences, draw_inputs, near_ties, recurrences, time_last
 from test_cuda import flat, rel_err
 from test_fused_backward import FIVE_SUMS, WIDE
 
@@ -415,6 +415,7 @@ def test_emulated_random_recurrences(spec, length, seed):
     torch = pytest.importorskip("torch")
 
     inputs = draw_inputs(spec, length, seed)
+    assume(not near_ties(spec, inputs))  # a max's gradient or a comparison decided by the last bits
     outs, finals = ssmc.compile(spec, "interpreter").run(**inputs)
     rng = np.random.default_rng(seed)
     cot = {n: rng.standard_normal(v.shape) for n, v in outs.items()}
