@@ -155,7 +155,7 @@ class CompiledAttention:
         self.path = "interpreter" if self.tiled is None else "torch tiled"
 
     def bind(self, q, k, v, layout, params):
-        """(q bound, k / v and the params bound): `prologue.bind_attention`."""
+        """(q and the params bound, k / v bound, the GQA group): `prologue.bind_attention`."""
         return bind_attention(self.program, q, k, v, layout, params)
 
     def __call__(self, q, k, v, *args, layout=None, return_lse=False, **params):
@@ -165,10 +165,10 @@ class CompiledAttention:
         params = attention_params(p, args, params)
         if self.tiled is not None:
             return self.tiled(q, k, v, layout, params, return_lse)
-        qb, kv = self.bind(q, k, v, layout, params)
+        qb, kv, _ = self.bind(q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         out, lse = interpreter.run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-                                             {d.name: kv.arrays[d.name] for d in p.params}, sizes)
+                                             {d.name: qb.arrays[d.name] for d in p.params}, sizes)
         order = layout_of(layout, "out", p.v_axes)
         canonical = (TIME, *p.v_axes)
         out = out.transpose([canonical.index(a) for a in order])

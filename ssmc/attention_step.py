@@ -14,6 +14,8 @@ as in a decoder fed equal-length or left-padded prompts), as a plain loop over t
     out_t = softmax(s) @ cache.v[0..pos]                 (0 where every key is masked)
 
 so stepping L times gives the full-sequence call's outputs (its row i is step i's query at q_idx = i).
+Grouped-query specs (``kv_heads``) take k_t and v_t with their own fewer heads; the cache holds q's
+heads (each KV head repeated as the query heads that read it).
 
 Where it runs: the "interpreter" backend in float64 NumPy (the cache's arrays NumPy); the others through
 torch, on the cache's device (plain tensor ops, `AttentionStep._torch_step`), and on CUDA tensors of bf16 /
@@ -35,7 +37,7 @@ from .backends.registry import get_backend
 from .ir.axes import TIME
 from .ir.program import Attention
 from .runtime.binding import layout_of
-from .runtime.prologue import attention_params
+from .runtime.prologue import attention_params, repeat_heads
 
 
 class AttentionCache:
@@ -212,12 +214,22 @@ class AttentionStep:
                 raise ValueError(f"{p.name} step: argument {name!r} is {x.dtype} but the cache holds {cache.k.dtype}")
             if x.device != cache.k.device:
                 raise ValueError(f"{p.name} step: argument {name!r} is on {x.device} but the cache on {cache.k.device}")
+        if name in ("k", "v") and p.kv_heads is not None and x.shape != want:
+            x = self._kv_heads_repeated(x, order, want)
         if x.shape != want:
             raise ValueError(f"{p.name} step: argument {name!r} has shape {tuple(x.shape)}, expected {want} for "
                              f"axes {' '.join(order)} (one token: no time axis)")
         if to_canonical is None:
             return x
         return x.transpose(to_canonical) if cache.numpy else x.permute(*to_canonical)
+
+    def _kv_heads_repeated(self, x, order, want):
+        """GQA: a token's k or v with fewer heads along `kv_heads` than the cache (which holds q's heads,
+        each KV head repeated) as the cache's; `x` as it is where it does not fit that way."""
+        i = order.index(self.program.kv_heads)
+        fits = (x.ndim == len(want) and x.shape[i] > 0 and want[i] % x.shape[i] == 0
+                and all(x.shape[j] == want[j] for j in range(len(want)) if j != i))
+        return repeat_heads(x, want[i] // x.shape[i], i) if fits else x
 
     def _params(self, params: dict, sizes: dict[str, int], cache: AttentionCache) -> dict:
         p = self.program

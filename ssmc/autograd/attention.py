@@ -11,7 +11,7 @@ from ..backends.registry import get_backend
 from ..ir.axes import TIME
 from ..passes.attention_grad import derive_attention_backward
 from ..runtime.binding import DEFAULT_LAYOUT, layout_of, to_float64
-from ..runtime.prologue import bind_attention
+from ..runtime.prologue import bind_attention, group_sum
 
 
 class AttentionGrad:
@@ -31,7 +31,7 @@ class AttentionGrad:
         layout = layout or self.layout
         if self.tiled is not None:
             return self.tiled.gradients(q, k, v, grad_outputs, layout, params)
-        qb, kv = bind_attention(p, q, k, v, layout, params)
+        qb, kv, group = bind_attention(p, q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         order = layout_of(layout, "out", p.v_axes)
         canonical = (TIME, *p.v_axes)
@@ -42,7 +42,10 @@ class AttentionGrad:
         d_out = d_out.transpose([order.index(a) for a in canonical])
         grads = interpreter.run_attention_backward(
             self.backward, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-            {d.name: kv.arrays[d.name] for d in p.params}, sizes, d_out)
+            {d.name: qb.arrays[d.name] for d in p.params}, sizes, d_out)
+        if group > 1:  # k and v were repeated to q's heads: their gradients summed back
+            at = 1 + p.batch_axes.index(p.kv_heads)
+            grads["k"], grads["v"] = (group_sum(grads[n], group, at) for n in ("k", "v"))
         for name, axes in (("q", p.q_axes), ("k", p.q_axes), ("v", p.v_axes)):
             order = layout_of(layout, name, axes)
             canonical = (TIME, *axes)

@@ -42,7 +42,7 @@ from ..ir.program import Attention
 from ..passes.attention_grad import derive_attention_backward
 from ..passes.mask_blocks import key_spans
 from ..runtime.binding import layout_of, numeric_array
-from ..runtime.prologue import bind_attention
+from ..runtime.prologue import bind_attention, group_sum
 from .torch_eval import TorchEvaluator, align, loop_sum
 
 SCORES_BUDGET = 256 << 20  # bytes of one block's fp32 scores: the block's rows follow from it
@@ -86,6 +86,7 @@ class Call:
     acc: torch.dtype                  # scores, softmax, sums: float32, or float64 for float64 inputs
     out_dtype: torch.dtype            # results: the dtype of q as given
     numpy: bool                       # q was no torch tensor: results as NumPy arrays
+    group: int = 1                    # GQA: k and v repeated to q's heads, each KV head `group` times
 
     @property
     def lq(self) -> int:
@@ -146,7 +147,7 @@ class TiledAttention:
         """Check and bind a call (`prologue.bind_attention`: a ValueError naming the argument for a
         wrong shape, dtype or device, before any compute); canonical tensors on q's device."""
         p, q_given = self.program, q
-        qb, kv = bind_attention(p, q, k, v, layout, params, convert=to_tensor)
+        qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=to_tensor)
         arrays = {**qb.arrays, **kv.arrays}
         device = arrays["q"].device
         for name, t in arrays.items():
@@ -159,7 +160,7 @@ class TiledAttention:
         q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
         params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
         numpy = not isinstance(q_given, torch.Tensor)
-        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy)
+        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group)
 
     def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout, dtype=None):
         """Canonical `x` of array `name` with `axes` (the batch axes, then its own: time after the batch
@@ -378,7 +379,15 @@ class TiledAttention:
         Where the flash backward kernel runs the call (`flash_backward`; not when a `block` is forced),
         one launch of it instead, from the forward's output `out` [*batch, Lq, e] (canonical, the fp32 one
         of `delta_output` where the spec has params; recomputed by the forward kernel where None): dq fp32,
-        dk, dv in q's dtype, params fp32."""
+        dk, dv in q's dtype, params fp32. Under GQA dk and dv come back with k's and v's own heads."""
+        grads = self._backward(call, lse, d_out, block, out)
+        if call.group > 1:  # k and v were repeated to q's heads (`bind`): their gradients summed back
+            at = self.program.batch_axes.index(self.program.kv_heads)
+            grads["k"], grads["v"] = (group_sum(grads[n], call.group, at) for n in ("k", "v"))
+        return grads
+
+    def _backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor, block: int | None,
+                  out: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if block is None:
             kernel = self.flash_backward(call)
             if kernel is not None:

@@ -6,6 +6,9 @@
     attn = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d")
     out = attn(q, k, v, slope=slopes)       # q, k: [b h t d], v: [b h t e] with layout "b h t ..."
 
+Grouped-query attention: ``kv_heads="h"`` lets k and v have fewer heads than q (a divisor of q's):
+query head h reads key / value head h // (Hq / Hkv); params along h stay per query head.
+
 `score` has the batch axes; `q_idx` and `kv_idx` are the query and key positions (scalars per
 step); captured tensors must be `ssmc.Param` (constant over time). The mask returns True where a
 key is visible. The meaning, as a plain loop, is in `ssmc.ir.program.Attention`.
@@ -92,7 +95,7 @@ class AttentionSpec:
 
 def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",
               head_dim: str = "d", value_dim: str | None = None, scale: float | None = None,
-              name: str | None = None) -> AttentionSpec:
+              name: str | None = None, kv_heads: str | None = None) -> AttentionSpec:
     """Softmax attention over keys, with an optional score modifier and mask (module docstring)."""
     from ..errors import user_loc
 
@@ -105,6 +108,9 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
         raise SpecError(f"attention axes: {err}", loc) from None
     if hd in batch_axes or vd in batch_axes:
         raise SpecError("attention: head_dim / value_dim must differ from the batch axes", loc)
+    if kv_heads is not None and kv_heads not in batch_axes:
+        raise SpecError(f"attention: kv_heads {kv_heads!r} is not one of the batch axes {format_axes(batch_axes)}",
+                        loc)
     score_leaf = Tensor(Node.make(Op.INPUT, (), "score", batch_axes, loc=loc))
     q_idx = Tensor(Node.make(Op.INPUT, (), "q_idx", (), loc=loc))
     kv_idx = Tensor(Node.make(Op.INPUT, (), "kv_idx", (), loc=loc))
@@ -144,5 +150,5 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
     program = Attention(name=name or (getattr(score_mod, "__name__", None) or "attention"),
                         batch_axes=batch_axes, head_dim=hd, value_dim=vd, params=tuple(decls.values()),
                         score=traced["score_mod"], mask=traced["mask_mod"], scale=scale,
-                        sizes=tuple(sorted(sizes.items())), loc=loc)
+                        sizes=tuple(sorted(sizes.items())), loc=loc, kv_heads=kv_heads)
     return AttentionSpec(program)

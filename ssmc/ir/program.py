@@ -119,6 +119,7 @@ class Attention:
     scale: float | None = None        # None: 1/sqrt(size of head_dim)
     sizes: tuple[tuple[str, int], ...] = ()
     loc: Loc | None = field(default=None, compare=False)
+    kv_heads: str | None = None       # the batch axis k and v may be smaller along (GQA)
 
     @property
     def static_sizes(self) -> dict[str, int]:

@@ -78,17 +78,49 @@ def attention_params(program: Attention, args: tuple, params: dict) -> dict:
     return params
 
 
-def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=None) -> tuple[Bound, Bound]:
-    """(q bound, k / v and the params bound): time first, NumPy (or as `convert(x, name)` makes each
-    argument). k and v share a length, q may differ: the two groups are bound separately, then their
-    sizes checked against each other."""
+def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=None) -> tuple[Bound, Bound, int]:
+    """(q and the params bound, k / v bound, the GQA group): time first, NumPy (or as `convert(x, name)`
+    makes each argument). k and v share a length, q may differ: the two groups are bound separately,
+    then their sizes checked against each other. Along `program.kv_heads` k and v may have fewer heads
+    than q (a divisor of q's, group = Hq / Hkv): they come back repeated to q's heads, each KV head
+    `group` times in a row, so that query head h reads KV head h // group; the caller sums their
+    gradients back over the group (`group_sum`)."""
     qd = Decl("q", Role.SEQ, program.q_axes)
     kd = Decl("k", Role.SEQ, program.q_axes)
     vd = Decl("v", Role.SEQ, program.v_axes)
-    kv = bind_arrays((kd, vd, *program.params), (), (k, v), params, layout, program.static_sizes, program.name,
-                     convert=convert)
-    qb = bind_arrays((qd,), (), (q,), {}, layout, program.static_sizes, program.name, convert=convert)
+    static = program.static_sizes
+    qb = bind_arrays((qd, *program.params), (), (q,), params, layout, static, program.name, convert=convert)
+    kv_static = {a: n for a, n in static.items() if a != program.kv_heads}
+    kv = bind_arrays((kd, vd), (), (k, v), {}, layout, kv_static, program.name, convert=convert)
+    group = 1
     for axis, n in qb.sizes.items():
-        if kv.sizes.get(axis, n) != n:
-            raise ValueError(f"axis {axis!r} has size {n} in 'q' but {kv.sizes[axis]} in 'k'/'v'")
-    return qb, kv
+        m = kv.sizes.get(axis, n)
+        if m == n:
+            continue
+        if axis != program.kv_heads:
+            hint = "" if program.kv_heads else " (ssmc.attention(..., kv_heads=...) lets k and v have fewer heads)"
+            raise ValueError(f"axis {axis!r} has size {n} in 'q' but {m} in 'k'/'v'{hint}")
+        if m < 1 or n % m:
+            raise ValueError(f"'k'/'v' have {m} heads along {axis!r}, which does not divide the {n} of 'q'")
+        group = n // m
+        at = 1 + program.batch_axes.index(axis)  # time first
+        for name in ("k", "v"):
+            kv.arrays[name] = repeat_heads(kv.arrays[name], group, at)
+        kv.sizes[axis] = n
+    return qb, kv, group
+
+
+def repeat_heads(x, times: int, axis: int):
+    """`x` with each index along `axis` repeated `times` in a row (NumPy or torch): GQA's KV heads
+    as the query heads that read them."""
+    if isinstance(x, np.ndarray):
+        return np.repeat(x, times, axis=axis)
+    return x.repeat_interleave(times, dim=axis)
+
+
+def group_sum(x, group: int, axis: int):
+    """The gradient of `repeat_heads`: `x` summed over each run of `group` indices along `axis`."""
+    if group == 1:
+        return x
+    shape = (*x.shape[:axis], x.shape[axis] // group, group, *x.shape[axis + 1:])
+    return x.reshape(shape).sum(axis + 1)

@@ -1,0 +1,132 @@
+"""Grouped-query attention (`ssmc.attention(..., kv_heads="h")`): k and v with fewer heads than q.
+
+Every path (the interpreter, the tiled torch path on the CPU, `ssmc.grad`, the torch function's
+autograd; the flash kernels on a GPU) against the same attention with k and v repeated to q's heads
+by hand, each KV head serving `Hq / Hkv` query heads in a row: outputs equal, q's gradient equal, k's
+and v's the repeated ones' summed over each group. Errors before compute for heads that do not divide.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ssmc
+from ssmc.errors import SpecError
+
+torch = pytest.importorskip("torch")
+
+import ssmc.torch  # noqa: E402
+
+
+def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):
+    return score - slope * (q_idx - kv_idx)
+
+
+GQA = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d", kv_heads="h")
+MHA = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d")
+LAYOUT = "b h t ..."
+
+
+def _inputs(rng, hq=6, hkv=2, lq=7, lk=7, d=8, e=8):
+    return {"q": rng.standard_normal((2, hq, lq, d)), "k": rng.standard_normal((2, hkv, lk, d)),
+            "v": rng.standard_normal((2, hkv, lk, e)), "slope": rng.uniform(0.1, 1.0, hq)}
+
+
+def _repeated(a: dict) -> dict:
+    group = a["q"].shape[1] // a["k"].shape[1]
+    return {**a, "k": np.repeat(a["k"], group, axis=1), "v": np.repeat(a["v"], group, axis=1)}
+
+
+def _summed(g: np.ndarray, hkv: int) -> np.ndarray:
+    return g.reshape(g.shape[0], hkv, -1, *g.shape[2:]).sum(2)
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+@pytest.mark.parametrize("hq, hkv, lq, lk", [(6, 2, 7, 7), (4, 4, 1, 9), (4, 1, 180, 65)])
+def test_gqa_forward_and_gradients_match_repeated_heads(backend, hq, hkv, lq, lk):
+    """`backend` "numba" runs the tiled torch path (float64, CPU); "interpreter" the interpreter."""
+    rng = np.random.default_rng(hq + 10 * lq)
+    a = _inputs(rng, hq, hkv, lq, lk)
+    got = ssmc.compile(GQA, backend, layout=LAYOUT)(**a)
+    want = ssmc.compile(MHA, "interpreter", layout=LAYOUT)(**_repeated(a))
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    cot = rng.standard_normal(want.shape)
+    grads = ssmc.grad(GQA, backend, layout=LAYOUT)(**a, grad_outputs=cot)
+    full = ssmc.grad(MHA, "interpreter", layout=LAYOUT)(**_repeated(a), grad_outputs=cot)
+    assert grads["k"].shape == a["k"].shape and grads["v"].shape == a["v"].shape
+    for name in ("q", "slope"):
+        np.testing.assert_allclose(grads[name], full[name], rtol=1e-9, atol=1e-11, err_msg=name)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(grads[name], _summed(full[name], hkv), rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_gqa_torch_function_autograd():
+    """The torch function's backward hands k and v gradients of their own (fewer) heads, equal to torch
+    autograd through repeat_interleave of the same attention without GQA."""
+    rng = np.random.default_rng(3)
+    a = {n: torch.tensor(x, requires_grad=True) for n, x in _inputs(rng, 4, 2, 33, 33).items()}
+    out = ssmc.torch.function(GQA, layout=LAYOUT)(**a)
+    cot = torch.tensor(rng.standard_normal(out.shape))
+    got = torch.autograd.grad(out, list(a.values()), cot)
+    rep = {**a, "k": a["k"].repeat_interleave(2, dim=1), "v": a["v"].repeat_interleave(2, dim=1)}
+    ref = ssmc.torch.function(MHA, layout=LAYOUT)(**rep)
+    want = torch.autograd.grad(ref, list(a.values()), cot)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for name, g, w in zip(a, got, want):
+        assert g.shape == a[name].shape
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_gqa_errors_before_compute():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"'k'/'v' have 4 heads along 'h', which does not divide the 6 of 'q'"):
+        ssmc.compile(GQA, "interpreter", layout=LAYOUT)(**_inputs(rng, 6, 4))
+    with pytest.raises(ValueError, match=r"size 6 in 'q' but 2 in 'k'/'v' \(ssmc.attention\(\.\.\., kv_heads"):
+        ssmc.compile(MHA, "interpreter", layout=LAYOUT)(**_inputs(rng, 6, 2))
+    with pytest.raises(ValueError, match=r"size 3 in 'q' but 2"):  # only the kv_heads axis may differ
+        a = _inputs(rng, 4, 2)
+        a["q"] = np.concatenate([a["q"], a["q"][:1]], axis=0)  # batch 3 against k's and v's 2
+        ssmc.compile(GQA, "interpreter", layout=LAYOUT)(**a)
+    with pytest.raises(SpecError, match="kv_heads 'g' is not one of the batch axes"):
+        ssmc.attention(mask_mod=ssmc.causal, batch="b h", kv_heads="g")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_gqa_flash_matches_repeated_heads(d):
+    """bf16 on the flash kernels, 8 query heads on 2 KV heads, against the float64 tiled path of the
+    repeated heads: outputs and every gradient within bf16's tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = np.random.default_rng(d)
+    a = _inputs(rng, 8, 2, 300, 300, d, d)
+    f = ssmc.torch.function(GQA, layout=LAYOUT)
+    x = {n: torch.tensor(v, device="cuda", dtype=torch.bfloat16 if n != "slope" else torch.float32,
+                         requires_grad=True) for n, v in a.items()}
+    out = f(**x)
+    cot = torch.tensor(rng.standard_normal(out.shape), device="cuda", dtype=torch.bfloat16)
+    got = torch.autograd.grad(out, list(x.values()), cot)
+    ref_in = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
+    rep = {**ref_in, "k": ref_in["k"].repeat_interleave(4, dim=1), "v": ref_in["v"].repeat_interleave(4, dim=1)}
+    ref = ssmc.torch.function(MHA, layout=LAYOUT)(**rep)
+    want = torch.autograd.grad(ref, list(ref_in.values()), cot.double())
+    assert f.tiled.flash_reason is None, f.tiled.flash_reason
+    for name, g, w in [("out", out, ref), *zip(a, got, want)]:
+        g, w = g.double(), w.detach()
+        assert (g - w).norm() / w.norm() <= 2e-2, name
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_gqa_decode_steps_equal_the_full_call(backend):
+    """`ssmc.step` of a GQA spec: k_t and v_t with their own 2 heads, a cache of q's 6; L steps give the
+    full call's outputs."""
+    rng = np.random.default_rng(11)
+    a = _inputs(rng, 6, 2, 9, 9)
+    want = ssmc.compile(GQA, "interpreter", layout=LAYOUT)(**a)
+    s = ssmc.step(GQA, backend, layout=LAYOUT)
+    cache = s.cache({"b": 2, "h": 6, "d": 8}, max_len=9, dtype=None if backend == "interpreter" else torch.float64)
+    tensor = np.asarray if backend == "interpreter" else torch.tensor
+    for t in range(9):
+        y = s(*(tensor(a[n][:, :, t]) for n in "qkv"), cache, slope=tensor(a["slope"]))
+        np.testing.assert_allclose(np.asarray(y), want[:, :, t], rtol=1e-10, atol=1e-12)
