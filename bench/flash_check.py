@@ -1,6 +1,7 @@
 """Check and time ssmc's flash attention forward and backward (backends/cuda/kernels/flash) on a GPU.
 
     python bench/flash_check.py [--out DIR] [--small] [--forward-only]
+    python bench/flash_check.py --gqa [--out DIR]      # causal GQA 32 / 8 heads against SDPA's enable_gqa
 
 For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf16 and a small shape
 (B2 H4 L1000 d64): the flash kernel's output against torch SDPA (causal) or FlexAttention (ALiBi,
@@ -41,6 +42,7 @@ SPECS = {
     "alibi": ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d"),
     f"window-{WINDOW}": ssmc.attention(mask_mod=ssmc.sliding_window(WINDOW), batch="b h", head_dim="d"),
 }
+GQA = ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d", kv_heads="h")
 
 
 def timed(fn) -> float:
@@ -208,14 +210,51 @@ def train_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gqa_row(b: int, hq: int, hkv: int, length: int, d: int) -> dict:
+    """Causal GQA (k and v with `hkv` heads): forward and forward + backward against SDPA with
+    enable_gqa, outputs and gradients checked first."""
+    import ssmc.torch
+
+    torch.manual_seed(0)
+    q, do = (torch.randn(b, hq, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fn = ssmc.torch.function(GQA, layout="b h t ...")
+
+    def ref(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    err_out = (fn(q, k, v).float() - ref(q, k, v).float()).abs().max().item()
+    if fn.tiled.flash_reason is not None:
+        raise SystemExit(f"gqa: the flash kernel does not run this call: {fn.tiled.flash_reason}")
+    err_grad = _rel_err(_grads(fn, [q, k, v], do), _grads(ref, [q, k, v], do))
+    return {"shape": f"B{b} Hq{hq} Hkv{hkv} L{length} d{d}", "err_out": err_out, "err_grad": err_grad,
+            "fwd": timed(lambda: fn(q, k, v)), "fwd_ref": timed(lambda: ref(q, k, v)),
+            "train": timed(lambda: _grads(fn, [q, k, v], do)), "train_ref": timed(lambda: _grads(ref, [q, k, v], do))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="folder to write flash.md to")
     parser.add_argument("--small", action="store_true", help="the small shape only")
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
+    parser.add_argument("--gqa", action="store_true", help="only causal GQA 32 / 8 heads, B2 L8192 d128, vs SDPA")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.gqa:
+        r = gqa_row(2, 32, 8, 8192, 128)
+        text = (f"# ssmc GQA attention (causal, bf16), {torch.cuda.get_device_name()}\n\n"
+                "| shape | out err | grad rel err | fwd ms | SDPA ms | ratio | fwd+bwd ms | SDPA ms | ratio |\n"
+                + "|" + "---|" * 9 + "\n"
+                f"| {r['shape']} | {r['err_out']:.2e} | {r['err_grad']:.2e} | {r['fwd']:.3f} | {r['fwd_ref']:.3f} | "
+                f"{r['fwd_ref'] / r['fwd']:.2f}x | {r['train']:.3f} | {r['train_ref']:.3f} | "
+                f"{r['train_ref'] / r['train']:.2f}x |\n")
+        print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "flash_gqa.md").write_text(text)
+        if not (r["err_out"] < 3e-2 and r["err_grad"] < 3e-2):
+            raise SystemExit("gqa: errors too large")
+        return
     shapes = [(2, 4, 1000, 64)] + ([] if args.small else [(4, 16, 4096, 128)])
     rows = []
     for shape in shapes:
