@@ -1,0 +1,148 @@
+"""The readout cut (`ssmc/lowering/readout.py`): outputs that read the states through a matrix-product-like
+contraction run after the recurrence, as products over all steps (CUDA's stages, `cuda_stages`).
+
+- What it takes and refuses, read off the IR (no compile): the LRU example (complex: the readout
+  ``Re(C h)`` distributed into two products), its post stage hoisted into matrix products, and the post
+  stage's adjoint (``grad_C`` summed over time and batch by one product, ``C^T grad_y`` one product per
+  step, nothing written per step besides); Mamba-1's ``sum_n h C`` (no axis of its own on C: not a matrix
+  product), adjoints, outputs that read the state besides the contraction.
+- Runs against the interpreter (the program as written), float64, forward and every gradient, L = 1, 7,
+  180 at sizes no tile divides: the stages on the interpreter; a spec with two states (one nonlinear),
+  three readouts (one of a product of states, one under a tanh) and an output kept in the recurrence,
+  on the emulated CUDA backend (staged) and on Numba (hoisting only). The LRU example itself on both is
+  tests/test_complex.py's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+from profiles import in_ci
+
+import ssmc
+from ssmc.backends import interpreter
+from ssmc.backends.cuda import emulator
+from ssmc.backends.cuda.backend import cuda_stages
+from ssmc.backends.registry import run_stages
+from ssmc.examples import lru, mamba1
+from ssmc.ir.node import toposort
+from ssmc.ir.ops import Op
+from ssmc.lowering.hoist import hoist
+from ssmc.lowering.plan import lower
+from ssmc.lowering.readout import readout_stages
+from ssmc.passes.autodiff import derive_backward
+from ssmc.runtime.binding import bind_arrays
+from ssmc.runtime.random_inputs import random_recurrence_inputs
+
+TOL = 1e-9
+SIZES = {"b": 3, "d": 5, "n": 3, "e": 2}
+
+
+@ssmc.recurrence
+def two_states(h: ssmc.State["b n"], g: ssmc.State["b n"], x: ssmc.Seq["b d"], a: ssmc.Param["n"],
+               B: ssmc.Param["n d"], C: ssmc.Param["d n"], E: ssmc.Param["e n"], D: ssmc.Param["d"]):
+    """A scan h and a nonlinear g beside it; y and z read them through C and E, w is h itself."""
+    h = ssmc.sigmoid(a) * h + ssmc.dot(B, x, over="d")
+    g = ssmc.tanh(g + h)
+    y = ssmc.dot(C, h, over="n") - ssmc.dot(C, g * h, over="n") + D * x
+    z = ssmc.tanh(ssmc.dot(E, g, over="n"))
+    return (h, g), {"y": y, "z": z, "w": 2.0 * h}
+
+
+@ssmc.recurrence
+def readout_and_sum(h: ssmc.State["b n"], x: ssmc.Seq["b n"], C: ssmc.Param["d n"]):
+    h = 0.5 * h + x
+    return h, ssmc.dot(C, h, over="n") + h.sum("n")
+
+
+@ssmc.recurrence
+def batched_readout(h: ssmc.State["b n"], x: ssmc.Seq["b n"], C: ssmc.Seq["b d n"]):
+    h = 0.5 * h + x
+    return h, ssmc.dot(C, h, over="n")
+
+
+def _sums(program) -> list:
+    return [n for n in toposort(program.roots) if n.op is Op.SUM]
+
+
+def test_lru_reads_its_state_after_the_scan_as_matrix_products():
+    fused = readout_stages(lru.SPEC.program)
+    assert fused is not None and cuda_stages(lru.SPEC.program) is fused
+    assert [s.kind for s in fused.stages] == ["core", "post"]
+    core, post = (s.program for s in fused.stages)
+    cuts = fused.stages[0].writes
+    assert len(cuts) == 2 and all(set(dict(core.outputs)[c].axes) == {"b", "n"} for c in cuts)
+    assert dict(core.outputs)[cuts[0]] is core.updates[0]      # the new h_re, h_im: nothing but the scan
+    assert [n for n, _ in core.outputs] == list(cuts)
+    assert lower(core, map_reduce=True).kernels[0].parallel == ("b", "n")   # was [b]: y lacks n
+    assert not post.states and dict(post.outputs)["y"].axes == dict(lru.SPEC.program.outputs)["y"].axes
+    h = hoist(post, transpose=False)
+    assert len(h.pre) == 2 and not _sums(h.program)           # Re(C h): two products, then a map
+    adjoint = hoist(derive_backward(post).adjoint, transpose=False)
+    assert len(adjoint.pre) == 2 and not adjoint.factors      # C^T grad_y (the second negated)
+    assert {s for s, _ in adjoint.post_accumulators} == {"grad_C_re", "grad_C_im"}
+
+
+@pytest.mark.parametrize("spec", [mamba1.SPEC, readout_and_sum, batched_readout])
+def test_what_is_no_matrix_product_after_the_scan_is_not_cut(spec):
+    assert readout_stages(spec.program) is None
+
+
+def test_adjoints_are_not_cut():
+    assert readout_stages(derive_backward(lru.SPEC.program).adjoint) is None
+
+
+def _inputs(program, length: int, seed: int) -> dict:
+    return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=SIZES)
+
+
+@pytest.mark.parametrize("length", [1, 7, 180])
+def test_the_stages_compute_the_program(length):
+    program = two_states.program
+    fused = readout_stages(program)
+    assert [s.kind for s in fused.stages] == ["core", "post"]
+    assert {n for n, _ in fused.stages[1].program.outputs} == {"y", "z"}
+    kwargs = _inputs(program, length, length)
+    bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", program.static_sizes, program.name,
+                        program.roots)
+    seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
+    params = {d.name: bound.arrays[d.name] for d in program.params}
+    runs = [partial(interpreter.run_recurrence, st.program) for st in fused.stages]
+    got_y, got_h = run_stages(fused, runs, seqs, params, bound.initial, bound.sizes, bound.length)
+    want_y, want_h = ssmc.compile(program, "interpreter").run(**kwargs)
+    for name, want in {**want_y, **want_h}.items():
+        got = {**got_y, **got_h}[name]
+        assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1.0), name
+
+
+def _backend(name: str, monkeypatch):
+    if name == "cuda":
+        if not emulator.available():
+            pytest.skip("no C++ compiler for the CUDA emulator")
+        monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+
+
+@pytest.mark.parametrize("backend", ["numba", "cuda"])
+def test_forward_and_every_gradient_match_the_interpreter(backend, monkeypatch):
+    _backend(backend, monkeypatch)
+    lengths = (7, 180) if in_ci() else (1, 7, 180)   # CI: L = 1 is tests/test_complex.py's LRU's
+    f, g = ssmc.compile(two_states, backend), ssmc.grad(two_states, backend)
+    want_f, want_g = ssmc.compile(two_states, "interpreter"), ssmc.grad(two_states, "interpreter")
+    for length in lengths:
+        kwargs = _inputs(two_states.program, length, 10 + length)
+        got_y, got_h = f.run(**kwargs)
+        want_y, want_h = want_f.run(**kwargs)
+        for name, want in {**want_y, **want_h}.items():
+            got = np.asarray({**got_y, **got_h}[name])
+            assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1.0), (length, name)
+        rng = np.random.default_rng(length)
+        cot = {n: rng.standard_normal(v.shape) for n, v in want_y.items()}
+        lam = {n: rng.standard_normal(v.shape) for n, v in want_h.items()}
+        got = g(**kwargs, grad_outputs=cot, grad_final_states=lam)
+        want = want_g(**kwargs, grad_outputs=cot, grad_final_states=lam)
+        assert set(got) == set(want)
+        for name, w in want.items():
+            err = np.abs(np.asarray(got[name]) - w).max()
+            assert err <= TOL * max(np.abs(w).max(), 1.0), (length, name, err)
