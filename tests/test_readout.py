@@ -19,7 +19,7 @@ from functools import partial
 
 import numpy as np
 import pytest
-from profiles import in_ci
+from profiles import nightly_case
 
 import ssmc
 from ssmc.backends import interpreter
@@ -124,10 +124,12 @@ def _backend(name: str, monkeypatch):
         monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
 
 
-@pytest.mark.parametrize("backend", ["numba", "cuda"])
+# the emulated kernels' C++ builds take a minute on CI's cores: there the staged CUDA run is the LRU's
+# (tests/test_complex.py, L = 1, 7, 180), the cut's arithmetic test_the_stages_compute_the_program's
+@pytest.mark.parametrize("backend", ["numba", nightly_case("cuda", reason="the LRU's staged run covers it")])
 def test_forward_and_every_gradient_match_the_interpreter(backend, monkeypatch):
     _backend(backend, monkeypatch)
-    lengths = (7, 180) if in_ci() else (1, 7, 180)   # CI: L = 1 is tests/test_complex.py's LRU's
+    lengths = (1, 7, 180)
     f, g = ssmc.compile(two_states, backend), ssmc.grad(two_states, backend)
     want_f, want_g = ssmc.compile(two_states, "interpreter"), ssmc.grad(two_states, "interpreter")
     for length in lengths:
