@@ -112,6 +112,14 @@ def _rebuild(summed: tuple[str, ...], terms, cut_inputs: dict[Node, Node]) -> No
     return total
 
 
+def _in_state_order(f: Node, program: Recurrence) -> Node:
+    """`f` with its axes in the order of the first state that has them all (`f` where none has)."""
+    for s in program.states:
+        if set(f.axes) <= set(s.axes):
+            return build.expand(f, tuple(a for a in s.axes if a in f.axes))
+    return f
+
+
 @lru_cache(maxsize=256)
 def readout_stages(program: Recurrence) -> Fused | None:
     """`program` as a core recurrence and a state-free post program computing the outputs that read
@@ -140,8 +148,13 @@ def readout_stages(program: Recurrence) -> Fused | None:
         cuts += [f for _, f, _ in terms if f is not None and f not in cuts]
     taken = {d.name for d in program.decls} | {n for n, _ in program.outputs}
     cut_names = _fresh("cut", len(cuts), taken)
+    # a cut laid out as a state is (h_re's [b n], not the product's [n b]): the scan's threads, consecutive
+    # along the state's last axis, then write it (and its adjoint read its cotangent) coalesced
+    cuts = [_in_state_order(f, program) for f in cuts]
     cut_inputs = {f: Node.make(Op.INPUT, (), name, f.axes) for f, name in zip(cuts, cut_names)}
-    forms = {n: _rebuild(summed, terms, cut_inputs) for n, (summed, terms) in found.items()}
+    ordered = {f: cut_inputs[_in_state_order(f, program)] for f in {f for _, ts in found.values() for _, f, _ in ts}
+               if f is not None}
+    forms = {n: _rebuild(summed, terms, ordered) for n, (summed, terms) in found.items()}
     post_roots = substitute(tuple(y for _, y in moved), forms)
     # each output's axes in their order as written (the callers lay the arrays out by them)
     post_roots = tuple(build.expand(r, y.axes) for r, (_, y) in zip(post_roots, moved))
