@@ -124,27 +124,45 @@ def _backend(name: str, monkeypatch):
         monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
 
 
+def _check(backend: str, lengths, to=np.asarray):
+    """Forward (outputs, final states) and every gradient of `two_states` on `backend` against the
+    interpreter, float64; `to` puts the arrays where the backend takes them."""
+    f, g = ssmc.compile(two_states, backend), ssmc.grad(two_states, backend)
+    want_f, want_g = ssmc.compile(two_states, "interpreter"), ssmc.grad(two_states, "interpreter")
+
+    def close(got, want, what):
+        got = got.detach().cpu().numpy() if hasattr(got, "detach") else np.asarray(got)
+        err = np.abs(got - want).max()
+        assert err <= TOL * max(np.abs(want).max(), 1.0), (what, err)
+
+    for length in lengths:
+        kwargs = _inputs(two_states.program, length, 10 + length)
+        given = {k: to(v) for k, v in kwargs.items()}
+        got_y, got_h = f.run(**given)
+        want_y, want_h = want_f.run(**kwargs)
+        for name, want in {**want_y, **want_h}.items():
+            close({**got_y, **got_h}[name], want, (length, name))
+        rng = np.random.default_rng(length)
+        cot = {n: rng.standard_normal(v.shape) for n, v in want_y.items()}
+        lam = {n: rng.standard_normal(v.shape) for n, v in want_h.items()}
+        got = g(**given, grad_outputs={k: to(v) for k, v in cot.items()},
+                grad_final_states={k: to(v) for k, v in lam.items()})
+        want = want_g(**kwargs, grad_outputs=cot, grad_final_states=lam)
+        assert set(got) == set(want)
+        for name, w in want.items():
+            close(got[name], w, (length, name))
+
+
 # the emulated kernels' C++ builds take a minute on CI's cores: there the staged CUDA run is the LRU's
 # (tests/test_complex.py, L = 1, 7, 180), the cut's arithmetic test_the_stages_compute_the_program's
 @pytest.mark.parametrize("backend", ["numba", nightly_case("cuda", reason="the LRU's staged run covers it")])
 def test_forward_and_every_gradient_match_the_interpreter(backend, monkeypatch):
     _backend(backend, monkeypatch)
-    lengths = (1, 7, 180)
-    f, g = ssmc.compile(two_states, backend), ssmc.grad(two_states, backend)
-    want_f, want_g = ssmc.compile(two_states, "interpreter"), ssmc.grad(two_states, "interpreter")
-    for length in lengths:
-        kwargs = _inputs(two_states.program, length, 10 + length)
-        got_y, got_h = f.run(**kwargs)
-        want_y, want_h = want_f.run(**kwargs)
-        for name, want in {**want_y, **want_h}.items():
-            got = np.asarray({**got_y, **got_h}[name])
-            assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1.0), (length, name)
-        rng = np.random.default_rng(length)
-        cot = {n: rng.standard_normal(v.shape) for n, v in want_y.items()}
-        lam = {n: rng.standard_normal(v.shape) for n, v in want_h.items()}
-        got = g(**kwargs, grad_outputs=cot, grad_final_states=lam)
-        want = want_g(**kwargs, grad_outputs=cot, grad_final_states=lam)
-        assert set(got) == set(want)
-        for name, w in want.items():
-            err = np.abs(np.asarray(got[name]) - w).max()
-            assert err <= TOL * max(np.abs(w).max(), 1.0), (length, name, err)
+    _check(backend, (1, 7, 180))
+
+
+@pytest.mark.gpu
+def test_gpu_forward_and_every_gradient_match_the_interpreter():
+    """On a GPU, CUDA tensors in float64: the staged run (core kernels, products after) at L = 1, 7, 180, 1000."""
+    torch = pytest.importorskip("torch")
+    _check("cuda", (1, 7, 180, 1000), lambda a: torch.tensor(a, device="cuda"))
