@@ -19,7 +19,9 @@ from functools import partial
 
 import numpy as np
 import pytest
-from profiles import nightly_case
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from profiles import examples, in_ci, nightly_case
 
 import ssmc
 from ssmc.backends import interpreter
@@ -63,6 +65,30 @@ def batched_readout(h: ssmc.State["b n"], x: ssmc.Seq["b n"], C: ssmc.Seq["b d n
     return h, ssmc.dot(C, h, over="n")
 
 
+def readout_spec(update: str, readout: str, operand: str, outer: str):
+    """A scan h (linear or under a tanh) and a nonlinear g; y reads `readout` of them through C (a param)
+    or E (a sequence without the batch), combined with x as `outer` says."""
+
+    @ssmc.recurrence
+    def spec(h: ssmc.State["b n"], g: ssmc.State["b n"], x: ssmc.Seq["b d"], a: ssmc.Param["n"],
+             B: ssmc.Param["n d"], C: ssmc.Param["d n"], E: ssmc.Seq["d n"], D: ssmc.Param["d"]):
+        u = ssmc.sigmoid(a) * h + ssmc.dot(B, x, over="d")
+        h = u if update == "linear" else ssmc.tanh(u)
+        g = ssmc.tanh(g + h)
+        f = {"h": h, "square": h * h, "tanh": ssmc.tanh(h), "product": g * h}[readout]
+        r = ssmc.dot(C if operand == "param" else E, f, over="n")
+        y = {"plain": r + D * x, "negated": D * x - r, "squashed": ssmc.tanh(r) * x,
+             "two": r - ssmc.dot(C, g, over="n")}[outer]
+        return (h, g), y
+    return spec
+
+
+readout_specs = st.builds(readout_spec, st.sampled_from(["linear", "tanh"]),
+                          st.sampled_from(["h", "square", "tanh", "product"]), st.sampled_from(["param", "seq"]),
+                          st.sampled_from(["plain", "negated", "squashed", "two"]))
+awkward_sizes = st.fixed_dictionaries({a: st.integers(1, 5) for a in "bdn"})
+
+
 def _sums(program) -> list:
     return [n for n in toposort(program.roots) if n.op is Op.SUM]
 
@@ -94,8 +120,35 @@ def test_adjoints_are_not_cut():
     assert readout_stages(derive_backward(lru.SPEC.program).adjoint) is None
 
 
-def _inputs(program, length: int, seed: int) -> dict:
-    return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=SIZES)
+def _inputs(program, length: int, seed: int, sizes=None) -> dict:
+    return random_recurrence_inputs(program, length, np.random.default_rng(seed), sizes=sizes or SIZES)
+
+
+def _run_stages_on_the_interpreter(program, fused, kwargs):
+    bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", program.static_sizes, program.name,
+                        program.roots)
+    seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
+    params = {d.name: bound.arrays[d.name] for d in program.params}
+    runs = [partial(interpreter.run_recurrence, st.program) for st in fused.stages]
+    got_y, got_h = run_stages(fused, runs, seqs, params, bound.initial, bound.sizes, bound.length)
+    return {**got_y, **got_h}
+
+
+@settings(max_examples=examples(30, ci=10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=readout_specs, sizes=awkward_sizes, length=st.sampled_from([1, 7, 180]), seed=st.integers(0, 2**16))
+def test_random_readouts_are_cut_and_their_stages_compute_the_program(spec, sizes, length, seed):
+    program = spec.program
+    fused = readout_stages(program)
+    assert fused is not None and [s.kind for s in fused.stages] == ["core", "post"]
+    core, post = (s.program for s in fused.stages)
+    assert not post.states and all(set(dict(core.outputs)[c].axes) <= {"b", "n"} for c in fused.stages[0].writes)
+    for st_ in fused.stages:
+        derive_backward(st_.program)   # each stage has its own adjoint (StagedGrad's)
+    kwargs = _inputs(program, length, seed, sizes)
+    got = _run_stages_on_the_interpreter(program, fused, kwargs)
+    want_y, want_h = ssmc.compile(program, "interpreter").run(**kwargs)
+    for name, want in {**want_y, **want_h}.items():
+        assert np.abs(got[name] - want).max() <= TOL * max(np.abs(want).max(), 1.0), name
 
 
 @pytest.mark.parametrize("length", [1, 7, 180])
@@ -105,16 +158,10 @@ def test_the_stages_compute_the_program(length):
     assert [s.kind for s in fused.stages] == ["core", "post"]
     assert {n for n, _ in fused.stages[1].program.outputs} == {"y", "z"}
     kwargs = _inputs(program, length, length)
-    bound = bind_arrays(program.inputs, program.states, (), kwargs, "t ...", program.static_sizes, program.name,
-                        program.roots)
-    seqs = {d.name: bound.arrays[d.name] for d in program.seqs}
-    params = {d.name: bound.arrays[d.name] for d in program.params}
-    runs = [partial(interpreter.run_recurrence, st.program) for st in fused.stages]
-    got_y, got_h = run_stages(fused, runs, seqs, params, bound.initial, bound.sizes, bound.length)
+    got = _run_stages_on_the_interpreter(program, fused, kwargs)
     want_y, want_h = ssmc.compile(program, "interpreter").run(**kwargs)
     for name, want in {**want_y, **want_h}.items():
-        got = {**got_y, **got_h}[name]
-        assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1.0), name
+        assert np.abs(got[name] - want).max() <= TOL * max(np.abs(want).max(), 1.0), name
 
 
 def _backend(name: str, monkeypatch):
@@ -124,11 +171,11 @@ def _backend(name: str, monkeypatch):
         monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
 
 
-def _check(backend: str, lengths, to=np.asarray):
-    """Forward (outputs, final states) and every gradient of `two_states` on `backend` against the
+def _check(backend: str, lengths, to=np.asarray, spec=two_states, sizes=None, seed=10):
+    """Forward (outputs, final states) and every gradient of `spec` on `backend` against the
     interpreter, float64; `to` puts the arrays where the backend takes them."""
-    f, g = ssmc.compile(two_states, backend), ssmc.grad(two_states, backend)
-    want_f, want_g = ssmc.compile(two_states, "interpreter"), ssmc.grad(two_states, "interpreter")
+    f, g = ssmc.compile(spec, backend), ssmc.grad(spec, backend)
+    want_f, want_g = ssmc.compile(spec, "interpreter"), ssmc.grad(spec, "interpreter")
 
     def close(got, want, what):
         got = got.detach().cpu().numpy() if hasattr(got, "detach") else np.asarray(got)
@@ -136,7 +183,7 @@ def _check(backend: str, lengths, to=np.asarray):
         assert err <= TOL * max(np.abs(want).max(), 1.0), (what, err)
 
     for length in lengths:
-        kwargs = _inputs(two_states.program, length, 10 + length)
+        kwargs = _inputs(spec.program, length, seed + length, sizes)
         given = {k: to(v) for k, v in kwargs.items()}
         got_y, got_h = f.run(**given)
         want_y, want_h = want_f.run(**kwargs)
@@ -166,3 +213,15 @@ def test_gpu_forward_and_every_gradient_match_the_interpreter():
     """On a GPU, CUDA tensors in float64: the staged run (core kernels, products after) at L = 1, 7, 180, 1000."""
     torch = pytest.importorskip("torch")
     _check("cuda", (1, 7, 180, 1000), lambda a: torch.tensor(a, device="cuda"))
+
+
+# each example builds its stages' kernels with the emulator's C++ (a minute): a few locally and nightly
+@pytest.mark.skipif(in_ci(), reason="nightly: the emulated kernels' builds (the LRU's staged run covers CI)")
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=readout_specs, sizes=awkward_sizes, seed=st.integers(0, 2**16))
+def test_random_readouts_on_emulated_cuda_match_the_interpreter(spec, sizes, seed):
+    if not emulator.available():
+        pytest.skip("no C++ compiler for the CUDA emulator")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSMC_CUDA_EMULATE", "1")
+        _check("cuda", (1, 7, 180), spec=spec, sizes=sizes, seed=seed)
