@@ -66,7 +66,7 @@ class Hoisted:
 
     @property
     def changed(self) -> bool:
-        return bool(self.pre or self.factors or self.transposed)
+        return bool(self.pre or self.factors or self.transposed or self.post_accumulators)
 
     @cached_property  # read by every run's compute_post
     def product_orders(self) -> dict[str, tuple[str, ...]]:
@@ -115,8 +115,9 @@ def gemm_like(summed, factors) -> bool:
 
 
 def _leafy(node: Node, roles: dict[str, Role]) -> bool:
-    """An input (sequence / param) seen through renames and unbinds only."""
-    while node.op in (Op.RENAME, Op.SELECT):
+    """An input (sequence / param) seen through renames, unbinds and negations only (an adjoint's
+    ``-grad_y``: `_evaluate` negates the product instead)."""
+    while node.op in (Op.RENAME, Op.SELECT, Op.NEG):
         node = node.args[0]
     return node.op is Op.INPUT and roles.get(node.arg) in (Role.SEQ, Role.PARAM)
 
@@ -134,7 +135,7 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     `transpose`, params that the loop's own contractions read are copied into its loop order
     (`transpose_params`: Numba's threads loop along the contraction; CUDA's threads do not)."""
     roles = {d.name: d.role for d in program.decls}
-    pre = _find_pre(program, roles)
+    pre = _find_pre(program, roles, set(_accumulators(program).values()))
     mapping = {node: Node.make(Op.INPUT, (), name, node.axes) for name, node in pre}
     updates = substitute(program.updates, mapping) if mapping else program.updates
     outputs = tuple(zip([n for n, _ in program.outputs],
@@ -148,9 +149,9 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     # what the loop computes for the states it keeps whatever is hoisted (not the accumulators)
     in_loop = set(toposort([u for s, u in zip(staged.states, staged.updates) if s.name not in accs]))
 
-    def post_form(root: Node, gemm_only: bool) -> Node | None:
+    def post_form(root: Node, gemm_only: bool, accumulator: bool = False) -> Node | None:
         if root.op is Op.ADD and gemm_only:  # a sum of contractions (minGRU's grad_x: g_z Wz^T + g_h Wh^T)
-            forms = [post_form(a, gemm_only) for a in root.args]
+            forms = [post_form(a, gemm_only, accumulator) for a in root.args]
             return None if any(f is None for f in forms) or root in in_loop else build.add(*forms)
         parts = split_contraction(root)
         if parts is None or root in in_loop:  # the loop computes it anyway: a product after it would repeat it
@@ -158,7 +159,9 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
         summed, fs = parts
         kernel_values = [f for f in fs if not _leafy(f, staged_roles)]
         if not kernel_values:
-            return None
+            # an accumulator's increment over sequences and params alone (a post stage's adjoint:
+            # grad_C += sum_b grad_y[t] cut[t]): one product over (t, b) after the loop, nothing written
+            return root if accumulator and gemm_only and gemm_like(summed, fs) else None
         # several factors the loop computes (minGRU's g * z (1 - z) ...): their product is the one value
         # it writes, the same node for every root with those factors
         f = reduce(build.mul, kernel_values)
@@ -188,7 +191,7 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
             if name not in dict(post_outputs) and (form := post_form(y, gemm_only)) is not None:
                 post_outputs.append((name, form))
         for s, b in accs.items():
-            if s not in dict(post_acc) and (form := post_form(b, gemm_only)) is not None:
+            if s not in dict(post_acc) and (form := post_form(b, gemm_only, True)) is not None:
                 post_acc.append((s, form))
     if not pre and not post_outputs and not post_acc:
         if not transpose:
@@ -262,8 +265,10 @@ def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
     return staged.with_roots(staged.updates, staged.outputs), tuple(transposed)
 
 
-def _find_pre(program: Recurrence, roles) -> list[tuple[str, Node]]:
-    """State-free, time-varying, matrix-product-like contractions; the outermost of each SUM chain."""
+def _find_pre(program: Recurrence, roles, increments: set[Node] = frozenset()) -> list[tuple[str, Node]]:
+    """State-free, time-varying, matrix-product-like contractions; the outermost of each SUM chain.
+    Not an accumulator's increment (`increments`): that is summed over time too, by one product after
+    the loop (`hoist`'s post accumulators), not written for every step."""
     stateful = {d.name for d in program.states}
     nodes = toposort(program.roots)
     free = set()
@@ -278,7 +283,7 @@ def _find_pre(program: Recurrence, roles) -> list[tuple[str, Node]]:
     for n in nodes:
         if n.op is not Op.SUM or n not in free:
             continue
-        if n in inner:
+        if n in inner or n in increments:
             continue
         summed, fs = split_contraction(n)
         if all(_leafy(f, roles) for f in fs) and gemm_like(summed, fs) and _timed(n, roles):
@@ -356,12 +361,23 @@ def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], su
         axis, index = node.arg
         pos = labels.index(axis)
         return xp.take(arr, index, pos), labels[:pos] + labels[pos + 1:]
+    if node.op is Op.NEG:
+        arr, labels = _evaluate(node.args[0], env, sum_time, matmul, xp)
+        return -arr, labels
     if node.op is Op.ADD:  # contractions added (`hoist`'s post_form): each, in the first one's axis order
         (total, labels), *rest = (_evaluate(a, env, sum_time, matmul, xp) for a in node.args)
         for arr, own in rest:
             total = total + xp.permute(arr, [own.index(a) for a in labels])
         return total, labels
     _, fs = split_contraction(node)
+    negated = False
+    for f in fs:
+        while f.op is Op.NEG:  # a negated factor: the (often smaller) product negated instead
+            f, negated = f.args[0], not negated
+    if negated:
+        fs = tuple(_without_neg(f) for f in fs)
+        arr, labels = _evaluate(_product(fs, node), env, sum_time, matmul, xp)
+        return -arr, labels
     operands = [_evaluate(f, env, matmul=matmul, xp=xp) for f in fs]
     timed = any(TIME in labels for _, labels in operands)
     out = ((TIME,) if timed and not sum_time else ()) + tuple(node.axes)
@@ -377,6 +393,21 @@ def _evaluate(node: Node, env: dict[str, tuple[np.ndarray, tuple[str, ...]]], su
     spec = ",".join("".join(letters[a] for a in labels) for _, labels in operands)
     spec += "->" + "".join(letters[a] for a in out)
     return xp.einsum(spec, *(arr for arr, _ in operands)), out
+
+
+def _without_neg(node: Node) -> Node:
+    while node.op is Op.NEG:
+        node = node.args[0]
+    return node
+
+
+def _product(factors: tuple[Node, ...], like: Node) -> Node:
+    """``sum over like's summed axes of prod(factors)``: `like` with other factors."""
+    summed, _ = split_contraction(like)
+    out = reduce(lambda a, b: Node.make(Op.MUL, (a, b)), factors)
+    for axis in summed[::-1]:
+        out = Node.make(Op.SUM, (out,), axis)
+    return out
 
 
 def _as_matmul(operands, out: tuple[str, ...], matmul):

@@ -235,10 +235,13 @@ def sequential_recompute(program) -> bool:
 
 def cuda_stages(program):
     """The programs the CUDA backend runs `program` as: its fusion stages, or where it is matrix linear,
-    a chunked core between state-free stages (passes/matrix_linear.py; SSMC_CUDA_CHUNKED=0: not)."""
+    a chunked core between state-free stages (passes/matrix_linear.py; SSMC_CUDA_CHUNKED=0: not), or
+    where an output reads the states through a matrix-product-like contraction, the recurrence then
+    that readout for all steps (lowering/readout.py)."""
+    from ...lowering.readout import readout_stages
     from ...lowering.stages import fuse
     from ...passes.matrix_linear import chunk_stages
     from .options import options
 
     chunked = None if options().chunked is False else chunk_stages(program)
-    return chunked or fuse(program)
+    return chunked or readout_stages(program) or fuse(program)

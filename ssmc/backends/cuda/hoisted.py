@@ -175,5 +175,6 @@ def hoisted_runner(program, compute: str = "float32") -> HoistedRunner | None:
     key = (program, compute)
     if key not in _RUNNERS:
         runner = HoistedRunner(program, compute)
-        _RUNNERS[key] = runner if runner.hoisted.pre or runner.hoisted.factors else None
+        h = runner.hoisted
+        _RUNNERS[key] = runner if h.pre or h.factors or h.post_accumulators else None
     return _RUNNERS[key]
