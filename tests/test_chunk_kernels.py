@@ -57,9 +57,10 @@ def _time_first(rng, length: int, heads: tuple[int, ...], dim: int | None, dtype
 
 def _chunks(length: int, key: int = 64, value: int = 64, dtype=torch.bfloat16, seed: int = 0,
             q_heads=(1, 1), k_heads=(1, 1), v_heads=(1, 2), ell_heads=(1, 2), s0_heads=(1, 2), chunk: int = C,
-            decay: float = 0.3):
+            decay: float = 0.3, beta_heads=None):
     """Chunks with SSD's broadcast (q, k without the head axis r, here heads (b=1, r=2)); log decays
-    uniform in [-decay, 0]."""
+    uniform in [-decay, 0]; where `beta_heads`, a β over them (SSD's softplus(dt): in (0.1, 2), one step
+    in 8 negative, which no softplus gives but the kernels take), zero past `length` as `_arrange` pads it."""
     rng = np.random.default_rng(seed)
     q = _time_first(rng, length, q_heads, key, dtype, key ** -0.5, chunk)
     k = _time_first(rng, length, k_heads, key, dtype, 1.0, chunk)
@@ -71,13 +72,24 @@ def _chunks(length: int, key: int = 64, value: int = 64, dtype=torch.bfloat16, s
     full = torch.zeros((*ell_heads, padded))
     full[..., :length] = ell
     s0 = torch.from_numpy(rng.standard_normal((*s0_heads, key, value)) * 0.1).float()
-    return algorithm.Chunks(q, k, v, full.reshape(*ell_heads, -1, chunk), s0)
+    beta = None
+    if beta_heads is not None:
+        b = rng.uniform(0.1, 2.0, (*beta_heads, padded)) * np.where(rng.uniform(size=padded) < 0.125, -1.0, 1.0)
+        b[..., length:] = 0.0
+        beta = torch.from_numpy(b).float().reshape(*beta_heads, -1, chunk)
+    return algorithm.Chunks(q, k, v, full.reshape(*ell_heads, -1, chunk), s0, beta)
+
+
+def _wide(x: algorithm.Chunks) -> algorithm.Chunks:
+    """`x` in float64 (the same rounded values)."""
+    d = torch.float64
+    return algorithm.Chunks(x.q.to(d), x.k.to(d), x.v.to(d), x.ell.to(d), x.s0.to(d),
+                            None if x.beta is None else x.beta.to(d))
 
 
 def _reference(x: algorithm.Chunks):
     """algorithm.forward in float64 on the same (rounded) values."""
-    d = torch.float64
-    return algorithm.forward(algorithm.Chunks(x.q.to(d), x.k.to(d), x.v.to(d), x.ell.to(d), x.s0.to(d)))
+    return algorithm.forward(_wide(x))
 
 
 @pytest.fixture
@@ -425,11 +437,13 @@ def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeyp
     assert core.half_inputs(cast, given, sizes) is cast
 
 def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the_calls_dtype(monkeypatch):
-    """`CudaBackend.stage_dtypes` for Mamba-2 (pre, core, post): the pre stage writes v (x · softplus(dt))
-    in C's bf16, the core's rounding, and its log decays in the compute dtype; the core's contraction
-    (read by post) stays in the compute dtype; post, whose every output is a result, writes the call's
-    dtype. fp32 q, a key size the kernels do not take: nothing in 16 bits. `runner.output_dtype` reads
-    the per-output pairs."""
+    """`CudaBackend.stage_dtypes` around a core. Mamba-2 (pre, core, post): the core reads x as given with
+    β = softplus(dt) apart, so pre writes no operand, only β and the log decays, in the compute dtype; the
+    core's contraction (read by post) stays in the compute dtype; post, whose every output is a result,
+    writes the call's dtype. A spec whose v is no input as given (silu(x), β folded in): pre writes v in
+    C's bf16, the core's rounding. fp32 q, a key size the kernels do not take: nothing in 16 bits.
+    `runner.output_dtype` reads the per-output pairs."""
+    import ssmc
     from ssmc.backends.cuda.backend import CudaBackend, cuda_stages
     from ssmc.backends.cuda.runner import output_dtype
     from ssmc.examples import mamba2
@@ -441,12 +455,25 @@ def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the
     sizes = {"b": 1, "g": 1, "r": 2, "p": 64, "n": 128}
     seqs = {name: torch.zeros(3, dtype=torch.bfloat16) for name in ("x", "dt", "B", "C")}
     pre = fused.stages[0]
-    v_name = next(n for n in pre.writes if n.endswith("_v"))
-    ell_name = next(n for n in pre.writes if n.endswith("_ell"))
+    assert sorted(pre.writes) == ["mamba2_beta", "mamba2_ell"]
+    assert dtypes(0, seqs, sizes, torch.bfloat16) is None
+    assert dtypes(1, {**seqs, "mamba2_beta": None, "mamba2_ell": None}, sizes, torch.bfloat16) is None
+    assert dtypes(2, seqs, sizes, torch.bfloat16) == torch.bfloat16
+
+    @ssmc.recurrence
+    def mapped(h: ssmc.State["b g r p n"], x: ssmc.Seq["b g r p"], dt: ssmc.Seq["b g r"], A: ssmc.Param["g r"],
+               B: ssmc.Seq["b g n"], C: ssmc.Seq["b g n"]):
+        a = ssmc.softplus(dt)
+        h = ssmc.exp(a * A) * h + a * ssmc.silu(x) * B
+        return h, ssmc.dot(h, C, over="n")
+
+    fused = cuda_stages(mapped.program)
+    assert [st.kind for st in fused.stages] == ["pre", "core"]
+    dtypes = CudaBackend("cuda").stage_dtypes(fused, np.dtype("float32"))
+    v_name = next(n for n in fused.stages[0].writes if n.endswith("_v"))
+    ell_name = next(n for n in fused.stages[0].writes if n.endswith("_ell"))
     wanted = dtypes(0, seqs, sizes, torch.bfloat16)
     assert output_dtype(wanted, v_name) == torch.bfloat16 and output_dtype(wanted, ell_name) is None
-    assert dtypes(1, {**seqs, v_name: None, ell_name: None}, sizes, torch.bfloat16) is None
-    assert dtypes(2, seqs, sizes, torch.bfloat16) == torch.bfloat16
     assert dtypes(0, {**seqs, "C": seqs["C"].float()}, sizes, torch.float32) is None
     assert dtypes(0, seqs, {**sizes, "n": 32}, torch.bfloat16) is None
     assert output_dtype(torch.float16, "y") == torch.float16 and output_dtype(None, "y") is None
@@ -542,9 +569,9 @@ def _cotangents(x: algorithm.Chunks, seed: int):
 
 
 def _reference_vjp(x: algorithm.Chunks, d_out, d_final):
-    """algorithm.forward and vjp in float64 on the same (rounded) values: (dq, dk, dv, dell, ds0)."""
+    """algorithm.forward and vjp in float64 on the same (rounded) values: (dq, dk, dv, dell, ds0, dbeta)."""
     d = torch.float64
-    wide = algorithm.Chunks(x.q.to(d), x.k.to(d), x.v.to(d), x.ell.to(d), x.s0.to(d))
+    wide = _wide(x)
     _, entering, final = algorithm.forward(wide)
     return algorithm.vjp(wide, entering, final, d_out.to(d), d_final.to(d))
 
@@ -555,7 +582,10 @@ def _check_backward(x: algorithm.Chunks, seed: int, tol: float, events=None):
     _, entering, final = mma.forward(x)
     got = mma.backward(x, entering, final, d_out, d_final, events=events)
     want = _reference_vjp(x, d_out, d_final)
-    for name, g, w in zip(("dq", "dk", "dv", "dell", "ds0"), got, want):
+    assert len(got) == len(want) == 6 and (got[5] is None) == (want[5] is None) == (x.beta is None)
+    for name, g, w in zip(("dq", "dk", "dv", "dell", "ds0", "dbeta"), got, want):
+        if w is None:
+            continue
         assert g.shape == w.shape, (name, g.shape, w.shape)
         assert g.dtype == torch.float32, name
         assert _rel(g, w) < tol, (name, _rel(g, w))
@@ -581,6 +611,43 @@ def test_emulated_backward_with_key_and_value_sizes_apart(emulate):
     x = _chunks(70, value=128, dtype=torch.float16, seed=5, q_heads=h, k_heads=h, v_heads=h, ell_heads=h,
                 s0_heads=h, chunk=64)
     _check_backward(x, 3, 1e-3)
+
+
+@needs_emulator
+@pytest.mark.parametrize("length", [7, 130])
+def test_emulated_kernels_with_a_per_step_beta(emulate, length):
+    """A per-(step, head) β (SSD's softplus(dt), v the raw x): the forward (both ways to the states) and
+    every cotangent, β's included, against algorithm.py in float64 with β folded into v; β with SSD's
+    heads (b, r), some of it negative; the last chunk partial or the only one."""
+    x = _chunks(length, seed=length + 21, chunk=64, decay=0.3, beta_heads=(1, 2))
+    assert mma.kernels_apply(x)
+    ref_out, ref_entering, ref_final = _reference(x)
+    folded = _wide(x).folded()
+    assert torch.allclose(algorithm.forward(folded)[0], ref_out)  # the reference does fold β into v
+    for one_pass in (False, True):
+        out, entering, final = mma.forward(x, one_pass=one_pass)
+        assert _rel(out, ref_out) < 1e-2 and _rel(final, ref_final) < 1e-2 and _rel(entering, ref_entering) < 1e-2
+    # without β the same kernels give the output of β = 1
+    ones = algorithm.Chunks(x.q, x.k, x.v, x.ell, x.s0, (x.beta != 0).float())
+    plain = algorithm.Chunks(x.q, x.k, x.v, x.ell, x.s0)
+    assert torch.allclose(mma.forward(ones)[0], mma.forward(plain)[0])
+    _check_backward(x, length, 6e-3)
+
+
+def test_beta_folds_into_v_in_the_torch_path():
+    """algorithm.vjp with β: dv = β dṼ and dβ = Σ_ν v dṼ, dṼ the cotangent of the folded v; the other
+    cotangents those of the folded chunks."""
+    x = _wide(_chunks(40, seed=2, chunk=16, beta_heads=(1, 2), dtype=torch.float32))
+    folded = x.folded()
+    d_out, d_final = _cotangents(folded, 9)
+    _, entering, final = algorithm.forward(x)
+    got = algorithm.vjp(x, entering, final, d_out.double(), d_final.double())
+    want = algorithm.vjp(folded, entering, final, d_out.double(), d_final.double())
+    for i in (0, 1, 3, 4):
+        torch.testing.assert_close(got[i], want[i])
+    torch.testing.assert_close(got[2], want[2] * x.beta[..., None])
+    torch.testing.assert_close(got[5], (want[2] * x.v).sum(-1))
+    assert want[5] is None
 
 
 @pytest.mark.gpu

@@ -105,6 +105,14 @@ def test_examples_are_recognised_with_their_roles():
     fused = chunk_stages(mamba2.SPEC.program)
     assert [s.kind for s in fused.stages] == ["pre", "core", "post"]
     assert core_form(fused.stages[1].program) is not None
+    # SSD's injection softplus(dt) x ⊗ B: v is x itself, β = softplus(dt) apart; pre writes β and ℓ (per
+    # step and head), not v (a pass over x): the core reads x as given
+    ml = matrix_linear(mamba2.SPEC.program)
+    assert ml.v.arg == "x" and ml.beta is not None and ml.beta.axes == ("b", "g", "r")
+    assert sorted(fused.stages[0].writes) == ["mamba2_beta", "mamba2_ell"]
+    core = core_form(fused.stages[1].program)
+    assert core.v.arg == "x" and core.beta.arg == "mamba2_beta" and core.k.arg == "B" and core.q.arg == "C"
+    assert matrix_linear(retnet.SPEC.program).beta is None and matrix_linear(linear_attention.SPEC.program).beta is None
     gated_stages = chunk_stages(gated.program)
     assert [s.kind for s in gated_stages.stages] == ["pre", "core", "post"]
     assert chunk_stages(constant_decay.program) is None and core_form(constant_decay.program) is not None
