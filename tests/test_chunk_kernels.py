@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from profiles import in_ci, nightly_case
 
+import ssmc
 from ssmc.backends.cuda import emulator, nvrtc
 from ssmc.backends.cuda.kernels.chunk import algorithm, mma
 
@@ -436,6 +437,16 @@ def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeyp
     monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
     assert core.half_inputs(cast, given, sizes) is cast
 
+@ssmc.recurrence
+def mapped_values(h: ssmc.State["b g r p n"], x: ssmc.Seq["b g r p"], dt: ssmc.Seq["b g r"], A: ssmc.Param["g r"],
+                  B: ssmc.Seq["b g n"], C: ssmc.Seq["b g n"]):
+    """Mamba-2's core with silu(x) for x (no output skip): v is no input as given, so β is folded into it
+    and the pre stage writes v."""
+    a = ssmc.softplus(dt)
+    h = ssmc.exp(a * A) * h + a * ssmc.silu(x) * B
+    return h, ssmc.dot(h, C, over="n")
+
+
 def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the_calls_dtype(monkeypatch):
     """`CudaBackend.stage_dtypes` around a core. Mamba-2 (pre, core, post): the core reads x as given with
     β = softplus(dt) apart, so pre writes no operand, only β and the log decays, in the compute dtype; the
@@ -443,7 +454,6 @@ def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the
     writes the call's dtype. A spec whose v is no input as given (silu(x), β folded in): pre writes v in
     C's bf16, the core's rounding. fp32 q, a key size the kernels do not take: nothing in 16 bits.
     `runner.output_dtype` reads the per-output pairs."""
-    import ssmc
     from ssmc.backends.cuda.backend import CudaBackend, cuda_stages
     from ssmc.backends.cuda.runner import output_dtype
     from ssmc.examples import mamba2
@@ -460,14 +470,7 @@ def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the
     assert dtypes(1, {**seqs, "mamba2_beta": None, "mamba2_ell": None}, sizes, torch.bfloat16) is None
     assert dtypes(2, seqs, sizes, torch.bfloat16) == torch.bfloat16
 
-    @ssmc.recurrence
-    def mapped(h: ssmc.State["b g r p n"], x: ssmc.Seq["b g r p"], dt: ssmc.Seq["b g r"], A: ssmc.Param["g r"],
-               B: ssmc.Seq["b g n"], C: ssmc.Seq["b g n"]):
-        a = ssmc.softplus(dt)
-        h = ssmc.exp(a * A) * h + a * ssmc.silu(x) * B
-        return h, ssmc.dot(h, C, over="n")
-
-    fused = cuda_stages(mapped.program)
+    fused = cuda_stages(mapped_values.program)
     assert [st.kind for st in fused.stages] == ["pre", "core"]
     dtypes = CudaBackend("cuda").stage_dtypes(fused, np.dtype("float32"))
     v_name = next(n for n in fused.stages[0].writes if n.endswith("_v"))
