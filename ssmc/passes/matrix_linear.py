@@ -59,6 +59,20 @@ class MatrixLinear:
     outputs: tuple[tuple[str, Node], ...]   # the outputs over INPUT(`o`) in place of `contraction`
     o: str                          # that input's name
 
+    @property
+    def skip(self) -> Node | None:
+        """s where the one output is ``o + s ⊙ v`` (s over heads only: SSD's ``D``), else None."""
+        if len(self.outputs) != 1 or self.outputs[0][1].op is not Op.ADD:
+            return None
+        for first, other in (self.outputs[0][1].args, self.outputs[0][1].args[::-1]):
+            if first.op is Op.INPUT and first.arg == self.o:
+                factors, neg = _factors(other)
+                if factors.count(self.v) == 1:
+                    rest = [f for f in factors if f != self.v]
+                    if all(set(f.axes) <= set(self.heads) for f in rest):
+                        return _product(rest, neg)
+        return None
+
     def describe(self) -> str:
         decay = ("none" if self.log_decay is None and self.decay is None else
                  f"exp(ℓ), ℓ [{' '.join(self.log_decay.axes)}]" if self.log_decay is not None else
@@ -190,12 +204,16 @@ _SEQ_OR_PARAM = (Role.SEQ, Role.PARAM)
 
 
 def core_form(program: Recurrence) -> MatrixLinear | None:
-    """The parts of a chunked core (q, k, v sequences as given, the decay and β a sequence, a param, a
-    constant or none, the one output the contraction itself), else None."""
+    """The parts of a chunked core (q, k, v sequences as given, the decay, β and the skip s a sequence, a
+    param, a constant or none, the one output the contraction itself or ``o + s ⊙ v``), else None."""
     ml = matrix_linear(program)
-    if isinstance(ml, str) or len(ml.outputs) != 1 or ml.outputs[0][1].op is not Op.INPUT:
+    if isinstance(ml, str) or len(ml.outputs) != 1:
         return None
-    if ml.outputs[0][1].arg != ml.o:
+    skip = ml.skip
+    if skip is not None:
+        if not (_is_input(program, skip, _SEQ_OR_PARAM) or build.is_const(skip)):
+            return None
+    elif ml.outputs[0][1].op is not Op.INPUT or ml.outputs[0][1].arg != ml.o:
         return None
     if not all(_is_input(program, x) for x in (ml.q, ml.k, ml.v)):
         return None
@@ -247,6 +265,11 @@ def chunk_stages(program: Recurrence) -> Fused | None:
     o = build.expand(build.reduce_sum(build.mul(update, q), ml.key), ml.contraction.axes)
     identity = len(ml.outputs) == 1 and ml.outputs[0][1].op is Op.INPUT and ml.outputs[0][1].arg == ml.o
     o_name = ml.outputs[0][0] if identity else ml.o
+    skip = ml.skip if v is ml.v else None
+    if skip is not None and (_is_input(program, skip, _SEQ_OR_PARAM) or build.is_const(skip)):
+        # post is o + s ⊙ v with v read as given (SSD's D x): the core's kernels add it as they write o
+        o = substitute((ml.outputs[0][1],), {Node.make(Op.INPUT, (), ml.o, ml.contraction.axes): o})[0]
+        identity, o_name = True, ml.outputs[0][0]
     pre_seqs = [(n, x.axes) for n, x in prep]
     core = Recurrence(name=f"{program.name}_core",
                       decls=(ml.state, *(d for d in program.inputs if d.name in input_names([update, o])),
