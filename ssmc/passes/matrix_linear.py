@@ -23,7 +23,9 @@ and a state-free ``post`` program, so that a backend can run the core as chunks 
 products (backends/cuda/kernels/chunk/) and the rest on its ordinary kernels; `StagedGrad`
 chains their gradients. ``beta`` is kept apart from ``v`` where ``v`` is then an input as given (SSD:
 v = x, beta = softplus(dt), a [b t g r] array that pre writes as it writes ell), so that the core
-reads x itself and no pre pass writes a copy of it scaled; otherwise beta is folded into v.
+reads x itself and no pre pass writes a copy of it scaled; otherwise beta is folded into v. Where v
+is so read and post is ``o + s ⊙ v`` (s over heads only: SSD's D x), post joins the core as its
+output (`MatrixLinear.skip`): the chunk kernels add it as they write o, and no post stage remains.
 `core_form` recognises a core (every operand a sequence as it is).
 """
 
