@@ -184,6 +184,11 @@ class ChunkedCore:
                 out[..., :length] = node.arg
                 return out.reshape(*out.shape[:-1], -1, chunk)
             arr, timed = self._input(node, seqs, params)
+            if not timed:  # a param (SSD's D): a view repeated over the steps, no copy (past `length` v is 0)
+                names = list(node.axes)
+                y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
+                shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
+                return y.reshape(*shape, 1, 1).expand(*shape, -(-length // chunk), chunk)
             return self._arrange(arr, node.axes, timed, None, length, chunk, f)
 
         s = ml.state
