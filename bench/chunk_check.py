@@ -238,7 +238,8 @@ def kernel_bytes(x: algorithm.Chunks) -> dict[str, int]:
 
 
 def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.Chunks:
-    """Random chunked operands of the workload's core at chunk `c` (SSD: q, k shared by the heads)."""
+    """Random chunked operands of the workload's core at chunk `c` (SSD: q, k shared by the heads; its
+    β = softplus(dt) per step and head, and D per head as the skip, as the compiled call's core reads them)."""
     if name == "ssd":
         b, r, p, n, t = SSD["b"], SSD["r"], SSD["p"], SSD["n"], SSD["t"]
         heads_qk, heads_v, key, value = (b, 1), (b, r), n, p
@@ -254,7 +255,11 @@ def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.
     v = randn(*heads_v, nc, c, value)
     ell = -torch.rand(*heads_v, nc, c, generator=g, device="cuda") * 0.1
     s0 = torch.zeros(*heads_v, key, value, device="cuda")
-    return algorithm.Chunks(q, k, v, ell, s0)
+    if name != "ssd":
+        return algorithm.Chunks(q, k, v, ell, s0)
+    beta = torch.rand(*heads_v, nc, c, generator=g, device="cuda") + 0.1
+    skip = torch.randn(1, heads_v[1], 1, 1, generator=g, device="cuda").expand(*heads_v, nc, c)
+    return algorithm.Chunks(q, k, v, ell, s0, beta, skip)
 
 
 def counted_backward():
@@ -344,8 +349,9 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
         t_core = timed(lambda: mma.backward(x, entering, final, d_out, d_final))
         t_core_torch = timed(lambda: algorithm.vjp(x, entering, final, d_out.float(), d_final))
         errs = [rel(a_, b_) for a_, b_ in zip(mma.backward(x, entering, final, d_out, d_final),
-                                              algorithm.vjp(x, entering, final, d_out.float(), d_final))]
-        parts = {"errors dq, dk, dv, dell, ds0 vs torch vjp": ", ".join(f"{e:.1e}" for e in errs)}
+                                              algorithm.vjp(x, entering, final, d_out.float(), d_final))
+                if b_ is not None]  # dbeta, dskip: None without β, without a skip
+        parts = {"errors dq, dk, dv, dell, ds0 (dbeta, dskip) vs torch vjp": ", ".join(f"{e:.1e}" for e in errs)}
         for k, t in kernel_times(x, call=lambda ev: mma.backward(x, entering, final, d_out, d_final,
                                                                    events=ev)).items():
             parts[k] = f"{t:.3f} ms"

@@ -36,6 +36,15 @@ def gated(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], 
 
 
 @ssmc.recurrence
+def gated_output(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], v: ssmc.Seq["b h v"],
+                 z: ssmc.Seq["b h v"]):
+    """Linear attention with an output gate: a post stage that stays one."""
+    S = S + k * v
+    y = ssmc.dot(S, q, over="k") * ssmc.silu(z)
+    return S, y
+
+
+@ssmc.recurrence
 def constant_decay(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"]):
     S = 0.9 * S + k * v
     y = ssmc.dot(S, q, over="k")
@@ -73,7 +82,8 @@ def two_queries(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], p: ssmc.Seq["b k"], 
     return S, y
 
 
-SIZES = {"gated": {"b": 2, "h": 2, "k": 3, "v": 4}, "constant_decay": {"b": 2, "k": 3, "v": 2}}
+SIZES = {"gated": {"b": 2, "h": 2, "k": 3, "v": 4}, "gated_output": {"b": 2, "h": 2, "k": 3, "v": 4},
+         "constant_decay": {"b": 2, "k": 3, "v": 2}}
 
 
 def _inputs(spec, sizes: dict, length: int, rng, layout="b t ..."):
@@ -100,13 +110,26 @@ def test_examples_are_recognised_with_their_roles():
     assert (ml.key, ml.value, ml.heads, ml.decay.arg) == ("k", "v", ("b", "h"), "gamma")
     ml = matrix_linear(linear_attention.SPEC.program)
     assert ml.log_decay is None and ml.decay is None
-    # retnet and linear attention are cores as written; mamba2 is cut into pre, core and post
+    # retnet and linear attention are cores as written; mamba2 is cut into pre and core (its post, o + D x,
+    # taken into the core: x is its v as given)
     assert core_form(retnet.SPEC.program) is not None and chunk_stages(retnet.SPEC.program) is None
     fused = chunk_stages(mamba2.SPEC.program)
-    assert [s.kind for s in fused.stages] == ["pre", "core", "post"]
+    assert [s.kind for s in fused.stages] == ["pre", "core"]
     assert core_form(fused.stages[1].program) is not None
-    gated_stages = chunk_stages(gated.program)
-    assert [s.kind for s in gated_stages.stages] == ["pre", "core", "post"]
+    # SSD's injection softplus(dt) x ⊗ B: v is x itself, β = softplus(dt) apart; pre writes β and ℓ (per
+    # step and head), not v (a pass over x): the core reads x as given
+    ml = matrix_linear(mamba2.SPEC.program)
+    assert ml.v.arg == "x" and ml.beta is not None and ml.beta.axes == ("b", "g", "r")
+    assert sorted(fused.stages[0].writes) == ["mamba2_beta", "mamba2_ell"]
+    core = core_form(fused.stages[1].program)
+    assert core.v.arg == "x" and core.beta.arg == "mamba2_beta" and core.k.arg == "B" and core.q.arg == "C"
+    assert core.skip.arg == "D" and fused.stages[1].program.outputs[0][0] == "y"
+    assert matrix_linear(retnet.SPEC.program).beta is None and matrix_linear(linear_attention.SPEC.program).beta is None
+    gated_stages = chunk_stages(gated.program)  # its post, o + v, in the core too (a skip of 1)
+    assert [s.kind for s in gated_stages.stages] == ["pre", "core"]
+    assert core_form(gated_stages.stages[1].program).skip.op.name == "CONST"
+    gated_stages = chunk_stages(gated_output.program)  # a post other than o + s v stays a stage
+    assert [s.kind for s in gated_stages.stages] == ["core", "post"]
     assert chunk_stages(constant_decay.program) is None and core_form(constant_decay.program) is not None
 
 
@@ -132,6 +155,7 @@ CASES = {
     "linear_attention": (linear_attention.SPEC, linear_attention.LAYOUT,
                          lambda rng, L: linear_attention.make_inputs(rng, L)),
     "gated": (gated, "b t ...", lambda rng, L: _inputs(gated, SIZES["gated"], L, rng)),
+    "gated_output": (gated_output, "b t ...", lambda rng, L: _inputs(gated_output, SIZES["gated_output"], L, rng)),
     "constant_decay": (constant_decay, "b t ...",
                        lambda rng, L: _inputs(constant_decay, SIZES["constant_decay"], L, rng)),
 }

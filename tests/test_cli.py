@@ -293,7 +293,10 @@ def test_inspect_says_why_each_strategy_and_warns_when_a_grid_cannot_fill_the_gp
     assert "step loop: lstm: a nonlinear recurrence reading its states through 1 recurrent product" in (
         capsys.readouterr().out)
     assert main(mamba2_args) == 0
-    assert "chunked: mamba2_core (matrix linear h [b g r p n]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chunked: mamba2_core (matrix linear h [b g r p n]" in out and "β [b g r]" in out
+    # the core reads x as given, β = softplus(dt) apart: no pre kernel writes v = softplus(dt) x
+    assert "mamba2_pre_mamba2_beta" in out and "mamba2_pre_mamba2_v " not in out
     monkeypatch.setenv("SSMC_CUDA_STEP_LOOP", "0")
     monkeypatch.setenv("SSMC_CUDA_CHUNKED", "0")
     assert main(lstm_args) == 0

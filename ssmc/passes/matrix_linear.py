@@ -3,24 +3,30 @@
 A program is taken when it has one state ``S[H, κ, ν]`` (H: head axes, the batch among them) and,
 as a plain loop over t:
 
-    S_t = a_t ⊙ S_{t-1} + k_t ⊗ v_t          a: axes ⊆ H (a scalar per head) or none
+    S_t = a_t ⊙ S_{t-1} + β_t k_t ⊗ v_t      a, β: axes ⊆ H (a scalar per head) or none
     o_t = Σ_κ S_t ⊙ q_t                        the outputs' one read of the state
     y_t = post(o_t, inputs_t)                  state-free
 
-with ``k`` over H ∪ {κ}, ``v`` over H ∪ {ν} (any scalar factor of the injection folded in), ``q``
-over H ∪ {κ}; an operand may lack head axes (broadcast: SSD's B and C lack the heads of a group).
+with ``k`` over H ∪ {κ}, ``v`` over H ∪ {ν} (the injection's factors along ν), ``β`` the injection's
+factors with neither κ nor ν (SSD's softplus(dt), a sign), ``q`` over H ∪ {κ}; an operand may lack
+head axes (broadcast: SSD's B and C lack the heads of a group).
 The decay is kept as its log ``ℓ`` where the spec writes ``exp(ℓ)`` (Mamba-2, GLA-style gates) or a
 positive constant; any other decay (RetNet's ``gamma``) is kept as ``a`` and must be positive at
 run time (the chunked form takes its log).
 
 `chunk_stages` cuts such a program into a state-free ``pre`` program (the operands), the core
 
-    S = exp(ell) * S + k * v          (or  a * S + k * v,  or  S + k * v)
+    S = exp(ell) * S + k * v * beta   (or  a * S + ...,  or  S + ...;  beta where there is one)
     o = dot(S, q, over=κ)
 
 and a state-free ``post`` program, so that a backend can run the core as chunks of matrix
 products (backends/cuda/kernels/chunk/) and the rest on its ordinary kernels; `StagedGrad`
-chains their gradients. `core_form` recognises a core (every operand a sequence as it is).
+chains their gradients. ``beta`` is kept apart from ``v`` where ``v`` is then an input as given (SSD:
+v = x, beta = softplus(dt), a [b t g r] array that pre writes as it writes ell), so that the core
+reads x itself and no pre pass writes a copy of it scaled; otherwise beta is folded into v. Where v
+is so read and post is ``o + s ⊙ v`` (s over heads only: SSD's D x), post joins the core as its
+output (`MatrixLinear.skip`): the chunk kernels add it as they write o, and no post stage remains.
+`core_form` recognises a core (every operand a sequence as it is).
 """
 
 from __future__ import annotations
@@ -47,19 +53,40 @@ class MatrixLinear:
     heads: tuple[str, ...]          # the state's other axes, in its order
     q: Node
     k: Node
-    v: Node
+    v: Node                         # the injection's factors along ν
+    beta: Node | None               # its factors with neither κ nor ν (negation included), None where 1
     log_decay: Node | None          # ℓ where the decay is exp(ℓ) or a positive constant
     decay: Node | None              # a otherwise (None with ℓ None: no decay)
     contraction: Node               # the SUM over κ the outputs read
     outputs: tuple[tuple[str, Node], ...]   # the outputs over INPUT(`o`) in place of `contraction`
     o: str                          # that input's name
 
+    @property
+    def skip(self) -> Node | None:
+        """s where the one output is ``o + s ⊙ v`` (s over heads only: SSD's ``D``), else None."""
+        if len(self.outputs) != 1 or self.outputs[0][1].op is not Op.ADD:
+            return None
+        for first, other in (self.outputs[0][1].args, self.outputs[0][1].args[::-1]):
+            if first.op is Op.INPUT and first.arg == self.o:
+                factors, neg = _factors(other)
+                if factors.count(self.v) == 1:
+                    rest = [f for f in factors if f != self.v]
+                    if all(set(f.axes) <= set(self.heads) for f in rest):
+                        return _product(rest, neg)
+        return None
+
     def describe(self) -> str:
         decay = ("none" if self.log_decay is None and self.decay is None else
                  f"exp(ℓ), ℓ [{' '.join(self.log_decay.axes)}]" if self.log_decay is not None else
                  f"a [{' '.join(self.decay.axes)}], positive at run time")
+        beta = "" if self.beta is None else f", β [{' '.join(self.beta.axes)}]"
         return (f"matrix linear {self.state.name} [{' '.join(self.state.axes)}]: key axis {self.key}, value axis"
-                f" {self.value}, heads [{' '.join(self.heads)}], decay {decay}")
+                f" {self.value}, heads [{' '.join(self.heads)}], decay {decay}{beta}")
+
+    @property
+    def injected(self) -> Node:
+        """v with β folded in (β v): the injection's factors other than k."""
+        return self.v if self.beta is None else build.mul(self.beta, self.v)
 
 
 def _factors(node: Node) -> tuple[list[Node], int]:
@@ -152,8 +179,13 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
         return f"the decay is the constant {a.arg}: no log form"
     else:
         decay = a
+    along = [f for f in v_factors if value in f.axes]
+    scalars = [f for f in v_factors if value not in f.axes]
+    beta = _product(scalars, b_neg) if scalars or b_neg % 2 else None
+    if beta is not None and build.is_const(beta, 1.0):
+        beta = None
     return MatrixLinear(state, key, value, heads, _product(q_factors, q_neg), _product(k_factors),
-                        _product(v_factors, b_neg), log_decay, decay, contraction, outputs, o)
+                        _product(along), beta, log_decay, decay, contraction, outputs, o)
 
 
 def _fresh(stem: str, taken: set[str]) -> str:
@@ -174,16 +206,22 @@ _SEQ_OR_PARAM = (Role.SEQ, Role.PARAM)
 
 
 def core_form(program: Recurrence) -> MatrixLinear | None:
-    """The parts of a chunked core (every operand a sequence as given, the decay a sequence, a
-    constant or none, the one output the contraction itself), else None."""
+    """The parts of a chunked core (q, k, v sequences as given, the decay, β and the skip s a sequence, a
+    param, a constant or none, the one output the contraction itself or ``o + s ⊙ v``), else None."""
     ml = matrix_linear(program)
-    if isinstance(ml, str) or len(ml.outputs) != 1 or ml.outputs[0][1].op is not Op.INPUT:
+    if isinstance(ml, str) or len(ml.outputs) != 1:
         return None
-    if ml.outputs[0][1].arg != ml.o:
+    skip = ml.skip
+    if skip is not None:
+        if not (_is_input(program, skip, _SEQ_OR_PARAM) or build.is_const(skip)):
+            return None
+    elif ml.outputs[0][1].op is not Op.INPUT or ml.outputs[0][1].arg != ml.o:
         return None
     if not all(_is_input(program, x) for x in (ml.q, ml.k, ml.v)):
         return None
     if ml.decay is not None and not _is_input(program, ml.decay, _SEQ_OR_PARAM):
+        return None
+    if ml.beta is not None and not (_is_input(program, ml.beta, _SEQ_OR_PARAM) or build.is_const(ml.beta)):
         return None
     if ml.log_decay is not None and not (_is_input(program, ml.log_decay, _SEQ_OR_PARAM)
                                          or build.is_const(ml.log_decay)):
@@ -213,7 +251,11 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         prep.append((name, node))
         return Node.make(Op.INPUT, (), name, node.axes)
 
-    q, k, v = operand("q", ml.q), operand("k", ml.k), operand("v", ml.v)
+    q, k = operand("q", ml.q), operand("k", ml.k)
+    if ml.beta is not None and _is_input(program, ml.v):  # v read as given, β apart (pre writes β, not v)
+        v, beta = ml.v, operand("beta", ml.beta, _SEQ_OR_PARAM)
+    else:
+        v, beta = operand("v", ml.injected), None
     leaf = Node.make(Op.INPUT, (), ml.state.name, ml.state.axes)
     if ml.log_decay is not None:
         carried = build.mul(build.unary(Op.EXP, operand("ell", ml.log_decay, _SEQ_OR_PARAM)), leaf)
@@ -221,10 +263,15 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         carried = build.mul(operand("a", ml.decay, _SEQ_OR_PARAM), leaf)
     else:
         carried = leaf
-    update = build.add(carried, build.mul(k, v))
+    update = build.add(carried, build.mul(build.mul(k, v), beta) if beta is not None else build.mul(k, v))
     o = build.expand(build.reduce_sum(build.mul(update, q), ml.key), ml.contraction.axes)
     identity = len(ml.outputs) == 1 and ml.outputs[0][1].op is Op.INPUT and ml.outputs[0][1].arg == ml.o
     o_name = ml.outputs[0][0] if identity else ml.o
+    skip = ml.skip if v is ml.v else None
+    if skip is not None and (_is_input(program, skip, _SEQ_OR_PARAM) or build.is_const(skip)):
+        # post is o + s ⊙ v with v read as given (SSD's D x): the core's kernels add it as they write o
+        o = substitute((ml.outputs[0][1],), {Node.make(Op.INPUT, (), ml.o, ml.contraction.axes): o})[0]
+        identity, o_name = True, ml.outputs[0][0]
     pre_seqs = [(n, x.axes) for n, x in prep]
     core = Recurrence(name=f"{program.name}_core",
                       decls=(ml.state, *(d for d in program.inputs if d.name in input_names([update, o])),

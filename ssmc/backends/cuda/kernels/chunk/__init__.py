@@ -1,7 +1,8 @@
 """Matrix-linear cores (SSD, RetNet, linear attention) as chunks of matrix products.
 
 `passes/matrix_linear.py` cuts a matrix-linear program into a state-free pre stage (the operands),
-a core ``S = exp(ℓ) S + k ⊗ v; o = Σ_κ S q`` and a state-free post stage; the CUDA backend runs
+a core ``S = exp(ℓ) S + β k ⊗ v; o = Σ_κ S q (+ s ⊙ v)`` (β and the skip s per-step scalars of the
+heads, or 1 and 0) and a state-free post stage; the CUDA backend runs
 the core here (`CudaBackend.compiled`, `CudaBackend.fused_backward`) and the other stages on its
 ordinary kernels. This module moves a call's arrays between the program's layout (time first, each
 input's own axes) and the chunked one of `algorithm.py`, which holds the math:
@@ -175,10 +176,25 @@ class ChunkedCore:
                 ell = torch.log(decay)
         else:
             ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=q.device)
+        def scalar(node):  # β or the skip: [*H, NC, C] in the compute dtype, zero past `length` (v is too)
+            if node is None:
+                return None
+            if node.op is Op.CONST:
+                out = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+                out[..., :length] = node.arg
+                return out.reshape(*out.shape[:-1], -1, chunk)
+            arr, timed = self._input(node, seqs, params)
+            if not timed:  # a param (SSD's D): a view repeated over the steps, no copy (past `length` v is 0)
+                names = list(node.axes)
+                y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
+                shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
+                return y.reshape(*shape, 1, 1).expand(*shape, -(-length // chunk), chunk)
+            return self._arrange(arr, node.axes, timed, None, length, chunk, f)
+
         s = ml.state
         s0 = initial[s.name].to(f)
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
-        return Chunks(q, k, v, ell, s0), decay
+        return Chunks(q, k, v, ell, s0, scalar(ml.beta), scalar(ml.skip)), decay
 
     def _time_first_out(self, sizes, length, chunk, device, dtype=torch.float32
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -289,10 +305,10 @@ class ChunkedCore:
         if mma.kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):
-            dq, dk, dv, d_ell, ds0 = mma.backward(x, tape.entering, tape.final, d_out, d_final)
+            dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
-            dq, dk, dv, d_ell, ds0 = vjp(x, tape.entering, tape.final, d_out, d_final)
+            dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering, tape.final, d_out, d_final)
         grads: dict[str, torch.Tensor] = {}
 
         def add(node, grad, inner):
@@ -305,6 +321,9 @@ class ChunkedCore:
         add(ml.q, dq, ml.key)
         add(ml.k, dk, ml.key)
         add(ml.v, dv, ml.value)
+        for node, grad in ((ml.beta, d_beta), (ml.skip, d_skip)):
+            if node is not None and node.op is not Op.CONST:
+                add(node, grad, None)
         if ml.decay is not None:
             add(ml.decay, d_ell / tape.decay, None)
         elif ml.log_decay is not None and ml.log_decay.op is not Op.CONST:

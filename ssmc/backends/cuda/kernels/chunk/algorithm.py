@@ -6,8 +6,10 @@ i (inclusive), ``Γ = Λ_last`` and ``S_p`` the state entering the chunk:
     O_i = exp(Λ_i) Q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j) (Q_i·K_j) V_j
     S_e = exp(Γ) S_p + Σ_j exp(Γ − Λ_j) K_jᵀ V_j                     (the next chunk's S_p)
 
-which is, as a plain loop, ``S = exp(ℓ_t) S + k_t ⊗ v_t;  o_t = Σ_κ S q_t``. Every exponent is of
-a sum of log decays over steps of one chunk, never a global cumulative sum, and the masked
+which is, as a plain loop, ``S = exp(ℓ_t) S + k_t ⊗ v_t;  o_t = Σ_κ S q_t``, V_j standing for
+β_j V_j where the injection has a per-step scalar β (SSD's softplus(dt): v the input x as given, β
+apart). Every exponent is of a sum of log decays over steps of one chunk, never a global
+cumulative sum, and the masked
 entries are set to −inf before `exp`, so that no inf·0 arises. The VJP follows the same shape
 (docs/design/matrix-linear-chunks.md gives the formulas): the cotangent of each chunk's end state
 runs through the chunks in reverse, the intra-chunk terms are matrix products of the same masked
@@ -34,17 +36,32 @@ SCAN_MATRIX_CHUNKS = 512
 @dataclass
 class Chunks:
     """The inputs of one call, chunked: q, k [*H, NC, C, K]; v [*H, NC, C, V]; ell [*H, NC, C] (log
-    decays, the compute dtype; zeros where there is no decay) and s0 [*H, K, V]."""
+    decays, the compute dtype; zeros where there is no decay), s0 [*H, K, V] and beta [*H, NC, C] (the
+    compute dtype; None: 1), the injection being β_t k_t ⊗ v_t; skip [*H, NC, C] (the compute dtype;
+    None: 0), the output being ``o_t + skip_t v_t`` (SSD's D x, v the raw x)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     ell: torch.Tensor
     s0: torch.Tensor
+    beta: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
 
     @property
     def compute(self) -> torch.dtype:
         return self.s0.dtype
+
+    def folded(self) -> Chunks:
+        """These chunks with β folded into v (β_j v_j in the compute dtype; itself where there is no β), the
+        skip left out (it weighs the raw v)."""
+        if self.beta is None:
+            return self
+        return Chunks(self.q, self.k, self.v.to(self.compute) * self.beta[..., None], self.ell, self.s0)
+
+    def core(self) -> Chunks:
+        """These chunks without the skip term."""
+        return self if self.skip is None else Chunks(self.q, self.k, self.v, self.ell, self.s0, self.beta)
 
     @property
     def mm(self) -> torch.dtype:
@@ -104,6 +121,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def forward(x: Chunks):
     """(O [*H, NC, C, V], the state entering each chunk [*H, NC, K, V], the final state [*H, K, V])."""
+    if x.skip is not None:
+        out, entering, final = forward(x.core())
+        return out + x.skip[..., None] * x.v.to(out.dtype), entering, final
+    x = x.folded()
     f32 = x.compute
     lam, gamma, decay = _decays(x.ell)
     scores = _mm(x.q, x.k.transpose(-1, -2), x.mm) * decay
@@ -116,10 +137,19 @@ def forward(x: Chunks):
 
 
 def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor):
-    """Cotangents (dq, dk, dv, dell, ds0) of `forward`'s inputs, in the shapes of the full heads
-    (the caller sums them over the heads an operand lacks), given its outputs' (d_out [*H, NC, C, V],
-    d_final [*H, K, V]) and what its forward returned (`final` is not read: the log decays' cotangent
-    takes the state at a chunk's end as `log_decay_grad` says)."""
+    """Cotangents (dq, dk, dv, dell, ds0, dbeta, dskip) of `forward`'s inputs, in the shapes of the full
+    heads (the caller sums them over the heads an operand lacks; dbeta, dskip None where there is no β,
+    no skip), given its
+    outputs' (d_out [*H, NC, C, V], d_final [*H, K, V]) and what its forward returned (`final` is not
+    read: the log decays' cotangent takes the state at a chunk's end as `log_decay_grad` says). With β,
+    the cotangent dṼ of β v gives ``dv = β dṼ`` and ``dβ_j = Σ_ν v_jν dṼ_jν``; with a skip, `skip_grad`
+    adds its part."""
+    if x.skip is not None:
+        return skip_grad(x, vjp(x.core(), entering, final, d_out, d_final), d_out)
+    if x.beta is not None:
+        dq, dk, d_folded, d_ell, d_s0, _, _ = vjp(x.folded(), entering, final, d_out, d_final)
+        return (dq, dk, d_folded * x.beta[..., None], d_ell, d_s0,
+                (x.v.to(d_folded.dtype) * d_folded).sum(-1), None)
     f32 = x.compute
     lam, gamma, decay = _decays(x.ell)
     q, k, v, d_out = x.q.to(f32), x.k.to(f32), x.v.to(f32), d_out.to(f32)
@@ -134,7 +164,17 @@ def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Ten
     dk_end = into_end * _mm(v, d_end.transpose(-1, -2), f32)   # k_j·dk_j's part through d_end
     dk = dk_end + _mm(d_scores.transpose(-1, -2), q, f32)
     dv = into_end * _mm(k, d_end, f32) + _mm(scores.transpose(-1, -2), d_out, f32)
-    return dq, dk, dv, log_decay_grad(q, k, dq, dk, (k * dk_end).sum((-1, -2)), gamma, d_end, entering), d_s0
+    d_ell = log_decay_grad(q, k, dq, dk, (k * dk_end).sum((-1, -2)), gamma, d_end, entering)
+    return dq, dk, dv, d_ell, d_s0, None, None
+
+
+def skip_grad(x: Chunks, grads: tuple, d_out: torch.Tensor) -> tuple:
+    """`grads` (dq, dk, dv, dell, ds0, dbeta, None) of the core without the skip, with the skip's part:
+    dv plus ``skip ⊙ d_out``, and the skip's cotangent ``Σ_ν v d_out`` [*H, NC, C] last."""
+    dq, dk, dv, d_ell, d_s0, d_beta, _ = grads
+    d_out = d_out.to(dv.dtype)
+    return (dq, dk, dv + x.skip[..., None].to(dv.dtype) * d_out, d_ell, d_s0, d_beta,
+            (x.v.to(dv.dtype) * d_out).sum(-1))
 
 
 def log_decay_grad(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, at_end: torch.Tensor,

@@ -6,14 +6,19 @@ from three kernels, `algorithm.vjp`'s from five, for 16-bit q, k, v with fp32 de
 
 Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK forces one):
 
-1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) k_jᵀ v_j`` (fp32);
+1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) β_j k_jᵀ v_j`` (fp32);
 2. ``state_pass``: per (head, 4 state entries), the chunks in order: the state entering each chunk, in
    place of the chunk's sum, and the final state (``state_pass_half``, for a call that keeps no tape:
    the entering states in 16 bits, as chunk_output reads them);
    or, for both (``one_pass``), ``chunk_states_scan``: per (head, 64 keys, 64 values), the chunks in
    order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
-   (q_i·k_j) v_j``, the scores in registers only.
+   β_j (q_i·k_j) v_j``, the scores in registers only.
+
+β (`Chunks.beta`, fp32, SSD's softplus(dt); none: 1) is read by the kernels where v is: v stays the
+input as given (no pass writes β v); ``chunk_dv`` also gives β's cotangent, ``Σ_ν dṼ_jν v_jν``.
+The skip (`Chunks.skip`, SSD's D) is added by ``chunk_output`` as it writes O (``O_i + skip_i v_i``),
+so that O is the program's output; its backward part is `algorithm.skip_grad` after the kernels.
 
 The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
 chunk's end state (the chunks last first, as the forward's states), then ``chunk_dq``, ``chunk_dk``,
@@ -36,7 +41,7 @@ from ...devices import current_device, emulating, on_backend_device
 from ...launch import launch_kernel
 from ...options import options
 from .. import template
-from .algorithm import Chunks, log_decay_grad
+from .algorithm import Chunks, log_decay_grad, skip_grad
 
 CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a warp per 16 query rows)
 # the default: the fp32 chunk states ([K, V] per head and chunk, written, passed and read again) shrink
@@ -116,10 +121,11 @@ def kernels_apply(x: Chunks) -> bool:
     """Whether `forward` takes `x`: 16-bit q, k, v of one format on the backend's device, fp32 decays
     and initial state, chunks of a size in `CHUNKS`, key and value sizes in `SIZES`."""
     q, k, v = x.q, x.k, x.v
+    beta = tuple(b for b in (x.beta, x.skip) if b is not None)
     return (kernels_wanted(q.dtype, q.shape[-1], v.shape[-1]) and k.dtype == q.dtype and v.dtype == q.dtype
             and k.shape[-1] == q.shape[-1] and q.shape[-2] in CHUNKS and x.ell.dtype == torch.float32
-            and x.s0.dtype == torch.float32 and all(t.numel() > 0 and on_backend_device(t)
-                                                    for t in (q, k, v, x.ell, x.s0)))
+            and x.s0.dtype == torch.float32 and all(b.dtype == torch.float32 for b in beta)
+            and all(t.numel() > 0 and on_backend_device(t) for t in (q, k, v, x.ell, x.s0, *beta)))
 
 
 def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
@@ -189,8 +195,10 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
     ell = _chunked_view(x.ell, False)
+    beta = None if x.beta is None else _chunked_view(x.beta, False)
     t = q.dim() - 3
-    heads = tuple(torch.broadcast_shapes(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t]))
+    heads = tuple(torch.broadcast_shapes(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
+                                         *[b.shape[:t] for b in (x.beta, x.skip) if b is not None]))
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
@@ -198,7 +206,11 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
         raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
     if not writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype)):
         out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
-    offs, steps, aligned_rows = _tables_for(heads, (q, k, v, ell, out, v), dev)  # no extra: v again
+    # no extra: v again; no β: ell in its column (not read)
+    skip = None if x.skip is None else _chunked_view(x.skip, False)
+    offs, steps, aligned_rows = _tables_for(
+        heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
+    beta_ptr = 0 if beta is None else _base(beta)
     s0 = x.s0.expand(*heads, key, value).contiguous()
     states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
@@ -210,12 +222,12 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     entering = states
     if ONE_PASS if one_pass is None else one_pass:
         launches = [("chunk_states_scan", nh * tiles, 128,
-                     [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
+                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
                       states.data_ptr(), final.data_ptr()])]
     else:
         launches = [
             ("chunk_states", nh * nc * tiles, 128,
-             [_base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
+             [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
               gamma.data_ptr()]),
         ]
         if half_states:
@@ -230,8 +242,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
         "_ho" if out.dtype != torch.float32 else "")
     launches += [
         (output, nh * nc * (value // 64), 2 * chunk,
-         [_base(q), _base(k), _base(v), _base(ell), offs.data_ptr(), steps.data_ptr(), entering.data_ptr(),
-          _base(out)]),
+         [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
+          steps.data_ptr(), entering.data_ptr(), _base(out)]),
     ]
     for name, blocks, threads, pointers in launches:
         _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(key, value, chunk)[name], events)
@@ -265,8 +277,9 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
              events: list | None = None):
     """`algorithm.vjp` on the kernels: (dq [*H, NC, C, K], dk [*H, NC, C, K], dv [*H, NC, C, V], dell
-    [*H, NC, C], ds0 [*H, K, V]), all fp32 over every head H (the caller sums them over the heads an
-    operand lacks), from what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
+    [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
+    fp32 over every head H (the caller sums them over the heads an operand lacks), from what `forward` returned
+    (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
     d_final [*H', K, V] fp32. `events` as `forward`'s."""
     q = _chunked_view(x.q, True)
@@ -274,6 +287,8 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     v = _chunked_view(x.v, True)
     do = _chunked_view(d_out, True)
     ell = _chunked_view(x.ell, False)
+    beta = None if x.beta is None else _chunked_view(x.beta, False)
+    beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _base(beta))
     t = q.dim() - 3
     heads = tuple(entering.shape[:t])
     nh = math.prod(heads)
@@ -288,6 +303,7 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     dk = torch.empty_like(dq)
     dv = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
     ends = torch.empty((*heads, nc, chunk, value // 64), dtype=torch.float32, device=dev)
+    d_beta = None if beta is None else torch.empty_like(ends)  # per value tile, summed below
     bf16 = q.dtype == torch.bfloat16
     _, _, eights = _tables_for(heads, (q, k, v, do), dev)
     aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
@@ -299,22 +315,26 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
         return offs.data_ptr(), steps.data_ptr()
 
     tiles = (key // 64) * (value // 64)
-    # the table's columns are (q, k, v, ell, out, extra) of chunk_output's roles
-    states_table = table(q, q, do, ell, dq, q)
+    # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
+    states_table = table(q, q, do, ell, dq, q, ell, ell)
     launches = [
         (kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
          [_base(q), _base(do), _base(ell), *states_table, d_end.data_ptr(), gamma.data_ptr()]),
         (kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
          [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()]),
         (vk, "chunk_dq", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(do), _base(v), _base(k), _base(ell), *table(do, v, k, ell, dq, do), entering.data_ptr(), _base(dq)]),
+         [_base(do), _base(v), _base(k), _base(ell), beta_ptr, 0, *table(do, v, k, ell, dq, do, beta_col, ell),
+          entering.data_ptr(), _base(dq)]),
         (vk, "chunk_dk", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(v), _base(do), _base(q), _base(ell), *table(v, do, q, ell, dk, v), d_end.data_ptr(), _base(dk)]),
+         [_base(v), _base(do), _base(q), _base(ell), beta_ptr, 0, *table(v, do, q, ell, dk, v, beta_col, ell),
+          d_end.data_ptr(), _base(dk)]),
         (kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
-         [_base(k), _base(q), _base(do), _base(ell), *table(k, q, do, ell, dv, v), d_end.data_ptr(), _base(dv),
-          _base(v), ends.data_ptr()]),
+         [_base(k), _base(q), _base(do), _base(ell), beta_ptr, 0, *table(k, q, do, ell, dv, v, beta_col, ell),
+          d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(), 0 if d_beta is None else d_beta.data_ptr()]),
     ]
     for text, name, blocks, threads, ck, cv, pointers in launches:
         _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events)
     d_ell = log_decay_grad(q, k, dq, dk, ends.sum((-1, -2)), gamma, d_end, entering)
-    return dq, dk, dv, d_ell, ds0
+    grads = dq, dk, dv, d_ell, ds0, None if d_beta is None else d_beta.sum(-1), None
+    # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO), from the 16-bit dO as the kernels'
+    return grads if x.skip is None else skip_grad(x, grads, d_out)
