@@ -115,11 +115,15 @@ class CudaBackend(Backend):
 
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
-        around its kernels); else None."""
+        around its kernels), or as stages around a chunked core (`staged.StagedPreparer`); else None."""
         from .kernels.chunk import chunked_core
         from .kernels.step_loop import step_loop
 
-        if (self.stages(program).staged or chunked_core(program, dtype.name) is not None
+        if self.stages(program).staged:  # stages around a chunked core: their runs kept per call (staged.py)
+            from .staged import staged_preparer
+
+            return staged_preparer(self, program, dtype)
+        if (chunked_core(program, dtype.name) is not None
                 or step_loop(program, dtype.name) is not None):
             return None
         from .hoisted import hoisted_runner

@@ -402,6 +402,35 @@ class CudaRunner:
             return {n: made[a] for n, a in outputs}, {n: made[a].reshape(shape) for n, a, shape in finals}
         return call
 
+    def prepare_maps(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
+        """`prepare` for a state-free program of map kernels only (no core, no accumulator: the pre and
+        post stages around a chunked core, `passes/matrix_linear.chunk_stages`): the launches `run`
+        makes, each worked out once, an output per kernel; None where a launch's outputs are partial
+        sums to add up after it (split-K) or the program has states."""
+        low, p = self.lowered, self.program
+        if low.core_states or low.accumulators or low.from_outputs or p.states:
+            return None
+        inputs = {**seqs, **params}
+        prepared = []
+        for launch in self.launches(sizes, length, contiguous):
+            if launch.kernel.time_blocks:  # as `run`: threads along time where its sequences have it contiguous
+                launch = self.epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
+            if launch.kernel.program.states or (launch.mapping.groups > 1 and not launch.mapping.row):
+                return None
+            one = self._prepare_launch(launch.kernel, inputs, sizes, length, launch.nblk, out_dtype,
+                                       launch.mapping.time_fastest, launch.mapping, launch.grid)
+            prepared.append((one, [(n, f"out_{n}") for n, _ in launch.kernel.program.outputs]))
+        names = [n for n, _ in p.outputs]
+
+        def call(seqs, params, initial):
+            arrays = {**seqs, **params}
+            outs = {}
+            for one, written in prepared:
+                made = self._execute(one, arrays)
+                outs.update((n, made[a]) for n, a in written)
+            return {n: outs[n] for n in names}, {}
+        return call
+
     def prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
         """`prepare` for time blocks: the summary, combine and rescan launches of `run_time_blocks`
         worked out once. The combine and rescan read arrays the launches before them allocate, whose
