@@ -239,5 +239,8 @@ def planned_run(backend, program, dtype, seqs, params, initial, sizes: dict[str,
     run = prepare and prepare(seqs, params, initial, sizes, length)
     if run:
         return lambda seqs, params, initial, products=None: run(seqs, params, initial)
+    if not backend.takes_products(program, dtype):  # the run function found once (finding it hashes programs)
+        general = backend.runner(program, dtype)
+        return lambda seqs, params, initial, products=None: general(seqs, params, initial, sizes, length)
     return lambda seqs, params, initial, products=None: backend.runner(program, dtype, products)(
         seqs, params, initial, sizes, length)

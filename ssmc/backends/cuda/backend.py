@@ -82,6 +82,14 @@ class CudaBackend(Backend):
             return loop.run
         return runner_for(program, dtype.name).run
 
+    def takes_products(self, program, dtype: np.dtype) -> bool:
+        """Only the hoisted runner of a program run whole takes them (`compiled`)."""
+        from .hoisted import hoisted_runner
+        from .kernels.chunk import chunked_core
+
+        return (not self.stages(program).staged and chunked_core(program, dtype.name) is None
+                and hoisted_runner(program, dtype.name) is not None)
+
     def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
         """Where one block of threads owns each row, the layer in one kernel; else `staged`."""
         from .runner import layer_runner
