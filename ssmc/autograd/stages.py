@@ -28,7 +28,7 @@ from ..runtime.precision import given_half, half_of
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
 from .prepared import PreparedChunk, PreparedStep
-from .tape import Tape, cotangents, in_layout
+from .tape import Tape, cotangents
 
 
 class StagedGrad(Driver):
@@ -145,9 +145,17 @@ class PreparedStages:
                                       for n, y in p.outputs}
         self.backwards: dict = {}  # signature of the output cotangents -> True once checked
         self.stage_grads = grad._stage_grads(dtype)
+        seqs = {d.name for d in p.seqs}
+        # per input: its name, the permutation from time first to its layout (None: not a sequence), its
+        # shape as a gradient of zeros has it where no stage reads it (`StagedGrad.adjoint`, `tape.in_layout`)
+        self.gradients = [(d.name, [(TIME, *d.axes).index(a) for a in layout_of(layout, d.name, d.axes)]
+                           if d.name in seqs else None,
+                           ((self.length,) if d.name in seqs else ()) + tuple(self.sizes[a] for a in d.axes))
+                          for d in p.inputs]
 
-    def forward(self, args: tuple, kwargs: dict):
-        """What `StagedGrad._forward` returns for a call of this signature."""
+    def forward(self, args: tuple, kwargs: dict, outputs: bool = True):
+        """What `StagedGrad._forward` returns for a call of this signature (each stage's forward runs with
+        its outputs, so `outputs` changes nothing)."""
         arrays = dict(zip(self.names, args))
         arrays.update(kwargs)
         values = {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first}
@@ -214,8 +222,9 @@ class PreparedStages:
                 into = totals if name in inputs else cot
                 into[name] = into[name] + value if name in into else value
         xp = self.grad.xp
-        for d in self.program.inputs:  # declared but read by no stage
-            if d.name not in totals:
-                shape = ((self.length,) if d in self.program.seqs else ()) + tuple(self.sizes[a] for a in d.axes)
-                totals[d.name] = xp.zeros(shape, self.dtype)
-        return in_layout(self.program, totals, self.layout, xp)
+        out = {}
+        for name, perm, shape in self.gradients:  # as `tape.in_layout` (zeros where no stage reads the input)
+            g = totals[name] if name in totals else xp.zeros(shape, self.dtype)
+            out[name] = (g if perm is None else g.permute(*perm)).contiguous()
+        out.update((s, totals[s]) for s in self.states)
+        return out
