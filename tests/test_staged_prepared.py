@@ -54,6 +54,16 @@ def test_staged_prepared_calls_match_the_interpreter(monkeypatch):
                 grads = torch.autograd.grad(y, list(leaves.values()), torch.tensor(cot))
                 for key, gr in zip(leaves, grads):
                     assert rel_err(gr, want[key]) <= 1e-9, (length, call, "op", key)
+    # cotangents of the final state too: the general backward from a prepared forward's tape
+    cot_h = np.random.default_rng(1).standard_normal(want_h.shape)
+    want = ssmc.grad(mamba2.SPEC, "interpreter", layout=mamba2.LAYOUT)(**case, grad_outputs=cot,
+                                                                       grad_final_states=cot_h)
+    got = g(**tensors, grad_outputs=torch.tensor(cot), grad_final_states=torch.tensor(cot_h))
+    leaves = {k: t.clone().requires_grad_(True) for k, t in tensors.items()}
+    y, h = op(*(leaves[k] for k in names))
+    grads = torch.autograd.grad((y, h), list(leaves.values()), (torch.tensor(cot), torch.tensor(cot_h)))
+    for key, gr in zip(leaves, grads):
+        assert rel_err(got[key], want[key]) <= 1e-9 and rel_err(gr, want[key]) <= 1e-9, key
     # every signature served by the prepared paths after its first call
     assert f._calls and all(f._calls.values())
     assert g._steps and all(g._steps.values())
