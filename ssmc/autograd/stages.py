@@ -24,7 +24,7 @@ from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
 from ..ir.axes import TIME
 from ..runtime.binding import DEFAULT_LAYOUT, layout_of
-from ..runtime.precision import given_half, half_of
+from ..runtime.precision import given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
 from .prepared import PreparedChunk, PreparedStep
@@ -88,7 +88,7 @@ class StagedGrad(Driver):
             found = [g._steps.get(k) if k is not None else None for g, k in zip(grads, steps)]
             prepared = all(isinstance(f, (PreparedStep, PreparedChunk)) for f in found)
             self._steps.remember(key, prepared and PreparedStages(self, layout, bound, dtype, set(kwargs), found,
-                                                                 half_of([*args, *kwargs.values()])))
+                                                                 [t.half for t in tapes]))
         return results, finals, tape
 
     def adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
@@ -123,9 +123,9 @@ class PreparedStages:
     stage's step up. The backward checks the first cotangents of a signature as `tape.cotangents` does,
     then chains the steps' backwards last to first, as `StagedGrad.adjoint` chains the stages' adjoints."""
 
-    def __init__(self, grad: StagedGrad, layout, bound, dtype, given: set[str], steps: list, half):
+    def __init__(self, grad: StagedGrad, layout, bound, dtype, given: set[str], steps: list, halves: list):
         p = grad.program
-        self.grad, self.program, self.layout, self.half = grad, p, layout, half
+        self.grad, self.program, self.layout = grad, p, layout
         self.sizes, self.length, self.dtype = bound.sizes, bound.length, dtype
         self.names = [d.name for d in p.inputs]
         self.to_time_first = [(d.name, [layout_of(layout, d.name, d.axes).index(a) for a in (TIME, *d.axes)])
@@ -133,11 +133,12 @@ class PreparedStages:
         self.params = [d.name for d in p.params]
         self.given_states = [s.name for s in p.states if s.name in given]
         inputs = set(self.names) | {s.name for s in p.states}
-        # per stage: its step, the names it reads, the names it writes for later stages, its outputs
+        # per stage: its step, the names it reads, the names it writes for later stages, its outputs, the
+        # 16-bit dtype its own inputs came in at the first call (`Grad.forward`'s `half_of` of them, or None)
         self.stages = [(step, [d.name for d in st.program.inputs],
                         [s.name for s in st.program.states if s.name in given], set(st.writes),
-                        [n for n, _ in st.program.outputs])
-                       for st, step in zip(grad.stages, steps)]
+                        [n for n, _ in st.program.outputs], half)
+                       for st, step, half in zip(grad.stages, steps, halves)]
         self.outputs = [n for n, _ in p.outputs]
         self.states = [s.name for s in p.states]
         self.inputs = inputs
@@ -161,8 +162,7 @@ class PreparedStages:
         values = {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first}
         values.update((n, arrays[n]) for n in self.params)
         results, finals, tapes = {}, {}, []
-        half = self.half
-        for step, reads, states, writes, _ in self.stages:
+        for step, reads, states, writes, _, half in self.stages:
             inputs = {n: values[n] for n in reads}
             inputs.update((s, arrays[s]) for s in states)
             if half is None:
@@ -207,7 +207,7 @@ class PreparedStages:
             cot[n] = t if t.dtype == compute else t.to(compute)
         totals: dict = {}
         inputs = self.inputs
-        for (_, _, _, _, outputs), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
+        for (_, _, _, _, outputs, _), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
             stage_cot = {n: cot.pop(n) for n in outputs if n in cot}  # the others: zeros (the step's own)
             grads = None
             if stage_cot:
