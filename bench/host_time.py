@@ -30,7 +30,7 @@ leaves' gradients set to None before it (torch then keeps the gradient given, wh
 accumulation would be a real add over the tensor; on the GPU it is one more launch a leaf). The median
 and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
 of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
-machine. --profile prints cProfile's top functions of each. The SSD rows there run at B1 L256 G1 R2 P64 N64
+machine. --profile prints cProfile's top functions of each. The SSD rows there run at B1 L128 G1 R1 P64 N64
 (the kernels' smallest key and value sizes; a stub moves no data, but the torch ops between the launches
 still compute on the CPU, so small sizes keep them from counting as host time), and add `ssmc.compile`'s
 forward (no tape) as its own row. The kernels of 16-bit programs do not compile for the emulator (no
@@ -80,7 +80,7 @@ def scan1_inputs(b=32, d=512, t=180) -> dict:
 
 
 SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}     # bench/chunk_check.py's
-SSD_STUB = {"b": 1, "t": 256, "g": 1, "r": 2, "p": 64, "n": 64}   # --cpu-stub's (module docstring)
+SSD_STUB = {"b": 1, "t": 128, "g": 1, "r": 1, "p": 64, "n": 64}   # --cpu-stub's (module docstring)
 
 
 def ssd_inputs(s: dict, seed: int = 2) -> dict:
