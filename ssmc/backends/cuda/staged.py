@@ -3,7 +3,7 @@ state-free pre stage, the matrix-linear core, a state-free post stage; Mamba-2 /
 
 `base.run_stages` chains the stages' runs and every run works its call out again: the stage's run
 function looked up, its strategy and launches planned, its dtypes decided. For calls alike (the same
-`Backend.call_key`: shapes, strides, dtypes, devices, overrides) all of that holds, so `prepare_staged`
+`Backend.call_key`: shapes, strides, dtypes, devices, overrides) all of that holds, so `StagedPreparer`
 keeps it: per stage the names it reads, the dtypes it writes, and its run, prepared at its first call
 (`CudaRunner.prepare`: the launches of a map stage worked out once) or the stage's run function (the
 chunked core). As a plain loop, a prepared call is
@@ -47,8 +47,6 @@ class StagedPreparer:
     """``prepare(seqs, params, initial, sizes, length, out_dtype) -> call`` of a chunk-staged program
     (module docstring), for `Backend.preparer`."""
 
-    time_first = True  # the call's sequences go time first (`api._bound_call`)
-
     def __init__(self, backend, program, dtype):
         self.fused = backend.stages(program)
         self.backend, self.dtype = backend, dtype
@@ -57,7 +55,7 @@ class StagedPreparer:
         self.dtypes = backend.stage_dtypes(self.fused, dtype)
 
     def __call__(self, seqs, params, initial, sizes, length, out_dtype=None):
-        return _StagedCall(self, seqs, params, sizes, length, out_dtype)
+        return _StagedCall(self, sizes, length, out_dtype)
 
 
 class _StagedCall:
@@ -65,9 +63,9 @@ class _StagedCall:
     `run_stages` returns them. Each stage's run is prepared at the call's first run of it, on that
     call's arrays (the intermediates' layouts are then known), and taken as it is afterwards."""
 
-    time_first = True
+    time_first = True  # the call's sequences go time first (`api._bound_call`)
 
-    def __init__(self, preparer: StagedPreparer, seqs, params, sizes, length, out_dtype):
+    def __init__(self, preparer: StagedPreparer, sizes, length, out_dtype):
         fused = preparer.fused
         self.preparer, self.sizes, self.length, self.out_dtype = preparer, sizes, length, out_dtype
         self.stages = [([d.name for d in st.program.seqs], [d.name for d in st.program.params],
