@@ -1,7 +1,7 @@
 """Host time of ssmc's torch op per call, apart from the GPU's: is a small training step kernel-bound?
 
-    python bench/host_time.py [--out DIR] [--calls 50]
-    python bench/host_time.py --cpu-stub [--calls 200] [--profile]   # no GPU: the host path alone
+    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd]
+    python bench/host_time.py --cpu-stub [--calls 200] [--profile] [--only ...]   # no GPU: the host path alone
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
 inputs) and the first-order scan h = a * h + x (bench/workloads/diagonal.py, B32 D512 L180): the host
@@ -13,6 +13,13 @@ and a call that waits for the GPU shows as the sleep's length), the GPU kernels'
 (the torch profiler's sum), and the step's time back to back (CUDA events around `--calls` steps). Prints a
 markdown table; with --out, writes DIR/host_time.md.
 
+"ssd": Mamba-2 / SSD (`examples/mamba2.py`, "b t ...", bf16), a layer run in stages around a chunked core
+(passes/matrix_linear.py), at B4 L4096 G1 R32 P64 N128 on the GPU: the torch op's training step as above, and
+`ssmc.compile`'s forward alone (host milliseconds per call, its kernels' time, its time back to back). Before
+timing, the GPU run checks that calls after the first of a signature (the prepared paths: cuda/staged.py,
+autograd/stages.py `PreparedStages`) give the first call's outputs and gradients (relative error printed, at
+most 1e-3), and the same after a call of another shape.
+
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
 (SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
 host code down to the driver's call, which does nothing (`_stub_launches`). The kernels are compiled for
@@ -23,7 +30,11 @@ leaves' gradients set to None before it (torch then keeps the gradient given, wh
 accumulation would be a real add over the tensor; on the GPU it is one more launch a leaf). The median
 and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
 of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
-machine. --profile prints cProfile's top functions of each.
+machine. --profile prints cProfile's top functions of each. The SSD rows there run at B1 L128 G1 R1 P64 N64
+(the kernels' smallest key and value sizes; a stub moves no data, but the torch ops between the launches
+still compute on the CPU, so small sizes keep them from counting as host time), and add `ssmc.compile`'s
+forward (no tape) as its own row. The kernels of 16-bit programs do not compile for the emulator (no
+cuda_fp16.h there): with launches stubbed nothing is compiled at all (`_stub_launches`).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ssmc.torch
-from ssmc.examples import mamba1
+from ssmc.examples import mamba1, mamba2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads.diagonal import scan as scan1  # h = a * h + x
@@ -66,6 +77,52 @@ def scan1_inputs(b=32, d=512, t=180) -> dict:
     g = torch.Generator(device=DEVICE).manual_seed(1)
     a = torch.rand(b, d, t, generator=g, device=DEVICE).requires_grad_(True)
     return {"a": a, "x": torch.randn(b, d, t, generator=g, device=DEVICE).requires_grad_(True)}
+
+
+SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}     # bench/chunk_check.py's
+SSD_STUB = {"b": 1, "t": 128, "g": 1, "r": 1, "p": 64, "n": 64}   # --cpu-stub's (module docstring)
+
+
+def ssd_inputs(s: dict, seed: int = 2) -> dict:
+    """Mamba-2 / SSD's inputs as bench/chunk_check.py draws them (bf16 sequences, fp32 params)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    b, t, gr, r, p, n = s["b"], s["t"], s["g"], s["r"], s["p"], s["n"]
+
+    def randn(*shape, shift=0.0):
+        return (torch.randn(*shape, generator=g, device=DEVICE) + shift).to(torch.bfloat16).requires_grad_(True)
+    return {"x": randn(b, t, gr, r, p), "dt": randn(b, t, gr, r, shift=-1.0),
+            "A": (-torch.exp(torch.rand(gr, r, generator=g, device=DEVICE) * 2 - 1)).requires_grad_(True),
+            "B": randn(b, t, gr, n), "C": randn(b, t, gr, n),
+            "D": torch.randn(gr, r, generator=g, device=DEVICE).requires_grad_(True)}
+
+
+def rel(got, want) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def check_repeated(compiled, fn, inputs: dict, other: dict) -> float:
+    """The largest relative error, over outputs and gradients, of later calls of `compiled` (`ssmc.compile`)
+    and `fn` (the torch op) against their first call on `inputs`, after a call on `other` (another shape)
+    too; raises where it is above 1e-3."""
+    detached = {k: v.detach() for k, v in inputs.items()}
+
+    def step(values):
+        for v in values.values():
+            v.grad = None
+        y = fn(**values)
+        y.backward(torch.ones_like(y) * 0.01 + y.detach() * 0.001)
+        return [y.detach().clone()] + [v.grad.detach().clone() for v in values.values()]
+    first_y, first = compiled(**detached).clone(), step(inputs)
+    worst = 0.0
+    for i in range(4):
+        if i == 2:
+            compiled(**{k: v.detach() for k, v in other.items()})
+            step(other)
+        worst = max(worst, rel(compiled(**detached), first_y), *(rel(a, b) for a, b in zip(step(inputs), first)))
+    if not worst <= 1e-3:
+        raise SystemExit(f"repeated calls differ from the first: relative error {worst:.3g}")
+    return worst
 
 
 def host_ms(fns) -> float:
@@ -121,6 +178,30 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
             "step": start.elapsed_time(end) / calls, "kernels": kernels}
 
 
+def measure_forward(name: str, compiled, inputs: dict, calls: int) -> dict:
+    """`ssmc.compile`'s forward alone (no tape): host ms per call, its kernels' ms, its ms back to back."""
+    inputs = {k: v.detach() for k, v in inputs.items()}
+
+    def forward():
+        return compiled(**inputs)
+    for _ in range(5):
+        forward()
+    fwd = host_ms([forward] * calls)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        forward()
+    end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    return {"name": name, "fwd_host": fwd, "kernels": kernels, "step": start.elapsed_time(end) / calls}
+
+
 def _stub_launches() -> None:
     """Every kernel launch and device memset of ssmc runs its host code as on the GPU, down to the
     driver's call, which is a C function that does nothing (libc's ``labs``, called through ctypes with
@@ -145,6 +226,12 @@ def _stub_launches() -> None:
         ptr = 0
 
     kernel = Kernel()
+
+    from ssmc.backends.cuda import emulator
+
+    def emulated(source, name):  # nothing compiled: no launch reaches it
+        return None
+    emulator.emulated = emulated
 
     def launched(function, grid, length, nblk, pointers, shared=0):
         real(kernel, grid, length, nblk, pointers, shared)
@@ -177,6 +264,26 @@ class _Floor(torch.autograd.Function):
             grads.append(torch.as_strided(buffer, t.shape, t.stride(), offset))
             offset += t.numel()
         return (None, None, *grads)
+
+
+def _stub_forward(name: str, compiled, inputs: dict, calls: int, profile_calls: bool) -> dict:
+    """Host microseconds (median, least) of `ssmc.compile`'s forward, launches stubbed."""
+    inputs = {k: v.detach() for k, v in inputs.items()}
+    times = []
+    for i in range(calls + 5):
+        t0 = time.thread_time_ns()
+        compiled(**inputs)
+        if i >= 5:
+            times.append(time.thread_time_ns() - t0)
+    if profile_calls:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(calls):
+                compiled(**inputs)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return {"name": name, "fwd": (statistics.median(times) / 1e3, min(times) / 1e3)}
 
 
 def _stub_measure(name: str, fn, inputs: dict, calls: int, profile_calls: bool) -> dict:
@@ -228,15 +335,25 @@ def stub_main(args) -> None:
     os.environ["SSMC_CUDA_EMULATE"] = "1"
     _stub_launches()
     torch.set_num_threads(1)
-    rows = [_stub_measure("Mamba-1 B32 D512 L180 N16 fp32",
-                          ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT), mamba1_inputs(),
-                          args.calls, args.profile),
-            _stub_measure("scan h = a h + x B32 D512 L180 fp32",
-                          ssmc.torch.function(scan1, "cuda", layout="b d t"), scan1_inputs(), args.calls,
-                          args.profile)]
+    rows = []
+    if "mamba1" in args.only:
+        rows.append(_stub_measure("Mamba-1 B32 D512 L180 N16 fp32",
+                                  ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT), mamba1_inputs(),
+                                  args.calls, args.profile))
+    if "scan" in args.only:
+        rows.append(_stub_measure("scan h = a h + x B32 D512 L180 fp32",
+                                  ssmc.torch.function(scan1, "cuda", layout="b d t"), scan1_inputs(), args.calls,
+                                  args.profile))
+    if "ssd" in args.only:
+        title = "SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD_STUB)
+        compiled = ssmc.compile(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+        op = ssmc.torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+        rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, ssd_inputs(SSD_STUB), args.calls,
+                                  args.profile))
+        rows.append(_stub_measure(f"{title}, torch op", op, ssd_inputs(SSD_STUB), args.calls, args.profile))
     lines = ["| workload (CPU, launches stubbed; median / least of the calls) | host us forward | host us backward "
              "| bare autograd.Function forward | bare backward |", "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}"
+    lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}" if k in r else "-"
                                             for k in ("fwd", "bwd", "floor_fwd", "floor_bwd")) + " |" for r in rows]
     print("\n".join(lines))
 
@@ -247,20 +364,37 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=None, help="calls of each kind (default 50; 200 with --cpu-stub)")
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
+    ap.add_argument("--only", default="mamba1,scan,ssd", help="workloads, comma-separated: mamba1, scan, ssd")
     args = ap.parse_args()
+    args.only = set(args.only.split(","))
     if args.cpu_stub:
         args.calls = args.calls or 200
         stub_main(args)
         return
     args.calls = args.calls or 50
-    rows = [measure("Mamba-1 B32 D512 L180 N16 fp32", ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT),
-                    mamba1_inputs(), args.calls),
-            measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
-                    scan1_inputs(), args.calls)]
+    rows = []
+    if "mamba1" in args.only:
+        op = ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
+        rows.append(measure("Mamba-1 B32 D512 L180 N16 fp32", op, mamba1_inputs(), args.calls))
+    if "scan" in args.only:
+        rows.append(measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
+                            scan1_inputs(), args.calls))
+    if "ssd" in args.only:
+        title = "SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD)
+        compiled = ssmc.compile(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+        op = ssmc.torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+        inputs = ssd_inputs(SSD)
+        err = check_repeated(compiled, op, inputs, ssd_inputs({**SSD, "t": SSD["t"] // 2}, seed=3))
+        print(f"SSD: later calls against the first, outputs and gradients: relative error {err:.2e}")
+        # at most 15 calls a batch: a training step is some fifty launches (kernels and torch's ops), and a
+        # launch waits once about a thousand are queued (the GPU asleep): that wait is no host time
+        calls = min(args.calls, 15)
+        rows.append(measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls))
+        rows.append(measure(f"{title}, torch op", op, inputs, calls))
     lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
              "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | {r['bwd_host']:.4f} | {r['bwd_fresh']:.4f} | {r['kernels']:.4f} "
-              f"| {r['step']:.4f} |" for r in rows]
+    lines += [f"| {r['name']} | {r['fwd_host']:.4f} | " + " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in (
+        "bwd_host", "bwd_fresh", "kernels", "step")) + " |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -70,7 +70,7 @@ class Compiled:
         if prepare is not None:
             prepared = prepare(seqs, params, initial, bound.sizes, bound.length, **options)
             # False: runs of more than one launch take the full path (the key says so quickly)
-            self._calls.remember(key, prepared and _bound_call(p, initial, prepared, given=set(kwargs)))
+            self._calls.remember(key, prepared and _bound_call(p, initial, prepared, set(kwargs), layout))
             if prepared:
                 return prepared(seqs, params, initial)
         return run(seqs, params, initial, bound.sizes, bound.length, **options)
@@ -123,16 +123,29 @@ class Compiled:
         return (ys, _single(finals)) if return_final_states else ys
 
 
-def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str]):
+def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str], layout):
     """`prepared` (a backend's run worked out for one call) as a function of a call's (args, kwargs)
     alike (same `Backend.call_key`, so the same keywords `given`): binding them is matching names, the
-    checks `bind_arrays` made for the first such call holding for them all. The prepared run reads only
-    the arrays' addresses (`CudaRunner.prepare`: their layouts are in the key), so the arrays go as
-    given, not as time-first views (a permute costs host time)."""
+    checks `bind_arrays` made for the first such call holding for them all. A prepared run of launches
+    alone reads only the arrays' addresses (`CudaRunner.prepare`: their layouts are in the key), so the
+    arrays go as given, not as time-first views (a permute costs host time); one that says
+    `time_first` (stages around a chunked core, whose core permutes its operands: cuda/staged.py)
+    takes the sequences time first, as binding gives them."""
     names = [d.name for d in p.inputs]
     seqs, params = [d.name for d in p.seqs], [d.name for d in p.params]
     zeros = {s.name: initial[s.name] for s in p.states if s.name not in given}  # shared, read only
     states = [s.name for s in p.states if s.name in given]
+    if getattr(prepared, "time_first", False):
+        perms = [(d.name, [layout_of(layout, d.name, d.axes).index(a) for a in (TIME, *d.axes)]) for d in p.seqs]
+
+        def call(args, kwargs):
+            arrays = dict(zip(names, args))
+            arrays.update(kwargs)
+            # detached as binding detaches them (the core's torch ops would record a graph)
+            return prepared({n: arrays[n].detach().permute(*perm) for n, perm in perms},
+                            {n: arrays[n].detach() for n in params},
+                            {**zeros, **{s: arrays[s].detach() for s in states}})
+        return call
 
     def call(args, kwargs):
         arrays = dict(zip(names, args))

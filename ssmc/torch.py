@@ -33,6 +33,7 @@ from .autograd import make_grad
 from .autograd.driver import Grad
 from .autograd.lean import LeanStep
 from .autograd.prepared import PreparedChunk, PreparedStep
+from .autograd.stages import StagedGrad
 from .backends.cuda.devices import current_device
 from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
@@ -331,8 +332,12 @@ class SsmcFunction:
 
     def _prepared_step(self, grad, target, tensors: list):
         """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `grad` keeps for
-        calls like this one, where `Grad.forward` would take it as it is: a `Grad` (not staged), no 16-bit
-        input (`given_half`), the tensors on the current device (the caller's key says); else None."""
+        calls like this one, where `Grad.forward` would take it as it is: a `Grad`, no 16-bit input
+        (`given_half`), the tensors on the current device (the caller's key says); for a `StagedGrad` its
+        `PreparedStages` (which sets each stage's 16-bit context itself); else None."""
+        if isinstance(grad, StagedGrad):
+            key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
+            return (grad._steps.get(key) or None) if key is not None else None
         if not isinstance(grad, Grad) or half_of(tensors) is not None:
             return None
         key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)

@@ -16,7 +16,8 @@ The package, in import order (no module imports one below it):
     lean.py       `LeanStep`: a `PreparedStep`'s calls at the least host time (pointers and views)
     driver.py     `Driver`, the interface of a recurrence's gradient, and `Grad`, the driver of one
                   program on any backend; `Grad._path` is the one place that picks a call's path
-    stages.py     `StagedGrad`: the driver of a layer cut into fusion stages, chaining `Grad`s
+    stages.py     `StagedGrad`: the driver of a layer cut into fusion stages, chaining `Grad`s (and
+                  `PreparedStages`, its calls alike after a first one, chaining the stages' steps)
     attention.py  `AttentionGrad`: `ssmc.attention`'s gradients (the tiled torch path, or the interpreter)
 
 Everything a backend decides is asked of its `Backend` object (backends/base.py): its arrays, its

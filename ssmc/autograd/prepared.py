@@ -130,15 +130,21 @@ class PreparedStep(_Signature):
         self.fused = fused
         self.run_forward = fused.prepare_forward(seqs, params, initial, bound.sizes, bound.length)
         self.run_summary = None  # the forward without outputs, prepared at the first call that wants none
+        # the sequences the runner reads as given (`half_inputs`), found at the first call: not cast after
+        self.half_keep: frozenset | None = None
 
     def forward(self, args: tuple, kwargs: dict, outputs: bool):
         """What `Grad._forward` returns for a call of this signature."""
-        seqs, params, initial, tape = self._arrays(args, kwargs)
-        if hasattr(self.fused, "half_inputs"):  # as `Grad._forward`: 16-bit sequences the runner reads as given
-            arrays = dict(zip(self.names, args))
-            arrays.update(kwargs)
-            seqs = tape.seqs = self.fused.half_inputs(
-                seqs, {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first.items()}, self.sizes)
+        if self.half_keep is not None:
+            seqs, params, initial, tape = self._half_arrays(args, kwargs)
+        else:
+            seqs, params, initial, tape = self._arrays(args, kwargs)
+            if hasattr(self.fused, "half_inputs"):  # as `Grad._forward`: 16-bit sequences the runner reads as given
+                arrays = dict(zip(self.names, args))
+                arrays.update(kwargs)
+                given = {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first.items()}
+                seqs = tape.seqs = self.fused.half_inputs(seqs, given, self.sizes)
+                self.half_keep = frozenset(n for n, v in seqs.items() if v is given[n])
         if outputs:
             run = self.run_forward
         else:
@@ -147,6 +153,21 @@ class PreparedStep(_Signature):
             run = self.run_summary
         outs, finals, tape.rounds = run(seqs, params, initial)
         return (outs if outputs else {}), finals, tape
+
+    def _half_arrays(self, args: tuple, kwargs: dict):
+        """`_arrays` where the runner reads the sequences `half_keep` as given (16-bit q, k, v of a chunked
+        core: `half_inputs`): those time first as they are, the others cast (none cast only to be dropped)."""
+        arrays = dict(zip(self.names, args))
+        arrays.update(kwargs)
+        cast, keep = self._cast, self.half_keep
+        seqs = {}
+        for n, perm in self.to_time_first.items():
+            t = arrays[n].detach().permute(*perm)
+            seqs[n] = t if n in keep else cast(t)
+        params = {n: cast(arrays[n]) for n in self.params}
+        initial = {**self.zeros, **{s: cast(arrays[s]) for s in self.given_states}}
+        tape = Tape(self.sizes, self.length, self.dtype, self.layout, seqs, params, self.chunk, [initial], step=self)
+        return seqs, params, initial, tape
 
     def backward(self, tape: Tape, grad_outputs, grad_final_states) -> dict | None:
         """What `Grad.backward` returns, where the cotangents suit this path (`_cotangents`); else None."""
@@ -239,5 +260,8 @@ def planned_run(backend, program, dtype, seqs, params, initial, sizes: dict[str,
     run = prepare and prepare(seqs, params, initial, sizes, length)
     if run:
         return lambda seqs, params, initial, products=None: run(seqs, params, initial)
+    if not backend.takes_products(program, dtype):  # the run function found once (finding it hashes programs)
+        general = backend.runner(program, dtype)
+        return lambda seqs, params, initial, products=None: general(seqs, params, initial, sizes, length)
     return lambda seqs, params, initial, products=None: backend.runner(program, dtype, products)(
         seqs, params, initial, sizes, length)

@@ -22,10 +22,13 @@ import numpy as np
 
 from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
-from ..runtime.binding import DEFAULT_LAYOUT
-from ..runtime.prologue import bind_call
+from ..ir.axes import TIME
+from ..runtime.binding import DEFAULT_LAYOUT, layout_of
+from ..runtime.precision import given_half
+from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
-from .tape import Tape
+from .prepared import PreparedChunk, PreparedStep
+from .tape import Tape, cotangents
 
 
 class StagedGrad(Driver):
@@ -42,6 +45,7 @@ class StagedGrad(Driver):
         self.dtype = dtype
         self.chunk = chunk
         self._grads: dict[str, list[Grad]] = {}
+        self._steps = PreparedCalls()  # call key -> its `PreparedStages`, or False (none applies)
 
     def _stage_grads(self, dtype: np.dtype) -> list[Grad]:
         """A `Grad` per stage, all in the layer's compute dtype (intermediates stay in it)."""
@@ -56,14 +60,21 @@ class StagedGrad(Driver):
         """(outputs, final states, tape) as `Grad.forward`: outputs time first, compute dtype; each
         stage's forward runs with its outputs (the next stage reads them), so `outputs` changes nothing."""
         p, layout = self.program, layout or self.layout
+        key = self._steps.key(self.target, args, kwargs, layout)
+        if key is not None:  # a call like an earlier one: its stages' steps were found then
+            step = self._steps.get(key)
+            if step:
+                return step.forward(args, kwargs)
         bound, dtype = bind_call(self.target, p, args, kwargs, layout, self.dtype)
         values = dict(bound.arrays)      # the layer's inputs (sequences time first), then intermediates
         given_states = {s.name: bound.initial[s.name] for s in p.states if s.name in kwargs}
-        results, finals, tapes = {}, {}, []
+        results, finals, tapes, steps = {}, {}, [], []
         for stage, g in zip(self.stages, self._stage_grads(dtype)):
             sp = stage.program
             inputs = {d.name: values[d.name] for d in sp.inputs}
             inputs.update((s.name, given_states[s.name]) for s in sp.states if s.name in given_states)
+            if key is not None:  # the stage's own call key: its prepared step after this call
+                steps.append(g._steps.key(g.target, (), inputs, g.layout))
             outs, fin, tape = g.forward(**inputs)
             tapes.append(tape)
             finals.update(fin)
@@ -71,7 +82,14 @@ class StagedGrad(Driver):
                 (values if name in stage.writes else results)[name] = value
         results = {n: results[n] for n, _ in p.outputs}
         finals = {s.name: finals[s.name] for s in p.states}
-        return results, finals, Tape(bound.sizes, bound.length, dtype, layout, tapes=tapes)
+        tape = Tape(bound.sizes, bound.length, dtype, layout, tapes=tapes)
+        if key is not None and key not in self._steps:
+            grads = self._stage_grads(dtype)
+            found = [g._steps.get(k) if k is not None else None for g, k in zip(grads, steps)]
+            prepared = all(isinstance(f, (PreparedStep, PreparedChunk)) for f in found)
+            self._steps.remember(key, prepared and PreparedStages(self, layout, bound, dtype, set(kwargs), found,
+                                                                 [t.half for t in tapes]))
+        return results, finals, tape
 
     def adjoint(self, tape: Tape, cot: dict, lam: dict) -> dict:
         """The stages' adjoints, last to first: each stage's cotangents are those of its outputs
@@ -93,3 +111,120 @@ class StagedGrad(Driver):
                 shape = ((tape.length,) if d in p.seqs else ()) + tuple(tape.sizes[a] for a in d.axes)
                 totals[d.name] = xp.zeros(shape, tape.dtype)
         return totals
+
+
+class PreparedStages:
+    """`StagedGrad`'s forward and backward for calls like a first one (the same `Backend.call_key`: shapes,
+    strides, dtypes, devices, keywords, overrides), where every stage's `Grad` served that call through a
+    prepared step (prepared.py). The first call bound and checked the arguments, and each stage's
+    arguments (the layer's sequences time first, the intermediates the stages before wrote) are laid out
+    alike in every such call, so each stage's prepared step serves them: a call here permutes the
+    sequences to time first and calls the steps in order, without binding the layer's call or looking each
+    stage's step up. The backward checks the first cotangents of a signature as `tape.cotangents` does,
+    then chains the steps' backwards last to first, as `StagedGrad.adjoint` chains the stages' adjoints."""
+
+    def __init__(self, grad: StagedGrad, layout, bound, dtype, given: set[str], steps: list, halves: list):
+        p = grad.program
+        self.grad, self.program, self.layout = grad, p, layout
+        self.sizes, self.length, self.dtype = bound.sizes, bound.length, dtype
+        self.names = [d.name for d in p.inputs]
+        self.to_time_first = [(d.name, [layout_of(layout, d.name, d.axes).index(a) for a in (TIME, *d.axes)])
+                              for d in p.seqs]
+        self.params = [d.name for d in p.params]
+        self.given_states = [s.name for s in p.states if s.name in given]
+        inputs = set(self.names) | {s.name for s in p.states}
+        # per stage: its step, the names it reads, the names it writes for later stages, its outputs, the
+        # 16-bit dtype its own inputs came in at the first call (`Grad.forward`'s `half_of` of them, or None)
+        self.stages = [(step, [d.name for d in st.program.inputs],
+                        [s.name for s in st.program.states if s.name in given], set(st.writes),
+                        [n for n, _ in st.program.outputs], half)
+                       for st, step, half in zip(grad.stages, steps, halves)]
+        self.outputs = [n for n, _ in p.outputs]
+        self.states = [s.name for s in p.states]
+        self.inputs = inputs
+        self.outputs_to_time_first = {n: [layout_of(layout, n, y.axes).index(a) for a in (TIME, *y.axes)]
+                                      for n, y in p.outputs}
+        self.backwards: dict = {}  # signature of the output cotangents -> True once checked
+        self.stage_grads = grad._stage_grads(dtype)
+        seqs = {d.name for d in p.seqs}
+        # per input: its name, the permutation from time first to its layout (None: not a sequence), its
+        # shape as a gradient of zeros has it where no stage reads it (`StagedGrad.adjoint`, `tape.in_layout`)
+        self.gradients = [(d.name, [(TIME, *d.axes).index(a) for a in layout_of(layout, d.name, d.axes)]
+                           if d.name in seqs else None,
+                           ((self.length,) if d.name in seqs else ()) + tuple(self.sizes[a] for a in d.axes))
+                          for d in p.inputs]
+
+    def forward(self, args: tuple, kwargs: dict, outputs: bool = True):
+        """What `StagedGrad._forward` returns for a call of this signature (each stage's forward runs with
+        its outputs, so `outputs` changes nothing)."""
+        arrays = dict(zip(self.names, args))
+        arrays.update(kwargs)
+        values = {n: arrays[n].detach().permute(*perm) for n, perm in self.to_time_first}
+        values.update((n, arrays[n]) for n in self.params)
+        results, finals, tapes = {}, {}, []
+        for step, reads, states, writes, _, half in self.stages:
+            inputs = {n: values[n] for n in reads}
+            inputs.update((s, arrays[s]) for s in states)
+            if half is None:
+                outs, fin, tape = step.forward((), inputs, True)
+            else:  # as `Grad.forward`: the runners see the 16-bit inputs only cast (runtime/precision.py)
+                with given_half(half):
+                    outs, fin, tape = step.forward((), inputs, True)
+                tape.half = half
+            tapes.append(tape)
+            finals.update(fin)
+            for name, value in outs.items():
+                (values if name in writes else results)[name] = value
+        tape = Tape(self.sizes, self.length, self.dtype, self.layout, tapes=tapes, step=self)
+        return {n: results[n] for n in self.outputs}, {s: finals[s] for s in self.states}, tape
+
+    def backward(self, tape: Tape, grad_outputs, grad_final_states) -> dict | None:
+        """What `Driver.backward` returns, where the cotangents are torch tensors of the outputs only (by
+        name, or one tensor for the one output); else None (the general path)."""
+        import torch
+
+        from ..backends.cuda.devices import on_backend_device
+
+        if grad_final_states is not None and not (isinstance(grad_final_states, dict) and not grad_final_states):
+            return None  # cotangents of the final states: the general path
+        names = self.outputs
+        given = {names[0]: grad_outputs} if isinstance(grad_outputs, torch.Tensor) and len(names) == 1 else grad_outputs
+        if not isinstance(given, dict) or not given:
+            return None
+        key = []
+        for name, t in given.items():
+            if not isinstance(t, torch.Tensor) or not on_backend_device(t):
+                return None
+            key.append((name, t.shape, t.stride(), t.dtype, t.device))
+        key = tuple(key)
+        if key not in self.backwards:  # checked as the general path checks them (ValueError before any work)
+            cotangents(self.program, self.grad.xp, tape, given, None)
+            self.backwards[key] = True
+        compute = torch.float64 if np.dtype(self.dtype) == np.float64 else torch.float32
+        cot = {}
+        for n, t in given.items():
+            t = t.detach().permute(*self.outputs_to_time_first[n])
+            cot[n] = t if t.dtype == compute else t.to(compute)
+        totals: dict = {}
+        inputs = self.inputs
+        for (_, _, _, _, outputs, _), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
+            stage_cot = {n: cot.pop(n) for n in outputs if n in cot}  # the others: zeros (the step's own)
+            grads = None
+            if stage_cot:
+                if t.half is None:
+                    grads = t.step.backward(t, stage_cot, None)
+                else:
+                    with given_half(t.half):
+                        grads = t.step.backward(t, stage_cot, None)
+            if grads is None:
+                grads = g.backward(t, grad_outputs=stage_cot, grad_final_states=None)
+            for name, value in grads.items():
+                into = totals if name in inputs else cot
+                into[name] = into[name] + value if name in into else value
+        xp = self.grad.xp
+        out = {}
+        for name, perm, shape in self.gradients:  # as `tape.in_layout` (zeros where no stage reads the input)
+            g = totals[name] if name in totals else xp.zeros(shape, self.dtype)
+            out[name] = (g if perm is None else g.permute(*perm)).contiguous()
+        out.update((s, totals[s]) for s in self.states)
+        return out

@@ -114,6 +114,11 @@ class Backend:
                          dtypes=self.stage_dtypes(fused, dtype))
         return self.layer_runner(fused, dtype, staged)
 
+    def takes_products(self, program, dtype: np.dtype) -> bool:
+        """Whether `runner(program, dtype, products)` reads or fills `products` (else the runner is the
+        same for any products, and a caller may keep it)."""
+        return True
+
     def stages(self, program) -> Fused:
         """The programs `program` runs as, in order (`lowering/stages.py`, `fuse`)."""
         return fuse(program)

@@ -82,6 +82,14 @@ class CudaBackend(Backend):
             return loop.run
         return runner_for(program, dtype.name).run
 
+    def takes_products(self, program, dtype: np.dtype) -> bool:
+        """Only the hoisted runner of a program run whole takes them (`compiled`)."""
+        from .hoisted import hoisted_runner
+        from .kernels.chunk import chunked_core
+
+        return (not self.stages(program).staged and chunked_core(program, dtype.name) is None
+                and hoisted_runner(program, dtype.name) is not None)
+
     def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
         """Where one block of threads owns each row, the layer in one kernel; else `staged`."""
         from .runner import layer_runner
@@ -115,11 +123,15 @@ class CudaBackend(Backend):
 
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
-        around its kernels); else None."""
+        around its kernels), or as stages around a chunked core (`staged.StagedPreparer`); else None."""
         from .kernels.chunk import chunked_core
         from .kernels.step_loop import step_loop
 
-        if (self.stages(program).staged or chunked_core(program, dtype.name) is not None
+        if self.stages(program).staged:  # stages around a chunked core: their runs kept per call (staged.py)
+            from .staged import staged_preparer
+
+            return staged_preparer(self, program, dtype)
+        if (chunked_core(program, dtype.name) is not None
                 or step_loop(program, dtype.name) is not None):
             return None
         from .hoisted import hoisted_runner

@@ -402,6 +402,57 @@ class CudaRunner:
             return {n: made[a] for n, a in outputs}, {n: made[a].reshape(shape) for n, a, shape in finals}
         return call
 
+    def prepare_maps(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
+        """`prepare` for a program of map/reduce kernels without a core (no state carried from step to
+        step: the stages around a chunked core, `passes/matrix_linear.chunk_stages`, and their adjoints,
+        whose param gradients are sums over time): the launches `run` makes, each worked out once, and
+        the sums after them as `run` adds them. None where the program has a core (`run` launches it
+        first)."""
+        low, p = self.lowered, self.program
+        if low.core_states:
+            return None
+        inputs = {**seqs, **params, **{f"init_{s}": initial[s] for s in low.accumulators}}
+        summed = {name for _, name, _ in low.from_outputs}
+        plan = []  # per launch: (prepared, [(state, its shape)], [(output, array, split-K dtype or False)])
+        for launch in self.launches(sizes, length, contiguous):
+            if launch.kernel.time_blocks:  # as `run`: threads along time where its sequences have it contiguous
+                launch = self.epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
+            epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
+            own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
+            prepared = self._prepare_launch(epi, inputs, sizes, length, nblk, own_dtype,
+                                            launch.mapping.time_fastest, launch.mapping, launch.grid)
+            states = [(st.name, [groups * nblk, *(sizes[a] for a in st.axes)]) for st in epi.program.states]
+            split = groups > 1 and not launch.mapping.row  # split-K partials, summed after
+            outputs = [(n, f"out_{n}", output_dtype(own_dtype, n) if split else False) for n, _ in epi.program.outputs]
+            plan.append((prepared, states, outputs))
+        sums = [(st, name, *sum_of_output(p, st, name, axes), output_dtype(out_dtype, name))
+                for st, name, axes in low.from_outputs]
+        names, state_names = [n for n, _ in p.outputs], [st.name for st in p.states]
+        accumulators = low.accumulators
+
+        def call(seqs, params, initial):
+            arrays = {**seqs, **params, **{f"init_{s}": initial[s] for s in accumulators}}
+            outs, finals = {}, {}
+            for prepared, states, outputs in plan:
+                made = self._execute(prepared, arrays)
+                for name, shape in states:
+                    part = made[f"final_{name}"].reshape(shape).sum(0)
+                    finals[name] = initial[name].to(part.dtype) + part
+                for name, array, split in outputs:
+                    out = made[array]
+                    if split is not False:
+                        out = out.sum(0)
+                        out = out.to(split) if split is not None else out
+                    outs[name] = out
+            for st, name, dims, perm, wanted in sums:
+                out = outs[name]
+                part = out.sum(dims).permute(perm)  # in the compute dtype
+                finals[st] = initial[st].to(part.dtype) + part
+                if wanted is not None:
+                    outs[name] = out.to(wanted)
+            return {n: outs[n] for n in names}, {n: finals[n] for n in state_names}
+        return call
+
     def prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
         """`prepare` for time blocks: the summary, combine and rescan launches of `run_time_blocks`
         worked out once. The combine and rescan read arrays the launches before them allocate, whose

@@ -153,7 +153,9 @@ class AsLowered(PerIndex):
     prepared = False  # a split program's core and epilogues: the runner's general path
 
     def prepare(self, runner, seqs, params, initial, sizes, length, out_dtype, contiguous: bool):
-        return None
+        """Map kernels alone (a state-free program: the stages around a chunked core) are worked out
+        once (`CudaRunner.prepare_maps`); else None: the runner's general path."""
+        return runner.prepare_maps(seqs, params, initial, sizes, length, out_dtype, contiguous)
 
     def consider(self, runner, shape: Shape, forced: str | None) -> Verdict:
         low = runner.lowered

@@ -63,6 +63,7 @@ def chunk_for(length: int) -> int:
     return CHUNKS[0] if length <= SHORT else CHUNK
 
 
+@cache
 def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     """Bytes of dynamic shared memory of each kernel of the module of (`key`, `value`) (the 16-bit
     tiles, rows padded by 8 values)."""
@@ -197,8 +198,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     ell = _chunked_view(x.ell, False)
     beta = None if x.beta is None else _chunked_view(x.beta, False)
     t = q.dim() - 3
-    heads = tuple(torch.broadcast_shapes(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
-                                         *[b.shape[:t] for b in (x.beta, x.skip) if b is not None]))
+    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
+                       *[b.shape[:t] for b in (x.beta, x.skip) if b is not None])
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
@@ -248,6 +249,12 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     for name, blocks, threads, pointers in launches:
         _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(key, value, chunk)[name], events)
     return out, entering, final
+
+
+@cache
+def _broadcast(*shapes) -> tuple[int, ...]:
+    """`torch.broadcast_shapes` of `shapes`, once per shapes (it costs host time a call)."""
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
 def _base(a: torch.Tensor) -> int:
