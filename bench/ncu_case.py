@@ -3,8 +3,8 @@
     ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 \
         python bench/ncu_case.py flash_fwd
 
-Cases: flash_fwd, flash_train, sdpa_fwd, ssd_fwd, ssd_train, retnet_fwd. Each runs its callable `--calls`
-times (default 4), synchronizing after each, so `--launch-skip` can pass the warm-up calls.
+Cases: flash_fwd, flash_train, sdpa_fwd, sdpa_train, ssd_fwd, ssd_train, retnet_fwd, lstm_train. Each runs its
+callable `--calls` times (default 4), synchronizing after each, so `--launch-skip` can pass the warm-up calls.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def sdpa_fwd():
     return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def sdpa_train():
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    return lambda: torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(do)
+
+
 CASES = {
     "flash_fwd": lambda: pf.flash_cases()[0][1],
     "flash_train": lambda: pf.flash_cases()[1][1],
@@ -34,6 +41,8 @@ CASES = {
     "ssd_fwd": lambda: pf.chunk_cases("ssd")[0][1],
     "ssd_train": lambda: pf.chunk_cases("ssd")[1][1],
     "retnet_fwd": lambda: pf.chunk_cases("retnet")[0][1],
+    "sdpa_train": sdpa_train,
+    "lstm_train": lambda: pf.rnn_cases("LSTM")[1][1],
 }
 
 

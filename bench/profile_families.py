@@ -26,8 +26,11 @@ sys.path.insert(0, str(BENCH))
 import ssmc  # noqa: E402
 
 
-def profiled(name: str, fn, rows: int = 14) -> str:
-    """One profiled call of `fn` after two warm-ups: a markdown section with its kernel table."""
+def profiled(name: str, fn, rows: int = 14, ops: bool = False) -> str:
+    """One profiled call of `fn` after two warm-ups: a markdown section with its kernel table.
+
+    With `ops`, a second table: the torch operators that launched GPU work, by their input shapes
+    (which tensor the glue between generated kernels touches)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -35,7 +38,7 @@ def profiled(name: str, fn, rows: int = 14) -> str:
     fn()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=ops) as prof:
         fn()
         torch.cuda.synchronize()
     # kernels and copies alone (CUDA events): the ops and autograd functions above them repeat their time
@@ -48,6 +51,14 @@ def profiled(name: str, fn, rows: int = 14) -> str:
     for e in events[:rows]:
         ms = e.self_device_time_total / 1e3
         lines.append(f"| `{e.key[:90]}` | {e.count} | {ms:.3f} | {ms / total:.0%} |")
+    if ops:
+        aten = [e for e in prof.key_averages(group_by_input_shape=True)
+                if e.key.startswith("aten::") and e.self_device_time_total > 0]
+        aten.sort(key=lambda e: -e.self_device_time_total)
+        lines += ["", "| torch op | input shapes | calls | GPU ms |", "|---|---|---|---|"]
+        for e in aten[:rows]:
+            lines.append(f"| `{e.key}` | `{str(e.input_shapes)[:120]}` | {e.count} | "
+                         f"{e.self_device_time_total / 1e3:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--only", default="lstm,gru,ssd,retnet,flash")
+    ap.add_argument("--ops", action="store_true", help="also the torch operators by input shapes")
     args = ap.parse_args()
     import ssmc.torch  # noqa: F401
     sections = []
@@ -120,7 +132,7 @@ def main() -> None:
             cases = (rnn_cases(name.upper()) if name in ("lstm", "gru") else
                      flash_cases() if name == "flash" else chunk_cases(name))
             for title, fn in cases:
-                sections.append(profiled(title, fn))
+                sections.append(profiled(title, fn, ops=args.ops))
         except Exception as err:  # one family failing must not hide the others' profiles
             sections.append(f"## {name}\n\nfailed: {type(err).__name__}: {err}\n")
         print(sections[-1], flush=True)
