@@ -1,6 +1,6 @@
 """Host time of ssmc's torch op per call, apart from the GPU's: is a small training step kernel-bound?
 
-    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd]
+    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd,retnet]
     python bench/host_time.py --cpu-stub [--calls 200] [--profile] [--only ...]   # no GPU: the host path alone
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
@@ -18,7 +18,9 @@ markdown table; with --out, writes DIR/host_time.md.
 `ssmc.compile`'s forward alone (host milliseconds per call, its kernels' time, its time back to back). Before
 timing, the GPU run checks that calls after the first of a signature (the prepared paths: cuda/staged.py,
 autograd/stages.py `PreparedStages`) give the first call's outputs and gradients (relative error printed, at
-most 1e-3), and the same after a call of another shape.
+most 1e-3), and the same after a call of another shape. "retnet": RetNet (`examples/retnet.py`, bf16 q, k, v and
+an fp32 param gamma, whose positivity the chunked core checks once per array) at B4 L4096 H16 K128 V128, rows
+as SSD's.
 
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
 (SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
@@ -52,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ssmc.torch
-from ssmc.examples import mamba1, mamba2
+from ssmc.examples import mamba1, mamba2, retnet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads.diagonal import scan as scan1  # h = a * h + x
@@ -94,6 +96,22 @@ def ssd_inputs(s: dict, seed: int = 2) -> dict:
             "A": (-torch.exp(torch.rand(gr, r, generator=g, device=DEVICE) * 2 - 1)).requires_grad_(True),
             "B": randn(b, t, gr, n), "C": randn(b, t, gr, n),
             "D": torch.randn(gr, r, generator=g, device=DEVICE).requires_grad_(True)}
+
+
+RETNET = {"b": 4, "t": 4096, "h": 16, "k": 128, "v": 128}   # bench/chunk_check.py's
+RETNET_STUB = {"b": 1, "t": 128, "h": 1, "k": 64, "v": 64}
+
+
+def retnet_inputs(s: dict, seed: int = 4) -> dict:
+    """RetNet's inputs as bench/chunk_check.py draws them (bf16 q, k, v; fla's decays, fp32)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    b, t, h, k, v = s["b"], s["t"], s["h"], s["k"], s["v"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(torch.bfloat16).requires_grad_(True)
+    gamma = 1 - 2.0 ** (-5.0 - torch.arange(h, device=DEVICE, dtype=torch.float32))
+    return {"q": randn(b, t, h, k, scale=k ** -0.5), "k": randn(b, t, h, k, scale=k ** -0.5), "v": randn(b, t, h, v),
+            "gamma": gamma.requires_grad_(True)}
 
 
 def rel(got, want) -> float:
@@ -351,6 +369,13 @@ def stub_main(args) -> None:
         rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, ssd_inputs(SSD_STUB), args.calls,
                                   args.profile))
         rows.append(_stub_measure(f"{title}, torch op", op, ssd_inputs(SSD_STUB), args.calls, args.profile))
+    if "retnet" in args.only:
+        title = "RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET_STUB)
+        compiled = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+        op = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+        rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, retnet_inputs(RETNET_STUB),
+                                  args.calls, args.profile))
+        rows.append(_stub_measure(f"{title}, torch op", op, retnet_inputs(RETNET_STUB), args.calls, args.profile))
     lines = ["| workload (CPU, launches stubbed; median / least of the calls) | host us forward | host us backward "
              "| bare autograd.Function forward | bare backward |", "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}" if k in r else "-"
@@ -364,7 +389,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=None, help="calls of each kind (default 50; 200 with --cpu-stub)")
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
-    ap.add_argument("--only", default="mamba1,scan,ssd", help="workloads, comma-separated: mamba1, scan, ssd")
+    ap.add_argument("--only", default="mamba1,scan,ssd,retnet",
+                    help="workloads, comma-separated: mamba1, scan, ssd, retnet")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
     if args.cpu_stub:
@@ -388,6 +414,16 @@ def main() -> None:
         print(f"SSD: later calls against the first, outputs and gradients: relative error {err:.2e}")
         # at most 15 calls a batch: a training step is some fifty launches (kernels and torch's ops), and a
         # launch waits once about a thousand are queued (the GPU asleep): that wait is no host time
+        calls = min(args.calls, 15)
+        rows.append(measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls))
+        rows.append(measure(f"{title}, torch op", op, inputs, calls))
+    if "retnet" in args.only:
+        title = "RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET)
+        compiled = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+        op = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+        inputs = retnet_inputs(RETNET)
+        err = check_repeated(compiled, op, inputs, retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5))
+        print(f"RetNet: later calls against the first, outputs and gradients: relative error {err:.2e}")
         calls = min(args.calls, 15)
         rows.append(measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls))
         rows.append(measure(f"{title}, torch op", op, inputs, calls))

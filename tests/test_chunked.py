@@ -313,6 +313,39 @@ def test_non_positive_decay_runs_the_scan_forward_and_refuses_gradients(emulated
             **inputs, grad_outputs={"y": np.ones_like(ref)})
 
 
+def test_a_decay_is_checked_once_per_array_and_again_after_a_write(emulated_cuda, monkeypatch):
+    """The positivity check of a decay given as is syncs the host: a param's is made at its first call only,
+    though binding hands the core a new tensor object every call; an in-place write (a new version) or
+    another array is checked again, so a decay made non-positive still runs the scan, not log(<= 0)."""
+    import torch
+
+    from ssmc.backends.cuda.kernels import chunk
+
+    checks = []
+    found = chunk._found_positive
+    monkeypatch.setattr(chunk, "_found_positive", lambda x: (checks.append(x.data_ptr()), found(x)))
+    monkeypatch.setattr(chunk, "_POSITIVE", {})
+    inputs = {k: torch.as_tensor(v) for k, v in retnet.make_inputs(np.random.default_rng(4), 9).items()}
+    fn = ssmc.compile(retnet.SPEC, layout=retnet.LAYOUT, backend="cuda", dtype="float64")
+    ref = ssmc.compile(retnet.SPEC, layout=retnet.LAYOUT, backend="interpreter")
+    for _ in range(3):
+        fn(**inputs)
+    assert len(checks) == 1   # a cache hit after the first call (an id-keyed cache missed every call)
+    inputs["gamma"].mul_(-1.0)   # in place: the same memory, a new version
+    got = fn(**inputs)
+    assert len(checks) == 1 and torch.isfinite(torch.as_tensor(got)).all()
+    assert _relative(got, ref(**{k: v.numpy() for k, v in inputs.items()})) < 1e-10
+    inputs["gamma"] = inputs["gamma"].abs()   # another array
+    fn(**inputs)
+    assert len(checks) == 2
+    x = torch.ones(3, dtype=torch.float64)
+    chunk._found_positive(x)
+    entry = chunk._POSITIVE[chunk._positive_key(x)]
+    assert chunk._positive_before(x.detach()) and not entry[0].expired()
+    del x
+    assert entry[0].expired()   # freed memory that another array may take: no hit for it
+
+
 def test_chunked_off_runs_the_element_wise_scan(emulated_cuda, counted):
     emulated_cuda.setenv("SSMC_CUDA_CHUNKED", "0")
     _check("mamba2", 20, "float64", 1e-10)

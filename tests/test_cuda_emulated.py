@@ -139,6 +139,38 @@ def test_emulated_lanes_whole_chunk_copies(batch, dim, length, offset, monkeypat
     assert (" && r0 + R <= n_d)" in source) == (dim % 32 != 0)
 
 
+@pytest.mark.parametrize("length", [1, 21])
+def test_emulated_lanes_short_chunks_at_a_long_state_axis(length, monkeypatch, fresh_runners):
+    """At n = 128 chunks of 32 steps of B and C do not fit a block's static shared memory: the lanes
+    forward stages chunks of 8 (`lanes.forward.lanes_chunk`; before, a thread per recurrence with its 128
+    state values in local memory). Mamba-1 float32 "b d t", one step (a decode step) and 21 (two whole
+    chunks and a partial one): outputs and final states against the interpreter; at 21 the gradients too
+    (whatever runs the backward: the lanes forward may recompute for it)."""
+    torch = pytest.importorskip("torch")
+
+    monkeypatch.setattr(lanes, "LANES_FILL", 1)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    m = importlib.import_module("ssmc.examples.mamba1")
+    rng = np.random.default_rng(length)
+    inputs = m.make_inputs(rng, length, batch=1, dim=16, state=128)
+    inputs = {k: v.astype(np.float32).astype(np.float64) for k, v in inputs.items()}
+    want_y, want_h = ssmc.compile(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, return_final_states=True)
+    sources = []
+    monkeypatch.setattr(lanes, "lanes_source", _recording(lanes.lanes_source, sources))
+    got_y, got_h = ssmc.compile(m.SPEC, "cuda", layout=m.LAYOUT)(
+        **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()}, return_final_states=True)
+    assert rel_err(got_y, want_y) <= 1e-4 and rel_err(got_h, want_h) <= 1e-4
+    assert sources and "T = 8, P = 12" in sources[0]
+    if length > 1:
+        cot = rng.standard_normal(want_y.shape).astype(np.float32).astype(np.float64)
+        want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
+        got = ssmc.grad(m.SPEC, "cuda", layout=m.LAYOUT)(
+            **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()},
+            grad_outputs=torch.tensor(cot, dtype=torch.float32))
+        for key, w in want.items():
+            assert rel_err(got[key], w) <= 1e-4, key
+
+
 def _recording(fn, sources: list):
     def record(*args, **kwargs):
         sources.append(fn(*args, **kwargs))

@@ -80,3 +80,23 @@ def test_staged_prepared_calls_match_the_interpreter(monkeypatch):
         g(**bad, grad_outputs=torch.tensor(cot))
     with pytest.raises(ValueError, match="shape"):  # cotangents of another shape: checked as on the general path
         g(**{k: torch.tensor(v) for k, v in inputs.items()}, grad_outputs=torch.tensor(cot[:, :-1]))
+
+
+def test_a_chunked_core_alone_is_prepared_and_matches_the_interpreter(monkeypatch):
+    """RetNet is a matrix-linear core with no stage around it: `ChunkedCore.prepare_run` runs the calls after
+    the first of a signature (no binding), with and without an initial state, and after a change of length."""
+    torch = pytest.importorskip("torch")
+    from ssmc.examples import retnet
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    f = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT, dtype="float64")
+    want_f = ssmc.compile(retnet.SPEC, "interpreter", layout=retnet.LAYOUT)
+    for length in (9, 70):
+        inputs = retnet.make_inputs(np.random.default_rng(length), length)
+        for case in (inputs, {k: v for k, v in inputs.items() if k != "S"}):
+            want_y, want_s = want_f(**case, return_final_states=True)
+            tensors = {k: torch.tensor(v) for k, v in case.items()}
+            for call in range(3):
+                y, s = f(**tensors, return_final_states=True)
+                assert rel_err(y, want_y) <= 1e-10 and rel_err(s, want_s) <= 1e-10, (length, call)
+    assert len([v for v in f._calls.values() if v]) == 4   # two lengths, with and without S: each prepared

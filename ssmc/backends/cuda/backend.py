@@ -123,7 +123,8 @@ class CudaBackend(Backend):
 
     def preparer(self, program, dtype: np.dtype):
         """`CudaRunner.prepare` of a program run as one kernel (not in stages, no matrix products
-        around its kernels), or as stages around a chunked core (`staged.StagedPreparer`); else None."""
+        around its kernels), as stages around a chunked core (`staged.StagedPreparer`) or as a chunked core
+        alone (`ChunkedCore.prepare_run`); else None."""
         from .kernels.chunk import chunked_core
         from .kernels.step_loop import step_loop
 
@@ -131,8 +132,10 @@ class CudaBackend(Backend):
             from .staged import staged_preparer
 
             return staged_preparer(self, program, dtype)
-        if (chunked_core(program, dtype.name) is not None
-                or step_loop(program, dtype.name) is not None):
+        core = chunked_core(program, dtype.name)
+        if core is not None:  # a chunked core alone (RetNet, linear attention)
+            return core.prepare_run
+        if step_loop(program, dtype.name) is not None:
             return None
         from .hoisted import hoisted_runner
         from .runner import runner_for

@@ -21,10 +21,10 @@ SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forw
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .....ir.ops import Op
 from .....passes.autodiff import GRAD
@@ -64,21 +64,26 @@ class ChunkTape:
     decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
 
 
-# decays found positive: id of the array as checked -> (a weak reference to it, its address, its version);
-# it holds while that very array is alive, where it was and unwritten since (an in-place write bumps the
-# version); a new array, a view of it included, is checked again
+# decays found positive: (address, shape, strides, dtype) -> (a weak reference to the storage, its
+# version). Binding hands the kernels a new tensor object a call (detached, a view), so the key is the
+# memory it reads: a hit needs that storage alive (memory freed and reused by another array is checked
+# again) and unwritten since (an in-place write through any alias bumps the shared version counter)
 _POSITIVE: dict = {}
 
 
+def _positive_key(x: torch.Tensor) -> tuple:
+    return (x.device, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+
+
 def _positive_before(x: torch.Tensor) -> bool:
-    seen = _POSITIVE.get(id(x))
-    return seen is not None and seen[0]() is x and seen[1:] == (x.data_ptr(), x._version)
+    seen = _POSITIVE.get(_positive_key(x))
+    return seen is not None and not seen[0].expired() and seen[1] == x._version
 
 
 def _found_positive(x: torch.Tensor) -> None:
     if len(_POSITIVE) > 256:  # ever new arrays (decays given as sequences): keep it bounded
         _POSITIVE.clear()
-    _POSITIVE[id(x)] = (weakref.ref(x), x.data_ptr(), x._version)
+    _POSITIVE[_positive_key(x)] = (StorageWeakRef(x.untyped_storage()), x._version)
 
 
 class NonPositiveDecay(ValueError):
@@ -164,11 +169,11 @@ class ChunkedCore:
                 # once per array as it stands (a param's decays, RetNet's gamma, checked at its first call
                 # only: a sync a call would leave the GPU idle while the host launches the next call)
                 capturing = arr.is_cuda and torch.cuda.is_current_stream_capturing()
-                if not capturing and not _positive_before(given) and not bool((arr > 0).all()):
-                    raise NonPositiveDecay(
-                        f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its log"
-                        " (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
-                if not capturing:
+                if not capturing and not _positive_before(given):
+                    if not bool((arr > 0).all()):
+                        raise NonPositiveDecay(
+                            f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its"
+                            " log (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
                     _found_positive(given)
             ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
             if ml.decay is not None:  # padded steps: decay 1
@@ -245,6 +250,14 @@ class ChunkedCore:
 
             return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
         return outs, finals
+
+    def prepare_run(self, seqs, params, initial, sizes, length, out_dtype=None):
+        """`run` for every call alike (`Backend.preparer`: the same shapes, strides and dtypes), skipping
+        the binding and the strategy's choice; the call's sequences go time first, as `run` reads them."""
+        def call(seqs, params, initial):
+            return self.run(seqs, params, initial, sizes, length, out_dtype)
+        call.time_first = True
+        return call
 
     # -- the fused-backward contract (`driver.Grad`'s "fused" path) -------------------------------------
     def applies(self, seqs, sizes, length) -> bool:

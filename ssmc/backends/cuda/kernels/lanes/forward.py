@@ -1,5 +1,6 @@
 """CUDA C of the "lanes" kernel (kernels/lanes/analysis.py): G lanes a row, each owning S values of the
-states' own axis for the whole sequence, time in order, chunks of CHUNK steps through shared memory.
+states' own axis for the whole sequence, time in order, chunks of CHUNK steps through shared memory (fewer,
+`lanes_chunk`, where a long state axis's staged sequences would not fit: a decode step of N = 128).
 
 A block holds R = threads / G rows: consecutive indices of the last parallel axis (Mamba-1's d) under
 one index of the others (b), so the sequences along the states' axis (B[b, n, t], C) are staged once
@@ -38,7 +39,10 @@ from ..warp.forward import _predicated
 from .analysis import StateLanes
 
 CHUNK = 32              # steps a chunk stages (a multiple of every G)
-PITCH = CHUNK + 4       # a staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks
+# chunks of fewer steps where CHUNK's buffers fit no block: 2 x N values of each sequence along the states'
+# axis (B, C) at N = 128 take 72 KiB in chunks of 32; a thread per recurrence, the fallback, keeps its N
+# state values in local memory and reads them a row a thread (uncoalesced)
+SHORT_CHUNKS = (16, 8)
 STATES_PER_LANE = 4     # state values a lane owns where the axis allows (a little faster than 2 in the probes)
 MAX_LANES = 8           # lanes a row: a lane holds G steps of each per-step value (registers)
 LANE_REGISTERS = 96     # 4-byte registers the per-step and per-lane arrays may take (else: another strategy)
@@ -86,13 +90,31 @@ def row_params(lanes: StateLanes) -> list[str]:
     return sorted(n for n in named if all(e.index == at_row for e in reads if e.array == n))
 
 
+def pitch(chunk: int) -> int:
+    """A staged row's length: rows start on 16 bytes; 8 rows read as vectors hit distinct banks."""
+    return chunk + 4
+
+
+def lanes_chunk(lanes: StateLanes, sizes: dict[str, int], groups: int, value_bytes: int) -> int:
+    """Steps a chunk of the lanes kernel stages: CHUNK where its buffers fit a block of `LANES_BLOCKS`,
+    else the one of SHORT_CHUNKS whose buffers fit the most threads a block, the longer of equals (CHUNK
+    where none fits: `lanes_block` then refuses)."""
+    def most_threads(chunk: int) -> int:
+        return max((block for block in LANES_BLOCKS if block // groups >= 1 and lanes_shared_bytes(
+            lanes, sizes, groups, block, value_bytes, chunk) <= STATIC_SHARED), default=0)
+    if most_threads(CHUNK):
+        return CHUNK
+    best = max(SHORT_CHUNKS, key=lambda chunk: (most_threads(chunk), chunk))
+    return best if most_threads(best) else CHUNK
+
+
 def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_bytes: int) -> int | None:
-    """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks and
-    per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's register arrays (G steps of
-    each per-step value and sequence along the states' axis, S values of each buffer and param along
-    it) would take more than LANE_REGISTERS, or (float64) the body calls a function other than exp:
-    libdevice's double tanh / erf, unrolled over the S x G values and steps, overflow the registers
-    (a random spec's gelu of a sequence along n spilled 44 bytes at n = 33)."""
+    """Threads per block of the lanes kernel (the most of `LANES_BLOCKS` whose staged chunks of
+    `lanes_chunk` steps and per-step values fit `STATIC_SHARED`), or None: none fits, or a lane's
+    register arrays (G steps of each per-step value and sequence along the states' axis, S values of
+    each buffer and param along it) would take more than LANE_REGISTERS, or (float64) the body calls a
+    function other than exp: libdevice's double tanh / erf, unrolled over the S x G values and steps,
+    overflow the registers (a random spec's gelu of a sequence along n spilled 44 bytes at n = 33)."""
     per_lane = -(-sizes[lanes.axis] // groups)
     arrays = (groups * (len(lanes.major.per_step) + len(lanes.state_seqs))
               + per_lane * (len(lanes.lane_buffers) + len(lanes.lane_params)))
@@ -101,19 +123,22 @@ def lanes_block(lanes: StateLanes, sizes: dict[str, int], groups: int, value_byt
     if value_bytes == 8 and any(isinstance(e, Call) and e.fn not in ("exp", "exp2")
                                 for s in lanes.major.body for e in subexpressions(s.value)):
         return None
+    chunk = lanes_chunk(lanes, sizes, groups, value_bytes)
     for block in LANES_BLOCKS:
-        if block // groups >= 1 and lanes_shared_bytes(lanes, sizes, groups, block, value_bytes) <= STATIC_SHARED:
+        if (block // groups >= 1
+                and lanes_shared_bytes(lanes, sizes, groups, block, value_bytes, chunk) <= STATIC_SHARED):
             return block
     return None
 
 
-def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, value_bytes: int) -> int:
-    """Static shared memory of the lanes kernel at `block` threads: two chunks of each staged sequence,
-    the per-step values of a chunk, the staged row params."""
+def lanes_shared_bytes(lanes: StateLanes, sizes: dict[str, int], groups: int, block: int, value_bytes: int,
+                       chunk: int = CHUNK) -> int:
+    """Static shared memory of the lanes kernel at `block` threads: two chunks of `chunk` steps of each
+    staged sequence, the per-step values of a chunk, the staged row params."""
     rows = block // groups
     values = (2 * rows * len(lanes.row_seqs) + 2 * sizes[lanes.axis] * len(lanes.state_seqs)
               + rows * (len(lanes.major.per_step) - len(hosted_sums(lanes))))
-    return (values * PITCH + rows * len(row_params(lanes))) * value_bytes
+    return (values * pitch(chunk) + rows * len(row_params(lanes))) * value_bytes
 
 
 def lane_blocks(k: Kernel, sizes: dict[str, int], groups: int, block: int) -> int:
@@ -139,7 +164,7 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     few = blocks <= UNBOUNDED_LANES_BLOCKS * options().sm_count
     if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or few:
         return 1
-    shared = lanes_shared_bytes(lanes, sizes, groups, block, 4) + SM_BLOCK_SHARED
+    shared = lanes_shared_bytes(lanes, sizes, groups, block, 4, lanes_chunk(lanes, sizes, groups, 4)) + SM_BLOCK_SHARED
     return max(1, min(bounded_blocks(block), SM_SHARED // shared))
 
 
@@ -159,7 +184,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     """The template's context for the lanes kernel of `k` (module docstring); where `k` has arrays
     ``rounds_<state>`` (a training step's forward, backends/cuda/fused_backward.py), each lane writes
     its values of the state into them at every chunk that starts a round of `round_steps` steps (a
-    multiple of CHUNK): the carry into the round.
+    multiple of the chunk, or a divisor of it): the carry into the round.
 
     One function although long: it fills the template's slots in the kernel's order from one set of
     printers and index maps (`body_phase` prints the full and the partial chunk alike)."""
@@ -167,6 +192,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     n, var = size_var(axis), lanes.var
     rows = block // groups
     per_lane = -(-sizes[axis] // groups)
+    chunk = lanes_chunk(lanes, sizes, groups, 8 if ctype == "double" else 4)
     major = lanes.major
     sums = dict(lanes.sums)
     index = {a.name: a for a in k.arrays}
@@ -199,16 +225,16 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
     carried = {scalar_name(b): b for b in lanes.carried}
     body_scalars = [name for name in _scalar_names(major.body) if name not in carried]
     # rounds shorter than a chunk: the carries into those that start inside it, after their groups
-    in_body_saves = (_save_rounds(k, lanes, arrays, own_printer, round_steps, "t0 + tb + G",
-                                  f" && tb + G < {CHUNK} && t0 + tb + G < L")
-                     if 0 < round_steps < CHUNK else [])
+    in_body_saves = (_save_rounds(k, lanes, arrays, own_printer, round_steps, chunk, "t0 + tb + G",
+                                  f" && tb + G < {chunk} && t0 + tb + G < L")
+                     if 0 < round_steps < chunk else [])
 
     def body_phase(partial: bool) -> list[str]:
         body = _predicated(major.body, set(carried)) if partial else major.body
         # the last chunk stops at the group holding step L - 1: the groups wholly past L change no state,
         # and their sums are outputs past L, which the post phase does not store (its bound worked out
         # before the loop: as `tb < T && t0 + tb < L`, "b t d" at B32 D512 took 154 registers, not 128)
-        loop = "int tb = 0, tb_end = min(T, L - t0); tb < tb_end" if partial else f"int tb = 0; tb < {CHUNK}"
+        loop = "int tb = 0, tb_end = min(T, L - t0); tb < tb_end" if partial else f"int tb = 0; tb < {chunk}"
         lines = ["#pragma unroll 1", f"for ({loop}; tb += G) {{  // G steps: one reduce-scatter"]
         for name in read_in_body:
             lines += [f"    F {name}[G];", f"    {_load_steps(name, f'&pv_{name}[ch][tb]', vector)}"]
@@ -256,12 +282,12 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         "lanes": True,
         "unroll": PHASE_UNROLL,
         "comment": (f"{k.program.name}: {groups} lanes per [{' '.join(k.parallel)}], each owning {per_lane} "
-                    f"{axis} for the whole sequence; {rows} rows per block, chunks of {CHUNK} steps"),
+                    f"{axis} for the whole sequence; {rows} rows per block, chunks of {chunk} steps"),
         "params": [("const " if a.role in ("seq", "param", "init") else "") + f"{C_TYPES[arrays[a.name].dtype]}* "
                    f"__restrict__ {c_array(a.name)}" for a in k.arrays],
         "constants": [f"constexpr int {size_var(a)} = {sizes[a]};" for a in k.sizes]
         + [f"constexpr long long total = {' * '.join(str(sizes[a]) for a in k.parallel)};",
-           f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {CHUNK}, P = {PITCH}, "
+           f"constexpr int G = {groups}, S = {per_lane}, R = {rows}, T = {chunk}, P = {pitch(chunk)}, "
            f"BLOCK = {block};  // lanes a row, state values a lane, rows a block, steps a chunk"],
         "row_size": size_var(row),
         "shared": [f"__shared__ __align__(16) F sr_{a}[2][R][P];  // two chunks of each row's steps"
@@ -279,7 +305,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         + [f"F rp_{name}[S];" for name in lanes.lane_params],
         "setup": _lane_loops(k.setup, lanes, own_printer, False),
         "finish": _lane_loops(k.finish, lanes, own_printer, True),
-        "save": _save_rounds(k, lanes, arrays, own_printer, round_steps),
+        "save": _save_rounds(k, lanes, arrays, own_printer, round_steps, chunk),
         "params_once": _lane_params(lanes, own_printer) + _row_param_loads(k, lanes, staged_params, own_printer),
         "issue": _issue(lanes, arrays, index, pp, ctype, vector_copies),
         # the next chunk's copies where it lies wholly inside the sequence (and the block's rows inside
@@ -288,7 +314,7 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         # (see bench/results/2026-11-27-from-code-comments.md). The thread index read fresh (`fresh_thread_index`):
         # addresses kept across chunks took 138 registers where the kernel had 114 (NVRTC 13.5)
         "issue_whole": ["const int tid = fresh_thread_index();",
-                        *_issue(lanes, arrays, index, pp, ctype, vector_copies, (sizes, rows, block))]
+                        *_issue(lanes, arrays, index, pp, ctype, vector_copies, (sizes, rows, block, chunk))]
         if vector_copies else [],
         "rows_inside": "" if sizes[row] % rows == 0 else f" && r0 + R <= {size_var(row)}",
         "aligned": " && ".join(f"(unsigned long long){c_array(a)} % 16 == 0" for a in sorted(vector_copies))
@@ -416,16 +442,16 @@ def _lane_loops(stmts: list, lanes: StateLanes, pr: CPrinter, stores: bool) -> l
 
 
 def _save_rounds(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpec], pr: CPrinter,
-                 round_steps: int, step: str = "t0", due: str = "") -> list[str]:
+                 round_steps: int, chunk: int, step: str = "t0", due: str = "") -> list[str]:
     """C lines storing this lane's values of each state into ``rounds_<state>`` where `step` (C text:
     the step the states hold the carry into) starts a round of `round_steps` steps: at a chunk's start
-    (`step` t0), or, where the rounds are shorter than a chunk (a divisor of CHUNK: the lanes backward's
+    (`step` t0), or, where the rounds are shorter than a chunk (a divisor of `chunk`: the lanes backward's
     short chunks), after a group of the body too (`step` t0 + tb + G, `due` its further condition)."""
     names = [a.name for a in k.arrays if a.role == "rounds"]
     if not names:
         return []
-    if round_steps <= 0 or (round_steps % CHUNK and CHUNK % round_steps):
-        raise ValueError(f"{k.name}: rounds of {round_steps} steps neither divide nor are whole chunks of {CHUNK}")
+    if round_steps <= 0 or (round_steps % chunk and chunk % round_steps):
+        raise ValueError(f"{k.name}: rounds of {round_steps} steps neither divide nor are whole chunks of {chunk}")
     var, n = lanes.var, size_var(lanes.axis)
     lines = []
     for s in k.program.states:
@@ -467,14 +493,14 @@ def _row_param_loads(k: Kernel, lanes: StateLanes, names: list[str], pr: CPrinte
 
 
 def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPrinter, ctype: str,
-           vector: set[str], whole: tuple[dict[str, int], int, int] | None = None) -> list[str]:
+           vector: set[str], whole: tuple[dict[str, int], int, int, int] | None = None) -> list[str]:
     """C lines copying the chunk that starts at step `tn` into buffer `nb`: each staged sequence's
     rows x steps, consecutive threads along its contiguous axis; `cp.async` where the array holds the
     compute type (else loads and stores), 16 bytes at a time for the arrays in `vector` (time
     contiguous, rows of whole vectors) where `vec` (their pointers aligned), one value a copy
     else. The loops run a fixed count of iterations per thread: unrolled.
 
-    `whole` = (sizes, rows a block, threads a block): the copies of a chunk known to lie wholly inside
+    `whole` = (sizes, rows a block, threads a block, steps a chunk): the copies of a chunk known to lie wholly inside
     the sequence and the row axis, with `vec` true: the arrays in `vector` without any bounds check
     (nor the loops' own where the copies are a multiple of the block's threads)."""
     row, axis = lanes.row_axis, lanes.axis
@@ -510,8 +536,8 @@ def _issue(lanes: StateLanes, arrays: dict[str, ArraySpec], index: dict, pr: CPr
             out += grouped if along_time else scalar
             continue
         if whole is not None:
-            sizes, rows_a_block, block = whole
-            copies = (rows_a_block if per_row else sizes[axis]) * (CHUNK * value_bytes // 16)
+            sizes, rows_a_block, block, chunk = whole
+            copies = (rows_a_block if per_row else sizes[axis]) * (chunk * value_bytes // 16)
             out += _copy_loop(vectors, mapping, [f"copy_async<16>({dst}, {src});"], copies % block != 0, "tid")
             continue
         out += ["if (vec) {",
