@@ -272,12 +272,13 @@ class _Floor(torch.autograd.Function):
     def forward(ctx, fn, lean, *tensors):
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
-        return torch.as_strided(torch.empty(fn.numel()), fn.shape, fn.stride())
+        return torch.as_strided(torch.empty(fn.numel(), dtype=fn.dtype, device=fn.device), fn.shape, fn.stride())
 
     @staticmethod
     def backward(ctx, *cotangents):
         tensors = ctx.saved_tensors
-        buffer, offset, grads = torch.empty(sum(t.numel() for t in tensors)), 0, []
+        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+        offset, grads = 0, []
         for t in tensors:  # contiguous views: torch keeps them as the gradients (no copy)
             grads.append(torch.as_strided(buffer, t.shape, t.stride(), offset))
             offset += t.numel()
@@ -401,7 +402,11 @@ def main() -> None:
     rows = []
     if "mamba1" in args.only:
         op = ssmc.torch.function(mamba1.SPEC, "cuda", layout=mamba1.LAYOUT)
-        rows.append(measure("Mamba-1 B32 D512 L180 N16 fp32", op, mamba1_inputs(), args.calls))
+        inputs = mamba1_inputs()
+        rows.append(measure("Mamba-1 B32 D512 L180 N16 fp32", op, inputs, args.calls))
+        like = op(**inputs).detach()  # torch's own floor on the GPU: a bare autograd.Function of the same tensors
+        rows.append(measure("bare autograd.Function, the same tensors (torch's floor)",
+                            lambda **kw: _Floor.apply(like, None, *kw.values()), inputs, args.calls))
     if "scan" in args.only:
         rows.append(measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
                             scan1_inputs(), args.calls))
