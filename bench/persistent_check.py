@@ -163,6 +163,7 @@ def run(kind: str, b: int, t: int, i: int, k: int) -> dict:
            "err_cudnn": max_error(got_p, ref), "err_loop": max_error(got_p, got_l),
            "err_loop_cudnn": max_error(got_l, ref)}
     row["ms_persistent"] = timed(persistent)
+    row["ms_tf32"], row["err_tf32"] = tf32_variant(persistent, lambda got: max_error(as_list(got), ref))
     row["ms_loop"] = timed(loop)
     row["ms_cudnn_fp32"] = timed(cudnn)
     torch.backends.cudnn.allow_tf32 = True  # torch's default
@@ -223,6 +224,18 @@ def relative_error(got: dict, want: dict) -> float:
                for n, w in want.items())
 
 
+def tf32_variant(call, error, reps: int | None = None) -> tuple[float, float]:
+    """(ms, error) of `call` with torch's fp32 matrix products in TF32 (`torch.backends.cuda.matmul.allow_tf32`,
+    off by default): ssmc's hoisted products (x W, the post products) follow it, its recurrent products stay
+    fp32 FMA; cuDNN's default takes TF32 for all of its own."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        err = error(call())
+        return (timed(call) if reps is None else timed(call, reps=reps)), err
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def train_row(kind: str, b: int, t: int, i: int, k: int) -> dict:
     inputs = make_inputs(kind, b, t, i, k)
     g = torch.Generator(device="cuda")
@@ -241,6 +254,7 @@ def train_row(kind: str, b: int, t: int, i: int, k: int) -> dict:
            "err_loop_cudnn": relative_error(got_l, want), "err_loop": relative_error(got_p, got_l),
            "adjoint": adjoint_launches}
     row["ms_persistent"] = timed(persistent, reps=20)
+    row["ms_tf32"], row["err_tf32"] = tf32_variant(persistent, lambda got: relative_error(got, want), reps=20)
     row["ms_loop"] = timed(loop, reps=20)
     row["ms_cudnn_fp32"] = timed(cudnn, reps=20)
     torch.backends.cudnn.allow_tf32 = True
@@ -251,16 +265,17 @@ def train_row(kind: str, b: int, t: int, i: int, k: int) -> dict:
 
 
 def train_table(rows: list[dict]) -> str:
-    lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc step loop ms | "
-             "persistent / cuDNN | step loop / cuDNN | grad rel err vs cuDNN (persistent, loop) | "
-             "persistent vs loop | adjoint launches |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc, TF32 products ms | "
+             "ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | step loop / cuDNN | "
+             "grad rel err vs cuDNN (persistent, TF32 products, loop) | persistent vs loop | adjoint launches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['kind']} {r['shape']} fp32 fwd+bwd | {r['ms_cudnn']:.3f} | {r['ms_cudnn_fp32']:.3f} | "
-            f"{r['ms_persistent']:.3f} | {r['ms_loop']:.3f} | {r['ms_persistent'] / r['ms_cudnn']:.2f} | "
-            f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['err_cudnn']:.2e}, {r['err_loop_cudnn']:.2e} | "
-            f"{r['err_loop']:.2e} | {r['adjoint']} |")
+            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_loop']:.3f} | "
+            f"{r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_tf32'] / r['ms_cudnn']:.2f} | "
+            f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, "
+            f"{r['err_loop_cudnn']:.2e} | {r['err_loop']:.2e} | {r['adjoint']} |")
     lines.append("")
     lines.append("gradients: x, W, U, biases, initial states; relative error = max |got - want| / max |want| "
                  "over them. Persistent runners (launches, refusals, (a barrier timed out, its step)):")
@@ -270,21 +285,22 @@ def train_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc step loop ms | "
-             "persistent / cuDNN | step loop / cuDNN | persistent / step loop | "
-             "max abs err vs cuDNN (persistent, loop) | "
-             "persistent vs loop |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc, TF32 products ms | "
+             "ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | step loop / cuDNN | "
+             "persistent / step loop | max abs err vs cuDNN (persistent, TF32 products, loop) | persistent vs loop |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['kind']} {r['shape']} fp32 fwd | {r['ms_cudnn']:.3f} | {r['ms_cudnn_fp32']:.3f} | "
-            f"{r['ms_persistent']:.3f} | "
-            f"{r['ms_loop']:.3f} | {r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_loop'] / r['ms_cudnn']:.2f} | "
-            f"{r['ms_persistent'] / r['ms_loop']:.3f} | {r['err_cudnn']:.2e}, {r['err_loop_cudnn']:.2e} | "
-            f"{r['err_loop']:.2e} |")
+            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_loop']:.3f} | "
+            f"{r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_tf32'] / r['ms_cudnn']:.2f} | "
+            f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['ms_persistent'] / r['ms_loop']:.3f} | "
+            f"{r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, {r['err_loop_cudnn']:.2e} | {r['err_loop']:.2e} |")
     lines.append("")
     lines.append("ratios: time ÷ time (below 1: the first is faster), against cuDNN at torch's default "
-                 "(TF32 allowed); errors against cuDNN with TF32 off. Persistent runners (launches, refusals, "
+                 "(TF32 allowed); errors against cuDNN with TF32 off. TF32 products: ssmc with "
+                 "torch.backends.cuda.matmul.allow_tf32 (its hoisted products in TF32, the recurrence fp32). "
+                 "Persistent runners (launches, refusals, "
                  "(a barrier timed out, its step)):")
     for r in rows:
         lines.append(f"- {r['kind']}: {r['runners']}")

@@ -19,7 +19,7 @@ from .frontend import spec as frontend_spec
 from .frontend.attention import AttentionSpec
 from .ir.axes import TIME
 from .ir.program import Attention, Recurrence
-from .runtime.binding import DEFAULT_LAYOUT, hashable_layout, layout_of
+from .runtime.binding import DEFAULT_LAYOUT, from_time_first, hashable_layout, layout_of, to_time_first
 from .runtime.prologue import PreparedCalls, attention_params, bind_attention, bind_call, program_of
 
 __all__ = ["BACKENDS", "Compiled", "CompiledAttention", "Step", "compile", "default_backend", "grad", "step"]
@@ -83,7 +83,7 @@ class Compiled:
         perms = self._output_perms.get(hashable_layout(layout))
         if perms is None:
             perms = self._output_perms[hashable_layout(layout)] = [
-                (name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
+                (name, from_time_first(layout, name, y.axes))
                 for name, y in self.program.outputs]
         ys = [_permute(outs[name], perm) for name, perm in perms]
         ys = _single(tuple(ys)) if ys else None
@@ -136,7 +136,7 @@ def _bound_call(p: Recurrence, initial: dict, prepared, given: set[str], layout)
     zeros = {s.name: initial[s.name] for s in p.states if s.name not in given}  # shared, read only
     states = [s.name for s in p.states if s.name in given]
     if getattr(prepared, "time_first", False):
-        perms = [(d.name, [layout_of(layout, d.name, d.axes).index(a) for a in (TIME, *d.axes)]) for d in p.seqs]
+        perms = [(d.name, to_time_first(layout, d.name, d.axes)) for d in p.seqs]
 
         def call(args, kwargs):
             arrays = dict(zip(names, args))

@@ -38,8 +38,7 @@ from .backends.cuda.devices import current_device
 from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
 from .frontend.attention import AttentionSpec
-from .ir.axes import TIME
-from .runtime.binding import layout_of
+from .runtime.binding import from_time_first
 from .runtime.precision import half_of
 from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
@@ -177,7 +176,7 @@ class SsmcFunction:
         self.state_names = [s.name for s in self.program.states]
         self.param_names = {d.name for d in self.program.params}
         # per output: its name and the permutation from time first to its layout (`ssmc.compile`'s)
-        self.output_perms = [(name, [(TIME, *y.axes).index(a) for a in layout_of(layout, name, y.axes)])
+        self.output_perms = [(name, from_time_first(layout, name, y.axes))
                              for name, y in self.program.outputs]
         self._by_backend: dict[str, tuple] = {}
         self._lean = PreparedCalls()  # call signature (`_signature`) -> its LeanStep, or None (the general path)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..ir.axes import TIME
 from ..passes.autodiff import GRAD
-from ..runtime.binding import Bound, layout_of
+from ..runtime.binding import Bound, layout_of, to_time_first
 from .tape import Tape, cotangents
 
 
@@ -50,7 +50,7 @@ class _Signature:
             order, canonical = layout_of(layout, d.name, d.axes), (TIME, *d.axes)
             self.to_time_first[d.name] = [order.index(a) for a in canonical]
             self.to_layout[d.name] = [canonical.index(a) for a in order]
-        self.outputs_to_time_first = {n: [layout_of(layout, n, y.axes).index(a) for a in (TIME, *y.axes)]
+        self.outputs_to_time_first = {n: to_time_first(layout, n, y.axes)
                                       for n, y in fwd.outputs}
         self.params = [d.name for d in fwd.params]
         self.given_states = [s.name for s in fwd.states if s.name in given]

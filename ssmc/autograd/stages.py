@@ -22,8 +22,7 @@ import numpy as np
 
 from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
-from ..ir.axes import TIME
-from ..runtime.binding import DEFAULT_LAYOUT, layout_of
+from ..runtime.binding import DEFAULT_LAYOUT, from_time_first, to_time_first
 from ..runtime.precision import given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
@@ -128,7 +127,7 @@ class PreparedStages:
         self.grad, self.program, self.layout = grad, p, layout
         self.sizes, self.length, self.dtype = bound.sizes, bound.length, dtype
         self.names = [d.name for d in p.inputs]
-        self.to_time_first = [(d.name, [layout_of(layout, d.name, d.axes).index(a) for a in (TIME, *d.axes)])
+        self.to_time_first = [(d.name, to_time_first(layout, d.name, d.axes))
                               for d in p.seqs]
         self.params = [d.name for d in p.params]
         self.given_states = [s.name for s in p.states if s.name in given]
@@ -142,14 +141,14 @@ class PreparedStages:
         self.outputs = [n for n, _ in p.outputs]
         self.states = [s.name for s in p.states]
         self.inputs = inputs
-        self.outputs_to_time_first = {n: [layout_of(layout, n, y.axes).index(a) for a in (TIME, *y.axes)]
+        self.outputs_to_time_first = {n: to_time_first(layout, n, y.axes)
                                       for n, y in p.outputs}
         self.backwards: dict = {}  # signature of the output cotangents -> True once checked
         self.stage_grads = grad._stage_grads(dtype)
         seqs = {d.name for d in p.seqs}
         # per input: its name, the permutation from time first to its layout (None: not a sequence), its
         # shape as a gradient of zeros has it where no stage reads it (`StagedGrad.adjoint`, `tape.in_layout`)
-        self.gradients = [(d.name, [(TIME, *d.axes).index(a) for a in layout_of(layout, d.name, d.axes)]
+        self.gradients = [(d.name, from_time_first(layout, d.name, d.axes)
                            if d.name in seqs else None,
                            ((self.length,) if d.name in seqs else ()) + tuple(self.sizes[a] for a in d.axes))
                           for d in p.inputs]

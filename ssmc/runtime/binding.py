@@ -64,6 +64,19 @@ def layout_of(layout: str | dict[str, str] | None, name: str, axes: tuple[str, .
     return order
 
 
+def to_time_first(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> list[int]:
+    """The permutation taking array `name` (its axes `axes` and time, in `layout`) to time first, then
+    `axes` in their order: ``arr.permute(*to_time_first(...))``."""
+    order = layout_of(layout, name, axes)
+    return [order.index(a) for a in (TIME, *axes)]
+
+
+def from_time_first(layout: str | dict[str, str] | None, name: str, axes: tuple[str, ...]) -> list[int]:
+    """The inverse of `to_time_first`: an array of time, then `axes`, to `name`'s layout."""
+    canonical = (TIME, *axes)
+    return [canonical.index(a) for a in layout_of(layout, name, axes)]
+
+
 def numeric_array(x, name: str) -> np.ndarray:
     """``np.asarray(x)``; a ValueError naming the argument where `x` is not an array (a ragged nested
     list, say) or holds no numbers (strings, objects). Complex numbers pass: callers say what they take."""

@@ -252,12 +252,18 @@ class CudaRunner:
         out once per layout of its inputs, shape and overrides (working it out costs host time on every
         launch, six of them a training step of HGRN at B32 D512 L180, run as time blocks; see
         bench/results/2026-11-27-from-code-comments.md)."""
-        prepared = self.planned(
+        return self._execute(self._planned_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
+                                                  mapping, grid), arrays)
+
+    def _planned_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
+                        out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
+                        grid: tuple[int, int] | None = None) -> Prepared:
+        """`_prepare_launch`, kept per layout of `arrays`, shape and overrides (`_launch`)."""
+        return self.planned(
             "launch", lambda: self._prepare_launch(k, arrays, sizes, length, nblk, out_dtype, time_contiguous,
                                                    mapping, grid),
             k.name, _sizes_key(sizes), length, nblk, out_dtype, time_contiguous, mapping, grid, current_device(),
             *((arrays[a.name].dtype, arrays[a.name].stride()) for a in k.arrays if a.role in ("seq", "param", "init")))
-        return self._execute(prepared, arrays)
 
     def _prepare_launch(self, k: Kernel, arrays: dict, sizes: dict[str, int], length: int, nblk: int = 1,
                         out_dtype=None, time_contiguous: bool = False, mapping: Threads = ONE_GROUP,
@@ -339,37 +345,57 @@ class CudaRunner:
             for s in low.core_states:
                 prev[s] = made[f"prev_{s}"]
                 finals[s] = made[f"final_{s}"].reshape([sizes[a] for a in p.decl(s).axes])
-        # the epilogue, one kernel per root (map/reduce): outputs one step per block of time, accumulators
-        # in as many blocks as fill the GPU, their partial sums added afterwards
         inputs = {**seqs, **params, **prev, **{f"init_{s}": initial[s] for s in low.accumulators}}
-        outs = {}
+        steps, sums = self._map_plan(plan, inputs, sizes, length, out_dtype, self._planned_launch)
+        return self._run_maps(steps, sums, inputs, initial, finals)
+
+    def _map_plan(self, launches, inputs: dict, sizes, length, out_dtype, prepare_launch) -> tuple[list, list]:
+        """The epilogue, one kernel per root (map/reduce): outputs one step per block of time, accumulators
+        in as many blocks as fill the GPU, their partial sums added afterwards. Per launch of `launches`
+        (`prepare_launch`'s, over `inputs`): (it prepared, [(state, its partials' shape)], [(output, array,
+        split-K dtype or False)]); then per accumulator summed from an output after them: (state, output,
+        dims, perm, the output's dtype). `run` and `prepare_maps` execute it (`_run_maps`)."""
+        low, p = self.lowered, self.program
         summed = {name for _, name, _ in low.from_outputs}
-        for launch in plan:
+        steps = []
+        for launch in launches:
             if launch.kernel.time_blocks:  # threads along time where its own sequences mostly have it contiguous
                 launch = self.epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
             epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
             # an output an accumulator is summed from stays in the compute dtype until then
             own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
-            made = self._launch(epi, inputs, sizes, length, nblk, own_dtype, launch.mapping.time_fastest,
-                                launch.mapping, launch.grid)
-            for s in epi.program.states:
-                shape = [sizes[a] for a in s.axes]
-                part = made[f"final_{s.name}"].reshape([groups * nblk, *shape]).sum(0)
-                finals[s.name] = initial[s.name].to(part.dtype) + part
-            for n, _ in epi.program.outputs:
-                out = made[f"out_{n}"]
-                if groups > 1 and not launch.mapping.row:  # split-K partials
+            prepared = prepare_launch(epi, inputs, sizes, length, nblk, own_dtype, launch.mapping.time_fastest,
+                                      launch.mapping, launch.grid)
+            states = [(st.name, [groups * nblk, *(sizes[a] for a in st.axes)]) for st in epi.program.states]
+            split = groups > 1 and not launch.mapping.row  # split-K partials, summed after
+            outputs = [(n, f"out_{n}", output_dtype(own_dtype, n) if split else False) for n, _ in epi.program.outputs]
+            steps.append((prepared, states, outputs))
+        sums = [(st, name, *sum_of_output(p, st, name, axes), output_dtype(out_dtype, name))
+                for st, name, axes in low.from_outputs]
+        return steps, sums
+
+    def _run_maps(self, steps: list, sums: list, arrays: dict, initial: dict, finals: dict) -> tuple[dict, dict]:
+        """(outputs, finals) of the program from `_map_plan`'s launches over `arrays`; `finals` holds the
+        core's final states, if any."""
+        outs = {}
+        for prepared, states, outputs in steps:
+            made = self._execute(prepared, arrays)
+            for name, shape in states:
+                part = made[f"final_{name}"].reshape(shape).sum(0)
+                finals[name] = initial[name].to(part.dtype) + part
+            for name, array, split in outputs:
+                out = made[array]
+                if split is not False:
                     out = out.sum(0)
-                    wanted = output_dtype(own_dtype, n)
-                    out = out.to(wanted) if wanted is not None else out
-                outs[n] = out
-        for s, name, axes in low.from_outputs:
+                    out = out.to(split) if split is not None else out
+                outs[name] = out
+        for st, name, dims, perm, wanted in sums:
             out = outs[name]
-            dims, perm = sum_of_output(p, s, name, axes)
-            part = out.sum(dims).permute(perm)  # in the compute dtype (own_dtype)
-            finals[s] = initial[s].to(part.dtype) + part
-            if output_dtype(out_dtype, name) is not None:
-                outs[name] = out.to(output_dtype(out_dtype, name))
+            part = out.sum(dims).permute(perm)  # in the compute dtype
+            finals[st] = initial[st].to(part.dtype) + part
+            if wanted is not None:
+                outs[name] = out.to(wanted)
+        p = self.program
         return {n: outs[n] for n, _ in p.outputs}, {s.name: finals[s.name] for s in p.states}
 
     def prepare(self, seqs, params, initial, sizes, length, out_dtype=None):
@@ -408,49 +434,17 @@ class CudaRunner:
         whose param gradients are sums over time): the launches `run` makes, each worked out once, and
         the sums after them as `run` adds them. None where the program has a core (`run` launches it
         first)."""
-        low, p = self.lowered, self.program
+        low = self.lowered
         if low.core_states:
             return None
         inputs = {**seqs, **params, **{f"init_{s}": initial[s] for s in low.accumulators}}
-        summed = {name for _, name, _ in low.from_outputs}
-        plan = []  # per launch: (prepared, [(state, its shape)], [(output, array, split-K dtype or False)])
-        for launch in self.launches(sizes, length, contiguous):
-            if launch.kernel.time_blocks:  # as `run`: threads along time where its sequences have it contiguous
-                launch = self.epilogue_launch(launch.kernel, sizes, length, _along_time(launch.kernel, inputs))
-            epi, nblk, groups = launch.kernel, launch.nblk, launch.mapping.groups
-            own_dtype = None if summed.intersection(n for n, _ in epi.program.outputs) else out_dtype
-            prepared = self._prepare_launch(epi, inputs, sizes, length, nblk, own_dtype,
-                                            launch.mapping.time_fastest, launch.mapping, launch.grid)
-            states = [(st.name, [groups * nblk, *(sizes[a] for a in st.axes)]) for st in epi.program.states]
-            split = groups > 1 and not launch.mapping.row  # split-K partials, summed after
-            outputs = [(n, f"out_{n}", output_dtype(own_dtype, n) if split else False) for n, _ in epi.program.outputs]
-            plan.append((prepared, states, outputs))
-        sums = [(st, name, *sum_of_output(p, st, name, axes), output_dtype(out_dtype, name))
-                for st, name, axes in low.from_outputs]
-        names, state_names = [n for n, _ in p.outputs], [st.name for st in p.states]
+        steps, sums = self._map_plan(self.launches(sizes, length, contiguous), inputs, sizes, length, out_dtype,
+                                     self._prepare_launch)
         accumulators = low.accumulators
 
         def call(seqs, params, initial):
             arrays = {**seqs, **params, **{f"init_{s}": initial[s] for s in accumulators}}
-            outs, finals = {}, {}
-            for prepared, states, outputs in plan:
-                made = self._execute(prepared, arrays)
-                for name, shape in states:
-                    part = made[f"final_{name}"].reshape(shape).sum(0)
-                    finals[name] = initial[name].to(part.dtype) + part
-                for name, array, split in outputs:
-                    out = made[array]
-                    if split is not False:
-                        out = out.sum(0)
-                        out = out.to(split) if split is not None else out
-                    outs[name] = out
-            for st, name, dims, perm, wanted in sums:
-                out = outs[name]
-                part = out.sum(dims).permute(perm)  # in the compute dtype
-                finals[st] = initial[st].to(part.dtype) + part
-                if wanted is not None:
-                    outs[name] = out.to(wanted)
-            return {n: outs[n] for n in names}, {n: finals[n] for n in state_names}
+            return self._run_maps(steps, sums, arrays, initial, {})
         return call
 
     def prepare_time_blocks(self, seqs, params, initial, sizes, length, out_dtype=None, contiguous=False):
