@@ -119,7 +119,8 @@ class TorchArrays:
 
 def _sum32(spec: str, arr):
     """``einsum(spec, arr)`` of one 16-bit array: a sum over the axes the result lacks (accumulated and
-    returned in fp32), then the result's axis order; a repeated label (a diagonal) through fp32 einsum."""
+    returned in fp32), then the result's axis order (nothing summed: a permuted view, still 16-bit); a
+    repeated label (a diagonal) through an fp32 einsum."""
     import torch
 
     given, out = spec.split("->")
