@@ -99,6 +99,24 @@ def test_inspect_names_the_persistent_split():
     assert len(full) == 2 and not any("tensor cores" in line for line in full), full
 
 
+def test_only_the_tensor_core_form_writes_in_16_bits():
+    """dz (the adjoint's hf0, which only the post products read) is written in 16 bits where the plan is the
+    tensor-core form and the call's inputs are 16-bit; the FMA form, an fp32 call and a forward (no such
+    output) keep fp32; the kernel source refuses 16-bit outputs outside the tensor-core form."""
+    program = _adjoint(lstm.SPEC)
+    cell = analyse(program)
+    loop = persistent_runner.PersistentLoop(program, "float32", None, cell)
+    orders = hoist(derive_backward(lstm.SPEC.program).adjoint, transpose=False).product_orders
+    half, full = plan(cell, LSTM_BIG, 132, mma=True), plan(cell, LSTM_BIG, 132)
+    assert loop.half_outputs(half, orders, torch.bfloat16) == {"hf0"}
+    assert loop.half_outputs(full, orders, torch.bfloat16) == frozenset()
+    assert loop.half_outputs(half, orders, None) == frozenset()
+    forward = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, analyse(_forward(lstm.SPEC)))
+    assert forward.half_outputs(half, {}, torch.bfloat16) == frozenset()
+    with pytest.raises(ValueError, match="tensor-core form"):
+        kernel_source(cell, full, LSTM_BIG, half_outs=frozenset({"hf0"}))
+
+
 # -- NVRTC ----------------------------------------------------------------------------------------------------
 
 HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoint(lstm.SPEC), LSTM_BIG),
@@ -107,9 +125,25 @@ HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoin
                ("lstm odd", _forward(lstm.SPEC), {"b": 5, "k": 129, "j": 129, "g": 4})]
 
 
+def _training_source(cell, chosen, sizes) -> str:
+    """The kernel as a training step runs it: a forward recording its product h U in bf16 (contiguous
+    [L, rows..., g, k]), an adjoint writing dz (its outputs hf<n>, which the post products read) in bf16."""
+    p = cell.program
+    record = None
+    if not p.reverse:
+        shape = [3, *(sizes[a] for a in cell.product.axes)]
+        record = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    half_outs = frozenset(n for n, _ in p.outputs if n.startswith("hf"))
+    assert p.reverse == bool(half_outs), p.outputs
+    return kernel_source(cell, chosen, sizes, record=record, half_seqs=frozenset(d.name for d in p.seqs),
+                         half_outs=half_outs, half_record=record is not None)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,program,sizes", HALF_SHAPES, ids=[s[0] for s in HALF_SHAPES])
 def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, arch):
+    """The training step's kernels (`_training_source`; the forward of a call that records nothing has the
+    same code less the recording's stores)."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.source import compile_options
 
@@ -118,8 +152,9 @@ def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, ar
     cell = analyse(program)
     chosen = plan(cell, sizes, 132, mma=True)
     assert not isinstance(chosen, str) and chosen.mma, chosen
-    source = kernel_source(cell, chosen, sizes, half_seqs=frozenset(d.name for d in cell.program.seqs))
+    source = _training_source(cell, chosen, sizes)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in source
+    assert ("H* __restrict__ o0" if program.reverse else "H* __restrict__ rp") in source
     used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
     assert not used.spills and used.stack_frame_bytes == 0, used.summary()
     assert used.registers <= 255 and used.shared_bytes == 0, used.summary()
@@ -192,11 +227,72 @@ def half_launches(monkeypatch):
     return ran
 
 
-def test_emulated_bf16_lstm(emulated_cuda, half_launches):
+@pytest.fixture
+def written(monkeypatch):
+    """(program, whether the tensor-core form, {output: dtype of the array the launch wrote}, dtype of the
+    recorded product or None) of every persistent launch."""
+    ran = []
+    original = persistent_runner.PersistentLoop._launch
+
+    def spy(self, chosen, *a, **k):
+        result = original(self, chosen, *a, **k)
+        if not isinstance(result, str):
+            outs, _, recorded = result
+            dtypes = {name: o.dtype for (name, _), o in zip(self.program.outputs, outs)}
+            ran.append((self.program.name, chosen.mma, dtypes, None if recorded is None else recorded.dtype))
+        return result
+    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
+    return ran
+
+
+def test_emulated_bf16_lstm(emulated_cuda, half_launches, written):
     """One emulated block: the forward, the carries' recompute and the adjoint all in the tensor-core form
-    (the gradient's path casts the inputs to fp32: runtime/precision.py keeps their dtype known)."""
+    (the gradient's path casts the inputs to fp32: runtime/precision.py keeps their dtype known). The adjoint
+    writes dz (hf0: only the post products read it) in bf16, its other outputs none; the forward that records
+    h U for the adjoint records it in bf16 (read as x W is), and writes its carries in fp32 (the adjoint's
+    cell reads them)."""
     check_half("lstm", 7, batch=3, hidden=5, device="cpu")
     assert {name for name, mma in half_launches if mma} >= {"lstm", "lstm_backward"}, half_launches
+    adjoint = [dtypes for name, mma, dtypes, _ in written if name == "lstm_backward"]
+    assert adjoint == [{"hf0": torch.bfloat16}], written
+    recorded = [(dtypes, rec) for name, _, dtypes, rec in written if name != "lstm_backward" and rec is not None]
+    assert recorded and all(rec == torch.bfloat16 for _, rec in recorded), written
+    assert all(d == torch.float32 for dtypes, _ in recorded for d in dtypes.values()), written
+
+
+@pytest.mark.parametrize("spec", [lstm, lstm_heads], ids=["lstm", "heads"])
+def test_post_products_of_a_16_bit_dz(spec):
+    """The post products of the adjoint (`hoist.compute_post` through `TorchArrays(bf16)`, on the CPU) from a dz
+    written in bf16: grad_W, grad_U (with heads a batched product, an einsum: the fp32 h cast as `pair` casts
+    it, not multiplied with the bf16 dz as it is) and grad_x within bf16's rounding of float64 on the same dz,
+    grad_x in fp32; grad_bias, the sum of dz over time and batch, accumulated and returned in fp32: within
+    1e-5 of float64 (summed or returned in bf16 it is off by its rounding, about 1e-3)."""
+    from ssmc.backends.cuda.hoisted import TorchArrays
+    from ssmc.lowering.hoist import compute_post
+
+    h = hoist(derive_backward(spec.SPEC.program).adjoint, transpose=False)
+    sizes = {"b": 8, "n": 2, "k": 5, "j": 5, "g": 4, "i": 4}
+    length, rng = 16, np.random.default_rng(0)
+    seqs = {d.name: rng.standard_normal((length, *(sizes[a] for a in d.axes)))
+            for d in h.original.decls if d.role.value == "seq"}
+    params = {d.name: rng.standard_normal([sizes[a] for a in d.axes]) for d in h.original.params}
+    (factor, node), = h.factors  # dz as the runner returns it: [L, *its axes]
+    dz = torch.as_tensor(rng.standard_normal((length, *(sizes[a] for a in node.axes)))).to(torch.bfloat16)
+    initial = {s.name: np.zeros([sizes[a] for a in s.axes]) for s in h.original.states}
+    want_outs, want = compute_post(h, seqs, params, {factor: dz.double().numpy()}, initial)
+
+    def f32(arrays):
+        return {n: torch.as_tensor(v, dtype=torch.float32) for n, v in arrays.items()}
+
+    outs, got = compute_post(h, f32(seqs), f32(params), {factor: dz}, f32(initial), xp=TorchArrays(torch.bfloat16),
+                             dtype=torch.float32)
+    want.update(want_outs)
+    got.update(outs)
+    assert set(got) == {"grad_x", "grad_W", "grad_U", "grad_bias"}
+    for name, value in got.items():
+        assert value.dtype == torch.float32, (name, value.dtype)
+        err = _relative(_tensor(value), np.asarray(want[name], np.float64))
+        assert err < (1e-5 if name == "grad_bias" else 2e-2), (name, err)
 
 
 @pytest.mark.skipif(in_ci(), reason="CI runs the bf16 LSTM (the same kernel; heads only change its indexing)")

@@ -529,10 +529,12 @@ def in_original_order(h: Hoisted, outs: dict, xp=NUMPY) -> dict:
     return out
 
 
-def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None, xp=NUMPY):
+def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: dict, matmul=None, xp=NUMPY,
+                 dtype=None):
     """(outputs [t, *axes], final accumulators) of the post contractions, from the kernel's ``hf<n>``.
 
-    `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs."""
+    `seqs` includes the ``hz<n>`` of `compute_pre`; `written` holds the kernel's outputs. The outputs come
+    out in `dtype` (None: the first ``hf<n>``'s), the accumulators in their initial values'."""
     env = _env(h, seqs, params)
     for name, f in h.factors:
         order = h.product_orders[name]
@@ -544,7 +546,7 @@ def compute_post(h: Hoisted, seqs: dict, params: dict, written: dict, initial: d
     axes = {name: y.axes for name, y in h.original.outputs}  # a rebuilt contraction may list them in another order
     for name, node in h.post_outputs:
         arr, labels = _evaluate(node, env, matmul=matmul, xp=xp)
-        outs[name] = _ordered(arr, labels, (TIME, *axes[name]), written[h.factors[0][0]].dtype, xp)
+        outs[name] = _ordered(arr, labels, (TIME, *axes[name]), dtype or written[h.factors[0][0]].dtype, xp)
     for s, node in h.post_accumulators:
         axes = h.original.decl(s).axes
         init = initial[s]

@@ -30,8 +30,9 @@ from .runner import batch_outer, output_dtype, runner_for, time_contiguous
 
 class TorchArrays:
     """`hoist.NumPyArrays` for torch tensors: what evaluating the hoisted parts asks of them. `half`: a
-    16-bit dtype the matrix products read their operands in (fp32 accumulation on tensor cores, the
-    result in that dtype; the sums and everything else as given), or None."""
+    16-bit dtype the products of two or more arrays read their operands in (fp32 accumulation on tensor
+    cores, the result in that dtype), or None. Sums of one array (an adjoint's bias gradient: the sum of a
+    16-bit dz over time and batch) accumulate in fp32 and come out in fp32 whatever its dtype."""
 
     def __init__(self, half=None):
         self.half = half
@@ -40,14 +41,29 @@ class TorchArrays:
     def take(arr, index: int, axis: int):
         return arr.select(axis, index)
 
-    @staticmethod
-    def einsum(spec: str, *arrays):
+    def einsum(self, spec: str, *arrays):
+        """`torch.einsum`, its operands cast as `pair` casts them (to `half` where set, else to one dtype:
+        a batched product of a 16-bit dz and an fp32 sequence, a head's grad_U, would mix them); one
+        16-bit operand summed over some of its axes: the sum in fp32 (`_sum32`)."""
         import torch
 
+        if len(arrays) == 1 and arrays[0].dtype in (torch.bfloat16, torch.float16):
+            return _sum32(spec, arrays[0])
+        dtypes = {a.dtype for a in arrays}
+        if len(arrays) > 1 and self.half is not None and dtypes != {self.half}:
+            arrays = tuple(a.to(self.half) for a in arrays)
+        elif len(dtypes) > 1:
+            common = reduce(torch.promote_types, dtypes)
+            arrays = tuple(a.to(common) for a in arrays)
         return torch.einsum(spec, *arrays)
 
     @staticmethod
     def sum(arr, axes: tuple[int, ...]):
+        """The sum over `axes`, in fp32 for a 16-bit `arr` (accumulated so, and kept so)."""
+        import torch
+
+        if arr.dtype in (torch.bfloat16, torch.float16):
+            return arr.sum(dim=axes, dtype=torch.float32)
         return arr.sum(dim=axes)
 
     @staticmethod
@@ -99,6 +115,22 @@ class TorchArrays:
         if self.half is not None and (a2.dtype != self.half or b2.dtype != self.half):
             a2, b2 = a2.to(self.half), b2.to(self.half)
         return torch.matmul(a2, b2).reshape([size[x] for x in fa + fb]), tuple(fa + fb)
+
+
+def _sum32(spec: str, arr):
+    """``einsum(spec, arr)`` of one 16-bit array: a sum over the axes the result lacks (accumulated and
+    returned in fp32), then the result's axis order (nothing summed: a permuted view, still 16-bit); a
+    repeated label (a diagonal) through an fp32 einsum."""
+    import torch
+
+    given, out = spec.split("->")
+    if len(set(given)) != len(given):
+        return torch.einsum(spec, arr.float())
+    summed = [i for i, a in enumerate(given) if a not in out]
+    kept = [a for a in given if a in out]
+    if summed:
+        arr = arr.sum(dim=summed, dtype=torch.float32)
+    return arr.permute(*[kept.index(a) for a in out])
 
 
 TORCH = TorchArrays()
@@ -156,7 +188,10 @@ class HoistedRunner:
         outs, finals = inner.run({**seqs, **pre}, {**params, **compute_params(h, cast_params, xp=TORCH)},
                                  initial, sizes, length, **extra)
         outs = in_original_order(h, outs, xp=TORCH)
-        post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=xp)
+        # (the post outputs in the compute dtype where the loop wrote the values they read in 16 bits: the
+        # tensor-core form's dz)
+        post_outs, post_finals = compute_post(h, {**cast, **pre}, cast_params, outs, initial, xp=xp,
+                                              dtype=None if half is None else compute)
         outs.update(post_outs)
         finals.update(post_finals)
         wanted = {n: output_dtype(out_dtype, n) for n, _ in self.program.outputs}

@@ -209,23 +209,29 @@ class CellPrinter:
         at = self.at | {a: str(v) for a, v in assign.items()}
         return time_offset(axes, strides, at)
 
-    def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None) -> list[str]:
+    def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None,
+             half_outs: frozenset = frozenset(), half_record: bool = False) -> list[str]:
         """Statements of the cell for pair q after the product: every node (those before the product
         recomputed: cheaper than keeping them in registers across the barrier), then the outputs at t
         (at `out_strides`: name -> element strides of time and each axis; default contiguous), the
         product itself where `record` gives its array's strides (rp [L, *product axes]), and the new
-        carries."""
+        carries. The outputs named in `half_outs`, and rp where `half_record`, are stored rounded to the
+        16-bit type (the values computed in fp32 all the same)."""
         out = self.values(self.cell.nodes)
         p = self.cell.program
+
+        def stored(value: str, half: bool) -> str:
+            return f"ssmc_mma::float_half<BF16>({value})" if half else value
+
         for i, (name, y) in enumerate(p.outputs):
             axes = y.axes
             for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = "
-                           f"{self.printer.expr(self.ref(y, assign))};")
+                value = stored(self.printer.expr(self.ref(y, assign)), name in half_outs)
+                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = {value};")
         if record is not None:
             axes = self.cell.product.axes
             for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                value = self.printer.expr(self.ref(self.cell.product, assign))
+                value = stored(self.printer.expr(self.ref(self.cell.product, assign)), half_record)
                 out.append(f"rp[{self.strided(axes, record, assign)}] = {value};")
         for s, u in zip(p.states, p.updates):
             i = self.states[s.name]
@@ -281,7 +287,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   seq_strides: dict[str, tuple[int, ...]] | None = None,
                   out_strides: dict[str, tuple[int, ...]] | None = None,
                   record: tuple[int, ...] | None = None, bf16: bool = True,
-                  half_seqs: frozenset = frozenset()) -> str:
+                  half_seqs: frozenset = frozenset(), half_outs: frozenset = frozenset(),
+                  half_record: bool = False) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
@@ -296,7 +303,11 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
 
     The tensor-core form (`plan.mma`): xo holds 16-bit values (bf16 where `bf16`, else fp16), U is
     converted to them once into shared memory, and the product is mma.sync tiles with fp32
-    accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32)."""
+    accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32), the
+    outputs named in `half_outs` (an adjoint's dz, which only the post products read, in 16 bits) and
+    rp where `half_record` written as 16-bit arrays."""
+    if (half_outs or half_record) and not plan.mma:
+        raise ValueError("16-bit outputs are written only in the tensor-core form")
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
@@ -304,10 +315,10 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     args += [f"const {'H' if d.name in half_seqs else 'float'}* __restrict__ s{i}" for i, d in enumerate(p.seqs)]
     args += [f"const float* __restrict__ w{i}" for i, _ in enumerate(p.params)]
     args += [f"const float* __restrict__ i{i}" for i, _ in enumerate(p.states)]
-    args += [f"float* __restrict__ o{i}" for i, _ in enumerate(p.outputs)]
+    args += [f"{'H' if name in half_outs else 'float'}* __restrict__ o{i}" for i, (name, _) in enumerate(p.outputs)]
     args += [f"float* __restrict__ f{i}" for i, _ in enumerate(p.states)]
     if record is not None:
-        args.append("float* __restrict__ rp")
+        args.append(f"{'H' if half_record else 'float'}* __restrict__ rp")
     args += ["X* xo", "unsigned int* bar"]
     split = plan.ksplit > 1
     if split:
@@ -433,7 +444,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         return (f"{pad}#pragma unroll\n{pad}for (int q = 0; q < PAIRS; ++q) {{\n{head}\n"
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
-    cell_lines = pr.body(out_strides, record)
+    cell_lines = pr.body(out_strides, record, half_outs, half_record and record is not None)
     publish_lines = pr.publish(plan.mma, plan.munits)
     product = [
         "#if VEC",

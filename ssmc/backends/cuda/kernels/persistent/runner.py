@@ -5,7 +5,9 @@ device it does not take.
     loop = persistent_loop(program, compute, StepLoop(program, compute))   # in step_loop.step_loop
     outs, finals = loop.run(seqs, params, initial, sizes, length, out_dtype)
 
-A call converts its arrays to contiguous fp32, allocates the outputs, the exchange buffer
+A call converts its arrays to contiguous fp32 (in the tensor-core form, 16-bit sequences are read as
+they are), allocates the outputs (fp32; in the tensor-core form the values only the post products read,
+an adjoint's dz, and the recorded product h U in 16 bits: `half_outputs`), the exchange buffer
 xo [2][rows][xcols] (the operand of a step by its parity; split, also the fp32 partial products
 pb [2][ksplit][rows][units]) and zeroed barrier words, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
@@ -115,9 +117,19 @@ class PersistentLoop:
             products[self.cell.product] = recorded
         dtype = out_dtype or torch_float32()
         p = self.program
-        outs = {name: o if o.dtype == dtype else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
+        kept = self.half_outputs(chosen, orders, half)  # the post products' operands: read in 16 bits anyway
+        outs = {name: o if o.dtype == dtype or name in kept else o.to(dtype) for (name, _), o in zip(p.outputs, outs)}
         finals = {s.name: f if f.dtype == dtype else f.to(dtype) for s, f in zip(p.states, finals)}
         return outs, finals
+
+    def half_outputs(self, chosen, orders, half) -> frozenset:
+        """The outputs a launch writes in 16 bits: in the tensor-core form, the per-step values only the
+        hoisted post products read (`orders`' names: an adjoint's dz at every gate, which they multiply in
+        16 bits, `TorchArrays`; the bias gradient, a sum of it, accumulates in fp32). Every other output
+        fp32 (the carries a recording forward keeps for its adjoint's cell, the outputs returned)."""
+        if half is None or isinstance(chosen, str) or not chosen.mma or not orders:
+            return frozenset()
+        return frozenset(name for name, _ in self.program.outputs if name in orders)
 
     def _watch(self, bar) -> None:
         """Keep the launch's barrier words for `_check`: on a GPU a copy to pinned host memory and an event
@@ -186,17 +198,21 @@ class PersistentLoop:
         ini_t = [dense(initial[s.name], full(s.axes)) for s in p.states]
         outer = batch_outer(seq_t)
 
-        def allocated(axes, order):
+        def allocated(axes, order, dtype=f32):
             """[L, *axes] as a view of memory [L, *order] ([order[0], L, *order[1:]] where `outer`)."""
             memory = ((order[0], TIME, *order[1:]) if outer and order else (TIME, *order))
-            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=f32, device=device)
+            t = torch.empty([length if a == TIME else sizes[a] for a in memory], dtype=dtype, device=device)
             return t.permute(*[memory.index(a) for a in (TIME, *axes)])
 
-        outs = [allocated(y.axes, tuple(orders.get(name, y.axes))) for name, y in p.outputs]
+        # in the tensor-core form the post products' operands (an adjoint's dz) and the recorded product (the
+        # adjoint's h U, read as a 16-bit sequence: as x W is) in 16 bits: half the bytes written and read
+        half_outs = self.half_outputs(chosen, orders, half)
+        outs = [allocated(y.axes, tuple(orders.get(name, y.axes)), half if name in half_outs else f32)
+                for name, y in p.outputs]
         out_strides = {name: tuple(o.stride()) for (name, _), o in zip(p.outputs, outs)}
         axes = cell.product.axes  # recorded rows first, as the adjoint's h U would lie
         rows_first = tuple(a for a in axes if a in cell.rows) + tuple(a for a in axes if a not in cell.rows)
-        recorded = allocated(axes, rows_first) if record else None
+        recorded = allocated(axes, rows_first, half or f32) if record else None
         finals = [torch.empty(full(s.axes), dtype=f32, device=device) for s in p.states]
         # the exchange buffer, each step's operand [rows][xcols] by step parity (the kernel writes it, and
         # zeroes its pad columns once; split, the pad columns lie in every K group's slice: zeroed here)
@@ -214,7 +230,7 @@ class PersistentLoop:
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs)
+                               half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
