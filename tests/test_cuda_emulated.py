@@ -139,13 +139,13 @@ def test_emulated_lanes_whole_chunk_copies(batch, dim, length, offset, monkeypat
     assert (" && r0 + R <= n_d)" in source) == (dim % 32 != 0)
 
 
-@pytest.mark.parametrize("length", [1, 21])
+@pytest.mark.parametrize("length", [1, 7])
 def test_emulated_lanes_short_chunks_at_a_long_state_axis(length, monkeypatch, fresh_runners):
     """At n = 128 chunks of 32 steps of B and C do not fit a block's static shared memory: the lanes
     forward stages chunks of 8 (`lanes.forward.lanes_chunk`; before, a thread per recurrence with its 128
-    state values in local memory). Mamba-1 float32 "b d t", one step (a decode step) and 21 (two whole
-    chunks and a partial one): outputs and final states against the interpreter; at 21 the gradients too,
-    nightly (whatever runs the backward: the lanes forward may recompute for it)."""
+    state values in local memory), for calls of one chunk at most (a decode step: longer ones keep the scan
+    strategies). Mamba-1 float32 "b d t", 1 step and 7: outputs and final states against the interpreter;
+    at 7 the gradients too, nightly (the training forward's lanes kernel saves its round carries)."""
     torch = pytest.importorskip("torch")
 
     monkeypatch.setattr(lanes, "LANES_FILL", 1)
@@ -161,6 +161,11 @@ def test_emulated_lanes_short_chunks_at_a_long_state_axis(length, monkeypatch, f
         **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()}, return_final_states=True)
     assert rel_err(got_y, want_y) <= 1e-4 and rel_err(got_h, want_h) <= 1e-4
     assert sources and "T = 8, P = 12" in sources[0]
+    from ssmc.backends.cuda.runner import runner_for
+
+    runner = runner_for(m.SPEC.program, "float32")
+    sizes = {"b": 1, "d": 16, "n": 128}
+    assert runner.strategy(sizes, 9, True) != "lanes" and runner.strategy(sizes, 8, True) == "lanes"
     if length > 1 and not in_ci():  # the gradients' kernels compile for a minute: nightly
         cot = rng.standard_normal(want_y.shape).astype(np.float32).astype(np.float64)
         want = ssmc.grad(m.SPEC, "interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)

@@ -10,7 +10,7 @@ the lanes of a group, the per-step sums reduced across them; chunks of steps sta
 from __future__ import annotations
 
 from ..base import Launch, Shape, Strategy, Verdict, threads
-from .forward import lane_blocks, lanes_source
+from .forward import CHUNK, lane_blocks, lanes_chunk, lanes_source
 
 # The lanes kernel runs where rows x lanes give at least LANES_FILL threads; fewer recurrences want
 # the time-parallel warp kernel (bench/results/ has the measurements).
@@ -34,6 +34,13 @@ class Lanes(Strategy):
             return self.forced_verdict(forced)
         if mapping is None:
             return self.refused("no state axis the lanes can split, or its chunks do not fit a block")
+        chunk = lanes_chunk(runner.state_lanes, shape.sizes, mapping.lanes, 8 if runner.compute == "float64" else 4)
+        if chunk < CHUNK and shape.length > chunk:
+            # short chunks (a long state axis) for a call of one chunk (a decode step), where the kernel the
+            # table gives otherwise keeps a row's states a thread: longer calls keep the scan strategies
+            return self.refused(f"chunks of {CHUNK} steps do not fit a block at {runner.state_lanes.axis} = "
+                                f"{shape.sizes[runner.state_lanes.axis]}; chunks of {chunk} take calls of at most "
+                                f"{chunk} steps")
         total = threads(runner.lowered.kernels[0], shape.sizes) * mapping.lanes
         if total >= LANES_FILL:
             return self.taken(f"the states' axis {runner.state_lanes.axis} split among lanes: "
