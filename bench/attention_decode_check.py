@@ -3,7 +3,8 @@ attend, one generated kernel) against torch's SDPA on the cache slice.
 
     python bench/attention_decode_check.py [--out DIR] [--calls N]
 
-For B1, B16, B64 at H16 d128, bf16, caches holding 1024 and 8192 tokens, two specs: causal (for the last
+For B1, B16, B64 at H16 d128, bf16, caches holding 1024 and 8192 tokens (and issue 42's target, B8 H32 with
+32768), two specs: causal (for the last
 query: every key so far) and causal + ALiBi (a per-head slope param). A row: the cache filled with
 random keys and values up to pos = L - 1, then the step at pos (q_t, k_t, v_t of [b h d]); its output
 compared first with SDPA on the cache slice [:, :, :L] (ALiBi as an additive float bias, made once outside
@@ -37,8 +38,9 @@ SPECS = {
     "causal": ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d"),
     "alibi": ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d"),
 }
-SHAPES = [(b, length) for length in (1024, 8192) for b in (1, 16, 64)]
-H, D = 16, 128
+# (batch, cache length, heads); the last: issue 42's decode target (Lq 1, KV 32768, B8 H32 d128)
+SHAPES = [(b, length, 16) for length in (1024, 8192) for b in (1, 16, 64)] + [(8, 32768, 32)]
+D = 128
 
 
 def timed(fn, calls: int) -> tuple[float, float]:
@@ -79,7 +81,7 @@ def graphed(fn, calls: int) -> float | str:
         return f"no graph ({type(err).__name__}: {str(err)[:60]})"
 
 
-def row(name: str, b: int, length: int, calls: int) -> str:
+def row(name: str, b: int, length: int, H: int, calls: int) -> str:
     gen = torch.Generator(device="cuda").manual_seed(b + length)
     s = ssmc.step(SPECS[name], backend="cuda", layout="b h t ...")
     cache = s.cache({"b": b, "h": H, "d": D}, max_len=length, dtype=torch.bfloat16, device="cuda")
@@ -121,7 +123,7 @@ def row(name: str, b: int, length: int, calls: int) -> str:
         return f"{x:.4f}" if isinstance(x, float) else x
     bw = f"{gbytes / (g * 1e-3):.0f}" if isinstance(g, float) else "-"
     ratio = f"{pg / g:.2f}x" if isinstance(g, float) and isinstance(pg, float) else "-"
-    return (f"| {name} B{b} L{length} | {err:.1e} | {ms:.4f} | {host:.4f} | {fmt(g)} | {bw} | {peer_ms:.4f} | "
+    return (f"| {name} B{b} H{H} L{length} | {err:.1e} | {ms:.4f} | {host:.4f} | {fmt(g)} | {bw} | {peer_ms:.4f} | "
             f"{fmt(pg)} | {peer_ms / ms:.2f}x | {ratio} |")
 
 
@@ -130,13 +132,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args()
-    lines = ["| attention decode H16 d128 bf16 | rel err vs SDPA | ssmc ms / call | ssmc host ms | ssmc graph ms | "
+    lines = ["| attention decode d128 bf16 | rel err vs SDPA | ssmc ms / call | ssmc host ms | ssmc graph ms | "
              "GB/s (graph) | SDPA+append ms | SDPA graph ms | eager SDPA/ssmc | graph SDPA/ssmc |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     t0 = time.perf_counter()
     for name in SPECS:
-        for b, length in SHAPES:
-            lines.append(row(name, b, length, args.calls))
+        for b, length, heads in SHAPES:
+            lines.append(row(name, b, length, heads, args.calls))
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     lines.append("")
