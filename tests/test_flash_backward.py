@@ -193,6 +193,26 @@ def test_emulated_rows_without_a_key_get_zero_gradients(emulate):
 
 
 @needs_emulator
+@pytest.mark.parametrize("config, dq", [("wg", "atomic"), ("w4q64", "kernel")])
+def test_emulated_kernels_write_every_gradient_element(config, dq, emulate, monkeypatch):
+    """dq, dk, dv start as NaN (`torch.empty` patched): the delta kernel zeroes the atomic dQ's accumulator, the
+    key-block kernel stores every row of dk and dv (keys 7.. that no query sees under causal at Lq 7 < Lk 70
+    get zeros), the dQ kernel every row of dq; an element none writes fails."""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", dq)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got, want = _run_emulated("causal", 7, 70, 1, seed=11)
+    assert (got["k"][..., 7:, :] == 0).all() and (got["v"][..., 7:, :] == 0).all()
+    _check(got, want)
+
+
+@needs_emulator
 def test_emulated_gradients_through_the_tiled_path_run_the_kernels(monkeypatch):
     """`TiledAttention.gradients` on CPU bf16 tensors in layout "b t h ..." with the emulator on: the
     forward and backward kernels; SSMC_CUDA_FLASH_BACKWARD=0 gives the tiled backward's answer back."""

@@ -5,8 +5,8 @@
     bwd = FlashBackward(program); grads = bwd(call, out, lse, d_out)   # {"q", "k", "v", param names}
 
 FlashAttention-2's backward: delta[bh, i] = sum_e d_out[bh, i, e] out[bh, i, e] in fp32 (a small kernel,
-``backward_delta.cu.j2``, a warp a row), then the key-block kernel, per batch index bh and block of
-`config(d).bn` keys j, as a plain loop:
+``backward_delta.cu.j2``, a warp a row, which also zeroes the atomic dQ's rows), then the key-block kernel,
+per batch index bh and block of `config(d).bn` keys j, as a plain loop:
 
     for each query tile [m0, m0 + BQ) of the queries the key block may be visible to   (key_block_spans)
         s[i, j] = scale * sum_d q[bh, i, d] k[bh, j, d];  m = score_mod(s, i, j, params[bh])
@@ -339,9 +339,14 @@ class FlashBackward:
         # delta in fp32 from the 16-bit cotangent the products see and the forward's output: a kernel
         delta = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         lse = lse.to(torch.float32).contiguous()
-        dq = torch.zeros((*batch, lq, d), dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
-        dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+        launched = bool(bh and lq and lk)
+        # no fills where the kernels write every element: the key-block kernel stores every row of dk and dv
+        # (zeros for a key block no query sees), the dQ kernel every row of dq, and the delta kernel zeroes
+        # the atomic dQ's accumulator in its pass over the rows
+        new = torch.empty if launched else torch.zeros
+        dq = new((*batch, lq, d), dtype=torch.float32, device=q.device)
+        dk = new(k.shape, dtype=q.dtype, device=q.device)
+        dv = new(v.shape, dtype=q.dtype, device=q.device)
         cfg = config(d, None, q.device)
         nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
@@ -353,13 +358,14 @@ class FlashBackward:
         rowsums = torch.zeros((bh, lq, 1 + np_) if np_ and atomic else (1,), dtype=torch.float32, device=q.device)
         corr = torch.zeros((-(-lq // BM), bh, np_) if np_ and not atomic else (1,), dtype=torch.float32,
                            device=q.device)
-        if bh and lq and lk:
+        if launched:
             params = param_table(self.program, call.params, call.sizes).to(q.device)
             bf16 = q.dtype == torch.bfloat16
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
             launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
-                         -(-bh * lq // 4), 128, 0, [do.data_ptr(), out.data_ptr(), delta.data_ptr()], bh * lq, 0)]
+                         -(-bh * lq // 4), 128, 0,
+                         [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
             launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh, cfg.threads,
                          cfg.shared(d, atomic),
                          [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
