@@ -21,7 +21,7 @@ from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")  # kernels/flash/forward.py's CONFIGS
-FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg")  # kernels/flash/backward.py's CONFIGS
+FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp")  # kernels/flash/backward.py's CONFIGS
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 

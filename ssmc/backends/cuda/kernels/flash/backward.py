@@ -23,7 +23,8 @@ query tiles of 32 rows at d 64 and 16 at d 128, static shared memory, Q and dO s
 of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage while this one computes, K, V,
 both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
 (`DEFAULT_CONFIG`); on sm_90 parts "wg" (``backward_wgmma.cu.j2``: the wide kernel's algorithm on wgmma,
-warpgroups of 64 keys, query tiles of 64).
+warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's steps overlapped (the next
+tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS').
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 
 from .....ir.program import Attention
@@ -70,6 +72,7 @@ class Config:
     bq: int
     min_blocks: int = 1
     wgmma: bool = False
+    pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
 
     @property
     def arch(self) -> str | None:
@@ -100,6 +103,9 @@ CONFIGS = {
     "w8q32": {d: Config("w8q32", 8, 32) for d in HEAD_DIMS},
     # sm_90a (``backward_wgmma.cu.j2``): warpgroups of 64 keys, one at d 64, two at d 128; query tiles of 64
     "wg": {64: Config("wg", 4, 64, wgmma=True), 128: Config("wg", 8, 64, wgmma=True)},
+    # "wg" with its tile's steps overlapped (``backward_wgmma.cu.j2``'s `pipelined` loop) for specs without params
+    # whose dS does not read the score (`_pipelines`; "wg"'s loop for the others)
+    "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -178,6 +184,15 @@ def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
     return hit
 
 
+def _pipelines(args: dict) -> bool:
+    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no params (dS'
+    pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
+    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128), and a dS that
+    does not read the score (the tile's scores kept beside P through dS' pass: 32 registers more, spills at
+    d 128). Elsewhere "wgp" runs "wg"'s loop."""
+    return not args["param_bodies"] and not re.search(r"\bscore\b", args["dscore_body"])
+
+
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
                   config_name: str | None = None) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
@@ -199,7 +214,8 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
             from ..wgmma import header
 
             return name, header() + "\n" + template("flash/backward_wgmma.cu.j2").render(
-                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq), **common)
+                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq),
+                pipelined=cfg.pipelined and _pipelines(args), **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
     return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
