@@ -1,6 +1,6 @@
 """Check, then time each flash backward config (kernels/flash/backward.py `CONFIGS`) in one run on a GPU.
 
-    python bench/flash_backward_configs.py [--out DIR] [--configs wg,wgp] [--small]
+    python bench/flash_backward_configs.py [--out DIR] [--configs wg,wgp] [--specs causal,alibi] [--small]
 
 For the specs of bench/flash_check.py (causal, ALiBi, sliding window 512) at B4 H16 L4096 d128 bf16 (and d64;
 --small: B2 H4 L1000 d64), per config (``SSMC_CUDA_FLASH_BACKWARD_CONFIG``): a training step through
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder to write flash_backward_configs.md to")
     parser.add_argument("--small", action="store_true", help="the small shape only")
     parser.add_argument("--configs", default="wg,wgp", help="comma-separated config names (the first: the base)")
+    parser.add_argument("--specs", default=",".join(flash_check.SPECS),
+                        help="comma-separated specs of bench/flash_check.py (ALiBi, window: FlexAttention compiles)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -116,8 +118,11 @@ def main() -> None:
     unknown = [c for c in configs if c not in flash_bwd.CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}: expected some of {list(flash_bwd.CONFIGS)}")
+    specs = args.specs.split(",")
+    if any(s not in flash_check.SPECS for s in specs):
+        raise SystemExit(f"unknown specs in {specs}: expected some of {list(flash_check.SPECS)}")
     shapes = [(2, 4, 1000, 64)] if args.small else [(4, 16, 4096, 128), (4, 16, 4096, 64)]
-    rows = [r for shape in shapes for name in flash_check.SPECS for r in rows_for(name, *shape, configs)]
+    rows = [r for shape in shapes for name in specs for r in rows_for(name, *shape, configs)]
     text = (f"# ssmc flash backward configs\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
             f"dQ {os.environ.get('SSMC_CUDA_FLASH_DQ') or 'atomic'}; a training step (forward + backward) through "
             "ssmc.torch.function; ref: SDPA (causal), FlexAttention under torch.compile (ALiBi, window); "
