@@ -41,10 +41,9 @@ def kernel_split(step) -> tuple[float, float, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    timed = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     key = other = glue = 0.0
-    for e in prof.key_averages():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.self_device_time_total <= 0:
-            continue
+    for e in [e for e in timed if e.device_type == torch.autograd.DeviceType.CUDA] or timed:
         ms = e.self_device_time_total / 1e3
         if e.key.startswith("flash_bwd") and not e.key.startswith("flash_bwd_delta"):
             key += ms
