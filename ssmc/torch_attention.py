@@ -43,8 +43,10 @@ class _Attention(torch.autograd.Function):
         tensors = ctx.saved_tensors  # torch checks here that no input changed in place since the forward
         fn, call = ctx.fn, ctx.call
         tiled, p = fn.tiled, fn.program
-        out = tiled.from_layout(call, tensors[-1], "out", fn.layout) if ctx.flash else ctx.out32
-        grads = tiled.backward(call, ctx.lse, tiled.from_layout(call, d_y, "grad_outputs", fn.layout), out=out)
+        # the output and cotangent as given (16-bit where the flash backward reads them so: no widening copies)
+        out = tiled.from_layout(call, tensors[-1], "out", fn.layout, keep_dtype=True) if ctx.flash else ctx.out32
+        d_out = tiled.from_layout(call, d_y, "grad_outputs", fn.layout, keep_dtype=True)
+        grads = tiled.backward(call, ctx.lse, d_out, out=out)
         q, k, v = tensors[:3]
         result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
@@ -96,7 +98,7 @@ class AttentionFunction:
         """The custom op's backward: the gradients of q, k, v and the params, each in its input's dtype."""
         tiled, p = self.tiled, self.program
         call = tiled.bind(q, k, v, self.layout, dict(zip((d.name for d in p.params), params)))
-        grads = tiled.backward(call, lse, tiled.from_layout(call, d_out, "grad_outputs", self.layout))
+        grads = tiled.backward(call, lse, tiled.from_layout(call, d_out, "grad_outputs", self.layout, keep_dtype=True))
         result = [tiled.to_layout(call, grads[name], name, axes, self.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
         return result + [grads[d.name].to(t.dtype) for d, t in zip(p.params, params)]

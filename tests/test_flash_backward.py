@@ -165,12 +165,17 @@ def test_emulated_flash_backward_in_each_config(config, name, lq, lk, emulate, m
 
 
 @needs_emulator
-@pytest.mark.parametrize("name, lq, lk, bf16", [
-    ("causal", 130, 130, True),
-    nightly_case("alibi", 70, 130, False, reason="the wgmma kernel's d 128 split once more, with a param and fp16")])
-def test_emulated_wgmma_backward_at_d128(name, lq, lk, bf16, emulate, monkeypatch):
-    """The wgmma key-block kernel at d 128: two warpgroups of 64 keys, dQ's columns split between them."""
-    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wg")
+@pytest.mark.parametrize("config, name, lq, lk, bf16", [
+    ("wg", "causal", 130, 130, True),
+    nightly_case("wg", "alibi", 70, 130, False,
+                 reason="the wgmma kernel's d 128 split once more, with a param and fp16"),
+    ("wgp", "causal", 130, 130, False),
+    nightly_case("wgp", "window", 200, 200, True, reason="the pipelined loop's tiles: causal's case walks them too")])
+def test_emulated_wgmma_backward_at_d128(config, name, lq, lk, bf16, emulate, monkeypatch):
+    """The wgmma key-block kernels at d 128: two warpgroups of 64 keys, dQ's columns split between them; "wgp"'s
+    pipelined loop (lse and delta of the next tile loaded ahead, dS from P rounded to 16 bits: fp16's tolerance)."""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
+    assert ("wg::wait<1>()" in flash_bwd.kernel_source(SPECS[name].program, 128, bf16)[1]) == (config == "wgp")
     _check(*_run_emulated(name, lq, lk, 1, d=128, bf16=bf16, seed=lq + lk), bf16=bf16)
 
 
@@ -190,6 +195,27 @@ def test_an_unknown_dq_mode_is_a_value_error(monkeypatch):
 def test_emulated_rows_without_a_key_get_zero_gradients(emulate):
     got, _ = _run_emulated("softcap_empty_rows", 20, 20, 1)
     assert (got["q"][..., 8:, :] == 0).all()
+
+
+@needs_emulator
+@pytest.mark.parametrize("config, dq", [("wgp", "atomic"), ("w4q64", "kernel")])
+def test_emulated_kernels_write_every_gradient_element(config, dq, emulate, monkeypatch):
+    """dq, dk, dv start as NaN (`torch.empty` patched): the delta kernel zeroes the atomic dQ's accumulator, the
+    key-block kernel stores every row of dk and dv (keys 7.. that no query sees under causal at Lq 7 < Lk 70
+    get zeros), the dQ kernel every row of dq; an element none writes fails. ("wgp" at d 64: its pipelined loop,
+    the next tile's lse and delta past Lq.)"""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", dq)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got, want = _run_emulated("causal", 7, 70, 1, seed=11)
+    assert (got["k"][..., 7:, :] == 0).all() and (got["v"][..., 7:, :] == 0).all()
+    _check(got, want)
 
 
 @needs_emulator

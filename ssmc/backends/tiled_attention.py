@@ -172,10 +172,11 @@ class TiledAttention:
         x = x.permute(*[canonical.index(a) for a in order]).to(dtype or call.out_dtype).contiguous()
         return x.cpu().numpy() if call.numpy else x
 
-    def from_layout(self, call: Call, x, name: str, layout) -> torch.Tensor:
+    def from_layout(self, call: Call, x, name: str, layout, keep_dtype: bool = False) -> torch.Tensor:
         """`to_layout`'s inverse for the output's cotangent `x` (any array, in `layout`'s order for
-        "out"): canonical, in `call.acc`, on the call's device; a ValueError naming `name` for a wrong
-        shape."""
+        "out"): canonical, in `call.acc` (in its own float dtype with `keep_dtype`: the backward takes
+        either, and the flash kernels read 16 bits, so a 16-bit cotangent or output is not widened only
+        to be rounded back), on the call's device; a ValueError naming `name` for a wrong shape."""
         axes = self.program.v_axes
         n = len(self.program.batch_axes)
         canonical = (*axes[:n], TIME, *axes[n:])
@@ -185,7 +186,8 @@ class TiledAttention:
         want = tuple(lengths[a] for a in order)
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} for axes {' '.join(order)}")
-        return t.permute(*[order.index(a) for a in canonical]).to(device=call.q.device, dtype=call.acc)
+        return t.permute(*[order.index(a) for a in canonical]).to(device=call.q.device,
+                                                                 dtype=t.dtype if keep_dtype else call.acc)
 
     # -- calls as ssmc.compile and ssmc.grad make them ------------------------------------------------
 
@@ -371,10 +373,10 @@ class TiledAttention:
     def backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor,
                  block: int | None = None, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `lse`
-        [*batch, Lq] and the output's cotangent `d_out` [*batch, Lq, e]. A block holds its rows' whole
-        key span, so FlashAttention's rowsum(dO * O) is taken as rowsum(P * dP) in fp32 and the output
-        is not needed (a bf16 output's rounding would reach the params' gradients, sums weighted by
-        positions).
+        [*batch, Lq] and the output's cotangent `d_out` [*batch, Lq, e] (any float dtype). A block holds
+        its rows' whole key span, so FlashAttention's rowsum(dO * O) is taken as rowsum(P * dP) in fp32
+        and the output is not needed (a bf16 output's rounding would reach the params' gradients, sums
+        weighted by positions).
 
         Where the flash backward kernel runs the call (`flash_backward`; not when a `block` is forced),
         one launch of it instead, from the forward's output `out` [*batch, Lq, e] (canonical, the fp32 one

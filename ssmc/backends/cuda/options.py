@@ -21,7 +21,7 @@ from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")  # kernels/flash/forward.py's CONFIGS
-FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg")  # kernels/flash/backward.py's CONFIGS
+FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp")  # kernels/flash/backward.py's CONFIGS
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -57,8 +57,9 @@ class CudaOptions:
         (128-row blocks of 4 warps of 32 rows)
     flash_backward_config: the flash backward's key-block kernel (kernels/flash/backward.py `CONFIGS`): "bn64"
         (4 warps, 64 keys, query tiles of 32 / 16 rows at d 64 / 128), "w4q64" (4 warps, 64 keys, query tiles
-        of 64, two stages), "w8q64" (8 warps, 128 keys, query tiles of 64, two stages) or "w8q32" (the same
-        with query tiles of 32); unset: "w4q64" at head dim 64, "w8q32" at 128
+        of 64, two stages), "w8q64" (8 warps, 128 keys, query tiles of 64, two stages), "w8q32" (the same
+        with query tiles of 32), "wg" (wgmma, sm_90 only) or "wgp" ("wg" with a tile's steps overlapped);
+        unset: "w4q64" at head dim 64, "w8q32" at 128, "wg" on sm_90 parts
     sm_count: SMs of the GPU the kernels are planned for
     """
 

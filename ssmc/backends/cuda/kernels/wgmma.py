@@ -23,7 +23,9 @@ in shared memory is K-major, or MN-major (TRANS_A: the M dim contiguous, rows = 
 Off the GPU each thread computes its own accumulators from the same descriptors (decoded by the layout
 above, the A registers gathered by shuffles), so the CPU emulator checks the kernels' descriptors and
 layouts, not only their arithmetic; what it cannot check is that the hardware reads the layout as
-described here (the GPU tests do).
+described here (the GPU tests do). It computes a product at the `wait` that completes its commit group,
+not at the issue (shared memory and the accumulators read then), so the emulated tests also check a
+kernel's waits: an accumulator read before its wait, or a wait for too few groups, reads stale values.
 """
 
 from __future__ import annotations
@@ -148,8 +150,6 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned a[4], u
 }
 #else
 __device__ __forceinline__ void fence() {}
-__device__ __forceinline__ void commit() {}
-template <int N> __device__ __forceinline__ void wait() {}
 __device__ __forceinline__ void fence_async_shared() {}
 template <int M> __device__ __forceinline__ void hold(float (&)[M]) {}
 
@@ -167,26 +167,32 @@ template <bool BF16> inline float decoded(unsigned long long dsc, int r, int c) 
     return ssmc_mma::half_float<BF16>(bits);
 }
 
+// An issued product, computed when the wait that completes its commit group runs, as on the GPU, where the
+// accumulators are defined only after that wait and the shared-memory operands may be read until it: A's
+// registers are gathered at the issue (every lane shuffles then), B (and A from shared memory) and the
+// accumulators are read at the wait. So a kernel that reads an accumulator before its wait, waits for too
+// few groups, or overwrites an operand's shared memory before the wait gets wrong results here too.
+struct Pending {
+    void (*run)(const Pending&);
+    float* d;
+    float arow[2][16];
+    unsigned long long da, db;
+    bool regs_a, acc;
+    int group;
+};
+struct Pendings { Pending ops[64]; int count, committed; };
+static thread_local ssmc_emu::PerThread<Pendings> pendings;  // this thread's, as a thread_local per emulated thread
+
 // one thread's share of D[64, N] (+)= A B: its rows 16 w + g (+ 8) and columns 8 j + 2 t (+ 1)
 template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
-inline void emulate(float* d, const unsigned* a, unsigned long long da, unsigned long long db, bool acc) {
+inline void complete(const Pending& op) {
     const int lane = (int)(threadIdx.x % 32), w = (int)(threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
     float arow[2][16];
-    for (int tp = 0; tp < 4; ++tp) {
-        for (int e = 0; e < 4; ++e) {  // every lane shuffles alike (the emulator's shuffles are warp-wide)
-            const unsigned word = __shfl_sync(0xffffffffu, a != nullptr ? a[e] : 0u, 4 * g + tp);
-            if (a == nullptr) continue;
-            const int h = e & 1, k = 2 * tp + 8 * (e >> 1);
-            arow[h][k] = ssmc_mma::half_float<BF16>((unsigned short)(word & 0xffffu));
-            arow[h][k + 1] = ssmc_mma::half_float<BF16>((unsigned short)(word >> 16));
+    for (int h = 0; h < 2; ++h) {
+        for (int k = 0; k < 16; ++k) {
+            const int m = 16 * w + g + 8 * h;
+            arow[h][k] = op.regs_a ? op.arow[h][k] : TRANS_A ? decoded<BF16>(op.da, k, m) : decoded<BF16>(op.da, m, k);
         }
-    }
-    if (a == nullptr) {
-        for (int h = 0; h < 2; ++h)
-            for (int k = 0; k < 16; ++k) {
-                const int m = 16 * w + g + 8 * h;
-                arow[h][k] = TRANS_A ? decoded<BF16>(da, k, m) : decoded<BF16>(da, m, k);
-            }
     }
     for (int j = 0; j < N / 8; ++j) {
         for (int c = 0; c < 2; ++c) {
@@ -194,21 +200,53 @@ inline void emulate(float* d, const unsigned* a, unsigned long long da, unsigned
             for (int h = 0; h < 2; ++h) {
                 float sum = 0.0f;
                 for (int k = 0; k < 16; ++k)
-                    sum += arow[h][k] * (TRANS_B ? decoded<BF16>(db, k, n) : decoded<BF16>(db, n, k));
-                float& x = d[4 * j + 2 * h + c];
-                x = acc ? x + sum : sum;
+                    sum += arow[h][k] * (TRANS_B ? decoded<BF16>(op.db, k, n) : decoded<BF16>(op.db, n, k));
+                float& x = op.d[4 * j + 2 * h + c];
+                x = op.acc ? x + sum : sum;
             }
         }
     }
 }
 
 template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
+inline void issue(float* d, const unsigned* a, unsigned long long da, unsigned long long db, bool acc) {
+    const int lane = (int)(threadIdx.x % 32), g = lane / 4;
+    Pending op{&complete<N, BF16, TRANS_A, TRANS_B>, d, {}, da, db, a != nullptr, acc, 0};
+    for (int tp = 0; tp < 4; ++tp) {
+        for (int e = 0; e < 4; ++e) {  // every lane shuffles alike (the emulator's shuffles are warp-wide)
+            const unsigned word = __shfl_sync(0xffffffffu, a != nullptr ? a[e] : 0u, 4 * g + tp);
+            if (a == nullptr) continue;
+            const int h = e & 1, k = 2 * tp + 8 * (e >> 1);
+            op.arow[h][k] = ssmc_mma::half_float<BF16>((unsigned short)(word & 0xffffu));
+            op.arow[h][k + 1] = ssmc_mma::half_float<BF16>((unsigned short)(word >> 16));
+        }
+    }
+    Pendings& q = *pendings;
+    if (q.count == 64) __builtin_trap();  // more products in flight than any kernel issues between waits
+    op.group = q.committed;  // the group the next commit closes
+    q.ops[q.count++] = op;
+}
+
+__device__ __forceinline__ void commit() { ++pendings->committed; }
+
+// every product of the groups committed before the latest N, computed in issue order
+template <int N> __device__ __forceinline__ void wait() {
+    Pendings& q = *pendings;
+    int kept = 0;
+    for (int i = 0; i < q.count; ++i) {
+        if (q.ops[i].group < q.committed - N) q.ops[i].run(q.ops[i]);
+        else q.ops[kept++] = q.ops[i];
+    }
+    q.count = kept;
+}
+
+template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
 inline void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
-    emulate<N, BF16, TRANS_A, TRANS_B>(d, nullptr, da, db, acc);
+    issue<N, BF16, TRANS_A, TRANS_B>(d, nullptr, da, db, acc);
 }
 template <int N, bool BF16, bool TRANS_B>
 inline void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
-    emulate<N, BF16, false, TRANS_B>(d, a, 0ull, db, acc);
+    issue<N, BF16, false, TRANS_B>(d, a, 0ull, db, acc);
 }
 #endif
 

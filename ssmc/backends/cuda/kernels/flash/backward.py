@@ -5,8 +5,8 @@
     bwd = FlashBackward(program); grads = bwd(call, out, lse, d_out)   # {"q", "k", "v", param names}
 
 FlashAttention-2's backward: delta[bh, i] = sum_e d_out[bh, i, e] out[bh, i, e] in fp32 (a small kernel,
-``backward_delta.cu.j2``, a warp a row), then the key-block kernel, per batch index bh and block of
-`config(d).bn` keys j, as a plain loop:
+``backward_delta.cu.j2``, a warp a row, which also zeroes the atomic dQ's rows), then the key-block kernel,
+per batch index bh and block of `config(d).bn` keys j, as a plain loop:
 
     for each query tile [m0, m0 + BQ) of the queries the key block may be visible to   (key_block_spans)
         s[i, j] = scale * sum_d q[bh, i, d] k[bh, j, d];  m = score_mod(s, i, j, params[bh])
@@ -23,7 +23,8 @@ query tiles of 32 rows at d 64 and 16 at d 128, static shared memory, Q and dO s
 of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage while this one computes, K, V,
 both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
 (`DEFAULT_CONFIG`); on sm_90 parts "wg" (``backward_wgmma.cu.j2``: the wide kernel's algorithm on wgmma,
-warpgroups of 64 keys, query tiles of 64).
+warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's steps overlapped (the next
+tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS').
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 
 from .....ir.program import Attention
@@ -70,6 +72,7 @@ class Config:
     bq: int
     min_blocks: int = 1
     wgmma: bool = False
+    pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
 
     @property
     def arch(self) -> str | None:
@@ -100,6 +103,9 @@ CONFIGS = {
     "w8q32": {d: Config("w8q32", 8, 32) for d in HEAD_DIMS},
     # sm_90a (``backward_wgmma.cu.j2``): warpgroups of 64 keys, one at d 64, two at d 128; query tiles of 64
     "wg": {64: Config("wg", 4, 64, wgmma=True), 128: Config("wg", 8, 64, wgmma=True)},
+    # "wg" with its tile's steps overlapped (``backward_wgmma.cu.j2``'s `pipelined` loop) for specs without params
+    # whose dS does not read the score (`_pipelines`; "wg"'s loop for the others)
+    "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -178,6 +184,15 @@ def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
     return hit
 
 
+def _pipelines(args: dict) -> bool:
+    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no params (dS'
+    pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
+    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128), and a dS that
+    does not read the score (the tile's scores kept beside P through dS' pass: 32 registers more, spills at
+    d 128). Elsewhere "wgp" runs "wg"'s loop."""
+    return not args["param_bodies"] and not re.search(r"\bscore\b", args["dscore_body"])
+
+
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
                   config_name: str | None = None) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
@@ -199,7 +214,8 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
             from ..wgmma import header
 
             return name, header() + "\n" + template("flash/backward_wgmma.cu.j2").render(
-                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq), **common)
+                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq),
+                pipelined=cfg.pipelined and _pipelines(args), **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
     return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
@@ -339,9 +355,14 @@ class FlashBackward:
         # delta in fp32 from the 16-bit cotangent the products see and the forward's output: a kernel
         delta = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         lse = lse.to(torch.float32).contiguous()
-        dq = torch.zeros((*batch, lq, d), dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
-        dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+        launched = bool(bh and lq and lk)
+        # no fills where the kernels write every element: the key-block kernel stores every row of dk and dv
+        # (zeros for a key block no query sees), the dQ kernel every row of dq, and the delta kernel zeroes
+        # the atomic dQ's accumulator in its pass over the rows
+        new = torch.empty if launched else torch.zeros
+        dq = new((*batch, lq, d), dtype=torch.float32, device=q.device)
+        dk = new(k.shape, dtype=q.dtype, device=q.device)
+        dv = new(v.shape, dtype=q.dtype, device=q.device)
         cfg = config(d, None, q.device)
         nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
@@ -353,13 +374,14 @@ class FlashBackward:
         rowsums = torch.zeros((bh, lq, 1 + np_) if np_ and atomic else (1,), dtype=torch.float32, device=q.device)
         corr = torch.zeros((-(-lq // BM), bh, np_) if np_ and not atomic else (1,), dtype=torch.float32,
                            device=q.device)
-        if bh and lq and lk:
+        if launched:
             params = param_table(self.program, call.params, call.sizes).to(q.device)
             bf16 = q.dtype == torch.bfloat16
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
             launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
-                         -(-bh * lq // 4), 128, 0, [do.data_ptr(), out.data_ptr(), delta.data_ptr()], bh * lq, 0)]
+                         -(-bh * lq // 4), 128, 0,
+                         [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
             launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh, cfg.threads,
                          cfg.shared(d, atomic),
                          [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
