@@ -232,3 +232,27 @@ def test_emulated_fma_form(emulated_cuda, forms):
     emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
     check_fp32("gru", 3, batch=5, hidden=9, tol=1e-5, grad_tol=1e-5)
     assert {mma for _, mma, _ in forms} == {False} and {"gru", "gru_backward"} <= {n for n, _, _ in forms}, forms
+
+
+# -- GPU ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+@pytest.mark.parametrize("length,batch,hidden", [(1, 5, 37), (7, 3, 129), (7, 64, 512), (180, 5, 37)])
+@pytest.mark.parametrize("form", ["3xtf32", "tf32", "fma"])
+def test_gpu_fp32_forms(name, length, batch, hidden, form, forms, monkeypatch):
+    """Many blocks and the grid barrier in each form of an fp32 call (3xTF32, the default, also runs every fp32
+    case of tests/test_persistent_rnn.py): forward and gradients against float64."""
+    from ssmc.backends.cuda.kernels.persistent import analysis
+
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
+    monkeypatch.setenv("SSMC_CUDA_TF32", "1" if form == "tf32" else "0")
+    if form == "fma":
+        monkeypatch.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
+    tol, grad_tol = (TF32_TOL, TF32_GRAD_TOL) if form == "tf32" else (1e-4, 1e-3)
+    check_fp32(name, length, batch, hidden, tol, grad_tol)
+    want = {"3xtf32": (True, 3), "tf32": (True, 1), "fma": (False, 0)}[form]
+    assert forms and {(mma, tf) for _, mma, tf in forms} == {want}, forms
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"

@@ -274,8 +274,10 @@ def tf32_passes() -> int:
         return 0
     allowed = opts.tf32
     if allowed is None:
-        import torch
-
+        try:
+            import torch
+        except ImportError:  # planning without torch (`ssmc inspect`): torch's default
+            return 3
         allowed = bool(torch.backends.cuda.matmul.allow_tf32)
     return 1 if allowed else 3
 
