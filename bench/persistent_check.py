@@ -6,8 +6,10 @@
 For examples/lstm.py and examples/gru.py (fp32): ssmc's forward (y and the final states) against
 torch.nn.LSTM / GRU (cuDNN) holding the same weights (torch's weight_ih = W[i (g k)]^T, weight_hh =
 U[j (g k)]^T, as bench/workloads/rnn.py maps them), and the persistent kernel against the step loop;
-then the forward's time: ssmc with the persistent kernel, ssmc with the step loop
-(SSMC_CUDA_PERSISTENT=0; from a signature's second call it replays a CUDA graph) and cuDNN. Prints
+then the forward's time: ssmc with the persistent kernel (its fp32 recurrent product on tensor cores in 3xTF32;
+"TF32 products": with torch.backends.cuda.matmul.allow_tf32, every product in TF32, the recurrent one too; "FMA
+form": SSMC_CUDA_PERSISTENT_MMA=0, the recurrent product in fp32 FMAs as before the tensor cores), ssmc with the
+step loop (SSMC_CUDA_PERSISTENT=0; from a signature's second call it replays a CUDA graph) and cuDNN. Prints
 a markdown table. Then forward + backward (`ssmc.torch.function`'s autograd, y.backward(dy): the
 recording forward and the adjoint on the persistent kernel, the post products dU, dW, ... by cuBLAS):
 every gradient (x, W, U, biases, initial states) against torch's autograd through cuDNN with the
@@ -164,6 +166,7 @@ def run(kind: str, b: int, t: int, i: int, k: int) -> dict:
            "err_loop_cudnn": max_error(got_l, ref)}
     row["ms_persistent"] = timed(persistent)
     row["ms_tf32"], row["err_tf32"] = tf32_variant(persistent, lambda got: max_error(as_list(got), ref))
+    row["ms_fma"], row["err_fma"] = fma_variant(persistent, lambda got: max_error(as_list(got), ref))
     row["ms_loop"] = timed(loop)
     row["ms_cudnn_fp32"] = timed(cudnn)
     torch.backends.cudnn.allow_tf32 = True  # torch's default
@@ -224,10 +227,22 @@ def relative_error(got: dict, want: dict) -> float:
                for n, w in want.items())
 
 
+def fma_variant(call, error, reps: int | None = None) -> tuple[float, float]:
+    """(ms, error) of `call` with the persistent kernels' fp32 recurrent product in fp32 FMAs
+    (SSMC_CUDA_PERSISTENT_MMA=0: the form before the tensor cores), for the comparison in one run."""
+    os.environ["SSMC_CUDA_PERSISTENT_MMA"] = "0"
+    try:
+        err = error(call())
+        return (timed(call) if reps is None else timed(call, reps=reps)), err
+    finally:
+        os.environ["SSMC_CUDA_PERSISTENT_MMA"] = ""
+
+
 def tf32_variant(call, error, reps: int | None = None) -> tuple[float, float]:
     """(ms, error) of `call` with torch's fp32 matrix products in TF32 (`torch.backends.cuda.matmul.allow_tf32`,
-    off by default): ssmc's hoisted products (x W, the post products) follow it, its recurrent products stay
-    fp32 FMA; cuDNN's default takes TF32 for all of its own."""
+    off by default): ssmc's hoisted products (x W, the post products) follow it, and so does the persistent
+    kernel's recurrent product (plain TF32 on the tensor cores, SSMC_CUDA_TF32 unset); cuDNN's default takes TF32
+    for all of its own."""
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         err = error(call())
@@ -255,6 +270,7 @@ def train_row(kind: str, b: int, t: int, i: int, k: int) -> dict:
            "adjoint": adjoint_launches}
     row["ms_persistent"] = timed(persistent, reps=20)
     row["ms_tf32"], row["err_tf32"] = tf32_variant(persistent, lambda got: relative_error(got, want), reps=20)
+    row["ms_fma"], row["err_fma"] = fma_variant(persistent, lambda got: relative_error(got, want), reps=20)
     row["ms_loop"] = timed(loop, reps=20)
     row["ms_cudnn_fp32"] = timed(cudnn, reps=20)
     torch.backends.cudnn.allow_tf32 = True
@@ -266,15 +282,18 @@ def train_row(kind: str, b: int, t: int, i: int, k: int) -> dict:
 
 def train_table(rows: list[dict]) -> str:
     lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc, TF32 products ms | "
-             "ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | step loop / cuDNN | "
-             "grad rel err vs cuDNN (persistent, TF32 products, loop) | persistent vs loop | adjoint launches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ssmc, FMA form ms | ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | "
+             "FMA form / cuDNN | step loop / cuDNN | "
+             "grad rel err vs cuDNN (persistent, TF32 products, FMA form, loop) | persistent vs loop | "
+             "adjoint launches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['kind']} {r['shape']} fp32 fwd+bwd | {r['ms_cudnn']:.3f} | {r['ms_cudnn_fp32']:.3f} | "
-            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_loop']:.3f} | "
+            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_fma']:.3f} | {r['ms_loop']:.3f} | "
             f"{r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_tf32'] / r['ms_cudnn']:.2f} | "
-            f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, "
+            f"{r['ms_fma'] / r['ms_cudnn']:.2f} | "
+            f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, {r['err_fma']:.2e}, "
             f"{r['err_loop_cudnn']:.2e} | {r['err_loop']:.2e} | {r['adjoint']} |")
     lines.append("")
     lines.append("gradients: x, W, U, biases, initial states; relative error = max |got - want| / max |want| "
@@ -286,20 +305,25 @@ def train_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workload | cuDNN ms | cuDNN (TF32 off) ms | ssmc persistent ms | ssmc, TF32 products ms | "
-             "ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | step loop / cuDNN | "
-             "persistent / step loop | max abs err vs cuDNN (persistent, TF32 products, loop) | persistent vs loop |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ssmc, FMA form ms | ssmc step loop ms | persistent / cuDNN | TF32 products / cuDNN | "
+             "FMA form / cuDNN | step loop / cuDNN | persistent / step loop | "
+             "max abs err vs cuDNN (persistent, TF32 products, FMA form, loop) | persistent vs loop |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['kind']} {r['shape']} fp32 fwd | {r['ms_cudnn']:.3f} | {r['ms_cudnn_fp32']:.3f} | "
-            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_loop']:.3f} | "
+            f"{r['ms_persistent']:.3f} | {r['ms_tf32']:.3f} | {r['ms_fma']:.3f} | {r['ms_loop']:.3f} | "
             f"{r['ms_persistent'] / r['ms_cudnn']:.2f} | {r['ms_tf32'] / r['ms_cudnn']:.2f} | "
+            f"{r['ms_fma'] / r['ms_cudnn']:.2f} | "
             f"{r['ms_loop'] / r['ms_cudnn']:.2f} | {r['ms_persistent'] / r['ms_loop']:.3f} | "
-            f"{r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, {r['err_loop_cudnn']:.2e} | {r['err_loop']:.2e} |")
+            f"{r['err_cudnn']:.2e}, {r['err_tf32']:.2e}, {r['err_fma']:.2e}, {r['err_loop_cudnn']:.2e} | "
+            f"{r['err_loop']:.2e} |")
     lines.append("")
     lines.append("ratios: time ÷ time (below 1: the first is faster), against cuDNN at torch's default "
-                 "(TF32 allowed); errors against cuDNN with TF32 off. TF32 products: ssmc with "
-                 "torch.backends.cuda.matmul.allow_tf32 (its hoisted products in TF32, the recurrence fp32). "
+                 "(TF32 allowed); errors against cuDNN with TF32 off. persistent: the recurrent product on tensor "
+                 "cores in 3xTF32 (fp32 inputs). TF32 products: ssmc with torch.backends.cuda.matmul.allow_tf32 "
+                 "(its hoisted products and the recurrent one in plain TF32). FMA form: SSMC_CUDA_PERSISTENT_MMA=0 "
+                 "(the recurrent product in fp32 FMAs). "
                  "Persistent runners (launches, refusals, "
                  "(a barrier timed out, its step)):")
     for r in rows:
@@ -546,7 +570,7 @@ def main() -> None:
             (args.out / "persistent.md").write_text(text)
     rows = [run(kind, *shape) for shape in shapes for kind in KINDS]
     emit(f"\n# Persistent RNN forward vs step loop vs cuDNN\n\n{table(rows)}\n")
-    bad = [r for r in rows if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-4
+    bad = [r for r in rows if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-4 or r["err_fma"] > 1e-3
            or not any(n for n, _, _ in r["runners"].values())
            or any(status[0] for _, _, status in r["runners"].values())]
     if args.all:  # before the forward + backward rows of fp32: the workloads a run cut short would miss
@@ -571,7 +595,8 @@ def main() -> None:
     if not args.forward_only:
         train = [train_row(kind, *shape) for shape in shapes for kind in KINDS]
         emit(f"\n# Forward + backward\n\n{train_table(train)}\n")
-        bad += [r for r in train if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-3 or not r["adjoint"]
+        bad += [r for r in train if r["err_cudnn"] > 1e-3 or r["err_loop"] > 1e-3 or r["err_fma"] > 1e-3
+                or not r["adjoint"]
                 or any(status[0] for _, _, status in r["runners"].values())]
     if bad:
         raise SystemExit(f"mismatch or barrier timeout: {[r['kind'] + ' ' + r['shape'] for r in bad]}")

@@ -87,16 +87,21 @@ def test_small_shapes_take_fewer_fuller_blocks():
     assert plan(cell, {"b": 64, "k": 512, "j": 512, "g": 4}, 132).blocks == 128
 
 
-def test_inspect_names_the_persistent_split():
+def test_inspect_names_the_persistent_split(monkeypatch):
     """`ssmc inspect`'s notes (report.path_notes) give the forward's and the adjoint's split at the sizes and
-    dtype asked: the tensor-core form in bf16, the FMA form in fp32."""
+    dtype asked: the tensor-core form in bf16; in fp32 its 3xTF32 form, or the FMA form where
+    SSMC_CUDA_PERSISTENT_MMA=0."""
     from ssmc.backends.cuda.report import path_notes
 
     sizes = {"b": 256, "i": 1024, "k": 1024}
     half = [line for line in path_notes(lstm.SPEC.program, sizes, 1024, "bfloat16") if line.startswith("persistent")]
     assert len(half) == 2 and all("tensor cores" in line and "2 batch tiles" in line for line in half), half
+    monkeypatch.setenv("SSMC_CUDA_TF32", "0")
     full = [line for line in path_notes(lstm.SPEC.program, sizes, 1024) if line.startswith("persistent")]
-    assert len(full) == 2 and not any("tensor cores" in line for line in full), full
+    assert len(full) == 2 and all("3xTF32" in line for line in full), full
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
+    fma = [line for line in path_notes(lstm.SPEC.program, sizes, 1024) if line.startswith("persistent")]
+    assert len(fma) == 2 and not any("tensor cores" in line for line in fma), fma
 
 
 def test_only_the_tensor_core_form_writes_in_16_bits():
@@ -302,8 +307,13 @@ def test_emulated_heads(emulated_cuda, half_launches):
     assert ("lstm_heads", True) in half_launches and ("lstm_heads_backward", True) in half_launches
 
 
-def test_emulated_heads_fp32(emulated_cuda, half_launches):
-    """The heads in fp32 (the FMA form), forward only, against the interpreter."""
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["3xtf32", "fma"])
+def test_emulated_heads_fp32(tensor_cores, emulated_cuda, half_launches):
+    """The heads in fp32 (the tensor cores' 3xTF32 form; the FMA form where SSMC_CUDA_PERSISTENT_MMA=0), forward
+    only, against the interpreter."""
+    emulated_cuda.setenv("SSMC_CUDA_TF32", "0")
+    if not tensor_cores:
+        emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
     rng = np.random.default_rng(3)
     inputs = lstm_heads.make_inputs(rng, 5, batch=2, inp=3, heads=2, hidden=3)
     want = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="interpreter")(
@@ -312,7 +322,7 @@ def test_emulated_heads_fp32(emulated_cuda, half_launches):
         **inputs, return_final_states=True)
     for a, b in zip(_flat(got), _flat(want), strict=True):
         assert _relative(a, b) < 1e-5
-    assert half_launches == [("lstm_heads", False)]
+    assert half_launches == [("lstm_heads", tensor_cores)]
 
 
 def test_heads_example_matches_its_reference():

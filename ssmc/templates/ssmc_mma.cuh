@@ -12,6 +12,11 @@
 //                        a[2] = A[g][2q+8, 2q+9]    a[3] = A[g+8][2q+8, 2q+9]
 //   B (16x8, k by n):    b[0] = B[2q, 2q+1][g]      b[1] = B[2q+8, 2q+9][g]
 //   C, D (16x8 float):   d[0], d[1] = D[g][2q, 2q+1]    d[2], d[3] = D[g+8][2q, 2q+1]
+// and D[16x8] += A[16x8] B[8x8] of tf32 inputs (fp32 bit patterns of which the product reads the upper 19
+// bits: sign, exponent, 10 bits of mantissa), as mma.sync.m16n8k8.tf32, one value a register:
+//   A (row-major 16x8):  a[0] = A[g][q]   a[1] = A[g+8][q]   a[2] = A[g][q+4]   a[3] = A[g+8][q+4]
+//   B (8x8, k by n):     b[0] = B[q][g]   b[1] = B[q+4][g]
+//   C, D as above.
 // NVRTC has no system headers: nothing here includes any.
 #pragma once
 
@@ -112,6 +117,53 @@ template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const
                 d[2] += a_bot * b0;
                 d[3] += a_bot * b1;
             }
+        }
+    }
+#endif
+}
+
+// x rounded to tf32 (to nearest, ties away from zero: cvt.rna.tf32.f32), as fp32 bits whose lower 13 are zero
+__device__ __forceinline__ unsigned tf32_bits(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+#else
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return u;  // inf and NaN as they are
+    return (u + 0x1000u) & 0xffffe000u;
+#endif
+}
+
+// d += A B for one warp (tf32 fragments above); every lane of the warp calls it, converged
+__device__ __forceinline__ void mma_1688(float d[4], const unsigned a[4], const unsigned b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    // the emulator: lane (g, q) gathers rows g and g+8 of A and columns 2q, 2q+1 of B, k by k (the inputs'
+    // lower 13 bits dropped, as the tensor cores read them; a product of two tf32 values is exact in fp32).
+    // A[g][k] lives in lane g*4 + k % 4 (a[0] for k < 4, a[2] past), A[g+8][k] likewise in a[1] / a[3];
+    // B[k][n] in lane n*4 + k % 4 (b[0] for k < 4, b[1] past).
+    const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
+    for (int j = 0; j < 4; ++j) {
+        unsigned ra[4], rb0[2], rb1[2];
+        for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
+        for (int r = 0; r < 2; ++r) {
+            rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
+            rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
+        }
+        for (int kh = 0; kh < 2; ++kh) {  // k = j, then j + 4
+            const float a_top = __uint_as_float(ra[2 * kh] & 0xffffe000u);
+            const float a_bot = __uint_as_float(ra[2 * kh + 1] & 0xffffe000u);
+            const float b0 = __uint_as_float(rb0[kh] & 0xffffe000u);
+            const float b1 = __uint_as_float(rb1[kh] & 0xffffe000u);
+            d[0] += a_top * b0;
+            d[1] += a_top * b1;
+            d[2] += a_bot * b0;
+            d[3] += a_bot * b1;
         }
     }
 #endif

@@ -48,6 +48,11 @@ class CudaOptions:
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
+    persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
+        TF32 form; 16-bit calls stay on the tensor cores)
+    tf32: True multiplies fp32 recurrent products on the tensor cores in plain TF32 (one mma a tile, about 1e-3
+        relative), False in 3xTF32 (three: about fp32's 1e-6); unset: TF32 where torch allows it for its own
+        fp32 matrix products (`torch.backends.cuda.matmul.allow_tf32`, which the hoisted products follow too)
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
     flash_backward: False keeps softmax attention's backward on the tiled torch path
@@ -82,6 +87,8 @@ class CudaOptions:
     step_graphs: bool | None = None
     persistent: bool | None = None
     persistent_blocks: int | None = None
+    persistent_mma: bool | None = None
+    tf32: bool | None = None
     emulate: bool = False
     flash: bool = True
     flash_backward: bool = True

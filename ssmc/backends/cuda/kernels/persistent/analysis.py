@@ -231,6 +231,10 @@ class Plan:
                        # (mma.sync m16n8k16, fp32 accumulators; the cell and its carries stay fp32)
     ksplit: int = 1  # the tensor-core form's split of the contracted indices (`split`): the blocks of a tile as
                      # ksplit K groups x jsplit J groups
+    tf32: int = 0    # the tensor-core form of fp32 inputs (with `mma`): U and the operand fp32 on chip, the product
+                     # mma.sync m16n8k8 tf32, each fp32 value split in registers into hi = tf32(x) and
+                     # lo = tf32(x - hi): 3 (3xTF32: hi hi + hi lo + lo hi, about fp32's accuracy) or 1 (hi hi only,
+                     # TF32's 10 bits of mantissa); 0: 16-bit inputs (m16n8k16)
 
     def __post_init__(self):
         if not self.trows:
@@ -240,6 +244,17 @@ class Plan:
     # columns n = u * cols + c; U as sub[npad][jpad + 8] (k contiguous: a B fragment's pair of 16-bit values
     # is one 32-bit load; + 8: the 8 rows a fragment reads in different banks), the ring's rows so too, and
     # the result through sp[mpad][npad + 4] fp32 to the threads owning (row, unit) pairs
+    @property
+    def elem(self) -> int:
+        """Bytes of a value of U and of the operand on chip: 2 in the 16-bit tensor-core form, else 4."""
+        return 2 if self.mma and not self.tf32 else 4
+
+    @property
+    def epad(self) -> int:
+        """The tensor-core form's pad of a row of U and of the staged operand, in values: 16 bytes (the 8 rows
+        of a fragment's load in different banks)."""
+        return 16 // self.elem
+
     @property
     def xrows(self) -> int:
         """Rows of the exchange buffer: the tiles' (past a head's last row a tile reads the next head's,
@@ -278,7 +293,7 @@ class Plan:
     def u_bytes(self) -> int:
         """Bytes of the block's U slice (the start of the staging ring, a multiple of 16)."""
         if self.mma:
-            return -(-2 * self.npad * (self.jpad + 8) // 16) * 16
+            return -(-self.elem * self.npad * (self.jpad + self.epad) // 16) * 16
         if self.vec:
             return 4 * self.units * (self.jpad + 4)
         return -(-4 * self.jpad * (self.cpad or self.cols) * self.units // 16) * 16
@@ -286,7 +301,7 @@ class Plan:
     @property
     def stage_bytes(self) -> int:
         if self.mma:
-            return 2 * self.mpad * (self.chunk + 8)
+            return self.elem * self.mpad * (self.chunk + self.epad)
         return 4 * self.trows * (self.chunk + 4)
 
     @property
@@ -297,15 +312,16 @@ class Plan:
     @property
     def sp_bytes(self) -> int:
         """Bytes of the tensor-core form's result tile sp [mpad][sps] fp32 (0 otherwise), which lies in the
-        ring's memory (the ring is idle while it is used)."""
-        return 4 * self.mpad * self.sps if self.mma else 0
+        ring's memory (the ring is idle while it is used); the fp32 form's warps that split a chunk's
+        contracted indices (`tf32_warp_grid`: GK of them) each their own tile, summed by the pairs."""
+        gk = tf32_warp_grid(self)[2] if self.mma and self.tf32 else 1
+        return 4 * self.mpad * self.sps * gk if self.mma else 0
 
     @property
     def step_bytes(self) -> int:
         """L2 bytes a step moves for the product: every block's staged operand (its tile's rows, its K
         group's jpad indices), and where split the fp32 partials written and read back."""
-        elem = 2 if self.mma else 4
-        staged = self.blocks * self.trows * self.jpad * elem
+        staged = self.blocks * self.trows * self.jpad * self.elem
         partials = 2 * self.blocks * self.trows * self.nunits * self.cols * 4 if self.ksplit > 1 else 0
         return staged + partials
 
@@ -314,9 +330,14 @@ class Plan:
         return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes)
 
     def describe(self) -> str:
-        form = (f"U slice {self.u_bytes // 1024} KiB in 16 bits resident in shared memory, the product on tensor "
-                "cores (mma.sync m16n8k16)" if self.mma else
-                f"U slice {self.u_bytes // 1024} KiB resident in shared memory")
+        if self.mma and self.tf32:
+            form = (f"U slice {self.u_bytes // 1024} KiB fp32 resident in shared memory, the product on tensor cores "
+                    f"({'3xTF32' if self.tf32 == 3 else 'TF32'}: mma.sync m16n8k8)")
+        elif self.mma:
+            form = (f"U slice {self.u_bytes // 1024} KiB in 16 bits resident in shared memory, the product on tensor "
+                    "cores (mma.sync m16n8k16)")
+        else:
+            form = f"U slice {self.u_bytes // 1024} KiB resident in shared memory, the product in fp32 FMAs"
         split = (f", the contracted indices in {self.ksplit} groups (a tile's blocks {self.ksplit} x {self.jsplit}: a "
                  f"block multiplies its group's slice into fp32 partials of {self.nunits} units, 2 barriers a step)"
                  if self.ksplit > 1 else "")
@@ -341,9 +362,64 @@ SPLITS = (4, 2)
 SPLIT_ACCUMULATORS = 32
 
 
+# the fp32 tensor-core form's batch tiles have at least this many rows where the shape has them (one whole m16
+# tile: fewer rows multiply padding rows of zeros; the FMA form's MIN_TILE_ROWS stays its own)
+MIN_TF32_TILE_ROWS = 16
+# clocks a dependent mma.sync waits for the one before it on the same accumulators (an estimate: the fp32 form
+# keeps several accumulator sets a tile so that a warp's chain of k steps is not bound by it)
+MMA_LATENCY = 32
+# clocks an SM sub-partition takes per mma.sync m16n8k8 tf32 (as the 16-bit m16n8k16: the same tensor-core
+# cycles, half the products), against one clock per 128-byte shared-memory wavefront of the SM
+TF32_MMA_CLOCKS = 6
+
+
+def tf32_sets(passes: int) -> int:
+    """Accumulator sets a tile in the fp32 tensor-core form: 3xTF32 one a term (hi hi, hi lo, lo hi: three
+    independent chains), TF32 two (even and odd k8 steps)."""
+    return 3 if passes == 3 else 2
+
+
+def tf32_warp_grid(plan: Plan) -> tuple[int, int, int, int, int]:
+    """The fp32 tensor-core form's split of the block's product tiles (16 x 8: MPAD / 16 x NPAD / 8 of them)
+    and of each chunk's contracted indices over its warps: (GM, GN, GK, WM, WN), warp w = (wk GM GN + wn GM
+    + wm) owning the WM x WN tiles at m-tile wm WM + i, n-tile wn WN + n of the chunk's k8 steps
+    [wk, wk + 1) CHUNK / GK (GK warps' tiles summed by the pairs, in warp order). A chunk costs the block the
+    most of: its fragments' shared loads (4 wavefronts an m-tile, 2 an n-tile a warp and k8 step), the mma
+    issue of the busiest sub-partition (`plan.tf32` mma a tile and k8 step), a warp's chain of dependent mma
+    (MMA_LATENCY a k8 step and accumulator set, or its own issue where longer); the least, at most the
+    accumulators `warp_grid` allows (x the sets), no K split where the blocks split K (`ksplit`)."""
+    mt, nt, warps = plan.mpad // 16, plan.npad // 8, plan.threads // 32
+    ksteps = plan.chunk // 8
+    sets = tf32_sets(plan.tf32)
+    most = 64 if plan.pairs < 8 else 32 if plan.cols > 1 else 16
+    best = None
+    for gk in (1, 2, 4, 8):
+        # (TF32: two k8 steps an iteration, one a set)
+        if gk > warps or ksteps % gk or (gk > 1 and plan.ksplit > 1) or (ksteps // gk) % (2 if sets == 2 else 1):
+            continue
+        steps = ksteps // gk
+        for gm in range(1, min(warps // gk, mt) + 1):
+            for gn in range(1, min(warps // (gk * gm), nt) + 1):
+                wm, wn = -(-mt // gm), -(-nt // gn)
+                if wm * wn * 4 * sets > max(most, 4 * sets):
+                    continue
+                used = gm * gn * gk
+                loads = gm * gn * ksteps * (4 * wm + 2 * wn)
+                issue = -(-used // 4) * steps * wm * wn * plan.tf32 * TF32_MMA_CLOCKS
+                chain = steps * max(MMA_LATENCY * plan.tf32 // sets, wm * wn * plan.tf32 * TF32_MMA_CLOCKS)
+                cost = (max(loads, issue, chain), loads, -used)
+                if best is None or cost < best[0]:
+                    best = (cost, (gm, gn, gk, wm, wn))
+    if best is None:  # more tiles than the warps hold: the largest grid, wide tiles
+        gm = min(warps, mt)
+        gn = max(1, min(warps // gm, nt))
+        return gm, gn, 1, -(-mt // gm), -(-nt // gn)
+    return best[1]
+
+
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
          shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
-         max_blocks: int | None = None, ksplit: int | None = None) -> Plan | str:
+         max_blocks: int | None = None, ksplit: int | None = None, tf32: int = 0) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
@@ -351,7 +427,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     largest chunk (at most the depth, at most STAGE_BYTES a buffer; 128 at 64 rows is 33 KiB, whose
     loads take about as long as its products), the deepest ring (the tensor-core adjoints: the chunk and ring of
     the most bytes in flight, DEEP_STAGES). `mma`: the tensor-core form (16-bit U
-    and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps. The grid: at most
+    and operand on chip, `Plan.mma`): no column padding, chunks of whole k16 steps; with `tf32` (3 or 1:
+    `Plan.tf32`) its fp32 form (U and the operand fp32 on chip, mma.sync m16n8k8), whose batch tiles have
+    MIN_TF32_TILE_ROWS rows at least where the shape has them. The grid: at most
     `sm_count` blocks (one an SM), at most `max_blocks`, and at most one per MIN_BLOCK_PAIRS pairs of the
     shape (a small shape: fewer, fuller blocks); `tiles` counts a head's batch tiles where there are heads.
 
@@ -373,13 +451,15 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     vec = cols == 1
     cpad = 4 if cols == 3 else cols
     why = None
+    elem, epad = (4, 4) if tf32 or not mma else (2, 8)
+    min_rows = MIN_TF32_TILE_ROWS if mma and tf32 else MIN_TILE_ROWS
     if mma:
         cpad = cols  # the columns of all units are one flat axis n there
     for pad in ((cpad, cols) if cpad != cols else (cols,)):  # GRU's 3 gates padded to 4 where it fits
         for per_head in ((tiles,) if tiles else TILES):
             ntiles = nheads * per_head
             trows = -(-(rows // nheads) // per_head)
-            if tiles is None and per_head > 1 and trows < MIN_TILE_ROWS:
+            if tiles is None and per_head > 1 and trows < min_rows:
                 continue
             per_tile = max(1, (blocks or budget) // ntiles)
             units = -(-size // per_tile)
@@ -396,7 +476,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
             mpad = -(-trows // 16) * 16
             if ksplit is not None:
                 splits = (ksplit,)
-            elif mma and cols == 1 and 2 * trows * depth >= SPLIT_BYTES:
+            elif mma and cols == 1 and elem * trows * depth >= SPLIT_BYTES:
                 splits = (*SPLITS, 1)
             else:
                 splits = (1,)
@@ -415,7 +495,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 kd = depth if ks == 1 else depth // size * js * units  # the block's K group: js x units units
                 if mma:
                     chunks = [c for c in MMA_CHUNKS if c <= max(-(-kd // 16) * 16, 16)
-                              and 2 * mpad * (c + 8) <= STAGE_BYTES]
+                              and elem * mpad * (c + epad) <= STAGE_BYTES]
                 else:
                     chunks = [c for c in CHUNKS if c <= max(-(-kd // 4) * 4, CHUNKS[-1])
                               and 4 * trows * (c + 4) <= STAGE_BYTES]
@@ -431,7 +511,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     jpad = -(-kd // chunk) * chunk
                     for stages in (DEEP_STAGES if deepest else STAGES):
                         candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
-                                         pad, vec, stages, ntiles, trows, nheads, mma, ks)
+                                         pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0)
                         if candidate.shared_bytes <= shared_limit:
                             if not deepest:
                                 return candidate

@@ -375,14 +375,16 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         else:
             local_decode.append(f"const int e_{a} = (j / {inner}) % {msizes[a]};")
     u_index = contiguous_index(p.params[weight].axes, sizes, wat)
-    if plan.mma:  # sub[n][j], n = u * COLS + c: j fastest (a B fragment's k pair one 32-bit load)
+    tf = plan.mma and plan.tf32 > 0  # the fp32 tensor-core form
+    if plan.mma:  # sub[n][j], n = u * COLS + c: j fastest (a B fragment's k pair one 32-bit load; tf32: its value)
         unit_in = f" && e_{cell.unit} < SIZE" if split else ""
+        u_value = f"w{weight}[{u_index}]" if tf else f"ssmc_mma::float_half<BF16>(w{weight}[{u_index}])"
         load_u = [
             "for (int e = threadIdx.x; e < NPAD * JPAD; e += THREADS) {",
             "    const int j = e % JPAD, n = e / JPAD, u = n / COLS, c = n % COLS, kk = n0 + u;",
             *("    " + line for line in local_decode),
             f"    sub[(long long)n * UST + j] = (u < JU && j < DEPTH && kk < SIZE{unit_in}) ? "
-            f"ssmc_mma::float_half<BF16>(w{weight}[{u_index}]) : (H)0;",
+            f"{u_value} : (X)0;",
             "}",
         ]
     elif plan.vec:  # su[u][j]: j fastest (the adjoint's U[j-unit, (g, k)] is contiguous along it)
@@ -445,7 +447,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
     cell_lines = pr.body(out_strides, record, half_outs, half_record and record is not None)
-    publish_lines = pr.publish(plan.mma, plan.munits)
+    publish_lines = pr.publish(plan.mma and not tf, plan.munits)
     product = [
         "#if VEC",
         "#pragma unroll 8",
@@ -476,7 +478,11 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "}",
         "#endif",
     ]
-    gm, gn, wm, wn = warp_grid(plan) if plan.mma else (1, 1, 1, 1)
+    if tf:
+        gm, gn, gk, wm, wn = analysis.tf32_warp_grid(plan)
+    else:
+        gm, gn, wm, wn = warp_grid(plan) if plan.mma else (1, 1, 1, 1)
+        gk = 1
     mma_product = [
         "// the warp's WM x WN tiles of P += sh[rows][j0 .. j0 + CHUNK) sub[n][j0 ..], a k16 step at a time",
         "if (warp < GM * GN) {",
@@ -509,14 +515,81 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         "    }",
         "}",
     ]
-    from_sp = ["#pragma unroll", "for (int c = 0; c < COLS; ++c) acc[q][c] = sp[lr * SPS + u * COLS + c];"]
+    if tf:
+        # the warp's tiles over its k8 steps of the chunk: each fp32 value of the staged operand (A) and of U (B)
+        # split into tf32 hi and lo in registers (3xTF32; TF32: hi only), the products into their accumulator
+        # sets (3xTF32: a term each, lo hi and hi lo first; TF32: even and odd k8 steps) (KSUB: k8 steps an
+        # iteration, the set a compile-time index)
+        mma_product = [
+            "// the warp's WM x WN tiles of P += sh[rows][its k8 steps] sub[n][j0 + its k8 steps] (m16n8k8 tf32)",
+            "if (warp < GM * GN * GK) {",
+            "    #pragma unroll 2",
+            "    for (int k2 = wk * (CHUNK / GK); k2 < (wk + 1) * (CHUNK / GK); k2 += 8 * KSUB) {",
+            "        #pragma unroll",
+            "        for (int h = 0; h < KSUB; ++h) {",
+            "            const int kk = k2 + 8 * h;",
+            "            unsigned ah[WM][4], bh[WN][2];",
+            "#if TF32 == 3",
+            "            unsigned al[WM][4], bl[WN][2];",
+            "#endif",
+            "            #pragma unroll",
+            "            for (int i = 0; i < WM; ++i) {",
+            "                if (wm0 + i < MT) {",
+            "                    const F* r0 = &sh[(wm0 + i) * 16 + lg][kk + lq];",
+            "                    const F v[4] = {r0[0], r0[8 * SHS], r0[4], r0[8 * SHS + 4]};",
+            "                    #pragma unroll",
+            "                    for (int x = 0; x < 4; ++x) {",
+            "                        ah[i][x] = ssmc_mma::tf32_bits(v[x]);",
+            "#if TF32 == 3",
+            "                        al[i][x] = ssmc_mma::tf32_bits(v[x] - __uint_as_float(ah[i][x]));",
+            "#endif",
+            "                    }",
+            "                }",
+            "            }",
+            "            #pragma unroll",
+            "            for (int n = 0; n < WN; ++n) {",
+            "                if (wn0 + n < NT) {",
+            "                    const F* c0 = sub + (long long)((wn0 + n) * 8 + lg) * UST + j0 + kk + lq;",
+            "                    const F v[2] = {c0[0], c0[4]};",
+            "                    #pragma unroll",
+            "                    for (int x = 0; x < 2; ++x) {",
+            "                        bh[n][x] = ssmc_mma::tf32_bits(v[x]);",
+            "#if TF32 == 3",
+            "                        bl[n][x] = ssmc_mma::tf32_bits(v[x] - __uint_as_float(bh[n][x]));",
+            "#endif",
+            "                    }",
+            "                }",
+            "            }",
+            "            #pragma unroll",
+            "            for (int i = 0; i < WM; ++i)",
+            "                #pragma unroll",
+            "                for (int n = 0; n < WN; ++n)",
+            "                    if (wm0 + i < MT && wn0 + n < NT) {",
+            "#if TF32 == 3",
+            "                        ssmc_mma::mma_1688(dx[2][i][n], al[i], bh[n]);",
+            "                        ssmc_mma::mma_1688(dx[1][i][n], ah[i], bl[n]);",
+            "                        ssmc_mma::mma_1688(dx[0][i][n], ah[i], bh[n]);",
+            "#else",
+            "                        ssmc_mma::mma_1688(dx[h][i][n], ah[i], bh[n]);",
+            "#endif",
+            "                    }",
+            "        }",
+            "    }",
+            "}",
+        ]
+    # the pairs' columns from sp (GK > 1: the K-splitting warps' tiles, summed in warp order)
+    from_sp = ["#pragma unroll", "for (int c = 0; c < COLS; ++c) {",
+               "    F v = sp[lr * SPS + u * COLS + c];",
+               "    #pragma unroll",
+               "    for (int g = 1; g < GK; ++g) v += sp[g * (RROWS * SPS) + lr * SPS + u * COLS + c];",
+               "    acc[q][c] = v;", "}"]
     vr = 4 if plan.units * plan.cols % 4 == 0 else 1  # split: the partials summed 4 units a 16-byte load
     src = f"""{math_header()}
 {mma_header() if plan.mma else ""}
 using namespace ssmc;
 typedef float F;
 typedef unsigned short H;  // a bf16 / fp16 value's bits
-typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged operand's element
+typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and the staged operand's element
 
 #define ROWS {plan.rows}
 #define TROWS {plan.trows}
@@ -529,12 +602,15 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define CPAD {plan.cpad or plan.cols}
 #define VEC {int(plan.vec)}
 #define MMA {int(plan.mma)}
+#define TF32 {plan.tf32 if tf else 0}
+#define NACC {analysis.tf32_sets(plan.tf32) if tf else 1}
+#define KSUB {2 if tf and plan.tf32 == 1 else 1}
 #define BF16 {"true" if bf16 else "false"}
-#define EPC {8 if plan.mma else 4}
-#define SHS {plan.chunk + (8 if plan.mma else 4)}
+#define EPC {16 // plan.elem}
+#define SHS {plan.chunk + plan.epad}
 #define RROWS {plan.mpad if plan.mma else plan.trows}
 #define NPAD {plan.npad}
-#define UST {plan.jpad + 8}
+#define UST {plan.jpad + plan.epad}
 #define SPS {plan.sps}
 #define MT {plan.mpad // 16}
 #define NT {plan.npad // 8}
@@ -542,6 +618,7 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define GN {gn}
 #define WM {wm}
 #define WN {wn}
+#define GK {gk}
 #define UNITS {plan.units}
 #define KS {plan.ksplit}
 #define JS {plan.jsplit}
@@ -560,7 +637,7 @@ typedef {"H" if plan.mma else "F"} X;  // the exchange buffer's and the staged o
 #define DEPTH {plan.depth}
 #define U_BYTES {plan.u_bytes}
 #define SHARED_BYTES {plan.shared_bytes}
-#define COPIES {-(-plan.trows * plan.chunk // (8 if plan.mma else 4) // plan.threads)}
+#define COPIES {-(-plan.trows * plan.chunk // (16 // plan.elem) // plan.threads)}
 #define REVERSE {int(p.reverse)}
 static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
@@ -660,13 +737,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     __shared__ __align__(16) unsigned char smem[SHARED_BYTES];
 #endif
 #if MMA
-    H* sub = reinterpret_cast<H*>(smem);  // [NPAD][UST]: U slice, 16-bit, the contracted index fastest
+    X* sub = reinterpret_cast<X*>(smem);  // [NPAD][UST]: U slice, 16-bit (tf32: fp32), the contracted index fastest
     // the product's result [MPAD][SPS] fp32, read by the threads owning the pairs: in the ring's memory (idle
     // from the step's last chunk to the next step's first staging, with block barriers between)
     F* sp = reinterpret_cast<F*>(smem + U_BYTES);
     const int warp = threadIdx.x / 32, lg = (threadIdx.x % 32) / 4, lq = threadIdx.x % 4;
-    const int wm0 = (warp % GM) * WM, wn0 = (warp / GM) * WN;  // the warp's first m-tile and n-tile
+    // the warp's first m-tile and n-tile, its share wk of a chunk's k steps (GK: 1 but in the fp32 form)
+    const int wmn = GK == 1 ? warp : warp % (GM * GN), wk = GK == 1 ? 0 : warp / (GM * GN);
+    const int wm0 = (wmn % GM) * WM, wn0 = (wmn / GM) * WN;
     F d[WM][WN][4];
+#if TF32
+    F dx[NACC][WM][WN][4];  // the accumulator sets, summed into d after the step's last chunk
+#endif
 #elif VEC
     F (*su)[JPAD + 4] = reinterpret_cast<F (*)[JPAD + 4]>(smem);  // + 4: the units' rows start in different banks
 #else
@@ -705,7 +787,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         if (SPLIT) grid_barrier(bar + 3 + tile * (KS + JS) + kg, (unsigned int)(s + 1) * JS, s, bar);
         else if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
         else __syncthreads();
-#if MMA
+#if TF32
+        #pragma unroll
+        for (int x = 0; x < NACC; ++x)
+            #pragma unroll
+            for (int i = 0; i < WM; ++i)
+                #pragma unroll
+                for (int n = 0; n < WN; ++n)
+                    #pragma unroll
+                    for (int v = 0; v < 4; ++v) dx[x][i][n][v] = F(0);
+#elif MMA
         #pragma unroll
         for (int i = 0; i < WM; ++i)
             #pragma unroll
@@ -739,6 +830,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(product, guard="lr < TROWS", depth=3)}
 #endif
         }}
+#if TF32
+        // the accumulator sets summed (3xTF32: the small terms first)
+        #pragma unroll
+        for (int i = 0; i < WM; ++i)
+            #pragma unroll
+            for (int n = 0; n < WN; ++n)
+                #pragma unroll
+                for (int v = 0; v < 4; ++v)
+                    d[i][n][v] = NACC == 3 ? (dx[2 % NACC][i][n][v] + dx[1][i][n][v]) + dx[0][i][n][v]
+                                           : dx[0][i][n][v] + dx[1][i][n][v];
+#endif
 #if MMA && SPLIT
         // the warp's tiles, the partial product over the K group, to pb[s % 2][kg][row][n0 COLS + n] (fp32);
         // the J group's blocks meet; each pair sums its KS partials. pb[s % 2] is written again at step s + 2,
@@ -792,13 +894,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         // the warp's tiles to sp, then each pair's columns from it (sp lies in the ring: every warp done with
         // the last chunk first; sp is read before the next step stages into the ring: its barrier between)
         __syncthreads();
-        if (warp < GM * GN) {{
+        if (warp < GM * GN * GK) {{
             #pragma unroll
             for (int i = 0; i < WM; ++i)
                 #pragma unroll
                 for (int n = 0; n < WN; ++n)
                     if (wm0 + i < MT && wn0 + n < NT) {{
-                        F* o = sp + ((wm0 + i) * 16 + lg) * SPS + (wn0 + n) * 8 + 2 * lq;
+                        F* o = sp + wk * (RROWS * SPS) + ((wm0 + i) * 16 + lg) * SPS + (wn0 + n) * 8 + 2 * lq;
                         o[0] = d[i][n][0];
                         o[1] = d[i][n][1];
                         o[8 * SPS] = d[i][n][2];

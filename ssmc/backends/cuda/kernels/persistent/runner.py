@@ -55,16 +55,20 @@ class PersistentLoop:
 
     def plan_for(self, sizes: dict[str, int], half: bool = False):
         """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal;
-        `half`: the tensor-core form (16-bit U and operand on chip), falling back to the fp32 form where
-        that does not fit."""
+        `half`: the tensor-core form (16-bit U and operand on chip); else, fp32 inputs, its fp32 form
+        (`Plan.tf32`: 3xTF32, or TF32 where allowed: `tf32_passes`) unless SSMC_CUDA_PERSISTENT_MMA=0;
+        either falling back to the FMA form (fp32 U and operand) where that does not fit."""
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, cap, analysis.MIN_BLOCK_PAIRS, analysis.SPLIT_BYTES,
-               analysis.SPLITS, analysis.SPLIT_ACCUMULATORS, analysis.DEEP_STAGES)  # (tests, bench/ change them)
+        passes = 0 if half else tf32_passes()
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, analysis.MIN_BLOCK_PAIRS,
+               analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
+               analysis.DEEP_STAGES)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
-            chosen = plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap) if half else None
+            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes)
+                      if half or passes else None)
             if chosen is None or isinstance(chosen, str):
                 chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
             self._plans[key] = chosen
@@ -258,6 +262,24 @@ class PersistentLoop:
             module = cupy.RawModule(code=source, options=compile_options(source))
             fn = self._functions[key] = module.get_function(name)
         return fn
+
+
+def tf32_passes() -> int:
+    """The tensor-core products of an fp32 call's persistent kernel (`Plan.tf32`): 0, none (fp32 FMAs:
+    SSMC_CUDA_PERSISTENT_MMA=0); 1, plain TF32 where SSMC_CUDA_TF32=1, or, unset, where torch allows TF32 for
+    its fp32 matrix products (`torch.backends.cuda.matmul.allow_tf32`: the hoisted products x W, hᵀ dz, ...
+    are torch's, so a call's products are all TF32 or none); else 3 (3xTF32, about fp32's accuracy)."""
+    opts = options()
+    if opts.persistent_mma is False:
+        return 0
+    allowed = opts.tf32
+    if allowed is None:
+        try:
+            import torch
+        except ImportError:  # planning without torch (`ssmc inspect`): torch's default
+            return 3
+        allowed = bool(torch.backends.cuda.matmul.allow_tf32)
+    return 1 if allowed else 3
 
 
 def _as_f32(t):
