@@ -591,11 +591,38 @@ def _reference_vjp(x: algorithm.Chunks, d_out, d_final):
     return algorithm.vjp(wide, entering, final, d_out.to(d), d_final.to(d))
 
 
+def _check_parts(x: algorithm.Chunks, got, parts: dict, entering, d_out) -> None:
+    """The kernels' side outputs (mma.backward's `parts`) against the same sums in float64 of what the
+    kernels returned and read: chunk_dq's q_i·dq_i and chunk_dk's −k_i·dk_i over each key tile (q, k the
+    16-bit operands, broadcast over the heads they lack), state_pass_reverse's exp(Γ)⟨d_end, S_p⟩ per
+    chunk, and chunk_dv's skip cotangent Σ_ν v_iν dO_iν: close to fp32 rounding, so a row, tile, head
+    or chunk misplaced fails."""
+    d = torch.float64
+    dq, dk, d_skip = got[0].to(d), got[1].to(d), got[6]
+    tiles = x.q.shape[-1] // 64
+    rows = parts["rows"].to(d)
+    assert rows.shape == (*dq.shape[:-1], 2 * tiles)
+    q_rows = (x.q.to(d) * dq).unflatten(-1, (tiles, 64)).sum(-1)
+    k_rows = (x.k.to(d) * dk).unflatten(-1, (tiles, 64)).sum(-1)
+    scale = float(rows.abs().max())
+    torch.testing.assert_close(rows[..., :tiles], q_rows, rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(rows[..., tiles:], -k_rows, rtol=1e-5, atol=1e-6 * scale)
+    d_end, gamma = parts["d_end"].to(d), torch.cumsum(x.ell.to(d), -1)[..., -1]
+    entered = torch.exp(gamma) * (d_end * entering.to(d)).sum((-1, -2))
+    torch.testing.assert_close(parts["entered"].to(d).sum(-1), entered, rtol=1e-5,
+                               atol=1e-6 * float(entered.abs().max()))
+    if x.skip is not None:
+        want = (x.v.to(d) * d_out.to(d)).sum(-1).expand(d_skip.shape)
+        torch.testing.assert_close(d_skip.to(d), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 def _check_backward(x: algorithm.Chunks, seed: int, tol: float, events=None):
     d_out, d_final = _cotangents(x, seed)
     assert mma.backward_applies(x, d_out)
     _, entering, final = mma.forward(x)
-    got = mma.backward(x, entering, final, d_out, d_final, events=events)
+    parts: dict = {}
+    got = mma.backward(x, entering, final, d_out, d_final, events=events, parts=parts)
+    _check_parts(x, got, parts, entering, d_out)
     want = _reference_vjp(x, d_out, d_final)
     assert len(got) == len(want) == 7 and (got[5] is None) == (want[5] is None) == (x.beta is None)
     assert (got[6] is None) == (want[6] is None) == (x.skip is None)
