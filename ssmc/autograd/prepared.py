@@ -61,6 +61,16 @@ class _Signature:
         t = t.detach()
         return t if t.dtype == self.compute else t.to(self.compute)
 
+    def _cast_cotangent(self, t):
+        """An output's cotangent as the backward takes it: in the compute dtype, or 16-bit as given where
+        the fused runner takes it so (`takes_half_cotangents`: a chunked core rounds it to q's 16 bits for
+        its kernels, so a cast to fp32 here would only be undone there)."""
+        import torch
+
+        if t.dtype in (torch.bfloat16, torch.float16) and takes_half_cotangents(self):
+            return t.detach()
+        return self._cast(t)
+
     def _arrays(self, args: tuple, kwargs: dict):
         """The call's sequences (time first), params and initial states, in the compute dtype, and its tape."""
         arrays = dict(zip(self.names, args))
@@ -101,7 +111,8 @@ class _Signature:
             return None
         zero_cot = prepared[0]
         cot = dict(zero_cot)
-        cot.update((GRAD + n, self._cast(t.permute(*self.outputs_to_time_first[n]))) for n, t in given.items())
+        cot.update((GRAD + n, self._cast_cotangent(t.permute(*self.outputs_to_time_first[n])))
+                   for n, t in given.items())
         return prepared, cot
 
     def _prepare_backward(self, tape: Tape, given: dict, cot: dict, lam: dict):
@@ -248,6 +259,12 @@ class PreparedChunk(_Signature):
         adjoint = planned_run(self.grad.target, self.grad.backward_program.adjoint, self.dtype,
                               self._adjoint_seqs(tape, cot), tape.params, init, self.sizes, self.length)
         return {k: v for k, v in cot.items() if k[len(GRAD):] not in given}, adjoint, init
+
+
+def takes_half_cotangents(step) -> bool:
+    """Whether `step` (a `PreparedStep`, `PreparedChunk`, or None) takes its outputs' cotangents in a 16-bit
+    dtype as given (its fused runner says so: `ChunkedCore.takes_half_cotangents`)."""
+    return bool(getattr(getattr(step, "fused", None), "takes_half_cotangents", False))
 
 
 def planned_run(backend, program, dtype, seqs, params, initial, sizes: dict[str, int], length: int):

@@ -27,7 +27,7 @@ from ..runtime.binding import DEFAULT_LAYOUT, layout_of
 from ..runtime.precision import given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
-from .prepared import PreparedChunk, PreparedStep
+from .prepared import PreparedChunk, PreparedStep, takes_half_cotangents
 from .tape import Tape, cotangents
 
 
@@ -201,14 +201,15 @@ class PreparedStages:
             cotangents(self.program, self.grad.xp, tape, given, None)
             self.backwards[key] = True
         compute = torch.float64 if np.dtype(self.dtype) == np.float64 else torch.float32
-        cot = {}
+        cot = {}  # in the compute dtype as a stage gets them, or 16-bit as given where it takes them so
         for n, t in given.items():
-            t = t.detach().permute(*self.outputs_to_time_first[n])
-            cot[n] = t if t.dtype == compute else t.to(compute)
+            cot[n] = t.detach().permute(*self.outputs_to_time_first[n])
         totals: dict = {}
         inputs = self.inputs
         for (_, _, _, _, outputs, _), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
             stage_cot = {n: cot.pop(n) for n in outputs if n in cot}  # the others: zeros (the step's own)
+            if not takes_half_cotangents(t.step):
+                stage_cot = {n: c if c.dtype == compute else c.to(compute) for n, c in stage_cot.items()}
             grads = None
             if stage_cot:
                 if t.half is None:

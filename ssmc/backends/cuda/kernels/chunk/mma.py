@@ -286,16 +286,18 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 
 
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
-             events: list | None = None, parts: dict | None = None):
+             events: list | None = None, parts: dict | None = None, outs: dict | None = None):
     """`algorithm.vjp` on the kernels: (dq [*H, NC, C, K], dk [*H, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
     fp32 over every head H (the caller sums them over the heads an operand lacks), from what `forward` returned
     (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
-    d_final [*H', K, V] fp32. `events` as `forward`'s. `parts`: where a dict, it receives the kernels'
-    side outputs the log decays' cotangent is made of (tests read them): "rows" [*H, NC, C, 2 K/64]
-    (q_i·dq_i over each key tile, then −k_i·dk_i), "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128]
-    (per warp of state_pass_reverse: exp(Γ) ⟨d_end, S_p⟩'s parts) and "d_end" [*H, NC, K, V]."""
+    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array}, each
+    written there where `writable_out` (fp32; a view of a time-first gradient, say) and returned.
+    `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
+    (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
+    "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
+    ⟨d_end, S_p⟩'s parts) and "d_end" [*H, NC, K, V]."""
     q = _chunked_view(x.q, True)
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
@@ -315,9 +317,14 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     d_end = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    dq = torch.empty((*heads, nc, chunk, key), dtype=torch.float32, device=dev)
-    dk = torch.empty_like(dq)
-    dv = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    outs = outs or {}
+
+    def grad(name, size):  # where `outs` has a place the kernels can write, there
+        given = outs.get(name)
+        return given if writable_out(given, heads, nc, chunk, size) else torch.empty(
+            (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
+
+    dq, dk, dv = grad("dq", key), grad("dk", key), grad("dv", value)
     # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
     # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
     rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
