@@ -83,10 +83,10 @@ def test_staged_prepared_calls_match_the_interpreter(monkeypatch):
 
 
 def test_16_bit_cotangents_reach_the_chunked_core_as_given(monkeypatch):
-    """A bf16 training step through the torch op (prepared after its first call): the output's cotangent
+    """A bf16 training step through the torch op: at its second call (prepared) the output's cotangent
     reaches the chunked core in bf16 as given (`ChunkedCore.takes_half_cotangents`: no cast to fp32 that
-    the core would round back), the pre stage's in fp32; the gradients bit for bit those of the same
-    rounded values given in fp32 (at these sizes the core runs its torch path, in fp32 either way)."""
+    the core would round back), where the first call's (the general path) cast it to fp32; the gradients
+    bit for bit the first call's (at these sizes the core runs its torch path, in fp32 either way)."""
     torch = pytest.importorskip("torch")
     import ssmc.torch as ssmc_torch
     from ssmc.backends.cuda.kernels.chunk import ChunkedCore
@@ -94,20 +94,18 @@ def test_16_bit_cotangents_reach_the_chunked_core_as_given(monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     seen = []
     monkeypatch.setattr(ChunkedCore, "backward", lambda self, seqs, params, tape, cot, *a, _f=ChunkedCore.backward:
-                        seen.append({str(v.dtype) for v in cot.values()}) or _f(self, seqs, params, tape, cot, *a))
+                        seen.append({v.dtype for v in cot.values()}) or _f(self, seqs, params, tape, cot, *a))
     names = [d.name for d in mamba2.SPEC.program.inputs]
     rng = np.random.default_rng(3)
     inputs = {k: v for k, v in mamba2.make_inputs(rng, 7).items() if k != "h"}
     bf = {k: torch.tensor(v).to(torch.bfloat16 if v.ndim > 2 else torch.float32) for k, v in inputs.items()}
     cot = torch.tensor(rng.standard_normal(inputs["x"].shape)).to(torch.bfloat16)
-    grads = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        op = ssmc_torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
-        for _ in range(2):  # the first call general, the second prepared
-            leaves = {k: (v.to(dtype) if v.dtype == torch.bfloat16 else v).requires_grad_(True) for k, v in bf.items()}
-            y = op(*(leaves[k] for k in names))
-            grads[dtype] = torch.autograd.grad(y, list(leaves.values()), cot.to(dtype))
-        assert op.grad._steps and all(op.grad._steps.values())
-    assert seen[1] == {"torch.bfloat16"} and seen[3] == {"torch.float32"}, seen
-    for key, g16, g32 in zip(bf, *grads.values()):
-        assert g16.dtype == bf[key].dtype and torch.equal(g16, g32.to(g16.dtype)), key
+    op = ssmc_torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+    grads = []
+    for _ in range(2):  # the first call general, the second prepared
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        grads.append(torch.autograd.grad(op(*(leaves[k] for k in names)), list(leaves.values()), cot))
+    assert op.grad._steps and all(op.grad._steps.values())
+    assert seen == [{torch.float32}, {torch.bfloat16}], seen
+    for key, general, prepared in zip(bf, *grads):
+        assert prepared.dtype == bf[key].dtype and torch.equal(prepared, general), key
