@@ -434,6 +434,36 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
 
 
 
+@needs_emulator
+def test_chunked_core_takes_a_16_bit_output_cotangent_as_given(emulate, monkeypatch):
+    """RetNet's core at 64 steps (one whole chunk): the output's cotangent given in bf16 (as the prepared steps
+    pass it: `takes_half_cotangents`) reaches the kernels as a view of it, no copy, and every gradient is bit
+    for bit that of the same cotangent given in fp32 (which the core rounds to bf16)."""
+    from ssmc.backends.cuda.kernels import chunk
+    from ssmc.passes.autodiff import GRAD
+
+    program, sizes = _core("retnet")
+    length = 64
+    rng = np.random.default_rng(8)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    core = chunk.ChunkedCore(program, "float32")
+    assert core.takes_half_cotangents
+    outs, finals, tape = core.forward(seqs, params, initial, sizes, length)
+    output, state = core.output, program.states[0].name
+    half = torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).to(torch.bfloat16)
+    lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+    seen = []
+    monkeypatch.setattr(chunk.mma, "backward", lambda x, entering, final, d_out, *a, _f=chunk.mma.backward, **kw:
+                        seen.append(d_out) or _f(x, entering, final, d_out, *a, **kw))
+    got = core.backward(seqs, params, tape, {GRAD + output: half}, lam, None, sizes, length)
+    want = core.backward(seqs, params, tape, {GRAD + output: half.float()}, lam, None, sizes, length)
+    assert len(seen) == 2 and seen[0].data_ptr() == half.data_ptr() and seen[1].data_ptr() != half.data_ptr()
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
+
+
 def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeypatch):
     """`ChunkedCore.half_inputs` (what `Grad` hands a training forward): q, k, v as given where q is
     16-bit and the kernels take the sizes; the compute dtype's casts otherwise (fp32 q, other sizes,
