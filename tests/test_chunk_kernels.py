@@ -791,12 +791,20 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
 
     got = gradients()
     assert calls and forwards, "the kernels did not run"
-    # a second call of the signature takes the prepared steps (the bf16 cotangent reaches the kernels as given,
-    # the gradients of every-head operands written in place): the same gradients
-    again = gradients()
-    for k, g in got.items():
-        assert _rel(again[k], g) < 1e-6, (k, _rel(again[k], g))
+
+    def output_only():  # a cotangent of y alone: the prepared steps' backward (bf16 dy to the kernels as given)
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        fn(**leaves)[0].backward(dy)
+        return {k: v.grad for k, v in leaves.items()}
+
+    n = len(calls)
+    prepared = output_only()
+    assert len(calls) == n + 1
     monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    prepared_torch = output_only()
+    assert len(calls) == n + 1
+    for k, t in prepared_torch.items():
+        assert _rel(prepared[k], t) < (3e-2 if k in ("dt", "A", "gamma") else 2e-2), (k, _rel(prepared[k], t))
     n = len(calls)
     torch_backward = gradients()
     assert len(calls) == n
