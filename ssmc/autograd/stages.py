@@ -27,7 +27,7 @@ from ..runtime.binding import DEFAULT_LAYOUT, layout_of
 from ..runtime.precision import given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
-from .prepared import PreparedChunk, PreparedStep, takes_half_cotangents
+from .prepared import PreparedChunk, PreparedStep, contiguous_in, takes_half_cotangents
 from .tape import Tape, cotangents
 
 
@@ -224,8 +224,9 @@ class PreparedStages:
                 into[name] = into[name] + value if name in into else value
         xp = self.grad.xp
         out = {}
+        dtypes = tape.gradient_dtypes or {}  # the caller's (the torch op's): cast as made contiguous, one copy
         for name, perm, shape in self.gradients:  # as `tape.in_layout` (zeros where no stage reads the input)
             g = totals[name] if name in totals else xp.zeros(shape, self.dtype)
-            out[name] = (g if perm is None else g.permute(*perm)).contiguous()
+            out[name] = contiguous_in(g if perm is None else g.permute(*perm), dtypes.get(name))
         out.update((s, totals[s]) for s in self.states)
         return out
