@@ -60,6 +60,14 @@ def _in_dtype(t: torch.Tensor, dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _to_torch_in(x, like: torch.Tensor, dtype) -> torch.Tensor:
+    """`_in_dtype(_to_torch(x, like), dtype)` in one copy at most: a torch tensor (a permuted view of a
+    time-first output, say) made contiguous and cast at once, not copied in its dtype and then cast."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype=dtype, memory_format=torch.contiguous_format)
+    return _in_dtype(_to_torch(x, like), dtype)
+
+
 def _permute(x, perm):
     return x.permute(*perm) if isinstance(x, torch.Tensor) else x.transpose(perm)
 
@@ -102,7 +110,7 @@ class _Recurrence(torch.autograd.Function):
         ctx.fn, ctx.grad, ctx.tape, ctx.direct = fn, fn.grad, tape, not isinstance(call, int)
         fn.last_step = getattr(tape, "step", None)  # the step a `LeanStep` serves calls like this one from
         like = tensors[0]
-        ys = [_in_dtype(_to_torch(_permute(outs[name], perm), like), like.dtype)
+        ys = [_to_torch_in(_permute(outs[name], perm), like, like.dtype)
               for name, perm in fn.output_perms]  # as `ssmc.compile` returns them
         return tuple(ys + [_to_torch(finals[s], like) for s in fn.state_names])
 
@@ -155,11 +163,13 @@ def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct:
     n_out = len(fn.output_perms)
     grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
     grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
+    if tape.step is not None:  # a prepared step's backward casts each gradient as it lays it out (one copy)
+        tape.gradient_dtypes = {n: t.dtype for n, t in zip(fn.names, tensors)}
     grads = tape.step.backward(tape, grad_y, grad_h or None) if direct else None
     if grads is None:
         grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
     like = tensors[0]
-    return tuple(_in_dtype(_to_torch(grads[n], like), t.dtype) for n, t in zip(fn.names, tensors))
+    return tuple(_to_torch_in(grads[n], like, t.dtype) for n, t in zip(fn.names, tensors))
 
 
 class SsmcFunction:

@@ -394,10 +394,17 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).float()}
     lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
     backward_calls = []
-    monkeypatch.setattr(chunk.mma, "backward", lambda *a, _f=chunk.mma.backward, **kw: backward_calls.append(1)
-                        or _f(*a, **kw))
+    monkeypatch.setattr(chunk.mma, "backward", lambda *a, _f=chunk.mma.backward, **kw: backward_calls.append(
+                        kw.get("outs")) or _f(*a, **kw))
     got = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
-    assert backward_calls == [1]
+    assert len(backward_calls) == 1
+    # the gradients of the operands with every head (x; RetNet's q, k, v) written time first by the kernels,
+    # returned as they are: no permuting copy
+    direct = backward_calls[0]
+    roles = {"dq": core.ml.q, "dk": core.ml.k, "dv": core.ml.v}
+    assert set(direct) == ({"dv"} if name == "mamba2" else {"dq", "dk", "dv"})
+    for role, out in direct.items():
+        assert got[0][GRAD + roles[role].arg].data_ptr() == out.data_ptr(), role
     # the torch backward on the kernels' tape, then on the torch forward's
     monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
     on_tape = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
@@ -405,7 +412,7 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
     _, _, torch_tape = core.forward(seqs, params, initial, sizes, length)
     assert len(calls) == 2  # the torch path (its chunk by the state's size, maybe not the kernels')
     torch_path = core.backward(seqs, params, torch_tape, cot, lam, None, sizes, length)
-    assert backward_calls == [1]
+    assert len(backward_calls) == 1
     _, _, wide_tape = wide.forward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()},
                                    {k: v.to(d) for k, v in initial.items()}, sizes, length)
     want = wide.backward({k: v.to(d) for k, v in seqs.items()}, {k: v.to(d) for k, v in params.items()}, wide_tape,
@@ -425,6 +432,36 @@ def test_chunked_core_runs_the_kernels_and_its_backward_reads_their_tape(name, e
             assert _rel(tape_torch[k], ref[k]) < 1e-2, k
             assert _rel(torch_only[k], ref[k]) < 1e-2, k
 
+
+
+@needs_emulator
+def test_chunked_core_takes_a_16_bit_output_cotangent_as_given(emulate, monkeypatch):
+    """RetNet's core at 64 steps (one whole chunk): the output's cotangent given in bf16 (as the prepared steps
+    pass it: `takes_half_cotangents`) reaches the kernels as a view of it, no copy, and every gradient is bit
+    for bit that of the same cotangent given in fp32 (which the core rounds to bf16)."""
+    from ssmc.backends.cuda.kernels import chunk
+    from ssmc.passes.autodiff import GRAD
+
+    program, sizes = _core("retnet")
+    length = 64
+    rng = np.random.default_rng(8)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    core = chunk.ChunkedCore(program, "float32")
+    assert core.takes_half_cotangents
+    outs, finals, tape = core.forward(seqs, params, initial, sizes, length)
+    output, state = core.output, program.states[0].name
+    half = torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).to(torch.bfloat16)
+    lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+    seen = []
+    monkeypatch.setattr(chunk.mma, "backward", lambda x, entering, final, d_out, *a, _f=chunk.mma.backward, **kw:
+                        seen.append(d_out) or _f(x, entering, final, d_out, *a, **kw))
+    got = core.backward(seqs, params, tape, {GRAD + output: half}, lam, None, sizes, length)
+    want = core.backward(seqs, params, tape, {GRAD + output: half.float()}, lam, None, sizes, length)
+    assert len(seen) == 2 and seen[0].data_ptr() == half.data_ptr() and seen[1].data_ptr() != half.data_ptr()
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
 
 
 def test_training_calls_keep_16_bit_operands_where_the_kernels_take_them(monkeypatch):
@@ -591,11 +628,38 @@ def _reference_vjp(x: algorithm.Chunks, d_out, d_final):
     return algorithm.vjp(wide, entering, final, d_out.to(d), d_final.to(d))
 
 
+def _check_parts(x: algorithm.Chunks, got, parts: dict, entering, d_out) -> None:
+    """The kernels' side outputs (mma.backward's `parts`) against the same sums in float64 of what the
+    kernels returned and read: chunk_dq's q_i·dq_i and chunk_dk's −k_i·dk_i over each key tile (q, k the
+    16-bit operands, broadcast over the heads they lack), state_pass_reverse's exp(Γ)⟨d_end, S_p⟩ per
+    chunk, and chunk_dv's skip cotangent Σ_ν v_iν dO_iν: close to fp32 rounding, so a row, tile, head
+    or chunk misplaced fails."""
+    d = torch.float64
+    dq, dk, d_skip = got[0].to(d), got[1].to(d), got[6]
+    tiles = x.q.shape[-1] // 64
+    rows = parts["rows"].to(d)
+    assert rows.shape == (*dq.shape[:-1], 2 * tiles)
+    q_rows = (x.q.to(d) * dq).unflatten(-1, (tiles, 64)).sum(-1)
+    k_rows = (x.k.to(d) * dk).unflatten(-1, (tiles, 64)).sum(-1)
+    scale = float(rows.abs().max())
+    torch.testing.assert_close(rows[..., :tiles], q_rows, rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(rows[..., tiles:], -k_rows, rtol=1e-5, atol=1e-6 * scale)
+    d_end, gamma = parts["d_end"].to(d), torch.cumsum(x.ell.to(d), -1)[..., -1]
+    entered = torch.exp(gamma) * (d_end * entering.to(d)).sum((-1, -2))
+    torch.testing.assert_close(parts["entered"].to(d).sum(-1), entered, rtol=1e-5,
+                               atol=1e-6 * float(entered.abs().max()))
+    if x.skip is not None:
+        want = (x.v.to(d) * d_out.to(d)).sum(-1).expand(d_skip.shape)
+        torch.testing.assert_close(d_skip.to(d), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 def _check_backward(x: algorithm.Chunks, seed: int, tol: float, events=None):
     d_out, d_final = _cotangents(x, seed)
     assert mma.backward_applies(x, d_out)
     _, entering, final = mma.forward(x)
-    got = mma.backward(x, entering, final, d_out, d_final, events=events)
+    parts: dict = {}
+    got = mma.backward(x, entering, final, d_out, d_final, events=events, parts=parts)
+    _check_parts(x, got, parts, entering, d_out)
     want = _reference_vjp(x, d_out, d_final)
     assert len(got) == len(want) == 7 and (got[5] is None) == (want[5] is None) == (x.beta is None)
     assert (got[6] is None) == (want[6] is None) == (x.skip is None)
@@ -727,7 +791,20 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
 
     got = gradients()
     assert calls and forwards, "the kernels did not run"
+
+    def output_only():  # a cotangent of y alone: the prepared steps' backward (bf16 dy to the kernels as given)
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        fn(**leaves)[0].backward(dy)
+        return {k: v.grad for k, v in leaves.items()}
+
+    n = len(calls)
+    prepared = output_only()
+    assert len(calls) == n + 1
     monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    prepared_torch = output_only()
+    assert len(calls) == n + 1
+    for k, t in prepared_torch.items():
+        assert _rel(prepared[k], t) < (3e-2 if k in ("dt", "A", "gamma") else 2e-2), (k, _rel(prepared[k], t))
     n = len(calls)
     torch_backward = gradients()
     assert len(calls) == n

@@ -100,3 +100,32 @@ def test_a_chunked_core_alone_is_prepared_and_matches_the_interpreter(monkeypatc
                 y, s = f(**tensors, return_final_states=True)
                 assert rel_err(y, want_y) <= 1e-10 and rel_err(s, want_s) <= 1e-10, (length, call)
     assert len([v for v in f._calls.values() if v]) == 4   # two lengths, with and without S: each prepared
+
+
+def test_16_bit_cotangents_reach_the_chunked_core_as_given(monkeypatch):
+    """A bf16 training step through the torch op: at its second call (prepared) the output's cotangent
+    reaches the chunked core in bf16 as given (`ChunkedCore.takes_half_cotangents`: no cast to fp32 that
+    the core would round back), where the first call's (the general path) cast it to fp32; the gradients
+    bit for bit the first call's (at these sizes the core runs its torch path, in fp32 either way)."""
+    torch = pytest.importorskip("torch")
+    import ssmc.torch as ssmc_torch
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    seen = []
+    monkeypatch.setattr(ChunkedCore, "backward", lambda self, seqs, params, tape, cot, *a, _f=ChunkedCore.backward:
+                        seen.append({v.dtype for v in cot.values()}) or _f(self, seqs, params, tape, cot, *a))
+    names = [d.name for d in mamba2.SPEC.program.inputs]
+    rng = np.random.default_rng(3)
+    inputs = {k: v for k, v in mamba2.make_inputs(rng, 7).items() if k != "h"}
+    bf = {k: torch.tensor(v).to(torch.bfloat16 if v.ndim > 2 else torch.float32) for k, v in inputs.items()}
+    cot = torch.tensor(rng.standard_normal(inputs["x"].shape)).to(torch.bfloat16)
+    op = ssmc_torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
+    grads = []
+    for _ in range(2):  # the first call general, the second prepared
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        grads.append(torch.autograd.grad(op(*(leaves[k] for k in names)), list(leaves.values()), cot))
+    assert op.grad._steps and all(op.grad._steps.values())
+    assert seen == [{torch.float32}, {torch.bfloat16}], seen
+    for key, general, prepared in zip(bf, *grads):
+        assert prepared.dtype == bf[key].dtype and torch.equal(prepared, general), key

@@ -61,6 +61,16 @@ class _Signature:
         t = t.detach()
         return t if t.dtype == self.compute else t.to(self.compute)
 
+    def _cast_cotangent(self, t):
+        """An output's cotangent as the backward takes it: in the compute dtype, or 16-bit as given where
+        the fused runner takes it so (`takes_half_cotangents`: a chunked core rounds it to q's 16 bits for
+        its kernels, so a cast to fp32 here would only be undone there)."""
+        import torch
+
+        if t.dtype in (torch.bfloat16, torch.float16) and takes_half_cotangents(self):
+            return t.detach()
+        return self._cast(t)
+
     def _arrays(self, args: tuple, kwargs: dict):
         """The call's sequences (time first), params and initial states, in the compute dtype, and its tape."""
         arrays = dict(zip(self.names, args))
@@ -101,20 +111,22 @@ class _Signature:
             return None
         zero_cot = prepared[0]
         cot = dict(zero_cot)
-        cot.update((GRAD + n, self._cast(t.permute(*self.outputs_to_time_first[n]))) for n, t in given.items())
+        cot.update((GRAD + n, self._cast_cotangent(t.permute(*self.outputs_to_time_first[n])))
+                   for n, t in given.items())
         return prepared, cot
 
     def _prepare_backward(self, tape: Tape, given: dict, cot: dict, lam: dict):
         raise NotImplementedError
 
-    def _in_layouts(self, seq_grads: dict, finals: dict) -> dict:
+    def _in_layouts(self, seq_grads: dict, finals: dict, dtypes: dict | None = None) -> dict:
         """Gradients by input name: the sequences' (time first in `seq_grads`) in their layouts, the
-        params' and initial states' from `finals` (by GRAD + name)."""
+        params' and initial states' from `finals` (by GRAD + name); contiguous, in `dtypes`' dtype where it
+        has the name (`Tape.gradient_dtypes`: made contiguous and cast in one copy)."""
         grads = {}
         for d in self.program.inputs:
             perm = self.to_layout.get(d.name)
-            grads[d.name] = (finals[GRAD + d.name] if perm is None
-                             else seq_grads[GRAD + d.name].permute(*perm)).contiguous()
+            g = finals[GRAD + d.name] if perm is None else seq_grads[GRAD + d.name].permute(*perm)
+            grads[d.name] = contiguous_in(g, (dtypes or {}).get(d.name))
         grads.update((s.name, finals[GRAD + s.name]) for s in self.program.states)
         return grads
 
@@ -176,7 +188,7 @@ class PreparedStep(_Signature):
             return None
         (_, launch, lam), cot = found
         outs, finals = launch(tape.seqs, tape.params, tape.rounds, cot, lam, {})
-        return self._in_layouts(outs, finals)
+        return self._in_layouts(outs, finals, tape.gradient_dtypes)
 
     def _prepare_backward(self, tape: Tape, given: dict, cot: dict, lam: dict):
         """The backward's launch for cotangents like `given`, and the zero cotangents of the outputs
@@ -224,7 +236,7 @@ class PreparedChunk(_Signature):
             return None
         (_, adjoint, init), cot = found
         outs, finals = adjoint(self._adjoint_seqs(tape, cot), tape.params, init, tape.products)
-        return self._in_layouts(outs, finals)
+        return self._in_layouts(outs, finals, tape.gradient_dtypes)
 
     def _adjoint_seqs(self, tape: Tape, cot: dict) -> dict:
         """The adjoint's sequences: the forward's, the carries before each step (recorded, or recomputed
@@ -248,6 +260,19 @@ class PreparedChunk(_Signature):
         adjoint = planned_run(self.grad.target, self.grad.backward_program.adjoint, self.dtype,
                               self._adjoint_seqs(tape, cot), tape.params, init, self.sizes, self.length)
         return {k: v for k, v in cot.items() if k[len(GRAD):] not in given}, adjoint, init
+
+
+def contiguous_in(g, dtype=None):
+    """`g` (a torch tensor) contiguous, in `dtype` where given: one copy at most."""
+    import torch
+
+    return g.contiguous() if dtype is None else g.to(dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def takes_half_cotangents(step) -> bool:
+    """Whether `step` (a `PreparedStep`, `PreparedChunk`, or None) takes its outputs' cotangents in a 16-bit
+    dtype as given (its fused runner says so: `ChunkedCore.takes_half_cotangents`)."""
+    return bool(getattr(getattr(step, "fused", None), "takes_half_cotangents", False))
 
 
 def planned_run(backend, program, dtype, seqs, params, initial, sizes: dict[str, int], length: int):

@@ -26,7 +26,7 @@ from ..runtime.binding import DEFAULT_LAYOUT, from_time_first, to_time_first
 from ..runtime.precision import given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
-from .prepared import PreparedChunk, PreparedStep
+from .prepared import PreparedChunk, PreparedStep, contiguous_in, takes_half_cotangents
 from .tape import Tape, cotangents
 
 
@@ -200,14 +200,15 @@ class PreparedStages:
             cotangents(self.program, self.grad.xp, tape, given, None)
             self.backwards[key] = True
         compute = torch.float64 if np.dtype(self.dtype) == np.float64 else torch.float32
-        cot = {}
+        cot = {}  # in the compute dtype as a stage gets them, or 16-bit as given where it takes them so
         for n, t in given.items():
-            t = t.detach().permute(*self.outputs_to_time_first[n])
-            cot[n] = t if t.dtype == compute else t.to(compute)
+            cot[n] = t.detach().permute(*self.outputs_to_time_first[n])
         totals: dict = {}
         inputs = self.inputs
         for (_, _, _, _, outputs, _), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
             stage_cot = {n: cot.pop(n) for n in outputs if n in cot}  # the others: zeros (the step's own)
+            if not takes_half_cotangents(t.step):
+                stage_cot = {n: c if c.dtype == compute else c.to(compute) for n, c in stage_cot.items()}
             grads = None
             if stage_cot:
                 if t.half is None:
@@ -222,8 +223,9 @@ class PreparedStages:
                 into[name] = into[name] + value if name in into else value
         xp = self.grad.xp
         out = {}
+        dtypes = tape.gradient_dtypes or {}  # the caller's (the torch op's): cast as made contiguous, one copy
         for name, perm, shape in self.gradients:  # as `tape.in_layout` (zeros where no stage reads the input)
             g = totals[name] if name in totals else xp.zeros(shape, self.dtype)
-            out[name] = (g if perm is None else g.permute(*perm)).contiguous()
+            out[name] = contiguous_in(g if perm is None else g.permute(*perm), dtypes.get(name))
         out.update((s, totals[s]) for s in self.states)
         return out

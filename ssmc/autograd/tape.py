@@ -27,7 +27,10 @@ class Tape:
     forward (`boundaries` is then the initial state alone). `step`: the prepared step whose forward
     made the tape, whose backward's path it takes (prepared.py). `tapes`: a staged layer's tape per
     stage, in stage order (`StagedGrad`; its own arrays are then empty). `half`: the 16-bit dtype the
-    forward's inputs came in (its backward runs under it too: runtime/precision.py)."""
+    forward's inputs came in (its backward runs under it too: runtime/precision.py). `gradient_dtypes`:
+    {input name: torch dtype} the caller wants the gradients in (the torch op: its arguments'), which a
+    prepared step's backward casts them to as it makes them contiguous in their layouts (one copy, not a
+    copy and a cast); None: the compute dtype."""
 
     sizes: dict[str, int]
     length: int
@@ -43,6 +46,7 @@ class Tape:
     step: object = None
     tapes: list[Tape] | None = None
     half: object = None  # the 16-bit dtype the inputs were given in (runtime/precision.py), or None
+    gradient_dtypes: dict | None = None
 
 
 def tape_arrays(tape: Tape) -> tuple[dict, dict]:

@@ -93,6 +93,11 @@ class NonPositiveDecay(ValueError):
 class ChunkedCore:
     """Runs one core program (`core_form`) chunked, forward and backward (module docstring)."""
 
+    # the output's cotangent may come in a 16-bit dtype (the prepared steps pass one so as given): `backward`
+    # rounds it to q's 16 bits for the kernels anyway (a view where it is q's dtype already), else casts it
+    # to the compute dtype
+    takes_half_cotangents = True
+
     def __init__(self, program, compute: str = "float32"):
         self.program = program
         self.ml = core_form(program)
@@ -201,18 +206,22 @@ class ChunkedCore:
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         return Chunks(q, k, v, ell, s0, scalar(ml.beta), scalar(ml.skip)), decay
 
-    def _time_first_out(self, sizes, length, chunk, device, dtype=torch.float32
+    def _time_first_out(self, sizes, length, chunk, device, dtype=torch.float32, axes=None, inner=None
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the output as the program holds it, [padded length, *axes] of `dtype`, and the same memory as
         [*H, NC, C, V], the layout `mma.forward` writes), where the output has every head axis and the
-        value axis last; else None. The kernels then write the output in place: no permuting copy."""
-        ml, axes = self.ml, tuple(self.out_node.axes)
-        if set(axes) != {*ml.heads, ml.value} or axes[-1] != ml.value:
+        value axis last; else None. The kernels then write the output in place: no permuting copy.
+        `axes`, `inner`: those of another [L, *axes] array than the output, its last axis `inner` (the
+        gradient of an operand, which `mma.backward` writes so)."""
+        ml = self.ml
+        axes = tuple(self.out_node.axes if axes is None else axes)
+        inner = ml.value if inner is None else inner
+        if set(axes) != {*ml.heads, inner} or axes[-1] != inner:
             return None
         padded = -(-length // chunk) * chunk
         buf = torch.empty((padded, *[sizes[a] for a in axes]), dtype=dtype, device=device)
         names = ["~t", *axes]
-        view = buf.permute(*[names.index(n) for n in (*ml.heads, "~t", ml.value)])
+        view = buf.permute(*[names.index(n) for n in (*ml.heads, "~t", inner)])
         t = len(ml.heads)
         return buf, view.reshape(*view.shape[:t], padded // chunk, chunk, view.shape[-1])
 
@@ -318,7 +327,18 @@ class ChunkedCore:
         if mma.kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):
-            dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final)
+            # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
+            # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
+            direct = {}
+            for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
+                _, timed = self._input(node, seqs, params)
+                unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
+                found = timed and unique and self._time_first_out(sizes, length, chunk, x.q.device, axes=node.axes,
+                                                                  inner=inner)
+                if found:
+                    direct[role] = found[1]
+            dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
+                                                                  outs=direct)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering, tape.final, d_out, d_final)

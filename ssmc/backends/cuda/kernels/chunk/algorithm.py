@@ -179,7 +179,8 @@ def skip_grad(x: Chunks, grads: tuple, d_out: torch.Tensor) -> tuple:
 
 def log_decay_grad(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, at_end: torch.Tensor,
                    gamma: torch.Tensor, d_end: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
-    """The log decays' cotangent [*H, NC, C] from dq, dk [*H, NC, C, K] (`vjp`'s, the kernels'), the
+    """The log decays' cotangent [*H, NC, C] from dq, dk [*H, NC, C, K] (`vjp`'s; the kernels take the
+    same dots in chunk_dq, chunk_dk, chunk_dv and state_pass_reverse, mma.backward), the
     cotangent of each chunk's end state d_end and the state entering it [*H, NC, K, V], Γ [*H, NC] and
     ``at_end`` [*H, NC]: Σ_j k_j·dk_j's part through d_end, ``Σ_j exp(Γ − Λ_j) k_j d_end v_jᵀ``.
 
@@ -188,9 +189,16 @@ def log_decay_grad(q: torch.Tensor, k: torch.Tensor, dq: torch.Tensor, dk: torch
     chunk's own steps cancels k·dk's part through d_end, and taking both from the same (16-bit
     rounded) d_end that dk's kernel multiplied leaves no difference of roundings for the reverse sum
     to spread over every step of the chunk (where S_e is the forward's state, it does: its own 16-bit
-    rounding of k against dk's of d_end)."""
+    rounding of k against dk's of d_end). The kernels keep to it: their row dots are of the fp32 dq, dk
+    rows as stored with the 16-bit q, k they read, the end dots of the state term dk's kernel added."""
     d_lam = (q * dq).sum(-1) - (k * dk).sum(-1)   # 16-bit q, k promoted inside the product
     flat = d_end.reshape(*d_end.shape[:-2], 1, -1)
     entered = entering.reshape(*entering.shape[:-2], -1, 1)
-    d_lam[..., -1] += at_end + torch.exp(gamma) * torch.matmul(flat, entered)[..., 0, 0]
+    return reverse_chunk_sums(d_lam, at_end + torch.exp(gamma) * torch.matmul(flat, entered)[..., 0, 0])
+
+
+def reverse_chunk_sums(d_lam: torch.Tensor, at_last: torch.Tensor) -> torch.Tensor:
+    """``dℓ_t = Σ_{i≥t} dΛ_i`` over the steps of t's chunk, from dΛ [*H, NC, C] (written: at_last
+    [*H, NC] is added to each chunk's last step, the end state's term of `log_decay_grad`)."""
+    d_lam[..., -1] += at_last
     return torch.flip(torch.cumsum(torch.flip(d_lam, (-1,)), -1), (-1,))

@@ -18,12 +18,16 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
 β (`Chunks.beta`, fp32, SSD's softplus(dt); none: 1) is read by the kernels where v is: v stays the
 input as given (no pass writes β v); ``chunk_dv`` also gives β's cotangent, ``Σ_ν dṼ_jν v_jν``.
 The skip (`Chunks.skip`, SSD's D) is added by ``chunk_output`` as it writes O (``O_i + skip_i v_i``),
-so that O is the program's output; its backward part is `algorithm.skip_grad` after the kernels.
+so that O is the program's output; its backward part (`algorithm.skip_grad`) is ``chunk_dv``'s: dv_i
+gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO_iν`` comes with it.
 
 The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
 chunk's end state (the chunks last first, as the forward's states), then ``chunk_dq``, ``chunk_dk``,
 ``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
-decays' cotangent is `algorithm.log_decay_grad` on their fp32 results.
+decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
+results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
+``exp(Γ) ⟨d_end, S_p⟩``: state_pass_reverse), so that torch only sums them over each chunk
+(`algorithm.reverse_chunk_sums`).
 
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
 the kernels read, so no operand is expanded. Under ``SSMC_CUDA_EMULATE=1`` the same launches run on
@@ -41,7 +45,7 @@ from ...devices import current_device, emulating, on_backend_device
 from ...launch import launch_kernel
 from ...options import options
 from .. import template
-from .algorithm import Chunks, log_decay_grad, skip_grad
+from .algorithm import Chunks, reverse_chunk_sums
 
 CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a warp per 16 query rows)
 # the default: the fp32 chunk states ([K, V] per head and chunk, written, passed and read again) shrink
@@ -282,13 +286,18 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 
 
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
-             events: list | None = None):
+             events: list | None = None, parts: dict | None = None, outs: dict | None = None):
     """`algorithm.vjp` on the kernels: (dq [*H, NC, C, K], dk [*H, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
     fp32 over every head H (the caller sums them over the heads an operand lacks), from what `forward` returned
     (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
-    d_final [*H', K, V] fp32. `events` as `forward`'s."""
+    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array}, each
+    written there where `writable_out` (fp32; a view of a time-first gradient, say) and returned.
+    `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
+    (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
+    "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
+    ⟨d_end, S_p⟩'s parts) and "d_end" [*H, NC, K, V]."""
     q = _chunked_view(x.q, True)
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
@@ -296,6 +305,8 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     ell = _chunked_view(x.ell, False)
     beta = None if x.beta is None else _chunked_view(x.beta, False)
     beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _base(beta))
+    skip = None if x.skip is None else _chunked_view(x.skip, False)
+    skip_col, skip_ptr = (ell, 0) if skip is None else (skip, _base(skip))
     t = q.dim() - 3
     heads = tuple(entering.shape[:t])
     nh = math.prod(heads)
@@ -306,11 +317,21 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     d_end = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    dq = torch.empty((*heads, nc, chunk, key), dtype=torch.float32, device=dev)
-    dk = torch.empty_like(dq)
-    dv = torch.empty((*heads, nc, chunk, value), dtype=torch.float32, device=dev)
+    outs = outs or {}
+
+    def grad(name, size):  # where `outs` has a place the kernels can write, there
+        given = outs.get(name)
+        return given if writable_out(given, heads, nc, chunk, size) else torch.empty(
+            (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
+
+    dq, dk, dv = grad("dq", key), grad("dk", key), grad("dv", value)
+    # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
+    # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
+    rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
     ends = torch.empty((*heads, nc, chunk, value // 64), dtype=torch.float32, device=dev)
-    d_beta = None if beta is None else torch.empty_like(ends)  # per value tile, summed below
+    entered = torch.empty((*heads, nc, key * value // 128), dtype=torch.float32, device=dev)
+    d_beta = None if beta is None else torch.empty_like(ends)
+    d_skip = None if skip is None else torch.empty_like(ends)
     bf16 = q.dtype == torch.bfloat16
     _, _, eights = _tables_for(heads, (q, k, v, do), dev)
     aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
@@ -321,6 +342,9 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
         offs, steps, _ = _tables_for(heads, arrays, dev)
         return offs.data_ptr(), steps.data_ptr()
 
+    def ptr(a):
+        return 0 if a is None else a.data_ptr()
+
     tiles = (key // 64) * (value // 64)
     # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
     states_table = table(q, q, do, ell, dq, q, ell, ell)
@@ -328,20 +352,27 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
         (kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
          [_base(q), _base(do), _base(ell), *states_table, d_end.data_ptr(), gamma.data_ptr()]),
         (kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-         [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()]),
+         [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
+          entered.data_ptr()]),
         (vk, "chunk_dq", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(do), _base(v), _base(k), _base(ell), beta_ptr, 0, *table(do, v, k, ell, dq, do, beta_col, ell),
-          entering.data_ptr(), _base(dq)]),
+         [_base(do), _base(v), _base(k), _base(ell), beta_ptr, 0, *table(do, v, k, ell, dq, q, beta_col, ell),
+          entering.data_ptr(), _base(dq), _base(q), rows.data_ptr()]),
         (vk, "chunk_dk", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(v), _base(do), _base(q), _base(ell), beta_ptr, 0, *table(v, do, q, ell, dk, v, beta_col, ell),
-          d_end.data_ptr(), _base(dk)]),
+         [_base(v), _base(do), _base(q), _base(ell), beta_ptr, 0, *table(v, do, q, ell, dk, k, beta_col, ell),
+          d_end.data_ptr(), _base(dk), _base(k), rows.data_ptr()]),
         (kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
-         [_base(k), _base(q), _base(do), _base(ell), beta_ptr, 0, *table(k, q, do, ell, dv, v, beta_col, ell),
-          d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(), 0 if d_beta is None else d_beta.data_ptr()]),
+         [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
+          *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
+          ptr(d_beta), ptr(d_skip)]),
     ]
     for text, name, blocks, threads, ck, cv, pointers in launches:
         _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events)
-    d_ell = log_decay_grad(q, k, dq, dk, ends.sum((-1, -2)), gamma, d_end, entering)
-    grads = dq, dk, dv, d_ell, ds0, None if d_beta is None else d_beta.sum(-1), None
-    # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO), from the 16-bit dO as the kernels'
-    return grads if x.skip is None else skip_grad(x, grads, d_out)
+    if parts is not None:
+        parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
+    d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+
+    def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
+        return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
+
+    # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
+    return dq, dk, dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
