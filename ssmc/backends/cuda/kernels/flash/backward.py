@@ -110,7 +110,7 @@ CONFIGS = {
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
 DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
-HOPPER_CONFIG = {64: "wg", 128: "wg"}  # on sm_90 parts
+HOPPER_CONFIG = {64: "wgp", 128: "wgp"}  # on sm_90 parts ("wg"'s loop where `_pipelines` says no)
 
 
 def config(d: int, name: str | None = None, device=None) -> Config:
