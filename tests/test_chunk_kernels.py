@@ -147,6 +147,34 @@ def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
 
 
 @needs_emulator
+@pytest.mark.parametrize("chunk, length, size, ssd, half", [
+    (64, 130, 64, True, False), (128, 7, 128, False, True),
+    nightly_case(64, 1, 64, False, False, reason="one step: the chunks of 7 and 130 take the partial chunk"),
+    nightly_case(256, 300, 64, True, True, reason="chunk 256: the emulator's slowest; 64 and 128 take the form")])
+def test_emulated_balanced_chunk_output_is_the_plain_one(emulate, monkeypatch, chunk, length, size, ssd, half):
+    """SSMC_CUDA_CHUNK_OUTPUT=balanced (chunk_output*_b: half the warps, two row stripes each): every
+    output row is the same sums in the same order, so the output is the plain kernel's bit for bit,
+    and near the float64 forward; SSD's broadcast heads, β and skip, or RetNet's one head with
+    16-bit states and output (chunk_output_hs_ho_b)."""
+    heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
+             {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
+    x = _chunks(length, key=size, value=size, seed=length + chunk, chunk=chunk, decay=0.02, **heads)
+    names = []
+    monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
+    kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
+    plain = mma.forward(x, **kw)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "balanced")
+    balanced = mma.forward(x, **kw)
+    output = "chunk_output" + ("_hs_ho" if half else "")
+    assert names[2::3] == [output, output + "_b"]  # (chunk_states, state_pass*, chunk_output*) a call
+    for got, want in zip(balanced, plain):
+        assert torch.equal(got, want)
+    ref_out, _, ref_final = _reference(x)
+    assert _rel(balanced[0], ref_out) < 1e-2
+    assert _rel(balanced[2], ref_final) < 1e-2
+
+
+@needs_emulator
 @pytest.mark.parametrize("chunk, length", [
     (64, 70), nightly_case(128, 300, reason="chunk_states_scan's walk over the chunks: the chunks of 64 take it")])
 def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
@@ -229,7 +257,9 @@ def test_the_kernels_compile_without_spills(arch):
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
                     assert set(resources) == {"chunk_states", "state_pass", "state_pass_half", "chunk_states_scan",
                                               "chunk_output", "chunk_output_hs", "chunk_output_ho",
-                                              "chunk_output_hs_ho", "chunk_dstates", "state_pass_reverse",
+                                              "chunk_output_hs_ho", "chunk_output_b", "chunk_output_hs_b",
+                                              "chunk_output_ho_b", "chunk_output_hs_ho_b", "chunk_dstates",
+                                              "state_pass_reverse",
                                               "chunk_dq", "chunk_dk", "chunk_dv"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():

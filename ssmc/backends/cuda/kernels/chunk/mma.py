@@ -77,7 +77,9 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
             "state_pass": 0, "state_pass_half": 0, "state_pass_reverse": 0,
             "chunk_output": product, "chunk_output_hs": product, "chunk_output_ho": product,
-            "chunk_output_hs_ho": product, "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
+            "chunk_output_hs_ho": product, **{name + "_b": product for name in (
+                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
+            "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
 
 
 @cache
@@ -243,10 +245,11 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
         else:
             launches.append(("state_pass", nh * key * value // 1024, 256,
                              [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
+    balanced = options().chunk_output == "balanced"  # half the warps, two row stripes each
     output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
-        "_ho" if out.dtype != torch.float32 else "")
+        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "")
     launches += [
-        (output, nh * nc * (value // 64), 2 * chunk,
+        (output, nh * nc * (value // 64), chunk if balanced else 2 * chunk,
          [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
           steps.data_ptr(), entering.data_ptr(), _base(out)]),
     ]
