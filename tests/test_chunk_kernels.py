@@ -199,7 +199,7 @@ def test_emulated_kernels_on_unaligned_operands(emulate, monkeypatch):
     wide[..., 1:] = k
     odd = algorithm.Chunks(x.q, wide[..., 1:], x.v, x.ell, x.s0)
     built = []
-    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[-1]) or _f(*a))
+    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[4]) or _f(*a))
     ref_out, ref_entering, ref_final = _reference(x)
     for case in (x, odd):
         out, entering, final = mma.forward(case)
@@ -257,15 +257,37 @@ def test_the_kernels_compile_without_spills(arch):
                     resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
                     assert set(resources) == {"chunk_states", "state_pass", "state_pass_half", "chunk_states_scan",
                                               "chunk_output", "chunk_output_hs", "chunk_output_ho",
-                                              "chunk_output_hs_ho", "chunk_output_b", "chunk_output_hs_b",
-                                              "chunk_output_ho_b", "chunk_output_hs_ho_b", "chunk_dstates",
-                                              "state_pass_reverse",
+                                              "chunk_output_hs_ho", "chunk_dstates", "state_pass_reverse",
                                               "chunk_dq", "chunk_dk", "chunk_dv"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()
                         assert r.shared_bytes <= 48 * 1024, r.summary()  # the static part
                         assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
+
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_balanced_chunk_output_compiles_without_spills(arch):
+    """The module with chunk_output*_b (SSMC_CUDA_CHUNK_OUTPUT=balanced): no spills; CI builds RetNet's
+    sizes (K = V = 128, chunk 128) alone, the local and nightly runs every chunk at the largest and
+    smallest sizes."""
+    from ssmc.backends.cuda.source import compile_options
+
+    if in_ci() and arch == "sm_80":
+        pytest.skip("CI: sm_90's build alone")
+    cases = [(128, 128)] if in_ci() else [(64, 64), (128, 64), (128, 128), (256, 128)]
+    for chunk, size in cases:
+        text = mma.source(size, size, chunk, True, True, True)
+        resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+        balanced = {name for name in resources if name.endswith("_b")}
+        assert balanced == {"chunk_output_b", "chunk_output_hs_b", "chunk_output_ho_b", "chunk_output_hs_ho_b"}
+        dynamic = mma.shared_bytes(size, size, chunk)
+        for name in balanced:
+            r = resources[name]
+            assert not r.spills, r.summary()
+            assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
 
 
 # -- the tiles' shared-memory banks ---------------------------------------------------------------

@@ -83,14 +83,16 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
 
 
 @cache
-def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False) -> str:
+def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, balanced: bool = False) -> str:
     """The module of the kernels for these sizes and 16-bit format; `aligned`: q, k, v's head offsets
-    and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time)."""
+    and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time);
+    `balanced`: with the balanced forms of chunk_output (chunk_output*_b; a module of its own, so that
+    the default one builds no kernels it does not launch)."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
     body = template("chunk/chunk.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
-                                                  states_shared=shared["chunk_states"],
+                                                  balanced_forms=balanced, states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     return mma_header() + "\n" + body
 
@@ -223,7 +225,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned)
+    balanced = options().chunk_output == "balanced"  # chunk_output*_b: half the warps, two row stripes each
+    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced)
 
     tiles = (key // 64) * (value // 64)
     entering = states
@@ -245,7 +248,6 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
         else:
             launches.append(("state_pass", nh * key * value // 1024, 256,
                              [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
-    balanced = options().chunk_output == "balanced"  # half the warps, two row stripes each
     output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
         "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "")
     launches += [
