@@ -240,6 +240,17 @@ def test_which_calls_take_the_kernels(monkeypatch):
     assert not mma.kernels_apply(x)                                  # CPU tensors, no emulation
 
 
+def test_the_chunk_output_option():
+    """SSMC_CUDA_CHUNK_OUTPUT: unset the plain form, "balanced" or "warps" as given, anything else refused."""
+    from ssmc.backends.cuda.options import CudaOptions
+
+    assert CudaOptions.parse({}).chunk_output is None
+    for form in ("warps", "balanced"):
+        assert CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": form}).chunk_output == form
+    with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_OUTPUT"):
+        CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": "balance"})
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_kernels_compile_without_spills(arch):
