@@ -147,6 +147,35 @@ def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
 
 
 @needs_emulator
+@pytest.mark.parametrize("chunk, length, size, ssd, half", [
+    (64, 130, 64, True, False), (64, 7, 128, False, True),
+    nightly_case(128, 7, 128, False, True, reason="chunk 128 (8 warps, 4 balanced): the chunks of 64 take the form"),
+    nightly_case(64, 1, 64, False, False, reason="one step: the chunks of 7 and 130 take the partial chunk"),
+    nightly_case(256, 300, 64, True, True, reason="chunk 256: the emulator's slowest; 64 and 128 take the form")])
+def test_emulated_balanced_chunk_output_is_the_plain_one(emulate, monkeypatch, chunk, length, size, ssd, half):
+    """SSMC_CUDA_CHUNK_OUTPUT=balanced (chunk_output*_b: half the warps, two row stripes each): every
+    output row is the same sums in the same order, so the output is the plain kernel's bit for bit,
+    and near the float64 forward; SSD's broadcast heads, β and skip, or RetNet's one head with
+    16-bit states and output (chunk_output_hs_ho_b)."""
+    heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
+             {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
+    x = _chunks(length, key=size, value=size, seed=length + chunk, chunk=chunk, decay=0.02, **heads)
+    names = []
+    monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
+    kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
+    plain = mma.forward(x, **kw)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "balanced")
+    balanced = mma.forward(x, **kw)
+    output = "chunk_output" + ("_hs_ho" if half else "")
+    assert names[2::3] == [output, output + "_b"]  # (chunk_states, state_pass*, chunk_output*) a call
+    for got, want in zip(balanced, plain):
+        assert torch.equal(got, want)
+    ref_out, _, ref_final = _reference(x)
+    assert _rel(balanced[0], ref_out) < 1e-2
+    assert _rel(balanced[2], ref_final) < 1e-2
+
+
+@needs_emulator
 @pytest.mark.parametrize("chunk, length", [
     (64, 70), nightly_case(128, 300, reason="chunk_states_scan's walk over the chunks: the chunks of 64 take it")])
 def test_emulated_one_pass_states_agree_with_the_torch_forward(emulate, chunk, length):
@@ -171,7 +200,7 @@ def test_emulated_kernels_on_unaligned_operands(emulate, monkeypatch):
     wide[..., 1:] = k
     odd = algorithm.Chunks(x.q, wide[..., 1:], x.v, x.ell, x.s0)
     built = []
-    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[-1]) or _f(*a))
+    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[4]) or _f(*a))
     ref_out, ref_entering, ref_final = _reference(x)
     for case in (x, odd):
         out, entering, final = mma.forward(case)
@@ -211,6 +240,17 @@ def test_which_calls_take_the_kernels(monkeypatch):
     assert not mma.kernels_apply(x)                                  # CPU tensors, no emulation
 
 
+def test_the_chunk_output_option():
+    """SSMC_CUDA_CHUNK_OUTPUT: unset the plain form, "balanced" or "warps" as given, anything else refused."""
+    from ssmc.backends.cuda.options import CudaOptions
+
+    assert CudaOptions.parse({}).chunk_output is None
+    for form in ("warps", "balanced"):
+        assert CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": form}).chunk_output == form
+    with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_OUTPUT"):
+        CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": "balance"})
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_kernels_compile_without_spills(arch):
@@ -236,6 +276,30 @@ def test_the_kernels_compile_without_spills(arch):
                         assert not r.spills, r.summary()
                         assert r.shared_bytes <= 48 * 1024, r.summary()  # the static part
                         assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
+
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_balanced_chunk_output_compiles_without_spills(arch):
+    """The module with chunk_output*_b (SSMC_CUDA_CHUNK_OUTPUT=balanced): no spills; CI builds RetNet's
+    sizes (K = V = 128, chunk 128) alone, the local and nightly runs every chunk at the largest and
+    smallest sizes."""
+    from ssmc.backends.cuda.source import compile_options
+
+    if in_ci() and arch == "sm_80":
+        pytest.skip("CI: sm_90's build alone")
+    cases = [(128, 128)] if in_ci() else [(64, 64), (128, 64), (128, 128), (256, 128)]
+    for chunk, size in cases:
+        text = mma.source(size, size, chunk, True, True, True)
+        resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+        balanced = {name for name in resources if name.endswith("_b")}
+        assert balanced == {"chunk_output_b", "chunk_output_hs_b", "chunk_output_ho_b", "chunk_output_hs_ho_b"}
+        dynamic = mma.shared_bytes(size, size, chunk)
+        for name in balanced:
+            r = resources[name]
+            assert not r.spills, r.summary()
+            assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
 
 
 # -- the tiles' shared-memory banks ---------------------------------------------------------------

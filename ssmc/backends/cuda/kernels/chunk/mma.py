@@ -77,18 +77,22 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
             "state_pass": 0, "state_pass_half": 0, "state_pass_reverse": 0,
             "chunk_output": product, "chunk_output_hs": product, "chunk_output_ho": product,
-            "chunk_output_hs_ho": product, "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
+            "chunk_output_hs_ho": product, **{name + "_b": product for name in (
+                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
+            "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
 
 
 @cache
-def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False) -> str:
+def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, balanced: bool = False) -> str:
     """The module of the kernels for these sizes and 16-bit format; `aligned`: q, k, v's head offsets
-    and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time)."""
+    and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time);
+    `balanced`: with the balanced forms of chunk_output (chunk_output*_b; a module of its own, so that
+    the default one builds no kernels it does not launch)."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
     body = template("chunk/chunk.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
-                                                  states_shared=shared["chunk_states"],
+                                                  balanced_forms=balanced, states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     return mma_header() + "\n" + body
 
@@ -221,7 +225,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned)
+    balanced = options().chunk_output == "balanced"  # chunk_output*_b: half the warps, two row stripes each
+    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced)
 
     tiles = (key // 64) * (value // 64)
     entering = states
@@ -244,9 +249,9 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
             launches.append(("state_pass", nh * key * value // 1024, 256,
                              [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
     output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
-        "_ho" if out.dtype != torch.float32 else "")
+        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "")
     launches += [
-        (output, nh * nc * (value // 64), 2 * chunk,
+        (output, nh * nc * (value // 64), chunk if balanced else 2 * chunk,
          [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
           steps.data_ptr(), entering.data_ptr(), _base(out)]),
     ]
