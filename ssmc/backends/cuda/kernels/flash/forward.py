@@ -347,9 +347,27 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
     return out
 
 
-def span_table(spans: list[tuple[int, ...]]) -> list[int]:
-    """The kernel's spans array: [lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ...] (`block_spans`)."""
-    return [x for span in spans for x in span]
+def span_table(spans: list[tuple[int, ...]], group: int = 1, inner: int = 1) -> list[int]:
+    """The kernel's spans array: [lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ..., group, inner] (`block_spans`;
+    then grouped-query attention's `kv_index` numbers)."""
+    return [*(x for span in spans for x in span), group, inner]
+
+
+def kv_index(bh: int, group: int, inner: int) -> int:
+    """The batch index of k and v that flattened batch index `bh` of q reads under grouped-query attention:
+    q's batch axes [*outer, H, *rest] flattened (the last fastest), k's and v's [*outer, H / group, *rest],
+    query head h reading KV head h // group, `inner` = prod(rest). As a plain loop (the kernels' formula):
+
+        outer_and_head, r = divmod(bh, inner)       # outer * H + h, since H = Hkv * group:
+        return outer_and_head // group * inner + r  # (outer * Hkv + h // group) * inner + r"""
+    return (bh // inner) // group * inner + bh % inner
+
+
+def gqa_shape(call) -> tuple[int, int]:
+    """(group, inner) of a bound call (`kv_index`): (1, 1) where k and v have q's heads."""
+    if call.group == 1:
+        return 1, 1
+    return call.group, math.prod(call.q.shape[call.kv_axis + 1:-2])
 
 
 class FlashForward:
@@ -373,21 +391,22 @@ class FlashForward:
         """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape."""
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn)
+        gqa = gqa_shape(call)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
             if len(self._spans) > 64:
                 self._spans.clear()
             spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn)
             tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
-            t = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
+            t = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
             hit = self._spans[key] = (t, tiles)
         return hit
 
     def __call__(self, call, out32=None):
         """(out [*batch, Lq, d] in q's dtype, lse [*batch, Lq] fp32) of a bound call that `call_unsupported`
-        accepts; where `out32` (an fp32 contiguous tensor of out's shape) is given, the output unrounded
-        into it too."""
+        accepts (k and v with their own heads under grouped-query attention: `kv_index`); where `out32` (an
+        fp32 contiguous tensor of out's shape) is given, the output unrounded into it too."""
         import torch
 
         from ...launch import launch_kernel
