@@ -16,7 +16,7 @@ from ssmc.errors import SpecError
 
 torch = pytest.importorskip("torch")
 
-from profiles import nightly  # noqa: E402
+from profiles import nightly, nightly_case  # noqa: E402
 
 import ssmc.torch  # noqa: E402
 
@@ -173,13 +173,25 @@ def _needs_emulator():
         pytest.skip("no C++ compiler for the CUDA emulator")
 
 
-@pytest.mark.parametrize("spec, hq, hkv, lq, lk", [(GQA, 4, 1, 70, 33), (GQA_HB, 4, 2, 33, 100), (GQA, 2, 2, 7, 7)])
-def test_emulated_gqa_forward_reads_kv_heads_unrepeated(spec, hq, hkv, lq, lk, monkeypatch):
+# the default config (the emulator's: mma.sync, 128 rows) at groups 4, 2 and 1; the other two templates at
+# group 2 with the heads axis first (bm64; wg128s, the sm_90 default at head dim 128, its two warpgroups and
+# three stages over 3 key tiles)
+GQA_FORWARD_CASES = [(GQA, 4, 1, 70, 33, None), (GQA_HB, 4, 2, 33, 100, None),
+                     nightly_case(GQA, 2, 2, 7, 7, None, reason="group 1: the flash tests' calls"),
+                     nightly_case(GQA_HB, 4, 2, 33, 100, "bm64", reason="a forward config that is no default"),
+                     (GQA_HB, 4, 2, 130, 300, "wg128s")]
+
+
+@pytest.mark.parametrize("spec, hq, hkv, lq, lk, config", GQA_FORWARD_CASES)
+def test_emulated_gqa_forward_reads_kv_heads_unrepeated(spec, hq, hkv, lq, lk, config, monkeypatch):
     """The flash forward on the emulator (SSMC_CUDA_EMULATE=1, CPU bf16 tensors) with k and v of their own
     heads: no repeat anywhere in the call, k's and v's own memory handed to the kernel (batch "b h",
     contiguous), out and lse as the float64 tiled path's of the same rounded inputs (k, v repeated there).
-    Groups 4, 2 (batch "h b": the heads axis first, b after it in the flattened index) and 1."""
+    Groups 4, 2 (batch "h b": the heads axis first, b after it in the flattened index) and 1; `config`:
+    SSMC_CUDA_FLASH_FORWARD's (None: the default)."""
     _needs_emulator()
+    if config is not None:
+        monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
     from ssmc.backends.cuda import launch
     from ssmc.backends.tiled_attention import TiledAttention
 
