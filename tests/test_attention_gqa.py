@@ -238,3 +238,28 @@ def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, 
         assert g.shape == w.shape == (x[name].shape if name in x else slope.shape), name
         tol = (2e-2 if name in x else 1e-2) * w.abs().max().item()
         assert (g - w).abs().max().item() <= tol, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_gpu_gqa_forward_reads_kv_heads_unrepeated(d, hkv, monkeypatch):
+    """The flash forward on the GPU (the device's default config) with batch "h b" (b after the heads axis
+    in the flattened index) and groups 4, 2, 1 at awkward lengths: no repeat in the call, out and lse
+    within bf16's tolerance of the float64 tiled path of the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    rng = np.random.default_rng(d + hkv)
+    a = _inputs(rng, 4, hkv, 333, 517, d, d)
+    x = {n: torch.tensor(a[n], device="cuda", dtype=torch.bfloat16) for n in "qkv"}
+    slope = torch.tensor(a["slope"], device="cuda")
+    tiled = TiledAttention(GQA_HB.program)
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got, got_lse = tiled(x["q"], x["k"], x["v"], LAYOUT, {"slope": slope}, return_lse=True)
+    assert tiled.flash_reason is None, tiled.flash_reason
+    want, want_lse = tiled(*(x[n].double() for n in "qkv"), LAYOUT, {"slope": slope.double()}, return_lse=True)
+    torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
+    torch.testing.assert_close(got_lse.double(), want_lse, atol=1e-4, rtol=1e-4)
