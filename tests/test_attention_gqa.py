@@ -263,3 +263,37 @@ def test_gpu_gqa_forward_reads_kv_heads_unrepeated(d, hkv, monkeypatch):
     want, want_lse = tiled(*(x[n].double() for n in "qkv"), LAYOUT, {"slope": slope.double()}, return_lse=True)
     torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
     torch.testing.assert_close(got_lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+def _gqa_builds():
+    from ssmc.backends.cuda.kernels.flash import forward as flash
+
+    cases = []
+    for d in (64, 128):
+        for config in dict.fromkeys(["bm64", flash.DEFAULT_CONFIG[d], flash.HOPPER_CONFIG[d]]):
+            arch = "sm_90a" if flash.CONFIGS[config][d].wgmma else "sm_90"
+            for name in ("window", "alibi"):
+                default = config != "bm64" and name == "window"  # the mask that pressed bm64's registers
+                cases.append((config, d, arch, name) if default else
+                             nightly_case(config, d, arch, name, reason="a non-default config or a second spec"))
+    return cases
+
+
+@pytest.mark.parametrize("config, d, arch, name", _gqa_builds())
+def test_gqa_forward_kernels_compile_without_spills(config, d, arch, name):
+    """The GQA forward kernels (their own build: the multi-head ones keep their registers) for the default
+    configs and bm64: no spills under NVRTC, and the multi-head source reads no group."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.kernels.flash import forward as flash
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip("no NVRTC")
+    from test_flash_attention import SPECS
+
+    program = SPECS[name].program
+    kname, text = flash.kernel_source(program, d, True, config, gqa=True)
+    assert "_gqa_" in kname and "kv_group" in text
+    assert "kv_group" not in flash.kernel_source(program, d, True, config)[1]
+    usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+    assert not usage.spills and usage.registers <= 255, str(usage)

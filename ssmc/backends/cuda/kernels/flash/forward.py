@@ -265,24 +265,27 @@ def printed_modifiers(program: Attention, d: int) -> tuple[str, str, float, str]
     return score_body, mask_body, scale, digest
 
 
-def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None) -> tuple[str, str]:
+def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None,
+                  gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options');
-    cached. Raises `Unprintable` where `unsupported` says why."""
+    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options);
+    `gqa`: k and v with fewer heads than q (`kv_index`, the group and inner size from the spans' tail;
+    a kernel of its own, so that the multi-head kernel keeps its registers); cached. Raises
+    `Unprintable` where `unsupported` says why."""
     from ...source import mma_header
 
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     cfg = config(d, config_name)
-    key = (program, d, bf16, cfg)
+    key = (program, d, bf16, cfg, gqa)
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
     score_body, mask_body, scale, digest = printed_modifiers(program, d)
-    suffix = "" if cfg.name == "bm64" else "_" + cfg.name
+    suffix = ("" if cfg.name == "bm64" else "_" + cfg.name) + ("_gqa" if gqa else "")
     name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
     common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
-                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body)
+                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa)
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
     elif cfg.wgmma:
@@ -383,8 +386,8 @@ class FlashForward:
         self.reason = unsupported(program)
         self._spans: dict = {}
 
-    def _function(self, device, d: int, bf16: bool, cfg: Config):
-        name, text = kernel_source(self.program, d, bf16, cfg.name)
+    def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
+        name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
         return loaded_function(text, name, device, arch=cfg.arch)
 
     def _span_tensor(self, call, cfg: Config):
@@ -425,7 +428,7 @@ class FlashForward:
         spans, tiles = self._span_tensor(call, cfg)
         if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
             cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
-        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg)
+        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
         grid = (-(-lq // cfg.bm) * bh, cfg.threads)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
                     lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
