@@ -13,6 +13,10 @@ rows i, as a plain loop:
         online softmax: m[i] = running max, l[i] = running sum of exp(s - m), o[i] = running sum of exp(s - m) v
     out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
 
+Under grouped-query attention k and v keep their own heads: k[bh] and v[bh] above are those of index
+kv_index(bh, group,
+inner)] (a build of its own: ``kernel_source(..., gqa=True)``).
+
 Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16; on sm_90 parts the
 "wg128" config's warpgroup products, ``forward_wgmma.cu.j2``); scores, softmax, l, m
 in fp32; P rounded to the input type as the P V product's operand (as FlashAttention). The modifiers
