@@ -14,8 +14,7 @@ rows i, as a plain loop:
     out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
 
 Under grouped-query attention k and v keep their own heads: k[bh] and v[bh] above are those of index
-kv_index(bh, group,
-inner)] (a build of its own: ``kernel_source(..., gqa=True)``).
+`kv_index`(bh, group, inner) (a build of its own: ``kernel_source(..., gqa=True)``).
 
 Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16; on sm_90 parts the
 "wg128" config's warpgroup products, ``forward_wgmma.cu.j2``); scores, softmax, l, m
