@@ -160,10 +160,18 @@ def _emulated_inputs(seed, hq, hkv, lq, lk, d=64):
 
 
 def _no_repeat(monkeypatch):
-    """Any repeat of a tensor's heads from here on fails the test (`prologue.repeat_heads`, `Call.repeated`)."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("k or v repeated to q's heads")
+    """Any repeat of k's and v's heads from here on fails the test (`prologue.repeat_heads`, which binding
+    and `Call.repeated` call, and torch's repeat_interleave)."""
+    from ssmc.backends import tiled_attention
+    from ssmc.runtime import prologue
+
+    def refuse(x, times, *args, **kwargs):
+        if times != 1:
+            raise AssertionError("k or v repeated to q's heads")
+        return x
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    monkeypatch.setattr(prologue, "repeat_heads", refuse)
+    monkeypatch.setattr(tiled_attention, "repeat_heads", refuse)
 
 
 def _needs_emulator():

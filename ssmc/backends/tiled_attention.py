@@ -43,7 +43,7 @@ from ..ir.program import Attention
 from ..passes.attention_grad import derive_attention_backward
 from ..passes.mask_blocks import key_spans
 from ..runtime.binding import layout_of, numeric_array
-from ..runtime.prologue import bind_attention, group_sum
+from ..runtime.prologue import bind_attention, group_sum, repeat_heads
 from .torch_eval import TorchEvaluator, align, loop_sum
 
 SCORES_BUDGET = 256 << 20  # bytes of one block's fp32 scores: the block's rows follow from it
@@ -96,7 +96,7 @@ class Call:
         itself). A new copy each time: the forward keeps none alive until the backward."""
         if self.group == 1:
             return self
-        k, v = (t.repeat_interleave(self.group, dim=self.kv_axis) for t in (self.k, self.v))
+        k, v = (repeat_heads(t, self.group, self.kv_axis) for t in (self.k, self.v))
         return replace(self, k=k, v=v, group=1)
 
     @property

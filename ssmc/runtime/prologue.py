@@ -119,7 +119,11 @@ def repeat_heads(x, times: int, axis: int):
     as the query heads that read them."""
     if isinstance(x, np.ndarray):
         return np.repeat(x, times, axis=axis)
-    return x.repeat_interleave(times, dim=axis)
+    if times == 1:
+        return x
+    # a broadcast view copied once (a plain copy; torch's repeat_interleave gathers through an index)
+    shape = (*x.shape[:axis], x.shape[axis] * times, *x.shape[axis + 1:])
+    return x.unsqueeze(axis + 1).expand(*x.shape[:axis + 1], times, *x.shape[axis + 1:]).reshape(shape)
 
 
 def group_sum(x, group: int, axis: int):
