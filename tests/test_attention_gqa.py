@@ -16,6 +16,8 @@ from ssmc.errors import SpecError
 
 torch = pytest.importorskip("torch")
 
+from profiles import nightly, nightly_case  # noqa: E402
+
 import ssmc.torch  # noqa: E402
 
 
@@ -130,3 +132,176 @@ def test_gqa_decode_steps_equal_the_full_call(backend):
     for t in range(9):
         y = s(*(tensor(a[n][:, :, t]) for n in "qkv"), cache, slope=tensor(a["slope"]))
         np.testing.assert_allclose(np.asarray(y), want[:, :, t], rtol=1e-10, atol=1e-12)
+
+
+# -- the flash forward reads k and v with their own heads (on the CPU emulator) ------------------------------
+
+def test_kv_index_is_the_repeated_heads_index():
+    """`kv_index` (the kernels' formula) against NumPy's repeat of the KV heads: batch axes [outer, H, inner]
+    flattened, each KV head serving `group` query heads in a row."""
+    from ssmc.backends.cuda.kernels.flash.forward import kv_index
+
+    for outer, hkv, group, inner in [(1, 1, 1, 1), (2, 3, 4, 1), (3, 2, 2, 5), (1, 4, 1, 3)]:
+        kv = np.arange(outer * hkv * inner).reshape(outer, hkv, inner)
+        want = np.repeat(kv, group, axis=1).reshape(-1)
+        got = [kv_index(bh, group, inner) for bh in range(outer * hkv * group * inner)]
+        assert got == want.tolist()
+
+
+GQA_HB = ssmc.attention(score_mod=alibi, mask_mod=ssmc.causal, batch="h b", head_dim="d", kv_heads="h")
+
+
+def _emulated_inputs(seed, hq, hkv, lq, lk, d=64):
+    """bf16 CPU tensors [b h t d] (b = 2) and the slope (float64)."""
+    rng = np.random.default_rng(seed)
+    a = _inputs(rng, hq, hkv, lq, lk, d, d)
+    x = {n: torch.from_numpy(a[n]).to(torch.bfloat16) for n in "qkv"}
+    return x, torch.from_numpy(a["slope"]), rng
+
+
+def _no_repeat(monkeypatch):
+    """Any repeat of k's and v's heads from here on fails the test (`prologue.repeat_heads`, which binding
+    and `Call.repeated` call, and torch's repeat_interleave)."""
+    from ssmc.backends import tiled_attention
+    from ssmc.runtime import prologue
+
+    def refuse(x, times, *args, **kwargs):
+        if times != 1:
+            raise AssertionError("k or v repeated to q's heads")
+        return x
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    monkeypatch.setattr(prologue, "repeat_heads", refuse)
+    monkeypatch.setattr(tiled_attention, "repeat_heads", refuse)
+
+
+def _needs_emulator():
+    from ssmc.backends.cuda import emulator
+
+    if not emulator.available():
+        pytest.skip("no C++ compiler for the CUDA emulator")
+
+
+# the default config (the emulator's: mma.sync, 128 rows) at groups 4, 2 and 1; the other two templates at
+# group 2 with the heads axis first (bm64; wg128s, the sm_90 default at head dim 128, its two warpgroups and
+# three stages over 3 key tiles)
+GQA_FORWARD_CASES = [(GQA, 4, 1, 70, 33, None), (GQA_HB, 4, 2, 33, 100, None),
+                     nightly_case(GQA, 2, 2, 7, 7, None, reason="group 1: the flash tests' calls"),
+                     nightly_case(GQA_HB, 4, 2, 33, 100, "bm64", reason="a forward config that is no default"),
+                     (GQA_HB, 4, 2, 130, 300, "wg128s")]
+
+
+@pytest.mark.parametrize("spec, hq, hkv, lq, lk, config", GQA_FORWARD_CASES)
+def test_emulated_gqa_forward_reads_kv_heads_unrepeated(spec, hq, hkv, lq, lk, config, monkeypatch):
+    """The flash forward on the emulator (SSMC_CUDA_EMULATE=1, CPU bf16 tensors) with k and v of their own
+    heads: no repeat anywhere in the call, k's and v's own memory handed to the kernel (batch "b h",
+    contiguous), out and lse as the float64 tiled path's of the same rounded inputs (k, v repeated there).
+    Groups 4, 2 (batch "h b": the heads axis first, b after it in the flattened index) and 1; `config`:
+    SSMC_CUDA_FLASH_FORWARD's (None: the default)."""
+    _needs_emulator()
+    if config is not None:
+        monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
+    from ssmc.backends.cuda import launch
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    x, slope, _ = _emulated_inputs(hq + lq, hq, hkv, lq, lk)
+    tiled = TiledAttention(spec.program)
+    launched = []
+    real = launch.launch_kernel
+    monkeypatch.setattr(launch, "launch_kernel", lambda fn, grid, *rest, **kw: (launched.append(rest[2]),
+                                                                                real(fn, grid, *rest, **kw)))
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got, got_lse = tiled(x["q"], x["k"], x["v"], LAYOUT, {"slope": slope}, return_lse=True)
+    assert tiled.flash_reason is None, tiled.flash_reason
+    assert len(launched) == 1
+    if spec is GQA:  # canonical already: the kernel reads the arguments' own memory
+        assert launched[0][1:3] == [x["k"].data_ptr(), x["v"].data_ptr()]
+    want, want_lse = tiled(*(x[n].double() for n in "qkv"), LAYOUT, {"slope": slope}, return_lse=True)
+    assert got.shape == want.shape == (2, hq, lq, 64)
+    torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
+    torch.testing.assert_close(got_lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+GQA_GRAD_CASES = [(GQA, 4, 2, 33, 40)] + ([(GQA_HB, 4, 1, 70, 70), (GQA, 4, 4, 7, 9)] if nightly() else [])
+
+
+@pytest.mark.parametrize("spec, hq, hkv, lq, lk", GQA_GRAD_CASES)
+def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, lk, monkeypatch):
+    """`TiledAttention.gradients` on the emulated flash kernels (the forward reading KV head h // group,
+    the backward on k and v repeated from the un-repeated ones, dK and dV summed over each group): every
+    gradient of k's and v's own heads, within bf16's tolerance of the float64 tiled path's."""
+    _needs_emulator()
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    x, slope, rng = _emulated_inputs(hq + 7 * lq, hq, hkv, lq, lk)
+    cot = torch.from_numpy(rng.standard_normal((2, hq, lq, 64))).to(torch.bfloat16)
+    tiled = TiledAttention(spec.program)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
+    assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
+    want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, {"slope": slope})
+    for name, w in want.items():
+        g = got[name].double()
+        assert g.shape == w.shape == (x[name].shape if name in x else slope.shape), name
+        tol = (2e-2 if name in x else 1e-2) * w.abs().max().item()
+        assert (g - w).abs().max().item() <= tol, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_gpu_gqa_forward_reads_kv_heads_unrepeated(d, hkv, monkeypatch):
+    """The flash forward on the GPU (the device's default config) with batch "h b" (b after the heads axis
+    in the flattened index) and groups 4, 2, 1 at awkward lengths: no repeat in the call, out and lse
+    within bf16's tolerance of the float64 tiled path of the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    rng = np.random.default_rng(d + hkv)
+    a = _inputs(rng, 4, hkv, 333, 517, d, d)
+    x = {n: torch.tensor(a[n], device="cuda", dtype=torch.bfloat16) for n in "qkv"}
+    slope = torch.tensor(a["slope"], device="cuda")
+    tiled = TiledAttention(GQA_HB.program)
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got, got_lse = tiled(x["q"], x["k"], x["v"], LAYOUT, {"slope": slope}, return_lse=True)
+    assert tiled.flash_reason is None, tiled.flash_reason
+    want, want_lse = tiled(*(x[n].double() for n in "qkv"), LAYOUT, {"slope": slope.double()}, return_lse=True)
+    torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
+    torch.testing.assert_close(got_lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+def _gqa_builds():
+    from ssmc.backends.cuda.kernels.flash import forward as flash
+
+    cases = []
+    for d in (64, 128):
+        for config in dict.fromkeys(["bm64", flash.DEFAULT_CONFIG[d], flash.HOPPER_CONFIG[d]]):
+            arch = "sm_90a" if flash.CONFIGS[config][d].wgmma else "sm_90"
+            for name in ("window", "alibi"):
+                default = config != "bm64" and name == "window"  # the mask that pressed bm64's registers
+                cases.append((config, d, arch, name) if default else
+                             nightly_case(config, d, arch, name, reason="a non-default config or a second spec"))
+    return cases
+
+
+@pytest.mark.parametrize("config, d, arch, name", _gqa_builds())
+def test_gqa_forward_kernels_compile_without_spills(config, d, arch, name):
+    """The GQA forward kernels (their own build: the multi-head ones keep their registers) for the default
+    configs and bm64: no spills under NVRTC, and the multi-head source reads no group."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.kernels.flash import forward as flash
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip("no NVRTC")
+    from test_flash_attention import SPECS
+
+    program = SPECS[name].program
+    kname, text = flash.kernel_source(program, d, True, config, gqa=True)
+    assert "_gqa_" in kname and "kv_group" in text
+    assert "kv_group" not in flash.kernel_source(program, d, True, config)[1]
+    usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+    assert not usage.spills and usage.registers <= 255, str(usage)

@@ -23,14 +23,15 @@ the tiled backward from the kernel's lse).
 
 Matrix products take the inputs' dtype (bf16 / fp16 stay so on the GPU, with fp32 results); scores,
 softmax and every sum are fp32 (fp64 for fp64 inputs). Arrays are canonical here: q [*batch, Lq, d],
-k [*batch, Lk, d], v [*batch, Lk, e], params by their axes; `TiledAttention.bind` makes them so from
-a call in any layout (NumPy arrays become CPU tensors) and `to_layout` puts results back.
+k [*batch, Lk, d], v [*batch, Lk, e] (under GQA with their own heads: `Call.repeated`), params by their
+axes; `TiledAttention.bind` makes them so from a call in any layout (NumPy arrays become CPU tensors) and
+`to_layout` puts results back.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -42,7 +43,7 @@ from ..ir.program import Attention
 from ..passes.attention_grad import derive_attention_backward
 from ..passes.mask_blocks import key_spans
 from ..runtime.binding import layout_of, numeric_array
-from ..runtime.prologue import bind_attention, group_sum
+from ..runtime.prologue import bind_attention, group_sum, repeat_heads
 from .torch_eval import TorchEvaluator, align, loop_sum
 
 SCORES_BUDGET = 256 << 20  # bytes of one block's fp32 scores: the block's rows follow from it
@@ -86,7 +87,17 @@ class Call:
     acc: torch.dtype                  # scores, softmax, sums: float32, or float64 for float64 inputs
     out_dtype: torch.dtype            # results: the dtype of q as given
     numpy: bool                       # q was no torch tensor: results as NumPy arrays
-    group: int = 1                    # GQA: k and v repeated to q's heads, each KV head `group` times
+    group: int = 1                    # GQA: k and v have q's heads / `group` along batch axis `kv_axis`,
+    kv_axis: int = 0                  # query head h reading KV head h // group (`repeated`)
+
+    def repeated(self) -> Call:
+        """This call with k and v repeated to q's heads (each KV head `group` times in a row), group 1:
+        what the tiled path and the backward kernels take (the flash forward reads KV head h // group
+        itself). A new copy each time: the forward keeps none alive until the backward."""
+        if self.group == 1:
+            return self
+        k, v = (repeat_heads(t, self.group, self.kv_axis) for t in (self.k, self.v))
+        return replace(self, k=k, v=v, group=1)
 
     @property
     def lq(self) -> int:
@@ -147,7 +158,7 @@ class TiledAttention:
         """Check and bind a call (`prologue.bind_attention`: a ValueError naming the argument for a
         wrong shape, dtype or device, before any compute); canonical tensors on q's device."""
         p, q_given = self.program, q
-        qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=to_tensor)
+        qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=to_tensor, repeat=False)
         arrays = {**qb.arrays, **kv.arrays}
         device = arrays["q"].device
         for name, t in arrays.items():
@@ -160,7 +171,8 @@ class TiledAttention:
         q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
         params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
         numpy = not isinstance(q_given, torch.Tensor)
-        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group)
+        kv_axis = p.batch_axes.index(p.kv_heads) if group > 1 else 0
+        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis)
 
     def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout, dtype=None):
         """Canonical `x` of array `name` with `axes` (the batch axes, then its own: time after the batch
@@ -345,7 +357,8 @@ class TiledAttention:
         if block is None:
             kernel = self.flash(call)
             if kernel is not None:
-                return kernel(call, out32)
+                return kernel(call, out32)  # k and v as given: the kernel reads KV head h // group
+        call = call.repeated()
         p = self.program
         block = block or block_rows(call)
         ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
@@ -382,10 +395,9 @@ class TiledAttention:
         one launch of it instead, from the forward's output `out` [*batch, Lq, e] (canonical, the fp32 one
         of `delta_output` where the spec has params; recomputed by the forward kernel where None): dq fp32,
         dk, dv in q's dtype, params fp32. Under GQA dk and dv come back with k's and v's own heads."""
-        grads = self._backward(call, lse, d_out, block, out)
-        if call.group > 1:  # k and v were repeated to q's heads (`bind`): their gradients summed back
-            at = self.program.batch_axes.index(self.program.kv_heads)
-            grads["k"], grads["v"] = (group_sum(grads[n], call.group, at) for n in ("k", "v"))
+        grads = self._backward(call.repeated(), lse, d_out, block, out)
+        if call.group > 1:  # k and v repeated to q's heads for the backward: their gradients summed back
+            grads["k"], grads["v"] = (group_sum(grads[n], call.group, call.kv_axis) for n in ("k", "v"))
         return grads
 
     def _backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor, block: int | None,

@@ -78,13 +78,15 @@ def attention_params(program: Attention, args: tuple, params: dict) -> dict:
     return params
 
 
-def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=None) -> tuple[Bound, Bound, int]:
+def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=None,
+                   repeat: bool = True) -> tuple[Bound, Bound, int]:
     """(q and the params bound, k / v bound, the GQA group): time first, NumPy (or as `convert(x, name)`
     makes each argument). k and v share a length, q may differ: the two groups are bound separately,
     then their sizes checked against each other. Along `program.kv_heads` k and v may have fewer heads
-    than q (a divisor of q's, group = Hq / Hkv): they come back repeated to q's heads, each KV head
-    `group` times in a row, so that query head h reads KV head h // group; the caller sums their
-    gradients back over the group (`group_sum`)."""
+    than q (a divisor of q's, group = Hq / Hkv): with `repeat` they come back repeated to q's heads, each
+    KV head `group` times in a row, so that query head h reads KV head h // group, and the caller sums
+    their gradients back over the group (`group_sum`); without, as given (k's and v's sizes keep their
+    own heads), for a caller that reads KV head h // group itself."""
     qd = Decl("q", Role.SEQ, program.q_axes)
     kd = Decl("k", Role.SEQ, program.q_axes)
     vd = Decl("v", Role.SEQ, program.v_axes)
@@ -103,6 +105,8 @@ def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=No
         if m < 1 or n % m:
             raise ValueError(f"'k'/'v' have {m} heads along {axis!r}, which does not divide the {n} of 'q'")
         group = n // m
+        if not repeat:
+            continue
         at = 1 + program.batch_axes.index(axis)  # time first
         for name in ("k", "v"):
             kv.arrays[name] = repeat_heads(kv.arrays[name], group, at)
@@ -115,7 +119,11 @@ def repeat_heads(x, times: int, axis: int):
     as the query heads that read them."""
     if isinstance(x, np.ndarray):
         return np.repeat(x, times, axis=axis)
-    return x.repeat_interleave(times, dim=axis)
+    if times == 1:
+        return x
+    # a broadcast view copied once (a plain copy; torch's repeat_interleave gathers through an index)
+    shape = (*x.shape[:axis], x.shape[axis] * times, *x.shape[axis + 1:])
+    return x.unsqueeze(axis + 1).expand(*x.shape[:axis + 1], times, *x.shape[axis + 1:]).reshape(shape)
 
 
 def group_sum(x, group: int, axis: int):

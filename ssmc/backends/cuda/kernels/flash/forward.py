@@ -13,6 +13,9 @@ rows i, as a plain loop:
         online softmax: m[i] = running max, l[i] = running sum of exp(s - m), o[i] = running sum of exp(s - m) v
     out[bh, i] = o[i] / l[i]  (0 where l[i] = 0);   lse[bh, i] = log(l[i]) + m[i]  (-inf where l[i] = 0)
 
+Under grouped-query attention k and v keep their own heads: k[bh] and v[bh] above are those of index
+`kv_index`(bh, group, inner) (a build of its own: ``kernel_source(..., gqa=True)``).
+
 Products in the inputs' 16-bit type with fp32 accumulation (mma.sync m16n8k16; on sm_90 parts the
 "wg128" config's warpgroup products, ``forward_wgmma.cu.j2``); scores, softmax, l, m
 in fp32; P rounded to the input type as the P V product's operand (as FlashAttention). The modifiers
@@ -265,24 +268,27 @@ def printed_modifiers(program: Attention, d: int) -> tuple[str, str, float, str]
     return score_body, mask_body, scale, digest
 
 
-def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None) -> tuple[str, str]:
+def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None,
+                  gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options');
-    cached. Raises `Unprintable` where `unsupported` says why."""
+    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options);
+    `gqa`: k and v with fewer heads than q (`kv_index`, the group and inner size from the spans' tail;
+    a kernel of its own, so that the multi-head kernel keeps its registers); cached. Raises
+    `Unprintable` where `unsupported` says why."""
     from ...source import mma_header
 
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     cfg = config(d, config_name)
-    key = (program, d, bf16, cfg)
+    key = (program, d, bf16, cfg, gqa)
     hit = _SOURCES.get(key)
     if hit is not None:
         return hit
     score_body, mask_body, scale, digest = printed_modifiers(program, d)
-    suffix = "" if cfg.name == "bm64" else "_" + cfg.name
+    suffix = ("" if cfg.name == "bm64" else "_" + cfg.name) + ("_gqa" if gqa else "")
     name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
     common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
-                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body)
+                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa)
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
     elif cfg.wgmma:
@@ -347,9 +353,27 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
     return out
 
 
-def span_table(spans: list[tuple[int, ...]]) -> list[int]:
-    """The kernel's spans array: [lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ...] (`block_spans`)."""
-    return [x for span in spans for x in span]
+def span_table(spans: list[tuple[int, ...]], group: int = 1, inner: int = 1) -> list[int]:
+    """The kernel's spans array: [lo_0, hi_0, full_lo_0, full_hi_0, lo_1, ..., group, inner] (`block_spans`;
+    then grouped-query attention's `kv_index` numbers)."""
+    return [*(x for span in spans for x in span), group, inner]
+
+
+def kv_index(bh: int, group: int, inner: int) -> int:
+    """The batch index of k and v that flattened batch index `bh` of q reads under grouped-query attention:
+    q's batch axes [*outer, H, *rest] flattened (the last fastest), k's and v's [*outer, H / group, *rest],
+    query head h reading KV head h // group, `inner` = prod(rest). As a plain loop (the kernels' formula):
+
+        outer_and_head, r = divmod(bh, inner)       # outer * H + h, since H = Hkv * group:
+        return outer_and_head // group * inner + r  # (outer * Hkv + h // group) * inner + r"""
+    return (bh // inner) // group * inner + bh % inner
+
+
+def gqa_shape(call) -> tuple[int, int]:
+    """(group, inner) of a bound call (`kv_index`): (1, 1) where k and v have q's heads."""
+    if call.group == 1:
+        return 1, 1
+    return call.group, math.prod(call.q.shape[call.kv_axis + 1:-2])
 
 
 class FlashForward:
@@ -365,29 +389,30 @@ class FlashForward:
         self.reason = unsupported(program)
         self._spans: dict = {}
 
-    def _function(self, device, d: int, bf16: bool, cfg: Config):
-        name, text = kernel_source(self.program, d, bf16, cfg.name)
+    def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
+        name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
         return loaded_function(text, name, device, arch=cfg.arch)
 
     def _span_tensor(self, call, cfg: Config):
         """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape."""
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn)
+        gqa = gqa_shape(call)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
             if len(self._spans) > 64:
                 self._spans.clear()
             spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn)
             tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
-            t = torch.tensor(span_table(spans), dtype=torch.int32, device=call.q.device)
+            t = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
             hit = self._spans[key] = (t, tiles)
         return hit
 
     def __call__(self, call, out32=None):
         """(out [*batch, Lq, d] in q's dtype, lse [*batch, Lq] fp32) of a bound call that `call_unsupported`
-        accepts; where `out32` (an fp32 contiguous tensor of out's shape) is given, the output unrounded
-        into it too."""
+        accepts (k and v with their own heads under grouped-query attention: `kv_index`); where `out32` (an
+        fp32 contiguous tensor of out's shape) is given, the output unrounded into it too."""
         import torch
 
         from ...launch import launch_kernel
@@ -406,7 +431,7 @@ class FlashForward:
         spans, tiles = self._span_tensor(call, cfg)
         if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
             cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
-        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg)
+        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
         grid = (-(-lq // cfg.bm) * bh, cfg.threads)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
                     lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
