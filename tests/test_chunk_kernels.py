@@ -156,18 +156,24 @@ def test_emulated_balanced_chunk_output_is_the_plain_one(emulate, monkeypatch, c
     """SSMC_CUDA_CHUNK_OUTPUT=balanced (chunk_output*_b: half the warps, two row stripes each): every
     output row is the same sums in the same order, so the output is the plain kernel's bit for bit,
     and near the float64 forward; SSD's broadcast heads, β and skip, or RetNet's one head with
-    16-bit states and output (chunk_output_hs_ho_b)."""
+    16-bit states and output (chunk_output_hs_ho_b). Unset, the form is the balanced one at chunks of
+    `mma.BALANCED_CHUNK` steps only."""
     heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
              {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
     x = _chunks(length, key=size, value=size, seed=length + chunk, chunk=chunk, decay=0.02, **heads)
     names = []
     monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
     kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "warps")
     plain = mma.forward(x, **kw)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "balanced")
     balanced = mma.forward(x, **kw)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_OUTPUT")
+    default = mma.forward(x, **kw)
     output = "chunk_output" + ("_hs_ho" if half else "")
-    assert names[2::3] == [output, output + "_b"]  # (chunk_states, state_pass*, chunk_output*) a call
+    by_default = output + ("_b" if chunk == mma.BALANCED_CHUNK else "")
+    assert names[2::3] == [output, output + "_b", by_default]  # (chunk_states, state_pass*, chunk_output*) a call
+    assert torch.equal(default[0], plain[0])
     for got, want in zip(balanced, plain):
         assert torch.equal(got, want)
     ref_out, _, ref_final = _reference(x)
@@ -241,7 +247,8 @@ def test_which_calls_take_the_kernels(monkeypatch):
 
 
 def test_the_chunk_output_option():
-    """SSMC_CUDA_CHUNK_OUTPUT: unset the plain form, "balanced" or "warps" as given, anything else refused."""
+    """SSMC_CUDA_CHUNK_OUTPUT: unset None (mma.forward's default form), "balanced" or "warps" as given,
+    anything else refused."""
     from ssmc.backends.cuda.options import CudaOptions
 
     assert CudaOptions.parse({}).chunk_output is None

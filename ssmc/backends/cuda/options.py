@@ -45,8 +45,9 @@ class CudaOptions:
     chunk: steps per chunk of the chunked matrix-linear path
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
     chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
-    chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows; the default)
-        or "balanced" (half the warps, each two row stripes: the same causal work a warp)
+    chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows) or
+        "balanced" (half the warps, each two row stripes: the same causal work a warp); unset: balanced at
+        chunks of 128 steps, warps elsewhere (kernels/chunk/mma.py `BALANCED_CHUNK`)
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call

@@ -53,6 +53,7 @@ CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a war
 # bytes outweigh the operands' (docs/design/matrix-linear-chunks.md, "where step 2 stands")
 CHUNK = 128
 SHORT = 64               # calls of at most this many steps: one chunk of 64 (less padding)
+BALANCED_CHUNK = 128     # chunk_output's default form there is the balanced one (SSMC_CUDA_CHUNK_OUTPUT)
 SIZES = (64, 128)        # key and value sizes they take
 # the states by chunk_states_scan (a block per state tile walks the chunks: each state written once)
 # in place of chunk_states + state_pass (a block per chunk, then a pass: chunk sums written and read
@@ -225,7 +226,9 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    balanced = options().chunk_output == "balanced"  # chunk_output*_b: half the warps, two row stripes each
+    # chunk_output*_b: half the warps, two row stripes each (the same causal work a warp), where measured
+    # faster: chunk 128 (at 256 one block of either fits an SM; 64 not measured)
+    balanced = (options().chunk_output or ("balanced" if chunk == BALANCED_CHUNK else "warps")) == "balanced"
     text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced)
 
     tiles = (key // 64) * (value // 64)
