@@ -196,6 +196,20 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
             "step": start.elapsed_time(end) / calls, "kernels": kernels}
 
 
+def chunked_rows(title: str, example, inputs: dict, other: dict, calls: int) -> list[dict]:
+    """A chunked layer's rows (SSD, RetNet): later calls checked against the first (`check_repeated`, `other` of
+    another shape between), then `ssmc.compile`'s forward and the torch op's step. At most 15 calls a batch: a
+    training step is some fifty launches (kernels and torch's ops), and a launch waits once about a thousand are
+    queued (the GPU asleep): that wait is no host time."""
+    compiled = ssmc.compile(example.SPEC, "cuda", layout=example.LAYOUT)
+    op = ssmc.torch.function(example.SPEC, "cuda", layout=example.LAYOUT)
+    err = check_repeated(compiled, op, inputs, other)
+    print(f"{title}: later calls against the first, outputs and gradients: relative error {err:.2e}")
+    calls = min(calls, 15)
+    return [measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls),
+            measure(f"{title}, torch op", op, inputs, calls)]
+
+
 def measure_forward(name: str, compiled, inputs: dict, calls: int) -> dict:
     """`ssmc.compile`'s forward alone (no tape): host ms per call, its kernels' ms, its ms back to back."""
     inputs = {k: v.detach() for k, v in inputs.items()}
@@ -411,27 +425,11 @@ def main() -> None:
         rows.append(measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
                             scan1_inputs(), args.calls))
     if "ssd" in args.only:
-        title = "SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD)
-        compiled = ssmc.compile(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
-        op = ssmc.torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
-        inputs = ssd_inputs(SSD)
-        err = check_repeated(compiled, op, inputs, ssd_inputs({**SSD, "t": SSD["t"] // 2}, seed=3))
-        print(f"SSD: later calls against the first, outputs and gradients: relative error {err:.2e}")
-        # at most 15 calls a batch: a training step is some fifty launches (kernels and torch's ops), and a
-        # launch waits once about a thousand are queued (the GPU asleep): that wait is no host time
-        calls = min(args.calls, 15)
-        rows.append(measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls))
-        rows.append(measure(f"{title}, torch op", op, inputs, calls))
+        rows += chunked_rows("SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD), mamba2, ssd_inputs(SSD),
+                             ssd_inputs({**SSD, "t": SSD["t"] // 2}, seed=3), args.calls)
     if "retnet" in args.only:
-        title = "RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET)
-        compiled = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
-        op = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
-        inputs = retnet_inputs(RETNET)
-        err = check_repeated(compiled, op, inputs, retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5))
-        print(f"RetNet: later calls against the first, outputs and gradients: relative error {err:.2e}")
-        calls = min(args.calls, 15)
-        rows.append(measure_forward(f"{title}, ssmc.compile forward", compiled, inputs, calls))
-        rows.append(measure(f"{title}, torch op", op, inputs, calls))
+        rows += chunked_rows("RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET), retnet, retnet_inputs(RETNET),
+                             retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5), args.calls)
     lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
              "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['fwd_host']:.4f} | " + " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in (
