@@ -68,7 +68,7 @@ class CudaOptions:
         (4 warps, 64 keys, query tiles of 32 / 16 rows at d 64 / 128), "w4q64" (4 warps, 64 keys, query tiles
         of 64, two stages), "w8q64" (8 warps, 128 keys, query tiles of 64, two stages), "w8q32" (the same
         with query tiles of 32), "wg" (wgmma, sm_90 only) or "wgp" ("wg" with a tile's steps overlapped);
-        unset: "w4q64" at head dim 64, "w8q32" at 128, "wg" on sm_90 parts
+        unset: "w4q64" at head dim 64, "w8q32" at 128, "wgp" on sm_90 parts
     sm_count: SMs of the GPU the kernels are planned for
     """
 
