@@ -604,7 +604,7 @@ def near_ties(spec, inputs: dict[str, np.ndarray], layout: str = "t ...", rel: f
     a max over an axis whose two largest entries (ties included) are that close, or a pointwise
     max / min / comparison of two values that close. Tests comparing a backend's gradients (or
     comparisons) with the interpreter's skip such draws (hypothesis.assume)."""
-    from ssmc.backends.interpreter import Evaluator, _loop_axes, align
+    from ssmc.backends.interpreter import _loop_axes, align, observing
 
     def margin(node, args) -> float:
         if node.op is Op.REDUCE_MAX:
@@ -619,18 +619,13 @@ def near_ties(spec, inputs: dict[str, np.ndarray], layout: str = "t ...", rel: f
         return float(np.min(np.abs(a - b) / np.maximum(1.0, np.maximum(np.abs(a), np.abs(b))), initial=np.inf))
 
     closest = [np.inf]
-    evaluate = Evaluator.eval_node
 
-    def watched(self, node, args, env):  # the interpreter's own evaluation, each kink's margin noted
+    def watch(node, args):  # each kink's margin, as the interpreter evaluates it
         constant = (all(a.op in (Op.CONST, Op.IOTA, Op.SIZE) for a in node.args)
                     or (len(node.args) == 2 and node.args[0] is node.args[1]))
         if node.op in _KINKS and not constant:
             closest[0] = min(closest[0], margin(node, args))
-        return evaluate(self, node, args, env)
 
-    Evaluator.eval_node = watched
-    try:
+    with observing(watch):
         ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
-    finally:
-        Evaluator.eval_node = evaluate
     return closest[0] <= rel

@@ -12,7 +12,7 @@ import torch
 import torch_oracle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import diagonal_linear_recurrences, draw_inputs, recurrences
+from strategies import diagonal_linear_recurrences, draw_inputs, near_ties, recurrences
 
 import ssmc
 from ssmc.passes import symbolic
@@ -279,6 +279,21 @@ def test_reduce_max_ties_share_the_gradient():
     x = np.array([[[1.0, 3.0, 3.0]]])
     g = ssmc.grad(spec, backend="interpreter")(x, grad_outputs=np.ones((1, 1)))
     np.testing.assert_array_equal(g["x"], [[[0.0, 0.5, 0.5]]])
+
+
+def test_near_ties_sees_a_max_decided_by_its_last_bits():
+    """`strategies.near_ties` (the interpreter's `observing` hook): a max whose two largest entries differ
+    by 1e-9 relative is near a kink, one whose entries differ by 1e-3 is not, and the hook is gone after."""
+    from ssmc.backends import interpreter
+
+    @ssmc.recurrence
+    def spec(h: ssmc.State["b"], x: ssmc.Seq["b d"]):
+        return h, x.max("d")
+
+    close = {"x": np.array([[[1.0, 3.0, 3.0 + 3e-9]]])}
+    apart = {"x": np.array([[[1.0, 3.0, 3.003]]])}
+    assert near_ties(spec, close) and not near_ties(spec, apart)
+    assert interpreter._OBSERVER.get() is None
 
 
 def test_gradient_name_clash_is_a_spec_error():

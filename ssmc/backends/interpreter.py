@@ -12,6 +12,9 @@ obviously equivalent, the nodes that depend on no state are evaluated once for a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -88,6 +91,22 @@ def _full(arr: np.ndarray, axes: tuple[str, ...], sizes: dict[str, int], loops: 
     return np.broadcast_to(arr, shape)
 
 
+# a function called with (node, its arguments' values) before each node the interpreter evaluates: how a
+# test learns what a run computes (`tests/strategies.near_ties`: whether it passes near a kink)
+_OBSERVER: ContextVar[Callable | None] = ContextVar("ssmc_interpreter_observer", default=None)
+
+
+@contextmanager
+def observing(observe: Callable[[Node, list], None]) -> Iterator[None]:
+    """Within the block, the interpreter calls ``observe(node, args)`` before evaluating each node (its
+    arguments' values as (array, axes) pairs), in this thread and context alone."""
+    token = _OBSERVER.set(observe)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
 class Evaluator:
     """Evaluates nodes given the values of INPUT leaves, the axis sizes and the loop lengths."""
 
@@ -103,6 +122,9 @@ class Evaluator:
         return [memo[r] for r in roots]
 
     def eval_node(self, node: Node, args: list[Value], env: dict[str, Value]) -> Value:
+        observe = _OBSERVER.get()
+        if observe is not None:
+            observe(node, args)
         op, sizes = node.op, self.sizes
         if op is Op.INPUT:
             return env[node.arg]
