@@ -15,14 +15,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from profiles import in_ci, nightly_case
+from test_persistent_half import _adjoint, _forward
+from test_persistent_rnn import _flat, _relative
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, analyse, plan, tf32_warp_grid
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
 from ssmc.examples import gru, lstm
-from ssmc.lowering.hoist import hoist
-from ssmc.passes.autodiff import derive_backward
 
 torch = pytest.importorskip("torch")
 
@@ -30,14 +30,6 @@ torch = pytest.importorskip("torch")
 # and every gradient); plain TF32 keeps 10 bits of mantissa in each product's inputs
 TF32_TOL = 5e-3        # outputs and final states: max |got - want| / max |want|
 TF32_GRAD_TOL = 1e-2   # every gradient, the same measure
-
-
-def _forward(spec):
-    return hoist(spec.program, transpose=False).program
-
-
-def _adjoint(spec):
-    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
 
 
 BENCH = {"b": 64, "k": 512, "j": 512, "i": 512}
@@ -149,18 +141,6 @@ def test_nvrtc_tf32_compiles_without_spills(which):
 
 
 # -- against the interpreter -----------------------------------------------------------------------------------
-
-def _flat(x) -> list:
-    if isinstance(x, dict):
-        return [a for v in x.values() for a in _flat(v)]
-    if isinstance(x, (tuple, list)):
-        return [a for v in x for a in _flat(v)]
-    return [np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)]
-
-
-def _relative(a, b) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
 
 @pytest.fixture
 def forms(monkeypatch):
