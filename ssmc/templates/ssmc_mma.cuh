@@ -80,17 +80,6 @@ template <bool BF16> __device__ __forceinline__ unsigned pack2(float lo, float h
 #endif
 }
 
-// the emulator's gather for lane (g, q) of one k step j: the A registers of lane g*4 + j (rows g, g + 8)
-// and the B registers of lanes 2q*4 + j and (2q + 1)*4 + j (columns 2q, 2q + 1)
-__device__ __forceinline__ void gather_fragments(const unsigned a[4], const unsigned b[2], int g, int q, int j,
-                                                 unsigned ra[4], unsigned rb0[2], unsigned rb1[2]) {
-    for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
-    for (int r = 0; r < 2; ++r) {
-        rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
-        rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
-    }
-}
-
 // d += A B for one warp (the fragments above); every lane of the warp calls it, converged
 template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], const unsigned b[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -111,7 +100,11 @@ template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const
     const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
     for (int j = 0; j < 4; ++j) {
         unsigned ra[4], rb0[2], rb1[2];
-        gather_fragments(a, b, g, q, j, ra, rb0, rb1);
+        for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
+        for (int r = 0; r < 2; ++r) {
+            rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
+            rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
+        }
         for (int kh = 0; kh < 2; ++kh) {          // k in [0, 8) then [8, 16)
             for (int s = 0; s < 2; ++s) {         // the lower then the upper 16 bits: k = 2j + s
                 const int shift = 16 * s;
@@ -157,7 +150,11 @@ __device__ __forceinline__ void mma_1688(float d[4], const unsigned a[4], const 
     const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
     for (int j = 0; j < 4; ++j) {
         unsigned ra[4], rb0[2], rb1[2];
-        gather_fragments(a, b, g, q, j, ra, rb0, rb1);
+        for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
+        for (int r = 0; r < 2; ++r) {
+            rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
+            rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
+        }
         for (int kh = 0; kh < 2; ++kh) {  // k = j, then j + 4
             const float a_top = __uint_as_float(ra[2 * kh] & 0xffffe000u);
             const float a_bot = __uint_as_float(ra[2 * kh + 1] & 0xffffe000u);
