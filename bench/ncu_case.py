@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 \
         python bench/ncu_case.py flash_fwd
 
-Cases: flash_fwd, flash_train, sdpa_fwd, sdpa_train, ssd_fwd, ssd_train, retnet_fwd, lstm_train. Each runs its
+Cases: flash_fwd, flash_train, sdpa_fwd, sdpa_train, ssd_fwd, ssd_train, retnet_fwd, lstm_train,
+lstm_bf16_train. Each runs its
 callable `--calls` times (default 4), synchronizing after each, so `--launch-skip` can pass the warm-up calls.
 """
 
@@ -20,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import profile_families as pf
 
+import ssmc.torch
+
 
 def sdpa_fwd():
     torch.manual_seed(0)
@@ -34,6 +37,23 @@ def sdpa_train():
     return lambda: torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(do)
 
 
+def lstm_bf16_train():
+    """LSTM B256 L1024 I1024 H1024 bf16, a training step: the recording forward and the adjoint kernels."""
+    import persistent_check as pc
+
+    from ssmc.examples import lstm
+    inputs = {k: v.to(torch.bfloat16) for k, v in pc.make_inputs("LSTM", 256, 1024, 1024, 1024).items()}
+    fn = ssmc.torch.function(lstm.SPEC, layout=lstm.LAYOUT)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    dy = torch.randn(256, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def train():
+        for v in leaves.values():
+            v.grad = None
+        fn(**leaves).backward(dy)
+    return train
+
+
 CASES = {
     "flash_fwd": lambda: pf.flash_cases()[0][1],
     "flash_train": lambda: pf.flash_cases()[1][1],
@@ -43,6 +63,7 @@ CASES = {
     "retnet_fwd": lambda: pf.chunk_cases("retnet")[0][1],
     "sdpa_train": sdpa_train,
     "lstm_train": lambda: pf.rnn_cases("LSTM")[1][1],
+    "lstm_bf16_train": lstm_bf16_train,
 }
 
 

@@ -34,6 +34,23 @@ extern "C" __global__ void tile_bf16(int length, int nblk, const unsigned short*
                                      float* D) { tile<true>(A, B, D); }
 extern "C" __global__ void tile_fp16(int length, int nblk, const unsigned short* A, const unsigned short* B,
                                      float* D) { tile<false>(A, B, D); }
+// ldsm: a 32 x 16 tile of 16-bit values in shared memory (rows of 24: padded, 16-byte aligned) loaded as
+// x4 (the four 8x8 quarters of rows 0-15), x4 trans, x2 (rows 16-31, columns 0-7 and 8-15), x1 trans (rows
+// 16-23, columns 8-15); each lane writes its registers out in order, 11 a lane
+extern "C" __global__ void ldsm_tiles(int length, int nblk, const unsigned short* T, unsigned* R) {
+    __shared__ __align__(16) unsigned short s[32 * 24];
+    const int lane = threadIdx.x % 32;
+    for (int i = lane; i < 32 * 16; i += 32) s[(i / 16) * 24 + i % 16] = T[i];
+    __syncwarp();
+    const int r8 = lane % 8, m = lane / 8;
+    unsigned r[11];
+    // M_m: rows (m % 2) * 8 + [0, 8), columns (m / 2) * 8 + [0, 8)
+    ssmc_mma::ldsm<4, false>(r, &s[((m % 2) * 8 + r8) * 24 + (m / 2) * 8]);
+    ssmc_mma::ldsm<4, true>(r + 4, &s[((m % 2) * 8 + r8) * 24 + (m / 2) * 8]);
+    ssmc_mma::ldsm<2, false>(r + 8, &s[(16 + r8) * 24 + (m % 2) * 8]);
+    ssmc_mma::ldsm<1, true>(r + 10, &s[(16 + r8) * 24 + 8]);
+    for (int i = 0; i < 11; ++i) R[lane * 11 + i] = r[i];
+}
 extern "C" __global__ void convert(int length, int nblk, const float* x, unsigned short* bf, unsigned short* hf,
                                    float* back) {
     for (int i = threadIdx.x; i < length; i += blockDim.x) {
@@ -104,11 +121,46 @@ def test_16_bit_conversions_round_to_nearest_even():
     np.testing.assert_array_equal(back[0::2], _bf16_float(_bf16_bits(x)))
 
 
+def _ldsm_want(t: np.ndarray) -> np.ndarray:
+    """What each lane of `ldsm_tiles` holds, from the fragment layout the header documents: [32 lanes, 11]."""
+    want = np.zeros((32, 11), np.uint32)
+
+    def tile(lane, r0, c0, trans):
+        g, q, m = lane // 4, lane % 4, t[r0:r0 + 8, c0:c0 + 8]
+        lo, hi = (m[2 * q, g], m[2 * q + 1, g]) if trans else (m[g, 2 * q], m[g, 2 * q + 1])
+        return np.uint32(lo) | (np.uint32(hi) << 16)
+    for lane in range(32):
+        for i in range(4):
+            want[lane, i] = tile(lane, (i % 2) * 8, (i // 2) * 8, False)
+            want[lane, 4 + i] = tile(lane, (i % 2) * 8, (i // 2) * 8, True)
+        want[lane, 8], want[lane, 9] = tile(lane, 16, 0, False), tile(lane, 16, 8, False)
+        want[lane, 10] = tile(lane, 16, 8, True)
+    return want
+
+
+@needs_emulator
+def test_emulated_ldmatrix_gives_the_documented_fragments():
+    t = np.random.default_rng(3).integers(0, 2 ** 16, (32, 16)).astype(np.uint16)
+    got = np.zeros((32, 11), np.uint32)
+    emulator.emulated(_source(), "ldsm_tiles")((1, 32), 0, 1, [t.ctypes.data, got.ctypes.data])
+    np.testing.assert_array_equal(got, _ldsm_want(t))
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_tile_product_compiles_to_mma_sync(arch):
     compiled = nvrtc.compile_source(_source(), arch=arch, options=("--std=c++17", "-ftz=true"))
-    assert "tile_bf16" in compiled.log and "tile_fp16" in compiled.log
+    assert "tile_bf16" in compiled.log and "tile_fp16" in compiled.log and "ldsm_tiles" in compiled.log
+
+
+@pytest.mark.gpu
+def test_ldmatrix_on_the_gpu_gives_the_documented_fragments():
+    cp = pytest.importorskip("cupy")
+    t = np.random.default_rng(4).integers(0, 2 ** 16, (32, 16)).astype(np.uint16)
+    got = cp.zeros((32, 11), cp.uint32)
+    cp.RawModule(code=_source(), options=("--std=c++17",)).get_function("ldsm_tiles")(
+        (1,), (32,), (np.int32(0), np.int32(1), cp.asarray(t), got))
+    np.testing.assert_array_equal(cp.asnumpy(got), _ldsm_want(t))
 
 
 @pytest.mark.gpu

@@ -169,4 +169,44 @@ __device__ __forceinline__ void mma_1688(float d[4], const unsigned a[4], const 
 #endif
 }
 
+// ldmatrix from shared memory (sm_80+): the warp loads N (1, 2 or 4) 8x8 tiles M_i of 16-bit values; lane l
+// gives the address of row l % 8 of M_i, i = l / 8 (rows 16-byte aligned; lanes past 8N: any valid address);
+// lane (g, q) = (l / 4, l % 4) gets r[i] = M_i[g][2q, 2q+1], or with TRANS M_i[2q][g], M_i[2q+1][g] (a B
+// fragment of a tile stored k-major). One instruction for what would be 2N scalar shared loads and their
+// addresses a lane. Off the GPU, through shuffles of the row addresses.
+template <int N, bool TRANS> __device__ __forceinline__ void ldsm(unsigned r[N], const unsigned short* p) {
+    static_assert(N == 1 || N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 tiles");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    if (N == 4 && TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    } else if (N == 4) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    } else if (N == 2 && TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 { %0, %1 }, [%2];\n"
+                     : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+    } else if (N == 2) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 { %0, %1 }, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+    } else if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 { %0 }, [%1];\n" : "=r"(r[0]) : "r"(a));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 { %0 }, [%1];\n" : "=r"(r[0]) : "r"(a));
+    }
+#else
+    const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
+    for (int i = 0; i < N; ++i) {
+        if (TRANS) {
+            const unsigned short* lo = __shfl_sync(0xffffffffu, p, 8 * i + 2 * q);
+            const unsigned short* hi = __shfl_sync(0xffffffffu, p, 8 * i + 2 * q + 1);
+            r[i] = pack(lo[g], hi[g]);
+        } else {
+            const unsigned short* row = __shfl_sync(0xffffffffu, p, 8 * i + g);
+            r[i] = pack(row[2 * q], row[2 * q + 1]);
+        }
+    }
+#endif
+}
+
 }  // namespace ssmc_mma
