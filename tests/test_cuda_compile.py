@@ -454,6 +454,21 @@ def test_lanes_forwards_stay_unbounded_where_128_registers_would_spill(sizes, dt
     assert f"__launch_bounds__({forward.launch.grid[1]}, 1) {forward.name}(" in forward.source
 
 
+@pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
+@pytest.mark.parametrize("batch", [16, 64])
+def test_decode_step_at_a_long_state_axis_asks_for_three_blocks_an_sm_without_spills(batch):
+    """Mamba-1's decode step at N = 128 (short chunks, 16 state values a lane) streams its states once:
+    unbounded it took 243 registers, 2 blocks of 4 warps an SM (`lanes.SHORT_CHUNK_BLOCKS`); bounded to 3 an
+    SM it compiles unspilled for sm_80 and sm_90."""
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    for arch in ("sm_80", "sm_90"):
+        reports = kernel_reports(program, {"b": batch, "d": 2048, "n": 128}, 1, backward=False, arch=arch)
+        (forward,) = [r for r in reports if r.strategy.startswith("lanes,")]
+        assert f"__launch_bounds__({forward.launch.grid[1]}, 3) {forward.name}(" in forward.source
+        res = forward.resources
+        assert res is not None and not res.spills and res.registers <= 65536 // (3 * forward.launch.grid[1]), res
+
+
 @pytest.mark.parametrize("layout", [False, True])
 def test_lanes_row_params_are_staged_once_per_block(layout):
     """Mamba-1's delta_bias[d] and D[d], which the pre and post phases read at each row's own index,

@@ -54,6 +54,10 @@ STEPS_A_THREAD = 4      # consecutive steps of a row a thread takes in the pre a
 # took 255 registers and spilled)
 PHASE_UNROLL = 8
 UNBOUNDED_LANES_BLOCKS = 3  # blocks an SM of an unbounded lanes kernel (up to 148 registers, 128 threads)
+# blocks an SM of a short-chunk kernel (a decode step at a long state axis): unbounded, Mamba-1's N = 128 step
+# (16 state values a lane) took 243 registers, 2 blocks of 4 warps an SM, for a step that only streams its
+# states; 3 an SM fit 168 registers unspilled (4: 128, spilled)
+SHORT_CHUNK_BLOCKS = 3
 
 
 def lane_groups(n: int, per_lane: int = STATES_PER_LANE) -> int:
@@ -159,13 +163,19 @@ def lanes_min_blocks(lanes: StateLanes, k: Kernel, sizes: dict[str, int], groups
     an SM, so B32 D512's 512 blocks ran in two waves (its "b t d" forward clearly slower than bounded;
     see bench/results/2026-11-27-from-code-comments.md); bounded, 102-128 and no spills. More values a
     lane (n = 32, 64) or float64 spilled at 128, and so may bodies heavier than Mamba-1's (a random spec's kernel failed
-    the spill test under the bound, local CI): the bound is kept to the grids that need it."""
+    the spill test under the bound, local CI): the bound is kept to the grids that need it. A short-chunk kernel
+    (calls of one chunk: decode steps) asks for SHORT_CHUNK_BLOCKS instead."""
     per_lane = -(-sizes[lanes.axis] // groups)
     blocks = lane_blocks(k, sizes, groups, block)
     few = blocks <= UNBOUNDED_LANES_BLOCKS * options().sm_count
-    if ctype != "float" or per_lane * groups > BOUNDED_LANE_VALUES or few:
+    if ctype != "float" or few:
         return 1
-    shared = lanes_shared_bytes(lanes, sizes, groups, block, 4, lanes_chunk(lanes, sizes, groups, 4)) + SM_BLOCK_SHARED
+    chunk = lanes_chunk(lanes, sizes, groups, 4)
+    shared = lanes_shared_bytes(lanes, sizes, groups, block, 4, chunk) + SM_BLOCK_SHARED
+    if chunk < CHUNK:  # a decode step's kernel (Lanes.consider): its states streamed once, occupancy first
+        return max(1, min(SHORT_CHUNK_BLOCKS, SM_SHARED // shared))
+    if per_lane * groups > BOUNDED_LANE_VALUES:
+        return 1
     return max(1, min(bounded_blocks(block), SM_SHARED // shared))
 
 
