@@ -241,7 +241,13 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
                      if 0 < round_steps < chunk else [])
 
     def body_phase(partial: bool) -> list[str]:
-        body = _predicated(major.body, set(carried)) if partial else major.body
+        # the last, partial chunk: a step past L changes no state, and its sums are outputs past L, which the
+        # post phase does not store. A short-chunk kernel's calls (decode steps) are one partial chunk, whose
+        # G - 1 dead steps of each state value were most of the arithmetic: it skips them (a branch the same
+        # for the whole warp); the others keep the states' assignments predicated (fewer registers for the
+        # whole kernel, whose full chunks are the work).
+        skip = partial and chunk < CHUNK
+        body = _predicated(major.body, set(carried)) if partial and not skip else major.body
         # the last chunk stops at the group holding step L - 1: the groups wholly past L change no state,
         # and their sums are outputs past L, which the post phase does not store (its bound worked out
         # before the loop: as `tb < T && t0 + tb < L`, "b t d" at B32 D512 took 154 registers, not 128)
@@ -263,8 +269,10 @@ def state_lanes_context(k: Kernel, lanes: StateLanes, arrays: dict[str, ArraySpe
         for (array, _), reg in vectors.items():
             lines += [f"{inner}F {reg}[G];", f"{inner}{_load_steps(reg, f'&sl_{array}[buf][{var}][tb]', vector)}"]
         lines += [f"{inner}#pragma unroll", f"{inner}for (int tt = 0; tt < G; ++tt) {{"]
-        if partial:
-            lines.append(f"{inner}    const bool live = t0 + tb + tt < L;  // a step past L changes no state")
+        if skip:
+            lines.append(f"{inner}    if (t0 + tb + tt >= L) continue;")
+        elif partial:
+            lines.append(f"{inner}    const bool live = t0 + tb + tt < L;")
         lines += pb.stmts(body, len(inner) // 4 + 1)
         lines.append(f"{inner}}}")
         lines += [f"{inner}{buffer}[j] = {scalar};" for scalar, buffer in carried.items()]
