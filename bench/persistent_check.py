@@ -551,6 +551,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="also B5 L37 I16 H37")
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
     parser.add_argument("--all", action="store_true", help="also bf16 H1024, B16 H256 (and its grids), heads")
+    parser.add_argument("--sections", default="half,split,grid,heads",
+                        help="with --all, which of its sections run (half: bf16 H1024; split: its K groups; grid: "
+                             "B16 H256's grids; heads)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 TFLOP/s (for the heads rows)")
     parser.add_argument("--peak-gbs", type=float, help="the device's memory GB/s (for the heads rows)")
     args = parser.parse_args()
@@ -574,14 +577,15 @@ def main() -> None:
            or not any(n for n, _, _ in r["runners"].values())
            or any(status[0] for _, _, status in r["runners"].values())]
     if args.all:  # before the forward + backward rows of fp32: the workloads a run cut short would miss
-        sections = [("bf16 LSTM (tensor-core form) vs cuDNN bf16",
+        sections = [("half", "bf16 LSTM (tensor-core form) vs cuDNN bf16",
                      ["| workload | cuDNN bf16 ms | ssmc ms | ssmc / cuDNN | ssmc err | cuDNN bf16 err |",
                       "|---|---|---|---|---|---|"], half_rows),
-                    ("bf16 LSTM training step: the adjoint's contracted indices in K groups", [], split_sweep),
-                    ("B16 L180 I128 H256 fp32 forward: the grid", [], grid_sweep),
-                    ("LSTM heads (block-diagonal U), bf16", [],
+                    ("split", "bf16 LSTM training step: the adjoint's contracted indices in K groups", [], split_sweep),
+                    ("grid", "B16 L180 I128 H256 fp32 forward: the grid", [], grid_sweep),
+                    ("heads", "LSTM heads (block-diagonal U), bf16", [],
                      lambda: heads_rows(args.peak_tflops, args.peak_gbs))]
-        for title, head, fn in sections:
+        wanted = set(args.sections.split(","))
+        for _, title, head, fn in (section for section in sections if section[0] in wanted):
             try:
                 body = fn()
             except Exception as err:  # one workload's failure is reported, the others still run
