@@ -241,8 +241,8 @@ class Plan:
             object.__setattr__(self, "trows", self.rows)
 
     # the tensor-core form (`mma`): the block's product P[mpad][npad] = op[mpad][jpad] U[jpad][npad], its
-    # columns n = u * cols + c; U as sub[npad][jpad + 8] (k contiguous: a B fragment's pair of 16-bit values
-    # is one 32-bit load; + 8: the 8 rows a fragment reads in different banks), the ring's rows so too, and
+    # columns n = u * cols + c; U as sub[npad][jpad + 8] (k contiguous; + 8: rows 16-byte aligned, the 8 rows an
+    # ldmatrix tile reads in different banks), the ring's rows so too, and
     # the result through sp[mpad][npad + 4] fp32 to the threads owning (row, unit) pairs
     @property
     def elem(self) -> int:

@@ -483,35 +483,39 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     else:
         gm, gn, wm, wn = warp_grid(plan) if plan.mma else (1, 1, 1, 1)
         gk = 1
+    # ldmatrix: each lane's row address in the staged chunk (A) and in sub (B), a register plus a constant for each
+    # m-tile, n-tile pair and k16 step of the chunk (its k16 steps unrolled); the tiles past the ends clamped to the
+    # last (a valid address; their products are skipped). A, m-tile i (x4: rows 0-7, 8-15 at columns 0-7, then at
+    # 8-15): lane l at row l % 16, column 8 (l / 16). B, n-tiles n, n + 1 (x4: k 0-7, 8-15 of tile n, then of
+    # n + 1; an odd last tile's x4 reads the tile past it, clamped): lane l at row 8 (n + l / 16) + l % 8, column
+    # 8 ((l / 8) % 2)
     mma_product = [
-        "// the warp's WM x WN tiles of P += sh[rows][j0 .. j0 + CHUNK) sub[n][j0 ..], a k16 step at a time",
-        "if (warp < GM * GN) {",
-        "    #pragma unroll 2",
-        "    for (int kk = 0; kk < CHUNK; kk += 16) {",
-        "        unsigned a[WM][4], b[WN][2];",
-        "        #pragma unroll",
-        "        for (int i = 0; i < WM; ++i) {",
-        "            if (wm0 + i < MT) {",
-        "                const X* r0 = &sh[(wm0 + i) * 16 + lg][kk + 2 * lq];",
-        "                a[i][0] = *reinterpret_cast<const unsigned*>(r0);",
-        "                a[i][1] = *reinterpret_cast<const unsigned*>(r0 + 8 * SHS);",
-        "                a[i][2] = *reinterpret_cast<const unsigned*>(r0 + 8);",
-        "                a[i][3] = *reinterpret_cast<const unsigned*>(r0 + 8 * SHS + 8);",
-        "            }",
-        "        }",
-        "        #pragma unroll",
-        "        for (int n = 0; n < WN; ++n) {",
-        "            if (wn0 + n < NT) {",
-        "                const H* c0 = sub + (long long)((wn0 + n) * 8 + lg) * UST + j0 + kk + 2 * lq;",
-        "                b[n][0] = *reinterpret_cast<const unsigned*>(c0);",
-        "                b[n][1] = *reinterpret_cast<const unsigned*>(c0 + 8);",
-        "            }",
-        "        }",
+        "// the warp's WM x WN tiles of P += sh[rows][j0 .. j0 + CHUNK) sub[n][j0 ..], a k16 step at a time: A",
+        "// fragments an m-tile one ldmatrix.x4, B fragments two n-tiles one (an odd last: the second unused)",
+        "if (GM * GN == THREADS / 32 || warp < GM * GN) {",
+        "    const int ln = threadIdx.x % 32;",
+        "    const X* sa[WM];",
+        "    const X* sb[(WN + 1) / 2];",
+        "    #pragma unroll",
+        "    for (int i = 0; i < WM; ++i)",
+        "        sa[i] = &sh[(MFULL ? wm0 + i : min(wm0 + i, MT - 1)) * 16 + ln % 16][8 * (ln / 16)];",
+        "    #pragma unroll",
+        "    for (int n = 0; n < WN; n += 2) {",
+        "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
+        "        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + 8 * ((ln / 8) % 2);",
+        "    }",
+        "    // k16 step ks + 1's fragments loaded while step ks multiplies (a buffer each)",
+        "    unsigned a[2][WM][4], b[2][WN][2];",
+        "    fragments(a[0], b[0], sa, sb, 0);",
+        "    #pragma unroll 2",  # (the buffers' indices constants; a whole chunk's: registers the adjoint lacks)
+        "    for (int ks = 0; ks < CHUNK / 16; ++ks) {",
+        "        if (ks + 1 < CHUNK / 16) fragments(a[(ks + 1) % 2], b[(ks + 1) % 2], sa, sb, 16 * (ks + 1));",
         "        #pragma unroll",
         "        for (int i = 0; i < WM; ++i)",
         "            #pragma unroll",
         "            for (int n = 0; n < WN; ++n)",
-        "                if (wm0 + i < MT && wn0 + n < NT) ssmc_mma::mma_16816<BF16>(d[i][n], a[i], b[n]);",
+        "                if ((MFULL || wm0 + i < MT) && (NFULL || wn0 + n < NT))",
+        "                    ssmc_mma::mma_16816<BF16>(d[i][n], a[ks % 2][i], b[ks % 2][n]);",
         "    }",
         "}",
     ]
@@ -520,9 +524,25 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         # split into tf32 hi and lo in registers (3xTF32; TF32: hi only), the products into their accumulator
         # sets (3xTF32: a term each, lo hi and hi lo first; TF32: even and odd k8 steps) (KSUB: k8 steps an
         # iteration, the set a compile-time index)
+        # (ldmatrix on the fp32 values: an 8x8 tile of 16-bit values is 8 rows of 4 fp32, lane (g, q) getting row g's
+        # value q, as the tf32 fragments want it; the lane's rows as in the 16-bit form, 4 values a 16-byte column.
+        # tf32 rounding (to nearest, ties away) on the bits: cvt.rna's result for finite values in 2 instructions,
+        # not 3; an inf stays inf, a NaN gives NaN through its lo term)
         mma_product = [
-            "// the warp's WM x WN tiles of P += sh[rows][its k8 steps] sub[n][j0 + its k8 steps] (m16n8k8 tf32)",
-            "if (warp < GM * GN * GK) {",
+            "// the warp's WM x WN tiles of P += sh[rows][its k8 steps] sub[n][j0 + its k8 steps] (m16n8k8 tf32): A",
+            "// fragments an m-tile one ldmatrix.x4, B two n-tiles one (an odd last: the second unused)",
+            "if (GM * GN * GK == THREADS / 32 || warp < GM * GN * GK) {",
+            "    const int ln = threadIdx.x % 32;",
+            "    const F* sa[WM];",
+            "    const F* sb[(WN + 1) / 2];",
+            "    #pragma unroll",
+            "    for (int i = 0; i < WM; ++i)",
+            "        sa[i] = &sh[(MFULL ? wm0 + i : min(wm0 + i, MT - 1)) * 16 + ln % 16][4 * (ln / 16)];",
+            "    #pragma unroll",
+            "    for (int n = 0; n < WN; n += 2) {",
+            "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
+            "        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + 4 * ((ln / 8) % 2);",
+            "    }",
             "    #pragma unroll 2",
             "    for (int k2 = wk * (CHUNK / GK); k2 < (wk + 1) * (CHUNK / GK); k2 += 8 * KSUB) {",
             "        #pragma unroll",
@@ -534,37 +554,33 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             "#endif",
             "            #pragma unroll",
             "            for (int i = 0; i < WM; ++i) {",
-            "                if (wm0 + i < MT) {",
-            "                    const F* r0 = &sh[(wm0 + i) * 16 + lg][kk + lq];",
-            "                    const F v[4] = {r0[0], r0[8 * SHS], r0[4], r0[8 * SHS + 4]};",
-            "                    #pragma unroll",
-            "                    for (int x = 0; x < 4; ++x) {",
-            "                        ah[i][x] = ssmc_mma::tf32_bits(v[x]);",
+            "                unsigned v[4];",
+            "                ssmc_mma::ldsm<4, false>(v, reinterpret_cast<const H*>(sa[i] + kk));",
+            "                #pragma unroll",
+            "                for (int x = 0; x < 4; ++x) {",
+            "                    ah[i][x] = tf32_round(v[x]);",
             "#if TF32 == 3",
-            "                        al[i][x] = ssmc_mma::tf32_bits(v[x] - __uint_as_float(ah[i][x]));",
+            "                    al[i][x] = tf32_rest(v[x], ah[i][x]);",
             "#endif",
-            "                    }",
             "                }",
             "            }",
             "            #pragma unroll",
-            "            for (int n = 0; n < WN; ++n) {",
-            "                if (wn0 + n < NT) {",
-            "                    const F* c0 = sub + (long long)((wn0 + n) * 8 + lg) * UST + j0 + kk + lq;",
-            "                    const F v[2] = {c0[0], c0[4]};",
-            "                    #pragma unroll",
-            "                    for (int x = 0; x < 2; ++x) {",
-            "                        bh[n][x] = ssmc_mma::tf32_bits(v[x]);",
+            "            for (int n = 0; n < WN; n += 2) {",
+            "                unsigned v[4];",
+            "                ssmc_mma::ldsm<4, false>(v, reinterpret_cast<const H*>(sb[n / 2] + kk));",
+            "                #pragma unroll",
+            "                for (int x = 0; x < (n + 1 < WN ? 4 : 2); ++x) {",
+            "                    bh[n + x / 2][x % 2] = tf32_round(v[x]);",
             "#if TF32 == 3",
-            "                        bl[n][x] = ssmc_mma::tf32_bits(v[x] - __uint_as_float(bh[n][x]));",
+            "                    bl[n + x / 2][x % 2] = tf32_rest(v[x], bh[n + x / 2][x % 2]);",
             "#endif",
-            "                    }",
             "                }",
             "            }",
             "            #pragma unroll",
             "            for (int i = 0; i < WM; ++i)",
             "                #pragma unroll",
             "                for (int n = 0; n < WN; ++n)",
-            "                    if (wm0 + i < MT && wn0 + n < NT) {",
+            "                    if ((MFULL || wm0 + i < MT) && (NFULL || wn0 + n < NT)) {",
             "#if TF32 == 3",
             "                        ssmc_mma::mma_1688(dx[2][i][n], al[i], bh[n]);",
             "                        ssmc_mma::mma_1688(dx[1][i][n], ah[i], bl[n]);",
@@ -619,6 +635,8 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define WM {wm}
 #define WN {wn}
 #define GK {gk}
+#define MFULL (GM * WM <= MT)  // every warp's m-tiles within the product (no tile past the end to skip)
+#define NFULL (GN * WN <= NT)
 #define UNITS {plan.units}
 #define KS {plan.ksplit}
 #define JS {plan.jsplit}
@@ -638,6 +656,7 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define U_BYTES {plan.u_bytes}
 #define SHARED_BYTES {plan.shared_bytes}
 #define COPIES {-(-plan.trows * plan.chunk // (16 // plan.elem) // plan.threads)}
+#define CPR (CHUNK / EPC)  // 16-byte copies a staged row
 #define REVERSE {int(p.reverse)}
 static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
@@ -717,15 +736,57 @@ __device__ __forceinline__ void copies_wait()
 }}
 
 // chunk c of the tile's operand, op[r][c CHUNK .. c CHUNK + CHUNK), into the ring buffer `sh` (one group
-// of copies, 16 bytes (EPC elements) each: element e = threadIdx.x + i THREADS of its [TROWS][CHUNK / EPC])
+// of copies, 16 bytes (EPC elements) each). Where CPR divides THREADS, thread x copies column EPC (x % CPR) of
+// the COPIES rows from (x / CPR) COPIES on: one address a thread, the others small constant offsets (and no bound
+// to test where the copies fill the chunk exactly); else element e = threadIdx.x + i THREADS of [TROWS][CPR]
 __device__ __forceinline__ void stage(X (*sh)[SHS], const X* hin, int c)
 {{
-    #pragma unroll
-    for (int i = 0; i < COPIES; ++i) {{
-        const int e = threadIdx.x + i * THREADS, r = e / (CHUNK / EPC), j = EPC * (e % (CHUNK / EPC));
-        if (e < TROWS * (CHUNK / EPC)) copy16(&sh[r][j], hin + (long long)r * XST + c * CHUNK + j);
+    if (THREADS % CPR == 0) {{
+        const int r = (threadIdx.x / CPR) * COPIES, j = EPC * (threadIdx.x % CPR);
+        const X* src = hin + (r * XST + c * CHUNK + j);  // (within a tile's rows: 32-bit offsets)
+        X* dst = &sh[r][j];
+        #pragma unroll
+        for (int i = 0; i < COPIES; ++i)
+            if (TROWS * CPR == COPIES * THREADS || r + i < TROWS) copy16(dst + i * SHS, src + i * XST);
+    }} else {{
+        #pragma unroll
+        for (int i = 0; i < COPIES; ++i) {{
+            const int e = threadIdx.x + i * THREADS, r = e / CPR, j = EPC * (e % CPR);
+            if (e < TROWS * CPR) copy16(&sh[r][j], hin + (long long)r * XST + c * CHUNK + j);
+        }}
     }}
 }}
+
+#if TF32
+// x's bits rounded to tf32 (to nearest, ties away from zero; cvt.rna.tf32.f32 for finite x), the lower 13 bits zero
+__device__ __forceinline__ unsigned tf32_round(unsigned x) {{ return (x + 0x1000u) & 0xffffe000u; }}
+// 3xTF32's lo term: x - hi (exact in fp32) rounded to tf32, as bits
+__device__ __forceinline__ unsigned tf32_rest(unsigned x, unsigned hi)
+{{
+    return tf32_round(__float_as_uint(__uint_as_float(x) - __uint_as_float(hi)));
+}}
+#endif
+#if MMA && !TF32
+// a k16 step's fragments of the warp's tiles at contracted offset kk: A an m-tile one ldmatrix.x4 (sa[i]: the lane's
+// row of m-tile i), B two n-tiles one (sb[n / 2]: the lane's row of n-tiles n, n + 1; an odd last's second unused)
+__device__ __forceinline__ void fragments(unsigned (&a)[WM][4], unsigned (&b)[WN][2], const X* const (&sa)[WM],
+                                          const X* const (&sb)[(WN + 1) / 2], int kk)
+{{
+    #pragma unroll
+    for (int i = 0; i < WM; ++i) ssmc_mma::ldsm<4, false>(a[i], sa[i] + kk);
+    #pragma unroll
+    for (int n = 0; n < WN; n += 2) {{
+        unsigned r[4];
+        ssmc_mma::ldsm<4, false>(r, sb[n / 2] + kk);
+        b[n][0] = r[0];
+        b[n][1] = r[1];
+        if (n + 1 < WN) {{
+            b[n + 1][0] = r[2];
+            b[n + 1][1] = r[3];
+        }}
+    }}
+}}
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)})
 {{
