@@ -59,7 +59,6 @@ CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a war
 # bytes outweigh the operands' (docs/design/matrix-linear-chunks.md, "where step 2 stands")
 CHUNK = 128
 SHORT = 64               # calls of at most this many steps: one chunk of 64 (less padding)
-BALANCED_CHUNK = 128     # chunk_output's default form there is the balanced one (SSMC_CUDA_CHUNK_OUTPUT)
 SIZES = (64, 128)        # key and value sizes they take
 # the states by chunk_states_scan (a block per state tile walks the chunks: each state written once)
 # in place of chunk_states + state_pass (a block per chunk, then a pass: chunk sums written and read
@@ -87,13 +86,14 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     tile, pad = 64, 8
     states = 2 * tile * (chunk + pad) * 2
     product = (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2
+    passing = 2 * 2 * chunk * (tile + pad) * 2  # chunk_states_pass*: two stages of k and v rows [chunk, tile + pad]
     return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
             "state_pass": 0, "state_pass_half": 0, "state_pass_reverse": 0,
             "chunk_output": product, "chunk_output_hs": product, "chunk_output_ho": product,
             "chunk_output_hs_ho": product, **{name + "_b": product for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
             "chunk_dq": product, "chunk_dk": product, "chunk_dv": product,
-            "chunk_states_pass": 2 * 2 * chunk * (tile + pad) * 2, "chunk_states_pass_half": 2 * 2 * chunk * (tile + pad) * 2,
+            "chunk_states_pass": passing, "chunk_states_pass_half": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
 
@@ -233,8 +233,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `ONE_PASS`); else by chunk_states_pass* (`FUSED_STATES`, SSMC_CUDA_CHUNK_STATES=fused) or chunk_states
     and state_pass*. `half_states` (a call that keeps no tape): the entering states are passed to
     chunk_output in q's 16 bits (state_pass_half or chunk_states_pass_half; chunk_output rounds them so
-    either way: the same output, half the bytes written and read) and returned so; not with `one_pass`. `out_dtype`: O in
-    fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
+    either way: the same output, half the bytes written and read) and returned so; not with `one_pass`.
+    `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     q = _chunked_view(x.q, True)
