@@ -732,6 +732,34 @@ def test_gpu_kernels_at_every_chunk_agree_with_the_torch_forward(chunk, one_pass
     assert _rel(entering, ref_entering) < 1e-2
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("key, value", [(128, 64), (128, 128)])
+@pytest.mark.parametrize("half", [False, True], ids=["training", "inference"])
+def test_gpu_forms_and_fused_states_are_the_plain_ones(chunk, key, value, half, monkeypatch):
+    """On the GPU (cp.async, ldmatrix, two blocks' shared memory): every chunk_output form and the fused
+    states, bit for bit the warps form on the split states (as on the emulator), SSD's broadcast heads with
+    β and skip, L 1000 (the last chunk partial); fp32 or 16-bit states and output."""
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02, beta_heads=(1, 2),
+                skip_heads=(1, 2))
+    gpu = algorithm.Chunks(*(t.cuda() for t in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
+    kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
+    got = {}
+    for form, states in (("warps", "split"), *ALL_FORMS, ("staged", "split"), ("warps", "fused")):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", form)
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_STATES", states)
+        got[form, states] = [t.cpu() for t in mma.forward(gpu, **kw)]
+    plain = got["warps", "split"]
+    for config, outs in got.items():
+        for a, b in zip(outs, plain):
+            assert torch.equal(a, b), config
+    ref_out, _, ref_final = _reference(x)
+    assert _rel(plain[0], ref_out) < 1e-2
+    assert _rel(plain[2], ref_final) < 1e-2
+
 # -- the backward on the kernels ----------------------------------------------------------------------
 
 def _cotangents(x: algorithm.Chunks, seed: int):

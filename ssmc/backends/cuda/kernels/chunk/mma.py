@@ -68,7 +68,7 @@ ONE_PASS = False
 # sums as chunk_states + state_pass) where SSMC_CUDA_CHUNK_STATES is unset; "split" / "fused" choose
 FUSED_STATES = True
 # chunk_output's form where SSMC_CUDA_CHUNK_OUTPUT is unset, per chunk size (options.CHUNK_OUTPUT's forms)
-OUTPUT_FORMS = {64: "warps", 128: "staged", 256: "warps"}
+OUTPUT_FORMS = {64: "warps", 128: "wide", 256: "warps"}
 STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its tiles fit this (sm_80's 163 KiB)
 _modules: dict = {}
 _tables: dict = {}
