@@ -128,7 +128,7 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
                                                   output_shared=shared["chunk_output"])
     if staged:
         body += "\n" + template("chunk/staged.cu.j2").render(
-            vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
+            bf16=bf16, vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
             pass_shared=shared["chunk_states_pass"])
     return mma_header() + "\n" + body
 
