@@ -234,7 +234,16 @@ def kernel_bytes(x: algorithm.Chunks) -> dict[str, int]:
             "chunk_output": output + states + steps * value * 4 * nh,
             "chunk_output_ho": output + states + steps * value * 2 * nh,
             "chunk_output_hs": output + states // 2 + steps * value * 4 * nh,
-            "chunk_output_hs_ho": output + states // 2 + steps * value * 2 * nh}
+            "chunk_output_hs_ho": output + states // 2 + steps * value * 2 * nh,
+            # the balanced and staged forms: the same bytes (the wide one reads k once: less)
+            **{name + form: b for form in ("_b", "_s") for name, b in (
+                ("chunk_output", output + states + steps * value * 4 * nh),
+                ("chunk_output_ho", output + states + steps * value * 2 * nh),
+                ("chunk_output_hs", output + states // 2 + steps * value * 4 * nh),
+                ("chunk_output_hs_ho", output + states // 2 + steps * value * 2 * nh))},
+            # the entering states written once
+            "chunk_states_pass": qk * tiles_v + vv * (key // 64) + ell + states + 2 * nh * key * value * 4,
+            "chunk_states_pass_half": qk * tiles_v + vv * (key // 64) + ell + states // 2 + 2 * nh * key * value * 4}
 
 
 def core_chunks(name: str, g: torch.Generator, c: int = mma.CHUNK) -> algorithm.Chunks:

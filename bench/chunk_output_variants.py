@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Check, then time, the forward's chunk_output kernel in its two forms (SSMC_CUDA_CHUNK_OUTPUT).
+"""Check, then time, the forward's kernels in their forms (SSMC_CUDA_CHUNK_OUTPUT, SSMC_CUDA_CHUNK_STATES).
 
-    python bench/chunk_output_variants.py [--only retnet,ssd] [--chunks 64,128,256] [--reps 50]
+    python bench/chunk_output_variants.py [--only retnet,ssd] [--chunks 64,128,256] [--reps 50] [--out DIR]
 
 On the chunked cores of bench/chunk_check.py (RetNet B4 L4096 H16 K128 V128, SSD B4 L4096 H32 P64 N128,
 bf16: `core_chunks`), per chunk size, for a training call's forward (fp32 states and output:
-chunk_output) and an inference call's (16-bit states and output: chunk_output_hs_ho):
+chunk_output) and an inference call's (16-bit states and output: chunk_output_hs_ho), each configuration
+of `CONFIGS` (chunk_output's form: warps, balanced *_b, staged *_s with 64 values a block, wide *_s with all
+values a block; the entering states: split, chunk_states then state_pass*, or fused, chunk_states_pass*) and
+the default (both unset):
 
-1. check: `mma.forward` with the form "balanced" (chunk_output*_b: half the warps, each two row stripes)
-   against the default "warps": the output, entering states and final state equal bit for bit (the same
-   sums in the same order per row); and both within 2e-2 (relative RMS) of `algorithm.forward` in fp32;
-   a mismatch prints FAIL and the exit status is 1 (no times are taken then);
+1. check: `mma.forward` in each configuration against ("warps", "split"): the output, entering states and
+   final state equal bit for bit (the same sums in the same order per row); and each within 2e-2 (relative
+   RMS) of `algorithm.forward` in fp32; a mismatch prints FAIL and the exit status is 1 (no times then);
 2. time: each kernel's median milliseconds over --reps calls (CUDA events around each launch, as
-   chunk_check's `kernel_times`), the two forms measured in turns (warps, balanced, warps, balanced),
-   the better of the two rounds kept; chunk_output's time, the sum of the kernels, and the ratio.
+   chunk_check's `kernel_times`), the configurations measured in turns, the better of two rounds kept; per
+   configuration the kernels' times, their sum, and the sum's ratio to ("warps", "split")'s.
+
+Prints the table; with --out, also writes it to DIR/chunk_output_variants.md.
 """
 
 from __future__ import annotations
@@ -32,52 +36,67 @@ from chunk_check import core_chunks, kernel_times, rel  # noqa: E402
 
 from ssmc.backends.cuda.kernels.chunk import algorithm, mma  # noqa: E402
 
-FORMS = ("warps", "balanced")
+BASE = ("warps", "split")
+CONFIGS = (BASE, ("balanced", "split"), ("staged", "split"), ("wide", "split"), ("balanced", "fused"),
+           ("staged", "fused"), ("wide", "fused"), (None, None))
 TOLERANCE = 2e-2
+VARIABLES = ("SSMC_CUDA_CHUNK_OUTPUT", "SSMC_CUDA_CHUNK_STATES")
 
 
-class form:
-    """SSMC_CUDA_CHUNK_OUTPUT set to `name` for the duration."""
+class config:
+    """SSMC_CUDA_CHUNK_OUTPUT and SSMC_CUDA_CHUNK_STATES set to `values` (None: unset) for the duration."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, values):
+        self.values = values
 
     def __enter__(self):
-        self.old = os.environ.get("SSMC_CUDA_CHUNK_OUTPUT")
-        os.environ["SSMC_CUDA_CHUNK_OUTPUT"] = self.name
+        self.old = [os.environ.get(n) for n in VARIABLES]
+        for n, v in zip(VARIABLES, self.values):
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
     def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("SSMC_CUDA_CHUNK_OUTPUT", None)
-        else:
-            os.environ["SSMC_CUDA_CHUNK_OUTPUT"] = self.old
+        for n, v in zip(VARIABLES, self.old):
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def label(values) -> str:
+    return "default" if values == (None, None) else "/".join(values)
 
 
 def check(x: algorithm.Chunks, kw: dict) -> bool:
-    """Both forms bit for bit alike and near the torch forward; prints a line."""
+    """Every configuration bit for bit BASE's and near the torch forward; prints a line."""
     got = {}
-    for name in FORMS:
-        with form(name):
-            got[name] = [t.float() for t in mma.forward(x, **kw)]
+    for values in CONFIGS:
+        with config(values):
+            got[values] = [t.float() for t in mma.forward(x, **kw)]
     wide = [None if t is None else t.float() for t in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)]
     ref_out, _, ref_final = algorithm.forward(algorithm.Chunks(*wide))
-    same = all(torch.equal(a, b) for a, b in zip(got["warps"], got["balanced"]))
-    errs = {name: (rel(o[0], ref_out), rel(o[2], ref_final)) for name, o in got.items()}
-    ok = same and all(e < TOLERANCE for pair in errs.values() for e in pair)
-    print(f"  check: bit-equal {same}; rel err (out, final) " +
-          ", ".join(f"{n} {e[0]:.2e} {e[1]:.2e}" for n, e in errs.items()) + ("" if ok else "  FAIL"), flush=True)
+    ok = True
+    for values, outs in got.items():
+        same = all(torch.equal(a, b) for a, b in zip(outs, got[BASE]))
+        errs = (rel(outs[0], ref_out), rel(outs[2], ref_final))
+        fine = same and all(e < TOLERANCE for e in errs)
+        ok = ok and fine
+        print(f"  check {label(values)}: bit-equal {same}; rel err (out, final) {errs[0]:.2e} {errs[1]:.2e}"
+              + ("" if fine else "  FAIL"), flush=True)
     return ok
 
 
-def times(x: algorithm.Chunks, kw: dict, reps: int) -> dict[str, dict[str, float]]:
-    """Per form the kernels' median ms, the better of two rounds taken in turns."""
-    best: dict[str, dict[str, float]] = {}
+def times(x: algorithm.Chunks, kw: dict, reps: int) -> dict:
+    """Per configuration the kernels' median ms, the better of two rounds taken in turns."""
+    best: dict = {}
     for _ in range(2):
-        for name in FORMS:
-            with form(name):
+        for values in CONFIGS:
+            with config(values):
                 t = kernel_times(x, reps=reps, call=lambda ev: mma.forward(x, events=ev, **kw))
-            if name not in best or sum(t.values()) < sum(best[name].values()):
-                best[name] = t
+            if values not in best or sum(t.values()) < sum(best[values].values()):
+                best[values] = t
     return best
 
 
@@ -86,6 +105,7 @@ def main() -> int:
     ap.add_argument("--only", default="retnet,ssd")
     ap.add_argument("--chunks", default=",".join(map(str, mma.CHUNKS)))
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", type=Path, help="also write DIR/chunk_output_variants.md")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
@@ -95,20 +115,26 @@ def main() -> int:
             for call, kw in (("training", {}), ("inference", {"half_states": True, "out_dtype": x.q.dtype})):
                 cases.append((f"{name} chunk {c} {call}", x, kw))
     ok = True
-    for label, x, kw in cases:
-        print(label, flush=True)
+    for title, x, kw in cases:
+        print(title, flush=True)
         ok = check(x, kw) and ok
     if not ok:
-        print("FAIL: the forms disagree; no times")
+        print("FAIL: the configurations disagree; no times")
         return 1
-    print("\n| case | kernel | warps ms | balanced ms | balanced / warps | warps total | balanced total |")
-    print("|---|---|---|---|---|---|---|")
-    for label, x, kw in cases:
+    lines = ["| case | chunk_output / states | kernels (ms) | total ms | / warps/split |", "|---|---|---|---|---|"]
+    print("\n" + "\n".join(lines), flush=True)
+    for title, x, kw in cases:
         t = times(x, kw, args.reps)
-        plain = next(k for k in t["warps"] if k.startswith("chunk_output"))
-        w, b = t["warps"][plain], t["balanced"][plain + "_b"]
-        print(f"| {label} | {plain} | {w:.4f} | {b:.4f} | {b / w:.3f} | {sum(t['warps'].values()):.4f} | "
-              f"{sum(t['balanced'].values()):.4f} |", flush=True)
+        base = sum(t[BASE].values())
+        for values in CONFIGS:
+            parts = ", ".join(f"{k} {v:.4f}" for k, v in t[values].items())
+            total = sum(t[values].values())
+            line = f"| {title} | {label(values)} | {parts} | {total:.4f} | {total / base:.3f} |"
+            lines.append(line)
+            print(line, flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "chunk_output_variants.md").write_text("\n".join(lines) + "\n")
     return 0
 
 

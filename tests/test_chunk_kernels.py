@@ -146,39 +146,60 @@ def test_emulated_16_bit_states_and_output_are_the_fp32_ones_rounded(emulate):
     assert torch.equal(got, out.to(x.q.dtype))
 
 
+ALL_FORMS = (("balanced", "split"), ("staged", "fused"), ("wide", "split"), ("wide", "fused"))
+
+
 @needs_emulator
-@pytest.mark.parametrize("chunk, length, size, ssd, half", [
-    (64, 130, 64, True, False), (64, 7, 128, False, True),
-    nightly_case(128, 7, 128, False, True, reason="chunk 128 (8 warps, 4 balanced): the chunks of 64 take the form"),
-    nightly_case(64, 1, 64, False, False, reason="one step: the chunks of 7 and 130 take the partial chunk"),
-    nightly_case(256, 300, 64, True, True, reason="chunk 256: the emulator's slowest; 64 and 128 take the form")])
-def test_emulated_balanced_chunk_output_is_the_plain_one(emulate, monkeypatch, chunk, length, size, ssd, half):
-    """SSMC_CUDA_CHUNK_OUTPUT=balanced (chunk_output*_b: half the warps, two row stripes each): every
-    output row is the same sums in the same order, so the output is the plain kernel's bit for bit,
-    and near the float64 forward; SSD's broadcast heads, β and skip, or RetNet's one head with
-    16-bit states and output (chunk_output_hs_ho_b). Unset, the form is the balanced one at chunks of
-    `mma.BALANCED_CHUNK` steps only."""
+@pytest.mark.parametrize("chunk, length, key, value, ssd, half, forms", [
+    (64, 130, 64, 64, True, False, (("balanced", "split"), ("staged", "fused"))),
+    (64, 7, 64, 128, False, True, (("wide", "fused"),)),
+    nightly_case(128, 7, 128, 128, False, True, ALL_FORMS,
+                 reason="chunk 128 (8 warps, 4 balanced): the chunks of 64 take the forms"),
+    nightly_case(64, 1, 64, 64, False, False, ALL_FORMS,
+                 reason="one step: the chunks of 7 and 130 take the partial chunk"),
+    nightly_case(256, 300, 64, 64, True, True, ALL_FORMS,
+                 reason="chunk 256: the emulator's slowest; 64 and 128 take the forms")])
+def test_emulated_output_forms_and_fused_states_are_the_plain_ones(emulate, monkeypatch, chunk, length, key, value,
+                                                                   ssd, half, forms):
+    """SSMC_CUDA_CHUNK_OUTPUT balanced (chunk_output*_b: half the warps, two row stripes each), staged and wide
+    (chunk_output*_s: the balanced sums from cp.async-staged tiles and ldmatrix fragments, 64 or all values a
+    block): every output row is the same sums in the same order, so the output is the plain kernel's bit for
+    bit; SSMC_CUDA_CHUNK_STATES=fused (chunk_states_pass*: chunk_states' and state_pass's sums in one walk) the
+    same entering and final states bit for bit; and near the float64 forward. SSD's broadcast heads, β and
+    skip, or RetNet's one head with 16-bit states and output (chunk_output_hs_ho*, chunk_states_pass_half).
+    Unset, the forms are `mma.OUTPUT_FORMS`' and `mma.FUSED_STATES`'."""
     heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
              {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
-    x = _chunks(length, key=size, value=size, seed=length + chunk, chunk=chunk, decay=0.02, **heads)
+    x = _chunks(length, key=key, value=value, seed=length + chunk, chunk=chunk, decay=0.02, **heads)
     names = []
     monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
     kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
-    monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "warps")
-    plain = mma.forward(x, **kw)
-    monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", "balanced")
-    balanced = mma.forward(x, **kw)
-    monkeypatch.delenv("SSMC_CUDA_CHUNK_OUTPUT")
-    default = mma.forward(x, **kw)
+
+    def run(output, states):
+        for name, value in (("SSMC_CUDA_CHUNK_OUTPUT", output), ("SSMC_CUDA_CHUNK_STATES", states)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        names.clear()
+        return mma.forward(x, **kw), list(names)
+
+    plain, launched = run("warps", "split")
     output = "chunk_output" + ("_hs_ho" if half else "")
-    by_default = output + ("_b" if chunk == mma.BALANCED_CHUNK else "")
-    assert names[2::3] == [output, output + "_b", by_default]  # (chunk_states, state_pass*, chunk_output*) a call
-    assert torch.equal(default[0], plain[0])
-    for got, want in zip(balanced, plain):
-        assert torch.equal(got, want)
+    assert launched == ["chunk_states", "state_pass" + ("_half" if half else ""), output]
+    default_form = mma.OUTPUT_FORMS[chunk]
+    suffix = {"warps": "", "balanced": "_b", "staged": "_s", "wide": "_s"}
+    for form, states in (*forms, (None, None)):
+        got, launched = run(form, states)
+        fused = states == "fused" or (states is None and mma.FUSED_STATES)
+        first = ["chunk_states_pass" + ("_half" if half else "")] if fused else [
+            "chunk_states", "state_pass" + ("_half" if half else "")]
+        assert launched == [*first, output + suffix[form or default_form]]
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b), (form, states)
     ref_out, _, ref_final = _reference(x)
-    assert _rel(balanced[0], ref_out) < 1e-2
-    assert _rel(balanced[2], ref_final) < 1e-2
+    assert _rel(plain[0], ref_out) < 1e-2
+    assert _rel(plain[2], ref_final) < 1e-2
 
 
 @needs_emulator
@@ -247,15 +268,20 @@ def test_which_calls_take_the_kernels(monkeypatch):
 
 
 def test_the_chunk_output_option():
-    """SSMC_CUDA_CHUNK_OUTPUT: unset None (mma.forward's default form), "balanced" or "warps" as given,
-    anything else refused."""
+    """SSMC_CUDA_CHUNK_OUTPUT: unset None (mma.forward's default form), "warps", "balanced", "staged" or "wide"
+    as given, anything else refused; SSMC_CUDA_CHUNK_STATES likewise with "split" and "fused"."""
     from ssmc.backends.cuda.options import CudaOptions
 
     assert CudaOptions.parse({}).chunk_output is None
-    for form in ("warps", "balanced"):
+    for form in ("warps", "balanced", "staged", "wide"):
         assert CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": form}).chunk_output == form
     with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_OUTPUT"):
         CudaOptions.parse({"SSMC_CUDA_CHUNK_OUTPUT": "balance"})
+    assert CudaOptions.parse({}).chunk_states is None
+    for way in ("split", "fused"):
+        assert CudaOptions.parse({"SSMC_CUDA_CHUNK_STATES": way}).chunk_states == way
+    with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_STATES"):
+        CudaOptions.parse({"SSMC_CUDA_CHUNK_STATES": "one"})
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
@@ -307,6 +333,37 @@ def test_the_balanced_chunk_output_compiles_without_spills(arch):
             r = resources[name]
             assert not r.spills, r.summary()
             assert r.shared_bytes + dynamic[name] <= SM80_SHARED, (r.summary(), dynamic[name])
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_staged_kernels_compile_without_spills(arch):
+    """The module with staged.cu.j2's kernels (chunk_output*_s with 64 or all value columns a block,
+    chunk_states_pass*): no spills, their shared memory within sm_80's; CI builds RetNet's sizes (K = V = 128,
+    chunk 128, both blocks) for sm_90 alone, the local and nightly runs every chunk and size, fp16 and unaligned
+    at K = V = 128 and chunk 256."""
+    from ssmc.backends.cuda.source import compile_options
+
+    if in_ci() and arch == "sm_80":
+        pytest.skip("CI: sm_90's build alone")
+    cases = [(128, 128, 128, 64, True, True), (128, 128, 128, 128, True, True)]
+    if not in_ci():
+        cases += [(c, key, value, vb, bf16, aligned) for c in mma.CHUNKS for key in mma.SIZES for value in mma.SIZES
+                  for vb in {64, mma.staged_block(key, value, c, "wide")}
+                  for bf16, aligned in ((True, True), (False, True), (True, False))
+                  if (c, key, value, vb) != (128, 128, 128, 64) and ((bf16 and aligned) or key == value == 128 < c)]
+    for chunk, key, value, vb, bf16, aligned in cases:
+        text = mma.source(key, value, chunk, bf16, aligned, False, vb)
+        resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+        staged = {name for name in resources if name.endswith("_s") or name.startswith("chunk_states_pass")}
+        assert staged == {"chunk_output_s", "chunk_output_hs_s", "chunk_output_ho_s", "chunk_output_hs_ho_s",
+                          "chunk_states_pass", "chunk_states_pass_half"}
+        dynamic = mma.shared_bytes(key, value, chunk)
+        for name in staged:
+            r = resources[name]
+            size = mma.staged_bytes(key, value, chunk, vb) if name.endswith("_s") else dynamic[name]
+            assert not r.spills, r.summary()
+            assert r.shared_bytes + size <= SM80_SHARED, (r.summary(), size)
 
 
 # -- the tiles' shared-memory banks ---------------------------------------------------------------
@@ -675,6 +732,34 @@ def test_gpu_kernels_at_every_chunk_agree_with_the_torch_forward(chunk, one_pass
     assert _rel(final, ref_final) < 1e-2
     assert _rel(entering, ref_entering) < 1e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("key, value", [(128, 64), (128, 128)])
+@pytest.mark.parametrize("half", [False, True], ids=["training", "inference"])
+def test_gpu_forms_and_fused_states_are_the_plain_ones(chunk, key, value, half, monkeypatch):
+    """On the GPU (cp.async, ldmatrix, two blocks' shared memory): every chunk_output form and the fused
+    states, bit for bit the warps form on the split states (as on the emulator), SSD's broadcast heads with
+    β and skip, L 1000 (the last chunk partial); fp32 or 16-bit states and output."""
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
+    x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02, beta_heads=(1, 2),
+                skip_heads=(1, 2))
+    gpu = algorithm.Chunks(*(t.cuda() for t in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
+    kw = {"half_states": True, "out_dtype": x.q.dtype} if half else {}
+    got = {}
+    for form, states in (("warps", "split"), *ALL_FORMS, ("staged", "split"), ("warps", "fused")):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_OUTPUT", form)
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_STATES", states)
+        got[form, states] = [t.cpu() for t in mma.forward(gpu, **kw)]
+    plain = got["warps", "split"]
+    for config, outs in got.items():
+        for a, b in zip(outs, plain):
+            assert torch.equal(a, b), config
+    ref_out, _, ref_final = _reference(x)
+    assert _rel(plain[0], ref_out) < 1e-2
+    assert _rel(plain[2], ref_final) < 1e-2
 
 # -- the backward on the kernels ----------------------------------------------------------------------
 

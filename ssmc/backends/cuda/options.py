@@ -22,7 +22,8 @@ from functools import cached_property
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")  # kernels/flash/forward.py's CONFIGS
 FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp")  # kernels/flash/backward.py's CONFIGS
-CHUNK_OUTPUT = ("warps", "balanced")  # kernels/chunk/mma.py's forms of chunk_output
+CHUNK_OUTPUT = ("warps", "balanced", "staged", "wide")  # kernels/chunk/mma.py's forms of chunk_output
+CHUNK_STATES = ("split", "fused")  # kernels/chunk/mma.py's ways to the entering states
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -45,9 +46,13 @@ class CudaOptions:
     chunk: steps per chunk of the chunked matrix-linear path
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
     chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
-    chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows) or
-        "balanced" (half the warps, each two row stripes: the same causal work a warp); unset: balanced at
-        chunks of 128 steps, warps elsewhere (kernels/chunk/mma.py `BALANCED_CHUNK`)
+    chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows),
+        "balanced" (half the warps, each two row stripes: the same causal work a warp), "staged" (balanced's
+        sums from cp.async-staged tiles and ldmatrix fragments, 64 values a block) or "wide" (staged, all values
+        a block where the tiles fit); unset: kernels/chunk/mma.py's `OUTPUT_FORMS` per chunk size
+    chunk_states: the forward's entering states (`CHUNK_STATES`): "split" (chunk_states, then state_pass) or
+        "fused" (chunk_states_pass: a block per state tile walks the chunks); unset: kernels/chunk/mma.py's
+        `FUSED_STATES`
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
@@ -88,6 +93,7 @@ class CudaOptions:
     chunk_kernels: bool | None = None
     chunk_backward: bool | None = None
     chunk_output: str | None = None
+    chunk_states: str | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
     persistent: bool | None = None
@@ -141,6 +147,10 @@ def _parse(name: str, field: str, raw: str):
     if field == "chunk_output":
         if raw not in CHUNK_OUTPUT:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(CHUNK_OUTPUT)}")
+        return raw
+    if field == "chunk_states":
+        if raw not in CHUNK_STATES:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(CHUNK_STATES)}")
         return raw
     if field == "flash_dq":
         if raw not in ("atomic", "kernel"):

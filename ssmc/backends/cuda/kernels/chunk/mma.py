@@ -15,6 +15,12 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
    β_j (q_i·k_j) v_j``, the scores in registers only.
 
+The staged kernels (``staged.cu.j2``: tiles copied by cp.async as they lie, fragments by ldmatrix) take
+steps 1-2 as one, ``chunk_states_pass(_half)`` (per (head, 64 keys, 64 values), the chunks in order, the
+state in registers, the next chunk's tiles copied while this one multiplies; the same states bit for bit;
+`FUSED_STATES`, SSMC_CUDA_CHUNK_STATES), and step 3 as ``chunk_output*_s`` (the balanced form's sums, bit
+for bit; SSMC_CUDA_CHUNK_OUTPUT "staged": 64 values a block, "wide": all V, so that k is staged once).
+
 β (`Chunks.beta`, fp32, SSD's softplus(dt); none: 1) is read by the kernels where v is: v stays the
 input as given (no pass writes β v); ``chunk_dv`` also gives β's cotangent, ``Σ_ν dṼ_jν v_jν``.
 The skip (`Chunks.skip`, SSD's D) is added by ``chunk_output`` as it writes O (``O_i + skip_i v_i``),
@@ -53,12 +59,17 @@ CHUNKS = (64, 128, 256)  # steps per chunk the kernels take (chunk_output: a war
 # bytes outweigh the operands' (docs/design/matrix-linear-chunks.md, "where step 2 stands")
 CHUNK = 128
 SHORT = 64               # calls of at most this many steps: one chunk of 64 (less padding)
-BALANCED_CHUNK = 128     # chunk_output's default form there is the balanced one (SSMC_CUDA_CHUNK_OUTPUT)
 SIZES = (64, 128)        # key and value sizes they take
 # the states by chunk_states_scan (a block per state tile walks the chunks: each state written once)
 # in place of chunk_states + state_pass (a block per chunk, then a pass: chunk sums written and read
 # again, but NC times the blocks); off until timed (bench/chunk_check.py times both)
 ONE_PASS = False
+# the states by chunk_states_pass(_half) (staged.cu.j2: chunk_states_scan's walk with cp.async stages, the same
+# sums as chunk_states + state_pass) where SSMC_CUDA_CHUNK_STATES is unset; "split" / "fused" choose
+FUSED_STATES = True
+# chunk_output's form where SSMC_CUDA_CHUNK_OUTPUT is unset, per chunk size (options.CHUNK_OUTPUT's forms)
+OUTPUT_FORMS = {64: "warps", 128: "wide", 256: "warps"}
+STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its tiles fit this (sm_80's 163 KiB)
 _modules: dict = {}
 _tables: dict = {}
 
@@ -75,26 +86,50 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
     tile, pad = 64, 8
     states = 2 * tile * (chunk + pad) * 2
     product = (chunk * (key + pad) + tile * (chunk + pad) + tile * (key + pad)) * 2
+    passing = 2 * 2 * chunk * (tile + pad) * 2  # chunk_states_pass*: two stages of k and v rows [chunk, tile + pad]
     return {"chunk_states": states, "chunk_states_scan": states, "chunk_dstates": states,
             "state_pass": 0, "state_pass_half": 0, "state_pass_reverse": 0,
             "chunk_output": product, "chunk_output_hs": product, "chunk_output_ho": product,
             "chunk_output_hs_ho": product, **{name + "_b": product for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
-            "chunk_dq": product, "chunk_dk": product, "chunk_dv": product}
+            "chunk_dq": product, "chunk_dk": product, "chunk_dv": product,
+            "chunk_states_pass": passing, "chunk_states_pass_half": passing,
+            **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
+                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
+
+
+def staged_bytes(key: int, value: int, chunk: int, vb: int) -> int:
+    """Dynamic shared memory of chunk_output*_s with `vb` value columns a block: k rows [chunk, key + 8],
+    v rows [chunk, vb + 8], S_p rows [key, vb + 8], 16-bit."""
+    return (chunk * (key + 8) + chunk * (vb + 8) + key * (vb + 8)) * 2
+
+
+def staged_block(key: int, value: int, chunk: int, form: str) -> int:
+    """Value columns a block of chunk_output*_s takes in `form` ("staged": 64; "wide": all `value` where the
+    tiles fit `STAGED_SHARED_MAX`, else 64)."""
+    if form == "wide" and staged_bytes(key, value, chunk, value) <= STAGED_SHARED_MAX:
+        return value
+    return 64
 
 
 @cache
-def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, balanced: bool = False) -> str:
+def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, balanced: bool = False,
+           staged: int = 0) -> str:
     """The module of the kernels for these sizes and 16-bit format; `aligned`: q, k, v's head offsets
     and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time);
     `balanced`: with the balanced forms of chunk_output (chunk_output*_b; a module of its own, so that
-    the default one builds no kernels it does not launch)."""
+    the default one builds no kernels it does not launch); `staged`: with staged.cu.j2's kernels
+    (chunk_states_pass*, and chunk_output*_s taking `staged` value columns a block), where not 0."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
     body = template("chunk/chunk.cu.j2").render(K=key, V=value, C=chunk, bf16=bf16, aligned=aligned,
                                                   balanced_forms=balanced, states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
+    if staged:
+        body += "\n" + template("chunk/staged.cu.j2").render(
+            bf16=bf16, vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
+            pass_shared=shared["chunk_states_pass"])
     return mma_header() + "\n" + body
 
 
@@ -195,10 +230,11 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast.
     `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
     and returned; else into a new array. `one_pass`: the states by chunk_states_scan (default
-    `ONE_PASS`). `half_states` (a call that keeps no tape): the entering states are passed to
-    chunk_output in q's 16 bits (state_pass_half; chunk_output rounds them so either way: the same
-    output, half the bytes written and read) and returned so; not with `one_pass`. `out_dtype`: O in
-    fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
+    `ONE_PASS`); else by chunk_states_pass* (`FUSED_STATES`, SSMC_CUDA_CHUNK_STATES=fused) or chunk_states
+    and state_pass*. `half_states` (a call that keeps no tape): the entering states are passed to
+    chunk_output in q's 16 bits (state_pass_half or chunk_states_pass_half; chunk_output rounds them so
+    either way: the same output, half the bytes written and read) and returned so; not with `one_pass`.
+    `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     q = _chunked_view(x.q, True)
@@ -222,22 +258,33 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
         heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
     beta_ptr = 0 if beta is None else _base(beta)
     s0 = x.s0.expand(*heads, key, value).contiguous()
-    states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
     final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
-    gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    # chunk_output*_b: half the warps, two row stripes each (the same causal work a warp), where measured
-    # faster: chunk 128 (at 256 one block of either fits an SM; 64 not measured)
-    balanced = (options().chunk_output or ("balanced" if chunk == BALANCED_CHUNK else "warps")) == "balanced"
-    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced)
+    # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
+    # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
+    form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
+    balanced, fused = form == "balanced", (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
+    one_pass = ONE_PASS if one_pass is None else one_pass
+    vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
+    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
+                  vb or (64 if fused and not one_pass else 0))
+    shared = dict(shared_bytes(key, value, chunk))
 
     tiles = (key // 64) * (value // 64)
-    entering = states
-    if ONE_PASS if one_pass is None else one_pass:
+    if one_pass:
+        entering = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
         launches = [("chunk_states_scan", nh * tiles, 128,
                      [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
-                      states.data_ptr(), final.data_ptr()])]
+                      entering.data_ptr(), final.data_ptr()])]
+    elif fused:  # the entering states written once, in 16 bits where half_states
+        entering = torch.empty((*heads, nc, key, value), dtype=q.dtype if half_states else torch.float32, device=dev)
+        launches = [("chunk_states_pass" + ("_half" if half_states else ""), nh * tiles, 128,
+                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
+                      entering.data_ptr(), final.data_ptr()])]
     else:
+        states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+        gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
+        entering = states
         launches = [
             ("chunk_states", nh * nc * tiles, 128,
              [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
@@ -252,14 +299,20 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
             launches.append(("state_pass", nh * key * value // 1024, 256,
                              [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
     output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
-        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "")
+        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "_s" if vb else "")
+    # blocks: per (head, chunk, 64 values), or per vb values (*_s); threads: a warp per 16 rows (*_b: two),
+    # *_s a warp per two row stripes and 64 values
+    blocks, threads = (nh * nc * (value // vb), chunk * vb // 64) if vb else (
+        nh * nc * (value // 64), chunk if balanced else 2 * chunk)
+    if vb:
+        shared[output] = staged_bytes(key, value, chunk, vb)
     launches += [
-        (output, nh * nc * (value // 64), chunk if balanced else 2 * chunk,
+        (output, blocks, threads,
          [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
           steps.data_ptr(), entering.data_ptr(), _base(out)]),
     ]
     for name, blocks, threads, pointers in launches:
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(key, value, chunk)[name], events)
+        _launch(text, name, blocks, threads, nc, chunk, pointers, shared[name], events)
     return out, entering, final
 
 
