@@ -80,6 +80,12 @@ class Config:
         return "sm_90a" if self.wgmma else None
 
     @property
+    def gqa(self) -> bool:
+        """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
+        and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
+        return self.wgmma
+
+    @property
     def bn(self) -> int:
         return 16 * self.warps
 
@@ -194,7 +200,7 @@ def _pipelines(args: dict) -> bool:
 
 
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
-                  config_name: str | None = None) -> tuple[str, str]:
+                  config_name: str | None = None, gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
     `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
     config `config_name` (`config`: None for the options'); cached. Raises `Unprintable` where
@@ -204,10 +210,10 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
     cfg = config(d, config_name)
 
     def build(args: dict, digest: str):
-        suffix = "" if cfg.name == "bn64" else "_" + cfg.name
+        suffix = ("" if cfg.name == "bn64" else "_" + cfg.name) + ("_gqa" if gqa else "")
         name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
         common = dict(name=name, bf16=bf16, atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params),
-                      **args)
+                      gqa=gqa, **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
         if cfg.wgmma:
@@ -218,19 +224,22 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                 pipelined=cfg.pipelined and _pipelines(args), **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
-    return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
+    if gqa and not cfg.gqa:
+        raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build")
+    return _source((program, d, bf16, atomic_dq, cfg, gqa), program, d, build)
 
 
 BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
 
 
-def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+def dq_source(program: Attention, d: int, bf16: bool, gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
-    `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; cached."""
+    `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; `gqa`: k and v with
+    fewer heads than q (`forward.kv_index`, the group and inner size from the spans' tail); cached."""
     def build(args: dict, digest: str):
-        name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
-        return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, **args)
-    return _source((program, d, bf16, "dq"), program, d, build)
+        name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}{'_gqa' if gqa else ''}_{digest}"
+        return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, gqa=gqa, **args)
+    return _source((program, d, bf16, "dq", gqa), program, d, build)
 
 
 def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
@@ -294,21 +303,33 @@ class FlashBackward:
         self.reason = unsupported(program)
         self._spans: dict = {}
 
-    def _function(self, device, d: int, bf16: bool, which: str = "atomic"):
+    def reads_kv_heads(self, call) -> bool:
+        """Whether the kernels run a grouped-query call (`call.group` > 1) on k and v with their own heads (the
+        device's config has a GQA build: `Config.gqa`); where not, the caller repeats k and v to q's heads and
+        sums dK and dV over each group."""
+        return call.group > 1 and config(call.q.shape[-1], None, call.q.device).gqa
+
+    def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False):
         if which.startswith("delta"):
             name, text = delta_source(d, bf16, which == "delta32")
         elif which == "dq":
-            name, text = dq_source(self.program, d, bf16)
+            name, text = dq_source(self.program, d, bf16, gqa)
         else:
             cfg = config(d, None, device)
-            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name)
+            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name,
+                                       gqa=gqa)
             return loaded_function(text, name, device, arch=cfg.arch)
         return loaded_function(text, name, device)
 
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
+        """The spans as the kernels take them (`forward.span_table`: then grouped-query attention's group and
+        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached."""
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn)
+        from .forward import gqa_shape, span_table
+
+        gqa = gqa_shape(call)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
@@ -317,8 +338,7 @@ class FlashBackward:
                 spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
             else:
                 spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
-            flat = [x for span in spans for x in span]
-            t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
+            t = self._spans[key] = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         return t
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
@@ -340,7 +360,9 @@ class FlashBackward:
     def __call__(self, call, out, lse, d_out) -> dict:
         """{"q": dq fp32, "k", "v": in q's dtype, param names: fp32 by their axes}, canonical, of a bound
         call that `forward.call_unsupported` accepts, given the forward's out [*batch, Lq, d] and lse
-        [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]."""
+        [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]. Under grouped-query attention
+        (`reads_kv_heads`) k and v with their own heads: dk and dv come back so, summed over each group by
+        the key-block kernel (a block per KV index and key block walking the group's query heads)."""
         import torch
 
         from ...launch import launch_kernel
@@ -364,6 +386,9 @@ class FlashBackward:
         dk = new(k.shape, dtype=q.dtype, device=q.device)
         dv = new(v.shape, dtype=q.dtype, device=q.device)
         cfg = config(d, None, q.device)
+        gqa = call.group > 1
+        if gqa and not cfg.gqa:
+            raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
         nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
@@ -382,12 +407,12 @@ class FlashBackward:
             launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
                          -(-bh * lq // 4), 128, 0,
                          [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
-            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh, cfg.threads,
-                         cfg.shared(d, atomic),
-                         [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                          dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
+            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa),
+                             nkb * (bh // call.group), cfg.threads, cfg.shared(d, atomic),
+                             [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                              dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
             if not atomic:
-                launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh, THREADS, 0,
+                launches.append((self._function(q.device, d, bf16, "dq", gqa), -(-lq // BM) * bh, THREADS, 0,
                                  [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()],
                                  lq, lk))
             for fn, blocks, threads, shared, pointers, n0, n1 in launches:
