@@ -228,9 +228,10 @@ GQA_GRAD_CASES = [(GQA, 4, 2, 33, 40)] + ([(GQA_HB, 4, 1, 70, 70), (GQA, 4, 4, 7
 
 @pytest.mark.parametrize("spec, hq, hkv, lq, lk", GQA_GRAD_CASES)
 def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, lk, monkeypatch):
-    """`TiledAttention.gradients` on the emulated flash kernels (the forward reading KV head h // group,
-    the backward on k and v repeated from the un-repeated ones, dK and dV summed over each group): every
-    gradient of k's and v's own heads, within bf16's tolerance of the float64 tiled path's."""
+    """`TiledAttention.gradients` on the emulated flash kernels (the forward reading KV head h // group, the
+    backward's key-block kernel in the emulator's default config, "w4q64", a block per KV head and key block
+    summing dK and dV over the group's query heads): no repeat in the call, every gradient of k's and v's own
+    heads within bf16's tolerance of the float64 tiled path's."""
     _needs_emulator()
     from ssmc.backends.tiled_attention import TiledAttention
 
@@ -238,7 +239,9 @@ def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, 
     cot = torch.from_numpy(rng.standard_normal((2, hq, lq, 64))).to(torch.bfloat16)
     tiled = TiledAttention(spec.program)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
     assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
     want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, {"slope": slope})
     for name, w in want.items():
@@ -356,11 +359,14 @@ def test_emulated_gqa_backward_reads_kv_heads_unrepeated(config, spec, hq, hkv, 
 
 
 def _gqa_backward_builds():
+    from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+
     cases = []
-    for config in ("wgp", "wg"):
-        for d in (64, 128):
+    for d in (64, 128):
+        for config in ("wgp", "wg", flash_bwd.DEFAULT_CONFIG[d]):
             for name in ("causal", "alibi", "window", "softcap_empty_rows"):
-                ci = d == 128 and config == "wgp" and name == "causal"  # the GQA benchmark's kernel
+                # CI: the GQA benchmark's kernel, and the sm_80 default's at d 128 (its registers the tightest)
+                ci = d == 128 and name == "causal" and config in ("wgp", flash_bwd.DEFAULT_CONFIG[d])
                 cases.append((config, d, name) if ci else
                              nightly_case(config, d, name, reason="a second config, head dim or spec"))
     return cases
@@ -368,8 +374,8 @@ def _gqa_backward_builds():
 
 @pytest.mark.parametrize("config, d, name", _gqa_backward_builds())
 def test_gqa_backward_kernels_compile_without_spills(config, d, name):
-    """The wgmma key-block kernels' GQA builds (with atomic dQ and without) and the dQ kernel's for sm_90a /
-    sm_90: no spills under NVRTC; the multi-head sources read no group."""
+    """The key-block kernels' GQA builds (with atomic dQ and without; wgmma for sm_90a, the mma.sync default
+    for sm_80) and the dQ kernel's: no spills under NVRTC; the multi-head sources read no group."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
     from ssmc.backends.cuda.source import compile_options
@@ -379,14 +385,15 @@ def test_gqa_backward_kernels_compile_without_spills(config, d, name):
     from test_flash_attention import SPECS
 
     program = SPECS[name].program
-    builds = [(*flash_bwd.kernel_source(program, d, True, atomic, config, gqa=True), "sm_90a")
-              for atomic in (True, False)]
+    arch = "sm_90a" if flash_bwd.CONFIGS[config][d].wgmma else "sm_80"
+    builds = [(*flash_bwd.kernel_source(program, d, True, atomic, config, gqa=True), arch) for atomic in (True, False)]
     if config == "wg":
         builds.append((*flash_bwd.dq_source(program, d, True, gqa=True), "sm_90"))
-    for kname, text, arch in builds:
+    for kname, text, build in builds:
         assert "_gqa_" in kname and "kv_group" in text
-        usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
-        if name == "softcap_empty_rows" and d == 128 and "_kv_" not in kname and kname.startswith("flash_bwd_d"):
+        usage = nvrtc.compile_source(text, arch=build, options=compile_options(text)).resources[kname]
+        if (name == "softcap_empty_rows" and d == 128 and config in ("wg", "wgp") and "_kv_" not in kname
+                and kname.startswith("flash_bwd_d")):
             # the soft-cap (a param, dS reading the score) on "wg"'s loop: its multi-head build sits at 254
             # registers and ptxas puts a word on the stack for the group's loop
             assert usage.spill_store_bytes <= 8, str(usage)

@@ -83,7 +83,7 @@ class Config:
     def gqa(self) -> bool:
         """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
         and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
-        return self.wgmma
+        return self.name != "bn64"
 
     @property
     def bn(self) -> int:
