@@ -33,6 +33,11 @@ products instead of 5); the params' per-(key block, batch index) sums are added 
 order. Products in the inputs' 16-bit type with fp32 accumulation;
 P and dS rounded to 16 bits as operands (as FlashAttention).
 
+Grouped-query attention (`FlashBackward.reads_kv_heads`: every config but "bn64"): k and v keep their own heads
+and the key-block kernel's GQA build (``kernel_source(..., gqa=True)``) runs a block per KV index kvh and key
+block, the loop above once for each query head bh of the group (`forward.kv_index`(bh) = kvh), dk[kvh, j] and
+dv[kvh, j] summed over them in registers and stored once; the dQ kernel's reads KV index kv_index(bh).
+
 Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
 its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
 A param's summand is linear in grad_score, d_param(dm) = dm * g, and g may grow with the positions (ALiBi:
