@@ -228,9 +228,10 @@ GQA_GRAD_CASES = [(GQA, 4, 2, 33, 40)] + ([(GQA_HB, 4, 1, 70, 70), (GQA, 4, 4, 7
 
 @pytest.mark.parametrize("spec, hq, hkv, lq, lk", GQA_GRAD_CASES)
 def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, lk, monkeypatch):
-    """`TiledAttention.gradients` on the emulated flash kernels (the forward reading KV head h // group,
-    the backward on k and v repeated from the un-repeated ones, dK and dV summed over each group): every
-    gradient of k's and v's own heads, within bf16's tolerance of the float64 tiled path's."""
+    """`TiledAttention.gradients` on the emulated flash kernels (the forward reading KV head h // group, the
+    backward's key-block kernel in the emulator's default config, "w4q64", a block per KV head and key block
+    summing dK and dV over the group's query heads): no repeat in the call, every gradient of k's and v's own
+    heads within bf16's tolerance of the float64 tiled path's."""
     _needs_emulator()
     from ssmc.backends.tiled_attention import TiledAttention
 
@@ -238,7 +239,9 @@ def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, 
     cot = torch.from_numpy(rng.standard_normal((2, hq, lq, 64))).to(torch.bfloat16)
     tiled = TiledAttention(spec.program)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
     assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
     want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, {"slope": slope})
     for name, w in want.items():
@@ -305,3 +308,130 @@ def test_gqa_forward_kernels_compile_without_spills(config, d, arch, name):
     assert "kv_group" not in flash.kernel_source(program, d, True, config)[1]
     usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
     assert not usage.spills and usage.registers <= 255, str(usage)
+
+
+# -- the flash backward reads k and v with their own heads (wgmma key-block kernels: a block per KV head) ------
+
+CAUSAL_GQA = ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d", kv_heads="h")
+
+# (backward config, spec, hq, hkv, lq, lk, dq mode): "wg" with ALiBi (its slope's sums flushed per query head)
+# and batch "h b" (inner size 2); "wgp"'s pipelined loop (causal, no params); the dQ kernel reading KV head h // G
+GQA_NATIVE_BACKWARD_CASES = [
+    ("wg", GQA_HB, 4, 1, 33, 40, "atomic"),
+    nightly_case("wgp", CAUSAL_GQA, 4, 2, 130, 70, "atomic", reason="the pipelined loop: wg's case walks the heads"),
+    nightly_case("wg", GQA, 4, 1, 33, 40, "kernel", reason="the dQ kernel's GQA build")]
+
+
+@pytest.mark.parametrize("config, spec, hq, hkv, lq, lk, dq", GQA_NATIVE_BACKWARD_CASES)
+def test_emulated_gqa_backward_reads_kv_heads_unrepeated(config, spec, hq, hkv, lq, lk, dq, monkeypatch):
+    """The wgmma backward kernels on the emulator with k and v of their own heads: no repeat anywhere in the
+    call (forward and backward), the key-block kernel launched once per KV head and key block (its grid a
+    group's worth smaller), every gradient (dk, dv of k's and v's own heads) within bf16's tolerance of the
+    float64 tiled path's."""
+    _needs_emulator()
+    from ssmc.backends.cuda import launch
+    from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
+    monkeypatch.setenv("SSMC_CUDA_FLASH_DQ", dq)
+    x, slope, rng = _emulated_inputs(hq + 5 * lq, hq, hkv, lq, lk)
+    params = {"slope": slope} if spec.program.params else {}
+    cot = torch.from_numpy(rng.standard_normal((2, hq, lq, 64))).to(torch.bfloat16)
+    tiled = TiledAttention(spec.program)
+    grids = []
+    real = launch.launch_kernel
+    monkeypatch.setattr(launch, "launch_kernel", lambda fn, grid, *rest, **kw: (grids.append(grid),
+                                                                                real(fn, grid, *rest, **kw)))
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, params)
+    assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
+    nkb = -(-lk // flash_bwd.CONFIGS[config][64].bn)
+    assert (nkb * 2 * hkv, flash_bwd.CONFIGS[config][64].threads) in grids, grids  # a block per KV index
+    want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, params)
+    for name, w in want.items():
+        g = got[name].double()
+        assert g.shape == w.shape == (x[name].shape if name in x else slope.shape), name
+        tol = (2e-2 if name in x else 1e-2) * w.abs().max().item()
+        assert (g - w).abs().max().item() <= tol, name
+
+
+def _gqa_backward_builds():
+    from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+
+    cases = []
+    for d in (64, 128):
+        for config in ("wgp", "wg", flash_bwd.DEFAULT_CONFIG[d]):
+            for name in ("causal", "alibi", "window", "softcap_empty_rows"):
+                # CI: the GQA benchmark's kernel, and the sm_80 default's at d 128 (its registers the tightest)
+                ci = d == 128 and name == "causal" and config in ("wgp", flash_bwd.DEFAULT_CONFIG[d])
+                cases.append((config, d, name) if ci else
+                             nightly_case(config, d, name, reason="a second config, head dim or spec"))
+    return cases
+
+
+@pytest.mark.parametrize("config, d, name", _gqa_backward_builds())
+def test_gqa_backward_kernels_compile_without_spills(config, d, name):
+    """The key-block kernels' GQA builds (with atomic dQ and without; wgmma for sm_90a, the mma.sync default
+    for sm_80) and the dQ kernel's: no spills under NVRTC; the multi-head sources read no group."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip("no NVRTC")
+    from test_flash_attention import SPECS
+
+    program = SPECS[name].program
+    arch = "sm_90a" if flash_bwd.CONFIGS[config][d].wgmma else "sm_80"
+    builds = [(*flash_bwd.kernel_source(program, d, True, atomic, config, gqa=True), arch) for atomic in (True, False)]
+    if config == "wg":
+        builds.append((*flash_bwd.dq_source(program, d, True, gqa=True), "sm_90"))
+    for kname, text, build in builds:
+        assert "_gqa_" in kname and "kv_group" in text
+        usage = nvrtc.compile_source(text, arch=build, options=compile_options(text)).resources[kname]
+        if (name == "softcap_empty_rows" and d == 128 and config in ("wg", "wgp") and "_kv_" not in kname
+                and kname.startswith("flash_bwd_d")):
+            # the soft-cap (a param, dS reading the score) on "wg"'s loop: its multi-head build sits at 254
+            # registers and ptxas puts a word on the stack for the group's loop
+            assert usage.spill_store_bytes <= 8, str(usage)
+        else:
+            assert not usage.spills and usage.registers <= 255, str(usage)
+    assert "kv_group" not in flash_bwd.kernel_source(program, d, True, True, config)[1]
+    assert "kv_group" not in flash_bwd.dq_source(program, d, True)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("spec", ["alibi", "causal"])
+@pytest.mark.parametrize("lq, lk", [(1, 1), (65, 65), (180, 180), (65, 180), (180, 65)])
+def test_gpu_gqa_backward_reads_kv_heads_unrepeated(spec, d, lq, lk, monkeypatch):
+    """The flash backward on the GPU (the device's default configs: on sm_90 the wgmma kernels' GQA builds,
+    ALiBi on "wg"'s loop, causal on "wgp"'s) at group 4 with batch "h b", awkward lengths: no repeat in the
+    call, every gradient within bf16's tolerance of the float64 tiled path's of the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    program = (GQA_HB if spec == "alibi" else ssmc.attention(mask_mod=ssmc.causal, batch="h b", head_dim="d",
+                                                              kv_heads="h")).program
+    rng = np.random.default_rng(d + lq + 3 * lk)
+    a = _inputs(rng, 8, 2, lq, lk, d, d)
+    x = {n: torch.tensor(a[n], device="cuda", dtype=torch.bfloat16) for n in "qkv"}
+    params = {"slope": torch.tensor(a["slope"], device="cuda")} if program.params else {}
+    cot = torch.tensor(rng.standard_normal((2, 8, lq, d)), device="cuda", dtype=torch.bfloat16)
+    tiled = TiledAttention(program)
+    with monkeypatch.context() as m:
+        _no_repeat(m)
+        got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, params)
+    assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
+    want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT,
+                           {n: t.double() for n, t in params.items()})
+    for name, w in want.items():
+        g = got[name].double()
+        assert g.shape == w.shape, name
+        assert torch.isfinite(g).all(), name
+        tol = (2e-2 if name in x else 1e-2) * max(w.abs().max().item(), 1e-3)
+        assert (g - w).abs().max().item() <= tol, name

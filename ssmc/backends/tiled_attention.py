@@ -394,7 +394,14 @@ class TiledAttention:
         Where the flash backward kernel runs the call (`flash_backward`; not when a `block` is forced),
         one launch of it instead, from the forward's output `out` [*batch, Lq, e] (canonical, the fp32 one
         of `delta_output` where the spec has params; recomputed by the forward kernel where None): dq fp32,
-        dk, dv in q's dtype, params fp32. Under GQA dk and dv come back with k's and v's own heads."""
+        dk, dv in q's dtype, params fp32. Under GQA dk and dv come back with k's and v's own heads: from
+        the kernels reading them so where the device's config has a grouped-query build (`reads_kv_heads`:
+        a key-block kernel per KV head summing dK and dV over the group's query heads), else from k and v
+        repeated to q's heads, the gradients summed over each group after."""
+        if call.group > 1 and block is None:
+            kernel = self.flash_backward(call)
+            if kernel is not None and kernel.reads_kv_heads(call):
+                return self._backward(call, lse, d_out, block, out)
         grads = self._backward(call.repeated(), lse, d_out, block, out)
         if call.group > 1:  # k and v repeated to q's heads for the backward: their gradients summed back
             grads["k"], grads["v"] = (group_sum(grads[n], call.group, call.kv_axis) for n in ("k", "v"))

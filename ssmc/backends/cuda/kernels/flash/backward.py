@@ -33,6 +33,11 @@ products instead of 5); the params' per-(key block, batch index) sums are added 
 order. Products in the inputs' 16-bit type with fp32 accumulation;
 P and dS rounded to 16 bits as operands (as FlashAttention).
 
+Grouped-query attention (`FlashBackward.reads_kv_heads`: every config but "bn64"): k and v keep their own heads
+and the key-block kernel's GQA build (``kernel_source(..., gqa=True)``) runs a block per KV index kvh and key
+block, the loop above once for each query head bh of the group (`forward.kv_index`(bh) = kvh), dk[kvh, j] and
+dv[kvh, j] summed over them in registers and stored once; the dQ kernel's reads KV index kv_index(bh).
+
 Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
 its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
 A param's summand is linear in grad_score, d_param(dm) = dm * g, and g may grow with the positions (ALiBi:
@@ -80,6 +85,12 @@ class Config:
         return "sm_90a" if self.wgmma else None
 
     @property
+    def gqa(self) -> bool:
+        """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
+        and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
+        return self.name != "bn64"
+
+    @property
     def bn(self) -> int:
         return 16 * self.warps
 
@@ -87,12 +98,14 @@ class Config:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def shared(self, d: int, atomic_dq: bool) -> int:
-        """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
+    def shared(self, d: int, atomic_dq: bool, keep_p: bool = False) -> int:
+        """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays); `keep_p`: the pipelined loop's
+        fp32 P and dM of a tile beside (specs with params: `keeps_p`)."""
         if self.name == "bn64":
             return 0
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
-            return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
+            return (2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
+                    + (8 * self.bn * self.bq if keep_p else 0))
         return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
 
 
@@ -185,16 +198,27 @@ def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
 
 
 def _pipelines(args: dict) -> bool:
-    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no params (dS'
-    pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
-    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128), and a dS that
-    does not read the score (the tile's scores kept beside P through dS' pass: 32 registers more, spills at
-    d 128). Elsewhere "wgp" runs "wg"'s loop."""
-    return not args["param_bodies"] and not re.search(r"\bscore\b", args["dscore_body"])
+    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: a dS and param
+    summands that do not read the score (the tile's scores kept beside P through dS' pass: 32 registers more,
+    spills at d 128). Elsewhere "wgp" runs "wg"'s loop. dS' pass reads P back rounded to 16 bits from dV's
+    fragments; with params it reads the fp32 P from shared memory instead (`keeps_p`): their sums are weighted
+    by positions (ALiBi's -(i - j)), and with P rounded they missed by 10x the tolerance (the delta
+    correction assumes the P the summands took sums to 1 a row); kept in registers, P spilled at d 128."""
+    return not any(re.search(r"\bscore\b", body) for body in [args["dscore_body"], *args["param_bodies"]])
+
+
+def keeps_p(program: Attention, d: int, cfg: Config) -> bool:
+    """Whether `cfg`'s kernel of `program` keeps the tile's fp32 P in shared memory (`_pipelines`: the
+    pipelined loop of a spec with params); cached."""
+    key = ("keeps_p", program, d, cfg)
+    hit = _SOURCES.get(key)
+    if hit is None:
+        hit = _SOURCES[key] = bool(cfg.pipelined and program.params and _pipelines(_printed(program, d)[0]))
+    return hit
 
 
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
-                  config_name: str | None = None) -> tuple[str, str]:
+                  config_name: str | None = None, gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
     `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
     config `config_name` (`config`: None for the options'); cached. Raises `Unprintable` where
@@ -204,33 +228,38 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
     cfg = config(d, config_name)
 
     def build(args: dict, digest: str):
-        suffix = "" if cfg.name == "bn64" else "_" + cfg.name
+        suffix = ("" if cfg.name == "bn64" else "_" + cfg.name) + ("_gqa" if gqa else "")
         name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
         common = dict(name=name, bf16=bf16, atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params),
-                      **args)
+                      gqa=gqa, **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
         if cfg.wgmma:
             from ..wgmma import header
 
+            pipe = cfg.pipelined and _pipelines(args)
+            keep_p = pipe and bool(args["param_bodies"])
             return name, header() + "\n" + template("flash/backward_wgmma.cu.j2").render(
-                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq),
-                pipelined=cfg.pipelined and _pipelines(args), **common)
+                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq, keep_p), pipelined=pipe, keep_p=keep_p,
+                **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
-    return _source((program, d, bf16, atomic_dq, cfg), program, d, build)
+    if gqa and not cfg.gqa:
+        raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build")
+    return _source((program, d, bf16, atomic_dq, cfg, gqa), program, d, build)
 
 
 BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
 
 
-def dq_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
+def dq_source(program: Attention, d: int, bf16: bool, gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
-    `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; cached."""
+    `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; `gqa`: k and v with
+    fewer heads than q (`forward.kv_index`, the group and inner size from the spans' tail); cached."""
     def build(args: dict, digest: str):
-        name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
-        return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, **args)
-    return _source((program, d, bf16, "dq"), program, d, build)
+        name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}{'_gqa' if gqa else ''}_{digest}"
+        return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, gqa=gqa, **args)
+    return _source((program, d, bf16, "dq", gqa), program, d, build)
 
 
 def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
@@ -294,21 +323,33 @@ class FlashBackward:
         self.reason = unsupported(program)
         self._spans: dict = {}
 
-    def _function(self, device, d: int, bf16: bool, which: str = "atomic"):
+    def reads_kv_heads(self, call) -> bool:
+        """Whether the kernels run a grouped-query call (`call.group` > 1) on k and v with their own heads (the
+        device's config has a GQA build: `Config.gqa`); where not, the caller repeats k and v to q's heads and
+        sums dK and dV over each group."""
+        return call.group > 1 and config(call.q.shape[-1], None, call.q.device).gqa
+
+    def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False):
         if which.startswith("delta"):
             name, text = delta_source(d, bf16, which == "delta32")
         elif which == "dq":
-            name, text = dq_source(self.program, d, bf16)
+            name, text = dq_source(self.program, d, bf16, gqa)
         else:
             cfg = config(d, None, device)
-            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name)
+            name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name,
+                                       gqa=gqa)
             return loaded_function(text, name, device, arch=cfg.arch)
         return loaded_function(text, name, device)
 
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
+        """The spans as the kernels take them (`forward.span_table`: then grouped-query attention's group and
+        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached."""
         import torch
 
-        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn)
+        from .forward import gqa_shape, span_table
+
+        gqa = gqa_shape(call)
+        key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
             if len(self._spans) > 64:
@@ -317,8 +358,7 @@ class FlashBackward:
                 spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes)
             else:
                 spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
-            flat = [x for span in spans for x in span]
-            t = self._spans[key] = torch.tensor(flat, dtype=torch.int32, device=call.q.device)
+            t = self._spans[key] = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         return t
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
@@ -340,7 +380,9 @@ class FlashBackward:
     def __call__(self, call, out, lse, d_out) -> dict:
         """{"q": dq fp32, "k", "v": in q's dtype, param names: fp32 by their axes}, canonical, of a bound
         call that `forward.call_unsupported` accepts, given the forward's out [*batch, Lq, d] and lse
-        [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]."""
+        [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]. Under grouped-query attention
+        (`reads_kv_heads`) k and v with their own heads: dk and dv come back so, summed over each group by
+        the key-block kernel (a block per KV index and key block walking the group's query heads)."""
         import torch
 
         from ...launch import launch_kernel
@@ -364,6 +406,9 @@ class FlashBackward:
         dk = new(k.shape, dtype=q.dtype, device=q.device)
         dv = new(v.shape, dtype=q.dtype, device=q.device)
         cfg = config(d, None, q.device)
+        gqa = call.group > 1
+        if gqa and not cfg.gqa:
+            raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
         nkb = -(-lk // cfg.bn)
         np_ = len(self.program.params)
         partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
@@ -382,12 +427,13 @@ class FlashBackward:
             launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
                          -(-bh * lq // 4), 128, 0,
                          [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
-            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv"), nkb * bh, cfg.threads,
-                         cfg.shared(d, atomic),
-                         [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                          dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
+            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa),
+                             nkb * (bh // call.group), cfg.threads,
+                             cfg.shared(d, atomic, keeps_p(self.program, d, cfg)),
+                             [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                              dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
             if not atomic:
-                launches.append((self._function(q.device, d, bf16, "dq"), -(-lq // BM) * bh, THREADS, 0,
+                launches.append((self._function(q.device, d, bf16, "dq", gqa), -(-lq // BM) * bh, THREADS, 0,
                                  [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()],
                                  lq, lk))
             for fn, blocks, threads, shared, pointers, n0, n1 in launches:
