@@ -8,8 +8,8 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
 
 1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) β_j k_jᵀ v_j`` (fp32);
 2. ``state_pass``: per (head, 4 state entries), the chunks in order: the state entering each chunk, in
-   place of the chunk's sum, and the final state (``state_pass_half``, for a call that keeps no tape:
-   the entering states in 16 bits, as chunk_output reads them);
+   place of the chunk's sum, and the final state (``state_pass_half``, ChunkedCore's calls: the entering
+   states in 16 bits, as chunk_output and the backward's chunk_dq read them);
    or, for both (``one_pass``), ``chunk_states_scan``: per (head, 64 keys, 64 values), the chunks in
    order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
@@ -22,7 +22,8 @@ so that O is the program's output; its backward part (`algorithm.skip_grad`) is 
 gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO_iν`` comes with it.
 
 The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
-chunk's end state (the chunks last first, as the forward's states), then ``chunk_dq``, ``chunk_dk``,
+chunk's end state (the chunks last first, as the forward's states; in 16 bits, as chunk_dk and chunk_dv
+read it), then ``chunk_dq``, ``chunk_dk``,
 ``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
@@ -195,7 +196,7 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     [*H, NC, K, V] fp32, the final state [*H, K, V] fp32), H the heads of all operands broadcast.
     `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
     and returned; else into a new array. `one_pass`: the states by chunk_states_scan (default
-    `ONE_PASS`). `half_states` (a call that keeps no tape): the entering states are passed to
+    `ONE_PASS`). `half_states` (ChunkedCore's calls, with a tape or not): the entering states are passed to
     chunk_output in q's 16 bits (state_pass_half; chunk_output rounds them so either way: the same
     output, half the bytes written and read) and returned so; not with `one_pass`. `out_dtype`: O in
     fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
@@ -337,12 +338,13 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     block of chunk_dq / chunk_dk sums (a divisor of r; tests force it), default `_heads_a_block`'s. From
     what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
-    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array}, each
+    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array, or a function
+    that makes it, called as the kernel that writes it is launched (so that it is not live before)}, each
     written there where `writable_out` (fp32; a view of a time-first gradient, say) and returned.
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
-    ⟨d_end, S_p⟩'s parts) and "d_end" [*H, NC, K, V]."""
+    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit)."""
     q = _chunked_view(x.q, True)
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
@@ -357,19 +359,27 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
-    entering = entering.contiguous()
+    # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
+    # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
+    entering = entering.to(q.dtype).contiguous()
     d_final = d_final.to(torch.float32).expand(*heads, key, value).contiguous()
-    d_end = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
+    # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
+    sums = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    d_end = torch.empty((*heads, nc, key, value), dtype=q.dtype, device=dev)
     ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     outs = outs or {}
 
+    def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
+        a = outs.get(name)
+        return a() if callable(a) else a
+
     def grad(name, size):  # where `outs` has a place the kernels can write, there
-        given = outs.get(name)
-        return given if writable_out(given, heads, nc, chunk, size) else torch.empty(
+        a = given(name)
+        return a if writable_out(a, heads, nc, chunk, size) else torch.empty(
             (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
 
-    dv = grad("dv", value)
     # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
     # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
     rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
@@ -396,10 +406,11 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     tiles = (key // 64) * (value // 64)
     # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
     run(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
-        [_base(q), _base(do), _base(ell), *table(q, q, do, ell, q, q, ell, ell), d_end.data_ptr(), gamma.data_ptr()])
+        [_base(q), _base(do), _base(ell), *table(q, q, do, ell, q, q, ell, ell), sums.data_ptr(), gamma.data_ptr()])
     run(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-        [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
+        [gamma.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
          entered.data_ptr()])
+    del sums
 
     def summed(name, operand, roles, state):
         """dq (dk) by chunk_dq (chunk_dk), summed over the heads `operand` lacks where `_heads_summed` finds
@@ -408,12 +419,11 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
         per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
         if r % per or per >= 1 << 16 or r // per >= 1 << 15:
             raise ValueError(f"{per} heads a block do not divide the {r} summed")
-        given = outs.get(name)
         sums = None
         if r == 1:
             out = grad(name, key)
-        elif r == per and writable_out(given, shape, nc, chunk, key):
-            out = given
+        elif r == per and writable_out(a := given(name), shape, nc, chunk, key):
+            out = a
         else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
             sums = torch.empty((*shape, r // per, nc, chunk, key), dtype=torch.float32, device=dev)
             out = sums.select(t, 0)
@@ -431,6 +441,7 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
 
     dq = summed("dq", q, (do, v, k), entering)
     dk = summed("dk", k, (v, do, q), d_end)
+    dv = grad("dv", value)
     run(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
         [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
          *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
