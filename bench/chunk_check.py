@@ -76,8 +76,11 @@ def timed(fn) -> float:
 
 
 def rel(got, want) -> float:
+    """‖got − want‖ / ‖want‖; where `got` has 1 on head axes `want` has more (dq, dk, which mma.backward
+    sums over the heads q, k lack), `want` summed over them, against the size of its terms ‖want‖."""
     got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+    axes = [i for i, (g, w) in enumerate(zip(got.shape, want.shape)) if g == 1 and w > 1]
+    return float((got - (want.sum(axes, keepdim=True) if axes else want)).norm() / want.norm().clamp_min(1e-30))
 
 
 class switched_off:

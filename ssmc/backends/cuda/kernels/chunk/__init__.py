@@ -90,6 +90,19 @@ class NonPositiveDecay(ValueError):
     """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
 
 
+class _Made:
+    """An array made when first asked for, then kept (`array`): mma.backward's `outs`, made as late as the
+    kernel that writes it."""
+
+    def __init__(self, make):
+        self.make, self.array = make, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.array is None:
+            self.array = self.make()
+        return self.array
+
+
 class ChunkedCore:
     """Runs one core program (`core_form`) chunked, forward and backward (module docstring)."""
 
@@ -295,8 +308,8 @@ class ChunkedCore:
         return {node.arg: q.dtype for node in (ml.k, ml.v) if node.arg not in seqs}
 
     def forward(self, seqs, params, initial, sizes, length, outputs: bool = True, out_dtype=None, tape=True):
-        """(outputs, final states, tape) of a training forward: outputs time first. `tape` False (an
-        inference call): the tape's entering states may be 16-bit (`mma.forward`'s half_states), the
+        """(outputs, final states, tape) of a training forward: outputs time first; on the kernels the tape's
+        entering states are 16-bit (`mma.forward`'s half_states). `tape` False (an inference call): the
         output written in `out_dtype` by the kernels where that is q's 16-bit dtype."""
         q_arr, _ = self._input(self.ml.q, seqs, params)
         chunk = chunk_size(self.ml, sizes, length, q_arr.dtype)
@@ -305,7 +318,9 @@ class ChunkedCore:
         if mma.kernels_apply(x):
             o_dtype = out_dtype if out_dtype == x.q.dtype else torch.float32
             direct = self._time_first_out(sizes, length, chunk, x.q.device, o_dtype)
-            out, entering, final = mma.forward(x, out=None if direct is None else direct[1], half_states=not tape,
+            # the entering states in q's 16 bits, with a tape too: chunk_output and the backward's chunk_dq read
+            # them rounded (mma.backward), so half the bytes are kept
+            out, entering, final = mma.forward(x, out=None if direct is None else direct[1], half_states=True,
                                                out_dtype=o_dtype)
             if direct is not None and out.data_ptr() == direct[1].data_ptr():
                 time_first = direct[0]
@@ -329,19 +344,21 @@ class ChunkedCore:
         if d_out is not None and mma.backward_applies(x, d_out):
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
             # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
+            # (each made as its kernel runs, so that it is not live before: `_Made`)
             direct = {}
             for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
                 _, timed = self._input(node, seqs, params)
                 unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
-                found = timed and unique and self._time_first_out(sizes, length, chunk, x.q.device, axes=node.axes,
-                                                                  inner=inner)
-                if found:
-                    direct[role] = found[1]
+                axes = tuple(node.axes)
+                if timed and unique and set(axes) == {*ml.heads, inner} and axes[-1] == inner:  # _time_first_out's
+                    direct[role] = _Made(lambda axes=axes, inner=inner: self._time_first_out(
+                        sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
                                                                   outs=direct)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
-            dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering, tape.final, d_out, d_final)
+            # (the kernels' 16-bit entering states in the compute dtype: the torch path's products take one dtype)
+            dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering.to(x.compute), tape.final, d_out, d_final)
         grads: dict[str, torch.Tensor] = {}
 
         def add(node, grad, inner):

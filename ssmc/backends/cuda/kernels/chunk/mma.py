@@ -8,8 +8,8 @@ Chunks of 64, 128 or 256 steps (`CHUNKS`; `chunk_for` picks; SSMC_CUDA_CHUNK for
 
 1. ``chunk_states``: per (head, chunk, 64 keys, 64 values), ``Σ_j exp(Γ − Λ_j) β_j k_jᵀ v_j`` (fp32);
 2. ``state_pass``: per (head, 4 state entries), the chunks in order: the state entering each chunk, in
-   place of the chunk's sum, and the final state (``state_pass_half``, for a call that keeps no tape:
-   the entering states in 16 bits, as chunk_output reads them);
+   place of the chunk's sum, and the final state (``state_pass_half``, ChunkedCore's calls: the entering
+   states in 16 bits, as chunk_output and the backward's chunk_dq read them);
    or, for both (``one_pass``), ``chunk_states_scan``: per (head, 64 keys, 64 values), the chunks in
    order, the state in registers;
 3. ``chunk_output``: per (head, chunk, 64 values), ``exp(Λ_i) q_i S_p + Σ_{j≤i} exp(Λ_i − Λ_j)
@@ -28,7 +28,8 @@ so that O is the program's output; its backward part (`algorithm.skip_grad`) is 
 gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO_iν`` comes with it.
 
 The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
-chunk's end state (the chunks last first, as the forward's states), then ``chunk_dq``, ``chunk_dk``,
+chunk's end state (the chunks last first, as the forward's states; in 16 bits, as chunk_dk and chunk_dv
+read it), then ``chunk_dq``, ``chunk_dk``,
 ``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
@@ -231,8 +232,8 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `out`: where `writable_out`, O is written there (a view of the program's time-first output, say)
     and returned; else into a new array. `one_pass`: the states by chunk_states_scan (default
     `ONE_PASS`); else by chunk_states_pass* (`FUSED_STATES`, SSMC_CUDA_CHUNK_STATES=fused) or chunk_states
-    and state_pass*. `half_states` (a call that keeps no tape): the entering states are passed to
-    chunk_output in q's 16 bits (state_pass_half or chunk_states_pass_half; chunk_output rounds them so
+    and state_pass*. `half_states` (ChunkedCore's calls, with a tape or not): the entering states are passed
+    to chunk_output in q's 16 bits (state_pass_half or chunk_states_pass_half; chunk_output rounds them so
     either way: the same output, half the bytes written and read) and returned so; not with `one_pass`.
     `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
@@ -328,15 +329,48 @@ def _base(a: torch.Tensor) -> int:
 
 
 def _launch(text: str, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
-            events: list | None) -> None:
+            events: list | None, length: int | None = None) -> None:
+    """Launch kernel `name` with (length, nblk) = (`length`, default nc · chunk; nc)."""
     timing = events is not None and not emulating()
     if timing:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    launch_kernel(_function(text, name), (blocks, threads), nc * chunk, nc, pointers, shared=shared)
+    launch_kernel(_function(text, name), (blocks, threads), nc * chunk if length is None else length, nc, pointers,
+                  shared=shared)
     if timing:
         end.record()
         events.append((name, start, end))
+
+
+# chunk_dq / chunk_dk sum dq (dk) over the heads q (k) lacks in the kernels (SSD's r heads of a group) rather
+# than writing it per head (r times the bytes: 256 MiB each at B4 L4096 H32 N128, against 8 summed): a block set
+# loops over `per` of a group's heads, in order. All r in one set leaves few blocks (B·G·NC·K/64: 256 at that
+# shape, for 132 SMs holding two such blocks each: one partial wave); so the heads are split into r / per subsets,
+# each its own partial sum ([.., subsets, NC, C, K], summed in order after), per the most heads that still give
+# at least BLOCKS_PER_SM blocks an SM: several waves of blocks, so that the last one's tail costs little
+BLOCKS_PER_SM = 6
+
+
+def _heads_summed(operand: tuple[int, ...], heads: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(r, the operand's head shape) where the operand's heads are `heads` but for a trailing block of r > 1
+    it lacks (SSD's B, C: [b, g, 1] of [b, g, r]): the kernels sum its gradient over those; else (1, heads)."""
+    m = len(heads)
+    while m > 0 and operand[m - 1] == 1:
+        m -= 1
+    r = math.prod(heads[m:])
+    if r == 1 or tuple(operand[:m]) != tuple(heads[:m]):
+        return 1, heads
+    return r, (*heads[:m], *[1] * (len(heads) - m))
+
+
+def _heads_a_block(r: int, blocks_a_head: int, sets: int) -> int:
+    """The heads a block set of chunk_dq / chunk_dk sums (a divisor of r): the most whose grid, `sets` · r /
+    per sets of `blocks_a_head` blocks, still gives `BLOCKS_PER_SM` blocks to each SM."""
+    want = BLOCKS_PER_SM * options().sm_count
+    for per in sorted((d for d in range(1, r + 1) if r % d == 0), reverse=True):
+        if sets * (r // per) * blocks_a_head >= want:
+            return per
+    return 1
 
 
 def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
@@ -347,18 +381,23 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 
 
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
-             events: list | None = None, parts: dict | None = None, outs: dict | None = None):
-    """`algorithm.vjp` on the kernels: (dq [*H, NC, C, K], dk [*H, NC, C, K], dv [*H, NC, C, V], dell
+             events: list | None = None, parts: dict | None = None, outs: dict | None = None,
+             heads_a_block: int | None = None):
+    """`algorithm.vjp` on the kernels: (dq [*Hq, NC, C, K], dk [*Hk, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
-    fp32 over every head H (the caller sums them over the heads an operand lacks), from what `forward` returned
-    (entering [*H, NC, K, V], final [*H, K, V]), d_out
+    fp32 over every head H (the caller sums them over the heads an operand lacks), but dq and dk, which
+    the kernels sum over a trailing block of heads q (k) lacks (SSD's C, B: Hq = [b, g, 1] of H = [b, g, r];
+    `_heads_summed`), in their order: Hq is H with 1 there (else Hq = H). `heads_a_block`: the heads a
+    block of chunk_dq / chunk_dk sums (a divisor of r; tests force it), default `_heads_a_block`'s. From
+    what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
-    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array}, each
+    d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array, or a function
+    that makes it, called as the kernel that writes it is launched (so that it is not live before)}, each
     written there where `writable_out` (fp32; a view of a time-first gradient, say) and returned.
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
-    ⟨d_end, S_p⟩'s parts) and "d_end" [*H, NC, K, V]."""
+    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit)."""
     q = _chunked_view(x.q, True)
     k = _chunked_view(x.k, True)
     v = _chunked_view(x.v, True)
@@ -373,19 +412,27 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     nh = math.prod(heads)
     nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
-    entering = entering.contiguous()
+    # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
+    # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
+    entering = entering.to(q.dtype).contiguous()
     d_final = d_final.to(torch.float32).expand(*heads, key, value).contiguous()
-    d_end = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
+    # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
+    sums = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
+    d_end = torch.empty((*heads, nc, key, value), dtype=q.dtype, device=dev)
     ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
     gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
     outs = outs or {}
 
+    def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
+        a = outs.get(name)
+        return a() if callable(a) else a
+
     def grad(name, size):  # where `outs` has a place the kernels can write, there
-        given = outs.get(name)
-        return given if writable_out(given, heads, nc, chunk, size) else torch.empty(
+        a = given(name)
+        return a if writable_out(a, heads, nc, chunk, size) else torch.empty(
             (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
 
-    dq, dk, dv = grad("dq", key), grad("dk", key), grad("dv", value)
     # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
     # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
     rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
@@ -406,28 +453,52 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     def ptr(a):
         return 0 if a is None else a.data_ptr()
 
+    def run(text, name, blocks, threads, ck, cv, pointers, length=None):
+        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events, length)
+
     tiles = (key // 64) * (value // 64)
     # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
-    states_table = table(q, q, do, ell, dq, q, ell, ell)
-    launches = [
-        (kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
-         [_base(q), _base(do), _base(ell), *states_table, d_end.data_ptr(), gamma.data_ptr()]),
-        (kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-         [gamma.data_ptr(), d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
-          entered.data_ptr()]),
-        (vk, "chunk_dq", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(do), _base(v), _base(k), _base(ell), beta_ptr, 0, *table(do, v, k, ell, dq, q, beta_col, ell),
-          entering.data_ptr(), _base(dq), _base(q), rows.data_ptr()]),
-        (vk, "chunk_dk", nh * nc * (key // 64), 2 * chunk, value, key,
-         [_base(v), _base(do), _base(q), _base(ell), beta_ptr, 0, *table(v, do, q, ell, dk, k, beta_col, ell),
-          d_end.data_ptr(), _base(dk), _base(k), rows.data_ptr()]),
-        (kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
-         [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
-          *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
-          ptr(d_beta), ptr(d_skip)]),
-    ]
-    for text, name, blocks, threads, ck, cv, pointers in launches:
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events)
+    run(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
+        [_base(q), _base(do), _base(ell), *table(q, q, do, ell, q, q, ell, ell), sums.data_ptr(), gamma.data_ptr()])
+    run(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
+        [gamma.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
+         entered.data_ptr()])
+    del sums
+
+    def summed(name, operand, roles, state):
+        """dq (dk) by chunk_dq (chunk_dk), summed over the heads `operand` lacks where `_heads_summed` finds
+        them: `roles` (q, k, v) of its products, `state` the one it reads."""
+        r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
+        per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
+        if r % per or per >= 1 << 16 or r // per >= 1 << 15:
+            raise ValueError(f"{per} heads a block do not divide the {r} summed")
+        sums = None
+        if r == 1:
+            out = grad(name, key)
+        elif r == per and writable_out(a := given(name), shape, nc, chunk, key):
+            out = a
+        else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
+            sums = torch.empty((*shape, r // per, nc, chunk, key), dtype=torch.float32, device=dev)
+            out = sums.select(t, 0)
+        a, b, w = roles
+        # (length, blocks) = ((subsets << 16) | heads a block, nh / per block sets of NC · K/64 blocks)
+        run(vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
+            [_base(a), _base(b), _base(w), _base(ell), beta_ptr, 0, *table(a, b, w, ell, out, operand, beta_col, ell),
+             state.data_ptr(), _base(out), _base(operand), rows.data_ptr()], (r // per) << 16 | per)
+        if sums is None or r == per:
+            return out
+        total = sums.select(t, 0).clone()  # the subsets' partial sums added in order (no reduction's own order)
+        for i in range(1, r // per):
+            total += sums.select(t, i)
+        return total  # (the partial sums freed before the next kernel's are made)
+
+    dq = summed("dq", q, (do, v, k), entering)
+    dk = summed("dk", k, (v, do, q), d_end)
+    dv = grad("dv", value)
+    run(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
+        [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
+         *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
+         ptr(d_beta), ptr(d_skip)])
     if parts is not None:
         parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
     d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
