@@ -284,8 +284,7 @@ def test_flash_backward_compiles_without_spills(arch, d, name):
     # sm_90, and not for sm_80
     built = [flash_bwd.DEFAULT_CONFIG[d], flash_bwd.HOPPER_CONFIG[d]] if in_ci() else list(configs)
     sources = [(*flash_bwd.kernel_source(program, d, True, atomic_dq=atomic, config_name=config),
-                configs[config][d].shared(d, atomic, flash_bwd.keeps_p(program, d, configs[config][d])),
-                configs[config][d].bq, configs[config][d].wgmma)
+                configs[config][d].shared(d, atomic), configs[config][d].bq, configs[config][d].wgmma)
                for config in built for atomic in (True, False) if arch == "sm_90" or not configs[config][d].wgmma]
     sources.append((*flash_bwd.dq_source(program, d, True), 0, 0, False))
     for kname, text, dynamic, bq, wgmma in sources:
