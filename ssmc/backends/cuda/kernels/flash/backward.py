@@ -98,14 +98,12 @@ class Config:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def shared(self, d: int, atomic_dq: bool, keep_p: bool = False) -> int:
-        """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays); `keep_p`: the pipelined loop's
-        fp32 P and dM of a tile beside (specs with params: `keeps_p`)."""
+    def shared(self, d: int, atomic_dq: bool) -> int:
+        """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
-            return (2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
-                    + (8 * self.bn * self.bq if keep_p else 0))
+            return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
         return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
 
 
@@ -198,23 +196,12 @@ def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
 
 
 def _pipelines(args: dict) -> bool:
-    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: a dS and param
-    summands that do not read the score (the tile's scores kept beside P through dS' pass: 32 registers more,
-    spills at d 128). Elsewhere "wgp" runs "wg"'s loop. dS' pass reads P back rounded to 16 bits from dV's
-    fragments; with params it reads the fp32 P from shared memory instead (`keeps_p`): their sums are weighted
-    by positions (ALiBi's -(i - j)), and with P rounded they missed by 10x the tolerance (the delta
-    correction assumes the P the summands took sums to 1 a row); kept in registers, P spilled at d 128."""
-    return not any(re.search(r"\bscore\b", body) for body in [args["dscore_body"], *args["param_bodies"]])
-
-
-def keeps_p(program: Attention, d: int, cfg: Config) -> bool:
-    """Whether `cfg`'s kernel of `program` keeps the tile's fp32 P in shared memory (`_pipelines`: the
-    pipelined loop of a spec with params); cached."""
-    key = ("keeps_p", program, d, cfg)
-    hit = _SOURCES.get(key)
-    if hit is None:
-        hit = _SOURCES[key] = bool(cfg.pipelined and program.params and _pipelines(_printed(program, d)[0]))
-    return hit
+    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no params (dS'
+    pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
+    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128), and a dS that
+    does not read the score (the tile's scores kept beside P through dS' pass: 32 registers more, spills at
+    d 128). Elsewhere "wgp" runs "wg"'s loop."""
+    return not args["param_bodies"] and not re.search(r"\bscore\b", args["dscore_body"])
 
 
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
@@ -237,11 +224,9 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
         if cfg.wgmma:
             from ..wgmma import header
 
-            pipe = cfg.pipelined and _pipelines(args)
-            keep_p = pipe and bool(args["param_bodies"])
             return name, header() + "\n" + template("flash/backward_wgmma.cu.j2").render(
-                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq, keep_p), pipelined=pipe, keep_p=keep_p,
-                **common)
+                warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq),
+                pipelined=cfg.pipelined and _pipelines(args), **common)
         return name, template("flash/backward_wide.cu.j2").render(
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
     if gqa and not cfg.gqa:
@@ -428,8 +413,7 @@ class FlashBackward:
                          -(-bh * lq // 4), 128, 0,
                          [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
             launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa),
-                             nkb * (bh // call.group), cfg.threads,
-                             cfg.shared(d, atomic, keeps_p(self.program, d, cfg)),
+                             nkb * (bh // call.group), cfg.threads, cfg.shared(d, atomic),
                              [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
                               dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
             if not atomic:
