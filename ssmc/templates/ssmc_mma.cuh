@@ -80,6 +80,20 @@ template <bool BF16> __device__ __forceinline__ unsigned pack2(float lo, float h
 #endif
 }
 
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+// the emulations' gather (mma_16816, mma_1688, where no mma.sync): lane (g, q) takes, from lane g*4 + j, A's
+// registers of rows g and g+8, and from lanes (2q)*4 + j and (2q+1)*4 + j, B's registers of columns 2q, 2q+1
+__device__ __forceinline__ void emulated_gather(const unsigned a[4], const unsigned b[2], int j, unsigned ra[4],
+                                                unsigned rb0[2], unsigned rb1[2]) {
+    const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
+    for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
+    for (int r = 0; r < 2; ++r) {
+        rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
+        rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
+    }
+}
+#endif
+
 // d += A B for one warp (the fragments above); every lane of the warp calls it, converged
 template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], const unsigned b[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -97,14 +111,9 @@ template <bool BF16> __device__ __forceinline__ void mma_16816(float d[4], const
 #else
     // the emulator: lane (g, q) gathers row g and g+8 of A and columns 2q, 2q+1 of B, k pair by k pair.
     // A[g][2j, 2j+1] (and +8 along k) lives in lane g*4 + j; B[2j, 2j+1][n] in lane n*4 + j.
-    const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
     for (int j = 0; j < 4; ++j) {
         unsigned ra[4], rb0[2], rb1[2];
-        for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
-        for (int r = 0; r < 2; ++r) {
-            rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
-            rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
-        }
+        emulated_gather(a, b, j, ra, rb0, rb1);
         for (int kh = 0; kh < 2; ++kh) {          // k in [0, 8) then [8, 16)
             for (int s = 0; s < 2; ++s) {         // the lower then the upper 16 bits: k = 2j + s
                 const int shift = 16 * s;
@@ -147,14 +156,9 @@ __device__ __forceinline__ void mma_1688(float d[4], const unsigned a[4], const 
     // lower 13 bits dropped, as the tensor cores read them; a product of two tf32 values is exact in fp32).
     // A[g][k] lives in lane g*4 + k % 4 (a[0] for k < 4, a[2] past), A[g+8][k] likewise in a[1] / a[3];
     // B[k][n] in lane n*4 + k % 4 (b[0] for k < 4, b[1] past).
-    const int lane = (int)(threadIdx.x % 32), g = lane / 4, q = lane % 4;
     for (int j = 0; j < 4; ++j) {
         unsigned ra[4], rb0[2], rb1[2];
-        for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + j);
-        for (int r = 0; r < 2; ++r) {
-            rb0[r] = __shfl_sync(0xffffffffu, b[r], (2 * q) * 4 + j);
-            rb1[r] = __shfl_sync(0xffffffffu, b[r], (2 * q + 1) * 4 + j);
-        }
+        emulated_gather(a, b, j, ra, rb0, rb1);
         for (int kh = 0; kh < 2; ++kh) {  // k = j, then j + 4
             const float a_top = __uint_as_float(ra[2 * kh] & 0xffffe000u);
             const float a_bot = __uint_as_float(ra[2 * kh + 1] & 0xffffe000u);
