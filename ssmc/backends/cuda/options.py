@@ -132,33 +132,21 @@ def variable(field: str) -> str:
 
 
 _BOOLS = {"0": False, "1": True}
+# the options that take one of a list of names
+_CHOICES = {"strategy": STRATEGIES, "flash_backward_config": FLASH_BACKWARD, "chunk_output": CHUNK_OUTPUT,
+            "chunk_states": CHUNK_STATES, "flash_forward": FLASH_FORWARD}
 
 
 def _parse(name: str, field: str, raw: str):
     kind = {f.name: f.type for f in fields(CudaOptions)}[field]
-    if field == "strategy":
-        if raw not in STRATEGIES:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(STRATEGIES)}")
-        return raw
-    if field == "flash_backward_config":
-        if raw not in FLASH_BACKWARD:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(FLASH_BACKWARD)}")
-        return raw
-    if field == "chunk_output":
-        if raw not in CHUNK_OUTPUT:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(CHUNK_OUTPUT)}")
-        return raw
-    if field == "chunk_states":
-        if raw not in CHUNK_STATES:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(CHUNK_STATES)}")
+    choices = _CHOICES.get(field)
+    if choices is not None:
+        if raw not in choices:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
         return raw
     if field == "flash_dq":
         if raw not in ("atomic", "kernel"):
             raise ValueError(f"{name}={raw!r}: expected 'atomic' or 'kernel'")
-        return raw
-    if field == "flash_forward":
-        if raw not in FLASH_FORWARD:
-            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(FLASH_FORWARD)}")
         return raw
     if "bool" in str(kind):
         if raw not in _BOOLS:
