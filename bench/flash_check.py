@@ -231,6 +231,19 @@ def gqa_row(b: int, hq: int, hkv: int, length: int, d: int) -> dict:
             "train": timed(lambda: _grads(fn, [q, k, v], do)), "train_ref": timed(lambda: _grads(ref, [q, k, v], do))}
 
 
+def config_report(text: str, out: Path | None, filename: str, rows: list[dict], base: str) -> None:
+    """The config sweeps' ending (bench/flash_*_configs.py): print `text`, write it to out/filename, and exit
+    non-zero where a row's error against the base config (key `base`) or the peer passes 3e-2."""
+    print(text)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / filename).write_text(text)
+    bad = [(r["spec"], r["shape"], r["config"]) for r in rows
+           if not (r[base] < 3e-2 and (math.isnan(r["err_ref"]) or r["err_ref"] < 3e-2))]
+    if bad:
+        raise SystemExit(f"errors too large: {bad}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="folder to write flash.md to")

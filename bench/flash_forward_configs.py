@@ -84,14 +84,7 @@ def main() -> None:
     text = (f"# ssmc flash forward configs\n\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; "
             "ref: SDPA (causal), FlexAttention under torch.compile (ALiBi, window); ref / ms > 1: ssmc faster.\n\n"
             + table(rows) + "\n")
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "flash_forward_configs.md").write_text(text)
-    bad = [(r["spec"], r["shape"], r["config"]) for r in rows
-           if not (r["err_base"] < 3e-2 and (math.isnan(r["err_ref"]) or r["err_ref"] < 3e-2))]
-    if bad:
-        raise SystemExit(f"errors too large: {bad}")
+    flash_check.config_report(text, args.out, "flash_forward_configs.md", rows, "err_base")
 
 
 if __name__ == "__main__":
