@@ -283,6 +283,29 @@ def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
     return best[1]
 
 
+def _fragment_rows(ctype: str, per16: int) -> list[str]:
+    """The lines giving each lane its ldmatrix row addresses, `sa[i]` in the staged chunk (A, m-tile i) and
+    `sb[n / 2]` in sub (B, n-tiles n and n + 1), of values of `ctype`, `per16` of them in 16 bytes (8: the 16-bit
+    form; 4: the tf32 form, whose fp32 values ldmatrix moves as pairs of 16 bits): a register plus a constant for
+    each tile and k step of the chunk; the tiles past the ends clamped to the last (a valid address; their
+    products are skipped). A (x4: rows 0-7, 8-15 at the first 16 bytes, then the next): lane l at row l % 16,
+    column per16 (l / 16). B (x4: the k rows of tile n's first 16 bytes, its next, then tile n + 1's; an odd last
+    tile's x4 reads the tile past it, clamped): lane l at row 8 (n + l / 16) + l % 8, column per16 ((l / 8) % 2)."""
+    return [
+        "    const int ln = threadIdx.x % 32;",
+        f"    const {ctype}* sa[WM];",
+        f"    const {ctype}* sb[(WN + 1) / 2];",
+        "    #pragma unroll",
+        "    for (int i = 0; i < WM; ++i)",
+        f"        sa[i] = &sh[(MFULL ? wm0 + i : min(wm0 + i, MT - 1)) * 16 + ln % 16][{per16} * (ln / 16)];",
+        "    #pragma unroll",
+        "    for (int n = 0; n < WN; n += 2) {",
+        "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
+        f"        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + {per16} * ((ln / 8) % 2);",
+        "    }",
+    ]
+
+
 def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   seq_strides: dict[str, tuple[int, ...]] | None = None,
                   out_strides: dict[str, tuple[int, ...]] | None = None,
@@ -483,27 +506,11 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     else:
         gm, gn, wm, wn = warp_grid(plan) if plan.mma else (1, 1, 1, 1)
         gk = 1
-    # ldmatrix: each lane's row address in the staged chunk (A) and in sub (B), a register plus a constant for each
-    # m-tile, n-tile pair and k16 step of the chunk (its k16 steps unrolled); the tiles past the ends clamped to the
-    # last (a valid address; their products are skipped). A, m-tile i (x4: rows 0-7, 8-15 at columns 0-7, then at
-    # 8-15): lane l at row l % 16, column 8 (l / 16). B, n-tiles n, n + 1 (x4: k 0-7, 8-15 of tile n, then of
-    # n + 1; an odd last tile's x4 reads the tile past it, clamped): lane l at row 8 (n + l / 16) + l % 8, column
-    # 8 ((l / 8) % 2)
     mma_product = [
         "// the warp's WM x WN tiles of P += sh[rows][j0 .. j0 + CHUNK) sub[n][j0 ..], a k16 step at a time: A",
         "// fragments an m-tile one ldmatrix.x4, B fragments two n-tiles one (an odd last: the second unused)",
         "if (GM * GN == THREADS / 32 || warp < GM * GN) {",
-        "    const int ln = threadIdx.x % 32;",
-        "    const X* sa[WM];",
-        "    const X* sb[(WN + 1) / 2];",
-        "    #pragma unroll",
-        "    for (int i = 0; i < WM; ++i)",
-        "        sa[i] = &sh[(MFULL ? wm0 + i : min(wm0 + i, MT - 1)) * 16 + ln % 16][8 * (ln / 16)];",
-        "    #pragma unroll",
-        "    for (int n = 0; n < WN; n += 2) {",
-        "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
-        "        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + 8 * ((ln / 8) % 2);",
-        "    }",
+        *_fragment_rows("X", 8),
         "    // k16 step ks + 1's fragments loaded while step ks multiplies (a buffer each)",
         "    unsigned a[2][WM][4], b[2][WN][2];",
         "    fragments(a[0], b[0], sa, sb, 0);",
@@ -532,17 +539,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             "// the warp's WM x WN tiles of P += sh[rows][its k8 steps] sub[n][j0 + its k8 steps] (m16n8k8 tf32): A",
             "// fragments an m-tile one ldmatrix.x4, B two n-tiles one (an odd last: the second unused)",
             "if (GM * GN * GK == THREADS / 32 || warp < GM * GN * GK) {",
-            "    const int ln = threadIdx.x % 32;",
-            "    const F* sa[WM];",
-            "    const F* sb[(WN + 1) / 2];",
-            "    #pragma unroll",
-            "    for (int i = 0; i < WM; ++i)",
-            "        sa[i] = &sh[(MFULL ? wm0 + i : min(wm0 + i, MT - 1)) * 16 + ln % 16][4 * (ln / 16)];",
-            "    #pragma unroll",
-            "    for (int n = 0; n < WN; n += 2) {",
-            "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
-            "        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + 4 * ((ln / 8) % 2);",
-            "    }",
+            *_fragment_rows("F", 4),
             "    #pragma unroll 2",
             "    for (int k2 = wk * (CHUNK / GK); k2 < (wk + 1) * (CHUNK / GK); k2 += 8 * KSUB) {",
             "        #pragma unroll",
