@@ -219,6 +219,11 @@ class ChunkedCore:
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         return Chunks(q, k, v, ell, s0, scalar(ml.beta), scalar(ml.skip)), decay
 
+    def _time_first_layout(self, axes, inner: str) -> bool:
+        """Whether an [L, *axes] array can be viewed as the kernels' [*H, NC, C, inner]: every head axis and
+        `inner` last (`_time_first_out`)."""
+        return set(axes) == {*self.ml.heads, inner} and axes[-1] == inner
+
     def _time_first_out(self, sizes, length, chunk, device, dtype=torch.float32, axes=None, inner=None
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the output as the program holds it, [padded length, *axes] of `dtype`, and the same memory as
@@ -229,7 +234,7 @@ class ChunkedCore:
         ml = self.ml
         axes = tuple(self.out_node.axes if axes is None else axes)
         inner = ml.value if inner is None else inner
-        if set(axes) != {*ml.heads, inner} or axes[-1] != inner:
+        if not self._time_first_layout(axes, inner):
             return None
         padded = -(-length // chunk) * chunk
         buf = torch.empty((padded, *[sizes[a] for a in axes]), dtype=dtype, device=device)
@@ -350,7 +355,7 @@ class ChunkedCore:
                 _, timed = self._input(node, seqs, params)
                 unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
                 axes = tuple(node.axes)
-                if timed and unique and set(axes) == {*ml.heads, inner} and axes[-1] == inner:  # _time_first_out's
+                if timed and unique and self._time_first_layout(axes, inner):
                     direct[role] = _Made(lambda axes=axes, inner=inner: self._time_first_out(
                         sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
