@@ -8,7 +8,8 @@ For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf1
 window) and the tiled torch path (max abs error, lse error against the tiled path), then the forward's
 time (triton.testing.do_bench, else CUDA events) against SDPA (causal) and FlexAttention under
 torch.compile (ALiBi, window) and the tiled path. Then forward + backward (`ssmc.torch.function`'s
-autograd, out.backward(dO)): the gradients of q, k, v (and the ALiBi slope) against the peer's autograd
+autograd, out.backward(dO)): the gradients of q, k, v (and the ALiBi slope; a second ALiBi row with the slope
+a constant, as the peers' is) against the peer's autograd
 and the tiled backward (``SSMC_CUDA_FLASH_BACKWARD=0``), max abs error over the gradient's max abs
 value, then the time of forward + backward against the same peers. Prints markdown tables; with
 --out, writes them to DIR/flash.md. ``SSMC_CUDA_FLASH_DQ=kernel`` in the environment times the
@@ -148,9 +149,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _grads(fn, inputs: list, do: torch.Tensor) -> list:
+def _grads(fn, inputs: list, do: torch.Tensor, constants: tuple = ()) -> list:
+    """The gradients of `inputs` (leaves) of fn(*inputs, *constants) at cotangent `do`."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    fn(*leaves).backward(do)
+    fn(*leaves, *constants).backward(do)
     return [t.grad for t in leaves]
 
 
@@ -160,23 +162,25 @@ def _rel_err(got: list, want: list) -> float:
                for g, w in zip(got, want))
 
 
-def train_row(name: str, b: int, h: int, length: int, d: int) -> dict:
+def train_row(name: str, b: int, h: int, length: int, d: int, fixed: bool = False) -> dict:
     """Forward + backward of spec `name`: gradients checked against the peer and the tiled backward,
-    then timed (fwd + bwd) against the peer and the tiled backward."""
+    then timed (fwd + bwd) against the peer and the tiled backward. `fixed`: ALiBi's slope a constant
+    (no gradient, as the peers' slope), else a leaf whose gradient ssmc computes too."""
     import ssmc.torch
 
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     slope = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda", dtype=torch.float32) / h)
     fn = ssmc.torch.function(SPECS[name], layout="b h t ...")
-    inputs = [q, k, v] + ([slope] if name == "alibi" else [])
-    got = _grads(fn, inputs, do)
+    inputs = [q, k, v] + ([slope] if name == "alibi" and not fixed else [])
+    constants = (slope,) if name == "alibi" and fixed else ()
+    got = _grads(fn, inputs, do, constants)
     if fn.tiled.flash_backward_reason is not None:
         raise SystemExit(f"{name}: the flash backward does not run this call: {fn.tiled.flash_backward_reason}")
     os.environ["SSMC_CUDA_FLASH_BACKWARD"] = "0"
     try:
-        want_tiled = _grads(fn, inputs, do)
-        ms_tiled = timed(lambda: _grads(fn, inputs, do))
+        want_tiled = _grads(fn, inputs, do, constants)
+        ms_tiled = timed(lambda: _grads(fn, inputs, do, constants))
     finally:
         del os.environ["SSMC_CUDA_FLASH_BACKWARD"]
     err_tiled = _rel_err(got, want_tiled)
@@ -190,10 +194,11 @@ def train_row(name: str, b: int, h: int, length: int, d: int) -> dict:
         ref_name, ref = "tiled", None
     # the peers' slope is a constant: q, k, v's gradients compared
     err_ref = _rel_err(got[:3], _grads(ref, [q, k, v], do)) if ref is not None else err_tiled
-    ms_ssmc = timed(lambda: _grads(fn, inputs, do))
+    ms_ssmc = timed(lambda: _grads(fn, inputs, do, constants))
     ms_ref = timed(lambda: _grads(ref, [q, k, v], do)) if ref is not None else float("nan")
     flops = 14.0 * b * h * length * length * d * visible_fraction(name, length)  # 2 + 5 products
-    return {"spec": name, "shape": f"B{b} H{h} L{length} d{d}", "ref": ref_name, "err_ref": err_ref,
+    return {"spec": name + (" (fixed slope)" if fixed else ""), "shape": f"B{b} H{h} L{length} d{d}",
+            "ref": ref_name, "err_ref": err_ref,
             "err_tiled": err_tiled, "ms_ssmc": ms_ssmc, "ms_ref": ms_ref, "ms_tiled": ms_tiled,
             "tflops": flops / ms_ssmc / 1e9}
 
@@ -279,8 +284,8 @@ def main() -> None:
     train = []
     if not args.forward_only:
         for shape in shapes:
-            for name in SPECS:
-                train.append(train_row(name, *shape))
+            for name, fixed in [(n, False) for n in SPECS] + [("alibi", True)]:
+                train.append(train_row(name, *shape, fixed=fixed))
                 r = train[-1]
                 print(f"{r['spec']} {r['shape']} fwd+bwd: grad err {r['err_ref']:.2e} / {r['err_tiled']:.2e}, "
                       f"ssmc {r['ms_ssmc']:.3f} ms, {r['ref']} {r['ms_ref']:.3f} ms", flush=True)

@@ -27,14 +27,16 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, fn: AttentionFunction, names: tuple, q, k, v, *params):
         tiled, p = fn.tiled, fn.program
         call = tiled.bind(q, k, v, fn.layout, dict(zip(names, params)))
-        out32 = tiled.delta_output(call)
+        # params that need no gradient (ALiBi's fixed slopes, say) let the flash backward sum none of them
+        param_grads = any(ctx.needs_input_grad[5:])
+        out32 = tiled.delta_output(call, param_grads)
         out, lse = tiled.forward(call, out32=out32)
         y = tiled.to_layout(call, out, "out", p.v_axes, fn.layout)
         # saved, so an input changed in place before the backward is torch's error, not a wrong gradient;
         # the output too where the flash backward takes its delta from it (its fp32 copy where params are)
         flash = tiled.flash_backward(call) is not None and out32 is None
         ctx.save_for_backward(q, k, v, *params, *((y,) if flash else ()))
-        ctx.fn, ctx.call, ctx.lse, ctx.flash, ctx.out32 = fn, call, lse, flash, out32
+        ctx.fn, ctx.call, ctx.lse, ctx.flash, ctx.out32, ctx.param_grads = fn, call, lse, flash, out32, param_grads
         return y
 
     @staticmethod
@@ -46,11 +48,12 @@ class _Attention(torch.autograd.Function):
         # the output and cotangent as given (16-bit where the flash backward reads them so: no widening copies)
         out = tiled.from_layout(call, tensors[-1], "out", fn.layout, keep_dtype=True) if ctx.flash else ctx.out32
         d_out = tiled.from_layout(call, d_y, "grad_outputs", fn.layout, keep_dtype=True)
-        grads = tiled.backward(call, ctx.lse, d_out, out=out)
+        grads = tiled.backward(call, ctx.lse, d_out, out=out, param_grads=ctx.param_grads)
         q, k, v = tensors[:3]
         result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
-        result += [grads[d.name].to(t.dtype) for d, t in zip(p.params, tensors[3:len(tensors) - ctx.flash])]
+        result += [grads[d.name].to(t.dtype) if ctx.param_grads else None
+                   for d, t in zip(p.params, tensors[3:len(tensors) - ctx.flash])]
         return (None, None, *result)
 
 

@@ -266,6 +266,38 @@ def test_emulated_torch_function_backward_runs_the_kernel(name, monkeypatch):
     _check(got, grads())
 
 
+@needs_emulator
+def test_emulated_fixed_params_take_the_pipelined_loop_and_sum_nothing(monkeypatch):
+    """ALiBi whose slope needs no gradient (a fixed slope, the usual case): the key-block kernel prints no
+    param summand, so "wgp" takes its pipelined loop (it does not with the slope's gradient); through
+    ssmc.torch.function, emulated, q, k and v's gradients equal the tiled backward's and the slope gets none."""
+    import ssmc.torch
+
+    program = SPECS["alibi"].program
+    pipelined = "wg::wait<1>()"
+    assert pipelined not in flash_bwd.kernel_source(program, 64, True, config_name="wgp")[1]
+    assert pipelined in flash_bwd.kernel_source(program, 64, True, config_name="wgp", param_grads=False)[1]
+    rng = np.random.default_rng(5)
+    fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wgp")
+    q, k, v, do = (_half(rng.standard_normal((1, 2, 70, 64)), torch.bfloat16) for _ in range(4))
+    slope = torch.from_numpy(_params(program, {"b": 1, "h": 2}, rng)["slope"]).float()
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves, slope).backward(do)
+        return {n: t.grad.double() for n, t in zip("qkv", leaves)}
+
+    got = grads()
+    assert fn.tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    _check(got, grads())
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    fn(*leaves, slope).backward(do)
+    assert slope.grad is None
+
+
 # -- NVRTC: the kernel builds for sm_80 and sm_90 without spills -----------------------------------------------
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
@@ -355,6 +387,27 @@ def test_gpu_flash_backward_matches_the_tiled_backward(name, length, dtype, monk
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
     want = _gpu_grads(fn, q, k, v, params, do)
     _close(got, want, dtype == torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_flash_backward_with_a_fixed_slope_matches_the_tiled_backward(length, d, monkeypatch):
+    """ALiBi whose slope needs no gradient: the kernels sum no param (the pipelined loop on sm_90 parts)."""
+    import ssmc.torch
+
+    q, k, v, params = _gpu_inputs(SPECS["alibi"].program, length, torch.bfloat16, d=d)
+    do = torch.randn_like(q)
+    fn = ssmc.torch.function(SPECS["alibi"], layout="b h t ...")
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves, *params.values()).backward(do)
+        return {n: t.grad for n, t in zip("qkv", leaves)}
+    got = grads()
+    assert fn.tiled.flash_backward_reason is None
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD", "0")
+    _close(got, grads(), True)
 
 
 @pytest.mark.gpu

@@ -340,11 +340,12 @@ class TiledAttention:
         self.flash_backward_reason = self._flash_bwd.reason
         return None if self._flash_bwd.reason else self._flash_bwd
 
-    def delta_output(self, call: Call) -> torch.Tensor | None:
+    def delta_output(self, call: Call, param_grads: bool = True) -> torch.Tensor | None:
         """An fp32 buffer [*batch, Lq, e] for the flash forward's unrounded output where the flash backward
-        runs the call and the spec has params (their gradients, sums weighted by positions, would feel a
-        16-bit output's rounding in delta); else None (delta from the 16-bit output, as FlashAttention)."""
-        if not self.program.params or self.flash_backward(call) is None:
+        runs the call and the spec has params whose gradients are asked (`param_grads`: sums weighted by
+        positions, which would feel a 16-bit output's rounding in delta); else None (delta from the 16-bit
+        output, as FlashAttention)."""
+        if not (self.program.params and param_grads) or self.flash_backward(call) is None:
             return None
         return torch.empty((*call.q.shape[:-1], call.v.shape[-1]), dtype=torch.float32, device=call.q.device)
 
@@ -383,8 +384,8 @@ class TiledAttention:
 
     # -- the backward ----------------------------------------------------------------------------
 
-    def backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor,
-                 block: int | None = None, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor, block: int | None = None,
+                 out: torch.Tensor | None = None, param_grads: bool = True) -> dict[str, torch.Tensor]:
         """Gradients {"q", "k", "v", param names} in `call.acc`, canonical, given the forward's `lse`
         [*batch, Lq] and the output's cotangent `d_out` [*batch, Lq, e] (any float dtype). A block holds
         its rows' whole key span, so FlashAttention's rowsum(dO * O) is taken as rowsum(P * dP) in fp32
@@ -397,26 +398,28 @@ class TiledAttention:
         dk, dv in q's dtype, params fp32. Under GQA dk and dv come back with k's and v's own heads: from
         the kernels reading them so where the device's config has a grouped-query build (`reads_kv_heads`:
         a key-block kernel per KV head summing dK and dV over the group's query heads), else from k and v
-        repeated to q's heads, the gradients summed over each group after."""
+        repeated to q's heads, the gradients summed over each group after. Without `param_grads` the flash
+        kernels sum no param (the params' gradients are then missing from the result; `out` is the 16-bit
+        output, `delta_output(call, False)` being None)."""
         if call.group > 1 and block is None:
             kernel = self.flash_backward(call)
             if kernel is not None and kernel.reads_kv_heads(call):
-                return self._backward(call, lse, d_out, block, out)
-        grads = self._backward(call.repeated(), lse, d_out, block, out)
+                return self._backward(call, lse, d_out, block, out, param_grads)
+        grads = self._backward(call.repeated(), lse, d_out, block, out, param_grads)
         if call.group > 1:  # k and v repeated to q's heads for the backward: their gradients summed back
             grads["k"], grads["v"] = (group_sum(grads[n], call.group, call.kv_axis) for n in ("k", "v"))
         return grads
 
     def _backward(self, call: Call, lse: torch.Tensor, d_out: torch.Tensor, block: int | None,
-                  out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                  out: torch.Tensor | None, param_grads: bool) -> dict[str, torch.Tensor]:
         if block is None:
             kernel = self.flash_backward(call)
             if kernel is not None:
                 if out is None:
-                    out32 = self.delta_output(call)
+                    out32 = self.delta_output(call, param_grads)
                     out, lse = self.forward(call, out32=out32)
                     out = out if out32 is None else out32
-                return kernel(call, out, lse, d_out)
+                return kernel(call, out, lse, d_out, param_grads)
         p, bw = self.program, self.backward_ir
         block = block or block_rows(call)
         scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])

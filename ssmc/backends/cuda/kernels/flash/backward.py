@@ -137,9 +137,12 @@ def config(d: int, name: str | None = None, device=None) -> Config:
     return cfg
 
 
-def _bodies(program: Attention) -> tuple[str, list[str]]:
+def _bodies(program: Attention, param_grads: bool = True) -> tuple[str, list[str]]:
+    """(dS as C, each param's summand as C: none where `param_grads` is False, the params then only read)."""
     bw = derive_attention_backward(program)
     dscore = print_body(bw.d_score if program.score is not None else None, program, "grad_score", LEAVES)
+    if not param_grads:
+        return dscore, []
     params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, g in bw.param_grads]
     return dscore, params
 
@@ -168,48 +171,50 @@ def dq_mode() -> str:
     return options().flash_dq or "atomic"
 
 
-def _printed(program: Attention, d: int) -> tuple[dict, str]:
+def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict, str]:
     """What both backward templates print of `program` at head dim `d`: (their common arguments: the score
-    modifier, mask, dS and each param's summand as C, the scale, the head dim; a digest of the printed
-    code for the kernel's name). Raises `Unprintable` where `unsupported` says why."""
+    modifier, mask, dS and each param's summand as C (none without `param_grads`: the kernels then sum no
+    param and write zeros for them), the scale, the head dim; a digest of the printed code for the kernel's
+    name). Raises `Unprintable` where `unsupported` says why."""
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     score_body = print_body(program.score, program, "score")
     mask_body = print_body(program.mask, program, "true")
-    dscore_body, param_bodies = _bodies(program)
+    dscore_body, param_bodies = _bodies(program, param_grads)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
     return (dict(d=d, nparams=len(program.params), scale=float_literal(scale), score_body=score_body,
                  mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
 
-def _source(key: tuple, program: Attention, d: int, build) -> tuple[str, str]:
+def _source(key: tuple, program: Attention, d: int, build, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header), cached by `key`: `build(args, digest)`
     gives (name, the rendered template) from `_printed`'s arguments."""
     from ...source import mma_header
 
     hit = _SOURCES.get(key)
     if hit is None:
-        name, text = build(*_printed(program, d))
+        name, text = build(*_printed(program, d, param_grads))
         _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
 
 def _pipelines(args: dict) -> bool:
-    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no params (dS'
-    pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
-    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128), and a dS that
+    """Whether the pipelined wgmma loop ("wgp") takes the spec printed in `_printed`'s `args`: no param summands
+    (dS' pass reads P back rounded to 16 bits, which their position-weighted sums would feel: the dQ kernel's delta
+    correction, from P in fp32, then misses by 10x the tolerance; P kept in fp32 spills at d 128; a spec whose
+    params need no gradient prints none), and a dS that
     does not read the score (the tile's scores kept beside P through dS' pass: 32 registers more, spills at
     d 128). Elsewhere "wgp" runs "wg"'s loop."""
     return not args["param_bodies"] and not re.search(r"\bscore\b", args["dscore_body"])
 
 
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
-                  config_name: str | None = None, gqa: bool = False) -> tuple[str, str]:
+                  config_name: str | None = None, gqa: bool = False, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
     `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
-    config `config_name` (`config`: None for the options'); cached. Raises `Unprintable` where
-    `unsupported` says why."""
+    config `config_name` (`config`: None for the options'), summing the params' gradients or not
+    (`param_grads`); cached. Raises `Unprintable` where `unsupported` says why."""
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     cfg = config(d, config_name)
@@ -217,7 +222,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
     def build(args: dict, digest: str):
         suffix = ("" if cfg.name == "bn64" else "_" + cfg.name) + ("_gqa" if gqa else "")
         name = f"flash_bwd{'' if atomic_dq else '_kv'}_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
-        common = dict(name=name, bf16=bf16, atomic_dq=atomic_dq, row_sums=atomic_dq and bool(program.params),
+        common = dict(name=name, bf16=bf16, atomic_dq=atomic_dq, row_sums=atomic_dq and bool(args["param_bodies"]),
                       gqa=gqa, **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
@@ -231,20 +236,20 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
             warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
     if gqa and not cfg.gqa:
         raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build")
-    return _source((program, d, bf16, atomic_dq, cfg, gqa), program, d, build)
+    return _source((program, d, bf16, atomic_dq, cfg, gqa, param_grads), program, d, build, param_grads)
 
 
 BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
 
 
-def dq_source(program: Attention, d: int, bf16: bool, gqa: bool = False) -> tuple[str, str]:
+def dq_source(program: Attention, d: int, bf16: bool, gqa: bool = False, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
     `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; `gqa`: k and v with
     fewer heads than q (`forward.kv_index`, the group and inner size from the spans' tail); cached."""
     def build(args: dict, digest: str):
         name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}{'_gqa' if gqa else ''}_{digest}"
         return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, gqa=gqa, **args)
-    return _source((program, d, bf16, "dq", gqa), program, d, build)
+    return _source((program, d, bf16, "dq", gqa, param_grads), program, d, build, param_grads)
 
 
 def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
@@ -314,15 +319,16 @@ class FlashBackward:
         sums dK and dV over each group."""
         return call.group > 1 and config(call.q.shape[-1], None, call.q.device).gqa
 
-    def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False):
+    def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False,
+                  param_grads: bool = True):
         if which.startswith("delta"):
             name, text = delta_source(d, bf16, which == "delta32")
         elif which == "dq":
-            name, text = dq_source(self.program, d, bf16, gqa)
+            name, text = dq_source(self.program, d, bf16, gqa, param_grads)
         else:
             cfg = config(d, None, device)
             name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name,
-                                       gqa=gqa)
+                                       gqa=gqa, param_grads=param_grads)
             return loaded_function(text, name, device, arch=cfg.arch)
         return loaded_function(text, name, device)
 
@@ -362,8 +368,9 @@ class FlashBackward:
             out[d.name] = g.permute(*[kept.index(a) for a in d.axes]).contiguous()
         return out
 
-    def __call__(self, call, out, lse, d_out) -> dict:
-        """{"q": dq fp32, "k", "v": in q's dtype, param names: fp32 by their axes}, canonical, of a bound
+    def __call__(self, call, out, lse, d_out, param_grads: bool = True) -> dict:
+        """{"q": dq fp32, "k", "v": in q's dtype, param names: fp32 by their axes (not without `param_grads`:
+        kernels that sum no param then, the pipelined loop's where the config has one)}, canonical, of a bound
         call that `forward.call_unsupported` accepts, given the forward's out [*batch, Lq, d] and lse
         [*batch, Lq] and the output's cotangent d_out [*batch, Lq, d]. Under grouped-query attention
         (`reads_kv_heads`) k and v with their own heads: dk and dv come back so, summed over each group by
@@ -395,8 +402,9 @@ class FlashBackward:
         if gqa and not cfg.gqa:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
         nkb = -(-lk // cfg.bn)
-        np_ = len(self.program.params)
-        partials = torch.zeros((nkb, bh, max(1, np_)), dtype=torch.float32, device=q.device)
+        # the kernels read every param (their table has NP columns) but sum only where asked
+        partials = torch.zeros((nkb, bh, max(1, len(self.program.params))), dtype=torch.float32, device=q.device)
+        np_ = len(self.program.params) if param_grads else 0
         atomic = dq_mode() == "atomic"
         # delta's correction (module docstring): per query row, sum_j dM and each param's sum_j summand at P
         # (atomic dQ: added up by the key-block kernel), or per query block the sum of their products (the
@@ -412,12 +420,13 @@ class FlashBackward:
             launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
                          -(-bh * lq // 4), 128, 0,
                          [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
-            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa),
+            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa, param_grads),
                              nkb * (bh // call.group), cfg.threads, cfg.shared(d, atomic),
                              [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
                               dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
             if not atomic:
-                launches.append((self._function(q.device, d, bf16, "dq", gqa), -(-lq // BM) * bh, THREADS, 0,
+                launches.append((self._function(q.device, d, bf16, "dq", gqa, param_grads), -(-lq // BM) * bh,
+                                 THREADS, 0,
                                  [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()],
                                  lq, lk))
             for fn, blocks, threads, shared, pointers, n0, n1 in launches:
@@ -426,6 +435,8 @@ class FlashBackward:
                         launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
                 else:
                     launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
+        if not param_grads:
+            return {"q": dq, "k": dk, "v": dv}
         per_bh = partials[..., :np_].sum(0)
         if np_:
             per_bh = per_bh - ((rowsums[..., :1] * rowsums[..., 1:]).sum(1) if atomic else corr.sum(0))
