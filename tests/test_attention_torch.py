@@ -292,6 +292,40 @@ def test_bf16_on_the_cpu_within_its_tolerance():
         assert norm_rel(t[n].grad, want[n]) <= BF16_TOL, n
 
 
+def test_calls_of_a_bound_signature_view_their_own_arguments():
+    """`TiledAttention.bind` remembers how a signature's canonical tensors view the arguments: a second call
+    of the signature computes on its own values, a call with other strides (a transposed view of the same
+    shape) or another dtype binds anew, and each equals a fresh function's result."""
+    spec = _spec(alibi, ssmc.causal)
+    rng = np.random.default_rng(3)
+    x = _inputs(spec.program, 9, 9, {"b": 2, "h": 3, "d": 4, "e": 5}, "b h t ...", rng)
+    y = _inputs(spec.program, 9, 9, {"b": 2, "h": 3, "d": 4, "e": 5}, "b h t ...", rng)
+    f = ssmc.torch.function(spec, layout="b h t ...")
+
+    def fresh(**t):
+        return ssmc.torch.function(spec, layout="b h t ...")(**t)
+
+    tx = {n: torch.tensor(a) for n, a in x.items()}
+    ty = {n: torch.tensor(a) for n, a in y.items()}
+    first = f(**tx)
+    assert len(f.tiled._binds) == 1
+    assert rel(f(**ty), fresh(**ty)) <= F64_TOL  # the remembered views, of ty's tensors
+    assert rel(f(**tx), first) <= F64_TOL
+    strided = {**ty, **{n: torch.tensor(np.ascontiguousarray(y[n].transpose(0, 2, 1, 3))).transpose(1, 2)
+                        for n in "qkv"}}
+    assert strided["q"].stride() != ty["q"].stride()
+    assert rel(f(**strided), fresh(**ty)) <= F64_TOL
+    assert len(f.tiled._binds) == 2
+    f32 = {n: t.float() for n, t in ty.items()}
+    assert rel(f(**f32).double(), fresh(**ty)) <= 1e-5
+    leaves = {n: t.clone().requires_grad_(True) for n, t in ty.items()}
+    f(**leaves).sum().backward()
+    want = {n: t.clone().requires_grad_(True) for n, t in ty.items()}
+    fresh(**want).sum().backward()
+    for n in leaves:
+        assert rel(leaves[n].grad, want[n].grad) <= F64_TOL, n
+
+
 def test_inference_needs_no_graph_and_errors_name_the_argument():
     spec = _spec(alibi, ssmc.causal)
     f = ssmc.torch.function(spec, layout="b h t ...")

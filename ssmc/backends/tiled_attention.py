@@ -108,6 +108,27 @@ class Call:
         return self.k.shape[-2]
 
 
+def _view_signature(layout, given: tuple, params: dict) -> tuple | None:
+    """What `TiledAttention.bind`'s checks and views depend on of a call (None: a call it does not
+    remember: an argument that is not a plain torch tensor)."""
+    if any(type(t) is not torch.Tensor for t in given):
+        return None
+    return (layout, tuple(params), *[(t.shape, t.stride(), t.dtype, t.device) for t in given])
+
+
+def _views(given: tuple, canonical: list) -> list | None:
+    """How each canonical tensor views the given one at its position: (index, shape, strides, offset from
+    the given tensor's), or None where one is not such a view (a copy or a dtype change)."""
+    out = []
+    for i, (g, c) in enumerate(zip(given, canonical)):
+        if c is None or c.dtype != g.dtype or c.device != g.device:
+            return None
+        if c.untyped_storage().data_ptr() != g.untyped_storage().data_ptr():
+            return None
+        out.append((i, tuple(c.shape), c.stride(), c.storage_offset() - g.storage_offset()))
+    return out
+
+
 def block_rows(call: Call) -> int:
     """Query rows per block: as many as keep a block's fp32 scores within `SCORES_BUDGET`, a power of two
     in [MIN_BLOCK, MAX_BLOCK]."""
@@ -147,6 +168,7 @@ class TiledAttention:
         self.flash_reason = None   # why the last call did not run it (None: it did)
         self._flash_bwd = None     # the flash backward kernel, likewise
         self.flash_backward_reason = None  # why the last backward did not run it (None: it did)
+        self._binds: dict = {}     # a call's signature -> how its canonical tensors view the given ones (`bind`)
 
     @cached_property
     def backward_ir(self):
@@ -156,7 +178,31 @@ class TiledAttention:
 
     def bind(self, q, k, v, layout, params: dict) -> Call:
         """Check and bind a call (`prologue.bind_attention`: a ValueError naming the argument for a
-        wrong shape, dtype or device, before any compute); canonical tensors on q's device."""
+        wrong shape, dtype or device, before any compute); canonical tensors on q's device.
+
+        The checks depend only on the arguments' types, shapes, strides, dtypes and devices (and the
+        layout): a call of a signature bound before whose canonical tensors were all views of the given
+        ones (no copy, no dtype change) makes the same views again, with the first call's sizes."""
+        given = (q, k, v, *params.values())
+        key = _view_signature(layout, given, params)
+        recipe = self._binds.get(key) if key is not None else None
+        if recipe is not None:
+            views, template = recipe
+            tensors = [torch.as_strided(given[i].detach(), shape, stride, given[i].storage_offset() + delta)
+                       for i, shape, stride, delta in views]
+            named = dict(zip(params, tensors[3:]))
+            return replace(template, q=tensors[0], k=tensors[1], v=tensors[2],
+                           params={n: named[n] for n in template.params})
+        call = self._bind(q, k, v, layout, params)
+        if key is not None:
+            views = _views(given, [call.q, call.k, call.v, *(call.params.get(n) for n in params)])
+            if views is not None:
+                if len(self._binds) >= 64:
+                    self._binds.clear()
+                self._binds[key] = (views, call)
+        return call
+
+    def _bind(self, q, k, v, layout, params: dict) -> Call:
         p, q_given = self.program, q
         qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=to_tensor, repeat=False)
         arrays = {**qb.arrays, **kv.arrays}

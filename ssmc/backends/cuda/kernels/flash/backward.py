@@ -304,6 +304,19 @@ def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN)
     return out
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A backward's launches for one signature (`FlashBackward._plan`): dQ by atomics or the dQ kernel, the
+    shapes of the zeroed sums (() for none), (function, grid, shared bytes, n0, n1) per launch (delta, key
+    blocks, then dQ's kernel), their span tables, and a zeroed fp32 dummy for pointers no kernel reads."""
+
+    atomic: bool
+    sums: tuple
+    launches: list
+    spans: list
+    dummy: object
+
+
 class FlashBackward:
     """The flash backward of one program on CUDA tensors (module docstring): compiled per (device, source)
     with CuPy (NVRTC), launched on torch's current stream."""
@@ -312,6 +325,7 @@ class FlashBackward:
         self.program = program
         self.reason = unsupported(program)
         self._spans: dict = {}
+        self._plans: dict = {}
 
     def reads_kv_heads(self, call) -> bool:
         """Whether the kernels run a grouped-query call (`call.group` > 1) on k and v with their own heads (the
@@ -351,6 +365,42 @@ class FlashBackward:
                 spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
             t = self._spans[key] = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         return t
+
+    def _plan(self, call, q, out_dtype, param_grads: bool) -> _Plan:
+        """What every backward of a call's shapes, dtypes, device, group and options launches: cached."""
+        import torch
+
+        key = (q.shape, call.k.shape, q.dtype, out_dtype, q.device, call.group, call.kv_axis, param_grads, options())
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        bh, lq, lk, d = math.prod(q.shape[:-2]), call.lq, call.lk, q.shape[-1]
+        cfg = config(d, None, q.device)
+        gqa = call.group > 1
+        if gqa and not cfg.gqa:
+            raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
+        nkb, nparams = -(-lk // cfg.bn), len(self.program.params)
+        np_ = nparams if param_grads else 0
+        atomic = dq_mode() == "atomic"
+        bf16 = q.dtype == torch.bfloat16
+        # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
+        # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer
+        sums = ((nkb, bh, nparams) if nparams else (), (bh, lq, 1 + np_) if np_ and atomic else (),
+                (-(-lq // BM), bh, np_) if np_ and not atomic else ())
+        launches = [(self._function(q.device, d, bf16, "delta32" if out_dtype == torch.float32 else "delta"),
+                     (-(-bh * lq // 4), 128), 0, bh * lq, 0),
+                    (self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa, param_grads),
+                     (nkb * (bh // call.group), cfg.threads), cfg.shared(d, atomic), lq, lk)]
+        spans = [self._span_tensor(call, bn=cfg.bn)]
+        if not atomic:
+            launches.append((self._function(q.device, d, bf16, "dq", gqa, param_grads), (-(-lq // BM) * bh, THREADS),
+                             0, lq, lk))
+            spans.append(self._span_tensor(call, True))
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        dummy = torch.zeros(max(1, bh * nparams), dtype=torch.float32, device=q.device)
+        plan = self._plans[key] = _Plan(atomic, sums, launches, spans, dummy)
+        return plan
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
         """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index: summed
@@ -397,47 +447,31 @@ class FlashBackward:
         dq = new((*batch, lq, d), dtype=torch.float32, device=q.device)
         dk = new(k.shape, dtype=q.dtype, device=q.device)
         dv = new(v.shape, dtype=q.dtype, device=q.device)
-        cfg = config(d, None, q.device)
-        gqa = call.group > 1
-        if gqa and not cfg.gqa:
-            raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
-        nkb = -(-lk // cfg.bn)
-        # the kernels read every param (their table has NP columns) but sum only where asked
-        partials = torch.zeros((nkb, bh, max(1, len(self.program.params))), dtype=torch.float32, device=q.device)
+        plan = self._plan(call, q, out.dtype, param_grads)
         np_ = len(self.program.params) if param_grads else 0
-        atomic = dq_mode() == "atomic"
-        # delta's correction (module docstring): per query row, sum_j dM and each param's sum_j summand at P
-        # (atomic dQ: added up by the key-block kernel), or per query block the sum of their products (the
-        # dQ kernel, which sees whole rows: fixed order)
-        rowsums = torch.zeros((bh, lq, 1 + np_) if np_ and atomic else (1,), dtype=torch.float32, device=q.device)
-        corr = torch.zeros((-(-lq // BM), bh, np_) if np_ and not atomic else (1,), dtype=torch.float32,
-                           device=q.device)
+        # the kernels read every param (their table has NP columns) but sum only where asked; delta's correction
+        # (module docstring): per query row, sum_j dM and each param's sum_j summand at P (atomic dQ: added up
+        # by the key-block kernel), or per query block the sum of their products (the dQ kernel, which sees
+        # whole rows: fixed order)
+        partials, rowsums, corr = (torch.zeros(shape, dtype=torch.float32, device=q.device) if shape else plan.dummy
+                                   for shape in plan.sums)
         if launched:
-            params = param_table(self.program, call.params, call.sizes).to(q.device)
-            bf16 = q.dtype == torch.bfloat16
+            params = plan.dummy if not self.program.params else param_table(
+                self.program, call.params, call.sizes).to(q.device)
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
-            launches = [(self._function(q.device, d, bf16, "delta32" if out.dtype == torch.float32 else "delta"),
-                         -(-bh * lq // 4), 128, 0,
-                         [do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if atomic else 0], bh * lq, 0)]
-            launches.append((self._function(q.device, d, bf16, "atomic" if atomic else "kv", gqa, param_grads),
-                             nkb * (bh // call.group), cfg.threads, cfg.shared(d, atomic),
-                             [*inputs, self._span_tensor(call, bn=cfg.bn).data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                              dv.data_ptr(), partials.data_ptr(), rowsums.data_ptr()], lq, lk))
-            if not atomic:
-                launches.append((self._function(q.device, d, bf16, "dq", gqa, param_grads), -(-lq // BM) * bh,
-                                 THREADS, 0,
-                                 [*inputs, self._span_tensor(call, True).data_ptr(), dq.data_ptr(), corr.data_ptr()],
-                                 lq, lk))
-            for fn, blocks, threads, shared, pointers, n0, n1 in launches:
+            pointers = [[do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if plan.atomic else 0],
+                        [*inputs, plan.spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                         partials.data_ptr(), rowsums.data_ptr()]]
+            if not plan.atomic:
+                pointers.append([*inputs, plan.spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
+            for (fn, grid, shared, n0, n1), args in zip(plan.launches, pointers):
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):
-                        launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
+                        launch_kernel(fn, grid, n0, n1, args, shared=shared)
                 else:
-                    launch_kernel(fn, (blocks, threads), n0, n1, pointers, shared=shared)
-        if not param_grads:
+                    launch_kernel(fn, grid, n0, n1, args, shared=shared)
+        if not np_:
             return {"q": dq, "k": dk, "v": dv}
-        per_bh = partials[..., :np_].sum(0)
-        if np_:
-            per_bh = per_bh - ((rowsums[..., :1] * rowsums[..., 1:]).sum(1) if atomic else corr.sum(0))
+        per_bh = partials.sum(0) - ((rowsums[..., :1] * rowsums[..., 1:]).sum(1) if plan.atomic else corr.sum(0))
         return {"q": dq, "k": dk, "v": dv, **self.param_gradients(per_bh, call.sizes)}

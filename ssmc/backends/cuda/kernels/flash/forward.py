@@ -388,6 +388,7 @@ class FlashForward:
         self.config = config
         self.reason = unsupported(program)
         self._spans: dict = {}
+        self._launches: dict = {}
 
     def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
         name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
@@ -425,19 +426,36 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
-        cfg = config(d, self.config, q.device)
+        fn, grid, shared, spans, no_params = self._launch(call, q, k, v)
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
-        params = param_table(self.program, call.params, call.sizes).to(q.device)
-        spans, tiles = self._span_tensor(call, cfg)
-        if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
-            cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
-        fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
-        grid = (-(-lq // cfg.bm) * bh, cfg.threads)
+        params = no_params if no_params is not None else param_table(self.program, call.params, call.sizes).to(q.device)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
                     lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
         if q.is_cuda and q.device.index != torch.cuda.current_device():  # the function lives in q's device's context
             with torch.cuda.device(q.device):
-                launch_kernel(fn, grid, lq, lk, pointers, shared=cfg.shared(d))
+                launch_kernel(fn, grid, lq, lk, pointers, shared=shared)
         else:
-            launch_kernel(fn, grid, lq, lk, pointers, shared=cfg.shared(d))
+            launch_kernel(fn, grid, lq, lk, pointers, shared=shared)
         return out, lse
+
+    def _launch(self, call, q, k, v) -> tuple:
+        """(function, grid, dynamic shared bytes, spans, the param table where the program has no params: else
+        None) of a call, the same for every call of its shapes, dtype, device, group and options: cached."""
+        import torch
+
+        from ...options import options
+
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device, call.group, call.kv_axis, options())
+        hit = self._launches.get(key)
+        if hit is None:
+            bh, lq, d = math.prod(q.shape[:-2]), call.lq, q.shape[-1]
+            cfg = config(d, self.config, q.device)
+            spans, tiles = self._span_tensor(call, cfg)
+            if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
+                cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
+            fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
+            no_params = None if self.program.params else torch.zeros((bh, 0), dtype=torch.float32, device=q.device)
+            if len(self._launches) >= 64:
+                self._launches.clear()
+            hit = self._launches[key] = (fn, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d), spans, no_params)
+        return hit
