@@ -169,6 +169,7 @@ class TiledAttention:
         self._flash_bwd = None     # the flash backward kernel, likewise
         self.flash_backward_reason = None  # why the last backward did not run it (None: it did)
         self._binds: dict = {}     # a call's signature -> how its canonical tensors view the given ones (`bind`)
+        self._decided: dict = {}   # what `_kernels` decided, by what it depends on
 
     @cached_property
     def backward_ir(self):
@@ -350,41 +351,57 @@ class TiledAttention:
         tensors (CPU ones with ``SSMC_CUDA_EMULATE=1``: the kernel on the emulator), bf16 / fp16, a head dim
         it takes, modifiers it prints, CuPy importable, ``SSMC_CUDA_FLASH`` not 0. `flash_reason` keeps why
         not."""
+        kernel, self.flash_reason, _, _ = self._kernels(call)
+        return kernel
+
+    def flash_backward(self, call: Call):
+        """The flash backward kernel where it runs this call, else None: where `flash` would run the
+        forward, the backward's modifiers print, and ``SSMC_CUDA_FLASH_BACKWARD`` is not 0.
+        `flash_backward_reason` keeps why not."""
+        _, self.flash_reason, kernel, self.flash_backward_reason = self._kernels(call)
+        return kernel
+
+    def _kernels(self, call: Call) -> tuple:
+        """(flash forward or None, why not, flash backward or None, why not) of a call: decided by its dtypes,
+        device, head and value dims and the options, so remembered for them."""
+        from .cuda.options import options
+
+        q = call.q
+        key = (q.dtype, call.k.dtype, call.v.dtype, q.device, q.shape[-1], call.v.shape[-1], options())
+        hit = self._decided.get(key)
+        if hit is None:
+            forward, reason = self._decide_forward(call)
+            backward, backward_reason = (None, reason) if forward is None else self._decide_backward()
+            if len(self._decided) >= 64:
+                self._decided.clear()
+            hit = self._decided[key] = (forward, reason, backward, backward_reason)
+        return hit
+
+    def _decide_forward(self, call: Call) -> tuple:
         from .cuda.options import emulating, options
 
         if not (call.q.is_cuda or emulating()):  # SSMC_CUDA_EMULATE=1: CPU tensors on the emulated kernel
-            self.flash_reason = "CPU tensors"
-            return None
+            return None, "CPU tensors"
         if not options().flash:
-            self.flash_reason = "SSMC_CUDA_FLASH=0"
-            return None
+            return None, "SSMC_CUDA_FLASH=0"
         from .cuda.kernels.flash import forward as flash
 
         if self._flash is None:
             self._flash = flash.FlashForward(self.program)
         reason = (self._flash.reason or flash.call_unsupported(call)
                   or (flash.cupy_missing() if call.q.is_cuda else None))
-        self.flash_reason = reason
-        return None if reason else self._flash
+        return (None if reason else self._flash), reason
 
-    def flash_backward(self, call: Call):
-        """The flash backward kernel where it runs this call, else None: where `flash` would run the
-        forward, the backward's modifiers print, and ``SSMC_CUDA_FLASH_BACKWARD`` is not 0.
-        `flash_backward_reason` keeps why not."""
+    def _decide_backward(self) -> tuple:
         from .cuda.options import options
 
-        if self.flash(call) is None:
-            self.flash_backward_reason = self.flash_reason
-            return None
         if not options().flash_backward:
-            self.flash_backward_reason = "SSMC_CUDA_FLASH_BACKWARD=0"
-            return None
+            return None, "SSMC_CUDA_FLASH_BACKWARD=0"
         from .cuda.kernels.flash import backward as flash_bwd
 
         if self._flash_bwd is None:
             self._flash_bwd = flash_bwd.FlashBackward(self.program)
-        self.flash_backward_reason = self._flash_bwd.reason
-        return None if self._flash_bwd.reason else self._flash_bwd
+        return (None if self._flash_bwd.reason else self._flash_bwd), self._flash_bwd.reason
 
     def delta_output(self, call: Call, param_grads: bool = True) -> torch.Tensor | None:
         """An fp32 buffer [*batch, Lq, e] for the flash forward's unrounded output where the flash backward
