@@ -47,10 +47,13 @@ def inputs(seed: int = 0) -> dict:
 
 
 def step_of(fn, values: dict, dy: torch.Tensor):
-    """A training step of `fn` on `values`: (the output, the gradients of every input)."""
+    """A training step of `fn` on `values`: (the output, the gradients of every input), detached, so that no
+    autograd graph outlives the step (a leaf's gradient accumulator made on one stream and kept alive would
+    tie a later capture to the legacy stream)."""
     def step():
         y = fn(values)
-        return (y, *torch.autograd.grad((y * dy).sum(), [values[k] for k in KEYS]))
+        grads = torch.autograd.grad((y * dy).sum(), [values[k] for k in KEYS])
+        return (y.detach(), *grads)
     return step
 
 
@@ -100,8 +103,8 @@ def measure(name: str, fn) -> dict:
     values, other = inputs(0), inputs(1)
     dy = torch.randn_like(values["u"])
     step = step_of(fn, values, dy)
+    replay, outputs = graphed(step)  # before any step on the default stream: torch's order for a capture
     eager = step()
-    replay, outputs = graphed(step)
     with torch.no_grad():  # new values into the captured buffers: a replay must compute on them
         for k in KEYS:
             values[k].copy_(other[k])
