@@ -1,6 +1,6 @@
 """Host time of ssmc's torch op per call, apart from the GPU's: is a small training step kernel-bound?
 
-    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd,retnet]
+    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd,retnet,attention]
     python bench/host_time.py --cpu-stub [--calls 200] [--profile] [--only ...]   # no GPU: the host path alone
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
@@ -21,6 +21,9 @@ autograd/stages.py `PreparedStages`) give the first call's outputs and gradients
 most 1e-3), and the same after a call of another shape. "retnet": RetNet (`examples/retnet.py`, bf16 q, k, v and
 an fp32 param gamma, whose positivity the chunked core checks once per array) at B4 L4096 H16 K128 V128, rows
 as SSD's.
+"attention": `ssmc.torch.function` of causal attention and of causal ALiBi with a fixed slope (bench/flash_check.py's
+specs; the flash kernels), q, k, v [b h t d] bf16 at B2 H4 L1000 d64 (B1 H2 L16 d64 with --cpu-stub), rows as
+Mamba-1's.
 
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
 (SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
@@ -114,6 +117,29 @@ def retnet_inputs(s: dict, seed: int = 4) -> dict:
             "gamma": gamma.requires_grad_(True)}
 
 
+ATTENTION = {"b": 2, "h": 4, "t": 1000, "d": 64}   # flash_check's small shape
+ATTENTION_STUB = {"b": 1, "h": 2, "t": 16, "d": 64}
+
+
+def attention_inputs(s: dict, alibi: bool, seed: int = 6) -> dict:
+    """Causal attention's q, k, v [b h t d] bf16 (leaves), and for ALiBi a fixed slope per head (no gradient)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (s["b"], s["h"], s["t"], s["d"])
+    out = {n: torch.randn(shape, device=DEVICE, generator=g).to(torch.bfloat16).requires_grad_(True) for n in "qkv"}
+    if alibi:
+        out["slope"] = 2.0 ** (-8.0 * torch.arange(1, s["h"] + 1, device=DEVICE, dtype=torch.float32) / s["h"])
+    return out
+
+
+def attention_rows(shape: dict, measure_fn, *extra) -> list[dict]:
+    """Host time of the attention op (`ssmc.torch.function` of a causal and a causal ALiBi spec, the slope fixed)."""
+    from flash_check import SPECS
+
+    title = "attention {} B{b} H{h} L{t} d{d} bf16"
+    return [measure_fn(title.format(name, **shape), ssmc.torch.function(SPECS[name], layout="b h t ..."),
+                       attention_inputs(shape, name == "alibi"), *extra) for name in ("causal", "alibi")]
+
+
 def rel(got, want) -> float:
     got, want = got.double(), want.double()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -157,7 +183,7 @@ def host_ms(fns) -> float:
 
 
 def measure(name: str, fn, inputs: dict, calls: int) -> dict:
-    leaves = list(inputs.values())
+    leaves = [t for t in inputs.values() if t.requires_grad]
 
     def forward():
         return fn(**inputs)
@@ -321,7 +347,7 @@ def _stub_forward(name: str, compiled, inputs: dict, calls: int, profile_calls: 
 
 def _stub_measure(name: str, fn, inputs: dict, calls: int, profile_calls: bool) -> dict:
     """Host microseconds (median, least) of a forward and of a backward call, launches stubbed (module docstring)."""
-    leaves = list(inputs.values())
+    leaves = [t for t in inputs.values() if t.requires_grad]
     y = fn(**inputs)
     cotangent = torch.randn_like(y)
     like = y.detach()
@@ -391,6 +417,8 @@ def stub_main(args) -> None:
         rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, retnet_inputs(RETNET_STUB),
                                   args.calls, args.profile))
         rows.append(_stub_measure(f"{title}, torch op", op, retnet_inputs(RETNET_STUB), args.calls, args.profile))
+    if "attention" in args.only:
+        rows += attention_rows(ATTENTION_STUB, _stub_measure, args.calls, args.profile)
     lines = ["| workload (CPU, launches stubbed; median / least of the calls) | host us forward | host us backward "
              "| bare autograd.Function forward | bare backward |", "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}" if k in r else "-"
@@ -404,8 +432,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=None, help="calls of each kind (default 50; 200 with --cpu-stub)")
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
-    ap.add_argument("--only", default="mamba1,scan,ssd,retnet",
-                    help="workloads, comma-separated: mamba1, scan, ssd, retnet")
+    ap.add_argument("--only", default="mamba1,scan,ssd,retnet,attention",
+                    help="workloads, comma-separated: mamba1, scan, ssd, retnet, attention")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
     if args.cpu_stub:
@@ -430,6 +458,8 @@ def main() -> None:
     if "retnet" in args.only:
         rows += chunked_rows("RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET), retnet, retnet_inputs(RETNET),
                              retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5), args.calls)
+    if "attention" in args.only:
+        rows += attention_rows(ATTENTION, measure, args.calls)
     lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
              "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['fwd_host']:.4f} | " + " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in (
