@@ -138,6 +138,7 @@ def cmd_inspect(args) -> int:
     for label, spec in load_specs(args.spec):
         if isinstance(spec, AttentionSpec):
             print(_attention_path(label, spec, given, args.length))
+            print(_flash_kernels(spec, given, args))
             continue
         program = spec.program
         unknown = sorted(set(given) - {a for d in program.decls for a in d.axes})
@@ -167,6 +168,28 @@ def _attention_path(label: str, spec: AttentionSpec, given: dict[str, int], leng
     shape = " ".join(f"{a}={n}" for a, n in sizes.items())
     return (f"{label}: {shape} Lq=Lk={length}: on the numba and cuda backends and "
             f"through ssmc.torch.function, the {tiled.describe(sizes, length, length)}")
+
+
+def _flash_kernels(spec: AttentionSpec, given: dict[str, int], args) -> str:
+    """The flash kernels a CUDA call at these sizes, length and dtype launches, with ptxas' resources
+    (backends/cuda/kernels/flash/report.py); or why that call takes the tiled torch path instead."""
+    from .backends.cuda.kernels.flash import forward as flash
+    from .backends.cuda.kernels.flash.report import flash_reports, format_flash_reports
+    from .backends.cuda.options import options
+
+    program = spec.program
+    sizes = default_sizes(program, given)
+    d, e = sizes[program.head_dim], sizes[program.value_dim]
+    why = flash.unsupported(program)
+    if why is None and args.dtype not in ("bfloat16", "float16"):
+        why = f"{args.dtype} inputs (the flash kernels take bfloat16 or float16: --dtype)"
+    if why is None and (d not in flash.HEAD_DIMS or e != d):
+        why = f"head dim {d}, value dim {e} (the flash kernels take equal head and value dims in {flash.HEAD_DIMS})"
+    if why is not None:
+        return f"no flash kernels: {why}"
+    reports = flash_reports(program, sizes, args.length, args.length, args.dtype, args.arch,
+                            backward=not args.forward_only)
+    return f"flash kernels ({args.dtype}, {args.arch}):\n" + format_flash_reports(reports, options().sm_count)
 
 
 # -- check -------------------------------------------------------------------------------------

@@ -309,6 +309,27 @@ def test_inspect_says_why_each_strategy_and_warns_when_a_grid_cannot_fill_the_gp
     assert "warning: mamba2_summary" not in out
 
 
+def test_inspect_lists_the_flash_kernels_of_an_attention_spec(capsys):
+    """ALiBi attention at d 64, bf16: the forward, delta and key-block kernels with their config and grid
+    (B2 H4 L1000: 8 query blocks of 128 a batch index, 16 key blocks of 64), ptxas' registers and no
+    spills; float32 names why no flash kernel runs."""
+    from ssmc.backends.cuda import nvrtc
+
+    spec = str(ROOT / "examples" / "alibi_attention.py")
+    assert main(["inspect", spec, "--sizes", "b=2,h=4,d=64", "--length", "1000", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "flash kernels (bfloat16, sm_90):" in out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith(("forward ", "backward "))}
+    assert rows["wg128"][3:6] == ["64", "x", "256"] and rows["wgp"][3:6] == ["128", "x", "128"]
+    assert rows["delta"][3:6] == ["2000", "x", "128"]
+    if nvrtc.available():
+        for row in rows.values():
+            assert 0 < int(row[6]) <= 255 and row[-1] == "0", row
+    assert "warning: flash_fwd" in out  # 64 blocks on a GPU of 132 SMs
+    assert main(["inspect", spec, "--sizes", "d=64", "--dtype", "float32", "--forward-only"]) == 0
+    assert "no flash kernels: float32 inputs" in capsys.readouterr().out
+
+
 def test_inspect_rejects_bad_sizes(capsys):
     assert main(["inspect", HGRN, "--sizes", "b=two"]) == 1
     assert "--sizes" in capsys.readouterr().err
