@@ -200,7 +200,8 @@ class TiledAttention:
             if views is not None:
                 if len(self._binds) >= 64:
                     self._binds.clear()
-                self._binds[key] = (views, call)
+                # the template keeps no tensor of this call alive
+                self._binds[key] = (views, replace(call, q=None, k=None, v=None, params=dict.fromkeys(call.params)))
         return call
 
     def _bind(self, q, k, v, layout, params: dict) -> Call:

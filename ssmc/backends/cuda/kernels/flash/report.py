@@ -2,7 +2,7 @@
 in which config, on what grid, and what NVRTC's ptxas reports for each (registers, shared memory, spills).
 
     rows = flash_reports(program, sizes, lq, lk, "bfloat16", "sm_90")   # [FlashReport], forward then backward
-    print(format_flash_reports(rows))
+    print(format_flash_reports(rows, sm_count=132))
 
 The configs are the ones a call on a GPU of `arch` takes where no ``SSMC_CUDA_FLASH_*`` variable names one:
 on sm_90 the wgmma kernels (built for sm_90a), elsewhere the mma.sync ones; the forward's staggered config
