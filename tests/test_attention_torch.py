@@ -309,7 +309,7 @@ def test_calls_of_a_bound_signature_view_their_own_arguments():
     ty = {n: torch.tensor(a) for n, a in y.items()}
     first = f(**tx)
     assert len(f.tiled._binds) == 1
-    (views, template), = f.tiled._binds.values()
+    (_, template), = f.tiled._binds.values()
     assert template.q is None and all(t is None for t in template.params.values())  # no tensor kept alive
     assert rel(f(**ty), fresh(**ty)) <= F64_TOL  # the remembered views, of ty's tensors
     assert rel(f(**tx), first) <= F64_TOL
