@@ -61,6 +61,22 @@ def test_bf16_lstm_h1024_plans_on_tensor_cores():
         assert not full.mma and full.tiles == 1
 
 
+def test_the_forward_ring_options(monkeypatch):
+    """SSMC_CUDA_PERSISTENT_FORWARD_CHUNK / _STAGES: the B256 H1024 forward's staging (by default 128 indices x 2
+    buffers, all that fits beside U) as asked where it fits (a chunk alone: its deepest ring), the rule's ring
+    where it does not; the adjoint keeps its own (32 x 8)."""
+    forward, adjoint = analyse(_forward(lstm.SPEC)), analyse(_adjoint(lstm.SPEC))
+    assert (plan(forward, LSTM_BIG, 132, mma=True).chunk, plan(forward, LSTM_BIG, 132, mma=True).stages) == (128, 2)
+    for ring, want in (((64, None), (64, 5)), ((32, 3), (32, 3)), ((None, 3), (64, 3)), ((128, 3), (128, 2))):
+        chosen = plan(forward, LSTM_BIG, 132, mma=True, ring=ring)
+        assert (chosen.chunk, chosen.stages) == want and chosen.shared_bytes <= BLOCK_SHARED, (ring, chosen)
+        assert (plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).chunk,
+                plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).stages) == (32, 8)
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT_FORWARD_CHUNK", "64")
+    loop = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, forward)
+    assert loop.plan_for(LSTM_BIG, half=True).chunk == 64
+
+
 def test_heads_take_the_persistent_kernel():
     """4 heads of 128: each head's tiles own its rows and its U slice (a block never spans two heads)."""
     for program in (_forward(lstm_heads.SPEC), _adjoint(lstm_heads.SPEC)):

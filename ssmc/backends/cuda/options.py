@@ -68,6 +68,10 @@ class CudaOptions:
     persistent_reload_index: True has the persistent kernel's pairs recompute their indices and addresses in each
         phase of a step rather than keep them in registers across the product (fewer registers; implied by
         persistent_late_stores, whose adjoint would spill otherwise)
+    persistent_forward_chunk: the tensor-core persistent forward's staging chunk (contracted indices: 16, 32, 64 or
+        128) where it fits, its deepest ring unless persistent_forward_stages says (the adjoints keep theirs)
+    persistent_forward_stages: the tensor-core persistent forward's ring of staged chunks (buffers, at least 2)
+        where it fits, its largest chunk unless persistent_forward_chunk says
     persistent_phases: True has the persistent kernel's thread 0 of every block count its clocks by phase of the
         step (sequences and publish, the barrier, the product, the partial sums, the cell), kept in the
         barrier words after the counters (`PersistentLoop.phases`; a measurement, not for production)
@@ -114,6 +118,8 @@ class CudaOptions:
     persistent_late_stores: bool | None = None
     persistent_prefetch: bool | None = None
     persistent_reload_index: bool | None = None
+    persistent_forward_chunk: int | None = None
+    persistent_forward_stages: int | None = None
     persistent_phases: bool | None = None
     tf32: bool | None = None
     emulate: bool = False
