@@ -183,13 +183,13 @@ class PersistentLoop:
         return bool(bar[1]), int(bar[2])
 
     def phases(self) -> list[float] | None:
-        """The last launch's clocks by phase of a step, summed over its blocks (persistent_phases: sequences
-        and publish, the barrier, the product, its result to the pairs, the cell, all of the loop), or None
-        where it did not count them; reads the device (a sync)."""
+        """The last launch's clocks by phase of a step, summed over the steps, a block's mean (persistent_phases:
+        sequences and publish, the barrier, the product, its result to the pairs, the cell, all of the loop),
+        or None where it did not count them; reads the device (a sync)."""
         if self._last_bar is None or self._phase_at is None:
             return None
         words = self._last_bar[self._phase_at:].cpu().view(-1, 8).long() & 0xFFFFFFFF
-        return [float(v) for v in words[:, :6].sum(0)]
+        return [float(v) for v in words[:, :6].double().mean(0)]
 
     def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate, orders, record, half=None):
         import torch
