@@ -467,16 +467,18 @@ VARIANTS = {
     "late stores": {"LATE_STORES": "1"},
     "prefetch": {"PREFETCH": "1"},
     "late + prefetch": {"LATE_STORES": "1", "PREFETCH": "1"},
+    "late + early loads": {"LATE_STORES": "1", "EARLY_LOADS": "1"},
     "fwd ring 64x5": {"FORWARD_CHUNK": "64"},
     "fwd ring 64x3": {"FORWARD_CHUNK": "64", "FORWARD_STAGES": "3"},
     "fwd ring 32x8": {"FORWARD_CHUNK": "32"},
-    "late + prefetch + fwd ring 64x5": {"LATE_STORES": "1", "PREFETCH": "1", "FORWARD_CHUNK": "64"},
+    "late + early loads + prefetch + fwd ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "PREFETCH": "1",
+                                                      "FORWARD_CHUNK": "64"},
 }
-VARIANTS_FP32 = ("default", "reload index", "late stores", "prefetch", "late + prefetch")  # (no ring: bf16's shape)
+VARIANTS_FP32 = ("default", "reload index", "late stores", "prefetch", "late + early loads")  # (no ring: bf16's shape)
 # the variants run again with SSMC_CUDA_PERSISTENT_PHASES=1 (clocks by phase of a step; not timed)
-PHASED = ("default", "late + prefetch")
+PHASED = ("default", "late + early loads")
 PHASES = ("sequences + publish", "barrier", "product", "to the pairs (split: partials, barrier, sums)", "cell")
-OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES", "PHASES")
+OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "EARLY_LOADS", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES", "PHASES")
 
 
 def _set_variant(settings: dict) -> None:

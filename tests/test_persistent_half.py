@@ -184,20 +184,23 @@ def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, ar
 
 # the CudaOptions of the persistent kernel (kernel_source's arguments as the runner passes them: the late stores
 # imply the reloaded index)
-OPTIONS = {"late": {"late": True, "reload": True}, "reload": {"reload": True}, "prefetch": {"prefetch": True},
-           "phases": {"phases": True}}
+OPTIONS = {"late": {"late": True, "reload": True}, "early loads": {"late": True, "reload": True, "early_loads": True},
+           "reload": {"reload": True}, "prefetch": {"prefetch": True}, "phases": {"phases": True}}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("option", ["late", *(nightly_case(o, reason="one option's build; CI builds the late "
-                                                               "stores, the one near the registers' limit")
-                                              for o in ("reload", "prefetch", "phases"))])
+@pytest.mark.parametrize("option", ["early loads", *(nightly_case(o, reason="one option's build; CI builds the "
+                                                                      "late stores with the early loads, the build "
+                                                                      "nearest the registers' limit")
+                                                     for o in ("late", "reload", "prefetch", "phases"))])
 @pytest.mark.parametrize("name", ["recording", "adjoint"])
 def test_nvrtc_options_compile_without_spills(name, option, arch):
     """The training step's kernels at B256 H1024 (the recording forward: y, the carries before the step and h U
     a step) with each option (OPTIONS): no spills (the late stores' adjoint
     keeps dz for its stores and dc's update across the barrier's arrival: 245 registers with the reloaded
-    index, spills without it); the phases' counters are the only static shared memory (8 clocks)."""
+    index, spills without it; the early loads' raw sequences, loaded by every pair: 245, 216 bytes of spills
+    where the pairs that are off skipped them); the phases' counters are the only static shared memory (8
+    clocks)."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.source import compile_options
 
@@ -312,19 +315,26 @@ def test_emulated_bf16_lstm(emulated_cuda, half_launches, written):
     assert all(d == torch.float32 for dtypes, _ in recorded for d in dtypes.values()), written
 
 
-@pytest.mark.parametrize("names", ["late_stores", nightly_case("prefetch,phases", reason="the late stores are the "
-                                                                "option that moves values; these two add no value")])
+@pytest.mark.parametrize("names", ["late_stores,early_loads",
+                                   nightly_case("late_stores", reason="the late stores without the early loads: CI "
+                                                                      "runs them with"),
+                                   nightly_case("prefetch,phases", reason="these two move no value")])
 def test_emulated_bf16_lstm_options(names, emulated_cuda, half_launches, monkeypatch):
     """One emulated block with SSMC_CUDA_PERSISTENT_<names>: the recording forward (y and rp stored a step late,
     the carries at the publish) and the adjoint (dz stored at the publish, dc's update computed there) against
-    the interpreter at L 7, as test_emulated_bf16_lstm; their sources built with the option."""
+    the interpreter at L 7, as test_emulated_bf16_lstm (the early loads: the adjoint's sequences of step s - 1
+    loaded after step s's product); their sources built with the option."""
     for name in names.split(","):
         monkeypatch.setenv(f"SSMC_CUDA_PERSISTENT_{name.upper()}", "1")
     check_half("lstm", 7, batch=3, hidden=5, device="cpu")
     assert {name for name, mma in half_launches if mma} >= {"lstm", "lstm_backward"}, half_launches
-    macro = {"late_stores": "LATE", "prefetch": "PREFETCH", "phases": "PHASES"}
+    macro = {"late_stores": "LATE", "prefetch": "PREFETCH", "phases": "PHASES", "early_loads": "NEXT_LOADS"}
+    # (early loads: the forwards' cells read their sequences, so they keep the loads at a step's top)
+    want = {name: [f"#define {macro[n]} {int(name == 'lstm_backward' or n != 'early_loads')}"
+                   for n in names.split(",")] for name in ("lstm", "lstm_recording", "lstm_backward")}
     built = {loop.program.name for loop in persistent_runner._LOOPS.values() if loop is not None
-             for key in loop._functions if all(f"#define {macro[n]} 1" in key[1] for n in names.split(","))}
+             for key in loop._functions if loop.program.name in want
+             and all(line in key[1] for line in want[loop.program.name])}
     assert "lstm_backward" in built and built & {"lstm", "lstm_recording"}, built
     if "phases" in names:  # (the emulator counts no clocks: the words are there, zero)
         loops = [loop for loop in persistent_runner._LOOPS.values() if loop is not None and loop._phase_at]

@@ -368,12 +368,13 @@ def test_emulated_split_matches_the_interpreter(case):
 @pytest.mark.parametrize("case", ["adjoint", pytest.param("forward", marks=_NOT_IN_CI)])
 def test_emulated_split_with_the_options(case):
     """The split blocks of test_emulated_split_matches_the_interpreter with every option of the persistent
-    kernel on (the late stores with the reloaded index, the prefetch, the phases' counters): the same values
+    kernel on (the late stores with the reloaded index and the early loads, the prefetch, the phases' counters):
+    the same values
     as without them, within the fp32 sums' order (the operand, U and the order of the sums are the same)."""
     program = _hoisted(lstm.SPEC) if case == "forward" else _adjoint_program(lstm.SPEC)
     sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
     inputs = _one_step_inputs(program, sizes, np.random.default_rng(1))
-    options = {"late": True, "reload": True, "prefetch": True, "phases": True}
+    options = {"late": True, "reload": True, "prefetch": True, "phases": True, "early_loads": True}
     got = _one_step_blocks(program, sizes, 4, 2, inputs, **options)
     for a, b in zip(_flat(got), _flat(_one_step_blocks(program, sizes, 4, 2, inputs)), strict=True):
         assert _relative(a, b) < 1e-6

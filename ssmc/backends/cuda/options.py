@@ -63,6 +63,9 @@ class CudaOptions:
         arrival and a wait, and writes the step's outputs between them (those that do not need the step's product
         from the publish's values, the others, and the recorded product, one step late from registers): off the
         path to the arrival, whose fence would wait for them
+    persistent_early_loads: True (with persistent_late_stores) has the persistent adjoint load the next step's
+        sequences as soon as the step's product is done, where its cell then reads none of them (its publish
+        needs them before its barrier)
     persistent_prefetch: True has the persistent kernel prefetch the next step's sequences into L2 while it runs
         a step (an adjoint's publish reads them before its barrier)
     persistent_reload_index: True has the persistent kernel's pairs recompute their indices and addresses in each
@@ -116,6 +119,7 @@ class CudaOptions:
     persistent_blocks: int | None = None
     persistent_mma: bool | None = None
     persistent_late_stores: bool | None = None
+    persistent_early_loads: bool | None = None
     persistent_prefetch: bool | None = None
     persistent_reload_index: bool | None = None
     persistent_forward_chunk: int | None = None

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 from .....ir.node import Node
 from .....ir.ops import BINARY, UNARY, Op
@@ -384,7 +385,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   record: tuple[int, ...] | None = None, bf16: bool = True,
                   half_seqs: frozenset = frozenset(), half_outs: frozenset = frozenset(),
                   half_record: bool = False, late: bool = False, prefetch: bool = False,
-                  phases: bool = False, reload: bool = False) -> str:
+                  phases: bool = False, reload: bool = False, early_loads: bool = False) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
@@ -418,7 +419,11 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     `reload` (persistent_reload_index; `late` needs it at B256 H1024's adjoint): each phase's pairs read their
     thread's index through an opaque instruction, so that the compiler recomputes their indices and the
     sequences' addresses where they are used rather than keeping them (8 pairs x 10 addresses in the adjoint)
-    in registers across the step's product (B256 H1024's adjoint: 254 registers to 219, sm_90)."""
+    in registers across the step's product (B256 H1024's adjoint: 254 registers to 219, sm_90).
+    `early_loads` (persistent_early_loads, with `late`, where the cell after the product then reads no sequence:
+    an adjoint, whose dz and dc the publish computes): the next step's sequences loaded into their registers once
+    the step's product is done (split: past its second barrier, whose fence would wait for them), not at the top
+    of the next step, whose publish needs them before its barrier."""
     if (half_outs or half_record) and not plan.mma:
         raise ValueError("16-bit outputs are written only in the tensor-core form")
     p = cell.program
@@ -533,7 +538,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         decl.append(f"F pv{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
         for assign in combos(pr.own_of(d.axes), sizes):
             prologue.append(f"pv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = w{i}[{at_pair(d.axes, assign)}];")
-    seq_loads, prefetches = [], []
+    seq_loads, prefetches, next_loads, raw_loads, first_loads, raw_decl = [], [], [], [], [], []
     for d in p.seqs:
         if d.name not in read:
             continue
@@ -548,6 +553,15 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                 value = f"ssmc_mma::half_float<BF16>({value})"
             seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = {value};")
             prefetches.append(f"prefetch_l2(&s{i}[{time_offset(d.axes, strides, at, 'tn')}]);")
+            # (early_loads: the values as stored, svr, converted at the next step's top: a conversion right after
+            # the load would wait for it there; every pair loads, at its clamped indices where it is off: a load
+            # under `on` would keep the register's old value alive across the whole step)
+            c = flat(pr.own_of(d.axes), sizes, assign)
+            raw_loads.append(f"svr{i}[q][{c}] = s{i}[{time_offset(d.axes, strides, at, 'tn')}];")
+            first_loads.append(f"svr{i}[q][{c}] = s{i}[{offset}];")
+            next_loads.append(f"sv{i}[q][{c}] = " + (f"ssmc_mma::half_float<BF16>(svr{i}[q][{c}]);"
+                                                     if d.name in half_seqs else f"svr{i}[q][{c}];"))
+        raw_decl.append(f"{'H' if d.name in half_seqs else 'F'} svr{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
     finals = []
     for s in p.states:
         i = pr.states[s.name]
@@ -566,6 +580,10 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     cell_lines = pr.body(out_strides, record, half_outs, half_record, late=late)
     publish_lines = pr.publish(plan.mma and not tf, plan.munits, early=slots if late else None)
     early_stores, late_stores = pr.late_stores(slots) if late else ([], [])
+    # the next step's sequences loaded at the end of this one's product: where the cell after it reads none
+    early_loads = early_loads and late and not re.search(r"\bsv\d+\[", "\n".join(cell_lines))
+    if early_loads:
+        decl.extend(raw_decl)
     if early_stores:
         decl.append(f"F ev[PAIRS][{len(early_stores)}];")
     if late_stores:
@@ -759,6 +777,7 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define LATE {int(late)}
 #define PREFETCH {int(prefetch)}
 #define PHASES {int(phases)}
+#define NEXT_LOADS {int(early_loads)}
 #define PHASE_AT {3 + plan.tiles * (plan.ksplit + plan.jsplit if split else 1)}
 static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
@@ -1000,11 +1019,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     if (threadIdx.x == 0) phase_clocks[7] = phase_clocks[6] = clock64();
 #endif
 #endif
+#if NEXT_LOADS
+    if (length > 0) {{  // the first step's sequences, as stored (the steps after it: loaded by the step before)
+        const int t = REVERSE ? length - 1 : 0;
+{per_pair(first_loads, guard="true", depth=2)}
+    }}
+#endif
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
         X* xw = xo + (s & 1) * (XROWS * XST);
         const X* xt = xw + (long long)row0 * XST + kg * JPAD;  // the tile's rows, the block's K group
+#if NEXT_LOADS
+{per_pair(next_loads, guard="true", depth=2)}
+#else
 {per_pair(seq_loads, depth=2)}
+#endif
 #if PREFETCH
         if (s + 1 < length) {{  // the next step's sequences into L2 (its loads then hit there)
             const int tn = REVERSE ? t - 1 : t + 1;
@@ -1088,6 +1117,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #else
         PHASE(2);
 #endif
+#if NEXT_LOADS && !SPLIT
+        if (s + 1 < length) {{  // the next step's sequences (the cell reads none of this step's)
+            const int tn = REVERSE ? t - 1 : t + 1;
+{per_pair(raw_loads, guard="true", depth=3)}
+        }}
+#endif
 #if MMA && SPLIT
         // the warp's tiles, the partial product over the K group, to pb[s % 2][kg][row][n0 COLS + n] (fp32);
         // the J group's blocks meet; each pair sums its KS partials. pb[s % 2] is written again at step s + 2,
@@ -1108,6 +1143,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
                     }}
         }}
         grid_barrier(bar + 3 + tile * (KS + JS) + KS + jg, (unsigned int)(s + 1) * KS, s, bar);
+#if NEXT_LOADS && SPLIT
+        if (s + 1 < length) {{  // the next step's sequences (the cell reads none of this step's)
+            const int tn = REVERSE ? t - 1 : t + 1;
+{per_pair(raw_loads, guard="true", depth=3)}
+        }}
+#endif
         // the block's rows x units of the product: its KS partials summed in group order (fixed: deterministic)
         // into sp, whence each pair's (here the accumulators are free: all the loads in flight at once)
         // (4 units a 16-byte load where a row's units come in fours)

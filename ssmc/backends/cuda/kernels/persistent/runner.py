@@ -254,7 +254,8 @@ class PersistentLoop:
                                half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None,
                                late=bool(opts.persistent_late_stores), prefetch=bool(opts.persistent_prefetch),
                                phases=phases,
-                               reload=bool(opts.persistent_reload_index or opts.persistent_late_stores))
+                               reload=bool(opts.persistent_reload_index or opts.persistent_late_stores),
+                               early_loads=bool(opts.persistent_early_loads))
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
