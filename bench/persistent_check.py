@@ -471,6 +471,7 @@ VARIANTS = {
     "fwd ring 64x5": {"FORWARD_CHUNK": "64"},
     "fwd ring 64x3": {"FORWARD_CHUNK": "64", "FORWARD_STAGES": "3"},
     "fwd ring 32x8": {"FORWARD_CHUNK": "32"},
+    "late + early loads + adjoint ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "ADJOINT_CHUNK": "64"},
     "late + early loads + prefetch + fwd ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "PREFETCH": "1",
                                                       "FORWARD_CHUNK": "64"},
 }
@@ -478,7 +479,8 @@ VARIANTS_FP32 = ("default", "reload index", "late stores", "prefetch", "late + e
 # the variants run again with SSMC_CUDA_PERSISTENT_PHASES=1 (clocks by phase of a step; not timed)
 PHASED = ("default", "late + early loads")
 PHASES = ("sequences + publish", "barrier", "product", "to the pairs (split: partials, barrier, sums)", "cell")
-OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "EARLY_LOADS", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES", "PHASES")
+OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "EARLY_LOADS", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES",
+                "ADJOINT_CHUNK", "ADJOINT_STAGES", "PHASES")
 
 
 def _set_variant(settings: dict) -> None:
@@ -527,7 +529,8 @@ def variant_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024, dty
     bound, gbound = (5e-2, 1e-1) if dtype != torch.float32 else (1e-3, 1e-3)
     shape = f"B{b} L{t} I{i} H{k} {str(dtype).split('.')[-1]}"
     lines = [f"## {shape}", "", "| variant | fwd ms | fwd+bwd ms | plain fwd kernel ms | recording fwd kernel ms | "
-             "adjoint kernel ms | other kernels ms | fwd err | grad err | recording ring (chunk x buffers) |",
+             "adjoint kernel ms | other kernels ms | fwd err | grad err | rings (chunk x buffers): recording; "
+             "adjoint |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     checked = {}
     try:
@@ -555,11 +558,13 @@ def variant_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024, dty
             recording = sum(v for n, v in kernels.items() if "recording_persistent" in n)
             plain = sum(v for n, v in fwd_kernels.items() if n.endswith("_persistent"))
             other = sum(v for n, v in kernels.items() if "persistent" not in n)
-            ring = "-"
+            rings = {}
             for loop in persistent_runner._LOOPS.values():
-                if loop is not None and loop.program.name == "lstm_recording":
+                if loop is not None and loop.program.name in ("lstm_recording", "lstm_backward"):
                     chosen = loop.plan_for({"b": b, "i": i, "k": k, "j": k, "g": 4}, half=dtype != torch.float32)
-                    ring = f"{chosen.chunk} x {chosen.stages}" if not isinstance(chosen, str) else chosen
+                    rings[loop.program.name] = (f"{chosen.chunk} x {chosen.stages}" if not isinstance(chosen, str)
+                                                else chosen)
+            ring = f"{rings.get('lstm_recording', '-')}; {rings.get('lstm_backward', '-')}"
             lines.append(f"| {label} | {ms_f:.3f} | {ms_t:.3f} | {plain:.3f} | {recording:.3f} | {adjoint:.3f} | "
                          f"{other:.3f} | {err:.2e} | {gerr:.2e} | {ring} |")
         if phased:

@@ -61,10 +61,10 @@ def test_bf16_lstm_h1024_plans_on_tensor_cores():
         assert not full.mma and full.tiles == 1
 
 
-def test_the_forward_ring_options(monkeypatch):
+def test_the_ring_options(monkeypatch):
     """SSMC_CUDA_PERSISTENT_FORWARD_CHUNK / _STAGES: the B256 H1024 forward's staging (by default 128 indices x 2
     buffers, all that fits beside U) as asked where it fits (a chunk alone: its deepest ring), the rule's ring
-    where it does not; the adjoint keeps its own (32 x 8)."""
+    where it does not; the adjoint keeps its own (32 x 8) unless _ADJOINT_CHUNK / _STAGES say."""
     forward, adjoint = analyse(_forward(lstm.SPEC)), analyse(_adjoint(lstm.SPEC))
     assert (plan(forward, LSTM_BIG, 132, mma=True).chunk, plan(forward, LSTM_BIG, 132, mma=True).stages) == (128, 2)
     for ring, want in (((64, None), (64, 5)), ((32, 3), (32, 3)), ((None, 3), (64, 3)), ((128, 3), (128, 2))):
@@ -72,6 +72,8 @@ def test_the_forward_ring_options(monkeypatch):
         assert (chosen.chunk, chosen.stages) == want and chosen.shared_bytes <= BLOCK_SHARED, (ring, chosen)
         assert (plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).chunk,
                 plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).stages) == (32, 8)
+    chosen = plan(adjoint, LSTM_BIG, 132, mma=True, ring=(64, None), deep_ring=(64, None))
+    assert (chosen.chunk, chosen.stages, chosen.ksplit) == (64, 5, 4), chosen  # (SSMC_CUDA_PERSISTENT_ADJOINT_*)
     monkeypatch.setenv("SSMC_CUDA_PERSISTENT_FORWARD_CHUNK", "64")
     loop = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, forward)
     assert loop.plan_for(LSTM_BIG, half=True).chunk == 64

@@ -75,6 +75,8 @@ class CudaOptions:
         128) where it fits, its deepest ring unless persistent_forward_stages says (the adjoints keep theirs)
     persistent_forward_stages: the tensor-core persistent forward's ring of staged chunks (buffers, at least 2)
         where it fits, its largest chunk unless persistent_forward_chunk says
+    persistent_adjoint_chunk, persistent_adjoint_stages: the same for the one-column tensor-core products (the
+        adjoints; by default the ring of the most bytes in flight)
     persistent_phases: True has the persistent kernel's thread 0 of every block count its clocks by phase of the
         step (sequences and publish, the barrier, the product, the partial sums, the cell), kept in the
         barrier words after the counters (`PersistentLoop.phases`; a measurement, not for production)
@@ -124,6 +126,8 @@ class CudaOptions:
     persistent_reload_index: bool | None = None
     persistent_forward_chunk: int | None = None
     persistent_forward_stages: int | None = None
+    persistent_adjoint_chunk: int | None = None
+    persistent_adjoint_stages: int | None = None
     persistent_phases: bool | None = None
     tf32: bool | None = None
     emulate: bool = False

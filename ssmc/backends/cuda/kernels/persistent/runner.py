@@ -64,13 +64,15 @@ class PersistentLoop:
         passes = 0 if half else tf32_passes()
         opts = options()
         ring = (opts.persistent_forward_chunk, opts.persistent_forward_stages)
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, analysis.MIN_BLOCK_PAIRS,
+        deep_ring = (opts.persistent_adjoint_chunk, opts.persistent_adjoint_stages)
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, analysis.MIN_BLOCK_PAIRS,
                analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
                analysis.DEEP_STAGES)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
-            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring)
+            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
+                           deep_ring=deep_ring)
                       if half or passes else None)
             if chosen is None or isinstance(chosen, str):
                 chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
