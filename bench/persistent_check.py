@@ -491,19 +491,24 @@ def _set_variant(settings: dict) -> None:
 def _phase_lines(label: str, steps: int) -> list[str]:
     """Each persistent runner's clocks by phase in its last launch (SSMC_CUDA_PERSISTENT_PHASES), a block's mean:
     the loop's clocks a step (and in µs at the SM's clock rate) and each phase's share of them."""
-    import cupy
+    try:
+        import cupy
 
-    khz = cupy.cuda.Device().attributes["ClockRate"]  # (the base clock's kHz: the µs are an estimate)
+        khz = float(cupy.cuda.Device().attributes["ClockRate"])  # (the clock's kHz: the µs are an estimate)
+    except Exception:  # no such attribute: clocks and shares only
+        khz = None
+
+    def us(clocks: float) -> str:
+        return f" ({clocks / steps / khz * 1e3:.2f} µs)" if khz else ""
+
     lines = []
     for loop in persistent_runner._LOOPS.values():
         counted = loop.phases() if loop is not None else None
         if not counted or not counted[5]:
             continue
         total = counted[5]
-        shares = ", ".join(f"{name} {v / total:.0%} ({v / steps / khz * 1e3:.2f} µs)"
-                           for name, v in zip(PHASES, counted[:5]))
-        lines.append(f"| {label} | {loop.program.name} | {total / steps:.0f} ({total / steps / khz * 1e3:.2f} µs) | "
-                     f"{shares} |")
+        shares = ", ".join(f"{name} {v / total:.0%}{us(v)}" for name, v in zip(PHASES, counted[:5]))
+        lines.append(f"| {label} | {loop.program.name} | {total / steps:.0f}{us(total)} | {shares} |")
     return lines
 
 
