@@ -459,6 +459,134 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
     return lines
 
 
+# the persistent kernel's options swept by `variant_sweep` (label -> SSMC_CUDA_PERSISTENT_* settings); every
+# variant's gradients are checked against cuDNN fp32 before it is timed
+VARIANTS = {
+    "default": {},
+    "reload index": {"RELOAD_INDEX": "1"},
+    "late stores": {"LATE_STORES": "1"},
+    "prefetch": {"PREFETCH": "1"},
+    "late + prefetch": {"LATE_STORES": "1", "PREFETCH": "1"},
+    "late + early loads": {"LATE_STORES": "1", "EARLY_LOADS": "1"},
+    "fwd ring 64x5": {"FORWARD_CHUNK": "64"},
+    "fwd ring 64x3": {"FORWARD_CHUNK": "64", "FORWARD_STAGES": "3"},
+    "fwd ring 32x8": {"FORWARD_CHUNK": "32"},
+    "late + early loads + adjoint ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "ADJOINT_CHUNK": "64"},
+    "late + early loads + prefetch + fwd ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "PREFETCH": "1",
+                                                      "FORWARD_CHUNK": "64"},
+}
+VARIANTS_FP32 = ("default", "reload index", "late stores", "prefetch", "late + early loads")  # (no ring: bf16's shape)
+# the variants run again with SSMC_CUDA_PERSISTENT_PHASES=1 (clocks by phase of a step; not timed)
+PHASED = ("default", "late + early loads")
+PHASES = ("sequences + publish", "barrier", "product", "to the pairs (split: partials, barrier, sums)", "cell")
+OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "EARLY_LOADS", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES",
+                "ADJOINT_CHUNK", "ADJOINT_STAGES", "PHASES")
+
+
+def _set_variant(settings: dict) -> None:
+    for name in OPTION_NAMES:
+        os.environ[f"SSMC_CUDA_PERSISTENT_{name}"] = settings.get(name, "")
+
+
+def _phase_lines(label: str, steps: int) -> list[str]:
+    """Each persistent runner's clocks by phase in its last launch (SSMC_CUDA_PERSISTENT_PHASES), a block's mean:
+    the loop's clocks a step (and in µs at the SM's clock rate) and each phase's share of them."""
+    try:
+        import cupy
+
+        khz = float(cupy.cuda.Device().attributes["ClockRate"])  # (the clock's kHz: the µs are an estimate)
+    except Exception:  # no such attribute: clocks and shares only
+        khz = None
+
+    def us(clocks: float) -> str:
+        return f" ({clocks / steps / khz * 1e3:.2f} µs)" if khz else ""
+
+    lines = []
+    for loop in persistent_runner._LOOPS.values():
+        counted = loop.phases() if loop is not None else None
+        if not counted or not counted[5]:
+            continue
+        total = counted[5]
+        shares = ", ".join(f"{name} {v / total:.0%}{us(v)}" for name, v in zip(PHASES, counted[:5]))
+        lines.append(f"| {label} | {loop.program.name} | {total / steps:.0f}{us(total)} | {shares} |")
+    return lines
+
+
+def variant_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024, dtype=torch.bfloat16,
+                  names=tuple(VARIANTS), phased=PHASED) -> list[str]:
+    """LSTM at B b L t I i H k in `dtype` (bf16: the tensor-core form; fp32: 3xTF32) with each option variant
+    (VARIANTS): first every variant's forward and gradients against cuDNN fp32 (TF32 off) on the same inputs,
+    then its forward and training step times, the recording forward's and the adjoint's kernel ms
+    (torch.profiler, one step), the plain forward's kernel ms, and the recording forward's staging ring; then
+    the `phased` variants' clocks by phase (`_phase_lines`)."""
+    inputs = make_inputs("LSTM", b, t, i, k)
+    given = {n: v.to(dtype) for n, v in inputs.items()}
+    exact = {n: v.float() for n, v in given.items()}
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1)
+    dy = torch.randn((b, t, k), device="cuda", generator=g).to(dtype)
+    torch.backends.cudnn.allow_tf32 = False
+    want_g = torch_train("LSTM", exact, dy.float())()
+    y_ref, (h_ref, c_ref) = torch_module("LSTM", exact)()
+    want = [y_ref, h_ref[0], c_ref[0]]
+    torch.backends.cudnn.allow_tf32 = True
+    forward = ssmc.compile(lstm.SPEC, "cuda", layout=lstm.LAYOUT)
+    bound, gbound = (5e-2, 1e-1) if dtype != torch.float32 else (1e-3, 1e-3)
+    shape = f"B{b} L{t} I{i} H{k} {str(dtype).split('.')[-1]}"
+    lines = [f"## {shape}", "", "| variant | fwd ms | fwd+bwd ms | plain fwd kernel ms | recording fwd kernel ms | "
+             "adjoint kernel ms | other kernels ms | fwd err | grad err | rings (chunk x buffers): recording; "
+             "adjoint |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    checked = {}
+    try:
+        for label in names:  # correctness first, every variant
+            _set_variant(VARIANTS[label])
+            LAUNCHED.clear()
+            got = as_list(forward(**given, return_final_states=True))
+            train = ssmc_train("LSTM", given, dy, True)
+            got_g = train()
+            torch.cuda.synchronize()
+            err = max(float((x.float() - y).abs().max() / y.abs().max()) for x, y in zip(got, want))
+            gerr = relative_error(got_g, want_g)
+            ran = dict(LAUNCHED)
+            checked[label] = (err, gerr, train)
+            if err > bound or gerr > gbound or not ran.get("lstm_backward") or not ran.get("lstm"):
+                lines.append(f"MISMATCH ({shape}, {label}): errors {err:.2e} / {gerr:.2e}, launches {ran}")
+        for label in names:
+            err, gerr, train = checked[label]
+            _set_variant(VARIANTS[label])
+            ms_f = timed(lambda: forward(**given, return_final_states=True), reps=10)
+            ms_t = timed(train, reps=5)
+            kernels = _kernel_ms(train)
+            fwd_kernels = _kernel_ms(lambda: forward(**given, return_final_states=True))
+            adjoint = sum(v for n, v in kernels.items() if "backward_persistent" in n)
+            recording = sum(v for n, v in kernels.items() if "recording_persistent" in n)
+            plain = sum(v for n, v in fwd_kernels.items() if n.endswith("_persistent"))
+            other = sum(v for n, v in kernels.items() if "persistent" not in n)
+            rings = {}
+            for loop in persistent_runner._LOOPS.values():
+                if loop is not None and loop.program.name in ("lstm_recording", "lstm_backward"):
+                    chosen = loop.plan_for({"b": b, "i": i, "k": k, "j": k, "g": 4}, half=dtype != torch.float32)
+                    rings[loop.program.name] = (f"{chosen.chunk} x {chosen.stages}" if not isinstance(chosen, str)
+                                                else chosen)
+            ring = f"{rings.get('lstm_recording', '-')}; {rings.get('lstm_backward', '-')}"
+            lines.append(f"| {label} | {ms_f:.3f} | {ms_t:.3f} | {plain:.3f} | {recording:.3f} | {adjoint:.3f} | "
+                         f"{other:.3f} | {err:.2e} | {gerr:.2e} | {ring} |")
+        if phased:
+            lines += ["", "| variant (phases counted) | kernel | clocks a step (a block's mean) | phases: share of the "
+                      "loop (µs a step) |",
+                      "|---|---|---|---|"]
+        for label in phased:
+            _set_variant({**VARIANTS[label], "PHASES": "1"})
+            forward(**given, return_final_states=True)
+            ssmc_train("LSTM", given, dy, True)()
+            torch.cuda.synchronize()
+            lines += _phase_lines(label, t)
+    finally:
+        _set_variant({})
+    return lines
+
+
 def _torch_train_dtype(inputs: dict, dy: torch.Tensor, dtype):
     """`torch_train` with the module and its inputs in `dtype`."""
     i, gates, k = inputs["W"].shape
@@ -553,7 +681,8 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="also bf16 H1024, B16 H256 (and its grids), heads")
     parser.add_argument("--sections", default="half,split,grid,heads",
                         help="with --all, which of its sections run (half: bf16 H1024; split: its K groups; grid: "
-                             "B16 H256's grids; heads)")
+                             "B16 H256's grids; heads; variants: the persistent kernel's options at bf16 H1024 and "
+                             "fp32 B64 H512, checked then timed)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 TFLOP/s (for the heads rows)")
     parser.add_argument("--peak-gbs", type=float, help="the device's memory GB/s (for the heads rows)")
     args = parser.parse_args()
@@ -582,6 +711,9 @@ def main() -> None:
                       "|---|---|---|---|---|---|"], half_rows),
                     ("split", "bf16 LSTM training step: the adjoint's contracted indices in K groups", [], split_sweep),
                     ("grid", "B16 L180 I128 H256 fp32 forward: the grid", [], grid_sweep),
+                    ("variants", "LSTM: the persistent kernel's options (SSMC_CUDA_PERSISTENT_*)", [],
+                     lambda: [*variant_sweep(), "", *variant_sweep(64, 180, 512, 512, torch.float32,
+                                                                   names=VARIANTS_FP32, phased=("default",))]),
                     ("heads", "LSTM heads (block-diagonal U), bf16", [],
                      lambda: heads_rows(args.peak_tflops, args.peak_gbs))]
         wanted = set(args.sections.split(","))

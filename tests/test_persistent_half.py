@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from profiles import in_ci
+from profiles import in_ci, nightly_case
 from test_persistent_rnn import launched  # noqa: F401  (a fixture)
 
 import ssmc
@@ -59,6 +59,24 @@ def test_bf16_lstm_h1024_plans_on_tensor_cores():
         assert gm * gn <= half.threads // 32 and gm * wm * 16 >= half.mpad and gn * wn * 8 >= half.npad
         full = plan(cell, LSTM_BIG, 132)
         assert not full.mma and full.tiles == 1
+
+
+def test_the_ring_options(monkeypatch):
+    """SSMC_CUDA_PERSISTENT_FORWARD_CHUNK / _STAGES: the B256 H1024 forward's staging (by default 128 indices x 2
+    buffers, all that fits beside U) as asked where it fits (a chunk alone: its deepest ring), the rule's ring
+    where it does not; the adjoint keeps its own (32 x 8) unless _ADJOINT_CHUNK / _STAGES say."""
+    forward, adjoint = analyse(_forward(lstm.SPEC)), analyse(_adjoint(lstm.SPEC))
+    assert (plan(forward, LSTM_BIG, 132, mma=True).chunk, plan(forward, LSTM_BIG, 132, mma=True).stages) == (128, 2)
+    for ring, want in (((64, None), (64, 5)), ((32, 3), (32, 3)), ((None, 3), (64, 3)), ((128, 3), (128, 2))):
+        chosen = plan(forward, LSTM_BIG, 132, mma=True, ring=ring)
+        assert (chosen.chunk, chosen.stages) == want and chosen.shared_bytes <= BLOCK_SHARED, (ring, chosen)
+        assert (plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).chunk,
+                plan(adjoint, LSTM_BIG, 132, mma=True, ring=ring).stages) == (32, 8)
+    chosen = plan(adjoint, LSTM_BIG, 132, mma=True, ring=(64, None), deep_ring=(64, None))
+    assert (chosen.chunk, chosen.stages, chosen.ksplit) == (64, 5, 4), chosen  # (SSMC_CUDA_PERSISTENT_ADJOINT_*)
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT_FORWARD_CHUNK", "64")
+    loop = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, forward)
+    assert loop.plan_for(LSTM_BIG, half=True).chunk == 64
 
 
 def test_heads_take_the_persistent_kernel():
@@ -130,9 +148,10 @@ HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoin
                ("lstm odd", _forward(lstm.SPEC), {"b": 5, "k": 129, "j": 129, "g": 4})]
 
 
-def _training_source(cell, chosen, sizes) -> str:
+def _training_source(cell, chosen, sizes, **options) -> str:
     """The kernel as a training step runs it: a forward recording its product h U in bf16 (contiguous
-    [L, rows..., g, k]), an adjoint writing dz (its outputs hf<n>, which the post products read) in bf16."""
+    [L, rows..., g, k]), an adjoint writing dz (its outputs hf<n>, which the post products read) in bf16
+    (`options`: `kernel_source`'s late, prefetch, phases, reload)."""
     p = cell.program
     record = None
     if not p.reverse:
@@ -141,7 +160,7 @@ def _training_source(cell, chosen, sizes) -> str:
     half_outs = frozenset(n for n, _ in p.outputs if n.startswith("hf"))
     assert p.reverse == bool(half_outs), p.outputs
     return kernel_source(cell, chosen, sizes, record=record, half_seqs=frozenset(d.name for d in p.seqs),
-                         half_outs=half_outs, half_record=record is not None)
+                         half_outs=half_outs, half_record=record is not None, **options)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -163,6 +182,39 @@ def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, ar
     used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
     assert not used.spills and used.stack_frame_bytes == 0, used.summary()
     assert used.registers <= 255 and used.shared_bytes == 0, used.summary()
+
+
+# the CudaOptions of the persistent kernel (kernel_source's arguments as the runner passes them: the late stores
+# imply the reloaded index)
+OPTIONS = {"late": {"late": True, "reload": True}, "early loads": {"late": True, "reload": True, "early_loads": True},
+           "reload": {"reload": True}, "prefetch": {"prefetch": True}, "phases": {"phases": True}}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("option", ["early loads", *(nightly_case(o, reason="one option's build; CI builds the "
+                                                                      "late stores with the early loads, the build "
+                                                                      "nearest the registers' limit")
+                                                     for o in ("late", "reload", "prefetch", "phases"))])
+@pytest.mark.parametrize("name", ["recording", "adjoint"])
+def test_nvrtc_options_compile_without_spills(name, option, arch):
+    """The training step's kernels at B256 H1024 (the recording forward: y, the carries before the step and h U
+    a step) with each option (OPTIONS): no spills (the late stores' adjoint
+    keeps dz for its stores and dc's update across the barrier's arrival: 245 registers with the reloaded
+    index, spills without it; the early loads' raw sequences, loaded by every pair: 245, 216 bytes of spills
+    where the pairs that are off skipped them); the phases' counters are the only static shared memory (8
+    clocks)."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.source import compile_options
+
+    if not nvrtc.available():
+        pytest.skip(nvrtc.unavailable_reason())
+    recording = hoist(derive_backward(lstm.SPEC.program).recording, transpose=False).program
+    cell = analyse(recording if name == "recording" else _adjoint(lstm.SPEC))
+    chosen = plan(cell, LSTM_BIG, 132, mma=True)
+    source = _training_source(cell, chosen, LSTM_BIG, **OPTIONS[option])
+    used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
+    assert not used.spills and used.stack_frame_bytes == 0, used.summary()
+    assert used.registers <= 255 and used.shared_bytes == (64 if option == "phases" else 0), used.summary()
 
 
 # -- against the interpreter -----------------------------------------------------------------------------------
@@ -263,6 +315,32 @@ def test_emulated_bf16_lstm(emulated_cuda, half_launches, written):
     recorded = [(dtypes, rec) for name, _, dtypes, rec in written if name != "lstm_backward" and rec is not None]
     assert recorded and all(rec == torch.bfloat16 for _, rec in recorded), written
     assert all(d == torch.float32 for dtypes, _ in recorded for d in dtypes.values()), written
+
+
+@pytest.mark.parametrize("names", ["late_stores,early_loads",
+                                   nightly_case("late_stores", reason="the late stores without the early loads: CI "
+                                                                      "runs them with"),
+                                   nightly_case("prefetch,phases", reason="these two move no value")])
+def test_emulated_bf16_lstm_options(names, emulated_cuda, half_launches, monkeypatch):
+    """One emulated block with SSMC_CUDA_PERSISTENT_<names>: the recording forward (y and rp stored a step late,
+    the carries at the publish) and the adjoint (dz stored at the publish, dc's update computed there) against
+    the interpreter at L 7 (CI: 3), as test_emulated_bf16_lstm (the early loads: the adjoint's sequences of step s - 1
+    loaded after step s's product); their sources built with the option."""
+    for name in names.split(","):
+        monkeypatch.setenv(f"SSMC_CUDA_PERSISTENT_{name.upper()}", "1")
+    check_half("lstm", 3 if in_ci() else 7, batch=3, hidden=5, device="cpu")  # (L 3: a store late, a load early)
+    assert {name for name, mma in half_launches if mma} >= {"lstm", "lstm_backward"}, half_launches
+    macro = {"late_stores": "LATE", "prefetch": "PREFETCH", "phases": "PHASES", "early_loads": "NEXT_LOADS"}
+    # (early loads: the forwards' cells read their sequences, so they keep the loads at a step's top)
+    want = {name: [f"#define {macro[n]} {int(name == 'lstm_backward' or n != 'early_loads')}"
+                   for n in names.split(",")] for name in ("lstm", "lstm_recording", "lstm_backward")}
+    built = {loop.program.name for loop in persistent_runner._LOOPS.values() if loop is not None
+             for key in loop._functions if loop.program.name in want
+             and all(line in key[1] for line in want[loop.program.name])}
+    assert "lstm_backward" in built and built & {"lstm", "lstm_recording"}, built
+    if "phases" in names:  # (the emulator counts no clocks: the words are there, zero)
+        loops = [loop for loop in persistent_runner._LOOPS.values() if loop is not None and loop._phase_at]
+        assert loops and loops[0].phases() == [0.0] * 6
 
 
 @pytest.mark.parametrize("spec", [lstm, lstm_heads], ids=["lstm", "heads"])

@@ -298,12 +298,13 @@ def _one_step_inputs(program, sizes: dict, rng) -> tuple[dict, dict, dict]:
     return seqs, params, initial
 
 
-def _one_step_blocks(program, sizes, blocks, ksplit, inputs):
+def _one_step_blocks(program, sizes, blocks, ksplit, inputs, **options):
     """`program` at L 1 over `blocks` emulated blocks in the tensor-core form, `ksplit` K groups, from
     `inputs` (`_one_step_inputs`): (outputs, finals). The emulator runs blocks one after another with the grid
     barriers compiled out, so a launch sees the exchange buffers as the launch before left them: the first
     leaves every block's operand in xo, the second every block's partial product (from the complete operand)
-    in pb, the third computes the step from both (each launch recomputes the same values)."""
+    in pb, the third computes the step from both (each launch recomputes the same values). `options`:
+    `kernel_source`'s (late, prefetch, phases, reload)."""
     import torch
 
     from ssmc.backends.cuda.emulator import emulated
@@ -325,11 +326,12 @@ def _one_step_blocks(program, sizes, blocks, ksplit, inputs):
     finals = [torch.zeros(full(s.axes)) for s in program.states]
     xo = torch.zeros(2 * chosen.xrows * chosen.xcols, dtype=torch.bfloat16)
     groups = chosen.ksplit + chosen.jsplit if ksplit > 1 else 1
-    arrays += [*outs, *finals, xo, torch.zeros(3 + chosen.tiles * groups, dtype=torch.int32)]
+    words = 3 + chosen.tiles * groups + (8 * chosen.blocks if options.get("phases") else 0)
+    arrays += [*outs, *finals, xo, torch.zeros(words, dtype=torch.int32)]
     if ksplit > 1:
         arrays.append(torch.full((2 * ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,),
                                  float("nan")))
-    fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
+    fn = emulated(kernel_source(cell, chosen, sizes, **options), kernel_name(cell))
     for _ in range(3 if ksplit > 1 else 2):
         fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
     return [o.double().numpy() for o in outs], [f.double().numpy() for f in finals]
@@ -361,6 +363,21 @@ def test_emulated_split_matches_the_interpreter(case):
     if not in_ci():
         for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1, inputs)), strict=True):
             assert _relative(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["adjoint", pytest.param("forward", marks=_NOT_IN_CI)])
+def test_emulated_split_with_the_options(case):
+    """The split blocks of test_emulated_split_matches_the_interpreter with every option of the persistent
+    kernel on (the late stores with the reloaded index and the early loads, the prefetch, the phases' counters):
+    the same values
+    as without them, within the fp32 sums' order (the operand, U and the order of the sums are the same)."""
+    program = _hoisted(lstm.SPEC) if case == "forward" else _adjoint_program(lstm.SPEC)
+    sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
+    inputs = _one_step_inputs(program, sizes, np.random.default_rng(1))
+    options = {"late": True, "reload": True, "prefetch": True, "phases": True, "early_loads": True}
+    got = _one_step_blocks(program, sizes, 4, 2, inputs, **options)
+    for a, b in zip(_flat(got), _flat(_one_step_blocks(program, sizes, 4, 2, inputs)), strict=True):
+        assert _relative(a, b) < 1e-6
 
 
 # -- GPU ------------------------------------------------------------------------------------------

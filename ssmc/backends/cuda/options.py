@@ -59,6 +59,27 @@ class CudaOptions:
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
         TF32 form; 16-bit calls stay on the tensor cores)
+    persistent_late_stores: True splits the persistent kernel's grid barrier after the operand's publish into an
+        arrival and a wait, and writes the step's outputs between them (those that do not need the step's product
+        from the publish's values, the others, and the recorded product, one step late from registers): off the
+        path to the arrival, whose fence would wait for them
+    persistent_early_loads: True (with persistent_late_stores) has the persistent adjoint load the next step's
+        sequences as soon as the step's product is done, where its cell then reads none of them (its publish
+        needs them before its barrier)
+    persistent_prefetch: True has the persistent kernel prefetch the next step's sequences into L2 while it runs
+        a step (an adjoint's publish reads them before its barrier)
+    persistent_reload_index: True has the persistent kernel's pairs recompute their indices and addresses in each
+        phase of a step rather than keep them in registers across the product (fewer registers; implied by
+        persistent_late_stores, whose adjoint would spill otherwise)
+    persistent_forward_chunk: the tensor-core persistent forward's staging chunk (contracted indices: 16, 32, 64 or
+        128) where it fits, its deepest ring unless persistent_forward_stages says (the adjoints keep theirs)
+    persistent_forward_stages: the tensor-core persistent forward's ring of staged chunks (buffers, at least 2)
+        where it fits, its largest chunk unless persistent_forward_chunk says
+    persistent_adjoint_chunk, persistent_adjoint_stages: the same for the one-column tensor-core products (the
+        adjoints; by default the ring of the most bytes in flight)
+    persistent_phases: True has the persistent kernel's thread 0 of every block count its clocks by phase of the
+        step (sequences and publish, the barrier, the product, the partial sums, the cell), kept in the
+        barrier words after the counters (`PersistentLoop.phases`; a measurement, not for production)
     tf32: True multiplies fp32 recurrent products on the tensor cores in plain TF32 (one mma a tile, about 1e-3
         relative), False in 3xTF32 (three: about fp32's 1e-6); unset: TF32 where torch allows it for its own
         fp32 matrix products (`torch.backends.cuda.matmul.allow_tf32`, which the hoisted products follow too)
@@ -99,6 +120,15 @@ class CudaOptions:
     persistent: bool | None = None
     persistent_blocks: int | None = None
     persistent_mma: bool | None = None
+    persistent_late_stores: bool | None = None
+    persistent_early_loads: bool | None = None
+    persistent_prefetch: bool | None = None
+    persistent_reload_index: bool | None = None
+    persistent_forward_chunk: int | None = None
+    persistent_forward_stages: int | None = None
+    persistent_adjoint_chunk: int | None = None
+    persistent_adjoint_stages: int | None = None
+    persistent_phases: bool | None = None
     tf32: bool | None = None
     emulate: bool = False
     flash: bool = True

@@ -419,7 +419,9 @@ def tf32_warp_grid(plan: Plan) -> tuple[int, int, int, int, int]:
 
 def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = None,
          shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
-         max_blocks: int | None = None, ksplit: int | None = None, tf32: int = 0) -> Plan | str:
+         max_blocks: int | None = None, ksplit: int | None = None, tf32: int = 0,
+         ring: tuple[int | None, int | None] | None = None,
+         deep_ring: tuple[int | None, int | None] | None = None) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
@@ -438,7 +440,11 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     block, 128 MiB a step over the grid), the tile's blocks are KS K groups x JS J groups: a block multiplies
     the operand's K group slice (1/KS of the indices) by its U slice [its J group's KS x units units][that
     slice] into fp32 partials, which the J group's blocks sum; the same U bytes a block, KS x fewer staged
-    (partials add 2 x rows x H x 4 bytes a K group). `ksplit`: exactly that split (1: none)."""
+    (partials add 2 x rows x H x 4 bytes a K group). `ksplit`: exactly that split (1: none). `ring`: (chunk,
+    buffers) of a tensor-core forward's staging where they fit (None in either: the deepest ring of the chunk
+    given, the largest chunk of the buffers given; CudaOptions.persistent_forward_chunk / _stages), else the
+    rule above; `deep_ring` the same for the one-column products that take the deepest ring (the adjoints:
+    persistent_adjoint_chunk / _stages)."""
     rows = math.prod(sizes[a] for a in cell.rows)
     nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
@@ -506,6 +512,15 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 # largest chunk's ring of STAGES, which the GPU sweep found faster for them than the deepest ring
                 # (docs/design/persistent-rnn.md, "Deeper rings")
                 deepest = mma and cols == 1
+                forced = (deep_ring if deepest else ring) if mma else None
+                if forced and any(forced):
+                    for chunk in (c for c in chunks if forced[0] in (None, c)):
+                        jpad = -(-kd // chunk) * chunk
+                        for stages in ((forced[1],) if forced[1] else DEEP_STAGES):
+                            candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
+                                             pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0)
+                            if stages >= 2 and candidate.shared_bytes <= shared_limit:
+                                return candidate
                 deep = []  # (bytes in flight, chunk, plan) of each chunk's deepest ring
                 for chunk in chunks:
                     jpad = -(-kd // chunk) * chunk

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 from .....ir.node import Node
 from .....ir.ops import BINARY, UNARY, Op
@@ -83,9 +84,10 @@ def contiguous_index(axes: tuple[str, ...], sizes: dict[str, int], at: dict[str,
     return " + ".join(reversed(terms)) or "0"
 
 
-def time_offset(axes, strides, at: dict[str, str]) -> str:
-    """``t * strides[0] + sum of at[a] * stride`` for an array [L, *axes] at element `strides`, in 64 bits."""
-    terms = [f"(long long)t * {strides[0]}"]
+def time_offset(axes, strides, at: dict[str, str], time: str = "t") -> str:
+    """``time * strides[0] + sum of at[a] * stride`` for an array [L, *axes] at element `strides`, in 64 bits
+    (`time`: the C variable of the step's time index)."""
+    terms = [f"(long long){time} * {strides[0]}"]
     terms += [f"(long long)({at[a]}) * {st}" for a, st in zip(axes, strides[1:]) if st]
     return " + ".join(terms)
 
@@ -178,13 +180,57 @@ class CellPrinter:
                 out.append(f"const {ctype} v{self.index[n]}_{flat(self.own(n), self.sizes, assign)} = {value};")
         return out
 
-    def publish(self, half: bool = False, munits: int | None = None) -> list[str]:
+    def needs_product(self, n: Node) -> bool:
+        """Whether node `n`'s value depends on the step's recurrent product."""
+        seen, todo = set(), [n]
+        while todo:
+            m = todo.pop()
+            if m is self.cell.product:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(m.args)
+        return False
+
+    def output_slots(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None,
+                     half_outs: frozenset = frozenset(), half_record: bool = False) -> list[tuple]:
+        """Every value pair q writes a step, in `body`'s order: (early, node, assign, array, strides, axes, half),
+        `early` where the value does not need the step's product (the publish can compute it: the late stores,
+        `kernel_source`), the record (rp) last."""
+        p, out = self.cell.program, []
+        for i, (name, y) in enumerate(p.outputs):
+            for assign in combos(self.own_of(y.axes), self.sizes):
+                out.append((not self.needs_product(y), y, assign, f"o{i}", (out_strides or {}).get(name), y.axes,
+                            name in half_outs))
+        if record is not None:
+            axes = self.cell.product.axes
+            for assign in combos(self.own_of(axes), self.sizes):
+                out.append((False, self.cell.product, assign, "rp", record, axes, half_record))
+        return out
+
+    def late_stores(self, slots: list[tuple]) -> tuple[list[str], list[str]]:
+        """The late stores' statements for pair q (`kernel_source`'s `late`): the early values from ev[q] at the
+        step's time t, the others from dv[q] at the time tp of the step before (`slots`: `output_slots`)."""
+        early, late = [], []
+        for is_early, _, assign, array, strides, axes, half in slots:
+            where, reg = (early, "ev") if is_early else (late, "dv")
+            value = f"{reg}[q][{len(where)}]"
+            value = f"ssmc_mma::float_half<BF16>({value})" if half else value
+            offset = self.strided(axes, strides, assign, "t" if is_early else "tp")
+            where.append(f"{array}[{offset}] = {value};")
+        return early, late
+
+    def publish(self, half: bool = False, munits: int | None = None, early: list[tuple] | None = None) -> list[str]:
         """Statements for pair q before the product: the values the operand needs, and the operand at
         (r, k) and every index of its local axes written to the exchange buffer xw [ROWS][XST]: at the
         block's K group's slice (kg JPAD), the contracted axes flat in the weight's order, the unit axis
-        as the pair's index km among the group's `munits` (the columns past DEPTH stay zero)."""
+        as the pair's index km among the group's `munits` (the columns past DEPTH stay zero). `early`: the
+        output slots (`output_slots`) whose values the publish also computes, into ev[q] in order."""
         cell = self.cell
-        needed, todo = set(), [cell.publish]
+        late = early is not None
+        early = [slot for slot in early or [] if slot[0]]
+        updates = self.early_updates() if late else []
+        needed, todo = set(), [cell.publish, *(slot[1] for slot in early), *(u for _, _, u in updates)]
         while todo:
             n = todo.pop()
             if n not in needed:
@@ -199,45 +245,72 @@ class CellPrinter:
             value = self.printer.expr(self.ref(cell.publish, assign))
             out.append(f"xw[(long long)r * XST + kg * JPAD + {contiguous_index(order, sizes, at)}] = "
                        + (f"ssmc_mma::float_half<BF16>({value});" if half else f"{value};"))
+        for n, slot in enumerate(early):
+            out.append(f"ev[q][{n}] = {self.printer.expr(self.ref(slot[1], slot[2]))};")
+        for i, s, u in updates:
+            for assign in combos(self.own_of(s.axes), self.sizes):
+                c = flat(self.own_of(s.axes), self.sizes, assign)
+                out.append(f"nu{i}[q][{c}] = {self.printer.expr(self.ref(u, assign))};")
         return out
 
-    def strided(self, axes: tuple[str, ...], strides: tuple[int, ...] | None, assign: dict[str, int]) -> str:
-        """The offset of step t and the pair's indices (`assign`: the local axes') in an array [L, *axes]
-        at element `strides` (time first; None: contiguous)."""
+    def early_updates(self) -> list[tuple]:
+        """(index, state, update) of the carries whose update does not need the step's product (an adjoint's
+        dc): with the late stores the publish computes them into nu<i>[q] (the sequences they read then need
+        no registers across the product) and the cell takes them from there."""
+        p = self.cell.program
+        return [(self.states[s.name], s, u) for s, u in zip(p.states, p.updates) if not self.needs_product(u)]
+
+    def strided(self, axes: tuple[str, ...], strides: tuple[int, ...] | None, assign: dict[str, int],
+                time: str = "t") -> str:
+        """The offset of step `time` (a C variable) and the pair's indices (`assign`: the local axes') in an
+        array [L, *axes] at element `strides` (time first; None: contiguous)."""
         if strides is None:
             strides = (math.prod(self.sizes[a] for a in axes), *_contiguous([self.sizes[a] for a in axes]))
         at = self.at | {a: str(v) for a, v in assign.items()}
-        return time_offset(axes, strides, at)
+        return time_offset(axes, strides, at, time)
 
     def body(self, out_strides: dict | None = None, record: tuple[int, ...] | None = None,
-             half_outs: frozenset = frozenset(), half_record: bool = False) -> list[str]:
+             half_outs: frozenset = frozenset(), half_record: bool = False, late: bool = False) -> list[str]:
         """Statements of the cell for pair q after the product: every node (those before the product
         recomputed: cheaper than keeping them in registers across the barrier), then the outputs at t
         (at `out_strides`: name -> element strides of time and each axis; default contiguous), the
         product itself where `record` gives its array's strides (rp [L, *product axes]), and the new
         carries. The outputs named in `half_outs`, and rp where `half_record`, are stored rounded to the
-        16-bit type (the values computed in fp32 all the same)."""
-        out = self.values(self.cell.nodes)
+        16-bit type (the values computed in fp32 all the same). `late`: no stores; the values that need the
+        product kept in dv[q] (in `output_slots` order) for the next step's late stores, the others left to
+        the publish (`late_stores`)."""
         p = self.cell.program
-
-        def stored(value: str, half: bool) -> str:
-            return f"ssmc_mma::float_half<BF16>({value})" if half else value
-
-        for i, (name, y) in enumerate(p.outputs):
-            axes = y.axes
-            for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                value = stored(self.printer.expr(self.ref(y, assign)), name in half_outs)
-                out.append(f"o{i}[{self.strided(axes, (out_strides or {}).get(name), assign)}] = {value};")
-        if record is not None:
-            axes = self.cell.product.axes
-            for assign in combos(tuple(a for a in axes if a in self.cell.local), self.sizes):
-                value = stored(self.printer.expr(self.ref(self.cell.product, assign)), half_record)
-                out.append(f"rp[{self.strided(axes, record, assign)}] = {value};")
+        slots = self.output_slots(out_strides, record, half_outs, half_record)
+        deferred = [slot for slot in slots if not slot[0]] if late else slots
+        nodes = self.cell.nodes
+        if late:  # only what the deferred values and the carries of the product need
+            needed = set()
+            early_states = {i for i, _, _ in self.early_updates()}
+            todo = [*(slot[1] for slot in deferred),
+                    *(u for s, u in zip(p.states, p.updates) if self.states[s.name] not in early_states)]
+            while todo:
+                n = todo.pop()
+                if n not in needed:
+                    needed.add(n)
+                    if n is not self.cell.product:  # (its value is acc: not its chain's nodes)
+                        todo.extend(n.args)
+            nodes = [n for n in nodes if n in needed]
+        early_states = {i for i, _, _ in self.early_updates()} if late else set()
+        out = self.values(nodes)
+        for n, (_, node, assign, array, strides, axes, half) in enumerate(deferred):
+            value = self.printer.expr(self.ref(node, assign))
+            if late:
+                out.append(f"dv[q][{n}] = {value};")
+            else:
+                value = f"ssmc_mma::float_half<BF16>({value})" if half else value
+                out.append(f"{array}[{self.strided(axes, strides, assign)}] = {value};")
         for s, u in zip(p.states, p.updates):
             i = self.states[s.name]
+            early = late and i in early_states  # the publish computed it (`early_updates`)
             for assign in combos(self.own_of(s.axes), self.sizes):
                 c = flat(self.own_of(s.axes), self.sizes, assign)
-                out.append(f"const F n{i}_{c} = {self.printer.expr(self.ref(u, assign))};")
+                value = f"nu{i}[q][{c}]" if early else self.printer.expr(self.ref(u, assign))
+                out.append(f"const F n{i}_{c} = {value};")
         for s in p.states:
             i = self.states[s.name]
             for c in range(self.count(self.own_of(s.axes))):
@@ -311,7 +384,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
                   out_strides: dict[str, tuple[int, ...]] | None = None,
                   record: tuple[int, ...] | None = None, bf16: bool = True,
                   half_seqs: frozenset = frozenset(), half_outs: frozenset = frozenset(),
-                  half_record: bool = False) -> str:
+                  half_record: bool = False, late: bool = False, prefetch: bool = False,
+                  phases: bool = False, reload: bool = False, early_loads: bool = False) -> str:
     """The CUDA module (math header and the kernel) of `cell` at `sizes`, split as `plan`.
 
     Arguments: (length, nblk, sequences [L, axes...], params, initial states, outputs [L, axes...],
@@ -328,7 +402,28 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     converted to them once into shared memory, and the product is mma.sync tiles with fp32
     accumulators; the sequences named in `half_seqs` are read as 16-bit arrays (the rest fp32), the
     outputs named in `half_outs` (an adjoint's dz, which only the post products read, in 16 bits) and
-    rp where `half_record` written as 16-bit arrays."""
+    rp where `half_record` written as 16-bit arrays.
+
+    Options (`CudaOptions`; each off keeps the kernel of before):
+    `late` (persistent_late_stores): the barrier after the publish split into its arrival and its wait, the
+    step's stores between them: the outputs that do not need the product, computed by the publish (ev), at t;
+    the others and rp, kept in registers by the step before's cell (dv), at that step's time tp (the last step's
+    after the loop). The arrival's fence then waits for no output store, and the stores issue while the block
+    waits; the wait reads the counter with ld.acquire (no trailing fence, which would wait for them).
+    `prefetch` (persistent_prefetch): the next step's sequences prefetched into L2 after this step's loads
+    (a lane in four, one prefetch a value).
+    `phases` (persistent_phases): thread 0 counts the block's clocks by phase of the step in shared memory and
+    writes them at the end to bar[PHASE_AT + 8 blockIdx.x + i] (i: sequences and publish, the barrier, the
+    product, the product's result to the pairs (split: the partials, their barrier, the sums), the cell; 5: all
+    of the loop), clamped to 32 bits.
+    `reload` (persistent_reload_index; `late` needs it at B256 H1024's adjoint): each phase's pairs read their
+    thread's index through an opaque instruction, so that the compiler recomputes their indices and the
+    sequences' addresses where they are used rather than keeping them (8 pairs x 10 addresses in the adjoint)
+    in registers across the step's product (B256 H1024's adjoint: 254 registers to 219, sm_90).
+    `early_loads` (persistent_early_loads, with `late`, where the cell after the product then reads no sequence:
+    an adjoint, whose dz and dc the publish computes): the next step's sequences loaded into their registers once
+    the step's product is done (split: past its second barrier, whose fence would wait for them), not at the top
+    of the next step, whose publish needs them before its barrier."""
     if (half_outs or half_record) and not plan.mma:
         raise ValueError("16-bit outputs are written only in the tensor-core form")
     p = cell.program
@@ -374,7 +469,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             decode = ["const int lr = (pq / 4) % TROWS;", "const int u = 4 * (pq / (4 * TROWS)) + pq % 4;"]
         else:
             decode = ["const int lr = pq / UNITS;", "const int u = pq % UNITS;"]
-        return ["const int pq = threadIdx.x + q * THREADS;", *decode, "const int r = row0 + lr;",
+        first = "thread_index()" if reload else "threadIdx.x"
+        return [f"const int pq = {first} + q * THREADS;", *decode, "const int r = row0 + lr;",
                 "const int k = k0 + u;", "const int km = jg * UNITS + u;",
                 "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
@@ -442,7 +538,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         decl.append(f"F pv{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
         for assign in combos(pr.own_of(d.axes), sizes):
             prologue.append(f"pv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = w{i}[{at_pair(d.axes, assign)}];")
-    seq_loads = []
+    seq_loads, prefetches, next_loads, raw_loads, first_loads, raw_decl = [], [], [], [], [], []
     for d in p.seqs:
         if d.name not in read:
             continue
@@ -456,6 +552,16 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             if d.name in half_seqs:
                 value = f"ssmc_mma::half_float<BF16>({value})"
             seq_loads.append(f"sv{i}[q][{flat(pr.own_of(d.axes), sizes, assign)}] = {value};")
+            prefetches.append(f"prefetch_l2(&s{i}[{time_offset(d.axes, strides, at, 'tn')}]);")
+            # (early_loads: the values as stored, svr, converted at the next step's top: a conversion right after
+            # the load would wait for it there; every pair loads, at its clamped indices where it is off: a load
+            # under `on` would keep the register's old value alive across the whole step)
+            c = flat(pr.own_of(d.axes), sizes, assign)
+            raw_loads.append(f"svr{i}[q][{c}] = s{i}[{time_offset(d.axes, strides, at, 'tn')}];")
+            first_loads.append(f"svr{i}[q][{c}] = s{i}[{offset}];")
+            next_loads.append(f"sv{i}[q][{c}] = " + (f"ssmc_mma::half_float<BF16>(svr{i}[q][{c}]);"
+                                                     if d.name in half_seqs else f"svr{i}[q][{c}];"))
+        raw_decl.append(f"{'H' if d.name in half_seqs else 'F'} svr{i}[PAIRS][{pr.count(pr.own_of(d.axes))}];")
     finals = []
     for s in p.states:
         i = pr.states[s.name]
@@ -469,8 +575,21 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         return (f"{pad}#pragma unroll\n{pad}for (int q = 0; q < PAIRS; ++q) {{\n{head}\n"
                 f"{pad}    if ({guard}) {{\n{inner}\n{pad}    }}\n{pad}}}")
 
-    cell_lines = pr.body(out_strides, record, half_outs, half_record and record is not None)
-    publish_lines = pr.publish(plan.mma and not tf, plan.munits)
+    half_record = half_record and record is not None
+    slots = pr.output_slots(out_strides, record, half_outs, half_record)
+    cell_lines = pr.body(out_strides, record, half_outs, half_record, late=late)
+    publish_lines = pr.publish(plan.mma and not tf, plan.munits, early=slots if late else None)
+    early_stores, late_stores = pr.late_stores(slots) if late else ([], [])
+    # the next step's sequences loaded at the end of this one's product: where the cell after it reads none
+    early_loads = early_loads and late and not re.search(r"\bsv\d+\[", "\n".join(cell_lines))
+    if early_loads:
+        decl.extend(raw_decl)
+    if early_stores:
+        decl.append(f"F ev[PAIRS][{len(early_stores)}];")
+    if late_stores:
+        decl.append(f"F dv[PAIRS][{len(late_stores)}];")
+    for i, st, _ in pr.early_updates() if late else []:
+        decl.append(f"F nu{i}[PAIRS][{pr.count(pr.own_of(st.axes))}];")
     product = [
         "#if VEC",
         "#pragma unroll 8",
@@ -655,6 +774,11 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define COPIES {-(-plan.trows * plan.chunk // (16 // plan.elem) // plan.threads)}
 #define CPR (CHUNK / EPC)  // 16-byte copies a staged row
 #define REVERSE {int(p.reverse)}
+#define LATE {int(late)}
+#define PREFETCH {int(prefetch)}
+#define PHASES {int(phases)}
+#define NEXT_LOADS {int(early_loads)}
+#define PHASE_AT {3 + plan.tiles * (plan.ksplit + plan.jsplit if split else 1)}
 static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
 #ifdef __CUDA_ARCH__
@@ -681,10 +805,62 @@ __device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int tar
     }}
     __syncthreads();
 }}
+// grid_barrier in two halves (LATE): the arrival, then the wait; the wait reads the counter with ld.acquire, so
+// that no fence waits for the stores the block issued between them
+__device__ __forceinline__ void grid_arrive(unsigned int* bar)
+{{
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        __threadfence();
+        atomicAdd(bar, 1u);
+    }}
+}}
+__device__ __forceinline__ void grid_wait(unsigned int* bar, unsigned int target, int step, unsigned int* flags)
+{{
+    if (threadIdx.x == 0) {{
+        const long long start = clock64();
+        for (;;) {{
+            unsigned int seen;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+            if (seen >= target) break;
+            __nanosleep(20);
+            if (clock64() - start > {BARRIER_TIMEOUT}LL) {{
+                atomicExch(flags + 1, 1u);
+                atomicMax(flags + 2, (unsigned int)step);
+                break;
+            }}
+        }}
+    }}
+    __syncthreads();
+}}
+// threadIdx.x, read by an instruction the compiler neither moves nor merges (`reload`): what the pairs compute
+// from it is computed again in each phase of a step, not kept in registers across the product
+__device__ __forceinline__ int thread_index()
+{{
+    unsigned x;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+    return (int)x;
+}}
+// an L2 prefetch of the line at p (PREFETCH)
+__device__ __forceinline__ void prefetch_l2(const void* p)
+{{
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}}
 #else
 // the emulator runs a block at a time (a multi-block launch computes one step from a buffer an earlier
 // launch filled: tests/test_persistent_backward.py)
 inline void grid_barrier(unsigned int*, unsigned int, int, unsigned int*) {{ __syncthreads(); }}
+inline void grid_arrive(unsigned int*) {{ __syncthreads(); }}
+inline void grid_wait(unsigned int*, unsigned int, int, unsigned int*) {{ __syncthreads(); }}
+inline void prefetch_l2(const void*) {{}}
+inline int thread_index() {{ return threadIdx.x; }}
+#endif
+#if PHASES && defined(__CUDA_ARCH__)
+// thread 0 adds the clocks since the last mark to phase i (phase_clocks[7]: the last mark)
+#define PHASE(i) do {{ if (threadIdx.x == 0) {{ const long long now_ = clock64(); \
+    phase_clocks[i] += now_ - phase_clocks[7]; phase_clocks[7] = now_; }} }} while (0)
+#else
+#define PHASE(i) do {{}} while (0)
 #endif
 
 // 16 bytes of the exchange buffer into shared memory through L2 only (another block wrote them this
@@ -835,16 +1011,55 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #endif
 {chr(10).join("    " + line for line in decl)}
 {per_pair(prologue)}
+#if PHASES
+    __shared__ long long phase_clocks[8];
+    if (threadIdx.x < 8) phase_clocks[threadIdx.x] = 0;
+    __syncthreads();
+#ifdef __CUDA_ARCH__
+    if (threadIdx.x == 0) phase_clocks[7] = phase_clocks[6] = clock64();
+#endif
+#endif
+#if NEXT_LOADS
+    if (length > 0) {{  // the first step's sequences, as stored (the steps after it: loaded by the step before)
+        const int t = REVERSE ? length - 1 : 0;
+{per_pair(first_loads, guard="true", depth=2)}
+    }}
+#endif
     for (int s = 0; s < length; ++s) {{
         const int t = REVERSE ? length - 1 - s : s;
         X* xw = xo + (s & 1) * (XROWS * XST);
         const X* xt = xw + (long long)row0 * XST + kg * JPAD;  // the tile's rows, the block's K group
+#if NEXT_LOADS
+{per_pair(next_loads, guard="true", depth=2)}
+#else
 {per_pair(seq_loads, depth=2)}
+#endif
+#if PREFETCH
+        if (s + 1 < length) {{  // the next step's sequences into L2 (its loads then hit there)
+            const int tn = REVERSE ? t - 1 : t + 1;
+{per_pair(prefetches, guard="on && threadIdx.x % 4 == 0", depth=3)}
+        }}
+#endif
 {per_pair(publish_lines, depth=2)}
+        PHASE(0);
         // every block's operand of this step written before any block of its tile (its K group) stages it
+#if LATE
+        // (the step's stores between the arrival and the wait: the early values at t, the step before's at tp)
+        unsigned int* const arrive_at = SPLIT ? bar + 3 + tile * (KS + JS) + kg : bar + 3 + tile;
+        if (SPLIT || NBT > 1) grid_arrive(arrive_at);
+{per_pair(early_stores, depth=2) if early_stores else ""}
+        if (s > 0) {{
+            const int tp = REVERSE ? t + 1 : t - 1;
+{per_pair(late_stores, depth=3) if late_stores else ""}
+        }}
+        if (SPLIT || NBT > 1) grid_wait(arrive_at, (unsigned int)(s + 1) * (SPLIT ? JS : NBT), s, bar);
+        else __syncthreads();
+#else
         if (SPLIT) grid_barrier(bar + 3 + tile * (KS + JS) + kg, (unsigned int)(s + 1) * JS, s, bar);
         else if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
         else __syncthreads();
+#endif
+        PHASE(1);
 #if TF32
         #pragma unroll
         for (int x = 0; x < NACC; ++x)
@@ -889,6 +1104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #endif
         }}
 #if TF32
+        PHASE(2);
         // the accumulator sets summed (3xTF32: the small terms first)
         #pragma unroll
         for (int i = 0; i < WM; ++i)
@@ -898,6 +1114,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
                 for (int v = 0; v < 4; ++v)
                     d[i][n][v] = NACC == 3 ? (dx[2 % NACC][i][n][v] + dx[1][i][n][v]) + dx[0][i][n][v]
                                            : dx[0][i][n][v] + dx[1][i][n][v];
+#else
+        PHASE(2);
+#endif
+#if NEXT_LOADS && !SPLIT
+        if (s + 1 < length) {{  // the next step's sequences (the cell reads none of this step's)
+            const int tn = REVERSE ? t - 1 : t + 1;
+{per_pair(raw_loads, guard="true", depth=3)}
+        }}
 #endif
 #if MMA && SPLIT
         // the warp's tiles, the partial product over the K group, to pb[s % 2][kg][row][n0 COLS + n] (fp32);
@@ -919,6 +1143,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
                     }}
         }}
         grid_barrier(bar + 3 + tile * (KS + JS) + KS + jg, (unsigned int)(s + 1) * KS, s, bar);
+#if NEXT_LOADS && SPLIT
+        if (s + 1 < length) {{  // the next step's sequences (the cell reads none of this step's)
+            const int tn = REVERSE ? t - 1 : t + 1;
+{per_pair(raw_loads, guard="true", depth=3)}
+        }}
+#endif
         // the block's rows x units of the product: its KS partials summed in group order (fixed: deterministic)
         // into sp, whence each pair's (here the accumulators are free: all the loads in flight at once)
         // (4 units a 16-byte load where a row's units come in fours)
@@ -968,8 +1198,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         __syncthreads();
 {per_pair(from_sp, guard="lr < TROWS", depth=2)}
 #endif
+        PHASE(3);
 {per_pair(cell_lines, depth=2)}
+        PHASE(4);
     }}
+#if LATE
+    if (length > 0) {{  // the last step's late stores
+        const int tp = REVERSE ? 0 : length - 1;
+{per_pair(late_stores, depth=2) if late_stores else ""}
+    }}
+#endif
+#if PHASES
+#ifdef __CUDA_ARCH__
+    if (threadIdx.x == 0) phase_clocks[5] = clock64() - phase_clocks[6];
+#endif
+    __syncthreads();
+    if (threadIdx.x < 6)
+        bar[PHASE_AT + 8 * blockIdx.x + threadIdx.x] = (unsigned int)min(phase_clocks[threadIdx.x], 0xffffffffLL);
+#endif
 {per_pair(finals)}
 }}
 """

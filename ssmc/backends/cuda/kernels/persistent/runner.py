@@ -45,6 +45,7 @@ class PersistentLoop:
         self._plans: dict[tuple, object] = {}
         self._functions: dict[tuple, object] = {}
         self._last_bar = None
+        self._phase_at = None  # where the last launch keeps its clocks by phase in its barrier words (`phases`)
         self._pending = None  # (event or None, host copy of the barrier words) of the last launch, unread
 
     @property
@@ -61,13 +62,17 @@ class PersistentLoop:
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
         passes = 0 if half else tf32_passes()
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, analysis.MIN_BLOCK_PAIRS,
+        opts = options()
+        ring = (opts.persistent_forward_chunk, opts.persistent_forward_stages)
+        deep_ring = (opts.persistent_adjoint_chunk, opts.persistent_adjoint_stages)
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, analysis.MIN_BLOCK_PAIRS,
                analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
                analysis.DEEP_STAGES)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
-            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes)
+            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
+                           deep_ring=deep_ring)
                       if half or passes else None)
             if chosen is None or isinstance(chosen, str):
                 chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
@@ -179,6 +184,15 @@ class PersistentLoop:
         bar = self._last_bar.cpu().tolist()
         return bool(bar[1]), int(bar[2])
 
+    def phases(self) -> list[float] | None:
+        """The last launch's clocks by phase of a step, summed over the steps, a block's mean (persistent_phases:
+        sequences and publish, the barrier, the product, its result to the pairs, the cell, all of the loop),
+        or None where it did not count them; reads the device (a sync)."""
+        if self._last_bar is None or self._phase_at is None:
+            return None
+        words = self._last_bar[self._phase_at:].cpu().view(-1, 8).long() & 0xFFFFFFFF
+        return [float(v) for v in words[:, :6].double().mean(0)]
+
     def _launch(self, chosen, seqs, params, initial, sizes, length, device, emulate, orders, record, half=None):
         import torch
 
@@ -225,7 +239,12 @@ class PersistentLoop:
         # (unused, a barrier timed out, the step it did), then a counter a batch tile (split: a counter a K
         # group, then one a J group, of every tile)
         groups = chosen.ksplit + chosen.jsplit if split else 1
-        bar = torch.zeros(3 + chosen.tiles * groups, dtype=torch.int32, device=device)
+        opts = options()
+        phases = bool(opts.persistent_phases)
+        # (persistent_phases: 8 words a block after the counters, its clocks by phase: `phases`)
+        bar = torch.zeros(3 + chosen.tiles * groups + (8 * chosen.blocks if phases else 0), dtype=torch.int32,
+                          device=device)
+        self._phase_at = 3 + chosen.tiles * groups if phases else None
         self._last_bar = bar
         tensors = [*seq_t, *par_t, *ini_t, *outs, *finals, *([recorded] if record else []), xo, bar]
         if split:  # the K groups' fp32 partial products [2][ksplit][rows][units], by step parity
@@ -234,7 +253,11 @@ class PersistentLoop:
         pointers = [t.data_ptr() for t in tensors]
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None)
+                               half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None,
+                               late=bool(opts.persistent_late_stores), prefetch=bool(opts.persistent_prefetch),
+                               phases=phases,
+                               reload=bool(opts.persistent_reload_index or opts.persistent_late_stores),
+                               early_loads=bool(opts.persistent_early_loads))
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
