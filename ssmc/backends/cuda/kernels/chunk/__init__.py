@@ -164,6 +164,13 @@ class ChunkedCore:
 
     def _chunks(self, seqs, params, initial, sizes, length, chunk):
         """(`Chunks` of a call, the decay as given where the core takes it so, else None)."""
+        q, k, v = self._operands(seqs, params, length, chunk)
+        ell, s0, beta, skip, decay = self._scalars(seqs, params, initial, length, chunk, q.device)
+        return Chunks(q, k, v, ell, s0, beta, skip), decay
+
+    def _operands(self, seqs, params, length, chunk):
+        """The call's q, k, v as `Chunks` holds them (`_arrange`d: views where the chunks are whole and the dtype
+        q's 16 bits, or the compute dtype, already)."""
         ml, f = self.ml, self.dtype
         q_arr, _ = self._input(ml.q, seqs, params)
         mm = q_arr.dtype if q_arr.dtype in (torch.bfloat16, torch.float16) else f
@@ -172,10 +179,15 @@ class ChunkedCore:
             arr, timed = self._input(node, seqs, params)
             return self._arrange(arr, node.axes, timed, inner, length, chunk, mm)
 
-        q, k, v = operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
+        return operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
+
+    def _scalars(self, seqs, params, initial, length, chunk, device):
+        """(ell, s0, beta, skip as `Chunks` holds them, the decay as given where the core takes it so, else
+        None): what a call computes from its decays, β, skip and initial state."""
+        ml, f = self.ml, self.dtype
         decay = None
         if ml.log_decay is not None and ml.log_decay.op is Op.CONST:
-            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
             ell[..., :length] = ml.log_decay.arg
             ell = ell.reshape(*ell.shape[:-1], -1, chunk)
         elif ml.log_decay is not None or ml.decay is not None:
@@ -193,17 +205,30 @@ class ChunkedCore:
                             f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its"
                             " log (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
                     _found_positive(given)
-            ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
-            if ml.decay is not None:  # padded steps: decay 1
-                decay = ell.masked_fill(ell == 0, 1.0)
-                ell = torch.log(decay)
+            if not timed and length % chunk == 0:
+                # a param's decays over whole chunks (RetNet's gamma): taken per head once (its log), then
+                # repeated over the steps as a view (step stride 0), the values `_arrange` would copy out
+                names = list(node.axes)
+                y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
+                shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
+                y = y.reshape(*shape, 1, 1)
+                steps = (*shape, length // chunk, chunk)
+                if ml.decay is not None:
+                    decay, ell = y.expand(steps), torch.log(y).expand(steps)
+                else:
+                    ell = y.expand(steps)
+            else:
+                ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
+                if ml.decay is not None:  # padded steps: decay 1
+                    decay = ell.masked_fill(ell == 0, 1.0)
+                    ell = torch.log(decay)
         else:
-            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=q.device)
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=device)
         def scalar(node):  # β or the skip: [*H, NC, C] in the compute dtype, zero past `length` (v is too)
             if node is None:
                 return None
             if node.op is Op.CONST:
-                out = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+                out = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
                 out[..., :length] = node.arg
                 return out.reshape(*out.shape[:-1], -1, chunk)
             arr, timed = self._input(node, seqs, params)
@@ -217,7 +242,7 @@ class ChunkedCore:
         s = ml.state
         s0 = initial[s.name].to(f)
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
-        return Chunks(q, k, v, ell, s0, scalar(ml.beta), scalar(ml.skip)), decay
+        return ell, s0, scalar(ml.beta), scalar(ml.skip), decay
 
     def _time_first_layout(self, axes, inner: str) -> bool:
         """Whether an [L, *axes] array can be viewed as the kernels' [*H, NC, C, inner]: every head axis and
@@ -279,10 +304,21 @@ class ChunkedCore:
         return outs, finals
 
     def prepare_run(self, seqs, params, initial, sizes, length, out_dtype=None):
-        """`run` for every call alike (`Backend.preparer`: the same shapes, strides and dtypes), skipping
-        the binding and the strategy's choice; the call's sequences go time first, as `run` reads them."""
+        """`run` for every call alike (`Backend.preparer`: the same shapes, strides, dtypes, device and options),
+        skipping the binding and the strategy's choice, the kernels' launches planned once (`PreparedForward`);
+        the call's sequences go time first, as `run` reads them."""
+        from ...runner import output_dtype
+
+        forward = PreparedForward(self, sizes, length, output_dtype(out_dtype, self.output), tape=False)
+
         def call(seqs, params, initial):
-            return self.run(seqs, params, initial, sizes, length, out_dtype)
+            try:
+                outs, finals, _ = forward(seqs, params, initial)
+            except NonPositiveDecay:
+                from ...runner import runner_for
+
+                return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
+            return outs, finals
         call.time_first = True
         return call
 
@@ -397,11 +433,119 @@ class ChunkedCore:
         return outs, finals
 
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
-        return lambda seqs, params, initial: self.forward(seqs, params, initial, sizes, length, outputs)
+        """`forward` (with a tape) for calls of one signature: `PreparedForward`."""
+        return PreparedForward(self, sizes, length, None, tape=True)
 
     def prepare_backward(self, seqs, params, tape, cot, lam, extra, sizes, length):
         return lambda seqs, params, tape, cot, lam, extra: self.backward(seqs, params, tape, cot, lam, extra,
                                                                          sizes, length)
+
+
+class PreparedTape(ChunkTape):
+    """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
+    forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
+
+    def __init__(self, make, entering, final, decay, addresses):
+        self.make, self.made = make, None
+        self.entering, self.final, self.decay, self.addresses = entering, final, decay, addresses
+
+    @property
+    def chunks(self) -> Chunks:
+        if self.made is None:
+            self.made = self.make()
+        return self.made
+
+
+class PreparedForward:
+    """``call(seqs, params, initial) -> (outputs, finals, tape)``: `ChunkedCore.forward` for the calls of one
+    signature (shapes, strides, dtypes, device, options: the caller's `Backend.call_key`), `out_dtype` and `tape`
+    (`ChunkTape`, or None) as `forward` takes them. Where the kernels run it, the first call of each layout of the
+    operands' memory (their storage offsets, whether their bases are 16-byte aligned: the offset tables and the
+    kernels' choice read them, the signature does not) works out a `mma.ForwardPlan` and what is made around
+    it; later calls take them, as a plain loop:
+
+        ell, s0, beta, skip = the call's decays, initial state, β, skip   (`_scalars`: they read its values)
+        out = torch.empty(the time-first output)                          (where the kernels write it so)
+        launch the plan's kernels on the addresses of q, k, v (as given: no views), ell, beta, skip, out
+        outputs, finals = out, final  (views or copies only where the layouts ask: `_outputs`)
+
+    Elsewhere (the torch path, operands the core copies) each call is `forward`'s."""
+
+    def __init__(self, core: ChunkedCore, sizes, length, out_dtype, tape: bool):
+        self.core, self.sizes, self.length, self.out_dtype, self.tape = core, sizes, length, out_dtype, tape
+        self.plans: dict = {}   # layout key (`__call__`) -> (plan, what is made around it), or False
+        self.general: bool | None = None  # whether no call of the signature runs the kernels (set at the first)
+        self.chunk = 0
+
+    def __call__(self, seqs, params, initial):
+        core, ml, length = self.core, self.core.ml, self.length
+        q = seqs[ml.q.arg] if ml.q.arg in seqs else params[ml.q.arg]
+        if self.general is None:
+            self.chunk = chunk_size(ml, self.sizes, length, q.dtype)
+            self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
+        if self.general:
+            return self._general(seqs, params, initial)
+        k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
+        v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
+        ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+        bq, bk, bv = mma._base(q), mma._base(k), mma._base(v)
+        key = (q.storage_offset(), k.storage_offset(), v.storage_offset(), ell.storage_offset(),
+               None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
+               (bq | bk | bv) % 16 == 0)
+        found = self.plans.get(key)
+        if found is None:
+            found = self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+        if found is False:
+            return self._general(seqs, params, initial)
+        plan, buf_shape, buf_dtype, as_is = found
+        addresses = [bq, bk, bv, mma._base(ell), 0 if beta is None else mma._base(beta),
+                     0 if skip is None else mma._base(skip)]
+        buf = None if buf_shape is None else torch.empty(buf_shape, dtype=buf_dtype, device=q.device)
+        out, entering, final = plan.launch(list(addresses), s0, buf)
+        if as_is:  # the output and the final state are the arrays the kernels wrote, as they are
+            outs, finals = {core.output: buf}, {ml.state.name: final}
+        else:
+            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf)
+        if not self.tape:
+            return outs, finals, None
+        chunk = self.chunk
+
+        def make():
+            return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
+        return outs, finals, PreparedTape(make, entering, final, decay, addresses)
+
+    def _general(self, seqs, params, initial):
+        outs, finals, tape = self.core.forward(seqs, params, initial, self.sizes, self.length,
+                                               out_dtype=self.out_dtype, tape=self.tape)
+        return outs, finals, tape if self.tape else None
+
+    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases):
+        """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
+        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call)."""
+        core, length, chunk = self.core, self.length, self.chunk
+        q, k, v = core._operands(seqs, params, length, chunk)
+        x = Chunks(q, k, v, ell, s0, beta, skip)
+        found = False
+        if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
+            o_dtype = self.out_dtype if self.out_dtype == q.dtype else torch.float32
+            direct = core._time_first_out(self.sizes, length, chunk, q.device, o_dtype)
+            plan = mma.forward_plan(x, out=None if direct is None else direct[1], half_states=True,
+                                    out_dtype=o_dtype)
+            if not any(plan.copies):
+                buf = direct is not None and plan.out_given
+                # whether `_outputs` would give the arrays the kernels wrote as they are (whole chunks, the
+                # output's dtype, the final state's heads and axes in order)
+                ml = core.ml
+                s = ml.state
+                as_is = (buf and -(-length // chunk) * chunk == length
+                         and (self.out_dtype is None or self.out_dtype == o_dtype)
+                         and plan.final_shape == tuple(self.sizes[a] for a in s.axes)
+                         and list(s.axes) == [*ml.heads, ml.key, ml.value])
+                found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, as_is)
+        if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
+            self.plans.clear()
+        self.plans[key] = found
+        return found
 
 
 _CORES: dict[tuple, ChunkedCore | None] = {}

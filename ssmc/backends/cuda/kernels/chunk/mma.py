@@ -238,83 +238,174 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
-    q = _chunked_view(x.q, True)
-    k = _chunked_view(x.k, True)
-    v = _chunked_view(x.v, True)
-    ell = _chunked_view(x.ell, False)
-    beta = None if x.beta is None else _chunked_view(x.beta, False)
-    t = q.dim() - 3
-    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
-                       *[b.shape[:t] for b in (x.beta, x.skip) if b is not None])
-    nh = math.prod(heads)
-    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
-    dev = q.device
-    if out_dtype not in (torch.float32, q.dtype):
-        raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
-    if not writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype)):
-        out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
-    # no extra: v again; no β: ell in its column (not read)
-    skip = None if x.skip is None else _chunked_view(x.skip, False)
-    offs, steps, aligned_rows = _tables_for(
-        heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
-    beta_ptr = 0 if beta is None else _base(beta)
-    s0 = x.s0.expand(*heads, key, value).contiguous()
-    final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
-    aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
-    # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
-    form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
-    balanced, fused = form == "balanced", (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
-    one_pass = ONE_PASS if one_pass is None else one_pass
-    vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
-    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
-                  vb or (64 if fused and not one_pass else 0))
-    shared = dict(shared_bytes(key, value, chunk))
+    plan = forward_plan(x, out, one_pass, half_states, out_dtype)
+    return plan.launch(plan.addresses(x), x.s0, out if plan.out_given else None, events)
 
-    tiles = (key // 64) * (value // 64)
-    if one_pass:
-        entering = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-        launches = [("chunk_states_scan", nh * tiles, 128,
-                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
-                      entering.data_ptr(), final.data_ptr()])]
-    elif fused:  # the entering states written once, in 16 bits where half_states
-        entering = torch.empty((*heads, nc, key, value), dtype=q.dtype if half_states else torch.float32, device=dev)
-        launches = [("chunk_states_pass" + ("_half" if half_states else ""), nh * tiles, 128,
-                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
-                      entering.data_ptr(), final.data_ptr()])]
-    else:
-        states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-        gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-        entering = states
-        launches = [
-            ("chunk_states", nh * nc * tiles, 128,
-             [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
-              gamma.data_ptr()]),
-        ]
-        if half_states:
-            entering = torch.empty(states.shape, dtype=q.dtype, device=dev)
-            launches.append(("state_pass_half", nh * key * value // 1024, 256,
-                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), entering.data_ptr(),
-                              final.data_ptr()]))
+
+# the arrays whose addresses a launch takes per call (`ForwardPlan`, `BackwardPlan`): slots of a list made per
+# call; every other argument (an offset table's address, 0 for an operand absent) is fixed by the layouts
+_Q, _K, _V, _ELL, _BETA, _SKIP, _OUT, _S0, _ENTERING, _FINAL, _STATES, _GAMMA = range(12)
+
+
+class _Slot(int):
+    """A launch argument filled per call: the address in slot `int(self)` of the call's list."""
+
+
+def _launch_specs(text: str, launches, shared: dict, nc: int, chunk: int) -> list[tuple]:
+    """Per launch (name, its function, blocks, threads, length, nblk, shared bytes, its fixed arguments with 0
+    where a slot goes, (position, slot) of each slot)."""
+    specs = []
+    for launch in launches:
+        name, blocks, threads, pointers = launch[:4]
+        length = launch[4] if len(launch) > 4 else nc * chunk
+        fixed = [0 if isinstance(p, _Slot) else p for p in pointers]
+        fills = tuple((i, int(p)) for i, p in enumerate(pointers) if isinstance(p, _Slot))
+        specs.append((name, _function(text, name), blocks, threads, length, nc, shared[name], fixed, fills))
+    return specs
+
+
+def _run_specs(specs: list[tuple], values: list, events: list | None) -> None:
+    """Launch `specs` (`_launch_specs`) with the call's addresses `values` in their slots."""
+    timing = events is not None and not emulating()
+    for name, fn, blocks, threads, length, nblk, shared, fixed, fills in specs:
+        pointers = list(fixed)
+        for i, slot in fills:
+            pointers[i] = values[slot]
+        if timing:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        launch_kernel(fn, (blocks, threads), length, nblk, pointers, shared=shared)
+        if timing:
+            end.record()
+            events.append((name, start, end))
+
+
+class ForwardPlan:
+    """What `forward` works out from the layouts of its arrays alone (their shapes, strides, storage offsets
+    and dtypes, whether q's, k's and v's bases are 16-byte aligned, the options): the arrays it makes, the
+    module, each launch and its arguments, the offset tables (kept alive here). A call of the same layouts
+    then only makes the arrays and launches (`launch`): ChunkedCore's prepared calls keep one per signature.
+    As a plain loop, `launch` is
+
+        out, entering, final (and the split path's states, gamma) = torch.empty(shape, dtype) each
+        for kernel, grid, arguments in launches: kernel<<<grid>>>(the call's addresses in their slots)
+    """
+
+    def __init__(self, x: Chunks, out: torch.Tensor | None, one_pass: bool | None, half_states: bool,
+                 out_dtype: torch.dtype):
+        q = _chunked_view(x.q, True)
+        k = _chunked_view(x.k, True)
+        v = _chunked_view(x.v, True)
+        ell = _chunked_view(x.ell, False)
+        beta = None if x.beta is None else _chunked_view(x.beta, False)
+        skip = None if x.skip is None else _chunked_view(x.skip, False)
+        # where `_chunked_view` copies, the call's addresses are the copies' (`addresses`)
+        self.copies = tuple(a is not b for a, b in ((q, x.q), (k, x.k), (v, x.v), (ell, x.ell), (beta, x.beta),
+                                                     (skip, x.skip)))
+        t = q.dim() - 3
+        heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
+                           *[b.shape[:t] for b in (x.beta, x.skip) if b is not None])
+        nh = math.prod(heads)
+        nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+        self.device = dev = q.device
+        if out_dtype not in (torch.float32, q.dtype):
+            raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
+        self.out_given = writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype))
+        if not self.out_given:
+            out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
+        self.out_shape, self.out_dtype = out.shape, out.dtype
+        # no extra: v again; no β: ell in its column (not read)
+        self.tables = offs, steps, aligned_rows = _tables_for(
+            heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
+        beta_ptr = 0 if beta is None else _Slot(_BETA)
+        self.heads, self.key, self.value = heads, key, value
+        self.s0_as_is = x.s0.shape == (*heads, key, value) and x.s0.is_contiguous()
+        self.final_shape = (*heads, key, value)
+        self.aligned = aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
+        # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
+        # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
+        form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
+        balanced = form == "balanced"
+        fused = (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
+        one_pass = ONE_PASS if one_pass is None else one_pass
+        vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
+        text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
+                      vb or (64 if fused and not one_pass else 0))
+        shared = dict(shared_bytes(key, value, chunk))
+
+        tiles = (key // 64) * (value // 64)
+        state_args = [_Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, offs.data_ptr(), steps.data_ptr(), _Slot(_S0),
+                      _Slot(_ENTERING), _Slot(_FINAL)]
+        self.states_shape = None  # the split path's fp32 chunk sums and gamma, made per call
+        if one_pass:
+            self.entering = ((*heads, nc, key, value), torch.float32)
+            launches = [("chunk_states_scan", nh * tiles, 128, state_args)]
+        elif fused:  # the entering states written once, in 16 bits where half_states
+            self.entering = ((*heads, nc, key, value), q.dtype if half_states else torch.float32)
+            launches = [("chunk_states_pass" + ("_half" if half_states else ""), nh * tiles, 128, state_args)]
         else:
-            launches.append(("state_pass", nh * key * value // 1024, 256,
-                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
-    output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
-        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "_s" if vb else "")
-    # blocks: per (head, chunk, 64 values), or per vb values (*_s); threads: a warp per 16 rows (*_b: two),
-    # *_s a warp per two row stripes and 64 values
-    blocks, threads = (nh * nc * (value // vb), chunk * vb // 64) if vb else (
-        nh * nc * (value // 64), chunk if balanced else 2 * chunk)
-    if vb:
-        shared[output] = staged_bytes(key, value, chunk, vb)
-    launches += [
-        (output, blocks, threads,
-         [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
-          steps.data_ptr(), entering.data_ptr(), _base(out)]),
-    ]
-    for name, blocks, threads, pointers in launches:
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared[name], events)
-    return out, entering, final
+            self.states_shape = ((*heads, nc, key, value), (*heads, nc))
+            launches = [
+                ("chunk_states", nh * nc * tiles, 128,
+                 [_Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, offs.data_ptr(), steps.data_ptr(), _Slot(_STATES),
+                  _Slot(_GAMMA)]),
+            ]
+            if half_states:
+                self.entering = ((*heads, nc, key, value), q.dtype)
+                launches.append(("state_pass_half", nh * key * value // 1024, 256,
+                                 [_Slot(_GAMMA), _Slot(_S0), _Slot(_STATES), _Slot(_ENTERING), _Slot(_FINAL)]))
+            else:  # the entering states are the chunk sums, passed in place
+                self.entering = None
+                launches.append(("state_pass", nh * key * value // 1024, 256,
+                                 [_Slot(_GAMMA), _Slot(_S0), _Slot(_STATES), _Slot(_FINAL)]))
+        entering_dtype = torch.float32 if self.entering is None else self.entering[1]
+        output = "chunk_output" + ("_hs" if entering_dtype != torch.float32 else "") + (
+            "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "_s" if vb else "")
+        # blocks: per (head, chunk, 64 values), or per vb values (*_s); threads: a warp per 16 rows (*_b: two),
+        # *_s a warp per two row stripes and 64 values
+        blocks, threads = (nh * nc * (value // vb), chunk * vb // 64) if vb else (
+            nh * nc * (value // 64), chunk if balanced else 2 * chunk)
+        if vb:
+            shared[output] = staged_bytes(key, value, chunk, vb)
+        launches += [
+            (output, blocks, threads,
+             [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, 0 if skip is None else _Slot(_SKIP),
+              offs.data_ptr(), steps.data_ptr(), _Slot(_ENTERING), _Slot(_OUT)]),
+        ]
+        self.specs = _launch_specs(text, launches, shared, nc, chunk)
+
+    def addresses(self, x: Chunks) -> list:
+        """The call's list of addresses (slots `_Q` .. `_SKIP`) of `x` (laid out as the plan's)."""
+        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip)
+        return [0 if a is None else _base(_chunked_view(a, i < 3) if copy else a)
+                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
+
+    def launch(self, values: list, s0: torch.Tensor, out: torch.Tensor | None = None, events: list | None = None):
+        """(O, entering states, final state) as `forward` returns them, from the call's addresses `values` (of
+        q, k, v, ell, beta, skip: `addresses`; the list is extended), its initial state `s0` and, where the plan
+        was made with one (`out_given`), `out` laid out as then."""
+        dev = self.device
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        if not self.s0_as_is:
+            s0 = s0.expand(self.final_shape).contiguous()
+        final = torch.empty(self.final_shape, dtype=torch.float32, device=dev)
+        states = gamma = None
+        if self.states_shape is not None:
+            states = torch.empty(self.states_shape[0], dtype=torch.float32, device=dev)
+            gamma = torch.empty(self.states_shape[1], dtype=torch.float32, device=dev)
+        entering = states if self.entering is None else torch.empty(self.entering[0], dtype=self.entering[1],
+                                                                    device=dev)
+        values += [_base(out), s0.data_ptr(), entering.data_ptr(), final.data_ptr(),
+                   0 if states is None else states.data_ptr(), 0 if gamma is None else gamma.data_ptr()]
+        _run_specs(self.specs, values, events)
+        return out, entering, final
+
+
+def forward_plan(x: Chunks, out: torch.Tensor | None = None, one_pass: bool | None = None,
+                 half_states: bool = False, out_dtype: torch.dtype = torch.float32) -> ForwardPlan:
+    """`forward`'s `ForwardPlan` for arrays laid out as `x` (and `out`)."""
+    return ForwardPlan(x, out, one_pass, half_states, out_dtype)
 
 
 @cache
