@@ -370,9 +370,12 @@ class ChunkedCore:
         outs, finals = self._outputs(out, final, sizes, length, out_dtype, time_first)
         return outs, finals, ChunkTape(x, entering, final, decay)
 
-    def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length):
+    def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length,
+                 plans: dict | None = None):
         """({GRAD + sequence: [L, *axes]}, {GRAD + param or state: gradient}) from the cotangents of the
-        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``)."""
+        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``). `plans`
+        (`prepare_backward`: calls of one signature): the kernels' `mma.BackwardPlan`s, kept there per layout of
+        the arrays' memory (their storage offsets, whether the bases are 16-byte aligned)."""
         ml, x = self.ml, tape.chunks
         chunk = x.q.shape[-2]
         s = ml.state
@@ -394,8 +397,21 @@ class ChunkedCore:
                 if timed and unique and self._time_first_layout(axes, inner):
                     direct[role] = _Made(lambda axes=axes, inner=inner: self._time_first_out(
                         sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
-            dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
-                                                                  outs=direct)
+            if plans is None:
+                dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
+                                                                      outs=direct)
+            else:  # a prepared backward: the kernels' plan per layout of the arrays' memory (`PreparedForward`'s)
+                arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
+                bases = [0 if a is None else mma._base(a) for a in arrays]
+                key = (*(None if a is None else a.storage_offset() for a in arrays),
+                       (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0)
+                plan = plans.get(key)
+                if plan is None:
+                    if len(plans) >= 16:
+                        plans.clear()
+                    plan = plans[key] = mma.BackwardPlan(x, tape.entering, d_out, direct)
+                addresses = plan.addresses(x, d_out) if any(plan.copies) else bases
+                dq, dk, dv, d_ell, ds0, d_beta, d_skip = plan.launch(addresses, tape.entering, d_final, direct)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
             # (the kernels' 16-bit entering states in the compute dtype: the torch path's products take one dtype)
@@ -437,8 +453,11 @@ class ChunkedCore:
         return PreparedForward(self, sizes, length, None, tape=True)
 
     def prepare_backward(self, seqs, params, tape, cot, lam, extra, sizes, length):
+        """`backward` for calls of one signature (and of their cotangents): the kernels' plans kept (`backward`'s
+        `plans`)."""
+        plans: dict = {}
         return lambda seqs, params, tape, cot, lam, extra: self.backward(seqs, params, tape, cot, lam, extra,
-                                                                         sizes, length)
+                                                                         sizes, length, plans)
 
 
 class PreparedTape(ChunkTape):

@@ -489,113 +489,174 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
     ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit)."""
-    q = _chunked_view(x.q, True)
-    k = _chunked_view(x.k, True)
-    v = _chunked_view(x.v, True)
-    do = _chunked_view(d_out, True)
-    ell = _chunked_view(x.ell, False)
-    beta = None if x.beta is None else _chunked_view(x.beta, False)
-    beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _base(beta))
-    skip = None if x.skip is None else _chunked_view(x.skip, False)
-    skip_col, skip_ptr = (ell, 0) if skip is None else (skip, _base(skip))
-    t = q.dim() - 3
-    heads = tuple(entering.shape[:t])
-    nh = math.prod(heads)
-    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
-    dev = q.device
-    # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
-    # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
-    entering = entering.to(q.dtype).contiguous()
-    d_final = d_final.to(torch.float32).expand(*heads, key, value).contiguous()
-    # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
-    # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
-    sums = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-    d_end = torch.empty((*heads, nc, key, value), dtype=q.dtype, device=dev)
-    ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
-    gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    outs = outs or {}
+    plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
+    return plan.launch(plan.addresses(x, d_out), entering, d_final, outs or {}, events, parts)
 
-    def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
-        a = outs.get(name)
-        return a() if callable(a) else a
 
-    def grad(name, size):  # where `outs` has a place the kernels can write, there
-        a = given(name)
-        return a if writable_out(a, heads, nc, chunk, size) else torch.empty(
-            (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
+# the backward's per-call slots past the operands' (`_Q` .. `_SKIP`, then d_out)
+(_DO, _B_ENTERING, _B_DFINAL, _SUMS, _DEND, _DS0, _B_GAMMA, _ROWS, _ENDS, _ENTERED, _DBETA, _DSKIP,
+ _DQ, _DK, _DV) = range(6, 21)
 
-    # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
-    # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
-    rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
-    ends = torch.empty((*heads, nc, chunk, value // 64), dtype=torch.float32, device=dev)
-    entered = torch.empty((*heads, nc, key * value // 128), dtype=torch.float32, device=dev)
-    d_beta = None if beta is None else torch.empty_like(ends)
-    d_skip = None if skip is None else torch.empty_like(ends)
-    bf16 = q.dtype == torch.bfloat16
-    _, _, eights = _tables_for(heads, (q, k, v, do), dev)
-    aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
-    kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
-    vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
 
-    def table(*arrays):
-        offs, steps, _ = _tables_for(heads, arrays, dev)
-        return offs.data_ptr(), steps.data_ptr()
+class BackwardPlan:
+    """What `backward` works out from the layouts of its arrays alone (as `ForwardPlan`): the arrays it makes, the
+    modules, each launch and its arguments, how dq and dk are summed over the heads q and k lack; `launch` makes the
+    arrays (each as late as the kernel that writes it) and launches, as `backward` did a call."""
 
-    def ptr(a):
-        return 0 if a is None else a.data_ptr()
+    def __init__(self, x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, outs: dict,
+                 heads_a_block: int | None = None):
+        q = _chunked_view(x.q, True)
+        k = _chunked_view(x.k, True)
+        v = _chunked_view(x.v, True)
+        do = _chunked_view(d_out, True)
+        ell = _chunked_view(x.ell, False)
+        beta = None if x.beta is None else _chunked_view(x.beta, False)
+        skip = None if x.skip is None else _chunked_view(x.skip, False)
+        self.copies = tuple(a is not b for a, b in ((q, x.q), (k, x.k), (v, x.v), (ell, x.ell), (beta, x.beta),
+                                                     (skip, x.skip), (do, d_out)))
+        beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _Slot(_BETA))
+        skip_col, skip_ptr = (ell, 0) if skip is None else (skip, _Slot(_SKIP))
+        self.t = t = q.dim() - 3
+        self.heads = heads = tuple(entering.shape[:t])
+        nh = math.prod(heads)
+        self.nc, self.chunk, self.key, self.value = nc, chunk, key, value = (q.shape[-3], q.shape[-2], q.shape[-1],
+                                                                               v.shape[-1])
+        self.device = dev = q.device
+        self.dtype = q.dtype
+        self.beta, self.skip = beta is not None, skip is not None
+        bf16 = q.dtype == torch.bfloat16
+        _, _, eights = _tables_for(heads, (q, k, v, do), dev)
+        aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
+        kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
+        vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
+        self.tables = []  # kept alive with the plan
 
-    def run(text, name, blocks, threads, ck, cv, pointers, length=None):
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events, length)
+        def table(*arrays):
+            offs, steps, _ = found = _tables_for(heads, arrays, dev)
+            self.tables.append(found)
+            return offs.data_ptr(), steps.data_ptr()
 
-    tiles = (key // 64) * (value // 64)
-    # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
-    run(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
-        [_base(q), _base(do), _base(ell), *table(q, q, do, ell, q, q, ell, ell), sums.data_ptr(), gamma.data_ptr()])
-    run(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-        [gamma.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
-         entered.data_ptr()])
-    del sums
+        def spec(text, name, blocks, threads, ck, cv, pointers, length=None):
+            shared = {name: shared_bytes(ck, cv, chunk)[name]}
+            launch = (name, blocks, threads, pointers) + (() if length is None else (length,))
+            return _launch_specs(text, [launch], shared, nc, chunk)
 
-    def summed(name, operand, roles, state):
-        """dq (dk) by chunk_dq (chunk_dk), summed over the heads `operand` lacks where `_heads_summed` finds
-        them: `roles` (q, k, v) of its products, `state` the one it reads."""
-        r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
-        per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
-        if r % per or per >= 1 << 16 or r // per >= 1 << 15:
-            raise ValueError(f"{per} heads a block do not divide the {r} summed")
-        sums = None
-        if r == 1:
-            out = grad(name, key)
-        elif r == per and writable_out(a := given(name), shape, nc, chunk, key):
-            out = a
-        else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
-            sums = torch.empty((*shape, r // per, nc, chunk, key), dtype=torch.float32, device=dev)
-            out = sums.select(t, 0)
-        a, b, w = roles
-        # (length, blocks) = ((subsets << 16) | heads a block, nh / per block sets of NC · K/64 blocks)
-        run(vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
-            [_base(a), _base(b), _base(w), _base(ell), beta_ptr, 0, *table(a, b, w, ell, out, operand, beta_col, ell),
-             state.data_ptr(), _base(out), _base(operand), rows.data_ptr()], (r // per) << 16 | per)
-        if sums is None or r == per:
-            return out
-        total = sums.select(t, 0).clone()  # the subsets' partial sums added in order (no reduction's own order)
-        for i in range(1, r // per):
-            total += sums.select(t, i)
-        return total  # (the partial sums freed before the next kernel's are made)
+        def made(shape, dtype=torch.float32):  # an array laid out as the call's will be (its table's column)
+            return torch.empty(shape, dtype=dtype, device=dev)
 
-    dq = summed("dq", q, (do, v, k), entering)
-    dk = summed("dk", k, (v, do, q), d_end)
-    dv = grad("dv", value)
-    run(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
-        [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
-         *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
-         ptr(d_beta), ptr(d_skip)])
-    if parts is not None:
-        parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
-    d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+        given = {}  # `outs`' arrays, made now where they are functions (the kernels' layouts read from them)
+        for name in ("dq", "dk", "dv"):
+            a = outs.get(name)
+            given[name] = a() if callable(a) else a
+        tiles = (key // 64) * (value // 64)
+        # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
+        self.dstates = spec(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
+                            [_Slot(_Q), _Slot(_DO), _Slot(_ELL), *table(q, q, do, ell, q, q, ell, ell), _Slot(_SUMS),
+                             _Slot(_B_GAMMA)])
+        self.reverse = spec(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
+                            [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0),
+                             _Slot(_B_ENTERING), _Slot(_ENTERED)])
+        self.summed = {}
+        for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
+                                                   ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
+            r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
+            per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
+            if r % per or per >= 1 << 16 or r // per >= 1 << 15:
+                raise ValueError(f"{per} heads a block do not divide the {r} summed")
+            a = given[name]
+            if r == 1:  # where `outs` has a place the kernels can write, there
+                how = "given" if writable_out(a, heads, nc, chunk, key) else "new"
+                out = a if how == "given" else made((*heads, nc, chunk, key))
+                out_shape = (*heads, nc, chunk, key)
+            elif r == per and writable_out(a, shape, nc, chunk, key):
+                how, out, out_shape = "given", a, None
+            else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
+                how, out_shape = ("sums" if r != per else "new_sums"), (*shape, r // per, nc, chunk, key)
+                out = made(out_shape).select(t, 0)
+            ra, rb, rw = roles
+            self.summed[name] = (how, out_shape, r // per, spec(
+                vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
+                [_Slot(slots[0]), _Slot(slots[1]), _Slot(slots[2]), _Slot(_ELL), beta_ptr, 0,
+                 *table(ra, rb, rw, ell, out, operand, beta_col, ell), _Slot(state),
+                 _Slot(_DQ if name == "dq" else _DK), _Slot(_Q if name == "dq" else _K), _Slot(_ROWS)],
+                (r // per) << 16 | per))
+        dv = given["dv"]
+        self.dv_given = writable_out(dv, heads, nc, chunk, value)
+        if not self.dv_given:
+            dv = made((*heads, nc, chunk, value))
+        self.dv = spec(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
+                       [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                        *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
+                        _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
-    def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
-        return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
+    def addresses(self, x: Chunks, d_out: torch.Tensor) -> list:
+        """The call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` (laid out as the plan's)."""
+        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
+        return [0 if a is None else _base(_chunked_view(a, i in (0, 1, 2, 6)) if copy else a)
+                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
 
-    # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
-    return dq, dk, dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
+    def launch(self, values: list, entering: torch.Tensor, d_final: torch.Tensor, outs: dict,
+               events: list | None = None, parts: dict | None = None):
+        """`backward`'s result from the call's addresses `values` (`addresses`; the list is extended), the
+        forward's entering states, d_final and `outs` (as `backward` takes them, laid out as the plan's)."""
+        heads, nc, chunk, key, value = self.heads, self.nc, self.chunk, self.key, self.value
+        dev, t = self.device, self.t
+        f32 = torch.float32
+        # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
+        # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
+        entering = entering.to(self.dtype).contiguous()
+        d_final = d_final.to(f32).expand(*heads, key, value).contiguous()
+        # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
+        # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
+        sums = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+        d_end = torch.empty((*heads, nc, key, value), dtype=self.dtype, device=dev)
+        ds0 = torch.empty((*heads, key, value), dtype=f32, device=dev)
+        gamma = torch.empty((*heads, nc), dtype=f32, device=dev)
+        # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
+        # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
+        rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=f32, device=dev)
+        ends = torch.empty((*heads, nc, chunk, value // 64), dtype=f32, device=dev)
+        entered = torch.empty((*heads, nc, key * value // 128), dtype=f32, device=dev)
+        d_beta = torch.empty_like(ends) if self.beta else None
+        d_skip = torch.empty_like(ends) if self.skip else None
+        values += [entering.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(),
+                   gamma.data_ptr(), rows.data_ptr(), ends.data_ptr(), entered.data_ptr(),
+                   0 if d_beta is None else d_beta.data_ptr(), 0 if d_skip is None else d_skip.data_ptr(), 0, 0, 0]
+        _run_specs(self.dstates, values, events)
+        _run_specs(self.reverse, values, events)
+        del sums
+
+        def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
+            a = outs.get(name)
+            return a() if callable(a) else a
+
+        grads = {}
+        for name, slot in (("dq", _DQ), ("dk", _DK)):
+            how, shape, subsets, spec = self.summed[name]
+            sums = None
+            if how == "given":
+                out = given(name)
+            elif how == "new":
+                out = torch.empty(shape, dtype=f32, device=dev)
+            else:
+                sums = torch.empty(shape, dtype=f32, device=dev)
+                out = sums.select(t, 0)
+            values[slot] = _base(out)
+            _run_specs(spec, values, events)
+            if how == "sums":  # the subsets' partial sums added in order (no reduction's own order)
+                out = sums.select(t, 0).clone()
+                for i in range(1, subsets):
+                    out += sums.select(t, i)
+            grads[name] = out  # (the partial sums freed before the next kernel's are made)
+        dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+        values[_DV] = _base(dv)
+        _run_specs(self.dv, values, events)
+        if parts is not None:
+            parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
+        d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+
+        def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
+            return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
+
+        # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
+        return grads["dq"], grads["dk"], dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
