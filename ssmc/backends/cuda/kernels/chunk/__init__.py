@@ -389,14 +389,9 @@ class ChunkedCore:
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
             # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
             # (each made as its kernel runs, so that it is not live before: `_Made`)
-            direct = {}
-            for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
-                _, timed = self._input(node, seqs, params)
-                unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
-                axes = tuple(node.axes)
-                if timed and unique and self._time_first_layout(axes, inner):
-                    direct[role] = _Made(lambda axes=axes, inner=inner: self._time_first_out(
-                        sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+            direct = {role: _Made(lambda axes=axes, inner=inner: self._time_first_out(
+                          sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+                      for role, _, axes, inner in self._direct_roles(seqs)}
             if plans is None:
                 dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
                                                                       outs=direct)
@@ -416,13 +411,25 @@ class ChunkedCore:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
             # (the kernels' 16-bit entering states in the compute dtype: the torch path's products take one dtype)
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering.to(x.compute), tape.final, d_out, d_final)
-        grads: dict[str, torch.Tensor] = {}
+        return self._gradients(seqs, params, tape, (dq, dk, dv, d_ell, ds0, d_beta, d_skip), sizes, length)
+
+    def _gradients(self, seqs, params, tape, chunked, sizes, length, done: dict | None = None,
+                   state_as_is: bool = False):
+        """`backward`'s result from the gradients of the chunked arrays `chunked` (dq, dk, dv, d_ell, ds0, d_beta,
+        d_skip as `mma.backward` returns them): each summed over the heads its input lacks and laid out as the
+        input. `done`: {GRAD + name: gradient} of inputs whose gradient is made already (time first, as returned);
+        `state_as_is`: ds0 is the initial state's gradient as it is (every head, the state's axes in order)."""
+        ml, s, f = self.ml, self.ml.state, self.dtype
+        dq, dk, dv, d_ell, ds0, d_beta, d_skip = chunked
+        grads: dict[str, torch.Tensor] = dict(done or {})
 
         def add(node, grad, inner):
+            key = GRAD + node.arg
+            if done is not None and key in done:
+                return
             arr, timed = self._input(node, seqs, params)
             g = self._unarrange(grad, node.axes, timed, inner, length)
-            g = g.to(x.compute if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
-            key = GRAD + node.arg
+            g = g.to(f if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
             grads[key] = grads[key] + g if key in grads else g
 
         add(ml.q, dq, ml.key)
@@ -435,10 +442,13 @@ class ChunkedCore:
             add(ml.decay, d_ell / tape.decay, None)
         elif ml.log_decay is not None and ml.log_decay.op is not Op.CONST:
             add(ml.log_decay, d_ell, None)
-        full = [sizes[h] for h in ml.heads]
-        ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
-        names = [*ml.heads, ml.key, ml.value]
-        finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
+        if state_as_is:
+            finals = {GRAD + s.name: ds0}
+        else:
+            full = [sizes[h] for h in ml.heads]
+            ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
+            names = [*ml.heads, ml.key, ml.value]
+            finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
         seq_names = {d.name for d in self.program.seqs}
         outs = {k: v.contiguous() for k, v in grads.items() if k[len(GRAD):] in seq_names}
         finals.update((k, v) for k, v in grads.items() if k[len(GRAD):] not in seq_names)
@@ -448,25 +458,34 @@ class ChunkedCore:
                 (outs if d.name in seq_names else finals)[GRAD + d.name] = torch.zeros_like(arr)
         return outs, finals
 
+    def _direct_roles(self, seqs) -> list[tuple]:
+        """(role, node, axes, inner) of the gradients of q, k, v the kernels write time first (`backward`): an
+        operand that is a sequence of every head and its own inner axis, and no other operand's array."""
+        ml = self.ml
+        found = []
+        for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
+            unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
+            axes = tuple(node.axes)
+            if node.arg in seqs and unique and self._time_first_layout(axes, inner):
+                found.append((role, node, axes, inner))
+        return found
+
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
         """`forward` (with a tape) for calls of one signature: `PreparedForward`."""
         return PreparedForward(self, sizes, length, None, tape=True)
 
     def prepare_backward(self, seqs, params, tape, cot, lam, extra, sizes, length):
-        """`backward` for calls of one signature (and of their cotangents): the kernels' plans kept (`backward`'s
-        `plans`)."""
-        plans: dict = {}
-        return lambda seqs, params, tape, cot, lam, extra: self.backward(seqs, params, tape, cot, lam, extra,
-                                                                         sizes, length, plans)
+        """`backward` for calls of one signature (and of their cotangents): `PreparedBackward`."""
+        return PreparedBackward(self, sizes, length)
 
 
 class PreparedTape(ChunkTape):
     """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
     forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
 
-    def __init__(self, make, entering, final, decay, addresses):
+    def __init__(self, make, entering, final, decay, addresses, key):
         self.make, self.made = make, None
-        self.entering, self.final, self.decay, self.addresses = entering, final, decay, addresses
+        self.entering, self.final, self.decay, self.addresses, self.key = entering, final, decay, addresses, key
 
     @property
     def chunks(self) -> Chunks:
@@ -531,7 +550,7 @@ class PreparedForward:
 
         def make():
             return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
-        return outs, finals, PreparedTape(make, entering, final, decay, addresses)
+        return outs, finals, PreparedTape(make, entering, final, decay, addresses, key)
 
     def _general(self, seqs, params, initial):
         outs, finals, tape = self.core.forward(seqs, params, initial, self.sizes, self.length,
@@ -562,6 +581,86 @@ class PreparedForward:
                          and list(s.axes) == [*ml.heads, ml.key, ml.value])
                 found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, as_is)
         if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
+            self.plans.clear()
+        self.plans[key] = found
+        return found
+
+
+class PreparedBackward:
+    """``call(seqs, params, tape, cot, lam, extra) -> (gradients of sequences, of params and states)``:
+    `ChunkedCore.backward` for the calls of one signature and of one of their cotangents. On a `PreparedTape`
+    where the kernels run the backward, the first call of each layout of the memory (the forward's, and the
+    output cotangent's storage offset and alignment) works out the kernels' `mma.BackwardPlan` and what is made
+    around it; later calls take them, as a plain loop:
+
+        launch the plan's kernels on the forward's addresses of q, k, v, ell, beta, skip and dO's (the cotangent
+        as given where it is a view of it), the time-first gradients made as their kernels run
+        the other gradients summed over the heads their inputs lack (`_gradients`)
+
+    Elsewhere each call is `backward`'s (with its kernels' plans kept: its `plans`)."""
+
+    def __init__(self, core: ChunkedCore, sizes, length):
+        self.core, self.sizes, self.length = core, sizes, length
+        self.plans: dict = {}   # layout key (`__call__`) -> what `_plan` found, or False
+        self.kernel_plans: dict = {}  # `backward`'s, where this path does not apply
+        ml, s = core.ml, core.ml.state
+        self.state_order = [s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)]
+
+    def __call__(self, seqs, params, tape, cot, lam, extra):
+        core, sizes, length = self.core, self.sizes, self.length
+        found = False
+        if isinstance(tape, PreparedTape):
+            cot_out = cot[GRAD + core.output]
+            key = (tape.key, cot_out.storage_offset(), cot_out.dtype, mma._base(cot_out) % 16 == 0)
+            found = self.plans.get(key)
+            if found is None:
+                found = self._plan(key, seqs, params, tape, cot_out)
+        if found is False:
+            return core.backward(seqs, params, tape, cot, lam, extra, sizes, length, self.kernel_plans)
+        plan, d_out_view, made, state_as_is = found
+        ml = core.ml
+        addresses = list(tape.addresses)
+        if d_out_view:
+            addresses.append(mma._base(cot_out))
+        else:
+            d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, plan.chunk, plan.dtype)
+            addresses.append(mma._base(d_out))
+        d_final = lam[GRAD + ml.state.name].to(core.dtype).permute(self.state_order)
+        device = plan.device
+        direct = {role: _Made(lambda shape=shape: torch.empty(shape, dtype=torch.float32, device=device))
+                  for role, shape, _ in made}
+        chunked = plan.launch(addresses, tape.entering, d_final, direct)
+        # the time-first gradients the kernels wrote: returned as they are (whole chunks) or their first steps
+        done = {name: direct[role].array if direct[role].array.shape[0] == length
+                else direct[role].array.narrow(0, 0, length) for role, _, name in made}
+        return core._gradients(seqs, params, tape, chunked, sizes, length, done, state_as_is)
+
+    def _plan(self, key, seqs, params, tape, cot_out):
+        """What calls of layout `key` take (`__call__`), or False where the kernels do not run the backward."""
+        core, sizes, length = self.core, self.sizes, self.length
+        ml, x = core.ml, tape.chunks
+        found = False
+        if mma.kernels_apply(x) and options().chunk_backward is not False:
+            chunk = x.q.shape[-2]
+            d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
+            if mma.backward_applies(x, d_out):
+                roles = core._direct_roles(seqs)
+                direct = {role: _Made(lambda axes=axes, inner=inner: core._time_first_out(
+                              sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+                          for role, _, axes, inner in roles}
+                plan = mma.BackwardPlan(x, tape.entering, d_out, direct)
+                if not any(plan.copies[:6]):
+                    # the gradients the kernels write in the time-first arrays themselves (`writable_out`)
+                    writes = {"dq": plan.summed["dq"][0] == "given", "dk": plan.summed["dk"][0] == "given",
+                              "dv": plan.dv_given}
+                    padded = -(-length // chunk) * chunk
+                    made = [(role, (padded, *[sizes[a] for a in axes]), GRAD + node.arg)
+                            for role, node, axes, _ in roles if writes[role]]
+                    s = ml.state
+                    state_as_is = (plan.heads == tuple(sizes[h] for h in ml.heads)
+                                   and list(s.axes) == [*ml.heads, ml.key, ml.value])
+                    found = (plan, not plan.copies[6] and mma._base(d_out) == mma._base(cot_out), made, state_as_is)
+        if len(self.plans) >= 16:
             self.plans.clear()
         self.plans[key] = found
         return found
