@@ -118,6 +118,7 @@ class ChunkedCore:
         self.compute = compute
         self.dtype = _DTYPES[compute]
         self.output, self.out_node = program.outputs[0]
+        self.skip = self.ml.skip  # (a property that works it out each time)
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -242,7 +243,7 @@ class ChunkedCore:
         s = ml.state
         s0 = initial[s.name].to(f)
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
-        return ell, s0, scalar(ml.beta), scalar(ml.skip), decay
+        return ell, s0, scalar(ml.beta), scalar(self.skip), decay
 
     def _time_first_layout(self, axes, inner: str) -> bool:
         """Whether an [L, *axes] array can be viewed as the kernels' [*H, NC, C, inner]: every head axis and
@@ -268,20 +269,23 @@ class ChunkedCore:
         t = len(ml.heads)
         return buf, view.reshape(*view.shape[:t], padded // chunk, chunk, view.shape[-1])
 
-    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None):
+    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None, as_is: bool = False):
         """(outputs, final states) in the program's layouts, from O [*H, NC, C, V] or, where given, the
-        time-first array O was written into (`_time_first_out`)."""
+        time-first array O was written into (`_time_first_out`; `as_is`: that array is the output as it is)."""
         ml = self.ml
         t = len(ml.heads)
         full = [sizes[h] for h in ml.heads]
-        if time_first is not None:
+        if as_is:
+            o = time_first
+        elif time_first is not None:
             o = time_first.narrow(0, 0, length)  # a contiguous view
         else:
             o = out.reshape(*out.shape[:t], -1, out.shape[-1]).narrow(t, 0, length)
             o = o.expand(*full, length, sizes[ml.value])
             names = [*ml.heads, "~t", ml.value]
             o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
-        o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
+        if not as_is:
+            o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
         s = ml.state
         final = final.expand(*full, sizes[ml.key], sizes[ml.value])
         names = [*ml.heads, ml.key, ml.value]
@@ -435,7 +439,7 @@ class ChunkedCore:
         add(ml.q, dq, ml.key)
         add(ml.k, dk, ml.key)
         add(ml.v, dv, ml.value)
-        for node, grad in ((ml.beta, d_beta), (ml.skip, d_skip)):
+        for node, grad in ((ml.beta, d_beta), (self.skip, d_skip)):
             if node is not None and node.op is not Op.CONST:
                 add(node, grad, None)
         if ml.decay is not None:
@@ -514,6 +518,12 @@ class PreparedForward:
         self.plans: dict = {}   # layout key (`__call__`) -> (plan, what is made around it), or False
         self.general: bool | None = None  # whether no call of the signature runs the kernels (set at the first)
         self.chunk = 0
+        # (names of ell's, beta's, skip's inputs, None where absent) where `Chunks` holds them as views of the
+        # arrays as given (SSD's log decays and β, its D: set by the first `_plan`), else None (`_scalars` a call)
+        self.given: tuple | None = None
+        self.given_found = False
+        s = core.ml.state
+        self.state_order = [s.axes.index(n) for n in (*core.ml.heads, core.ml.key, core.ml.value)]
 
     def __call__(self, seqs, params, initial):
         core, ml, length = self.core, self.core.ml, self.length
@@ -525,37 +535,71 @@ class PreparedForward:
             return self._general(seqs, params, initial)
         k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
         v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
-        ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+        given = self.given
+        if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
+            ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
+            s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
+            decay = None
+        else:
+            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
         bq, bk, bv = mma._base(q), mma._base(k), mma._base(v)
         key = (q.storage_offset(), k.storage_offset(), v.storage_offset(), ell.storage_offset(),
                None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
                (bq | bk | bv) % 16 == 0)
         found = self.plans.get(key)
         if found is None:
+            if given is not None:  # the views `_plan` reads the layouts of
+                ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
             found = self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+            if found is not False and self.given is not None:
+                ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in self.given)
         if found is False:
             return self._general(seqs, params, initial)
-        plan, buf_shape, buf_dtype, as_is = found
+        plan, buf_shape, buf_dtype, out_as_is, final_as_is = found
         addresses = [bq, bk, bv, mma._base(ell), 0 if beta is None else mma._base(beta),
                      0 if skip is None else mma._base(skip)]
         buf = None if buf_shape is None else torch.empty(buf_shape, dtype=buf_dtype, device=q.device)
         out, entering, final = plan.launch(list(addresses), s0, buf)
-        if as_is:  # the output and the final state are the arrays the kernels wrote, as they are
+        if out_as_is and final_as_is:  # the output and the final state are the arrays the kernels wrote, as they are
             outs, finals = {core.output: buf}, {ml.state.name: final}
         else:
-            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf)
+            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is)
         if not self.tape:
             return outs, finals, None
         chunk = self.chunk
 
         def make():
-            return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
+            if self.given is not None:
+                ell, s0, beta, skip, _ = core._scalars(seqs, params, initial, length, chunk, q.device)
+                return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
+            return Chunks(*core._operands(seqs, params, length, chunk), ell_, s0_, beta_, skip_)
+        ell_, s0_, beta_, skip_ = ell, s0, beta, skip
         return outs, finals, PreparedTape(make, entering, final, decay, addresses, key)
 
     def _general(self, seqs, params, initial):
         outs, finals, tape = self.core.forward(seqs, params, initial, self.sizes, self.length,
                                                out_dtype=self.out_dtype, tape=self.tape)
         return outs, finals, tape if self.tape else None
+
+    def _given(self, seqs, params, x: Chunks) -> tuple | None:
+        """(the names of the inputs ell, beta, skip are, None where absent) where `x` holds each as a view of that
+        input as given (the same memory and dtype: its address is the view's), else None."""
+        ml, core = self.core.ml, self.core
+        if ml.decay is not None:  # its log is taken
+            return None
+        names = []
+        for node, a in ((ml.log_decay, x.ell), (ml.beta, x.beta), (core.skip, x.skip)):
+            if node is None and a is None:
+                names.append(None)
+                continue
+            if node is None or node.op is not Op.INPUT or a is None:
+                return None
+            arr = seqs[node.arg] if node.arg in seqs else params.get(node.arg)
+            if arr is None or arr.dtype != a.dtype or mma._base(arr) != mma._base(a) or arr.storage_offset() != (
+                    a.storage_offset()):
+                return None
+            names.append(node.arg)
+        return tuple(names)
 
     def _plan(self, key, seqs, params, ell, s0, beta, skip, bases):
         """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
@@ -575,11 +619,14 @@ class PreparedForward:
                 # output's dtype, the final state's heads and axes in order)
                 ml = core.ml
                 s = ml.state
-                as_is = (buf and -(-length // chunk) * chunk == length
-                         and (self.out_dtype is None or self.out_dtype == o_dtype)
-                         and plan.final_shape == tuple(self.sizes[a] for a in s.axes)
-                         and list(s.axes) == [*ml.heads, ml.key, ml.value])
-                found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, as_is)
+                out_as_is = (buf and -(-length // chunk) * chunk == length
+                             and (self.out_dtype is None or self.out_dtype == o_dtype))
+                final_as_is = (plan.final_shape == tuple(self.sizes[a] for a in s.axes)
+                               and list(s.axes) == [*ml.heads, ml.key, ml.value])
+                found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, out_as_is, final_as_is)
+                if not self.given_found:
+                    self.given_found = True
+                    self.given = self._given(seqs, params, x)
         if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
             self.plans.clear()
         self.plans[key] = found
