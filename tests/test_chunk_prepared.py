@@ -82,6 +82,13 @@ def test_prepared_run_takes_its_plan_and_gives_the_general_runs_results(counted)
     assert counted["plans"] == 2
     _equal(run(seqs, params, initial)[0], core.run(seqs, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)[0])
     assert counted["plans"] == 2  # the first layout's plan kept
+    # the decays written in place (RetNet's gamma, a param: its log kept per array as it stands): read again
+    params["gamma"].mul_(0.5)
+    fresh = ChunkedCore(program, "float32")  # (nothing kept from the calls before)
+    want = fresh.run(seqs, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)
+    got = run(seqs, params, initial)
+    _equal(got[0], want[0])
+    _equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("name, length", [

@@ -86,6 +86,22 @@ def _found_positive(x: torch.Tensor) -> None:
     _POSITIVE[_positive_key(x)] = (StorageWeakRef(x.untyped_storage()), x._version)
 
 
+def _param_decay_before(cache: dict, x: torch.Tensor, steps: tuple) -> tuple | None:
+    """What `_found_param_decay` kept for `x` (a param's decays) as it stands, or None."""
+    seen = cache.get((*_positive_key(x), steps))
+    if seen is None or seen[0].expired() or seen[1] != x._version:
+        return None
+    return seen[2]
+
+
+def _found_param_decay(cache: dict, x: torch.Tensor, steps: tuple, found: tuple) -> None:
+    """Keep `found` (the decays of param `x` and their log, as `_scalars` takes them over `steps`) for calls that
+    pass `x` as it stands: keyed and checked as `_POSITIVE` (the storage alive, its version unchanged)."""
+    if len(cache) > 64:
+        cache.clear()
+    cache[(*_positive_key(x), steps)] = (StorageWeakRef(x.untyped_storage()), x._version, found)
+
+
 class NonPositiveDecay(ValueError):
     """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
 
@@ -119,6 +135,9 @@ class ChunkedCore:
         self.dtype = _DTYPES[compute]
         self.output, self.out_node = program.outputs[0]
         self.skip = self.ml.skip  # (a property that works it out each time)
+        self.seq_names = frozenset(d.name for d in program.seqs)
+        self.input_names = tuple(d.name for d in program.inputs)
+        self.param_decays: dict = {}  # `_found_param_decay`'s
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -206,16 +225,22 @@ class ChunkedCore:
                             f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its"
                             " log (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
                     _found_positive(given)
-            if not timed and length % chunk == 0:
+            steps = (length // chunk, chunk)
+            if not timed and length % chunk == 0 and ml.decay is not None and (
+                    found := _param_decay_before(self.param_decays, given, steps)) is not None:
+                decay, ell = found  # (this array's, as it stands, worked out at an earlier call)
+            elif not timed and length % chunk == 0:
                 # a param's decays over whole chunks (RetNet's gamma): taken per head once (its log), then
                 # repeated over the steps as a view (step stride 0), the values `_arrange` would copy out
                 names = list(node.axes)
                 y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
                 shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
                 y = y.reshape(*shape, 1, 1)
-                steps = (*shape, length // chunk, chunk)
+                steps = (*shape, *steps)
                 if ml.decay is not None:
-                    decay, ell = y.expand(steps), torch.log(y).expand(steps)
+                    # (the decays a copy: the tape's, as they were at this call)
+                    decay, ell = y.clone().expand(steps), torch.log(y).expand(steps)
+                    _found_param_decay(self.param_decays, given, (length // chunk, chunk), (decay, ell))
                 else:
                     ell = y.expand(steps)
             else:
@@ -453,13 +478,13 @@ class ChunkedCore:
             ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
             names = [*ml.heads, ml.key, ml.value]
             finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
-        seq_names = {d.name for d in self.program.seqs}
+        seq_names = self.seq_names
         outs = {k: v.contiguous() for k, v in grads.items() if k[len(GRAD):] in seq_names}
         finals.update((k, v) for k, v in grads.items() if k[len(GRAD):] not in seq_names)
-        for d in self.program.inputs:  # inputs no operand reads (none in a core as built): zeros
-            if GRAD + d.name not in outs and GRAD + d.name not in finals:
-                arr = seqs.get(d.name, params.get(d.name))
-                (outs if d.name in seq_names else finals)[GRAD + d.name] = torch.zeros_like(arr)
+        for name in self.input_names:  # inputs no operand reads (none in a core as built): zeros
+            if GRAD + name not in outs and GRAD + name not in finals:
+                arr = seqs.get(name, params.get(name))
+                (outs if name in seq_names else finals)[GRAD + name] = torch.zeros_like(arr)
         return outs, finals
 
     def _direct_roles(self, seqs) -> list[tuple]:
