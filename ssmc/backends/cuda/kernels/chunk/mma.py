@@ -266,18 +266,11 @@ def _launch_specs(text: str, launches, shared: dict, nc: int, chunk: int) -> lis
 
 def _run_specs(specs: list[tuple], values: list, events: list | None) -> None:
     """Launch `specs` (`_launch_specs`) with the call's addresses `values` in their slots."""
-    timing = events is not None and not emulating()
     for name, fn, blocks, threads, length, nblk, shared, fixed, fills in specs:
         pointers = list(fixed)
         for i, slot in fills:
             pointers[i] = values[slot]
-        if timing:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        launch_kernel(fn, (blocks, threads), length, nblk, pointers, shared=shared)
-        if timing:
-            end.record()
-            events.append((name, start, end))
+        _launch(fn, name, blocks, threads, nblk, 0, pointers, shared, events, length)
 
 
 class ForwardPlan:
@@ -419,15 +412,16 @@ def _base(a: torch.Tensor) -> int:
     return a.data_ptr() - a.storage_offset() * a.element_size()
 
 
-def _launch(text: str, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
+def _launch(text, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
             events: list | None, length: int | None = None) -> None:
-    """Launch kernel `name` with (length, nblk) = (`length`, default nc · chunk; nc)."""
+    """Launch kernel `name` of module `text` (or `text` the kernel's function, looked up already: `_launch_specs`)
+    with (length, nblk) = (`length`, default nc · chunk; nc)."""
     timing = events is not None and not emulating()
     if timing:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    launch_kernel(_function(text, name), (blocks, threads), nc * chunk if length is None else length, nc, pointers,
-                  shared=shared)
+    launch_kernel(_function(text, name) if isinstance(text, str) else text, (blocks, threads),
+                  nc * chunk if length is None else length, nc, pointers, shared=shared)
     if timing:
         end.record()
         events.append((name, start, end))
@@ -523,6 +517,7 @@ class BackwardPlan:
                                                                                v.shape[-1])
         self.device = dev = q.device
         self.dtype = q.dtype
+        self.state_shape = (*heads, key, value)
         self.beta, self.skip = beta is not None, skip is not None
         bf16 = q.dtype == torch.bfloat16
         _, _, eights = _tables_for(heads, (q, k, v, do), dev)
@@ -604,8 +599,10 @@ class BackwardPlan:
         f32 = torch.float32
         # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
         # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
-        entering = entering.to(self.dtype).contiguous()
-        d_final = d_final.to(f32).expand(*heads, key, value).contiguous()
+        if entering.dtype != self.dtype or not entering.is_contiguous():
+            entering = entering.to(self.dtype).contiguous()
+        if d_final.dtype != f32 or d_final.shape != self.state_shape or not d_final.is_contiguous():
+            d_final = d_final.to(f32).expand(self.state_shape).contiguous()
         # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
         # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
         sums = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
