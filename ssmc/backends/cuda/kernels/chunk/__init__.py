@@ -138,6 +138,7 @@ class ChunkedCore:
         self.seq_names = frozenset(d.name for d in program.seqs)
         self.input_names = tuple(d.name for d in program.inputs)
         self.param_decays: dict = {}  # `_found_param_decay`'s
+        self._unarranged: dict = {}   # `_unarrange_steps` per shape
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -164,18 +165,38 @@ class ChunkedCore:
     def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
         lack (and over time where not `timed`), as [L, *axes] or [*axes]."""
+        key = (tuple(y.shape), tuple(axes), timed, inner, length)
+        steps = self._unarranged.get(key)
+        if steps is None:  # worked out once per shape (host time a call)
+            if len(self._unarranged) >= 256:
+                self._unarranged.clear()
+            steps = self._unarranged[key] = self._unarrange_steps(y.shape, axes, timed, inner, length)
+        flat, narrow, lacks, shape, order = steps
+        y = y.reshape(flat)
+        if narrow:
+            y = y.narrow(len(self.ml.heads), 0, length)
+        if lacks:
+            y = y.sum(lacks, keepdim=True)
+        y = y.reshape(shape)
+        return y if order is None else y.permute(order)
+
+    def _unarrange_steps(self, shape, axes, timed: bool, inner: str | None, length: int) -> tuple:
+        """(the steps' flat shape, whether past `length` is cut, the axes summed, the shape after, the permutation
+        to `axes`' order or None) of `_unarrange` for a gradient of `shape`."""
         t = len(self.ml.heads)
-        y = y.reshape(*y.shape[:t], -1, *y.shape[t + 2:]).narrow(t, 0, length)
+        flat = (*shape[:t], shape[t] * shape[t + 1], *shape[t + 2:])
         lacks = [i for i, h in enumerate(self.ml.heads) if h not in axes]
         if not timed:
             lacks.append(t)
-        # (a sum over axes of one entry each, as dq and dk come where the kernels summed them, only copies)
-        y = y.sum(lacks, keepdim=True) if any(y.shape[i] != 1 for i in lacks) else y
         names = [*self.ml.heads, "~t", *([inner] if inner else [])]
+        cut = (*flat[:t], length, *flat[t + 1:])
         keep = [i for i, n in enumerate(names) if i not in lacks]
-        y = y.reshape([y.shape[i] for i in keep])
         kept = [names[i] for i in keep]
-        return y.permute(*[kept.index(n) for n in self._names(axes, timed)])
+        order = [kept.index(n) for n in self._names(axes, timed)]
+        # (a sum over axes of one entry each, as dq and dk come where the kernels summed them, only copies)
+        summed = lacks if any(cut[i] != 1 for i in lacks) else []
+        return (flat, flat[t] != length, summed, [cut[i] for i in keep],
+                None if order == list(range(len(order))) else order)
 
     def _input(self, node, seqs, params):
         """(the array of an operand's INPUT node, whether it is a sequence)."""
