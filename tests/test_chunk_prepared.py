@@ -70,7 +70,8 @@ def test_prepared_run_takes_its_plan_and_gives_the_general_runs_results(counted)
         got = run(seqs, params, initial)
         _equal(got[0], want[0])
         _equal(got[1], want[1])
-    assert counted["plans"] == 1 and counted["general"] == 2 and counted["launches"] == 4
+    # (the first call general, as it works the plan out)
+    assert counted["plans"] == 1 and counted["general"] == 3 and counted["launches"] == 4
     # q at another storage offset (the same shape and strides: the same signature): a plan of its own
     q = seqs["q"]
     buffer = torch.zeros(q.numel() + 8, dtype=q.dtype)
@@ -113,14 +114,14 @@ def test_prepared_training_forward_and_backward_are_the_general_ones(counted, na
     lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(want_finals[state].shape))).float()}
     want = core.backward(seqs, params, want_tape, cot, lam, None, sizes, length)
     backward = core.prepare_backward(seqs, params, want_tape, cot, lam, None, sizes, length)
-    for _ in range(2):
+    for _ in range(3):  # each first call general (its plan made), then on the plans
         outs, finals, tape = forward(seqs, params, initial)
         _equal(outs, want_outs)
         _equal(finals, want_finals)
         got = backward(seqs, params, tape, cot, lam, None)
         _equal(got[0], want[0])
         _equal(got[1], want[1])
-    assert counted["plans"] == 1 and counted["general"] == 1
+    assert counted["plans"] == 1 and counted["general"] == 2
     assert isinstance(backward, PreparedBackward) and len(backward.plans) == 1 and all(backward.plans.values())
 
 
@@ -138,7 +139,7 @@ def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, 
     f = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
     first = f(**tensors)
     assert torch.equal(f(**tensors), first) and torch.equal(f(**tensors), first)
-    assert counted["plans"] == 1 and counted["launches"] == 3  # one plan for the three calls
+    assert counted["plans"] == 1 and counted["launches"] == 3  # one plan, made at the first (general) call
     q = tensors["q"]
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, t, h, k] with h outer: other strides
     assert strided.stride() != q.stride()

@@ -443,21 +443,8 @@ class ChunkedCore:
             direct = {role: _Made(lambda axes=axes, inner=inner: self._time_first_out(
                           sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
                       for role, _, axes, inner in self._direct_roles(seqs)}
-            if plans is None:
-                dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
-                                                                      outs=direct)
-            else:  # a prepared backward: the kernels' plan per layout of the arrays' memory (`PreparedForward`'s)
-                arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
-                bases = [0 if a is None else mma._base(a) for a in arrays]
-                key = (*(None if a is None else a.storage_offset() for a in arrays),
-                       (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0)
-                plan = plans.get(key)
-                if plan is None:
-                    if len(plans) >= 16:
-                        plans.clear()
-                    plan = plans[key] = mma.BackwardPlan(x, tape.entering, d_out, direct)
-                addresses = plan.addresses(x, d_out) if any(plan.copies) else bases
-                dq, dk, dv, d_ell, ds0, d_beta, d_skip = plan.launch(addresses, tape.entering, d_final, direct)
+            dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
+                                                                  outs=direct, plans=plans)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
             # (the kernels' 16-bit entering states in the compute dtype: the torch path's products take one dtype)
@@ -550,8 +537,8 @@ class PreparedForward:
     signature (shapes, strides, dtypes, device, options: the caller's `Backend.call_key`), `out_dtype` and `tape`
     (`ChunkTape`, or None) as `forward` takes them. Where the kernels run it, the first call of each layout of the
     operands' memory (their storage offsets, whether their bases are 16-byte aligned: the offset tables and the
-    kernels' choice read them, the signature does not) works out a `mma.ForwardPlan` and what is made around
-    it; later calls take them, as a plain loop:
+    kernels' choice read them, the signature does not) runs as `forward` and works out a `mma.ForwardPlan` and
+    what is made around it; later calls take them, as a plain loop:
 
         ell, s0, beta, skip = the call's decays, initial state, β, skip   (`_scalars`: they read its values)
         out = torch.empty(the time-first output)                          (where the kernels write it so)
@@ -594,12 +581,11 @@ class PreparedForward:
                None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
                (bq | bk | bv) % 16 == 0)
         found = self.plans.get(key)
-        if found is None:
+        if found is None:  # the layout's first call: its plan made, the call itself `forward`'s
             if given is not None:  # the views `_plan` reads the layouts of
                 ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
-            found = self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
-            if found is not False and self.given is not None:
-                ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in self.given)
+            self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+            return self._general(seqs, params, initial)
         if found is False:
             return self._general(seqs, params, initial)
         plan, buf_shape, buf_dtype, out_as_is, final_as_is = found

@@ -467,7 +467,7 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
              events: list | None = None, parts: dict | None = None, outs: dict | None = None,
-             heads_a_block: int | None = None):
+             heads_a_block: int | None = None, plans: dict | None = None):
     """`algorithm.vjp` on the kernels: (dq [*Hq, NC, C, K], dk [*Hk, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
     fp32 over every head H (the caller sums them over the heads an operand lacks), but dq and dk, which
@@ -482,9 +482,25 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
-    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit)."""
-    plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
-    return plan.launch(plan.addresses(x, d_out), entering, d_final, outs or {}, events, parts)
+    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit).
+    `plans`: where a dict, the `BackwardPlan`s of calls whose arrays have the same shapes, strides and dtypes
+    (a caller's signature), kept there per storage offsets and alignment."""
+    if plans is None:
+        plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
+        return plan.launch(plan.addresses(x, d_out), entering, d_final, outs or {}, events, parts)
+    # the plans of calls alike (ChunkedCore's prepared backward): per layout of the arrays' memory, the rest of
+    # their layouts being the caller's signature's
+    arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
+    bases = [0 if a is None else _base(a) for a in arrays]
+    key = (*(None if a is None else a.storage_offset() for a in arrays),
+           (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0, heads_a_block)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 16:
+            plans.clear()
+        plan = plans[key] = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
+    addresses = plan.addresses(x, d_out) if any(plan.copies) else bases
+    return plan.launch(addresses, entering, d_final, outs or {}, events, parts)
 
 
 # the backward's per-call slots past the operands' (`_Q` .. `_SKIP`, then d_out)
