@@ -108,10 +108,11 @@ class NonPositiveDecay(ValueError):
 
 class _Made:
     """An array made when first asked for, then kept (`array`): mma.backward's `outs`, made as late as the
-    kernel that writes it."""
+    kernel that writes it. `like()`: an array of its layout that holds no memory (on the meta device), where
+    the plan reads only its layout (`mma.BackwardPlan`)."""
 
-    def __init__(self, make):
-        self.make, self.array = make, None
+    def __init__(self, make, like=None):
+        self.make, self.array, self.like = make, None, like
 
     def __call__(self) -> torch.Tensor:
         if self.array is None:
@@ -440,8 +441,7 @@ class ChunkedCore:
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
             # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
             # (each made as its kernel runs, so that it is not live before: `_Made`)
-            direct = {role: _Made(lambda axes=axes, inner=inner: self._time_first_out(
-                          sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+            direct = {role: self._made_out(sizes, length, chunk, x.q.device, axes, inner)
                       for role, _, axes, inner in self._direct_roles(seqs)}
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
                                                                   outs=direct, plans=plans)
@@ -495,6 +495,12 @@ class ChunkedCore:
                 arr = seqs.get(name, params.get(name))
                 (outs if name in seq_names else finals)[GRAD + name] = torch.zeros_like(arr)
         return outs, finals
+
+    def _made_out(self, sizes, length, chunk, device, axes, inner) -> _Made:
+        """A time-first gradient's [*H, NC, C, inner] view (`_time_first_out`), made when its kernel runs."""
+        def out(on):
+            return self._time_first_out(sizes, length, chunk, on, axes=axes, inner=inner)[1]
+        return _Made(lambda: out(device), lambda: out(torch.device("meta")))
 
     def _direct_roles(self, seqs) -> list[tuple]:
         """(role, node, axes, inner) of the gradients of q, k, v the kernels write time first (`backward`): an
@@ -725,8 +731,7 @@ class PreparedBackward:
             d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
             if mma.backward_applies(x, d_out):
                 roles = core._direct_roles(seqs)
-                direct = {role: _Made(lambda axes=axes, inner=inner: core._time_first_out(
-                              sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+                direct = {role: core._made_out(sizes, length, chunk, x.q.device, axes, inner)
                           for role, _, axes, inner in roles}
                 plan = mma.BackwardPlan(x, tape.entering, d_out, direct)
                 if not any(plan.copies[:6]):

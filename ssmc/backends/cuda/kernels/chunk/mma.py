@@ -304,8 +304,8 @@ class ForwardPlan:
         if out_dtype not in (torch.float32, q.dtype):
             raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
         self.out_given = writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype))
-        if not self.out_given:
-            out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
+        if not self.out_given:  # (its layout: `launch` makes it)
+            out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device="meta")
         self.out_shape, self.out_dtype = out.shape, out.dtype
         # no extra: v again; no β: ell in its column (not read)
         self.tables = offs, steps, aligned_rows = _tables_for(
@@ -553,12 +553,15 @@ class BackwardPlan:
             return _launch_specs(text, [launch], shared, nc, chunk)
 
         def made(shape, dtype=torch.float32):  # an array laid out as the call's will be (its table's column)
-            return torch.empty(shape, dtype=dtype, device=dev)
+            return torch.empty(shape, dtype=dtype, device="meta")
 
-        given = {}  # `outs`' arrays, made now where they are functions (the kernels' layouts read from them)
+        # `outs`' arrays, whose layouts the plan reads: of no memory where they say how (`like`: made as late as
+        # their kernels, by `launch`), else made now where they are functions
+        given = {}
         for name in ("dq", "dk", "dv"):
             a = outs.get(name)
-            given[name] = a() if callable(a) else a
+            like = getattr(a, "like", None)
+            given[name] = like() if like is not None else a() if callable(a) else a
         tiles = (key // 64) * (value // 64)
         # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
         self.dstates = spec(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
