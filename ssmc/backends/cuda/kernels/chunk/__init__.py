@@ -86,16 +86,33 @@ def _found_positive(x: torch.Tensor) -> None:
     _POSITIVE[_positive_key(x)] = (StorageWeakRef(x.untyped_storage()), x._version)
 
 
+def _param_decay_before(cache: dict, x: torch.Tensor, steps: tuple) -> tuple | None:
+    """What `_found_param_decay` kept for `x` (a param's decays) as it stands, or None."""
+    seen = cache.get((*_positive_key(x), steps))
+    if seen is None or seen[0].expired() or seen[1] != x._version:
+        return None
+    return seen[2]
+
+
+def _found_param_decay(cache: dict, x: torch.Tensor, steps: tuple, found: tuple) -> None:
+    """Keep `found` (the decays of param `x` and their log, as `_scalars` takes them over `steps`) for calls that
+    pass `x` as it stands: keyed and checked as `_POSITIVE` (the storage alive, its version unchanged)."""
+    if len(cache) > 64:
+        cache.clear()
+    cache[(*_positive_key(x), steps)] = (StorageWeakRef(x.untyped_storage()), x._version, found)
+
+
 class NonPositiveDecay(ValueError):
     """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
 
 
 class _Made:
     """An array made when first asked for, then kept (`array`): mma.backward's `outs`, made as late as the
-    kernel that writes it."""
+    kernel that writes it. `like()`: an array of its layout that holds no memory (on the meta device), where
+    the plan reads only its layout (`mma.BackwardPlan`)."""
 
-    def __init__(self, make):
-        self.make, self.array = make, None
+    def __init__(self, make, like=None):
+        self.make, self.array, self.like = make, None, like
 
     def __call__(self) -> torch.Tensor:
         if self.array is None:
@@ -118,6 +135,11 @@ class ChunkedCore:
         self.compute = compute
         self.dtype = _DTYPES[compute]
         self.output, self.out_node = program.outputs[0]
+        self.skip = self.ml.skip  # (a property that works it out each time)
+        self.seq_names = frozenset(d.name for d in program.seqs)
+        self.input_names = tuple(d.name for d in program.inputs)
+        self.param_decays: dict = {}  # `_found_param_decay`'s
+        self._unarranged: dict = {}   # `_unarrange_steps` per shape
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -144,17 +166,38 @@ class ChunkedCore:
     def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
         lack (and over time where not `timed`), as [L, *axes] or [*axes]."""
+        key = (tuple(y.shape), tuple(axes), timed, inner, length)
+        steps = self._unarranged.get(key)
+        if steps is None:  # worked out once per shape (host time a call)
+            if len(self._unarranged) >= 256:
+                self._unarranged.clear()
+            steps = self._unarranged[key] = self._unarrange_steps(y.shape, axes, timed, inner, length)
+        flat, narrow, lacks, shape, order = steps
+        y = y.reshape(flat)
+        if narrow:
+            y = y.narrow(len(self.ml.heads), 0, length)
+        if lacks:
+            y = y.sum(lacks, keepdim=True)
+        y = y.reshape(shape)
+        return y if order is None else y.permute(order)
+
+    def _unarrange_steps(self, shape, axes, timed: bool, inner: str | None, length: int) -> tuple:
+        """(the steps' flat shape, whether past `length` is cut, the axes summed, the shape after, the permutation
+        to `axes`' order or None) of `_unarrange` for a gradient of `shape`."""
         t = len(self.ml.heads)
-        y = y.reshape(*y.shape[:t], -1, *y.shape[t + 2:]).narrow(t, 0, length)
+        flat = (*shape[:t], shape[t] * shape[t + 1], *shape[t + 2:])
         lacks = [i for i, h in enumerate(self.ml.heads) if h not in axes]
         if not timed:
             lacks.append(t)
-        y = y.sum(lacks, keepdim=True) if lacks else y
         names = [*self.ml.heads, "~t", *([inner] if inner else [])]
+        cut = (*flat[:t], length, *flat[t + 1:])
         keep = [i for i, n in enumerate(names) if i not in lacks]
-        y = y.reshape([y.shape[i] for i in keep])
         kept = [names[i] for i in keep]
-        return y.permute(*[kept.index(n) for n in self._names(axes, timed)])
+        order = [kept.index(n) for n in self._names(axes, timed)]
+        # (a sum over axes of one entry each, as dq and dk come where the kernels summed them, only copies)
+        summed = lacks if any(cut[i] != 1 for i in lacks) else []
+        return (flat, flat[t] != length, summed, [cut[i] for i in keep],
+                None if order == list(range(len(order))) else order)
 
     def _input(self, node, seqs, params):
         """(the array of an operand's INPUT node, whether it is a sequence)."""
@@ -164,6 +207,13 @@ class ChunkedCore:
 
     def _chunks(self, seqs, params, initial, sizes, length, chunk):
         """(`Chunks` of a call, the decay as given where the core takes it so, else None)."""
+        q, k, v = self._operands(seqs, params, length, chunk)
+        ell, s0, beta, skip, decay = self._scalars(seqs, params, initial, length, chunk, q.device)
+        return Chunks(q, k, v, ell, s0, beta, skip), decay
+
+    def _operands(self, seqs, params, length, chunk):
+        """The call's q, k, v as `Chunks` holds them (`_arrange`d: views where the chunks are whole and the dtype
+        q's 16 bits, or the compute dtype, already)."""
         ml, f = self.ml, self.dtype
         q_arr, _ = self._input(ml.q, seqs, params)
         mm = q_arr.dtype if q_arr.dtype in (torch.bfloat16, torch.float16) else f
@@ -172,10 +222,15 @@ class ChunkedCore:
             arr, timed = self._input(node, seqs, params)
             return self._arrange(arr, node.axes, timed, inner, length, chunk, mm)
 
-        q, k, v = operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
+        return operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
+
+    def _scalars(self, seqs, params, initial, length, chunk, device):
+        """(ell, s0, beta, skip as `Chunks` holds them, the decay as given where the core takes it so, else
+        None): what a call computes from its decays, β, skip and initial state."""
+        ml, f = self.ml, self.dtype
         decay = None
         if ml.log_decay is not None and ml.log_decay.op is Op.CONST:
-            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
             ell[..., :length] = ml.log_decay.arg
             ell = ell.reshape(*ell.shape[:-1], -1, chunk)
         elif ml.log_decay is not None or ml.decay is not None:
@@ -193,17 +248,36 @@ class ChunkedCore:
                             f"the decay {node.arg!r} has values <= 0: the chunked matrix-linear path takes its"
                             " log (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
                     _found_positive(given)
-            ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
-            if ml.decay is not None:  # padded steps: decay 1
-                decay = ell.masked_fill(ell == 0, 1.0)
-                ell = torch.log(decay)
+            steps = (length // chunk, chunk)
+            if not timed and length % chunk == 0 and ml.decay is not None and (
+                    found := _param_decay_before(self.param_decays, given, steps)) is not None:
+                decay, ell = found  # (this array's, as it stands, worked out at an earlier call)
+            elif not timed and length % chunk == 0:
+                # a param's decays over whole chunks (RetNet's gamma): taken per head once (its log), then
+                # repeated over the steps as a view (step stride 0), the values `_arrange` would copy out
+                names = list(node.axes)
+                y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
+                shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
+                y = y.reshape(*shape, 1, 1)
+                steps = (*shape, *steps)
+                if ml.decay is not None:
+                    # (the decays a copy: the tape's, as they were at this call)
+                    decay, ell = y.clone().expand(steps), torch.log(y).expand(steps)
+                    _found_param_decay(self.param_decays, given, (length // chunk, chunk), (decay, ell))
+                else:
+                    ell = y.expand(steps)
+            else:
+                ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
+                if ml.decay is not None:  # padded steps: decay 1
+                    decay = ell.masked_fill(ell == 0, 1.0)
+                    ell = torch.log(decay)
         else:
-            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=q.device)
+            ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk), chunk), dtype=f, device=device)
         def scalar(node):  # β or the skip: [*H, NC, C] in the compute dtype, zero past `length` (v is too)
             if node is None:
                 return None
             if node.op is Op.CONST:
-                out = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=q.device)
+                out = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
                 out[..., :length] = node.arg
                 return out.reshape(*out.shape[:-1], -1, chunk)
             arr, timed = self._input(node, seqs, params)
@@ -217,7 +291,7 @@ class ChunkedCore:
         s = ml.state
         s0 = initial[s.name].to(f)
         s0 = s0.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
-        return Chunks(q, k, v, ell, s0, scalar(ml.beta), scalar(ml.skip)), decay
+        return ell, s0, scalar(ml.beta), scalar(self.skip), decay
 
     def _time_first_layout(self, axes, inner: str) -> bool:
         """Whether an [L, *axes] array can be viewed as the kernels' [*H, NC, C, inner]: every head axis and
@@ -243,20 +317,23 @@ class ChunkedCore:
         t = len(ml.heads)
         return buf, view.reshape(*view.shape[:t], padded // chunk, chunk, view.shape[-1])
 
-    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None):
+    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None, as_is: bool = False):
         """(outputs, final states) in the program's layouts, from O [*H, NC, C, V] or, where given, the
-        time-first array O was written into (`_time_first_out`)."""
+        time-first array O was written into (`_time_first_out`; `as_is`: that array is the output as it is)."""
         ml = self.ml
         t = len(ml.heads)
         full = [sizes[h] for h in ml.heads]
-        if time_first is not None:
+        if as_is:
+            o = time_first
+        elif time_first is not None:
             o = time_first.narrow(0, 0, length)  # a contiguous view
         else:
             o = out.reshape(*out.shape[:t], -1, out.shape[-1]).narrow(t, 0, length)
             o = o.expand(*full, length, sizes[ml.value])
             names = [*ml.heads, "~t", ml.value]
             o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
-        o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
+        if not as_is:
+            o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
         s = ml.state
         final = final.expand(*full, sizes[ml.key], sizes[ml.value])
         names = [*ml.heads, ml.key, ml.value]
@@ -279,10 +356,21 @@ class ChunkedCore:
         return outs, finals
 
     def prepare_run(self, seqs, params, initial, sizes, length, out_dtype=None):
-        """`run` for every call alike (`Backend.preparer`: the same shapes, strides and dtypes), skipping
-        the binding and the strategy's choice; the call's sequences go time first, as `run` reads them."""
+        """`run` for every call alike (`Backend.preparer`: the same shapes, strides, dtypes, device and options),
+        skipping the binding and the strategy's choice, the kernels' launches planned once (`PreparedForward`);
+        the call's sequences go time first, as `run` reads them."""
+        from ...runner import output_dtype
+
+        forward = PreparedForward(self, sizes, length, output_dtype(out_dtype, self.output), tape=False)
+
         def call(seqs, params, initial):
-            return self.run(seqs, params, initial, sizes, length, out_dtype)
+            try:
+                outs, finals, _ = forward(seqs, params, initial)
+            except NonPositiveDecay:
+                from ...runner import runner_for
+
+                return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
+            return outs, finals
         call.time_first = True
         return call
 
@@ -334,9 +422,12 @@ class ChunkedCore:
         outs, finals = self._outputs(out, final, sizes, length, out_dtype, time_first)
         return outs, finals, ChunkTape(x, entering, final, decay)
 
-    def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length):
+    def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length,
+                 plans: dict | None = None):
         """({GRAD + sequence: [L, *axes]}, {GRAD + param or state: gradient}) from the cotangents of the
-        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``)."""
+        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``). `plans`
+        (`prepare_backward`: calls of one signature): the kernels' `mma.BackwardPlan`s, kept there per layout of
+        the arrays' memory (their storage offsets, whether the bases are 16-byte aligned)."""
         ml, x = self.ml, tape.chunks
         chunk = x.q.shape[-2]
         s = ml.state
@@ -350,58 +441,314 @@ class ChunkedCore:
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
             # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
             # (each made as its kernel runs, so that it is not live before: `_Made`)
-            direct = {}
-            for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
-                _, timed = self._input(node, seqs, params)
-                unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
-                axes = tuple(node.axes)
-                if timed and unique and self._time_first_layout(axes, inner):
-                    direct[role] = _Made(lambda axes=axes, inner=inner: self._time_first_out(
-                        sizes, length, chunk, x.q.device, axes=axes, inner=inner)[1])
+            direct = {role: self._made_out(sizes, length, chunk, x.q.device, axes, inner)
+                      for role, _, axes, inner in self._direct_roles(seqs)}
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
-                                                                  outs=direct)
+                                                                  outs=direct, plans=plans)
         else:
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.compute)
             # (the kernels' 16-bit entering states in the compute dtype: the torch path's products take one dtype)
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = vjp(x, tape.entering.to(x.compute), tape.final, d_out, d_final)
-        grads: dict[str, torch.Tensor] = {}
+        return self._gradients(seqs, params, tape, (dq, dk, dv, d_ell, ds0, d_beta, d_skip), sizes, length)
+
+    def _gradients(self, seqs, params, tape, chunked, sizes, length, done: dict | None = None,
+                   state_as_is: bool = False):
+        """`backward`'s result from the gradients of the chunked arrays `chunked` (dq, dk, dv, d_ell, ds0, d_beta,
+        d_skip as `mma.backward` returns them): each summed over the heads its input lacks and laid out as the
+        input. `done`: {GRAD + name: gradient} of inputs whose gradient is made already (time first, as returned);
+        `state_as_is`: ds0 is the initial state's gradient as it is (every head, the state's axes in order)."""
+        ml, s, f = self.ml, self.ml.state, self.dtype
+        dq, dk, dv, d_ell, ds0, d_beta, d_skip = chunked
+        grads: dict[str, torch.Tensor] = dict(done or {})
 
         def add(node, grad, inner):
+            key = GRAD + node.arg
+            if done is not None and key in done:
+                return
             arr, timed = self._input(node, seqs, params)
             g = self._unarrange(grad, node.axes, timed, inner, length)
-            g = g.to(x.compute if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
-            key = GRAD + node.arg
+            g = g.to(f if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
             grads[key] = grads[key] + g if key in grads else g
 
         add(ml.q, dq, ml.key)
         add(ml.k, dk, ml.key)
         add(ml.v, dv, ml.value)
-        for node, grad in ((ml.beta, d_beta), (ml.skip, d_skip)):
+        for node, grad in ((ml.beta, d_beta), (self.skip, d_skip)):
             if node is not None and node.op is not Op.CONST:
                 add(node, grad, None)
         if ml.decay is not None:
             add(ml.decay, d_ell / tape.decay, None)
         elif ml.log_decay is not None and ml.log_decay.op is not Op.CONST:
             add(ml.log_decay, d_ell, None)
-        full = [sizes[h] for h in ml.heads]
-        ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
-        names = [*ml.heads, ml.key, ml.value]
-        finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
-        seq_names = {d.name for d in self.program.seqs}
+        if state_as_is:
+            finals = {GRAD + s.name: ds0}
+        else:
+            full = [sizes[h] for h in ml.heads]
+            ds0 = ds0.expand(*full, sizes[ml.key], sizes[ml.value])
+            names = [*ml.heads, ml.key, ml.value]
+            finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
+        seq_names = self.seq_names
         outs = {k: v.contiguous() for k, v in grads.items() if k[len(GRAD):] in seq_names}
         finals.update((k, v) for k, v in grads.items() if k[len(GRAD):] not in seq_names)
-        for d in self.program.inputs:  # inputs no operand reads (none in a core as built): zeros
-            if GRAD + d.name not in outs and GRAD + d.name not in finals:
-                arr = seqs.get(d.name, params.get(d.name))
-                (outs if d.name in seq_names else finals)[GRAD + d.name] = torch.zeros_like(arr)
+        for name in self.input_names:  # inputs no operand reads (none in a core as built): zeros
+            if GRAD + name not in outs and GRAD + name not in finals:
+                arr = seqs.get(name, params.get(name))
+                (outs if name in seq_names else finals)[GRAD + name] = torch.zeros_like(arr)
         return outs, finals
 
+    def _made_out(self, sizes, length, chunk, device, axes, inner) -> _Made:
+        """A time-first gradient's [*H, NC, C, inner] view (`_time_first_out`), made when its kernel runs."""
+        def out(on):
+            return self._time_first_out(sizes, length, chunk, on, axes=axes, inner=inner)[1]
+        return _Made(lambda: out(device), lambda: out(torch.device("meta")))
+
+    def _direct_roles(self, seqs) -> list[tuple]:
+        """(role, node, axes, inner) of the gradients of q, k, v the kernels write time first (`backward`): an
+        operand that is a sequence of every head and its own inner axis, and no other operand's array."""
+        ml = self.ml
+        found = []
+        for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
+            unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
+            axes = tuple(node.axes)
+            if node.arg in seqs and unique and self._time_first_layout(axes, inner):
+                found.append((role, node, axes, inner))
+        return found
+
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
-        return lambda seqs, params, initial: self.forward(seqs, params, initial, sizes, length, outputs)
+        """`forward` (with a tape) for calls of one signature: `PreparedForward`."""
+        return PreparedForward(self, sizes, length, None, tape=True)
 
     def prepare_backward(self, seqs, params, tape, cot, lam, extra, sizes, length):
-        return lambda seqs, params, tape, cot, lam, extra: self.backward(seqs, params, tape, cot, lam, extra,
-                                                                         sizes, length)
+        """`backward` for calls of one signature (and of their cotangents): `PreparedBackward`."""
+        return PreparedBackward(self, sizes, length)
+
+
+class PreparedTape(ChunkTape):
+    """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
+    forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
+
+    def __init__(self, make, entering, final, decay, addresses, key):
+        self.make, self.made = make, None
+        self.entering, self.final, self.decay, self.addresses, self.key = entering, final, decay, addresses, key
+
+    @property
+    def chunks(self) -> Chunks:
+        if self.made is None:
+            self.made = self.make()
+        return self.made
+
+
+class PreparedForward:
+    """``call(seqs, params, initial) -> (outputs, finals, tape)``: `ChunkedCore.forward` for the calls of one
+    signature (shapes, strides, dtypes, device, options: the caller's `Backend.call_key`), `out_dtype` and `tape`
+    (`ChunkTape`, or None) as `forward` takes them. Where the kernels run it, the first call of each layout of the
+    operands' memory (their storage offsets, whether their bases are 16-byte aligned: the offset tables and the
+    kernels' choice read them, the signature does not) runs as `forward` and works out a `mma.ForwardPlan` and
+    what is made around it; later calls take them, as a plain loop:
+
+        ell, s0, beta, skip = the call's decays, initial state, β, skip   (`_scalars`: they read its values)
+        out = torch.empty(the time-first output)                          (where the kernels write it so)
+        launch the plan's kernels on the addresses of q, k, v (as given: no views), ell, beta, skip, out
+        outputs, finals = out, final  (views or copies only where the layouts ask: `_outputs`)
+
+    Elsewhere (the torch path, operands the core copies) each call is `forward`'s."""
+
+    def __init__(self, core: ChunkedCore, sizes, length, out_dtype, tape: bool):
+        self.core, self.sizes, self.length, self.out_dtype, self.tape = core, sizes, length, out_dtype, tape
+        self.plans: dict = {}   # layout key (`__call__`) -> (plan, what is made around it), or False
+        self.general: bool | None = None  # whether no call of the signature runs the kernels (set at the first)
+        self.chunk = 0
+        # (names of ell's, beta's, skip's inputs, None where absent) where `Chunks` holds them as views of the
+        # arrays as given (SSD's log decays and β, its D: set by the first `_plan`), else None (`_scalars` a call)
+        self.given: tuple | None = None
+        self.given_found = False
+        s = core.ml.state
+        self.state_order = [s.axes.index(n) for n in (*core.ml.heads, core.ml.key, core.ml.value)]
+
+    def __call__(self, seqs, params, initial):
+        core, ml, length = self.core, self.core.ml, self.length
+        q = seqs[ml.q.arg] if ml.q.arg in seqs else params[ml.q.arg]
+        if self.general is None:
+            self.chunk = chunk_size(ml, self.sizes, length, q.dtype)
+            self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
+        if self.general:
+            return self._general(seqs, params, initial)
+        k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
+        v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
+        given = self.given
+        if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
+            ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
+            s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
+            decay = None
+        else:
+            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+        bq, bk, bv = mma._base(q), mma._base(k), mma._base(v)
+        key = (q.storage_offset(), k.storage_offset(), v.storage_offset(), ell.storage_offset(),
+               None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
+               (bq | bk | bv) % 16 == 0)
+        found = self.plans.get(key)
+        if found is None:  # the layout's first call: its plan made, the call itself `forward`'s
+            if given is not None:  # the views `_plan` reads the layouts of
+                ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+            self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+            return self._general(seqs, params, initial)
+        if found is False:
+            return self._general(seqs, params, initial)
+        plan, buf_shape, buf_dtype, out_as_is, final_as_is = found
+        addresses = [bq, bk, bv, mma._base(ell), 0 if beta is None else mma._base(beta),
+                     0 if skip is None else mma._base(skip)]
+        buf = None if buf_shape is None else torch.empty(buf_shape, dtype=buf_dtype, device=q.device)
+        out, entering, final = plan.launch(list(addresses), s0, buf)
+        if out_as_is and final_as_is:  # the output and the final state are the arrays the kernels wrote, as they are
+            outs, finals = {core.output: buf}, {ml.state.name: final}
+        else:
+            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is)
+        if not self.tape:
+            return outs, finals, None
+        chunk = self.chunk
+
+        def make():
+            if self.given is not None:
+                ell, s0, beta, skip, _ = core._scalars(seqs, params, initial, length, chunk, q.device)
+                return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
+            return Chunks(*core._operands(seqs, params, length, chunk), ell_, s0_, beta_, skip_)
+        ell_, s0_, beta_, skip_ = ell, s0, beta, skip
+        return outs, finals, PreparedTape(make, entering, final, decay, addresses, key)
+
+    def _general(self, seqs, params, initial):
+        outs, finals, tape = self.core.forward(seqs, params, initial, self.sizes, self.length,
+                                               out_dtype=self.out_dtype, tape=self.tape)
+        return outs, finals, tape if self.tape else None
+
+    def _given(self, seqs, params, x: Chunks) -> tuple | None:
+        """(the names of the inputs ell, beta, skip are, None where absent) where `x` holds each as a view of that
+        input as given (the same memory and dtype: its address is the view's), else None."""
+        ml, core = self.core.ml, self.core
+        if ml.decay is not None:  # its log is taken
+            return None
+        names = []
+        for node, a in ((ml.log_decay, x.ell), (ml.beta, x.beta), (core.skip, x.skip)):
+            if node is None and a is None:
+                names.append(None)
+                continue
+            if node is None or node.op is not Op.INPUT or a is None:
+                return None
+            arr = seqs[node.arg] if node.arg in seqs else params.get(node.arg)
+            if arr is None or arr.dtype != a.dtype or mma._base(arr) != mma._base(a) or arr.storage_offset() != (
+                    a.storage_offset()):
+                return None
+            names.append(node.arg)
+        return tuple(names)
+
+    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases):
+        """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
+        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call)."""
+        core, length, chunk = self.core, self.length, self.chunk
+        q, k, v = core._operands(seqs, params, length, chunk)
+        x = Chunks(q, k, v, ell, s0, beta, skip)
+        found = False
+        if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
+            o_dtype = self.out_dtype if self.out_dtype == q.dtype else torch.float32
+            direct = core._time_first_out(self.sizes, length, chunk, q.device, o_dtype)
+            plan = mma.forward_plan(x, out=None if direct is None else direct[1], half_states=True,
+                                    out_dtype=o_dtype)
+            if not any(plan.copies):
+                buf = direct is not None and plan.out_given
+                # whether `_outputs` would give the arrays the kernels wrote as they are (whole chunks, the
+                # output's dtype, the final state's heads and axes in order)
+                ml = core.ml
+                s = ml.state
+                out_as_is = (buf and -(-length // chunk) * chunk == length
+                             and (self.out_dtype is None or self.out_dtype == o_dtype))
+                final_as_is = (plan.final_shape == tuple(self.sizes[a] for a in s.axes)
+                               and list(s.axes) == [*ml.heads, ml.key, ml.value])
+                found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, out_as_is, final_as_is)
+                if not self.given_found:
+                    self.given_found = True
+                    self.given = self._given(seqs, params, x)
+        if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
+            self.plans.clear()
+        self.plans[key] = found
+        return found
+
+
+class PreparedBackward:
+    """``call(seqs, params, tape, cot, lam, extra) -> (gradients of sequences, of params and states)``:
+    `ChunkedCore.backward` for the calls of one signature and of one of their cotangents. On a `PreparedTape`
+    where the kernels run the backward, the first call of each layout of the memory (the forward's, and the
+    output cotangent's storage offset and alignment) works out the kernels' `mma.BackwardPlan` and what is made
+    around it; later calls take them, as a plain loop:
+
+        launch the plan's kernels on the forward's addresses of q, k, v, ell, beta, skip and dO's (the cotangent
+        as given where it is a view of it), the time-first gradients made as their kernels run
+        the other gradients summed over the heads their inputs lack (`_gradients`)
+
+    Elsewhere each call is `backward`'s (with its kernels' plans kept: its `plans`)."""
+
+    def __init__(self, core: ChunkedCore, sizes, length):
+        self.core, self.sizes, self.length = core, sizes, length
+        self.plans: dict = {}   # layout key (`__call__`) -> what `_plan` found, or False
+        self.kernel_plans: dict = {}  # `backward`'s, where this path does not apply
+        ml, s = core.ml, core.ml.state
+        self.state_order = [s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)]
+
+    def __call__(self, seqs, params, tape, cot, lam, extra):
+        core, sizes, length = self.core, self.sizes, self.length
+        found = False
+        if isinstance(tape, PreparedTape):
+            cot_out = cot[GRAD + core.output]
+            key = (tape.key, cot_out.storage_offset(), cot_out.dtype, mma._base(cot_out) % 16 == 0)
+            found = self.plans.get(key)
+            if found is None:
+                found = self._plan(key, seqs, params, tape, cot_out)
+        if found is False:
+            return core.backward(seqs, params, tape, cot, lam, extra, sizes, length, self.kernel_plans)
+        plan, d_out_view, made, state_as_is = found
+        ml = core.ml
+        addresses = list(tape.addresses)
+        if d_out_view:
+            addresses.append(mma._base(cot_out))
+        else:
+            d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, plan.chunk, plan.dtype)
+            addresses.append(mma._base(d_out))
+        d_final = lam[GRAD + ml.state.name].to(core.dtype).permute(self.state_order)
+        device = plan.device
+        direct = {role: _Made(lambda shape=shape: torch.empty(shape, dtype=torch.float32, device=device))
+                  for role, shape, _ in made}
+        chunked = plan.launch(addresses, tape.entering, d_final, direct)
+        # the time-first gradients the kernels wrote: returned as they are (whole chunks) or their first steps
+        done = {name: direct[role].array if direct[role].array.shape[0] == length
+                else direct[role].array.narrow(0, 0, length) for role, _, name in made}
+        return core._gradients(seqs, params, tape, chunked, sizes, length, done, state_as_is)
+
+    def _plan(self, key, seqs, params, tape, cot_out):
+        """What calls of layout `key` take (`__call__`), or False where the kernels do not run the backward."""
+        core, sizes, length = self.core, self.sizes, self.length
+        ml, x = core.ml, tape.chunks
+        found = False
+        if mma.kernels_apply(x) and options().chunk_backward is not False:
+            chunk = x.q.shape[-2]
+            d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
+            if mma.backward_applies(x, d_out):
+                roles = core._direct_roles(seqs)
+                direct = {role: core._made_out(sizes, length, chunk, x.q.device, axes, inner)
+                          for role, _, axes, inner in roles}
+                plan = mma.BackwardPlan(x, tape.entering, d_out, direct)
+                if not any(plan.copies[:6]):
+                    # the gradients the kernels write in the time-first arrays themselves (`writable_out`)
+                    writes = {"dq": plan.summed["dq"][0] == "given", "dk": plan.summed["dk"][0] == "given",
+                              "dv": plan.dv_given}
+                    padded = -(-length // chunk) * chunk
+                    made = [(role, (padded, *[sizes[a] for a in axes]), GRAD + node.arg)
+                            for role, node, axes, _ in roles if writes[role]]
+                    s = ml.state
+                    state_as_is = (plan.heads == tuple(sizes[h] for h in ml.heads)
+                                   and list(s.axes) == [*ml.heads, ml.key, ml.value])
+                    found = (plan, not plan.copies[6] and mma._base(d_out) == mma._base(cot_out), made, state_as_is)
+        if len(self.plans) >= 16:
+            self.plans.clear()
+        self.plans[key] = found
+        return found
 
 
 _CORES: dict[tuple, ChunkedCore | None] = {}

@@ -238,83 +238,167 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
-    q = _chunked_view(x.q, True)
-    k = _chunked_view(x.k, True)
-    v = _chunked_view(x.v, True)
-    ell = _chunked_view(x.ell, False)
-    beta = None if x.beta is None else _chunked_view(x.beta, False)
-    t = q.dim() - 3
-    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
-                       *[b.shape[:t] for b in (x.beta, x.skip) if b is not None])
-    nh = math.prod(heads)
-    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
-    dev = q.device
-    if out_dtype not in (torch.float32, q.dtype):
-        raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
-    if not writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype)):
-        out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device=dev)
-    # no extra: v again; no β: ell in its column (not read)
-    skip = None if x.skip is None else _chunked_view(x.skip, False)
-    offs, steps, aligned_rows = _tables_for(
-        heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
-    beta_ptr = 0 if beta is None else _base(beta)
-    s0 = x.s0.expand(*heads, key, value).contiguous()
-    final = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
-    aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
-    # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
-    # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
-    form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
-    balanced, fused = form == "balanced", (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
-    one_pass = ONE_PASS if one_pass is None else one_pass
-    vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
-    text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
-                  vb or (64 if fused and not one_pass else 0))
-    shared = dict(shared_bytes(key, value, chunk))
+    plan = forward_plan(x, out, one_pass, half_states, out_dtype)
+    return plan.launch(plan.addresses(x), x.s0, out if plan.out_given else None, events)
 
-    tiles = (key // 64) * (value // 64)
-    if one_pass:
-        entering = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-        launches = [("chunk_states_scan", nh * tiles, 128,
-                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
-                      entering.data_ptr(), final.data_ptr()])]
-    elif fused:  # the entering states written once, in 16 bits where half_states
-        entering = torch.empty((*heads, nc, key, value), dtype=q.dtype if half_states else torch.float32, device=dev)
-        launches = [("chunk_states_pass" + ("_half" if half_states else ""), nh * tiles, 128,
-                     [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), s0.data_ptr(),
-                      entering.data_ptr(), final.data_ptr()])]
-    else:
-        states = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-        gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-        entering = states
-        launches = [
-            ("chunk_states", nh * nc * tiles, 128,
-             [_base(k), _base(v), _base(ell), beta_ptr, offs.data_ptr(), steps.data_ptr(), states.data_ptr(),
-              gamma.data_ptr()]),
-        ]
-        if half_states:
-            entering = torch.empty(states.shape, dtype=q.dtype, device=dev)
-            launches.append(("state_pass_half", nh * key * value // 1024, 256,
-                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), entering.data_ptr(),
-                              final.data_ptr()]))
+
+# the arrays whose addresses a launch takes per call (`ForwardPlan`, `BackwardPlan`): slots of a list made per
+# call; every other argument (an offset table's address, 0 for an operand absent) is fixed by the layouts
+_Q, _K, _V, _ELL, _BETA, _SKIP, _OUT, _S0, _ENTERING, _FINAL, _STATES, _GAMMA = range(12)
+
+
+class _Slot(int):
+    """A launch argument filled per call: the address in slot `int(self)` of the call's list."""
+
+
+def _launch_specs(text: str, launches, shared: dict, nc: int, chunk: int) -> list[tuple]:
+    """Per launch (name, its function, blocks, threads, length, nblk, shared bytes, its fixed arguments with 0
+    where a slot goes, (position, slot) of each slot)."""
+    specs = []
+    for launch in launches:
+        name, blocks, threads, pointers = launch[:4]
+        length = launch[4] if len(launch) > 4 else nc * chunk
+        fixed = [0 if isinstance(p, _Slot) else p for p in pointers]
+        fills = tuple((i, int(p)) for i, p in enumerate(pointers) if isinstance(p, _Slot))
+        specs.append((name, _function(text, name), blocks, threads, length, nc, shared[name], fixed, fills))
+    return specs
+
+
+def _run_specs(specs: list[tuple], values: list, events: list | None) -> None:
+    """Launch `specs` (`_launch_specs`) with the call's addresses `values` in their slots."""
+    for name, fn, blocks, threads, length, nblk, shared, fixed, fills in specs:
+        pointers = list(fixed)
+        for i, slot in fills:
+            pointers[i] = values[slot]
+        _launch(fn, name, blocks, threads, nblk, 0, pointers, shared, events, length)
+
+
+class ForwardPlan:
+    """What `forward` works out from the layouts of its arrays alone (their shapes, strides, storage offsets
+    and dtypes, whether q's, k's and v's bases are 16-byte aligned, the options): the arrays it makes, the
+    module, each launch and its arguments, the offset tables (kept alive here). A call of the same layouts
+    then only makes the arrays and launches (`launch`): ChunkedCore's prepared calls keep one per signature.
+    As a plain loop, `launch` is
+
+        out, entering, final (and the split path's states, gamma) = torch.empty(shape, dtype) each
+        for kernel, grid, arguments in launches: kernel<<<grid>>>(the call's addresses in their slots)
+    """
+
+    def __init__(self, x: Chunks, out: torch.Tensor | None, one_pass: bool | None, half_states: bool,
+                 out_dtype: torch.dtype):
+        q = _chunked_view(x.q, True)
+        k = _chunked_view(x.k, True)
+        v = _chunked_view(x.v, True)
+        ell = _chunked_view(x.ell, False)
+        beta = None if x.beta is None else _chunked_view(x.beta, False)
+        skip = None if x.skip is None else _chunked_view(x.skip, False)
+        # where `_chunked_view` copies, the call's addresses are the copies' (`addresses`)
+        self.copies = tuple(a is not b for a, b in ((q, x.q), (k, x.k), (v, x.v), (ell, x.ell), (beta, x.beta),
+                                                     (skip, x.skip)))
+        t = q.dim() - 3
+        heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t],
+                           *[b.shape[:t] for b in (x.beta, x.skip) if b is not None])
+        nh = math.prod(heads)
+        nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+        self.device = dev = q.device
+        if out_dtype not in (torch.float32, q.dtype):
+            raise ValueError(f"the kernels write O in fp32 or in q's {q.dtype}, not {out_dtype}")
+        self.out_given = writable_out(out, heads, nc, chunk, value, (torch.float32, q.dtype))
+        if not self.out_given:  # (its layout: `launch` makes it)
+            out = torch.empty((*heads, nc, chunk, value), dtype=out_dtype, device="meta")
+        self.out_shape, self.out_dtype = out.shape, out.dtype
+        # no extra: v again; no β: ell in its column (not read)
+        self.tables = offs, steps, aligned_rows = _tables_for(
+            heads, (q, k, v, ell, out, v, ell if beta is None else beta, ell if skip is None else skip), dev)
+        beta_ptr = 0 if beta is None else _Slot(_BETA)
+        self.heads, self.key, self.value = heads, key, value
+        self.s0_as_is = x.s0.shape == (*heads, key, value) and x.s0.is_contiguous()
+        self.final_shape = (*heads, key, value)
+        self.aligned = aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
+        # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
+        # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
+        form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
+        balanced = form == "balanced"
+        fused = (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
+        one_pass = ONE_PASS if one_pass is None else one_pass
+        vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
+        text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
+                      vb or (64 if fused and not one_pass else 0))
+        shared = dict(shared_bytes(key, value, chunk))
+
+        tiles = (key // 64) * (value // 64)
+        state_args = [_Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, offs.data_ptr(), steps.data_ptr(), _Slot(_S0),
+                      _Slot(_ENTERING), _Slot(_FINAL)]
+        self.states_shape = None  # the split path's fp32 chunk sums and gamma, made per call
+        if one_pass:
+            self.entering = ((*heads, nc, key, value), torch.float32)
+            launches = [("chunk_states_scan", nh * tiles, 128, state_args)]
+        elif fused:  # the entering states written once, in 16 bits where half_states
+            self.entering = ((*heads, nc, key, value), q.dtype if half_states else torch.float32)
+            launches = [("chunk_states_pass" + ("_half" if half_states else ""), nh * tiles, 128, state_args)]
         else:
-            launches.append(("state_pass", nh * key * value // 1024, 256,
-                             [gamma.data_ptr(), s0.data_ptr(), states.data_ptr(), final.data_ptr()]))
-    output = "chunk_output" + ("_hs" if entering.dtype != torch.float32 else "") + (
-        "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "_s" if vb else "")
-    # blocks: per (head, chunk, 64 values), or per vb values (*_s); threads: a warp per 16 rows (*_b: two),
-    # *_s a warp per two row stripes and 64 values
-    blocks, threads = (nh * nc * (value // vb), chunk * vb // 64) if vb else (
-        nh * nc * (value // 64), chunk if balanced else 2 * chunk)
-    if vb:
-        shared[output] = staged_bytes(key, value, chunk, vb)
-    launches += [
-        (output, blocks, threads,
-         [_base(q), _base(k), _base(v), _base(ell), beta_ptr, 0 if skip is None else _base(skip), offs.data_ptr(),
-          steps.data_ptr(), entering.data_ptr(), _base(out)]),
-    ]
-    for name, blocks, threads, pointers in launches:
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared[name], events)
-    return out, entering, final
+            self.states_shape = ((*heads, nc, key, value), (*heads, nc))
+            launches = [
+                ("chunk_states", nh * nc * tiles, 128,
+                 [_Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, offs.data_ptr(), steps.data_ptr(), _Slot(_STATES),
+                  _Slot(_GAMMA)]),
+            ]
+            if half_states:
+                self.entering = ((*heads, nc, key, value), q.dtype)
+                launches.append(("state_pass_half", nh * key * value // 1024, 256,
+                                 [_Slot(_GAMMA), _Slot(_S0), _Slot(_STATES), _Slot(_ENTERING), _Slot(_FINAL)]))
+            else:  # the entering states are the chunk sums, passed in place
+                self.entering = None
+                launches.append(("state_pass", nh * key * value // 1024, 256,
+                                 [_Slot(_GAMMA), _Slot(_S0), _Slot(_STATES), _Slot(_FINAL)]))
+        entering_dtype = torch.float32 if self.entering is None else self.entering[1]
+        output = "chunk_output" + ("_hs" if entering_dtype != torch.float32 else "") + (
+            "_ho" if out.dtype != torch.float32 else "") + ("_b" if balanced else "_s" if vb else "")
+        # blocks: per (head, chunk, 64 values), or per vb values (*_s); threads: a warp per 16 rows (*_b: two),
+        # *_s a warp per two row stripes and 64 values
+        blocks, threads = (nh * nc * (value // vb), chunk * vb // 64) if vb else (
+            nh * nc * (value // 64), chunk if balanced else 2 * chunk)
+        if vb:
+            shared[output] = staged_bytes(key, value, chunk, vb)
+        launches += [
+            (output, blocks, threads,
+             [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_ELL), beta_ptr, 0 if skip is None else _Slot(_SKIP),
+              offs.data_ptr(), steps.data_ptr(), _Slot(_ENTERING), _Slot(_OUT)]),
+        ]
+        self.specs = _launch_specs(text, launches, shared, nc, chunk)
+
+    def addresses(self, x: Chunks) -> list:
+        """The call's list of addresses (slots `_Q` .. `_SKIP`) of `x` (laid out as the plan's)."""
+        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip)
+        return [0 if a is None else _base(_chunked_view(a, i < 3) if copy else a)
+                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
+
+    def launch(self, values: list, s0: torch.Tensor, out: torch.Tensor | None = None, events: list | None = None):
+        """(O, entering states, final state) as `forward` returns them, from the call's addresses `values` (of
+        q, k, v, ell, beta, skip: `addresses`; the list is extended), its initial state `s0` and, where the plan
+        was made with one (`out_given`), `out` laid out as then."""
+        dev = self.device
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        if not self.s0_as_is:
+            s0 = s0.expand(self.final_shape).contiguous()
+        final = torch.empty(self.final_shape, dtype=torch.float32, device=dev)
+        states = gamma = None
+        if self.states_shape is not None:
+            states = torch.empty(self.states_shape[0], dtype=torch.float32, device=dev)
+            gamma = torch.empty(self.states_shape[1], dtype=torch.float32, device=dev)
+        entering = states if self.entering is None else torch.empty(self.entering[0], dtype=self.entering[1],
+                                                                    device=dev)
+        values += [_base(out), s0.data_ptr(), entering.data_ptr(), final.data_ptr(),
+                   0 if states is None else states.data_ptr(), 0 if gamma is None else gamma.data_ptr()]
+        _run_specs(self.specs, values, events)
+        return out, entering, final
+
+
+def forward_plan(x: Chunks, out: torch.Tensor | None = None, one_pass: bool | None = None,
+                 half_states: bool = False, out_dtype: torch.dtype = torch.float32) -> ForwardPlan:
+    """`forward`'s `ForwardPlan` for arrays laid out as `x` (and `out`)."""
+    return ForwardPlan(x, out, one_pass, half_states, out_dtype)
 
 
 @cache
@@ -328,15 +412,16 @@ def _base(a: torch.Tensor) -> int:
     return a.data_ptr() - a.storage_offset() * a.element_size()
 
 
-def _launch(text: str, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
+def _launch(text, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
             events: list | None, length: int | None = None) -> None:
-    """Launch kernel `name` with (length, nblk) = (`length`, default nc · chunk; nc)."""
+    """Launch kernel `name` of module `text` (or `text` the kernel's function, looked up already: `_launch_specs`)
+    with (length, nblk) = (`length`, default nc · chunk; nc)."""
     timing = events is not None and not emulating()
     if timing:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    launch_kernel(_function(text, name), (blocks, threads), nc * chunk if length is None else length, nc, pointers,
-                  shared=shared)
+    launch_kernel(_function(text, name) if isinstance(text, str) else text, (blocks, threads),
+                  nc * chunk if length is None else length, nc, pointers, shared=shared)
     if timing:
         end.record()
         events.append((name, start, end))
@@ -382,7 +467,7 @@ def backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
 
 def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
              events: list | None = None, parts: dict | None = None, outs: dict | None = None,
-             heads_a_block: int | None = None):
+             heads_a_block: int | None = None, plans: dict | None = None):
     """`algorithm.vjp` on the kernels: (dq [*Hq, NC, C, K], dk [*Hk, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
     fp32 over every head H (the caller sums them over the heads an operand lacks), but dq and dk, which
@@ -397,114 +482,197 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
-    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit)."""
-    q = _chunked_view(x.q, True)
-    k = _chunked_view(x.k, True)
-    v = _chunked_view(x.v, True)
-    do = _chunked_view(d_out, True)
-    ell = _chunked_view(x.ell, False)
-    beta = None if x.beta is None else _chunked_view(x.beta, False)
-    beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _base(beta))
-    skip = None if x.skip is None else _chunked_view(x.skip, False)
-    skip_col, skip_ptr = (ell, 0) if skip is None else (skip, _base(skip))
-    t = q.dim() - 3
-    heads = tuple(entering.shape[:t])
-    nh = math.prod(heads)
-    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
-    dev = q.device
-    # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
-    # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
-    entering = entering.to(q.dtype).contiguous()
-    d_final = d_final.to(torch.float32).expand(*heads, key, value).contiguous()
-    # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
-    # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
-    sums = torch.empty((*heads, nc, key, value), dtype=torch.float32, device=dev)
-    d_end = torch.empty((*heads, nc, key, value), dtype=q.dtype, device=dev)
-    ds0 = torch.empty((*heads, key, value), dtype=torch.float32, device=dev)
-    gamma = torch.empty((*heads, nc), dtype=torch.float32, device=dev)
-    outs = outs or {}
+    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit).
+    `plans`: where a dict, the `BackwardPlan`s of calls whose arrays have the same shapes, strides and dtypes
+    (a caller's signature), kept there per storage offsets and alignment."""
+    if plans is None:
+        plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
+        return plan.launch(plan.addresses(x, d_out), entering, d_final, outs or {}, events, parts)
+    # the plans of calls alike (ChunkedCore's prepared backward): per layout of the arrays' memory, the rest of
+    # their layouts being the caller's signature's
+    arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
+    bases = [0 if a is None else _base(a) for a in arrays]
+    key = (*(None if a is None else a.storage_offset() for a in arrays),
+           (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0, heads_a_block)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 16:
+            plans.clear()
+        plan = plans[key] = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
+    addresses = plan.addresses(x, d_out) if any(plan.copies) else bases
+    return plan.launch(addresses, entering, d_final, outs or {}, events, parts)
 
-    def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
-        a = outs.get(name)
-        return a() if callable(a) else a
 
-    def grad(name, size):  # where `outs` has a place the kernels can write, there
-        a = given(name)
-        return a if writable_out(a, heads, nc, chunk, size) else torch.empty(
-            (*heads, nc, chunk, size), dtype=torch.float32, device=dev)
+# the backward's per-call slots past the operands' (`_Q` .. `_SKIP`, then d_out)
+(_DO, _B_ENTERING, _B_DFINAL, _SUMS, _DEND, _DS0, _B_GAMMA, _ROWS, _ENDS, _ENTERED, _DBETA, _DSKIP,
+ _DQ, _DK, _DV) = range(6, 21)
 
-    # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
-    # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
-    rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=torch.float32, device=dev)
-    ends = torch.empty((*heads, nc, chunk, value // 64), dtype=torch.float32, device=dev)
-    entered = torch.empty((*heads, nc, key * value // 128), dtype=torch.float32, device=dev)
-    d_beta = None if beta is None else torch.empty_like(ends)
-    d_skip = None if skip is None else torch.empty_like(ends)
-    bf16 = q.dtype == torch.bfloat16
-    _, _, eights = _tables_for(heads, (q, k, v, do), dev)
-    aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
-    kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
-    vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
 
-    def table(*arrays):
-        offs, steps, _ = _tables_for(heads, arrays, dev)
-        return offs.data_ptr(), steps.data_ptr()
+class BackwardPlan:
+    """What `backward` works out from the layouts of its arrays alone (as `ForwardPlan`): the arrays it makes, the
+    modules, each launch and its arguments, how dq and dk are summed over the heads q and k lack; `launch` makes the
+    arrays (each as late as the kernel that writes it) and launches, as `backward` did a call."""
 
-    def ptr(a):
-        return 0 if a is None else a.data_ptr()
+    def __init__(self, x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, outs: dict,
+                 heads_a_block: int | None = None):
+        q = _chunked_view(x.q, True)
+        k = _chunked_view(x.k, True)
+        v = _chunked_view(x.v, True)
+        do = _chunked_view(d_out, True)
+        ell = _chunked_view(x.ell, False)
+        beta = None if x.beta is None else _chunked_view(x.beta, False)
+        skip = None if x.skip is None else _chunked_view(x.skip, False)
+        self.copies = tuple(a is not b for a, b in ((q, x.q), (k, x.k), (v, x.v), (ell, x.ell), (beta, x.beta),
+                                                     (skip, x.skip), (do, d_out)))
+        beta_col, beta_ptr = (ell, 0) if beta is None else (beta, _Slot(_BETA))
+        skip_col, skip_ptr = (ell, 0) if skip is None else (skip, _Slot(_SKIP))
+        self.t = t = q.dim() - 3
+        self.heads = heads = tuple(entering.shape[:t])
+        nh = math.prod(heads)
+        self.nc, self.chunk, self.key, self.value = nc, chunk, key, value = (q.shape[-3], q.shape[-2], q.shape[-1],
+                                                                               v.shape[-1])
+        self.device = dev = q.device
+        self.dtype = q.dtype
+        self.state_shape = (*heads, key, value)
+        self.beta, self.skip = beta is not None, skip is not None
+        bf16 = q.dtype == torch.bfloat16
+        _, _, eights = _tables_for(heads, (q, k, v, do), dev)
+        aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
+        kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
+        vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
+        self.tables = []  # kept alive with the plan
 
-    def run(text, name, blocks, threads, ck, cv, pointers, length=None):
-        _launch(text, name, blocks, threads, nc, chunk, pointers, shared_bytes(ck, cv, chunk)[name], events, length)
+        def table(*arrays):
+            offs, steps, _ = found = _tables_for(heads, arrays, dev)
+            self.tables.append(found)
+            return offs.data_ptr(), steps.data_ptr()
 
-    tiles = (key // 64) * (value // 64)
-    # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
-    run(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
-        [_base(q), _base(do), _base(ell), *table(q, q, do, ell, q, q, ell, ell), sums.data_ptr(), gamma.data_ptr()])
-    run(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-        [gamma.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(), entering.data_ptr(),
-         entered.data_ptr()])
-    del sums
+        def spec(text, name, blocks, threads, ck, cv, pointers, length=None):
+            shared = {name: shared_bytes(ck, cv, chunk)[name]}
+            launch = (name, blocks, threads, pointers) + (() if length is None else (length,))
+            return _launch_specs(text, [launch], shared, nc, chunk)
 
-    def summed(name, operand, roles, state):
-        """dq (dk) by chunk_dq (chunk_dk), summed over the heads `operand` lacks where `_heads_summed` finds
-        them: `roles` (q, k, v) of its products, `state` the one it reads."""
-        r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
-        per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
-        if r % per or per >= 1 << 16 or r // per >= 1 << 15:
-            raise ValueError(f"{per} heads a block do not divide the {r} summed")
-        sums = None
-        if r == 1:
-            out = grad(name, key)
-        elif r == per and writable_out(a := given(name), shape, nc, chunk, key):
-            out = a
-        else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
-            sums = torch.empty((*shape, r // per, nc, chunk, key), dtype=torch.float32, device=dev)
-            out = sums.select(t, 0)
-        a, b, w = roles
-        # (length, blocks) = ((subsets << 16) | heads a block, nh / per block sets of NC · K/64 blocks)
-        run(vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
-            [_base(a), _base(b), _base(w), _base(ell), beta_ptr, 0, *table(a, b, w, ell, out, operand, beta_col, ell),
-             state.data_ptr(), _base(out), _base(operand), rows.data_ptr()], (r // per) << 16 | per)
-        if sums is None or r == per:
-            return out
-        total = sums.select(t, 0).clone()  # the subsets' partial sums added in order (no reduction's own order)
-        for i in range(1, r // per):
-            total += sums.select(t, i)
-        return total  # (the partial sums freed before the next kernel's are made)
+        def made(shape, dtype=torch.float32):  # an array laid out as the call's will be (its table's column)
+            return torch.empty(shape, dtype=dtype, device="meta")
 
-    dq = summed("dq", q, (do, v, k), entering)
-    dk = summed("dk", k, (v, do, q), d_end)
-    dv = grad("dv", value)
-    run(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
-        [_base(k), _base(q), _base(do), _base(ell), beta_ptr, skip_ptr,
-         *table(k, q, do, ell, dv, v, beta_col, skip_col), d_end.data_ptr(), _base(dv), _base(v), ends.data_ptr(),
-         ptr(d_beta), ptr(d_skip)])
-    if parts is not None:
-        parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
-    d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+        # `outs`' arrays, whose layouts the plan reads: of no memory where they say how (`like`: made as late as
+        # their kernels, by `launch`), else made now where they are functions
+        given = {}
+        for name in ("dq", "dk", "dv"):
+            a = outs.get(name)
+            like = getattr(a, "like", None)
+            given[name] = like() if like is not None else a() if callable(a) else a
+        tiles = (key // 64) * (value // 64)
+        # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
+        self.dstates = spec(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
+                            [_Slot(_Q), _Slot(_DO), _Slot(_ELL), *table(q, q, do, ell, q, q, ell, ell), _Slot(_SUMS),
+                             _Slot(_B_GAMMA)])
+        self.reverse = spec(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
+                            [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0),
+                             _Slot(_B_ENTERING), _Slot(_ENTERED)])
+        self.summed = {}
+        for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
+                                                   ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
+            r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
+            per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
+            if r % per or per >= 1 << 16 or r // per >= 1 << 15:
+                raise ValueError(f"{per} heads a block do not divide the {r} summed")
+            a = given[name]
+            if r == 1:  # where `outs` has a place the kernels can write, there
+                how = "given" if writable_out(a, heads, nc, chunk, key) else "new"
+                out = a if how == "given" else made((*heads, nc, chunk, key))
+                out_shape = (*heads, nc, chunk, key)
+            elif r == per and writable_out(a, shape, nc, chunk, key):
+                how, out, out_shape = "given", a, None
+            else:  # [*Hq, subsets, NC, C, K]; the kernels' out: subset 0, the others NC·C·K elements apart each
+                how, out_shape = ("sums" if r != per else "new_sums"), (*shape, r // per, nc, chunk, key)
+                out = made(out_shape).select(t, 0)
+            ra, rb, rw = roles
+            self.summed[name] = (how, out_shape, r // per, spec(
+                vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
+                [_Slot(slots[0]), _Slot(slots[1]), _Slot(slots[2]), _Slot(_ELL), beta_ptr, 0,
+                 *table(ra, rb, rw, ell, out, operand, beta_col, ell), _Slot(state),
+                 _Slot(_DQ if name == "dq" else _DK), _Slot(_Q if name == "dq" else _K), _Slot(_ROWS)],
+                (r // per) << 16 | per))
+        dv = given["dv"]
+        self.dv_given = writable_out(dv, heads, nc, chunk, value)
+        if not self.dv_given:
+            dv = made((*heads, nc, chunk, value))
+        self.dv = spec(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
+                       [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                        *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
+                        _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
-    def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
-        return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
+    def addresses(self, x: Chunks, d_out: torch.Tensor) -> list:
+        """The call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` (laid out as the plan's)."""
+        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
+        return [0 if a is None else _base(_chunked_view(a, i in (0, 1, 2, 6)) if copy else a)
+                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
 
-    # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
-    return dq, dk, dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
+    def launch(self, values: list, entering: torch.Tensor, d_final: torch.Tensor, outs: dict,
+               events: list | None = None, parts: dict | None = None):
+        """`backward`'s result from the call's addresses `values` (`addresses`; the list is extended), the
+        forward's entering states, d_final and `outs` (as `backward` takes them, laid out as the plan's)."""
+        heads, nc, chunk, key, value = self.heads, self.nc, self.chunk, self.key, self.value
+        dev, t = self.device, self.t
+        f32 = torch.float32
+        # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
+        # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
+        if entering.dtype != self.dtype or not entering.is_contiguous():
+            entering = entering.to(self.dtype).contiguous()
+        if d_final.dtype != f32 or d_final.shape != self.state_shape or not d_final.is_contiguous():
+            d_final = d_final.to(f32).expand(self.state_shape).contiguous()
+        # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
+        # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
+        sums = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+        d_end = torch.empty((*heads, nc, key, value), dtype=self.dtype, device=dev)
+        ds0 = torch.empty((*heads, key, value), dtype=f32, device=dev)
+        gamma = torch.empty((*heads, nc), dtype=f32, device=dev)
+        # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
+        # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
+        rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=f32, device=dev)
+        ends = torch.empty((*heads, nc, chunk, value // 64), dtype=f32, device=dev)
+        entered = torch.empty((*heads, nc, key * value // 128), dtype=f32, device=dev)
+        d_beta = torch.empty_like(ends) if self.beta else None
+        d_skip = torch.empty_like(ends) if self.skip else None
+        values += [entering.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(),
+                   gamma.data_ptr(), rows.data_ptr(), ends.data_ptr(), entered.data_ptr(),
+                   0 if d_beta is None else d_beta.data_ptr(), 0 if d_skip is None else d_skip.data_ptr(), 0, 0, 0]
+        _run_specs(self.dstates, values, events)
+        _run_specs(self.reverse, values, events)
+        del sums
+
+        def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
+            a = outs.get(name)
+            return a() if callable(a) else a
+
+        grads = {}
+        for name, slot in (("dq", _DQ), ("dk", _DK)):
+            how, shape, subsets, spec = self.summed[name]
+            sums = None
+            if how == "given":
+                out = given(name)
+            elif how == "new":
+                out = torch.empty(shape, dtype=f32, device=dev)
+            else:
+                sums = torch.empty(shape, dtype=f32, device=dev)
+                out = sums.select(t, 0)
+            values[slot] = _base(out)
+            _run_specs(spec, values, events)
+            if how == "sums":  # the subsets' partial sums added in order (no reduction's own order)
+                out = sums.select(t, 0).clone()
+                for i in range(1, subsets):
+                    out += sums.select(t, i)
+            grads[name] = out  # (the partial sums freed before the next kernel's are made)
+        dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+        values[_DV] = _base(dv)
+        _run_specs(self.dv, values, events)
+        if parts is not None:
+            parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
+        d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+
+        def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
+            return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
+
+        # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
+        return grads["dq"], grads["dk"], dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)

@@ -1,0 +1,154 @@
+"""Prepared calls of a chunked core (backends/cuda/kernels/chunk: `PreparedForward`, `mma.ForwardPlan`), emulated
+(``SSMC_CUDA_EMULATE=1``), RetNet's core at the kernels' smallest sizes (K = V = 64, one chunk of 64 steps, bf16):
+the plan worked out at the first call of a layout is taken by the calls after it (no plan made again), gives
+the general path's results bit for bit, and is not taken where the layout differs (another storage offset:
+a plan of its own; other strides or options: another call key, so another prepared call)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from profiles import nightly_case
+from test_chunk_kernels import _core, _core_inputs
+
+from ssmc.backends.cuda import emulator
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
+
+LENGTH = 64  # one whole chunk: the sources the other emulated chunk tests build (no module compiled anew)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """{"plans": plans a prepared call made, "general": `ChunkedCore.forward` calls, "launches": kernel launch sets
+    run (either path)}, the chunk backend emulated."""
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedForward, mma
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    for name in ("SSMC_CUDA_CHUNK_KERNELS", "SSMC_CUDA_CHUNK", "SSMC_CUDA_CHUNK_OUTPUT", "SSMC_CUDA_CHUNK_STATES"):
+        monkeypatch.delenv(name, raising=False)
+    counts = {"plans": 0, "general": 0, "launches": 0}
+
+    def plan(*a, _f=PreparedForward._plan):
+        found = _f(*a)
+        counts["plans"] += found is not False
+        return found
+
+    def general(*a, _f=ChunkedCore.forward, **kw):
+        counts["general"] += 1
+        return _f(*a, **kw)
+
+    def run(*a, _f=mma._run_specs):
+        counts["launches"] += 1
+        return _f(*a)
+    monkeypatch.setattr(PreparedForward, "_plan", plan)
+    monkeypatch.setattr(ChunkedCore, "forward", general)
+    monkeypatch.setattr(mma, "_run_specs", run)
+    return counts
+
+
+def _equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_prepared_run_takes_its_plan_and_gives_the_general_runs_results(counted):
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore
+
+    program, sizes = _core("retnet")
+    core = ChunkedCore(program, "float32")
+    seqs, params, initial = _core_inputs(program, sizes, LENGTH, np.random.default_rng(1), torch.bfloat16)
+    run = core.prepare_run(seqs, params, initial, sizes, LENGTH, torch.bfloat16)
+    for call in range(2):  # new values each call, the same arrays' layouts: one plan
+        rng = np.random.default_rng(10 + call)
+        seqs, params, initial = _core_inputs(program, sizes, LENGTH, rng, torch.bfloat16)
+        want = core.run(seqs, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)
+        got = run(seqs, params, initial)
+        _equal(got[0], want[0])
+        _equal(got[1], want[1])
+    # (the first call general, as it works the plan out)
+    assert counted["plans"] == 1 and counted["general"] == 3 and counted["launches"] == 4
+    # q at another storage offset (the same shape and strides: the same signature): a plan of its own
+    q = seqs["q"]
+    buffer = torch.zeros(q.numel() + 8, dtype=q.dtype)
+    moved = buffer[8:].view(q.shape)
+    moved.copy_(q)
+    want = core.run({**seqs, "q": moved}, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)
+    got = run({**seqs, "q": moved}, params, initial)
+    _equal(got[0], want[0])
+    assert counted["plans"] == 2
+    _equal(run(seqs, params, initial)[0], core.run(seqs, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)[0])
+    assert counted["plans"] == 2  # the first layout's plan kept
+    # the decays written in place (RetNet's gamma, a param: its log kept per array as it stands): read again
+    params["gamma"].mul_(0.5)
+    fresh = ChunkedCore(program, "float32")  # (nothing kept from the calls before)
+    want = fresh.run(seqs, params, initial, sizes, LENGTH, out_dtype=torch.bfloat16)
+    got = run(seqs, params, initial)
+    _equal(got[0], want[0])
+    _equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("name, length", [
+    ("retnet", LENGTH),
+    nightly_case("mamba2", 128, reason="SSD's core (β, skip, B and C summed over heads) on 128-step chunks: the "
+                 "retnet case takes the same plans' paths")])
+def test_prepared_training_forward_and_backward_are_the_general_ones(counted, name, length):
+    """`prepare_forward` (a tape whose `Chunks` are made only where the backward asks) and `prepare_backward` on its
+    tape (`PreparedBackward`: the second call on its plan): outputs, final state and every gradient bit for bit the
+    general path's."""
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedBackward
+    from ssmc.passes.autodiff import GRAD
+
+    program, sizes = _core(name)
+    core = ChunkedCore(program, "float32")
+    rng = np.random.default_rng(2)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    want_outs, want_finals, want_tape = core.forward(seqs, params, initial, sizes, length)
+    forward = core.prepare_forward(seqs, params, initial, sizes, length)
+    out, state = core.output, program.states[0].name
+    cot = {GRAD + out: torch.from_numpy(rng.standard_normal(tuple(want_outs[out].shape))).to(torch.bfloat16)}
+    lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(want_finals[state].shape))).float()}
+    want = core.backward(seqs, params, want_tape, cot, lam, None, sizes, length)
+    backward = core.prepare_backward(seqs, params, want_tape, cot, lam, None, sizes, length)
+    for _ in range(3):  # each first call general (its plan made), then on the plans
+        outs, finals, tape = forward(seqs, params, initial)
+        _equal(outs, want_outs)
+        _equal(finals, want_finals)
+        got = backward(seqs, params, tape, cot, lam, None)
+        _equal(got[0], want[0])
+        _equal(got[1], want[1])
+    assert counted["plans"] == 1 and counted["general"] == 2
+    assert isinstance(backward, PreparedBackward) and len(backward.plans) == 1 and all(backward.plans.values())
+
+
+def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, monkeypatch):
+    """Through `ssmc.compile`: q with other strides, and SSMC_CUDA_CHUNK_KERNELS=0, are other call keys (no plan
+    of the first taken: the torch path launches no kernel), each result the first call's (within bf16 rounding
+    for the torch path)."""
+    import ssmc
+    from ssmc.examples import retnet
+
+    rng = np.random.default_rng(3)
+    inputs = retnet.make_inputs(rng, LENGTH, batch=1, heads=2, dk=64, dv=64)
+    tensors = {k: torch.tensor(v).to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32)
+               for k, v in inputs.items()}
+    f = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+    first = f(**tensors)
+    assert torch.equal(f(**tensors), first) and torch.equal(f(**tensors), first)
+    assert counted["plans"] == 1 and counted["launches"] == 3  # one plan, made at the first (general) call
+    q = tensors["q"]
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, t, h, k] with h outer: other strides
+    assert strided.stride() != q.stride()
+    for _ in range(2):
+        assert torch.equal(f(**{**tensors, "q": strided}), first)
+    assert counted["plans"] == 2 and len(f._calls) == 2
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_KERNELS", "0")
+    launches = counted["launches"]
+    for _ in range(2):
+        got = f(**tensors)
+        assert float((got.double() - first.double()).norm() / first.double().norm()) < 1e-2
+    assert counted["launches"] == launches and len(f._calls) == 3
