@@ -39,7 +39,7 @@ from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
 from .frontend.attention import AttentionSpec
 from .runtime.binding import from_time_first
-from .runtime.precision import half_of
+from .runtime.precision import given_half, half_of
 from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
@@ -121,6 +121,24 @@ class _Recurrence(torch.autograd.Function):
         return (None, None, *_general_backward(ctx.fn, ctx.grad, ctx.tape, tensors, cotangents, ctx.direct))
 
 
+class _HalfStep:
+    """A prepared step of calls with 16-bit inputs, called as `Grad.forward` calls it: in the inputs' 16-bit
+    context (runtime/precision.py), the tape marked with their dtype (its backward then sets the context
+    again: `_general_backward`)."""
+
+    __slots__ = ("half", "step")
+
+    def __init__(self, step, half):
+        self.step, self.half = step, half
+
+    def forward(self, args: tuple, kwargs: dict, outputs: bool):
+        with given_half(self.half):
+            found = self.step.forward(args, kwargs, outputs)
+        if found[2] is not None:
+            found[2].half = self.half
+        return found
+
+
 class _LeanRecurrence(torch.autograd.Function):
     """`_Recurrence` for calls like an earlier one that an `autograd.lean.LeanStep` serves."""
 
@@ -158,14 +176,17 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambd
 def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct: bool = False) -> tuple:
     """The gradients of `tensors` through `grad.backward` (the `Grad` the forward ran), each as a torch
     tensor of its argument's dtype. `direct`: the tape is a prepared step's, of a call on the current device
-    without 16-bit inputs (a plan's: `SsmcFunction._prepared_step`), whose backward is tried first, as
-    `Grad.backward` would."""
+    (a plan's: `SsmcFunction._prepared_step`), whose backward is tried first, as `Grad.backward` would."""
     n_out = len(fn.output_perms)
     grad_y = {name: c for (name, _), c in zip(fn.output_perms, cotangents[:n_out]) if c is not None}
     grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
     if tape.step is not None:  # a prepared step's backward casts each gradient as it lays it out (one copy)
         tape.gradient_dtypes = {n: t.dtype for n, t in zip(fn.names, tensors)}
-    grads = tape.step.backward(tape, grad_y, grad_h or None) if direct else None
+    if direct:
+        with given_half(tape.half):  # as `Grad.backward` sets it (None: unchanged)
+            grads = tape.step.backward(tape, grad_y, grad_h or None)
+    else:
+        grads = None
     if grads is None:
         grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
     like = tensors[0]
@@ -341,17 +362,21 @@ class SsmcFunction:
 
     def _prepared_step(self, grad, target, tensors: list):
         """The prepared step (`autograd.prepared`: `PreparedStep`, `PreparedChunk`) that `grad` keeps for
-        calls like this one, where `Grad.forward` would take it as it is: a `Grad`, no 16-bit input
-        (`given_half`), the tensors on the current device (the caller's key says); for a `StagedGrad` its
-        `PreparedStages` (which sets each stage's 16-bit context itself); else None."""
+        calls like this one, where `Grad.forward` would take it as it is: a `Grad`, the tensors on the current
+        device (the caller's key says), with 16-bit inputs in their context as `Grad.forward` sets it
+        (`_HalfStep`); for a `StagedGrad` its `PreparedStages` (which sets each stage's 16-bit context itself);
+        else None."""
         if isinstance(grad, StagedGrad):
             key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
             return (grad._steps.get(key) or None) if key is not None else None
-        if not isinstance(grad, Grad) or half_of(tensors) is not None:
+        if not isinstance(grad, Grad):
             return None
         key = grad._steps.key(target, (), dict(zip(self.names, tensors)), grad.layout)
         step = grad._steps.get(key) if key is not None else None
-        return step if isinstance(step, (PreparedStep, PreparedChunk)) else None
+        if not isinstance(step, (PreparedStep, PreparedChunk)):
+            return None
+        half = half_of(tensors)
+        return step if half is None else _HalfStep(step, half)
 
     def _own_host_params(self, tensors: list, backend: str) -> list:
         """`tensors` with each param on the CPU replaced by a copy (autograd flows through it), where

@@ -152,3 +152,34 @@ def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, 
         got = f(**tensors)
         assert float((got.double() - first.double()).norm() / first.double().norm()) < 1e-2
     assert counted["launches"] == launches and len(f._calls) == 3
+
+
+def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch):
+    """`ssmc.torch.function` of RetNet with bf16 q, k, v: from the second call of a signature its plan calls the
+    prepared step directly in the inputs' 16-bit context (`_HalfStep`, as `Grad.forward` would, without its
+    look-ups); outputs and every gradient bit for bit the first (general) call's."""
+    import ssmc.torch
+    from ssmc import torch as ssmc_torch
+    from ssmc.examples import retnet
+
+    taken = []
+    forward = ssmc_torch._HalfStep.forward
+    monkeypatch.setattr(ssmc_torch._HalfStep, "forward",
+                        lambda self, *a: (taken.append(self.half), forward(self, *a))[1])
+    rng = np.random.default_rng(4)
+    inputs = retnet.make_inputs(rng, LENGTH, batch=1, heads=2, dk=64, dv=64)
+    tensors = {k: torch.tensor(v).to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32)
+               for k, v in inputs.items()}
+    f = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
+    dy = None
+    results = []
+    for _ in range(3):
+        leaves = {k: t.clone().requires_grad_(k in ("q", "k", "v")) for k, t in tensors.items()}
+        y = f(**leaves)
+        dy = torch.from_numpy(rng.standard_normal(tuple(y.shape))).to(y.dtype) if dy is None else dy
+        y.backward(dy)
+        results.append([y.detach(), *(leaves[k].grad for k in ("q", "k", "v"))])
+    assert taken == [torch.bfloat16, torch.bfloat16]
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
