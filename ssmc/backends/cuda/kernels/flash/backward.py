@@ -78,6 +78,12 @@ class Config:
     min_blocks: int = 1
     wgmma: bool = False
     pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
+    # wgmma only: a producer warpgroup loads the query tiles into `stages` stages (``backward_wgmma_ws.cu.j2``),
+    # setmaxnreg gives (producer, consumer) `regs` registers a thread; `bulk_dq`: dQ by bulk fp32 reductions
+    specialized: bool = False
+    stages: int = 2
+    regs: tuple[int, int] = (0, 0)
+    bulk_dq: bool = False
 
     @property
     def arch(self) -> str | None:
@@ -88,7 +94,7 @@ class Config:
     def gqa(self) -> bool:
         """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
         and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
-        return self.name != "bn64"
+        return self.name != "bn64" and not self.specialized
 
     @property
     def bn(self) -> int:
@@ -96,12 +102,15 @@ class Config:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps + (128 if self.specialized else 0)
 
     def shared(self, d: int, atomic_dq: bool) -> int:
         """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
+        if self.specialized:  # K, V, the stages, two dS^T buffers, the fp32 dQ tile (rows padded by 32 bytes), align
+            dq = 2 * 2 * self.bn * self.bq + (self.bq * (4 * d + 32) if self.bulk_dq else 0)
+            return 2 * (2 * self.bn * d + 2 * self.stages * self.bq * d) + (dq if atomic_dq else 0) + 1024
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
             return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
         return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
@@ -117,6 +126,13 @@ CONFIGS = {
     # "wg" with its tile's steps overlapped (``backward_wgmma.cu.j2``'s `pipelined` loop) for specs without params
     # whose dS does not read the score (`_pipelines`; "wg"'s loop for the others)
     "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
+    # "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``): a producer warpgroup loads Q, dO, lse and
+    # delta into two stages on mbarriers; the consumers keep the block's registers (setmaxnreg; two blocks an SM at
+    # d 64); "wgws" sums dQ by bulk reductions of a tile from shared memory, "wgwsa" by the consumers' atomics
+    **{name: {64: Config(name, 4, 64, min_blocks=2, wgmma=True, pipelined=True, specialized=True, regs=(40, 216),
+                         bulk_dq=bulk),
+              128: Config(name, 8, 64, wgmma=True, pipelined=True, specialized=True, regs=(24, 240), bulk_dq=bulk)}
+       for name, bulk in (("wgws", True), ("wgwsa", False))},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -221,6 +237,13 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                       gqa=gqa, **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
+        if cfg.specialized:
+            from ..wgmma import header
+
+            return name, header() + "\n" + template("flash/backward_wgmma_ws.cu.j2").render(
+                warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=cfg.regs[0],
+                consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq, shared=cfg.shared(d, atomic_dq),
+                pipelined=_pipelines(args), **common)
         if cfg.wgmma:
             from ..wgmma import header
 
