@@ -79,11 +79,13 @@ class Config:
     wgmma: bool = False
     pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
     # wgmma only: a producer warpgroup loads the query tiles into `stages` stages (``backward_wgmma_ws.cu.j2``),
-    # setmaxnreg gives (producer, consumer) `regs` registers a thread; `bulk_dq`: dQ by bulk fp32 reductions
+    # setmaxnreg gives (producer, consumer) `regs` registers a thread; `bulk_dq`: dQ by bulk fp32 reductions;
+    # `split_dq`: each warpgroup sums its own keys' part of dQ (no barrier between the warpgroups)
     specialized: bool = False
     stages: int = 2
     regs: tuple[int, int] = (0, 0)
     bulk_dq: bool = False
+    split_dq: bool = False
 
     @property
     def arch(self) -> str | None:
@@ -108,8 +110,9 @@ class Config:
         """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
-        if self.specialized:  # K, V, the stages, two dS^T buffers, the fp32 dQ tile (rows padded by 32 bytes), align
-            dq = 2 * 2 * self.bn * self.bq + (self.bq * (4 * d + 32) if self.bulk_dq else 0)
+        if self.specialized:  # K, V, the stages, dS^T (two buffers unless split), the fp32 dQ tiles (rows padded), align
+            tiles = self.warps // 4 if self.split_dq else 1
+            dq = (1 if self.split_dq else 2) * 2 * self.bn * self.bq + (tiles * self.bq * (4 * d + 32) if self.bulk_dq else 0)
             return 2 * (2 * self.bn * d + 2 * self.stages * self.bq * d) + (dq if atomic_dq else 0) + 1024
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
             return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
@@ -128,11 +131,15 @@ CONFIGS = {
     "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
     # "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``): a producer warpgroup loads Q, dO, lse and
     # delta into two stages on mbarriers; the consumers keep the block's registers (setmaxnreg; two blocks an SM at
-    # d 64); "wgws" sums dQ by bulk reductions of a tile from shared memory, "wgwsa" by the consumers' atomics
+    # d 64); "wgws" sums dQ by bulk reductions of a tile from shared memory, "wgwsa" by the consumers' atomics,
+    # "wgwss" by bulk reductions of each warpgroup's own keys' part (twice the reductions, no barrier between them)
+    # (at d 64 one warpgroup: "wgwss" is "wgws"); the bulk sums and the split only for `_pipelines`' specs (the others:
+    # "wgwsa"'s atomics, in the same shared memory layout; registers)
     **{name: {64: Config(name, 4, 64, min_blocks=2, wgmma=True, pipelined=True, specialized=True, regs=(40, 216),
                          bulk_dq=bulk),
-              128: Config(name, 8, 64, wgmma=True, pipelined=True, specialized=True, regs=(24, 240), bulk_dq=bulk)}
-       for name, bulk in (("wgws", True), ("wgwsa", False))},
+              128: Config(name, 8, 64, wgmma=True, pipelined=True, specialized=True, regs=(24, 240), bulk_dq=bulk,
+                          split_dq=split)}
+       for name, bulk, split in (("wgws", True, False), ("wgwsa", False, False), ("wgwss", True, True))},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -242,7 +249,10 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
 
             return name, header() + "\n" + template("flash/backward_wgmma_ws.cu.j2").render(
                 warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=cfg.regs[0],
-                consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq, shared=cfg.shared(d, atomic_dq),
+                consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
+                split_dq=cfg.split_dq and atomic_dq and _pipelines(args), bulk_layout=cfg.bulk_dq and atomic_dq,
+                split_layout=cfg.split_dq and atomic_dq,
+                shared=cfg.shared(d, atomic_dq),
                 pipelined=_pipelines(args), **common)
         if cfg.wgmma:
             from ..wgmma import header
