@@ -21,7 +21,8 @@ from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")  # kernels/flash/forward.py's CONFIGS
-FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp", "wgws", "wgwsa", "wgwss")  # kernels/flash/backward.py's CONFIGS
+# kernels/flash/backward.py's CONFIGS
+FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp", "wgws", "wgwsa", "wgwss")
 CHUNK_OUTPUT = ("warps", "balanced", "staged", "wide")  # kernels/chunk/mma.py's forms of chunk_output
 CHUNK_STATES = ("split", "fused")  # kernels/chunk/mma.py's ways to the entering states
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)

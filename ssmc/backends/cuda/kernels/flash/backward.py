@@ -110,9 +110,10 @@ class Config:
         """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
-        if self.specialized:  # K, V, the stages, dS^T (two buffers unless split), the fp32 dQ tiles (rows padded), align
+        if self.specialized:  # K, V, the stages, dS^T (two buffers unless split), fp32 dQ tiles (rows padded), align
             tiles = self.warps // 4 if self.split_dq else 1
-            dq = (1 if self.split_dq else 2) * 2 * self.bn * self.bq + (tiles * self.bq * (4 * d + 32) if self.bulk_dq else 0)
+            dq = (1 if self.split_dq else 2) * 2 * self.bn * self.bq
+            dq += tiles * self.bq * (4 * d + 32) if self.bulk_dq else 0
             return 2 * (2 * self.bn * d + 2 * self.stages * self.bq * d) + (dq if atomic_dq else 0) + 1024
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
             return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
