@@ -86,6 +86,7 @@ class Config:
     regs: tuple[int, int] = (0, 0)
     bulk_dq: bool = False
     split_dq: bool = False
+    early_s: bool = False  # specialized: the next tile's S^T issued at the end of this one (`_pipelines`' specs)
 
     @property
     def arch(self) -> str | None:
@@ -136,11 +137,13 @@ CONFIGS = {
     # "wgwss" by bulk reductions of each warpgroup's own keys' part (twice the reductions, no barrier between them)
     # (at d 64 one warpgroup: "wgwss" is "wgws"); the bulk sums and the split only for `_pipelines`' specs (the others:
     # "wgwsa"'s atomics, in the same shared memory layout; registers)
+    # "wgwse" is "wgws" with the next tile's S^T issued at the end of this one (behind dK's product)
     **{name: {64: Config(name, 4, 64, min_blocks=2, wgmma=True, pipelined=True, specialized=True, regs=(40, 216),
-                         bulk_dq=bulk),
+                         bulk_dq=bulk, early_s=early),
               128: Config(name, 8, 64, wgmma=True, pipelined=True, specialized=True, regs=(24, 240), bulk_dq=bulk,
-                          split_dq=split)}
-       for name, bulk, split in (("wgws", True, False), ("wgwsa", False, False), ("wgwss", True, True))},
+                          split_dq=split, early_s=early)}
+       for name, bulk, split, early in (("wgws", True, False, False), ("wgwsa", False, False, False),
+                                        ("wgwss", True, True, False), ("wgwse", True, False, True))},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -252,7 +255,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                 warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=cfg.regs[0],
                 consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
                 split_dq=cfg.split_dq and atomic_dq and _pipelines(args), bulk_layout=cfg.bulk_dq and atomic_dq,
-                split_layout=cfg.split_dq and atomic_dq,
+                split_layout=cfg.split_dq and atomic_dq, early_s=cfg.early_s and atomic_dq and _pipelines(args),
                 shared=cfg.shared(d, atomic_dq),
                 pipelined=_pipelines(args), **common)
         if cfg.wgmma:
