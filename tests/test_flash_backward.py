@@ -186,6 +186,8 @@ _SPECIALIZED = "a warp-specialized config, no default (wgwss at d 128 causal run
 @pytest.mark.parametrize("config, name, lq, lk, d, bf16", [
     ("wgwss", "causal", 130, 130, 128, False),
     nightly_case("wgws", "causal", 130, 130, 128, True, reason=_SPECIALIZED),
+    nightly_case("wgwse", "causal", 130, 130, 128, False, reason=_SPECIALIZED),
+    nightly_case("wgwse", "window", 200, 200, 64, True, reason=_SPECIALIZED),
     nightly_case("wgwsa", "window", 200, 200, 128, True, reason=_SPECIALIZED),
     nightly_case("wgwss", "full", 70, 130, 128, True, reason=_SPECIALIZED),
     nightly_case("wgwss", "alibi", 70, 130, 128, False, reason=_SPECIALIZED),
@@ -196,8 +198,8 @@ def test_emulated_warp_specialized_backward(config, name, lq, lk, d, bf16, emula
     """The warp-specialized wgmma kernels (``backward_wgmma_ws.cu.j2``): a producer warpgroup loading the query tiles
     into two stages on mbarriers, the consumers' loop of "wgp" (causal, window, no mask) or of "wg" (ALiBi, soft-cap:
     dQ by atomics), dQ summed by bulk reductions of the block's tile ("wgws"), of each warpgroup's own keys
-    ("wgwss", no barrier between the warpgroups) or by atomics ("wgwsa"); several tiles a block, so every stage
-    and dS^T buffer is used twice."""
+    ("wgwss", no barrier between the warpgroups) or by atomics ("wgwsa"), the next tile's S^T issued at the end of
+    this one ("wgwse"); several tiles a block, so every stage and dS^T buffer is used twice."""
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
     cfg = flash_bwd.config(d)
     assert cfg.specialized and cfg.threads == 32 * cfg.warps + 128
@@ -209,6 +211,8 @@ _TILE_END = "\n".join("            " + line for line in (
     "lag(warp & 1);", "wg::wait<0>();", "wg::hold(dva);", "wg::hold(dka);", "mbar_arrive(&bars[STAGES + s]);"))
 _MISSING_WAITS = {
     "the consumers' wait for a stage's loads": ("mbar_wait(&bars[s], (n / STAGES) & 1);", ";"),
+    "the consumers' wait for the next tile's loads before its S^T (wgwse)": (
+        "mbar_wait(&bars[s1], ((n + 1) / STAGES) & 1);", ";"),
     "the producer's wait for a free stage": ("if (n >= STAGES) mbar_wait(&bars[STAGES + s], (n / STAGES - 1) & 1);",
                                              ";"),
     "the consumers' wait for dQ's tile to be read": ("if (n > 0) mbar_wait(&bars[DQ_EMPTY], (n - 1) & 1);", ";"),
@@ -231,7 +235,7 @@ def test_emulated_warp_specialized_backward_fails_without_a_wait(what, emulate, 
     from ssmc.backends.cuda import emulator as emu
 
     old, new = _MISSING_WAITS[what]
-    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wgws")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wgwse" if what.endswith("(wgwse)") else "wgws")
     source = flash_bwd.kernel_source
 
     def without(*args, **kwargs):
