@@ -24,7 +24,10 @@ of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage whil
 both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
 (`DEFAULT_CONFIG`); on sm_90 parts "wg" (``backward_wgmma.cu.j2``: the wide kernel's algorithm on wgmma,
 warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's steps overlapped (the next
-tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS').
+tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS'); "wgws",
+"wgwsa", "wgwss", "wgwse" run "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``: a producer
+warpgroup loads the query tiles into mbarrier stages; dQ by bulk reductions, atomics, per warpgroup, or with the
+next tile's S^T issued early).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
