@@ -1,6 +1,7 @@
 """Check, then time each flash backward config (kernels/flash/backward.py `CONFIGS`) in one run on a GPU.
 
     python bench/flash_backward_configs.py [--out DIR] [--configs wg,wgp] [--specs causal,alibi] [--small]
+    python bench/flash_backward_configs.py --configs wgp,wgws,wgwsa,wgwss,wgwse --specs causal   # warp-specialized
 
 For the specs of bench/flash_check.py (causal, ALiBi, sliding window 512) at B4 H16 L4096 d128 bf16 (and d64;
 --small: B2 H4 L1000 d64), per config (``SSMC_CUDA_FLASH_BACKWARD_CONFIG``): a training step through

@@ -179,6 +179,75 @@ def test_emulated_wgmma_backward_at_d128(config, name, lq, lk, bf16, emulate, mo
     _check(*_run_emulated(name, lq, lk, 1, d=128, bf16=bf16, seed=lq + lk), bf16=bf16)
 
 
+_SPECIALIZED = "a warp-specialized config, no default (wgwss at d 128 causal runs in CI)"
+
+
+@needs_emulator
+@pytest.mark.parametrize("config, name, lq, lk, d, bf16", [
+    ("wgwss", "causal", 130, 130, 128, False),
+    nightly_case("wgws", "causal", 130, 130, 128, True, reason=_SPECIALIZED),
+    nightly_case("wgwse", "causal", 130, 130, 128, False, reason=_SPECIALIZED),
+    nightly_case("wgwse", "window", 200, 200, 64, True, reason=_SPECIALIZED),
+    nightly_case("wgwsa", "window", 200, 200, 128, True, reason=_SPECIALIZED),
+    nightly_case("wgwss", "full", 70, 130, 128, True, reason=_SPECIALIZED),
+    nightly_case("wgwss", "alibi", 70, 130, 128, False, reason=_SPECIALIZED),
+    nightly_case("wgws", "softcap_empty_rows", 70, 7, 128, False, reason=_SPECIALIZED),
+    nightly_case("wgws", "causal", 130, 130, 64, True, reason=_SPECIALIZED),
+    nightly_case("wgwsa", "alibi", 7, 70, 64, True, reason=_SPECIALIZED)])
+def test_emulated_warp_specialized_backward(config, name, lq, lk, d, bf16, emulate, monkeypatch):
+    """The warp-specialized wgmma kernels (``backward_wgmma_ws.cu.j2``): a producer warpgroup loading the query tiles
+    into two stages on mbarriers, the consumers' loop of "wgp" (causal, window, no mask) or of "wg" (ALiBi, soft-cap:
+    dQ by atomics), dQ summed by bulk reductions of the block's tile ("wgws"), of each warpgroup's own keys
+    ("wgwss", no barrier between the warpgroups) or by atomics ("wgwsa"), the next tile's S^T issued at the end of
+    this one ("wgwse"); several tiles a block, so every stage and dS^T buffer is used twice."""
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", config)
+    cfg = flash_bwd.config(d)
+    assert cfg.specialized and cfg.threads == 32 * cfg.warps + 128
+    _check(*_run_emulated(name, lq, lk, 1, d=d, bf16=bf16, seed=lq + lk), bf16=bf16)
+
+
+# waits of the warp-specialized kernel as its rendered source spells them, and what is left without each
+_TILE_END = "\n".join("            " + line for line in (
+    "lag(warp & 1);", "wg::wait<0>();", "wg::hold(dva);", "wg::hold(dka);", "mbar_arrive(&bars[STAGES + s]);"))
+_MISSING_WAITS = {
+    "the consumers' wait for a stage's loads": ("mbar_wait(&bars[s], (n / STAGES) & 1);", ";"),
+    "the consumers' wait for the next tile's loads before its S^T (wgwse)": (
+        "mbar_wait(&bars[s1], ((n + 1) / STAGES) & 1);", ";"),
+    "the producer's wait for a free stage": ("if (n >= STAGES) mbar_wait(&bars[STAGES + s], (n / STAGES - 1) & 1);",
+                                             ";"),
+    "the consumers' wait for dQ's tile to be read": ("if (n > 0) mbar_wait(&bars[DQ_EMPTY], (n - 1) & 1);", ";"),
+    "the bulk reductions' wait before the tile is handed back": ("reduce_wait<false>();", ";"),
+    "the consumers' barrier before dQ reads every warpgroup's dS^T": (
+        "consumers_sync();  // every warpgroup's dS^T written", ";"),
+    "a stage released before dK's product has read it": (
+        _TILE_END, "            mbar_arrive(&bars[STAGES + s]);\n" + _TILE_END.rsplit("\n", 1)[0]),
+}
+
+
+@needs_emulator
+@pytest.mark.parametrize("what", [w if w.startswith("the consumers' wait for a stage") else nightly_case(
+    w, reason="another wait of the same kernel (CI: the consumers' wait for a stage's loads)") for w in _MISSING_WAITS])
+def test_emulated_warp_specialized_backward_fails_without_a_wait(what, emulate, monkeypatch):
+    """The emulator orders the kernel's threads by its mbarriers, named barriers and bulk-copy waits as the GPU may:
+    a stage's loads land at the first wait that sees them (every other phase: at the last arrival), odd warps and
+    the copy engine run last (`ssmc_emu::lag`). Without any one of the waits the gradients are wrong or the block
+    hangs ("wgws" at d 128: two consumer warpgroups, the block's dQ tile summed by bulk reductions)."""
+    from ssmc.backends.cuda import emulator as emu
+
+    old, new = _MISSING_WAITS[what]
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wgwse" if what.endswith("(wgwse)") else "wgws")
+    source = flash_bwd.kernel_source
+
+    def without(*args, **kwargs):
+        name, text = source(*args, **kwargs)
+        assert text.count(old) == 1, what
+        return name, text.replace(old, new)
+
+    monkeypatch.setattr(flash_bwd, "kernel_source", without)
+    with pytest.raises((AssertionError, emu.EmulatedHang)):
+        _check(*_run_emulated("causal", 130, 130, 1, d=128, bf16=False, seed=260), bf16=False)
+
+
 def test_an_unknown_backward_config_is_a_value_error(monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "w16")
     with pytest.raises(ValueError, match="SSMC_CUDA_FLASH_BACKWARD_CONFIG"):

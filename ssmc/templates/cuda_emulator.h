@@ -61,7 +61,16 @@ struct Stacks {
 };
 inline thread_local Stacks stacks;
 
-enum State : unsigned char { READY, AT_BLOCK, AT_WARP, DONE };
+enum State : unsigned char { READY, AT_BLOCK, AT_WARP, AT_NAMED, DONE };
+constexpr unsigned NAMED_BARRIERS = 16;  // bar.sync's ids
+
+// a thread in yield_now, and what it polls for
+struct Poll {
+    bool on = false;
+    bool (*ready)(const void*, int) = nullptr;
+    const void* what = nullptr;
+    int arg = 0;
+};
 
 // One block's threads and barriers. A barrier's last arrival releases the others and goes on; a
 // thread that waits switches to the next ready thread, or back to the launch loop where none is
@@ -71,6 +80,8 @@ struct Block {
     std::vector<ucontext_t> ctx;
     std::vector<State> state;
     std::vector<unsigned> warp_live, warp_waiting;
+    std::vector<unsigned> named_waiting, named_of;  // arrivals a named barrier; the id a thread waits at
+    std::vector<Poll> polling;  // threads in yield_now
     std::vector<unsigned long long> slots;  // a shuffle's values, 32 a warp
     unsigned current = 0, live = 0, at_block = 0, done = 0;
     void (*call)(void*) = nullptr;
@@ -113,6 +124,56 @@ inline void wait_block() {
     }
     b.state[b.current] = AT_BLOCK;
     switch_away();
+}
+
+// bar.sync `id`, `count`: a barrier of the first `count` threads to arrive (the others of the block go on)
+inline void wait_named(unsigned id, unsigned count) {
+    Block& b = *block;
+    if (++b.named_waiting[id] == count) {
+        b.named_waiting[id] = 0;
+        for (unsigned t = 0; t < (unsigned)b.ctx.size(); ++t)
+            if (b.state[t] == AT_NAMED && b.named_of[t] == id) b.state[t] = READY;
+        return;
+    }
+    b.state[b.current] = AT_NAMED;
+    b.named_of[b.current] = id;
+    switch_away();
+}
+
+// a thread that polls (an mbarrier's phase) lets the others run; where none of them can (every other thread
+// done or at a barrier), nothing it polls can change: the block is stuck. `ready(what, arg)`, where given, says
+// whether what it polls for has come (`others_run` asks it)
+using Ready = bool (*)(const void*, int);
+inline void yield_now(Ready ready = nullptr, const void* what = nullptr, int arg = 0) {
+    Block& b = *block;
+    const unsigned me = b.current;
+    for (unsigned t = 0; t < (unsigned)b.ctx.size(); ++t) {
+        if (t != me && b.state[t] == READY) {
+            b.polling[me] = {true, ready, what, arg};
+            switch_away();
+            b.polling[me].on = false;
+            return;
+        }
+    }
+    b.late = true;
+    swapcontext(&b.ctx[me], &b.loop);  // stuck: never resumed
+}
+
+// whether a thread other than this one could run on (ready, and not polling for what has not come)
+inline bool others_run() {
+    Block& b = *block;
+    for (unsigned t = 0; t < (unsigned)b.ctx.size(); ++t) {
+        if (t == b.current || b.state[t] != READY) continue;
+        const Poll& p = b.polling[t];
+        if (!p.on || (p.ready != nullptr && p.ready(p.what, p.arg))) return true;
+    }
+    return false;
+}
+
+// this thread waits until every other thread has run as far as it can (to a barrier, a poll or its end): the
+// slowest schedule the hardware may pick, for a kernel to put where another thread's missing wait would show
+inline void lag() {
+    while (others_run()) yield_now();
 }
 
 inline void wait_warp() {
@@ -194,6 +255,8 @@ template <class Kernel> long run(unsigned grid, unsigned threads, double timeout
     b.warp_live.resize((threads + 31) / 32);
     b.warp_waiting.resize(b.warp_live.size());
     b.slots.resize(32 * b.warp_live.size());
+    b.named_of.resize(threads);
+    b.polling.resize(threads);
     b.call = [](void* k) { (*static_cast<std::remove_reference_t<Kernel>*>(k))(); };
     b.kernel = (void*)&kernel;
     Block* outer = block;
@@ -207,6 +270,8 @@ template <class Kernel> long run(unsigned grid, unsigned threads, double timeout
         b.late = false;
         b.until = std::chrono::steady_clock::now() +
                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout));
+        b.named_waiting.assign(NAMED_BARRIERS, 0);
+        std::fill(b.polling.begin(), b.polling.end(), Poll{});
         for (unsigned w = 0; w < b.warp_live.size(); ++w) {
             b.warp_live[w] = std::min(32u, threads - 32 * w);
             b.warp_waiting[w] = 0;

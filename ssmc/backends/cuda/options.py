@@ -21,7 +21,8 @@ from functools import cached_property
 
 STRATEGIES = ("fused", "time blocks", "warp", "rows", "lanes")
 FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")  # kernels/flash/forward.py's CONFIGS
-FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp")  # kernels/flash/backward.py's CONFIGS
+# kernels/flash/backward.py's CONFIGS
+FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp", "wgws", "wgwsa", "wgwss", "wgwse")
 CHUNK_OUTPUT = ("warps", "balanced", "staged", "wide")  # kernels/chunk/mma.py's forms of chunk_output
 CHUNK_STATES = ("split", "fused")  # kernels/chunk/mma.py's ways to the entering states
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
@@ -93,7 +94,9 @@ class CudaOptions:
     flash_backward_config: the flash backward's key-block kernel (kernels/flash/backward.py `CONFIGS`): "bn64"
         (4 warps, 64 keys, query tiles of 32 / 16 rows at d 64 / 128), "w4q64" (4 warps, 64 keys, query tiles
         of 64, two stages), "w8q64" (8 warps, 128 keys, query tiles of 64, two stages), "w8q32" (the same
-        with query tiles of 32), "wg" (wgmma, sm_90 only) or "wgp" ("wg" with a tile's steps overlapped);
+        with query tiles of 32), "wg" (wgmma, sm_90 only), "wgp" ("wg" with a tile's steps overlapped),
+        "wgws" / "wgwsa" / "wgwss" / "wgwse" ("wgp"'s loop with a producer warpgroup; dQ by bulk reductions /
+        atomics / each warpgroup's own bulk reductions / "wgws" with the next tile's S^T issued early);
         unset: "w4q64" at head dim 64, "w8q32" at 128, "wgp" on sm_90 parts
     sm_count: SMs of the GPU the kernels are planned for
     """

@@ -24,7 +24,10 @@ of 64 or 32 rows, Q and dO of the next tile by cp.async into a second stage whil
 both stages and dS^T in dynamic shared memory); the default is "w4q64" at d 64 and "w8q32" at d 128
 (`DEFAULT_CONFIG`); on sm_90 parts "wg" (``backward_wgmma.cu.j2``: the wide kernel's algorithm on wgmma,
 warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's steps overlapped (the next
-tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS').
+tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS'); "wgws",
+"wgwsa", "wgwss", "wgwse" run "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``: a producer
+warpgroup loads the query tiles into mbarrier stages; dQ by bulk reductions, atomics, per warpgroup, or with the
+next tile's S^T issued early).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -78,6 +81,15 @@ class Config:
     min_blocks: int = 1
     wgmma: bool = False
     pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
+    # wgmma only: a producer warpgroup loads the query tiles into `stages` stages (``backward_wgmma_ws.cu.j2``),
+    # setmaxnreg gives (producer, consumer) `regs` registers a thread; `bulk_dq`: dQ by bulk fp32 reductions;
+    # `split_dq`: each warpgroup sums its own keys' part of dQ (no barrier between the warpgroups)
+    specialized: bool = False
+    stages: int = 2
+    regs: tuple[int, int] = (0, 0)
+    bulk_dq: bool = False
+    split_dq: bool = False
+    early_s: bool = False  # specialized: the next tile's S^T issued at the end of this one (`_pipelines`' specs)
 
     @property
     def arch(self) -> str | None:
@@ -88,7 +100,7 @@ class Config:
     def gqa(self) -> bool:
         """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
         and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
-        return self.name != "bn64"
+        return self.name != "bn64" and not self.specialized
 
     @property
     def bn(self) -> int:
@@ -96,12 +108,17 @@ class Config:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps + (128 if self.specialized else 0)
 
     def shared(self, d: int, atomic_dq: bool) -> int:
         """Bytes of dynamic shared memory a block (0: "bn64"'s static arrays)."""
         if self.name == "bn64":
             return 0
+        if self.specialized:  # K, V, the stages, dS^T (two buffers unless split), fp32 dQ tiles (rows padded), align
+            tiles = self.warps // 4 if self.split_dq else 1
+            dq = (1 if self.split_dq else 2) * 2 * self.bn * self.bq
+            dq += tiles * self.bq * (4 * d + 32) if self.bulk_dq else 0
+            return 2 * (2 * self.bn * d + 2 * self.stages * self.bq * d) + (dq if atomic_dq else 0) + 1024
         if self.wgmma:  # swizzled, unpadded tiles and 1024 bytes to align them
             return 2 * (2 * self.bn * d + 4 * self.bq * d + (self.bn * self.bq if atomic_dq else 0)) + 1024
         return 2 * (2 * self.bn * (d + 8) + 4 * self.bq * (d + 8) + (self.bn * (self.bq + 8) if atomic_dq else 0))
@@ -117,6 +134,19 @@ CONFIGS = {
     # "wg" with its tile's steps overlapped (``backward_wgmma.cu.j2``'s `pipelined` loop) for specs without params
     # whose dS does not read the score (`_pipelines`; "wg"'s loop for the others)
     "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
+    # "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``): a producer warpgroup loads Q, dO, lse and
+    # delta into two stages on mbarriers; the consumers keep the block's registers (setmaxnreg; two blocks an SM at
+    # d 64); "wgws" sums dQ by bulk reductions of a tile from shared memory, "wgwsa" by the consumers' atomics,
+    # "wgwss" by bulk reductions of each warpgroup's own keys' part (twice the reductions, no barrier between them)
+    # (at d 64 one warpgroup: "wgwss" is "wgws"); the bulk sums and the split only for `_pipelines`' specs (the others:
+    # "wgwsa"'s atomics, in the same shared memory layout; registers)
+    # "wgwse" is "wgws" with the next tile's S^T issued at the end of this one (behind dK's product)
+    **{name: {64: Config(name, 4, 64, min_blocks=2, wgmma=True, pipelined=True, specialized=True, regs=(40, 216),
+                         bulk_dq=bulk, early_s=early),
+              128: Config(name, 8, 64, wgmma=True, pipelined=True, specialized=True, regs=(24, 240), bulk_dq=bulk,
+                          split_dq=split, early_s=early)}
+       for name, bulk, split, early in (("wgws", True, False, False), ("wgwsa", False, False, False),
+                                        ("wgwss", True, True, False), ("wgwse", True, False, True))},
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
@@ -226,6 +256,16 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                       gqa=gqa, **args)
         if cfg.name == "bn64":
             return name, template("flash/backward.cu.j2").render(bn=BN, bq=cfg.bq, **common)
+        if cfg.specialized:
+            from ..wgmma import header
+
+            return name, header() + "\n" + template("flash/backward_wgmma_ws.cu.j2").render(
+                warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=cfg.regs[0],
+                consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
+                split_dq=cfg.split_dq and atomic_dq and _pipelines(args), bulk_layout=cfg.bulk_dq and atomic_dq,
+                split_layout=cfg.split_dq and atomic_dq, early_s=cfg.early_s and atomic_dq and _pipelines(args),
+                shared=cfg.shared(d, atomic_dq),
+                pipelined=_pipelines(args), **common)
         if cfg.wgmma:
             from ..wgmma import header
 
