@@ -462,20 +462,20 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
 # the persistent kernel's options swept by `variant_sweep` (label -> SSMC_CUDA_PERSISTENT_* settings); every
 # variant's gradients are checked against cuDNN fp32 before it is timed
 VARIANTS = {
-    "default": {},  # the late stores and the early loads
-    "no late stores (the earlier default)": {"LATE_STORES": "0"},
-    "late stores, no early loads": {"EARLY_LOADS": "0"},
-    "reload index, no late stores": {"LATE_STORES": "0", "RELOAD_INDEX": "1"},
+    "default": {},
+    "late stores": {"LATE_STORES": "1"},
+    "late + early loads": {"LATE_STORES": "1", "EARLY_LOADS": "1"},
+    "reload index": {"RELOAD_INDEX": "1"},
     "prefetch": {"PREFETCH": "1"},
     "fwd ring 64x5": {"FORWARD_CHUNK": "64"},
     "fwd ring 64x3": {"FORWARD_CHUNK": "64", "FORWARD_STAGES": "3"},
     "fwd ring 32x8": {"FORWARD_CHUNK": "32"},
-    "adjoint ring 64x5": {"ADJOINT_CHUNK": "64"},
+    "late + early loads + adjoint ring 64x5": {"LATE_STORES": "1", "EARLY_LOADS": "1", "ADJOINT_CHUNK": "64"},
     "fwd ring 64x3 + adjoint ring 64x5": {"FORWARD_CHUNK": "64", "FORWARD_STAGES": "3", "ADJOINT_CHUNK": "64"},
 }
-VARIANTS_FP32 = ("default", "no late stores (the earlier default)", "prefetch")  # (no ring: bf16's shape)
+VARIANTS_FP32 = ("default", "late stores", "late + early loads", "prefetch")  # (no ring: bf16's shape)
 # the variants run again with SSMC_CUDA_PERSISTENT_PHASES=1 (clocks by phase of a step; not timed)
-PHASED = ("default", "no late stores (the earlier default)")
+PHASED = ("default", "late + early loads")
 PHASES = ("sequences + publish", "barrier", "product", "to the pairs (split: partials, barrier, sums)", "cell")
 OPTION_NAMES = ("RELOAD_INDEX", "LATE_STORES", "EARLY_LOADS", "PREFETCH", "FORWARD_CHUNK", "FORWARD_STAGES",
                 "ADJOINT_CHUNK", "ADJOINT_STAGES", "PHASES")

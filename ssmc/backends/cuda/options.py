@@ -60,13 +60,14 @@ class CudaOptions:
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
         TF32 form; 16-bit calls stay on the tensor cores)
-    persistent_late_stores: (default on; 0: off) splits the persistent kernel's grid barrier after the operand's
-        publish into an arrival and a wait, and writes the step's outputs between them (those that do not need the
-        step's product from the publish's values, the others, and the recorded product, one step late from
-        registers): off the path to the arrival, whose fence would wait for them
-    persistent_early_loads: (default on with the late stores; 0: off) has the persistent adjoint load the next
-        step's sequences as soon as the step's product is done, where its cell then reads none of them (its
-        publish needs them before its barrier)
+    persistent_late_stores: True splits the persistent kernel's grid barrier after the operand's publish into an
+        arrival and a wait, and writes the step's outputs between them (those that do not need the step's product
+        from the publish's values, the others, and the recorded product, one step late from registers): off the
+        path to the arrival, whose fence would wait for them (not the default: with the early loads a GPU test of
+        the heads cell gave NaN gradients; docs/design/persistent-rnn.md §0.4)
+    persistent_early_loads: True (with persistent_late_stores) has the persistent adjoint load the next step's
+        sequences as soon as the step's product is done, where its cell then reads none of them (its publish
+        needs them before its barrier)
     persistent_prefetch: True has the persistent kernel prefetch the next step's sequences into L2 while it runs
         a step (an adjoint's publish reads them before its barrier)
     persistent_reload_index: True has the persistent kernel's pairs recompute their indices and addresses in each

@@ -251,13 +251,13 @@ class PersistentLoop:
             tensors.append(torch.empty(2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,
                                        dtype=f32, device=device))
         pointers = [t.data_ptr() for t in tensors]
-        late = opts.persistent_late_stores is not False  # the late stores and early loads: on unless set to 0
+        late = bool(opts.persistent_late_stores)
         source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
                                tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
                                half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None,
                                late=late, prefetch=bool(opts.persistent_prefetch), phases=phases,
                                reload=bool(opts.persistent_reload_index) or late,
-                               early_loads=late and opts.persistent_early_loads is not False)
+                               early_loads=late and bool(opts.persistent_early_loads))
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
