@@ -248,23 +248,25 @@ def test_emulated_warp_specialized_backward_fails_without_a_wait(what, emulate, 
         _check(*_run_emulated("causal", 130, 130, 1, d=128, bf16=False, seed=260), bf16=False)
 
 
-def test_the_hopper_backward_config_follows_the_spec(monkeypatch):
-    """On an sm_90 part (`flash._HOPPER` set for cuda:0): at d 128 the warp-specialized "wgws" for specs whose loop
-    pipelines (causal; ALiBi whose slope needs no gradient), "wgp" for the others (ALiBi summing its slope), "wgp"
-    at d 64; a grouped-query call reads k and v un-repeated only under a config with a GQA build; the option
-    overrides all."""
+def test_the_hopper_backward_config(monkeypatch):
+    """On an sm_90 part (`flash._HOPPER` set for cuda:0): the warp-specialized "wgws" at d 128 ("wg"'s loop in it for
+    ALiBi summing its slope, the pipelined one without), "wgp" at d 64; a grouped-query call reads k and v
+    un-repeated only under a config with a GQA build ("wgp"); the option overrides both."""
     from types import SimpleNamespace
 
     monkeypatch.setitem(flash._HOPPER, 0, True)
     monkeypatch.delenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", raising=False)
     dev = torch.device("cuda", 0)
-    causal, alibi = (flash_bwd.FlashBackward(SPECS[n].program) for n in ("causal", "alibi"))
-    assert causal._config(128, dev, True).name == "wgws" and causal._config(64, dev, True).name == "wgp"
-    assert alibi._config(128, dev, True).name == "wgp" and alibi._config(128, dev, False).name == "wgws"
+    assert flash_bwd.config(128, None, dev).name == "wgws" and flash_bwd.config(64, None, dev).name == "wgp"
+    alibi = flash_bwd.FlashBackward(SPECS["alibi"].program)
+    assert [flash_bwd._pipelines(flash_bwd._printed(alibi.program, 128, grads)[0]) for grads in (True, False)] == [
+        False, True]
     call = SimpleNamespace(group=4, q=SimpleNamespace(shape=(2, 32, 70, 128), device=dev))
-    assert not causal.reads_kv_heads(call) and alibi.reads_kv_heads(call)
+    assert not alibi.reads_kv_heads(call)
+    call.q.shape = (2, 32, 70, 64)
+    assert alibi.reads_kv_heads(call)
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wg")
-    assert causal._config(128, dev, True).name == "wg"
+    assert flash_bwd.config(128, None, dev).name == "wg"
 
 
 def test_an_unknown_backward_config_is_a_value_error(monkeypatch):

@@ -467,7 +467,7 @@ class TiledAttention:
         output, `delta_output(call, False)` being None)."""
         if call.group > 1 and block is None:
             kernel = self.flash_backward(call)
-            if kernel is not None and kernel.reads_kv_heads(call, param_grads):
+            if kernel is not None and kernel.reads_kv_heads(call):
                 return self._backward(call, lse, d_out, block, out, param_grads)
         grads = self._backward(call.repeated(), lse, d_out, block, out, param_grads)
         if call.group > 1:  # k and v repeated to q's heads for the backward: their gradients summed back

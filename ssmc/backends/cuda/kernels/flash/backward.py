@@ -151,22 +151,20 @@ CONFIGS = {
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
 DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
-# on sm_90 parts, for the specs whose loop pipelines (`_pipelines`): at d 128 the warp-specialized blocks with dQ
-# by bulk reductions (the key-block kernel 2.09 -> 1.82 ms at B4 H16 L4096 causal; at d 64 no gain); for the
-# others "wgp" (which runs "wg"'s loop for them: "wgws" would too, with atomics, not measured against it)
+# on sm_90 parts: at d 128 the warp-specialized blocks ("wgws": dQ by bulk reductions for the specs whose loop
+# pipelines, atomics on "wg"'s loop for the others; faster than "wgp" for both in bench/flash_backward_configs.py,
+# causal and ALiBi with its slope's gradient; no GQA build: a grouped-query call repeats k and v, which measured
+# faster than "wgp"'s GQA build); at d 64 "wgp" ("wgws" no faster there)
 HOPPER_CONFIG = {64: "wgp", 128: "wgws"}
-HOPPER_OTHER_CONFIG = {64: "wgp", 128: "wgp"}
 
 
-def config(d: int, name: str | None = None, device=None, pipelines: bool = True) -> Config:
+def config(d: int, name: str | None = None, device=None) -> Config:
     """The key-block kernel's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_BACKWARD_CONFIG``'s,
-    else the head dim's default for `device` (on an sm_90 part `HOPPER_CONFIG`, or `HOPPER_OTHER_CONFIG` for a
-    spec whose loop does not pipeline: `pipelines` False; else `DEFAULT_CONFIG`)."""
+    else the head dim's default for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`)."""
     from .forward import hopper
 
     if name is None:
-        defaults = (HOPPER_CONFIG if pipelines else HOPPER_OTHER_CONFIG) if hopper(device) else DEFAULT_CONFIG
-        name = options().flash_backward_config or defaults[d]
+        name = options().flash_backward_config or (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
     cfg = CONFIGS[name][d]
     if cfg.wgmma and device is not None and getattr(device, "type", None) == "cuda" and not hopper(device):
         raise ValueError(f"flash backward config {name!r} needs an sm_90 GPU (wgmma); {device} is not one")
@@ -372,22 +370,12 @@ class FlashBackward:
         self.reason = unsupported(program)
         self._spans: dict = {}
         self._plans: dict = {}
-        self._pipelined: dict = {}  # (head dim, param_grads) -> whether the loop pipelines (`_config`)
 
-    def _config(self, d: int, device, param_grads: bool) -> Config:
-        """The key-block kernel's config for this program's calls at head dim `d` on `device` (`config`, told
-        whether the program's loop pipelines with or without the params' sums)."""
-        key = (d, param_grads)
-        pipelines = self._pipelined.get(key)
-        if pipelines is None:
-            pipelines = self._pipelined[key] = _pipelines(_printed(self.program, d, param_grads)[0])
-        return config(d, None, device, pipelines)
-
-    def reads_kv_heads(self, call, param_grads: bool = True) -> bool:
+    def reads_kv_heads(self, call) -> bool:
         """Whether the kernels run a grouped-query call (`call.group` > 1) on k and v with their own heads (the
         device's config has a GQA build: `Config.gqa`); where not, the caller repeats k and v to q's heads and
         sums dK and dV over each group."""
-        return call.group > 1 and self._config(call.q.shape[-1], call.q.device, param_grads).gqa
+        return call.group > 1 and config(call.q.shape[-1], None, call.q.device).gqa
 
     def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False,
                   param_grads: bool = True):
@@ -396,7 +384,7 @@ class FlashBackward:
         elif which == "dq":
             name, text = dq_source(self.program, d, bf16, gqa, param_grads)
         else:
-            cfg = self._config(d, device, param_grads)
+            cfg = config(d, None, device)
             name, text = kernel_source(self.program, d, bf16, atomic_dq=which == "atomic", config_name=cfg.name,
                                        gqa=gqa, param_grads=param_grads)
             return loaded_function(text, name, device, arch=cfg.arch)
@@ -431,7 +419,7 @@ class FlashBackward:
         if plan is not None:
             return plan
         bh, lq, lk, d = math.prod(q.shape[:-2]), call.lq, call.lk, q.shape[-1]
-        cfg = self._config(d, q.device, param_grads)
+        cfg = config(d, None, q.device)
         gqa = call.group > 1
         if gqa and not cfg.gqa:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")

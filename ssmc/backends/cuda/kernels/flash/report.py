@@ -57,9 +57,7 @@ def flash_reports(program: Attention, sizes: dict[str, int], lq: int, lk: int, d
              cfg.arch)]
     if backward:
         atomic = bwd.dq_mode() == "atomic"
-        pipelines = bwd._pipelines(bwd._printed(program, d)[0])
-        hopper = (bwd.HOPPER_CONFIG if pipelines else bwd.HOPPER_OTHER_CONFIG)
-        bcfg = bwd.CONFIGS[(hopper if _hopper(arch) else bwd.DEFAULT_CONFIG)[d]][d]
+        bcfg = bwd.CONFIGS[(bwd.HOPPER_CONFIG if _hopper(arch) else bwd.DEFAULT_CONFIG)[d]][d]
         name, text = bwd.delta_source(d, bf16, bool(program.params))
         rows.append((FlashReport("backward", "delta", name, (-(-bh * lq // 4), 128), 0), text, None))
         name, text = bwd.kernel_source(program, d, bf16, atomic_dq=atomic, config_name=bcfg.name)
