@@ -663,7 +663,8 @@ class BackwardPlan:
                 out = sums.select(t, 0).clone()
                 for i in range(1, subsets):
                     out += sums.select(t, i)
-            grads[name] = out  # (the partial sums freed before the next kernel's are made)
+                sums = None  # freed now, not live at the next kernels' arrays (nor at the function's end)
+            grads[name] = out
         dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
         values[_DV] = _base(dv)
         _run_specs(self.dv, values, events)
