@@ -318,6 +318,8 @@ def test_calls_of_a_bound_signature_view_their_own_arguments():
     assert strided["q"].stride() != ty["q"].stride()
     assert rel(f(**strided), fresh(**ty)) <= F64_TOL
     assert len(f.tiled._binds) == 2
+    by_array = ssmc.torch.function(spec, layout={"*": "b h t ..."})  # per-array layouts: a key of their items
+    assert rel(by_array(**ty), fresh(**ty)) <= F64_TOL and rel(by_array(**ty), fresh(**ty)) <= F64_TOL
     f32 = {n: t.float() for n, t in ty.items()}
     assert rel(f(**f32).double(), fresh(**ty)) <= 1e-5
     leaves = {n: t.clone().requires_grad_(True) for n, t in ty.items()}

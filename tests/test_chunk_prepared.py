@@ -200,3 +200,28 @@ def test_ssd_training_step_memory_does_not_grow():
     assert done.returncode == 0, done.stderr[-2000:]
     peak = next(float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("peak "))
     assert peak <= 383.0, done.stdout[-3000:]
+
+
+def test_an_expanded_cotangent_gives_the_contiguous_ones_gradients(counted):
+    """dO as `y.sum().backward()` gives it, a scalar expanded (every stride 0): the kernels read a contiguous copy,
+    which must outlive their launches (the backward's plain and prepared paths), and the prepared backward must
+    take it in the layout its plan was made for; every gradient as from the same cotangent made contiguous."""
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore
+    from ssmc.passes.autodiff import GRAD
+
+    program, sizes = _core("retnet")
+    core = ChunkedCore(program, "float32")
+    seqs, params, initial = _core_inputs(program, sizes, LENGTH, np.random.default_rng(5), torch.bfloat16)
+    outs, finals, tape = core.forward(seqs, params, initial, sizes, LENGTH)
+    out, state = core.output, program.states[0].name
+    expanded = torch.ones((), dtype=torch.bfloat16).expand(outs[out].shape)
+    lam = {GRAD + state: torch.zeros(tuple(finals[state].shape))}
+    want = core.backward(seqs, params, tape, {GRAD + out: expanded.contiguous()}, lam, None, sizes, LENGTH)
+    assert all(float(w.abs().max()) > 0 for w in want[0].values())
+    _equal(core.backward(seqs, params, tape, {GRAD + out: expanded}, lam, None, sizes, LENGTH)[0], want[0])
+    forward = core.prepare_forward(seqs, params, initial, sizes, LENGTH)
+    backward = core.prepare_backward(seqs, params, tape, {GRAD + out: expanded}, lam, None, sizes, LENGTH)
+    for _ in range(3):  # the first call general, then on the plans
+        _, _, tape = forward(seqs, params, initial)
+        got = backward(seqs, params, tape, {GRAD + out: expanded}, lam, None)
+        _equal(got[0], want[0])

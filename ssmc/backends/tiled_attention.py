@@ -113,6 +113,12 @@ def _view_signature(layout, given: tuple, params: dict) -> tuple | None:
     remember: an argument that is not a plain torch tensor)."""
     if any(type(t) is not torch.Tensor for t in given):
         return None
+    if isinstance(layout, dict):  # per-array layouts: a key of their items
+        layout = tuple(sorted(layout.items()))
+    try:
+        hash(layout)
+    except TypeError:
+        return None
     return (layout, tuple(params), *[(t.shape, t.stride(), t.dtype, t.device) for t in given])
 
 

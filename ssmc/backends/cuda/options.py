@@ -98,7 +98,7 @@ class CudaOptions:
         with query tiles of 32), "wg" (wgmma, sm_90 only), "wgp" ("wg" with a tile's steps overlapped),
         "wgws" / "wgwsa" / "wgwss" / "wgwse" ("wgp"'s loop with a producer warpgroup; dQ by bulk reductions /
         atomics / each warpgroup's own bulk reductions / "wgws" with the next tile's S^T issued early);
-        unset: "w4q64" at head dim 64, "w8q32" at 128, "wgp" on sm_90 parts
+        unset: "w4q64" at head dim 64, "w8q32" at 128; on sm_90 parts "wgp" at 64, "wgws" at 128
     sm_count: SMs of the GPU the kernels are planned for
     """
 

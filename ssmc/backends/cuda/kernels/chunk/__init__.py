@@ -708,8 +708,10 @@ class PreparedBackward:
         addresses = list(tape.addresses)
         if d_out_view:
             addresses.append(mma._base(cot_out))
-        else:
+        else:  # (d_out stays referenced until the kernels are queued: a copy's memory is no one else's before)
             d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, plan.chunk, plan.dtype)
+            if plan.copies[6]:  # the layout the plan's tables were made for (a contiguous copy: an expanded dy)
+                d_out = mma._chunked_view(d_out, True)
             addresses.append(mma._base(d_out))
         d_final = lam[GRAD + ml.state.name].to(core.dtype).permute(self.state_order)
         device = plan.device

@@ -183,6 +183,14 @@ def _chunked_view(t: torch.Tensor, inner: bool) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
+def _addresses(arrays, copies, inner) -> tuple[list, list]:
+    """(each array's base address, 0 for None, of the array or of its `_chunked_view` where `copies` says; the
+    views made), with a unit inner stride for the arrays at positions `inner`."""
+    views = [None if a is None else _chunked_view(a, i in inner) if copy else a
+             for i, (a, copy) in enumerate(zip(arrays, copies))]
+    return [0 if v is None else _base(v) for v in views], views
+
+
 def _tables_for(heads: tuple[int, ...], arrays, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(offsets [heads, len(arrays)] int64: each array's element offset of a head, its storage offset
     included, repeated along the head axes it lacks; steps [len(arrays)] int64: each array's stride
@@ -239,7 +247,10 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
     plan = forward_plan(x, out, one_pass, half_states, out_dtype)
-    return plan.launch(plan.addresses(x), x.s0, out if plan.out_given else None, events)
+    addresses, kept = plan.addresses(x)
+    result = plan.launch(addresses, x.s0, out if plan.out_given else None, events)
+    del kept  # the copies the kernels read: alive until the launches are queued
+    return result
 
 
 # the arrays whose addresses a launch takes per call (`ForwardPlan`, `BackwardPlan`): slots of a list made per
@@ -367,11 +378,10 @@ class ForwardPlan:
         ]
         self.specs = _launch_specs(text, launches, shared, nc, chunk)
 
-    def addresses(self, x: Chunks) -> list:
-        """The call's list of addresses (slots `_Q` .. `_SKIP`) of `x` (laid out as the plan's)."""
-        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip)
-        return [0 if a is None else _base(_chunked_view(a, i < 3) if copy else a)
-                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
+    def addresses(self, x: Chunks) -> tuple[list, list]:
+        """(the call's list of addresses (slots `_Q` .. `_SKIP`) of `x` laid out as the plan's, the copies made
+        for that: the caller keeps them until the launches are queued, or their memory is another array's)."""
+        return _addresses((x.q, x.k, x.v, x.ell, x.beta, x.skip), self.copies, (0, 1, 2))
 
     def launch(self, values: list, s0: torch.Tensor, out: torch.Tensor | None = None, events: list | None = None):
         """(O, entering states, final state) as `forward` returns them, from the call's addresses `values` (of
@@ -487,7 +497,10 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     (a caller's signature), kept there per storage offsets and alignment."""
     if plans is None:
         plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
-        return plan.launch(plan.addresses(x, d_out), entering, d_final, outs or {}, events, parts)
+        addresses, kept = plan.addresses(x, d_out)
+        result = plan.launch(addresses, entering, d_final, outs or {}, events, parts)
+        del kept  # the copies the kernels read: alive until the launches are queued
+        return result
     # the plans of calls alike (ChunkedCore's prepared backward): per layout of the arrays' memory, the rest of
     # their layouts being the caller's signature's
     arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
@@ -499,8 +512,10 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
         if len(plans) >= 16:
             plans.clear()
         plan = plans[key] = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
-    addresses = plan.addresses(x, d_out) if any(plan.copies) else bases
-    return plan.launch(addresses, entering, d_final, outs or {}, events, parts)
+    addresses, kept = plan.addresses(x, d_out) if any(plan.copies) else (bases, None)
+    result = plan.launch(addresses, entering, d_final, outs or {}, events, parts)
+    del kept  # the copies the kernels read: alive until the launches are queued
+    return result
 
 
 # the backward's per-call slots past the operands' (`_Q` .. `_SKIP`, then d_out)
@@ -603,11 +618,10 @@ class BackwardPlan:
                         *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
                         _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
-    def addresses(self, x: Chunks, d_out: torch.Tensor) -> list:
-        """The call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` (laid out as the plan's)."""
-        arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
-        return [0 if a is None else _base(_chunked_view(a, i in (0, 1, 2, 6)) if copy else a)
-                for i, (a, copy) in enumerate(zip(arrays, self.copies))]
+    def addresses(self, x: Chunks, d_out: torch.Tensor) -> tuple[list, list]:
+        """(the call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` laid out as the plan's, the
+        copies made for that: `ForwardPlan.addresses`)."""
+        return _addresses((x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out), self.copies, (0, 1, 2, 6))
 
     def launch(self, values: list, entering: torch.Tensor, d_final: torch.Tensor, outs: dict,
                events: list | None = None, parts: dict | None = None):

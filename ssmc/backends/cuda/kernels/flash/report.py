@@ -7,7 +7,8 @@ in which config, on what grid, and what NVRTC's ptxas reports for each (register
 The configs are the ones a call on a GPU of `arch` takes where no ``SSMC_CUDA_FLASH_*`` variable names one:
 on sm_90 the wgmma kernels (built for sm_90a), elsewhere the mma.sync ones; the forward's staggered config
 falls back to the plain one on short spans as at run time. The backward is the one a call whose params need
-a gradient runs (with fixed params, "wgp" takes its pipelined loop: `backward._pipelines`).
+a gradient runs (with fixed params the wgmma configs take their pipelined loop: `backward._pipelines`); the
+grids are those of a call whose k and v have q's heads.
 """
 
 from __future__ import annotations
