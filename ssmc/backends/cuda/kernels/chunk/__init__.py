@@ -607,12 +607,12 @@ class PreparedForward:
             return outs, finals, None
         chunk = self.chunk
 
-        def make():
-            if self.given is not None:
-                ell, s0, beta, skip, _ = core._scalars(seqs, params, initial, length, chunk, q.device)
-                return Chunks(*core._operands(seqs, params, length, chunk), ell, s0, beta, skip)
-            return Chunks(*core._operands(seqs, params, length, chunk), ell_, s0_, beta_, skip_)
-        ell_, s0_, beta_, skip_ = ell, s0, beta, skip
+        def make():  # the tape's chunked operands, made only where the general backward asks for them
+            if self.given is not None:  # (the scalars were read as given: made now)
+                scalars = core._scalars(seqs, params, initial, length, chunk, q.device)[:4]
+            else:
+                scalars = (ell, s0, beta, skip)
+            return Chunks(*core._operands(seqs, params, length, chunk), *scalars)
         return outs, finals, PreparedTape(make, entering, final, decay, addresses, key)
 
     def _general(self, seqs, params, initial):
@@ -650,7 +650,7 @@ class PreparedForward:
         if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
             o_dtype = self.out_dtype if self.out_dtype == q.dtype else torch.float32
             direct = core._time_first_out(self.sizes, length, chunk, q.device, o_dtype)
-            plan = mma.forward_plan(x, out=None if direct is None else direct[1], half_states=True,
+            plan = mma.ForwardPlan(x, out=None if direct is None else direct[1], half_states=True,
                                     out_dtype=o_dtype)
             if not any(plan.copies):
                 buf = direct is not None and plan.out_given

@@ -246,7 +246,7 @@ def forward(x: Chunks, events: list | None = None, out: torch.Tensor | None = No
     `out_dtype`: O in fp32 or in q's 16-bit dtype (rounded once from the fp32 sums); `out` of either dtype is taken.
     `events`: where a list (on a GPU), each launch appends (kernel name, CUDA start event, end event),
     recorded around it on the current stream (bench/chunk_check.py times the kernels with them)."""
-    plan = forward_plan(x, out, one_pass, half_states, out_dtype)
+    plan = ForwardPlan(x, out, one_pass, half_states, out_dtype)
     addresses, kept = plan.addresses(x)
     result = plan.launch(addresses, x.s0, out if plan.out_given else None, events)
     del kept  # the copies the kernels read: alive until the launches are queued
@@ -281,7 +281,7 @@ def _run_specs(specs: list[tuple], values: list, events: list | None) -> None:
         pointers = list(fixed)
         for i, slot in fills:
             pointers[i] = values[slot]
-        _launch(fn, name, blocks, threads, nblk, 0, pointers, shared, events, length)
+        _launch(fn, name, blocks, threads, length, nblk, pointers, shared, events)
 
 
 class ForwardPlan:
@@ -295,8 +295,8 @@ class ForwardPlan:
         for kernel, grid, arguments in launches: kernel<<<grid>>>(the call's addresses in their slots)
     """
 
-    def __init__(self, x: Chunks, out: torch.Tensor | None, one_pass: bool | None, half_states: bool,
-                 out_dtype: torch.dtype):
+    def __init__(self, x: Chunks, out: torch.Tensor | None = None, one_pass: bool | None = None,
+                 half_states: bool = False, out_dtype: torch.dtype = torch.float32):
         q = _chunked_view(x.q, True)
         k = _chunked_view(x.k, True)
         v = _chunked_view(x.v, True)
@@ -405,12 +405,6 @@ class ForwardPlan:
         return out, entering, final
 
 
-def forward_plan(x: Chunks, out: torch.Tensor | None = None, one_pass: bool | None = None,
-                 half_states: bool = False, out_dtype: torch.dtype = torch.float32) -> ForwardPlan:
-    """`forward`'s `ForwardPlan` for arrays laid out as `x` (and `out`)."""
-    return ForwardPlan(x, out, one_pass, half_states, out_dtype)
-
-
 @cache
 def _broadcast(*shapes) -> tuple[int, ...]:
     """`torch.broadcast_shapes` of `shapes`, once per shapes (it costs host time a call)."""
@@ -422,16 +416,14 @@ def _base(a: torch.Tensor) -> int:
     return a.data_ptr() - a.storage_offset() * a.element_size()
 
 
-def _launch(text, name: str, blocks: int, threads: int, nc: int, chunk: int, pointers, shared: int,
-            events: list | None, length: int | None = None) -> None:
-    """Launch kernel `name` of module `text` (or `text` the kernel's function, looked up already: `_launch_specs`)
-    with (length, nblk) = (`length`, default nc · chunk; nc)."""
+def _launch(fn, name: str, blocks: int, threads: int, length: int, nblk: int, pointers, shared: int,
+            events: list | None) -> None:
+    """Launch kernel `name` (its function `fn`) with (length, nblk), timed into `events` where a list."""
     timing = events is not None and not emulating()
     if timing:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    launch_kernel(_function(text, name) if isinstance(text, str) else text, (blocks, threads),
-                  nc * chunk if length is None else length, nc, pointers, shared=shared)
+    launch_kernel(fn, (blocks, threads), length, nblk, pointers, shared=shared)
     if timing:
         end.record()
         events.append((name, start, end))
