@@ -158,6 +158,16 @@ def gla_peer(peers, a: dict):
     return lambda: chunk_simple_gla(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0)[0]
 
 
+def gla_recurrent_peer(peers, a: dict):
+    """fla's fused_recurrent_simple_gla: the issue's fallback peer where chunk_simple_gla's backward refuses."""
+    fused = peers.module("fla.ops.simple_gla").fused_recurrent_simple_gla
+    return lambda: fused(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0)[0]
+
+
+# a training step's peer where the first one refuses (fla's chunk backward guards against a Triton miscompile)
+TRAINING_FALLBACK = {"gla": (gla_recurrent_peer, "fla fused_recurrent_simple_gla")}
+
+
 def ssd_peer(peers, a: dict):
     combined = peers.mamba("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
     b, t, g, r, p = a["x"].shape
@@ -327,21 +337,25 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
             checks[f"d{k} vs torch backward"] = e = rel(v, torch_bwd[k])
             ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
         peer_step = None
-        try:
-            run = make_peer(peers, peer_leaves)
+        candidates = [(make_peer, peer), *([TRAINING_FALLBACK[name]] if name in TRAINING_FALLBACK else [])]
+        for make, peer_name in candidates:
+            try:
+                run = make(peers, peer_leaves)
 
-            def peer_step():
-                for v in peer_leaves.values():
-                    v.grad = None
-                run().backward(dy)
-            peer_step()
-            want = grads(peer_leaves)
-            for k, w in want.items():
-                checks[f"d{k} vs peer"] = e = rel(got[k], w)
-                ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
-        except Exception as err:
-            checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
-            peer_step = None
+                def peer_step(run=run):
+                    for v in peer_leaves.values():
+                        v.grad = None
+                    run().backward(dy)
+                peer_step()
+                want = grads(peer_leaves)
+                for k, w in want.items():
+                    checks[f"d{k} vs {peer_name}"] = e = rel(got[k], w)
+                    ok &= e < (DECAY_TOLERANCE if k in decays else TOLERANCE)
+                peer = peer_name
+                break
+            except Exception as err:
+                checks[f"{peer_name}"] = f"unavailable: {type(err).__name__}: {err}"[:200]
+                peer_step = None
         t_kernels = timed(ssmc_step)
         with backward_kernels_off():
             t_torch = timed(ssmc_step)

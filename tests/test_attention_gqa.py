@@ -8,6 +8,8 @@ and v's the repeated ones' summed over each group. Errors before compute for hea
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -319,7 +321,10 @@ CAUSAL_GQA = ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d", kv_
 GQA_NATIVE_BACKWARD_CASES = [
     ("wg", GQA_HB, 4, 1, 33, 40, "atomic"),
     nightly_case("wgp", CAUSAL_GQA, 4, 2, 130, 70, "atomic", reason="the pipelined loop: wg's case walks the heads"),
-    nightly_case("wg", GQA, 4, 1, 33, 40, "kernel", reason="the dQ kernel's GQA build")]
+    nightly_case("wg", GQA, 4, 1, 33, 40, "kernel", reason="the dQ kernel's GQA build"),
+    # the warp-specialized blocks (sm_90's default at d 128): the producer's ring crosses the heads
+    ("wgws", CAUSAL_GQA, 4, 2, 130, 70, "atomic"),
+    nightly_case("wgws", GQA_HB, 4, 1, 33, 40, "atomic", reason="wgws on wg's loop: its slope's sums per head")]
 
 
 @pytest.mark.parametrize("config, spec, hq, hkv, lq, lk, dq", GQA_NATIVE_BACKWARD_CASES)
@@ -358,15 +363,20 @@ def test_emulated_gqa_backward_reads_kv_heads_unrepeated(config, spec, hq, hkv, 
         assert (g - w).abs().max().item() <= tol, name
 
 
+def _reads_group(source: str) -> bool:
+    """Whether a kernel's source reads the group from the spans' tail (`forward.span_table`)."""
+    return re.search(r"spans\[4 \* n[kq]b\]", source) is not None
+
+
 def _gqa_backward_builds():
     from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
 
     cases = []
     for d in (64, 128):
-        for config in ("wgp", "wg", flash_bwd.DEFAULT_CONFIG[d]):
+        for config in ("wgp", "wg", "wgws", flash_bwd.DEFAULT_CONFIG[d]):
             for name in ("causal", "alibi", "window", "softcap_empty_rows"):
                 # CI: the GQA benchmark's kernel, and the sm_80 default's at d 128 (its registers the tightest)
-                ci = d == 128 and name == "causal" and config in ("wgp", flash_bwd.DEFAULT_CONFIG[d])
+                ci = d == 128 and name == "causal" and config in ("wgws", flash_bwd.DEFAULT_CONFIG[d])
                 cases.append((config, d, name) if ci else
                              nightly_case(config, d, name, reason="a second config, head dim or spec"))
     return cases
@@ -390,17 +400,18 @@ def test_gqa_backward_kernels_compile_without_spills(config, d, name):
     if config == "wg":
         builds.append((*flash_bwd.dq_source(program, d, True, gqa=True), "sm_90"))
     for kname, text, build in builds:
-        assert "_gqa_" in kname and "kv_group" in text
+        assert "_gqa_" in kname and _reads_group(text)
         usage = nvrtc.compile_source(text, arch=build, options=compile_options(text)).resources[kname]
-        if (name == "softcap_empty_rows" and d == 128 and config in ("wg", "wgp") and "_kv_" not in kname
+        if (name == "softcap_empty_rows" and d == 128 and config in ("wg", "wgp", "wgws") and "_kv_" not in kname
                 and kname.startswith("flash_bwd_d")):
             # the soft-cap (a param, dS reading the score) on "wg"'s loop: its multi-head build sits at 254
             # registers and ptxas puts a word on the stack for the group's loop
             assert usage.spill_store_bytes <= 8, str(usage)
         else:
             assert not usage.spills and usage.registers <= 255, str(usage)
-    assert "kv_group" not in flash_bwd.kernel_source(program, d, True, True, config)[1]
-    assert "kv_group" not in flash_bwd.dq_source(program, d, True)[1]
+    # the multi-head sources read no group from the spans' tail ("wgws" folds its head loop: a group of 1)
+    assert not _reads_group(flash_bwd.kernel_source(program, d, True, True, config)[1])
+    assert not _reads_group(flash_bwd.dq_source(program, d, True)[1])
 
 
 @pytest.mark.gpu
@@ -409,7 +420,7 @@ def test_gqa_backward_kernels_compile_without_spills(config, d, name):
 @pytest.mark.parametrize("lq, lk", [(1, 1), (65, 65), (180, 180), (65, 180), (180, 65)])
 def test_gpu_gqa_backward_reads_kv_heads_unrepeated(spec, d, lq, lk, monkeypatch):
     """The flash backward on the GPU (the device's default configs: on sm_90 the wgmma kernels' GQA builds,
-    ALiBi on "wg"'s loop, causal on "wgp"'s) at group 4 with batch "h b", awkward lengths: no repeat in the
+    "wgws" at d 128, "wgp" at d 64; ALiBi on "wg"'s loop, causal on the pipelined one) at group 4 with batch "h b", awkward lengths: no repeat in the
     call, every gradient within bf16's tolerance of the float64 tiled path's of the same inputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

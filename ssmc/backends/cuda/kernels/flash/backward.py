@@ -99,8 +99,9 @@ class Config:
     @property
     def gqa(self) -> bool:
         """Whether the config has a grouped-query build (`kernel_source(..., gqa=True)`: a block per KV index
-        and key block, walking the group's query heads); the others run on k and v repeated to q's heads."""
-        return self.name != "bn64" and not self.specialized
+        and key block, walking the group's query heads); the others run on k and v repeated to q's heads
+        ("wgwse": its early S^T across a head's end spilled hundreds of bytes)."""
+        return self.name != "bn64" and not self.early_s
 
     @property
     def bn(self) -> int:
@@ -153,8 +154,8 @@ CONFIGS = {
 DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
 # on sm_90 parts: at d 128 the warp-specialized blocks ("wgws": dQ by bulk reductions for the specs whose loop
 # pipelines, atomics on "wg"'s loop for the others; faster than "wgp" for both in bench/flash_backward_configs.py,
-# causal and ALiBi with its slope's gradient; no GQA build: a grouped-query call repeats k and v, which measured
-# faster than "wgp"'s GQA build); at d 64 "wgp" ("wgws" no faster there)
+# causal and ALiBi with its slope's gradient; its GQA build walks the group's query heads through one ring of
+# stages); at d 64 "wgp" ("wgws" no faster there)
 HOPPER_CONFIG = {64: "wgp", 128: "wgws"}
 
 
@@ -263,9 +264,13 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
         if cfg.specialized:
             from ..wgmma import header
 
+            producer, consumer = cfg.regs
+            if gqa and _pipelines(args) and producer < 32:
+                # the GQA build's producer walks the group's heads: with 24 registers ptxas spilled there
+                producer, consumer = producer + 8, consumer - 8
             return name, header() + "\n" + template("flash/backward_wgmma_ws.cu.j2").render(
-                warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=cfg.regs[0],
-                consumer_regs=cfg.regs[1], bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
+                warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=producer,
+                consumer_regs=consumer, bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
                 split_dq=cfg.split_dq and atomic_dq and _pipelines(args), bulk_layout=cfg.bulk_dq and atomic_dq,
                 split_layout=cfg.split_dq and atomic_dq, early_s=cfg.early_s and atomic_dq and _pipelines(args),
                 shared=cfg.shared(d, atomic_dq),
