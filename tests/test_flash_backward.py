@@ -251,7 +251,8 @@ def test_emulated_warp_specialized_backward_fails_without_a_wait(what, emulate, 
 def test_the_hopper_backward_config(monkeypatch):
     """On an sm_90 part (`flash._HOPPER` set for cuda:0): the warp-specialized "wgws" at d 128 ("wg"'s loop in it for
     ALiBi summing its slope, the pipelined one without), "wgp" at d 64; a grouped-query call reads k and v
-    un-repeated only under a config with a GQA build ("wgp"); the option overrides both."""
+    un-repeated under both (their GQA builds), repeated under a config without one ("wgwse"); the option overrides
+    both."""
     from types import SimpleNamespace
 
     monkeypatch.setitem(flash._HOPPER, 0, True)
@@ -262,9 +263,11 @@ def test_the_hopper_backward_config(monkeypatch):
     assert [flash_bwd._pipelines(flash_bwd._printed(alibi.program, 128, grads)[0]) for grads in (True, False)] == [
         False, True]
     call = SimpleNamespace(group=4, q=SimpleNamespace(shape=(2, 32, 70, 128), device=dev))
-    assert not alibi.reads_kv_heads(call)
+    assert alibi.reads_kv_heads(call)
     call.q.shape = (2, 32, 70, 64)
     assert alibi.reads_kv_heads(call)
+    monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wgwse")
+    assert not alibi.reads_kv_heads(call)
     monkeypatch.setenv("SSMC_CUDA_FLASH_BACKWARD_CONFIG", "wg")
     assert flash_bwd.config(128, None, dev).name == "wg"
 
