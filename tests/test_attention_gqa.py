@@ -420,8 +420,9 @@ def test_gqa_backward_kernels_compile_without_spills(config, d, name):
 @pytest.mark.parametrize("lq, lk", [(1, 1), (65, 65), (180, 180), (65, 180), (180, 65)])
 def test_gpu_gqa_backward_reads_kv_heads_unrepeated(spec, d, lq, lk, monkeypatch):
     """The flash backward on the GPU (the device's default configs: on sm_90 the wgmma kernels' GQA builds,
-    "wgws" at d 128, "wgp" at d 64; ALiBi on "wg"'s loop, causal on the pipelined one) at group 4 with batch "h b", awkward lengths: no repeat in the
-    call, every gradient within bf16's tolerance of the float64 tiled path's of the same inputs."""
+    "wgws" at d 128, "wgp" at d 64; ALiBi on "wg"'s loop, causal on the pipelined one) at group 4 with batch
+    "h b", awkward lengths: no repeat in the call, every gradient within bf16's tolerance of the float64 tiled
+    path's of the same inputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from ssmc.backends.tiled_attention import TiledAttention
