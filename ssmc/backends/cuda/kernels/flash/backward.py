@@ -36,10 +36,12 @@ products instead of 5); the params' per-(key block, batch index) sums are added 
 order. Products in the inputs' 16-bit type with fp32 accumulation;
 P and dS rounded to 16 bits as operands (as FlashAttention).
 
-Grouped-query attention (`FlashBackward.reads_kv_heads`: every config but "bn64"): k and v keep their own heads
-and the key-block kernel's GQA build (``kernel_source(..., gqa=True)``) runs a block per KV index kvh and key
-block, the loop above once for each query head bh of the group (`forward.kv_index`(bh) = kvh), dk[kvh, j] and
-dv[kvh, j] summed over them in registers and stored once; the dQ kernel's reads KV index kv_index(bh).
+Grouped-query attention (`FlashBackward.reads_kv_heads`: every config but "bn64" and "wgwse"): k and v keep their
+own heads and the key-block kernel's GQA build (``kernel_source(..., gqa=True)``) runs a block per KV index kvh and
+key block, the loop above once for each query head bh of the group (`forward.kv_index`(bh) = kvh), dk[kvh, j] and
+dv[kvh, j] summed over them in registers and stored once (the warp-specialized blocks: the heads' query tiles one
+sequence through the producer's ring; their param sums a row of partials per warp); the dQ kernel's reads KV index
+kv_index(bh).
 
 Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
 its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
@@ -265,9 +267,10 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
             from ..wgmma import header
 
             producer, consumer = cfg.regs
-            if gqa and _pipelines(args) and producer < 32:
-                # the GQA build's producer walks the group's heads: with 24 registers ptxas spilled there
-                producer, consumer = producer + 8, consumer - 8
+            if gqa and _pipelines(args) and producer < 40:
+                # the GQA build's producer walks the group's heads: with 24 registers ptxas spilled there (and
+                # with 32 for ALiBi with a fixed slope); 40 / 232 takes the block's count at launch as 24 / 240
+                producer, consumer = producer + 16, consumer - 8
             return name, header() + "\n" + template("flash/backward_wgmma_ws.cu.j2").render(
                 warps=cfg.warps, bq=cfg.bq, stages=cfg.stages, min_blocks=cfg.min_blocks, producer_regs=producer,
                 consumer_regs=consumer, bulk_dq=cfg.bulk_dq and atomic_dq and _pipelines(args),
@@ -434,7 +437,9 @@ class FlashBackward:
         bf16 = q.dtype == torch.bfloat16
         # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
         # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer
-        sums = ((nkb, bh, nparams) if nparams else (), (bh, lq, 1 + np_) if np_ and atomic else (),
+        # (the warp-specialized GQA build: a row of partials per key block and consumer warp, each written once)
+        rows = nkb * (cfg.warps if gqa and cfg.specialized else 1)
+        sums = ((rows, bh, nparams) if nparams else (), (bh, lq, 1 + np_) if np_ and atomic else (),
                 (-(-lq // BM), bh, np_) if np_ and not atomic else ())
         launches = [(self._function(q.device, d, bf16, "delta32" if out_dtype == torch.float32 else "delta"),
                      (-(-bh * lq // 4), 128), 0, bh * lq, 0),
