@@ -113,6 +113,23 @@ def _torch_path(program, compute: str) -> bool:
     return chunked_core(program, compute) is not None or _step_loop(program, compute) is not None
 
 
+def _chunk_choice(ml, sizes: dict[str, int], length: int, dtype, gpu, chunk: int) -> str:
+    """How the kernels' chunk was chosen, for `path_notes`: the times of the candidates where tuned on `gpu`."""
+    from .kernels.chunk import tune
+    from .options import options
+
+    if options().chunk is not None:
+        return " (SSMC_CUDA_CHUNK)"
+    heads = int(np.prod([sizes[h] for h in ml.heads]))
+    found = None if gpu is None else tune.tuned(length, heads, sizes[ml.key], sizes[ml.value], dtype, gpu)
+    if found is not None:
+        return " (autotuned: " + ", ".join(f"{c} {ms:.3f} ms" for c, ms in sorted(found[1].items())) + ")"
+    choices = tune.candidates(length)
+    if len(choices) == 1:
+        return ""
+    return f" (the rule's; on a GPU the fastest of {', '.join(map(str, choices))}, timed at first use)"
+
+
 def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float32") -> list[str]:
     """How the parts of `program` that run as torch matrix products run (the chunked matrix-linear core,
     the step loop of a recurrent product), one line each; [] where none does."""
@@ -124,15 +141,19 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             import torch
 
             half = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else None
-            ml, c = core.ml, chunk_size(core.ml, sizes, length, half)
+            ml = core.ml
             kernels = half is not None and mma.kernels_wanted(half, sizes[ml.key], sizes[ml.value])
+            gpu = torch.device("cuda") if kernels and torch.cuda.is_available() else None
+            c = chunk_size(ml, sizes, length, half, gpu)  # (on a GPU: tuned here where not yet)
+            chosen = _chunk_choice(ml, sizes, length, half, gpu, c) if kernels else ""
             how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
                    "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)" if kernels
                    else "as batched torch matrix products (forward and VJP)")
             heads = int(np.prod([sizes[h] for h in ml.heads]))
-            lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps: {heads} heads"
-                         f" x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; the table"
-                         " lists the kernels of the stages around it (SSMC_CUDA_CHUNKED=0: the element-wise scan)")
+            lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps{chosen}: "
+                         f"{heads} heads x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; "
+                         "the table lists the kernels of the stages around it (SSMC_CUDA_CHUNKED=0: the element-wise "
+                         "scan)")
         loop = _step_loop(stage.program, compute)
         if loop is not None:
             hoisted = hoisted_runner(stage.program, compute)

@@ -30,7 +30,7 @@ from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
 from ...options import options
-from . import mma
+from . import mma, tune
 from .algorithm import Chunks, forward, vjp
 
 # Steps per chunk where SSMC_CUDA_CHUNK does not say: the masked decay matrices ([C, C] per head and
@@ -40,15 +40,20 @@ CHUNK = 64
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None) -> int:
+def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None,
+               device: torch.device | None = None) -> int:
     """Steps per chunk: SSMC_CUDA_CHUNK where set (the kernels take 64, 128 and 256; another size runs the
-    torch path); the kernels' (`mma.chunk_for`) where q of `dtype` would run on them
-    (`mma.kernels_wanted`: a short call pads its one chunk); else by the state's size."""
+    torch path); where q of `dtype` would run on the kernels (`mma.kernels_wanted`: a short call pads its one
+    chunk), the fastest for the shape on `device` (`tune.chunk_for`: timed at its first use on a GPU), else
+    `mma.chunk_for`'s rule; else by the state's size."""
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
     if dtype is not None and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
-        return mma.chunk_for(length)
+        if device is None:
+            return mma.chunk_for(length)
+        heads = math.prod(sizes[h] for h in ml.heads)
+        return tune.chunk_for(length, heads, sizes[ml.key], sizes[ml.value], dtype, device)
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
@@ -405,7 +410,7 @@ class ChunkedCore:
         entering states are 16-bit (`mma.forward`'s half_states). `tape` False (an inference call): the
         output written in `out_dtype` by the kernels where that is q's 16-bit dtype."""
         q_arr, _ = self._input(self.ml.q, seqs, params)
-        chunk = chunk_size(self.ml, sizes, length, q_arr.dtype)
+        chunk = chunk_size(self.ml, sizes, length, q_arr.dtype, q_arr.device)
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
         time_first = None
         if mma.kernels_apply(x):
@@ -569,7 +574,7 @@ class PreparedForward:
         core, ml, length = self.core, self.core.ml, self.length
         q = seqs[ml.q.arg] if ml.q.arg in seqs else params[ml.q.arg]
         if self.general is None:
-            self.chunk = chunk_size(ml, self.sizes, length, q.dtype)
+            self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device)
             self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
         if self.general:
             return self._general(seqs, params, initial)

@@ -1,0 +1,100 @@
+"""The chunk size of the matrix-linear kernels, autotuned per shape at its first use on a GPU.
+
+A call's chunk C trades the chunk states' bytes ([K, V] per head and chunk: L / C of them) against the
+intra-chunk products (about C / 2 (K + V) per step) and, for a call whose length is no multiple of C, the
+padded steps. `chunk_for` times a training call's core at each candidate (`candidates`): `mma.forward` and
+`mma.backward` on random operands of the call's heads, key and value sizes and length, with CUDA events, and
+keeps the fastest for the process, as a plain loop:
+
+    for c in candidates(L):
+        x = random Chunks [H, ceil(L / c), c, K] (q, k), [..., V] (v), log decays, zero initial state
+        times[c] = median over 3 runs of (mma.forward(x); mma.backward(x, ...))
+    chosen[H, K, V, L, dtype, device] = argmin(times)
+
+SSMC_CUDA_CHUNK forces a chunk (`chunk_size` reads it first); SSMC_CUDA_CHUNK_TUNE=0 keeps `mma.chunk_for`'s
+rule; the emulator and CPU tensors take the rule too. `tuned` lists what was timed (`ssmc inspect` shows it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...options import options
+from . import mma
+from .algorithm import Chunks
+
+_chosen: dict = {}   # (device, dtype, heads, key, value, length) -> (chunk, {chunk: ms})
+
+
+def candidates(length: int) -> tuple[int, ...]:
+    """The kernels' chunk sizes worth timing at `length` steps: up to the first that holds the call whole."""
+    out = []
+    for c in mma.CHUNKS:
+        out.append(c)
+        if c >= length:
+            break
+    return tuple(out)
+
+
+def chunk_for(length: int, heads: int, key: int, value: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Steps per chunk of a call on the kernels: the fastest candidate for this shape on `device` (timed at its
+    first use, module docstring) where `device` is a GPU and tuning is on, else `mma.chunk_for`'s rule."""
+    found = tuned(length, heads, key, value, dtype, device)
+    if found is not None:
+        return found[0]
+    opts = options()
+    choices = candidates(length)
+    if (opts.chunk_tune is False or opts.emulate or device.type != "cuda" or len(choices) == 1
+            or torch.cuda.is_current_stream_capturing()):  # (no timing inside a CUDA graph's capture)
+        return mma.chunk_for(length)
+    times = {c: _time(c, length, heads, key, value, dtype, device) for c in choices}
+    best = min(times, key=times.get)
+    if len(_chosen) >= 256:
+        _chosen.clear()
+    _chosen[_key(length, heads, key, value, dtype, device)] = (best, times)
+    return best
+
+
+def tuned(length: int, heads: int, key: int, value: int, dtype: torch.dtype,
+          device: torch.device) -> tuple[int, dict[int, float]] | None:
+    """(the chunk chosen, {chunk: ms timed}) where this shape was tuned in this process, else None."""
+    return _chosen.get(_key(length, heads, key, value, dtype, device))
+
+
+def _key(length, heads, key, value, dtype, device) -> tuple:
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda"
+                                                           else 0)
+    return (device.type, index, dtype, heads, key, value, length)
+
+
+def _time(chunk: int, length: int, heads: int, key: int, value: int, dtype, device, runs: int = 3) -> float:
+    """Median milliseconds of a training call's core (forward, then backward) at `chunk` on random operands."""
+    g = torch.Generator(device=device).manual_seed(0)
+    nc = math.ceil(length / chunk)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    q, k = randn(heads, nc, chunk, key, scale=key ** -0.5), randn(heads, nc, chunk, key)
+    v = randn(heads, nc, chunk, value)
+    ell = -torch.rand(heads, nc, chunk, generator=g, device=device) * 0.1
+    x = Chunks(q, k, v, ell, torch.zeros(heads, key, value, device=device))
+    d_out = randn(heads, nc, chunk, value)
+    d_final = torch.zeros(heads, key, value, device=device)
+
+    def call():
+        _, entering, final = mma.forward(x, half_states=True, out_dtype=dtype)
+        mma.backward(x, entering, final, d_out, d_final)
+
+    call()  # (the kernels compiled and loaded)
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
