@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .....runtime.progress import progress
 from ...options import options
 from . import mma
 from .algorithm import Chunks
@@ -49,7 +50,9 @@ def chunk_for(length: int, heads: int, key: int, value: int, dtype: torch.dtype,
     if (opts.chunk_tune is False or opts.emulate or device.type != "cuda" or len(choices) == 1
             or torch.cuda.is_current_stream_capturing()):  # (no timing inside a CUDA graph's capture)
         return mma.chunk_for(length)
-    times = {c: _time(c, length, heads, key, value, dtype, device) for c in choices}
+    with progress(f"timing the chunk kernels at chunks {', '.join(map(str, choices))} ({heads} heads, L {length}, "
+                  f"state {key} x {value})"):
+        times = {c: _time(c, length, heads, key, value, dtype, device) for c in choices}
     best = min(times, key=times.get)
     if len(_chosen) >= 256:
         _chosen.clear()
