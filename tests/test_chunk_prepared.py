@@ -225,3 +225,67 @@ def test_an_expanded_cotangent_gives_the_contiguous_ones_gradients(counted):
         _, _, tape = forward(seqs, params, initial)
         got = backward(seqs, params, tape, {GRAD + out: expanded}, lam, None)
         _equal(got[0], want[0])
+
+
+def _new_plans(monkeypatch) -> dict:
+    """{"forward": `mma.ForwardPlan`s made, "backward": `mma.BackwardPlan`s made} from now on."""
+    from ssmc.backends.cuda.kernels.chunk import mma
+
+    made = {"forward": 0, "backward": 0}
+    for name, cls in (("forward", mma.ForwardPlan), ("backward", mma.BackwardPlan)):
+        def init(self, *a, _f=cls.__init__, _name=name, **kw):
+            made[_name] += 1
+            _f(self, *a, **kw)
+        monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("name, length, chunk", [
+    ("retnet", 7, None),      # one chunk of 64 (the kernels' choice for a short call), 57 steps padded
+    ("mamba2", 70, 64),       # two chunks, the last of 6 steps; β, the skip, B and C summed over 2 heads
+    nightly_case("retnet", 1, None, reason="one step: the 7-step case takes the same paths"),
+    nightly_case("retnet", 127, None, reason="a chunk of 128 one step short: the 70-step case's host paths"),
+    nightly_case("retnet", 129, 64, reason="three chunks, the last of one step: the 70-step case's host paths"),
+    nightly_case("mamba2", 180, None, reason="the short SSD workload's 128 + 52 steps: the 70-step case's paths"),
+    nightly_case("retnet", 300, 256, reason="chunks of 256: the 64- and 128-step cases take the same host paths")])
+def test_prepared_partial_last_chunk_takes_its_plans_and_gives_the_general_results(counted, monkeypatch, name,
+                                                                                    length, chunk):
+    """A length that is no multiple of the chunk (the operands padded to whole chunks each call): the prepared
+    forward and backward make their plans once (the second call of the signature makes none, the third neither)
+    and give the first, general, call's outputs, final state and every gradient bit for bit."""
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedBackward, PreparedTape
+    from ssmc.passes.autodiff import GRAD
+
+    if chunk is not None:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", str(chunk))
+    program, sizes = _core(name)
+    if name == "retnet":
+        sizes = {**sizes, "h": 1}
+    core = ChunkedCore(program, "float32")
+    rng = np.random.default_rng(7)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    forward = core.prepare_forward(seqs, params, initial, sizes, length)
+    made = _new_plans(monkeypatch)
+    out, state = core.output, program.states[0].name
+    first = None
+    for call in range(3):  # the first call general (its plans made), then on the plans
+        outs, finals, tape = forward(seqs, params, initial)
+        if first is None:
+            assert not isinstance(tape, PreparedTape) and counted["general"] == 1
+            cot = {GRAD + out: torch.from_numpy(rng.standard_normal(tuple(outs[out].shape))).to(torch.bfloat16)}
+            lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+            backward = core.prepare_backward(seqs, params, tape, cot, lam, None, sizes, length)
+            assert isinstance(backward, PreparedBackward)
+        else:
+            assert isinstance(tape, PreparedTape)
+        grads = backward(seqs, params, tape, cot, lam, None)
+        if first is None:
+            first = (outs, finals, *grads)
+            assert made == {"forward": 2, "backward": 1}  # (`_plan`'s, and the general path's own)
+            continue
+        for got, want in zip((outs, finals, *grads), first, strict=True):
+            _equal(got, want)
+        assert made == {"forward": 2, "backward": 2}, call  # the backward's plan made at its first prepared call
+    assert counted["general"] == 1 and counted["plans"] == 1
+    assert forward.padded
+    assert len(backward.plans) == 1 and all(backward.plans.values())

@@ -140,6 +140,7 @@ class ChunkedCore:
         self.input_names = tuple(d.name for d in program.inputs)
         self.param_decays: dict = {}  # `_found_param_decay`'s
         self._unarranged: dict = {}   # `_unarrange_steps` per shape
+        self._padded: dict = {}       # `_arrange_steps` per layout
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -149,19 +150,44 @@ class ChunkedCore:
                  dtype=None) -> torch.Tensor:
         """`x` ([L, *axes] where `timed`, else [*axes]) as [*H (1 where absent), NC, C(, inner)],
         zero past `length`."""
+        padded = -(-length // chunk) * chunk
+        dtype = dtype or x.dtype
+        if timed and padded == length:  # whole chunks: a view (a copy only for another dtype)
+            names = self._names(axes, timed)
+            target = [*self.ml.heads, "~t", *([inner] if inner else [])]
+            y = x.permute(*[names.index(n) for n in target if n in names])
+            shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
+            t = len(self.ml.heads)
+            return y.reshape(shape).to(dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
+        # a copy, zero past `length` (a param repeated over the steps): the views it copies between worked out once
+        # per layout (host time a call: a short call pads its operands each call)
+        key = (tuple(x.shape), x.stride(), tuple(axes), timed, inner, length, chunk)
+        steps = self._padded.get(key)
+        if steps is None:
+            if len(self._padded) >= 256:
+                self._padded.clear()
+            steps = self._padded[key] = self._arrange_steps(x, axes, timed, inner, length, chunk)
+        out_shape, source, dest = steps
+        out = torch.zeros(out_shape, dtype=dtype, device=x.device)
+        torch.as_strided(out, *dest).copy_(torch.as_strided(x, *source, x.storage_offset()))
+        return out
+
+    def _arrange_steps(self, x, axes, timed: bool, inner: str | None, length: int, chunk: int) -> tuple:
+        """(the shape [*H, NC, C(, inner)] of `_arrange`'s copy of `x`; the size and strides of `x` read as
+        [*H, length(, inner)] (stride 0 along the heads it lacks and, where not `timed`, along time); those of the
+        copy's first `length` steps, the same shape)."""
         names = self._names(axes, timed)
         target = [*self.ml.heads, "~t", *([inner] if inner else [])]
-        y = x.permute(*[names.index(n) for n in target if n in names])
-        shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
-        y = y.reshape(shape)
-        padded = -(-length // chunk) * chunk
         t = len(self.ml.heads)
-        if timed and padded == length:  # whole chunks: a view (a copy only for another dtype)
-            return y.to(dtype or x.dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
-        shape[t] = padded
-        out = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
-        out.narrow(t, 0, length).copy_(y.expand(*shape[:t], length, *shape[t + 1:]))
-        return out.reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
+        shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
+        shape[t] = length
+        strides = [x.stride(names.index(n)) if n in names else 0 for n in target]
+        padded = -(-length // chunk) * chunk
+        dense = [1] * len(shape)  # the copy's strides, [*H, padded(, inner)] contiguous
+        for i in range(len(shape) - 2, -1, -1):
+            dense[i] = dense[i + 1] * (padded if i + 1 == t else shape[i + 1])
+        return ((*shape[:t], padded // chunk, chunk, *shape[t + 1:]), (tuple(shape), tuple(strides)),
+                (tuple(shape), tuple(dense)))
 
     def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
@@ -551,13 +577,20 @@ class PreparedForward:
         launch the plan's kernels on the addresses of q, k, v (as given: no views), ell, beta, skip, out
         outputs, finals = out, final  (views or copies only where the layouts ask: `_outputs`)
 
-    Elsewhere (the torch path, operands the core copies) each call is `forward`'s."""
+    A call whose last chunk is partial (`padded`: length not a multiple of the chunk) copies q, k, v and its
+    sequences of decays, β and skip each call into zeroed arrays of whole chunks, as `forward` does (`_arrange`):
+    the kernels read every step of a chunk. Those copies' layouts are the signature's, so their plan is worked out
+    once as well; the tape keeps the copies (the backward's plan reads them at the same addresses).
+    Elsewhere (the torch path, operands the core copies over whole chunks) each call is `forward`'s."""
 
     def __init__(self, core: ChunkedCore, sizes, length, out_dtype, tape: bool):
         self.core, self.sizes, self.length, self.out_dtype, self.tape = core, sizes, length, out_dtype, tape
         self.plans: dict = {}   # layout key (`__call__`) -> (plan, what is made around it), or False
         self.general: bool | None = None  # whether no call of the signature runs the kernels (set at the first)
         self.chunk = 0
+        # whether the last chunk is partial (set at the first call): the operands are then copied each call, padded
+        # with zeros to whole chunks as `forward` copies them, and the plan is keyed by the copies' layout
+        self.padded = False
         # (names of ell's, beta's, skip's inputs, None where absent) where `Chunks` holds them as views of the
         # arrays as given (SSD's log decays and β, its D: set by the first `_plan`), else None (`_scalars` a call)
         self.given: tuple | None = None
@@ -571,10 +604,15 @@ class PreparedForward:
         if self.general is None:
             self.chunk = chunk_size(ml, self.sizes, length, q.dtype)
             self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
+            self.padded = length % self.chunk != 0
         if self.general:
             return self._general(seqs, params, initial)
-        k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
-        v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
+        padded = self.padded
+        if padded:  # the operands copied into whole chunks, zero past `length` (`_arrange`, as `forward` pads)
+            q, k, v = core._operands(seqs, params, length, self.chunk)
+        else:
+            k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
+            v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
         given = self.given
         if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
             ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
@@ -590,7 +628,9 @@ class PreparedForward:
         if found is None:  # the layout's first call: its plan made, the call itself `forward`'s
             if given is not None:  # the views `_plan` reads the layouts of
                 ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
-            self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+            if self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv), (q, k, v) if padded else None
+                          ) is False and padded:
+                self.general = True  # (the copies' layouts are the signature's: no call of it takes a plan)
             return self._general(seqs, params, initial)
         if found is False:
             return self._general(seqs, params, initial)
@@ -605,6 +645,9 @@ class PreparedForward:
             outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is)
         if not self.tape:
             return outs, finals, None
+        if padded:  # the copies the kernels read: the tape's (the backward reads them at the same addresses)
+            made = Chunks(q, k, v, ell, s0, beta, skip)
+            return outs, finals, PreparedTape(lambda: made, entering, final, decay, addresses, key)
         chunk = self.chunk
 
         def make():  # the tape's chunked operands, made only where the general backward asks for them
@@ -640,11 +683,12 @@ class PreparedForward:
             names.append(node.arg)
         return tuple(names)
 
-    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases):
+    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases, padded=None):
         """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
-        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call)."""
+        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call). `padded`: the call's
+        q, k, v padded to whole chunks (`__call__` copies them so each call), which the plan reads."""
         core, length, chunk = self.core, self.length, self.chunk
-        q, k, v = core._operands(seqs, params, length, chunk)
+        q, k, v = core._operands(seqs, params, length, chunk) if padded is None else padded
         x = Chunks(q, k, v, ell, s0, beta, skip)
         found = False
         if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
@@ -663,7 +707,7 @@ class PreparedForward:
                 final_as_is = (plan.final_shape == tuple(self.sizes[a] for a in s.axes)
                                and list(s.axes) == [*ml.heads, ml.key, ml.value])
                 found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, out_as_is, final_as_is)
-                if not self.given_found:
+                if not self.given_found and padded is None:
                     self.given_found = True
                     self.given = self._given(seqs, params, x)
         if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
