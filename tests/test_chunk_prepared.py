@@ -154,10 +154,12 @@ def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, 
     assert counted["launches"] == launches and len(f._calls) == 3
 
 
-def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch):
+@pytest.mark.parametrize("length", [LENGTH, 70])
+def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch, length):
     """`ssmc.torch.function` of RetNet with bf16 q, k, v: from the second call of a signature its plan calls the
     prepared step directly in the inputs' 16-bit context (`_HalfStep`, as `Grad.forward` would, without its
-    look-ups); outputs and every gradient bit for bit the first (general) call's."""
+    look-ups); outputs and every gradient bit for bit the first (general) call's. At 70 steps (chunks of 64: the
+    last of 6 steps, padded) as well: the core's plan made once, the third call on it."""
     import ssmc.torch
     from ssmc import torch as ssmc_torch
     from ssmc.examples import retnet
@@ -166,8 +168,10 @@ def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monke
     forward = ssmc_torch._HalfStep.forward
     monkeypatch.setattr(ssmc_torch._HalfStep, "forward",
                         lambda self, *a: (taken.append(self.half), forward(self, *a))[1])
+    if length != LENGTH:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", "64")
     rng = np.random.default_rng(4)
-    inputs = retnet.make_inputs(rng, LENGTH, batch=1, heads=2, dk=64, dv=64)
+    inputs = retnet.make_inputs(rng, length, batch=1, heads=2, dk=64, dv=64)
     tensors = {k: torch.tensor(v).to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32)
                for k, v in inputs.items()}
     f = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
@@ -180,6 +184,8 @@ def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monke
         y.backward(dy)
         results.append([y.detach(), *(leaves[k].grad for k in ("q", "k", "v"))])
     assert taken == [torch.bfloat16, torch.bfloat16]
+    # the general forward at the first call and at the prepared forward's first (which makes the plan) only
+    assert counted["plans"] == 1 and counted["general"] == 2
     for got in results[1:]:
         for a, b in zip(got, results[0], strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
