@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
+from ...launch import zero_bytes
 from ...options import options
 from . import mma
 from .algorithm import Chunks, forward, vjp
@@ -161,16 +162,20 @@ class ChunkedCore:
             return y.reshape(shape).to(dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
         # a copy, zero past `length` (a param repeated over the steps): the views it copies between worked out once
         # per layout (host time a call: a short call pads its operands each call)
+        out_shape, source, dest = self._padded_steps(x, axes, timed, inner, length, chunk)
+        out = torch.zeros(out_shape, dtype=dtype, device=x.device)
+        torch.as_strided(out, *dest).copy_(torch.as_strided(x, *source, x.storage_offset()))
+        return out
+
+    def _padded_steps(self, x, axes, timed: bool, inner: str | None, length: int, chunk: int) -> tuple:
+        """`_arrange_steps` of `x`'s layout, worked out once per layout."""
         key = (tuple(x.shape), x.stride(), tuple(axes), timed, inner, length, chunk)
         steps = self._padded.get(key)
         if steps is None:
             if len(self._padded) >= 256:
                 self._padded.clear()
             steps = self._padded[key] = self._arrange_steps(x, axes, timed, inner, length, chunk)
-        out_shape, source, dest = steps
-        out = torch.zeros(out_shape, dtype=dtype, device=x.device)
-        torch.as_strided(out, *dest).copy_(torch.as_strided(x, *source, x.storage_offset()))
-        return out
+        return steps
 
     def _arrange_steps(self, x, axes, timed: bool, inner: str | None, length: int, chunk: int) -> tuple:
         """(the shape [*H, NC, C(, inner)] of `_arrange`'s copy of `x`; the size and strides of `x` read as
@@ -237,23 +242,26 @@ class ChunkedCore:
         ell, s0, beta, skip, decay = self._scalars(seqs, params, initial, length, chunk, q.device)
         return Chunks(q, k, v, ell, s0, beta, skip), decay
 
-    def _operands(self, seqs, params, length, chunk):
+    def _operands(self, seqs, params, length, chunk, arrange=None):
         """The call's q, k, v as `Chunks` holds them (`_arrange`d: views where the chunks are whole and the dtype
-        q's 16 bits, or the compute dtype, already)."""
+        q's 16 bits, or the compute dtype, already). `arrange`: what makes them in `_arrange`'s place (the same
+        values: `_Padding`'s)."""
         ml, f = self.ml, self.dtype
+        arrange = arrange or self._arrange
         q_arr, _ = self._input(ml.q, seqs, params)
         mm = q_arr.dtype if q_arr.dtype in (torch.bfloat16, torch.float16) else f
 
         def operand(node, inner):
             arr, timed = self._input(node, seqs, params)
-            return self._arrange(arr, node.axes, timed, inner, length, chunk, mm)
+            return arrange(arr, node.axes, timed, inner, length, chunk, mm)
 
         return operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
 
-    def _scalars(self, seqs, params, initial, length, chunk, device):
+    def _scalars(self, seqs, params, initial, length, chunk, device, arrange=None):
         """(ell, s0, beta, skip as `Chunks` holds them, the decay as given where the core takes it so, else
-        None): what a call computes from its decays, β, skip and initial state."""
+        None): what a call computes from its decays, β, skip and initial state. `arrange` as `_operands`'."""
         ml, f = self.ml, self.dtype
+        arrange = arrange or self._arrange
         decay = None
         if ml.log_decay is not None and ml.log_decay.op is Op.CONST:
             ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
@@ -293,7 +301,7 @@ class ChunkedCore:
                 else:
                     ell = y.expand(steps)
             else:
-                ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
+                ell = arrange(arr, node.axes, timed, None, length, chunk, f)
                 if ml.decay is not None:  # padded steps: decay 1
                     decay = ell.masked_fill(ell == 0, 1.0)
                     ell = torch.log(decay)
@@ -312,7 +320,7 @@ class ChunkedCore:
                 y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
                 shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
                 return y.reshape(*shape, 1, 1).expand(*shape, -(-length // chunk), chunk)
-            return self._arrange(arr, node.axes, timed, None, length, chunk, f)
+            return arrange(arr, node.axes, timed, None, length, chunk, f)
 
         s = ml.state
         s0 = initial[s.name].to(f)
@@ -549,6 +557,69 @@ class ChunkedCore:
         return PreparedBackward(self, sizes, length)
 
 
+class _Padding:
+    """Where a padded prepared call (`PreparedForward`) makes its copies of whole chunks (`ChunkedCore._arrange`'s,
+    the same values and layouts): one allocation a call, zeroed by one memset (rather than an allocation and a fill
+    each), each copy a view at its own offset (`ALIGN`-byte aligned), in the order the call's `_operands` and
+    `_scalars` ask for them; as a plain loop, a call's
+
+        buffer = zeros(nbytes)
+        for each array asked for: view = buffer[offset : offset + its bytes] as [*H, NC, C(, inner)] of its dtype
+                                  view[.., :length, ..] = the array (as `_arrange` lays it out)
+
+    An array asked for otherwise than at the first call (its layout or dtype: the signature fixes both) is
+    `_arrange`'s own copy."""
+
+    ALIGN = 256
+
+    def __init__(self, core: ChunkedCore, asked: list[tuple]):
+        self.core = core
+        self.slots, offset = [], 0
+        for key, dtype, (shape, source, dest) in asked:  # (the layout key, the copy's dtype, `_arrange_steps`)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * shape[i + 1]
+            self.slots.append((key, dtype, shape, tuple(strides), offset // itemsize, source, dest))
+            offset += -(-math.prod(shape) * itemsize // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+
+    @staticmethod
+    def of(core: ChunkedCore, seqs, params, initial, length: int, chunk: int) -> _Padding:
+        """The padding of calls like this one: the copies its `_operands` and `_scalars` ask `_arrange` for."""
+        asked = []
+
+        def record(x, axes, timed, inner, length, chunk, dtype=None):
+            out = core._arrange(x, axes, timed, inner, length, chunk, dtype)
+            asked.append(((tuple(x.shape), x.stride(), x.dtype, tuple(axes), timed, inner, length, chunk), out.dtype,
+                          core._padded_steps(x, axes, timed, inner, length, chunk)))
+            return out
+        q = core._operands(seqs, params, length, chunk, record)[0]
+        core._scalars(seqs, params, initial, length, chunk, q.device, record)
+        return _Padding(core, asked)
+
+    def arrange(self, device):
+        """A call's `_arrange` (its copies in one new zeroed allocation on `device`)."""
+        core, slots = self.core, self.slots
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        zero_bytes(buffer.data_ptr(), self.nbytes, buffer.zero_)
+        typed, asked = {}, iter(range(len(slots)))
+
+        def arrange(x, axes, timed, inner, length, chunk, dtype=None):
+            dtype = dtype or x.dtype
+            i = next(asked, None)
+            key = (tuple(x.shape), x.stride(), x.dtype, tuple(axes), timed, inner, length, chunk)
+            if i is None or slots[i][0] != key or slots[i][1] != dtype:
+                return core._arrange(x, axes, timed, inner, length, chunk, dtype)
+            _, _, shape, strides, offset, source, dest = slots[i]
+            view = typed.get(dtype)
+            if view is None:
+                view = typed[dtype] = buffer.view(dtype)
+            torch.as_strided(view, *dest, offset).copy_(torch.as_strided(x, *source, x.storage_offset()))
+            return torch.as_strided(view, shape, strides, offset)
+        return arrange
+
+
 class PreparedTape(ChunkTape):
     """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
     forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
@@ -591,6 +662,7 @@ class PreparedForward:
         # whether the last chunk is partial (set at the first call): the operands are then copied each call, padded
         # with zeros to whole chunks as `forward` copies them, and the plan is keyed by the copies' layout
         self.padded = False
+        self.padding: _Padding | None = None  # (where `padded`: made at the first call)
         # (names of ell's, beta's, skip's inputs, None where absent) where `Chunks` holds them as views of the
         # arrays as given (SSD's log decays and β, its D: set by the first `_plan`), else None (`_scalars` a call)
         self.given: tuple | None = None
@@ -607,19 +679,22 @@ class PreparedForward:
             self.padded = length % self.chunk != 0
         if self.general:
             return self._general(seqs, params, initial)
-        padded = self.padded
-        if padded:  # the operands copied into whole chunks, zero past `length` (`_arrange`, as `forward` pads)
-            q, k, v = core._operands(seqs, params, length, self.chunk)
+        padded, given = self.padded, self.given
+        if padded:  # the operands copied into whole chunks, zero past `length` (as `forward` pads: `_Padding`)
+            if self.padding is None:
+                self.padding = _Padding.of(core, seqs, params, initial, length, self.chunk)
+            arrange = self.padding.arrange(q.device)
+            q, k, v = core._operands(seqs, params, length, self.chunk, arrange)
+            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device, arrange)
         else:
             k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
             v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
-        given = self.given
-        if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
-            ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
-            s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
-            decay = None
-        else:
-            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+            if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
+                ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
+                s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
+                decay = None
+            else:
+                ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
         bq, bk, bv = mma._base(q), mma._base(k), mma._base(v)
         key = (q.storage_offset(), k.storage_offset(), v.storage_offset(), ell.storage_offset(),
                None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
