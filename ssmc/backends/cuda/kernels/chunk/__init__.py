@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
+from ...devices import emulating
 from ...launch import zero_bytes
 from ...options import options
 from . import mma
@@ -53,6 +54,18 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
+
+
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.zeros(shape)`, by a memset on the device where it is one (one driver call, `zero_bytes`: no fill
+    kernel's launch)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    if nbytes % 4 == 0 and (out.is_cuda or emulating()):
+        zero_bytes(out.data_ptr(), nbytes, out.zero_)
+    else:
+        out.zero_()
+    return out
 
 
 @dataclass
@@ -163,7 +176,7 @@ class ChunkedCore:
         # a copy, zero past `length` (a param repeated over the steps): the views it copies between worked out once
         # per layout (host time a call: a short call pads its operands each call)
         out_shape, source, dest = self._padded_steps(x, axes, timed, inner, length, chunk)
-        out = torch.zeros(out_shape, dtype=dtype, device=x.device)
+        out = _zeros(out_shape, dtype, x.device)
         torch.as_strided(out, *dest).copy_(torch.as_strided(x, *source, x.storage_offset()))
         return out
 
@@ -601,8 +614,7 @@ class _Padding:
     def arrange(self, device):
         """A call's `_arrange` (its copies in one new zeroed allocation on `device`)."""
         core, slots = self.core, self.slots
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        zero_bytes(buffer.data_ptr(), self.nbytes, buffer.zero_)
+        buffer = _zeros((self.nbytes,), torch.uint8, device)
         typed, asked = {}, iter(range(len(slots)))
 
         def arrange(x, axes, timed, inner, length, chunk, dtype=None):
