@@ -1,6 +1,6 @@
 """Host time of ssmc's torch op per call, apart from the GPU's: is a small training step kernel-bound?
 
-    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd,retnet,attention]
+    python bench/host_time.py [--out DIR] [--calls 50] [--only mamba1,scan,ssd,ssd_short,retnet,attention]
     python bench/host_time.py --cpu-stub [--calls 200] [--profile] [--only ...]   # no GPU: the host path alone
 
 For Mamba-1 at the seed size (`examples/mamba1.py`, "b d t", B32 D512 L180 N16 fp32, gradients of the 8
@@ -18,7 +18,9 @@ markdown table; with --out, writes DIR/host_time.md.
 `ssmc.compile`'s forward alone (host milliseconds per call, its kernels' time, its time back to back). Before
 timing, the GPU run checks that calls after the first of a signature (the prepared paths: cuda/staged.py,
 autograd/stages.py `PreparedStages`) give the first call's outputs and gradients (relative error printed, at
-most 1e-3), and the same after a call of another shape. "retnet": RetNet (`examples/retnet.py`, bf16 q, k, v and
+most 1e-3), and the same after a call of another shape. "ssd_short": the same layer at B32 L180 G1 R16 P64 N64, a
+short call whose last chunk is partial (180 steps: a chunk of 128 and one of 52, padded), rows as "ssd"'s
+(B1 L180 G1 R1 P64 N64 with --cpu-stub). "retnet": RetNet (`examples/retnet.py`, bf16 q, k, v and
 an fp32 param gamma, whose positivity the chunked core checks once per array) at B4 L4096 H16 K128 V128, rows
 as SSD's.
 "attention": `ssmc.torch.function` of causal attention and of causal ALiBi with a fixed slope (bench/flash_check.py's
@@ -86,6 +88,8 @@ def scan1_inputs(b=32, d=512, t=180) -> dict:
 
 SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}     # bench/chunk_check.py's
 SSD_STUB = {"b": 1, "t": 128, "g": 1, "r": 1, "p": 64, "n": 64}   # --cpu-stub's (module docstring)
+SSD_SHORT = {"b": 32, "t": 180, "g": 1, "r": 16, "p": 64, "n": 64}   # a partial last chunk (180 = 128 + 52)
+SSD_SHORT_STUB = {"b": 1, "t": 180, "g": 1, "r": 1, "p": 64, "n": 64}
 
 
 def ssd_inputs(s: dict, seed: int = 2) -> dict:
@@ -403,13 +407,15 @@ def stub_main(args) -> None:
         rows.append(_stub_measure("scan h = a h + x B32 D512 L180 fp32",
                                   ssmc.torch.function(scan1, "cuda", layout="b d t"), scan1_inputs(), args.calls,
                                   args.profile))
-    if "ssd" in args.only:
-        title = "SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD_STUB)
+    for only, shape in (("ssd", SSD_STUB), ("ssd_short", SSD_SHORT_STUB)):
+        if only not in args.only:
+            continue
+        title = "SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**shape)
         compiled = ssmc.compile(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
         op = ssmc.torch.function(mamba2.SPEC, "cuda", layout=mamba2.LAYOUT)
-        rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, ssd_inputs(SSD_STUB), args.calls,
+        rows.append(_stub_forward(f"{title}, ssmc.compile forward", compiled, ssd_inputs(shape), args.calls,
                                   args.profile))
-        rows.append(_stub_measure(f"{title}, torch op", op, ssd_inputs(SSD_STUB), args.calls, args.profile))
+        rows.append(_stub_measure(f"{title}, torch op", op, ssd_inputs(shape), args.calls, args.profile))
     if "retnet" in args.only:
         title = "RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET_STUB)
         compiled = ssmc.compile(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
@@ -433,7 +439,7 @@ def main() -> None:
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
     ap.add_argument("--only", default="mamba1,scan,ssd,retnet,attention",
-                    help="workloads, comma-separated: mamba1, scan, ssd, retnet, attention")
+                    help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
     if args.cpu_stub:
@@ -452,9 +458,10 @@ def main() -> None:
     if "scan" in args.only:
         rows.append(measure("scan h = a h + x B32 D512 L180 fp32", ssmc.torch.function(scan1, "cuda", layout="b d t"),
                             scan1_inputs(), args.calls))
-    if "ssd" in args.only:
-        rows += chunked_rows("SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**SSD), mamba2, ssd_inputs(SSD),
-                             ssd_inputs({**SSD, "t": SSD["t"] // 2}, seed=3), args.calls)
+    for only, shape in (("ssd", SSD), ("ssd_short", SSD_SHORT)):
+        if only in args.only:
+            rows += chunked_rows("SSD B{b} L{t} G{g} R{r} P{p} N{n} bf16".format(**shape), mamba2, ssd_inputs(shape),
+                                 ssd_inputs({**shape, "t": shape["t"] // 2}, seed=3), args.calls)
     if "retnet" in args.only:
         rows += chunked_rows("RetNet B{b} L{t} H{h} K{k} V{v} bf16".format(**RETNET), retnet, retnet_inputs(RETNET),
                              retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5), args.calls)

@@ -154,10 +154,12 @@ def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, 
     assert counted["launches"] == launches and len(f._calls) == 3
 
 
-def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch):
+@pytest.mark.parametrize("length", [LENGTH, 70])
+def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch, length):
     """`ssmc.torch.function` of RetNet with bf16 q, k, v: from the second call of a signature its plan calls the
     prepared step directly in the inputs' 16-bit context (`_HalfStep`, as `Grad.forward` would, without its
-    look-ups); outputs and every gradient bit for bit the first (general) call's."""
+    look-ups); outputs and every gradient bit for bit the first (general) call's. At 70 steps (chunks of 64: the
+    last of 6 steps, padded) as well: the core's plan made once, the third call on it."""
     import ssmc.torch
     from ssmc import torch as ssmc_torch
     from ssmc.examples import retnet
@@ -166,8 +168,10 @@ def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monke
     forward = ssmc_torch._HalfStep.forward
     monkeypatch.setattr(ssmc_torch._HalfStep, "forward",
                         lambda self, *a: (taken.append(self.half), forward(self, *a))[1])
+    if length != LENGTH:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", "64")
     rng = np.random.default_rng(4)
-    inputs = retnet.make_inputs(rng, LENGTH, batch=1, heads=2, dk=64, dv=64)
+    inputs = retnet.make_inputs(rng, length, batch=1, heads=2, dk=64, dv=64)
     tensors = {k: torch.tensor(v).to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32)
                for k, v in inputs.items()}
     f = ssmc.torch.function(retnet.SPEC, "cuda", layout=retnet.LAYOUT)
@@ -180,6 +184,8 @@ def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monke
         y.backward(dy)
         results.append([y.detach(), *(leaves[k].grad for k in ("q", "k", "v"))])
     assert taken == [torch.bfloat16, torch.bfloat16]
+    # the general forward at the first call and at the prepared forward's first (which makes the plan) only
+    assert counted["plans"] == 1 and counted["general"] == 2
     for got in results[1:]:
         for a, b in zip(got, results[0], strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
@@ -225,3 +231,71 @@ def test_an_expanded_cotangent_gives_the_contiguous_ones_gradients(counted):
         _, _, tape = forward(seqs, params, initial)
         got = backward(seqs, params, tape, {GRAD + out: expanded}, lam, None)
         _equal(got[0], want[0])
+
+
+def _new_plans(monkeypatch) -> dict:
+    """{"forward": `mma.ForwardPlan`s made, "backward": `mma.BackwardPlan`s made} from now on."""
+    from ssmc.backends.cuda.kernels.chunk import mma
+
+    made = {"forward": 0, "backward": 0}
+    for name, cls in (("forward", mma.ForwardPlan), ("backward", mma.BackwardPlan)):
+        def init(self, *a, _f=cls.__init__, _name=name, **kw):
+            made[_name] += 1
+            _f(self, *a, **kw)
+        monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("name, length, chunk", [
+    ("retnet", 7, None),      # one chunk of 64 (the kernels' choice for a short call), 57 steps padded
+    ("mamba2", 70, 64),       # two chunks, the last of 6 steps; β, the skip, B and C summed over 2 heads
+    nightly_case("retnet", 1, None, reason="one step: the 7-step case takes the same paths"),
+    nightly_case("retnet", 127, None, reason="a chunk of 128 one step short: the 70-step case's host paths"),
+    nightly_case("retnet", 129, 64, reason="three chunks, the last of one step: the 70-step case's host paths"),
+    nightly_case("mamba2", 180, None, reason="the short SSD workload's 128 + 52 steps: the 70-step case's paths"),
+    nightly_case("retnet", 300, 256, reason="chunks of 256: the 64- and 128-step cases take the same host paths")])
+def test_prepared_partial_last_chunk_takes_its_plans_and_gives_the_general_results(counted, monkeypatch, name,
+                                                                                    length, chunk):
+    """A length that is no multiple of the chunk (the operands padded to whole chunks each call): the prepared
+    forward and backward make their plans once (the second call of the signature makes none, the third neither)
+    and give the first, general, call's outputs, final state and every gradient bit for bit."""
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedBackward, PreparedTape
+    from ssmc.passes.autodiff import GRAD
+
+    if chunk is not None:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", str(chunk))
+    program, sizes = _core(name)
+    if name == "retnet":
+        sizes = {**sizes, "h": 1}
+    core = ChunkedCore(program, "float32")
+    rng = np.random.default_rng(7)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    forward = core.prepare_forward(seqs, params, initial, sizes, length)
+    made = _new_plans(monkeypatch)
+    arranged = []  # `_arrange`'s own copies (a prepared call's are `_Padding`'s, in one allocation)
+    monkeypatch.setattr(ChunkedCore, "_arrange", lambda *a, _f=ChunkedCore._arrange: (arranged.append(a), _f(*a))[1])
+    out, state = core.output, program.states[0].name
+    first = None
+    for call in range(3):  # the first call general (its plans made), then on the plans
+        arranged.clear()
+        outs, finals, tape = forward(seqs, params, initial)
+        assert first is None or not arranged
+        if first is None:
+            assert not isinstance(tape, PreparedTape) and counted["general"] == 1
+            cot = {GRAD + out: torch.from_numpy(rng.standard_normal(tuple(outs[out].shape))).to(torch.bfloat16)}
+            lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+            backward = core.prepare_backward(seqs, params, tape, cot, lam, None, sizes, length)
+            assert isinstance(backward, PreparedBackward)
+        else:
+            assert isinstance(tape, PreparedTape)
+        grads = backward(seqs, params, tape, cot, lam, None)
+        if first is None:
+            first = (outs, finals, *grads)
+            assert made == {"forward": 2, "backward": 1}  # (`_plan`'s, and the general path's own)
+            continue
+        for got, want in zip((outs, finals, *grads), first, strict=True):
+            _equal(got, want)
+        assert made == {"forward": 2, "backward": 2}, call  # the backward's plan made at its first prepared call
+    assert counted["general"] == 1 and counted["plans"] == 1
+    assert forward.padded
+    assert len(backward.plans) == 1 and all(backward.plans.values())

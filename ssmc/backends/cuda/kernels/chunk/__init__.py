@@ -29,6 +29,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
+from ...devices import emulating
+from ...launch import zero_bytes
 from ...options import options
 from . import mma, tune
 from .algorithm import Chunks, forward, vjp
@@ -57,6 +59,18 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
+
+
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.zeros(shape)`, by a memset on the device where it is one (one driver call, `zero_bytes`: no fill
+    kernel's launch)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    if nbytes % 4 == 0 and (out.is_cuda or emulating()):
+        zero_bytes(out.data_ptr(), nbytes, out.zero_)
+    else:
+        out.zero_()
+    return out
 
 
 @dataclass
@@ -145,6 +159,7 @@ class ChunkedCore:
         self.input_names = tuple(d.name for d in program.inputs)
         self.param_decays: dict = {}  # `_found_param_decay`'s
         self._unarranged: dict = {}   # `_unarrange_steps` per shape
+        self._padded: dict = {}       # `_arrange_steps` per layout
 
     # -- layouts ---------------------------------------------------------------------------------
     def _names(self, node_axes, timed: bool) -> list[str]:
@@ -154,19 +169,48 @@ class ChunkedCore:
                  dtype=None) -> torch.Tensor:
         """`x` ([L, *axes] where `timed`, else [*axes]) as [*H (1 where absent), NC, C(, inner)],
         zero past `length`."""
+        padded = -(-length // chunk) * chunk
+        dtype = dtype or x.dtype
+        if timed and padded == length:  # whole chunks: a view (a copy only for another dtype)
+            names = self._names(axes, timed)
+            target = [*self.ml.heads, "~t", *([inner] if inner else [])]
+            y = x.permute(*[names.index(n) for n in target if n in names])
+            shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
+            t = len(self.ml.heads)
+            return y.reshape(shape).to(dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
+        # a copy, zero past `length` (a param repeated over the steps): the views it copies between worked out once
+        # per layout (host time a call: a short call pads its operands each call)
+        out_shape, source, dest = self._padded_steps(x, axes, timed, inner, length, chunk)
+        out = _zeros(out_shape, dtype, x.device)
+        torch.as_strided(out, *dest).copy_(torch.as_strided(x, *source, x.storage_offset()))
+        return out
+
+    def _padded_steps(self, x, axes, timed: bool, inner: str | None, length: int, chunk: int) -> tuple:
+        """`_arrange_steps` of `x`'s layout, worked out once per layout."""
+        key = (tuple(x.shape), x.stride(), tuple(axes), timed, inner, length, chunk)
+        steps = self._padded.get(key)
+        if steps is None:
+            if len(self._padded) >= 256:
+                self._padded.clear()
+            steps = self._padded[key] = self._arrange_steps(x, axes, timed, inner, length, chunk)
+        return steps
+
+    def _arrange_steps(self, x, axes, timed: bool, inner: str | None, length: int, chunk: int) -> tuple:
+        """(the shape [*H, NC, C(, inner)] of `_arrange`'s copy of `x`; the size and strides of `x` read as
+        [*H, length(, inner)] (stride 0 along the heads it lacks and, where not `timed`, along time); those of the
+        copy's first `length` steps, the same shape)."""
         names = self._names(axes, timed)
         target = [*self.ml.heads, "~t", *([inner] if inner else [])]
-        y = x.permute(*[names.index(n) for n in target if n in names])
-        shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
-        y = y.reshape(shape)
-        padded = -(-length // chunk) * chunk
         t = len(self.ml.heads)
-        if timed and padded == length:  # whole chunks: a view (a copy only for another dtype)
-            return y.to(dtype or x.dtype).reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
-        shape[t] = padded
-        out = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
-        out.narrow(t, 0, length).copy_(y.expand(*shape[:t], length, *shape[t + 1:]))
-        return out.reshape(*shape[:t], padded // chunk, chunk, *shape[t + 1:])
+        shape = [x.shape[names.index(n)] if n in names else 1 for n in target]
+        shape[t] = length
+        strides = [x.stride(names.index(n)) if n in names else 0 for n in target]
+        padded = -(-length // chunk) * chunk
+        dense = [1] * len(shape)  # the copy's strides, [*H, padded(, inner)] contiguous
+        for i in range(len(shape) - 2, -1, -1):
+            dense[i] = dense[i + 1] * (padded if i + 1 == t else shape[i + 1])
+        return ((*shape[:t], padded // chunk, chunk, *shape[t + 1:]), (tuple(shape), tuple(strides)),
+                (tuple(shape), tuple(dense)))
 
     def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
@@ -216,23 +260,26 @@ class ChunkedCore:
         ell, s0, beta, skip, decay = self._scalars(seqs, params, initial, length, chunk, q.device)
         return Chunks(q, k, v, ell, s0, beta, skip), decay
 
-    def _operands(self, seqs, params, length, chunk):
+    def _operands(self, seqs, params, length, chunk, arrange=None):
         """The call's q, k, v as `Chunks` holds them (`_arrange`d: views where the chunks are whole and the dtype
-        q's 16 bits, or the compute dtype, already)."""
+        q's 16 bits, or the compute dtype, already). `arrange`: what makes them in `_arrange`'s place (the same
+        values: `_Padding`'s)."""
         ml, f = self.ml, self.dtype
+        arrange = arrange or self._arrange
         q_arr, _ = self._input(ml.q, seqs, params)
         mm = q_arr.dtype if q_arr.dtype in (torch.bfloat16, torch.float16) else f
 
         def operand(node, inner):
             arr, timed = self._input(node, seqs, params)
-            return self._arrange(arr, node.axes, timed, inner, length, chunk, mm)
+            return arrange(arr, node.axes, timed, inner, length, chunk, mm)
 
         return operand(ml.q, ml.key), operand(ml.k, ml.key), operand(ml.v, ml.value)
 
-    def _scalars(self, seqs, params, initial, length, chunk, device):
+    def _scalars(self, seqs, params, initial, length, chunk, device, arrange=None):
         """(ell, s0, beta, skip as `Chunks` holds them, the decay as given where the core takes it so, else
-        None): what a call computes from its decays, β, skip and initial state."""
+        None): what a call computes from its decays, β, skip and initial state. `arrange` as `_operands`'."""
         ml, f = self.ml, self.dtype
+        arrange = arrange or self._arrange
         decay = None
         if ml.log_decay is not None and ml.log_decay.op is Op.CONST:
             ell = torch.zeros((*[1] * len(ml.heads), -(-length // chunk) * chunk), dtype=f, device=device)
@@ -272,7 +319,7 @@ class ChunkedCore:
                 else:
                     ell = y.expand(steps)
             else:
-                ell = self._arrange(arr, node.axes, timed, None, length, chunk, f)
+                ell = arrange(arr, node.axes, timed, None, length, chunk, f)
                 if ml.decay is not None:  # padded steps: decay 1
                     decay = ell.masked_fill(ell == 0, 1.0)
                     ell = torch.log(decay)
@@ -291,7 +338,7 @@ class ChunkedCore:
                 y = arr.to(f).permute(*[names.index(n) for n in ml.heads if n in names])
                 shape = [arr.shape[names.index(n)] if n in names else 1 for n in ml.heads]
                 return y.reshape(*shape, 1, 1).expand(*shape, -(-length // chunk), chunk)
-            return self._arrange(arr, node.axes, timed, None, length, chunk, f)
+            return arrange(arr, node.axes, timed, None, length, chunk, f)
 
         s = ml.state
         s0 = initial[s.name].to(f)
@@ -528,6 +575,68 @@ class ChunkedCore:
         return PreparedBackward(self, sizes, length)
 
 
+class _Padding:
+    """Where a padded prepared call (`PreparedForward`) makes its copies of whole chunks (`ChunkedCore._arrange`'s,
+    the same values and layouts): one allocation a call, zeroed by one memset (rather than an allocation and a fill
+    each), each copy a view at its own offset (`ALIGN`-byte aligned), in the order the call's `_operands` and
+    `_scalars` ask for them; as a plain loop, a call's
+
+        buffer = zeros(nbytes)
+        for each array asked for: view = buffer[offset : offset + its bytes] as [*H, NC, C(, inner)] of its dtype
+                                  view[.., :length, ..] = the array (as `_arrange` lays it out)
+
+    An array asked for otherwise than at the first call (its layout or dtype: the signature fixes both) is
+    `_arrange`'s own copy."""
+
+    ALIGN = 256
+
+    def __init__(self, core: ChunkedCore, asked: list[tuple]):
+        self.core = core
+        self.slots, offset = [], 0
+        for key, dtype, (shape, source, dest) in asked:  # (the layout key, the copy's dtype, `_arrange_steps`)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * shape[i + 1]
+            self.slots.append((key, dtype, shape, tuple(strides), offset // itemsize, source, dest))
+            offset += -(-math.prod(shape) * itemsize // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+
+    @staticmethod
+    def of(core: ChunkedCore, seqs, params, initial, length: int, chunk: int) -> _Padding:
+        """The padding of calls like this one: the copies its `_operands` and `_scalars` ask `_arrange` for."""
+        asked = []
+
+        def record(x, axes, timed, inner, length, chunk, dtype=None):
+            out = core._arrange(x, axes, timed, inner, length, chunk, dtype)
+            asked.append(((tuple(x.shape), x.stride(), x.dtype, tuple(axes), timed, inner, length, chunk), out.dtype,
+                          core._padded_steps(x, axes, timed, inner, length, chunk)))
+            return out
+        q = core._operands(seqs, params, length, chunk, record)[0]
+        core._scalars(seqs, params, initial, length, chunk, q.device, record)
+        return _Padding(core, asked)
+
+    def arrange(self, device):
+        """A call's `_arrange` (its copies in one new zeroed allocation on `device`)."""
+        core, slots = self.core, self.slots
+        buffer = _zeros((self.nbytes,), torch.uint8, device)
+        typed, asked = {}, iter(range(len(slots)))
+
+        def arrange(x, axes, timed, inner, length, chunk, dtype=None):
+            dtype = dtype or x.dtype
+            i = next(asked, None)
+            key = (tuple(x.shape), x.stride(), x.dtype, tuple(axes), timed, inner, length, chunk)
+            if i is None or slots[i][0] != key or slots[i][1] != dtype:
+                return core._arrange(x, axes, timed, inner, length, chunk, dtype)
+            _, _, shape, strides, offset, source, dest = slots[i]
+            view = typed.get(dtype)
+            if view is None:
+                view = typed[dtype] = buffer.view(dtype)
+            torch.as_strided(view, *dest, offset).copy_(torch.as_strided(x, *source, x.storage_offset()))
+            return torch.as_strided(view, shape, strides, offset)
+        return arrange
+
+
 class PreparedTape(ChunkTape):
     """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
     forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
@@ -556,13 +665,21 @@ class PreparedForward:
         launch the plan's kernels on the addresses of q, k, v (as given: no views), ell, beta, skip, out
         outputs, finals = out, final  (views or copies only where the layouts ask: `_outputs`)
 
-    Elsewhere (the torch path, operands the core copies) each call is `forward`'s."""
+    A call whose last chunk is partial (`padded`: length not a multiple of the chunk) copies q, k, v and its
+    sequences of decays, β and skip each call into zeroed arrays of whole chunks, as `forward` does (`_arrange`):
+    the kernels read every step of a chunk. Those copies' layouts are the signature's, so their plan is worked out
+    once as well; the tape keeps the copies (the backward's plan reads them at the same addresses).
+    Elsewhere (the torch path, operands the core copies over whole chunks) each call is `forward`'s."""
 
     def __init__(self, core: ChunkedCore, sizes, length, out_dtype, tape: bool):
         self.core, self.sizes, self.length, self.out_dtype, self.tape = core, sizes, length, out_dtype, tape
         self.plans: dict = {}   # layout key (`__call__`) -> (plan, what is made around it), or False
         self.general: bool | None = None  # whether no call of the signature runs the kernels (set at the first)
         self.chunk = 0
+        # whether the last chunk is partial (set at the first call): the operands are then copied each call, padded
+        # with zeros to whole chunks as `forward` copies them, and the plan is keyed by the copies' layout
+        self.padded = False
+        self.padding: _Padding | None = None  # (where `padded`: made at the first call)
         # (names of ell's, beta's, skip's inputs, None where absent) where `Chunks` holds them as views of the
         # arrays as given (SSD's log decays and β, its D: set by the first `_plan`), else None (`_scalars` a call)
         self.given: tuple | None = None
@@ -576,17 +693,25 @@ class PreparedForward:
         if self.general is None:
             self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device)
             self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
+            self.padded = length % self.chunk != 0
         if self.general:
             return self._general(seqs, params, initial)
-        k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
-        v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
-        given = self.given
-        if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
-            ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
-            s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
-            decay = None
+        padded, given = self.padded, self.given
+        if padded:  # the operands copied into whole chunks, zero past `length` (as `forward` pads: `_Padding`)
+            if self.padding is None:
+                self.padding = _Padding.of(core, seqs, params, initial, length, self.chunk)
+            arrange = self.padding.arrange(q.device)
+            q, k, v = core._operands(seqs, params, length, self.chunk, arrange)
+            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device, arrange)
         else:
-            ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
+            k = seqs[ml.k.arg] if ml.k.arg in seqs else params[ml.k.arg]
+            v = seqs[ml.v.arg] if ml.v.arg in seqs else params[ml.v.arg]
+            if given is not None:  # ell, beta, skip: the arrays as given (`_plan`), only their addresses read
+                ell, beta, skip = (None if n is None else seqs[n] if n in seqs else params[n] for n in given)
+                s0 = initial[ml.state.name].to(core.dtype).permute(self.state_order)
+                decay = None
+            else:
+                ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
         bq, bk, bv = mma._base(q), mma._base(k), mma._base(v)
         key = (q.storage_offset(), k.storage_offset(), v.storage_offset(), ell.storage_offset(),
                None if beta is None else beta.storage_offset(), None if skip is None else skip.storage_offset(),
@@ -595,7 +720,9 @@ class PreparedForward:
         if found is None:  # the layout's first call: its plan made, the call itself `forward`'s
             if given is not None:  # the views `_plan` reads the layouts of
                 ell, s0, beta, skip, decay = core._scalars(seqs, params, initial, length, self.chunk, q.device)
-            self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv))
+            if self._plan(key, seqs, params, ell, s0, beta, skip, (bq, bk, bv), (q, k, v) if padded else None
+                          ) is False and padded:
+                self.general = True  # (the copies' layouts are the signature's: no call of it takes a plan)
             return self._general(seqs, params, initial)
         if found is False:
             return self._general(seqs, params, initial)
@@ -610,6 +737,9 @@ class PreparedForward:
             outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is)
         if not self.tape:
             return outs, finals, None
+        if padded:  # the copies the kernels read: the tape's (the backward reads them at the same addresses)
+            made = Chunks(q, k, v, ell, s0, beta, skip)
+            return outs, finals, PreparedTape(lambda: made, entering, final, decay, addresses, key)
         chunk = self.chunk
 
         def make():  # the tape's chunked operands, made only where the general backward asks for them
@@ -645,11 +775,12 @@ class PreparedForward:
             names.append(node.arg)
         return tuple(names)
 
-    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases):
+    def _plan(self, key, seqs, params, ell, s0, beta, skip, bases, padded=None):
         """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
-        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call)."""
+        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call). `padded`: the call's
+        q, k, v padded to whole chunks (`__call__` copies them so each call), which the plan reads."""
         core, length, chunk = self.core, self.length, self.chunk
-        q, k, v = core._operands(seqs, params, length, chunk)
+        q, k, v = core._operands(seqs, params, length, chunk) if padded is None else padded
         x = Chunks(q, k, v, ell, s0, beta, skip)
         found = False
         if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
@@ -668,7 +799,7 @@ class PreparedForward:
                 final_as_is = (plan.final_shape == tuple(self.sizes[a] for a in s.axes)
                                and list(s.axes) == [*ml.heads, ml.key, ml.value])
                 found = (plan, tuple(direct[0].shape) if buf else None, o_dtype, out_as_is, final_as_is)
-                if not self.given_found:
+                if not self.given_found and padded is None:
                     self.given_found = True
                     self.given = self._given(seqs, params, x)
         if len(self.plans) >= 16:  # views at ever new storage offsets: keep it bounded
