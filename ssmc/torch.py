@@ -39,7 +39,7 @@ from .backends.cuda.options import options as cuda_options
 from .backends.registry import for_tensor, get_backend
 from .frontend.attention import AttentionSpec
 from .runtime.binding import from_time_first
-from .runtime.precision import given_half, half_of
+from .runtime.precision import casting_gradients, given_half, half_of
 from .runtime.prologue import PreparedCalls, program_of
 from .torch_layers import Recurrence, set_function
 from .torch_library import recurrence_op
@@ -173,6 +173,9 @@ _apply_lean, _apply_general = _c_apply(_LeanRecurrence), _c_apply(_Recurrence)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct: bool = False) -> tuple:
     """The gradients of `tensors` through `grad.backward` (the `Grad` the forward ran), each as a torch
     tensor of its argument's dtype. `direct`: the tape is a prepared step's, of a call on the current device
@@ -182,13 +185,16 @@ def _general_backward(fn: SsmcFunction, grad, tape, tensors, cotangents, direct:
     grad_h = {s: c for s, c in zip(fn.state_names, cotangents[n_out:]) if c is not None}
     if tape.step is not None:  # a prepared step's backward casts each gradient as it lays it out (one copy)
         tape.gradient_dtypes = {n: t.dtype for n, t in zip(fn.names, tensors)}
-    if direct:
-        with given_half(tape.half):  # as `Grad.backward` sets it (None: unchanged)
-            grads = tape.step.backward(tape, grad_y, grad_h or None)
-    else:
-        grads = None
-    if grads is None:
-        grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
+    # the 16-bit inputs' gradients are only cast to their dtypes below: a runner may write them so (the chunked
+    # core's time-first ones: no fp32 array of them, the cast then none)
+    with casting_gradients(frozenset(n for n, t in zip(fn.names, tensors) if t.dtype in _HALF_DTYPES)):
+        if direct:
+            with given_half(tape.half):  # as `Grad.backward` sets it (None: unchanged)
+                grads = tape.step.backward(tape, grad_y, grad_h or None)
+        else:
+            grads = None
+        if grads is None:
+            grads = grad.backward(tape, grad_outputs=grad_y, grad_final_states=grad_h or None)
     like = tensors[0]
     return tuple(_to_torch_in(grads[n], like, t.dtype) for n, t in zip(fn.names, tensors))
 

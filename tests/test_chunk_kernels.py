@@ -303,7 +303,8 @@ def test_the_kernels_compile_without_spills(arch):
                     assert set(resources) == {"chunk_states", "state_pass", "state_pass_half", "chunk_states_scan",
                                               "chunk_output", "chunk_output_hs", "chunk_output_ho",
                                               "chunk_output_hs_ho", "chunk_dstates", "state_pass_reverse",
-                                              "chunk_dq", "chunk_dk", "chunk_dv"}
+                                              "chunk_dq", "chunk_dk", "chunk_dv", "chunk_dq_ho", "chunk_dk_ho",
+                                              "chunk_dv_ho"}
                     dynamic = mma.shared_bytes(key, value, chunk)
                     for name, r in resources.items():
                         assert not r.spills, r.summary()
@@ -891,6 +892,208 @@ def test_emulated_backward_with_key_and_value_sizes_apart(emulate):
     x = _chunks(70, value=128, dtype=torch.float16, seed=5, q_heads=h, k_heads=h, v_heads=h, ell_heads=h,
                 s0_heads=h, chunk=64)
     _check_backward(x, 3, 1e-3)
+
+
+def _time_first_view(heads: tuple[int, ...], nc: int, chunk: int, dim: int, dtype) -> torch.Tensor:
+    """[*heads, NC, C, dim] view of a new time-first array [NC·C, *heads, dim] of NaN (`ChunkedCore._time_first_out`'s
+    layout: what the kernels leave unwritten shows)."""
+    nh = len(heads)
+    buf = torch.full((nc * chunk, *heads, dim), float("nan"), dtype=dtype)
+    view = buf.permute(*range(1, nh + 1), 0, nh + 1).reshape(*heads, nc, chunk, dim)
+    assert view.data_ptr() == buf.data_ptr() and view.stride(nh) == chunk * view.stride(nh + 1)
+    return view
+
+
+@needs_emulator
+@pytest.mark.parametrize("every_head", [False, True])
+def test_emulated_16_bit_direct_gradients_are_the_fp32_ones_rounded(emulate, every_head):
+    """`outs` in q's 16-bit dtype (the time-first gradients of 16-bit inputs: chunk_dq_ho, chunk_dk_ho, chunk_dv_ho)
+    against the same call with fp32 `outs`: each written in place, bit for bit the fp32 gradient rounded as torch's
+    cast rounds it (to nearest even); every other result (dq, dk summed over heads, the log decays' cotangent of the
+    row and end dots, ds0, dbeta, dskip) bit for bit the fp32 call's, so nothing the kernels derive from dv, dq, dk
+    reads the rounded values. SSD's broadcast (dv alone 16-bit, with β and a skip) and every operand per head
+    (RetNet's: dq, dk, dv); L 100 over two chunks of 64, the second partial."""
+    h = (1, 2)
+    heads = dict(q_heads=h, k_heads=h) if every_head else dict(q_heads=(1, 1), k_heads=(1, 1))
+    x = _chunks(100, seed=12, chunk=64, v_heads=h, ell_heads=h, s0_heads=h, beta_heads=h, skip_heads=h, **heads)
+    d_out, d_final = _cotangents(x, 13)
+    _, entering, final = mma.forward(x, half_states=True)
+    roles = ("dq", "dk", "dv") if every_head else ("dv",)
+    nc, chunk = x.q.shape[-3:-1]
+    dims = {"dq": 64, "dk": 64, "dv": 64}
+    wide = {r: _time_first_view(h, nc, chunk, dims[r], torch.float32) for r in roles}
+    half = {r: _time_first_view(h, nc, chunk, dims[r], torch.bfloat16) for r in roles}
+    want = mma.backward(x, entering, final, d_out, d_final, outs=wide)
+    got = mma.backward(x, entering, final, d_out, d_final, outs=half)
+    for i, name in enumerate(("dq", "dk", "dv", "dell", "ds0", "dbeta", "dskip")):
+        if name in roles:
+            assert got[i].data_ptr() == half[name].data_ptr() and got[i].dtype == torch.bfloat16, name
+            assert want[i].data_ptr() == wide[name].data_ptr(), name
+            assert not bool(want[i].isnan().any()), name
+            assert torch.equal(got[i], want[i].to(torch.bfloat16)), name
+        else:
+            assert got[i].dtype == torch.float32 and torch.equal(got[i], want[i]), name
+
+
+@needs_emulator
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+def test_chunked_core_writes_16_bit_inputs_gradients_in_16_bits(name, emulate, monkeypatch):
+    """ChunkedCore's backward (and its prepared one) on bf16 operands, where the caller only casts their gradients
+    (`casting_gradients`, as ssmc.torch's backward says): the gradients the kernels write time first (SSD's x;
+    RetNet's q, k, v) come in bf16, as the kernels wrote them, bit for bit the fp32 ones of `HALF_GRADIENTS` off
+    rounded; every other gradient bit for bit the same. Outside that context (ssmc.grad) they stay fp32. L 64 (one
+    whole chunk)."""
+    from ssmc.backends.cuda.kernels import chunk
+    from ssmc.passes.autodiff import GRAD
+    from ssmc.runtime.precision import casting_gradients
+
+    program, sizes = _core(name)
+    length = 64
+    rng = np.random.default_rng(14)
+    seqs, params, initial = _core_inputs(program, sizes, length, rng, torch.bfloat16)
+    core = chunk.ChunkedCore(program, "float32")
+    outs, finals, tape = core.forward(seqs, params, initial, sizes, length)
+    output, state = core.output, program.states[0].name
+    cot = {GRAD + output: torch.from_numpy(rng.standard_normal(tuple(outs[output].shape))).to(torch.bfloat16)}
+    lam = {GRAD + state: torch.from_numpy(rng.standard_normal(tuple(finals[state].shape))).float()}
+    names = ["x"] if name == "mamba2" else ["q", "k", "v"]
+    direct = {GRAD + n for n in names}
+    prepared = core.prepare_backward(seqs, params, tape, cot, lam, None, sizes, length)
+    with casting_gradients(frozenset(names)):
+        got = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
+        got_prepared = [prepared(seqs, params, tape, cot, lam, None) for _ in range(2)]  # (its plan made, then taken)
+    want = core.backward(seqs, params, tape, cot, lam, None, sizes, length)  # (no context: fp32)
+    # the prepared backward outside the context: a plan of its own (fp32), not the 16-bit one
+    outside = [prepared(seqs, params, tape, cot, lam, None) for _ in range(2)]
+    monkeypatch.setattr(chunk, "HALF_GRADIENTS", False)
+    with casting_gradients(frozenset(names)):
+        off = core.backward(seqs, params, tape, cot, lam, None, sizes, length)
+    for result in (off, *outside):
+        for g, w in zip(result, want):
+            assert set(g) == set(w)
+            for k in w:
+                assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), k
+    for result in (got, *got_prepared):
+        for g, w in zip(result, want):
+            assert set(g) == set(w)
+            for k in w:
+                if k in direct:
+                    assert g[k].dtype == torch.bfloat16 and w[k].dtype == torch.float32, k
+                    assert torch.equal(g[k], w[k].to(torch.bfloat16)), k
+                else:
+                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), k
+
+
+@needs_emulator
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+def test_emulated_spec_gradients_of_16_bit_inputs(name, emulate, monkeypatch):
+    """A training step through ssmc.torch.function on bf16 inputs, emulated (K = V = 64, L 64): the gradients
+    of x (RetNet's q, k, v) reach the caller in bf16 as the backward kernels wrote them (`ChunkedCore._gradients`
+    returns them so: no fp32 array between), every gradient bit for bit that of `HALF_GRADIENTS` off (fp32, cast
+    by the torch op) and, as the GPU test holds them, within 2e-2 (the decays' parameters 3e-2) of the torch
+    backward's (SSMC_CUDA_CHUNK_BACKWARD=0). Two steps each: the general path, then the prepared one."""
+    import ssmc.torch
+    from ssmc.backends.cuda.kernels import chunk
+    from ssmc.examples import mamba2, retnet
+
+    rng = np.random.default_rng(15)
+    if name == "mamba2":
+        spec, layout = mamba2.SPEC, mamba2.LAYOUT
+        inputs = mamba2.make_inputs(rng, 64, batch=1, groups=1, heads=2, headdim=64, state=64)
+        inputs["x"] = inputs["x"] * 0.3
+        direct = ["x"]
+    else:
+        spec, layout = retnet.SPEC, retnet.LAYOUT
+        inputs = retnet.make_inputs(rng, 64, batch=1, heads=2, dk=64, dv=64)
+        inputs["gamma"] = 1.0 - 2.0 ** (-5.0 - np.arange(2))  # (as `_spec_case`'s)
+        inputs["q"] = inputs["q"] / 8.0
+        direct = ["q", "k", "v"]
+    inputs.pop(spec.program.states[0].name, None)  # (no initial state: the prepared step's own zeros)
+    bf = {k: torch.from_numpy(v).to(torch.bfloat16 if np.ndim(v) > 2 else torch.float32) for k, v in inputs.items()}
+    returned = []
+    monkeypatch.setattr(chunk.ChunkedCore, "_gradients", lambda *a, _f=chunk.ChunkedCore._gradients, **kw:
+                        (lambda r: returned.append(r[0]) or r)(_f(*a, **kw)))
+    dy = None
+
+    def steps():
+        nonlocal dy
+        fn = ssmc.torch.function(spec, "cuda", layout=layout)
+        results = []
+        for _ in range(2):
+            leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+            y = fn(**leaves)
+            if dy is None:
+                dy = torch.from_numpy(rng.standard_normal(tuple(y.shape))).to(y.dtype)
+            y.backward(dy)
+            results.append({k: v.grad for k, v in leaves.items()})
+        return results
+
+    got = steps()
+    assert len(returned) == 2
+    for grads in returned:
+        for n in direct:
+            assert grads["grad_" + n].dtype == torch.bfloat16, n
+    for grads in got:
+        for n in direct:
+            assert grads[n].dtype == torch.bfloat16, n
+    monkeypatch.setattr(chunk, "HALF_GRADIENTS", False)
+    want = steps()
+    assert all(grads["grad_" + n].dtype == torch.float32 for grads in returned[2:] for n in direct)
+    for g, w in zip(got, want):
+        for k in w:
+            assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), k
+    monkeypatch.setattr(chunk, "HALF_GRADIENTS", True)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    before = len(returned)
+    torch_backward = steps()
+    assert len(returned) == before + 2
+    assert all(grads["grad_" + n].dtype == torch.float32 for grads in returned[before:] for n in direct)
+    for k, t in torch_backward[-1].items():
+        g = got[-1][k]
+        assert _rel(g, t) < (3e-2 if k in ("dt", "A", "gamma") else 2e-2), (k, _rel(g, t))
+
+
+@ssmc.recurrence
+def value_gated(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], v: ssmc.Seq["b h v"]):
+    """Linear attention gated by silu(v): a post stage that reads v too, so v's gradient has two parts."""
+    S = S + k * v
+    y = ssmc.dot(S, q, over="k") * ssmc.silu(v)
+    return S, y
+
+
+@needs_emulator
+def test_emulated_staged_input_read_by_two_stages_keeps_an_fp32_gradient(emulate, monkeypatch):
+    """A staged layer (core, post) whose post stage reads v too: the core writes q's and k's gradients in bf16 (only
+    cast after) but v's in fp32 (the post's part is added into it before the cast: `StagedGrad.read_alone`), so
+    every gradient is bit for bit that of `HALF_GRADIENTS` off. Emulated, K = V = 64, L 64, two steps each."""
+    import ssmc.torch
+    from ssmc.backends.cuda.kernels import chunk
+
+    rng = np.random.default_rng(16)
+    shapes = {"q": (1, 64, 2, 64), "k": (1, 64, 2, 64), "v": (1, 64, 2, 64)}
+    bf = {n: torch.from_numpy(rng.standard_normal(s) * (0.125 if n == "q" else 1.0)).to(torch.bfloat16)
+          for n, s in shapes.items()}
+    roles = []
+    monkeypatch.setattr(chunk.ChunkedCore, "_direct_roles", lambda *a, _f=chunk.ChunkedCore._direct_roles:
+                        (lambda r: roles.append({n.arg: d for _, n, _, _, d in r}) or r)(_f(*a)))
+    dy = torch.from_numpy(rng.standard_normal((1, 64, 2, 64))).to(torch.bfloat16)
+
+    def steps():
+        fn = ssmc.torch.function(value_gated, "cuda", layout="b t ...")
+        results = []
+        for _ in range(2):
+            leaves = {n: t.clone().requires_grad_(True) for n, t in bf.items()}
+            fn(**leaves).backward(dy)
+            results.append({n: t.grad for n, t in leaves.items()})
+        return results
+
+    got = steps()
+    assert roles and all(r == {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.float32} for r in roles), roles
+    monkeypatch.setattr(chunk, "HALF_GRADIENTS", False)
+    want = steps()
+    for g, w in zip(got, want):
+        for n in w:
+            assert g[n].dtype == w[n].dtype == torch.bfloat16 and torch.equal(g[n], w[n]), n
 
 
 @needs_emulator

@@ -23,7 +23,7 @@ import numpy as np
 from ..backends.cuda.devices import on_arrays_device
 from ..backends.registry import check_backend, get_backend
 from ..runtime.binding import DEFAULT_LAYOUT, from_time_first, to_time_first
-from ..runtime.precision import given_half
+from ..runtime.precision import cast_gradients, casting_gradients, given_half
 from ..runtime.prologue import PreparedCalls, bind_call
 from .driver import Driver, Grad
 from .prepared import PreparedChunk, PreparedStep, contiguous_in, takes_half_cotangents
@@ -40,6 +40,11 @@ class StagedGrad(Driver):
         self.target = get_backend(backend)
         self.stages = self.target.stages(program).stages
         self.xp = self.target.arrays
+        # per stage, the names it reads that no other stage reads: of those, a gradient the caller only casts
+        # (`cast_gradients`) is that stage's alone, so its runner may write it in the input's 16 bits; another
+        # stage's part is added into the rest
+        reads = [{d.name for d in st.program.inputs} for st in self.stages]
+        self.read_alone = [frozenset(n for n in r if sum(n in o for o in reads) == 1) for r in reads]
         self.layout = layout
         self.dtype = dtype
         self.chunk = chunk
@@ -97,11 +102,14 @@ class StagedGrad(Driver):
         p, xp = self.program, self.xp
         cot = dict(cot)
         totals: dict = {}
-        for stage, g, t in reversed(list(zip(self.stages, self._stage_grads(tape.dtype), tape.tapes))):
+        cast = cast_gradients()
+        for stage, g, t, alone in reversed(list(zip(self.stages, self._stage_grads(tape.dtype), tape.tapes,
+                                                    self.read_alone))):
             sp = stage.program
             stage_cot = {n: cot.pop(n) if n in cot else xp.zeros((t.length, *(t.sizes[a] for a in y.axes)), t.dtype)
                          for n, y in sp.outputs}
-            grads = g.adjoint(t, stage_cot, {s.name: lam[s.name] for s in sp.states})
+            with casting_gradients(cast & alone):
+                grads = g.adjoint(t, stage_cot, {s.name: lam[s.name] for s in sp.states})
             for name, value in grads.items():
                 into = cot if name not in {d.name for d in p.inputs} and name not in lam else totals
                 into[name] = into[name] + value if name in into else value
@@ -205,19 +213,22 @@ class PreparedStages:
             cot[n] = t.detach().permute(*self.outputs_to_time_first[n])
         totals: dict = {}
         inputs = self.inputs
-        for (_, _, _, _, outputs, _), g, t in reversed(list(zip(self.stages, self.stage_grads, tape.tapes))):
+        cast = cast_gradients()
+        for (_, _, _, _, outputs, _), g, t, alone in reversed(list(zip(self.stages, self.stage_grads, tape.tapes,
+                                                                      self.grad.read_alone))):
             stage_cot = {n: cot.pop(n) for n in outputs if n in cot}  # the others: zeros (the step's own)
             if not takes_half_cotangents(t.step):
                 stage_cot = {n: c if c.dtype == compute else c.to(compute) for n, c in stage_cot.items()}
             grads = None
-            if stage_cot:
-                if t.half is None:
-                    grads = t.step.backward(t, stage_cot, None)
-                else:
-                    with given_half(t.half):
+            with casting_gradients(cast & alone):
+                if stage_cot:
+                    if t.half is None:
                         grads = t.step.backward(t, stage_cot, None)
-            if grads is None:
-                grads = g.backward(t, grad_outputs=stage_cot, grad_final_states=None)
+                    else:
+                        with given_half(t.half):
+                            grads = t.step.backward(t, stage_cot, None)
+                if grads is None:
+                    grads = g.backward(t, grad_outputs=stage_cot, grad_final_states=None)
             for name, value in grads.items():
                 into = totals if name in inputs else cot
                 into[name] = into[name] + value if name in into else value

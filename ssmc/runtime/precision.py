@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 _HALF: ContextVar = ContextVar("ssmc_half_inputs", default=None)
+_CAST: ContextVar = ContextVar("ssmc_cast_gradients", default=frozenset())
 
 
 def half_inputs():
@@ -41,3 +42,21 @@ def given_half(dtype):
         yield
     finally:
         _HALF.reset(token)
+
+
+def cast_gradients() -> frozenset:
+    """The names of the inputs whose gradients the caller only casts to the input's 16-bit dtype, nothing added
+    into them first (`ssmc.torch`'s backward; a staged layer narrows it per stage to the inputs that stage alone
+    reads): a runner may write such a gradient in that dtype (the chunked core's time-first ones), the values the
+    cast would give. Empty elsewhere (`ssmc.grad` returns the compute dtype's gradients)."""
+    return _CAST.get()
+
+
+@contextmanager
+def casting_gradients(names: frozenset):
+    """`cast_gradients()` is `names` inside."""
+    token = _CAST.set(names)
+    try:
+        yield
+    finally:
+        _CAST.reset(token)

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .....ir.ops import Op
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import MatrixLinear, core_form
+from .....runtime.precision import cast_gradients
 from ...devices import emulating
 from ...launch import zero_bytes
 from ...options import options
@@ -40,6 +41,11 @@ from .algorithm import Chunks, forward, vjp
 # L·C against L·K·V / C
 CHUNK = 64
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# the gradients the backward kernels write time first (`ChunkedCore._direct_roles`) in the input's 16-bit dtype where
+# it is q's and the caller only casts them to it (`cast_gradients`: ssmc.torch's backward), the fp32 sums rounded once
+# as stored (chunk_d*_ho), the values that cast gives: not an fp32 array only a cast reads (SSD's dx: 128 MiB at B4
+# L4096 H32 P64); False: fp32 (tests compare the two)
+HALF_GRADIENTS = True
 
 
 def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None,
@@ -128,10 +134,10 @@ class NonPositiveDecay(ValueError):
 class _Made:
     """An array made when first asked for, then kept (`array`): mma.backward's `outs`, made as late as the
     kernel that writes it. `like()`: an array of its layout that holds no memory (on the meta device), where
-    the plan reads only its layout (`mma.BackwardPlan`)."""
+    the plan reads only its layout (`mma.BackwardPlan`); `dtype`: the array's (`mma.backward`'s plans key on it)."""
 
-    def __init__(self, make, like=None):
-        self.make, self.array, self.like = make, None, like
+    def __init__(self, make, like=None, dtype=None):
+        self.make, self.array, self.like, self.dtype = make, None, like, dtype
 
     def __call__(self) -> torch.Tensor:
         if self.array is None:
@@ -477,7 +483,9 @@ class ChunkedCore:
     def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length,
                  plans: dict | None = None):
         """({GRAD + sequence: [L, *axes]}, {GRAD + param or state: gradient}) from the cotangents of the
-        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``). `plans`
+        output (``cot[GRAD + output]``, time first) and of the final state (``lam[GRAD + state]``): each in its input's
+        dtype, the compute dtype where that is 16-bit, but the gradients the kernels write in a 16-bit input's dtype
+        where the caller only casts them (`_direct_roles`). `plans`
         (`prepare_backward`: calls of one signature): the kernels' `mma.BackwardPlan`s, kept there per layout of
         the arrays' memory (their storage offsets, whether the bases are 16-byte aligned)."""
         ml, x = self.ml, tape.chunks
@@ -492,9 +500,10 @@ class ChunkedCore:
         if d_out is not None and mma.backward_applies(x, d_out):
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
             # every head and its own (SSD's x; RetNet's q, k, v): returned as they are, no permuting copy after
-            # (each made as its kernel runs, so that it is not live before: `_Made`)
-            direct = {role: self._made_out(sizes, length, chunk, x.q.device, axes, inner)
-                      for role, _, axes, inner in self._direct_roles(seqs)}
+            # (each made as its kernel runs, so that it is not live before: `_Made`), in the input's 16 bits
+            # where it is q's and the caller only casts the gradient to it (`HALF_GRADIENTS`)
+            direct = {role: self._made_out(sizes, length, chunk, x.q.device, axes, inner, dtype)
+                      for role, _, axes, inner, dtype in self._direct_roles(seqs, x.q.dtype)}
             dq, dk, dv, d_ell, ds0, d_beta, d_skip = mma.backward(x, tape.entering, tape.final, d_out, d_final,
                                                                   outs=direct, plans=plans)
         else:
@@ -519,7 +528,10 @@ class ChunkedCore:
                 return
             arr, timed = self._input(node, seqs, params)
             g = self._unarrange(grad, node.axes, timed, inner, length)
-            g = g.to(f if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)  # fp32 where kept 16-bit
+            # fp32 where kept 16-bit, but a gradient the kernels wrote in the input's 16 bits (`_direct_roles`),
+            # which reaches the caller as it is (no fp32 round trip: the caller's cast to the input's dtype a no-op)
+            if g.dtype != arr.dtype or arr.dtype not in (torch.bfloat16, torch.float16):
+                g = g.to(f if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)
             grads[key] = grads[key] + g if key in grads else g
 
         add(ml.q, dq, ml.key)
@@ -548,22 +560,27 @@ class ChunkedCore:
                 (outs if name in seq_names else finals)[GRAD + name] = torch.zeros_like(arr)
         return outs, finals
 
-    def _made_out(self, sizes, length, chunk, device, axes, inner) -> _Made:
-        """A time-first gradient's [*H, NC, C, inner] view (`_time_first_out`), made when its kernel runs."""
+    def _made_out(self, sizes, length, chunk, device, axes, inner, dtype=torch.float32) -> _Made:
+        """A time-first gradient's [*H, NC, C, inner] view of `dtype` (`_time_first_out`), made when its kernel
+        runs."""
         def out(on):
-            return self._time_first_out(sizes, length, chunk, on, axes=axes, inner=inner)[1]
-        return _Made(lambda: out(device), lambda: out(torch.device("meta")))
+            return self._time_first_out(sizes, length, chunk, on, dtype, axes=axes, inner=inner)[1]
+        return _Made(lambda: out(device), lambda: out(torch.device("meta")), dtype)
 
-    def _direct_roles(self, seqs) -> list[tuple]:
-        """(role, node, axes, inner) of the gradients of q, k, v the kernels write time first (`backward`): an
-        operand that is a sequence of every head and its own inner axis, and no other operand's array."""
+    def _direct_roles(self, seqs, half: torch.dtype) -> list[tuple]:
+        """(role, node, axes, inner, dtype) of the gradients of q, k, v the kernels write time first (`backward`):
+        an operand that is a sequence of every head and its own inner axis, and no other operand's array; `dtype`
+        the input's where it is `half` (q's 16-bit dtype, the kernels') and the caller only casts the gradient to it
+        (`cast_gradients`; `HALF_GRADIENTS`), else fp32."""
         ml = self.ml
+        cast = cast_gradients() if HALF_GRADIENTS else frozenset()
         found = []
         for role, node, inner in (("dq", ml.q, ml.key), ("dk", ml.k, ml.key), ("dv", ml.v, ml.value)):
             unique = sum(n.arg == node.arg for n in (ml.q, ml.k, ml.v)) == 1  # else two gradients summed
             axes = tuple(node.axes)
             if node.arg in seqs and unique and self._time_first_layout(axes, inner):
-                found.append((role, node, axes, inner))
+                dtype = half if node.arg in cast and seqs[node.arg].dtype == half else torch.float32
+                found.append((role, node, axes, inner, dtype))
         return found
 
     def prepare_forward(self, seqs, params, initial, sizes, length, outputs: bool = True):
@@ -833,7 +850,8 @@ class PreparedBackward:
         found = False
         if isinstance(tape, PreparedTape):
             cot_out = cot[GRAD + core.output]
-            key = (tape.key, cot_out.storage_offset(), cot_out.dtype, mma._base(cot_out) % 16 == 0)
+            # (and the gradients the caller only casts: written in 16 bits or not, `_direct_roles`)
+            key = (tape.key, cot_out.storage_offset(), cot_out.dtype, mma._base(cot_out) % 16 == 0, cast_gradients())
             found = self.plans.get(key)
             if found is None:
                 found = self._plan(key, seqs, params, tape, cot_out)
@@ -851,12 +869,12 @@ class PreparedBackward:
             addresses.append(mma._base(d_out))
         d_final = lam[GRAD + ml.state.name].to(core.dtype).permute(self.state_order)
         device = plan.device
-        direct = {role: _Made(lambda shape=shape: torch.empty(shape, dtype=torch.float32, device=device))
-                  for role, shape, _ in made}
+        direct = {role: _Made(lambda shape=shape, dtype=dtype: torch.empty(shape, dtype=dtype, device=device))
+                  for role, shape, _, dtype in made}
         chunked = plan.launch(addresses, tape.entering, d_final, direct)
         # the time-first gradients the kernels wrote: returned as they are (whole chunks) or their first steps
         done = {name: direct[role].array if direct[role].array.shape[0] == length
-                else direct[role].array.narrow(0, 0, length) for role, _, name in made}
+                else direct[role].array.narrow(0, 0, length) for role, _, name, _ in made}
         return core._gradients(seqs, params, tape, chunked, sizes, length, done, state_as_is)
 
     def _plan(self, key, seqs, params, tape, cot_out):
@@ -868,17 +886,17 @@ class PreparedBackward:
             chunk = x.q.shape[-2]
             d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
             if mma.backward_applies(x, d_out):
-                roles = core._direct_roles(seqs)
-                direct = {role: core._made_out(sizes, length, chunk, x.q.device, axes, inner)
-                          for role, _, axes, inner in roles}
+                roles = core._direct_roles(seqs, x.q.dtype)
+                direct = {role: core._made_out(sizes, length, chunk, x.q.device, axes, inner, dtype)
+                          for role, _, axes, inner, dtype in roles}
                 plan = mma.BackwardPlan(x, tape.entering, d_out, direct)
                 if not any(plan.copies[:6]):
                     # the gradients the kernels write in the time-first arrays themselves (`writable_out`)
                     writes = {"dq": plan.summed["dq"][0] == "given", "dk": plan.summed["dk"][0] == "given",
                               "dv": plan.dv_given}
                     padded = -(-length // chunk) * chunk
-                    made = [(role, (padded, *[sizes[a] for a in axes]), GRAD + node.arg)
-                            for role, node, axes, _ in roles if writes[role]]
+                    made = [(role, (padded, *[sizes[a] for a in axes]), GRAD + node.arg, dtype)
+                            for role, node, axes, _, dtype in roles if writes[role]]
                     s = ml.state
                     state_as_is = (plan.heads == tuple(sizes[h] for h in ml.heads)
                                    and list(s.axes) == [*ml.heads, ml.key, ml.value])

@@ -94,6 +94,7 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
             "chunk_output_hs_ho": product, **{name + "_b": product for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
             "chunk_dq": product, "chunk_dk": product, "chunk_dv": product,
+            "chunk_dq_ho": product, "chunk_dk_ho": product, "chunk_dv_ho": product,
             "chunk_states_pass": passing, "chunk_states_pass_half": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
@@ -472,7 +473,8 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
              heads_a_block: int | None = None, plans: dict | None = None):
     """`algorithm.vjp` on the kernels: (dq [*Hq, NC, C, K], dk [*Hk, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
-    fp32 over every head H (the caller sums them over the heads an operand lacks), but dq and dk, which
+    fp32 (but a 16-bit array of `outs`) over every head H (the caller sums them over the heads an operand
+    lacks), but dq and dk, which
     the kernels sum over a trailing block of heads q (k) lacks (SSD's C, B: Hq = [b, g, 1] of H = [b, g, r];
     `_heads_summed`), in their order: Hq is H with 1 there (else Hq = H). `heads_a_block`: the heads a
     block of chunk_dq / chunk_dk sums (a divisor of r; tests force it), default `_heads_a_block`'s. From
@@ -480,13 +482,16 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
     d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array, or a function
     that makes it, called as the kernel that writes it is launched (so that it is not live before)}, each
-    written there where `writable_out` (fp32; a view of a time-first gradient, say) and returned.
+    written there where `writable_out` (a view of a time-first gradient, say) and returned: fp32, or q's 16-bit
+    dtype (the fp32 sums rounded once as stored, the values a cast of the fp32 gradient gives: chunk_d*_ho; dq and
+    dk so only where the kernels sum no heads into them; the row dots, end dots, dbeta and dskip still of the
+    fp32 values).
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
     "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
     ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit).
-    `plans`: where a dict, the `BackwardPlan`s of calls whose arrays have the same shapes, strides and dtypes
-    (a caller's signature), kept there per storage offsets and alignment."""
+    `plans`: where a dict, the `BackwardPlan`s of calls whose arrays (`outs`' too) have the same shapes, strides
+    and dtypes (a caller's signature), kept there per storage offsets and alignment."""
     if plans is None:
         plan = BackwardPlan(x, entering, d_out, outs or {}, heads_a_block)
         addresses, kept = plan.addresses(x, d_out)
@@ -498,7 +503,8 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     arrays = (x.q, x.k, x.v, x.ell, x.beta, x.skip, d_out)
     bases = [0 if a is None else _base(a) for a in arrays]
     key = (*(None if a is None else a.storage_offset() for a in arrays),
-           (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0, heads_a_block)
+           (bases[0] | bases[1] | bases[2] | bases[6]) % 16 == 0, heads_a_block,
+           *((n, getattr(a, "dtype", None)) for n, a in sorted((outs or {}).items())))  # (fp32 or 16-bit outs)
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= 16:
@@ -585,8 +591,10 @@ class BackwardPlan:
             if r % per or per >= 1 << 16 or r // per >= 1 << 15:
                 raise ValueError(f"{per} heads a block do not divide the {r} summed")
             a = given[name]
+            half = False  # (a 16-bit `outs` array: the kernel that rounds as it stores, a head a block alone)
             if r == 1:  # where `outs` has a place the kernels can write, there
-                how = "given" if writable_out(a, heads, nc, chunk, key) else "new"
+                how = "given" if writable_out(a, heads, nc, chunk, key, (torch.float32, self.dtype)) else "new"
+                half = how == "given" and a.dtype != torch.float32
                 out = a if how == "given" else made((*heads, nc, chunk, key))
                 out_shape = (*heads, nc, chunk, key)
             elif r == per and writable_out(a, shape, nc, chunk, key):
@@ -596,16 +604,17 @@ class BackwardPlan:
                 out = made(out_shape).select(t, 0)
             ra, rb, rw = roles
             self.summed[name] = (how, out_shape, r // per, spec(
-                vk, f"chunk_{name}", nh // per * nc * (key // 64), 2 * chunk, value, key,
+                vk, f"chunk_{name}" + ("_ho" if half else ""), nh // per * nc * (key // 64), 2 * chunk, value, key,
                 [_Slot(slots[0]), _Slot(slots[1]), _Slot(slots[2]), _Slot(_ELL), beta_ptr, 0,
                  *table(ra, rb, rw, ell, out, operand, beta_col, ell), _Slot(state),
                  _Slot(_DQ if name == "dq" else _DK), _Slot(_Q if name == "dq" else _K), _Slot(_ROWS)],
                 (r // per) << 16 | per))
         dv = given["dv"]
-        self.dv_given = writable_out(dv, heads, nc, chunk, value)
+        self.dv_given = writable_out(dv, heads, nc, chunk, value, (torch.float32, self.dtype))
         if not self.dv_given:
             dv = made((*heads, nc, chunk, value))
-        self.dv = spec(kv, "chunk_dv", nh * nc * (value // 64), 2 * chunk, key, value,
+        half = dv.dtype != torch.float32  # chunk_dv_ho: dv rounded to 16 bits as stored
+        self.dv = spec(kv, "chunk_dv" + ("_ho" if half else ""), nh * nc * (value // 64), 2 * chunk, key, value,
                        [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
                         *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
                         _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
