@@ -10,9 +10,9 @@ from profiles import select_profile
 # no-shrink on request), loaded before any test module reads it; `--hypothesis-profile=NAME` overrides
 settings.load_profile(select_profile())
 
-# the matrix-linear kernels' chunk by its rule, not timed per shape (tests/test_chunk_tune.py tests the tuning):
-# the GPU tests pick their chunks, count plans and compare runs, which a timed choice would make vary
-os.environ.setdefault("SSMC_CUDA_CHUNK_TUNE", "0")
+# the matrix-linear kernels' chunk by its rule in every test, not timed per shape (tests/test_chunk_tune.py sets
+# SSMC_CUDA_CHUNK_TUNE itself): the GPU tests pick their chunks, count plans and compare runs
+os.environ["SSMC_CUDA_CHUNK_TUNE"] = "0"
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,4 +1,5 @@
-"""The matrix-linear kernels' chunk, autotuned per shape at first use (backends/cuda/kernels/chunk/tune.py).
+"""The matrix-linear kernels' chunk, autotuned per shape at first use where SSMC_CUDA_CHUNK_TUNE=1
+(backends/cuda/kernels/chunk/tune.py).
 
 CPU: the candidates, the choice and its cache with the timing stubbed, the rule where tuning is off or the
 tensors are not on a GPU, `ssmc inspect`'s note. GPU (``-m gpu``): a tuned call equals the call forced to the
@@ -30,7 +31,7 @@ def stub_timing(monkeypatch):
     monkeypatch.setattr(tune, "_time", timed)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(tune, "_chosen", {})
-    monkeypatch.delenv("SSMC_CUDA_CHUNK_TUNE", raising=False)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "1")
     monkeypatch.delenv("SSMC_CUDA_CHUNK", raising=False)
     monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
     return calls
@@ -61,8 +62,10 @@ def test_the_rule_where_tuning_is_off_or_not_on_a_gpu(stub_timing, monkeypatch):
     monkeypatch.delenv("SSMC_CUDA_EMULATE")
     monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "0")
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_TUNE")                            # unset: the rule
+    assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.delenv("SSMC_CUDA_CHUNK_TUNE")
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "1")
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)  # inside a capture
     assert stub_timing == []
 
@@ -91,7 +94,7 @@ def test_inspect_says_how_the_chunk_is_chosen(stub_timing):
     if torch.cuda.is_available():
         assert "(autotuned: 64 0.500 ms, 128 0.300 ms, 256 0.400 ms)" in line, line
     else:
-        assert "(the rule's; on a GPU the fastest of 64, 128, 256, timed at first use)" in line, line
+        assert "(the rule's; SSMC_CUDA_CHUNK_TUNE=1 times 64, 128, 256 on a GPU at first use)" in line, line
 
 
 @pytest.mark.gpu
@@ -102,7 +105,7 @@ def test_gpu_a_tuned_call_is_the_call_at_its_chunk(length, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setattr(tune, "_chosen", {})
-    monkeypatch.delenv("SSMC_CUDA_CHUNK_TUNE", raising=False)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "1")
     monkeypatch.delenv("SSMC_CUDA_CHUNK", raising=False)
     g = torch.Generator(device="cuda").manual_seed(length)
     b, r, p, n = 2, 4, 64, 64

@@ -45,8 +45,8 @@ class CudaOptions:
     hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
-    chunk_tune: False keeps the kernels' chunk rule (kernels/chunk/mma.py `chunk_for`); unset: each shape's chunk
-        autotuned at its first use on a GPU (kernels/chunk/tune.py)
+    chunk_tune: True times each shape's chunk at its first use on a GPU and keeps the fastest (kernels/chunk/tune.py);
+        unset: the kernels' chunk rule (kernels/chunk/mma.py `chunk_for`)
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
     chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
     chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows),

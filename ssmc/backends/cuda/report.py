@@ -127,7 +127,7 @@ def _chunk_choice(ml, sizes: dict[str, int], length: int, dtype, gpu, chunk: int
     choices = tune.candidates(length)
     if len(choices) == 1:
         return ""
-    return f" (the rule's; on a GPU the fastest of {', '.join(map(str, choices))}, timed at first use)"
+    return f" (the rule's; SSMC_CUDA_CHUNK_TUNE=1 times {', '.join(map(str, choices))} on a GPU at first use)"
 
 
 def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float32") -> list[str]:

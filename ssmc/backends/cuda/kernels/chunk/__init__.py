@@ -52,8 +52,8 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
                device: torch.device | None = None) -> int:
     """Steps per chunk: SSMC_CUDA_CHUNK where set (the kernels take 64, 128 and 256; another size runs the
     torch path); where q of `dtype` would run on the kernels (`mma.kernels_wanted`: a short call pads its one
-    chunk), the fastest for the shape on `device` (`tune.chunk_for`: timed at its first use on a GPU), else
-    `mma.chunk_for`'s rule; else by the state's size."""
+    chunk), `tune.chunk_for`'s (SSMC_CUDA_CHUNK_TUNE=1 on a GPU: the fastest for the shape, timed at its first
+    use; else `mma.chunk_for`'s rule); else by the state's size."""
     forced = options().chunk
     if forced is not None:
         return max(1, forced)

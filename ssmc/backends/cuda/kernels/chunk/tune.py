@@ -1,4 +1,4 @@
-"""The chunk size of the matrix-linear kernels, autotuned per shape at its first use on a GPU.
+"""The chunk size of the matrix-linear kernels, autotuned per shape at its first use on a GPU (SSMC_CUDA_CHUNK_TUNE=1).
 
 A call's chunk C trades the chunk states' bytes ([K, V] per head and chunk: L / C of them) against the
 intra-chunk products (about C / 2 (K + V) per step) and, for a call whose length is no multiple of C, the
@@ -11,8 +11,11 @@ keeps the fastest for the process, as a plain loop:
         times[c] = median over 3 runs of (mma.forward(x); mma.backward(x, ...))
     chosen[H, K, V, L, dtype, device] = argmin(times)
 
-SSMC_CUDA_CHUNK forces a chunk (`chunk_size` reads it first); SSMC_CUDA_CHUNK_TUNE=0 keeps `mma.chunk_for`'s
-rule; the emulator and CPU tensors take the rule too. `tuned` lists what was timed (`ssmc inspect` shows it).
+SSMC_CUDA_CHUNK forces a chunk (`chunk_size` reads it first); unless SSMC_CUDA_CHUNK_TUNE=1, `mma.chunk_for`'s
+rule (chunk 128 past 64 steps) stands: on SSD's benchmark shape the proxy chose another chunk than 128 whose real
+training call was slower and held more memory (its q and k are shared by the heads, which the random per-head
+operands here are not). The emulator and CPU tensors take the rule too. `tuned` lists what was timed (`ssmc
+inspect` shows it).
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ def candidates(length: int) -> tuple[int, ...]:
 
 def chunk_for(length: int, heads: int, key: int, value: int, dtype: torch.dtype, device: torch.device) -> int:
     """Steps per chunk of a call on the kernels: the fastest candidate for this shape on `device` (timed at its
-    first use, module docstring) where `device` is a GPU and tuning is on, else `mma.chunk_for`'s rule."""
+    first use, module docstring) where `device` is a GPU and tuning is asked for, else `mma.chunk_for`'s rule."""
     found = tuned(length, heads, key, value, dtype, device)
     if found is not None:
         return found[0]
     opts = options()
     choices = candidates(length)
-    if (opts.chunk_tune is False or opts.emulate or device.type != "cuda" or len(choices) == 1
+    if (not opts.chunk_tune or opts.emulate or device.type != "cuda" or len(choices) == 1
             or torch.cuda.is_current_stream_capturing()):  # (no timing inside a CUDA graph's capture)
         return mma.chunk_for(length)
     with progress(f"timing the chunk kernels at chunks {', '.join(map(str, choices))} ({heads} heads, L {length}, "
