@@ -38,8 +38,9 @@ accumulation would be a real add over the tensor; on the GPU it is one more laun
 and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
 of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
 machine. --profile prints cProfile's top functions of each. The SSD rows there run at B1 L128 G1 R1 P64 N64
-(the kernels' smallest key and value sizes; a stub moves no data, but the torch ops between the launches
-still compute on the CPU, so small sizes keep them from counting as host time), and add `ssmc.compile`'s
+(ssd_short's at L180: a partial last chunk; the kernels' smallest key and value sizes; a stub moves no data,
+but the torch ops between the launches still compute on the CPU, so small sizes keep them from counting as
+host time), and add `ssmc.compile`'s
 forward (no tape) as its own row. The kernels of 16-bit programs do not compile for the emulator (no
 cuda_fp16.h there): with launches stubbed nothing is compiled at all (`_stub_launches`).
 """

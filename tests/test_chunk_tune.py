@@ -60,12 +60,15 @@ def test_the_rule_where_tuning_is_off_or_not_on_a_gpu(stub_timing, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)
     monkeypatch.delenv("SSMC_CUDA_EMULATE")
-    monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "0")
+    tune._chosen[tune._key(4096, 8, 64, 64, torch.bfloat16, GPU)] = (256, {256: 0.1})  # tuned before
+    assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == 256
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "0")                       # the option over the kept choice
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)
     monkeypatch.delenv("SSMC_CUDA_CHUNK_TUNE")                            # unset: the rule
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setenv("SSMC_CUDA_CHUNK_TUNE", "1")
+    tune._chosen.clear()  # (a kept choice holds inside a capture: nothing is timed for it)
     assert tune.chunk_for(4096, 8, 64, 64, torch.bfloat16, GPU) == mma.chunk_for(4096)  # inside a capture
     assert stub_timing == []
 
@@ -99,9 +102,10 @@ def test_inspect_says_how_the_chunk_is_chosen(stub_timing):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [180, 1000])
-def test_gpu_a_tuned_call_is_the_call_at_its_chunk(length, monkeypatch):
-    """SSD bf16 on the kernels: the chunk tuned for the shape is a candidate, and the call's output equals the
-    same call forced to that chunk (SSMC_CUDA_CHUNK), bit for bit."""
+def test_gpu_a_tuned_call_runs_at_its_chunk(length, monkeypatch):
+    """SSD bf16 on the kernels, the timing stubbed to prefer 256 (not the rule's 128): the call runs at 256
+    (its output equal, bit for bit, to the call forced to 256 by SSMC_CUDA_CHUNK, and not to chunk 128's); the
+    real timing then picks one of the candidates."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setattr(tune, "_chosen", {})
@@ -116,9 +120,20 @@ def test_gpu_a_tuned_call_is_the_call_at_its_chunk(length, monkeypatch):
     a = {"x": randn(b, length, 1, r, p), "dt": randn(b, length, 1, r, shift=-1.0),
          "A": -torch.rand(1, r, generator=g, device="cuda") - 0.5, "B": randn(b, length, 1, n),
          "C": randn(b, length, 1, n), "D": torch.randn(1, r, generator=g, device="cuda")}
-    tuned = ssmc.compile(mamba2.SPEC, layout=mamba2.LAYOUT, backend="cuda")(**a)
-    (found,) = tune._chosen.values()
-    assert found[0] in tune.candidates(length) and found[0] == min(found[1], key=found[1].get)
-    monkeypatch.setenv("SSMC_CUDA_CHUNK", str(found[0]))
-    forced = ssmc.compile(mamba2.SPEC, layout=mamba2.LAYOUT, backend="cuda")(**a)
-    assert torch.equal(tuned, forced)
+
+    def call():
+        return ssmc.compile(mamba2.SPEC, layout=mamba2.LAYOUT, backend="cuda")(**a)
+
+    with monkeypatch.context() as m:
+        m.setattr(tune, "_time", lambda c, *args, **kw: {64: 3.0, 128: 2.0, 256: 1.0}[c])
+        tuned = call()
+    assert [found[0] for found in tune._chosen.values()] == [256]
+    monkeypatch.setenv("SSMC_CUDA_CHUNK", "256")
+    assert torch.equal(tuned, call())
+    monkeypatch.setenv("SSMC_CUDA_CHUNK", "128")
+    assert not torch.equal(tuned, call())
+    monkeypatch.delenv("SSMC_CUDA_CHUNK")
+    monkeypatch.setattr(tune, "_chosen", {})
+    call()
+    ((chosen, times),) = tune._chosen.values()
+    assert chosen in tune.candidates(length) and set(times) == set(tune.candidates(length))

@@ -113,7 +113,7 @@ def _torch_path(program, compute: str) -> bool:
     return chunked_core(program, compute) is not None or _step_loop(program, compute) is not None
 
 
-def _chunk_choice(ml, sizes: dict[str, int], length: int, dtype, gpu, chunk: int) -> str:
+def _chunk_choice(ml, sizes: dict[str, int], length: int, dtype, gpu) -> str:
     """How the kernels' chunk was chosen, for `path_notes`: the times of the candidates where tuned on `gpu`."""
     from .kernels.chunk import tune
     from .options import options
@@ -145,7 +145,7 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             kernels = half is not None and mma.kernels_wanted(half, sizes[ml.key], sizes[ml.value])
             gpu = torch.device("cuda") if kernels and torch.cuda.is_available() else None
             c = chunk_size(ml, sizes, length, half, gpu)  # (on a GPU: tuned here where not yet)
-            chosen = _chunk_choice(ml, sizes, length, half, gpu, c) if kernels else ""
+            chosen = _chunk_choice(ml, sizes, length, half, gpu) if kernels else ""
             how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
                    "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)" if kernels
                    else "as batched torch matrix products (forward and VJP)")

@@ -655,8 +655,8 @@ class _Padding:
 
 
 class PreparedTape(ChunkTape):
-    """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v) made where asked for, and the
-    forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
+    """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v made where asked for; a call
+    with a partial last chunk: the padded copies the kernels read, kept), and the forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
 
     def __init__(self, make, entering, final, decay, addresses, key):
         self.make, self.made = make, None
@@ -793,9 +793,10 @@ class PreparedForward:
         return tuple(names)
 
     def _plan(self, key, seqs, params, ell, s0, beta, skip, bases, padded=None):
-        """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or q, k,
-        v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call). `padded`: the call's
-        q, k, v padded to whole chunks (`__call__` copies them so each call), which the plan reads."""
+        """The plan of calls of layout `key` (`__call__`), or False where the kernels do not take them or (whole
+        chunks) q, k, v are no views of the arrays as given (a copy `_arrange` makes: `forward` each call).
+        `padded`: the call's q, k, v padded to whole chunks (`__call__` copies them so each call, always in the same
+        layout), which the plan reads."""
         core, length, chunk = self.core, self.length, self.chunk
         q, k, v = core._operands(seqs, params, length, chunk) if padded is None else padded
         x = Chunks(q, k, v, ell, s0, beta, skip)

@@ -434,7 +434,7 @@ def _launch(fn, name: str, blocks: int, threads: int, length: int, nblk: int, po
 # than writing it per head (r times the bytes: 256 MiB each at B4 L4096 H32 N128, against 8 summed): a block set
 # loops over `per` of a group's heads, in order. All r in one set leaves few blocks (B·G·NC·K/64: 256 at that
 # shape, for 132 SMs holding two such blocks each: one partial wave); so the heads are split into r / per subsets,
-# each its own partial sum ([.., subsets, NC, C, K], summed in order after), per the most heads that still give
+# each its own partial sum ([.., subsets, NC, C, K], summed by one reduction after), per the most heads that still give
 # at least BLOCKS_PER_SM blocks an SM: several waves of blocks, so that the last one's tail costs little
 BLOCKS_PER_SM = 6
 
@@ -663,7 +663,7 @@ class BackwardPlan:
 
         grads = {}
         for name, slot in (("dq", _DQ), ("dk", _DK)):
-            how, shape, subsets, spec = self.summed[name]
+            how, shape, _, spec = self.summed[name]
             sums = None
             if how == "given":
                 out = given(name)
@@ -674,10 +674,8 @@ class BackwardPlan:
                 out = sums.select(t, 0)
             values[slot] = _base(out)
             _run_specs(spec, values, events)
-            if how == "sums":  # the subsets' partial sums added in order (no reduction's own order)
-                out = sums.select(t, 0).clone()
-                for i in range(1, subsets):
-                    out += sums.select(t, i)
+            if how == "sums":  # the subsets' partial sums by one reduction (a loop of adds: 2 r / per torch calls)
+                out = sums.sum(t)
                 sums = None  # freed now, not live at the next kernels' arrays (nor at the function's end)
             grads[name] = out
         dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)

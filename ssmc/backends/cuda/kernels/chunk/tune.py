@@ -45,13 +45,15 @@ def candidates(length: int) -> tuple[int, ...]:
 def chunk_for(length: int, heads: int, key: int, value: int, dtype: torch.dtype, device: torch.device) -> int:
     """Steps per chunk of a call on the kernels: the fastest candidate for this shape on `device` (timed at its
     first use, module docstring) where `device` is a GPU and tuning is asked for, else `mma.chunk_for`'s rule."""
+    opts = options()
+    if not opts.chunk_tune or opts.emulate:
+        return mma.chunk_for(length)
     found = tuned(length, heads, key, value, dtype, device)
     if found is not None:
         return found[0]
-    opts = options()
     choices = candidates(length)
-    if (not opts.chunk_tune or opts.emulate or device.type != "cuda" or len(choices) == 1
-            or torch.cuda.is_current_stream_capturing()):  # (no timing inside a CUDA graph's capture)
+    if device.type != "cuda" or len(choices) == 1 or torch.cuda.is_current_stream_capturing():
+        # (no timing inside a CUDA graph's capture)
         return mma.chunk_for(length)
     with progress(f"timing the chunk kernels at chunks {', '.join(map(str, choices))} ({heads} heads, L {length}, "
                   f"state {key} x {value})"):
