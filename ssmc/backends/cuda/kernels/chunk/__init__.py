@@ -656,7 +656,8 @@ class _Padding:
 
 class PreparedTape(ChunkTape):
     """A prepared forward's tape (`PreparedForward`): its `Chunks` (views of q, k, v made where asked for; a call
-    with a partial last chunk: the padded copies the kernels read, kept), and the forward's plan (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
+    with a partial last chunk: the padded copies the kernels read, kept), and the forward's plan
+    (`mma.ForwardPlan`) with the addresses of q, k, v, ell, beta, skip it launched on."""
 
     def __init__(self, make, entering, final, decay, addresses, key):
         self.make, self.made = make, None
