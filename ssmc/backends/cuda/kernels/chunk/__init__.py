@@ -72,7 +72,8 @@ def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
     kernel's launch)."""
     out = torch.empty(shape, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
-    if nbytes % 4 == 0 and (out.is_cuda or emulating()):
+    # (the memset goes on the current device's stream: only for an array of that device)
+    if nbytes % 4 == 0 and (emulating() or (out.is_cuda and out.device.index == torch.cuda.current_device())):
         zero_bytes(out.data_ptr(), nbytes, out.zero_)
     else:
         out.zero_()
