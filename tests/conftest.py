@@ -1,7 +1,5 @@
 """Tests marked `gpu` run only where a CUDA GPU, CuPy and PyTorch are present; elsewhere they skip."""
 
-import os
-
 import pytest
 from hypothesis import settings
 from profiles import select_profile
@@ -9,10 +7,6 @@ from profiles import select_profile
 # Hypothesis' profile (tests/profiles.py: ci where CI is set, nightly where SSMC_PROPERTY_EXAMPLES is,
 # no-shrink on request), loaded before any test module reads it; `--hypothesis-profile=NAME` overrides
 settings.load_profile(select_profile())
-
-# the matrix-linear kernels' chunk by its rule in every test, not timed per shape (tests/test_chunk_tune.py sets
-# SSMC_CUDA_CHUNK_TUNE itself): the GPU tests pick their chunks, count plans and compare runs
-os.environ["SSMC_CUDA_CHUNK_TUNE"] = "0"
 
 
 def pytest_terminal_summary(terminalreporter):
