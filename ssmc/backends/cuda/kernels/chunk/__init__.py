@@ -67,6 +67,14 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
 
 
+def _dense(shape) -> tuple[int, ...]:
+    """The strides of a contiguous array of `shape`."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return tuple(strides)
+
+
 def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """`torch.zeros(shape)`, by a memset on the device where it is one (one driver call, `zero_bytes`: no fill
     kernel's launch)."""
@@ -213,11 +221,9 @@ class ChunkedCore:
         shape[t] = length
         strides = [x.stride(names.index(n)) if n in names else 0 for n in target]
         padded = -(-length // chunk) * chunk
-        dense = [1] * len(shape)  # the copy's strides, [*H, padded(, inner)] contiguous
-        for i in range(len(shape) - 2, -1, -1):
-            dense[i] = dense[i + 1] * (padded if i + 1 == t else shape[i + 1])
+        dense = _dense([*shape[:t], padded, *shape[t + 1:]])  # the copy's strides, [*H, padded(, inner)] contiguous
         return ((*shape[:t], padded // chunk, chunk, *shape[t + 1:]), (tuple(shape), tuple(strides)),
-                (tuple(shape), tuple(dense)))
+                (tuple(shape), dense))
 
     def _unarrange(self, y: torch.Tensor, axes, timed: bool, inner: str | None, length: int) -> torch.Tensor:
         """The inverse of `_arrange` for a gradient: [*H, NC, C(, inner)] summed over the heads `axes`
@@ -531,7 +537,7 @@ class ChunkedCore:
             g = self._unarrange(grad, node.axes, timed, inner, length)
             # fp32 where kept 16-bit, but a gradient the kernels wrote in the input's 16 bits (`_direct_roles`),
             # which reaches the caller as it is (no fp32 round trip: the caller's cast to the input's dtype a no-op)
-            if g.dtype != arr.dtype or arr.dtype not in (torch.bfloat16, torch.float16):
+            if g.dtype != arr.dtype:
                 g = g.to(f if arr.dtype in (torch.bfloat16, torch.float16) else arr.dtype)
             grads[key] = grads[key] + g if key in grads else g
 
@@ -612,11 +618,8 @@ class _Padding:
         self.core = core
         self.slots, offset = [], 0
         for key, dtype, (shape, source, dest) in asked:  # (the layout key, the copy's dtype, `_arrange_steps`)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            strides = [1] * len(shape)
-            for i in range(len(shape) - 2, -1, -1):
-                strides[i] = strides[i + 1] * shape[i + 1]
-            self.slots.append((key, dtype, shape, tuple(strides), offset // itemsize, source, dest))
+            itemsize = dtype.itemsize
+            self.slots.append((key, dtype, shape, _dense(shape), offset // itemsize, source, dest))
             offset += -(-math.prod(shape) * itemsize // self.ALIGN) * self.ALIGN
         self.nbytes = offset
 

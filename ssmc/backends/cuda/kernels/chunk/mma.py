@@ -474,11 +474,10 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     """`algorithm.vjp` on the kernels: (dq [*Hq, NC, C, K], dk [*Hk, NC, C, K], dv [*H, NC, C, V], dell
     [*H, NC, C], ds0 [*H, K, V], dbeta and dskip [*H, NC, C] or None where `x` has no β, no skip), all
     fp32 (but a 16-bit array of `outs`) over every head H (the caller sums them over the heads an operand
-    lacks), but dq and dk, which
-    the kernels sum over a trailing block of heads q (k) lacks (SSD's C, B: Hq = [b, g, 1] of H = [b, g, r];
-    `_heads_summed`), in their order: Hq is H with 1 there (else Hq = H). `heads_a_block`: the heads a
-    block of chunk_dq / chunk_dk sums (a divisor of r; tests force it), default `_heads_a_block`'s. From
-    what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
+    lacks), but dq and dk, which the kernels sum over a trailing block of heads q (k) lacks (SSD's C, B:
+    Hq = [b, g, 1] of H = [b, g, r]; `_heads_summed`), in their order: Hq is H with 1 there (else Hq = H).
+    `heads_a_block`: the heads a block of chunk_dq / chunk_dk sums (a divisor of r; tests force it), default
+    `_heads_a_block`'s. From what `forward` returned (entering [*H, NC, K, V], final [*H, K, V]), d_out
     [*H', NC, C, V] in q's 16-bit dtype (the output's cotangent rounded, as the peers round it) and
     d_final [*H', K, V] fp32. `events` as `forward`'s. `outs`: {"dq" / "dk" / "dv": array, or a function
     that makes it, called as the kernel that writes it is launched (so that it is not live before)}, each
