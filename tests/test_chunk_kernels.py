@@ -342,7 +342,7 @@ def test_the_staged_kernels_compile_without_spills(arch):
     """The module with staged.cu.j2's kernels (chunk_output*_s with 64 or all value columns a block,
     chunk_states_pass*): no spills, their shared memory within sm_80's; CI builds RetNet's sizes (K = V = 128,
     chunk 128, both blocks) for sm_90 alone, the local and nightly runs every chunk and size, fp16 and unaligned
-    at K = V = 128 and chunk 256."""
+    at K = V = 128 and chunk 256. (chunk_dstates_pass, the backward's walk, is in the same module.)"""
     from ssmc.backends.cuda.source import compile_options
 
     if in_ci() and arch == "sm_80":
@@ -356,9 +356,10 @@ def test_the_staged_kernels_compile_without_spills(arch):
     for chunk, key, value, vb, bf16, aligned in cases:
         text = mma.source(key, value, chunk, bf16, aligned, False, vb)
         resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
-        staged = {name for name in resources if name.endswith("_s") or name.startswith("chunk_states_pass")}
+        staged = {name for name in resources if name.endswith("_s") or name.endswith("states_pass")
+                  or name == "chunk_states_pass_half"}
         assert staged == {"chunk_output_s", "chunk_output_hs_s", "chunk_output_ho_s", "chunk_output_hs_ho_s",
-                          "chunk_states_pass", "chunk_states_pass_half"}
+                          "chunk_states_pass", "chunk_states_pass_half", "chunk_dstates_pass"}
         dynamic = mma.shared_bytes(key, value, chunk)
         for name in staged:
             r = resources[name]
@@ -866,6 +867,50 @@ def test_emulated_backward_agrees_with_the_torch_vjp(emulate, chunk, length):
     chunk partial or the only one, several chunks through the reverse pass."""
     x = _chunks(length, seed=length + 7, chunk=chunk, decay=0.3 if chunk == 64 else 0.02)
     _check_backward(x, length, 6e-3)
+
+
+@needs_emulator
+@pytest.mark.parametrize("chunk, length, key, value, ssd", [
+    (64, 130, 64, 64, True),
+    nightly_case(64, 70, 128, 64, False, reason="two key tiles: the fused walk's dots of several tiles are "
+                 "test_emulated_backward_with_key_and_value_sizes_apart's against float64 too")])
+def test_emulated_fused_backward_states_are_the_split_ones(emulate, monkeypatch, chunk, length, key, value, ssd):
+    """SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass: one walk of the chunks, last first, no fp32 chunk sums
+    in memory) against split (chunk_dstates, then state_pass_reverse): the same sums in the same order, so d_end,
+    ds0 and every gradient but the log decays' bit for bit; the ⟨d_end, S_p⟩ parts summed in another order, so
+    their sums per chunk (and d_ell) within fp32 rounding. Three chunks (SSD's broadcast heads, β and skip) or
+    two of a 128-key state (two key tiles a head)."""
+    heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
+             {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
+    x = _chunks(length, key=key, value=value, seed=length + key, chunk=chunk, decay=0.05, **heads)
+    d_out, d_final = _cotangents(x, length)
+    names = []
+    monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
+
+    def run(states):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_STATES", states)
+        _, entering, final = mma.forward(x, half_states=True)
+        names.clear()
+        parts: dict = {}
+        got = mma.backward(x, entering, final, d_out, d_final, parts=parts)
+        return got, parts, list(names)
+
+    split, split_parts, launched = run("split")
+    assert launched[:2] == ["chunk_dstates", "state_pass_reverse"]
+    fused, fused_parts, launched = run("fused")
+    assert launched[0] == "chunk_dstates_pass" and "state_pass_reverse" not in launched
+    assert torch.equal(fused_parts["d_end"], split_parts["d_end"])
+    nc = x.q.shape[-3]
+    assert fused_parts["entered"].shape[-2:] == (nc, key * value // 1024)
+    want = split_parts["entered"].sum(-1)
+    torch.testing.assert_close(fused_parts["entered"].sum(-1), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    for name, a, b in zip(("dq", "dk", "dv", "dell", "ds0", "dbeta", "dskip"), fused, split):
+        if b is None:
+            assert a is None, name
+        elif name == "dell":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+        else:
+            assert torch.equal(a, b), name
 
 
 @needs_emulator

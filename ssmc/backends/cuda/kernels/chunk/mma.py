@@ -27,13 +27,13 @@ The skip (`Chunks.skip`, SSD's D) is added by ``chunk_output`` as it writes O (`
 so that O is the program's output; its backward part (`algorithm.skip_grad`) is ``chunk_dv``'s: dv_i
 gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO_iν`` comes with it.
 
-The backward (`backward`): ``chunk_dstates`` and ``state_pass_reverse`` give the cotangent of each
-chunk's end state (the chunks last first, as the forward's states; in 16 bits, as chunk_dk and chunk_dv
-read it), then ``chunk_dq``, ``chunk_dk``,
+The backward (`backward`): ``chunk_dstates_pass`` (staged.cu.j2; split: ``chunk_dstates`` and
+``state_pass_reverse``) gives the cotangent of each chunk's end state (the chunks last first, as the
+forward's states; in 16 bits, as chunk_dk and chunk_dv read it), then ``chunk_dq``, ``chunk_dk``,
 ``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
-``exp(Γ) ⟨d_end, S_p⟩``: state_pass_reverse), so that torch only sums them over each chunk
+``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
 (`algorithm.reverse_chunk_sums`).
 
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
@@ -95,7 +95,7 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
             "chunk_dq": product, "chunk_dk": product, "chunk_dv": product,
             "chunk_dq_ho": product, "chunk_dk_ho": product, "chunk_dv_ho": product,
-            "chunk_states_pass": passing, "chunk_states_pass_half": passing,
+            "chunk_states_pass": passing, "chunk_states_pass_half": passing, "chunk_dstates_pass": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
 
@@ -112,6 +112,21 @@ def staged_block(key: int, value: int, chunk: int, form: str) -> int:
     if form == "wide" and staged_bytes(key, value, chunk, value) <= STAGED_SHARED_MAX:
         return value
     return 64
+
+
+def fused_states() -> bool:
+    """Whether the states pass is one kernel walking the chunks (chunk_states_pass*, the backward's
+    chunk_dstates_pass) rather than a kernel per chunk and a pass (SSMC_CUDA_CHUNK_STATES, else `FUSED_STATES`)."""
+    return (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
+
+
+def module_forms(key: int, value: int, chunk: int, one_pass: bool = False) -> tuple[bool, int, int]:
+    """(balanced, vb, staged) of the forward at these sizes (`OUTPUT_FORMS`, the options): chunk_output's balanced
+    form or not, the value columns a block of chunk_output*_s (0: not staged), and `source`'s `staged` argument for
+    its module. The backward asks for the same module, so that a training call compiles it once."""
+    form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
+    vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
+    return form == "balanced", vb, vb or (64 if fused_states() and not one_pass else 0)
 
 
 @cache
@@ -329,13 +344,10 @@ class ForwardPlan:
         self.aligned = aligned = bool(aligned_rows[:3].all()) and all(_base(a) % 16 == 0 for a in (q, k, v))
         # chunk_output's form (`OUTPUT_FORMS`): *_b, half the warps, two row stripes each (the same causal work a
         # warp); *_s, the same sums from tiles staged by cp.async and read by ldmatrix
-        form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
-        balanced = form == "balanced"
-        fused = (options().chunk_states or ("fused" if FUSED_STATES else "split")) == "fused"
+        fused = fused_states()
         one_pass = ONE_PASS if one_pass is None else one_pass
-        vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
-        text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced,
-                      vb or (64 if fused and not one_pass else 0))
+        balanced, vb, staged = module_forms(key, value, chunk, one_pass)
+        text = source(key, value, chunk, q.dtype == torch.bfloat16, aligned, balanced, staged)
         shared = dict(shared_bytes(key, value, chunk))
 
         tiles = (key // 64) * (value // 64)
@@ -487,8 +499,9 @@ def backward(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torc
     fp32 values).
     `parts`: where a dict, it receives the kernels' side outputs the log decays' cotangent is made of
     (tests read them): "rows" [*H, NC, C, 2 K/64] (q_i·dq_i over each key tile, then −k_i·dk_i),
-    "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/128] (per warp of state_pass_reverse: exp(Γ)
-    ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p) and "d_end" [*H, NC, K, V] (16-bit).
+    "ends" [*H, NC, C, V/64], "entered" [*H, NC, KV/1024] (KV/128 where the states are split: per warp of
+    chunk_dstates_pass (state_pass_reverse), exp(Γ) ⟨d_end, S_p⟩'s parts, of the fp32 d_end and the 16-bit S_p)
+    and "d_end" [*H, NC, K, V] (16-bit).
     `plans`: where a dict, the `BackwardPlan`s of calls whose arrays (`outs`' too) have the same shapes, strides
     and dtypes (a caller's signature), kept there per storage offsets and alignment."""
     if plans is None:
@@ -550,7 +563,9 @@ class BackwardPlan:
         bf16 = q.dtype == torch.bfloat16
         _, _, eights = _tables_for(heads, (q, k, v, do), dev)
         aligned = bool(eights.all()) and all(_base(a) % 16 == 0 for a in (q, k, v, do))
-        kv = source(key, value, chunk, bf16, aligned)   # contractions over K: the states, dv
+        self.fused = fused_states()
+        balanced, _, staged = module_forms(key, value, chunk)
+        kv = source(key, value, chunk, bf16, aligned, balanced, staged)  # the forward's module: the states, dv
         vk = source(value, key, chunk, bf16, aligned)   # contractions over V: dq, dk
         self.tables = []  # kept alive with the plan
 
@@ -576,12 +591,17 @@ class BackwardPlan:
             given[name] = like() if like is not None else a() if callable(a) else a
         tiles = (key // 64) * (value // 64)
         # the table's columns are (q, k, v, ell, out, extra, beta, skip) of chunk_output's roles
-        self.dstates = spec(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
-                            [_Slot(_Q), _Slot(_DO), _Slot(_ELL), *table(q, q, do, ell, q, q, ell, ell), _Slot(_SUMS),
-                             _Slot(_B_GAMMA)])
-        self.reverse = spec(kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
-                            [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0),
-                             _Slot(_B_ENTERING), _Slot(_ENTERED)])
+        if self.fused:  # one walk of the chunks, last first: no fp32 chunk sums in memory
+            self.states = spec(kv, "chunk_dstates_pass", nh * tiles, 128, key, value,
+                               [_Slot(_Q), _Slot(_DO), _Slot(_ELL), *table(q, q, do, ell, q, q, ell, ell),
+                                _Slot(_B_DFINAL), _Slot(_DEND), _Slot(_DS0), _Slot(_B_ENTERING), _Slot(_ENTERED)])
+        else:  # each chunk's sum (a block each), then the pass over them
+            self.states = spec(kv, "chunk_dstates", nh * nc * tiles, 128, key, value,
+                               [_Slot(_Q), _Slot(_DO), _Slot(_ELL), *table(q, q, do, ell, q, q, ell, ell),
+                                _Slot(_SUMS), _Slot(_B_GAMMA)]) + spec(
+                kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
+                [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0), _Slot(_B_ENTERING),
+                 _Slot(_ENTERED)])
         self.summed = {}
         for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
                                                    ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
@@ -636,25 +656,29 @@ class BackwardPlan:
             entering = entering.to(self.dtype).contiguous()
         if d_final.dtype != f32 or d_final.shape != self.state_shape or not d_final.is_contiguous():
             d_final = d_final.to(f32).expand(self.state_shape).contiguous()
-        # each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates), then state_pass_reverse's d_end from them in 16 bits
-        # (chunk_dk and chunk_dv read it rounded either way); the fp32 sums freed before chunk_dq's arrays are made
-        sums = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+        # the cotangent of each chunk's end state in 16 bits (chunk_dk and chunk_dv read it rounded either way):
+        # chunk_dstates_pass, or each chunk's Σ_i exp(Λ_i) q_iᵀ dO_i (chunk_dstates) and state_pass_reverse's walk
+        # over them (the fp32 sums freed before chunk_dq's arrays are made)
+        sums = gamma = None
+        if not self.fused:
+            sums = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+            gamma = torch.empty((*heads, nc), dtype=f32, device=dev)
         d_end = torch.empty((*heads, nc, key, value), dtype=self.dtype, device=dev)
         ds0 = torch.empty((*heads, key, value), dtype=f32, device=dev)
-        gamma = torch.empty((*heads, nc), dtype=f32, device=dev)
         # the kernels' side outputs, per key or value tile (summed below): q·dq and −k·dk (chunk_dq, chunk_dk),
-        # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (state_pass_reverse)
+        # the end dots, β's and the skip's cotangents (chunk_dv); ⟨d_end, S_p⟩ per warp (of a 64 x 64 tile's 16
+        # rows: chunk_dstates_pass; of 128 entries: state_pass_reverse)
         rows = torch.empty((*heads, nc, chunk, 2 * (key // 64)), dtype=f32, device=dev)
         ends = torch.empty((*heads, nc, chunk, value // 64), dtype=f32, device=dev)
-        entered = torch.empty((*heads, nc, key * value // 128), dtype=f32, device=dev)
+        entered = torch.empty((*heads, nc, key * value // (1024 if self.fused else 128)), dtype=f32, device=dev)
         d_beta = torch.empty_like(ends) if self.beta else None
         d_skip = torch.empty_like(ends) if self.skip else None
-        values += [entering.data_ptr(), d_final.data_ptr(), sums.data_ptr(), d_end.data_ptr(), ds0.data_ptr(),
-                   gamma.data_ptr(), rows.data_ptr(), ends.data_ptr(), entered.data_ptr(),
-                   0 if d_beta is None else d_beta.data_ptr(), 0 if d_skip is None else d_skip.data_ptr(), 0, 0, 0]
-        _run_specs(self.dstates, values, events)
-        _run_specs(self.reverse, values, events)
-        del sums
+        values += [entering.data_ptr(), d_final.data_ptr(), 0 if sums is None else sums.data_ptr(),
+                   d_end.data_ptr(), ds0.data_ptr(), 0 if gamma is None else gamma.data_ptr(), rows.data_ptr(),
+                   ends.data_ptr(), entered.data_ptr(), 0 if d_beta is None else d_beta.data_ptr(),
+                   0 if d_skip is None else d_skip.data_ptr(), 0, 0, 0]
+        _run_specs(self.states, values, events)
+        del sums, gamma
 
         def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
             a = outs.get(name)
@@ -682,6 +706,7 @@ class BackwardPlan:
         _run_specs(self.dv, values, events)
         if parts is not None:
             parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
+        del d_end  # (read by chunk_dk and chunk_dv alone) not live at the sums below, nor at the stages after
         d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
 
         def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
