@@ -37,7 +37,8 @@ leaves' gradients set to None before it (torch then keeps the gradient given, wh
 accumulation would be a real add over the tensor; on the GPU it is one more launch a leaf). The median
 and least of the forward and backward calls are printed beside those of a bare `torch.autograd.Function`
 of the same tensors (one allocation and views each way): the floor torch's own machinery sets on this
-machine. --profile prints cProfile's top functions of each. The SSD rows there run at B1 L128 G1 R1 P64 N64
+machine. --profile prints cProfile's top functions of each (on the GPU too: the torch op's forward and backward
+calls). The SSD rows there run at B1 L128 G1 R1 P64 N64
 (ssd_short's at L180: a partial last chunk; the kernels' smallest key and value sizes; a stub moves no data,
 but the torch ops between the launches still compute on the CPU, so small sizes keep them from counting as
 host time), and add `ssmc.compile`'s
@@ -174,6 +175,9 @@ def check_repeated(compiled, fn, inputs: dict, other: dict) -> float:
     return worst
 
 
+PROFILE = False  # --profile on the GPU: `measure` prints cProfile's top functions (`_profile_calls`)
+
+
 def host_ms(fns) -> float:
     """Host milliseconds per call of the calls `fns`, made back to back (steady state) while the GPU works
     through a long sleep queued before them."""
@@ -223,8 +227,32 @@ def measure(name: str, fn, inputs: dict, calls: int) -> dict:
                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3  # kernels alone, not the ops above them
     for t in leaves:
         t.grad = None
+    if PROFILE:
+        _profile_calls(forward, fresh_backward, calls)
     return {"name": name, "fwd_host": fwd, "bwd_host": bwd, "bwd_fresh": bwd_fresh,
             "step": start.elapsed_time(end) / calls, "kernels": kernels}
+
+
+def _profile_calls(forward, backward, calls: int) -> None:
+    """cProfile's top functions of `calls` forward calls and of as many backward calls (each of a forward's output),
+    the backward in this thread (`set_multithreading_enabled(False)`: torch's engine runs a CUDA backward in a thread
+    of its own, which cProfile does not see), while the GPU sleeps as in `host_ms`."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    with cProfile.Profile() as prof:
+        outs = [forward() for _ in range(calls)]
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    with torch.autograd.set_multithreading_enabled(False), cProfile.Profile() as prof:
+        for y in outs:
+            backward(y)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    torch.cuda.synchronize()
 
 
 def chunked_rows(title: str, example, inputs: dict, other: dict, calls: int) -> list[dict]:
@@ -438,11 +466,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--calls", type=int, default=None, help="calls of each kind (default 50; 200 with --cpu-stub)")
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
-    ap.add_argument("--profile", action="store_true", help="with --cpu-stub: cProfile's top functions")
+    ap.add_argument("--profile", action="store_true", help="cProfile's top functions of the torch op's calls")
     ap.add_argument("--only", default="mamba1,scan,ssd,retnet,attention",
                     help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
+    global PROFILE
+    PROFILE = args.profile
     if args.cpu_stub:
         args.calls = args.calls or 200
         stub_main(args)

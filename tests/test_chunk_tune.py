@@ -24,8 +24,8 @@ def stub_timing(monkeypatch):
     """tune's timing replaced by fixed times per chunk (128 fastest), its calls counted, its cache emptied."""
     calls = []
 
-    def timed(chunk, length, heads, key, value, dtype, device, runs=3):
-        calls.append((chunk, length))
+    def timed(chunk, length, heads, key, value, dtype, device, x=None, runs=3):
+        calls.append((chunk, length) if x is None else (chunk, length, x))
         return {64: 0.5, 128: 0.3, 256: 0.4}[chunk]
 
     monkeypatch.setattr(tune, "_time", timed)
@@ -53,6 +53,16 @@ def test_the_fastest_candidate_is_chosen_once_per_shape(stub_timing):
     assert stub_timing[3:] == [(64, 100), (128, 100)]
     assert tune.chunk_for(50, 128, 128, 64, torch.bfloat16, GPU) == 64    # one candidate: nothing timed
     assert len(stub_timing) == 5
+
+
+def test_the_calls_own_operands_are_timed_where_given(stub_timing):
+    """`operands` (ChunkedCore's: the call's `Chunks` at a chunk size, so that SSD's q and k shared by the heads
+    are timed as they are) is asked for each candidate, and each timing runs on what it gave."""
+    asked = []
+    made = lambda c: asked.append(c) or f"operands at {c}"  # noqa: E731
+    assert tune.chunk_for(180, 8, 64, 64, torch.bfloat16, GPU, made) == 128
+    assert asked == [64, 128, 256]
+    assert stub_timing == [(c, 180, f"operands at {c}") for c in (64, 128, 256)]
 
 
 def test_the_rule_where_tuning_is_off_or_not_on_a_gpu(stub_timing, monkeypatch):

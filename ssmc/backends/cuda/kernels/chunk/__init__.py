@@ -49,11 +49,12 @@ HALF_GRADIENTS = True
 
 
 def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torch.dtype | None = None,
-               device: torch.device | None = None) -> int:
+               device: torch.device | None = None, operands=None) -> int:
     """Steps per chunk: SSMC_CUDA_CHUNK where set (the kernels take 64, 128 and 256; another size runs the
     torch path); where q of `dtype` would run on the kernels (`mma.kernels_wanted`: a short call pads its one
     chunk), `tune.chunk_for`'s (SSMC_CUDA_CHUNK_TUNE=1 on a GPU: the fastest for the shape, timed at its first
-    use; else `mma.chunk_for`'s rule); else by the state's size."""
+    use on `operands`(chunk), the call's `Chunks`, where given; else `mma.chunk_for`'s rule); else by the state's
+    size."""
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
@@ -61,7 +62,7 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
         if device is None:
             return mma.chunk_for(length)
         heads = math.prod(sizes[h] for h in ml.heads)
-        return tune.chunk_for(length, heads, sizes[ml.key], sizes[ml.value], dtype, device)
+        return tune.chunk_for(length, heads, sizes[ml.key], sizes[ml.value], dtype, device, operands)
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
@@ -470,7 +471,8 @@ class ChunkedCore:
         entering states are 16-bit (`mma.forward`'s half_states). `tape` False (an inference call): the
         output written in `out_dtype` by the kernels where that is q's 16-bit dtype."""
         q_arr, _ = self._input(self.ml.q, seqs, params)
-        chunk = chunk_size(self.ml, sizes, length, q_arr.dtype, q_arr.device)
+        chunk = chunk_size(self.ml, sizes, length, q_arr.dtype, q_arr.device,
+                           lambda c: self._chunks(seqs, params, initial, sizes, length, c)[0])
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
         time_first = None
         if mma.kernels_apply(x):
@@ -713,7 +715,8 @@ class PreparedForward:
         core, ml, length = self.core, self.core.ml, self.length
         q = seqs[ml.q.arg] if ml.q.arg in seqs else params[ml.q.arg]
         if self.general is None:
-            self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device)
+            self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device,
+                                    lambda c: core._chunks(seqs, params, initial, self.sizes, length, c)[0])
             self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
             self.padded = length % self.chunk != 0
         if self.general:
