@@ -678,7 +678,7 @@ class BackwardPlan:
                    ends.data_ptr(), entered.data_ptr(), 0 if d_beta is None else d_beta.data_ptr(),
                    0 if d_skip is None else d_skip.data_ptr(), 0, 0, 0]
         _run_specs(self.states, values, events)
-        del sums, gamma
+        del sums, gamma, d_final  # (d_final: a contiguous fp32 copy where it was not one, read by that pass alone)
 
         def given(name):  # `outs`' array, made now where it is a function (as late as the kernel that writes it)
             a = outs.get(name)
@@ -701,13 +701,17 @@ class BackwardPlan:
                 out = sums.sum(t)
                 sums = None  # freed now, not live at the next kernels' arrays (nor at the function's end)
             grads[name] = out
+        row_dots = rows.sum(-1)  # (chunk_dq's and chunk_dk's alone: summed before chunk_dv's arrays are made)
+        if parts is not None:
+            parts["rows"] = rows
+        del rows
         dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
         values[_DV] = _base(dv)
         _run_specs(self.dv, values, events)
         if parts is not None:
-            parts.update(rows=rows, ends=ends, entered=entered, d_end=d_end)
+            parts.update(ends=ends, entered=entered, d_end=d_end)
         del d_end  # (read by chunk_dk and chunk_dv alone) not live at the sums below, nor at the stages after
-        d_ell = reverse_chunk_sums(rows.sum(-1), ends.sum((-1, -2)) + entered.sum(-1))
+        d_ell = reverse_chunk_sums(row_dots, ends.sum((-1, -2)) + entered.sum(-1))
 
         def tiles_summed(a):  # [.., V/64] -> [..]: a view where there is one tile
             return None if a is None else a[..., 0] if a.shape[-1] == 1 else a.sum(-1)
