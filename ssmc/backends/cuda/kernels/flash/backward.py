@@ -27,7 +27,10 @@ warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's s
 tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS'); "wgws",
 "wgwsa", "wgwss", "wgwse" run "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``: a producer
 warpgroup loads the query tiles into mbarrier stages; dQ by bulk reductions, atomics, per warpgroup, or with the
-next tile's S^T issued early).
+next tile's S^T issued early). At d 256 (`HEAD_DIMS`) one config, on every device: "w8q16s2" (the wide kernel with
+two warps a 16 keys, `Config.split`: each computes the keys' whole S^T and dP^T and holds dK and dV of half the
+columns, 2 x 64 fp32 accumulators a thread where one warp would need 2 x 128, past 255 registers; blocks of 64
+keys, query tiles of 16), and dQ by atomics only (`atomic_dq`: the dQ kernel has no d 256 build).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -272,7 +275,7 @@ def _pipelines(args: dict) -> bool:
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
                   config_name: str | None = None, gqa: bool = False, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
+    `d` (`HEAD_DIMS`), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
     config `config_name` (`config`: None for the options'), summing the params' gradients or not
     (`param_grads`); cached. Raises `Unprintable` where `unsupported` says why."""
     if d not in HEAD_DIMS:

@@ -14,7 +14,8 @@ As a plain loop, per flattened batch index bh, with pos = cache.length:
     out[bh] = softmax(s) @ vc[bh, :pos + 1]    (0 where every key is masked)
 
 The modifiers are printed by the flash forward's printer (forward.print_body); K and V 16-bit, every
-product and sum in fp32, the output rounded to the 16-bit type once.
+product and sum in fp32, the output rounded to the 16-bit type once. Head dims 64, 128 (128 threads a block)
+and 256 (256 threads: the merges take a thread a head dim; a warp a key, 32 lanes of 16 bytes).
 """
 
 from __future__ import annotations

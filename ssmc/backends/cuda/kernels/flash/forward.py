@@ -22,6 +22,11 @@ in fp32; P rounded to the input type as the P V product's operand (as FlashAtten
 are printed from the IR as straight-line CUDA C over (score, q_idx, kv_idx, the params' values for
 bh); anything else (a param with an axis beyond the batch axes, reductions, iota) is refused with a
 reason, and the call stays on the tiled torch path.
+
+Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
+accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
+of 32 and Q's fragments read from shared memory per tile (not held in registers), and on sm_90 parts "wg128"
+with key tiles of 64 (its shared memory: two stages of 128-key tiles would not fit).
 """
 
 from __future__ import annotations
