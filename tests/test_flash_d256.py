@@ -138,6 +138,15 @@ def test_emulated_d256_backward_matches_the_tiled_backward(name, lq, lk, monkeyp
 
 
 @needs_emulator
+def test_emulated_d256_fp16_forward_and_backward(monkeypatch):
+    """fp16 inputs at d 256: the forward (ALiBi, Lq != Lk) and the backward (causal, several key blocks) within
+    fp16's tolerances."""
+    _check(*_run_emulated("alibi", 65, 7, 1, d=D, bf16=False, seed=4, config="bm128w8"), bf16=False)
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    _check_grads(*_run_emulated_backward("causal", 7, 130, 1, d=D, bf16=False, seed=5), bf16=False)
+
+
+@needs_emulator
 def test_emulated_d256_gqa_reads_kv_heads_unrepeated(monkeypatch):
     """2 query heads on 1 KV head (batch 2) at d 256: the forward and the key-block kernel's GQA build (dK and dV summed
     over the group in registers) with no repeat of k or v, against the float64 tiled path."""
