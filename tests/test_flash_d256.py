@@ -67,40 +67,33 @@ def _fits(usage, dynamic: int, arch: str):
     assert usage.shared_bytes <= 48 * 1024 and usage.shared_bytes + dynamic <= SHARED_LIMIT[arch], str(usage)
 
 
+# the multi-head builds at d 256: test_flash_attention's and test_flash_backward's spill tests, the decode kernel's
+# test_attention_step's; here the GQA builds
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("config, arch", [("bm128w8", "sm_80"), ("bm128w8", "sm_90"), ("wg128", "sm_90a")])
-@pytest.mark.parametrize("name", ["alibi", nightly_case("causal", reason="no param: fewer registers than alibi")])
-@pytest.mark.parametrize("gqa", [False, True])
-def test_d256_forward_compiles_without_spills(config, arch, name, gqa):
-    """The forward's d 256 configs (the mma.sync one for sm_80 and sm_90, the wgmma one for sm_90a), multi-head
-    and GQA builds: no spills, shared memory within a block's."""
-    kname, text = flash.kernel_source(SPECS[name].program, D, True, config, gqa)
+@pytest.mark.parametrize("name", ["alibi", nightly_case("window", reason="a second spec")])
+def test_d256_gqa_forward_compiles_without_spills(config, arch, name):
+    """The forward's d 256 configs' GQA builds (the mma.sync one for sm_80 and sm_90, the wgmma one for sm_90a):
+    no spills, shared memory within a block's."""
+    kname, text = flash.kernel_source(SPECS[name].program, D, True, config, gqa=True)
+    assert "_gqa_" in kname
     _fits(_resources(kname, text, arch), flash.CONFIGS[config][D].shared(D), arch)
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", ["alibi", "window", nightly_case("softcap_empty_rows", reason="a third spec")])
-@pytest.mark.parametrize("gqa", [False, True])
-def test_d256_backward_compiles_without_spills(arch, name, gqa):
-    """The key-block kernel at d 256 ("w8q16s2", atomic dQ: the only dQ there), multi-head and GQA, and the
-    delta kernel: no spills, shared memory within a block's."""
+def test_d256_gqa_backward_compiles_without_spills(arch, name):
+    """The key-block kernel's GQA build at d 256 ("w8q16s2", atomic dQ: the only dQ there), and the delta
+    kernel: no spills, shared memory within a block's."""
     cfg = flash_bwd.config(D)
-    kname, text = flash_bwd.kernel_source(SPECS[name].program, D, True, atomic_dq=True, config_name=cfg.name, gqa=gqa)
-    assert ("_gqa_" in kname) == gqa
+    kname, text = flash_bwd.kernel_source(SPECS[name].program, D, True, atomic_dq=True, config_name=cfg.name, gqa=True)
+    assert "_gqa_" in kname
     _fits(_resources(kname, text, arch), cfg.shared(D, True), arch)
-    if not gqa and name == "alibi":
+    if name == "alibi":
         for out32 in (False, True):
             _fits(_resources(*flash_bwd.delta_source(D, True, out32), arch), 0, arch)
-
-
-@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_d256_decode_compiles_without_spills(arch):
-    for name in ("alibi", "softcap_empty_rows"):
-        kname, text = decode.kernel_source(SPECS[name].program, D, True)
-        usage = _resources(kname, text, arch)
-        assert not usage.spills and usage.registers <= 128, str(usage)
 
 
 # -- the CPU emulator --------------------------------------------------------------------------------------
@@ -215,7 +208,8 @@ def _sdpa_grads(q, k, v, do, group):
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_gpu_d256_forward_and_backward_match_sdpa(hkv):
     """B2 H4 L1000 d 256 bf16 causal through ssmc.torch (the flash forward and backward, GQA with 2 KV heads):
-    out, dq, dk, dv within bf16's tolerance of SDPA's in float32 (relative to each's largest value)."""
+    out, dq, dk, dv within bf16's tolerance of SDPA's in float32 (relative error in norm, and the largest
+    error against the largest value)."""
     import ssmc.torch
 
     spec = SPECS["causal"] if hkv == 4 else ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d",
@@ -229,8 +223,10 @@ def test_gpu_d256_forward_and_backward_match_sdpa(hkv):
     want = _sdpa_grads(q, k, v, do, 4 // hkv)
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         assert g.shape == w.shape, name
-        err = (g.float() - w).abs().max().item()
-        assert err <= 2e-2 * w.abs().max().item(), f"{name}: max error {err:.3g}"
+        diff = g.float() - w
+        assert diff.norm() <= 2e-2 * w.norm(), f"{name}: relative error {(diff.norm() / w.norm()).item():.3g}"
+        err = diff.abs().max().item()
+        assert err <= 4e-2 * w.abs().max().item(), f"{name}: max error {err:.3g}"
 
 
 @pytest.mark.gpu
