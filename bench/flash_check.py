@@ -2,6 +2,7 @@
 
     python bench/flash_check.py [--out DIR] [--small] [--forward-only] [--specs causal,alibi,window]
     python bench/flash_check.py --gqa [--out DIR]      # causal GQA 32 / 8 heads against SDPA's enable_gqa
+    python bench/flash_check.py --d 256 [--out DIR]    # causal at B4 H16 L4096 d256 against SDPA
 
 For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf16 and a small shape
 (B2 H4 L1000 d64): the flash kernel's output against torch SDPA (causal) or FlexAttention (ALiBi,
@@ -13,7 +14,9 @@ a constant, as the peers' is) against the peer's autograd
 and the tiled backward (``SSMC_CUDA_FLASH_BACKWARD=0``), max abs error over the gradient's max abs
 value, then the time of forward + backward against the same peers. Prints markdown tables; with
 --out, writes them to DIR/flash.md. ``SSMC_CUDA_FLASH_DQ=kernel`` in the environment times the
-backward with its deterministic dQ kernel instead of atomics. Needs torch, triton and cupy; no network.
+backward with its deterministic dQ kernel instead of atomics. With ``--d 256``: the causal spec alone (others
+with --specs) at B4 H16 L4096 d256 bf16, its output and gradients checked against SDPA's before any timing, then
+the same forward and forward + backward rows. Needs torch, triton and cupy; no network.
 """
 
 from __future__ import annotations
@@ -236,6 +239,29 @@ def gqa_row(b: int, hq: int, hkv: int, length: int, d: int) -> dict:
             "train": timed(lambda: _grads(fn, [q, k, v], do)), "train_ref": timed(lambda: _grads(ref, [q, k, v], do))}
 
 
+def check_d256(b: int, h: int, length: int) -> None:
+    """Causal at head dim 256: ssmc's output and q, k, v gradients against SDPA's, before any timing (exits
+    where an error passes 3e-2 of the reference's largest value, or the flash kernels do not run the call)."""
+    import ssmc.torch
+
+    torch.manual_seed(1)
+    q, k, v, do = (torch.randn(b, h, length, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fn = ssmc.torch.function(SPECS["causal"], layout="b h t ...")
+
+    def ref(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out, want = fn(q, k, v), ref(q, k, v)
+    if fn.tiled.flash_reason is not None:
+        raise SystemExit(f"d256: the flash kernel does not run this call: {fn.tiled.flash_reason}")
+    err_out = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    err_grad = _rel_err(_grads(fn, [q, k, v], do), _grads(ref, [q, k, v], do))
+    if fn.tiled.flash_backward_reason is not None:
+        raise SystemExit(f"d256: the flash backward does not run this call: {fn.tiled.flash_backward_reason}")
+    print(f"d256 check against SDPA: out rel err {err_out:.2e}, grad rel err {err_grad:.2e}", flush=True)
+    if not (err_out < 3e-2 and err_grad < 3e-2):
+        raise SystemExit("d256: errors against SDPA too large; nothing timed")
+
+
 def config_report(text: str, out: Path | None, filename: str, rows: list[dict], base: str) -> None:
     """The config sweeps' ending (bench/flash_*_configs.py): print `text`, write it to out/filename, and exit
     non-zero where a row's error against the base config (key `base`) or the peer passes 3e-2."""
@@ -256,6 +282,8 @@ def main() -> None:
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
     parser.add_argument("--gqa", action="store_true", help="only causal GQA 32 / 8 heads, B2 L8192 d128, vs SDPA")
     parser.add_argument("--specs", help="comma-separated specs (default all); 'alibi' brings its fixed-slope row")
+    parser.add_argument("--d", type=int, choices=(128, 256), default=128,
+                        help="256: B4 H16 L4096 d256, the causal spec unless --specs, checked against SDPA first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -276,6 +304,10 @@ def main() -> None:
         return
     shapes = [(2, 4, 1000, 64)] + ([] if args.small else [(4, 16, 4096, 128)])
     specs = args.specs.split(",") if args.specs else list(SPECS)
+    if args.d == 256:
+        shapes = [(4, 16, 4096, 256)]
+        specs = args.specs.split(",") if args.specs else ["causal"]
+        check_d256(4, 16, 4096)
     unknown = sorted(set(specs) - set(SPECS))
     if unknown:
         raise SystemExit(f"unknown specs {unknown}; known: {list(SPECS)}")

@@ -302,9 +302,9 @@ class AttentionStep:
             reason = "SSMC_CUDA_FLASH=0"
         elif q.dtype not in (torch.bfloat16, torch.float16):
             reason = f"dtype {q.dtype} (the kernel takes bf16 or fp16)"
-        elif cache.k.shape[-1] not in (64, 128) or cache.v.shape[-1] != cache.k.shape[-1]:
+        elif cache.k.shape[-1] not in (64, 128, 256) or cache.v.shape[-1] != cache.k.shape[-1]:
             reason = (f"head dim {cache.k.shape[-1]}, value dim {cache.v.shape[-1]} (the kernel takes equal dims "
-                      "64 or 128)")
+                      "64, 128 or 256)")
         elif (not (cache.k.is_contiguous() and cache.v.is_contiguous())
               or (cache.k.data_ptr() | cache.v.data_ptr()) % 16):
             reason = "a cache of non-contiguous tensors, or not 16-byte aligned"

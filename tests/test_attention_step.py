@@ -207,7 +207,7 @@ def test_emulated_kernel_returns_the_layout_and_falls_back_when_turned_off(monke
 
 
 def test_decode_kernel_builds_without_spills():
-    """NVRTC: no spills for sm_80 and sm_90 at both head dims (the soft-capping modifier included)."""
+    """NVRTC: no spills for sm_80 and sm_90 at every head dim (the soft-capping modifier included)."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.kernels.flash import decode
     from ssmc.backends.cuda.source import compile_options
@@ -215,7 +215,7 @@ def test_decode_kernel_builds_without_spills():
     if not nvrtc.available():
         pytest.skip("no NVRTC")
     for name in ("softcap_empty_rows",) if in_ci() else ("alibi", "softcap_empty_rows"):
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for arch in ("sm_80", "sm_90"):
                 kname, text = decode.kernel_source(SPECS[name].program, d, True)
                 usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]

@@ -273,12 +273,15 @@ def test_block_spans_of_the_bm128_tiles_are_sound(name, bm, bn):
 
 # -- NVRTC: the kernel builds for sm_80 and sm_90 without spills -----------------------------------------
 
+# (config, head dim): each config at each head dim it has a build for; CI: "bm64" and the head dim's default
+FORWARD_BUILDS = [(c, d) if c in ("bm64", flash.DEFAULT_CONFIG[d]) else nightly_case(
+    c, d, reason="a forward config that is not the head dim's default (SSMC_CUDA_FLASH_FORWARD picks it)")
+    for d in flash.HEAD_DIMS for c in ["bm64", *NEW_CONFIGS] if d in flash.CONFIGS[c]]
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
-@pytest.mark.parametrize("config", [c if c in ("bm64", *flash.DEFAULT_CONFIG.values()) else nightly_case(
-    c, reason="a forward config that is no head dim's default (SSMC_CUDA_FLASH_FORWARD picks it)")
-    for c in ["bm64", *NEW_CONFIGS]])
+@pytest.mark.parametrize("config, d", FORWARD_BUILDS)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
 def test_flash_forward_compiles_without_spills(arch, d, name, config):
     """No spills, at most 255 registers; static shared memory within 48 KiB ("bm64"), dynamic within
@@ -295,8 +298,8 @@ def test_flash_forward_compiles_without_spills(arch, d, name, config):
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
-@pytest.mark.parametrize("config", ["wg128", "wg128s"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("config, d", [(c, d) for c in ("wg128", "wg128s") for d in flash.HEAD_DIMS
+                                      if d in flash.CONFIGS[c]])
 @pytest.mark.parametrize("name", ["alibi", "window", "softcap_empty_rows"])
 def test_wgmma_forward_compiles_for_sm_90a_without_spills(config, d, name):
     """The wgmma kernels for sm_90a: no spills, and shared memory for one block an SM."""

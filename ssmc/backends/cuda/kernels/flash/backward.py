@@ -27,7 +27,10 @@ warpgroups of 64 keys, query tiles of 64); "wgp" is "wg" with more of a tile's s
 tile's lse and delta loaded ahead, P computed while dP^T multiplies, dV's product issued before dS'); "wgws",
 "wgwsa", "wgwss", "wgwse" run "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``: a producer
 warpgroup loads the query tiles into mbarrier stages; dQ by bulk reductions, atomics, per warpgroup, or with the
-next tile's S^T issued early).
+next tile's S^T issued early). At d 256 (`HEAD_DIMS`) one config, on every device: "w8q16s2" (the wide kernel with
+two warps a 16 keys, `Config.split`: each computes the keys' whole S^T and dP^T and holds dK and dV of half the
+columns, 2 x 64 fp32 accumulators a thread where one warp would need 2 x 128, past 255 registers; blocks of 64
+keys, query tiles of 16), and dQ by atomics only (`atomic_dq`: the dQ kernel has no d 256 build).
 dK, dV accumulate in registers over the visible query tiles (no atomics); dQ accumulates by fp32 atomics
 into a zeroed [BH, Lq, d] buffer (summation order not fixed), or with ``SSMC_CUDA_FLASH_DQ=kernel`` a
 second kernel (``backward_dq.cu.j2``) per block of `BM` queries recomputes S and dP over the forward's
@@ -81,6 +84,9 @@ class Config:
     warps: int
     bq: int
     min_blocks: int = 1
+    # the wide kernel's warps a 16 keys, each summing dK and dV over d / `split` columns (S^T and dP^T over every
+    # column in each): a block of 16 warps / split keys
+    split: int = 1
     wgmma: bool = False
     pipelined: bool = False  # wgmma only: the next tile's lse / delta prefetched, S^T and dP^T waited apart, dV early
     # wgmma only: a producer warpgroup loads the query tiles into `stages` stages (``backward_wgmma_ws.cu.j2``),
@@ -107,7 +113,7 @@ class Config:
 
     @property
     def bn(self) -> int:
-        return 16 * self.warps
+        return 16 * self.warps // self.split
 
     @property
     def threads(self) -> int:
@@ -128,15 +134,19 @@ class Config:
 
 
 CONFIGS = {
-    "bn64": {d: Config("bn64", 4, BQ[d]) for d in HEAD_DIMS},
-    "w4q64": {d: Config("w4q64", 4, 64) for d in HEAD_DIMS},
-    "w8q64": {d: Config("w8q64", 8, 64) for d in HEAD_DIMS},
-    "w8q32": {d: Config("w8q32", 8, 32) for d in HEAD_DIMS},
+    "bn64": {d: Config("bn64", 4, BQ[d]) for d in (64, 128)},
+    "w4q64": {d: Config("w4q64", 4, 64) for d in (64, 128)},
+    "w8q64": {d: Config("w8q64", 8, 64) for d in (64, 128)},
+    "w8q32": {d: Config("w8q32", 8, 32) for d in (64, 128)},
+    # d 256 only: the wide kernel with two warps a 16 keys (`Config.split`), each holding dK and dV of 128 columns
+    # (128 accumulator registers a thread, not 256), blocks of 64 keys, query tiles of 16 (of 32 the atomic dQ
+    # build spilled)
+    "w8q16s2": {256: Config("w8q16s2", 8, 16, split=2)},
     # sm_90a (``backward_wgmma.cu.j2``): warpgroups of 64 keys, one at d 64, two at d 128; query tiles of 64
     "wg": {64: Config("wg", 4, 64, wgmma=True), 128: Config("wg", 8, 64, wgmma=True)},
     # "wg" with its tile's steps overlapped (``backward_wgmma.cu.j2``'s `pipelined` loop) for specs without params
     # whose dS does not read the score (`_pipelines`; "wg"'s loop for the others)
-    "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in HEAD_DIMS},
+    "wgp": {d: Config("wgp", 4 if d == 64 else 8, 64, wgmma=True, pipelined=True) for d in (64, 128)},
     # "wgp"'s loop in warp-specialized blocks (``backward_wgmma_ws.cu.j2``): a producer warpgroup loads Q, dO, lse and
     # delta into two stages on mbarriers; the consumers keep the block's registers (setmaxnreg; two blocks an SM at
     # d 64); "wgws" sums dQ by bulk reductions of a tile from shared memory, "wgwsa" by the consumers' atomics,
@@ -153,21 +163,30 @@ CONFIGS = {
 }
 # at d 128 the 64-row tiles of 8 warps sit at 255 registers and ptxas spills a word or four for some
 # modifiers: query tiles of 32 there (no spills; the same 128-key blocks, so the same Q / dO traffic and dQ atomics)
-DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32"}
+DEFAULT_CONFIG = {64: "w4q64", 128: "w8q32", 256: "w8q16s2"}
 # on sm_90 parts: at d 128 the warp-specialized blocks ("wgws": dQ by bulk reductions for the specs whose loop
 # pipelines, atomics on "wg"'s loop for the others; faster than "wgp" for both in bench/flash_backward_configs.py,
 # causal and ALiBi with its slope's gradient; its GQA build walks the group's query heads through one ring of
 # stages); at d 64 "wgp" ("wgws" no faster there)
-HOPPER_CONFIG = {64: "wgp", 128: "wgws"}
+# at d 256 the wide kernel's split "w8q16s2" there too (the wgmma kernels' warpgroups of 64 keys would hold 2 x 128
+# fp32 accumulators of dK and dV a thread)
+HOPPER_CONFIG = {64: "wgp", 128: "wgws", 256: "w8q16s2"}
 
 
 def config(d: int, name: str | None = None, device=None) -> Config:
     """The key-block kernel's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_BACKWARD_CONFIG``'s,
-    else the head dim's default for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`)."""
+    else the head dim's default for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`). A config
+    the option names that has no build at `d` gives way to the default; a `name` given here without one is a
+    ValueError."""
     from .forward import hopper
 
     if name is None:
-        name = options().flash_backward_config or (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+        default = (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+        name = options().flash_backward_config or default
+        if d not in CONFIGS.get(name, {d: None}):
+            name = default  # the option's config has no build at this head dim (d 256: only "w8q16s2")
+    elif d not in CONFIGS[name]:
+        raise ValueError(f"flash backward config {name!r} has no build at head dim {d}")
     cfg = CONFIGS[name][d]
     if cfg.wgmma and device is not None and getattr(device, "type", None) == "cuda" and not hopper(device):
         raise ValueError(f"flash backward config {name!r} needs an sm_90 GPU (wgmma); {device} is not one")
@@ -206,6 +225,13 @@ def dq_mode() -> str:
     "kernel" (``SSMC_CUDA_FLASH_DQ=kernel``: a second kernel per query block, no atomics, bitwise
     repeatable, 7 products)."""
     return options().flash_dq or "atomic"
+
+
+def atomic_dq(d: int) -> bool:
+    """Whether the backward at head dim `d` sums dQ by atomics: `dq_mode`'s "atomic", and at every head dim the
+    dQ kernel has no build for (d 256: its 64 query rows of Q and dO in static shared memory are 67 KiB, past 48,
+    and a warp's Q and dO fragments beside dQ's 128 accumulators past 255 registers)."""
+    return dq_mode() == "atomic" or d not in BN_DQ
 
 
 def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict, str]:
@@ -249,7 +275,7 @@ def _pipelines(args: dict) -> bool:
 def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True,
                   config_name: str | None = None, gqa: bool = False, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash backward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
+    `d` (`HEAD_DIMS`), bf16 or fp16 inputs, with dQ by atomics or without (`dq_source`'s kernel then), in
     config `config_name` (`config`: None for the options'), summing the params' gradients or not
     (`param_grads`); cached. Raises `Unprintable` where `unsupported` says why."""
     if d not in HEAD_DIMS:
@@ -285,19 +311,24 @@ def kernel_source(program: Attention, d: int, bf16: bool, atomic_dq: bool = True
                 warps=cfg.warps, bq=cfg.bq, shared=cfg.shared(d, atomic_dq),
                 pipelined=cfg.pipelined and _pipelines(args), **common)
         return name, template("flash/backward_wide.cu.j2").render(
-            warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), **common)
+            warps=cfg.warps, bq=cfg.bq, min_blocks=cfg.min_blocks, shared=cfg.shared(d, atomic_dq), split=cfg.split,
+            **common)
     if gqa and not cfg.gqa:
         raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build")
     return _source((program, d, bf16, atomic_dq, cfg, gqa, param_grads), program, d, build, param_grads)
 
 
-BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it)
+BN_DQ = {64: 32, 128: 32}  # keys a tile of the dQ kernel per head dim (its registers bound it; none at d 256)
 
 
 def dq_source(program: Attention, d: int, bf16: bool, gqa: bool = False, param_grads: bool = True) -> tuple[str, str]:
     """(kernel name, CUDA source) of the dQ kernel (``backward_dq.cu.j2``): per batch index and block of
     `BM` queries, dq[i] = scale * sum_j ds[i, j] k[j] over the forward's `block_spans`; `gqa`: k and v with
-    fewer heads than q (`forward.kv_index`, the group and inner size from the spans' tail); cached."""
+    fewer heads than q (`forward.kv_index`, the group and inner size from the spans' tail); cached. Raises
+    ValueError at a head dim without a build (`atomic_dq`)."""
+    if d not in BN_DQ:
+        raise ValueError(f"head dim {d}: the dQ kernel takes {tuple(BN_DQ)} (atomic dQ at the others)")
+
     def build(args: dict, digest: str):
         name = f"flash_bwd_dq_d{d}_{'bf16' if bf16 else 'fp16'}{'_gqa' if gqa else ''}_{digest}"
         return name, template("flash/backward_dq.cu.j2").render(name=name, bn2=BN_DQ[d], bf16=bf16, gqa=gqa, **args)
@@ -433,7 +464,7 @@ class FlashBackward:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
         nkb, nparams = -(-lk // cfg.bn), len(self.program.params)
         np_ = nparams if param_grads else 0
-        atomic = dq_mode() == "atomic"
+        atomic = atomic_dq(d)
         bf16 = q.dtype == torch.bfloat16
         # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
         # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer

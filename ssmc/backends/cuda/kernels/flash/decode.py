@@ -14,7 +14,8 @@ As a plain loop, per flattened batch index bh, with pos = cache.length:
     out[bh] = softmax(s) @ vc[bh, :pos + 1]    (0 where every key is masked)
 
 The modifiers are printed by the flash forward's printer (forward.print_body); K and V 16-bit, every
-product and sum in fp32, the output rounded to the 16-bit type once.
+product and sum in fp32, the output rounded to the 16-bit type once. Head dims 64, 128 (128 threads a block)
+and 256 (256 threads: the merges take a thread a head dim; a warp a key, 32 lanes of 16 bytes).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from .. import template
 from ..loaded import loaded_function
 from .forward import HEAD_DIMS, float_literal, printed_modifiers
 
-THREADS = 128
-KEYS_A_PASS = {64: 64, 128: 32}  # KPB of decode.cu.j2: 4 warps x (32 / (d / 8)) keys x 4 in flight
+# threads a block per head dim: the merges of the block's groups and of the splits take a thread a head dim, so
+# 256 at d 256 (where a warp takes one key at a time: 32 lanes of 16 bytes)
+THREADS = {64: 128, 128: 128, 256: 256}
+KEYS_A_PASS = {64: 64, 128: 32, 256: 32}  # KPB of decode.cu.j2: THREADS / 32 warps x (32 / (d / 8)) keys x 4 in flight
 MIN_KEYS_A_SPLIT = 256           # fewer keys than this a block: the combine's cost is no longer small
 MAX_SPLITS = 64
 
@@ -34,7 +37,7 @@ _SMS: dict = {}  # device index -> multiprocessors
 
 
 def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
-    """(kernel name, CUDA source) of `program`'s decode step at head dim `d` (64 or 128, the value dim
+    """(kernel name, CUDA source) of `program`'s decode step at head dim `d` (`HEAD_DIMS`, the value dim
     the same), bf16 or fp16 cache; cached. Raises `forward.Unprintable` where the modifiers do not print."""
     from ...source import mma_header
 
@@ -46,9 +49,9 @@ def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
         return hit
     score_body, mask_body, scale, digest = printed_modifiers(program, d)
     name = f"attn_decode_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
-    text = template("flash/decode.cu.j2").render(name=name, d=d, bf16=bf16, nparams=len(program.params),
-                                                 scale=float_literal(scale), score_body=score_body,
-                                                 mask_body=mask_body)
+    text = template("flash/decode.cu.j2").render(name=name, d=d, bf16=bf16, threads=THREADS[d],
+                                                 nparams=len(program.params), scale=float_literal(scale),
+                                                 score_body=score_body, mask_body=mask_body)
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 
@@ -114,7 +117,7 @@ class FlashDecode:
         work, meta = cache.workspace(room)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
                     params.data_ptr(), work.data_ptr(), meta.data_ptr(), out.data_ptr()]
-        grid = (bh * splits, THREADS)
+        grid = (bh * splits, THREADS[d])
         if q.is_cuda and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
                 launch_kernel(fn, grid, cache.length, splits, pointers)

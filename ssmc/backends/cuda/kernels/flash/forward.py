@@ -22,6 +22,11 @@ in fp32; P rounded to the input type as the P V product's operand (as FlashAtten
 are printed from the IR as straight-line CUDA C over (score, q_idx, kv_idx, the params' values for
 bh); anything else (a param with an axis beyond the batch axes, reductions, iota) is refused with a
 reason, and the call stays on the tiled torch path.
+
+Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
+accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
+of 32 and Q's fragments read from shared memory per tile (not held in registers), and on sm_90 parts "wg128"
+with key tiles of 64 (its shared memory: two stages of 128-key tiles would not fit).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from ..loaded import loaded_function
 BM = 64                 # query rows a block of the "bm64" kernel: 4 warps of 16
 BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
 THREADS = 128
-HEAD_DIMS = (64, 128)   # the kernel's head (and value) dims; others stay on the tiled path
+HEAD_DIMS = (64, 128, 256)  # the kernels' head (and value) dims; others stay on the tiled path
 
 
 @dataclass(frozen=True)
@@ -84,19 +89,26 @@ class Config:
 # from shared memory and key tiles of 32: Q's 64 fragment registers, O's 128 and S's 64 accumulators would
 # not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled); "wg128" (sm_90a): two
 # warpgroups of 64 rows, key tiles of 128, wgmma from swizzled shared memory (``forward_wgmma.cu.j2``);
-# "wg128s": the same with warpgroup 1 half a tile behind (its products beside warpgroup 0's softmax), 3 stages
+# "wg128s": the same with warpgroup 1 half a tile behind (its products beside warpgroup 0's softmax), 3 stages.
+# At d 256 a warp's 16 rows of O are 128 fp32 registers a thread, so only two configs have a build there:
+# "bm128w8" with Q read from shared memory and key tiles of 32 (S's 16 accumulators beside O's 128; Q's
+# 64 fragment registers would not fit, and tiles of 64 take 198 KiB of shared memory, past an sm_80 block's
+# 163), and "wg128" with key tiles of 64 (two stages of 128-key tiles take 321 KiB, past 227; "wg128s"'
+# three stages of 64 take 257)
 CONFIGS = {
     "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
-    "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8)},
+    "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8),
+                256: Config("bm128w8", 128, 32, 8, qreg=False)},
     "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
-    "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True)},
-    "wg128s": {d: Config("wg128s", 128, 128, 8, wgmma=True, stagger=True) for d in HEAD_DIMS},
+    "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True),
+              256: Config("wg128", 128, 64, 8, wgmma=True)},
+    "wg128s": {d: Config("wg128s", 128, 128, 8, wgmma=True, stagger=True) for d in (64, 128)},
 }
 # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
 # sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
-DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4"}
-HOPPER_CONFIG = {64: "wg128", 128: "wg128s"}
+DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4", 256: "bm128w8"}
+HOPPER_CONFIG = {64: "wg128", 128: "wg128s", 256: "wg128"}
 # the staggered kernel pays half a tile at each end of a block's span: on spans shorter than this many key
 # tiles on average (a sliding window) the default takes the plain one
 STAGGER_MIN_TILES = 8
@@ -125,11 +137,18 @@ def _forced() -> bool:
 
 def config(d: int, name: str | None = None, device=None) -> Config:
     """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else the default
-    for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`)."""
+    for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`). A config the option names that has
+    no build at `d` (at d 256 only "bm128w8" and "wg128" have one) gives way to the default; a `name` given
+    here that has none is a ValueError."""
     if name is None:
         from ...options import options
 
-        name = options().flash_forward or (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+        default = (HOPPER_CONFIG if hopper(device) else DEFAULT_CONFIG)[d]
+        name = options().flash_forward or default
+        if d not in CONFIGS.get(name, {d: None}):
+            name = default
+    elif d not in CONFIGS[name]:
+        raise ValueError(f"flash forward config {name!r} has no build at head dim {d}")
     cfg = CONFIGS[name][d]
     if cfg.wgmma and device is not None and getattr(device, "type", None) == "cuda" and not hopper(device):
         raise ValueError(f"flash forward config {name!r} needs an sm_90 GPU (wgmma); {device} is not one")
@@ -271,7 +290,7 @@ def printed_modifiers(program: Attention, d: int) -> tuple[str, str, float, str]
 def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | None = None,
                   gqa: bool = False) -> tuple[str, str]:
     """(kernel name, CUDA source with the tile-product header) of `program`'s flash forward at head dim
-    `d` (64 or 128), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options);
+    `d` (`HEAD_DIMS`), bf16 or fp16 inputs, in config `config_name` (`config`: None for the options);
     `gqa`: k and v with fewer heads than q (`kv_index`, the group and inner size from the spans' tail;
     a kernel of its own, so that the multi-head kernel keeps its registers); cached. Raises
     `Unprintable` where `unsupported` says why."""

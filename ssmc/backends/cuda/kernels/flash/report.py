@@ -57,7 +57,7 @@ def flash_reports(program: Attention, sizes: dict[str, int], lq: int, lk: int, d
     rows = [(FlashReport("forward", cfg.name, name, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d)), text,
              cfg.arch)]
     if backward:
-        atomic = bwd.dq_mode() == "atomic"
+        atomic = bwd.atomic_dq(d)
         bcfg = bwd.CONFIGS[(bwd.HOPPER_CONFIG if _hopper(arch) else bwd.DEFAULT_CONFIG)[d]][d]
         name, text = bwd.delta_source(d, bf16, bool(program.params))
         rows.append((FlashReport("backward", "delta", name, (-(-bh * lq // 4), 128), 0), text, None))
