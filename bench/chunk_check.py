@@ -467,6 +467,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tuned_note() -> str:
+    """The chunks SSMC_CUDA_CHUNK_TUNE=1 chose in this run (kernels/chunk/tune.py), with the times it took."""
+    from ssmc.backends.cuda.kernels.chunk import tune
+
+    lines = [f"- {heads} heads, L {length}, state {key} x {value}: chunk {chunk} ("
+             + ", ".join(f"{c}: {ms:.3f} ms" for c, ms in times.items()) + ")"
+             for (_, _, _, heads, key, value, length), (chunk, times) in tune._chosen.items()]
+    return "\n\nChunks tuned in this run:\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write DIR/chunk.md")
@@ -493,7 +503,7 @@ def main() -> int:
                          "peer_name": "", "checks": {"error": traceback.format_exc().splitlines()[-1][:200]},
                          "ok": False})
     text = (f"# Chunked matrix-linear forward and backward: mma.sync kernels\n\n{torch.cuda.get_device_name()}, torch "
-            f"{torch.__version__}\n\n" + table(rows) + "\n" + "\n".join(peers.notes))
+            f"{torch.__version__}\n\n" + table(rows) + "\n" + "\n".join(peers.notes) + tuned_note())
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
