@@ -30,11 +30,11 @@ SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 # -- the configs ---------------------------------------------------------------------------------------------
 
 def test_d256_configs_and_the_options_fallback(monkeypatch):
-    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) / "wg128" (tiles of 64) forward and the split
+    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) forward on every part and the split
     "w8q16s2" backward; a config the options name without a d 256 build gives way to the default, one named in
     the call is a ValueError; the dQ kernel mode sums dQ by atomics at d 256; d 64 and 128 keep theirs."""
     assert flash.config(D) == flash.Config("bm128w8", 128, 32, 8, qreg=False)
-    assert flash.CONFIGS[flash.HOPPER_CONFIG[D]][D] == flash.Config("wg128", 128, 64, 8, wgmma=True)
+    assert flash.HOPPER_CONFIG[D] == "bm128w8" and D not in flash.CONFIGS["wg128"]
     assert flash_bwd.config(D) == flash_bwd.Config("w8q16s2", 8, 16, split=2)
     assert flash_bwd.config(D).bn == 64 and flash_bwd.config(D).gqa
     assert (flash.DEFAULT_CONFIG[64], flash.DEFAULT_CONFIG[128]) == ("bm128w4", "bm128w4")
@@ -71,11 +71,10 @@ def _fits(usage, dynamic: int, arch: str):
 # test_attention_step's; here the GQA builds
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
-@pytest.mark.parametrize("config, arch", [("bm128w8", "sm_80"), ("bm128w8", "sm_90"), ("wg128", "sm_90a")])
+@pytest.mark.parametrize("config, arch", [("bm128w8", "sm_80"), ("bm128w8", "sm_90")])
 @pytest.mark.parametrize("name", ["alibi", nightly_case("window", reason="a second spec")])
 def test_d256_gqa_forward_compiles_without_spills(config, arch, name):
-    """The forward's d 256 configs' GQA builds (the mma.sync one for sm_80 and sm_90, the wgmma one for sm_90a):
-    no spills, shared memory within a block's."""
+    """The forward's d 256 config's GQA build for sm_80 and sm_90: no spills, shared memory within a block's."""
     kname, text = flash.kernel_source(SPECS[name].program, D, True, config, gqa=True)
     assert "_gqa_" in kname
     _fits(_resources(kname, text, arch), flash.CONFIGS[config][D].shared(D), arch)
@@ -100,11 +99,11 @@ def test_d256_gqa_backward_compiles_without_spills(arch, name):
 
 # one row, a partial key tile (7), several tiles and two query blocks (130 over tiles of 32), Lq != Lk both
 # ways, a window of 20 (skipped tiles)
-_TWO_BLOCKS = "two query blocks of 128 rows: wg128's window case has them"
+_TWO_BLOCKS = "two query blocks of 128 rows: the window case has them"
 FORWARD_CASES = [("bm128w8", "causal", 1, 1), ("bm128w8", "causal", 7, 7),
                  nightly_case("bm128w8", "causal", 130, 130, reason=_TWO_BLOCKS),
                  ("bm128w8", "window", 65, 65), ("bm128w8", "alibi", 65, 7), ("bm128w8", "alibi", 7, 65),
-                 ("wg128", "alibi", 65, 130), ("wg128", "window", 130, 65)]
+                 ("bm128w8", "window", 130, 65)]
 
 
 @needs_emulator
