@@ -20,8 +20,10 @@ Three modes, all run by default (or pick with ``--sanitize``, ``--long``, ``--ov
    --sanitize-worker TOOL ...``, each until the time budget ends. Logs: ``$OUT/sanitizer-<tool>.log``
    (the worker prints a marker before and after each workload, so each error is put down to the
    workload that ran it).
-2. ``--long``: L = 1,000,000 forward in fp32 and bf16 for Mamba-1 (b1 d64 n16), HGRN (b1 d64) and
-   RetNet retention with RetNet's own decays gamma = 1 - 2^(-5 - h) (a decaying linear attention):
+2. ``--long``: L = 1,000,000 forward in fp32 and bf16 for Mamba-1 (b1 d64 n16), HGRN (b1 d64),
+   RetNet retention with RetNet's own decays gamma = 1 - 2^(-5 - h) (a decaying linear attention), and at the
+   chunked kernels' sizes (bf16 on the tensor-core kernels, fp32 on the chunked torch path) Mamba-2 / SSD
+   (b1 g1 r2 p64 n64) and simple GLA (b1 h2 k64 v64):
    every output and final state finite, and the relative error against the same kernels run in
    float64 on the inputs rounded to the dtype; each example's NumPy reference (float64, written
    without ssmc) against ssmc's float64 and float32 runs at L = 100,000; gradients at L = 200,000,
@@ -124,6 +126,8 @@ LONG_SIZES: dict[str, dict[str, int]] = {
     "mamba1": {"batch": 1, "dim": 64, "state": 16},
     "hgrn": {"batch": 1, "dim": 64},
     "retnet": {"batch": 1, "heads": 4, "dk": 16, "dv": 16},
+    "mamba2": {"batch": 1, "groups": 1, "heads": 2, "headdim": 64, "state": 64},
+    "simple_gla": {"batch": 1, "heads": 2, "dk": 64, "dv": 64},
 }
 LONG_LENGTHS = {"forward": 1_000_000, "gradient": 200_000, "reference": 100_000}
 QUICK_LONG_LENGTHS = {"forward": 200_000, "gradient": 50_000, "reference": 20_000}

@@ -663,23 +663,33 @@ def test_stages_around_the_core_write_its_operands_in_16_bits_and_results_in_the
 # -- on the GPU: whole specs --------------------------------------------------------------------------
 
 def _spec_case(name: str, length: int):
-    """(spec, layout, inputs at kernel shapes: K = 128 and V = 64 for Mamba-2, K = V = 64 for RetNet)."""
-    from ssmc.examples import mamba2, retnet
+    """(spec, layout, inputs at kernel shapes: K = 128 and V = 64 for Mamba-2, K = V = 64 for RetNet and linear
+    attention, whose layout is "b h t ...", time after the heads)."""
+    from ssmc.examples import linear_attention, mamba2, retnet
 
     rng = np.random.default_rng(length)
     if name == "mamba2":
         inputs = mamba2.make_inputs(rng, length, batch=2, groups=1, heads=4, headdim=64, state=128)
         inputs["x"] = inputs["x"] * 0.3
         return mamba2.SPEC, mamba2.LAYOUT, inputs
+    if name == "linear_attention":  # no decay: the state grows as the sum of every step's k v
+        inputs = linear_attention.make_inputs(rng, length, batch=2, heads=3, dk=64, dv=64)
+        inputs["q"] = inputs["q"] / (8.0 * max(1.0, length ** 0.5))
+        return linear_attention.SPEC, linear_attention.LAYOUT, inputs
     inputs = retnet.make_inputs(rng, length, batch=2, heads=4, dk=64, dv=64)
     inputs["gamma"] = 1.0 - 2.0 ** (-5.0 - np.arange(4))
     inputs["q"] = inputs["q"] / 8.0
     return retnet.SPEC, retnet.LAYOUT, inputs
 
 
+# L 1, 7 (one partial chunk), 63, 64, 65 (about the short calls' chunk of 64), 180, 1000, 4097 (many chunks, the last
+# partial); linear attention ("b h t ..." layout) at a short and a long one
+GPU_SPEC_CASES = [(n, length) for n in ("mamba2", "retnet") for length in (1, 7, 63, 64, 65, 180, 1000, 4097)] + [
+    ("linear_attention", 65), ("linear_attention", 1000)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mamba2", "retnet"])
-@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+@pytest.mark.parametrize("name, length", GPU_SPEC_CASES)
 def test_gpu_specs_on_the_kernels_match_the_torch_path_and_the_interpreter(name, length, monkeypatch):
     """bf16 inputs: the kernels' output and final state against the interpreter (the float64 chunked
     path past L 180, which tests/test_chunked.py holds to the interpreter) on the same rounded inputs,
@@ -1200,8 +1210,7 @@ def test_the_torch_path_with_beta_and_skip_matches_autograd():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mamba2", "retnet"])
-@pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
+@pytest.mark.parametrize("name, length", GPU_SPEC_CASES)
 def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
     """A training step through ssmc.torch.function on bf16 inputs (the initial state included): every
     gradient (x, B, C, dt, A, D, the initial state; q, k, v, gamma, S) with the backward kernels
@@ -1270,6 +1279,57 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
             assert _rel(g, w) < 2e-2, (k, _rel(g, w), _rel(t, w))
             assert _rel(g, w) < 2 * _rel(t, w) + 2e-3, (k, _rel(g, w), _rel(t, w))
         assert _rel(t, w) < 2e-2, (k, _rel(t, w))  # the torch backward on the kernels' forward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [180, 70])
+def test_gpu_short_calls_take_the_padded_prepared_path(length, monkeypatch):
+    """SSD bf16 at a length no multiple of the chunk (180: 128 + 52; 70: 64 + 6 at SSMC_CUDA_CHUNK=64) through
+    ssmc.torch.function on the GPU: the first calls general (the second makes the prepared forward's plan), the
+    third on the padded prepared path (`PreparedForward`: no general forward, no plan made again), with the first
+    call's output and every gradient bit for bit."""
+    import ssmc.torch
+    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedForward
+    from ssmc.examples import mamba2
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for name in ("SSMC_CUDA_EMULATE", "SSMC_CUDA_CHUNK_KERNELS", "SSMC_CUDA_CHUNK", "SSMC_CUDA_CHUNK_TUNE"):
+        monkeypatch.delenv(name, raising=False)
+    if length == 70:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", "64")
+    counts = {"plans": 0, "general": 0}
+
+    def plan(*a, _f=PreparedForward._plan):
+        found = _f(*a)
+        counts["plans"] += found is not False
+        return found
+
+    def general(*a, _f=ChunkedCore.forward, **kw):
+        counts["general"] += 1
+        return _f(*a, **kw)
+    monkeypatch.setattr(PreparedForward, "_plan", plan)
+    monkeypatch.setattr(ChunkedCore, "forward", general)
+    rng = np.random.default_rng(length)
+    inputs = mamba2.make_inputs(rng, length, batch=2, groups=1, heads=4, headdim=64, state=64)
+    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
+          for k, v in inputs.items()}
+    fn = ssmc.torch.function(mamba2.SPEC, layout=mamba2.LAYOUT)
+    dy = None
+    results = []
+    for _ in range(3):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
+        y = fn(**leaves)
+        if dy is None:
+            g = torch.Generator(device="cuda").manual_seed(1)
+            dy = torch.randn(y.shape, generator=g, device="cuda").to(y.dtype)
+        y.backward(dy)
+        results.append([y.detach(), *(leaves[k].grad for k in sorted(leaves))])
+    # the general forward at the first call and at the prepared forward's first (which makes the plan) only
+    assert counts["plans"] == 1 and counts["general"] == 2, counts
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -88,9 +88,9 @@ def test_the_full_plans(script):
     long = script.long_plan()
     assert {(i["kind"], i["length"]) for i in long} == {("forward", 10**6), ("gradient", 200_000),
                                                         ("reference", 100_000)}
-    assert {i["example"] for i in long} == {"mamba1", "hgrn", "retnet"} and {i["dtype"] for i in long} == {
-        "float32", "bfloat16"}
-    assert [i["kind"] for i in long[:6]] == ["forward"] * 6
+    assert {i["example"] for i in long} == {"mamba1", "hgrn", "retnet", "mamba2", "simple_gla"}
+    assert {i["dtype"] for i in long} == {"float32", "bfloat16"}
+    assert [i["kind"] for i in long[:10]] == ["forward"] * 10
     over = script.overflow_plan()
     assert all(i["elements"] > 2**31 for i in over) and len(script.overflow_plan(quick=True)) == 1
     assert {i["layout"] for i in over} == {"b t ...", "b d t"} and {i["kind"] for i in over} == {"forward", "gradient"}
