@@ -1,5 +1,6 @@
 """The chunked forward and backward on tensor cores (``chunk.cu.j2``): `algorithm.forward`'s result
-from three kernels, `algorithm.vjp`'s from five, for 16-bit q, k, v with fp32 decays and states.
+from two kernels, `algorithm.vjp`'s from four (the earlier split forms: three and five), for 16-bit q, k, v
+with fp32 decays and states.
 
     if kernels_apply(x): out, entering, final = forward(x)      # else algorithm.forward(x)
     dq, dk, dv, d_ell, ds0 = backward(x, entering, final, d_out, d_final)   # where backward_applies
