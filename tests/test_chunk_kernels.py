@@ -814,7 +814,7 @@ def _rel_summed(got, want) -> float:
 def _check_parts(x: algorithm.Chunks, got, parts: dict, entering, d_out, want=None, tol: float = 0.0) -> None:
     """The kernels' side outputs (mma.backward's `parts`) against the same sums in float64 of what the
     kernels returned and read: chunk_dq's q_i·dq_i and chunk_dk's −k_i·dk_i over each key tile (q, k the
-    16-bit operands, broadcast over the heads they lack), state_pass_reverse's exp(Γ)⟨d_end, S_p⟩ per
+    16-bit operands, broadcast over the heads they lack), the reverse states pass's exp(Γ)⟨d_end, S_p⟩ per
     chunk, and chunk_dv's skip cotangent Σ_ν v_iν dO_iν: close to fp32 rounding, so a row, tile, head
     or chunk misplaced fails. Where the kernels summed dq or dk over heads (no per-head rows returned),
     its row dots against `want`'s (the float64 reference's, per head) within `tol`."""
@@ -879,21 +879,12 @@ def test_emulated_backward_agrees_with_the_torch_vjp(emulate, chunk, length):
     _check_backward(x, length, 6e-3)
 
 
-@needs_emulator
-@pytest.mark.parametrize("chunk, length, key, value, ssd", [
-    (64, 130, 64, 64, True),
-    nightly_case(64, 70, 128, 64, False, reason="two key tiles: the fused walk's dots of several tiles are "
-                 "test_emulated_backward_with_key_and_value_sizes_apart's against float64 too")])
-def test_emulated_fused_backward_states_are_the_split_ones(emulate, monkeypatch, chunk, length, key, value, ssd):
-    """SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass: one walk of the chunks, last first, no fp32 chunk sums
-    in memory) against split (chunk_dstates, then state_pass_reverse): the same sums in the same order, so d_end,
-    ds0 and every gradient but the log decays' bit for bit; the ⟨d_end, S_p⟩ parts summed in another order, so
-    their sums per chunk (and d_ell) within fp32 rounding. Three chunks (SSD's broadcast heads, β and skip) or
-    two of a 128-key state (two key tiles a head)."""
-    heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
-             {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
-    x = _chunks(length, key=key, value=value, seed=length + key, chunk=chunk, decay=0.05, **heads)
-    d_out, d_final = _cotangents(x, length)
+def _fused_against_split(x: algorithm.Chunks, seed: int, monkeypatch) -> None:
+    """mma.backward of `x` with SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass) against split (chunk_dstates,
+    then state_pass_reverse): d_end, ds0 and every gradient but the log decays' bit for bit, the ⟨d_end, S_p⟩
+    parts' sums per chunk (and d_ell) within fp32 rounding."""
+    d_out, d_final = _cotangents(x, seed)
+    d_out, d_final = d_out.to(x.q.device), d_final.to(x.q.device)
     names = []
     monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
 
@@ -910,7 +901,7 @@ def test_emulated_fused_backward_states_are_the_split_ones(emulate, monkeypatch,
     fused, fused_parts, launched = run("fused")
     assert launched[0] == "chunk_dstates_pass" and "state_pass_reverse" not in launched
     assert torch.equal(fused_parts["d_end"], split_parts["d_end"])
-    nc = x.q.shape[-3]
+    nc, key, value = x.q.shape[-3], x.q.shape[-1], x.v.shape[-1]
     assert fused_parts["entered"].shape[-2:] == (nc, key * value // 1024)
     want = split_parts["entered"].sum(-1)
     torch.testing.assert_close(fused_parts["entered"].sum(-1), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
@@ -921,6 +912,37 @@ def test_emulated_fused_backward_states_are_the_split_ones(emulate, monkeypatch,
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
         else:
             assert torch.equal(a, b), name
+
+
+@needs_emulator
+@pytest.mark.parametrize("chunk, length, key, value, ssd", [
+    (64, 130, 64, 64, True),
+    nightly_case(64, 70, 128, 64, False, reason="two key tiles: the fused walk's dots of several tiles are "
+                 "test_emulated_backward_with_key_and_value_sizes_apart's against float64 too")])
+def test_emulated_fused_backward_states_are_the_split_ones(emulate, monkeypatch, chunk, length, key, value, ssd):
+    """SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass: one walk of the chunks, last first, no fp32 chunk sums
+    in memory) against split (chunk_dstates, then state_pass_reverse): the same sums in the same order
+    (`_fused_against_split`). Three chunks (SSD's broadcast heads, β and skip) or two of a 128-key state (two key
+    tiles a head)."""
+    heads = ({"beta_heads": (1, 2), "skip_heads": (1, 2)} if ssd else
+             {"v_heads": (1, 1), "ell_heads": (1, 1), "s0_heads": (1, 1)})
+    x = _chunks(length, key=key, value=value, seed=length + key, chunk=chunk, decay=0.05, **heads)
+    _fused_against_split(x, length, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("key, value", [(128, 64), (128, 128)])
+def test_gpu_fused_backward_states_are_the_split_ones(chunk, key, value, monkeypatch):
+    """`_fused_against_split` on the GPU (cp.async, ldmatrix and the paired roundings as the hardware does them):
+    SSD's broadcast heads with β and skip, L 1000 (the last chunk partial)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02,
+                beta_heads=(1, 2), skip_heads=(1, 2))
+    x = algorithm.Chunks(*(None if a is None else a.cuda() for a in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
+    _fused_against_split(x, chunk, monkeypatch)
 
 
 @needs_emulator

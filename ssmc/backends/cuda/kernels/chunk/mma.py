@@ -124,7 +124,8 @@ def fused_states() -> bool:
 def module_forms(key: int, value: int, chunk: int, one_pass: bool = False) -> tuple[bool, int, int]:
     """(balanced, vb, staged) of the forward at these sizes (`OUTPUT_FORMS`, the options): chunk_output's balanced
     form or not, the value columns a block of chunk_output*_s (0: not staged), and `source`'s `staged` argument for
-    its module. The backward asks for the same module, so that a training call compiles it once."""
+    its module. The backward asks for the forward's module (`one_pass` False), so that a training call compiles it
+    once; a forward with `one_pass` has a module of its own."""
     form = options().chunk_output or OUTPUT_FORMS.get(chunk, "warps")
     vb = staged_block(key, value, chunk, form) if form in ("staged", "wide") else 0
     return form == "balanced", vb, vb or (64 if fused_states() and not one_pass else 0)
@@ -652,7 +653,7 @@ class BackwardPlan:
         dev, t = self.device, self.t
         f32 = torch.float32
         # the states in q's 16 bits, as chunk_dq reads them rounded (forward's half_states gives them so; fp32
-        # ones are rounded here) and state_pass_reverse takes ⟨d_end, S_p⟩ with
+        # ones are rounded here) and the reverse states pass takes ⟨d_end, S_p⟩ with
         if entering.dtype != self.dtype or not entering.is_contiguous():
             entering = entering.to(self.dtype).contiguous()
         if d_final.dtype != f32 or d_final.shape != self.state_shape or not d_final.is_contiguous():

@@ -16,7 +16,10 @@ loop:
 SSMC_CUDA_CHUNK forces a chunk (`chunk_size` reads it first); unless SSMC_CUDA_CHUNK_TUNE=1, `mma.chunk_for`'s
 rule (chunk 128 past 64 steps) stands. (Random per-head operands once chose, on SSD's benchmark shape, a chunk
 whose real training call was slower and held more memory than 128's: SSD's q and k are shared by the heads.) The
-emulator and CPU tensors take the rule too. `tuned` lists what was timed (`ssmc inspect` shows it).
+emulator and CPU tensors take the rule too. `tuned` lists what was timed (`ssmc inspect` shows it). A choice is
+kept per (heads, key and value sizes, length, dtype, device): the first call of a shape decides for later calls of
+that shape whatever their operands' layouts (heads shared by q and k or not). Tuning compiles the kernels of every
+candidate chunk at first use: seconds to tens of seconds.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def _time(chunk: int, length: int, heads: int, key: int, value: int, dtype, devi
     operands at that chunk) or, where None, on random operands."""
     g = torch.Generator(device=device).manual_seed(0)
     nc = math.ceil(length / chunk)
+    if x is not None and not mma.kernels_apply(x):  # (operands the kernels would not take: random ones timed)
+        x = None
     if x is None:
         def randn(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
@@ -98,6 +103,7 @@ def _time(chunk: int, length: int, heads: int, key: int, value: int, dtype, devi
     out, _, final = mma.forward(x, half_states=True, out_dtype=dtype)  # (the kernels compiled and loaded)
     d_out = torch.randn(out.shape, generator=g, device=device).to(dtype)
     d_final = torch.zeros_like(final)
+    del out, final  # (not live while the call is timed)
 
     def call():
         _, entering, final = mma.forward(x, half_states=True, out_dtype=dtype)
