@@ -19,6 +19,8 @@ from ssmc.examples import alibi_attention
 
 torch = pytest.importorskip("torch")
 
+from profiles import nightly_case  # noqa: E402
+
 import ssmc.torch  # noqa: E402
 
 ALIBI = alibi_attention.SPEC  # causal + ALiBi, a slope per head
@@ -221,29 +223,46 @@ def _needs_emulator():
         pytest.skip("no C++ compiler for the CUDA emulator")
 
 
-def test_emulated_flash_forward_runs_every_sequence_from_one_kernel(monkeypatch):
-    """SSMC_CUDA_EMULATE=1, CPU bf16 tensors: the packed call runs the flash forward once per sequence, every
-    launch of the same compiled function (the lengths are launch arguments, not compiled in), and matches the
-    float64 tiled path of the same rounded inputs per sequence."""
+@pytest.mark.parametrize("backward", [False, nightly_case(True, reason="the flash backward's emulator builds")])
+def test_emulated_flash_kernels_run_every_sequence_from_one_compiled_kernel(backward, monkeypatch):
+    """SSMC_CUDA_EMULATE=1, CPU bf16 tensors, `ssmc.torch.function`: the packed forward launches the flash
+    forward once per sequence, every launch the same compiled function (the lengths are launch arguments,
+    not compiled in); out (and with `backward` every gradient, the flash backward's) within bf16's tolerance
+    of the float64 tiled path's packed call of the same rounded inputs and cotangent."""
     _needs_emulator()
     from ssmc.backends.cuda import launch
 
     lengths = [1, 7, 65]
     rng = np.random.default_rng(4)
     x = {n: torch.from_numpy(rng.standard_normal((1, 2, sum(lengths), 64))).to(torch.bfloat16) for n in "qkv"}
-    slope = torch.tensor([0.25, 0.0625])
+    x["slope"] = torch.tensor([0.25, 0.0625])
+    cot = torch.from_numpy(rng.standard_normal(x["q"].shape)).to(torch.bfloat16)
+    f = ssmc.torch.function(ALIBI, layout="b h t ...")
     launched = []
     real = launch.launch_kernel
     monkeypatch.setattr(launch, "launch_kernel", lambda fn, *rest, **kw: (launched.append(fn), real(fn, *rest, **kw)))
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    f = ssmc.compile(ALIBI, "numba", layout="b h t ...")
-    got = f(x["q"], x["k"], x["v"], slope, cu_seqlens=_cu(lengths))
+    leaves = {n: t.clone().requires_grad_(backward) for n, t in x.items()}
+    got = f(**leaves, cu_seqlens=_cu(lengths))
     assert f.tiled.flash_reason is None, f.tiled.flash_reason
     assert len(launched) == len(lengths) and all(fn is launched[0] for fn in launched)
+    if not backward:
+        monkeypatch.setenv("SSMC_CUDA_EMULATE", "0")
+        want = f(*(x[n].double() for n in "qkv"), x["slope"].double(), cu_seqlens=_cu(lengths))
+        torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
+        return
+    got.backward(cot)
+    assert f.tiled.flash_backward_reason is None, f.tiled.flash_backward_reason
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "0")
-    want = f(*(x[n].double() for n in "qkv"), slope.double(), cu_seqlens=_cu(lengths))
+    wide = {n: t.double().requires_grad_(True) for n, t in x.items()}
+    want = f(**wide, cu_seqlens=_cu(lengths))
+    want.backward(cot.double())
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=0)
+    torch.testing.assert_close(got.double(), want.detach(), atol=1.5e-2, rtol=0)
+    for n, w in wide.items():
+        g, w = leaves[n].grad.double(), w.grad
+        assert g.shape == w.shape
+        assert (g - w).abs().max().item() <= (2e-2 if n in "qkv" else 1e-2) * w.abs().max().item(), n
 
 
 GPU_LENGTHS = [1, 100, 1000, 33]
