@@ -153,6 +153,19 @@ def test_keys_packed_apart_with_cu_seqlens_k():
     assert grads["k"].shape == x["k"].shape and grads["q"].shape == x["q"].shape
 
 
+def test_grouped_query_attention_packs_too():
+    """k and v with fewer heads (`kv_heads="h"`): the batch axis is still b, the sequences cut along time."""
+    gqa = ssmc.attention(score_mod=alibi_attention.alibi, mask_mod=ssmc.causal, batch="b h", head_dim="d",
+                         kv_heads="h")
+    rng = np.random.default_rng(9)
+    x = {"q": rng.standard_normal((1, 4, 12, 8)), "k": rng.standard_normal((1, 2, 12, 8)),
+         "v": rng.standard_normal((1, 2, 12, 8)), "slope": rng.uniform(0.1, 1.0, 4)}
+    f = ssmc.compile(gqa, "numba", layout="b h t ...")
+    got = f(**x, cu_seqlens=[0, 5, 12])
+    want = [f(**one) for one in _pieces(x, "b h t ...", [5, 7])]
+    np.testing.assert_allclose(got, np.concatenate(want, axis=2), rtol=0, atol=F64_TOL)
+
+
 BAD = [
     ([0, 7, 7, 73], "strictly increasing"),
     ([0, 9, 4, 73], "strictly increasing"),
