@@ -171,11 +171,22 @@ class CompiledAttention:
         """(q and the params bound, k / v bound, the GQA group): `prologue.bind_attention`."""
         return bind_attention(self.program, q, k, v, layout, params)
 
-    def __call__(self, q, k, v, *args, layout=None, return_lse=False, **params):
-        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
+    def __call__(self, q, k, v, *args, layout=None, return_lse=False, cu_seqlens=None, cu_seqlens_k=None,
+                 **params):
+        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`).
+        `cu_seqlens` [N+1]: N sequences packed along time in a batch of 1, each attending within itself,
+        positions counted from its start; `cu_seqlens_k` the keys' offsets where they differ (packed.py)."""
         p = self.program
         layout = layout or self.layout
         params = attention_params(p, args, params)
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            from . import packed
+
+            if cu_seqlens is None:
+                raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
+            q, k, v = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v))
+            return packed.attention_call(lambda *one: self(*one, layout=layout, return_lse=return_lse, **params),
+                                         p, layout, q, k, v, cu_seqlens, cu_seqlens_k, return_lse)
         if self.tiled is not None:
             return self.tiled(q, k, v, layout, params, return_lse)
         qb, kv, _ = self.bind(q, k, v, layout, params)

@@ -26,6 +26,19 @@ so each sequence starts from the zero states a call of its own starts from, and 
 read the unmasked update) are those of the sequences alone. A diagonal-linear program stays diagonal
 linear (a and b scaled by 1 - reset) and takes its scans; a matrix-linear one (whose chunked core
 takes the log of its decay) keeps the per-sequence calls.
+
+Attention (`ssmc.attention`) takes ``cu_seqlens=`` the same way (`attention_call`): q, k, v packed along
+time in a batch of 1, each query seeing only the keys of its own sequence, q_idx and kv_idx counted from
+the sequence's first step (a causal mask, ALiBi, a window apply within it):
+
+    for i in range(N):
+        a, b = cu_seqlens[i], cu_seqlens[i + 1]
+        c, e = cu_seqlens_k[i], cu_seqlens_k[i + 1]          # cu_seqlens_k defaults to cu_seqlens
+        out[:, a:b] = attention(q[:, a:b], k[:, c:e], v[:, c:e], params)
+
+run as that loop: one call per sequence (its kernels compiled once for all lengths, the lengths being
+launch arguments), so the work follows the total length; the params' gradients are sums over the
+sequences, q's, k's and v's the sequences' gradients packed.
 """
 
 from __future__ import annotations
@@ -52,24 +65,25 @@ def batch_axis(program) -> str:
                      f"of no param)")
 
 
-def offsets(cu_seqlens, total: int) -> list[int]:
-    """`cu_seqlens` as a list of ints, checked: 1-D integers, 0 first, increasing, `total` last."""
+def offsets(cu_seqlens, total: int, name: str = ARGUMENT) -> list[int]:
+    """`cu_seqlens` as a list of ints, checked: 1-D integers, 0 first, increasing, `total` last (a
+    ValueError naming the argument, `name`, else)."""
     if hasattr(cu_seqlens, "detach"):  # torch
         cu_seqlens = cu_seqlens.detach().cpu().numpy()
     elif hasattr(cu_seqlens, "get") and not isinstance(cu_seqlens, (dict, np.ndarray)):  # cupy
         cu_seqlens = cu_seqlens.get()
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 2:
-        raise ValueError(f"{ARGUMENT}: a 1-D array [N+1] of at least two offsets, not shape {cu.shape}")
+        raise ValueError(f"{name}: a 1-D array [N+1] of at least two offsets, not shape {cu.shape}")
     if cu.dtype.kind not in "iu":
-        raise ValueError(f"{ARGUMENT}: integer offsets, not dtype {cu.dtype}")
+        raise ValueError(f"{name}: integer offsets, not dtype {cu.dtype}")
     cu = [int(c) for c in cu]
     if cu[0] != 0:
-        raise ValueError(f"{ARGUMENT}: the first offset is 0, not {cu[0]}")
+        raise ValueError(f"{name}: the first offset is 0, not {cu[0]}")
     if any(b <= a for a, b in pairwise(cu)):
-        raise ValueError(f"{ARGUMENT}: offsets strictly increasing (every sequence at least one step), not {cu}")
+        raise ValueError(f"{name}: offsets strictly increasing (every sequence at least one step), not {cu}")
     if cu[-1] != total:
-        raise ValueError(f"{ARGUMENT}: the last offset is the packed length {total}, not {cu[-1]}")
+        raise ValueError(f"{name}: the last offset is the packed length {total}, not {cu[-1]}")
     return cu
 
 
@@ -187,3 +201,118 @@ def reset_sequence(program, layout, cu: list[int], like):
         return cupy.asarray(values, dtype=like.dtype)
     dtype = np.asarray(like).dtype
     return values.astype(dtype if dtype.kind == "f" else np.float64)
+
+
+# -- attention (module docstring): a call per sequence, no states -----------------------------------------
+
+ARGUMENT_K = "cu_seqlens_k"
+
+
+def attention_batch_axis(program) -> str | None:
+    """The batch axis of an `Attention` program: the first of its batch axes that no param has and that
+    is not `kv_heads` (``b`` of ``batch="b h"`` with per-head params); None where there is none (the
+    sequences then share every batch axis, and no size is checked)."""
+    in_params = {a for d in program.params for a in d.axes}
+    for a in program.batch_axes:
+        if a not in in_params and a != program.kv_heads:
+            return a
+    return None
+
+
+def _split(x, position: int, cu: list[int]) -> list:
+    """`x` cut along axis `position` at the offsets `cu` (views). torch's split, whose backward
+    concatenates the pieces' gradients: slices would each scatter into a zero tensor of x's size."""
+    if hasattr(x, "detach"):  # torch
+        import torch
+
+        return list(torch.split(x, [b - a for a, b in pairwise(cu)], dim=position))
+    cupy = sys.modules.get("cupy")
+    xp = cupy if cupy is not None and isinstance(x, cupy.ndarray) else np
+    return xp.split(x, cu[1:-1], axis=position)
+
+
+def attention_checked(program, layout, q, k, v, cu_seqlens, cu_seqlens_k=None
+                      ) -> tuple[list[int], list[int], dict[str, int]]:
+    """(the query offsets, the key offsets, each of q, k, v's time position in `layout`) after checking
+    a packed attention call: q, k, v arrays of their layouts' ranks, a batch of 1 along
+    `attention_batch_axis`, offsets that cover q's time axis (`cu_seqlens`) and k's and v's
+    (`cu_seqlens_k`, else `cu_seqlens` again), as many sequences in both; a ValueError naming the
+    argument else, before any compute."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    batch = attention_batch_axis(program)
+    arrays = {"q": (q, program.q_axes), "k": (k, program.q_axes), "v": (v, program.v_axes)}
+    time, lengths = {}, {}
+    for name, (x, axes) in arrays.items():
+        order = layout_of(layout, name, axes)
+        shape = tuple(x.shape)
+        if len(shape) != len(order):
+            raise ValueError(f"argument {name!r} has shape {shape}, expected {len(order)} axes "
+                             f"({' '.join(order)})")
+        time[name] = order.index(TIME)
+        lengths[name] = shape[time[name]]
+        if batch is not None and shape[order.index(batch)] != 1:
+            raise ValueError(f"{ARGUMENT}: sequences are packed along time in a batch of 1; {name!r} has "
+                             f"{shape[order.index(batch)]} along {batch!r}")
+    cu = offsets(cu_seqlens, lengths["q"])
+    if cu_seqlens_k is None:
+        if lengths["k"] != lengths["q"]:
+            raise ValueError(f"{ARGUMENT}: q has {lengths['q']} steps but 'k' {lengths['k']}; give "
+                             f"{ARGUMENT_K} for keys packed apart from the queries")
+        cu_k = cu
+    else:
+        cu_k = offsets(cu_seqlens_k, lengths["k"], ARGUMENT_K)
+        if len(cu_k) != len(cu):
+            raise ValueError(f"{ARGUMENT_K}: {len(cu) - 1} query sequences ({ARGUMENT}) but {len(cu_k) - 1} "
+                             f"key sequences")
+    if lengths["v"] != lengths["k"]:
+        raise ValueError(f"{ARGUMENT}: 'k' has {lengths['k']} steps but 'v' {lengths['v']}")
+    return cu, cu_k, time
+
+
+def attention_call(run, program, layout, q, k, v, cu_seqlens, cu_seqlens_k=None, return_lse: bool = False):
+    """The packed attention call (module docstring): `run(q_i, k_i, v_i)` runs one sequence (its slices,
+    in `layout`) and returns out (and lse with `return_lse`) in `layout`; returns the same packed along
+    time. q, k, v: arrays (NumPy, torch, CuPy) with a shape."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    cu, cu_k, time = attention_checked(program, layout, q, k, v, cu_seqlens, cu_seqlens_k)
+    pieces = zip(_split(q, time["q"], cu), _split(k, time["k"], cu_k), _split(v, time["v"], cu_k))
+    results = [run(*one) for one in pieces]
+    out_time = layout_of(layout, "out", program.v_axes).index(TIME)
+    if not return_lse:
+        return _concatenate(results, out_time)
+    lse_time = layout_of(layout, "lse", program.batch_axes).index(TIME)
+    return (_concatenate([r[0] for r in results], out_time), _concatenate([r[1] for r in results], lse_time))
+
+
+def attention_gradients(run, program, layout, q, k, v, grad_outputs, cu_seqlens, cu_seqlens_k=None) -> dict:
+    """`ssmc.grad`'s packed attention call: `run(q_i, k_i, v_i, d_out_i)` gives one sequence's gradients
+    {"q", "k", "v", param names} (`d_out_i` its slice of `grad_outputs`, or None for zeros); returns q's,
+    k's and v's packed along time (in `layout`) and each param's summed over the sequences."""
+    from .ir.axes import TIME
+    from .runtime.binding import layout_of
+
+    cu, cu_k, time = attention_checked(program, layout, q, k, v, cu_seqlens, cu_seqlens_k)
+    n = len(cu) - 1
+    if grad_outputs is None:
+        d_outs = [None] * n
+    else:
+        if not hasattr(grad_outputs, "shape"):
+            grad_outputs = np.asarray(grad_outputs)
+        order = layout_of(layout, "out", program.v_axes)
+        if len(grad_outputs.shape) != len(order) or grad_outputs.shape[order.index(TIME)] != cu[-1]:
+            raise ValueError(f"grad_outputs has shape {tuple(grad_outputs.shape)}, expected {len(order)} axes "
+                             f"({' '.join(order)}) with {cu[-1]} steps along time")
+        d_outs = _split(grad_outputs, order.index(TIME), cu)
+    pieces = zip(_split(q, time["q"], cu), _split(k, time["k"], cu_k), _split(v, time["v"], cu_k), d_outs)
+    results = [run(*one) for one in pieces]
+    grads = {name: _concatenate([r[name] for r in results], time[name]) for name in ("q", "k", "v")}
+    for d in program.params:
+        total = results[0][d.name]
+        for r in results[1:]:
+            total = total + r[d.name]
+        grads[d.name] = total
+    return grads

@@ -3,6 +3,7 @@
     f = ssmc.torch.function(alibi_attention.SPEC, layout="b h t ...")
     out = f(q, k, v, slope)            # or slope=...; q, k [b h t d], v [b h t e] -> out [b h t e]
     out.sum().backward()               # q.grad, k.grad, v.grad, slope.grad
+    out = f(q, k, v, slope, cu_seqlens=cu)   # packed: q, k, v [1 h T d], cu [N+1] (packed.py)
 
 Forward and backward run `TiledAttention` (backends/tiled_attention.py) on the tensors' device
 whatever `backend` `ssmc.torch.function` is given: the flash kernels on CUDA bf16 / fp16 tensors they
@@ -69,8 +70,13 @@ class AttentionFunction:
     def __repr__(self) -> str:
         return f"<ssmc.torch.function {self.program.name} (attention, torch tiled)>"
 
-    def __call__(self, q, k, v, *args, **params):
-        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`)."""
+    def __call__(self, q, k, v, *args, cu_seqlens=None, cu_seqlens_k=None, **params):
+        """`args`: the modifiers' params in their order after q, k, v (or by name in `params`).
+        `cu_seqlens` [N+1]: sequences packed along time in a batch of 1 (packed.py), a call per sequence
+        on its views of q, k, v, so that the gradients flow through torch's split and concatenation (the
+        params' summed over the sequences)."""
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            return self._packed(q, k, v, args, params, cu_seqlens, cu_seqlens_k)
         given = attention_params(self.program, args, params)
         names = tuple(d.name for d in self.program.params if d.name in given)
         unknown = sorted(set(given) - set(names))
@@ -84,6 +90,15 @@ class AttentionFunction:
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *values))):
             return self.tiled(*tensors, self.layout, dict(zip(names, values)))
         return _Attention.apply(self, names, *tensors, *values)
+
+    def _packed(self, q, k, v, args, params, cu_seqlens, cu_seqlens_k):
+        from . import packed
+
+        if cu_seqlens is None:
+            raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
+        q, k, v = (x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
+        return packed.attention_call(lambda *one: self(*one, *args, **params), self.program, self.layout,
+                                     q, k, v, cu_seqlens, cu_seqlens_k)
 
     def op_forward(self, q, k, v, params: list, fake: bool = False) -> tuple:
         """The custom op's forward (torch_library.py): (out in the layout, the log-sum-exp [*batch, Lq]);

@@ -26,9 +26,20 @@ class AttentionGrad:
         self.path = "interpreter" if self.tiled is None else "torch tiled"
         self.backward = derive_attention_backward(spec.program)
 
-    def __call__(self, q, k, v, grad_outputs=None, layout=None, **params) -> dict:
+    def __call__(self, q, k, v, grad_outputs=None, layout=None, cu_seqlens=None, cu_seqlens_k=None,
+                 **params) -> dict:
+        """`cu_seqlens` [N+1]: sequences packed along time in a batch of 1 (packed.py): each sequence's
+        gradients, q's, k's and v's packed as the inputs, the params' summed over the sequences."""
         p = self.backward.forward
         layout = layout or self.layout
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            from .. import packed
+
+            if cu_seqlens is None:
+                raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
+            q, k, v = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v))
+            return packed.attention_gradients(lambda qi, ki, vi, d: self(qi, ki, vi, d, layout, **params),
+                                              p, layout, q, k, v, grad_outputs, cu_seqlens, cu_seqlens_k)
         if self.tiled is not None:
             return self.tiled.gradients(q, k, v, grad_outputs, layout, params)
         qb, kv, group = bind_attention(p, q, k, v, layout, params)

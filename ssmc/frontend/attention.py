@@ -12,6 +12,10 @@ query head h reads key / value head h // (Hq / Hkv); params along h stay per que
 `score` has the batch axes; `q_idx` and `kv_idx` are the query and key positions (scalars per
 step); captured tensors must be `ssmc.Param` (constant over time). The mask returns True where a
 key is visible. The meaning, as a plain loop, is in `ssmc.ir.program.Attention`.
+
+Packed sequences: ``attn(q, k, v, cu_seqlens=cu)`` with q, k, v packed along time in a batch of 1 and
+`cu` [N+1] the cumulative lengths (as flash-attn's varlen): each query attends to the keys of its own
+sequence, q_idx and kv_idx counted from that sequence's start (ssmc/packed.py).
 """
 
 from __future__ import annotations
@@ -88,9 +92,11 @@ class AttentionSpec:
         """`ssmc.compile` of this spec (`api.CompiledAttention`)."""
         return compile_spec(self, backend, layout=layout)
 
-    def __call__(self, q, k, v, *args, layout="t ...", return_lse=False, **params):
+    def __call__(self, q, k, v, *args, layout="t ...", return_lse=False, cu_seqlens=None, cu_seqlens_k=None,
+                 **params):
         # as `ssmc.compile` on the default backend: the tiled torch path where torch imports
-        return compile_spec(self, None, layout=layout)(q, k, v, *args, return_lse=return_lse, **params)
+        return compile_spec(self, None, layout=layout)(q, k, v, *args, return_lse=return_lse, cu_seqlens=cu_seqlens,
+                                                       cu_seqlens_k=cu_seqlens_k, **params)
 
 
 def attention(score_mod: Callable | None = None, mask_mod: Callable | None = None, *, batch: str = "b h",
