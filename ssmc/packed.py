@@ -141,8 +141,11 @@ def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[
     cu, seq_time = checked(program, layout, inputs, states, cu_seqlens)
     state_batch = {s.name: s.axes.index(batch_axis(program)) for s in program.states}
     ys, finals = [], []
-    for i, (a, b) in enumerate(pairwise(cu)):
-        one = {k: _take(x, seq_time[k], a, b) if k in seq_time else x for k, x in inputs.items()}
+    # the sequences cut by one split each (torch: its backward one concatenation, where a slice a sequence would
+    # each scatter into a zero tensor of the whole input's size: O(N T) work)
+    pieces = {k: _split(x, seq_time[k], cu) for k, x in inputs.items() if k in seq_time}
+    for i, _ in enumerate(pairwise(cu)):
+        one = {k: pieces[k][i] if k in pieces else x for k, x in inputs.items()}
         h0 = {k: _take(h, state_batch[k], i, i + 1) for k, h in states.items()}
         y, f = run(one, h0)
         ys.append(y)
