@@ -10,6 +10,7 @@ import importlib
 
 import numpy as np
 import pytest
+from profiles import nightly_case
 
 import ssmc
 from ssmc.api import time_positions
@@ -27,6 +28,13 @@ LENGTH = 5
 # staged input products of the LSTM-likes, the chunked form of linear_attention / retnet / simple_gla, which
 # runs no generated kernel at L = 1): an upper bound, so that a step launching more is caught
 STEP_KERNELS = {"mamba2": 2, "layernorm_lstm": 2, "lru": 2, "linear_attention": 0, "retnet": 0, "simple_gla": 0}
+
+# CI runs a case a kernel path (each compiles its kernels with the host C++ compiler, seconds on CI's 2 cores);
+# the others repeat a kept case's path and run locally and nightly
+REPEATS = {"mamba1_block": "mamba1", "mamba_conv": "mamba_block_conv", "mingru": "hgrn and lstm", "gru": "lstm",
+           "layernorm_lstm": "lstm"}
+EMULATED_CASES = [nightly_case(name, reason=f"the kernels of {REPEATS[name]}'s case") if name in REPEATS else name
+                  for name in RECURRENCES]
 
 emulated_only = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
 
@@ -108,7 +116,7 @@ def _check_steps(name: str, tensors: dict, tol: float, launches: list | None = N
 
 
 @emulated_only
-@pytest.mark.parametrize("name", RECURRENCES)
+@pytest.mark.parametrize("name", EMULATED_CASES)
 def test_emulated_stepping_equals_the_full_sequence_call(name, monkeypatch):
     """L = 5 steps of float32 CPU tensors through the emulated cuda backend against its full-sequence call
     (the kernels of L = 1 and of L = 5, which for the chunked and staged forms take other paths: float32
@@ -160,7 +168,7 @@ def test_step_out_and_in_place_write_the_given_numpy_arrays(name):
 
 
 @emulated_only
-@pytest.mark.parametrize("name", ["hgrn", "lstm", "mamba2"])
+@pytest.mark.parametrize("name", ["hgrn", "lstm", nightly_case("mamba2", reason="hgrn's and lstm's paths")])
 def test_emulated_step_out_and_in_place_write_the_given_tensors(name, monkeypatch):
     """Emulated cuda backend (float32 CPU tensors): the outputs land in the ``out=`` tensors and the new
     states in the given state tensors (the same storage: data_ptr), equal to the allocating call's; ten
