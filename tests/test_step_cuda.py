@@ -206,7 +206,7 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
     half = BF16[name] if dtype == "bfloat16" else ()
     tensors = _tensors(values, torch.float32, "cuda", half=half, half_dtype=torch.bfloat16)
-    _check_steps(name, tensors, 2e-5 if dtype == "float32" else 2e-2)
+    _check_steps(name, tensors, 2e-5 if dtype == "float32" else 3e-2)
     module = _example(name)
     names, state_names, seq_time, _ = _names(module)
     one = {n: (tensors[n].select(seq_time[n], 0) if n in seq_time else tensors[n]) for n in names}
