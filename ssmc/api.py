@@ -341,6 +341,8 @@ class Step:
         elif ys is not None:
             ys = ys.squeeze(positions[0])
         if out is not None:
+            if ys is None:
+                raise ValueError(f"out: {p.name} has no outputs")
             ys = self.written(out, ys, [name for name, _ in p.outputs], "out")
         if in_place:
             finals = self.written(tuple(initial[s.name] for s in p.states), finals, [s.name for s in p.states],
@@ -362,7 +364,7 @@ class Step:
                 shape = tuple(dst.shape) if hasattr(dst, "shape") else type(dst).__name__
                 raise ValueError(f"{argument}: {name!r} must be an array of shape {tuple(src.shape)}; got {shape}")
             if hasattr(dst, "copy_"):  # torch: the kernel's result is on the arrays' device
-                dst.copy_(src)
+                dst.copy_(src if hasattr(src, "copy_") else dst.new_tensor(np.asarray(src)))
             else:
                 dst[...] = src.detach().cpu().numpy() if hasattr(src, "detach") else src
         return tuple(got) if many else got[0]
@@ -374,6 +376,7 @@ def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None)
         s = ssmc.step(hgrn.SPEC, layout="b t ...")
         y, h = s(x_t, f_t)                 # x_t, f_t: [b d], no time axis; zero initial state
         y, h = s(x_t, f_t, states=h)       # the next step
+        s(x_t, f_t, states=h, out=y, in_place=True)   # the next, into y and h (`Step`: shapes)
 
     `layout` is the full-sequence layout (where time would sit); the arrays given leave time out.
 

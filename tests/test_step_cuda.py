@@ -219,4 +219,4 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
     assert [b.data_ptr() for b in (*_as_tuple(got_y), *_as_tuple(got_h))] == ptrs
     for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert torch.equal(g, w.to(g.dtype))
+        assert _rel(g, w) <= 1e-6  # the same step twice: equal but for a kernel's order of atomic adds
