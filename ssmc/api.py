@@ -278,11 +278,30 @@ class Step:
     """A recurrence's single-step form (`step`): call it on one step of each sequence (its time
     axis left out), the params, and the states; it returns (the outputs at that step, the new states).
 
+        y_t, new = s(*inputs_t, states=None, out=None, in_place=False, **named)
+
+    As a plain loop, for a forward-time program, with the full-sequence call's arrays:
+
+        y[..., t, ...], h = s(x[..., t, ...], ..., params, states=h)     for t in 0..L-1
+
+    gives the outputs `y` and final states `h` of one call over the L steps (a reverse-time program steps
+    from t = L-1 down). Each sequence is given with the shape it has in the layout less its time axis
+    (``x_t``: [b d] for ``x: Seq["b d"]`` under "b t ..."); params and states as the full call takes them.
+    The outputs come in the layout's order less time (one array, or a tuple in spec order, None where
+    the spec has none); the new states as `Compiled` returns final states (one array, or a tuple in state
+    order), so they go back in as ``states=`` (None: zero initial states).
+
+    ``out=``: arrays to write the outputs into (one array for one output, or a tuple in spec order),
+    each of the output's shape in the layout's order less time, of any dtype the values cast to (NumPy
+    arrays, or torch tensors on the arrays' device); the call returns `out` itself in place of new arrays.
+    ``in_place=True``: the new states are written into the state arrays given (every state must be given,
+    as ``states=`` or by name; each of the state's own shape), which come back as the new states: a
+    decoder keeps one buffer a state across steps. Both are written by a copy after the step's run (the
+    run's own results are allocated as in the full call, then copied: ``dst.copy_(src)`` for torch,
+    ``dst[...] = src`` for NumPy), so the values equal the allocating call's.
+
     It runs the compiled full-sequence path on a sequence of length one (time axis added, final states
-    returned, time axis removed), so it takes what `Compiled` takes and computes the same numbers:
-    stepping L times equals one call over the L steps. The new states come as `Compiled` returns final
-    states (one array, or a tuple in state order), so they go back in as ``states=``. A reverse-time
-    program steps the same way; feeding it the sequence from its last step down gives the full call.
+    returned, time axis removed), so it takes what `Compiled` takes and computes the same numbers.
     """
 
     def __init__(self, program: Recurrence, backend: str, layout, dtype=None):
@@ -299,7 +318,7 @@ class Step:
     def __repr__(self) -> str:
         return f"<ssmc.Step {self.program.name} backend={self.backend}>"
 
-    def __call__(self, *args, states=None, **kwargs):
+    def __call__(self, *args, states=None, out=None, in_place: bool = False, **kwargs):
         p, names = self.program, self._names
         if len(args) > len(names):
             raise ValueError(f"{p.name} takes the inputs {names}; got {len(args)} positional arguments")
@@ -319,6 +338,11 @@ class Step:
         missing = [n for n in names if n not in given]
         if missing:
             raise ValueError(f"{p.name} takes the inputs {names}; missing {missing}")
+        if in_place:
+            absent = [s.name for s in p.states if s.name not in initial]
+            if absent:
+                raise ValueError(f"{p.name} step: in_place=True writes the new states into the arrays given; "
+                                 f"missing the states {absent}")
         for name, position in self._seq_time.items():
             given[name] = _add_time(given[name], position)
         ys, finals = self.compiled(**given, **initial, **kwargs, return_final_states=True)
@@ -327,7 +351,34 @@ class Step:
             ys = tuple(y.squeeze(pos) for y, pos in zip(ys, positions))
         elif ys is not None:
             ys = ys.squeeze(positions[0])
+        if out is not None:
+            if ys is None:
+                raise ValueError(f"out: {p.name} has no outputs")
+            ys = self.written(out, ys, [name for name, _ in p.outputs], "out")
+        if in_place:
+            finals = self.written(tuple(initial[s.name] for s in p.states), finals, [s.name for s in p.states],
+                                  "states")
         return ys, finals
+
+    @staticmethod
+    def written(targets, values, names: list[str], argument: str):
+        """`values` (one array or a tuple, as a call returns them) copied into `targets` (alike: one array
+        or a tuple of as many, the same shapes), which are returned in their place; a ValueError naming
+        `argument` and the array where they do not fit."""
+        many = isinstance(values, tuple)
+        got = targets if isinstance(targets, (tuple, list)) else (targets,)
+        vals = values if many else (values,)
+        if len(got) != len(vals):
+            raise ValueError(f"{argument}: {len(vals)} arrays {names} to write; got {len(got)}")
+        for name, dst, src in zip(names, got, vals):
+            if not hasattr(dst, "shape") or tuple(dst.shape) != tuple(src.shape):
+                shape = tuple(dst.shape) if hasattr(dst, "shape") else type(dst).__name__
+                raise ValueError(f"{argument}: {name!r} must be an array of shape {tuple(src.shape)}; got {shape}")
+            if hasattr(dst, "copy_"):  # torch: the kernel's result is on the arrays' device
+                dst.copy_(src if hasattr(src, "copy_") else dst.new_tensor(np.asarray(src)))
+            else:
+                dst[...] = src.detach().cpu().numpy() if hasattr(src, "detach") else src
+        return tuple(got) if many else got[0]
 
 
 def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None) -> Step:
@@ -336,6 +387,7 @@ def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None)
         s = ssmc.step(hgrn.SPEC, layout="b t ...")
         y, h = s(x_t, f_t)                 # x_t, f_t: [b d], no time axis; zero initial state
         y, h = s(x_t, f_t, states=h)       # the next step
+        s(x_t, f_t, states=h, out=y, in_place=True)   # the next, into y and h (`Step`: shapes)
 
     `layout` is the full-sequence layout (where time would sit); the arrays given leave time out.
 

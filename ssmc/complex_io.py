@@ -220,7 +220,8 @@ class ComplexGrad:
 class ComplexStep:
     """`api.Step` (the single-step form) of a spec with complex values: one step of each sequence,
     complex where declared; it returns (the outputs at that step, the new states), complex ones
-    joined, and the new states go back in as ``states=``."""
+    joined, and the new states go back in as ``states=``. ``out=`` and ``in_place=`` as `api.Step`'s (the
+    complex arrays given written by a copy)."""
 
     def __init__(self, signature: ComplexSignature, step):
         self.call = ComplexCall(signature)
@@ -231,7 +232,7 @@ class ComplexStep:
     def __repr__(self) -> str:
         return f"<ssmc.Step {self.program.name} backend={self.backend} (complex)>"
 
-    def __call__(self, *args, states=None, **kwargs):
+    def __call__(self, *args, states=None, out=None, in_place: bool = False, **kwargs):
         c = self.call
         if states is not None:
             if isinstance(states, dict):
@@ -244,10 +245,20 @@ class ComplexStep:
                 if name in kwargs:
                     raise ValueError(f"argument {name!r} given twice")
             kwargs = {**kwargs, **given}
+        absent = [n for n in c.state_names if n not in kwargs]
+        if in_place and absent:
+            raise ValueError(f"{self.program.name} step: in_place=True writes the new states into the arrays given; "
+                             f"missing the states {absent}")
+        targets = tuple(kwargs.get(n) for n in c.state_names)
         ys, finals = self.step(**c.arguments(args, kwargs))
         p = self.program
         ys = ys if isinstance(ys, tuple) else (ys,) if ys is not None else ()
         finals = finals if isinstance(finals, tuple) else (finals,)
         ys = tuple(c.joined(dict(zip([n for n, _ in p.outputs], ys)), c.output_names).values())
         finals = tuple(c.joined(dict(zip([s.name for s in p.states], finals)), c.state_names).values())
-        return _single(ys) if ys else None, _single(finals)
+        ys, finals = (_single(ys) if ys else None), _single(finals)
+        if out is not None:
+            ys = self.step.written(out, ys, list(c.output_names), "out")
+        if in_place:
+            finals = self.step.written(targets, finals, list(c.state_names), "states")
+        return ys, finals

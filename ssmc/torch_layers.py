@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .api import state_dict_of, time_positions
+from .api import Step, state_dict_of, time_positions
 from .frontend.attention import AttentionSpec
 from .ir.ops import Op
 from .runtime.prologue import program_of
@@ -177,17 +177,30 @@ class Recurrence(nn.Module):
                               **packed)
         return (ys, finals) if return_final_states else ys
 
-    def step(self, *seqs, states=None, **named):
+    def step(self, *seqs, states=None, out=None, in_place: bool = False, **named):
         """One step: each sequence without its time axis, `states` as `forward`'s `initial_states`
         (None: zeros). Returns (the outputs at that step, the new states), the new states in the form
-        `states` takes. Differentiable like `forward`; stepping L times equals one `forward`."""
+        `states` takes. Differentiable like `forward`; stepping L times equals one `forward`.
+
+        For decoding (under ``torch.no_grad()``), as `ssmc.step`'s: ``out=`` tensors (one, or a tuple in
+        output order, each the output's shape less time) receive the outputs and are returned;
+        ``in_place=True`` writes the new states into the state tensors given (all of them), returned as the
+        new states. Both by ``copy_`` after the step (its own results allocated as without them)."""
+        given = self._states(states, "states")
+        if in_place and len(given) < len(self.program.states):
+            raise ValueError(f"{self.program.name} step: in_place=True writes the new states into the tensors "
+                             f"given; give all the states {[s.name for s in self.program.states]}")
         args = self._arguments(seqs, named)
         names = [d.name for d in self.program.inputs]
         args = [x.unsqueeze(self._seq_time[n]) if n in self._seq_time else x for n, x in zip(names, args)]
-        ys, finals = self._fn(*args, **self._states(states, "states"))
+        ys, finals = self._fn(*args, **given)
         positions = list(self._out_time.values())
         if isinstance(ys, tuple):
             ys = tuple(y.squeeze(pos) for y, pos in zip(ys, positions))
         else:
             ys = ys.squeeze(positions[0])
+        if out is not None:
+            ys = Step.written(out, ys, [n for n, _ in self.program.outputs], "out")
+        if in_place:
+            finals = Step.written(tuple(given.values()), finals, list(given), "states")
         return ys, finals

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("ssmc.torch")
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv")
+               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla")
 LENGTH = 5
 LSTM_SIZES = {"i": 3, "j": 4, "k": 4}
 
@@ -199,3 +199,27 @@ def test_module_steps_equal_its_forward_and_are_differentiable(module, sizes):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-10)
     sum(y.sum() for y in got).backward()
     assert all(q.grad is not None for q in layer.parameters())
+
+
+def test_module_step_writes_out_and_the_states_in_place():
+    """`Recurrence.step` with ``out=`` and ``in_place=True`` (decoding, no grad): L steps into one output
+    tensor and one buffer a state equal the allocating steps and `forward`; the same storage throughout."""
+    layer = st.Recurrence(lstm.SPEC, layout=lstm.LAYOUT, sizes=LSTM_SIZES, dtype=torch.float64, backend="numba")
+    values = lstm.make_inputs(np.random.default_rng(5), LENGTH)
+    x = torch.tensor(values["x"])
+    with torch.no_grad():
+        ys, finals = layer(x, return_final_states=True)
+        h, c = torch.zeros_like(finals[0]), torch.zeros_like(finals[1])
+        out = torch.empty_like(ys[:, 0])
+        ptrs = (h.data_ptr(), c.data_ptr(), out.data_ptr())
+        for t in range(LENGTH):
+            y_t, (h2, c2) = layer.step(x[:, t], states=(h, c), out=out, in_place=True)
+            assert y_t is out and h2 is h and c2 is c
+            _close(out.numpy(), ys[:, t].numpy(), 1e-12)
+        assert (h.data_ptr(), c.data_ptr(), out.data_ptr()) == ptrs
+        _close(h.numpy(), finals[0].numpy(), 1e-12)
+        _close(c.numpy(), finals[1].numpy(), 1e-12)
+        with pytest.raises(ValueError, match="in_place"):
+            layer.step(x[:, 0], states=(h,), in_place=True)
+        with pytest.raises(ValueError, match="out"):
+            layer.step(x[:, 0], states=(h, c), out=torch.empty(2))

@@ -28,6 +28,8 @@ from importlib import resources
 from ...runtime.cache import cache_dir, content_key
 from .options import environment_variable
 
+launched = 0  # emulated launches so far, every kernel: tests count a call's kernels by the difference
+
 _SIGNATURE = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(([^)]*)\)')
 
 
@@ -66,6 +68,8 @@ def emulated(source: str, name: str):
     def launch(grid: tuple[int, int], length: int, nblk: int, pointers) -> None:
         if len(pointers) != count:
             raise ValueError(f"{name} takes {count} arrays; got {len(pointers)}")
+        global launched
+        launched += 1
         table = (ctypes.c_void_p * max(1, count))(*pointers)
         timeout = float(environment_variable("SSMC_EMULATE_TIMEOUT", "600"))
         stuck = fn(grid[0], grid[1], timeout, length, nblk, table)
