@@ -879,12 +879,12 @@ def test_emulated_backward_agrees_with_the_torch_vjp(emulate, chunk, length):
     _check_backward(x, length, 6e-3)
 
 
-def _fused_against_split(x: algorithm.Chunks, seed: int, monkeypatch) -> None:
-    """mma.backward of `x` with SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass) against split (chunk_dstates,
-    then state_pass_reverse): d_end, ds0 and every gradient but the log decays' bit for bit, the ⟨d_end, S_p⟩
-    parts' sums per chunk (and d_ell) within fp32 rounding."""
-    d_out, d_final = _cotangents(x, seed)
-    d_out, d_final = d_out.to(x.q.device), d_final.to(x.q.device)
+def _fused_against_split(x: algorithm.Chunks, seed: int, monkeypatch, device: str = "cpu") -> None:
+    """mma.backward of `x` (CPU tensors, moved to `device`) with SSMC_CUDA_CHUNK_STATES=fused (chunk_dstates_pass)
+    against split (chunk_dstates, then state_pass_reverse): d_end, ds0 and every gradient but the log decays' bit
+    for bit, the ⟨d_end, S_p⟩ parts' sums per chunk (and d_ell) within fp32 rounding."""
+    d_out, d_final = (t.to(device) for t in _cotangents(x, seed))
+    x = algorithm.Chunks(*(None if a is None else a.to(device) for a in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
     names = []
     monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
 
@@ -941,8 +941,7 @@ def test_gpu_fused_backward_states_are_the_split_ones(chunk, key, value, monkeyp
     monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
     x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02,
                 beta_heads=(1, 2), skip_heads=(1, 2))
-    x = algorithm.Chunks(*(None if a is None else a.cuda() for a in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
-    _fused_against_split(x, chunk, monkeypatch)
+    _fused_against_split(x, chunk, monkeypatch, "cuda")
 
 
 @needs_emulator
