@@ -63,13 +63,33 @@ def _asm(n: int, regs_a: bool, bf16: bool) -> str:
 """
 
 
+def _emulated(n: int, regs_a: bool, bf16: bool) -> str:
+    """The emulated instruction of `_asm`'s wrapper: the same name and parameters, a product of exactly N
+    columns on the accumulators it is given (as the GPU's instruction writes N / 2 registers a thread)."""
+    t = "bf16" if bf16 else "f16"
+    b = "true" if bf16 else "false"
+    if regs_a:
+        return f"""template <bool TRANS_B> inline void wgmma_rs_n{n}_{t}(float d[{n // 2}], const unsigned a[4],
+        unsigned long long desc_b, int acc_in) {{
+    issue<{n}, {b}, false, TRANS_B>(d, a, 0ull, desc_b, acc_in != 0);
+}}
+"""
+    return f"""template <bool TRANS_A, bool TRANS_B> inline void wgmma_ss_n{n}_{t}(float d[{n // 2}],
+        unsigned long long desc_a, unsigned long long desc_b, int acc_in) {{
+    issue<{n}, {b}, TRANS_A, TRANS_B>(d, nullptr, desc_a, desc_b, acc_in != 0);
+}}
+"""
+
+
 @functools.cache
 def header() -> str:
     """The ssmc_wgmma namespace (module docstring): descriptors, the store layout, the instruction
-    wrappers for N in `SHAPES` (bf16 and fp16, A in registers or shared memory), fences and their
-    emulation."""
-    gpu = "\n".join(_asm(n, regs, bf16) for n in SHAPES for regs in (False, True) for bf16 in (True, False))
-    return _HEADER.replace("@GPU_WRAPPERS@", gpu)
+    wrappers for N in `SHAPES` (bf16 and fp16, A in registers or shared memory) and their emulation, fences
+    and theirs, and `mma_ss` / `mma_rs`, which pick a wrapper by N on the GPU and in the emulator alike."""
+    shapes = [(n, regs, bf16) for n in SHAPES for regs in (False, True) for bf16 in (True, False)]
+    gpu = "\n".join(_asm(*shape) for shape in shapes)
+    emulated = "\n".join(_emulated(*shape) for shape in shapes)
+    return _HEADER.replace("@GPU_WRAPPERS@", gpu).replace("@EMULATED_WRAPPERS@", emulated)
 
 
 _HEADER = r"""
@@ -127,27 +147,6 @@ template <int M> __device__ __forceinline__ void hold(float (&d)[M]) {
 }
 
 @GPU_WRAPPERS@
-
-template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
-__device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
-    if constexpr (N == 64) {
-        if constexpr (BF16) wgmma_ss_n64_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n64_f16<TRANS_A, TRANS_B>(d, da, db, acc);
-    } else {
-        if constexpr (BF16) wgmma_ss_n128_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n128_f16<TRANS_A, TRANS_B>(d, da, db, acc);
-    }
-}
-template <int N, bool BF16, bool TRANS_B>
-__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
-    if constexpr (N == 64) {
-        if constexpr (BF16) wgmma_rs_n64_bf16<TRANS_B>(d, a, db, acc);
-        else wgmma_rs_n64_f16<TRANS_B>(d, a, db, acc);
-    } else {
-        if constexpr (BF16) wgmma_rs_n128_bf16<TRANS_B>(d, a, db, acc);
-        else wgmma_rs_n128_f16<TRANS_B>(d, a, db, acc);
-    }
-}
 #else
 __device__ __forceinline__ void fence() {}
 __device__ __forceinline__ void fence_async_shared() {}
@@ -240,15 +239,32 @@ template <int N> __device__ __forceinline__ void wait() {
     q.count = kept;
 }
 
+// the GPU's wrappers emulated (`_emulated`): each computes its own N's columns
+@EMULATED_WRAPPERS@
+#endif
+
+// D[64, N] (+)= A B by the wrapper of N: the one dispatch of the GPU and the emulator, so that the emulated
+// tests run the instruction the GPU runs
 template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
-inline void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
-    issue<N, BF16, TRANS_A, TRANS_B>(d, nullptr, da, db, acc);
+__device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
+    if constexpr (N == 64) {
+        if constexpr (BF16) wgmma_ss_n64_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
+        else wgmma_ss_n64_f16<TRANS_A, TRANS_B>(d, da, db, acc);
+    } else {
+        if constexpr (BF16) wgmma_ss_n128_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
+        else wgmma_ss_n128_f16<TRANS_A, TRANS_B>(d, da, db, acc);
+    }
 }
 template <int N, bool BF16, bool TRANS_B>
-inline void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
-    issue<N, BF16, false, TRANS_B>(d, a, 0ull, db, acc);
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
+    if constexpr (N == 64) {
+        if constexpr (BF16) wgmma_rs_n64_bf16<TRANS_B>(d, a, db, acc);
+        else wgmma_rs_n64_f16<TRANS_B>(d, a, db, acc);
+    } else {
+        if constexpr (BF16) wgmma_rs_n128_bf16<TRANS_B>(d, a, db, acc);
+        else wgmma_rs_n128_f16<TRANS_B>(d, a, db, acc);
+    }
 }
-#endif
 
 }  // namespace ssmc_wgmma
 #endif
