@@ -30,11 +30,13 @@ SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 # -- the configs ---------------------------------------------------------------------------------------------
 
 def test_d256_configs_and_the_options_fallback(monkeypatch):
-    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) forward on every part and the split
-    "w8q16s2" backward; a config the options name without a d 256 build gives way to the default, one named in
-    the call is a ValueError; the dQ kernel mode sums dQ by atomics at d 256; d 64 and 128 keep theirs."""
+    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) forward on every part ("wg128" with key
+    tiles of 64 on sm_90 parts where the options name it) and the split "w8q16s2" backward; a config the options
+    name without a d 256 build gives way to the default, one named in the call is a ValueError; the dQ kernel
+    mode sums dQ by atomics at d 256; d 64 and 128 keep theirs."""
     assert flash.config(D) == flash.Config("bm128w8", 128, 32, 8, qreg=False)
-    assert flash.HOPPER_CONFIG[D] == "bm128w8" and D not in flash.CONFIGS["wg128"]
+    assert flash.HOPPER_CONFIG[D] == "bm128w8" and flash.CONFIGS["wg128"][D] == flash.Config("wg128", 128, 64, 8,
+                                                                                            wgmma=True)
     assert flash_bwd.config(D) == flash_bwd.Config("w8q16s2", 8, 16, split=2)
     assert flash_bwd.config(D).bn == 64 and flash_bwd.config(D).gqa
     assert (flash.DEFAULT_CONFIG[64], flash.DEFAULT_CONFIG[128]) == ("bm128w4", "bm128w4")
@@ -71,13 +73,42 @@ def _fits(usage, dynamic: int, arch: str):
 # test_attention_step's; here the GQA builds
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
-@pytest.mark.parametrize("config, arch", [("bm128w8", "sm_80"), ("bm128w8", "sm_90")])
+@pytest.mark.parametrize("config, arch", [("bm128w8", "sm_80"), ("bm128w8", "sm_90"), ("wg128", "sm_90a")])
 @pytest.mark.parametrize("name", ["alibi", nightly_case("window", reason="a second spec")])
 def test_d256_gqa_forward_compiles_without_spills(config, arch, name):
-    """The forward's d 256 config's GQA build for sm_80 and sm_90: no spills, shared memory within a block's."""
+    """The forward's d 256 configs' GQA builds (the mma.sync one for sm_80 and sm_90, the wgmma one for sm_90a):
+    no spills, shared memory within a block's."""
     kname, text = flash.kernel_source(SPECS[name].program, D, True, config, gqa=True)
     assert "_gqa_" in kname
     _fits(_resources(kname, text, arch), flash.CONFIGS[config][D].shared(D), arch)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+def test_wgmma_products_take_the_instruction_of_their_n():
+    """wgmma's mma_rs (as mma_ss) runs the m64nNk16 wrapper of its own N: at N = 256 (the d 256 forward's P V) the
+    n256 instruction on 128 accumulators a thread, at an N without a wrapper a compile error (the dispatch once ran
+    the n128 wrapper for any N but 64: O's columns past 128 stayed zero on the GPU, while the emulator computed
+    them all)."""
+    from ssmc.backends.cuda.kernels import wgmma
+
+    def probe(n: int) -> str:
+        return wgmma.header() + f"""
+extern "C" __global__ void probe(float* out, unsigned long long db) {{
+    float d[{n // 2}];
+    const unsigned a[4] = {{0u, 0u, 0u, 0u}};
+    for (int i = 0; i < {n // 2}; ++i) d[i] = out[i];
+    ssmc_wgmma::fence();
+    ssmc_wgmma::mma_rs<{n}, true, true>(d, a, db, true);
+    ssmc_wgmma::commit();
+    ssmc_wgmma::wait<0>();
+    for (int i = 0; i < {n // 2}; ++i) out[i] = d[i];
+}}
+"""
+
+    assert 256 in wgmma.SHAPES
+    nvrtc.compile_source(probe(256), arch="sm_90a")
+    with pytest.raises(nvrtc.NvrtcError, match="m64nNk16 wrapper of this N"):
+        nvrtc.compile_source(probe(192), arch="sm_90a")
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
@@ -98,19 +129,20 @@ def test_d256_gqa_backward_compiles_without_spills(arch, name):
 # -- the CPU emulator --------------------------------------------------------------------------------------
 
 # one row, a partial key tile (7), several tiles and two query blocks (130 over tiles of 32), Lq != Lk both
-# ways, a window of 20 (skipped tiles)
+# ways, a window of 20 (skipped tiles); "wg128" (wgmma, its P V product an n256 instruction): several key tiles of
+# 64 and a partial one, two query blocks and a window
 _TWO_BLOCKS = "two query blocks of 128 rows: the window case has them"
 FORWARD_CASES = [("bm128w8", "causal", 1, 1), ("bm128w8", "causal", 7, 7),
                  nightly_case("bm128w8", "causal", 130, 130, reason=_TWO_BLOCKS),
                  ("bm128w8", "window", 65, 65), ("bm128w8", "alibi", 65, 7), ("bm128w8", "alibi", 7, 65),
-                 ("bm128w8", "window", 130, 65)]
+                 ("bm128w8", "window", 130, 65), ("wg128", "alibi", 65, 130), ("wg128", "window", 130, 65)]
 
 
 @needs_emulator
 @pytest.mark.parametrize("config, name, lq, lk", FORWARD_CASES)
 def test_emulated_d256_forward_matches_the_interpreter(config, name, lq, lk):
     """out and lse of the d 256 forward configs, bf16, against the interpreter in float64 (same tolerances as d
-    64 and 128)."""
+    64 and 128; "wg128" through the wgmma emulation of the instructions the GPU runs)."""
     _check(*_run_emulated(name, lq, lk, 1, d=D, bf16=True, seed=lq + 3 * lk, config=config), bf16=True)
 
 
@@ -226,6 +258,34 @@ def test_gpu_d256_forward_and_backward_match_sdpa(hkv):
         assert diff.norm() <= 2e-2 * w.norm(), f"{name}: relative error {(diff.norm() / w.norm()).item():.3g}"
         err = diff.abs().max().item()
         assert err <= 4e-2 * w.abs().max().item(), f"{name}: max error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, hkv, length", [(2, 4, 4, 1000), (2, 4, 2, 1000), (4, 16, 16, 4096)])
+def test_gpu_d256_wgmma_forward_matches_sdpa(b, hq, hkv, length, monkeypatch):
+    """The sm_90a "wg128" forward at d 256 (named by SSMC_CUDA_FLASH_FORWARD; not the default), causal bf16, GQA
+    too: out within bf16's tolerance of SDPA's in float32 (relative error in norm, the largest error against the
+    largest value), every column of it (its P V product is one n256 instruction a k-step)."""
+    import ssmc.torch
+    from ssmc.backends.cuda.kernels import loaded
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma config needs an sm_90 GPU")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "wg128")
+    spec = SPECS["causal"] if hkv == hq else ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d",
+                                                            kv_heads="h")
+    q, k, v, _ = _gpu_qkv(b, hq, hkv, length, seed=length + hkv)
+    f = ssmc.torch.function(spec, layout="b h t ...")
+    got = f(q, k, v).float()
+    assert f.tiled.flash_reason is None, f.tiled.flash_reason
+    assert any("_d256_" in key[3] and "_wg128_" in key[3] for key in loaded._functions)
+    kk, vv = (t.float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), kk, vv, is_causal=True)
+    diff = got - want
+    assert diff.norm() <= 2e-2 * want.norm(), f"relative error {(diff.norm() / want.norm()).item():.3g}"
+    for half in (slice(0, 128), slice(128, 256)):
+        err = diff[..., half].abs().max().item()
+        assert err <= 4e-2 * want.abs().max().item(), f"columns {half}: max error {err:.3g}"
 
 
 @pytest.mark.gpu

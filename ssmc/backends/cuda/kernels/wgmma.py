@@ -23,7 +23,10 @@ in shared memory is K-major, or MN-major (TRANS_A: the M dim contiguous, rows = 
 Off the GPU each thread computes its own accumulators from the same descriptors (decoded by the layout
 above, the A registers gathered by shuffles), so the CPU emulator checks the kernels' descriptors and
 layouts, not only their arithmetic; what it cannot check is that the hardware reads the layout as
-described here (the GPU tests do). It computes a product at the `wait` that completes its commit group,
+described here (the GPU tests do). The emulator runs the GPU's own choice of instruction: `mma_ss` and
+`mma_rs` pick the m64nNk16 wrapper of N (`SHAPES`) on both, each wrapper takes exactly its N / 2
+accumulators a thread (a reference to the array: another size does not compile) and its emulation
+computes its N columns. It computes a product at the `wait` that completes its commit group,
 not at the issue (shared memory and the accumulators read then), so the emulated tests also check a
 kernel's waits: an accumulator read before its wait, or a wait for too few groups, reads stale values.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import functools
 
-SHAPES = (64, 128)  # the N of the m64nNk16 instructions printed
+SHAPES = (64, 128, 256)  # the N of the m64nNk16 instructions printed (the PTX shapes: N = 8, 16, ... 256)
 
 
 def _asm(n: int, regs_a: bool, bf16: bool) -> str:
@@ -53,7 +56,7 @@ def _asm(n: int, regs_a: bool, bf16: bool) -> str:
     outputs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
     kind = "rs" if regs_a else "ss"
     tparams = "bool TRANS_B" if regs_a else "bool TRANS_A, bool TRANS_B"
-    return f"""template <{tparams}> __device__ __forceinline__ void wgmma_{kind}_n{n}_{t}(float d[{n // 2}], {args},
+    return f"""template <{tparams}> __device__ __forceinline__ void wgmma_{kind}_n{n}_{t}(float (&d)[{n // 2}], {args},
                                                                     int acc_in) {{
     asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, {p_op}, 0;\\n"
                  "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{acc}}}, {a_ops}, {b_op}, p, {trans};\\n}}\\n"
@@ -63,13 +66,57 @@ def _asm(n: int, regs_a: bool, bf16: bool) -> str:
 """
 
 
+def _emulated(n: int, regs_a: bool, bf16: bool) -> str:
+    """The emulated instruction of `_asm`'s wrapper: the same name and parameters, a product of exactly N
+    columns on the accumulators it is given (as the GPU's instruction writes N / 2 registers a thread)."""
+    t = "bf16" if bf16 else "f16"
+    b = "true" if bf16 else "false"
+    if regs_a:
+        return f"""template <bool TRANS_B> inline void wgmma_rs_n{n}_{t}(float (&d)[{n // 2}], const unsigned a[4],
+        unsigned long long desc_b, int acc_in) {{
+    issue<{n}, {b}, false, TRANS_B>(d, a, 0ull, desc_b, acc_in != 0);
+}}
+"""
+    return f"""template <bool TRANS_A, bool TRANS_B> inline void wgmma_ss_n{n}_{t}(float (&d)[{n // 2}],
+        unsigned long long desc_a, unsigned long long desc_b, int acc_in) {{
+    issue<{n}, {b}, TRANS_A, TRANS_B>(d, nullptr, desc_a, desc_b, acc_in != 0);
+}}
+"""
+
+
+def _dispatch() -> str:
+    """`mma_ss` and `mma_rs`: the wrapper of N in `SHAPES`, and a compile error at any other N (no fallback to
+    another instruction's N: its product would leave columns unwritten)."""
+    known = " || ".join(f"N == {n}" for n in SHAPES)
+    why = f'"an m64nNk16 wrapper of this N (wgmma.py\'s SHAPES: {", ".join(map(str, SHAPES))})"'
+
+    def chain(call: str) -> str:
+        return "    " + " else ".join(f"if constexpr (N == {n}) {{\n"
+                                      f"        if constexpr (BF16) {call.format(n=n, t='bf16')};\n"
+                                      f"        else {call.format(n=n, t='f16')};\n    }}" for n in SHAPES)
+
+    return f"""template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
+__device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {{
+    static_assert({known}, {why});
+{chain("wgmma_ss_n{n}_{t}<TRANS_A, TRANS_B>(d, da, db, acc)")}
+}}
+template <int N, bool BF16, bool TRANS_B>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {{
+    static_assert({known}, {why});
+{chain("wgmma_rs_n{n}_{t}<TRANS_B>(d, a, db, acc)")}
+}}"""
+
+
 @functools.cache
 def header() -> str:
     """The ssmc_wgmma namespace (module docstring): descriptors, the store layout, the instruction
-    wrappers for N in `SHAPES` (bf16 and fp16, A in registers or shared memory), fences and their
-    emulation."""
-    gpu = "\n".join(_asm(n, regs, bf16) for n in SHAPES for regs in (False, True) for bf16 in (True, False))
-    return _HEADER.replace("@GPU_WRAPPERS@", gpu)
+    wrappers for N in `SHAPES` (bf16 and fp16, A in registers or shared memory) and their emulation, fences
+    and theirs, and `mma_ss` / `mma_rs`, which pick a wrapper by N on the GPU and in the emulator alike."""
+    shapes = [(n, regs, bf16) for n in SHAPES for regs in (False, True) for bf16 in (True, False)]
+    gpu = "\n".join(_asm(*shape) for shape in shapes)
+    emulated = "\n".join(_emulated(*shape) for shape in shapes)
+    return (_HEADER.replace("@GPU_WRAPPERS@", gpu).replace("@EMULATED_WRAPPERS@", emulated)
+            .replace("@DISPATCH@", _dispatch()))
 
 
 _HEADER = r"""
@@ -127,27 +174,6 @@ template <int M> __device__ __forceinline__ void hold(float (&d)[M]) {
 }
 
 @GPU_WRAPPERS@
-
-template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
-__device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
-    if constexpr (N == 64) {
-        if constexpr (BF16) wgmma_ss_n64_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n64_f16<TRANS_A, TRANS_B>(d, da, db, acc);
-    } else {
-        if constexpr (BF16) wgmma_ss_n128_bf16<TRANS_A, TRANS_B>(d, da, db, acc);
-        else wgmma_ss_n128_f16<TRANS_A, TRANS_B>(d, da, db, acc);
-    }
-}
-template <int N, bool BF16, bool TRANS_B>
-__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
-    if constexpr (N == 64) {
-        if constexpr (BF16) wgmma_rs_n64_bf16<TRANS_B>(d, a, db, acc);
-        else wgmma_rs_n64_f16<TRANS_B>(d, a, db, acc);
-    } else {
-        if constexpr (BF16) wgmma_rs_n128_bf16<TRANS_B>(d, a, db, acc);
-        else wgmma_rs_n128_f16<TRANS_B>(d, a, db, acc);
-    }
-}
 #else
 __device__ __forceinline__ void fence() {}
 __device__ __forceinline__ void fence_async_shared() {}
@@ -210,6 +236,7 @@ inline void complete(const Pending& op) {
 
 template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
 inline void issue(float* d, const unsigned* a, unsigned long long da, unsigned long long db, bool acc) {
+    static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma's m64nNk16 shapes for 16-bit inputs: N = 8, 16, ... 256");
     const int lane = (int)(threadIdx.x % 32), g = lane / 4;
     Pending op{&complete<N, BF16, TRANS_A, TRANS_B>, d, {}, da, db, a != nullptr, acc, 0};
     for (int tp = 0; tp < 4; ++tp) {
@@ -240,15 +267,13 @@ template <int N> __device__ __forceinline__ void wait() {
     q.count = kept;
 }
 
-template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
-inline void mma_ss(float (&d)[N / 2], unsigned long long da, unsigned long long db, bool acc) {
-    issue<N, BF16, TRANS_A, TRANS_B>(d, nullptr, da, db, acc);
-}
-template <int N, bool BF16, bool TRANS_B>
-inline void mma_rs(float (&d)[N / 2], const unsigned a[4], unsigned long long db, bool acc) {
-    issue<N, BF16, false, TRANS_B>(d, a, 0ull, db, acc);
-}
+// the GPU's wrappers emulated (`_emulated`): each computes its own N's columns
+@EMULATED_WRAPPERS@
 #endif
+
+// D[64, N] (+)= A B by the wrapper of N: the one dispatch of the GPU and the emulator, so that the emulated
+// tests run the instruction the GPU runs
+@DISPATCH@
 
 }  // namespace ssmc_wgmma
 #endif

@@ -24,9 +24,9 @@ bh); anything else (a param with an axis beyond the batch axes, reductions, iota
 reason, and the call stays on the tiled torch path.
 
 Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
-accumulator alone are 128 registers a thread, so d 256 has its own config (`CONFIGS`), on every part: "bm128w8"
-with key tiles of 32 and Q's fragments read from shared memory per tile (not held in registers). (A wgmma build
-with key tiles of 64 passed the emulator but gave wrong outputs on an sm_90 GPU: not built until that is found.)
+accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8", the default on
+every part, with key tiles of 32 and Q's fragments read from shared memory per tile (not held in registers), and
+"wg128" (sm_90a) with key tiles of 64, its P V product one m64n256k16 instruction a k-step.
 """
 
 from __future__ import annotations
@@ -90,16 +90,18 @@ class Config:
 # not fit 255 registers, and with tiles of 64 keys a soft-capping modifier spilled); "wg128" (sm_90a): two
 # warpgroups of 64 rows, key tiles of 128, wgmma from swizzled shared memory (``forward_wgmma.cu.j2``);
 # "wg128s": the same with warpgroup 1 half a tile behind (its products beside warpgroup 0's softmax), 3 stages.
-# At d 256 a warp's 16 rows of O are 128 fp32 registers a thread, so one config has a build there: "bm128w8"
+# At d 256 a warp's 16 rows of O are 128 fp32 registers a thread, so two configs have a build there: "bm128w8"
 # with Q read from shared memory and key tiles of 32 (S's 16 accumulators beside O's 128; Q's 64 fragment
-# registers would not fit, and tiles of 64 take 198 KiB of shared memory, past an sm_80 block's 163)
+# registers would not fit, and tiles of 64 take 198 KiB of shared memory, past an sm_80 block's 163), and "wg128"
+# with key tiles of 64 (two stages of 128-key tiles take 321 KiB, past 227; "wg128s"' three stages of 64, 257)
 CONFIGS = {
     "bm64": {64: Config("bm64", 64, 64, 4), 128: Config("bm64", 64, 64, 4)},
     "bm128w8": {64: Config("bm128w8", 128, 64, 8), 128: Config("bm128w8", 128, 64, 8),
                 256: Config("bm128w8", 128, 32, 8, qreg=False)},
     "bm128w8n128": {64: Config("bm128w8n128", 128, 128, 8), 128: Config("bm128w8n128", 128, 128, 8)},
     "bm128w4": {64: Config("bm128w4", 128, 64, 4, rt=2), 128: Config("bm128w4", 128, 32, 4, rt=2, qreg=False)},
-    "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True)},
+    "wg128": {64: Config("wg128", 128, 128, 8, wgmma=True), 128: Config("wg128", 128, 128, 8, wgmma=True),
+              256: Config("wg128", 128, 64, 8, wgmma=True)},
     "wg128s": {d: Config("wg128s", 128, 128, 8, wgmma=True, stagger=True) for d in (64, 128)},
 }
 # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
@@ -135,7 +137,7 @@ def _forced() -> bool:
 def config(d: int, name: str | None = None, device=None) -> Config:
     """The forward's config at head dim `d`: `name`'s, else ``SSMC_CUDA_FLASH_FORWARD``'s, else the default
     for `device` (`HOPPER_CONFIG` on an sm_90 part, else `DEFAULT_CONFIG`). A config the option names that has
-    no build at `d` (at d 256 only "bm128w8" has one) gives way to the default; a `name` given
+    no build at `d` (at d 256 "bm128w8" and "wg128" have one) gives way to the default; a `name` given
     here that has none is a ValueError."""
     if name is None:
         from ...options import options
