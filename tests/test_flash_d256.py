@@ -30,12 +30,12 @@ SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 # -- the configs ---------------------------------------------------------------------------------------------
 
 def test_d256_configs_and_the_options_fallback(monkeypatch):
-    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) forward on every part ("wg128" with key
-    tiles of 64 on sm_90 parts where the options name it) and the split "w8q16s2" backward; a config the options
+    """d 256 takes "bm128w8" (Q from shared memory, key tiles of 32) forward, "wg128" with key tiles of 64 on sm_90
+    parts, and the split "w8q16s2" backward; a config the options
     name without a d 256 build gives way to the default, one named in the call is a ValueError; the dQ kernel
     mode sums dQ by atomics at d 256; d 64 and 128 keep theirs."""
     assert flash.config(D) == flash.Config("bm128w8", 128, 32, 8, qreg=False)
-    assert flash.HOPPER_CONFIG[D] == "bm128w8" and flash.CONFIGS["wg128"][D] == flash.Config("wg128", 128, 64, 8,
+    assert flash.HOPPER_CONFIG[D] == "wg128" and flash.CONFIGS["wg128"][D] == flash.Config("wg128", 128, 64, 8,
                                                                                             wgmma=True)
     assert flash_bwd.config(D) == flash_bwd.Config("w8q16s2", 8, 16, split=2)
     assert flash_bwd.config(D).bn == 64 and flash_bwd.config(D).gqa

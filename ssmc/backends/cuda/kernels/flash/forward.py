@@ -24,9 +24,9 @@ bh); anything else (a param with an axis beyond the batch axes, reductions, iota
 reason, and the call stays on the tiled torch path.
 
 Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
-accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8", the default on
-every part, with key tiles of 32 and Q's fragments read from shared memory per tile (not held in registers), and
-"wg128" (sm_90a) with key tiles of 64, its P V product one m64n256k16 instruction a k-step.
+accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
+of 32 and Q's fragments read from shared memory per tile (not held in registers), and "wg128" (sm_90a, the default
+on sm_90 parts) with key tiles of 64, its P V product one m64n256k16 instruction a k-step.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ CONFIGS = {
 # per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
 # sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
 DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4", 256: "bm128w8"}
-HOPPER_CONFIG = {64: "wg128", 128: "wg128s", 256: "bm128w8"}
+HOPPER_CONFIG = {64: "wg128", 128: "wg128s", 256: "wg128"}
 # the staggered kernel pays half a tile at each end of a block's span: on spans shorter than this many key
 # tiles on average (a sliding window) the default takes the plain one
 STAGGER_MIN_TILES = 8
