@@ -364,21 +364,48 @@ class Step:
     def written(targets, values, names: list[str], argument: str):
         """`values` (one array or a tuple, as a call returns them) copied into `targets` (alike: one array
         or a tuple of as many, the same shapes), which are returned in their place; a ValueError naming
-        `argument` and the array where they do not fit."""
+        `argument` and the array where they do not fit (checked all before any is written: their shapes and dtypes
+        the results', no two of them the same memory)."""
+        if values is None:
+            raise ValueError(f"{argument}: the spec has no outputs to write")
         many = isinstance(values, tuple)
         got = targets if isinstance(targets, (tuple, list)) else (targets,)
         vals = values if many else (values,)
-        if len(got) != len(vals):
+        if len(got) != len(vals) or len(names) != len(vals):
             raise ValueError(f"{argument}: {len(vals)} arrays {names} to write; got {len(got)}")
         for name, dst, src in zip(names, got, vals):
             if not hasattr(dst, "shape") or tuple(dst.shape) != tuple(src.shape):
                 shape = tuple(dst.shape) if hasattr(dst, "shape") else type(dst).__name__
                 raise ValueError(f"{argument}: {name!r} must be an array of shape {tuple(src.shape)}; got {shape}")
+            if str(dst.dtype).replace("torch.", "") != str(src.dtype).replace("torch.", ""):
+                raise ValueError(f"{argument}: {name!r} must be of dtype {src.dtype} (the result's); got {dst.dtype}")
+        for i, a in enumerate(got):
+            for j in range(i):
+                if _overlap(a, got[j]):
+                    raise ValueError(f"{argument}: {names[i]!r} and {names[j]!r} share memory; each needs its own")
+        for dst, src in zip(got, vals):
             if hasattr(dst, "copy_"):  # torch: the kernel's result is on the arrays' device
                 dst.copy_(src if hasattr(src, "copy_") else dst.new_tensor(np.asarray(src)))
             else:
                 dst[...] = src.detach().cpu().numpy() if hasattr(src, "detach") else src
         return tuple(got) if many else got[0]
+
+
+def _overlap(a, b) -> bool:
+    """Whether arrays `a` and `b` (NumPy or torch) may share memory: torch's by the byte ranges their strides span
+    (views of one buffer that do not meet are apart), NumPy's by `np.shares_memory`."""
+    if hasattr(a, "data_ptr") and hasattr(b, "data_ptr"):
+        if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+            return False
+
+        def span(t):
+            start = t.data_ptr()
+            return start, start + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        (a0, a1), (b0, b1) = span(a), span(b)
+        return a0 < b1 and b0 < a1
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.shares_memory(a, b)
+    return a is b
 
 
 def step(spec, backend: str | None = None, *, layout=DEFAULT_LAYOUT, dtype=None) -> Step:

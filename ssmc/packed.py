@@ -212,9 +212,12 @@ ARGUMENT_K = "cu_seqlens_k"
 
 
 def attention_batch_axis(program) -> str | None:
-    """The batch axis of an `Attention` program: the first of its batch axes that no param has and that
-    is not `kv_heads` (``b`` of ``batch="b h"`` with per-head params); None where there is none (the
-    sequences then share every batch axis, and no size is checked)."""
+    """The batch axis of an `Attention` program, which a packed call must have of size 1: of two or more batch
+    axes, the first that no param has and that is not `kv_heads` (``b`` of ``batch="b h"``); None where there is
+    one batch axis alone (the heads: flash-attn's varlen layout [T, H, d] is ``batch="h"``, layout "t h ...") or
+    none qualifies (the sequences then share every batch axis, and no size is checked)."""
+    if len(program.batch_axes) < 2:
+        return None
     in_params = {a for d in program.params for a in d.axes}
     for a in program.batch_axes:
         if a not in in_params and a != program.kv_heads:

@@ -190,6 +190,10 @@ class Recurrence(nn.Module):
         if in_place and len(given) < len(self.program.states):
             raise ValueError(f"{self.program.name} step: in_place=True writes the new states into the tensors "
                              f"given; give all the states {[s.name for s in self.program.states]}")
+        if (in_place or out is not None) and torch.is_grad_enabled() and any(
+                t.requires_grad for t in given.values()):
+            raise ValueError(f"{self.program.name} step: out= and in_place=True are for decoding under "
+                             "torch.no_grad(); a state that requires grad would be overwritten in the graph")
         args = self._arguments(seqs, named)
         names = [d.name for d in self.program.inputs]
         args = [x.unsqueeze(self._seq_time[n]) if n in self._seq_time else x for n, x in zip(names, args)]

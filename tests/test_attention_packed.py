@@ -148,9 +148,31 @@ def test_keys_packed_apart_with_cu_seqlens_k():
     want = [f(x["q"][:, :, cq[i]:cq[i + 1]], x["k"][:, :, ck[i]:ck[i + 1]], x["v"][:, :, ck[i]:ck[i + 1]],
               slope=x["slope"]) for i in range(3)]
     np.testing.assert_allclose(got, np.concatenate(want, axis=2), rtol=0, atol=F64_TOL)
-    grads = ssmc.grad(ALIBI, "interpreter", layout="b h t ...")(
-        **x, grad_outputs=np.ones_like(got), cu_seqlens=cq, cu_seqlens_k=ck)
-    assert grads["k"].shape == x["k"].shape and grads["q"].shape == x["q"].shape
+    # positions count from 0 on both sides (the causal mask lines a sequence's queries up with its first keys, not
+    # its last as flash-attn's causal varlen does where the lengths differ): query 0 of sequence 0 sees key 0 alone
+    lone = f(x["q"][:, :, :1], x["k"][:, :, :1], x["v"][:, :, :1], slope=x["slope"])
+    np.testing.assert_allclose(got[:, :, :1], lone, rtol=0, atol=F64_TOL)
+    g = ssmc.grad(ALIBI, "interpreter", layout="b h t ...")
+    dy = rng.standard_normal(got.shape)
+    grads = g(**x, grad_outputs=dy, cu_seqlens=cq, cu_seqlens_k=ck)
+    alone = [g(x["q"][:, :, cq[i]:cq[i + 1]], x["k"][:, :, ck[i]:ck[i + 1]], x["v"][:, :, ck[i]:ck[i + 1]],
+               slope=x["slope"], grad_outputs=dy[:, :, cq[i]:cq[i + 1]]) for i in range(3)]
+    for n in "qkv":
+        assert grads[n].shape == x[n].shape
+        np.testing.assert_allclose(grads[n], np.concatenate([a[n] for a in alone], axis=2), rtol=0, atol=F64_TOL)
+    np.testing.assert_allclose(grads["slope"], sum(a["slope"] for a in alone), rtol=0, atol=F64_TOL)
+
+
+def test_heads_alone_as_the_batch_in_flash_attns_varlen_layout():
+    """`batch="h"` (no batch axis but the heads) in layout "t h ...", flash-attn's varlen [T, H, d]: no size of 1
+    asked of the heads; the packed call equals the sequences alone."""
+    spec = ssmc.attention(mask_mod=ssmc.causal, batch="h", head_dim="d")
+    rng = np.random.default_rng(3)
+    x = {n: rng.standard_normal((12, 2, 8)) for n in "qkv"}
+    f = ssmc.compile(spec, "numba", layout="t h ...")
+    got = f(**x, cu_seqlens=[0, 5, 12])
+    want = [f(**{n: a[lo:hi] for n, a in x.items()}) for lo, hi in ((0, 5), (5, 12))]
+    np.testing.assert_allclose(got, np.concatenate(want, axis=0), rtol=0, atol=F64_TOL)
 
 
 def test_grouped_query_attention_packs_too():

@@ -261,24 +261,26 @@ def test_gpu_d256_forward_and_backward_match_sdpa(hkv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["wg128", "bm128w8"])
 @pytest.mark.parametrize("b, hq, hkv, length", [(2, 4, 4, 1000), (2, 4, 2, 1000), (4, 16, 16, 4096)])
-def test_gpu_d256_wgmma_forward_matches_sdpa(b, hq, hkv, length, monkeypatch):
-    """The sm_90a "wg128" forward at d 256 (named by SSMC_CUDA_FLASH_FORWARD; not the default), causal bf16, GQA
-    too: out within bf16's tolerance of SDPA's in float32 (relative error in norm, the largest error against the
-    largest value), every column of it (its P V product is one n256 instruction a k-step)."""
+def test_gpu_d256_forward_configs_match_sdpa(config, b, hq, hkv, length, monkeypatch):
+    """Each d 256 forward config named by SSMC_CUDA_FLASH_FORWARD (the sm_90a "wg128", the default on sm_90
+    parts; the mma.sync "bm128w8", the default elsewhere), causal bf16, GQA too: out within bf16's tolerance of
+    SDPA's in float32 (relative error in norm, the largest error against the largest value), every column of it
+    (wg128's P V product is one n256 instruction a k-step)."""
     import ssmc.torch
     from ssmc.backends.cuda.kernels import loaded
 
-    if torch.cuda.get_device_capability() != (9, 0):
+    if config == "wg128" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma config needs an sm_90 GPU")
-    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "wg128")
+    monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", config)
     spec = SPECS["causal"] if hkv == hq else ssmc.attention(mask_mod=ssmc.causal, batch="b h", head_dim="d",
                                                             kv_heads="h")
     q, k, v, _ = _gpu_qkv(b, hq, hkv, length, seed=length + hkv)
     f = ssmc.torch.function(spec, layout="b h t ...")
     got = f(q, k, v).float()
     assert f.tiled.flash_reason is None, f.tiled.flash_reason
-    assert any("_d256_" in key[3] and "_wg128_" in key[3] for key in loaded._functions)
+    assert any("_d256_" in key[3] and f"_{config}_" in key[3] for key in loaded._functions)
     kk, vv = (t.float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), kk, vv, is_causal=True)
     diff = got - want

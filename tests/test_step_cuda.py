@@ -160,11 +160,21 @@ def test_step_out_and_in_place_write_the_given_numpy_arrays(name):
         assert g is given and np.array_equal(g, w)
     for g, given, w in zip(_as_tuple(got_h), buffers, _as_tuple(want_h)):
         assert g is given and np.array_equal(g, w)
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match=r"out: .* must be an array of shape"):
         step(**one, states=states, out=np.zeros((1, 1)))
     if len(states) > 1:
-        with pytest.raises(ValueError, match="in_place"):
+        with pytest.raises(ValueError, match="in_place=True writes the new states"):
             step(**one, states=states[:1], in_place=True)
+        # two states in one array: the second write would overwrite the first; nothing written before the error
+        shared = np.array(states[0])
+        kept = shared.copy()
+        with pytest.raises(ValueError, match="share memory"):
+            step(**one, states=(shared, shared, *states[2:]), in_place=True)
+        assert np.array_equal(shared, kept)
+    first = _as_tuple(want_y)[0]
+    with pytest.raises(ValueError, match="must be of dtype"):  # an int array would truncate the outputs
+        step(**one, states=states, out=tuple(np.zeros(y.shape, dtype=np.int64) for y in _as_tuple(want_y))
+             if len(outs) > 1 else np.zeros(first.shape, dtype=np.int64))
 
 
 @emulated_only

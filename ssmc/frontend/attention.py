@@ -14,8 +14,10 @@ step); captured tensors must be `ssmc.Param` (constant over time). The mask retu
 key is visible. The meaning, as a plain loop, is in `ssmc.ir.program.Attention`.
 
 Packed sequences: ``attn(q, k, v, cu_seqlens=cu)`` with q, k, v packed along time in a batch of 1 and
-`cu` [N+1] the cumulative lengths (as flash-attn's varlen): each query attends to the keys of its own
-sequence, q_idx and kv_idx counted from that sequence's start (ssmc/packed.py).
+`cu` [N+1] the cumulative lengths (flash-attn's varlen offsets): each query attends to the keys of its own
+sequence, q_idx and kv_idx counted from that sequence's start (ssmc/packed.py). Where the keys are packed apart
+(``cu_seqlens_k``) and a sequence has more keys than queries, a causal mask lines its queries up with its first
+keys (flash-attn's causal varlen lines them up with the last).
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ CONFIGS = {
               256: Config("wg128", 128, 64, 8, wgmma=True)},
     "wg128s": {d: Config("wg128s", 128, 128, 8, wgmma=True, stagger=True) for d in (64, 128)},
 }
-# per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py, on
+# per head dim, where SSMC_CUDA_FLASH_FORWARD is unset: the fastest in bench/flash_forward_configs.py (d 256:
+# bench/flash_check.py --d 256), on
 # sm_90 parts (wgmma) and elsewhere (mma.sync; also the CPU emulator's)
 DEFAULT_CONFIG = {64: "bm128w4", 128: "bm128w4", 256: "bm128w8"}
 HOPPER_CONFIG = {64: "wg128", 128: "wg128s", 256: "wg128"}
