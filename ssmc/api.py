@@ -292,11 +292,12 @@ class Step:
     order), so they go back in as ``states=`` (None: zero initial states).
 
     ``out=``: arrays to write the outputs into (one array for one output, or a tuple in spec order),
-    each of the output's shape in the layout's order less time, of any dtype the values cast to (NumPy
-    arrays, or torch tensors on the arrays' device); the call returns `out` itself in place of new arrays.
+    each of the output's shape in the layout's order less time and of its dtype (NumPy arrays, or torch tensors on
+    the arrays' device); the call returns `out` itself in place of new arrays.
     ``in_place=True``: the new states are written into the state arrays given (every state must be given,
-    as ``states=`` or by name; each of the state's own shape), which come back as the new states: a
-    decoder keeps one buffer a state across steps. Both are written by a copy after the step's run (the
+    as ``states=`` or by name; each of the state's own shape and dtype, no two in one memory), which come back as
+    the new states: a decoder keeps one buffer a state across steps. Both are written by a copy after the step's
+    run (the
     run's own results are allocated as in the full call, then copied: ``dst.copy_(src)`` for torch,
     ``dst[...] = src`` for NumPy), so the values equal the allocating call's.
 
