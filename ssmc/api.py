@@ -297,8 +297,7 @@ class Step:
     ``in_place=True``: the new states are written into the state arrays given (every state must be given,
     as ``states=`` or by name; each of the state's own shape and dtype, no two in one memory), which come back as
     the new states: a decoder keeps one buffer a state across steps. Both are written by a copy after the step's
-    run (the
-    run's own results are allocated as in the full call, then copied: ``dst.copy_(src)`` for torch,
+    run (the run's own results are allocated as in the full call, then copied: ``dst.copy_(src)`` for torch,
     ``dst[...] = src`` for NumPy), so the values equal the allocating call's.
 
     It runs the compiled full-sequence path on a sequence of length one (time axis added, final states
