@@ -235,22 +235,33 @@ def test_emulated_gqa_gradients_match_the_float64_tiled_path(spec, hq, hkv, lq, 
     summing dK and dV over the group's query heads): no repeat in the call, every gradient of k's and v's own
     heads within bf16's tolerance of the float64 tiled path's."""
     _needs_emulator()
+    x, slope, rng = _emulated_inputs(hq + 7 * lq, hq, hkv, lq, lk)
+    _, backward_reason = _emulated_gradients_match_float64(spec.program, x, slope, rng, monkeypatch)
+    assert backward_reason is None, backward_reason
+
+
+def _emulated_gradients_match_float64(program, x: dict, slope, rng, monkeypatch):
+    """`TiledAttention.gradients` of `program` on `x` (bf16 q, k, v [b h t d], k and v of their own heads) and
+    `slope` with the flash kernels emulated and no repeat of k and v allowed (`_no_repeat`), against the float64
+    tiled path: every gradient within bf16's tolerance (q, k, v 2e-2, the slope 1e-2 of the largest value).
+    Returns (flash_reason, flash_backward_reason) of the bf16 call, for the caller to check."""
     from ssmc.backends.tiled_attention import TiledAttention
 
-    x, slope, rng = _emulated_inputs(hq + 7 * lq, hq, hkv, lq, lk)
-    cot = torch.from_numpy(rng.standard_normal((2, hq, lq, 64))).to(torch.bfloat16)
-    tiled = TiledAttention(spec.program)
+    b, hq, lq, d = x["q"].shape
+    cot = torch.from_numpy(rng.standard_normal((b, hq, lq, d))).to(torch.bfloat16)
+    tiled = TiledAttention(program)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     with monkeypatch.context() as m:
         _no_repeat(m)
         got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
-    assert tiled.flash_backward_reason is None, tiled.flash_backward_reason
+    reasons = (tiled.flash_reason, tiled.flash_backward_reason)  # (the float64 call below sets its own)
     want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, {"slope": slope})
     for name, w in want.items():
         g = got[name].double()
         assert g.shape == w.shape == (x[name].shape if name in x else slope.shape), name
         tol = (2e-2 if name in x else 1e-2) * w.abs().max().item()
         assert (g - w).abs().max().item() <= tol, name
+    return reasons
 
 
 @pytest.mark.gpu

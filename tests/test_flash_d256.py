@@ -17,7 +17,7 @@ from ssmc.backends.cuda.kernels.flash import forward as flash
 torch = pytest.importorskip("torch")
 
 from profiles import nightly_case  # noqa: E402
-from test_attention_gqa import GQA, LAYOUT, _emulated_inputs, _no_repeat  # noqa: E402
+from test_attention_gqa import GQA, _emulated_gradients_match_float64, _emulated_inputs  # noqa: E402
 from test_flash_attention import SPECS, _check, _run_emulated, needs_emulator  # noqa: E402
 from test_flash_backward import _check as _check_grads  # noqa: E402
 from test_flash_backward import _run_emulated as _run_emulated_backward  # noqa: E402
@@ -174,22 +174,8 @@ def test_emulated_d256_fp16_forward_and_backward(monkeypatch):
 def test_emulated_d256_gqa_reads_kv_heads_unrepeated(monkeypatch):
     """2 query heads on 1 KV head (batch 2) at d 256: the forward and the key-block kernel's GQA build (dK and dV summed
     over the group in registers) with no repeat of k or v, against the float64 tiled path."""
-    from ssmc.backends.tiled_attention import TiledAttention
-
     x, slope, rng = _emulated_inputs(11, 2, 1, 20, 33, d=D)
-    cot = torch.from_numpy(rng.standard_normal((2, 2, 20, D))).to(torch.bfloat16)
-    tiled = TiledAttention(GQA.program)
-    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    with monkeypatch.context() as m:
-        _no_repeat(m)
-        got = tiled.gradients(x["q"], x["k"], x["v"], cot, LAYOUT, {"slope": slope})
-    assert tiled.flash_reason is None and tiled.flash_backward_reason is None
-    want = tiled.gradients(*(x[n].double() for n in "qkv"), cot.double(), LAYOUT, {"slope": slope})
-    for name, w in want.items():
-        g = got[name].double()
-        assert g.shape == w.shape == (x[name].shape if name in x else slope.shape), name
-        tol = (2e-2 if name in x else 1e-2) * w.abs().max().item()
-        assert (g - w).abs().max().item() <= tol, name
+    assert _emulated_gradients_match_float64(GQA.program, x, slope, rng, monkeypatch) == (None, None)
 
 
 @needs_emulator
