@@ -1302,24 +1302,10 @@ def test_gpu_spec_gradients_on_the_backward_kernels(name, length, monkeypatch):
         assert _rel(t, w) < 2e-2, (k, _rel(t, w))  # the torch backward on the kernels' forward
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [180, 70])
-def test_gpu_short_calls_take_the_padded_prepared_path(length, monkeypatch):
-    """SSD bf16 at a length no multiple of the chunk (180: 128 + 52; 70: 64 + 6 at SSMC_CUDA_CHUNK=64) through
-    ssmc.torch.function on the GPU: the first calls general (the second makes the prepared forward's plan), the
-    third on the padded prepared path (`PreparedForward`: no general forward, no plan made again), with the first
-    call's output and every gradient bit for bit."""
-    import ssmc.torch
+def count_prepared_calls(monkeypatch, counts: dict) -> dict:
+    """`counts` ({"plans": 0, "general": 0, ...}) counting the plans `PreparedForward` makes and the calls of
+    the general `ChunkedCore.forward` (either path's), by wrapping both; returned."""
     from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedForward
-    from ssmc.examples import mamba2
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    for name in ("SSMC_CUDA_EMULATE", "SSMC_CUDA_CHUNK_KERNELS", "SSMC_CUDA_CHUNK", "SSMC_CUDA_CHUNK_TUNE"):
-        monkeypatch.delenv(name, raising=False)
-    if length == 70:
-        monkeypatch.setenv("SSMC_CUDA_CHUNK", "64")
-    counts = {"plans": 0, "general": 0}
 
     def plan(*a, _f=PreparedForward._plan):
         found = _f(*a)
@@ -1331,6 +1317,26 @@ def test_gpu_short_calls_take_the_padded_prepared_path(length, monkeypatch):
         return _f(*a, **kw)
     monkeypatch.setattr(PreparedForward, "_plan", plan)
     monkeypatch.setattr(ChunkedCore, "forward", general)
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [180, 70])
+def test_gpu_short_calls_take_the_padded_prepared_path(length, monkeypatch):
+    """SSD bf16 at a length no multiple of the chunk (180: 128 + 52; 70: 64 + 6 at SSMC_CUDA_CHUNK=64) through
+    ssmc.torch.function on the GPU: the first calls general (the second makes the prepared forward's plan), the
+    third on the padded prepared path (`PreparedForward`: no general forward, no plan made again), with the first
+    call's output and every gradient bit for bit."""
+    import ssmc.torch
+    from ssmc.examples import mamba2
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for name in ("SSMC_CUDA_EMULATE", "SSMC_CUDA_CHUNK_KERNELS", "SSMC_CUDA_CHUNK", "SSMC_CUDA_CHUNK_TUNE"):
+        monkeypatch.delenv(name, raising=False)
+    if length == 70:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK", "64")
+    counts = count_prepared_calls(monkeypatch, {"plans": 0, "general": 0})
     rng = np.random.default_rng(length)
     inputs = mamba2.make_inputs(rng, length, batch=2, groups=1, heads=4, headdim=64, state=64)
     bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)

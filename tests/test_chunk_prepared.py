@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from profiles import nightly_case
-from test_chunk_kernels import _core, _core_inputs
+from test_chunk_kernels import _core, _core_inputs, count_prepared_calls
 
 from ssmc.backends.cuda import emulator
 
@@ -24,27 +24,16 @@ LENGTH = 64  # one whole chunk: the sources the other emulated chunk tests build
 def counted(monkeypatch):
     """{"plans": plans a prepared call made, "general": `ChunkedCore.forward` calls, "launches": kernel launch sets
     run (either path)}, the chunk backend emulated."""
-    from ssmc.backends.cuda.kernels.chunk import ChunkedCore, PreparedForward, mma
+    from ssmc.backends.cuda.kernels.chunk import mma
 
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     for name in ("SSMC_CUDA_CHUNK_KERNELS", "SSMC_CUDA_CHUNK", "SSMC_CUDA_CHUNK_OUTPUT", "SSMC_CUDA_CHUNK_STATES"):
         monkeypatch.delenv(name, raising=False)
-    counts = {"plans": 0, "general": 0, "launches": 0}
-
-    def plan(*a, _f=PreparedForward._plan):
-        found = _f(*a)
-        counts["plans"] += found is not False
-        return found
-
-    def general(*a, _f=ChunkedCore.forward, **kw):
-        counts["general"] += 1
-        return _f(*a, **kw)
+    counts = count_prepared_calls(monkeypatch, {"plans": 0, "general": 0, "launches": 0})
 
     def run(*a, _f=mma._run_specs):
         counts["launches"] += 1
         return _f(*a)
-    monkeypatch.setattr(PreparedForward, "_plan", plan)
-    monkeypatch.setattr(ChunkedCore, "forward", general)
     monkeypatch.setattr(mma, "_run_specs", run)
     return counts
 
