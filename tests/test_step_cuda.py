@@ -136,6 +136,20 @@ def _given_arrays(ys, finals, like):
     return tuple(like(y) for y in _as_tuple(ys)), tuple(like(h) for h in _as_tuple(finals))
 
 
+def _written_in_place(step, one, states, want_y, want_h, close):
+    """A step with ``out=`` and ``in_place=True`` into fresh tensors: the very tensors come back (data_ptr) and
+    hold the allocating step's `want_y`, `want_h` (`close(got, want)`); returns (the out tensors, the state
+    buffers)."""
+    outs, _ = _given_arrays(want_y, want_h, torch.empty_like)
+    buffers = tuple(h.clone() for h in states)
+    ptrs = [b.data_ptr() for b in (*outs, *buffers)]
+    got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    assert [b.data_ptr() for b in (*_as_tuple(got_y), *_as_tuple(got_h))] == ptrs
+    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
+        assert close(g, w)
+    return outs, buffers
+
+
 def _in_place_case(name, backend, convert):
     module = _example(name)
     names, state_names, seq_time, _ = _names(module)
@@ -185,13 +199,7 @@ def test_emulated_step_out_and_in_place_write_the_given_tensors(name, monkeypatc
     steps alternating the two forms stay equal."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
-    outs, _ = _given_arrays(want_y, want_h, torch.empty_like)
-    buffers = tuple(h.clone() for h in states)
-    ptrs = [b.data_ptr() for b in (*outs, *buffers)]
-    got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    assert [b.data_ptr() for b in (*_as_tuple(got_y), *_as_tuple(got_h))] == ptrs
-    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert torch.equal(g, w)
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
     h = _as_tuple(want_h)
     for _ in range(3):  # allocating and in place, step after step
         want_y, h = step(**one, states=h)
@@ -223,10 +231,5 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
     states = tuple(tensors[s] for s in state_names)
     want_y, want_h = step(**one, states=states)
-    outs, _ = _given_arrays(want_y, want_h, torch.empty_like)
-    buffers = tuple(h.clone() for h in states)
-    ptrs = [b.data_ptr() for b in (*outs, *buffers)]
-    got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    assert [b.data_ptr() for b in (*_as_tuple(got_y), *_as_tuple(got_h))] == ptrs
-    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert _rel(g, w) <= 1e-6  # the same step twice: equal but for a kernel's order of atomic adds
+    # the same step twice: equal but for a kernel's order of atomic adds
+    _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
