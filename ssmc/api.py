@@ -182,8 +182,6 @@ class CompiledAttention:
         if cu_seqlens is not None or cu_seqlens_k is not None:
             from . import packed
 
-            if cu_seqlens is None:
-                raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
             q, k, v = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v))
             return packed.attention_call(lambda *one: self(*one, layout=layout, return_lse=return_lse, **params),
                                          p, layout, q, k, v, cu_seqlens, cu_seqlens_k, return_lse)

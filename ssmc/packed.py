@@ -247,6 +247,8 @@ def attention_checked(program, layout, q, k, v, cu_seqlens, cu_seqlens_k=None
     from .ir.axes import TIME
     from .runtime.binding import layout_of
 
+    if cu_seqlens is None:
+        raise ValueError(f"{ARGUMENT_K} is given without {ARGUMENT}")
     batch = attention_batch_axis(program)
     arrays = {"q": (q, program.q_axes), "k": (k, program.q_axes), "v": (v, program.v_axes)}
     time, lengths = {}, {}

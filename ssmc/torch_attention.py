@@ -94,8 +94,6 @@ class AttentionFunction:
     def _packed(self, q, k, v, args, params, cu_seqlens, cu_seqlens_k):
         from . import packed
 
-        if cu_seqlens is None:
-            raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
         q, k, v = (x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
         return packed.attention_call(lambda *one: self(*one, *args, **params), self.program, self.layout,
                                      q, k, v, cu_seqlens, cu_seqlens_k)

@@ -35,8 +35,6 @@ class AttentionGrad:
         if cu_seqlens is not None or cu_seqlens_k is not None:
             from .. import packed
 
-            if cu_seqlens is None:
-                raise ValueError(f"{packed.ARGUMENT_K} is given without {packed.ARGUMENT}")
             q, k, v = (x if hasattr(x, "shape") else np.asarray(x) for x in (q, k, v))
             return packed.attention_gradients(lambda qi, ki, vi, d: self(qi, ki, vi, d, layout, **params),
                                               p, layout, q, k, v, grad_outputs, cu_seqlens, cu_seqlens_k)
