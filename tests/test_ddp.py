@@ -149,6 +149,9 @@ def _fsdp_worker(rank: int, port: int, state: dict, out: str) -> None:
         with fsdp.FullyShardedDataParallel.state_dict_type(wrapped, fsdp.StateDictType.FULL_STATE_DICT, full):
             results["fsdp1"] = (losses, final, wrapped.state_dict())
         torch.save(results, os.path.join(out, f"fsdp_rank{rank}.pt"))
+        # every rank past its last collective before any tears the group down (a rank that exited while the
+        # other's gloo threads still ran aborted the process once, "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
