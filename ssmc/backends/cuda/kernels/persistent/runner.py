@@ -43,6 +43,7 @@ class PersistentLoop:
         self.program, self.compute, self.fallback, self.cell = program, compute, fallback, cell
         self.refusals: dict[tuple, str] = {}
         self._plans: dict[tuple, object] = {}
+        self._sources: dict[tuple, str] = {}   # `_launch`'s kernel source by everything that prints it
         self._functions: dict[tuple, object] = {}
         self._last_bar = None
         self._phase_at = None  # where the last launch keeps its clocks by phase in its barrier words (`phases`)
@@ -252,12 +253,18 @@ class PersistentLoop:
                                        dtype=f32, device=device))
         pointers = [t.data_ptr() for t in tensors]
         late = bool(opts.persistent_late_stores)
-        source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
-                               tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None,
-                               late=late, prefetch=bool(opts.persistent_prefetch), phases=phases,
-                               reload=bool(opts.persistent_reload_index) or late,
-                               early_loads=late and bool(opts.persistent_early_loads))
+        form = dict(bf16=half != torch.float16, half_seqs=half_seqs, half_outs=half_outs,
+                    half_record=record and half is not None, late=late, prefetch=bool(opts.persistent_prefetch),
+                    phases=phases, reload=bool(opts.persistent_reload_index) or late,
+                    early_loads=late and bool(opts.persistent_early_loads))
+        rp_strides = tuple(recorded.stride()) if record else None
+        # printing the kernel from the IR costs milliseconds of host time: once per source's inputs
+        key = (chosen, tuple(sorted(sizes.items())), tuple(sorted(seq_strides.items())),
+               tuple(sorted(out_strides.items())), rp_strides, tuple(sorted(form.items())))
+        source = self._sources.get(key)
+        if source is None:
+            source = self._sources[key] = kernel_source(cell, chosen, sizes, seq_strides, out_strides, rp_strides,
+                                                        **form)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
@@ -319,6 +326,7 @@ def torch_float32():
 
 
 _DRIVER = {}
+_OCCUPANCY: dict[tuple, int] = {}  # (CUfunction, threads, shared bytes) -> blocks a multiprocessor
 
 
 def _driver_call(name: str, argtypes):
@@ -352,11 +360,14 @@ def _cooperative_launch(function, chosen, length: int, pointers) -> str | None:
         except ValueError as err:
             return str(err)
     handle = _handle(function)
-    per_sm = ctypes.c_int(0)
-    if occupancy(ctypes.byref(per_sm), handle, chosen.threads, chosen.shared_bytes) != 0:
-        return "the occupancy query failed"
-    if per_sm.value * options().sm_count < chosen.blocks:
-        return (f"{chosen.blocks} blocks cannot be co-resident ({per_sm.value} a multiprocessor x "
+    key = (handle, chosen.threads, chosen.shared_bytes)
+    if key not in _OCCUPANCY:  # a driver call a launch otherwise: asked once per kernel and shape
+        per_sm = ctypes.c_int(0)
+        if occupancy(ctypes.byref(per_sm), handle, chosen.threads, chosen.shared_bytes) != 0:
+            return "the occupancy query failed"
+        _OCCUPANCY[key] = per_sm.value
+    if _OCCUPANCY[key] * options().sm_count < chosen.blocks:
+        return (f"{chosen.blocks} blocks cannot be co-resident ({_OCCUPANCY[key]} a multiprocessor x "
                 f"{options().sm_count})")
     values, slots = _argument_slots(2 + len(pointers))
     values[:] = (length, 0, *pointers)
