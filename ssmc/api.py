@@ -312,6 +312,8 @@ class Step:
         self._names = [d.name for d in program.inputs]
         self._state_names = {s.name for s in program.states}
         self._one_state = program.states[0].name if len(program.states) == 1 else None
+        # the backend's own path for a step (cuda: one kernel launch writing the arrays given), or None
+        self._own = self.compiled.target.step_runner(program, layout, dtype)
 
     def __repr__(self) -> str:
         return f"<ssmc.Step {self.program.name} backend={self.backend}>"
@@ -341,6 +343,10 @@ class Step:
             if absent:
                 raise ValueError(f"{p.name} step: in_place=True writes the new states into the arrays given; "
                                  f"missing the states {absent}")
+        if self._own is not None and not kwargs:
+            done = self._own(given, initial, out, in_place)
+            if done is not None:
+                return done
         for name, position in self._seq_time.items():
             given[name] = _add_time(given[name], position)
         ys, finals = self.compiled(**given, **initial, **kwargs, return_final_states=True)

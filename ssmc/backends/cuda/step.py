@@ -1,0 +1,333 @@
+"""One step of a recurrence on the GPU as one kernel launch (`api.Step`'s path on the cuda backend).
+
+The full-sequence call picks its strategy for long sequences: a matrix-linear program (linear attention,
+RetNet, Mamba-2) in chunks of matrix products, a product of a state-free value with a param (minGRU's
+``x W``) hoisted out of the time loop as one torch matrix product. For a single step both are the wrong
+trade: a chunk of one step is some thirty torch ops, and the hoisted product of one row of x is a launch
+of its own. Here a step runs the whole program, lowered as one kernel (`runner_for`), at L = 1: for a
+matrix-linear state ``S = a S + k v^T; o = sum_k S q`` one thread (or a few lanes) per (head, v) updates
+its column of S in registers and sums its output from the new values; a product ``x W`` is a loop over the
+row of x in the thread that needs its result.
+
+    step = CudaStep(backend, program, layout, dtype)
+    done = step(given, initial, out, in_place)     # None: not this path (`api.Step` takes its general one)
+    ys, finals = done
+
+The arrays the kernel writes are the caller's where given: the outputs into ``out=``, and with
+``in_place=True`` the new states into the state arrays read as the initial ones (the kernel's ``init_s``
+and ``final_s`` are one array; every strategy taking it loads a thread's own part of each state before the
+first barrier and stores it after the last, and each thread reads only the part it stores, so a thread's
+old values are read before anyone writes them). Both given: the step allocates nothing. A call like an
+earlier one (same shapes, strides, dtypes, device, the same arrays given) is one key lookup, an overlap
+check of the written arrays and the launch.
+
+Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
+kernel at L = 1, or which reads its states through a recurrent product (an LSTM's ``h U``: a thread per
+batch row would walk the product alone; the step loop or the persistent kernel runs it), or where a product
+the full call hoists out of the time loop has a value per index that is no parallel index of the whole
+kernel (a thread would compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a
+thread per batch row, where minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors
+of a float dtype on the current device, given arrays that the kernel cannot write as they lie (another
+dtype than the result's), written arrays that share memory with any other array of the call (the general
+path raises its error or copies).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from ...api import time_positions
+from ...ir.axes import TIME
+from ...runtime.binding import to_time_first
+from ...runtime.prologue import bind_call
+from .arrays import TORCH_DTYPES
+from .devices import current_device, emulating, on_backend_device
+from .options import options
+from .printer import ArraySpec
+from .runner import output_dtype, runner_for
+
+_UNPLANNED = object()
+MAX_STEP_PLANS = 64  # call signatures a step keeps (ever new shapes: start over)
+# the strategies whose kernel is one launch that reads each state part in the thread that stores it
+ONE_KERNEL = ("fused", "lanes", "rows")
+
+
+class CudaStep:
+    """`api.Step` on the cuda backend as one launch a step (module docstring)."""
+
+    def __init__(self, target, program, layout, dtype=None):
+        self.target = target  # the `CudaBackend`
+        self.program = program
+        self.layout = layout
+        self.dtype = dtype
+        self.seq_time, self.out_time = time_positions(program, layout)
+        self.state_names = tuple(s.name for s in program.states)
+        self.output_names = tuple(n for n, _ in program.outputs)
+        self.plans: dict = {}
+
+    def __call__(self, given: dict, initial: dict, out, in_place: bool):
+        """(outputs, new states) as `api.Step` returns them, or None where this path does not apply.
+        `given`: every input by name (sequences without their time axis); `initial`: the states given."""
+        key = _key(given, initial, out, in_place)
+        if key is None:
+            return None
+        plan = self.plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(self.plans) >= MAX_STEP_PLANS:
+                self.plans.clear()
+            plan = self.plans[key] = self._plan(given, initial, out, in_place)
+        if plan is None:
+            return None
+        return plan(given, initial, out)
+
+    def _plan(self, given: dict, initial: dict, out, in_place: bool):
+        """The launch for calls like this one (`StepPlan`), or None."""
+        import torch
+
+        p = self.program
+        if (in_place and set(initial) != set(self.state_names)) or (out is not None and not self.output_names):
+            return None
+        first = next(iter(given.values()), None)
+        if first is None or (not emulating() and first.get_device() != current_device()):
+            return None
+        timed = {n: (x.unsqueeze(self.seq_time[n]) if n in self.seq_time else x) for n, x in given.items()}
+        try:
+            bound, dtype = bind_call(self.target, p, (), {**timed, **initial}, self.layout, self.dtype,
+                                     read_only_zeros=True)
+        except ValueError:
+            return None  # the general path raises it
+        seqs, params, init, opts = self.target.run_inputs(p, bound, dtype)
+        # every array the kernel reads is the caller's own memory (no copy or cast made by the binding)
+        for n, t in {**seqs, **params}.items():
+            if t.data_ptr() != given[n].data_ptr() or t.dtype != given[n].dtype:
+                return None
+        for n, t in initial.items():
+            if init[n].data_ptr() != t.data_ptr() or init[n].dtype != t.dtype:
+                return None
+        launch = one_launch(p, dtype.name, tuple(sorted(bound.sizes.items())))
+        if launch is None:
+            return None
+        k, runner = launch.kernel, runner_for(p, dtype.name)
+        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
+        outs = _as_tuple(out) if out is not None else None
+        if outs is not None and len(outs) != len(self.output_names):
+            return None
+        arrays, made, items = {}, {}, []
+        for i, name in enumerate(self.output_names):
+            y = p.outputs[i][1]
+            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
+            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
+            if outs is not None:
+                o = outs[i]
+                if not isinstance(o, torch.Tensor) or tuple(o.shape) != shape or o.dtype != wanted:
+                    return None
+            else:
+                made[f"out_{name}"] = (shape, wanted)
+                o = torch.empty(shape, dtype=wanted, device="meta")  # laid out as the step allocates it
+            arrays[f"out_{name}"] = o.unsqueeze(self.out_time[name]).permute(
+                *to_time_first(self.layout, name, y.axes))
+        for s in p.states:
+            if in_place:
+                if initial[s.name].dtype != state_dtype:
+                    return None
+                arrays[f"final_{s.name}"] = init[s.name]
+            else:
+                shape = tuple(bound.sizes[a] for a in s.axes)
+                made[f"final_{s.name}"] = (shape, state_dtype)
+                arrays[f"final_{s.name}"] = torch.empty(shape, dtype=state_dtype, device="meta")
+        arrays.update(seqs)
+        arrays.update(params)
+        arrays.update({f"init_{n}": t for n, t in init.items()})
+        for a in k.arrays:
+            if a.name not in arrays or a.role not in ("seq", "param", "init", "final", "out"):
+                return None
+        specs = {a.name: ArraySpec(TORCH_DTYPES[str(arrays[a.name].dtype)], tuple(arrays[a.name].stride()) or (1,))
+                 for a in k.arrays}
+        source = runner.source_for(k, specs, bound.sizes, launch.mapping, 1, launch.strategy)
+        if in_place:
+            source = aliased(source, k.name, [a.name for a in k.arrays],
+                             [f"init_{s}" for s in self.state_names] + [f"final_{s}" for s in self.state_names])
+        function = runner.function(source, k.name)
+        for a in k.arrays:  # what each pointer of the launch is, in the kernel's order
+            role, name = a.role, a.name
+            if role in ("seq", "param"):
+                items.append(("given", name))
+            elif role == "init" or (role == "final" and in_place):
+                s = name.split("_", 1)[1]
+                items.append(("state", s) if s in initial else ("fixed", init[s].data_ptr(), init[s]))
+            elif a.name in made:
+                items.append(("made", name))
+            else:  # an output given
+                items.append(("out", self.output_names.index(name[len("out_"):])))
+        reads = [("given", n, e) for n, e in _extents(given).items()]
+        reads += [("state", n, e) for n, e in _extents(initial).items()]
+        writes = [("out", i, e) for i, e in _extents(dict(enumerate(outs or ()))).items()]
+        if in_place:
+            writes += [r for r in reads if r[0] == "state"]
+        return StepPlan(function, launch.grid, items, made, self.output_names, self.state_names, in_place,
+                        reads, writes)
+
+
+class StepPlan:
+    """One call signature's launch: the kernel, its grid, and per kernel array where its pointer comes from
+    (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
+
+    def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes):
+        self.function, self.grid, self.items, self.made = function, grid, items, made
+        self.output_names, self.state_names, self.in_place = output_names, state_names, in_place
+        # (kind, name or index, bytes spanned) of the arrays read, and of the caller's arrays written
+        self.reads, self.writes = reads, writes
+
+    def __call__(self, given: dict, initial: dict, out):
+        import torch
+
+        from .devices import device_name
+        from .launch import launch_kernel
+
+        outs = _as_tuple(out) if out is not None else ()
+        if not self._apart(given, initial, outs):
+            return None
+        device = device_name()
+        made = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in self.made.items()}
+        pointers = []
+        for item in self.items:
+            kind = item[0]
+            if kind == "given":
+                pointers.append(given[item[1]].data_ptr())
+            elif kind == "state":
+                pointers.append(initial[item[1]].data_ptr())
+            elif kind == "fixed":
+                pointers.append(item[1])
+            elif kind == "made":
+                pointers.append(made[item[1]].data_ptr())
+            else:
+                pointers.append(outs[item[1]].data_ptr())
+        launch_kernel(self.function, self.grid, 1, 1, pointers)
+        if out is not None:
+            ys = out
+        elif self.output_names:
+            ys = tuple(made[f"out_{n}"] for n in self.output_names)
+            ys = ys[0] if len(ys) == 1 else ys
+        else:
+            ys = None
+        finals = tuple(initial[s] if self.in_place else made[f"final_{s}"] for s in self.state_names)
+        return ys, finals[0] if len(finals) == 1 else finals
+
+    def _apart(self, given: dict, initial: dict, outs: tuple) -> bool:
+        """Whether every array of the caller's the kernel writes (the outputs given, the states written in
+        place) shares no memory with any other array of the call (a state written in place is read as
+        itself)."""
+        if not self.writes:
+            return True
+        where = {"given": given, "state": initial, "out": outs}
+        spans = [(kind, key, where[kind][key].data_ptr(), n) for kind, key, n in (*self.reads, *self.writes)]
+        for kind, key, n in self.writes:
+            w0 = where[kind][key].data_ptr()
+            for other, okey, a0, an in spans:
+                if (other, okey) != (kind, key) and n and an and w0 < a0 + an and a0 < w0 + n:
+                    return False
+        return True
+
+
+def _extents(arrays: dict) -> dict:
+    """Per array, the bytes its elements span from its first (0 for an empty one)."""
+    return {n: 0 if t.numel() == 0 else
+            (sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+            for n, t in arrays.items()}
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _layout_shape(layout, name: str, axes: tuple[str, ...], sizes: dict[str, int], time_at: int) -> tuple:
+    """The shape of output `name` in the layout's order less time."""
+    from ...runtime.binding import layout_of
+
+    order = [a for a in layout_of(layout, name, axes)]
+    del order[time_at]
+    return tuple(sizes[a] for a in order)
+
+
+def _key(given: dict, initial: dict, out, in_place: bool):
+    """What a plan depends on besides the arrays' addresses, or None where an argument is no torch tensor of
+    a float dtype on the backend's device."""
+    import torch
+
+    floats = _floats()
+    parts = [in_place]
+    for part in (given, initial):
+        for n, x in part.items():
+            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x) or x.requires_grad:
+                return None
+            parts.append((n, x.shape, x.stride(), x.dtype, x.device))
+    if out is not None:
+        for x in _as_tuple(out):
+            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x):
+                return None
+            parts.append((x.shape, x.stride(), x.dtype, x.device))
+        parts.append(isinstance(out, (tuple, list)))
+    return (*parts, *options().key)
+
+
+@lru_cache(maxsize=1)
+def _floats() -> frozenset:
+    import torch
+
+    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+
+
+@lru_cache(maxsize=256)
+def one_launch(program, compute: str, sizes: tuple):
+    """The one launch of `program` lowered whole at these sizes (``((axis, size), ...)``) for one step,
+    where a step runs so (module docstring), else None."""
+    from .backend import sequential_recompute
+    from .hoisted import hoisted_runner
+
+    if sequential_recompute(program):
+        return None
+    runner = runner_for(program, compute)
+    low = runner.lowered
+    if low.strategy != "fused" or len(low.kernels) != 1 or low.core_states or low.accumulators:
+        return None
+    kernel = low.kernels[0]
+    hoisted = hoisted_runner(program, compute)
+    if hoisted is not None:
+        h = hoisted.hoisted
+        for _, node in (*h.pre, *h.post_outputs, *h.post_accumulators):
+            if not set(node.axes) - {TIME} <= set(kernel.parallel):
+                return None  # a thread would compute many of the product's values, each a loop over its sum
+    size = dict(sizes)
+    launches = runner.launches(size, 1, False)
+    if len(launches) != 1:
+        return None
+    launch = launches[0]
+    if launch.kernel is not kernel or launch.nblk != 1 or launch.strategy not in ONE_KERNEL:
+        return None
+    if launch.mapping.groups > 1 and not launch.mapping.row:
+        return None  # split-K partials, summed by torch after
+    return launch
+
+
+_SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
+
+
+def aliased(source: str, name: str, arrays: list[str], shared: list[str]) -> str:
+    """`source` with kernel `name`'s parameters for the arrays `shared` (of its `arrays`, in order) not
+    ``__restrict__``: a state's ``init_s`` and ``final_s`` are then one array (its in-place step), which a
+    restrict pointer would let the compiler assume apart."""
+    pattern = re.compile(_SIGNATURE.format(name=re.escape(name)))
+
+    def plain(match):
+        params = match.group(2).split(",")
+        lead = len(params) - len(arrays)  # (int L, int nblk, arrays...)
+        for i, a in enumerate(arrays):
+            if a in shared:
+                params[lead + i] = params[lead + i].replace(" __restrict__", "")
+        return match.group(1) + ",".join(params) + match.group(3)
+
+    out, count = pattern.subn(plain, source, count=1)
+    if count != 1:
+        raise ValueError(f"no kernel {name} in the step's source")
+    return out
