@@ -14,7 +14,7 @@ from profiles import nightly_case
 
 import ssmc
 from ssmc.api import time_positions
-from ssmc.backends.cuda import emulator
+from ssmc.backends.cuda import emulator, nvrtc
 from ssmc.complex_io import ComplexCall
 
 torch = pytest.importorskip("torch")
@@ -297,6 +297,45 @@ def test_emulated_step_writes_strided_arrays_in_place(name, monkeypatch):
     for big, g, w in zip(state_bigs, _as_tuple(got_h), _as_tuple(want_h)):
         assert torch.equal(g, w) and bool((big[..., 1::2] == 7.0).all())
     assert bool(out_big[..., 1::2].isnan().all())
+
+
+# decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
+# takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
+DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),
+                "linear_attention": dict(batch=16, heads=16, dk=64, dv=64),
+                "mamba1_block": dict(batch=16, dim=1024, state=16), "hgrn": dict(batch=16, dim=2048)}
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("name", sorted(DECODE_SIZES))
+def test_in_place_step_kernels_compile_without_spills(name, monkeypatch):
+    """The kernel an in-place step builds at decode sizes (planned through the emulated backend, not run), its
+    state's ``init_`` and ``final_`` parameters one array and so not ``__restrict__``, compiles for sm_90 with
+    NVRTC and spills no more than the allocating step's kernel (restrict pointers); hgrn, linear attention
+    and mamba1_block's spill nothing (mamba2's lanes kernel at N = 128 spills a few bytes either way)."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example(name)
+    names, state_names, seq_time, _ = _names(module)
+    values = _tensors(module.make_inputs(np.random.default_rng(5), 1, **DECODE_SIZES[name]), torch.float32, "cpu")
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    states = {s: values[s] for s in state_names}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    assert step._own._plan(one, states, None, False) is not None
+    assert step._own._plan(one, states, None, True) is not None
+    allocating, in_place = sources
+    for s in state_names:
+        assert f"__restrict__ init_{s}" in allocating and f"__restrict__ init_{s}" not in in_place
+        assert f"__restrict__ final_{s}" not in in_place
+    spills = []
+    for source in (allocating, in_place):
+        (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+        spills.append(resources.spill_store_bytes + resources.spill_load_bytes)
+    assert spills[1] <= spills[0] and (name == "mamba2" or spills == [0, 0]), spills
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------------
