@@ -299,6 +299,32 @@ def test_emulated_step_writes_strided_arrays_in_place(name, monkeypatch):
     assert bool(out_big[..., 1::2].isnan().all())
 
 
+@emulated_only
+def test_emulated_layer_step_in_place_is_one_launch(monkeypatch):
+    """`ssmc.torch.Recurrence.step` on the (emulated) cuda backend without grad: with ``out=`` and
+    ``in_place=True`` each step after the first is one launch and no torch op; L steps equal `forward`."""
+    import ssmc.torch as st
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("hgrn")
+    values = _tensors(module.make_inputs(np.random.default_rng(6), LENGTH), torch.float32, "cpu")
+    layer = st.Recurrence(module.SPEC, layout=module.LAYOUT, backend="cuda")
+    with torch.no_grad():
+        ys, final = layer(values["x"], values["f"], return_final_states=True)
+        h = torch.zeros_like(final)
+        out = torch.empty_like(ys[:, 0])
+        for t in range(LENGTH):
+            x_t, f_t = values["x"][:, t], values["f"][:, t]
+            before = emulator.launched
+            with _TorchOps() as ops:
+                y_t, h_t = layer.step(x_t, f_t, states=h, out=out, in_place=True)
+            assert y_t is out and h_t is h
+            assert _rel(out, ys[:, t]) <= 1e-6
+            if t:
+                assert (emulator.launched - before, ops.ops) == (1, []), ops.ops
+        assert _rel(h, final) <= 1e-6
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),

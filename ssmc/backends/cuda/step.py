@@ -259,7 +259,7 @@ def _key(given: dict, initial: dict, out, in_place: bool):
     parts = [in_place]
     for part in (given, initial):
         for n, x in part.items():
-            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x) or x.requires_grad:
+            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x):
                 return None
             parts.append((n, x.shape, x.stride(), x.dtype, x.device))
     if out is not None:
