@@ -388,3 +388,30 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     want_y, want_h = step(**one, states=states)
     # the same step twice: equal but for a kernel's order of atomic adds
     _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
+    """On a GPU, float32: a step with ``out=`` and ``in_place=True`` after a first such step (which plans it)
+    equals the allocating step, makes no allocation of torch's CUDA allocator and runs one kernel (CUDA kernels
+    the profiler saw, copies and fills aside), where ALLOCATING_IN_PLACE does not list the example; those
+    allocate."""
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+    out = outs if len(outs) > 1 else outs[0]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(**one, states=buffers, out=out, in_place=True)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    if name in ALLOCATING_IN_PLACE:
+        assert allocated > 0, name
+    else:
+        assert allocated == 0 and len(kernels) == 1, (name, allocated, kernels)
