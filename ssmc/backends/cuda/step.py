@@ -41,8 +41,9 @@ from ...api import time_positions
 from ...ir.axes import TIME
 from ...runtime.binding import to_time_first
 from ...runtime.prologue import bind_call
+from . import launch
 from .arrays import TORCH_DTYPES
-from .devices import current_device, emulating, on_backend_device
+from .devices import current_device, device_name, emulating, on_backend_device
 from .options import options
 from .printer import ArraySpec
 from .runner import output_dtype, runner_for
@@ -91,6 +92,10 @@ class CudaStep:
         first = next(iter(given.values()), None)
         if first is None or (not emulating() and first.get_device() != current_device()):
             return None
+        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        for x in (*given.values(), *initial.values(), *(_as_tuple(out) if out is not None else ())):
+            if x.dtype not in floats or not on_backend_device(x):
+                return None
         timed = {n: (x.unsqueeze(self.seq_time[n]) if n in self.seq_time else x) for n, x in given.items()}
         try:
             bound, dtype = bind_call(self.target, p, (), {**timed, **initial}, self.layout, self.dtype,
@@ -180,16 +185,16 @@ class StepPlan:
         self.reads, self.writes = reads, writes
 
     def __call__(self, given: dict, initial: dict, out):
-        import torch
-
-        from .devices import device_name
-        from .launch import launch_kernel
-
         outs = _as_tuple(out) if out is not None else ()
         if not self._apart(given, initial, outs):
             return None
-        device = device_name()
-        made = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in self.made.items()}
+        if self.made:
+            import torch
+
+            device = device_name()
+            made = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in self.made.items()}
+        else:
+            made = {}
         pointers = []
         for item in self.items:
             kind = item[0]
@@ -203,7 +208,7 @@ class StepPlan:
                 pointers.append(made[item[1]].data_ptr())
             else:
                 pointers.append(outs[item[1]].data_ptr())
-        launch_kernel(self.function, self.grid, 1, 1, pointers)
+        launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
         if out is not None:
             ys = out
         elif self.output_names:
@@ -251,31 +256,29 @@ def _layout_shape(layout, name: str, axes: tuple[str, ...], sizes: dict[str, int
 
 
 def _key(given: dict, initial: dict, out, in_place: bool):
-    """What a plan depends on besides the arrays' addresses, or None where an argument is no torch tensor of
-    a float dtype on the backend's device."""
-    import torch
+    """What a plan depends on besides the arrays' addresses, or None where an argument is no torch tensor
+    (a tensor of another dtype or device gets a key; its plan is None: `CudaStep._plan`)."""
+    tensor = _TORCH.get("Tensor")
+    if tensor is None:
+        import torch
 
-    floats = _floats()
+        tensor = _TORCH["Tensor"] = torch.Tensor
     parts = [in_place]
     for part in (given, initial):
         for n, x in part.items():
-            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x):
+            if not isinstance(x, tensor):
                 return None
             parts.append((n, x.shape, x.stride(), x.dtype, x.device))
     if out is not None:
         for x in _as_tuple(out):
-            if not isinstance(x, torch.Tensor) or x.dtype not in floats or not on_backend_device(x):
+            if not isinstance(x, tensor):
                 return None
             parts.append((x.shape, x.stride(), x.dtype, x.device))
         parts.append(isinstance(out, (tuple, list)))
     return (*parts, *options().key)
 
 
-@lru_cache(maxsize=1)
-def _floats() -> frozenset:
-    import torch
-
-    return frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+_TORCH: dict = {}  # torch.Tensor, once torch is imported (this module imports it only where a step runs)
 
 
 @lru_cache(maxsize=256)
