@@ -278,6 +278,31 @@ def test_emulated_in_place_step_allocates_nothing(name, monkeypatch):
 
 
 @emulated_only
+@pytest.mark.parametrize("name", ["mamba2", "linear_attention", nightly_case("mamba1", reason="mamba2's lanes path")])
+def test_emulated_lanes_step_in_place(name, monkeypatch):
+    """The lanes kernel (forced: at the examples' sizes a thread per recurrence is chosen; decode sizes choose
+    it) as the step's one kernel: in place it equals the allocating step bit for bit, and L = 5 such steps
+    equal the full-sequence call."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    assert {p.strategy for p in step._own.plans.values()} == {"lanes"}
+    module = _example(name)
+    names, state_names, _, _ = _names(module)
+    tensors = _tensors(module.make_inputs(np.random.default_rng(3), LENGTH), torch.float32, "cpu")
+    inputs, states = {n: tensors[n] for n in names}, {s: tensors[s] for s in state_names}
+    monkeypatch.delenv("SSMC_CUDA_STRATEGY")  # the full call's chunked core takes no forced strategy
+    ys, finals = ssmc.compile(module.SPEC, "cuda", layout=module.LAYOUT)(**inputs, **states,
+                                                                         return_final_states=True)
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
+    got_ys, got_finals = _stepped(module, step, inputs, tuple(states.values()))
+    for g, w in zip((*got_ys, *got_finals), (*_as_tuple(ys), *_as_tuple(finals))):
+        assert _rel(g, w) <= 2e-5, name
+    assert {p.strategy for p in step._own.plans.values()} == {"lanes"}
+
+
+@emulated_only
 @pytest.mark.parametrize("name", ["hgrn", "linear_attention"])
 def test_emulated_step_writes_strided_arrays_in_place(name, monkeypatch):
     """``out=`` and state arrays that are strided views (every other element of their last axis): the kernel

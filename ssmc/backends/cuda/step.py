@@ -171,15 +171,17 @@ class CudaStep:
         if in_place:
             writes += [r for r in reads if r[0] == "state"]
         return StepPlan(function, launch.grid, items, made, self.output_names, self.state_names, in_place,
-                        reads, writes)
+                        reads, writes, launch.strategy)
 
 
 class StepPlan:
     """One call signature's launch: the kernel, its grid, and per kernel array where its pointer comes from
     (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
 
-    def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes):
+    def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
+                 strategy: str):
         self.function, self.grid, self.items, self.made = function, grid, items, made
+        self.strategy = strategy  # the strategy whose kernel it launches ("fused", "lanes", "rows")
         self.output_names, self.state_names, self.in_place = output_names, state_names, in_place
         # (kind, name or index, bytes spanned) of the arrays read, and of the caller's arrays written
         self.reads, self.writes = reads, writes
@@ -281,10 +283,14 @@ def _key(given: dict, initial: dict, out, in_place: bool):
 _TORCH: dict = {}  # torch.Tensor, once torch is imported (this module imports it only where a step runs)
 
 
-@lru_cache(maxsize=256)
 def one_launch(program, compute: str, sizes: tuple):
     """The one launch of `program` lowered whole at these sizes (``((axis, size), ...)``) for one step,
-    where a step runs so (module docstring), else None."""
+    where a step runs so (module docstring), else None; worked out once per setting of the overrides."""
+    return _one_launch(program, compute, sizes, options().key)
+
+
+@lru_cache(maxsize=256)
+def _one_launch(program, compute: str, sizes: tuple, overrides: tuple):
     from .backend import sequential_recompute
     from .hoisted import hoisted_runner
 
