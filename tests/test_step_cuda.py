@@ -350,6 +350,25 @@ def test_emulated_layer_step_in_place_is_one_launch(monkeypatch):
         assert _rel(h, final) <= 1e-6
 
 
+@emulated_only
+def test_emulated_step_out_overlapping_an_input_takes_the_copying_path(monkeypatch):
+    """``out=`` the memory of an input (hgrn's x_t): the kernel would write what other threads may still read,
+    so the step runs the general path (torch ops, the results copied) and `out` holds the allocating step's
+    outputs; with the arrays apart again the next step is one launch and no torch op."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, one, states, want_y, want_h = _in_place_case("hgrn", "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    x = one["x"].clone()
+    with _TorchOps() as ops:
+        got_y, got_h = step(**{**one, "x": x}, states=states, out=x)
+    assert got_y is x and torch.equal(x, want_y) and torch.equal(got_h, want_h) and ops.ops
+    out = torch.empty_like(x)
+    step(**one, states=states, out=out)
+    before = emulator.launched
+    with _TorchOps() as ops:
+        step(**one, states=states, out=out)
+    assert (emulator.launched - before, ops.launching()) == (1, 0) and torch.equal(out, want_y)
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),

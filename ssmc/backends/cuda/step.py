@@ -182,14 +182,15 @@ class StepPlan:
                  strategy: str):
         self.function, self.grid, self.items, self.made = function, grid, items, made
         self.strategy = strategy  # the strategy whose kernel it launches ("fused", "lanes", "rows")
+        self.device = current_device()  # where its function is loaded, and its arrays are (the key's devices)
         self.output_names, self.state_names, self.in_place = output_names, state_names, in_place
         # (kind, name or index, bytes spanned) of the arrays read, and of the caller's arrays written
         self.reads, self.writes = reads, writes
 
     def __call__(self, given: dict, initial: dict, out):
         outs = _as_tuple(out) if out is not None else ()
-        if not self._apart(given, initial, outs):
-            return None
+        if current_device() != self.device or not self._apart(given, initial, outs):
+            return None  # another device current than the arrays' (the general path switches), or overlaps
         if self.made:
             import torch
 
