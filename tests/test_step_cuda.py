@@ -369,6 +369,31 @@ def test_emulated_step_out_overlapping_an_input_takes_the_copying_path(monkeypat
     assert (emulator.launched - before, ops.launching()) == (1, 0) and torch.equal(out, want_y)
 
 
+@emulated_only
+@pytest.mark.parametrize("name", ["lstm", nightly_case("gru", reason="lstm's path"),
+                                  nightly_case("lstm_heads", reason="lstm's path")])
+def test_emulated_product_step_is_one_kernel(name, monkeypatch):
+    """``SSMC_CUDA_STEP_PRODUCTS=1``: a step of a recurrence with a recurrent product is one kernel (a thread per
+    [b k] summing x W and h U itself, `step.step_program`) and no torch op; L = 5 steps equal the full call; in
+    place it equals the allocating step bit for bit, allocates nothing, and copies the new h over the old one
+    after the kernel (other threads read the old h: it is written aside), c written in place by the kernel."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    launches = []
+    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    assert launches[1:] == [(1, 0)] * (LENGTH - 1), launches
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    assert (emulator.launched - before, ops.ops) == (1, ["copy_"]), ops.ops
+    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
+        assert torch.equal(g, w)
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),

@@ -35,6 +35,7 @@ path raises its error or copies).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ...api import time_positions
@@ -86,6 +87,8 @@ class CudaStep:
         """The launch for calls like this one (`StepPlan`), or None."""
         import torch
 
+        from .backend import sequential_recompute
+
         p = self.program
         if (in_place and set(initial) != set(self.state_names)) or (out is not None and not self.output_names):
             return None
@@ -110,68 +113,88 @@ class CudaStep:
         for n, t in initial.items():
             if init[n].data_ptr() != t.data_ptr() or init[n].dtype != t.dtype:
                 return None
-        launch = one_launch(p, dtype.name, tuple(sorted(bound.sizes.items())))
+        sizes = tuple(sorted(bound.sizes.items()))
+        products = sequential_recompute(p)
+        if products:  # a step program: the states read as sequences, their new values written as outputs
+            form = step_program(p) if options().step_products else None
+            if form is None:
+                return None
+            program = form.program
+            launch = one_launch(program, dtype.name, sizes, tuple(a for st in p.states for a in st.axes))
+        else:
+            form, program = None, p
+            launch = one_launch(p, dtype.name, sizes)
         if launch is None:
             return None
-        k, runner = launch.kernel, runner_for(p, dtype.name)
+        k, runner = launch.kernel, runner_for(program, dtype.name, map_reduce=form is None)
         state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
         outs = _as_tuple(out) if out is not None else None
         if outs is not None and len(outs) != len(self.output_names):
             return None
-        arrays, made, items = {}, {}, []
+        if in_place and any(initial[s].dtype != state_dtype for s in self.state_names):
+            return None
+        # per kernel array: where its pointer comes from (kind, key) and the array as the kernel sees it
+        source, made, keep, copies, shared = {}, {}, [], [], []
+        for n, t in {**seqs, **params}.items():
+            source[n] = ("given", n), t
         for i, name in enumerate(self.output_names):
             y = p.outputs[i][1]
             wanted = output_dtype(opts["out_dtype"], name) or state_dtype
             shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
             if outs is not None:
                 o = outs[i]
-                if not isinstance(o, torch.Tensor) or tuple(o.shape) != shape or o.dtype != wanted:
+                if tuple(o.shape) != shape or o.dtype != wanted:
                     return None
+                where = ("out", i)
             else:
                 made[f"out_{name}"] = (shape, wanted)
                 o = torch.empty(shape, dtype=wanted, device="meta")  # laid out as the step allocates it
-            arrays[f"out_{name}"] = o.unsqueeze(self.out_time[name]).permute(
+                where = ("made", f"out_{name}")
+            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
                 *to_time_first(self.layout, name, y.axes))
-        for s in p.states:
-            if in_place:
-                if initial[s.name].dtype != state_dtype:
-                    return None
-                arrays[f"final_{s.name}"] = init[s.name]
+        for j, st in enumerate(p.states):
+            s, t = st.name, init[st.name]
+            old = ("state", s) if s in initial else ("fixed", t.data_ptr())
+            keep.append(t)  # a shared zero state, read only
+            shape = tuple(bound.sizes[a] for a in st.axes)
+            if form is None:
+                source[f"init_{s}"] = old, t
+                read, written = f"init_{s}", f"final_{s}"
+                lead = ()
             else:
-                shape = tuple(bound.sizes[a] for a in s.axes)
-                made[f"final_{s.name}"] = (shape, state_dtype)
-                arrays[f"final_{s.name}"] = torch.empty(shape, dtype=state_dtype, device="meta")
-        arrays.update(seqs)
-        arrays.update(params)
-        arrays.update({f"init_{n}": t for n, t in init.items()})
+                source[s] = old, t.unsqueeze(0)
+                for alias in form.aliases[j]:  # the state read at renamed axes: the same memory
+                    source[alias] = old, t.unsqueeze(0)
+                read, written = s, f"out_{form.next_names[j]}"
+                lead = (0,)
+            if in_place and (form is None or not form.aliases[j]):
+                source[written] = old, source[read][1]
+                shared += [read, written]
+            elif in_place:  # other threads read the old values: written aside, then copied over
+                scratch = torch.empty(shape, dtype=state_dtype, device=t.device)
+                keep.append(scratch)
+                copies.append((scratch, s))
+                source[written] = ("fixed", scratch.data_ptr()), scratch.unsqueeze(0)
+            else:
+                made[f"final_{s}"] = (shape, state_dtype)
+                meta = torch.empty(shape, dtype=state_dtype, device="meta")
+                source[written] = ("made", f"final_{s}"), meta.unsqueeze(0) if lead else meta
         for a in k.arrays:
-            if a.name not in arrays or a.role not in ("seq", "param", "init", "final", "out"):
+            if a.name not in source or a.role not in ("seq", "param", "init", "final", "out"):
                 return None
-        specs = {a.name: ArraySpec(TORCH_DTYPES[str(arrays[a.name].dtype)], tuple(arrays[a.name].stride()) or (1,))
-                 for a in k.arrays}
-        source = runner.source_for(k, specs, bound.sizes, launch.mapping, 1, launch.strategy)
-        if in_place:
-            source = aliased(source, k.name, [a.name for a in k.arrays],
-                             [f"init_{s}" for s in self.state_names] + [f"final_{s}" for s in self.state_names])
-        function = runner.function(source, k.name)
-        for a in k.arrays:  # what each pointer of the launch is, in the kernel's order
-            role, name = a.role, a.name
-            if role in ("seq", "param"):
-                items.append(("given", name))
-            elif role == "init" or (role == "final" and in_place):
-                s = name.split("_", 1)[1]
-                items.append(("state", s) if s in initial else ("fixed", init[s].data_ptr(), init[s]))
-            elif a.name in made:
-                items.append(("made", name))
-            else:  # an output given
-                items.append(("out", self.output_names.index(name[len("out_"):])))
+        specs = {a.name: ArraySpec(TORCH_DTYPES[str(source[a.name][1].dtype)],
+                                   tuple(source[a.name][1].stride()) or (1,)) for a in k.arrays}
+        text = runner.source_for(k, specs, bound.sizes, launch.mapping, 1, launch.strategy)
+        if shared:
+            text = aliased(text, k.name, [a.name for a in k.arrays], shared)
+        function = runner.function(text, k.name)
         reads = [("given", n, e) for n, e in _extents(given).items()]
         reads += [("state", n, e) for n, e in _extents(initial).items()]
         writes = [("out", i, e) for i, e in _extents(dict(enumerate(outs or ()))).items()]
         if in_place:
             writes += [r for r in reads if r[0] == "state"]
-        return StepPlan(function, launch.grid, items, made, self.output_names, self.state_names, in_place,
-                        reads, writes, launch.strategy)
+        return StepPlan(function, launch.grid, [source[a.name][0] for a in k.arrays], made, self.output_names,
+                        self.state_names, in_place, reads, writes, launch.strategy, keep, copies)
 
 
 class StepPlan:
@@ -179,8 +202,10 @@ class StepPlan:
     (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
 
     def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
-                 strategy: str):
+                 strategy: str, keep: list, copies: list):
         self.function, self.grid, self.items, self.made = function, grid, items, made
+        self.keep = keep      # arrays of its own it launches on (shared zero states, scratch new states)
+        self.copies = copies  # (scratch, state): a new state written aside, copied over the caller's after
         self.strategy = strategy  # the strategy whose kernel it launches ("fused", "lanes", "rows")
         self.device = current_device()  # where its function is loaded, and its arrays are (the key's devices)
         self.output_names, self.state_names, self.in_place = output_names, state_names, in_place
@@ -199,19 +224,20 @@ class StepPlan:
         else:
             made = {}
         pointers = []
-        for item in self.items:
-            kind = item[0]
+        for kind, key in self.items:
             if kind == "given":
-                pointers.append(given[item[1]].data_ptr())
+                pointers.append(given[key].data_ptr())
             elif kind == "state":
-                pointers.append(initial[item[1]].data_ptr())
+                pointers.append(initial[key].data_ptr())
             elif kind == "fixed":
-                pointers.append(item[1])
+                pointers.append(key)
             elif kind == "made":
-                pointers.append(made[item[1]].data_ptr())
+                pointers.append(made[key].data_ptr())
             else:
-                pointers.append(outs[item[1]].data_ptr())
+                pointers.append(outs[key].data_ptr())
         launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
+        for scratch, s in self.copies:
+            initial[s].copy_(scratch)
         if out is not None:
             ys = out
         elif self.output_names:
@@ -284,32 +310,33 @@ def _key(given: dict, initial: dict, out, in_place: bool):
 _TORCH: dict = {}  # torch.Tensor, once torch is imported (this module imports it only where a step runs)
 
 
-def one_launch(program, compute: str, sizes: tuple):
+def one_launch(program, compute: str, sizes: tuple, parallel: tuple | None = None):
     """The one launch of `program` lowered whole at these sizes (``((axis, size), ...)``) for one step,
-    where a step runs so (module docstring), else None; worked out once per setting of the overrides."""
-    return _one_launch(program, compute, sizes, options().key)
+    where a step runs so (module docstring), else None; worked out once per setting of the overrides.
+    `parallel`: `program` is a `step_program`, lowered as one kernel of all its roots, whose thread
+    indices must include these axes (its states': a thread then writes its own new state values)."""
+    return _one_launch(program, compute, sizes, parallel, options().key)
 
 
 @lru_cache(maxsize=256)
-def _one_launch(program, compute: str, sizes: tuple, overrides: tuple):
-    from .backend import sequential_recompute
+def _one_launch(program, compute: str, sizes: tuple, parallel: tuple | None, overrides: tuple):
     from .hoisted import hoisted_runner
 
-    if sequential_recompute(program):
-        return None
-    runner = runner_for(program, compute)
+    runner = runner_for(program, compute, map_reduce=parallel is None)
     low = runner.lowered
     if low.strategy != "fused" or len(low.kernels) != 1 or low.core_states or low.accumulators:
         return None
     kernel = low.kernels[0]
-    hoisted = hoisted_runner(program, compute)
-    if hoisted is not None:
-        h = hoisted.hoisted
-        for _, node in (*h.pre, *h.post_outputs, *h.post_accumulators):
+    if parallel is not None:
+        if not set(parallel) <= set(kernel.parallel):
+            return None  # a thread per batch row walking whole rows (a norm over the hidden axis)
+    else:
+        hoisted = hoisted_runner(program, compute)
+        for _, node in (*hoisted.hoisted.pre, *hoisted.hoisted.post_outputs,
+                        *hoisted.hoisted.post_accumulators) if hoisted is not None else ():
             if not set(node.axes) - {TIME} <= set(kernel.parallel):
                 return None  # a thread would compute many of the product's values, each a loop over its sum
-    size = dict(sizes)
-    launches = runner.launches(size, 1, False)
+    launches = runner.launches(dict(sizes), 1, False)
     if len(launches) != 1:
         return None
     launch = launches[0]
@@ -318,6 +345,63 @@ def _one_launch(program, compute: str, sizes: tuple, overrides: tuple):
     if launch.mapping.groups > 1 and not launch.mapping.row:
         return None  # split-K partials, summed by torch after
     return launch
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """A recurrence's single step as a program without states (`step_program`)."""
+
+    program: object                        # the states as sequences (their names), new values as outputs
+    next_names: tuple[str, ...]            # per state, the output of its new value
+    aliases: tuple[tuple[str, ...], ...]   # per state, the sequences that read it at renamed axes
+
+
+@lru_cache(maxsize=64)
+def step_program(program) -> StepProgram | None:
+    """`program`'s single step with its states read as sequences, for a recurrent product (an LSTM's
+    ``sum_j h[b, j] U[j, g, k]``): over one step the old state is an input like x, so the product is a sum
+    each thread of [b k] computes itself. Each read of a state at renamed axes (``h.rename(k="j")``) becomes a
+    sequence of its own (the same memory, other axis names), so that the state's axes stay the kernel's
+    thread indices; the new states are outputs after the program's own."""
+    from ...ir.node import Node
+    from ...ir.ops import Op
+    from ...ir.program import Decl, Recurrence, Role
+
+    states = {st.name for st in program.states}
+    taken = {d.name for d in program.decls} | {n for n, _ in program.outputs}
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    aliases: dict[str, list[tuple[str, tuple[str, ...]]]] = {s: [] for s in states}
+    memo: dict = {}
+
+    def sub(node):
+        if node in memo:
+            return memo[node]
+        x = node.args[0] if node.args else None
+        if node.op is Op.RENAME and x.op is Op.INPUT and x.arg in states:
+            name = fresh(f"{x.arg}_{'_'.join(node.axes)}")
+            aliases[x.arg].append((name, node.axes))
+            new = Node.make(Op.INPUT, (), name, node.axes)
+        else:
+            args = tuple(sub(a) for a in node.args)
+            new = node if args == node.args else Node.make(node.op, args, node.arg, node.axes if node.op in
+                                                           (Op.INPUT, Op.CONST, Op.IOTA, Op.SIZE) else None)
+        memo[node] = new
+        return new
+
+    outputs = [(n, sub(y)) for n, y in program.outputs]
+    next_names = tuple(fresh(f"next_{st.name}") for st in program.states)
+    outputs += [(n, sub(u)) for n, u in zip(next_names, program.updates)]
+    decls = [Decl(d.name, Role.SEQ, d.axes, d.loc) if d.role is Role.STATE else d for d in program.decls]
+    decls += [Decl(n, Role.SEQ, axes) for s in aliases for n, axes in aliases[s]]
+    step = Recurrence(f"{program.name}_step", tuple(decls), (), tuple(outputs), program.sizes, program.reverse,
+                      program.loc, program.doc)
+    return StepProgram(step, next_names, tuple(tuple(n for n, _ in aliases[st.name]) for st in program.states))
 
 
 _SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
