@@ -7,6 +7,7 @@ in float32, mamba1 and mamba2 in bf16 too."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -433,6 +434,36 @@ def test_in_place_step_kernels_compile_without_spills(name, monkeypatch):
     assert spills[1] <= spills[0] and (name == "mamba2" or spills == [0, 0]), spills
 
 
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+def test_product_step_kernel_compiles_without_spills(name, monkeypatch):
+    """``SSMC_CUDA_STEP_PRODUCTS=1``: the one kernel of an LSTM's / GRU's in-place step at decode sizes (B16,
+    input and hidden 1024; planned through the emulated backend, not run) compiles for sm_90 with NVRTC and
+    spills nothing; c's array is written in place (not ``__restrict__``), h's aside (restrict kept)."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    module = _example(name)
+    names, state_names, seq_time, _ = _names(module)
+    values = _tensors(module.make_inputs(np.random.default_rng(5), 1, batch=16, inp=1024, hidden=1024),
+                      torch.float32, "cpu")
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    plan = step._own._plan(one, {s: values[s] for s in state_names}, None, True)
+    assert plan is not None and [s for _, s in plan.copies] == ["h"]
+    (source,) = sources
+    assert re.search(r"__restrict__ h[,)]", source)
+    if "c" in state_names:
+        assert re.search(r"\* c[,)]", source) and not re.search(r"__restrict__ c[,)]", source)
+        assert re.search(r"\* out_next_c[,)]", source)
+    (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+    assert not resources.spills, resources.summary()
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------------
 
 BF16 = {"mamba1": ("u", "delta", "B", "C", "z"), "mamba2": ("x", "dt", "B", "C")}
@@ -484,3 +515,24 @@ def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
         assert allocated > 0, name
     else:
         assert allocated == 0 and len(kernels) == 1, (name, allocated, kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lstm", "gru", "lstm_heads"])
+def test_gpu_product_step_is_one_kernel(name, monkeypatch):
+    """On a GPU, ``SSMC_CUDA_STEP_PRODUCTS=1``, float32: L = 5 steps equal the full call; a step with ``out=``
+    and ``in_place=True`` equals the allocating one, makes no allocation and runs its one kernel and the copy
+    of the new h over the old (h written aside: other threads read the old one)."""
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    _check_steps(name, _tensors(values, torch.float32, "cuda"), 2e-5)
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+    out = outs if len(outs) > 1 else outs[0]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, name
+    assert [s for _, s in next(p for p in step._own.plans.values() if p is not None and p.in_place).copies] == ["h"]
