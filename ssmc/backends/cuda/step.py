@@ -22,14 +22,17 @@ earlier one (same shapes, strides, dtypes, device, the same arrays given) is one
 check of the written arrays and the launch.
 
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
-kernel at L = 1, or which reads its states through a recurrent product (an LSTM's ``h U``: a thread per
-batch row would walk the product alone; the step loop or the persistent kernel runs it), or where a product
-the full call hoists out of the time loop has a value per index that is no parallel index of the whole
-kernel (a thread would compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a
-thread per batch row, where minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors
-of a float dtype on the current device, given arrays that the kernel cannot write as they lie (another
-dtype than the result's), written arrays that share memory with any other array of the call (the general
-path raises its error or copies).
+kernel at L = 1; one that reads its states through a recurrent product (an LSTM's ``h U``: its whole kernel is
+a thread per batch row walking the product alone; the step loop or the persistent kernel runs it), unless
+``SSMC_CUDA_STEP_PRODUCTS=1``: then its `step_program` (the old states read as sequences) is one kernel of a
+thread per [b k], each summing its own products (a new state other threads read, h, written aside and copied
+over the caller's after the kernel: a second launch, still no allocation); one where a product the full call
+hoists out of the time loop has a value per index that is no parallel index of the whole kernel (a thread
+would compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per batch row,
+where minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors of a float
+dtype on the current device, given arrays that the kernel cannot write as they lie (another dtype than the
+result's), written arrays that share memory with any other array of the call (the general path raises its
+error or copies).
 """
 
 from __future__ import annotations
