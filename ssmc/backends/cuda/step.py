@@ -41,9 +41,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ...api import time_positions
 from ...ir.axes import TIME
-from ...runtime.binding import to_time_first
+from ...runtime.binding import layout_of, to_time_first
 from ...runtime.prologue import bind_call
 from . import launch
 from .arrays import TORCH_DTYPES
@@ -66,7 +65,9 @@ class CudaStep:
         self.program = program
         self.layout = layout
         self.dtype = dtype
-        self.seq_time, self.out_time = time_positions(program, layout)
+        # where time sits in each sequence's and output's array in the layout (`api.time_positions`)
+        self.seq_time = {d.name: layout_of(layout, d.name, d.axes).index(TIME) for d in program.seqs}
+        self.out_time = {n: layout_of(layout, n, y.axes).index(TIME) for n, y in program.outputs}
         self.state_names = tuple(s.name for s in program.states)
         self.output_names = tuple(n for n, _ in program.outputs)
         self.plans: dict = {}
@@ -89,8 +90,6 @@ class CudaStep:
     def _plan(self, given: dict, initial: dict, out, in_place: bool):
         """The launch for calls like this one (`StepPlan`), or None."""
         import torch
-
-        from .backend import sequential_recompute
 
         p = self.program
         if (in_place and set(initial) != set(self.state_names)) or (out is not None and not self.output_names):
@@ -117,7 +116,7 @@ class CudaStep:
             if init[n].data_ptr() != t.data_ptr() or init[n].dtype != t.dtype:
                 return None
         sizes = tuple(sorted(bound.sizes.items()))
-        products = sequential_recompute(p)
+        products = _reads_states_through_products(p)
         if products:  # a step program: the states read as sequences, their new values written as outputs
             form = step_program(p) if options().step_products else None
             if form is None:
@@ -280,9 +279,7 @@ def _as_tuple(x) -> tuple:
 
 def _layout_shape(layout, name: str, axes: tuple[str, ...], sizes: dict[str, int], time_at: int) -> tuple:
     """The shape of output `name` in the layout's order less time."""
-    from ...runtime.binding import layout_of
-
-    order = [a for a in layout_of(layout, name, axes)]
+    order = list(layout_of(layout, name, axes))
     del order[time_at]
     return tuple(sizes[a] for a in order)
 
@@ -348,6 +345,16 @@ def _one_launch(program, compute: str, sizes: tuple, parallel: tuple | None, ove
     if launch.mapping.groups > 1 and not launch.mapping.row:
         return None  # split-K partials, summed by torch after
     return launch
+
+
+@lru_cache(maxsize=256)
+def _reads_states_through_products(program) -> bool:
+    """`backend.sequential_recompute` (the step loop takes what is left after hoisting), asked here: the backend
+    module imports this one."""
+    from ...lowering.hoist import hoist
+    from .kernels.step_loop import applies
+
+    return applies(hoist(program, transpose=False).program) is not None
 
 
 @dataclass(frozen=True)
