@@ -241,7 +241,7 @@ class StepPlan:
         for scratch, s in self.copies:
             initial[s].copy_(scratch)
         if out is not None:
-            ys = out
+            ys = tuple(out) if isinstance(out, list) else out  # as `api.Step.written` returns them
         elif self.output_names:
             ys = tuple(made[f"out_{n}"] for n in self.output_names)
             ys = ys[0] if len(ys) == 1 else ys
