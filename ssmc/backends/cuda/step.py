@@ -37,6 +37,7 @@ error or copies).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -118,11 +119,17 @@ class CudaStep:
         sizes = tuple(sorted(bound.sizes.items()))
         products = _reads_states_through_products(p)
         if products:  # a step program: the states read as sequences, their new values written as outputs
-            form = step_program(p) if options().step_products else None
+            if options().step_products:  # one kernel, each thread summing its own products
+                form = step_program(p)
+                parallel = tuple(a for st in p.states for a in st.axes)
+            elif _runs_as_torch_loop(p, dtype.name, options().key):  # the products by cuBLAS, then one kernel
+                form, parallel = product_form(p), ()
+            else:  # the persistent kernel's
+                return None
             if form is None:
                 return None
             program = form.program
-            launch = one_launch(program, dtype.name, sizes, tuple(a for st in p.states for a in st.axes))
+            launch = one_launch(program, dtype.name, sizes, parallel)
         else:
             form, program = None, p
             launch = one_launch(p, dtype.name, sizes)
@@ -181,6 +188,37 @@ class CudaStep:
                 made[f"final_{s}"] = (shape, state_dtype)
                 meta = torch.empty(shape, dtype=state_dtype, device="meta")
                 source[written] = ("made", f"final_{s}"), meta.unsqueeze(0) if lead else meta
+        matmuls = []  # the products the kernel reads (`product_form`), computed before it
+        alias_state = {a: st.name for st, names in zip(p.states, step_program(p).aliases) for a in names} \
+            if products else {}
+        for q in getattr(form, "products", ()):
+            operands = []
+            for name, axes, right in ((q.a, q.a_axes, False), (q.b, q.b_axes, True)):
+                state = alias_state.get(name, name if name in self.state_names else None)
+                if state is not None:  # the old state (read at renamed axes: the same memory)
+                    t = init[state]
+                    where = ("state", state) if state in initial else ("fixed", t.data_ptr())
+                else:  # a sequence (its step, time dropped) or a param
+                    t = seqs[name][0] if name in seqs else params[name]
+                    where = ("given", name)
+                if t.dtype != state_dtype:
+                    return None  # 16-bit operands: the general path's products
+                kept = [a for a in axes if a != q.summed]
+                order = [q.summed, *kept] if right else [*kept, q.summed]
+                size = (math.prod(bound.sizes[a] for a in kept), bound.sizes[q.summed])
+                try:
+                    two = t.permute(*[axes.index(a) for a in order]).view(size[::-1] if right else size)
+                except RuntimeError:
+                    return None  # not a matrix as it lies: the general path
+                operands.append((where, tuple(two.shape), tuple(two.stride())))
+            rows = [a for a in q.a_axes if a != q.summed]
+            cols = [a for a in q.b_axes if a != q.summed]
+            scratch = torch.empty(operands[0][1][0], operands[1][1][1], dtype=state_dtype, device=first.device)
+            keep.append(scratch)
+            matmuls.append((*operands, scratch))
+            laid = scratch.view(*[bound.sizes[a] for a in rows + cols])
+            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(
+                *[(rows + cols).index(a) for a in q.axes]).unsqueeze(0)
         for a in k.arrays:
             if a.name not in source or a.role not in ("seq", "param", "init", "final", "out"):
                 return None
@@ -196,7 +234,7 @@ class CudaStep:
         if in_place:
             writes += [r for r in reads if r[0] == "state"]
         return StepPlan(function, launch.grid, [source[a.name][0] for a in k.arrays], made, self.output_names,
-                        self.state_names, in_place, reads, writes, launch.strategy, keep, copies)
+                        self.state_names, in_place, reads, writes, launch.strategy, keep, copies, matmuls)
 
 
 class StepPlan:
@@ -204,8 +242,10 @@ class StepPlan:
     (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
 
     def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
-                 strategy: str, keep: list, copies: list):
+                 strategy: str, keep: list, copies: list, matmuls: list):
         self.function, self.grid, self.items, self.made = function, grid, items, made
+        # products before the kernel: ((kind, key) of a, its 2-d shape, strides), the same of b, the result
+        self.matmuls = matmuls
         self.keep = keep      # arrays of its own it launches on (shared zero states, scratch new states)
         self.copies = copies  # (scratch, state): a new state written aside, copied over the caller's after
         self.strategy = strategy  # the strategy whose kernel it launches ("fused", "lanes", "rows")
@@ -237,6 +277,14 @@ class StepPlan:
                 pointers.append(made[key].data_ptr())
             else:
                 pointers.append(outs[key].data_ptr())
+        if self.matmuls:
+            import torch
+
+            where = {"given": given, "state": initial}
+            for (ka, sa, ta), (kb, sb, tb), result in self.matmuls:
+                a = where[ka[0]][ka[1]].as_strided(sa, ta) if ka[0] != "fixed" else self._fixed(ka[1], sa, ta)
+                b = where[kb[0]][kb[1]].as_strided(sb, tb) if kb[0] != "fixed" else self._fixed(kb[1], sb, tb)
+                torch.matmul(a, b, out=result)
         launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
         for scratch, s in self.copies:
             initial[s].copy_(scratch)
@@ -249,6 +297,10 @@ class StepPlan:
             ys = None
         finals = tuple(initial[s] if self.in_place else made[f"final_{s}"] for s in self.state_names)
         return ys, finals[0] if len(finals) == 1 else finals
+
+    def _fixed(self, pointer: int, size, stride):
+        """A matrix view of the array of its own at `pointer` (a shared zero state)."""
+        return next(t for t in self.keep if t.data_ptr() == pointer).as_strided(size, stride)
 
     def _apart(self, given: dict, initial: dict, outs: tuple) -> bool:
         """Whether every array of the caller's the kernel writes (the outputs given, the states written in
@@ -348,6 +400,18 @@ def _one_launch(program, compute: str, sizes: tuple, parallel: tuple | None, ove
 
 
 @lru_cache(maxsize=256)
+def _runs_as_torch_loop(program, compute: str, overrides: tuple) -> bool:
+    """Whether the full call runs what `program` leaves after hoisting as the torch step loop (no persistent
+    kernel takes it: a norm inside the LSTM cell), for these overrides."""
+    from .hoisted import hoisted_runner
+    from .kernels.step_loop import StepLoop, step_loop
+
+    hoisted = hoisted_runner(program, compute)
+    inner = hoisted.loop if hoisted is not None else step_loop(program, compute)
+    return type(inner) is StepLoop
+
+
+@lru_cache(maxsize=256)
 def _reads_states_through_products(program) -> bool:
     """`backend.sequential_recompute` (the step loop takes what is left after hoisting), asked here: the backend
     module imports this one."""
@@ -412,6 +476,77 @@ def step_program(program) -> StepProgram | None:
     step = Recurrence(f"{program.name}_step", tuple(decls), (), tuple(outputs), program.sizes, program.reverse,
                       program.loc, program.doc)
     return StepProgram(step, next_names, tuple(tuple(n for n, _ in aliases[st.name]) for st in program.states))
+
+
+@dataclass(frozen=True)
+class Product:
+    """A sum over one axis of the product of two inputs (``sum_i x[b, i] W[i, g, k]``), computed before the
+    kernel as one matrix product [rows, summed] x [summed, cols] into a sequence of the kernel's."""
+
+    name: str                    # the sequence the kernel reads it as, axes `axes`
+    axes: tuple[str, ...]
+    a: str                       # the two inputs (a step program's names) and their axes
+    a_axes: tuple[str, ...]
+    b: str
+    b_axes: tuple[str, ...]
+    summed: str
+
+
+@dataclass(frozen=True)
+class ProductForm:
+    """A `step_program` with its products of two inputs taken out (`product_form`)."""
+
+    program: object                        # the step program reading each product as a sequence
+    next_names: tuple[str, ...]
+    aliases: tuple[tuple[str, ...], ...]   # per state, the renamed reads the kernel still makes
+    products: tuple[Product, ...]
+
+
+@lru_cache(maxsize=64)
+def product_form(program) -> ProductForm | None:
+    """`program`'s `step_program` with every sum over one axis of the product of two inputs (an LSTM's x W
+    and h U: over one step the old state is an input) read as a sequence the step computes before its kernel
+    as a matrix product (cuBLAS), the kernel left the rest: its gates, norms and cell, element by element or
+    by row. None where it has no such product, or one whose factors share an axis they keep (a batched
+    product)."""
+    from ...ir.node import Node, toposort
+    from ...ir.ops import Op
+    from ...ir.program import Decl, Recurrence, Role
+
+    form = step_program(program)
+    if form is None:
+        return None
+    p = form.program
+    taken = {d.name for d in p.decls} | {n for n, _ in p.outputs}
+    products, memo = [], {}
+
+    def sub(node):
+        if node in memo:
+            return memo[node]
+        x = node.args[0] if node.args else None
+        if node.op is Op.SUM and x.op is Op.MUL and len(x.args) == 2 and all(a.op is Op.INPUT for a in x.args):
+            a, b = x.args
+            if not set(a.axes) & set(b.axes) - {node.arg} and node.arg in a.axes and node.arg in b.axes:
+                name = f"product{len(products)}"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+                products.append(Product(name, node.axes, a.arg, a.axes, b.arg, b.axes, node.arg))
+                memo[node] = Node.make(Op.INPUT, (), name, node.axes)
+                return memo[node]
+        args = tuple(sub(a) for a in node.args)
+        new = node if args == node.args else Node.make(node.op, args, node.arg)
+        memo[node] = new
+        return new
+
+    outputs = tuple((n, sub(y)) for n, y in p.outputs)
+    if not products:
+        return None
+    read = {n.arg for n in toposort(tuple(y for _, y in outputs)) if n.op is Op.INPUT}
+    decls = [d for d in p.decls if d.name in read] + [Decl(q.name, Role.SEQ, q.axes) for q in products]
+    step = Recurrence(p.name, tuple(decls), (), outputs, p.sizes, p.reverse, p.loc, p.doc)
+    aliases = tuple(tuple(a for a in names if a in read) for names in form.aliases)
+    return ProductForm(step, form.next_names, aliases, tuple(products))
 
 
 _SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
