@@ -1,6 +1,6 @@
 """Check and time ssmc's single-step (decode) forms of Mamba-1 and Mamba-2 against mamba-ssm's `selective_state_update`.
 
-    python bench/decode_check.py [--out DIR] [--peers peers] [--family mamba1|mamba2|all]
+    python bench/decode_check.py [--out DIR] [--peers peers] [--family mamba1|mamba2|lstm|all]
 
 Mamba-1: for each of B1, B16, B64 at D1536 N16 and D2048 N128 (fp32): `ssmc.step(mamba1.SPEC, "cuda",
 layout="b d t")` on one step (u, delta, B, C, z of [b d] / [b n], the state [b d n]) and mamba-ssm's Triton
@@ -11,6 +11,10 @@ state): `ssmc.step(mamba2.SPEC, "cuda", layout="b t ...")` on one step (x [b 1 3
 [b 1 128], the state [b 1 32 64 128]) and `selective_state_update`'s multi-head form as mamba-ssm's Mamba2.step
 calls it (state [b 32 64 128], x [b 32 64], dt, A, D repeated along the head's p and n by stride-0 views,
 B and C [b 1 128], dt_softplus, no dt_bias, no z: the same step).
+
+LSTM (`lstm_rows`): B1, B16, B64 at input = hidden = 1024 (fp32), the three ways ssmc's cuda backend can run a
+step in place (the default, the persistent kernel after the hoisted x W; two cuBLAS products then one kernel;
+one kernel alone), against torch.nn.LSTMCell with the same weights.
 
 Each: the outputs and new states compared first (max |difference| / max |value|), then the time of a step as a
 decoder loop sees it (back-to-back calls, CUDA events around 200 of them: host time counts where the step is
@@ -127,6 +131,48 @@ def mamba2_row(update, b: int, heads: int, p: int, n: int) -> dict:
             "in_place_host": in_place_host, "peer_ms": peer_ms, "peer_host": peer_host}
 
 
+LSTM_SHAPES = [(b, 1024, 1024) for b in (1, 16, 64)]  # (B, input, hidden)
+# how ssmc's cuda backend runs an LSTM step (backends/cuda/step.py), by the overrides that pick it
+LSTM_FORMS = {"persistent": {}, "products": {"SSMC_CUDA_PERSISTENT": "0"},
+              "one kernel": {"SSMC_CUDA_STEP_PRODUCTS": "1"}}
+
+
+def lstm_rows(b: int, inp: int, hidden: int) -> list[str]:
+    """An LSTM step (fp32) three ways (`LSTM_FORMS`: the hoisted x W and the persistent kernel; x W and h U as two
+    cuBLAS products into the step's arrays, then one kernel; one kernel of a thread per [b k] summing both
+    products itself), each in place (``out=``, ``in_place=True``), against torch.nn.LSTMCell (the same weights)."""
+    import os
+
+    from ssmc.examples import lstm
+
+    torch.manual_seed(b)
+    cell = torch.nn.LSTMCell(inp, hidden, device="cuda")
+    x, h, c = (torch.randn(b, n, device="cuda") for n in (inp, hidden, hidden))
+    W = cell.weight_ih.detach().view(4, hidden, inp).permute(2, 0, 1)
+    U = cell.weight_hh.detach().view(4, hidden, hidden).permute(2, 0, 1)
+    bias = (cell.bias_ih + cell.bias_hh).detach().view(4, hidden)
+    with torch.no_grad():
+        want_h, want_c = cell(x, (h, c))
+        peer_ms, peer_host = per_call(lambda: cell(x, (h, c)))
+    step = ssmc.step(lstm.SPEC, "cuda", layout=lstm.LAYOUT)
+    rows = []
+    for form, env in LSTM_FORMS.items():
+        os.environ.update(env)
+        try:
+            out, hb, cb = torch.empty_like(h), h.clone(), c.clone()
+            step(x=x, W=W, U=U, bias=bias, states=(hb, cb), out=out, in_place=True)
+            errors = (rel(hb, want_h), rel(cb, want_c))
+            hb.copy_(h), cb.copy_(c)
+            ms, host = per_call(lambda hb=hb, cb=cb, out=out: step(x=x, W=W, U=U, bias=bias, states=(hb, cb), out=out,
+                                                                   in_place=True))
+        finally:
+            for name in env:
+                del os.environ[name]
+        rows.append(f"| B{b} I{inp} H{hidden} {form} | {errors[0]:.1e}, {errors[1]:.1e} | {ms:.4f} | {host:.4f} | "
+                    f"{peer_ms:.4f} | {peer_host:.4f} | {peer_ms / ms:.2f}x |")
+    return rows
+
+
 def line(r: dict) -> str:
     return (f"| {r['shape']} | {r['err'][0]:.1e}, {r['err'][1]:.1e} | {r['ms']:.4f} | {r['host']:.4f} | "
             f"{r['in_place_ms']:.4f} | {r['in_place_host']:.4f} | {r['peer_ms']:.4f} | {r['peer_host']:.4f} | "
@@ -142,11 +188,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--peers", type=Path, default=BENCH.parent / "peers")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ssmc_peers"))
-    ap.add_argument("--family", choices=("mamba1", "mamba2", "all"), default="all")
+    ap.add_argument("--family", choices=("mamba1", "mamba2", "lstm", "all"), default="all")
     args = ap.parse_args()
-    update = Peers(args.peers, args.work, build=False).mamba(
-        "mamba_ssm.ops.triton.selective_state_update").selective_state_update
     lines = []
+    if args.family in ("lstm", "all"):  # no peer package: torch's own cell
+        lines += ["| LSTM step fp32, in place | rel err h, c | ssmc ms / call | ssmc host ms | LSTMCell ms | "
+                  "its host ms | peer / ssmc |", "|---|---|---|---|---|---|---|"]
+        for shape in LSTM_SHAPES:
+            lines += lstm_rows(*shape)
+            print("\n".join(lines[-len(LSTM_FORMS):]), flush=True)
+        lines.append("")
+        if args.family == "lstm":
+            args.family = "none"
+    update = None if args.family == "none" else Peers(args.peers, args.work, build=False).mamba(
+        "mamba_ssm.ops.triton.selective_state_update").selective_state_update
     if args.family in ("mamba1", "all"):
         lines += [f"| Mamba-1 step fp32 {HEADER[0]}", HEADER[1]]
         for b, d, n in SHAPES:
