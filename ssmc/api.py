@@ -299,9 +299,10 @@ class Step:
     On the cuda backend (`Backend.step_runner`: backends/cuda/step.py), a step whose program lowers whole to one
     kernel (every recurrence that reads no state through a recurrent product) is one launch of that kernel: it
     writes the outputs into the ``out=`` tensors and, with ``in_place=True``, the new states over the old ones
-    (each thread reads its part of the state before writing it), so with both given a step allocates nothing.
-    Elsewhere (other backends, NumPy arrays, an LSTM's recurrent product, written arrays sharing memory with
-    others of the call) it runs the compiled full-sequence path on a sequence of length one (time axis added,
+    (each thread reads its part of the state before writing it), so with both given a step allocates nothing;
+    a recurrent product no persistent kernel takes (a LayerNorm LSTM) is two matrix products, then one kernel.
+    Elsewhere (other backends, NumPy arrays, an LSTM's or GRU's persistent kernel, written arrays sharing memory
+    with others of the call) it runs the compiled full-sequence path on a sequence of length one (time axis added,
     final states returned, time axis removed), and ``out=`` / ``in_place=True`` are written by a copy after
     that run (``dst.copy_(src)`` for torch, ``dst[...] = src`` for NumPy). Either way it takes what `Compiled`
     takes and the values equal the allocating call's.

@@ -21,18 +21,24 @@ old values are read before anyone writes them). Both given: the step allocates n
 earlier one (same shapes, strides, dtypes, device, the same arrays given) is one key lookup, an overlap
 check of the written arrays and the launch.
 
+A recurrence reading its states through a recurrent product (an LSTM's ``h U``) lowers whole to a thread per
+batch row walking the product alone; over one step, though, the old state is an input like x. Where the full
+call runs it as the torch step loop (no persistent kernel takes it: layernorm_lstm), a step is its
+`product_form`: x W and h U as two matrix products (cuBLAS, into arrays of the step's own), then one kernel of
+the rest (gates, norms, cell), the new states written in place. Where the persistent kernel takes it (lstm,
+gru), that path stays (the hoisted x W, then the persistent kernel), unless ``SSMC_CUDA_STEP_PRODUCTS=1``: then
+its `step_program` is one kernel of a thread per [b k], each summing its own products (a new state other
+threads read, h, written aside and copied over the caller's after the kernel: a second launch, still no
+allocation; each thread waits for its sums' loads one by one, so it is not the default).
+
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
-kernel at L = 1; one that reads its states through a recurrent product (an LSTM's ``h U``: its whole kernel is
-a thread per batch row walking the product alone; the step loop or the persistent kernel runs it), unless
-``SSMC_CUDA_STEP_PRODUCTS=1``: then its `step_program` (the old states read as sequences) is one kernel of a
-thread per [b k], each summing its own products (a new state other threads read, h, written aside and copied
-over the caller's after the kernel: a second launch, still no allocation); one where a product the full call
-hoists out of the time loop has a value per index that is no parallel index of the whole kernel (a thread
-would compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per batch row,
-where minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors of a float
-dtype on the current device, given arrays that the kernel cannot write as they lie (another dtype than the
-result's), written arrays that share memory with any other array of the call (the general path raises its
-error or copies).
+kernel at L = 1; the recurrent products the persistent kernel takes (above); a product the full call hoists
+out of the time loop with a value per index that is no parallel index of the whole kernel (a thread would
+compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per batch row, where
+minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors of a float dtype on
+the current device, given arrays that the kernel cannot write as they lie (another dtype than the result's),
+written arrays that share memory with any other array of the call (the general path raises its error or
+copies); a product whose operands are 16-bit or no matrix as they lie.
 """
 
 from __future__ import annotations
