@@ -58,6 +58,11 @@ class CudaOptions:
         `FUSED_STATES`
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
+    step_products: True runs a single step (`ssmc.step`) of a recurrence reading its states through a recurrent
+        product (LSTM, GRU) as one kernel, a thread per (batch, hidden) index summing its own products over the
+        input and the old state (cuda/step.py: one launch, nothing allocated in place, but each thread's sums
+        are loops as long as the input and hidden axes, whose loads it waits for one by one); unset: the
+        hoisted ``x W`` product, then the step loop or the persistent kernel
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
@@ -124,6 +129,7 @@ class CudaOptions:
     chunk_states: str | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
+    step_products: bool | None = None
     persistent: bool | None = None
     persistent_blocks: int | None = None
     persistent_mma: bool | None = None
