@@ -12,9 +12,9 @@ state): `ssmc.step(mamba2.SPEC, "cuda", layout="b t ...")` on one step (x [b 1 3
 calls it (state [b 32 64 128], x [b 32 64], dt, A, D repeated along the head's p and n by stride-0 views,
 B and C [b 1 128], dt_softplus, no dt_bias, no z: the same step).
 
-LSTM (`lstm_rows`): B1, B16, B64 at input = hidden = 1024 (fp32), the three ways ssmc's cuda backend can run a
-step in place (the default, the persistent kernel after the hoisted x W; two cuBLAS products then one kernel;
-one kernel alone), against torch.nn.LSTMCell with the same weights.
+LSTM (`lstm_rows`): B1, B16, B64 at input = hidden = 1024 (fp32), the two ways ssmc's cuda backend can run a
+step in place (the default, two cuBLAS products then one kernel; one kernel alone), against torch.nn.LSTMCell
+with the same weights.
 
 Each: the outputs and new states compared first (max |difference| / max |value|), then the time of a step as a
 decoder loop sees it (back-to-back calls, CUDA events around 200 of them: host time counts where the step is
@@ -118,9 +118,10 @@ def mamba2_row(update, b: int, heads: int, p: int, n: int) -> dict:
     dt = a["dt"][:, 0, :, None].expand(b, heads, p)
     A = a["A"][0, :, None, None].expand(heads, p, n)
     D = a["D"][0, :, None].expand(heads, p)
+    dt_bias = torch.zeros(heads, 1, device="cuda").expand(heads, p)  # zero: its tied-head path asks for one
 
     def peer():
-        return update(state, x, dt, A, a["B"], a["C"], D=D, z=None, dt_bias=None, dt_softplus=True)
+        return update(state, x, dt, A, a["B"], a["C"], D=D, z=None, dt_bias=dt_bias, dt_softplus=True)
     y_peer = peer()
     errors = (rel(y[:, 0], y_peer), rel(h[:, 0], state))
     ms, host = per_call(lambda: step(**args, states=a["h"]))
@@ -133,14 +134,13 @@ def mamba2_row(update, b: int, heads: int, p: int, n: int) -> dict:
 
 LSTM_SHAPES = [(b, 1024, 1024) for b in (1, 16, 64)]  # (B, input, hidden)
 # how ssmc's cuda backend runs an LSTM step (backends/cuda/step.py), by the overrides that pick it
-LSTM_FORMS = {"persistent": {}, "products": {"SSMC_CUDA_PERSISTENT": "0"},
-              "one kernel": {"SSMC_CUDA_STEP_PRODUCTS": "1"}}
+LSTM_FORMS = {"products (default)": {}, "one kernel": {"SSMC_CUDA_STEP_PRODUCTS": "1"}}
 
 
 def lstm_rows(b: int, inp: int, hidden: int) -> list[str]:
-    """An LSTM step (fp32) three ways (`LSTM_FORMS`: the hoisted x W and the persistent kernel; x W and h U as two
-    cuBLAS products into the step's arrays, then one kernel; one kernel of a thread per [b k] summing both
-    products itself), each in place (``out=``, ``in_place=True``), against torch.nn.LSTMCell (the same weights)."""
+    """An LSTM step (fp32) two ways (`LSTM_FORMS`: x W and h U as two cuBLAS products into the step's arrays, then
+    one kernel; one kernel of a thread per [b k] summing both products itself), each in place (``out=``,
+    ``in_place=True``), against torch.nn.LSTMCell (the same weights)."""
     import os
 
     from ssmc.examples import lstm

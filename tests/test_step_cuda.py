@@ -28,14 +28,14 @@ LENGTH = 5
 # what one step launches (emulated, at the examples' sizes, a step like the ones before it): (the generated
 # kernels, the torch ops that launch work on a GPU: products, fills, copies; views and `torch.empty` not counted).
 # Not listed: (1, 0), the whole program as one kernel (backends/cuda/step.py). The listed ones read their states
-# through a recurrent product (the hoisted x W as a torch mm, then the persistent kernel; layernorm_lstm, which
-# no persistent kernel takes: x W and h U as two torch mm into arrays of the step's own, then one kernel,
-# `step.product_form`) or hoist a product a thread per batch row would walk (lru's B u, with its complex arrays
+# through a recurrent product (x W and h U as two torch mm into arrays of the step's own, then one kernel,
+# `step.product_form`; lstm_heads, whose products are batched over heads: the hoisted x W as a torch mm, then the
+# persistent kernel) or hoist a product a thread per batch row would walk (lru's B u, with its complex arrays
 # split and joined by torch)
 STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 3), "layernorm_lstm": (1, 2), "lru": (2, 11)}
 # the steps that allocate where given ``out=`` and ``in_place=True`` (the general path: the full call's results,
 # then copied into the arrays given); every other step allocates nothing then
-ALLOCATING_IN_PLACE = ("lstm", "gru", "lstm_heads", "lru")
+ALLOCATING_IN_PLACE = ("lstm_heads", "lru")
 # torch ops that launch nothing on a GPU (views of the same memory, allocations)
 NOT_LAUNCHING = {"view", "_unsafe_view", "permute", "unsqueeze", "squeeze", "detach", "expand", "select", "slice",
                  "transpose", "t", "alias", "as_strided", "view_as_real", "view_as_complex", "empty", "empty_strided",
@@ -404,7 +404,7 @@ def test_emulated_product_step_is_one_kernel(name, monkeypatch):
 @emulated_only
 @pytest.mark.parametrize("name", ["lstm", nightly_case("gru", reason="lstm's path")])
 def test_emulated_product_form_step(name, monkeypatch):
-    """Where no persistent kernel takes an LSTM (``SSMC_CUDA_PERSISTENT=0``, as for layernorm_lstm always), a step
+    """A step of an LSTM (as of layernorm_lstm; ``SSMC_CUDA_PERSISTENT=0`` too, where the full call is the step loop)
     is its two products x W and h U as torch matrix products into arrays of the step's own, then one kernel
     (`step.product_form`); L = 5 steps equal the full call; in place (h written by the kernel after the product
     read it) it equals the allocating step bit for bit and allocates nothing."""

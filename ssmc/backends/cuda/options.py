@@ -61,8 +61,8 @@ class CudaOptions:
     step_products: True runs a single step (`ssmc.step`) of a recurrence reading its states through a recurrent
         product (LSTM, GRU) as one kernel, a thread per (batch, hidden) index summing its own products over the
         input and the old state (cuda/step.py: one launch, nothing allocated in place, but each thread's sums
-        are loops as long as the input and hidden axes, whose loads it waits for one by one); unset: the
-        hoisted ``x W`` product, then the step loop or the persistent kernel
+        are loops as long as the input and hidden axes, whose loads it waits for one by one); unset: ``x W``
+        and ``h U`` as two cuBLAS products, then one kernel of the cell
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /

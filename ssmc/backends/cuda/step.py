@@ -22,14 +22,15 @@ earlier one (same shapes, strides, dtypes, device, the same arrays given) is one
 check of the written arrays and the launch.
 
 A recurrence reading its states through a recurrent product (an LSTM's ``h U``) lowers whole to a thread per
-batch row walking the product alone; over one step, though, the old state is an input like x. Where the full
-call runs it as the torch step loop (no persistent kernel takes it: layernorm_lstm), a step is its
-`product_form`: x W and h U as two matrix products (cuBLAS, into arrays of the step's own), then one kernel of
-the rest (gates, norms, cell), the new states written in place. Where the persistent kernel takes it (lstm,
-gru), that path stays (the hoisted x W, then the persistent kernel), unless ``SSMC_CUDA_STEP_PRODUCTS=1``: then
-its `step_program` is one kernel of a thread per [b k], each summing its own products (a new state other
-threads read, h, written aside and copied over the caller's after the kernel: a second launch, still no
-allocation; each thread waits for its sums' loads one by one, so it is not the default).
+batch row walking the product alone; over one step, though, the old state is an input like x. A step is then
+its `product_form`: x W and h U as two matrix products (cuBLAS, into arrays of the step's own), then one kernel
+of the rest (gates, norms, cell), the new states written in place. (The full call's persistent kernel loads all
+of U on chip before its first step: for one step about ten times slower at decode sizes.) With
+``SSMC_CUDA_STEP_PRODUCTS=1`` it is `step_program`, one kernel of a thread per [b k], each summing its own
+products (a new state other threads read, h, written aside and copied over the caller's after the kernel: a
+second launch, still no allocation; each thread waits for its sums' loads one by one, so it is not the
+default). Where `product_form` does not take a program (16-bit operands; lstm_heads, whose products are
+batched over heads), the general path runs it: the hoisted x W, then the full call's kernels.
 
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
 kernel at L = 1; the recurrent products the persistent kernel takes (above); a product the full call hoists
@@ -128,10 +129,8 @@ class CudaStep:
             if options().step_products:  # one kernel, each thread summing its own products
                 form = step_program(p)
                 parallel = tuple(a for st in p.states for a in st.axes)
-            elif _runs_as_torch_loop(p, dtype.name, options().key):  # the products by cuBLAS, then one kernel
+            else:  # the products by cuBLAS, then one kernel (module docstring: not the persistent kernel)
                 form, parallel = product_form(p), ()
-            else:  # the persistent kernel's
-                return None
             if form is None:
                 return None
             program = form.program
@@ -403,18 +402,6 @@ def _one_launch(program, compute: str, sizes: tuple, parallel: tuple | None, ove
     if launch.mapping.groups > 1 and not launch.mapping.row:
         return None  # split-K partials, summed by torch after
     return launch
-
-
-@lru_cache(maxsize=256)
-def _runs_as_torch_loop(program, compute: str, overrides: tuple) -> bool:
-    """Whether the full call runs what `program` leaves after hoisting as the torch step loop (no persistent
-    kernel takes it: a norm inside the LSTM cell), for these overrides."""
-    from .hoisted import hoisted_runner
-    from .kernels.step_loop import StepLoop, step_loop
-
-    hoisted = hoisted_runner(program, compute)
-    inner = hoisted.loop if hoisted is not None else step_loop(program, compute)
-    return type(inner) is StepLoop
 
 
 @lru_cache(maxsize=256)
