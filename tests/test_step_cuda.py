@@ -21,13 +21,14 @@ torch = pytest.importorskip("torch")
 
 # every example that is a recurrence (alibi_attention is attention: test_attention_step.py); lru is complex
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "lru")
+               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "gla", "lru")
 LENGTH = 5
 
 # the generated kernels one step launches (emulated, at these sizes; the step's torch ops not counted: the
-# staged input products of the LSTM-likes, the chunked form of linear_attention / retnet / simple_gla, which
+# staged input products of the LSTM-likes, the chunked form of linear_attention / retnet / simple_gla / gla, which
 # runs no generated kernel at L = 1): an upper bound, so that a step launching more is caught
-STEP_KERNELS = {"mamba2": 2, "layernorm_lstm": 2, "lru": 2, "linear_attention": 0, "retnet": 0, "simple_gla": 0}
+STEP_KERNELS = {"mamba2": 2, "layernorm_lstm": 2, "lru": 2, "linear_attention": 0, "retnet": 0, "simple_gla": 0,
+                "gla": 0}
 
 # CI runs a case a kernel path (each compiles its kernels with the host C++ compiler, seconds on CI's 2 cores);
 # the others repeat a kept case's path and run locally and nightly
