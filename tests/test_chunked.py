@@ -574,7 +574,7 @@ def test_malformed_chunk_option(emulated_cuda):
 # -- on a GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mamba2", "retnet", "gated"])
+@pytest.mark.parametrize("name", ["mamba2", "retnet", "gated", "gla"])
 @pytest.mark.parametrize("length", [1, 7, 180, 1000, 4097])
 def test_gpu_float32_and_bfloat16(name, length):
     """fp32 through the ops as written (products in fp32), bf16 inputs (products on tensor cores):
