@@ -112,6 +112,15 @@ def gla_sigmoid(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h
 
 
 @ssmc.recurrence
+def gla_param(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], v: ssmc.Seq["b h v"],
+              w: ssmc.Param["h k"]):
+    """A per-key decay that is a param (RetNet's decays, per key): repeated over the steps."""
+    S = ssmc.exp(w) * S + k * v
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+@ssmc.recurrence
 def two_queries(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], p: ssmc.Seq["b k"], k: ssmc.Seq["b k"],
                 v: ssmc.Seq["b v"]):
     S = S + k * v
@@ -121,7 +130,8 @@ def two_queries(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], p: ssmc.Seq["b k"], 
 
 SIZES = {"gated": {"b": 2, "h": 2, "k": 3, "v": 4}, "gated_output": {"b": 2, "h": 2, "k": 3, "v": 4},
          "constant_decay": {"b": 2, "k": 3, "v": 2}, "gla_gate": {"b": 2, "h": 2, "k": 3, "v": 4},
-         "gla_grouped": {"b": 2, "h": 3, "k": 3, "v": 4}, "gla_sigmoid": {"b": 2, "h": 2, "k": 3, "v": 4}}
+         "gla_grouped": {"b": 2, "h": 3, "k": 3, "v": 4}, "gla_sigmoid": {"b": 2, "h": 2, "k": 3, "v": 4},
+         "gla_param": {"b": 2, "h": 2, "k": 3, "v": 4}}
 
 
 def _inputs(spec, sizes: dict, length: int, rng, layout="b t ..."):
@@ -245,7 +255,8 @@ CASES = {
                        lambda rng, L: _inputs(constant_decay, SIZES["constant_decay"], L, rng)),
     "gla": (gla.SPEC, gla.LAYOUT, lambda rng, L: gla.make_inputs(rng, L)),
     **{name: (spec, "b t ...", lambda rng, L, spec=spec, name=name: _inputs(spec, SIZES[name], L, rng))
-       for name, spec in (("gla_gate", gla_gate), ("gla_grouped", gla_grouped), ("gla_sigmoid", gla_sigmoid))},
+       for name, spec in (("gla_gate", gla_gate), ("gla_grouped", gla_grouped), ("gla_sigmoid", gla_sigmoid),
+                          ("gla_param", gla_param))},
 }
 
 
@@ -266,6 +277,8 @@ def _check(name: str, length: int, dtype: str, tol: float, seed: int = 0):
         inputs["g"] = inputs["g"] + 2.0  # decays near 1 keep the state alive over many steps
     if name == "gla_grouped":
         inputs["g"] = -np.abs(inputs["g"])  # log decays <= 0
+    if name == "gla_param":
+        inputs["w"] = -0.2 * np.abs(inputs["w"])
     state = spec.program.states[0].name
     output = spec.program.outputs[0][0]
     ref = ssmc.compile(spec, layout=layout, backend="interpreter")(**inputs, return_final_states=True)
