@@ -103,7 +103,7 @@ class ChunkTape:
     chunks: Chunks
     entering: torch.Tensor
     final: torch.Tensor
-    decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
+    decay: torch.Tensor | None   # the decay as given, [*H, NC, C] (per key: [*H, NC, C, K]), where the core takes a
 
 
 # decays found positive: (address, shape, strides, dtype) -> (a weak reference to the storage, its

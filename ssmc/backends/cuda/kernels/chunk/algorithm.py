@@ -178,12 +178,11 @@ def forward(x: Chunks):
 
 def vjp(x: Chunks, entering: torch.Tensor, final: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor):
     """Cotangents (dq, dk, dv, dell, ds0, dbeta, dskip) of `forward`'s inputs, in the shapes of the full
-    heads (the caller sums them over the heads an operand lacks; dbeta, dskip None where there is no β,
-    no skip), given its
-    outputs' (d_out [*H, NC, C, V], d_final [*H, K, V]) and what its forward returned (`final` is not
-    read: the log decays' cotangent takes the state at a chunk's end as `log_decay_grad` says). With β,
-    the cotangent dṼ of β v gives ``dv = β dṼ`` and ``dβ_j = Σ_ν v_jν dṼ_jν``; with a skip, `skip_grad`
-    adds its part."""
+    heads (dell [*H, NC, C], [*H, NC, C, K] for a per-key decay; the caller sums them over the heads an
+    operand lacks; dbeta, dskip None where there is no β, no skip), given its outputs' (d_out [*H, NC, C,
+    V], d_final [*H, K, V]) and what its forward returned (`final` is not read: the log decays' cotangent
+    takes the state at a chunk's end as `log_decay_grad` says). With β, the cotangent dṼ of β v gives
+    ``dv = β dṼ`` and ``dβ_j = Σ_ν v_jν dṼ_jν``; with a skip, `skip_grad` adds its part."""
     if x.skip is not None:
         return skip_grad(x, vjp(x.core(), entering, final, d_out, d_final), d_out)
     if x.beta is not None:
