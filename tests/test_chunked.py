@@ -450,6 +450,34 @@ def test_per_key_forward_and_vjp_against_a_plain_loop(nc, c, strength, matrix, m
         assert float((gr - w).abs().max()) <= 1e-10 * max(1.0, float(w.abs().max())), name
 
 
+def test_per_key_memory_stays_linear_in_the_chunk():
+    """No array of the per-key forward and VJP holds [C, C, K] values per chunk (L·C·K a head): the largest is
+    an element-wise sub-block position's [NC, SUB, SUB, K], the scores' [NC, C, C] or an operand's [NC, C, K]
+    (every op's outputs watched by a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ssmc.backends.cuda.kernels.chunk.algorithm import SUB, Chunks, forward, vjp
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+    nc, c, kd, vd = 4, 64, 32, 16
+    g = torch.Generator().manual_seed(2)
+    x = Chunks(*(torch.randn(2, nc, c, d, generator=g) for d in (kd, kd, vd)),
+               ell=-torch.rand(2, nc, c, kd, generator=g), s0=torch.randn(2, kd, vd, generator=g))
+    with Largest():
+        out, entering, final = forward(x)
+        vjp(x, entering, final, torch.randn_like(out), torch.randn_like(final))
+    bound = 2 * nc * max(c * c, c * kd, SUB * SUB * kd, kd * vd)
+    assert 0 < Largest.numel <= bound < 2 * nc * c * c * kd // 4, (Largest.numel, bound)
+
+
 def test_per_key_vjp_matches_finite_differences():
     from ssmc.backends.cuda.kernels.chunk.algorithm import Chunks, forward, vjp
 
