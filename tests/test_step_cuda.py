@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 # every example that is a recurrence (alibi_attention is attention: test_attention_step.py); lru is complex
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "lru")
+               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "gla", "lru")
 LENGTH = 5
 
 # what one step launches (emulated, at the examples' sizes, a step like the ones before it): (the generated
