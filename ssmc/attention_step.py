@@ -99,6 +99,9 @@ class AttentionStep:
     the kernel's key splits a batch index (None: chosen a step from the batch, the length and the device)."""
 
     def __init__(self, program: Attention, backend: str, layout):
+        if program.seqs:
+            raise ValueError(f"{program.name}: a decode step takes no sequence inputs "
+                             f"({', '.join(d.name for d in program.seqs)}): the cache keeps no per-position ids")
         self.program = program
         self.backend = backend
         self.layout = layout

@@ -135,6 +135,17 @@ def _views(given: tuple, canonical: list) -> list | None:
     return out
 
 
+def sequence_ranges(program: Attention, arrays: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each sequence input's (min, max) over its batch axes per position, [L] NumPy arrays, from its tensor
+    (L, *axes): what `mask_blocks.key_spans` bounds a read ``doc[q_idx]`` by (one device-to-host copy of
+    2 L numbers a sequence)."""
+    out = {}
+    for d in program.seqs:
+        t = arrays[d.name].reshape(arrays[d.name].shape[0], -1)
+        out[d.name] = (t.amin(1).cpu().numpy(), t.amax(1).cpu().numpy())
+    return out
+
+
 def block_rows(call: Call) -> int:
     """Query rows per block: as many as keep a block's fp32 scores within `SCORES_BUDGET`, a power of two
     in [MIN_BLOCK, MAX_BLOCK]."""
@@ -314,6 +325,9 @@ class TiledAttention:
     # -- the forward -----------------------------------------------------------------------------
 
     def spans(self, call: Call, block: int) -> list[tuple[int, int]]:
+        if self.program.seqs:  # ids are runtime data: their per-position ranges bound the spans, per call
+            return key_spans(self.program.mask, call.lq, call.lk, block, KEY_TILE, call.sizes, sequence_ranges(
+                self.program, call.params))
         key = (call.lq, call.lk, block, tuple(sorted(call.sizes.items())))
         spans = self._spans.get(key)
         if spans is None:

@@ -10,12 +10,21 @@ the span runs from the first tile that may be visible to the last. The analysis 
 exact: an op it has no interval rule for (or a param: its values are not known here) may be true,
 so its tile is visited and masked element-wise. Causal masks, sliding windows and prefixes, written
 with positions, constants, + - *, comparisons and & | ~, give the span the mask leaves (up to tiles).
+
+Sequence inputs (document ids, ``doc[q_idx] == doc[kv_idx]``) are runtime data: given `seqs`, each
+one's (min, max) over the batch per position, a read ``doc[q_idx]`` over a block's positions lies within
+the least min and greatest max there. Ids sorted along time (packed documents) make a block's and a tile's
+ranges meet only where they may share a document, so the span is the block's documents' keys (up to
+tiles); unsorted ids stay sound (wider ranges: tiles visited and masked element-wise).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from ..ir.axes import TIME
 from ..ir.node import BOOL, Node, toposort
 from ..ir.ops import COMPARISONS, Op
 
@@ -24,10 +33,11 @@ Bound = tuple[float, float] | tuple[bool, bool] | None
 ANY_BOOL = (True, True)
 
 
-def key_spans(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, sizes: dict[str, int]
-              ) -> list[tuple[int, int]]:
+def key_spans(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, sizes: dict[str, int],
+              seqs: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[int, int]]:
     """Per block of `block_q` queries, the keys [lo, hi) outside which `mask` is false (module
-    docstring); (0, lk) for every block without a mask, (0, 0) for a block that sees no key."""
+    docstring); (0, lk) for every block without a mask, (0, 0) for a block that sees no key. `seqs`:
+    each sequence input's per-position (min, max) over its batch axes, [L] arrays (None: unknown)."""
     blocks = range(0, lq, block_q)
     if mask is None:
         return [(0, lk) for _ in blocks]
@@ -39,7 +49,7 @@ def key_spans(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, size
 
         def maybe(t0, t1, q=q):  # may a key of tiles [t0, t1) be visible to the block?
             k = (float(t0 * tile), float(min(t1 * tile, lk) - 1))
-            return _bool(_evaluate(order, q, k, sizes))[0]
+            return _bool(_evaluate(order, q, k, sizes, seqs))[0]
 
         first = _search(maybe, 0, tiles, last=False)
         if first is None:
@@ -70,11 +80,28 @@ def _bool(b: Bound) -> tuple[bool, bool]:
     return ANY_BOOL if b is None else b
 
 
-def _evaluate(order: list[Node], q: tuple[float, float], k: tuple[float, float], sizes: dict[str, int]) -> Bound:
+def _evaluate(order: list[Node], q: tuple[float, float], k: tuple[float, float], sizes: dict[str, int],
+              seqs: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Bound:
     memo: dict[Node, Bound] = {}
     for node in order:
-        memo[node] = _rule(node, [memo[a] for a in node.args], q, k, sizes)
+        if node.op is Op.GATHER:
+            memo[node] = _sequence_read(node, memo[node.args[1]], seqs)
+        else:
+            memo[node] = _rule(node, [memo[a] for a in node.args], q, k, sizes)
     return memo[order[-1]]
+
+
+def _sequence_read(node: Node, positions: Bound, seqs) -> Bound:
+    """A sequence read ``doc[q_idx]`` over an interval of positions: within the ids' least min and greatest
+    max there; a table's entry (or a sequence without its ranges): anything."""
+    source = node.args[0]
+    if node.arg != TIME or not seqs or source.arg not in seqs or positions is None:
+        return None
+    lo, hi = seqs[source.arg]
+    a, b = max(0, math.floor(positions[0])), min(len(lo) - 1, math.ceil(positions[1]))
+    if a > b:
+        return None
+    return float(lo[a:b + 1].min()), float(hi[a:b + 1].max())
 
 
 def _rule(node: Node, args: list[Bound], q, k, sizes) -> Bound:

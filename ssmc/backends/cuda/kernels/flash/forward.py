@@ -235,6 +235,10 @@ def print_body(root: Node | None, program: Attention, default: str,
 
 def unsupported(program: Attention) -> str | None:
     """Why the flash kernel cannot run `program` whatever the call (None: it can, for supported calls)."""
+    roots = [n for n in (program.score, program.mask) if n is not None]
+    if program.seqs or any(n.op is Op.GATHER for n in toposort(roots)):
+        return ("indexed reads (a table indexed by position, a sequence read at q_idx / kv_idx) are not printed "
+                "into the flash kernels: the tiled torch path runs them")
     for d in program.params:
         if any(a not in program.batch_axes for a in d.axes):
             return f"param {d.name!r} has axes {d.axes} beyond the batch axes {program.batch_axes}"
