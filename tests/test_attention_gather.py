@@ -379,12 +379,12 @@ def test_a_sequence_is_read_at_q_idx_or_kv_idx_only():
         ssmc.attention(mask_mod=shifted)
     expect(e, "shifted", "q_idx or kv_idx")
 
-    def whole(q_idx, kv_idx, doc: ssmc.Seq["b"]):
-        return doc == 1  # <- whole
+    def whole(q_idx, kv_idx, doc: ssmc.Seq["b"]):  # <- whole
+        return doc == 1
 
     with pytest.raises(ssmc.SpecError) as e:
         ssmc.attention(mask_mod=whole)
-    expect(e, "whole", "at a position")
+    expect(e, "whole", "'doc'", "at a position", "doc[q_idx]")
 
 
 def test_a_sequence_has_only_batch_axes():

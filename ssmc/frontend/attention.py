@@ -90,10 +90,16 @@ def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str,
     except SpecError as err:
         raise SpecError(f"{kind} result: {err.message}", ret) from None
     node_loc = locs.get(node) or ret
+    seq_decls = {d.name: d for d in decls if d.role is Role.SEQ}
+    for n in toposort([node]):  # a sequence is read only at a position (a gather along time)
+        used = [a for i, a in enumerate(n.args) if a.op is Op.INPUT and a.arg in seq_decls
+                and not (n.op is Op.GATHER and i == 0 and n.arg == TIME)]
+        if used or (n is node and n.op is Op.INPUT and n.arg in seq_decls):
+            d = seq_decls[(used[0] if used else n).arg]
+            raise SpecError(f"{kind} uses {d.name!r}, an ssmc.Seq (one value per position), as a whole: read it "
+                            f"at a position, {d.name}[q_idx] or {d.name}[kv_idx]; a value constant over time is an "
+                            "ssmc.Param", d.loc)
     extra = [a for a in node.axes if a not in batch]
-    if TIME in extra:
-        raise SpecError(f"{kind} uses a sequence as a whole: read it at a position, doc[q_idx] or doc[kv_idx]",
-                        node_loc)
     if extra:
         raise SpecError(f"{kind} returns axes {format_axes(node.axes)}, but scores have only the batch "
                         f"axes {format_axes(batch)}", node_loc)
