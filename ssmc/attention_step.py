@@ -315,7 +315,9 @@ class AttentionStep:
             from .backends.cuda.kernels.flash import forward
 
             if self._unprintable is None:  # printing the modifiers walks the IR: once a step object
-                self._unprintable = forward.unsupported(self.program) or ""
+                self._unprintable = forward.unsupported(self.program) or (
+                    "an indexed table (the decode kernel reads params from registers)"
+                    if forward.gather_sources(self.program) else "")
             reason = self._unprintable or (forward.cupy_missing() if q.is_cuda else None)
         self.kernel_reason = reason
         if reason is not None:

@@ -68,7 +68,18 @@ from .....passes.attention_grad import derive_attention_backward
 from ...options import options
 from .. import template
 from ..loaded import loaded_function
-from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
+from .forward import (
+    BM,
+    BN,
+    HEAD_DIMS,
+    THREADS,
+    Unprintable,
+    block_spans,
+    float_literal,
+    gather_sources,
+    print_body,
+    table_width,
+)
 
 BQ = {64: 32, 128: 16}   # "bn64": query rows a tile per head dim (its registers and static shared memory bound it)
 LEAVES = ("grad_score", "score", "q_idx", "kv_idx")
@@ -210,6 +221,10 @@ def unsupported(program: Attention) -> str | None:
     reason = forward_unsupported(program)
     if reason is not None:
         return reason
+    tables = [d.name for d in program.params if any(a not in program.batch_axes for a in d.axes)]
+    if tables:  # its gradient is a scatter-add over the (i, j) reading each entry: the tiled backward's sums
+        return (f"backward: the gradient of the indexed table {tables[0]!r} (a scatter-add over positions) is summed "
+                "by the tiled backward")
     try:
         _bodies(program)
     except Unprintable as err:
@@ -246,7 +261,8 @@ def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict
     dscore_body, param_bodies = _bodies(program, param_grads)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    return (dict(d=d, nparams=len(program.params), scale=float_literal(scale), score_body=score_body,
+    return (dict(d=d, nparams=len(program.params), gather=bool(gather_sources(program)), width=table_width(program),
+                 scale=float_literal(scale), score_body=score_body,
                  mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
 
@@ -349,15 +365,16 @@ def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
     return hit
 
 
-def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN) -> list[tuple[int, int, int, int]]:
+def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN,
+                    seqs: dict | None = None) -> list[tuple[int, int, int, int]]:
     """Per block of `bn` keys (a multiple of `BN`), (qlo, qhi, qflo, qfhi) in query rows (multiples of `BM`):
     queries outside [qlo, qhi) see none of its keys (the query blocks whose `block_spans` span holds the key
     block, first to last; a block between them that does not is visited with its mask evaluated: sound),
     and in [qflo, qfhi) the key block is a full tile (every key visible to every query, below Lk: no mask).
     A block of several `BN` tiles: the union of their query spans, the intersection of their full ones
-    (none where the block passes Lk)."""
+    (none where the block passes Lk). `seqs`: the sequence inputs' per-position ranges (`block_spans`)."""
     if bn != BN:
-        per = key_block_spans(mask, lq, lk, sizes)
+        per = key_block_spans(mask, lq, lk, sizes, seqs=seqs)
         k = bn // BN
         out = []
         for kb in range(-(-lk // bn)):
@@ -369,7 +386,7 @@ def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN)
                 flo = fhi = 0
             out.append((lo, hi, flo, fhi))
         return out
-    spans = block_spans(mask, lq, lk, sizes)
+    spans = block_spans(mask, lq, lk, sizes, seqs=seqs)
     out = []
     for kb in range(-(-lk // BN)):
         n0 = kb * BN
@@ -431,12 +448,20 @@ class FlashBackward:
 
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
         """The spans as the kernels take them (`forward.span_table`: then grouped-query attention's group and
-        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached."""
+        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached (with
+        sequence inputs, per call: from the ids' per-position ranges)."""
         import torch
 
         from .forward import gqa_shape, span_table
 
         gqa = gqa_shape(call)
+        if self.program.seqs:
+            from ....tiled_attention import sequence_ranges
+
+            seqs = sequence_ranges(self.program, call.params)
+            spans = (block_spans(self.program.mask, call.lq, call.lk, call.sizes, seqs=seqs) if per_query_block else
+                     key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn, seqs))
+            return torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
@@ -540,16 +565,21 @@ class FlashBackward:
         # whole rows: fixed order)
         partials, rowsums, corr = (torch.zeros(shape, dtype=torch.float32, device=q.device) if shape else plan.dummy
                                    for shape in plan.sums)
+        spans = plan.spans
+        if self.program.seqs and launched:  # the ids are this call's
+            spans = [self._span_tensor(call, bn=config(d, None, q.device).bn)]
+            if not plan.atomic:
+                spans.append(self._span_tensor(call, True))
         if launched:
-            params = plan.dummy if not self.program.params else param_table(
+            params = plan.dummy if not table_width(self.program) else param_table(
                 self.program, call.params, call.sizes).to(q.device)
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
             pointers = [[do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if plan.atomic else 0],
-                        [*inputs, plan.spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                        [*inputs, spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                          partials.data_ptr(), rowsums.data_ptr()]]
             if not plan.atomic:
-                pointers.append([*inputs, plan.spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
+                pointers.append([*inputs, spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
             for (fn, grid, shared, n0, n1), args in zip(plan.launches, pointers):
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):
