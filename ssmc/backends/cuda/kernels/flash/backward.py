@@ -63,6 +63,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .....ir import build
+from .....ir.node import Node, substitute
 from .....ir.program import Attention
 from .....passes.attention_grad import derive_attention_backward
 from ...options import options
@@ -204,13 +206,45 @@ def config(d: int, name: str | None = None, device=None) -> Config:
     return cfg
 
 
+MAX_TABLE = 32  # a table's entries the kernels sum one by one (a summand and an accumulator each)
+
+
+def summands(program: Attention) -> list[tuple[str, int | None, Node]]:
+    """The kernels' sums, one a column of their partials: (param, None, its summand) for a param per batch
+    index; for an indexed table along axis r of static size R <= `MAX_TABLE`, (table, c, its entry c's summand)
+    for c < R: the gradient's one-hot ``where(r == clamp(index), dM, 0)`` at r = c, so that each entry is a sum
+    over (i, j) of its own, added up as a param's is (partials per key block, summed in a fixed order). Raises
+    `Unprintable` for a table whose size is not static or past `MAX_TABLE`."""
+    bw = derive_attention_backward(program)
+    static = program.static_sizes
+    out: list[tuple[str, int | None, Node]] = []
+    for d, (_, g) in zip(program.params, bw.param_grads):
+        extra = [a for a in d.axes if a not in program.batch_axes]
+        if not extra:
+            out.append((d.name, None, g))
+            continue
+        (axis,) = extra
+        size = static.get(axis)
+        if size is None or size > MAX_TABLE:
+            raise Unprintable(f"the gradient of the indexed table {d.name!r} (a scatter-add over positions) is "
+                              f"summed by the tiled backward: the kernels sum a table's entries one by one, for "
+                              f"a static size up to {MAX_TABLE} (ssmc.Param[\"... {axis}=N\"]), not "
+                              f"{'a size known only when called' if size is None else size}")
+        iota = build.iota(axis)
+        for c in range(size):
+            (entry,) = substitute((g,), {iota: build.const(float(c))})
+            out.append((d.name, c, entry))
+    return out
+
+
 def _bodies(program: Attention, param_grads: bool = True) -> tuple[str, list[str]]:
-    """(dS as C, each param's summand as C: none where `param_grads` is False, the params then only read)."""
+    """(dS as C, each sum's summand as C (`summands`): none where `param_grads` is False, the params then only
+    read)."""
     bw = derive_attention_backward(program)
     dscore = print_body(bw.d_score if program.score is not None else None, program, "grad_score", LEAVES)
     if not param_grads:
         return dscore, []
-    params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, g in bw.param_grads]
+    params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, _, g in summands(program)]
     return dscore, params
 
 
@@ -221,10 +255,6 @@ def unsupported(program: Attention) -> str | None:
     reason = forward_unsupported(program)
     if reason is not None:
         return reason
-    tables = [d.name for d in program.params if any(a not in program.batch_axes for a in d.axes)]
-    if tables:  # its gradient is a scatter-add over the (i, j) reading each entry: the tiled backward's sums
-        return (f"backward: the gradient of the indexed table {tables[0]!r} (a scatter-add over positions) is summed "
-                "by the tiled backward")
     try:
         _bodies(program)
     except Unprintable as err:
@@ -261,7 +291,7 @@ def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict
     dscore_body, param_bodies = _bodies(program, param_grads)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    return (dict(d=d, nparams=len(program.params), gather=bool(gather_sources(program)), width=table_width(program),
+    return (dict(d=d, nparams=len(summands(program)), gather=bool(gather_sources(program)), width=table_width(program),
                  scale=float_literal(scale), score_body=score_body,
                  mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
@@ -424,6 +454,7 @@ class FlashBackward:
     def __init__(self, program: Attention):
         self.program = program
         self.reason = unsupported(program)
+        self.columns = [] if self.reason else [(name, c) for name, c, _ in summands(program)]
         self._spans: dict = {}
         self._plans: dict = {}
 
@@ -487,9 +518,11 @@ class FlashBackward:
         gqa = call.group > 1
         if gqa and not cfg.gqa:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
-        nkb, nparams = -(-lk // cfg.bn), len(self.program.params)
+        nkb, nparams = -(-lk // cfg.bn), len(self.columns)
         np_ = nparams if param_grads else 0
-        atomic = atomic_dq(d)
+        # an indexed table's entries: their row sums (delta's correction) in the dQ kernel's fixed order, not by
+        # atomics, so that its gradient is bitwise repeatable (d 256, without a dQ kernel, keeps atomics)
+        atomic = atomic_dq(d) and not (param_grads and d in BN_DQ and any(c is not None for _, c in self.columns))
         bf16 = q.dtype == torch.bfloat16
         # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
         # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer
@@ -513,19 +546,23 @@ class FlashBackward:
         return plan
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
-        """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index: summed
-        over the batch axes the param lacks."""
+        """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index (`columns`: a
+        table's entries one column each): summed over the batch axes the param lacks."""
         p = self.program
         batch = p.batch_axes
         per_bh = per_bh.reshape(*[sizes[a] for a in batch], per_bh.shape[-1])
         out = {}
-        for n, d in enumerate(p.params):
-            g = per_bh[..., n]
+        for d in p.params:
+            cols = [n for n, (name, _) in enumerate(self.columns) if name == d.name]
+            g = per_bh[..., cols]  # [*batch, entries]: one entry a param per batch index, R a table
             lacking = [i for i, a in enumerate(batch) if a not in d.axes]
             if lacking:
                 g = g.sum(dim=lacking)
             kept = [a for a in batch if a in d.axes]
-            out[d.name] = g.permute(*[kept.index(a) for a in d.axes]).contiguous()
+            extra = [a for a in d.axes if a not in batch]
+            order = (*kept, *extra) if extra else kept
+            g = g if extra else g[..., 0]
+            out[d.name] = g.permute(*[order.index(a) for a in d.axes]).contiguous()
         return out
 
     def __call__(self, call, out, lse, d_out, param_grads: bool = True) -> dict:
@@ -558,7 +595,7 @@ class FlashBackward:
         dk = new(k.shape, dtype=q.dtype, device=q.device)
         dv = new(v.shape, dtype=q.dtype, device=q.device)
         plan = self._plan(call, q, out.dtype, param_grads)
-        np_ = len(self.program.params) if param_grads else 0
+        np_ = len(self.columns) if param_grads else 0
         # the kernels read every param (their table has NP columns) but sum only where asked; delta's correction
         # (module docstring): per query row, sum_j dM and each param's sum_j summand at P (atomic dQ: added up
         # by the key-block kernel), or per query block the sum of their products (the dQ kernel, which sees
