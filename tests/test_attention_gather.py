@@ -335,6 +335,41 @@ def test_a_table_of_dynamic_size_takes_the_tiled_backward(monkeypatch):
     assert tiled.flash_backward(call) is None and "static size" in tiled.flash_backward_reason
 
 
+# -- NVRTC: the kernels the calls take build without spills ----------------------------------------------------
+
+def _nvrtc_available() -> bool:
+    from ssmc.backends.cuda import nvrtc
+
+    return nvrtc.available()
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="no NVRTC")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["rel_doc_causal", "doc_causal"])
+def test_the_kernels_build_without_spills(name, d):
+    """The forward in the config a call takes (at d 64 with a table "bm128w8": the 4-warp build spilled), the
+    wgmma forward (sm_90a); the backward's default and sm_90 configs, atomic dQ only without a table (a table
+    takes the dQ kernel), and the dQ kernel."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.kernels.flash import backward as fb
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.backends.cuda.source import compile_options
+
+    program = SPECS[name].program
+    tables = name.startswith("rel")
+    forward = "bm128w8" if tables and d == 64 else ff.DEFAULT_CONFIG[d]
+    builds = [(ff.kernel_source(program, d, True, forward), "sm_80"), (ff.kernel_source(program, d, True, "wg128"),
+                                                                        "sm_90a")]
+    for config in (fb.DEFAULT_CONFIG[d], fb.HOPPER_CONFIG[d]):
+        arch = "sm_90a" if fb.CONFIGS[config][d].wgmma else "sm_80"
+        for atomic in ((False,) if tables else (True, False)):
+            builds.append((fb.kernel_source(program, d, True, atomic_dq=atomic, config_name=config), arch))
+    builds.append((fb.dq_source(program, d, True), "sm_80"))
+    for (kname, text), arch in builds:
+        usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+        assert not usage.spills and usage.registers <= 255, (kname, arch, str(usage))
+
+
 # -- document masks skip key tiles by the ids' ranges -------------------------------------------------------
 
 @pytest.mark.parametrize("batch, sorted_ids", [(1, True), (3, True), (3, False)])

@@ -455,6 +455,7 @@ class FlashBackward:
         self.program = program
         self.reason = unsupported(program)
         self.columns = [] if self.reason else [(name, c) for name, c, _ in summands(program)]
+        self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._plans: dict = {}
 
@@ -520,9 +521,10 @@ class FlashBackward:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
         nkb, nparams = -(-lk // cfg.bn), len(self.columns)
         np_ = nparams if param_grads else 0
-        # an indexed table's entries: their row sums (delta's correction) in the dQ kernel's fixed order, not by
-        # atomics, so that its gradient is bitwise repeatable (d 256, without a dQ kernel, keeps atomics)
-        atomic = atomic_dq(d) and not (param_grads and d in BN_DQ and any(c is not None for _, c in self.columns))
+        # an indexed table: its entries' row sums (delta's correction) in the dQ kernel's fixed order, not by
+        # atomics, so that its gradient is bitwise repeatable (d 256, without a dQ kernel, keeps atomics); its
+        # loads beside the atomic build's registers spilled in the warp-specialized config, so always there
+        atomic = atomic_dq(d) and not (d in BN_DQ and self.tables)
         bf16 = q.dtype == torch.bfloat16
         # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
         # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer

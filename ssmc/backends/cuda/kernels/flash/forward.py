@@ -507,6 +507,7 @@ class FlashForward:
         self.program = program
         self.config = config
         self.reason = unsupported(program)
+        self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._launches: dict = {}
 
@@ -580,6 +581,8 @@ class FlashForward:
         if hit is None:
             bh, lq, d = math.prod(q.shape[:-2]), call.lq, q.shape[-1]
             cfg = config(d, self.config, q.device)
+            if cfg.name == "bm128w4" and d == 64 and self.config is None and not _forced() and self.tables:
+                cfg = CONFIGS["bm128w8"][d]  # a table's loads spilled the 4-warp build's registers: the same tiles
             spans, tiles = self._span_tensor(call, cfg)
             if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
                 cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
