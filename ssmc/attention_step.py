@@ -244,9 +244,9 @@ class AttentionStep:
         if missing:
             raise ValueError(f"{p.name} step: missing the params {missing}")
         out = {}
+        static = p.static_sizes
         for d in p.params:
             x = params[d.name]
-            want = tuple(sizes[a] for a in d.axes)
             if cache.numpy:
                 x = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
             else:
@@ -256,6 +256,11 @@ class AttentionStep:
                     from .backends.tiled_attention import to_tensor
 
                     x = to_tensor(x, d.name)
+            # an indexed table's own axis (not the cache's): its declared size, else the array's
+            for i, a in enumerate(d.axes):
+                if a not in sizes and (a in static or i < x.ndim):
+                    sizes[a] = static.get(a, x.shape[i] if i < x.ndim else 0)
+            want = tuple(sizes[a] for a in d.axes)
             if tuple(x.shape) != want:
                 raise ValueError(f"{p.name} step: param {d.name!r} has shape {tuple(x.shape)}, expected {want} "
                                  f"for axes {' '.join(d.axes)}")

@@ -236,6 +236,22 @@ def test_torch_function_gradients_reach_the_table_not_the_ids():
         np.testing.assert_allclose(t[n].grad.numpy(), want[n], rtol=1e-9, atol=1e-10, err_msg=n)
 
 
+@pytest.mark.parametrize("backend", ["interpreter", "numba"])
+def test_a_decode_step_reads_the_table(backend):
+    """ssmc.step of a spec with a table: token by token against the whole sequence (the decode kernel does not
+    take tables: the step's torch path)."""
+    torch = pytest.importorskip("torch")
+    name = "rel"
+    x, _ = inputs(name, 1, 2, 9, 16, seed=8)
+    full = ssmc.compile(SPECS[name], "interpreter", layout="b h t ...")(x["q"], x["k"], x["v"], table=x["table"])
+    s = ssmc.step(SPECS[name], backend, layout="b h t ...")
+    sizes = {"b": 1, "h": 2, "d": 16}
+    cache = s.cache(sizes, 9) if backend == "interpreter" else s.cache(sizes, 9, dtype=torch.float64)
+    conv = (lambda a: a) if backend == "interpreter" else torch.tensor
+    got = [np.asarray(s(*(conv(x[n][:, :, i]) for n in "qkv"), cache, table=conv(x["table"]))) for i in range(9)]
+    np.testing.assert_allclose(np.stack(got, 2), full, rtol=1e-12, atol=1e-12)
+
+
 # -- the flash kernels on the CUDA emulator (SSMC_CUDA_EMULATE=1: CPU bf16 tensors) ------------------------------
 
 def _needs_emulator():
