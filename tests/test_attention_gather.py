@@ -327,6 +327,38 @@ def test_emulated_flash_gradients_match_float64(name, length, backward, dq, monk
         np.testing.assert_allclose(got, want[n], rtol=0, atol=3e-2 * max(1.0, np.abs(want[n]).max()), err_msg=n)
 
 
+def test_emulated_flash_grouped_query_attention_with_a_table_and_ids(monkeypatch):
+    """kv_heads: 4 query heads on 2 KV heads; the table per query head, the ids per batch index: the flash
+    forward (reading KV head h // 2) and backward against float64 with k and v repeated."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    _needs_emulator()
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    spec = ssmc.attention(rel_bias, doc_causal, kv_heads="h")
+    rng = np.random.default_rng(12)
+    b, hq, hkv, length, d = 2, 4, 2, 65, 64
+    q = rng.standard_normal((b, hq, length, d))
+    k, v = (rng.standard_normal((b, hkv, length, d)) for _ in range(2))
+    table = rng.standard_normal((hq, R))
+    doc = np.sort(rng.integers(0, 5, (b, length)), axis=1)
+    tq, tk, tv = (torch.tensor(a, dtype=torch.bfloat16) for a in (q, k, v))
+    tiled = TiledAttention(spec.program)
+    call = tiled.bind(tq, tk, tv, "b h t ...", {"table": torch.tensor(table), "doc": torch.tensor(doc)})
+    assert tiled.flash(call) is not None and tiled.flash_backward(call) is not None, tiled.flash_backward_reason
+    out32 = tiled.delta_output(call)
+    out, lse = tiled.forward(call, out32=out32)
+    d_out = torch.tensor(rng.standard_normal(q.shape), dtype=torch.float32)
+    grads = tiled.backward(call, lse, d_out, out=out32)
+    r = [t.double().numpy() for t in (tq, tk, tv)]
+    want_out = ssmc.compile(spec, "interpreter", layout="b h t ...")(*r, table=table, doc=doc)
+    np.testing.assert_allclose(out.float().numpy(), want_out, rtol=0, atol=2e-2 * np.abs(want_out).max())
+    want = ssmc.grad(spec, "interpreter", layout="b h t ...")(*r, d_out.numpy(), table=table, doc=doc)
+    for n in ("q", "k", "v", "table"):
+        np.testing.assert_allclose(grads[n].float().numpy(), want[n], rtol=0, atol=3e-2 * np.abs(want[n]).max(),
+                                   err_msg=n)
+
+
 def test_emulated_flash_table_gradient_is_repeatable(monkeypatch):
     """The table's entries summed per key block and batch index, their row sums in the dQ kernel: bitwise the
     same twice (the default dQ mode is atomics: a spec with a table takes the dQ kernel)."""
