@@ -446,6 +446,48 @@ def test_document_spans_are_sound_and_tight_for_sorted_ids(name, batch, sorted_i
         assert visited < 0.75 * len(spans) * length  # documents of ~4 positions: most tiles skipped
 
 
+def _scalar_spans(mask, lq, lk, bm, bn, seqs):
+    """(lo, hi, full_lo, full_hi) per query block from `mask_blocks._evaluate` tile by tile (the rules one
+    rectangle at a time)."""
+    from ssmc.ir.node import toposort
+    from ssmc.passes.mask_blocks import _bool, _evaluate
+
+    order, out = toposort([mask]), []
+    for q0 in range(0, lq, bm):
+        q = (float(q0), float(min(q0 + bm, lq) - 1))
+        ev = [_bool(_evaluate(order, q, (float(t), float(min(t + bn, lk) - 1)), {}, seqs)) for t in range(0, lk, bn)]
+        hits = [i for i, (t, _) in enumerate(ev) if t]
+        if not hits:
+            out.append((0, 0, 0, 0))
+            continue
+        best, run = (0, 0), None
+        for i in range(hits[0], hits[-1] + 1):
+            if (i + 1) * bn <= lk and not ev[i][1]:
+                run = (run[0], i + 1) if run is not None and run[1] == i else (i, i + 1)
+                if run[1] - run[0] > best[1] - best[0]:
+                    best = run
+        out.append((hits[0] * bn, min((hits[-1] + 1) * bn, lk), best[0] * bn, best[1] * bn))
+    return out
+
+
+@pytest.mark.parametrize("name", ["doc", "doc_causal", "rel_doc_strict"])
+def test_grid_spans_agree_with_the_rules_tile_by_tile(name):
+    """`mask_blocks.grid_spans` (every block and tile at once, per call for ids) against `_evaluate` per tile,
+    over lengths off the tiles, block sizes of the tiled path and the kernels, sorted and unsorted ids."""
+    from ssmc.passes.mask_blocks import grid_spans
+
+    rng = np.random.default_rng(len(name))
+    mask = SPECS[name].program.mask
+    for trial in range(6):
+        length = int(rng.integers(1, 300))
+        ids = rng.integers(0, 6, (2, length))
+        ids = np.sort(ids, axis=1) if trial % 2 else ids
+        seqs = {"doc": (ids.min(0), ids.max(0))}
+        for bm, bn in ((64, 64), (128, 64), (16, 64), (128, 128)):
+            assert grid_spans(mask, length, length, bm, bn, {}, seqs) == _scalar_spans(mask, length, length, bm, bn,
+                                                                                       seqs), (length, bm, bn)
+
+
 # -- spec errors at the user's line ---------------------------------------------------------------------------
 
 def line_of(marker: str) -> int:

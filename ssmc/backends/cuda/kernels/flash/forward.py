@@ -450,8 +450,10 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
     [full_lo, full_hi) is visible to every query of the block and below Lk (the mask proven true over the
     whole rectangle), so the kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is.
     `seqs`: the sequence inputs' per-position ranges (`tiled_attention.sequence_ranges`)."""
-    from .....passes.mask_blocks import _bool, _evaluate, key_spans
+    from .....passes.mask_blocks import _bool, _evaluate, grid_spans, key_spans
 
+    if seqs and mask is not None:  # per call: every (block, tile) at once
+        return grid_spans(mask, lq, lk, bm, bn, sizes, seqs)
     spans = key_spans(mask, lq, lk, bm, bn, sizes, seqs)
     order = toposort([mask]) if mask is not None else None
     out = []
