@@ -488,6 +488,32 @@ def test_grid_spans_agree_with_the_rules_tile_by_tile(name):
                                                                                        seqs), (length, bm, bn)
 
 
+def test_the_kernels_take_a_span_table_a_batch_row():
+    """Document ids [b, t]: the flash kernels' spans one table per b (its own ids, so rows packed differently
+    each skip their own tiles), each `span_table`'s layout (spans, then group and inner), the param table's last
+    column the batch index's row."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.passes.mask_blocks import grid_spans
+
+    program = SPECS["doc_causal"].program
+    doc = np.array([[0] * 100 + [1] * 160, [0] * 200 + [1] * 60])  # [b t]
+    arrays = {"doc": torch.tensor(doc.T.copy(), dtype=torch.float32)}  # time first, as bound
+    rows = ff.sequence_rows(program, arrays)
+    assert ff.row_axes(program) == ("b",) and len(rows) == 2
+    per_row = [ff.block_spans(program.mask, 260, 260, {}, 128, 64, seqs) for seqs in rows]
+    for r in range(2):
+        assert per_row[r] == grid_spans(program.mask, 260, 260, 128, 64, {}, {"doc": (doc[r], doc[r])})
+    assert per_row[0] != per_row[1]
+    table = ff.row_span_table(per_row, (1, 1), "cpu").tolist()
+    nb = 3  # query blocks of 128 in 260
+    assert len(table) == 2 * (4 * nb + 2)
+    assert table[:4 * nb] == [x for span in per_row[0] for x in span] and table[4 * nb:4 * nb + 2] == [1, 1]
+    params = ff.param_table(program, arrays, {"b": 2, "h": 3})
+    width = ff.table_width(program)
+    assert params[:6 * width].reshape(6, width)[:, -1].tolist() == [0, 0, 0, 1, 1, 1]  # bh = b * 3 + h
+
+
 # -- spec errors at the user's line ---------------------------------------------------------------------------
 
 def line_of(marker: str) -> int:

@@ -80,6 +80,9 @@ from .forward import (
     float_literal,
     gather_sources,
     print_body,
+    row_axes,
+    row_span_table,
+    sequence_rows,
     table_width,
 )
 
@@ -292,6 +295,7 @@ def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
     return (dict(d=d, nparams=len(summands(program)), gather=bool(gather_sources(program)), width=table_width(program),
+                 row_spans=row_axes(program) is not None, span_col=table_width(program) - 1,
                  scale=float_literal(scale), score_body=score_body,
                  mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
@@ -488,12 +492,10 @@ class FlashBackward:
 
         gqa = gqa_shape(call)
         if self.program.seqs:
-            from ....tiled_attention import sequence_ranges
-
-            seqs = sequence_ranges(self.program, call.params)
-            spans = (block_spans(self.program.mask, call.lq, call.lk, call.sizes, seqs=seqs) if per_query_block else
-                     key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn, seqs))
-            return torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
+            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, seqs=seqs) if per_query_block
+                       else key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn, seqs)
+                       for seqs in sequence_rows(self.program, call.params)]
+            return row_span_table(per_row, gqa, call.q.device)
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:

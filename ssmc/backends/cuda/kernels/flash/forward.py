@@ -202,9 +202,17 @@ def gather_sources(program: Attention) -> list[str]:
     return out
 
 
+def row_axes(program: Attention) -> tuple[str, ...] | None:
+    """The batch axes the spans follow, one span table a row (`row_spans`): the sequence inputs' axes where they
+    share some (document ids [b, t]: a row per b); None for one table for every batch index."""
+    axes = {d.axes for d in program.seqs}
+    return next(iter(axes)) if len(axes) == 1 and next(iter(axes)) else None
+
+
 def table_width(program: Attention) -> int:
-    """Columns of the param table (`param_table`): one a param, then two a gather source (offset, last index)."""
-    return len(program.params) + 2 * len(gather_sources(program))
+    """Columns of the param table (`param_table`): one a param, then two a gather source (offset, last index),
+    then with `row_axes` the batch index's row of the spans."""
+    return len(program.params) + 2 * len(gather_sources(program)) + (row_axes(program) is not None)
 
 
 def print_body(root: Node | None, program: Attention, default: str,
@@ -345,7 +353,8 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
     name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
     common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
                   scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa,
-                  gather=bool(gather_sources(program)), width=table_width(program))
+                  gather=bool(gather_sources(program)), width=table_width(program),
+                  row_spans=row_axes(program) is not None, span_col=table_width(program) - 1)
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
     elif cfg.wgmma:
@@ -425,7 +434,7 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     if sources:
         device = sources[0][0].device
         cols = [c.to(device) for c in cols]
-        width = len(cols) + 2 * len(sources)
+        width = table_width(program)
         start = bh * width
         row0 = torch.arange(bh, dtype=torch.int64, device=device) * width
         for rows, which in sources:
@@ -433,6 +442,8 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
             cols.append((start + which.to(device) * n - row0).to(torch.float32))
             cols.append(torch.full((bh,), float(n - 1), dtype=torch.float32, device=device))
             start += rows.numel()
+        if row_axes(program) is not None:  # the batch index's row of the spans (`row_span_table`)
+            cols.append(_batch_rows(row_axes(program), batch, sizes).to(device=device, dtype=torch.float32))
         if start >= MAX_EXACT:
             raise ValueError(f"the flash kernel's param table with the indexed inputs would hold {start} numbers, "
                              f"past the {MAX_EXACT} its float offsets reach exactly")
@@ -473,6 +484,26 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
                 best = run
         out.append((lo, hi, *best))
     return out
+
+
+def sequence_rows(program: Attention, arrays: dict) -> list[dict]:
+    """The sequence inputs' per-position ranges (`mask_blocks.key_spans`' `seqs`) per row of `row_axes` (each
+    row's own ids: exact), or one set over every batch index (`tiled_attention.sequence_ranges`)."""
+    from ....tiled_attention import sequence_ranges
+
+    if row_axes(program) is None:
+        return [sequence_ranges(program, arrays)]
+    ids = {d.name: arrays[d.name].reshape(arrays[d.name].shape[0], -1).cpu().numpy() for d in program.seqs}
+    rows = next(iter(ids.values())).shape[1]
+    return [{n: (a[:, r], a[:, r]) for n, a in ids.items()} for r in range(rows)]
+
+
+def row_span_table(per_row: list, gqa: tuple[int, int], device):
+    """The kernels' spans with a table a row (`row_axes`): each row's `span_table` (its spans, then the group and
+    inner size), one after another; a kernel offsets by its batch index's row (the param table's last column)."""
+    import torch
+
+    return torch.tensor([x for spans in per_row for x in span_table(spans, *gqa)], dtype=torch.int32, device=device)
 
 
 def span_table(spans: list[tuple[int, ...]], group: int = 1, inner: int = 1) -> list[int]:
@@ -524,12 +555,11 @@ class FlashForward:
 
         gqa = gqa_shape(call)
         if self.program.seqs:
-            from ....tiled_attention import sequence_ranges
-
-            spans = block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn,
-                                sequence_ranges(self.program, call.params))
+            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn, seqs)
+                       for seqs in sequence_rows(self.program, call.params)]
+            spans = [x for row in per_row for x in row]
             tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
-            return torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device), tiles
+            return row_span_table(per_row, gqa, call.q.device), tiles
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
