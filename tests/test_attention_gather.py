@@ -2,9 +2,11 @@
 document masks from per-position ids ``doc[q_idx] == doc[kv_idx]``.
 
 Checked on the interpreter against a NumPy loop, its gradients against finite differences; the tiled torch
-path (the CPU backends' attention, float64 and float32), ``ssmc.torch.function``, and the flash path on the
-CUDA emulator (which hands these specs to the tiled path, saying why) against the interpreter; the document
-masks' tile skipping for soundness; the spec errors at the user's line. GPU tests against a torch reference.
+path (the CPU backends' attention, float64 and float32), ``ssmc.torch.function``, a decode step, and the flash
+kernels on the CUDA emulator (forward configs, backward, grouped-query attention, the table's gradient bitwise
+repeatable) against the interpreter; the kernels' NVRTC builds for spills; the document masks' tile skipping
+(sound, tight for sorted ids, a span table per batch row); the spec errors at the user's line. GPU tests
+against a torch reference.
 """
 
 import os
