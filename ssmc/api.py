@@ -190,7 +190,7 @@ class CompiledAttention:
         qb, kv, _ = self.bind(q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         out, lse = interpreter.run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-                                             {d.name: qb.arrays[d.name] for d in p.params}, sizes)
+                                             {d.name: qb.arrays[d.name] for d in p.inputs}, sizes)
         order = layout_of(layout, "out", p.v_axes)
         canonical = (TIME, *p.v_axes)
         out = out.transpose([canonical.index(a) for a in order])
