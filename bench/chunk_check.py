@@ -506,9 +506,12 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         algorithm._forward_per_key = original
     if not ran:
         raise RuntimeError("the per-key torch path did not run (see matrix_linear.per_key, ChunkedCore)")
+    print(f"{name}: forward ran; the float64 check of the first batch row", flush=True)
     exact = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")
-    y64, final64 = exact(**{k: v.double() for k, v in a.items()}, return_final_states=True)
-    checks: dict = {"vs float64: output": rel(y, y64), "vs float64: final state": rel(final, final64)}
+    y64, final64 = exact(**{k: v[:1].double() for k, v in a.items()}, return_final_states=True)
+    checks: dict = {"vs float64 (batch row 0): output": rel(y[:1], y64),
+                    "vs float64 (batch row 0): final state": rel(final[:1], final64)}
+    print(f"{name}: {checks}; the peer's forward", flush=True)
     peer_run = None
     try:
         peer_run = make_peer(peers, a)
@@ -519,6 +522,7 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
         peer_run = None
     ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
+    print(f"{name}: {checks}; timing the forwards, then the training step", flush=True)
     t_torch = timed(lambda: fn(**a))
     t_peer = timed(peer_run) if peer_run is not None else None
     rows = [{"workload": title, "what": "forward (torch path)", "kernels": None, "torch": t_torch, "peer": t_peer,
@@ -554,6 +558,7 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         except Exception as err:
             checks[candidate] = f"unavailable: {type(err).__name__}: {err}"[:200]
             peer_step = None
+    print(f"{name}: gradients {checks}; timing the training steps", flush=True)
     t_step = timed(step)
     t_peer_step = timed(peer_step) if peer_step is not None else None
     checks["peak MiB ssmc"] = f"{peak_mib(step):.0f}"
