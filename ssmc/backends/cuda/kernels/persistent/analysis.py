@@ -222,6 +222,14 @@ def analyse(program) -> Cell | str:
     skip = {mul, w, *chain[:-1]}
     if publish is not a:
         skip.add(a)
+    # a param's or sequence's own axis that the cell only selects at fixed indices (an LSTM's peepholes p[g3, k],
+    # unbound along g3): held whole by a thread, as the gates are
+    for n in nodes:
+        if n.op is Op.INPUT and roles.get(n.arg) in ("PARAM", "SEQ") and n not in skip:
+            for x in n.axes:
+                if x not in allowed and all(u.op is Op.SELECT and u.arg[0] == x for u in users.get(n, [])):
+                    local += (x,)
+                    allowed.add(x)
     reductions = []
     for n in nodes:
         if n not in chain and n.op in (Op.SUM, Op.REDUCE_MAX) and n not in skip:

@@ -637,7 +637,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             nv = len(read)
             mx = " || ".join(f"v == {m}" for m in maxima) or "false"
             out.append(f"""        // reductions over the units, level {first + i}: {nv} values a row
-{per_pair(write, depth=2)}
+{per_pair(write, guard="on && u < UNITS", depth=2)}
         __syncthreads();
         for (int e = threadIdx.x; e < {nv} * TROWS; e += THREADS) {{
             const int v = e / TROWS, lr = e % TROWS;
