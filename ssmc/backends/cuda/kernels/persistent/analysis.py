@@ -434,9 +434,15 @@ class Plan:
         split = (f", the contracted indices in {self.ksplit} groups (a tile's blocks {self.ksplit} x {self.jsplit}: a "
                  f"block multiplies its group's slice into fp32 partials of {self.nunits} units, 2 barriers a step)"
                  if self.ksplit > 1 else "")
+        nbt = self.blocks // self.tiles
+        reduce = (f", {self.rlevels} levels of sums over the units a step (at most {self.rvals} values a row: the "
+                  "block's sums in shared memory, "
+                  + (f"then exchanged among the tile's {nbt} blocks, a barrier a level)" if nbt > 1
+                     else "the tile's units all in the block: no barrier among blocks)")
+                  if self.rlevels else "")
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
                 f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
-                f"contracted indices a chunk, {self.stages} chunks a ring{split}")
+                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}")
 
 
 # a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound

@@ -56,7 +56,8 @@ class PersistentLoop:
     @property
     def describe(self) -> str:
         return (f"{self.fallback.describe}; where the shape fits, one persistent kernel a call "
-                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
+                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step"
+                f"{' and one a level of reductions' if self.cell.reductions else ''}; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
     def plan_for(self, sizes: dict[str, int], half: bool = False):
