@@ -85,7 +85,7 @@ def test_adjoint_refusals_say_why():
     # a row axis the weight's gradient sums over (grad a = sum over b of the loop's dz h U): the value written
     # every step, summed over the rows and time after the loop (`hoist`: the program has a recurrent product)
     two_rows = hoist(derive_backward(CASES["two_rows"][0].program).adjoint, transpose=False)
-    assert isinstance(analyse(two_rows.program), Cell) and [n for n, _ in two_rows.post_accumulators] == ["grad_a"]
+    assert isinstance(analyse(two_rows.program), Cell) and "grad_a" in dict(two_rows.post_accumulators)
 
 
 # -- NVRTC ----------------------------------------------------------------------------------------------------------

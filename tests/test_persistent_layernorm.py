@@ -95,13 +95,17 @@ def peephole_lstm(h: ssmc.State["b k"], c: ssmc.State["b k"], x: ssmc.Seq["b i"]
 
 def test_peephole_lstm():
     """The peephole LSTM: the forward is taken (the peepholes' own axis g3, selected at fixed indices, held
-    whole by a thread like the gates); its adjoint is refused: the peepholes' gradient sums over the rows
-    (sum_b dz c_{t-1}) in a form the hoisting does not write out of the loop yet (a sum over b of each gate,
-    stacked along g3)."""
+    whole by a thread like the gates); so is its adjoint, whose peepholes' gradient (sum_b dz_i c_{t-1} a gate,
+    stacked along g3 by where(g3 == i, ., 0)) the hoisting writes every step as one value [g3 b k] and sums over
+    the rows and time after the loop."""
     fwd = analyse(_core(peephole_lstm.program))
     assert isinstance(fwd, Cell) and "g3" in fwd.local, fwd
     adj = analyse(_core(derive_backward(peephole_lstm.program).adjoint))
-    assert isinstance(adj, str) and "sum over b" in adj, adj
+    assert isinstance(adj, Cell) and "g3" in adj.local, adj
+    from ssmc.backends.cuda.backend import cuda_stages
+
+    hoisted = hoist(cuda_stages(derive_backward(peephole_lstm.program).adjoint).core.program, transpose=False)
+    assert "grad_p" in dict(hoisted.post_accumulators)
 
 
 # -- NVRTC ----------------------------------------------------------------------------------------------------------
@@ -257,11 +261,13 @@ def test_gpu_fp32(batch, hidden, launches, monkeypatch):
             assert loop.status() == (False, 0), "a grid barrier timed out"
 
 
-def test_emulated_peephole_forward(emulated_cuda, launches):
-    """The peephole LSTM's forward through the persistent kernel against the interpreter; its gradients (the
-    carries' forward persistent, the adjoint the step loop) too."""
+@pytest.mark.parametrize("blocks,hidden", [(1, 5), (3, 13)])
+def test_emulated_peephole(blocks, hidden, emulated_cuda, launches, monkeypatch):
+    """The peephole LSTM through the persistent kernels (forward, recording forward, adjoint) against the
+    interpreter: outputs, final states and every gradient (p's included)."""
+    monkeypatch.setattr(persistent_runner, "EMULATED_BLOCKS", blocks if blocks > 1 else None)
     rng = np.random.default_rng(0)
-    b, length, i, k = 3, 7, 4, 5
+    b, length, i, k = 3, 7, 4, hidden
     inputs = {"x": rng.standard_normal((b, length, i)), "W": rng.uniform(-0.5, 0.5, (i, 4, k)),
               "U": rng.uniform(-0.5, 0.5, (k, 4, k)), "bias": rng.uniform(-0.5, 0.5, (4, k)),
               "p": rng.uniform(-0.5, 0.5, (3, k)), "h": rng.standard_normal((b, k)), "c": rng.standard_normal((b, k))}
@@ -270,10 +276,13 @@ def test_emulated_peephole_forward(emulated_cuda, launches):
                                                                                        return_final_states=True)
     for a, w in zip(_flat(got), _flat(want), strict=True):
         assert _relative(a, w) < FP32_TOL
-    assert [name for name, _, _ in launches] == ["peephole_lstm"]
     cot = rng.standard_normal(np.shape(want[0]))
     want_g = ssmc.grad(peephole_lstm, backend="interpreter", layout="b t ...")(**inputs, grad_outputs=cot)
     have_g = ssmc.grad(peephole_lstm, backend="cuda", layout="b t ...", dtype="float32")(**inputs, grad_outputs=cot)
+    assert set(have_g) == set(want_g) and "p" in want_g
     for key in want_g:
         assert _relative(_flat(have_g[key])[0], np.asarray(want_g[key], np.float64)) < FP32_GRAD_TOL, key
-    assert {name for name, _, _ in launches} - {"peephole_lstm"} == {"peephole_lstm_carries"}  # (the carries' forward)
+    names = {name for name, _, _ in launches}  # (the gradient's forward: its carries, or recording them)
+    assert names - {"peephole_lstm_carries", "peephole_lstm_recording"} == {"peephole_lstm", "peephole_lstm_backward"}
+    assert len(names) == 3, launches
+    assert {bl for _, bl, _ in launches} == {blocks}

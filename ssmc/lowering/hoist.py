@@ -157,6 +157,8 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     written = bool(recurrent_products(staged))
 
     def post_form(root: Node, gemm_only: bool, accumulator: bool = False) -> Node | None:
+        if written and accumulator and not gemm_only and root.op is Op.ADD:
+            root = _pulled_sum(root) or root  # (a peephole's gradient: a row sum a gate, stacked along g3)
         if root.op is Op.ADD and gemm_only:  # a sum of contractions (minGRU's grad_x: g_z Wz^T + g_h Wh^T)
             forms = [post_form(a, gemm_only, accumulator) for a in root.args]
             return None if any(f is None for f in forms) or root in in_loop else build.add(*forms)
@@ -217,6 +219,28 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     final, transposed = transpose_params(final) if transpose else (final, ())
     return Hoisted(program, final, tuple(pre), tuple((n, f) for f, n in factors.items()),
                    tuple(post_outputs), tuple(post_acc), transposed)
+
+
+def _pulled_sum(node: Node) -> Node | None:
+    """`node` as one sum over an axis a of a summand, where it is a tree of additions and selections
+    ``where(c, ., 0)`` (c without a) over sums over a: ``sum_i where(g3 == i, sum_b f_i, 0)`` as
+    ``sum_b sum_i where(g3 == i, f_i, 0)``; else None."""
+    def summand(n: Node, axis: str | None) -> tuple[str, Node] | None:
+        if n.op is Op.SUM and axis in (None, n.arg):
+            return n.arg, n.args[0]
+        if n.op is Op.ADD:
+            first = summand(n.args[0], axis)
+            second = first and summand(n.args[1], first[0])
+            return second and (first[0], build.add(first[1], second[1]))
+        if (n.op is Op.WHERE and n.args[2].op is Op.CONST and n.args[2].arg == 0
+                and (axis is None or axis not in n.args[0].axes)):
+            inner = summand(n.args[1], axis)
+            if inner is not None and inner[0] not in n.args[0].axes:
+                return inner[0], build.where(n.args[0], inner[1], n.args[2])
+        return None
+
+    found = summand(node, None)
+    return None if found is None else build.reduce_sum(found[1], found[0])
 
 
 def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
