@@ -503,7 +503,9 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         first = "thread_index()" if reload else "threadIdx.x"
         return [f"const int pq = {first} + q * THREADS;", *decode, "const int r = row0 + lr;",
                 "const int k = k0 + u;", "const int km = jg * UNITS + u;",
-                "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
+                # (u < UNITS: past a tile's pairs the warp decode's u runs past the block's units, onto units of
+                # the next block, which are < SIZE but not this block's)
+                "const bool on = lr < TLIM && u < UNITS && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -637,7 +639,7 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
             nv = len(read)
             mx = " || ".join(f"v == {m}" for m in maxima) or "false"
             out.append(f"""        // reductions over the units, level {first + i}: {nv} values a row
-{per_pair(write, guard="on && u < UNITS", depth=2)}
+{per_pair(write, depth=2)}
         __syncthreads();
         for (int e = threadIdx.x; e < {nv} * TROWS; e += THREADS) {{
             const int v = e / TROWS, lr = e % TROWS;
