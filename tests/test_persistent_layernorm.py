@@ -81,6 +81,21 @@ def test_the_cells_and_their_levels():
     assert cell.reductions == () and plan(cell, sizes, 132).red_bytes == 0
 
 
+def test_inspect_reports_the_persistent_kernels():
+    """`ssmc inspect`'s path notes: the forward's and the adjoint's (as it runs: its own stages') persistent plans
+    at B64 H512, each with its levels of sums exchanged among a tile's 32 blocks."""
+    from ssmc.backends.cuda.report import path_notes
+
+    notes = path_notes(layernorm_lstm.SPEC.program, {"b": 64, "i": 512, "k": 512}, 180)
+    forward = [n for n in notes if n.startswith("persistent forward: layernorm_lstm:")]
+    adjoint = [n for n in notes if n.startswith("persistent adjoint: layernorm_lstm_backward:")]
+    assert len(forward) == len(adjoint) == 1, notes
+    for note in (*forward, *adjoint):
+        assert "128 blocks x 256 threads" in note and "4 levels of sums over the units a step" in note, note
+        assert "exchanged among the tile's 32 blocks" in note, note
+    assert any("a grid barrier a step and one a level of reductions" in n for n in notes), notes
+
+
 @ssmc.recurrence
 def peephole_lstm(h: ssmc.State["b k"], c: ssmc.State["b k"], x: ssmc.Seq["b i"], W: ssmc.Param["i g=4 k"],
                   U: ssmc.Param["j g=4 k"], bias: ssmc.Param["g k"], p: ssmc.Param["g3=3 k"]):

@@ -435,7 +435,8 @@ class Plan:
                  f"block multiplies its group's slice into fp32 partials of {self.nunits} units, 2 barriers a step)"
                  if self.ksplit > 1 else "")
         nbt = self.blocks // self.tiles
-        reduce = (f", {self.rlevels} levels of sums over the units a step (at most {self.rvals} values a row: the "
+        reduce = (f", {self.rlevels} levels of sums over the units a step (at most {self.rvals} "
+                  f"value{'s' if self.rvals > 1 else ''} a row a level: the "
                   "block's sums in shared memory, "
                   + (f"then exchanged among the tile's {nbt} blocks, a barrier a level)" if nbt > 1
                      else "the tile's units all in the block: no barrier among blocks)")
