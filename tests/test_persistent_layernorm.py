@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from profiles import nightly_case
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis
@@ -219,8 +220,14 @@ def _ran_all(launches, blocks: int, tiles: int = 1) -> None:
 SPLITS = [(1, 1, 5), (1, 3, 6), (3, 3, 13), (3, 1, 13)]
 
 
-@pytest.mark.parametrize("length", [1, 7, 65])
-@pytest.mark.parametrize("blocks,batch,hidden", SPLITS)
+def _cases(splits) -> list:
+    """(length, blocks, batch, hidden) of `splits` at L 1, 7 and 65; over several blocks L 65 nightly (its steps
+    launched one by one, 2 + levels times each: about 2 minutes a case)."""
+    return [nightly_case(length, *split, reason="several blocks at L 65") if length == 65 and split[0] > 1
+            else (length, *split) for length in (1, 7, 65) for split in splits]
+
+
+@pytest.mark.parametrize("length,blocks,batch,hidden", _cases(SPLITS))
 def test_emulated_fp32(length, blocks, batch, hidden, emulated_cuda, launches, monkeypatch):
     monkeypatch.setattr(persistent_runner, "EMULATED_BLOCKS", blocks if blocks > 1 else None)
     check(length, batch, hidden)
@@ -235,8 +242,7 @@ def test_emulated_batch_tiles(emulated_cuda, launches, monkeypatch):
     _ran_all(launches, 6, tiles=2)
 
 
-@pytest.mark.parametrize("length", [1, 7, 65])
-@pytest.mark.parametrize("blocks,batch,hidden", [(1, 3, 6), (3, 3, 13), (3, 1, 13)])
+@pytest.mark.parametrize("length,blocks,batch,hidden", _cases([(1, 3, 6), (3, 3, 13), (3, 1, 13)]))
 def test_emulated_bf16(length, blocks, batch, hidden, emulated_cuda, launches, monkeypatch):
     """bf16 inputs: the tensor-core form (U and the operand in bf16 on chip; the cell, its reductions and the
     carries fp32)."""

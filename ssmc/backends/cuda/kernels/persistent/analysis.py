@@ -8,8 +8,10 @@
 
 and everything else element-wise along rows and the units s (the gate axis g stays whole in a
 thread), so a thread owning (row, unit s) computes the cell at that index from P[row, :, s], its
-own carries and the step's sequences; the only data blocks exchange is the operand (h, or dz at all
-gates). As a plain loop, for the LSTM after hoisting (hz0 = x W):
+own carries and the step's sequences; the data blocks exchange is the operand (h, or dz at all
+gates) and the sums over the units s of the cell's reductions (a LayerNorm's mean and variance:
+`Cell.reductions`, ordered into levels by `reduction_levels`; a sum over a gate axis is a loop in the
+thread). As a plain loop, for the LSTM after hoisting (hz0 = x W):
 
     for t: P[b, g, k] = sum_j h[b, j] U[j, g, k]
            z = hz0[t] + P + bias;  c = sig(z[1]) c + sig(z[0]) tanh(z[2]);  h = sig(z[3]) tanh(c)

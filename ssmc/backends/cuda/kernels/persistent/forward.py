@@ -36,6 +36,15 @@ x JS J groups; block (kg, jg) owns the units k = jg JU + kg UNITS + u (JU = KS U
         J group barrier                                       (its KS blocks)
         acc[q] = sum over kg' in order of pb[s % 2][kg'][r][k]
 
+Reductions over the units (`Cell.reductions`, a LayerNorm's; `analysis.reduction_levels`): each level, before
+the publish or after the product, a step:
+
+        rs[v][lr][u] = summand v at (r, k)                     each pair (shared memory)
+        part[v][lr] = sum over u in order of rs[v][lr][u]      a thread a (value, row)
+        NBT > 1: rx[level][x][lr][v] = part; tile barrier; rt[v][lr] = sum over the tile's blocks in order of rx
+        NBT = 1: rt[v][lr] = part                              (the tile's units all in the block)
+        rv<n>[q] = rt[v][lr]                                   each pair: what the later nodes read
+
 The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
 functions). Off the GPU (the emulator: one block at a time) the barrier is a block barrier; the
