@@ -309,3 +309,36 @@ def test_emulated_peephole(blocks, hidden, emulated_cuda, launches, monkeypatch)
     assert names - {"peephole_lstm_carries", "peephole_lstm_recording"} == {"peephole_lstm", "peephole_lstm_backward"}
     assert len(names) == 3, launches
     assert {bl for _, bl, _ in launches} == {blocks}
+
+
+@ssmc.recurrence
+def softmax_cell(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"]):
+    """A softmax across the units: a max over them, then a sum (forward); the adjoint sums over them too."""
+    h = ssmc.softmax(x + ssmc.dot(h.rename(k="j"), U, over="j"), "k")
+    return h, h
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_emulated_softmax_across_the_units(blocks, emulated_cuda, launches, monkeypatch):
+    """A max and a sum over the units in the forward's cell (2 levels), 2 levels of sums in its adjoint: the
+    forward, the carries' forward and the adjoint persistent, over 1 and 3 blocks, against the interpreter."""
+    assert [len(s) for s in analyse(_core(softmax_cell.program)).phases] == [0, 2]
+    assert [len(s) for s in analyse(_core(derive_backward(softmax_cell.program).adjoint)).phases] == [2, 0]
+    monkeypatch.setattr(persistent_runner, "EMULATED_BLOCKS", blocks if blocks > 1 else None)
+    rng = np.random.default_rng(0)
+    b, length, k = 3, 5, 13
+    inputs = {"x": rng.standard_normal((b, length, k)), "U": rng.standard_normal((k, k)),
+              "h": rng.standard_normal((b, k))}
+    want = ssmc.compile(softmax_cell, layout="b t ...", backend="interpreter")(**inputs, return_final_states=True)
+    got = ssmc.compile(softmax_cell, layout="b t ...", backend="cuda", dtype="float32")(**inputs,
+                                                                                      return_final_states=True)
+    for a, w in zip(_flat(got), _flat(want), strict=True):
+        assert _relative(a, w) < FP32_TOL
+    cot = rng.standard_normal((b, length, k))
+    want_g = ssmc.grad(softmax_cell, backend="interpreter", layout="b t ...")(**inputs, grad_outputs=cot)
+    have_g = ssmc.grad(softmax_cell, backend="cuda", layout="b t ...", dtype="float32")(**inputs, grad_outputs=cot)
+    for key in want_g:
+        assert _relative(_flat(have_g[key])[0], np.asarray(want_g[key], np.float64)) < FP32_GRAD_TOL, key
+    names = {name for name, _, _ in launches}
+    assert {"softmax_cell", "softmax_cell_backward"} <= names and len(names) == 3, launches
+    assert {bl for _, bl, _ in launches} == {blocks}
