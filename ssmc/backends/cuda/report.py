@@ -161,7 +161,9 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             around = f" ({hoisted.describe()})" if hoisted is not None else ""
             lines.append(f"step loop: {stage.program.name}: {loop.describe}{around}; {length} steps, its gradient's"
                          " programs the same way (SSMC_CUDA_STEP_LOOP=0: the kernels)")
-            adjoint = _step_loop(derive_backward(stage.program).adjoint, compute)
+            # the adjoint as it runs: its own stages' (a LayerNorm's statistics of state-free values before it)
+            adjoint = next((found for part in _stages(derive_backward(stage.program).adjoint).stages
+                            if (found := _step_loop(part.program, compute)) is not None), None)
             for role, runs in (("forward", loop), ("adjoint", adjoint)):
                 if hasattr(runs, "plan_for"):  # a persistent runner: its split of these sizes, or why none
                     chosen = runs.plan_for({**dict(runs.program.sizes), **sizes}, dtype in ("bfloat16", "float16"))

@@ -29,6 +29,11 @@ from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
 TIME = "~t"  # the time axis among an output's axes while allocating it
+# emulated (SSMC_CUDA_EMULATE=1): the blocks a launch takes (None: one, or a block a head). The emulator runs a
+# launch's blocks one after another, without grid barriers between them; with more than one, a call runs step
+# by step, each step launched until every exchange among the blocks is complete (`_emulate_steps`): the tests'
+# way to check the split of the units over blocks at any length
+EMULATED_BLOCKS: int | None = None
 
 
 class BarrierTimeout(RuntimeError):
@@ -52,7 +57,8 @@ class PersistentLoop:
     @property
     def describe(self) -> str:
         return (f"{self.fallback.describe}; where the shape fits, one persistent kernel a call "
-                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
+                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step"
+                f"{' and one a level of reductions' if self.cell.reductions else ''}; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
     def plan_for(self, sizes: dict[str, int], half: bool = False):
@@ -68,10 +74,10 @@ class PersistentLoop:
         deep_ring = (opts.persistent_adjoint_chunk, opts.persistent_adjoint_stages)
         key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, analysis.MIN_BLOCK_PAIRS,
                analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
-               analysis.DEEP_STAGES)  # (tests, bench/ change them)
+               analysis.DEEP_STAGES, EMULATED_BLOCKS)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
-            blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
+            blocks = (EMULATED_BLOCKS or math.prod(sizes[a] for a in self.cell.heads)) if emulate else None
             chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
                            deep_ring=deep_ring)
                       if half or passes else None)
@@ -251,6 +257,9 @@ class PersistentLoop:
         if split:  # the K groups' fp32 partial products [2][ksplit][rows][units], by step parity
             tensors.append(torch.empty(2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,
                                        dtype=f32, device=device))
+        if cell.reductions:  # the reductions' block sums [levels][blocks][tile rows][values] (`Plan.rvals`)
+            tensors.append(torch.empty(max(1, chosen.rlevels * chosen.blocks * chosen.trows * chosen.rvals), dtype=f32,
+                                       device=device))
         pointers = [t.data_ptr() for t in tensors]
         late = bool(opts.persistent_late_stores)
         form = dict(bf16=half != torch.float16, half_seqs=half_seqs, half_outs=half_outs,
@@ -272,7 +281,10 @@ class PersistentLoop:
             fn = self._functions.get(("emulated", source))
             if fn is None:
                 fn = self._functions[("emulated", source)] = emulated(source, name)
-            fn((chosen.blocks, chosen.threads), length, 0, pointers)
+            if chosen.blocks > math.prod(sizes[a] for a in cell.heads):
+                _emulate_steps(fn, chosen, length, p.reverse, tensors, seq_t, outs, recorded, ini_t, finals)
+            else:
+                fn((chosen.blocks, chosen.threads), length, 0, pointers)
             self._watch(bar)
             return outs, finals, recorded
         refused = _cooperative_launch(self._function(source, name, device), chosen, length, pointers)
@@ -292,6 +304,25 @@ class PersistentLoop:
             module = cupy.RawModule(code=source, options=compile_options(source))
             fn = self._functions[key] = module.get_function(name)
         return fn
+
+
+def _emulate_steps(fn, chosen, length, reverse, tensors, seqs, outs, recorded, initial, finals) -> None:
+    """An emulated launch of several blocks (`EMULATED_BLOCKS`), a step at a time: the kernel at length 1 on the
+    step's slices of the sequences and outputs (their pointers moved to step t), from the carries the step before
+    left, launched 2 + `Plan.rlevels` times (the emulator runs the blocks one after another, its grid barriers
+    compiled out: a launch reads what the blocks after it wrote in the launch before, so each launch completes one
+    more exchange among them: the operand, the reductions' levels; the values recomputed are the same)."""
+    carries = list(initial)
+    for s in range(length):
+        t = length - 1 - s if reverse else s
+        moved = {id(x): x.data_ptr() + t * x.stride(0) * x.element_size()
+                 for x in [*seqs, *outs, *([recorded] if recorded is not None else [])]}
+        pointers = [moved.get(id(x), x.data_ptr()) for x in tensors]
+        at = {id(f): i for i, f in enumerate(initial)}
+        pointers = [carries[at[id(x)]].data_ptr() if id(x) in at else ptr for x, ptr in zip(tensors, pointers)]
+        for _ in range(2 + chosen.rlevels):
+            fn((chosen.blocks, chosen.threads), 1, 0, pointers)
+        carries = [f.clone() for f in finals]
 
 
 def tf32_passes() -> int:
