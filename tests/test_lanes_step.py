@@ -134,3 +134,26 @@ def test_step_form_compiles_without_spills(name, sizes, monkeypatch):
     if name == "mamba1" and sizes["state"] == 128:
         assert f"__launch_bounds__(128, {lanes_step.REGISTER_FILE // (128 * lanes_step.STEP_REGISTERS)})" in source
         assert resources.registers <= lanes_step.STEP_REGISTERS, resources.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, dim, state", [(64, 2048, 128), (1, 2048, 128), (64, 1536, 16)])
+def test_gpu_mamba1_decode_step(batch, dim, state, monkeypatch):
+    """On a GPU, float32, Mamba-1 at decode sizes: an in-place step (the step form) against the example's NumPy
+    reference in float64 (within 1e-5 of the largest value) and against ``SSMC_CUDA_LANES_STEP=0``'s step (the
+    chunked lanes kernel, or a thread per (b, d) at B1) within 1e-6."""
+    m, inputs = _mamba1(1, batch, dim, state, seed=11)
+    want_y, want_h = m.reference(**inputs)
+    t = {k: torch.tensor(v, dtype=torch.float32, device="cuda") for k, v in inputs.items()}
+    one = {k: (v[..., 0].contiguous() if k in ("u", "delta", "B", "C", "z") else v) for k, v in t.items() if k != "h"}
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("SSMC_CUDA_LANES_STEP", setting)
+        step = ssmc.step(m.SPEC, "cuda", layout=m.LAYOUT)
+        h, y = t["h"].clone(), torch.empty(batch, dim, device="cuda")
+        step(**one, states=h, out=y, in_place=True)
+        torch.cuda.synchronize()
+        results.append((y.cpu(), h.cpu()))
+    (y, h), (y0, h0) = results
+    assert rel_err(y, want_y[..., 0]) <= 1e-5 and rel_err(h, want_h) <= 1e-5
+    assert rel_err(y, y0.numpy()) <= 1e-6 and rel_err(h, h0.numpy()) <= 1e-6

@@ -3,6 +3,7 @@ the lanes of a group, the per-step sums reduced across them; chunks of steps sta
 
     analysis.py           which states and sums the lanes split (`StateLanes`)
     forward.py            the forward's template context, block shape and source (forward.cu.j2)
+    step.py               the forward's step form for calls of one step: nothing staged (step.cu.j2)
     backward_analysis.py  the lanes backward's plan (`LanesBackward`)
     backward.py           the backward's template context, block shape and source (backward.cu.j2)
 """
