@@ -103,6 +103,23 @@ def test_lanes_step_option_keeps_the_chunked_kernel(monkeypatch, fresh_runners):
         runner.lowered, runner.state_lanes, launch.kernel, specs, big, launch.mapping, runner.ctype)
 
 
+def test_training_forward_at_one_step_keeps_its_strategy(fresh_runners):
+    """The step form is the plain forward's alone: a training step's forward (its round carries) at L = 1 asks
+    the table without it (`Shape.step`), so the fused backward takes the lanes forward and backward where it
+    did before (B64 D2048 N128: the lanes forward), not at B2 D8 N16 (fewer threads than the fill threshold),
+    where the plain forward's one step is the step form."""
+    from ssmc.backends.cuda.fused_backward import fused_backward_runner
+    from ssmc.passes.autodiff import derive_backward
+
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    fb = fused_backward_runner(derive_backward(program), "float32")
+    small, big = {"b": 2, "d": 8, "n": 16}, {"b": 64, "d": 2048, "n": 128}
+    assert fb.forward_runner.strategy(small, 1, True) == "lanes"
+    assert fb.forward_runner.strategy(small, 1, True, step=False) != "lanes"
+    assert fb.forward_lanes(small, 1, True) is None and fb.backward_lanes(small, 1, True) is None
+    assert fb.forward_lanes(big, 1, True) is not None
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("name, sizes", [("mamba1", dict(batch=64, dim=2048, state=128)),
                                          ("mamba1", dict(batch=64, dim=1536, state=16)),

@@ -45,7 +45,7 @@ class Lanes(Strategy):
                                 f"{shape.sizes[runner.state_lanes.axis]}; chunks of {chunk} take calls of at most "
                                 f"{chunk} steps")
         total = threads(runner.lowered.kernels[0], shape.sizes) * mapping.lanes
-        if shape.length == 1 and step_form(runner.lowered.kernels[0]):
+        if shape.step and shape.length == 1 and step_form(runner.lowered.kernels[0]):
             # one step: no time to split, and a thread per recurrence walks its whole state axis alone
             return self.taken(f"one step, the states' axis {runner.state_lanes.axis} split among lanes "
                               f"(the step form, kernels/lanes/step.py): {total} threads")
