@@ -456,10 +456,11 @@ def test_lanes_forwards_stay_unbounded_where_128_registers_would_spill(sizes, dt
 
 @pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
 @pytest.mark.parametrize("batch", [16, 64])
-def test_decode_step_at_a_long_state_axis_asks_for_three_blocks_an_sm_without_spills(batch):
-    """Mamba-1's decode step at N = 128 (short chunks, 16 state values a lane) streams its states once:
-    unbounded it took 243 registers, 2 blocks of 4 warps an SM (`lanes.SHORT_CHUNK_BLOCKS`); bounded to 3 an
-    SM it compiles unspilled for sm_80 and sm_90."""
+def test_decode_step_at_a_long_state_axis_asks_for_three_blocks_an_sm_without_spills(batch, monkeypatch):
+    """Mamba-1's decode step at N = 128 on the chunked lanes kernel (``SSMC_CUDA_LANES_STEP=0``; short chunks,
+    16 state values a lane) streams its states once: unbounded it took 243 registers, 2 blocks of 4 warps an SM
+    (`lanes.SHORT_CHUNK_BLOCKS`); bounded to 3 an SM it compiles unspilled for sm_80 and sm_90."""
+    monkeypatch.setenv("SSMC_CUDA_LANES_STEP", "0")
     program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
     for arch in ("sm_80", "sm_90"):
         reports = kernel_reports(program, {"b": batch, "d": 2048, "n": 128}, 1, backward=False, arch=arch)
@@ -467,6 +468,26 @@ def test_decode_step_at_a_long_state_axis_asks_for_three_blocks_an_sm_without_sp
         assert f"__launch_bounds__({forward.launch.grid[1]}, 3) {forward.name}(" in forward.source
         res = forward.resources
         assert res is not None and not res.spills and res.registers <= 65536 // (3 * forward.launch.grid[1]), res
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason=nvrtc.unavailable_reason())
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_step_form_at_a_long_state_axis_asks_for_eight_blocks_an_sm_without_spills(batch):
+    """Mamba-1's decode step at N = 128 as the lanes kernel's step form (kernels/lanes/step.py; B1 too, under
+    the lanes fill threshold): nothing in shared memory, bounded to 8 blocks of 128 threads an SM
+    (`step.STEP_REGISTERS`), unspilled for sm_80 and sm_90."""
+    from ssmc.backends.cuda.kernels.lanes import step
+
+    program = importlib.import_module("ssmc.examples.mamba1").SPEC.program
+    blocks = step.REGISTER_FILE // (128 * step.STEP_REGISTERS)
+    for arch in ("sm_80", "sm_90"):
+        reports = kernel_reports(program, {"b": batch, "d": 2048, "n": 128}, 1, backward=False, arch=arch)
+        (forward,) = [r for r in reports if r.strategy.startswith("lanes,")]
+        assert forward.launch.grid[1] == 128 and "nothing staged" in forward.source
+        assert f"__launch_bounds__(128, {blocks}) {forward.name}(" in forward.source
+        res = forward.resources
+        assert res is not None and not res.spills and res.shared_bytes == 0, res
+        assert res.registers <= step.STEP_REGISTERS, res
 
 
 @pytest.mark.parametrize("layout", [False, True])

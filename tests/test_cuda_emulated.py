@@ -145,11 +145,13 @@ def test_emulated_lanes_short_chunks_at_a_long_state_axis(length, monkeypatch, f
     forward stages chunks of 8 (`lanes.forward.lanes_chunk`; before, a thread per recurrence with its 128
     state values in local memory), for calls of one chunk at most (a decode step: longer ones keep the scan
     strategies). Mamba-1 float32 "b d t", 1 step and 7: outputs and final states against the interpreter;
-    at 7 the gradients too, nightly (the training forward's lanes kernel saves its round carries)."""
+    at 7 the gradients too, nightly (the training forward's lanes kernel saves its round carries). One step
+    runs the chunked kernel with ``SSMC_CUDA_LANES_STEP=0`` only (else its step form: test_lanes_step.py)."""
     torch = pytest.importorskip("torch")
 
     monkeypatch.setattr(lanes, "LANES_FILL", 1)
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_LANES_STEP", "0")
     m = importlib.import_module("ssmc.examples.mamba1")
     rng = np.random.default_rng(length)
     inputs = m.make_inputs(rng, length, batch=1, dim=16, state=128)

@@ -209,10 +209,12 @@ class FusedBackwardRunner:
 
     def forward_lanes(self, sizes: dict[str, int], length: int, time_contiguous: bool) -> Threads | None:
         """The lanes kernel's threads where a training step's forward runs as it: where the plain
-        forward does (`CudaRunner.strategy`); None where the forward runs as the warp kernel."""
+        forward does (`CudaRunner.strategy`), the lanes kernel's step form aside (a call of one step takes
+        it wherever the lanes run; the training forward saves round carries, which it does not);
+        None where the forward runs as the warp kernel."""
         def decide():
             fr = self.forward_runner
-            if self.lanes is None or fr.strategy(sizes, length, time_contiguous) != "lanes":
+            if self.lanes is None or fr.strategy(sizes, length, time_contiguous, step=False) != "lanes":
                 return None
             return fr.lane_threads(sizes)
         return self._decided("lanes", decide, sizes, length, time_contiguous)

@@ -42,6 +42,9 @@ class CudaOptions:
     state_major_backward: False / True turns the fused backward's state-major rounds off / on
     backward_steps_per_lane: the fused backward's steps a lane
     lanes_backward: False turns the lanes backward off
+    lanes_step: False keeps a call of one step on the chunked lanes kernel, and the lanes strategy to its rule for
+        long calls (enough threads); unset: such a call runs the lanes kernel's step form (kernels/lanes/step.py),
+        and the strategy takes it wherever it can run
     hoist: False keeps products hoisted out of time in the kernels (no GEMM before the scan)
     chunked: False runs matrix-linear recurrences as element-wise scans (not in chunks of matrix products)
     chunk: steps per chunk of the chunked matrix-linear path
@@ -119,6 +122,7 @@ class CudaOptions:
     state_major_backward: bool | None = None
     backward_steps_per_lane: int | None = None
     lanes_backward: bool | None = None
+    lanes_step: bool | None = None
     hoist: bool = True
     chunked: bool | None = None
     chunk: int | None = None

@@ -181,21 +181,23 @@ class CudaRunner:
         block = lanes_block(self.state_lanes, sizes, groups, 8 if self.compute == "float64" else 4)
         return None if block is None else Threads(lanes=groups, block=block)
 
-    def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False, lanes: bool = True) -> str:
+    def strategy(self, sizes: dict[str, int], length: int, time_contiguous: bool = False, lanes: bool = True,
+                 step: bool = True) -> str:
         """How a run goes (`decide`, without its reason)."""
-        return self.decide(sizes, length, time_contiguous, lanes)[0]
+        return self.decide(sizes, length, time_contiguous, lanes, step)[0]
 
     def decide(self, sizes: dict[str, int], length: int, time_contiguous: bool = False,
-               lanes: bool = True) -> tuple[str, str]:
+               lanes: bool = True, step: bool = True) -> tuple[str, str]:
         """How a run goes, and why: the strategy table's choice (select.py). With `lanes` false, the
-        choice without the lanes kernel (the fused backward asks so whether it applies)."""
-        selection = self.selection(sizes, length, time_contiguous, lanes)
+        choice without the lanes kernel (the fused backward asks so whether it applies); with `step` false,
+        without the lanes kernel's step form at one step (`Shape.step`)."""
+        selection = self.selection(sizes, length, time_contiguous, lanes, step)
         return selection.strategy, selection.reason
 
     def selection(self, sizes: dict[str, int], length: int, time_contiguous: bool = False,
-                  lanes: bool = True) -> Selection:
+                  lanes: bool = True, step: bool = True) -> Selection:
         """The strategy table's full answer (select.py): the choice and every verdict before it."""
-        return select(self, Shape(sizes, length, time_contiguous, lanes))
+        return select(self, Shape(sizes, length, time_contiguous, lanes, step))
 
     def planned(self, what: str, make, *key):
         """`make()`, once per `key` and setting of the overrides (a plan is a pure function of

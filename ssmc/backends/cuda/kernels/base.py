@@ -20,13 +20,15 @@ from ..printer import BLOCK, ONE_GROUP, Threads
 @dataclass(frozen=True)
 class Shape:
     """What a strategy is chosen for: the sizes of the axes, the steps, whether every sequence has
-    time contiguous (layouts like "b d t"), and whether the lanes kernel may run (the fused backward
-    asks without it)."""
+    time contiguous (layouts like "b d t"), whether the lanes kernel may run (the fused backward
+    asks without it), and whether a call of one step may take it for its step form (kernels/lanes/step.py:
+    not a training step's forward, which saves round carries; the fused backward asks without it)."""
 
     sizes: dict[str, int]
     length: int
     time_contiguous: bool = False
     lanes: bool = True
+    step: bool = True
 
 
 @dataclass(frozen=True)

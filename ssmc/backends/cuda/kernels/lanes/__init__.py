@@ -3,14 +3,17 @@ the lanes of a group, the per-step sums reduced across them; chunks of steps sta
 
     analysis.py           which states and sums the lanes split (`StateLanes`)
     forward.py            the forward's template context, block shape and source (forward.cu.j2)
+    step.py               the forward's step form for calls of one step: nothing staged (step.cu.j2)
     backward_analysis.py  the lanes backward's plan (`LanesBackward`)
     backward.py           the backward's template context, block shape and source (backward.cu.j2)
 """
 
 from __future__ import annotations
 
+from ...options import options
 from ..base import Launch, Shape, Strategy, Verdict, threads
 from .forward import CHUNK, lane_blocks, lanes_chunk, lanes_source
+from .step import lanes_step_source, step_supported
 
 # The lanes kernel runs where rows x lanes give at least LANES_FILL threads; fewer recurrences want
 # the time-parallel warp kernel (bench/results/ has the measurements).
@@ -42,6 +45,10 @@ class Lanes(Strategy):
                                 f"{shape.sizes[runner.state_lanes.axis]}; chunks of {chunk} take calls of at most "
                                 f"{chunk} steps")
         total = threads(runner.lowered.kernels[0], shape.sizes) * mapping.lanes
+        if shape.step and shape.length == 1 and step_form(runner.lowered.kernels[0]):
+            # one step: no time to split, and a thread per recurrence walks its whole state axis alone
+            return self.taken(f"one step, the states' axis {runner.state_lanes.axis} split among lanes "
+                              f"(the step form, kernels/lanes/step.py): {total} threads")
         if total >= LANES_FILL:
             return self.taken(f"the states' axis {runner.state_lanes.axis} split among lanes: "
                               f"{total} threads (at least {LANES_FILL})")
@@ -60,7 +67,15 @@ class Lanes(Strategy):
                                          outputs_along_time=True)
 
     def source(self, runner, k, specs: dict, sizes: dict[str, int], mapping, length: int | None) -> str:
+        if length == 1 and step_form(k):  # correct at any length, should another reuse it
+            return lanes_step_source(runner.lowered, runner.state_lanes, k, specs, sizes, mapping, runner.ctype)
         return lanes_source(runner.lowered, runner.state_lanes, k, specs, sizes, mapping, runner.ctype)
+
+
+def step_form(k) -> bool:
+    """Whether a call of one step of `k` runs the lanes kernel's step form (kernels/lanes/step.py), no staged
+    chunks: unless ``SSMC_CUDA_LANES_STEP=0``, or `k` saves round carries (a training step's forward)."""
+    return options().lanes_step is not False and step_supported(k)
 
 
 LANES = Lanes()

@@ -1,7 +1,7 @@
 """CUDA C of the "lanes" kernel (kernels/lanes/analysis.py): G lanes a row, each owning S values of the
 states' own axis for the whole sequence, time in order, chunks of CHUNK steps through shared memory (fewer,
 `lanes_chunk`, where a long state axis's staged sequences would not fit: the strategy then takes calls of one
-chunk only, a decode step of N = 128).
+chunk only; a call of one step, a decode step, runs the step form instead: step.py).
 
 A block holds R = threads / G rows: consecutive indices of the last parallel axis (Mamba-1's d) under
 one index of the others (b), so the sequences along the states' axis (B[b, n, t], C) are staged once
