@@ -72,6 +72,13 @@ FUSED_STATES = True
 # chunk_output's form where SSMC_CUDA_CHUNK_OUTPUT is unset, per chunk size (options.CHUNK_OUTPUT's forms)
 OUTPUT_FORMS = {64: "warps", 128: "wide", 256: "warps"}
 STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its tiles fit this (sm_80's 163 KiB)
+# the backward's dk and dv by one kernel, chunk_dkv* (staged.cu.j2: q, dO and d_end staged once a chunk, each score
+# tile made once a row stripe; the same sums as chunk_dk and chunk_dv) where SSMC_CUDA_CHUNK_DKV is unset; "split" /
+# "fused" choose. It takes chunks of `DKV_CHUNKS` (8 warps at most), tiles within `STAGED_SHARED_MAX`, and calls
+# whose k has every head (a group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
+FUSED_DKV = False
+DKV_CHUNKS = (64, 128)
+DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2, at most 128 registers: it spilled at chunk 128, K = V = 128)
 _modules: dict = {}
 _tables: dict = {}
 
@@ -98,7 +105,8 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
             "chunk_dq_ho": product, "chunk_dk_ho": product, "chunk_dv_ho": product,
             "chunk_states_pass": passing, "chunk_states_pass_half": passing, "chunk_dstates_pass": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
-                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
+                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
+            "chunk_dkv": dkv_bytes(key, value, chunk), "chunk_dkv_ho": dkv_bytes(key, value, chunk)}
 
 
 def staged_bytes(key: int, value: int, chunk: int, vb: int) -> int:
@@ -113,6 +121,24 @@ def staged_block(key: int, value: int, chunk: int, form: str) -> int:
     if form == "wide" and staged_bytes(key, value, chunk, value) <= STAGED_SHARED_MAX:
         return value
     return 64
+
+
+def dkv_bytes(key: int, value: int, chunk: int) -> int:
+    """Dynamic shared memory of chunk_dkv*: q rows [chunk, key + 8], dO rows [chunk, value + 8], d_end rows
+    [key, value + 8], 16-bit."""
+    return (chunk * (key + 8) + chunk * (value + 8) + key * (value + 8)) * 2
+
+
+def dkv_fits(key: int, value: int, chunk: int) -> bool:
+    """Whether the module of (`key`, `value`, `chunk`) has chunk_dkv* (`DKV_CHUNKS`, its tiles within
+    `STAGED_SHARED_MAX`; rendered with staged.cu.j2's kernels)."""
+    return chunk in DKV_CHUNKS and dkv_bytes(key, value, chunk) <= STAGED_SHARED_MAX
+
+
+def fused_dkv() -> bool:
+    """Whether the backward's dk and dv come from chunk_dkv* where it takes the call, rather than chunk_dk and
+    chunk_dv (SSMC_CUDA_CHUNK_DKV, else `FUSED_DKV`)."""
+    return (options().chunk_dkv or ("fused" if FUSED_DKV else "split")) == "fused"
 
 
 def fused_states() -> bool:
@@ -138,7 +164,8 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
     and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time);
     `balanced`: with the balanced forms of chunk_output (chunk_output*_b; a module of its own, so that
     the default one builds no kernels it does not launch); `staged`: with staged.cu.j2's kernels
-    (chunk_states_pass*, and chunk_output*_s taking `staged` value columns a block), where not 0."""
+    (chunk_states_pass*, the backward's chunk_dstates_pass and chunk_dkv* where `dkv_fits`, and chunk_output*_s
+    taking `staged` value columns a block), where not 0."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
@@ -146,9 +173,11 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
                                                   balanced_forms=balanced, states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     if staged:
+        fits = dkv_fits(key, value, chunk)
         body += "\n" + template("chunk/staged.cu.j2").render(
             bf16=bf16, vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
-            pass_shared=shared["chunk_states_pass"])
+            pass_shared=shared["chunk_states_pass"], dkv_shared=shared["chunk_dkv"] if fits else 0,
+            dkv_blocks=DKV_BLOCKS)
     return mma_header() + "\n" + body
 
 
