@@ -78,7 +78,7 @@ STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its t
 # whose k has every head (a group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
 FUSED_DKV = False
 DKV_CHUNKS = (64, 128)
-DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2, at most 128 registers: it spilled at chunk 128, K = V = 128)
+DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2: at most 128 registers, it spilled at K = V = 128)
 _modules: dict = {}
 _tables: dict = {}
 
@@ -633,9 +633,28 @@ class BackwardPlan:
                 kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
                 [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0), _Slot(_B_ENTERING),
                  _Slot(_ENTERED)])
+        # dk and dv by chunk_dkv* (`fused_dkv`) where the module has it, k has every head and both arrays are fp32
+        # or both 16-bit (its two forms); its spec in `dkv`, (dk given, dv given) in `dkv_given`
+        self.dkv = self.dkv_given = None
+        if fused_dkv() and staged and dkv_fits(key, value, chunk) and _heads_summed(tuple(k.shape[:t]), heads)[0] == 1:
+            f32, types = torch.float32, (torch.float32, self.dtype)
+            dk_a, dv_a = given["dk"], given["dv"]
+            dk_given = writable_out(dk_a, heads, nc, chunk, key, types)
+            dv_given = writable_out(dv_a, heads, nc, chunk, value, types)
+            dk_out = dk_a if dk_given else made((*heads, nc, chunk, key))
+            dv_out = dv_a if dv_given else made((*heads, nc, chunk, value))
+            if (dk_out.dtype == f32) == (dv_out.dtype == f32):
+                self.dkv_given = (dk_given, dv_given)
+                self.dkv = spec(kv, "chunk_dkv" + ("" if dk_out.dtype == f32 else "_ho"), nh * nc, 2 * chunk, key,
+                                value, [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                                        *table(q, k, v, ell, dv_out, do, beta_col, skip_col), *table(dk_out),
+                                        _Slot(_DEND), _Slot(_DK), _Slot(_DV), _Slot(_ROWS), _Slot(_ENDS),
+                                        _Slot(_DBETA), _Slot(_DSKIP)])
         self.summed = {}
         for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
                                                    ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
+            if name == "dk" and self.dkv is not None:
+                continue
             r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
             per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
             if r % per or per >= 1 << 16 or r // per >= 1 << 15:
@@ -659,15 +678,17 @@ class BackwardPlan:
                  *table(ra, rb, rw, ell, out, operand, beta_col, ell), _Slot(state),
                  _Slot(_DQ if name == "dq" else _DK), _Slot(_Q if name == "dq" else _K), _Slot(_ROWS)],
                 (r // per) << 16 | per))
-        dv = given["dv"]
-        self.dv_given = writable_out(dv, heads, nc, chunk, value, (torch.float32, self.dtype))
-        if not self.dv_given:
-            dv = made((*heads, nc, chunk, value))
-        half = dv.dtype != torch.float32  # chunk_dv_ho: dv rounded to 16 bits as stored
-        self.dv = spec(kv, "chunk_dv" + ("_ho" if half else ""), nh * nc * (value // 64), 2 * chunk, key, value,
-                       [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
-                        *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
-                        _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
+        self.dv = self.dv_given = None
+        if self.dkv is None:
+            dv = given["dv"]
+            self.dv_given = writable_out(dv, heads, nc, chunk, value, (torch.float32, self.dtype))
+            if not self.dv_given:
+                dv = made((*heads, nc, chunk, value))
+            half = dv.dtype != torch.float32  # chunk_dv_ho: dv rounded to 16 bits as stored
+            self.dv = spec(kv, "chunk_dv" + ("_ho" if half else ""), nh * nc * (value // 64), 2 * chunk, key, value,
+                           [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                            *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
+                            _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
     def addresses(self, x: Chunks, d_out: torch.Tensor) -> tuple[list, list]:
         """(the call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` laid out as the plan's, the
@@ -717,6 +738,8 @@ class BackwardPlan:
 
         grads = {}
         for name, slot in (("dq", _DQ), ("dk", _DK)):
+            if name not in self.summed:
+                continue
             how, shape, _, spec = self.summed[name]
             sums = None
             if how == "given":
@@ -732,13 +755,21 @@ class BackwardPlan:
                 out = sums.sum(t)
                 sums = None  # freed now, not live at the next kernels' arrays (nor at the function's end)
             grads[name] = out
-        row_dots = rows.sum(-1)  # (chunk_dq's and chunk_dk's alone: summed before chunk_dv's arrays are made)
+        if self.dkv is not None:  # chunk_dkv*: dk and dv (and their dots) from one launch, after chunk_dq's
+            shapes = ((*heads, nc, chunk, key), (*heads, nc, chunk, value))
+            for name, slot, made_given, shape in zip(("dk", "dv"), (_DK, _DV), self.dkv_given, shapes):
+                grads[name] = given(name) if made_given else torch.empty(shape, dtype=f32, device=dev)
+                values[slot] = _base(grads[name])
+            _run_specs(self.dkv, values, events)
+            dv = grads["dv"]
+        row_dots = rows.sum(-1)  # (chunk_dq's and chunk_dk's (dkv's) alone: summed before chunk_dv's arrays are made)
         if parts is not None:
             parts["rows"] = rows
         del rows
-        dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
-        values[_DV] = _base(dv)
-        _run_specs(self.dv, values, events)
+        if self.dkv is None:
+            dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+            values[_DV] = _base(dv)
+            _run_specs(self.dv, values, events)
         if parts is not None:
             parts.update(ends=ends, entered=entered, d_end=d_end)
         del d_end  # (read by chunk_dk and chunk_dv alone) not live at the sums below, nor at the stages after
