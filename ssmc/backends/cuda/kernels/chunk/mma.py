@@ -31,7 +31,8 @@ gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO
 The backward (`backward`): ``chunk_dstates_pass`` (staged.cu.j2; split: ``chunk_dstates`` and
 ``state_pass_reverse``) gives the cotangent of each chunk's end state (the chunks last first, as the
 forward's states; in 16 bits, as chunk_dk and chunk_dv read it), then ``chunk_dq``, ``chunk_dk``,
-``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
+``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal; or dk and dv
+from one block a chunk, ``chunk_dkv*`` in staged.cu.j2, the same sums: `fused_dkv`, SSMC_CUDA_CHUNK_DKV); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
 ``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
