@@ -2,7 +2,7 @@
 """Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
     python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--no-cores]
-                                [--only ssd,retnet,gla,ssd_short] [--chunk-dkv split,fused]
+                                [--only ssd,retnet,gla,ssd_short] [--chunk-dkv split,fused,narrow]
 
 SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16, RetNet (examples/retnet.py) at B4 L4096 H16 K128
 V128 bf16, simple GLA (examples/simple_gla.py, "gla": a log-decay per head and step) at the same shape against
@@ -25,8 +25,9 @@ fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16
    of ssmc on the backward kernels, ssmc with the torch backward, and the peer, and the peak memory a
    training step allocates beyond its inputs (ssmc's, the peer's); the core's backward alone (SSD, RetNet:
    `mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time. With
-   --chunk-dkv FORMS (of split, fused), 3.'s rows once per form, SSMC_CUDA_CHUNK_DKV set to it (the backward's
-   chunk_dk and chunk_dv, or chunk_dkv for both), in one process: each row's part names its form.
+   --chunk-dkv FORMS (of split, fused, narrow), 3.'s rows once per form, SSMC_CUDA_CHUNK_DKV set to it (the
+   backward's chunk_dk and chunk_dv, or chunk_dkv / chunk_dkv_n for both), in one process: each row's part names
+   its form.
 
 Prints each workload's rows as it finishes them, then the whole markdown table; with --out, writes it
 to DIR/chunk.md. --no-cores skips 2.'s sweep of the cores alone (most of the run's time). Needs
@@ -511,11 +512,11 @@ def main() -> int:
     ap.add_argument("--no-cores", action="store_true",
                     help="skip the cores alone at every chunk (the whole calls' forward and forward + backward only)")
     ap.add_argument("--chunk-dkv", default="",
-                    help="the training rows once per SSMC_CUDA_CHUNK_DKV form (split, fused; comma-separated)")
+                    help="the training rows once per SSMC_CUDA_CHUNK_DKV form (split, fused, narrow; comma-separated)")
     args = ap.parse_args()
     forms = tuple(f for f in args.chunk_dkv.split(",") if f) or (None,)
-    if any(f not in ("split", "fused") for f in forms if f is not None):
-        ap.error(f"--chunk-dkv {args.chunk_dkv!r}: forms of split, fused")
+    if any(f not in ("split", "fused", "narrow") for f in forms if f is not None):
+        ap.error(f"--chunk-dkv {args.chunk_dkv!r}: forms of split, fused, narrow")
     from harness import Peers
 
     peers = Peers(args.peers, args.work, build=False)

@@ -363,7 +363,9 @@ def test_the_staged_kernels_compile_without_spills(arch):
         assert staged == {"chunk_output_s", "chunk_output_hs_s", "chunk_output_ho_s", "chunk_output_hs_ho_s",
                           "chunk_states_pass", "chunk_states_pass_half", "chunk_dstates_pass"}
         dkv = {name for name in resources if name.startswith("chunk_dkv")}
-        assert dkv == ({"chunk_dkv", "chunk_dkv_ho"} if mma.dkv_fits(key, value, chunk) else set()), dkv
+        fits = mma.dkv_fits(key, value, chunk)
+        want = {"chunk_dkv", "chunk_dkv_ho", "chunk_dkv_n", "chunk_dkv_n_ho"} if fits else set()
+        assert dkv == want, dkv
         staged |= dkv
         dynamic = mma.shared_bytes(key, value, chunk)
         for name in staged:
@@ -969,9 +971,10 @@ def _dkv_chunks(length: int, key: int, value: int, chunk: int, kind: str, initia
 
 def _dkv_against_split(x: algorithm.Chunks, seed: int, monkeypatch, device: str = "cpu", half: bool = False) -> None:
     """mma.backward of `x` (moved to `device`) with SSMC_CUDA_CHUNK_DKV=fused (chunk_dkv: dk and dv from one block a
-    chunk) against split (chunk_dk, chunk_dv): every gradient, the row dots (rows), end dots (ends) and d_end bit for
-    bit (the same sums in the same order and roundings); `half`: dk and dv into 16-bit time-first arrays (`outs`:
-    chunk_dkv_ho against chunk_dk_ho, chunk_dv_ho)."""
+    chunk) and narrow (chunk_dkv_n: the same, 64 columns a warp's pass) against split (chunk_dk, chunk_dv): every
+    gradient, the row dots (rows), end dots (ends) and d_end bit for bit (the same sums in the same order and
+    roundings); `half`: dk and dv into 16-bit time-first arrays (`outs`: chunk_dkv*_ho against chunk_dk_ho,
+    chunk_dv_ho)."""
     d_out, d_final = (t.to(device) for t in _cotangents(x, seed))
     x = algorithm.Chunks(*(None if a is None else a.to(device) for a in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
     heads, nc, chunk, key, value = x.q.shape[:-3], *x.q.shape[-3:], x.v.shape[-1]
@@ -995,17 +998,18 @@ def _dkv_against_split(x: algorithm.Chunks, seed: int, monkeypatch, device: str 
     split, split_parts, launched = run("split")
     assert "chunk_dkv" not in launched and "chunk_dkv_ho" not in launched
     assert {"chunk_dk", "chunk_dv"} <= {n.removesuffix("_ho") for n in launched}
-    fused, fused_parts, launched = run("fused")
-    assert launched[-1] == "chunk_dkv" + ("_ho" if half else ""), launched
-    assert not {"chunk_dk", "chunk_dv"} & {n.removesuffix("_ho") for n in launched}
-    for name in ("rows", "ends", "d_end"):
-        assert torch.equal(fused_parts[name], split_parts[name]), name
-    for name, a, b in zip(("dq", "dk", "dv", "dell", "ds0", "dbeta", "dskip"), fused, split):
-        if b is None:
-            assert a is None, name
-        else:
-            assert a.dtype == b.dtype == (x.q.dtype if half and name in ("dk", "dv") else torch.float32), name
-            assert torch.equal(a, b), (name, float((a.double() - b.double()).abs().max()))
+    for form in ("fused", "narrow"):
+        fused, fused_parts, launched = run(form)
+        assert launched[-1] == "chunk_dkv" + ("_n" if form == "narrow" else "") + ("_ho" if half else ""), launched
+        assert not {"chunk_dk", "chunk_dv"} & {n.removesuffix("_ho") for n in launched}
+        for name in ("rows", "ends", "d_end"):
+            assert torch.equal(fused_parts[name], split_parts[name]), (form, name)
+        for name, a, b in zip(("dq", "dk", "dv", "dell", "ds0", "dbeta", "dskip"), fused, split):
+            if b is None:
+                assert a is None, name
+            else:
+                assert a.dtype == b.dtype == (x.q.dtype if half and name in ("dk", "dv") else torch.float32), name
+                assert torch.equal(a, b), (form, name, float((a.double() - b.double()).abs().max()))
 
 
 @needs_emulator
@@ -1017,8 +1021,8 @@ def _dkv_against_split(x: algorithm.Chunks, seed: int, monkeypatch, device: str 
     nightly_case(128, 150, 64, 64, "ssd", False, reason="chunk 128's warps: the retnet case at K = V = 128 has them"),
     nightly_case(128, 130, 128, 64, "linear", True, reason="K and V apart: chunk 64's cases have them")])
 def test_emulated_fused_dkv_is_the_split_kernels(emulate, monkeypatch, chunk, length, key, value, kind, initial):
-    """SSMC_CUDA_CHUNK_DKV=fused (chunk_dkv) against split (chunk_dk, chunk_dv): bit for bit
-    (`_dkv_against_split`), K and V of 64 and 128, chunks of 64 and 128, the last chunk partial, RetNet's decays,
+    """SSMC_CUDA_CHUNK_DKV=fused and narrow (chunk_dkv, chunk_dkv_n) against split (chunk_dk, chunk_dv): bit for
+    bit (`_dkv_against_split`), K and V of 64 and 128, chunks of 64 and 128, the last chunk partial, RetNet's decays,
     none (linear attention), SSD's with β and skip (k per head), with and without an initial state."""
     x = _dkv_chunks(length, key, value, chunk, kind, initial, seed=length + key + value)
     _dkv_against_split(x, length, monkeypatch)
@@ -1026,33 +1030,52 @@ def test_emulated_fused_dkv_is_the_split_kernels(emulate, monkeypatch, chunk, le
 
 @needs_emulator
 def test_emulated_fused_dkv_writes_16_bit_gradients(emulate, monkeypatch):
-    """chunk_dkv_ho (dk and dv rounded to 16 bits as stored, into the time-first arrays of `outs`) against
-    chunk_dk_ho and chunk_dv_ho, bit for bit; fp16, SSD's β and skip, two chunks of 64."""
-    x = _dkv_chunks(100, 64, 64, 64, "ssd", True, seed=4)
+    """chunk_dkv_ho and chunk_dkv_n_ho (dk and dv rounded to 16 bits as stored, into the time-first arrays of
+    `outs`) against chunk_dk_ho and chunk_dv_ho, bit for bit; fp16, SSD's β and skip, two chunks of 64, V = 128."""
+    x = _dkv_chunks(100, 64, 128, 64, "ssd", True, seed=4)
     x = algorithm.Chunks(x.q.half(), x.k.half(), x.v.half(), x.ell, x.s0, x.beta, x.skip)
     _dkv_against_split(x, 4, monkeypatch, half=True)
 
 
 @needs_emulator
+def test_emulated_fused_dkv_on_unaligned_operands(emulate, monkeypatch):
+    """k and v at an odd storage offset with an odd step stride (the module whose tiles load value by value and
+    whose fragments load 16 bits at a time): chunk_dkv against chunk_dk, chunk_dv bit for bit; SSD's β and skip."""
+    x = _dkv_chunks(70, 64, 64, 64, "ssd", True, seed=8)
+
+    def odd(a):
+        wide = torch.zeros((*a.shape[:-1], a.shape[-1] + 1), dtype=a.dtype)
+        wide[..., 1:] = a
+        return wide[..., 1:]
+
+    x = algorithm.Chunks(x.q, odd(x.k), odd(x.v), x.ell, x.s0, x.beta, x.skip)
+    built = []
+    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[4]) or _f(*a))
+    _dkv_against_split(x, 8, monkeypatch)
+    assert set(built) == {False}
+
+
+@needs_emulator
 def test_grouped_keys_keep_the_split_kernels(emulate, monkeypatch):
     """Where k lacks heads of the call (SSD's B over a group's r heads), dk is summed over them by chunk_dk:
-    SSMC_CUDA_CHUNK_DKV=fused launches chunk_dk and chunk_dv as split does; and chunk 256 takes them too."""
+    SSMC_CUDA_CHUNK_DKV=fused launches chunk_dk and chunk_dv as split does; and chunk 256 takes them too (narrow)."""
     names = []
     monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
-    monkeypatch.setenv("SSMC_CUDA_CHUNK_DKV", "fused")
-    for x in (_chunks(70, seed=2, chunk=64), _dkv_chunks(20, 64, 64, 256, "retnet", True, seed=3)):
+    for form, x in (("fused", _chunks(70, seed=2, chunk=64)), ("narrow", _dkv_chunks(20, 64, 64, 256, "retnet", True,
+                                                                                   seed=3))):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_DKV", form)
         d_out, d_final = _cotangents(x, 1)
         _, entering, final = mma.forward(x, half_states=True)
         names.clear()
         mma.backward(x, entering, final, d_out, d_final)
-        assert "chunk_dk" in names and "chunk_dv" in names and "chunk_dkv" not in names, names
+        assert "chunk_dk" in names and "chunk_dv" in names and not any("dkv" in n for n in names), names
 
 
 def test_the_chunk_dkv_option():
     from ssmc.backends.cuda.options import CudaOptions
 
     assert CudaOptions.parse({}).chunk_dkv is None
-    for form in ("split", "fused"):
+    for form in ("split", "fused", "narrow"):
         assert CudaOptions.parse({"SSMC_CUDA_CHUNK_DKV": form}).chunk_dkv == form
     with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_DKV"):
         CudaOptions.parse({"SSMC_CUDA_CHUNK_DKV": "both"})

@@ -25,7 +25,7 @@ FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")
 FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp", "wgws", "wgwsa", "wgwss", "wgwse")
 CHUNK_OUTPUT = ("warps", "balanced", "staged", "wide")  # kernels/chunk/mma.py's forms of chunk_output
 CHUNK_STATES = ("split", "fused")  # kernels/chunk/mma.py's ways to the entering states
-CHUNK_DKV = ("split", "fused")  # kernels/chunk/mma.py's backward: chunk_dk and chunk_dv, or chunk_dkv for both
+CHUNK_DKV = ("split", "fused", "narrow")  # kernels/chunk/mma.py's backward: chunk_dk and chunk_dv, or chunk_dkv(_n)
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -58,8 +58,9 @@ class CudaOptions:
         "fused" (chunk_states_pass: a block per state tile walks the chunks); unset: kernels/chunk/mma.py's
         `FUSED_STATES`
     chunk_dkv: the backward's dk and dv (`CHUNK_DKV`): "split" (chunk_dk, chunk_dv: a block per 64 output
-        columns each) or "fused" (chunk_dkv: a block per chunk makes both, where k has every head of the call);
-        unset: kernels/chunk/mma.py's `FUSED_DKV`
+        columns each), "fused" (chunk_dkv: a block per chunk makes both, where k has every head of the call; a
+        warp all output columns, each score tile made once) or "narrow" (chunk_dkv_n: the same, a warp 64 output
+        columns at a time, in half the registers); unset: kernels/chunk/mma.py's `DKV_FORM`
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call

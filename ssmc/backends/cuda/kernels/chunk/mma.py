@@ -32,7 +32,7 @@ The backward (`backward`): ``chunk_dstates_pass`` (staged.cu.j2; split: ``chunk_
 ``state_pass_reverse``) gives the cotangent of each chunk's end state (the chunks last first, as the
 forward's states; in 16 bits, as chunk_dk and chunk_dv read it), then ``chunk_dq``, ``chunk_dk``,
 ``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal; or dk and dv
-from one block a chunk, ``chunk_dkv*`` in staged.cu.j2, the same sums: `fused_dkv`, SSMC_CUDA_CHUNK_DKV); the log
+from one block a chunk, ``chunk_dkv*`` in staged.cu.j2, the same sums: `dkv_form`, SSMC_CUDA_CHUNK_DKV); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
 ``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
@@ -73,13 +73,16 @@ FUSED_STATES = True
 # chunk_output's form where SSMC_CUDA_CHUNK_OUTPUT is unset, per chunk size (options.CHUNK_OUTPUT's forms)
 OUTPUT_FORMS = {64: "warps", 128: "wide", 256: "warps"}
 STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its tiles fit this (sm_80's 163 KiB)
-# the backward's dk and dv by one kernel, chunk_dkv* (staged.cu.j2: q, dO and d_end staged once a chunk, each score
-# tile made once a row stripe; the same sums as chunk_dk and chunk_dv) where SSMC_CUDA_CHUNK_DKV is unset; "split" /
-# "fused" choose. It takes chunks of `DKV_CHUNKS` (8 warps at most), tiles within `STAGED_SHARED_MAX`, and calls
-# whose k has every head (a group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
-FUSED_DKV = False
+# the backward's dk and dv where SSMC_CUDA_CHUNK_DKV is unset: "split" (chunk_dk, chunk_dv), "fused" (one kernel,
+# chunk_dkv* of staged.cu.j2: q, dO and d_end staged once a chunk, a warp all output columns, each score tile made
+# once a row stripe; the same sums as chunk_dk and chunk_dv) or "narrow" (chunk_dkv_n*: the same block, 64 output
+# columns a warp's pass, each score tile made once a pass, 128 registers: two blocks an SM). The fused forms take
+# chunks of `DKV_CHUNKS` (8 warps at most), tiles within `STAGED_SHARED_MAX`, and calls whose k has every head (a
+# group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
+DKV_FORM = "split"
 DKV_CHUNKS = (64, 128)
 DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2: at most 128 registers, it spilled at K = V = 128)
+DKV_N_BLOCKS = 2  # chunk_dkv_n's (64 output columns a warp's pass: "narrow")
 _modules: dict = {}
 _tables: dict = {}
 
@@ -107,7 +110,8 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
             "chunk_states_pass": passing, "chunk_states_pass_half": passing, "chunk_dstates_pass": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
                 "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
-            "chunk_dkv": dkv_bytes(key, value, chunk), "chunk_dkv_ho": dkv_bytes(key, value, chunk)}
+            **{name: dkv_bytes(key, value, chunk) for name in ("chunk_dkv", "chunk_dkv_ho", "chunk_dkv_n",
+                                                                 "chunk_dkv_n_ho")}}
 
 
 def staged_bytes(key: int, value: int, chunk: int, vb: int) -> int:
@@ -136,10 +140,10 @@ def dkv_fits(key: int, value: int, chunk: int) -> bool:
     return chunk in DKV_CHUNKS and dkv_bytes(key, value, chunk) <= STAGED_SHARED_MAX
 
 
-def fused_dkv() -> bool:
-    """Whether the backward's dk and dv come from chunk_dkv* where it takes the call, rather than chunk_dk and
-    chunk_dv (SSMC_CUDA_CHUNK_DKV, else `FUSED_DKV`)."""
-    return (options().chunk_dkv or ("fused" if FUSED_DKV else "split")) == "fused"
+def dkv_form() -> str:
+    """How the backward's dk and dv are made where chunk_dkv* takes the call: "split" (chunk_dk and chunk_dv),
+    "fused" (chunk_dkv*) or "narrow" (chunk_dkv_n*) (SSMC_CUDA_CHUNK_DKV, else `DKV_FORM`)."""
+    return options().chunk_dkv or DKV_FORM
 
 
 def fused_states() -> bool:
@@ -178,7 +182,7 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
         body += "\n" + template("chunk/staged.cu.j2").render(
             bf16=bf16, vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
             pass_shared=shared["chunk_states_pass"], dkv_shared=shared["chunk_dkv"] if fits else 0,
-            dkv_blocks=DKV_BLOCKS)
+            dkv_blocks=DKV_BLOCKS, dkv_n_blocks=DKV_N_BLOCKS)
     return mma_header() + "\n" + body
 
 
@@ -634,10 +638,13 @@ class BackwardPlan:
                 kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
                 [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0), _Slot(_B_ENTERING),
                  _Slot(_ENTERED)])
-        # dk and dv by chunk_dkv* (`fused_dkv`) where the module has it, k has every head and both arrays are fp32
-        # or both 16-bit (its two forms); its spec in `dkv`, (dk given, dv given) in `dkv_given`
+        # dk and dv by chunk_dkv* or chunk_dkv_n* (`dkv_form`) where the module has them, k has every head and both
+        # arrays are fp32 or both 16-bit (the kernels' two forms); its spec in `dkv`, (dk given, dv given) in
+        # `dkv_given`
         self.dkv = self.dkv_given = None
-        if fused_dkv() and staged and dkv_fits(key, value, chunk) and _heads_summed(tuple(k.shape[:t]), heads)[0] == 1:
+        form = dkv_form()
+        if (form != "split" and staged and dkv_fits(key, value, chunk)
+                and _heads_summed(tuple(k.shape[:t]), heads)[0] == 1):
             f32, types = torch.float32, (torch.float32, self.dtype)
             dk_a, dv_a = given["dk"], given["dv"]
             dk_given = writable_out(dk_a, heads, nc, chunk, key, types)
@@ -646,11 +653,12 @@ class BackwardPlan:
             dv_out = dv_a if dv_given else made((*heads, nc, chunk, value))
             if (dk_out.dtype == f32) == (dv_out.dtype == f32):
                 self.dkv_given = (dk_given, dv_given)
-                self.dkv = spec(kv, "chunk_dkv" + ("" if dk_out.dtype == f32 else "_ho"), nh * nc, 2 * chunk, key,
-                                value, [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
-                                        *table(q, k, v, ell, dv_out, do, beta_col, skip_col), *table(dk_out),
-                                        _Slot(_DEND), _Slot(_DK), _Slot(_DV), _Slot(_ROWS), _Slot(_ENDS),
-                                        _Slot(_DBETA), _Slot(_DSKIP)])
+                name = "chunk_dkv" + ("_n" if form == "narrow" else "") + ("" if dk_out.dtype == f32 else "_ho")
+                self.dkv = spec(kv, name, nh * nc, 2 * chunk, key, value,
+                                [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                                 *table(q, k, v, ell, dv_out, do, beta_col, skip_col), *table(dk_out),
+                                 _Slot(_DEND), _Slot(_DK), _Slot(_DV), _Slot(_ROWS), _Slot(_ENDS), _Slot(_DBETA),
+                                 _Slot(_DSKIP)])
         self.summed = {}
         for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
                                                    ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
