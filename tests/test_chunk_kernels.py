@@ -8,7 +8,8 @@ chunk.cu.j2).
   steps);
 - the backward's five kernels (emulated) against algorithm.vjp in float64 on the same rounded values,
   every cotangent (q, k, v, the log decays, the initial state), K and V apart, unaligned operands;
-  ChunkedCore's backward on them against its torch backward;
+  ChunkedCore's backward on them against its torch backward; dk and dv from one kernel (chunk_dkv, chunk_dkv_n:
+  SSMC_CUDA_CHUNK_DKV) bit for bit the split kernels' (chunk_dk, chunk_dv);
 - NVRTC builds every size and chunk the kernels take for sm_80 and sm_90 with no spills, their dynamic
   shared memory within what an sm_80 block may have;
 - which calls take the kernels (16-bit, sizes, the switch), and ChunkedCore choosing them;
