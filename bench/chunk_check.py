@@ -2,7 +2,7 @@
 """Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
     python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--no-cores]
-                                [--only ssd,retnet,gla,ssd_short] [--chunk-dkv split,fused,narrow]
+                                [--only ssd,retnet,gla,ssd_short,gla_vector] [--chunk-dkv split,fused,narrow]
 
 SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16, RetNet (examples/retnet.py) at B4 L4096 H16 K128
 V128 bf16, simple GLA (examples/simple_gla.py, "gla": a log-decay per head and step) at the same shape against
@@ -29,6 +29,12 @@ fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16
    backward's chunk_dk and chunk_dv, or chunk_dkv / chunk_dkv_n for both), in one process: each row's part names
    its form.
 
+GLA with its decay per key ("gla_vector": examples/gla.py, B4 L4096 H16 K128 V128 bf16, g = logsigmoid / 16 per
+key as fla's GLA layer makes it) has no kernels yet: `run_torch_case` checks ssmc's torch path (its output and
+final state against fla's `chunk_gla` and against ssmc in float64, every gradient against the peer's), then times
+its forward and its training step against `chunk_gla`'s (`fused_recurrent_gla` where the chunk backward refuses),
+with the peak memory of each; the kernels column stays empty.
+
 Prints each workload's rows as it finishes them, then the whole markdown table; with --out, writes it
 to DIR/chunk.md. --no-cores skips 2.'s sweep of the cores alone (most of the run's time). Needs
 torch, triton, cupy; the peers are installed from peers/ as bench/harness.py does (no network).
@@ -49,7 +55,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import ssmc  # noqa: E402
 from ssmc.backends.cuda.kernels.chunk import algorithm, mma  # noqa: E402
-from ssmc.examples import mamba2, retnet, simple_gla  # noqa: E402
+from ssmc.examples import gla, mamba2, retnet, simple_gla  # noqa: E402
 
 SSD = {"b": 4, "t": 4096, "g": 1, "r": 32, "p": 64, "n": 128}
 SSD_SHORT = {"b": 32, "t": 180, "g": 1, "r": 16, "p": 64, "n": 64}
@@ -185,8 +191,36 @@ def gla_recurrent_peer(peers, a: dict):
     return lambda: fused(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0)[0]
 
 
+def gla_vector_inputs(g: torch.Generator, s: dict = RETNET, device: str = "cuda") -> dict:
+    """GLA's inputs (examples/gla.py) in bf16: q, k scaled by K ** -0.5, g = logsigmoid(x) / 16 per key (fla's
+    GLA layer's gate: decays in [exp(-ln(2)/16 ...), 1), some near 1, a few strong)."""
+    b, t, h, k, v = s["b"], s["t"], s["h"], s["k"], s["v"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(torch.bfloat16)
+
+    gate = torch.nn.functional.logsigmoid(torch.randn(b, t, h, k, generator=g, device=device) * 4) / 16
+    return {"q": randn(b, t, h, k, scale=k ** -0.5), "k": randn(b, t, h, k, scale=k ** -0.5), "v": randn(b, t, h, v),
+            "g": gate.to(torch.bfloat16)}
+
+
+def gla_vector_peer(peers, a: dict, final: bool = False):
+    """fla's chunk_gla (g its natural-log decays per key, fp32); `final`: (output, final state [B, H, K, V])."""
+    chunk_gla = peers.module("fla.ops.gla").chunk_gla
+    if final:
+        return lambda: chunk_gla(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0, output_final_state=True)
+    return lambda: chunk_gla(a["q"], a["k"], a["v"], a["g"].float(), scale=1.0)[0]
+
+
+def gla_vector_recurrent_peer(peers, a: dict):
+    """fla's fused_recurrent_gla: the peer of a training step where chunk_gla's backward refuses."""
+    fused = peers.module("fla.ops.gla").fused_recurrent_gla
+    return lambda: fused(a["q"], a["k"], a["v"], gk=a["g"].float(), scale=1.0)[0]
+
+
 # a training step's peer where the first one refuses (fla's chunk backward guards against a Triton miscompile)
-TRAINING_FALLBACK = {"gla": (gla_recurrent_peer, "fla fused_recurrent_simple_gla")}
+TRAINING_FALLBACK = {"gla": (gla_recurrent_peer, "fla fused_recurrent_simple_gla"),
+                     "gla_vector": (gla_vector_recurrent_peer, "fla fused_recurrent_gla")}
 
 
 def ssd_peer(peers, a: dict):
@@ -214,6 +248,11 @@ CASES = {
             False),
     "ssd_short": ("SSD B32 L180 H16 P64 N64 bf16", mamba2, lambda g: ssd_inputs(g, SSD_SHORT), ssd_peer,
                   "mamba_chunk_scan_combined", False),
+}
+# workloads that run on ssmc's torch path only (no kernels take them yet: `run_torch_case`), as CASES
+TORCH_CASES = {
+    "gla_vector": ("GLA (a decay per key) B4 L4096 H16 K128 V128 bf16", gla, gla_vector_inputs, gla_vector_peer,
+                   "fla chunk_gla", False),
 }
 
 
@@ -475,6 +514,87 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True,
     return rows
 
 
+def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = None, device: str = "cuda"
+                   ) -> list[dict]:
+    """A workload of TORCH_CASES (module docstring): rows as `run_case`'s, the kernels column None. `sizes`,
+    `device`: another shape and device than the workload's (a check of this function on the CPU)."""
+    import ssmc.torch
+
+    title, example, make_inputs, make_peer, peer, _ = TORCH_CASES[name]
+    spec, layout = example.SPEC, example.LAYOUT
+    a = make_inputs(g) if sizes is None else make_inputs(g, sizes, device)
+    fn = ssmc.compile(spec, layout=layout, backend="cuda")
+    ran, original = [], algorithm._forward_per_key
+    algorithm._forward_per_key = lambda *args: (ran.append(1), original(*args))[1]
+    try:
+        y, final = fn(**a, return_final_states=True)
+    finally:
+        algorithm._forward_per_key = original
+    if not ran:
+        raise RuntimeError("the per-key torch path did not run (see matrix_linear.per_key, ChunkedCore)")
+    print(f"{name}: forward ran; the float64 check of the first batch row", flush=True)
+    exact = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")
+    y64, final64 = exact(**{k: v[:1].double() for k, v in a.items()}, return_final_states=True)
+    checks: dict = {"vs float64 (batch row 0): output": rel(y[:1], y64),
+                    "vs float64 (batch row 0): final state": rel(final[:1], final64)}
+    print(f"{name}: {checks}; the peer's forward", flush=True)
+    peer_run = None
+    try:
+        peer_run = make_peer(peers, a)
+        y_peer, final_peer = make_peer(peers, a, final=True)()
+        checks["vs peer: output"] = rel(y, y_peer)
+        checks["vs peer: final state"] = rel(final, final_peer)
+    except Exception as err:  # a peer that does not import or run: reported, the rest goes on
+        checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
+        peer_run = None
+    ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
+    print(f"{name}: {checks}; timing the forwards, then the training step", flush=True)
+    t_torch = timed(lambda: fn(**a))
+    t_peer = timed(peer_run) if peer_run is not None else None
+    rows = [{"workload": title, "what": "forward (torch path)", "kernels": None, "torch": t_torch, "peer": t_peer,
+             "peer_name": peer, "checks": checks, "ok": ok}]
+
+    # a training step: every gradient against the peer's, then times and peak memory
+    tfn = ssmc.torch.function(spec, layout=layout)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in a.items()}
+    peer_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in a.items()}
+    dy = torch.randn(y.shape, generator=g, device=y.device).to(torch.bfloat16)
+
+    def step():
+        for v in leaves.values():
+            v.grad = None
+        tfn(**leaves).backward(dy)
+    step()
+    got = {k: v.grad.detach().clone() for k, v in leaves.items()}
+    checks, ok, peer_step, peer_name = {}, True, None, peer
+    for make, candidate in [(make_peer, peer), TRAINING_FALLBACK[name]]:
+        try:
+            run = make(peers, peer_leaves)
+
+            def peer_step(run=run):
+                for v in peer_leaves.values():
+                    v.grad = None
+                run().backward(dy)
+            peer_step()
+            for k, v in peer_leaves.items():
+                checks[f"d{k} vs {candidate}"] = e = rel(got[k], v.grad)
+                ok &= e < (DECAY_TOLERANCE if k == "g" else TOLERANCE)
+            peer_name = candidate
+            break
+        except Exception as err:
+            checks[candidate] = f"unavailable: {type(err).__name__}: {err}"[:200]
+            peer_step = None
+    print(f"{name}: gradients {checks}; timing the training steps", flush=True)
+    t_step = timed(step)
+    t_peer_step = timed(peer_step) if peer_step is not None else None
+    checks["peak MiB ssmc"] = f"{peak_mib(step):.0f}"
+    if peer_step is not None:
+        checks["peak MiB peer"] = f"{peak_mib(peer_step):.0f}"
+    rows.append({"workload": title, "what": "forward + backward (torch path)", "kernels": None, "torch": t_step,
+                 "peer": t_peer_step, "peer_name": peer_name, "checks": checks, "ok": ok})
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.3f}"
@@ -508,7 +628,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write DIR/chunk.md")
     ap.add_argument("--peers", type=Path, default=BENCH.parent / "peers")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ssmc_peers"))
-    ap.add_argument("--only", default=",".join(CASES))
+    ap.add_argument("--only", default=",".join([*CASES, *TORCH_CASES]))
     ap.add_argument("--no-cores", action="store_true",
                     help="skip the cores alone at every chunk (the whole calls' forward and forward + backward only)")
     ap.add_argument("--chunk-dkv", default="",
@@ -524,7 +644,8 @@ def main() -> int:
     rows, failed = [], False
     for name in args.only.split(","):
         try:
-            done = run_case(name, peers, g, cores_too=not args.no_cores, dkv_forms=forms)
+            done = (run_torch_case(name, peers, g) if name in TORCH_CASES
+                    else run_case(name, peers, g, cores_too=not args.no_cores, dkv_forms=forms))
             rows += done
             print(table(done), flush=True)  # as it goes: a run cut short by a time limit still shows these
         except Exception:

@@ -3,6 +3,7 @@
     python bench/flash_check.py [--out DIR] [--small] [--forward-only] [--specs causal,alibi,window]
     python bench/flash_check.py --gqa [--out DIR]      # causal GQA 32 / 8 heads against SDPA's enable_gqa
     python bench/flash_check.py --d 256 [--out DIR]    # causal at B4 H16 L4096 d256 against SDPA
+    python bench/flash_check.py --gather [--out DIR]   # a bias table / document ids (issue #42) vs FlexAttention
 
 For causal, ALiBi (causal) and sliding-window-512 specs at B4 H16 L4096 d128 bf16 and a small shape
 (B2 H4 L1000 d64): the flash kernel's output against torch SDPA (causal) or FlexAttention (ALiBi,
@@ -16,7 +17,12 @@ value, then the time of forward + backward against the same peers. Prints markdo
 --out, writes them to DIR/flash.md. ``SSMC_CUDA_FLASH_DQ=kernel`` in the environment times the
 backward with its deterministic dQ kernel instead of atomics. With ``--d 256``: the causal spec alone (others
 with --specs) at B4 H16 L4096 d256 bf16, its output and gradients checked against SDPA's before any timing, then
-the same forward and forward + backward rows. Needs torch, triton and cupy; no network.
+the same forward and forward + backward rows. With ``--gather``: the indexed reads at B4 H16 L4096 d128 bf16, a
+causal relative-position bias table ``table[h, clamp(i - j, 0, R - 1)]`` (FlexAttention: a score_mod indexing the
+same table) and a causal document mask from sorted ids ``doc[b, i] == doc[b, j]`` (FlexAttention: a block mask
+built from the ids), outputs and gradients (q, k, v, the table) checked against FlexAttention's first, then
+forward and forward + backward timed; the path ssmc ran (flash kernels, or the tiled path and why) in the table.
+Needs torch, triton and cupy; no network.
 """
 
 from __future__ import annotations
@@ -39,6 +45,23 @@ WINDOW = 512
 
 def alibi(score, q_idx, kv_idx, slope: ssmc.Param["h"]):  # noqa: F821, UP037 (an axis name)
     return score - slope * (q_idx - kv_idx)
+
+
+BUCKETS = 128  # the relative-position table's entries per head (distances past the last share it)
+
+
+def relpos(score, q_idx, kv_idx, table: ssmc.Param["h r=128"]):  # noqa: F722 (axis names)
+    return score + table[ssmc.clamp(q_idx - kv_idx, 0, BUCKETS - 1)]
+
+
+def doc_causal(q_idx, kv_idx, doc: ssmc.Seq["b"]):  # noqa: F821, UP037 (an axis name)
+    return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+
+
+GATHER_SPECS = {
+    "relpos": ssmc.attention(score_mod=relpos, mask_mod=ssmc.causal, batch="b h", head_dim="d"),
+    "doc": ssmc.attention(mask_mod=doc_causal, batch="b h", head_dim="d"),
+}
 
 
 SPECS = {
@@ -262,6 +285,76 @@ def check_d256(b: int, h: int, length: int) -> None:
         raise SystemExit("d256: errors against SDPA too large; nothing timed")
 
 
+def gather_inputs(name: str, b: int, h: int, length: int, d: int, documents: int = 8) -> tuple[list, dict]:
+    """(q, k, v, dO in bf16; the spec's other inputs: the bias table fp32, or sorted document ids [b, t] int32,
+    `documents` documents of random lengths per row)."""
+    torch.manual_seed(0)
+    qkvd = [torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    if name == "relpos":
+        return qkvd, {"table": 0.5 * torch.randn(h, BUCKETS, device="cuda")}
+    starts = torch.sort(torch.randint(1, length, (b, documents - 1), device="cuda"), dim=1).values
+    doc = (torch.arange(length, device="cuda")[None, :, None] >= starts[:, None, :]).sum(-1).to(torch.int32)
+    return qkvd, {"doc": doc}
+
+
+def flex_gather(name: str, b: int, h: int, length: int, extra: dict):
+    """FlexAttention under torch.compile for a gather spec: fn(q, k, v, table) for "relpos" (the table a
+    tensor the score_mod indexes, so its gradient flows), fn(q, k, v) for "doc" (a block mask from the ids)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    if name == "relpos":
+        causal = create_block_mask(lambda bi, hi, qi, ki: ki <= qi, None, None, length, length, device="cuda")
+
+        def run(q, k, v, table):
+            def score_mod(score, bi, hi, qi, ki):
+                return score + table[hi, (qi - ki).clamp(0, BUCKETS - 1)]
+            return flex(q, k, v, score_mod=score_mod, block_mask=causal)
+        return run
+    doc = extra["doc"]
+
+    def mask(bi, hi, qi, ki):
+        return (ki <= qi) & (doc[bi, qi] == doc[bi, ki])
+    block_mask = create_block_mask(mask, b, None, length, length, device="cuda")
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+
+
+def gather_row(name: str, b: int, h: int, length: int, d: int) -> dict:
+    """A gather spec: ssmc (ssmc.torch.function) against FlexAttention, output and gradients checked, then the
+    forward and forward + backward timed."""
+    import ssmc.torch
+
+    (q, k, v, do), extra = gather_inputs(name, b, h, length, d)
+    fn = ssmc.torch.function(GATHER_SPECS[name], layout="b h t ...")
+    ref = flex_gather(name, b, h, length, extra)
+    leaves = [q, k, v] + ([extra["table"]] if name == "relpos" else [])
+    consts = (extra["doc"],) if name == "doc" else ()
+
+    def ours(*xs):
+        return fn(*xs[:3], **({"table": xs[3]} if name == "relpos" else {"doc": xs[3]}))
+
+    out, want = ours(*leaves, *consts), ref(*leaves)
+    err_out = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    got_g, want_g = _grads(ours, leaves, do, consts), _grads(ref, leaves, do)
+    # (a torch whose FlexAttention gives captured tensors no gradient: the table's left out of the check)
+    err_grad = _rel_err(*zip(*[(g, w) for g, w in zip(got_g, want_g) if w is not None]))
+    path = "flash" if fn.tiled.flash_reason is None else f"tiled ({fn.tiled.flash_reason})"
+    return {"spec": name, "shape": f"B{b} H{h} L{length} d{d}", "path": path, "err_out": err_out,
+            "err_grad": err_grad, "fwd": timed(lambda: ours(*leaves, *consts)),
+            "fwd_ref": timed(lambda: ref(*leaves)), "train": timed(lambda: _grads(ours, leaves, do, consts)),
+            "train_ref": timed(lambda: _grads(ref, leaves, do))}
+
+
+def gather_table(rows: list[dict]) -> str:
+    lines = ["| spec | shape | ssmc path | out rel err | grad rel err | fwd ms | Flex ms | Flex / ssmc | fwd+bwd ms | "
+             "Flex ms | Flex / ssmc |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['spec']} | {r['shape']} | {r['path']} | {r['err_out']:.2e} | {r['err_grad']:.2e} | "
+                     f"{r['fwd']:.3f} | {r['fwd_ref']:.3f} | {r['fwd_ref'] / r['fwd']:.2f}x | {r['train']:.3f} | "
+                     f"{r['train_ref']:.3f} | {r['train_ref'] / r['train']:.2f}x |")
+    return "\n".join(lines)
+
+
 def config_report(text: str, out: Path | None, filename: str, rows: list[dict], base: str) -> None:
     """The config sweeps' ending (bench/flash_*_configs.py): print `text`, write it to out/filename, and exit
     non-zero where a row's error against the base config (key `base`) or the peer passes 3e-2."""
@@ -281,12 +374,30 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="the small shape only")
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
     parser.add_argument("--gqa", action="store_true", help="only causal GQA 32 / 8 heads, B2 L8192 d128, vs SDPA")
+    parser.add_argument("--gather", action="store_true",
+                        help="only the indexed reads (bias table, document ids), B4 H16 L4096 d128, vs FlexAttention")
     parser.add_argument("--specs", help="comma-separated specs (default all); 'alibi' brings its fixed-slope row")
     parser.add_argument("--d", type=int, choices=(128, 256), default=128,
                         help="256: B4 H16 L4096 d256, the causal spec unless --specs, checked against SDPA first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.gather:
+        shapes = [(2, 4, 1000, 64)] + ([] if args.small else [(4, 16, 4096, 128)])
+        rows = [gather_row(name, *shape) for shape in shapes for name in GATHER_SPECS]
+        text = (f"# ssmc attention with indexed reads (bf16), {torch.cuda.get_device_name()}, "
+                f"torch {torch.__version__}\n\nrelpos: causal + a bias table per head indexed by clamp(i - j, 0, "
+                "127); doc: causal within documents from sorted ids (8 a row); Flex: FlexAttention under "
+                "torch.compile (a score_mod indexing the table; a block mask from the ids); grad rel err: max "
+                "|error| / max |gradient| over q, k, v (and the table).\n\n" + gather_table(rows) + "\n")
+        print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "flash_gather.md").write_text(text)
+        bad = [(r["spec"], r["shape"]) for r in rows if not (r["err_out"] < 3e-2 and r["err_grad"] < 3e-2)]
+        if bad:
+            raise SystemExit(f"errors too large: {bad}")
+        return
     if args.gqa:
         r = gqa_row(2, 32, 8, 8192, 128)
         text = (f"# ssmc GQA attention (causal, bf16), {torch.cuda.get_device_name()}\n\n"

@@ -128,6 +128,7 @@ LONG_SIZES: dict[str, dict[str, int]] = {
     "retnet": {"batch": 1, "heads": 4, "dk": 16, "dv": 16},
     "mamba2": {"batch": 1, "groups": 1, "heads": 2, "headdim": 64, "state": 64},
     "simple_gla": {"batch": 1, "heads": 2, "dk": 64, "dv": 64},
+    "gla": {"batch": 1, "heads": 2, "dk": 64, "dv": 64},
 }
 LONG_LENGTHS = {"forward": 1_000_000, "gradient": 200_000, "reference": 100_000}
 QUICK_LONG_LENGTHS = {"forward": 200_000, "gradient": 50_000, "reference": 20_000}

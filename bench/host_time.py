@@ -23,6 +23,8 @@ short call whose last chunk is partial (180 steps: a chunk of 128 and one of 52,
 (B1 L180 G1 R1 P64 N64 with --cpu-stub). "retnet": RetNet (`examples/retnet.py`, bf16 q, k, v and
 an fp32 param gamma, whose positivity the chunked core checks once per array) at B4 L4096 H16 K128 V128, rows
 as SSD's.
+"lstm" / "gru": `ssmc.torch.function` of examples/lstm.py / gru.py (fp32, the persistent kernels) at
+B16 L180 I128 H256, every input a leaf, rows as Mamba-1's.
 "attention": `ssmc.torch.function` of causal attention and of causal ALiBi with a fixed slope (bench/flash_check.py's
 specs; the flash kernels), q, k, v [b h t d] bf16 at B2 H4 L1000 d64 (B1 H2 L16 d64 with --cpu-stub), rows as
 Mamba-1's.
@@ -468,7 +470,7 @@ def main() -> None:
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="cProfile's top functions of the torch op's calls")
     ap.add_argument("--only", default="mamba1,scan,ssd,retnet,attention",
-                    help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention")
+                    help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention, lstm, gru")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
     global PROFILE
@@ -498,6 +500,14 @@ def main() -> None:
                              retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5), args.calls)
     if "attention" in args.only:
         rows += attention_rows(ATTENTION, measure, args.calls)
+    for kind in ("lstm", "gru"):
+        if kind in args.only:
+            import persistent_check as pc
+            example = pc.KINDS[kind.upper()][0]
+            inputs = {k: v.detach().clone().requires_grad_(True) for k, v in
+                      pc.make_inputs(kind.upper(), 16, 180, 128, 256).items()}
+            rows.append(measure(f"{kind.upper()} B16 L180 I128 H256 fp32 (the persistent kernels)",
+                                ssmc.torch.function(example.SPEC, "cuda", layout=example.LAYOUT), inputs, args.calls))
     lines = ["| workload | host ms forward | host ms backward | host ms backward, grads None before | kernels ms "
              "(step) | step ms back to back |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['fwd_host']:.4f} | " + " | ".join(f"{r[k]:.4f}" if k in r else "-" for k in (

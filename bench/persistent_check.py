@@ -27,6 +27,12 @@ tables to DIR/persistent.md. Needs torch and cupy; no network.
   the plan.
 - LSTM B16 L180 I128 H256 in fp32 (short and narrow: latency-bound): as the B64 rows, and the forward's
   time at several grids (SSMC_CUDA_PERSISTENT_BLOCKS: the blocks at most).
+- examples/layernorm_lstm.py, B64 L180 I512 H512 in fp32 (no cuDNN peer; section "layernorm"): ssmc's forward
+  against a loop of torch ops of the same cell (torch.nn.functional.layer_norm; TF32 off) and against ssmc's
+  step loop, then every gradient of forward + backward (ssmc.torch.function) against torch's autograd through
+  that loop; the times of the forward and of forward + backward: ssmc persistent, ssmc step loop, the torch loop,
+  and the loop with its step torch.compile'd (where it compiles); the plans (the levels of reductions over the
+  units, an exchange among a tile's blocks each) and the launches.
 - examples/lstm_heads.py, 4 heads of 128, B64 L1024 I512 in bf16 (no peer): checked against ssmc's own
   fp32 call on the same values; forward and forward + backward times as TFLOP/s (the input and the
   recurrent products' FLOPs) and GB/s (the sequences' and the hoisted product's bytes), and as
@@ -50,7 +56,7 @@ from workloads import rnn as rnn_workloads  # bench/workloads/rnn.py: the exampl
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis as persistent_analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
-from ssmc.examples import gru, lstm, lstm_heads
+from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads
 
 KINDS = {"LSTM": (lstm, 4), "GRU": (gru, 3)}
 
@@ -667,6 +673,141 @@ def heads_rows(peak_tflops: float | None, peak_gbs: float | None, b: int = 64, t
     return lines
 
 
+def layernorm_inputs(b: int, t: int, i: int, k: int, seed: int = 3) -> dict:
+    """examples/layernorm_lstm.py's inputs (its make_inputs: weights uniform in 1 / sqrt(k)), fp32 on the GPU."""
+    import numpy as np
+
+    made = layernorm_lstm.make_inputs(np.random.default_rng(seed), t, batch=b, inp=i, hidden=k)
+    return {n: torch.as_tensor(v, dtype=torch.float32, device="cuda") for n, v in made.items()}
+
+
+def layernorm_torch_step():
+    """One step of the LayerNorm LSTM as torch ops (the example's cell, written without ssmc): (zx_t, h, c, U,
+    beta, gamma_c, beta_c) -> (h, c), zx_t = LN_{g k}(x_t W) gamma given flat [b, 4k] (g major, as U's columns)."""
+    import torch.nn.functional as F
+
+    eps = layernorm_lstm.EPS
+
+    def step(zx, h, c, uf, beta, gamma_c, beta_c):
+        b, k = h.shape
+        z = (zx + F.layer_norm(h @ uf, (4 * k,), eps=eps) + beta).view(b, 4, k)
+        i, f, g, o = z.unbind(1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(F.layer_norm(c, (k,), gamma_c, beta_c, eps))
+        return h, c
+    return step
+
+
+def layernorm_torch(inputs: dict, step) -> tuple:
+    """The LayerNorm LSTM over all steps as a loop of torch ops calling `step` (autograd through it where the
+    inputs require gradients): (y [b t k], final h, final c)."""
+    import torch.nn.functional as F
+
+    x, W, U = inputs["x"], inputs["W"], inputs["U"]
+    _, t, i = x.shape
+    k = U.shape[0]
+    zx = F.layer_norm(x @ W.reshape(i, 4 * k), (4 * k,), eps=layernorm_lstm.EPS) * inputs["gamma"].reshape(4 * k)
+    uf, beta = U.reshape(k, 4 * k), inputs["beta"].reshape(4 * k)
+    h, c, ys = inputs["h"], inputs["c"], []
+    for s in range(t):
+        h, c = step(zx[:, s], h, c, uf, beta, inputs["gamma_c"], inputs["beta_c"])
+        ys.append(h)
+    return torch.stack(ys, 1), h, c
+
+
+def layernorm_rows(b: int = 64, t: int = 180, i: int = 512, k: int = 512) -> list[str]:
+    """The LayerNorm LSTM in fp32: checked against the torch loop and the step loop, then timed (module
+    docstring)."""
+    import ssmc.torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the check and the default: 3xTF32 in the persistent kernel
+    inputs = layernorm_inputs(b, t, i, k)
+    forward = ssmc.compile(layernorm_lstm.SPEC, "cuda", layout=layernorm_lstm.LAYOUT)
+
+    def ssmc_forward(persistent: bool):
+        def call():
+            os.environ["SSMC_CUDA_PERSISTENT"] = "1" if persistent else "0"
+            return forward(**inputs, return_final_states=True)
+        return call
+    step, why = layernorm_torch_step(), ""
+    try:
+        compiled = torch.compile(step)
+        layernorm_torch(inputs, compiled)  # (compiles here; a failure leaves the compiled rows out)
+    except Exception as err:  # (torch.compile's failures are many: the row says which)
+        compiled, why = None, f"{type(err).__name__}: {err}"
+    LAUNCHED.clear()
+    with torch.no_grad():
+        want = as_list(layernorm_torch(inputs, step))
+    got, got_loop = as_list(ssmc_forward(True)()), as_list(ssmc_forward(False)())
+    err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want, strict=True))
+    err_loop = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, got_loop, strict=True))
+    fwd_launched = dict(LAUNCHED)
+    times = {"ssmc persistent": timed(ssmc_forward(True)), "ssmc step loop": timed(ssmc_forward(False), reps=10)}
+    with torch.no_grad():
+        times["torch loop"] = timed(lambda: layernorm_torch(inputs, step), reps=10)
+        if compiled is not None:
+            times["torch loop, torch.compile'd step"] = timed(lambda: layernorm_torch(inputs, compiled), reps=10)
+    os.environ["SSMC_CUDA_PERSISTENT"] = "1"
+
+    # forward + backward: ssmc.torch.function against autograd through the torch loop
+    g = torch.Generator(device="cuda")
+    g.manual_seed(4)
+    dy = torch.randn((b, t, k), device="cuda", generator=g)
+    fn = ssmc.torch.function(layernorm_lstm.SPEC, layout=layernorm_lstm.LAYOUT)
+    leaves = {n: v.detach().clone().requires_grad_(True) for n, v in inputs.items()}
+    ref_leaves = {n: v.detach().clone().requires_grad_(True) for n, v in inputs.items()}
+
+    def ssmc_train_ln(persistent: bool):
+        def call() -> dict:
+            os.environ["SSMC_CUDA_PERSISTENT"] = "1" if persistent else "0"
+            for v in leaves.values():
+                v.grad = None
+            fn(**leaves).backward(dy)
+            return {n: v.grad for n, v in leaves.items()}
+        return call
+
+    def torch_train_ln(cell):
+        def call() -> dict:
+            for v in ref_leaves.values():
+                v.grad = None
+            layernorm_torch(ref_leaves, cell)[0].backward(dy)
+            return {n: v.grad for n, v in ref_leaves.items()}
+        return call
+    LAUNCHED.clear()
+    want_g = {n: v.clone() for n, v in torch_train_ln(step)().items()}
+    got_g = ssmc_train_ln(True)()
+    err_g = relative_error(got_g, want_g)
+    worst = max(want_g, key=lambda n: relative_error({n: got_g[n]}, {n: want_g[n]}))
+    train_launched = dict(LAUNCHED)
+    train_times = {"ssmc persistent": timed(ssmc_train_ln(True), reps=10),
+                   "ssmc step loop": timed(ssmc_train_ln(False), reps=5),
+                   "torch loop": timed(torch_train_ln(step), reps=5)}
+    if compiled is not None:
+        try:
+            train_times["torch loop, torch.compile'd step"] = timed(torch_train_ln(compiled), reps=5)
+        except Exception as err:  # (its backward compiles here)
+            why = f"(backward) {type(err).__name__}: {err}"
+    os.environ["SSMC_CUDA_PERSISTENT"] = "1"
+    shape = f"B{b} L{t} I{i} H{k} fp32"
+    lines = [f"| LayerNorm LSTM {shape} | fwd ms | fwd+bwd ms |", "|---|---|---|"]
+    for name in times:
+        lines.append(f"| {name} | {times[name]:.3f} | {train_times.get(name, float('nan')):.3f} |")
+    lines += ["", f"forward: ssmc (persistent) vs the torch loop {err:.2e}, vs ssmc's step loop {err_loop:.2e}; "
+              f"forward + backward: every gradient vs torch's autograd through the loop, the worst {err_g:.2e} "
+              f"({worst}); max |got - want| / max |want|, TF32 off",
+              f"launches: forward {fwd_launched}, forward + backward {train_launched}; plans: {_plans()}"]
+    if why:
+        lines.append(f"torch.compile of the step failed: {why}")
+    status = [loop.status() for loop in persistent_runner._LOOPS.values()
+              if loop is not None and loop.program.name.startswith("layernorm_lstm")]
+    expected = {"layernorm_lstm", "layernorm_lstm_recording", "layernorm_lstm_backward"}
+    if (err > 1e-3 or err_loop > 1e-4 or err_g > 1e-2 or any(s[0] for s in status)
+            or not expected <= {*fwd_launched, *train_launched}):
+        lines.append(f"MISMATCH (layernorm): errors {err:.2e} / {err_loop:.2e} / {err_g:.2e}, barriers {status}, "
+                     f"launches {fwd_launched} {train_launched}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -677,10 +818,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="also B5 L37 I16 H37")
     parser.add_argument("--forward-only", action="store_true", help="no forward + backward rows")
     parser.add_argument("--all", action="store_true", help="also bf16 H1024, B16 H256 (and its grids), heads")
-    parser.add_argument("--sections", default="half,split,grid,heads",
+    parser.add_argument("--sections", default="half,split,grid,heads,layernorm",
                         help="with --all, which of its sections run (half: bf16 H1024; split: its K groups; grid: "
                              "B16 H256's grids; heads; variants: the persistent kernel's options at bf16 H1024 and "
-                             "fp32 B64 H512, checked then timed)")
+                             "fp32 B64 H512, checked then timed; layernorm: the LayerNorm LSTM B64 H512 fp32 vs "
+                             "torch)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 TFLOP/s (for the heads rows)")
     parser.add_argument("--peak-gbs", type=float, help="the device's memory GB/s (for the heads rows)")
     args = parser.parse_args()
@@ -713,7 +855,9 @@ def main() -> None:
                      lambda: [*variant_sweep(), "", *variant_sweep(64, 180, 512, 512, torch.float32,
                                                                    names=VARIANTS_FP32, phased=("default",))]),
                     ("heads", "LSTM heads (block-diagonal U), bf16", [],
-                     lambda: heads_rows(args.peak_tflops, args.peak_gbs))]
+                     lambda: heads_rows(args.peak_tflops, args.peak_gbs)),
+                    ("layernorm", "LayerNorm LSTM (reductions over the units in the cell) vs torch", [],
+                     lambda: layernorm_rows(args.b, args.t, args.i, args.k))]
         wanted = set(args.sections.split(","))
         for _, title, head, fn in (section for section in sections if section[0] in wanted):
             try:

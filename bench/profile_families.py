@@ -1,9 +1,10 @@
 """Where each new kernel family's time goes: the torch profiler's kernel table of one warm call.
 
-    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,flash]
+    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,flash,lstm_b16,gru_b16]
 
 For the benchmark workloads of bench/persistent_check.py (LSTM / GRU B64 L180 I512 H512 fp32, forward +
-backward), bench/chunk_check.py (SSD, RetNet bf16, forward and forward + backward) and bench/flash_check.py
+backward; lstm_b16 / gru_b16: B16 L180 I128 H256, the latency-bound target), bench/chunk_check.py (SSD,
+RetNet bf16, forward and forward + backward) and bench/flash_check.py
 (causal attention B4 H16 L4096 d128 bf16, forward + backward): two warm-up calls, then one profiled call;
 prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the call, so
 the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
@@ -62,20 +63,20 @@ def profiled(name: str, fn, rows: int = 14, ops: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rnn_cases(kind: str) -> list:
+def rnn_cases(kind: str, b: int = 64, t: int = 180, i: int = 512, k: int = 512) -> list:
     import persistent_check as pc
-    inputs = pc.make_inputs(kind, 64, 180, 512, 512)
+    inputs = pc.make_inputs(kind, b, t, i, k)
     fwd = pc.ssmc_call(kind, inputs, True)
     example = pc.KINDS[kind][0]
     fn = ssmc.torch.function(example.SPEC, layout=example.LAYOUT)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
-    dy = torch.randn(64, 180, 512, device="cuda")
+    dy = torch.randn(b, t, k, device="cuda")
 
     def train():
         for v in leaves.values():
             v.grad = None
         fn(**leaves).backward(dy)
-    return [(f"{kind} B64 L180 I512 H512 fp32 forward", fwd), (f"{kind} forward + backward", train)]
+    return [(f"{kind} B{b} L{t} I{i} H{k} fp32 forward", fwd), (f"{kind} forward + backward", train)]
 
 
 def chunk_cases(name: str) -> list:
@@ -130,6 +131,7 @@ def main() -> None:
     for name in args.only.split(","):
         try:
             cases = (rnn_cases(name.upper()) if name in ("lstm", "gru") else
+                     rnn_cases(name[:-4].upper(), 16, 180, 128, 256) if name in ("lstm_b16", "gru_b16") else
                      flash_cases() if name == "flash" else chunk_cases(name))
             for title, fn in cases:
                 sections.append(profiled(title, fn, ops=args.ops))

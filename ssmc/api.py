@@ -190,7 +190,7 @@ class CompiledAttention:
         qb, kv, _ = self.bind(q, k, v, layout, params)
         sizes = {**kv.sizes, **qb.sizes}
         out, lse = interpreter.run_attention(p, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-                                             {d.name: qb.arrays[d.name] for d in p.params}, sizes)
+                                             {d.name: qb.arrays[d.name] for d in p.inputs}, sizes)
         order = layout_of(layout, "out", p.v_axes)
         canonical = (TIME, *p.v_axes)
         out = out.transpose([canonical.index(a) for a in order])
@@ -294,12 +294,18 @@ class Step:
     the arrays' device); the call returns `out` itself in place of new arrays.
     ``in_place=True``: the new states are written into the state arrays given (every state must be given,
     as ``states=`` or by name; each of the state's own shape and dtype, no two in one memory), which come back as
-    the new states: a decoder keeps one buffer a state across steps. Both are written by a copy after the step's
-    run (the run's own results are allocated as in the full call, then copied: ``dst.copy_(src)`` for torch,
-    ``dst[...] = src`` for NumPy), so the values equal the allocating call's.
+    the new states: a decoder keeps one buffer a state across steps.
 
-    It runs the compiled full-sequence path on a sequence of length one (time axis added, final states
-    returned, time axis removed), so it takes what `Compiled` takes and computes the same numbers.
+    On the cuda backend (`Backend.step_runner`: backends/cuda/step.py), a step whose program lowers whole to one
+    kernel (every recurrence that reads no state through a recurrent product) is one launch of that kernel: it
+    writes the outputs into the ``out=`` tensors and, with ``in_place=True``, the new states over the old ones
+    (each thread reads its part of the state before writing it), so with both given a step allocates nothing;
+    a recurrent product no persistent kernel takes (a LayerNorm LSTM) is two matrix products, then one kernel.
+    Elsewhere (other backends, NumPy arrays, an LSTM's or GRU's persistent kernel, written arrays sharing memory
+    with others of the call) it runs the compiled full-sequence path on a sequence of length one (time axis added,
+    final states returned, time axis removed), and ``out=`` / ``in_place=True`` are written by a copy after
+    that run (``dst.copy_(src)`` for torch, ``dst[...] = src`` for NumPy). Either way it takes what `Compiled`
+    takes and the values equal the allocating call's.
     """
 
     def __init__(self, program: Recurrence, backend: str, layout, dtype=None):
@@ -312,6 +318,8 @@ class Step:
         self._names = [d.name for d in program.inputs]
         self._state_names = {s.name for s in program.states}
         self._one_state = program.states[0].name if len(program.states) == 1 else None
+        # the backend's own path for a step (cuda: one kernel launch writing the arrays given), or None
+        self._own = self.compiled.target.step_runner(program, layout, dtype)
 
     def __repr__(self) -> str:
         return f"<ssmc.Step {self.program.name} backend={self.backend}>"
@@ -341,6 +349,10 @@ class Step:
             if absent:
                 raise ValueError(f"{p.name} step: in_place=True writes the new states into the arrays given; "
                                  f"missing the states {absent}")
+        if self._own is not None and not kwargs:
+            done = self._own(given, initial, out, in_place)
+            if done is not None:
+                return done
         for name, position in self._seq_time.items():
             given[name] = _add_time(given[name], position)
         ys, finals = self.compiled(**given, **initial, **kwargs, return_final_states=True)

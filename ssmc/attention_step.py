@@ -99,6 +99,9 @@ class AttentionStep:
     the kernel's key splits a batch index (None: chosen a step from the batch, the length and the device)."""
 
     def __init__(self, program: Attention, backend: str, layout):
+        if program.seqs:
+            raise ValueError(f"{program.name}: a decode step takes no sequence inputs "
+                             f"({', '.join(d.name for d in program.seqs)}): the cache keeps no per-position ids")
         self.program = program
         self.backend = backend
         self.layout = layout
@@ -241,9 +244,9 @@ class AttentionStep:
         if missing:
             raise ValueError(f"{p.name} step: missing the params {missing}")
         out = {}
+        static = p.static_sizes
         for d in p.params:
             x = params[d.name]
-            want = tuple(sizes[a] for a in d.axes)
             if cache.numpy:
                 x = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
             else:
@@ -253,6 +256,11 @@ class AttentionStep:
                     from .backends.tiled_attention import to_tensor
 
                     x = to_tensor(x, d.name)
+            # an indexed table's own axis (not the cache's): its declared size, else the array's
+            for i, a in enumerate(d.axes):
+                if a not in sizes and (a in static or i < x.ndim):
+                    sizes[a] = static.get(a, x.shape[i] if i < x.ndim else 0)
+            want = tuple(sizes[a] for a in d.axes)
             if tuple(x.shape) != want:
                 raise ValueError(f"{p.name} step: param {d.name!r} has shape {tuple(x.shape)}, expected {want} "
                                  f"for axes {' '.join(d.axes)}")
@@ -312,7 +320,9 @@ class AttentionStep:
             from .backends.cuda.kernels.flash import forward
 
             if self._unprintable is None:  # printing the modifiers walks the IR: once a step object
-                self._unprintable = forward.unsupported(self.program) or ""
+                self._unprintable = forward.unsupported(self.program) or (
+                    "an indexed table (the decode kernel reads params from registers)"
+                    if forward.gather_sources(self.program) else "")
             reason = self._unprintable or (forward.cupy_missing() if q.is_cuda else None)
         self.kernel_reason = reason
         if reason is not None:

@@ -219,6 +219,8 @@ def _run_attention(spec: AttentionSpec, length: int, rng) -> tuple[dict[str, int
     q, k = (0.5 * rng.standard_normal((length, *batch, sizes[p.head_dim])) for _ in range(2))
     v = 0.5 * rng.standard_normal((length, *batch, sizes[p.value_dim]))
     params = {d.name: 0.5 * rng.standard_normal([sizes[a] for a in d.axes]) for d in p.params}
+    for d in p.seqs:  # ids of documents packed along time (time first: the default layout)
+        params[d.name] = np.sort(rng.integers(0, 3, (length, *(sizes[a] for a in d.axes))), axis=0)
     return sizes, {"out": spec.compile()(q, k, v, **params)}
 
 

@@ -249,6 +249,9 @@ def attention_checked(program, layout, q, k, v, cu_seqlens, cu_seqlens_k=None
 
     if cu_seqlens is None:
         raise ValueError(f"{ARGUMENT_K} is given without {ARGUMENT}")
+    if program.seqs:  # document ids already say what cu_seqlens would: one or the other
+        raise ValueError(f"{ARGUMENT} with the sequence inputs {[d.name for d in program.seqs]}: pass the packed "
+                         "batch whole, its document ids masking across documents")
     batch = attention_batch_axis(program)
     arrays = {"q": (q, program.q_axes), "k": (k, program.q_axes), "v": (v, program.v_axes)}
     time, lengths = {}, {}

@@ -38,6 +38,7 @@ class _Attention(torch.autograd.Function):
         flash = tiled.flash_backward(call) is not None and out32 is None
         ctx.save_for_backward(q, k, v, *params, *((y,) if flash else ()))
         ctx.fn, ctx.call, ctx.lse, ctx.flash, ctx.out32, ctx.param_grads = fn, call, lse, flash, out32, param_grads
+        ctx.names = names
         return y
 
     @staticmethod
@@ -53,8 +54,9 @@ class _Attention(torch.autograd.Function):
         q, k, v = tensors[:3]
         result = [tiled.to_layout(call, grads[name], name, axes, fn.layout, t.dtype)
                   for name, axes, t in (("q", p.q_axes, q), ("k", p.q_axes, k), ("v", p.v_axes, v))]
-        result += [grads[d.name].to(t.dtype) if ctx.param_grads else None
-                   for d, t in zip(p.params, tensors[3:len(tensors) - ctx.flash])]
+        params = {d.name for d in p.params}  # sequences (document ids) get no gradient
+        result += [grads[n].to(t.dtype) if ctx.param_grads and n in params else None
+                   for n, t in zip(ctx.names, tensors[3:len(tensors) - ctx.flash])]
         return (None, None, *result)
 
 
@@ -78,14 +80,14 @@ class AttentionFunction:
         if cu_seqlens is not None or cu_seqlens_k is not None:
             return self._packed(q, k, v, args, params, cu_seqlens, cu_seqlens_k)
         given = attention_params(self.program, args, params)
-        names = tuple(d.name for d in self.program.params if d.name in given)
+        names = tuple(d.name for d in self.program.inputs if d.name in given)
         unknown = sorted(set(given) - set(names))
         if unknown:
             raise ValueError(f"{self.program.name}: unexpected argument {unknown[0]!r}; params are "
-                             f"{[d.name for d in self.program.params]}")
+                             f"{[d.name for d in self.program.inputs]}")
         tensors = [x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v)]
         values = [given[n] if isinstance(given[n], torch.Tensor) else torch.as_tensor(given[n]) for n in names]
-        if _compiling() and self._op is not None and len(names) == len(self.program.params):
+        if _compiling() and self._op is not None and not self.program.seqs and len(names) == len(self.program.params):
             return self._op(*tensors, values)[0]  # traced by torch.compile: one custom op (torch_library.py)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *values))):
             return self.tiled(*tensors, self.layout, dict(zip(names, values)))

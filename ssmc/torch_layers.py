@@ -39,6 +39,7 @@ from .runtime.prologue import program_of
 _FUNCTION = None  # ssmc.torch.function, set by ssmc.torch
 OPTIONS = ("backend", "chunk")  # what `ssmc.torch.function` takes besides the spec and layout
 DEFAULT_STD = 0.02
+_OWN_STEPS: dict = {}  # (program, layout, backend) -> the backend's own step path, or None (`Recurrence._own_step`)
 
 
 def set_function(function) -> None:
@@ -158,6 +159,17 @@ class Recurrence(nn.Module):
             raise ValueError(f"{p.name} takes the sequences {seq_names}; missing {missing}")
         return [given[d.name] if d.name in given else getattr(self, d.name) for d in p.inputs]
 
+    def _own_step(self, first):
+        """The backend's own step path (`Backend.step_runner`) for tensors like `first`, or None."""
+        from .backends.registry import for_tensor, get_backend
+        from .runtime.binding import hashable_layout
+
+        backend = self.options.get("backend") or for_tensor(first)
+        key = (self.program, hashable_layout(self.layout), backend)
+        if key not in _OWN_STEPS:  # kept here, not on the module: a layer deep-copies without them
+            _OWN_STEPS[key] = get_backend(backend).step_runner(self.program, self.layout)
+        return _OWN_STEPS[key]
+
     def _states(self, states, argument: str) -> dict:
         """The initial states as the function takes them: by name, a prefix of the states in order."""
         given = state_dict_of(self.program, states, argument)
@@ -185,7 +197,9 @@ class Recurrence(nn.Module):
         For decoding (under ``torch.no_grad()``), as `ssmc.step`'s: ``out=`` tensors (one, or a tuple in
         output order, each the output's shape less time) receive the outputs and are returned;
         ``in_place=True`` writes the new states into the state tensors given (all of them), returned as the
-        new states. Both by ``copy_`` after the step (its own results allocated as without them)."""
+        new states. On the cuda backend without grad, a step whose program lowers to one kernel is one launch
+        writing them directly (nothing allocated where both are given: backends/cuda/step.py); elsewhere by
+        ``copy_`` after the step (its own results allocated as without them)."""
         given = self._states(states, "states")
         if in_place and len(given) < len(self.program.states):
             raise ValueError(f"{self.program.name} step: in_place=True writes the new states into the tensors "
@@ -196,6 +210,11 @@ class Recurrence(nn.Module):
                              "torch.no_grad(); a state that requires grad would be overwritten in the graph")
         args = self._arguments(seqs, named)
         names = [d.name for d in self.program.inputs]
+        if not torch.is_grad_enabled():
+            own = self._own_step(args[0])
+            done = own and own(dict(zip(names, args)), given, out, in_place)
+            if done:
+                return done
         args = [x.unsqueeze(self._seq_time[n]) if n in self._seq_time else x for n, x in zip(names, args)]
         ys, finals = self._fn(*args, **given)
         positions = list(self._out_time.values())

@@ -22,7 +22,7 @@ from ssmc.pipeline import show
 from ssmc.runtime.binding import bind_arrays
 
 RECURRENCES = ["hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "mamba_block_conv"]
+               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "gla"]
 REL_TOL = 1e-7  # float64; the derived gradients are exact up to rounding
 
 

@@ -13,8 +13,8 @@ import ssmc
 from ssmc.backends.cuda import emulator
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "lru", "simple_gla")
-ATTENTIONS = ("alibi_attention",)
+               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "lru", "simple_gla", "gla")
+ATTENTIONS = ("alibi_attention", "relpos_attention", "doc_attention")
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}
 REL_TOL = 1e-10  # float64: the two sides differ only in the order of roundings

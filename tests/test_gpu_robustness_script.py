@@ -88,7 +88,7 @@ def test_the_full_plans(script):
     long = script.long_plan()
     assert {(i["kind"], i["length"]) for i in long} == {("forward", 10**6), ("gradient", 200_000),
                                                         ("reference", 100_000)}
-    assert {i["example"] for i in long} == {"mamba1", "hgrn", "retnet", "mamba2", "simple_gla"}
+    assert {i["example"] for i in long} == {"mamba1", "hgrn", "retnet", "mamba2", "simple_gla", "gla"}
     assert {i["dtype"] for i in long} == {"float32", "bfloat16"}
     assert [i["kind"] for i in long[:10]] == ["forward"] * 10
     over = script.overflow_plan()

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("ssmc.torch")
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla")
+               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "gla")
 LENGTH = 5
 LSTM_SIZES = {"i": 3, "j": 4, "k": 4}
 

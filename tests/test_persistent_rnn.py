@@ -52,6 +52,14 @@ def gated(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"], bias: 
     return h, h
 
 
+@ssmc.recurrence
+def row_mean(h: ssmc.State["b k"], x: ssmc.Seq["b k"], U: ssmc.Param["j k"]):
+    """The batch's mean in the cell (a sum across the rows, which batch tiles split: refused)."""
+    z = x + ssmc.dot(h.rename(k="j"), U, over="j")
+    h = ssmc.tanh(z - ssmc.mean(z, "b"))
+    return h, h
+
+
 def _recurrent(rng, hidden: int):
     """A recurrent matrix of spectral radius about 0.8: a larger one makes the recurrence chaotic, where
     float32 and float64 loops part after a few steps whatever the kernel (0.4 x N(0, 1) at hidden 512
@@ -170,7 +178,10 @@ def test_lstm_and_gru_fit():
 
 
 def test_refusals_say_why():
-    assert "sum over" in analyse(_hoisted(layernorm_lstm.SPEC))       # LayerNorm across the units
+    # LayerNorm across the units: sums over the units in the cell (tests/test_persistent_layernorm.py); across the
+    # rows, refused
+    assert isinstance(analyse(_hoisted(layernorm_lstm.SPEC)), Cell)
+    assert "sum over b" in analyse(_hoisted(row_mean))
     assert "2 recurrent products" in analyse(_hoisted(two))            # h U1 and h U2
     cell = analyse(_hoisted(lstm.SPEC))
     too_wide = plan(cell, {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)

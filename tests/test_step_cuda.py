@@ -7,6 +7,7 @@ in float32, mamba1 and mamba2 in bf16 too."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -14,20 +15,32 @@ from profiles import nightly_case
 
 import ssmc
 from ssmc.api import time_positions
-from ssmc.backends.cuda import emulator
+from ssmc.backends.cuda import emulator, nvrtc
 from ssmc.complex_io import ComplexCall
 
 torch = pytest.importorskip("torch")
 
 # every example that is a recurrence (alibi_attention is attention: test_attention_step.py); lru is complex
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "lru")
+               "layernorm_lstm", "mamba_conv", "lstm_heads", "mamba_block_conv", "simple_gla", "gla", "lru")
 LENGTH = 5
 
-# the generated kernels one step launches (emulated, at these sizes; the step's torch ops not counted: the
-# staged input products of the LSTM-likes, the chunked form of linear_attention / retnet / simple_gla, which
-# runs no generated kernel at L = 1): an upper bound, so that a step launching more is caught
-STEP_KERNELS = {"mamba2": 2, "layernorm_lstm": 2, "lru": 2, "linear_attention": 0, "retnet": 0, "simple_gla": 0}
+# what one step launches (emulated, at the examples' sizes, a step like the ones before it): (the generated
+# kernels, the torch ops that launch work on a GPU: products, fills, copies; views and `torch.empty` not counted).
+# Not listed: (1, 0), the whole program as one kernel (backends/cuda/step.py). The listed ones read their states
+# through a recurrent product (x W and h U as two torch mm into arrays of the step's own, then one kernel,
+# `step.product_form`; lstm_heads, whose products are batched over heads: the hoisted x W as a torch mm, then the
+# persistent kernel) or hoist a product a thread per batch row would walk (lru's B u, with its complex arrays
+# split and joined by torch)
+STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 3), "layernorm_lstm": (1, 2), "lru": (2, 11)}
+# the steps that allocate where given ``out=`` and ``in_place=True`` (the general path: the full call's results,
+# then copied into the arrays given); every other step allocates nothing then
+ALLOCATING_IN_PLACE = ("lstm_heads", "lru")
+# torch ops that launch nothing on a GPU (views of the same memory, allocations)
+NOT_LAUNCHING = {"view", "_unsafe_view", "permute", "unsqueeze", "squeeze", "detach", "expand", "select", "slice",
+                 "transpose", "t", "alias", "as_strided", "view_as_real", "view_as_complex", "empty", "empty_strided",
+                 "promote_types", "reshape", "unbind", "split"}
+OUT = " (out=)"  # how `_TorchOps` records an op writing an array given (`torch.matmul(a, b, out=c)`)
 
 # CI runs a case a kernel path (each compiles its kernels with the host C++ compiler, seconds on CI's 2 cores);
 # the others repeat a kept case's path and run locally and nightly
@@ -82,18 +95,48 @@ def _rel(got, want) -> float:
     return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
 
 
+class _TorchOps:
+    """The torch ops run inside it, by name (`ops`)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func.overloadpacket.__name__ + (OUT if "out" in (kwargs or {}) else ""))
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def launching(self) -> int:
+        return sum(op.removesuffix(OUT) not in NOT_LAUNCHING for op in self.ops)
+
+    def allocating(self) -> int:
+        """Ops that make a new tensor (not a view, not an in-place op such as ``copy_``, none writing an array
+        given)."""
+        return sum(op not in NOT_LAUNCHING - {"empty", "empty_strided"} and not op.endswith(("_", OUT))
+                   for op in self.ops)
+
+
 def _stepped(module, step, inputs: dict, states: tuple, launches: list | None = None):
     """(outputs stacked along time as the full call returns them, final states): `step` called LENGTH times,
-    the sequences sliced at each step (from the last down for a reverse-time program); the emulated
-    launches of each step appended to `launches`."""
+    the sequences sliced at each step (from the last down for a reverse-time program); per step, (the emulated
+    launches, the torch ops launching work) appended to `launches`."""
     _, _, seq_time, out_time = _names(module)
     got = {}
     for t in (range(LENGTH - 1, -1, -1) if module.SPEC.program.reverse else range(LENGTH)):
         one = {n: (x.select(seq_time[n], t) if n in seq_time else x) for n, x in inputs.items()}
         before = emulator.launched
-        y_t, states = step(**one, states=states)
+        with _TorchOps() as ops:
+            y_t, states = step(**one, states=states)
         if launches is not None:
-            launches.append(emulator.launched - before)
+            launches.append((emulator.launched - before, ops.launching()))
         got[t] = _as_tuple(y_t)
         states = _as_tuple(states)
     ys = tuple(torch.stack([got[t][k] for t in range(LENGTH)], dim=pos) for k, pos in enumerate(out_time.values()))
@@ -120,12 +163,13 @@ def _check_steps(name: str, tensors: dict, tol: float, launches: list | None = N
 def test_emulated_stepping_equals_the_full_sequence_call(name, monkeypatch):
     """L = 5 steps of float32 CPU tensors through the emulated cuda backend against its full-sequence call
     (the kernels of L = 1 and of L = 5, which for the chunked and staged forms take other paths: float32
-    roundoff apart), from the example's initial states; a step launches at most STEP_KERNELS kernels."""
+    roundoff apart), from the example's initial states; a step launches what STEP_LAUNCHES says (one kernel
+    and no torch op where it does not list the example)."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
     launches = []
     _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
-    assert launches[-1] <= STEP_KERNELS.get(name, 1), (name, launches)
+    assert launches[-1] == STEP_LAUNCHES.get(name, (1, 0)), (name, launches)
 
 
 # -- out= and in_place=True --------------------------------------------------------------------------------
@@ -209,6 +253,247 @@ def test_emulated_step_out_and_in_place_write_the_given_tensors(name, monkeypatc
             assert torch.equal(g, w)
 
 
+def _real_or_complex(v):
+    v = np.asarray(v)
+    return torch.tensor(v, dtype=torch.complex64 if v.dtype.kind == "c" else torch.float32)
+
+
+@emulated_only
+@pytest.mark.parametrize("name", EMULATED_CASES)
+def test_emulated_in_place_step_allocates_nothing(name, monkeypatch):
+    """Emulated cuda backend: a step with ``out=`` and ``in_place=True`` (after a first such step, which plans
+    it) allocates nothing and launches what a step launches (STEP_LAUNCHES: one kernel, layernorm_lstm's two
+    matrix products before it into arrays of the step's own), where ALLOCATING_IN_PLACE does not list the
+    example (those allocate: the general path's results, copied); its outputs and new states are the
+    allocating step's from the same states, bit for bit."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", _real_or_complex)
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    launched = emulator.launched - before
+    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
+        assert torch.equal(g, w), name
+    assert [b.data_ptr() for b in _as_tuple(got_h)] == [b.data_ptr() for b in buffers]
+    if name in ALLOCATING_IN_PLACE:
+        assert ops.allocating() > 0, (name, ops.ops)  # listed: moved to the one-kernel path, update the table
+    else:
+        assert ops.allocating() == 0 and (launched, ops.launching()) == STEP_LAUNCHES.get(name, (1, 0)), \
+            (name, launched, ops.ops)
+
+
+@emulated_only
+@pytest.mark.parametrize("name", ["mamba2", "linear_attention", nightly_case("mamba1", reason="mamba2's lanes path")])
+def test_emulated_lanes_step_in_place(name, monkeypatch):
+    """The lanes kernel (forced: at the examples' sizes a thread per recurrence is chosen; decode sizes choose
+    it) as the step's one kernel: in place it equals the allocating step bit for bit, and L = 5 such steps
+    equal the full-sequence call."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    assert {p.strategy for p in step._own.plans.values()} == {"lanes"}
+    module = _example(name)
+    names, state_names, _, _ = _names(module)
+    tensors = _tensors(module.make_inputs(np.random.default_rng(3), LENGTH), torch.float32, "cpu")
+    inputs, states = {n: tensors[n] for n in names}, {s: tensors[s] for s in state_names}
+    monkeypatch.delenv("SSMC_CUDA_STRATEGY")  # the full call's chunked core takes no forced strategy
+    ys, finals = ssmc.compile(module.SPEC, "cuda", layout=module.LAYOUT)(**inputs, **states,
+                                                                         return_final_states=True)
+    monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
+    got_ys, got_finals = _stepped(module, step, inputs, tuple(states.values()))
+    for g, w in zip((*got_ys, *got_finals), (*_as_tuple(ys), *_as_tuple(finals))):
+        assert _rel(g, w) <= 2e-5, name
+    assert {p.strategy for p in step._own.plans.values()} == {"lanes"}
+
+
+@emulated_only
+@pytest.mark.parametrize("name", ["hgrn", "linear_attention"])
+def test_emulated_step_writes_strided_arrays_in_place(name, monkeypatch):
+    """``out=`` and state arrays that are strided views (every other element of their last axis): the kernel
+    writes them as they lie, the elements between untouched, the values the allocating step's."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+
+    def strided(x, fill):
+        big = torch.full((*x.shape[:-1], 2 * x.shape[-1]), fill)
+        big[..., ::2] = x
+        return big, big[..., ::2]
+
+    out_big, out = strided(_as_tuple(want_y)[0], float("nan"))
+    state_bigs, buffers = zip(*(strided(h, 7.0) for h in states))
+    got_y, got_h = step(**one, states=buffers, out=out, in_place=True)
+    assert got_y is out and torch.equal(out, _as_tuple(want_y)[0])
+    for big, g, w in zip(state_bigs, _as_tuple(got_h), _as_tuple(want_h)):
+        assert torch.equal(g, w) and bool((big[..., 1::2] == 7.0).all())
+    assert bool(out_big[..., 1::2].isnan().all())
+
+
+@emulated_only
+def test_emulated_layer_step_in_place_is_one_launch(monkeypatch):
+    """`ssmc.torch.Recurrence.step` on the (emulated) cuda backend without grad: with ``out=`` and
+    ``in_place=True`` each step after the first is one launch and no torch op; L steps equal `forward`."""
+    import ssmc.torch as st
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("hgrn")
+    values = _tensors(module.make_inputs(np.random.default_rng(6), LENGTH), torch.float32, "cpu")
+    layer = st.Recurrence(module.SPEC, layout=module.LAYOUT, backend="cuda")
+    with torch.no_grad():
+        ys, final = layer(values["x"], values["f"], return_final_states=True)
+        h = torch.zeros_like(final)
+        out = torch.empty_like(ys[:, 0])
+        for t in range(LENGTH):
+            x_t, f_t = values["x"][:, t], values["f"][:, t]
+            before = emulator.launched
+            with _TorchOps() as ops:
+                y_t, h_t = layer.step(x_t, f_t, states=h, out=out, in_place=True)
+            assert y_t is out and h_t is h
+            assert _rel(out, ys[:, t]) <= 1e-6
+            if t:
+                assert (emulator.launched - before, ops.ops) == (1, []), ops.ops
+        assert _rel(h, final) <= 1e-6
+
+
+@emulated_only
+def test_emulated_step_out_overlapping_an_input_takes_the_copying_path(monkeypatch):
+    """``out=`` the memory of an input (hgrn's x_t): the kernel would write what other threads may still read,
+    so the step runs the general path (torch ops, the results copied) and `out` holds the allocating step's
+    outputs; with the arrays apart again the next step is one launch and no torch op."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, one, states, want_y, want_h = _in_place_case("hgrn", "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    x = one["x"].clone()
+    with _TorchOps() as ops:
+        got_y, got_h = step(**{**one, "x": x}, states=states, out=x)
+    assert got_y is x and torch.equal(x, want_y) and torch.equal(got_h, want_h) and ops.ops
+    out = torch.empty_like(x)
+    step(**one, states=states, out=out)
+    before = emulator.launched
+    with _TorchOps() as ops:
+        step(**one, states=states, out=out)
+    assert (emulator.launched - before, ops.launching()) == (1, 0) and torch.equal(out, want_y)
+
+
+@emulated_only
+@pytest.mark.parametrize("name", ["lstm", nightly_case("gru", reason="lstm's path"),
+                                  nightly_case("lstm_heads", reason="lstm's path")])
+def test_emulated_product_step_is_one_kernel(name, monkeypatch):
+    """``SSMC_CUDA_STEP_PRODUCTS=1``: a step of a recurrence with a recurrent product is one kernel (a thread per
+    [b k] summing x W and h U itself, `step.step_program`) and no torch op; L = 5 steps equal the full call; in
+    place it equals the allocating step bit for bit, allocates nothing, and copies the new h over the old one
+    after the kernel (other threads read the old h: it is written aside), c written in place by the kernel."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    launches = []
+    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    assert launches[1:] == [(1, 0)] * (LENGTH - 1), launches
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    assert (emulator.launched - before, ops.ops) == (1, ["copy_"]), ops.ops
+    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
+        assert torch.equal(g, w)
+
+
+@emulated_only
+@pytest.mark.parametrize("name", ["lstm", nightly_case("gru", reason="lstm's path")])
+def test_emulated_product_form_step(name, monkeypatch):
+    """A step of an LSTM (as of layernorm_lstm; ``SSMC_CUDA_PERSISTENT=0`` too, where the full call is the step loop)
+    is its two products x W and h U as torch matrix products into arrays of the step's own, then one kernel
+    (`step.product_form`); L = 5 steps equal the full call; in place (h written by the kernel after the product
+    read it) it equals the allocating step bit for bit and allocates nothing."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT", "0")
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    launches = []
+    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    assert launches[1:] == [(1, 2)] * (LENGTH - 1), launches
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    assert (emulator.launched - before, ops.launching(), ops.allocating()) == (1, 2, 0), ops.ops
+    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
+        assert torch.equal(g, w)
+
+
+# decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
+# takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
+DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),
+                "linear_attention": dict(batch=16, heads=16, dk=64, dv=64),
+                "mamba1_block": dict(batch=16, dim=1024, state=16), "hgrn": dict(batch=16, dim=2048)}
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("name", sorted(DECODE_SIZES))
+def test_in_place_step_kernels_compile_without_spills(name, monkeypatch):
+    """The kernel an in-place step builds at decode sizes (planned through the emulated backend, not run), its
+    state's ``init_`` and ``final_`` parameters one array and so not ``__restrict__``, compiles for sm_90 with
+    NVRTC and spills no more than the allocating step's kernel (restrict pointers); hgrn, linear attention
+    and mamba1_block's spill nothing (mamba2's lanes kernel at N = 128 spills a few bytes either way)."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example(name)
+    names, state_names, seq_time, _ = _names(module)
+    values = _tensors(module.make_inputs(np.random.default_rng(5), 1, **DECODE_SIZES[name]), torch.float32, "cpu")
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    states = {s: values[s] for s in state_names}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    assert step._own._plan(one, states, None, False) is not None
+    assert step._own._plan(one, states, None, True) is not None
+    allocating, in_place = sources
+    for s in state_names:
+        assert f"__restrict__ init_{s}" in allocating and f"__restrict__ init_{s}" not in in_place
+        assert f"__restrict__ final_{s}" not in in_place
+    spills = []
+    for source in (allocating, in_place):
+        (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+        spills.append(resources.spill_store_bytes + resources.spill_load_bytes)
+    assert spills[1] <= spills[0] and (name == "mamba2" or spills == [0, 0]), spills
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+def test_product_step_kernel_compiles_without_spills(name, monkeypatch):
+    """``SSMC_CUDA_STEP_PRODUCTS=1``: the one kernel of an LSTM's / GRU's in-place step at decode sizes (B16,
+    input and hidden 1024; planned through the emulated backend, not run) compiles for sm_90 with NVRTC and
+    spills nothing; c's array is written in place (not ``__restrict__``), h's aside (restrict kept)."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    module = _example(name)
+    names, state_names, seq_time, _ = _names(module)
+    values = _tensors(module.make_inputs(np.random.default_rng(5), 1, batch=16, inp=1024, hidden=1024),
+                      torch.float32, "cpu")
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    plan = step._own._plan(one, {s: values[s] for s in state_names}, None, True)
+    assert plan is not None and [s for _, s in plan.copies] == ["h"]
+    (source,) = sources
+    assert re.search(r"__restrict__ h[,)]", source)
+    if "c" in state_names:
+        assert re.search(r"\* c[,)]", source) and not re.search(r"__restrict__ c[,)]", source)
+        assert re.search(r"\* out_next_c[,)]", source)
+    (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+    assert not resources.spills, resources.summary()
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------------
 
 BF16 = {"mamba1": ("u", "delta", "B", "C", "z"), "mamba2": ("x", "dt", "B", "C")}
@@ -233,3 +518,53 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     want_y, want_h = step(**one, states=states)
     # the same step twice: equal but for a kernel's order of atomic adds
     _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
+    """On a GPU, float32: a step with ``out=`` and ``in_place=True`` after a first such step (which plans it)
+    equals the allocating step, makes no allocation of torch's CUDA allocator and runs one kernel (CUDA kernels
+    the profiler saw, copies and fills aside; layernorm_lstm's cuBLAS products too), where ALLOCATING_IN_PLACE
+    does not list the example; those allocate."""
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+    out = outs if len(outs) > 1 else outs[0]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(**one, states=buffers, out=out, in_place=True)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    if name in ALLOCATING_IN_PLACE:
+        assert allocated > 0, name
+    else:  # one kernel; layernorm_lstm's matrix products before it (cuBLAS may take more than one kernel each)
+        generated, products = STEP_LAUNCHES.get(name, (1, 0))
+        assert allocated == 0, (name, allocated)
+        assert len(kernels) == generated if not products else len(kernels) >= generated + products, (name, kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lstm", "gru", "lstm_heads"])
+def test_gpu_product_step_is_one_kernel(name, monkeypatch):
+    """On a GPU, ``SSMC_CUDA_STEP_PRODUCTS=1``, float32: L = 5 steps equal the full call; a step with ``out=``
+    and ``in_place=True`` equals the allocating one, makes no allocation and runs its one kernel and the copy
+    of the new h over the old (h written aside: other threads read the old one)."""
+    monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    _check_steps(name, _tensors(values, torch.float32, "cuda"), 2e-5)
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+    out = outs if len(outs) > 1 else outs[0]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step(**one, states=buffers, out=out, in_place=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, name
+    assert [s for _, s in next(p for p in step._own.plans.values() if p is not None and p.in_place).copies] == ["h"]

@@ -51,7 +51,7 @@ class AttentionGrad:
         d_out = d_out.transpose([order.index(a) for a in canonical])
         grads = interpreter.run_attention_backward(
             self.backward, qb.arrays["q"], kv.arrays["k"], kv.arrays["v"],
-            {d.name: qb.arrays[d.name] for d in p.params}, sizes, d_out)
+            {d.name: qb.arrays[d.name] for d in p.inputs}, sizes, d_out)
         if group > 1:  # k and v were repeated to q's heads: their gradients summed back
             at = 1 + p.batch_axes.index(p.kv_heads)
             grads["k"], grads["v"] = (group_sum(grads[n], group, at) for n in ("k", "v"))

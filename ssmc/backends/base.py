@@ -127,6 +127,12 @@ class Backend:
         """The run function of one program (no stages): the backend's compiled kernels."""
         raise NotImplementedError(f"backend {self.name!r} compiles nothing")
 
+    def step_runner(self, program, layout, dtype=None):
+        """A backend's own path for `api.Step`'s calls (``run(given, initial, out, in_place)`` -> (outputs,
+        new states), or None for a call it does not take), or None: every step runs the full-sequence call
+        on a sequence of one step."""
+        return None
+
     def layer_runner(self, fused: Fused, dtype: np.dtype, staged: Runner) -> Runner:
         """The run function of a layer cut into stages, given `staged` (the stages in order)."""
         return staged

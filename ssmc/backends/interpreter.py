@@ -18,6 +18,7 @@ from contextvars import ContextVar
 
 import numpy as np
 
+from ..ir.axes import TIME
 from ..ir.node import Node, depending_on, toposort
 from ..ir.ops import Op
 from ..ir.program import Attention, Recurrence
@@ -146,6 +147,8 @@ class Evaluator:
                     out = np.where(*arrs)
             # broadcasting may leave size-1 axes: give every value its full shape
             return _contiguous(_full(out, axes, sizes, self.loops)), axes
+        if op is Op.GATHER:
+            return _gather(node, args, sizes)
         (x,) = args
         arr, axes = x
         if op is Op.SUM or op is Op.REDUCE_MAX:
@@ -181,6 +184,19 @@ class Evaluator:
             target = _loop_axes([x]) + node.axes
             return _contiguous(_full(align(x, target), target, sizes, self.loops)), target
         raise NotImplementedError(f"interpreter: no rule for {op}")
+
+
+def _gather(node: Node, args: list[Value], sizes: dict[str, int]) -> Value:
+    """``source[..., clamp(index, 0, n - 1), ...]`` along `node.arg`, per value of the index's loop axes
+    (which lead the result, then the source's other axes)."""
+    (arr, axes), (index, index_axes) = args
+    if any(a.startswith("~") for a in axes):
+        raise NotImplementedError("interpreter: a gather's source varies over the loops")
+    i = axes.index(node.arg)
+    n = arr.shape[i]
+    pos = np.clip(np.rint(np.asarray(index, dtype=np.float64)), 0, n - 1).astype(np.int64)
+    out = np.moveaxis(arr, i, 0)[pos]  # index's shape, then the source's other axes
+    return _contiguous(out), index_axes + axes[:i] + axes[i + 1:]
 
 
 def _block(sizes: dict[str, int], axis: str, parts: tuple[str, ...], index: int) -> tuple[int, int]:
@@ -236,10 +252,23 @@ def run_recurrence(program: Recurrence, seqs: dict[str, np.ndarray], params: dic
     return outs, finals
 
 
+def _inputs(program: Attention, params: dict[str, np.ndarray], lq: int, lk: int) -> dict[str, Value]:
+    """The params by their axes and the sequences (L, *axes) as (t, *axes), of q's and k's length."""
+    env = {d.name: (params[d.name], d.axes) for d in program.params}
+    for d in program.seqs:
+        arr = np.asarray(params[d.name], dtype=np.float64)
+        if arr.shape[0] != lq or lq != lk:
+            raise ValueError(f"sequence {d.name!r} has {arr.shape[0]} positions; it takes one per position of "
+                             f"q and k, which need the same length (here {lq} and {lk})")
+        env[d.name] = (arr, (TIME, *d.axes))
+    return env
+
+
 def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                   params: dict[str, np.ndarray], sizes: dict[str, int],
                   q_offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """q: (Lq, *batch, d), k: (Lk, *batch, d), v: (Lk, *batch, e), float64; the queries' positions
+    """q: (Lq, *batch, d), k: (Lk, *batch, d), v: (Lk, *batch, e), float64; `params` also holds the
+    sequences, (L, *decl.axes) (L = Lq = Lk); the queries' positions
     (q_idx) start at `q_offset` (a decode step's one query sits at the cache's length).
 
     Returns (out: (Lq, *batch, e), lse: (Lq, *batch)), the log-sum-exp of each row's scores
@@ -255,7 +284,7 @@ def run_attention(program: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarra
         "q_idx": (np.arange(q_offset, q_offset + lq, dtype=np.float64), ("~q",)),
         "kv_idx": (np.arange(lk, dtype=np.float64), ("~k",)),
     }
-    env.update({d.name: (params[d.name], d.axes) for d in program.params})
+    env.update(_inputs(program, params, lq, lk))
     target = ("~q", "~k", *batch)
     if program.score is not None:
         (s,) = ev.run([program.score], env)
@@ -293,7 +322,7 @@ def run_attention_backward(backward, q: np.ndarray, k: np.ndarray, v: np.ndarray
         "q_idx": (np.arange(lq, dtype=np.float64), ("~q",)),
         "kv_idx": (np.arange(lk, dtype=np.float64), ("~k",)),
     }
-    env.update({d.name: (params[d.name], d.axes) for d in program.params})
+    env.update(_inputs(program, params, lq, lk))
     mod = raw if program.score is None else np.broadcast_to(align(ev.run([program.score], env)[0], target), raw.shape)
     visible = np.ones(raw.shape, bool)
     if program.mask is not None:

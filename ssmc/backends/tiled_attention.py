@@ -135,6 +135,17 @@ def _views(given: tuple, canonical: list) -> list | None:
     return out
 
 
+def sequence_ranges(program: Attention, arrays: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each sequence input's (min, max) over its batch axes per position, [L] NumPy arrays, from its tensor
+    (L, *axes): what `mask_blocks.key_spans` bounds a read ``doc[q_idx]`` by (one device-to-host copy of
+    2 L numbers a sequence)."""
+    out = {}
+    for d in program.seqs:
+        t = arrays[d.name].reshape(arrays[d.name].shape[0], -1)
+        out[d.name] = (t.amin(1).cpu().numpy(), t.amax(1).cpu().numpy())
+    return out
+
+
 def block_rows(call: Call) -> int:
     """Query rows per block: as many as keep a block's fp32 scores within `SCORES_BUDGET`, a power of two
     in [MIN_BLOCK, MAX_BLOCK]."""
@@ -224,6 +235,12 @@ class TiledAttention:
         perm = [*range(1, n + 1), 0, n + 1]  # time first -> [*batch, t, d]
         q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
         params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
+        for d in p.seqs:  # ids, time first, in `acc` (whole numbers up to 2**24 exact in float32)
+            if arrays[d.name].shape[0] != arrays["k"].shape[0]:
+                raise ValueError(f"sequence {d.name!r} has {arrays[d.name].shape[0]} positions; it takes one per "
+                                 f"position of q and k, which need the same length (here "
+                                 f"{arrays['q'].shape[0]} and {arrays['k'].shape[0]})")
+            params[d.name] = arrays[d.name].to(device=device, dtype=acc)
         numpy = not isinstance(q_given, torch.Tensor)
         kv_axis = p.batch_axes.index(p.kv_heads) if group > 1 else 0
         return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis)
@@ -308,6 +325,9 @@ class TiledAttention:
     # -- the forward -----------------------------------------------------------------------------
 
     def spans(self, call: Call, block: int) -> list[tuple[int, int]]:
+        if self.program.seqs:  # ids are runtime data: their per-position ranges bound the spans, per call
+            return key_spans(self.program.mask, call.lq, call.lk, block, KEY_TILE, call.sizes, sequence_ranges(
+                self.program, call.params))
         key = (call.lq, call.lk, block, tuple(sorted(call.sizes.items())))
         spans = self._spans.get(key)
         if spans is None:
@@ -342,6 +362,12 @@ class TiledAttention:
         elif mod is not raw:
             mod = mod.expand_as(raw)
         return mod, benv, memo
+
+    def inputs(self, call: Call) -> dict:
+        """The evaluator's env of a call's params (by their axes) and sequences (time first, as (t, *axes))."""
+        env = {d.name: (call.params[d.name], d.axes) for d in self.program.params}
+        env.update((d.name, (call.params[d.name], (TIME, *d.axes))) for d in self.program.seqs)
+        return env
 
     def hoisted(self, call: Call, ev, env, roots) -> dict:
         """Values of the nodes of `roots` that depend on no per-block leaf (params' functions, constants):
@@ -433,7 +459,7 @@ class TiledAttention:
         p = self.program
         block = block or block_rows(call)
         ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
-        env = {d.name: (call.params[d.name], d.axes) for d in p.params}
+        env = self.inputs(call)
         memo = self.hoisted(call, ev, env, [n for n in (p.score, p.mask) if n is not None])
         batch = call.q.shape[:-2]
         out = torch.zeros((*batch, call.lq, call.v.shape[-1]), dtype=call.acc, device=call.q.device)
@@ -491,10 +517,13 @@ class TiledAttention:
                     out = out if out32 is None else out32
                 return kernel(call, out, lse, d_out, param_grads)
         p, bw = self.program, self.backward_ir
-        block = block or block_rows(call)
+        # a table's gradient summand holds each (i, j)'s one-hot row over the table's own axes: fewer rows
+        spread = max([math.prod(call.sizes[a] for a in d.axes if a not in p.batch_axes) for d in p.params] or [1])
+        block = block or (block_rows(call) if spread == 1 else
+                          _rows(math.prod(call.q.shape[:-2]) * spread, call.lk))
         scale = p.scale if p.scale is not None else 1.0 / math.sqrt(call.sizes[p.head_dim])
         ev = TorchEvaluator(call.sizes, call.acc, call.q.device)
-        env = {d.name: (call.params[d.name], d.axes) for d in p.params}
+        env = self.inputs(call)
         grad_roots = [g for _, g in bw.param_grads]
         roots = [n for n in (p.score, p.mask) if n is not None]
         if p.score is not None:

@@ -95,6 +95,8 @@ class TorchEvaluator(Evaluator):
             if op in BINARY:
                 return BINARY[op](*xs), axes
             return torch.where(*xs), axes
+        if op is Op.GATHER:
+            return _gather(node, args)
         (x,) = args
         t, axes = x
         if op is Op.SUM or op is Op.REDUCE_MAX:
@@ -131,6 +133,17 @@ class TorchEvaluator(Evaluator):
             target = tuple(node.axes) + _loops([x])
             return align(x, target), target
         raise NotImplementedError(f"torch evaluation: no rule for {op}")
+
+
+def _gather(node: Node, args: list[Value]) -> Value:
+    """``source[..., clamp(index, 0, n - 1), ...]`` along `node.arg` (`interpreter._gather`), the index's loop
+    axes last; a source constant along the axis (a size-1 dim) reads its one entry."""
+    (t, axes), (index, index_axes) = args
+    i = axes.index(node.arg)
+    n = t.shape[i]
+    pos = torch.clamp(torch.round(index), 0, n - 1).to(torch.long)
+    moved = t.movedim(i, -1)  # [*other axes, n]
+    return moved[..., pos], axes[:i] + axes[i + 1:] + index_axes
 
 
 def _block(sizes: dict[str, int], axis: str, parts: tuple[str, ...], index: int) -> tuple[int, int]:

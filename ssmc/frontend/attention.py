@@ -13,6 +13,21 @@ query head h reads key / value head h // (Hq / Hkv); params along h stay per que
 step); captured tensors must be `ssmc.Param` (constant over time). The mask returns True where a
 key is visible. The meaning, as a plain loop, is in `ssmc.ir.program.Attention`.
 
+Indexed reads: a modifier may index a param table at an integer expression of the positions, the index
+clamped into the table (T5's bucketed relative positions), and read per-position inputs, ``ssmc.Seq``
+(one value per position, e.g. document ids [b, t]), at the query's or key's position:
+
+    def rel(score, q_idx, kv_idx, table: ssmc.Param["h r"]):
+        return score + table[q_idx - kv_idx]          # table[h, clamp(i - j, 0, R - 1)]
+
+    def doc_mask(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+
+    attn(q, k, v, table=t, doc=ids)   # ids [b, t] in the layout's order (integers), q's length
+
+The table's gradient is the sum of the scores' gradients over the (i, j) that read each entry (summed in a
+fixed order: deterministic); sequences get none.
+
 Packed sequences: ``attn(q, k, v, cu_seqlens=cu)`` with q, k, v packed along time in a batch of 1 and
 `cu` [N+1] the cumulative lengths (flash-attn's varlen offsets): each query attends to the keys of its own
 sequence, q_idx and kv_idx counted from that sequence's start (ssmc/packed.py). Where the keys are packed apart
@@ -28,8 +43,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import Loc, SpecError
-from ..ir.axes import format_axes, parse_axes
-from ..ir.node import BOOL, FLOAT, Node
+from ..ir.axes import TIME, format_axes, parse_axes
+from ..ir.node import BOOL, FLOAT, Node, toposort
 from ..ir.ops import Op
 from ..ir.program import Attention, Decl, Role
 from ..ir.verify import verify_nodes
@@ -61,18 +76,39 @@ def _trace_mod(fn: Callable, kind: str, leading: list[Tensor], batch: tuple[str,
     if len(sig) < n_lead:
         want = "(score, q_idx, kv_idx, *params)" if kind == "score_mod" else "(q_idx, kv_idx, *params)"
         raise SpecError(f"{kind} must take {want}", src.def_loc)
-    decls, sizes = read_signature(fn, src, (Role.PARAM,), skip=n_lead)
-    result = trace(fn, leading + [input_leaf(d) for d in decls], sizes, src, locs)
+    decls, sizes = read_signature(fn, src, (Role.PARAM, Role.SEQ), skip=n_lead)
+    for d in decls:
+        if d.role is Role.SEQ and any(a not in batch for a in d.axes):
+            raise SpecError(f"sequence {d.name!r} has axes {format_axes(d.axes)} beyond the batch axes "
+                            f"{format_axes(batch)}: it holds one value per position (and some batch axes)", d.loc)
+    leaves = [input_leaf(d) if d.role is Role.PARAM else
+              Tensor(Node.make(Op.INPUT, (), d.name, (TIME, *d.axes), loc=d.loc)) for d in decls]
+    result = trace(fn, leading + leaves, sizes, src, locs)
     ret = src.return_loc
     try:
         node = as_tensor(result).node
     except SpecError as err:
         raise SpecError(f"{kind} result: {err.message}", ret) from None
     node_loc = locs.get(node) or ret
+    seq_decls = {d.name: d for d in decls if d.role is Role.SEQ}
+    for n in toposort([node]):  # a sequence is read only at a position (a gather along time)
+        used = [a for i, a in enumerate(n.args) if a.op is Op.INPUT and a.arg in seq_decls
+                and not (n.op is Op.GATHER and i == 0 and n.arg == TIME)]
+        if used or (n is node and n.op is Op.INPUT and n.arg in seq_decls):
+            d = seq_decls[(used[0] if used else n).arg]
+            raise SpecError(f"{kind} uses {d.name!r}, an ssmc.Seq (one value per position), as a whole: read it "
+                            f"at a position, {d.name}[q_idx] or {d.name}[kv_idx]; a value constant over time is an "
+                            "ssmc.Param", d.loc)
     extra = [a for a in node.axes if a not in batch]
     if extra:
         raise SpecError(f"{kind} returns axes {format_axes(node.axes)}, but scores have only the batch "
                         f"axes {format_axes(batch)}", node_loc)
+    for n in toposort([node]):
+        if n.op is Op.GATHER and n.arg in batch:
+            what = getattr(n.args[0], "arg", None)
+            raise SpecError(f"{kind}: {what!r} is indexed along {n.arg!r}, one of the batch axes "
+                            f"{format_axes(batch)}: index a table along an axis of its own "
+                            f"(ssmc.Param[\"h r\"] indexed along r)", locs.get(n) or node_loc)
     want = FLOAT if kind == "score_mod" else BOOL
     if node.dtype != want:
         raise SpecError(f"{kind} must return a {'score (float)' if want == FLOAT else 'boolean mask'}, "
@@ -135,9 +171,10 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
         for d in mod_decls:
             if d.name in ("score", "q_idx", "kv_idx", "q", "k", "v"):
                 raise SpecError(f"{kind}: parameter name {d.name!r} is reserved", d.loc)
-            if d.name in decls and decls[d.name].axes != d.axes:
-                raise SpecError(f"param {d.name!r} has axes {format_axes(d.axes)} here but "
-                                f"{format_axes(decls[d.name].axes)} in the other modifier", d.loc)
+            if d.name in decls and (decls[d.name].axes, decls[d.name].role) != (d.axes, d.role):
+                raise SpecError(f"{d.role.value} {d.name!r} has axes {format_axes(d.axes)} here but "
+                                f"{decls[d.name].role.value} {format_axes(decls[d.name].axes)} in the other "
+                                "modifier", d.loc)
             decls.setdefault(d.name, d)
         for a, n in mod_sizes.items():
             if sizes.setdefault(a, n) != n:
@@ -156,7 +193,9 @@ def attention(score_mod: Callable | None = None, mask_mod: Callable | None = Non
     if scale is not None and not np.isfinite(scale):
         raise SpecError(f"attention scale must be a finite number, got {scale}", loc)
     program = Attention(name=name or (getattr(score_mod, "__name__", None) or "attention"),
-                        batch_axes=batch_axes, head_dim=hd, value_dim=vd, params=tuple(decls.values()),
+                        batch_axes=batch_axes, head_dim=hd, value_dim=vd,
+                        params=tuple(d for d in decls.values() if d.role is Role.PARAM),
+                        seqs=tuple(d for d in decls.values() if d.role is Role.SEQ),
                         score=traced["score_mod"], mask=traced["mask_mod"], scale=scale,
                         sizes=tuple(sorted(sizes.items())), loc=loc, kv_heads=kv_heads)
     return AttentionSpec(program)

@@ -187,6 +187,38 @@ class Tensor:
             raise SpecError("power by a tensor is not supported", user_loc(2))
         return make(op, tuple(as_tensor(x) for x in inputs))
 
+    # -- indexed reads (attention's modifiers) ------------------------------------------------
+    def __getitem__(self, index) -> Tensor:
+        """``table[i]``: the entry at position `i` along the table's last axis; ``doc[q_idx]``: a sequence
+        (``ssmc.Seq`` in a modifier) at a query's or key's position. Attention modifiers only (the index an
+        integer expression of q_idx and kv_idx: ir/verify.py); `take` names the axis."""
+        if isinstance(index, (tuple, slice, type(Ellipsis))) or index is None:
+            raise SpecError(f"tensor[{index!r}]: index with one position (an integer expression of q_idx and "
+                            "kv_idx), or name the axis with x.take(axis, index)", user_loc(2))
+        axis = TIME if TIME in self.axes else (self.axes[-1] if self.axes else None)
+        if axis is None:
+            raise SpecError("indexing a value with no axes", user_loc(2))
+        return self._take(axis, index, user_loc(2))
+
+    def take(self, axis: str, index) -> Tensor:
+        """The entry at position `index` along `axis`: ``out[...] = x[..., clamp(index, 0, n - 1), ...]``, the
+        index clamped into the axis (n its size; T5's bucketed distances saturate so). As a plain loop, for
+        each (query i, key j) of attention: ``out = x[axis=min(max(index(i, j), 0), n - 1)]``."""
+        return self._take(axis, index, user_loc(2))
+
+    def _take(self, axis: str, index, loc) -> Tensor:
+        if isinstance(index, bool) or not isinstance(index, (Tensor, numbers.Integral)):
+            raise SpecError(f"index {index!r}: an index is an integer expression of q_idx and kv_idx "
+                            f"(or a whole number), not a {type(index).__name__}", loc)
+        if axis not in self.axes:
+            raise SpecError(f"cannot index along axis {axis!r}: the tensor has axes {format_axes(self.axes)}", loc)
+        index = as_tensor(int(index) if isinstance(index, numbers.Integral) else index)
+        try:
+            node = Node.make(Op.GATHER, (self.node, index.node), axis, loc=loc)
+        except AxisError as err:
+            raise SpecError(str(err), loc) from None
+        return Tensor(_record(node, loc))
+
     # -- axes ----------------------------------------------------------------------------------
     def sum(self, axes=None) -> Tensor:
         """Sum over the named axes (all axes when None)."""

@@ -96,6 +96,8 @@ def _infer(op: Op, args: tuple[Node, ...], arg: object) -> tuple[tuple[str, ...]
         elif len(args) != (2 if op in BINARY else 1):
             raise AxisError(f"{op.value} takes {2 if op in BINARY else 1} arguments")
         return _union(a.axes for a in args), BOOL if op in BOOL_RESULT else FLOAT
+    if op is Op.GATHER:
+        return _gather(args, arg)
     (x,) = args
     if op in REDUCTIONS:
         if arg not in x.axes:
@@ -130,6 +132,18 @@ def _infer(op: Op, args: tuple[Node, ...], arg: object) -> tuple[tuple[str, ...]
     if op is Op.EXPAND:  # the named axes in their order, then any others of the operand
         return _union([tuple(arg), x.axes]), x.dtype
     raise AxisError(f"unknown op {op}")
+
+
+def _gather(args: tuple[Node, ...], axis: object) -> tuple[tuple[str, ...], str]:
+    if len(args) != 2:
+        raise AxisError("gather takes (source, index)")
+    source, index = args
+    if axis not in source.axes:
+        raise AxisError(f"cannot index along axis {axis!r}: the operand has axes {format_axes(source.axes)}")
+    if index.axes:
+        raise AxisError(f"the index has axes {format_axes(index.axes)}: an index is one position per (query, key) "
+                        "(an expression of q_idx and kv_idx, no axes)")
+    return tuple(a for a in source.axes if a != axis), source.dtype
 
 
 # -- graph helpers ----------------------------------------------------------------------------

@@ -9,7 +9,10 @@ Ops fall in four groups, which passes dispatch on:
 - structural: RENAME (`arg` = ((old, new), ...)), SELECT (`arg` = (axis, index): drop an axis
   by taking one position), SLICE (`arg` = (axis, new_axis, parts, index): the `index`-th block
   of `axis` cut into blocks named `parts`, renamed `new_axis`), PAD (the transpose of SLICE),
-  EXPAND (`arg` = axes to broadcast to; they come first, in that order).
+  EXPAND (`arg` = axes to broadcast to; they come first, in that order);
+- indexed: GATHER (`arg` = axis; args (source, index)): the source at position index along `axis`, the
+  index clamped to [0, size(axis) - 1]; the result has the source's other axes, then the index's. Only
+  attention's modifiers make it (``table[q_idx - kv_idx]``, ``doc[q_idx]``; frontend/attention.py).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Op(Enum):
     SLICE = "slice"
     PAD = "pad"
     EXPAND = "expand"
+    # indexed read
+    GATHER = "gather"
 
     def __repr__(self) -> str:
         return f"Op.{self.name}"

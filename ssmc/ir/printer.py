@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from .axes import format_axes
+from .axes import TIME, format_axes
 from .node import Node, toposort
 from .ops import INFIX, Op
 from .program import Attention, Recurrence, Role
@@ -54,6 +54,8 @@ def _describe(node: Node, names: dict[Node, str]) -> str:
         return f"pad {a[0]} {new} as block #{i} of {axis} ({' '.join(parts)})"
     if op is Op.EXPAND:
         return f"broadcast {a[0]} to {format_axes(node.arg)}"
+    if op is Op.GATHER:
+        return f"{a[0]}[{node.arg}={a[1]}]" + ("" if node.arg == TIME else " (clamped)")
     return f"{op.value} " + " ".join(a)
 
 
@@ -95,6 +97,8 @@ def format_attention(p: Attention) -> str:
            f"  scale {'1/sqrt(' + p.head_dim + ')' if p.scale is None else p.scale}"]
     if p.params:
         out.append("  param " + ", ".join(f"{d.name} {format_axes(d.axes)}" for d in p.params))
+    if p.seqs:
+        out.append("  seq   " + ", ".join(f"{d.name} {format_axes(d.axes)} + time" for d in p.seqs))
     roots = [n for n in (p.score, p.mask) if n is not None]
     lines, names = format_nodes(roots)
     out.extend(lines)

@@ -106,7 +106,12 @@ class Attention:
             p = softmax(s);   out[i, e] = sum_j p[j] v[j, e]
 
     `score` is the INPUT leaf named "score" with the batch axes; `q_idx` / `kv_idx` are INDEX
-    leaves; captured params are PARAM decls.
+    leaves; captured params are PARAM decls. A modifier may index a param (a table) at an integer
+    expression of i and j, ``table[clamp(i - j, 0, R - 1)]`` (a GATHER node, the index clamped into the
+    table), and read per-position inputs, SEQ decls (`seqs`: one value per position along time, with
+    some of the batch axes, e.g. document ids [b, t]) at the query's or key's position, ``doc[i]``,
+    ``doc[j]``: their INPUT leaves have axes (t, *decl.axes) and are read only through a GATHER along t
+    at q_idx or kv_idx. Sequences have q's length (self-attention) and get no gradient.
     """
 
     name: str
@@ -120,6 +125,12 @@ class Attention:
     sizes: tuple[tuple[str, int], ...] = ()
     loc: Loc | None = field(default=None, compare=False)
     kv_heads: str | None = None       # the batch axis k and v may be smaller along (GQA)
+    seqs: tuple[Decl, ...] = ()       # per-position inputs read at q_idx / kv_idx (document ids)
+
+    @property
+    def inputs(self) -> tuple[Decl, ...]:
+        """What a call passes besides q, k, v: the params, then the sequences."""
+        return self.params + self.seqs
 
     @property
     def static_sizes(self) -> dict[str, int]:

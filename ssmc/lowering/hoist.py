@@ -41,6 +41,7 @@ from ..ir.node import Node, substitute, toposort
 from ..ir.ops import Op
 from ..ir.program import Decl, Recurrence, Role
 from ..passes.classify import classify
+from ..passes.recurrent_products import recurrent_products
 
 TIME = "~t"  # the label of the time axis while evaluating
 
@@ -149,7 +150,15 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     # what the loop computes for the states it keeps whatever is hoisted (not the accumulators)
     in_loop = set(toposort([u for s, u in zip(staged.states, staged.updates) if s.name not in accs]))
 
+    # a program with a recurrent product (an LSTM's adjoint, run by the persistent kernel, whose blocks each own a
+    # batch tile) writes the loop's value of every accumulator's increment that is a plain sum of it (a LayerNorm
+    # gain's sum_b dz n), summed over time and the rows after the loop, rather than summing it across the rows
+    # in the loop
+    written = bool(recurrent_products(staged))
+
     def post_form(root: Node, gemm_only: bool, accumulator: bool = False) -> Node | None:
+        if written and accumulator and not gemm_only and root.op is Op.ADD:
+            root = _pulled_sum(root) or root  # (a peephole's gradient: a row sum a gate, stacked along g3)
         if root.op is Op.ADD and gemm_only:  # a sum of contractions (minGRU's grad_x: g_z Wz^T + g_h Wh^T)
             forms = [post_form(a, gemm_only, accumulator) for a in root.args]
             return None if any(f is None for f in forms) or root in in_loop else build.add(*forms)
@@ -174,7 +183,8 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
                 kernel_values += within
                 leafy = [g for g in leafy if g not in within]
                 f = reduce(build.mul, kernel_values)
-        if f.op is Op.INPUT or not (gemm_like(summed, (f, *leafy)) if gemm_only else f in factors):
+        if f.op is Op.INPUT or not (gemm_like(summed, (f, *leafy)) if gemm_only
+                                    else f in factors or (written and accumulator)):
             return None
         name = factors.setdefault(f, f"hf{len(factors)}")
         value = Node.make(Op.INPUT, (), name, f.axes)
@@ -209,6 +219,28 @@ def hoist(program: Recurrence, transpose: bool = True) -> Hoisted:
     final, transposed = transpose_params(final) if transpose else (final, ())
     return Hoisted(program, final, tuple(pre), tuple((n, f) for f, n in factors.items()),
                    tuple(post_outputs), tuple(post_acc), transposed)
+
+
+def _pulled_sum(node: Node) -> Node | None:
+    """`node` as one sum over an axis a of a summand, where it is a tree of additions and selections
+    ``where(c, ., 0)`` (c without a) over sums over a: ``sum_i where(g3 == i, sum_b f_i, 0)`` as
+    ``sum_b sum_i where(g3 == i, f_i, 0)``; else None."""
+    def summand(n: Node, axis: str | None) -> tuple[str, Node] | None:
+        if n.op is Op.SUM and axis in (None, n.arg):
+            return n.arg, n.args[0]
+        if n.op is Op.ADD:
+            first = summand(n.args[0], axis)
+            second = first and summand(n.args[1], first[0])
+            return second and (first[0], build.add(first[1], second[1]))
+        if (n.op is Op.WHERE and n.args[2].op is Op.CONST and n.args[2].arg == 0
+                and (axis is None or axis not in n.args[0].axes)):
+            inner = summand(n.args[1], axis)
+            if inner is not None and inner[0] not in n.args[0].axes:
+                return inner[0], build.where(n.args[0], inner[1], n.args[2])
+        return None
+
+    found = summand(node, None)
+    return None if found is None else build.reduce_sum(found[1], found[0])
 
 
 def transpose_params(program: Recurrence) -> tuple[Recurrence, tuple]:
@@ -278,7 +310,14 @@ def _find_pre(program: Recurrence, roles, increments: set[Node] = frozenset()) -
                 free.add(n)
         elif n.op not in (Op.IOTA,) and all(a in free for a in n.args):
             free.add(n)
-    inner = {n.args[0] for n in nodes if n.op is Op.SUM and n in free}  # a sum summed again
+    # a sum summed again, and read by nothing else: its outer sum is the contraction (a sum that other nodes
+    # read too, a LayerNorm's x W whose mean sums it over g and k, is hoisted itself, the outer sums left to
+    # the loop)
+    users: dict[Node, set] = {}
+    for n in nodes:
+        for a in n.args:
+            users.setdefault(a, set()).add(n.op)
+    inner = {n.args[0] for n in nodes if n.op is Op.SUM and n in free and users[n.args[0]] == {Op.SUM}}
     found = []
     for n in nodes:
         if n.op is not Op.SUM or n not in free:

@@ -81,6 +81,17 @@ def _pad(node: Node, g: Node) -> list[tuple[int, Node]]:
     return [(0, Node.make(Op.SLICE, (build.with_axis(g, axis),), node.arg))]
 
 
+def _gather(node: Node, g: Node) -> list[tuple[int, Node]]:
+    """The transpose of reading entry clamp(index) along the axis: g spread one-hot along it, the sum over
+    the positions that read an entry left to the consumer (attention sums the (i, j) in a fixed order)."""
+    index = node.args[1]
+    axis = node.arg
+    last = build.sub(build.size(axis), build.ONE)
+    at = Node.make(Op.MIN, (Node.make(Op.MAX, (index, build.ZERO)), last))
+    hit = Node.make(Op.EQ, (build.iota(axis), at))
+    return [(0, build.where(hit, g, build.ZERO))]  # the index is a whole number: no gradient
+
+
 STRUCTURAL: dict[Op, Callable[[Node, Node], list[tuple[int, Node]]]] = {
     Op.SUM: lambda n, g: [(0, g)],                               # broadcast back over the axis
     Op.REDUCE_MAX: _reduce_max,
@@ -90,6 +101,7 @@ STRUCTURAL: dict[Op, Callable[[Node, Node], list[tuple[int, Node]]]] = {
     Op.PAD: _pad,
     Op.EXPAND: lambda n, g: [(0, build.sum_to(g, n.axes, n.args[0].axes))],
     Op.WHERE: _where,
+    Op.GATHER: _gather,
 }
 
 

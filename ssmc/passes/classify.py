@@ -190,14 +190,17 @@ def _factors(node: Node) -> list[Node]:
     return [node]
 
 
-def _outer_product(b: Node, outer: tuple[str, ...]) -> bool:
-    """Can `b` be written F1 * F2 with an axis of `outer` only in F1 and another only in F2?"""
+def _outer_product(b: Node, axes: tuple[str, ...], outer: tuple[str, ...]) -> bool:
+    """Can `b` be written F1 * F2 with an axis of `axes` only in F1 and another only in F2, one of the two
+    in `outer` (the decay constant along it: a per-key decay varies along the other)?"""
     factors = [f.axes for f in _factors(b)]
     for r in range(1, len(factors)):
         for left in combinations(range(len(factors)), r):
             ax1 = {a for i in left for a in factors[i]}
             ax2 = {a for i in range(len(factors)) if i not in left for a in factors[i]}
-            if any(a in ax1 and a not in ax2 for a in outer) and any(a in ax2 and a not in ax1 for a in outer):
+            only1 = {a for a in axes if a in ax1 and a not in ax2}
+            only2 = {a for a in axes if a in ax2 and a not in ax1}
+            if only1 and only2 and (only1 | only2) & set(outer):
                 return True
     return False
 
@@ -225,7 +228,7 @@ def classify_state(program: Recurrence, regions: _Regions, index: int) -> StateC
         coefficient = "diagonal"
     else:
         coefficient = f"shared over {format_axes(outer)}"
-    family = "matrix linear" if outer and _outer_product(b, outer) else "diagonal linear"
+    family = "matrix linear" if outer and _outer_product(b, state.axes, outer) else "diagonal linear"
     return StateClass(state.name, family, coefficient, a, b)
 
 

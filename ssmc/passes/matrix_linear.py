@@ -3,7 +3,7 @@
 A program is taken when it has one state ``S[H, κ, ν]`` (H: head axes, the batch among them) and,
 as a plain loop over t:
 
-    S_t = a_t ⊙ S_{t-1} + β_t k_t ⊗ v_t      a, β: axes ⊆ H (a scalar per head) or none
+    S_t = a_t ⊙ S_{t-1} + β_t k_t ⊗ v_t      a: axes ⊆ H ∪ {κ} (a scalar per head, or per key), β: axes ⊆ H
     o_t = Σ_κ S_t ⊙ q_t                        the outputs' one read of the state
     y_t = post(o_t, inputs_t)                  state-free
 
@@ -12,7 +12,8 @@ factors with neither κ nor ν (SSD's softplus(dt), a sign), ``q`` over H ∪ {�
 head axes (broadcast: SSD's B and C lack the heads of a group).
 The decay is kept as its log ``ℓ`` where the spec writes ``exp(ℓ)`` (Mamba-2, GLA-style gates) or a
 positive constant; any other decay (RetNet's ``gamma``) is kept as ``a`` and must be positive at
-run time (the chunked form takes its log).
+run time (the chunked form takes its log). A decay may vary along the key axis κ (GLA's per-key gate:
+``S[κ, ν] = exp(ℓ_t[κ]) S[κ, ν] + k_t[κ] v_t[ν]``, `MatrixLinear.per_key`), not along ν (refused).
 
 `chunk_stages` cuts such a program into a state-free ``pre`` program (the operands), the core
 
@@ -55,11 +56,17 @@ class MatrixLinear:
     k: Node
     v: Node                         # the injection's factors along ν
     beta: Node | None               # its factors with neither κ nor ν (negation included), None where 1
-    log_decay: Node | None          # ℓ where the decay is exp(ℓ) or a positive constant
-    decay: Node | None              # a otherwise (None with ℓ None: no decay)
+    log_decay: Node | None          # ℓ where the decay is exp(ℓ) or a positive constant (axes ⊆ H ∪ {κ})
+    decay: Node | None              # a otherwise (None with ℓ None: no decay; axes ⊆ H ∪ {κ})
     contraction: Node               # the SUM over κ the outputs read
     outputs: tuple[tuple[str, Node], ...]   # the outputs over INPUT(`o`) in place of `contraction`
     o: str                          # that input's name
+
+    @property
+    def per_key(self) -> bool:
+        """Whether the decay varies along the key axis κ (GLA): ℓ (or a) then has κ besides head axes."""
+        node = self.log_decay if self.log_decay is not None else self.decay
+        return node is not None and self.key in node.axes
 
     @property
     def skip(self) -> Node | None:
@@ -79,6 +86,8 @@ class MatrixLinear:
         decay = ("none" if self.log_decay is None and self.decay is None else
                  f"exp(ℓ), ℓ [{' '.join(self.log_decay.axes)}]" if self.log_decay is not None else
                  f"a [{' '.join(self.decay.axes)}], positive at run time")
+        if self.per_key:
+            decay += f", per key {self.key}"
         beta = "" if self.beta is None else f", β [{' '.join(self.beta.axes)}]"
         return (f"matrix linear {self.state.name} [{' '.join(self.state.axes)}]: key axis {self.key}, value axis"
                 f" {self.value}, heads [{' '.join(self.heads)}], decay {decay}{beta}")
@@ -154,14 +163,17 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
         return f"the injection has no factor along the contracted axis {key}"
     k_axes = {x for f in k_factors for x in f.axes}
     v_axes = {x for f in v_factors for x in f.axes}
-    values = [x for x in state.axes if x in v_axes and x not in k_axes and x not in a.axes and x != key]
+    # (an axis of v's along which the decay varies is a head: SSD's r)
+    candidates = [x for x in state.axes if x in v_axes and x not in k_axes and x != key]
+    values = [x for x in candidates if x not in a.axes]
+    if not values and len(candidates) == 1:
+        return (f"the decay varies along the value axis {candidates[0]} (a per-value decay; a decay along the key"
+                f" axis {key} is taken)")
     if len(values) != 1:
         return ("the injection is no outer product k ⊗ v" if not values
                 else f"{len(values)} value axes ({' '.join(values)})")
     value = values[0]
     heads = tuple(x for x in state.axes if x not in (key, value))
-    if key in a.axes or value in a.axes:
-        return "the decay varies along the key or value axis (per-key decays are not taken yet)"
     for what, factors, allowed in (("k", k_factors, {*heads, key}), ("v", v_factors, {*heads, value}),
                                    ("q", q_factors, {*heads, key})):
         extra = {x for f in factors for x in f.axes} - allowed

@@ -66,7 +66,7 @@ class PreparedCalls(dict):
 def attention_params(program: Attention, args: tuple, params: dict) -> dict:
     """The modifiers' params by name, from those given after q, k, v in their order (`args`) and by
     name (`params`)."""
-    names = [d.name for d in program.params]
+    names = [d.name for d in program.inputs]
     if len(args) > len(names):
         raise ValueError(f"{program.name} takes q, k, v and the params {names}, got {3 + len(args)} "
                          "positional arguments")
@@ -91,7 +91,7 @@ def bind_attention(program: Attention, q, k, v, layout, params: dict, convert=No
     kd = Decl("k", Role.SEQ, program.q_axes)
     vd = Decl("v", Role.SEQ, program.v_axes)
     static = program.static_sizes
-    qb = bind_arrays((qd, *program.params), (), (q,), params, layout, static, program.name, convert=convert)
+    qb = bind_arrays((qd, *program.inputs), (), (q,), params, layout, static, program.name, convert=convert)
     kv_static = {a: n for a, n in static.items() if a != program.kv_heads}
     kv = bind_arrays((kd, vd), (), (k, v), {}, layout, kv_static, program.name, convert=convert)
     group = 1

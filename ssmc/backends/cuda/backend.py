@@ -90,6 +90,12 @@ class CudaBackend(Backend):
         return (not self.stages(program).staged and chunked_core(program, dtype.name) is None
                 and hoisted_runner(program, dtype.name) is not None)
 
+    def step_runner(self, program, layout, dtype=None):
+        """A step as one kernel launch where the program lowers to one (cuda/step.py)."""
+        from .step import CudaStep
+
+        return CudaStep(self, program, layout, dtype)
+
     def layer_runner(self, fused, dtype: np.dtype, staged: Runner) -> Runner:
         """Where one block of threads owns each row, the layer in one kernel; else `staged`."""
         from .runner import layer_runner

@@ -63,6 +63,11 @@ class CudaOptions:
         columns at a time, in half the registers); unset: kernels/chunk/mma.py's `DKV_FORM`
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
+    step_products: True runs a single step (`ssmc.step`) of a recurrence reading its states through a recurrent
+        product (LSTM, GRU) as one kernel, a thread per (batch, hidden) index summing its own products over the
+        input and the old state (cuda/step.py: one launch, nothing allocated in place, but each thread's sums
+        are loops as long as the input and hidden axes, whose loads it waits for one by one); unset: ``x W``
+        and ``h U`` as two cuBLAS products, then one kernel of the cell
     persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
@@ -130,6 +135,7 @@ class CudaOptions:
     chunk_dkv: str | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
+    step_products: bool | None = None
     persistent: bool | None = None
     persistent_blocks: int | None = None
     persistent_mma: bool | None = None

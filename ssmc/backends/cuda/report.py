@@ -21,7 +21,7 @@ from . import nvrtc
 from .fused_backward import fused_backward_runner
 from .hoisted import hoisted_runner
 from .kernels.base import Launch
-from .kernels.chunk import chunk_size, chunked_core, mma
+from .kernels.chunk import chunk_size, chunked_core
 from .kernels.step_loop import step_loop
 from .options import options
 from .printer import ArraySpec, contiguous_strides
@@ -142,13 +142,14 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
 
             half = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else None
             ml = core.ml
-            kernels = half is not None and mma.kernels_wanted(half, sizes[ml.key], sizes[ml.value])
+            kernels = half is not None and core.kernels_wanted(half, sizes)
             gpu = torch.device("cuda") if kernels and torch.cuda.is_available() else None
             c = chunk_size(ml, sizes, length, half, gpu)  # (on a GPU: tuned here where not yet)
             chosen = _chunk_choice(ml, sizes, length, half, gpu) if kernels else ""
             how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
                    "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)" if kernels
-                   else "as batched torch matrix products (forward and VJP)")
+                   else "as batched torch matrix products (forward and VJP"
+                   + ("; a per-key decay: no tensor-core kernels yet)" if ml.per_key else ")"))
             heads = int(np.prod([sizes[h] for h in ml.heads]))
             lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps{chosen}: "
                          f"{heads} heads x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; "
@@ -160,7 +161,9 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             around = f" ({hoisted.describe()})" if hoisted is not None else ""
             lines.append(f"step loop: {stage.program.name}: {loop.describe}{around}; {length} steps, its gradient's"
                          " programs the same way (SSMC_CUDA_STEP_LOOP=0: the kernels)")
-            adjoint = _step_loop(derive_backward(stage.program).adjoint, compute)
+            # the adjoint as it runs: its own stages' (a LayerNorm's statistics of state-free values before it)
+            adjoint = next((found for part in _stages(derive_backward(stage.program).adjoint).stages
+                            if (found := _step_loop(part.program, compute)) is not None), None)
             for role, runs in (("forward", loop), ("adjoint", adjoint)):
                 if hasattr(runs, "plan_for"):  # a persistent runner: its split of these sizes, or why none
                     chosen = runs.plan_for({**dict(runs.program.sizes), **sizes}, dtype in ("bfloat16", "float16"))

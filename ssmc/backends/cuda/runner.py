@@ -101,11 +101,12 @@ def row_recurrence_groups(size: int) -> int:
 class CudaRunner:
     """A lowered program whose kernels are built per shape (sizes, strides, dtypes) and cached."""
 
-    def __init__(self, program, compute: str = "float32"):
+    def __init__(self, program, compute: str = "float32", map_reduce: bool = True):
         self.program = program
         self.compute = compute                          # float32 | float64
         self.ctype = "double" if compute == "float64" else "float"  # the kernels' compute type in C
-        self.lowered: Lowered = lower(program, map_reduce=True)
+        # map_reduce=False: a program without states as one kernel of all its roots (a step's, cuda/step.py)
+        self.lowered: Lowered = lower(program, map_reduce=map_reduce)
         self.time_blocks: TimeBlocks | None = time_blocks(program) if self.lowered.strategy == "fused" else None
         self.lane_steps = lane_steps(self.time_blocks)  # the warp kernel's steps per lane
         self.modules: dict[tuple, object] = {}          # (device, source) -> its module, loaded there
@@ -625,8 +626,8 @@ def layer_runner(fused: Fused, compute: str, staged):
 _RUNNERS: dict[tuple, CudaRunner] = {}
 
 
-def runner_for(program, compute: str = "float32") -> CudaRunner:
-    key = (program, compute)
+def runner_for(program, compute: str = "float32", map_reduce: bool = True) -> CudaRunner:
+    key = (program, compute) if map_reduce else (program, compute, False)
     if key not in _RUNNERS:
-        _RUNNERS[key] = CudaRunner(program, compute)
+        _RUNNERS[key] = CudaRunner(program, compute, map_reduce)
     return _RUNNERS[key]

@@ -15,7 +15,9 @@ key and value sizes they take, else (fp32 / float64 inputs, other sizes, SSMC_CU
 as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward likewise: `mma.backward`
 where the kernels take the call (the output's cotangent rounded to q's 16 bits;
 SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forward saved
-(docs/design/matrix-linear-chunks.md).
+(docs/design/matrix-linear-chunks.md). A per-key decay (GLA: ℓ along the key axis, `MatrixLinear.per_key`)
+runs on `algorithm.py` only, forward and backward (`_kernels_apply`, `ChunkedCore.kernels_wanted`: the
+kernels take a decay per head and step).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
-    if dtype is not None and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
+    if dtype is not None and not ml.per_key and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
         if device is None:
             return mma.chunk_for(length)
         heads = math.prod(sizes[h] for h in ml.heads)
@@ -66,6 +68,11 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     kv = sizes[ml.key] * sizes[ml.value]
     size = 128 if kv >= 8192 else CHUNK
     return max(1, min(size, 1 << max(0, math.ceil(math.log2(max(length, 1))))))
+
+
+def _kernels_apply(x: Chunks) -> bool:
+    """`mma.kernels_apply`, never for a per-key decay (the kernels take one decay per head and step)."""
+    return not x.per_key and mma.kernels_apply(x)
 
 
 def _dense(shape) -> tuple[int, ...]:
@@ -96,7 +103,7 @@ class ChunkTape:
     chunks: Chunks
     entering: torch.Tensor
     final: torch.Tensor
-    decay: torch.Tensor | None   # the decay as given, [*H, NC, C], where the core takes a (not its log)
+    decay: torch.Tensor | None   # the decay as given, [*H, NC, C] (per key: [*H, NC, C, K]), where the core takes a
 
 
 # decays found positive: (address, shape, strides, dtype) -> (a weak reference to the storage, its
@@ -178,6 +185,11 @@ class ChunkedCore:
         self._padded: dict = {}       # `_arrange_steps` per layout
 
     # -- layouts ---------------------------------------------------------------------------------
+    def kernels_wanted(self, dtype: torch.dtype, sizes) -> bool:
+        """`mma.kernels_wanted` for this core's key and value sizes; never for a per-key decay."""
+        ml = self.ml
+        return not ml.per_key and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value])
+
     def _names(self, node_axes, timed: bool) -> list[str]:
         return (["~t"] if timed else []) + list(node_axes)
 
@@ -315,10 +327,11 @@ class ChunkedCore:
                             " log (SSMC_CUDA_CHUNKED=0 runs the element-wise scan, which takes any decay)")
                     _found_positive(given)
             steps = (length // chunk, chunk)
-            if not timed and length % chunk == 0 and ml.decay is not None and (
+            whole = not timed and length % chunk == 0 and not ml.per_key  # (a param per head: a view)
+            if whole and ml.decay is not None and (
                     found := _param_decay_before(self.param_decays, given, steps)) is not None:
                 decay, ell = found  # (this array's, as it stands, worked out at an earlier call)
-            elif not timed and length % chunk == 0:
+            elif whole:
                 # a param's decays over whole chunks (RetNet's gamma): taken per head once (its log), then
                 # repeated over the steps as a view (step stride 0), the values `_arrange` would copy out
                 names = list(node.axes)
@@ -332,8 +345,8 @@ class ChunkedCore:
                     _found_param_decay(self.param_decays, given, (length // chunk, chunk), (decay, ell))
                 else:
                     ell = y.expand(steps)
-            else:
-                ell = arrange(arr, node.axes, timed, None, length, chunk, f)
+            else:  # (per key: [*H, NC, C, K])
+                ell = arrange(arr, node.axes, timed, ml.key if ml.per_key else None, length, chunk, f)
                 if ml.decay is not None:  # padded steps: decay 1
                     decay = ell.masked_fill(ell == 0, 1.0)
                     ell = torch.log(decay)
@@ -451,7 +464,7 @@ class ChunkedCore:
         operands rounded to q's 16 bits either way: `_chunks`); else `cast` as is."""
         ml = self.ml
         q = given.get(ml.q.arg)
-        if q is None or not mma.kernels_wanted(q.dtype, sizes[ml.key], sizes[ml.value]):
+        if q is None or not self.kernels_wanted(q.dtype, sizes):
             return cast
         keep = {node.arg for node in (ml.q, ml.k, ml.v) if node.arg in given and given[node.arg].dtype == q.dtype}
         return {n: given[n] if n in keep else v for n, v in cast.items()}
@@ -462,7 +475,7 @@ class ChunkedCore:
         the sizes: `_chunks` rounds them to q's dtype either way, so the stage may write them so."""
         ml = self.ml
         q = seqs.get(ml.q.arg)
-        if q is None or not mma.kernels_wanted(q.dtype, sizes[ml.key], sizes[ml.value]):
+        if q is None or not self.kernels_wanted(q.dtype, sizes):
             return {}
         return {node.arg: q.dtype for node in (ml.k, ml.v) if node.arg not in seqs}
 
@@ -475,7 +488,7 @@ class ChunkedCore:
                            lambda c: self._chunks(seqs, params, initial, sizes, length, c)[0])
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
         time_first = None
-        if mma.kernels_apply(x):
+        if _kernels_apply(x):
             o_dtype = out_dtype if out_dtype == x.q.dtype else torch.float32
             direct = self._time_first_out(sizes, length, chunk, x.q.device, o_dtype)
             # the entering states in q's 16 bits, with a tape too: chunk_output and the backward's chunk_dq read
@@ -504,7 +517,7 @@ class ChunkedCore:
         d_final = d_final.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         cot_out = cot[GRAD + self.output]
         d_out = None
-        if mma.kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
+        if _kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):
             # the gradients of q, k, v written time first by the kernels where the operand is a sequence of
@@ -550,9 +563,9 @@ class ChunkedCore:
             if node is not None and node.op is not Op.CONST:
                 add(node, grad, None)
         if ml.decay is not None:
-            add(ml.decay, d_ell / tape.decay, None)
+            add(ml.decay, d_ell / tape.decay, ml.key if ml.per_key else None)
         elif ml.log_decay is not None and ml.log_decay.op is not Op.CONST:
-            add(ml.log_decay, d_ell, None)
+            add(ml.log_decay, d_ell, ml.key if ml.per_key else None)
         if state_as_is:
             finals = {GRAD + s.name: ds0}
         else:
@@ -717,7 +730,7 @@ class PreparedForward:
         if self.general is None:
             self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device,
                                     lambda c: core._chunks(seqs, params, initial, self.sizes, length, c)[0])
-            self.general = not mma.kernels_wanted(q.dtype, self.sizes[ml.key], self.sizes[ml.value])
+            self.general = not core.kernels_wanted(q.dtype, self.sizes)
             self.padded = length % self.chunk != 0
         if self.general:
             return self._general(seqs, params, initial)
@@ -809,7 +822,7 @@ class PreparedForward:
         q, k, v = core._operands(seqs, params, length, chunk) if padded is None else padded
         x = Chunks(q, k, v, ell, s0, beta, skip)
         found = False
-        if mma.kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
+        if _kernels_apply(x) and all(mma._base(a) == b for a, b in zip((q, k, v), bases)):
             o_dtype = self.out_dtype if self.out_dtype == q.dtype else torch.float32
             direct = core._time_first_out(self.sizes, length, chunk, q.device, o_dtype)
             plan = mma.ForwardPlan(x, out=None if direct is None else direct[1], half_states=True,
@@ -891,7 +904,7 @@ class PreparedBackward:
         core, sizes, length = self.core, self.sizes, self.length
         ml, x = core.ml, tape.chunks
         found = False
-        if mma.kernels_apply(x) and options().chunk_backward is not False:
+        if _kernels_apply(x) and options().chunk_backward is not False:
             chunk = x.q.shape[-2]
             d_out = core._arrange(cot_out, core.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
             if mma.backward_applies(x, d_out):

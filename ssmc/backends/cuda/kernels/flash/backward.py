@@ -63,12 +63,28 @@ import math
 import re
 from dataclasses import dataclass
 
+from .....ir import build
+from .....ir.node import Node, substitute
 from .....ir.program import Attention
 from .....passes.attention_grad import derive_attention_backward
 from ...options import options
 from .. import template
 from ..loaded import loaded_function
-from .forward import BM, BN, HEAD_DIMS, THREADS, Unprintable, block_spans, float_literal, print_body
+from .forward import (
+    BM,
+    BN,
+    HEAD_DIMS,
+    THREADS,
+    Unprintable,
+    block_spans,
+    float_literal,
+    gather_sources,
+    print_body,
+    row_axes,
+    row_span_table,
+    sequence_rows,
+    table_width,
+)
 
 BQ = {64: 32, 128: 16}   # "bn64": query rows a tile per head dim (its registers and static shared memory bound it)
 LEAVES = ("grad_score", "score", "q_idx", "kv_idx")
@@ -193,13 +209,45 @@ def config(d: int, name: str | None = None, device=None) -> Config:
     return cfg
 
 
+MAX_TABLE = 32  # a table's entries the kernels sum one by one (a summand and an accumulator each)
+
+
+def summands(program: Attention) -> list[tuple[str, int | None, Node]]:
+    """The kernels' sums, one a column of their partials: (param, None, its summand) for a param per batch
+    index; for an indexed table along axis r of static size R <= `MAX_TABLE`, (table, c, its entry c's summand)
+    for c < R: the gradient's one-hot ``where(r == clamp(index), dM, 0)`` at r = c, so that each entry is a sum
+    over (i, j) of its own, added up as a param's is (partials per key block, summed in a fixed order). Raises
+    `Unprintable` for a table whose size is not static or past `MAX_TABLE`."""
+    bw = derive_attention_backward(program)
+    static = program.static_sizes
+    out: list[tuple[str, int | None, Node]] = []
+    for d, (_, g) in zip(program.params, bw.param_grads):
+        extra = [a for a in d.axes if a not in program.batch_axes]
+        if not extra:
+            out.append((d.name, None, g))
+            continue
+        (axis,) = extra
+        size = static.get(axis)
+        if size is None or size > MAX_TABLE:
+            raise Unprintable(f"the gradient of the indexed table {d.name!r} (a scatter-add over positions) is "
+                              f"summed by the tiled backward: the kernels sum a table's entries one by one, for "
+                              f"a static size up to {MAX_TABLE} (ssmc.Param[\"... {axis}=N\"]), not "
+                              f"{'a size known only when called' if size is None else size}")
+        iota = build.iota(axis)
+        for c in range(size):
+            (entry,) = substitute((g,), {iota: build.const(float(c))})
+            out.append((d.name, c, entry))
+    return out
+
+
 def _bodies(program: Attention, param_grads: bool = True) -> tuple[str, list[str]]:
-    """(dS as C, each param's summand as C: none where `param_grads` is False, the params then only read)."""
+    """(dS as C, each sum's summand as C (`summands`): none where `param_grads` is False, the params then only
+    read)."""
     bw = derive_attention_backward(program)
     dscore = print_body(bw.d_score if program.score is not None else None, program, "grad_score", LEAVES)
     if not param_grads:
         return dscore, []
-    params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, g in bw.param_grads]
+    params = [print_body(g, program, "0.0f", LEAVES, batch_sums=True) for _, _, g in summands(program)]
     return dscore, params
 
 
@@ -246,7 +294,9 @@ def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict
     dscore_body, param_bodies = _bodies(program, param_grads)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
     digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
-    return (dict(d=d, nparams=len(program.params), scale=float_literal(scale), score_body=score_body,
+    return (dict(d=d, nparams=len(summands(program)), gather=bool(gather_sources(program)), width=table_width(program),
+                 row_spans=row_axes(program) is not None, span_col=table_width(program) - 1,
+                 scale=float_literal(scale), score_body=score_body,
                  mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
 
@@ -349,15 +399,16 @@ def delta_source(d: int, bf16: bool, out32: bool) -> tuple[str, str]:
     return hit
 
 
-def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN) -> list[tuple[int, int, int, int]]:
+def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN,
+                    seqs: dict | None = None) -> list[tuple[int, int, int, int]]:
     """Per block of `bn` keys (a multiple of `BN`), (qlo, qhi, qflo, qfhi) in query rows (multiples of `BM`):
     queries outside [qlo, qhi) see none of its keys (the query blocks whose `block_spans` span holds the key
     block, first to last; a block between them that does not is visited with its mask evaluated: sound),
     and in [qflo, qfhi) the key block is a full tile (every key visible to every query, below Lk: no mask).
     A block of several `BN` tiles: the union of their query spans, the intersection of their full ones
-    (none where the block passes Lk)."""
+    (none where the block passes Lk). `seqs`: the sequence inputs' per-position ranges (`block_spans`)."""
     if bn != BN:
-        per = key_block_spans(mask, lq, lk, sizes)
+        per = key_block_spans(mask, lq, lk, sizes, seqs=seqs)
         k = bn // BN
         out = []
         for kb in range(-(-lk // bn)):
@@ -369,7 +420,7 @@ def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN)
                 flo = fhi = 0
             out.append((lo, hi, flo, fhi))
         return out
-    spans = block_spans(mask, lq, lk, sizes)
+    spans = block_spans(mask, lq, lk, sizes, seqs=seqs)
     out = []
     for kb in range(-(-lk // BN)):
         n0 = kb * BN
@@ -407,6 +458,8 @@ class FlashBackward:
     def __init__(self, program: Attention):
         self.program = program
         self.reason = unsupported(program)
+        self.columns = [] if self.reason else [(name, c) for name, c, _ in summands(program)]
+        self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._plans: dict = {}
 
@@ -431,12 +484,18 @@ class FlashBackward:
 
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
         """The spans as the kernels take them (`forward.span_table`: then grouped-query attention's group and
-        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached."""
+        inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached (with
+        sequence inputs, per call: from the ids' per-position ranges)."""
         import torch
 
         from .forward import gqa_shape, span_table
 
         gqa = gqa_shape(call)
+        if self.program.seqs:
+            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, seqs=seqs) if per_query_block
+                       else key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn, seqs)
+                       for seqs in sequence_rows(self.program, call.params)]
+            return row_span_table(per_row, gqa, call.q.device)
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
@@ -462,9 +521,12 @@ class FlashBackward:
         gqa = call.group > 1
         if gqa and not cfg.gqa:
             raise ValueError(f"flash backward config {cfg.name!r} has no grouped-query build: repeat k and v")
-        nkb, nparams = -(-lk // cfg.bn), len(self.program.params)
+        nkb, nparams = -(-lk // cfg.bn), len(self.columns)
         np_ = nparams if param_grads else 0
-        atomic = atomic_dq(d)
+        # an indexed table: its entries' row sums (delta's correction) in the dQ kernel's fixed order, not by
+        # atomics, so that its gradient is bitwise repeatable (d 256, without a dQ kernel, keeps atomics); its
+        # loads beside the atomic build's registers spilled in the warp-specialized config, so always there
+        atomic = atomic_dq(d) and not (d in BN_DQ and self.tables)
         bf16 = q.dtype == torch.bfloat16
         # zeroed a call: partials [key blocks, BH, NP] (written, as zeros, without `param_grads` too), the row
         # sums with atomic dQ, the dQ kernel's correction sums; () where no kernel writes one: a dummy pointer
@@ -488,19 +550,23 @@ class FlashBackward:
         return plan
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
-        """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index: summed
-        over the batch axes the param lacks."""
+        """Each param's gradient by its axes from its sums `per_bh` [BH, NP] (fp32) per batch index (`columns`: a
+        table's entries one column each): summed over the batch axes the param lacks."""
         p = self.program
         batch = p.batch_axes
         per_bh = per_bh.reshape(*[sizes[a] for a in batch], per_bh.shape[-1])
         out = {}
-        for n, d in enumerate(p.params):
-            g = per_bh[..., n]
+        for d in p.params:
+            cols = [n for n, (name, _) in enumerate(self.columns) if name == d.name]
+            g = per_bh[..., cols]  # [*batch, entries]: one entry a param per batch index, R a table
             lacking = [i for i, a in enumerate(batch) if a not in d.axes]
             if lacking:
                 g = g.sum(dim=lacking)
             kept = [a for a in batch if a in d.axes]
-            out[d.name] = g.permute(*[kept.index(a) for a in d.axes]).contiguous()
+            extra = [a for a in d.axes if a not in batch]
+            order = (*kept, *extra) if extra else kept
+            g = g if extra else g[..., 0]
+            out[d.name] = g.permute(*[order.index(a) for a in d.axes]).contiguous()
         return out
 
     def __call__(self, call, out, lse, d_out, param_grads: bool = True) -> dict:
@@ -533,23 +599,28 @@ class FlashBackward:
         dk = new(k.shape, dtype=q.dtype, device=q.device)
         dv = new(v.shape, dtype=q.dtype, device=q.device)
         plan = self._plan(call, q, out.dtype, param_grads)
-        np_ = len(self.program.params) if param_grads else 0
+        np_ = len(self.columns) if param_grads else 0
         # the kernels read every param (their table has NP columns) but sum only where asked; delta's correction
         # (module docstring): per query row, sum_j dM and each param's sum_j summand at P (atomic dQ: added up
         # by the key-block kernel), or per query block the sum of their products (the dQ kernel, which sees
         # whole rows: fixed order)
         partials, rowsums, corr = (torch.zeros(shape, dtype=torch.float32, device=q.device) if shape else plan.dummy
                                    for shape in plan.sums)
+        spans = plan.spans
+        if self.program.seqs and launched:  # the ids are this call's
+            spans = [self._span_tensor(call, bn=config(d, None, q.device).bn)]
+            if not plan.atomic:
+                spans.append(self._span_tensor(call, True))
         if launched:
-            params = plan.dummy if not self.program.params else param_table(
+            params = plan.dummy if not table_width(self.program) else param_table(
                 self.program, call.params, call.sizes).to(q.device)
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
                       params.data_ptr()]
             pointers = [[do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if plan.atomic else 0],
-                        [*inputs, plan.spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                        [*inputs, spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                          partials.data_ptr(), rowsums.data_ptr()]]
             if not plan.atomic:
-                pointers.append([*inputs, plan.spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
+                pointers.append([*inputs, spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
             for (fn, grid, shared, n0, n1), args in zip(plan.launches, pointers):
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):

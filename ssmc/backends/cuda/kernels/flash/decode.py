@@ -51,7 +51,8 @@ def kernel_source(program: Attention, d: int, bf16: bool) -> tuple[str, str]:
     name = f"attn_decode_d{d}_{'bf16' if bf16 else 'fp16'}_{digest}"
     text = template("flash/decode.cu.j2").render(name=name, d=d, bf16=bf16, threads=THREADS[d],
                                                  nparams=len(program.params), scale=float_literal(scale),
-                                                 score_body=score_body, mask_body=mask_body)
+                                                 score_body=score_body, mask_body=mask_body, gather=False,
+                                                 width=len(program.params))
     _SOURCES[key] = hit = (name, mma_header() + "\n" + text)
     return hit
 

@@ -23,6 +23,14 @@ are printed from the IR as straight-line CUDA C over (score, q_idx, kv_idx, the 
 bh); anything else (a param with an axis beyond the batch axes, reductions, iota) is refused with a
 reason, and the call stays on the tiled torch path.
 
+Indexed reads (``table[i - j]``, ``doc[q_idx]``: `gather_sources`) read through `prm`, which then points at the
+batch index's row of the param table in global memory (not a copy in registers): the table's last columns hold,
+per gather source, the offset from that row to the batch index's row of the source (the table's entries for
+its head, or the sequence's ids) and the row's last index, the rows appended after the table (`param_table`).
+The printed read is ``prm[(int)prm[c] + clamp(index, 0, prm[c + 1])]``: a load per (query, key) evaluated,
+where the mask is (on the tiles `block_spans` does not prove full: with sorted document ids, the tiles that
+straddle a document boundary).
+
 Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
 accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
 of 32 and Q's fragments read from shared memory per tile (not held in registers), and "wg128" (sm_90a, the default
@@ -184,6 +192,29 @@ def float_literal(x: float) -> str:
     return f"{float(x)!r}f" if "e" in repr(float(x)) or "." in repr(float(x)) else f"{float(x)!r}.0f"
 
 
+def gather_sources(program: Attention) -> list[str]:
+    """The inputs the modifiers index (a param table, a sequence), in the order they are first read."""
+    roots = [n for n in (program.score, program.mask) if n is not None]
+    out: list[str] = []
+    for n in toposort(roots):
+        if n.op is Op.GATHER and n.args[0].op is Op.INPUT and n.args[0].arg not in out:
+            out.append(n.args[0].arg)
+    return out
+
+
+def row_axes(program: Attention) -> tuple[str, ...] | None:
+    """The batch axes the spans follow, one span table a row (`row_spans`): the sequence inputs' axes where they
+    share some (document ids [b, t]: a row per b); None for one table for every batch index."""
+    axes = {d.axes for d in program.seqs}
+    return next(iter(axes)) if len(axes) == 1 and next(iter(axes)) else None
+
+
+def table_width(program: Attention) -> int:
+    """Columns of the param table (`param_table`): one a param, then two a gather source (offset, last index),
+    then with `row_axes` the batch index's row of the spans."""
+    return len(program.params) + 2 * len(gather_sources(program)) + (row_axes(program) is not None)
+
+
 def print_body(root: Node | None, program: Attention, default: str,
                leaves: tuple[str, ...] = ("score", "q_idx", "kv_idx"), batch_sums: bool = False) -> str:
     """The statements of a modifier's C function body returning `root` (`default` where None): one
@@ -194,11 +225,24 @@ def print_body(root: Node | None, program: Attention, default: str,
     if root is None:
         return f"    return {default};"
     params = [d.name for d in program.params]
+    sources = gather_sources(program)
     batch = set(program.batch_axes)
     static = program.static_sizes
     names: dict[Node, str] = {}
     lines = []
     for i, n in enumerate(toposort([root])):
+        if n.op is Op.INPUT and n.arg in sources:
+            names[n] = ""  # read only through its gathers (below)
+            continue
+        if any(names[a] == "" for j, a in enumerate(n.args) if not (n.op is Op.GATHER and j == 0)):
+            raise Unprintable(f"{n.op.name.lower()} reads an indexed input whole")
+        if n.op is Op.GATHER:
+            col = len(params) + 2 * sources.index(n.args[0].arg)
+            x = names[n.args[1]]
+            at = f"({x} <= 0.0f ? 0 : ({x} >= prm[{col + 1}] ? (int)prm[{col + 1}] : (int){x}))"
+            names[n] = f"n{i}"
+            lines.append(f"    const float n{i} = prm[(int)prm[{col}] + {at}];")
+            continue
         if any(a not in batch for a in n.axes):
             raise Unprintable(f"{n.op.name.lower()} has axes {n.axes} beyond the batch axes")
         op, a = n.op, [names[x] for x in n.args]
@@ -235,8 +279,9 @@ def print_body(root: Node | None, program: Attention, default: str,
 
 def unsupported(program: Attention) -> str | None:
     """Why the flash kernel cannot run `program` whatever the call (None: it can, for supported calls)."""
+    sources = gather_sources(program)
     for d in program.params:
-        if any(a not in program.batch_axes for a in d.axes):
+        if any(a not in program.batch_axes for a in d.axes) and d.name not in sources:
             return f"param {d.name!r} has axes {d.axes} beyond the batch axes {program.batch_axes}"
     try:
         print_body(program.score, program, "score")
@@ -307,7 +352,9 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
     suffix = ("" if cfg.name == "bm64" else "_" + cfg.name) + ("_gqa" if gqa else "")
     name = f"flash_fwd_d{d}_{'bf16' if bf16 else 'fp16'}{suffix}_{digest}"
     common = dict(name=name, d=d, bm=cfg.bm, bn=cfg.bn, bf16=bf16, nparams=len(program.params),
-                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa)
+                  scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa,
+                  gather=bool(gather_sources(program)), width=table_width(program),
+                  row_spans=row_axes(program) is not None, span_col=table_width(program) - 1)
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
     elif cfg.wgmma:
@@ -323,35 +370,102 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
     return hit
 
 
+MAX_EXACT = 1 << 24  # offsets into the param table are floats: exact up to here
+
+
+def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, int]):
+    """[BH] int64: per flattened batch index, the row of an array whose leading axes are `axes` (batch axes, in
+    that order, flattened the last fastest) that it reads."""
+    import torch
+
+    n = math.prod(sizes[a] for a in axes)
+    rows = torch.arange(n, dtype=torch.int64).reshape([sizes[a] for a in axes])
+    order = [a for a in batch if a in axes]
+    rows = rows.permute(*[axes.index(a) for a in order])
+    shape = [sizes[a] for a in batch]
+    return rows.reshape([sizes[a] if a in axes else 1 for a in batch]).expand(shape).reshape(-1)
+
+
+def _gather_rows(program: Attention, params: dict, sizes: dict[str, int]) -> list:
+    """Per gather source (`gather_sources`), (its rows [n, m] fp32: a table's entries per its batch axes' index,
+    or a sequence's ids per its batch axes' index along time; the row per flattened batch index [BH])."""
+    import torch
+
+    decls = {d.name: d for d in program.inputs}
+    seqs = {d.name for d in program.seqs}
+    out = []
+    for name in gather_sources(program):
+        d, t = decls[name], params[name]
+        if name in seqs:  # (L, *axes) -> (*axes, L)
+            lead = d.axes
+            t = t.permute(*range(1, t.dim()), 0)
+        else:  # (..., r, ...) -> (*batch axes of the table, r)
+            lead = tuple(a for a in d.axes if a in program.batch_axes)
+            (axis,) = [a for a in d.axes if a not in program.batch_axes]
+            t = t.permute(*[d.axes.index(a) for a in (*lead, axis)])
+        rows = t.to(torch.float32).reshape(math.prod(sizes[a] for a in lead), -1)
+        out.append((rows, _batch_rows(lead, program.batch_axes, sizes)))
+    return out
+
+
 def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     """params [BH, NP] fp32 (torch, contiguous): each param's value per flattened batch index (the
-    batch axes in order, the last fastest), broadcast over the batch axes it lacks."""
+    batch axes in order, the last fastest), broadcast over the batch axes it lacks. With gather sources
+    (module docstring) NP is `table_width`: a table's own column is unused (0), and each source's two
+    columns hold the offset from the batch index's row to its row of the source, and that row's last index;
+    the sources' rows follow the [BH, NP] table (one flat tensor)."""
     import torch
 
     batch = program.batch_axes
     shape = [sizes[a] for a in batch]
+    bh = math.prod(shape)
+    sources = _gather_rows(program, params, sizes) if program.seqs or any(
+        any(a not in batch for a in d.axes) for d in program.params) else []
     cols = []
     for d in program.params:
+        if any(a not in batch for a in d.axes):  # a table: read through its gather columns
+            cols.append(torch.zeros(bh, dtype=torch.float32))
+            continue
         t = params[d.name].to(torch.float32)
         order = [a for a in batch if a in d.axes]
         t = t.permute(*[d.axes.index(a) for a in order])
         t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
         cols.append(t.reshape(-1))
-    bh = math.prod(shape)
+    if sources:
+        device = sources[0][0].device
+        cols = [c.to(device) for c in cols]
+        width = table_width(program)
+        start = bh * width
+        row0 = torch.arange(bh, dtype=torch.int64, device=device) * width
+        for rows, which in sources:
+            n = rows.shape[1]
+            cols.append((start + which.to(device) * n - row0).to(torch.float32))
+            cols.append(torch.full((bh,), float(n - 1), dtype=torch.float32, device=device))
+            start += rows.numel()
+        if row_axes(program) is not None:  # the batch index's row of the spans (`row_span_table`)
+            cols.append(_batch_rows(row_axes(program), batch, sizes).to(device=device, dtype=torch.float32))
+        if start >= MAX_EXACT:
+            raise ValueError(f"the flash kernel's param table with the indexed inputs would hold {start} numbers, "
+                             f"past the {MAX_EXACT} its float offsets reach exactly")
+        table = torch.stack(cols, dim=1).reshape(-1)
+        return torch.cat([table, *(rows.reshape(-1) for rows, _ in sources)])
     if not cols:
         return torch.zeros((bh, 0), dtype=torch.float32)
     return torch.stack(cols, dim=1).contiguous()
 
 
 def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: int = BM,
-                bn: int = BN) -> list[tuple[int, int, int, int]]:
+                bn: int = BN, seqs: dict | None = None) -> list[tuple[int, int, int, int]]:
     """Per block of `bm` queries, (lo, hi, full_lo, full_hi): keys outside [lo, hi) are masked for every
     query of the block (`mask_blocks.key_spans` over key tiles of `bn`), and every key tile inside
     [full_lo, full_hi) is visible to every query of the block and below Lk (the mask proven true over the
-    whole rectangle), so the kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is."""
-    from .....passes.mask_blocks import _bool, _evaluate, key_spans
+    whole rectangle), so the kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is.
+    `seqs`: the sequence inputs' per-position ranges (`tiled_attention.sequence_ranges`)."""
+    from .....passes.mask_blocks import _bool, _evaluate, grid_spans, key_spans
 
-    spans = key_spans(mask, lq, lk, bm, bn, sizes)
+    if seqs and mask is not None:  # per call: every (block, tile) at once
+        return grid_spans(mask, lq, lk, bm, bn, sizes, seqs)
+    spans = key_spans(mask, lq, lk, bm, bn, sizes, seqs)
     order = toposort([mask]) if mask is not None else None
     out = []
     for b, (lo, hi) in enumerate(spans):
@@ -360,7 +474,7 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
         for t0 in range(lo, hi, bn):
             if t0 + bn > lk:
                 continue  # keys past Lk: masked element-wise
-            if order is None or not _bool(_evaluate(order, q, (float(t0), float(t0 + bn - 1)), sizes))[1]:
+            if order is None or not _bool(_evaluate(order, q, (float(t0), float(t0 + bn - 1)), sizes, seqs))[1]:
                 full.append(t0)
         # the longest run of consecutive full tiles (others stay partial: sound)
         best, run = (0, 0), None
@@ -370,6 +484,26 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
                 best = run
         out.append((lo, hi, *best))
     return out
+
+
+def sequence_rows(program: Attention, arrays: dict) -> list[dict]:
+    """The sequence inputs' per-position ranges (`mask_blocks.key_spans`' `seqs`) per row of `row_axes` (each
+    row's own ids: exact), or one set over every batch index (`tiled_attention.sequence_ranges`)."""
+    from ....tiled_attention import sequence_ranges
+
+    if row_axes(program) is None:
+        return [sequence_ranges(program, arrays)]
+    ids = {d.name: arrays[d.name].reshape(arrays[d.name].shape[0], -1).cpu().numpy() for d in program.seqs}
+    rows = next(iter(ids.values())).shape[1]
+    return [{n: (a[:, r], a[:, r]) for n, a in ids.items()} for r in range(rows)]
+
+
+def row_span_table(per_row: list, gqa: tuple[int, int], device):
+    """The kernels' spans with a table a row (`row_axes`): each row's `span_table` (its spans, then the group and
+    inner size), one after another; a kernel offsets by its batch index's row (the param table's last column)."""
+    import torch
+
+    return torch.tensor([x for spans in per_row for x in span_table(spans, *gqa)], dtype=torch.int32, device=device)
 
 
 def span_table(spans: list[tuple[int, ...]], group: int = 1, inner: int = 1) -> list[int]:
@@ -406,6 +540,7 @@ class FlashForward:
         self.program = program
         self.config = config
         self.reason = unsupported(program)
+        self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._launches: dict = {}
 
@@ -414,10 +549,17 @@ class FlashForward:
         return loaded_function(text, name, device, arch=cfg.arch)
 
     def _span_tensor(self, call, cfg: Config):
-        """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape."""
+        """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape (with
+        sequence inputs, document ids, per call: from the ids' per-position ranges)."""
         import torch
 
         gqa = gqa_shape(call)
+        if self.program.seqs:
+            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn, seqs)
+                       for seqs in sequence_rows(self.program, call.params)]
+            spans = [x for row in per_row for x in row]
+            tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
+            return row_span_table(per_row, gqa, call.q.device), tiles
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
@@ -446,6 +588,8 @@ class FlashForward:
         if bh == 0 or lq == 0:
             return out, lse
         fn, grid, shared, spans, no_params = self._launch(call, q, k, v)
+        if self.program.seqs:  # the ids are this call's
+            spans = self._span_tensor(call, config(d, self.config, q.device))[0]
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = no_params if no_params is not None else param_table(self.program, call.params, call.sizes).to(q.device)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
@@ -469,11 +613,14 @@ class FlashForward:
         if hit is None:
             bh, lq, d = math.prod(q.shape[:-2]), call.lq, q.shape[-1]
             cfg = config(d, self.config, q.device)
+            if cfg.name == "bm128w4" and d == 64 and self.config is None and not _forced() and self.tables:
+                cfg = CONFIGS["bm128w8"][d]  # a table's loads spilled the 4-warp build's registers: the same tiles
             spans, tiles = self._span_tensor(call, cfg)
             if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
                 cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
             fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
-            no_params = None if self.program.params else torch.zeros((bh, 0), dtype=torch.float32, device=q.device)
+            no_params = None if table_width(self.program) else torch.zeros((bh, 0), dtype=torch.float32,
+                                                                            device=q.device)
             if len(self._launches) >= 64:
                 self._launches.clear()
             hit = self._launches[key] = (fn, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d), spans, no_params)

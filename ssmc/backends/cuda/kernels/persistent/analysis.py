@@ -8,8 +8,10 @@
 
 and everything else element-wise along rows and the units s (the gate axis g stays whole in a
 thread), so a thread owning (row, unit s) computes the cell at that index from P[row, :, s], its
-own carries and the step's sequences; the only data blocks exchange is the operand (h, or dz at all
-gates). As a plain loop, for the LSTM after hoisting (hz0 = x W):
+own carries and the step's sequences; the data blocks exchange is the operand (h, or dz at all
+gates) and the sums over the units s of the cell's reductions (a LayerNorm's mean and variance:
+`Cell.reductions`, ordered into levels by `reduction_levels`; a sum over a gate axis is a loop in the
+thread). As a plain loop, for the LSTM after hoisting (hz0 = x W):
 
     for t: P[b, g, k] = sum_j h[b, j] U[j, g, k]
            z = hz0[t] + P + bias;  c = sig(z[1]) c + sig(z[0]) tanh(z[2]);  h = sig(z[3]) tanh(c)
@@ -78,12 +80,81 @@ class Cell:
     op_local: tuple[str, ...] = ()
     publish: Node | None = None
     heads: tuple[str, ...] = ()
+    reductions: tuple[Node, ...] = ()
+
+    @property
+    def phases(self) -> tuple[tuple[tuple[Node, ...], ...], tuple[tuple[Node, ...], ...]]:
+        """The reductions over the units (`reductions`) in the order the kernel takes them: (the publish's
+        levels, the cell's levels after the product), a level the reductions that read none of the level's
+        own or later ones (`reduction_levels`): one exchange among a tile's blocks each."""
+        return reduction_levels(self)
 
     def describe(self) -> str:
         w_axes = " ".join(next(d.axes for d in self.program.params if d.name == self.weight))
         heads = f", heads {' '.join(self.heads)}" if self.heads else ""
+        pub, body = self.phases
+        levels = len(pub) + len(body)
+        reductions = (f"; {len(self.reductions)} reductions over the units {self.split} in {levels} levels "
+                      f"({len(pub)} before the product, {len(body)} after: an exchange among a tile's blocks each)"
+                      if self.reductions else "")
         return (f"recurrent product sum over {' '.join(self.contracted)} of {self.state}"
-                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]{heads}")
+                f"[{' '.join((*self.rows, *self.contracted))}] {self.weight}[{w_axes}]{heads}{reductions}")
+
+
+def closure(targets, stop=frozenset()) -> set:
+    """The nodes `targets` read, themselves included, not looking past the nodes in `stop` (kept)."""
+    seen, todo = set(), list(targets)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            if n not in stop:
+                todo.extend(n.args)
+    return seen
+
+
+def reduction_levels(cell: Cell) -> tuple[tuple[tuple[Node, ...], ...], tuple[tuple[Node, ...], ...]]:
+    """The cell's reductions over the units (a LayerNorm's mean, then its variance of the centred values) as
+    levels: (before the product: those the operand needs, and those that read no product and fit in the levels
+    these take; after it: the rest). A reduction's level is one more than the highest level of the reductions
+    of its section that its summand reads (the publish's are known after the product): the reductions of a
+    level are summed together (one block reduction, one exchange among the tile's blocks). As a plain loop, a
+    step:
+
+        for level in publish levels: sums[level] = sum over units of summands(sums of the levels before)
+        operand published; barrier; product
+        for level in cell levels: likewise, from the product too"""
+    if not cell.reductions:
+        return (), ()
+    reds = set(cell.reductions)
+    p = cell.program
+    below = {r: closure(r.args, reds) & reds for r in cell.reductions}  # the reductions r's summand reads
+    needs_product = {r for r in cell.reductions if cell.product in closure(r.args)}
+    publish = closure([cell.publish], {cell.product}) & reds
+    body_targets = [y for _, y in p.outputs] + list(p.updates)
+    body = (closure(body_targets, {cell.product}) & reds) - publish
+
+    def levels(section: set, done: set) -> dict:
+        level: dict = {}
+        for r in cell.reductions:  # (in evaluation order: a reduction's inputs come first)
+            if r in section:
+                level[r] = 1 + max((level[b] for b in below[r] if b not in done), default=0)
+        return level
+
+    first = levels(publish, set())
+    top = max(first.values(), default=0)
+    for r in cell.reductions:  # a reduction the cell needs, reading no product: along with the publish's
+        if r in body and r not in needs_product and all(b in first for b in below[r]):
+            at = 1 + max((first[b] for b in below[r]), default=0)
+            if at <= top:
+                first[r] = at
+    second = levels(body - set(first), set(first))
+
+    def grouped(level: dict) -> tuple[tuple[Node, ...], ...]:
+        top = max(level.values(), default=0)
+        return tuple(tuple(r for r in cell.reductions if level.get(r) == i) for i in range(1, top + 1))
+
+    return grouped(first), grouped(second)
 
 
 def _consumers(nodes) -> dict:
@@ -153,11 +224,23 @@ def analyse(program) -> Cell | str:
     skip = {mul, w, *chain[:-1]}
     if publish is not a:
         skip.add(a)
+    # a param's or sequence's own axis that the cell only selects at fixed indices (an LSTM's peepholes p[g3, k],
+    # unbound along g3): held whole by a thread, as the gates are
     for n in nodes:
-        if n not in chain and n.op in (Op.SUM, Op.REDUCE_MAX):
+        if n.op is Op.INPUT and roles.get(n.arg) in ("PARAM", "SEQ") and n not in skip:
+            for x in n.axes:
+                if x not in allowed and all(u.op is Op.SELECT and u.arg[0] == x for u in users.get(n, [])):
+                    local += (x,)
+                    allowed.add(x)
+    reductions = []
+    for n in nodes:
+        if n not in chain and n.op in (Op.SUM, Op.REDUCE_MAX) and n not in skip:
             what = "sum" if n.op is Op.SUM else "max"
-            return (f"a {what} over {n.arg} in the cell besides the recurrent product (a product not hoisted, or "
-                    "a reduction such as LayerNorm's across the units: not supported yet)")
+            if n.arg == split:  # across the units (a LayerNorm's): an exchange among a tile's blocks
+                reductions.append(n)
+            elif n.arg not in local:
+                return (f"a {what} over {n.arg} in the cell besides the recurrent product (a product not hoisted, "
+                        "or a reduction across the rows)")
     cell = []
     for n in nodes:
         if n in skip and not any(n in u.args for u in nodes if u not in skip and u is not p):
@@ -182,7 +265,9 @@ def analyse(program) -> Cell | str:
         elif n.op is Op.RENAME:
             if n.args[0] is not p:
                 return "a rename in the cell other than the product's onto the units"
-        elif n.op is not Op.CONST and n.op not in ELEMENTWISE:
+        elif n.op in (Op.SUM, Op.REDUCE_MAX):
+            pass  # over the units (`reductions`) or a gate axis (a loop in the thread)
+        elif n.op not in (Op.CONST, Op.SIZE) and n.op not in ELEMENTWISE:
             return f"{n.op.name.lower()} in the cell (not element-wise along the units {split})"
         cell.append(n)
     for s in program.states:
@@ -193,8 +278,10 @@ def analyse(program) -> Cell | str:
         if decl is not None and tuple(publish.axes) != tuple(decl.axes):
             return "the operand state's axes differ from its declaration"
     state = publish.arg if publish.op is Op.INPUT else "dz"
+    if reductions and heads:
+        return "a reduction across the units with heads (not supported yet)"
     return Cell(program, p, state, w.arg, contracted, split, rows, local, tuple(cell), unit, out_unit, cols,
-                op_local, publish, heads)
+                op_local, publish, heads, tuple(r for r in cell if r in set(reductions)))
 
 
 @dataclass(frozen=True)
@@ -235,6 +322,8 @@ class Plan:
                      # mma.sync m16n8k8 tf32, each fp32 value split in registers into hi = tf32(x) and
                      # lo = tf32(x - hi): 3 (3xTF32: hi hi + hi lo + lo hi, about fp32's accuracy) or 1 (hi hi only,
                      # TF32's 10 bits of mantissa); 0: 16-bit inputs (m16n8k16)
+    rvals: int = 0   # the reductions over the units (`Cell.reductions`): the most values a level sums a row (their
+    rlevels: int = 0  # block sums rs[rvals][trows][units] and totals rt[rvals][trows] in shared memory), the levels
 
     def __post_init__(self):
         if not self.trows:
@@ -326,8 +415,14 @@ class Plan:
         return staged + partials
 
     @property
+    def red_bytes(self) -> int:
+        """Bytes of the reductions' block sums rs [rvals][trows][units] and totals rt [rvals][trows] (fp32),
+        after the ring."""
+        return -(-4 * self.rvals * self.trows * (self.units + 1) // 16) * 16
+
+    @property
     def shared_bytes(self) -> int:
-        return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes)
+        return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes) + self.red_bytes
 
     def describe(self) -> str:
         if self.mma and self.tf32:
@@ -341,9 +436,16 @@ class Plan:
         split = (f", the contracted indices in {self.ksplit} groups (a tile's blocks {self.ksplit} x {self.jsplit}: a "
                  f"block multiplies its group's slice into fp32 partials of {self.nunits} units, 2 barriers a step)"
                  if self.ksplit > 1 else "")
+        nbt = self.blocks // self.tiles
+        reduce = (f", {self.rlevels} levels of sums over the units a step (at most {self.rvals} "
+                  f"value{'s' if self.rvals > 1 else ''} a row a level: the "
+                  "block's sums in shared memory, "
+                  + (f"then exchanged among the tile's {nbt} blocks, a barrier a level)" if nbt > 1
+                     else "the tile's units all in the block: no barrier among blocks)")
+                  if self.rlevels else "")
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
                 f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
-                f"contracted indices a chunk, {self.stages} chunks a ring{split}")
+                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}")
 
 
 # a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound
@@ -456,6 +558,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     cols = math.prod(sizes[a] for a in cell.cols)
     vec = cols == 1
     cpad = 4 if cols == 3 else cols
+    levels = [lv for section in cell.phases for lv in section]
+    rvals = max((sum(math.prod(sizes[a] for a in r.axes if a in cell.local) for r in lv) for lv in levels), default=0)
+    rlevels = len(levels)
     why = None
     elem, epad = (4, 4) if tf32 or not mma else (2, 8)
     min_rows = MIN_TF32_TILE_ROWS if mma and tf32 else MIN_TILE_ROWS
@@ -480,7 +585,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                 why = why or f"{pairs} (row, unit) pairs a thread (more than {MAX_PAIRS}: rows x units = {pairs_total})"
                 continue
             mpad = -(-trows // 16) * 16
-            if ksplit is not None:
+            if cell.reductions:  # (the reductions exchange among all of a tile's blocks: no K groups)
+                splits = (1,)
+            elif ksplit is not None:
                 splits = (ksplit,)
             elif mma and cols == 1 and elem * trows * depth >= SPLIT_BYTES:
                 splits = (*SPLITS, 1)
@@ -518,7 +625,8 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                         jpad = -(-kd // chunk) * chunk
                         for stages in ((forced[1],) if forced[1] else DEEP_STAGES):
                             candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
-                                             pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0)
+                                             pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0,
+                                             rvals, rlevels)
                             if stages >= 2 and candidate.shared_bytes <= shared_limit:
                                 return candidate
                 deep = []  # (bytes in flight, chunk, plan) of each chunk's deepest ring
@@ -526,7 +634,8 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     jpad = -(-kd // chunk) * chunk
                     for stages in (DEEP_STAGES if deepest else STAGES):
                         candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
-                                         pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0)
+                                         pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0,
+                                         rvals, rlevels)
                         if candidate.shared_bytes <= shared_limit:
                             if not deepest:
                                 return candidate

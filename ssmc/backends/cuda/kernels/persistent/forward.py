@@ -36,6 +36,15 @@ x JS J groups; block (kg, jg) owns the units k = jg JU + kg UNITS + u (JU = KS U
         J group barrier                                       (its KS blocks)
         acc[q] = sum over kg' in order of pb[s % 2][kg'][r][k]
 
+Reductions over the units (`Cell.reductions`, a LayerNorm's; `analysis.reduction_levels`): each level, before
+the publish or after the product, a step:
+
+        rs[v][lr][u] = summand v at (r, k)                     each pair (shared memory)
+        part[v][lr] = sum over u in order of rs[v][lr][u]      a thread a (value, row)
+        NBT > 1: rx[level][x][lr][v] = part; tile barrier; rt[v][lr] = sum over the tile's blocks in order of rx
+        NBT = 1: rt[v][lr] = part                              (the tile's units all in the block)
+        rv<n>[q] = rt[v][lr]                                   each pair: what the later nodes read
+
 The cell is printed from the IR node by node (`CellPrinter`), each node's value one register per index
 of its local (gate) axes, its expressions through the printer's `CPrinter.expr` (the math header's
 functions). Off the GPU (the emulator: one block at a time) the barrier is a block barrier; the
@@ -127,6 +136,7 @@ class CellPrinter:
         self.at = {a: f"ri_{a}" for a in cell.rows} | {cell.split: "k"}
         self.printer = _Exprs()
         self.weight_axes = next(d.axes for d in p.params if d.name == cell.weight)
+        self.reductions = frozenset(cell.reductions)  # over the units: their values rv<n>[q] (`reduction_code`)
 
     def own(self, n: Node) -> tuple[str, ...]:
         return tuple(a for a in n.axes if a in self.cell.local)
@@ -140,6 +150,10 @@ class CellPrinter:
         c = flat(own, self.sizes, assign)
         if n.op is Op.CONST:
             return Num(float(n.arg))
+        if n.op is Op.SIZE:
+            return Num(float(self.sizes[n.arg]))
+        if n in self.reductions:
+            return Var(f"rv{self.index[n]}[q][{c}]")
         if n.op is Op.INPUT:
             if n.arg in self.states:
                 return Var(f"st{self.states[n.arg]}[q][{c}]")
@@ -159,6 +173,12 @@ class CellPrinter:
         if n.op is Op.SELECT:
             axis, i = n.arg
             return self.ref(n.args[0], {**assign, axis: i})
+        if n.op in (Op.SUM, Op.REDUCE_MAX):  # over a gate axis, which the thread holds whole: in order
+            terms = [self.ref(n.args[0], {**assign, n.arg: i}) for i in range(self.sizes[n.arg])]
+            out = terms[0]
+            for term in terms[1:]:
+                out = Bin("+", out, term) if n.op is Op.SUM else Call("max", (out, term))
+            return out
         args = [self.ref(a, assign) for a in n.args]
         if n.op is Op.WHERE:
             return Select(*args)
@@ -172,7 +192,9 @@ class CellPrinter:
         """The registers of `nodes` (cell nodes, in order) for pair q."""
         out = []
         for n in nodes:
-            if n.op in (Op.INPUT, Op.CONST, Op.IOTA, Op.RENAME) or n is self.cell.product:
+            if n.op in (Op.INPUT, Op.CONST, Op.IOTA, Op.RENAME, Op.SIZE) or n is self.cell.product:
+                continue
+            if n in self.reductions:
                 continue
             ctype = "bool" if n.dtype == "bool" else "F"
             for assign in combos(self.own(n), self.sizes):
@@ -230,12 +252,8 @@ class CellPrinter:
         late = early is not None
         early = [slot for slot in early or [] if slot[0]]
         updates = self.early_updates() if late else []
-        needed, todo = set(), [cell.publish, *(slot[1] for slot in early), *(u for _, _, u in updates)]
-        while todo:
-            n = todo.pop()
-            if n not in needed:
-                needed.add(n)
-                todo.extend(n.args)
+        needed = analysis.closure([cell.publish, *(slot[1] for slot in early), *(u for _, _, u in updates)],
+                                  self.reductions)
         out = self.values([n for n in cell.nodes if n in needed])
         order = tuple(a for a in self.weight_axes if a in cell.contracted)
         own = tuple(a for a in cell.publish.axes if a in cell.local)
@@ -252,6 +270,24 @@ class CellPrinter:
                 c = flat(self.own_of(s.axes), self.sizes, assign)
                 out.append(f"nu{i}[q][{c}] = {self.printer.expr(self.ref(u, assign))};")
         return out
+
+    def reduction_level(self, level: tuple[Node, ...]) -> tuple[list[str], list[str], list[int]]:
+        """A level of reductions over the units (`analysis.reduction_levels`) for pair q: (the statements
+        writing its summands to the block's rs[v][lr][u], v the level's value, the statements reading the
+        level's totals rt[v][lr] into rv<n>[q], the values v that are maxima, not sums)."""
+        needed = analysis.closure([r.args[0] for r in level], self.reductions | {self.cell.product})
+        write = self.values([n for n in self.cell.nodes if n in needed])
+        read, maxima, v = [], [], 0
+        for r in level:
+            own = self.own(r)
+            for assign in combos(own, self.sizes):
+                value = self.printer.expr(self.ref(r.args[0], assign))
+                write.append(f"rs[({v} * TROWS + lr) * UNITS + u] = {value};")
+                read.append(f"rv{self.index[r]}[q][{flat(own, self.sizes, assign)}] = rt[{v} * TROWS + lr];")
+                if r.op is Op.REDUCE_MAX:
+                    maxima.append(v)
+                v += 1
+        return write, read, maxima
 
     def early_updates(self) -> list[tuple]:
         """(index, state, update) of the carries whose update does not need the step's product (an adjoint's
@@ -429,6 +465,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     p = cell.program
     pr = CellPrinter(cell, sizes)
     name = kernel_name(cell)
+    if cell.reductions:  # (the late stores and the next step's early loads assume one barrier a step)
+        late = early_loads = False
     args = ["int length", "int nblk"]
     args += [f"const {'H' if d.name in half_seqs else 'float'}* __restrict__ s{i}" for i, d in enumerate(p.seqs)]
     args += [f"const float* __restrict__ w{i}" for i, _ in enumerate(p.params)]
@@ -441,6 +479,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     split = plan.ksplit > 1
     if split:
         args.append("float* __restrict__ pb")
+    if cell.reductions:
+        args.append("float* __restrict__ rx")
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
     wat = ({a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
@@ -472,7 +512,9 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         first = "thread_index()" if reload else "threadIdx.x"
         return [f"const int pq = {first} + q * THREADS;", *decode, "const int r = row0 + lr;",
                 "const int k = k0 + u;", "const int km = jg * UNITS + u;",
-                "const bool on = lr < TLIM && r < ROWS && k < SIZE;",
+                # (u < UNITS: past a tile's pairs the warp decode's u runs past the block's units, onto units of
+                # the next block, which are < SIZE but not this block's)
+                "const bool on = lr < TLIM && u < UNITS && r < ROWS && k < SIZE;",
                 "const int rr = on ? r : 0;", "const int kc = on ? k : 0;", *rows_of("rr")]
 
     def at_pair(axes, assign) -> str:
@@ -590,6 +632,53 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         decl.append(f"F dv[PAIRS][{len(late_stores)}];")
     for i, st, _ in pr.early_updates() if late else []:
         decl.append(f"F nu{i}[PAIRS][{pr.count(pr.own_of(st.axes))}];")
+    for r in cell.reductions:
+        decl.append(f"F rv{pr.index[r]}[PAIRS][{pr.count(pr.own(r))}];")
+    pub_levels, body_levels = cell.phases
+
+    def reduction_code(levels, first: int, barrier: int) -> str:
+        """The levels of reductions over the units (`analysis.reduction_levels`), the first the step's level
+        `first` (its rx slice) and barrier `barrier` (1: the step's first; the operand's is NPUB + 1). A
+        level: each pair's summands into rs[v][lr][u]; the block's sums a row, u in order, to rx[level][block]
+        [lr][v] (one block a tile: to rt); the tile's blocks meet; each row's total over the tile's blocks, in
+        block order (deterministic), to rt[v][lr]; each pair's into its registers rv<n>[q]."""
+        out = []
+        for i, level in enumerate(levels):
+            write, read, maxima = pr.reduction_level(level)
+            nv = len(read)
+            mx = " || ".join(f"v == {m}" for m in maxima) or "false"
+            out.append(f"""        // reductions over the units, level {first + i}: {nv} values a row
+{per_pair(write, depth=2)}
+        __syncthreads();
+        for (int e = threadIdx.x; e < {nv} * TROWS; e += THREADS) {{
+            const int v = e / TROWS, lr = e % TROWS;
+            const bool mx = {mx};
+            const F* x = rs + (v * TROWS + lr) * UNITS;
+            F a = x[0];
+            for (int u = 1; u < min(UNITS, SIZE - k0); ++u) a = mx ? fmaxf(a, x[u]) : a + x[u];
+            if (NBT > 1) rx[((long long)({first + i} * BLOCKS + blockIdx.x) * TROWS + lr) * RVALS + v] = a;
+            else rt[v * TROWS + lr] = a;
+        }}
+        if (NBT > 1) {{
+            grid_barrier(bar + 3 + tile, (unsigned int)(s * BPS + {barrier + i}) * NBT, s, bar);
+            for (int e = threadIdx.x; e < {nv} * TROWS; e += THREADS) {{
+                const int v = e / TROWS, lr = e % TROWS;
+                const bool mx = {mx};
+                const F* x = rx + ((long long)({first + i} * BLOCKS + tile * NBT) * TROWS + lr) * RVALS + v;
+                F a = load_cg(x);
+                for (int b = 1; b < NBT; ++b) {{
+                    const F y = load_cg(x + (long long)b * TROWS * RVALS);
+                    a = mx ? fmaxf(a, y) : a + y;
+                }}
+                rt[v * TROWS + lr] = a;
+            }}
+        }}
+        __syncthreads();
+{per_pair(read, guard="on", depth=2)}""")
+        return "\n".join(out)
+
+    pub_reductions = reduction_code(pub_levels, 0, 1)
+    body_reductions = reduction_code(body_levels, len(pub_levels), len(pub_levels) + 2)
     product = [
         "#if VEC",
         "#pragma unroll 8",
@@ -779,6 +868,11 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define PHASES {int(phases)}
 #define NEXT_LOADS {int(early_loads)}
 #define PHASE_AT {3 + plan.tiles * (plan.ksplit + plan.jsplit if split else 1)}
+#define BLOCKS {plan.blocks}
+#define NPUB {len(pub_levels)}  // levels of reductions over the units before the product, then after it
+#define BPS {1 + len(pub_levels) + len(body_levels)}  // a tile's barriers a step
+#define RVALS {max(plan.rvals, 1)}
+#define RED_BYTES {plan.red_bytes}
 static_assert(CHUNK % EPC == 0 && JPAD % CHUNK == 0 && U_BYTES % 16 == 0, "16-byte copies and loads");
 
 #ifdef __CUDA_ARCH__
@@ -991,6 +1085,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     // the ring of staged chunks [NSTAGE][RROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
     // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero)
     X (*ring)[RROWS][SHS] = reinterpret_cast<X (*)[RROWS][SHS]>(smem + U_BYTES);
+#if RED_BYTES
+    // the reductions over the units: a level's pairs' summands rs[v][lr][u], its totals a row rt[v][lr]
+    F* const rs = reinterpret_cast<F*>(smem + SHARED_BYTES - RED_BYTES);
+    F* const rt = rs + RVALS * TROWS * UNITS;
+#endif
     // block x: the tile x / NBT of TROWS rows (TPH tiles a head of HB rows: TLIM of them in the tile); within
     // it, K group kg and J group jg (KS x JS blocks: 1 x NBT where not split); the product's units [n0, n0 + JU)
     // (its J group's), the cell's [k0, k0 + UNITS) (its own); the operand's slice kg (JPAD indices)
@@ -1040,6 +1139,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(prefetches, guard="on && threadIdx.x % 4 == 0", depth=3)}
         }}
 #endif
+{pub_reductions}
 {per_pair(publish_lines, depth=2)}
         PHASE(0);
         // every block's operand of this step written before any block of its tile (its K group) stages it
@@ -1056,7 +1156,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         else __syncthreads();
 #else
         if (SPLIT) grid_barrier(bar + 3 + tile * (KS + JS) + kg, (unsigned int)(s + 1) * JS, s, bar);
-        else if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s + 1) * NBT, s, bar);
+        else if (NBT > 1) grid_barrier(bar + 3 + tile, (unsigned int)(s * BPS + NPUB + 1) * NBT, s, bar);
         else __syncthreads();
 #endif
         PHASE(1);
@@ -1199,6 +1299,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 {per_pair(from_sp, guard="lr < TROWS", depth=2)}
 #endif
         PHASE(3);
+{body_reductions}
 {per_pair(cell_lines, depth=2)}
         PHASE(4);
     }}

@@ -29,6 +29,11 @@ from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
 TIME = "~t"  # the time axis among an output's axes while allocating it
+# emulated (SSMC_CUDA_EMULATE=1): the blocks a launch takes (None: one, or a block a head). The emulator runs a
+# launch's blocks one after another, without grid barriers between them; with more than one, a call runs step
+# by step, each step launched until every exchange among the blocks is complete (`_emulate_steps`): the tests'
+# way to check the split of the units over blocks at any length
+EMULATED_BLOCKS: int | None = None
 
 
 class BarrierTimeout(RuntimeError):
@@ -43,6 +48,7 @@ class PersistentLoop:
         self.program, self.compute, self.fallback, self.cell = program, compute, fallback, cell
         self.refusals: dict[tuple, str] = {}
         self._plans: dict[tuple, object] = {}
+        self._sources: dict[tuple, str] = {}   # `_launch`'s kernel source by everything that prints it
         self._functions: dict[tuple, object] = {}
         self._last_bar = None
         self._phase_at = None  # where the last launch keeps its clocks by phase in its barrier words (`phases`)
@@ -51,7 +57,8 @@ class PersistentLoop:
     @property
     def describe(self) -> str:
         return (f"{self.fallback.describe}; where the shape fits, one persistent kernel a call "
-                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step; "
+                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step"
+                f"{' and one a level of reductions' if self.cell.reductions else ''}; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
     def plan_for(self, sizes: dict[str, int], half: bool = False):
@@ -67,10 +74,10 @@ class PersistentLoop:
         deep_ring = (opts.persistent_adjoint_chunk, opts.persistent_adjoint_stages)
         key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, analysis.MIN_BLOCK_PAIRS,
                analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
-               analysis.DEEP_STAGES)  # (tests, bench/ change them)
+               analysis.DEEP_STAGES, EMULATED_BLOCKS)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
-            blocks = math.prod(sizes[a] for a in self.cell.heads) if emulate else None
+            blocks = (EMULATED_BLOCKS or math.prod(sizes[a] for a in self.cell.heads)) if emulate else None
             chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
                            deep_ring=deep_ring)
                       if half or passes else None)
@@ -250,14 +257,23 @@ class PersistentLoop:
         if split:  # the K groups' fp32 partial products [2][ksplit][rows][units], by step parity
             tensors.append(torch.empty(2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,
                                        dtype=f32, device=device))
+        if cell.reductions:  # the reductions' block sums [levels][blocks][tile rows][values] (`Plan.rvals`)
+            tensors.append(torch.empty(max(1, chosen.rlevels * chosen.blocks * chosen.trows * chosen.rvals), dtype=f32,
+                                       device=device))
         pointers = [t.data_ptr() for t in tensors]
         late = bool(opts.persistent_late_stores)
-        source = kernel_source(cell, chosen, sizes, seq_strides, out_strides,
-                               tuple(recorded.stride()) if record else None, bf16=half != torch.float16,
-                               half_seqs=half_seqs, half_outs=half_outs, half_record=record and half is not None,
-                               late=late, prefetch=bool(opts.persistent_prefetch), phases=phases,
-                               reload=bool(opts.persistent_reload_index) or late,
-                               early_loads=late and bool(opts.persistent_early_loads))
+        form = dict(bf16=half != torch.float16, half_seqs=half_seqs, half_outs=half_outs,
+                    half_record=record and half is not None, late=late, prefetch=bool(opts.persistent_prefetch),
+                    phases=phases, reload=bool(opts.persistent_reload_index) or late,
+                    early_loads=late and bool(opts.persistent_early_loads))
+        rp_strides = tuple(recorded.stride()) if record else None
+        # printing the kernel from the IR costs milliseconds of host time: once per source's inputs
+        key = (chosen, tuple(sorted(sizes.items())), tuple(sorted(seq_strides.items())),
+               tuple(sorted(out_strides.items())), rp_strides, tuple(sorted(form.items())))
+        source = self._sources.get(key)
+        if source is None:
+            source = self._sources[key] = kernel_source(cell, chosen, sizes, seq_strides, out_strides, rp_strides,
+                                                        **form)
         name = kernel_name(cell)
         if emulate:
             from ...emulator import emulated
@@ -265,7 +281,10 @@ class PersistentLoop:
             fn = self._functions.get(("emulated", source))
             if fn is None:
                 fn = self._functions[("emulated", source)] = emulated(source, name)
-            fn((chosen.blocks, chosen.threads), length, 0, pointers)
+            if chosen.blocks > math.prod(sizes[a] for a in cell.heads):
+                _emulate_steps(fn, chosen, length, p.reverse, tensors, seq_t, outs, recorded, ini_t, finals)
+            else:
+                fn((chosen.blocks, chosen.threads), length, 0, pointers)
             self._watch(bar)
             return outs, finals, recorded
         refused = _cooperative_launch(self._function(source, name, device), chosen, length, pointers)
@@ -285,6 +304,25 @@ class PersistentLoop:
             module = cupy.RawModule(code=source, options=compile_options(source))
             fn = self._functions[key] = module.get_function(name)
         return fn
+
+
+def _emulate_steps(fn, chosen, length, reverse, tensors, seqs, outs, recorded, initial, finals) -> None:
+    """An emulated launch of several blocks (`EMULATED_BLOCKS`), a step at a time: the kernel at length 1 on the
+    step's slices of the sequences and outputs (their pointers moved to step t), from the carries the step before
+    left, launched 2 + `Plan.rlevels` times (the emulator runs the blocks one after another, its grid barriers
+    compiled out: a launch reads what the blocks after it wrote in the launch before, so each launch completes one
+    more exchange among them: the operand, the reductions' levels; the values recomputed are the same)."""
+    carries = list(initial)
+    for s in range(length):
+        t = length - 1 - s if reverse else s
+        moved = {id(x): x.data_ptr() + t * x.stride(0) * x.element_size()
+                 for x in [*seqs, *outs, *([recorded] if recorded is not None else [])]}
+        pointers = [moved.get(id(x), x.data_ptr()) for x in tensors]
+        at = {id(f): i for i, f in enumerate(initial)}
+        pointers = [carries[at[id(x)]].data_ptr() if id(x) in at else ptr for x, ptr in zip(tensors, pointers)]
+        for _ in range(2 + chosen.rlevels):
+            fn((chosen.blocks, chosen.threads), 1, 0, pointers)
+        carries = [f.clone() for f in finals]
 
 
 def tf32_passes() -> int:
@@ -319,6 +357,7 @@ def torch_float32():
 
 
 _DRIVER = {}
+_OCCUPANCY: dict[tuple, int] = {}  # (CUfunction, threads, shared bytes) -> blocks a multiprocessor
 
 
 def _driver_call(name: str, argtypes):
@@ -352,11 +391,14 @@ def _cooperative_launch(function, chosen, length: int, pointers) -> str | None:
         except ValueError as err:
             return str(err)
     handle = _handle(function)
-    per_sm = ctypes.c_int(0)
-    if occupancy(ctypes.byref(per_sm), handle, chosen.threads, chosen.shared_bytes) != 0:
-        return "the occupancy query failed"
-    if per_sm.value * options().sm_count < chosen.blocks:
-        return (f"{chosen.blocks} blocks cannot be co-resident ({per_sm.value} a multiprocessor x "
+    key = (handle, chosen.threads, chosen.shared_bytes)
+    if key not in _OCCUPANCY:  # a driver call a launch otherwise: asked once per kernel and shape
+        per_sm = ctypes.c_int(0)
+        if occupancy(ctypes.byref(per_sm), handle, chosen.threads, chosen.shared_bytes) != 0:
+            return "the occupancy query failed"
+        _OCCUPANCY[key] = per_sm.value
+    if _OCCUPANCY[key] * options().sm_count < chosen.blocks:
+        return (f"{chosen.blocks} blocks cannot be co-resident ({_OCCUPANCY[key]} a multiprocessor x "
                 f"{options().sm_count})")
     values, slots = _argument_slots(2 + len(pointers))
     values[:] = (length, 0, *pointers)

@@ -1,0 +1,565 @@
+"""One step of a recurrence on the GPU as one kernel launch (`api.Step`'s path on the cuda backend).
+
+The full-sequence call picks its strategy for long sequences: a matrix-linear program (linear attention,
+RetNet, Mamba-2) in chunks of matrix products, a product of a state-free value with a param (minGRU's
+``x W``) hoisted out of the time loop as one torch matrix product. For a single step both are the wrong
+trade: a chunk of one step is some thirty torch ops, and the hoisted product of one row of x is a launch
+of its own. Here a step runs the whole program, lowered as one kernel (`runner_for`), at L = 1: for a
+matrix-linear state ``S = a S + k v^T; o = sum_k S q`` one thread (or a few lanes) per (head, v) updates
+its column of S in registers and sums its output from the new values; a product ``x W`` is a loop over the
+row of x in the thread that needs its result.
+
+    step = CudaStep(backend, program, layout, dtype)
+    done = step(given, initial, out, in_place)     # None: not this path (`api.Step` takes its general one)
+    ys, finals = done
+
+The arrays the kernel writes are the caller's where given: the outputs into ``out=``, and with
+``in_place=True`` the new states into the state arrays read as the initial ones (the kernel's ``init_s``
+and ``final_s`` are one array; every strategy taking it loads a thread's own part of each state before the
+first barrier and stores it after the last, and each thread reads only the part it stores, so a thread's
+old values are read before anyone writes them). Both given: the step allocates nothing. A call like an
+earlier one (same shapes, strides, dtypes, device, the same arrays given) is one key lookup, an overlap
+check of the written arrays and the launch.
+
+A recurrence reading its states through a recurrent product (an LSTM's ``h U``) lowers whole to a thread per
+batch row walking the product alone; over one step, though, the old state is an input like x. A step is then
+its `product_form`: x W and h U as two matrix products (cuBLAS, into arrays of the step's own), then one kernel
+of the rest (gates, norms, cell), the new states written in place. (The full call's persistent kernel loads all
+of U on chip before its first step: for one step about ten times slower at decode sizes.) With
+``SSMC_CUDA_STEP_PRODUCTS=1`` it is `step_program`, one kernel of a thread per [b k], each summing its own
+products (a new state other threads read, h, written aside and copied over the caller's after the kernel: a
+second launch, still no allocation; each thread waits for its sums' loads one by one, so it is not the
+default). Where `product_form` does not take a program (16-bit operands; lstm_heads, whose products are
+batched over heads), the general path runs it: the hoisted x W, then the full call's kernels.
+
+Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
+kernel at L = 1; the recurrent products the persistent kernel takes (above); a product the full call hoists
+out of the time loop with a value per index that is no parallel index of the whole kernel (a thread would
+compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per batch row, where
+minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors of a float dtype on
+the current device, given arrays that the kernel cannot write as they lie (another dtype than the result's),
+written arrays that share memory with any other array of the call (the general path raises its error or
+copies); a product whose operands are 16-bit or no matrix as they lie.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ...ir.axes import TIME
+from ...runtime.binding import layout_of, to_time_first
+from ...runtime.prologue import bind_call
+from . import launch
+from .arrays import TORCH_DTYPES
+from .devices import current_device, device_name, emulating, on_backend_device
+from .options import options
+from .printer import ArraySpec
+from .runner import output_dtype, runner_for
+
+_UNPLANNED = object()
+MAX_STEP_PLANS = 64  # call signatures a step keeps (ever new shapes: start over)
+# the strategies whose kernel is one launch that reads each state part in the thread that stores it
+ONE_KERNEL = ("fused", "lanes", "rows")
+
+
+class CudaStep:
+    """`api.Step` on the cuda backend as one launch a step (module docstring)."""
+
+    def __init__(self, target, program, layout, dtype=None):
+        self.target = target  # the `CudaBackend`
+        self.program = program
+        self.layout = layout
+        self.dtype = dtype
+        # where time sits in each sequence's and output's array in the layout (`api.time_positions`)
+        self.seq_time = {d.name: layout_of(layout, d.name, d.axes).index(TIME) for d in program.seqs}
+        self.out_time = {n: layout_of(layout, n, y.axes).index(TIME) for n, y in program.outputs}
+        self.state_names = tuple(s.name for s in program.states)
+        self.output_names = tuple(n for n, _ in program.outputs)
+        self.plans: dict = {}
+
+    def __call__(self, given: dict, initial: dict, out, in_place: bool):
+        """(outputs, new states) as `api.Step` returns them, or None where this path does not apply.
+        `given`: every input by name (sequences without their time axis); `initial`: the states given."""
+        key = _key(given, initial, out, in_place)
+        if key is None:
+            return None
+        plan = self.plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(self.plans) >= MAX_STEP_PLANS:
+                self.plans.clear()
+            plan = self.plans[key] = self._plan(given, initial, out, in_place)
+        if plan is None:
+            return None
+        return plan(given, initial, out)
+
+    def _plan(self, given: dict, initial: dict, out, in_place: bool):
+        """The launch for calls like this one (`StepPlan`), or None."""
+        import torch
+
+        p = self.program
+        if (in_place and set(initial) != set(self.state_names)) or (out is not None and not self.output_names):
+            return None
+        first = next(iter(given.values()), None)
+        if first is None or (not emulating() and first.get_device() != current_device()):
+            return None
+        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        for x in (*given.values(), *initial.values(), *(_as_tuple(out) if out is not None else ())):
+            if x.dtype not in floats or not on_backend_device(x):
+                return None
+        timed = {n: (x.unsqueeze(self.seq_time[n]) if n in self.seq_time else x) for n, x in given.items()}
+        try:
+            bound, dtype = bind_call(self.target, p, (), {**timed, **initial}, self.layout, self.dtype,
+                                     read_only_zeros=True)
+        except ValueError:
+            return None  # the general path raises it
+        seqs, params, init, opts = self.target.run_inputs(p, bound, dtype)
+        # every array the kernel reads is the caller's own memory (no copy or cast made by the binding)
+        for n, t in {**seqs, **params}.items():
+            if t.data_ptr() != given[n].data_ptr() or t.dtype != given[n].dtype:
+                return None
+        for n, t in initial.items():
+            if init[n].data_ptr() != t.data_ptr() or init[n].dtype != t.dtype:
+                return None
+        sizes = tuple(sorted(bound.sizes.items()))
+        products = _reads_states_through_products(p)
+        if products:  # a step program: the states read as sequences, their new values written as outputs
+            if options().step_products:  # one kernel, each thread summing its own products
+                form = step_program(p)
+                parallel = tuple(a for st in p.states for a in st.axes)
+            else:  # the products by cuBLAS, then one kernel (module docstring: not the persistent kernel)
+                form, parallel = product_form(p), ()
+            if form is None:
+                return None
+            program = form.program
+            launch = one_launch(program, dtype.name, sizes, parallel)
+        else:
+            form, program = None, p
+            launch = one_launch(p, dtype.name, sizes)
+        if launch is None:
+            return None
+        k, runner = launch.kernel, runner_for(program, dtype.name, map_reduce=form is None)
+        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
+        outs = _as_tuple(out) if out is not None else None
+        if outs is not None and len(outs) != len(self.output_names):
+            return None
+        if in_place and any(initial[s].dtype != state_dtype for s in self.state_names):
+            return None
+        # per kernel array: where its pointer comes from (kind, key) and the array as the kernel sees it
+        source, made, keep, copies, shared = {}, {}, [], [], []
+        for n, t in {**seqs, **params}.items():
+            source[n] = ("given", n), t
+        for i, name in enumerate(self.output_names):
+            y = p.outputs[i][1]
+            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
+            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
+            if outs is not None:
+                o = outs[i]
+                if tuple(o.shape) != shape or o.dtype != wanted:
+                    return None
+                where = ("out", i)
+            else:
+                made[f"out_{name}"] = (shape, wanted)
+                o = torch.empty(shape, dtype=wanted, device="meta")  # laid out as the step allocates it
+                where = ("made", f"out_{name}")
+            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
+                *to_time_first(self.layout, name, y.axes))
+        for j, st in enumerate(p.states):
+            s, t = st.name, init[st.name]
+            old = ("state", s) if s in initial else ("fixed", t.data_ptr())
+            keep.append(t)  # a shared zero state, read only
+            shape = tuple(bound.sizes[a] for a in st.axes)
+            if form is None:
+                source[f"init_{s}"] = old, t
+                read, written = f"init_{s}", f"final_{s}"
+                lead = ()
+            else:
+                source[s] = old, t.unsqueeze(0)
+                for alias in form.aliases[j]:  # the state read at renamed axes: the same memory
+                    source[alias] = old, t.unsqueeze(0)
+                read, written = s, f"out_{form.next_names[j]}"
+                lead = (0,)
+            if in_place and (form is None or not form.aliases[j]):
+                source[written] = old, source[read][1]
+                shared += [read, written]
+            elif in_place:  # other threads read the old values: written aside, then copied over
+                scratch = torch.empty(shape, dtype=state_dtype, device=t.device)
+                keep.append(scratch)
+                copies.append((scratch, s))
+                source[written] = ("fixed", scratch.data_ptr()), scratch.unsqueeze(0)
+            else:
+                made[f"final_{s}"] = (shape, state_dtype)
+                meta = torch.empty(shape, dtype=state_dtype, device="meta")
+                source[written] = ("made", f"final_{s}"), meta.unsqueeze(0) if lead else meta
+        matmuls = []  # the products the kernel reads (`product_form`), computed before it
+        alias_state = {a: st.name for st, names in zip(p.states, step_program(p).aliases) for a in names} \
+            if products else {}
+        for q in getattr(form, "products", ()):
+            operands = []
+            for name, axes, right in ((q.a, q.a_axes, False), (q.b, q.b_axes, True)):
+                state = alias_state.get(name, name if name in self.state_names else None)
+                if state is not None:  # the old state (read at renamed axes: the same memory)
+                    t = init[state]
+                    where = ("state", state) if state in initial else ("fixed", t.data_ptr())
+                else:  # a sequence (its step, time dropped) or a param
+                    t = seqs[name][0] if name in seqs else params[name]
+                    where = ("given", name)
+                if t.dtype != state_dtype:
+                    return None  # 16-bit operands: the general path's products
+                kept = [a for a in axes if a != q.summed]
+                order = [q.summed, *kept] if right else [*kept, q.summed]
+                size = (math.prod(bound.sizes[a] for a in kept), bound.sizes[q.summed])
+                try:
+                    two = t.permute(*[axes.index(a) for a in order]).view(size[::-1] if right else size)
+                except RuntimeError:
+                    return None  # not a matrix as it lies: the general path
+                operands.append((where, tuple(two.shape), tuple(two.stride())))
+            rows = [a for a in q.a_axes if a != q.summed]
+            cols = [a for a in q.b_axes if a != q.summed]
+            scratch = torch.empty(operands[0][1][0], operands[1][1][1], dtype=state_dtype, device=first.device)
+            keep.append(scratch)
+            matmuls.append((*operands, scratch))
+            laid = scratch.view(*[bound.sizes[a] for a in rows + cols])
+            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(
+                *[(rows + cols).index(a) for a in q.axes]).unsqueeze(0)
+        for a in k.arrays:
+            if a.name not in source or a.role not in ("seq", "param", "init", "final", "out"):
+                return None
+        specs = {a.name: ArraySpec(TORCH_DTYPES[str(source[a.name][1].dtype)],
+                                   tuple(source[a.name][1].stride()) or (1,)) for a in k.arrays}
+        text = runner.source_for(k, specs, bound.sizes, launch.mapping, 1, launch.strategy)
+        if shared:
+            text = aliased(text, k.name, [a.name for a in k.arrays], shared)
+        function = runner.function(text, k.name)
+        reads = [("given", n, e) for n, e in _extents(given).items()]
+        reads += [("state", n, e) for n, e in _extents(initial).items()]
+        writes = [("out", i, e) for i, e in _extents(dict(enumerate(outs or ()))).items()]
+        if in_place:
+            writes += [r for r in reads if r[0] == "state"]
+        return StepPlan(function, launch.grid, [source[a.name][0] for a in k.arrays], made, self.output_names,
+                        self.state_names, in_place, reads, writes, launch.strategy, keep, copies, matmuls)
+
+
+class StepPlan:
+    """One call signature's launch: the kernel, its grid, and per kernel array where its pointer comes from
+    (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
+
+    def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
+                 strategy: str, keep: list, copies: list, matmuls: list):
+        self.function, self.grid, self.items, self.made = function, grid, items, made
+        # products before the kernel: ((kind, key) of a, its 2-d shape, strides), the same of b, the result
+        self.matmuls = matmuls
+        self.keep = keep      # arrays of its own it launches on (shared zero states, scratch new states)
+        self.copies = copies  # (scratch, state): a new state written aside, copied over the caller's after
+        self.strategy = strategy  # the strategy whose kernel it launches ("fused", "lanes", "rows")
+        self.device = current_device()  # where its function is loaded, and its arrays are (the key's devices)
+        self.output_names, self.state_names, self.in_place = output_names, state_names, in_place
+        # (kind, name or index, bytes spanned) of the arrays read, and of the caller's arrays written
+        self.reads, self.writes = reads, writes
+
+    def __call__(self, given: dict, initial: dict, out):
+        outs = _as_tuple(out) if out is not None else ()
+        if current_device() != self.device or not self._apart(given, initial, outs):
+            return None  # another device current than the arrays' (the general path switches), or overlaps
+        if self.made:
+            import torch
+
+            device = device_name()
+            made = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in self.made.items()}
+        else:
+            made = {}
+        pointers = []
+        for kind, key in self.items:
+            if kind == "given":
+                pointers.append(given[key].data_ptr())
+            elif kind == "state":
+                pointers.append(initial[key].data_ptr())
+            elif kind == "fixed":
+                pointers.append(key)
+            elif kind == "made":
+                pointers.append(made[key].data_ptr())
+            else:
+                pointers.append(outs[key].data_ptr())
+        if self.matmuls:
+            import torch
+
+            where = {"given": given, "state": initial}
+            for (ka, sa, ta), (kb, sb, tb), result in self.matmuls:
+                a = where[ka[0]][ka[1]].as_strided(sa, ta) if ka[0] != "fixed" else self._fixed(ka[1], sa, ta)
+                b = where[kb[0]][kb[1]].as_strided(sb, tb) if kb[0] != "fixed" else self._fixed(kb[1], sb, tb)
+                torch.matmul(a, b, out=result)
+        launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
+        for scratch, s in self.copies:
+            initial[s].copy_(scratch)
+        if out is not None:
+            ys = tuple(out) if isinstance(out, list) else out  # as `api.Step.written` returns them
+        elif self.output_names:
+            ys = tuple(made[f"out_{n}"] for n in self.output_names)
+            ys = ys[0] if len(ys) == 1 else ys
+        else:
+            ys = None
+        finals = tuple(initial[s] if self.in_place else made[f"final_{s}"] for s in self.state_names)
+        return ys, finals[0] if len(finals) == 1 else finals
+
+    def _fixed(self, pointer: int, size, stride):
+        """A matrix view of the array of its own at `pointer` (a shared zero state)."""
+        return next(t for t in self.keep if t.data_ptr() == pointer).as_strided(size, stride)
+
+    def _apart(self, given: dict, initial: dict, outs: tuple) -> bool:
+        """Whether every array of the caller's the kernel writes (the outputs given, the states written in
+        place) shares no memory with any other array of the call (a state written in place is read as
+        itself)."""
+        if not self.writes:
+            return True
+        where = {"given": given, "state": initial, "out": outs}
+        spans = [(kind, key, where[kind][key].data_ptr(), n) for kind, key, n in (*self.reads, *self.writes)]
+        for kind, key, n in self.writes:
+            w0 = where[kind][key].data_ptr()
+            for other, okey, a0, an in spans:
+                if (other, okey) != (kind, key) and n and an and w0 < a0 + an and a0 < w0 + n:
+                    return False
+        return True
+
+
+def _extents(arrays: dict) -> dict:
+    """Per array, the bytes its elements span from its first (0 for an empty one)."""
+    return {n: 0 if t.numel() == 0 else
+            (sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+            for n, t in arrays.items()}
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _layout_shape(layout, name: str, axes: tuple[str, ...], sizes: dict[str, int], time_at: int) -> tuple:
+    """The shape of output `name` in the layout's order less time."""
+    order = list(layout_of(layout, name, axes))
+    del order[time_at]
+    return tuple(sizes[a] for a in order)
+
+
+def _key(given: dict, initial: dict, out, in_place: bool):
+    """What a plan depends on besides the arrays' addresses, or None where an argument is no torch tensor
+    (a tensor of another dtype or device gets a key; its plan is None: `CudaStep._plan`)."""
+    tensor = _TORCH.get("Tensor")
+    if tensor is None:
+        import torch
+
+        tensor = _TORCH["Tensor"] = torch.Tensor
+    parts = [in_place]
+    for part in (given, initial):
+        for n, x in part.items():
+            if not isinstance(x, tensor):
+                return None
+            parts.append((n, x.shape, x.stride(), x.dtype, x.device))
+    if out is not None:
+        for x in _as_tuple(out):
+            if not isinstance(x, tensor):
+                return None
+            parts.append((x.shape, x.stride(), x.dtype, x.device))
+        parts.append(isinstance(out, (tuple, list)))
+    return (*parts, *options().key)
+
+
+_TORCH: dict = {}  # torch.Tensor, once torch is imported (this module imports it only where a step runs)
+
+
+def one_launch(program, compute: str, sizes: tuple, parallel: tuple | None = None):
+    """The one launch of `program` lowered whole at these sizes (``((axis, size), ...)``) for one step,
+    where a step runs so (module docstring), else None; worked out once per setting of the overrides.
+    `parallel`: `program` is a `step_program`, lowered as one kernel of all its roots, whose thread
+    indices must include these axes (its states': a thread then writes its own new state values)."""
+    return _one_launch(program, compute, sizes, parallel, options().key)
+
+
+@lru_cache(maxsize=256)
+def _one_launch(program, compute: str, sizes: tuple, parallel: tuple | None, overrides: tuple):
+    from .hoisted import hoisted_runner
+
+    runner = runner_for(program, compute, map_reduce=parallel is None)
+    low = runner.lowered
+    if low.strategy != "fused" or len(low.kernels) != 1 or low.core_states or low.accumulators:
+        return None
+    kernel = low.kernels[0]
+    if parallel is not None:
+        if not set(parallel) <= set(kernel.parallel):
+            return None  # a thread per batch row walking whole rows (a norm over the hidden axis)
+    else:
+        hoisted = hoisted_runner(program, compute)
+        for _, node in (*hoisted.hoisted.pre, *hoisted.hoisted.post_outputs,
+                        *hoisted.hoisted.post_accumulators) if hoisted is not None else ():
+            if not set(node.axes) - {TIME} <= set(kernel.parallel):
+                return None  # a thread would compute many of the product's values, each a loop over its sum
+    launches = runner.launches(dict(sizes), 1, False)
+    if len(launches) != 1:
+        return None
+    launch = launches[0]
+    if launch.kernel is not kernel or launch.nblk != 1 or launch.strategy not in ONE_KERNEL:
+        return None
+    if launch.mapping.groups > 1 and not launch.mapping.row:
+        return None  # split-K partials, summed by torch after
+    return launch
+
+
+@lru_cache(maxsize=256)
+def _reads_states_through_products(program) -> bool:
+    """`backend.sequential_recompute` (the step loop takes what is left after hoisting), asked here: the backend
+    module imports this one."""
+    from ...lowering.hoist import hoist
+    from .kernels.step_loop import applies
+
+    return applies(hoist(program, transpose=False).program) is not None
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """A recurrence's single step as a program without states (`step_program`)."""
+
+    program: object                        # the states as sequences (their names), new values as outputs
+    next_names: tuple[str, ...]            # per state, the output of its new value
+    aliases: tuple[tuple[str, ...], ...]   # per state, the sequences that read it at renamed axes
+
+
+@lru_cache(maxsize=64)
+def step_program(program) -> StepProgram | None:
+    """`program`'s single step with its states read as sequences, for a recurrent product (an LSTM's
+    ``sum_j h[b, j] U[j, g, k]``): over one step the old state is an input like x, so the product is a sum
+    each thread of [b k] computes itself. Each read of a state at renamed axes (``h.rename(k="j")``) becomes a
+    sequence of its own (the same memory, other axis names), so that the state's axes stay the kernel's
+    thread indices; the new states are outputs after the program's own."""
+    from ...ir.node import Node
+    from ...ir.ops import Op
+    from ...ir.program import Decl, Recurrence, Role
+
+    states = {st.name for st in program.states}
+    taken = {d.name for d in program.decls} | {n for n, _ in program.outputs}
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    aliases: dict[str, list[tuple[str, tuple[str, ...]]]] = {s: [] for s in states}
+    memo: dict = {}
+
+    def sub(node):
+        if node in memo:
+            return memo[node]
+        x = node.args[0] if node.args else None
+        if node.op is Op.RENAME and x.op is Op.INPUT and x.arg in states:
+            name = fresh(f"{x.arg}_{'_'.join(node.axes)}")
+            aliases[x.arg].append((name, node.axes))
+            new = Node.make(Op.INPUT, (), name, node.axes)
+        else:
+            args = tuple(sub(a) for a in node.args)
+            new = node if args == node.args else Node.make(node.op, args, node.arg, node.axes if node.op in
+                                                           (Op.INPUT, Op.CONST, Op.IOTA, Op.SIZE) else None)
+        memo[node] = new
+        return new
+
+    outputs = [(n, sub(y)) for n, y in program.outputs]
+    next_names = tuple(fresh(f"next_{st.name}") for st in program.states)
+    outputs += [(n, sub(u)) for n, u in zip(next_names, program.updates)]
+    decls = [Decl(d.name, Role.SEQ, d.axes, d.loc) if d.role is Role.STATE else d for d in program.decls]
+    decls += [Decl(n, Role.SEQ, axes) for s in aliases for n, axes in aliases[s]]
+    step = Recurrence(f"{program.name}_step", tuple(decls), (), tuple(outputs), program.sizes, program.reverse,
+                      program.loc, program.doc)
+    return StepProgram(step, next_names, tuple(tuple(n for n, _ in aliases[st.name]) for st in program.states))
+
+
+@dataclass(frozen=True)
+class Product:
+    """A sum over one axis of the product of two inputs (``sum_i x[b, i] W[i, g, k]``), computed before the
+    kernel as one matrix product [rows, summed] x [summed, cols] into a sequence of the kernel's."""
+
+    name: str                    # the sequence the kernel reads it as, axes `axes`
+    axes: tuple[str, ...]
+    a: str                       # the two inputs (a step program's names) and their axes
+    a_axes: tuple[str, ...]
+    b: str
+    b_axes: tuple[str, ...]
+    summed: str
+
+
+@dataclass(frozen=True)
+class ProductForm:
+    """A `step_program` with its products of two inputs taken out (`product_form`)."""
+
+    program: object                        # the step program reading each product as a sequence
+    next_names: tuple[str, ...]
+    aliases: tuple[tuple[str, ...], ...]   # per state, the renamed reads the kernel still makes
+    products: tuple[Product, ...]
+
+
+@lru_cache(maxsize=64)
+def product_form(program) -> ProductForm | None:
+    """`program`'s `step_program` with every sum over one axis of the product of two inputs (an LSTM's x W
+    and h U: over one step the old state is an input) read as a sequence the step computes before its kernel
+    as a matrix product (cuBLAS), the kernel left the rest: its gates, norms and cell, element by element or
+    by row. None where it has no such product, or one whose factors share an axis they keep (a batched
+    product)."""
+    from ...ir.node import Node, toposort
+    from ...ir.ops import Op
+    from ...ir.program import Decl, Recurrence, Role
+
+    form = step_program(program)
+    if form is None:
+        return None
+    p = form.program
+    taken = {d.name for d in p.decls} | {n for n, _ in p.outputs}
+    products, memo = [], {}
+
+    def sub(node):
+        if node in memo:
+            return memo[node]
+        x = node.args[0] if node.args else None
+        if node.op is Op.SUM and x.op is Op.MUL and len(x.args) == 2 and all(a.op is Op.INPUT for a in x.args):
+            a, b = x.args
+            if not set(a.axes) & set(b.axes) - {node.arg} and node.arg in a.axes and node.arg in b.axes:
+                name = f"product{len(products)}"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+                products.append(Product(name, node.axes, a.arg, a.axes, b.arg, b.axes, node.arg))
+                memo[node] = Node.make(Op.INPUT, (), name, node.axes)
+                return memo[node]
+        args = tuple(sub(a) for a in node.args)
+        new = node if args == node.args else Node.make(node.op, args, node.arg)
+        memo[node] = new
+        return new
+
+    outputs = tuple((n, sub(y)) for n, y in p.outputs)
+    if not products:
+        return None
+    read = {n.arg for n in toposort(tuple(y for _, y in outputs)) if n.op is Op.INPUT}
+    decls = [d for d in p.decls if d.name in read] + [Decl(q.name, Role.SEQ, q.axes) for q in products]
+    step = Recurrence(p.name, tuple(decls), (), outputs, p.sizes, p.reverse, p.loc, p.doc)
+    aliases = tuple(tuple(a for a in names if a in read) for names in form.aliases)
+    return ProductForm(step, form.next_names, aliases, tuple(products))
+
+
+_SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
+
+
+def aliased(source: str, name: str, arrays: list[str], shared: list[str]) -> str:
+    """`source` with kernel `name`'s parameters for the arrays `shared` (of its `arrays`, in order) not
+    ``__restrict__``: a state's ``init_s`` and ``final_s`` are then one array (its in-place step), which a
+    restrict pointer would let the compiler assume apart."""
+    pattern = re.compile(_SIGNATURE.format(name=re.escape(name)))
+
+    def plain(match):
+        params = match.group(2).split(",")
+        lead = len(params) - len(arrays)  # (int L, int nblk, arrays...)
+        for i, a in enumerate(arrays):
+            if a in shared:
+                params[lead + i] = params[lead + i].replace(" __restrict__", "")
+        return match.group(1) + ",".join(params) + match.group(3)
+
+    out, count = pattern.subn(plain, source, count=1)
+    if count != 1:
+        raise ValueError(f"no kernel {name} in the step's source")
+    return out
