@@ -2,7 +2,7 @@
 """Check and time the chunked matrix-linear forward and backward on tensor cores (backends/cuda/kernels/chunk/mma.py).
 
     python bench/chunk_check.py [--out DIR] [--peers peers/] [--work /tmp/ssmc_peers] [--no-cores]
-                                [--only ssd,retnet,gla,ssd_short,gla_vector]
+                                [--only ssd,retnet,gla,ssd_short,gla_vector] [--chunk-dkv split,fused,narrow]
 
 SSD (examples/mamba2.py) at B4 L4096 H32 P64 N128 bf16, RetNet (examples/retnet.py) at B4 L4096 H16 K128
 V128 bf16, simple GLA (examples/simple_gla.py, "gla": a log-decay per head and step) at the same shape against
@@ -24,7 +24,10 @@ fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16
    and against ssmc's torch backward on the same forward (SSMC_CUDA_CHUNK_BACKWARD=0), then the times
    of ssmc on the backward kernels, ssmc with the torch backward, and the peer, and the peak memory a
    training step allocates beyond its inputs (ssmc's, the peer's); the core's backward alone (SSD, RetNet:
-   `mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time.
+   `mma.backward` against `algorithm.vjp` on the same tape) with each backward kernel's time. With
+   --chunk-dkv FORMS (of split, fused, narrow), 3.'s rows once per form, SSMC_CUDA_CHUNK_DKV set to it (the
+   backward's chunk_dk and chunk_dv, or chunk_dkv / chunk_dkv_n for both), in one process: each row's part names
+   its form.
 
 GLA with its decay per key ("gla_vector": examples/gla.py, B4 L4096 H16 K128 V128 bf16, g = logsigmoid / 16 per
 key as fla's GLA layer makes it) has no kernels yet: `run_torch_case` checks ssmc's torch path (its output and
@@ -109,6 +112,24 @@ class switched_off:
 def kernels_off():
     """SSMC_CUDA_CHUNK_KERNELS=0 for the duration (the torch path)."""
     return switched_off("SSMC_CUDA_CHUNK_KERNELS")
+
+
+class environment_set:
+    """An SSMC_CUDA_* variable set to `value` for the duration (None: left as it is)."""
+
+    def __init__(self, variable: str, value: str | None):
+        self.variable, self.value = variable, value
+
+    def __enter__(self):
+        self.old = os.environ.get(self.variable)
+        if self.value is not None:
+            os.environ[self.variable] = self.value
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(self.variable, None)
+        else:
+            os.environ[self.variable] = self.old
 
 
 def backward_kernels_off():
@@ -429,7 +450,8 @@ def training_rows(name: str, spec, layout, a: dict, peers, g: torch.Generator) -
              "ok": max(errs) < TOLERANCE}]
 
 
-def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> list[dict]:
+def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True,
+             dkv_forms: tuple[str | None, ...] = (None,)) -> list[dict]:
     title, example, make_inputs, make_peer, peer, cores = CASES[name]
     spec, layout = example.SPEC, example.LAYOUT
     a = make_inputs(g)
@@ -485,7 +507,11 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True) -> li
         rows.append({"workload": title, "what": f"core only (chunk {c})", "kernels": t_core, "torch": t_core_torch,
                      "peer": None, "peer_name": "", "checks": {"kernels vs torch core: output": core_err, **parts},
                      "ok": core_err < TOLERANCE})
-    return rows + training_rows(name, spec, layout, a, peers, g)
+    for form in dkv_forms:  # (None: SSMC_CUDA_CHUNK_DKV as the environment has it)
+        with environment_set("SSMC_CUDA_CHUNK_DKV", form):
+            rows += [dict(r, what=r["what"] + ("" if form is None else f", SSMC_CUDA_CHUNK_DKV={form}"))
+                     for r in training_rows(name, spec, layout, a, peers, g)]
+    return rows
 
 
 def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = None, device: str = "cuda"
@@ -605,7 +631,12 @@ def main() -> int:
     ap.add_argument("--only", default=",".join([*CASES, *TORCH_CASES]))
     ap.add_argument("--no-cores", action="store_true",
                     help="skip the cores alone at every chunk (the whole calls' forward and forward + backward only)")
+    ap.add_argument("--chunk-dkv", default="",
+                    help="the training rows once per SSMC_CUDA_CHUNK_DKV form (split, fused, narrow; comma-separated)")
     args = ap.parse_args()
+    forms = tuple(f for f in args.chunk_dkv.split(",") if f) or (None,)
+    if any(f not in ("split", "fused", "narrow") for f in forms if f is not None):
+        ap.error(f"--chunk-dkv {args.chunk_dkv!r}: forms of split, fused, narrow")
     from harness import Peers
 
     peers = Peers(args.peers, args.work, build=False)
@@ -614,7 +645,7 @@ def main() -> int:
     for name in args.only.split(","):
         try:
             done = (run_torch_case(name, peers, g) if name in TORCH_CASES
-                    else run_case(name, peers, g, cores_too=not args.no_cores))
+                    else run_case(name, peers, g, cores_too=not args.no_cores, dkv_forms=forms))
             rows += done
             print(table(done), flush=True)  # as it goes: a run cut short by a time limit still shows these
         except Exception:

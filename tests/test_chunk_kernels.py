@@ -8,7 +8,8 @@ chunk.cu.j2).
   steps);
 - the backward's five kernels (emulated) against algorithm.vjp in float64 on the same rounded values,
   every cotangent (q, k, v, the log decays, the initial state), K and V apart, unaligned operands;
-  ChunkedCore's backward on them against its torch backward;
+  ChunkedCore's backward on them against its torch backward; dk and dv from one kernel (chunk_dkv, chunk_dkv_n:
+  SSMC_CUDA_CHUNK_DKV) bit for bit the split kernels' (chunk_dk, chunk_dv);
 - NVRTC builds every size and chunk the kernels take for sm_80 and sm_90 with no spills, their dynamic
   shared memory within what an sm_80 block may have;
 - which calls take the kernels (16-bit, sizes, the switch), and ChunkedCore choosing them;
@@ -342,7 +343,8 @@ def test_the_staged_kernels_compile_without_spills(arch):
     """The module with staged.cu.j2's kernels (chunk_output*_s with 64 or all value columns a block,
     chunk_states_pass*): no spills, their shared memory within sm_80's; CI builds RetNet's sizes (K = V = 128,
     chunk 128, both blocks) for sm_90 alone, the local and nightly runs every chunk and size, fp16 and unaligned
-    at K = V = 128 and chunk 256. (chunk_dstates_pass, the backward's walk, is in the same module.)"""
+    at K = V = 128 and chunk 256. (chunk_dstates_pass, the backward's walk, is in the same module, and chunk_dkv*
+    at chunks 64 and 128: `mma.dkv_fits`.)"""
     from ssmc.backends.cuda.source import compile_options
 
     if in_ci() and arch == "sm_80":
@@ -353,6 +355,7 @@ def test_the_staged_kernels_compile_without_spills(arch):
                   for vb in {64, mma.staged_block(key, value, c, "wide")}
                   for bf16, aligned in ((True, True), (False, True), (True, False))
                   if (c, key, value, vb) != (128, 128, 128, 64) and ((bf16 and aligned) or key == value == 128 < c)]
+        cases += [(128, 128, 128, 64, False, True), (128, 128, 128, 64, True, False)]  # chunk_dkv's largest
     for chunk, key, value, vb, bf16, aligned in cases:
         text = mma.source(key, value, chunk, bf16, aligned, False, vb)
         resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
@@ -360,6 +363,11 @@ def test_the_staged_kernels_compile_without_spills(arch):
                   or name == "chunk_states_pass_half"}
         assert staged == {"chunk_output_s", "chunk_output_hs_s", "chunk_output_ho_s", "chunk_output_hs_ho_s",
                           "chunk_states_pass", "chunk_states_pass_half", "chunk_dstates_pass"}
+        dkv = {name for name in resources if name.startswith("chunk_dkv")}
+        fits = mma.dkv_fits(key, value, chunk)
+        want = {"chunk_dkv", "chunk_dkv_ho", "chunk_dkv_n", "chunk_dkv_n_ho"} if fits else set()
+        assert dkv == want, dkv
+        staged |= dkv
         dynamic = mma.shared_bytes(key, value, chunk)
         for name in staged:
             r = resources[name]
@@ -942,6 +950,159 @@ def test_gpu_fused_backward_states_are_the_split_ones(chunk, key, value, monkeyp
     x = _chunks(1000, key=key, value=value, seed=chunk + key + value, chunk=chunk, decay=0.02,
                 beta_heads=(1, 2), skip_heads=(1, 2))
     _fused_against_split(x, chunk, monkeypatch, "cuda")
+
+
+def _dkv_chunks(length: int, key: int, value: int, chunk: int, kind: str, initial: bool, seed: int, heads=(1, 2)):
+    """Chunks whose k has every head (chunk_dkv's calls): "retnet" (a decay per head, the same at every step),
+    "linear" (no decay: ell 0), "ssd" (`_chunks`' decays per step, β and skip over the heads); s0 zero where not
+    `initial`."""
+    ssd = kind == "ssd"
+    x = _chunks(length, key=key, value=value, seed=seed, chunk=chunk, decay=0.05, q_heads=heads, k_heads=heads,
+                v_heads=heads, ell_heads=heads, s0_heads=heads, beta_heads=heads if ssd else None,
+                skip_heads=heads if ssd else None)
+    ell = x.ell
+    if kind != "ssd":
+        steps = torch.arange(ell.shape[-2] * chunk).reshape(ell.shape[-2:]) < length  # zero past the call
+        gammas = [0.0] * heads[-1] if kind == "linear" else [np.log(1 - 2.0 ** (-5 - h)) for h in range(heads[-1])]
+        ell = torch.tensor(gammas, dtype=torch.float32).reshape(-1, 1, 1) * steps
+        ell = ell.expand(*heads, *ell.shape[-2:]).contiguous()
+    s0 = x.s0 if initial else torch.zeros_like(x.s0)
+    return algorithm.Chunks(x.q, x.k, x.v, ell, s0, x.beta, x.skip)
+
+
+def _dkv_against_split(x: algorithm.Chunks, seed: int, monkeypatch, device: str = "cpu", half: bool = False) -> None:
+    """mma.backward of `x` (moved to `device`) with SSMC_CUDA_CHUNK_DKV=fused (chunk_dkv: dk and dv from one block a
+    chunk) and narrow (chunk_dkv_n: the same, 64 columns a warp's pass) against split (chunk_dk, chunk_dv): every
+    gradient, the row dots (rows), end dots (ends) and d_end bit for bit (the same sums in the same order and
+    roundings); `half`: dk and dv into 16-bit time-first arrays (`outs`: chunk_dkv*_ho against chunk_dk_ho,
+    chunk_dv_ho). On a GPU the dots (rows, ends, dβ, dskip, and dℓ of them) within 1e-6: the compiler may contract
+    a dot's `a·b + c·d` into either fma in each kernel (the gradients' sums have one product an add)."""
+    d_out, d_final = (t.to(device) for t in _cotangents(x, seed))
+    x = algorithm.Chunks(*(None if a is None else a.to(device) for a in (x.q, x.k, x.v, x.ell, x.s0, x.beta, x.skip)))
+    heads, nc, chunk, key, value = x.q.shape[:-3], *x.q.shape[-3:], x.v.shape[-1]
+    names = []
+    monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
+
+    def run(form):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_DKV", form)
+        _, entering, final = mma.forward(x, half_states=True)
+        outs = {}
+        if half:
+            outs = {"dk": _time_first_view(heads, nc, chunk, key, x.q.dtype).to(device),
+                    "dv": _time_first_view(heads, nc, chunk, value, x.q.dtype).to(device)}
+        names.clear()
+        parts: dict = {}
+        got = mma.backward(x, entering, final, d_out, d_final, parts=parts, outs=outs)
+        if half:
+            assert got[1] is outs["dk"] and got[2] is outs["dv"]
+        return got, parts, list(names)
+
+    dots = ("rows", "ends", "dell", "dbeta", "dskip") if device != "cpu" else ()
+
+    def same(a, b, form, name):
+        if name in dots:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=f"{form} {name}")
+        else:
+            assert torch.equal(a, b), (form, name, float((a.double() - b.double()).abs().max()))
+
+    split, split_parts, launched = run("split")
+    assert "chunk_dkv" not in launched and "chunk_dkv_ho" not in launched
+    assert {"chunk_dk", "chunk_dv"} <= {n.removesuffix("_ho") for n in launched}
+    for form in ("fused", "narrow"):
+        fused, fused_parts, launched = run(form)
+        assert launched[-1] == "chunk_dkv" + ("_n" if form == "narrow" else "") + ("_ho" if half else ""), launched
+        assert not {"chunk_dk", "chunk_dv"} & {n.removesuffix("_ho") for n in launched}
+        for name in ("rows", "ends", "d_end"):
+            same(fused_parts[name], split_parts[name], form, name)
+        for name, a, b in zip(("dq", "dk", "dv", "dell", "ds0", "dbeta", "dskip"), fused, split):
+            if b is None:
+                assert a is None, name
+            else:
+                assert a.dtype == b.dtype == (x.q.dtype if half and name in ("dk", "dv") else torch.float32), name
+                same(a, b, form, name)
+
+
+@needs_emulator
+@pytest.mark.parametrize("chunk, length, key, value, kind, initial", [
+    (64, 130, 64, 64, "retnet", True),
+    (64, 100, 128, 64, "linear", False),
+    (64, 70, 64, 128, "ssd", True),
+    (128, 200, 128, 128, "retnet", False),
+    nightly_case(128, 150, 64, 64, "ssd", False, reason="chunk 128's warps: the retnet case at K = V = 128 has them"),
+    nightly_case(128, 130, 128, 64, "linear", True, reason="K and V apart: chunk 64's cases have them")])
+def test_emulated_fused_dkv_is_the_split_kernels(emulate, monkeypatch, chunk, length, key, value, kind, initial):
+    """SSMC_CUDA_CHUNK_DKV=fused and narrow (chunk_dkv, chunk_dkv_n) against split (chunk_dk, chunk_dv): bit for
+    bit (`_dkv_against_split`), K and V of 64 and 128, chunks of 64 and 128, the last chunk partial, RetNet's decays,
+    none (linear attention), SSD's with β and skip (k per head), with and without an initial state."""
+    x = _dkv_chunks(length, key, value, chunk, kind, initial, seed=length + key + value)
+    _dkv_against_split(x, length, monkeypatch)
+
+
+@needs_emulator
+def test_emulated_fused_dkv_writes_16_bit_gradients(emulate, monkeypatch):
+    """chunk_dkv_ho and chunk_dkv_n_ho (dk and dv rounded to 16 bits as stored, into the time-first arrays of
+    `outs`) against chunk_dk_ho and chunk_dv_ho, bit for bit; fp16, SSD's β and skip, two chunks of 64, V = 128."""
+    x = _dkv_chunks(100, 64, 128, 64, "ssd", True, seed=4)
+    x = algorithm.Chunks(x.q.half(), x.k.half(), x.v.half(), x.ell, x.s0, x.beta, x.skip)
+    _dkv_against_split(x, 4, monkeypatch, half=True)
+
+
+@needs_emulator
+def test_emulated_fused_dkv_on_unaligned_operands(emulate, monkeypatch):
+    """k and v at an odd storage offset with an odd step stride (the module whose tiles load value by value and
+    whose fragments load 16 bits at a time): chunk_dkv against chunk_dk, chunk_dv bit for bit; SSD's β and skip."""
+    x = _dkv_chunks(70, 64, 64, 64, "ssd", True, seed=8)
+
+    def odd(a):
+        wide = torch.zeros((*a.shape[:-1], a.shape[-1] + 1), dtype=a.dtype)
+        wide[..., 1:] = a
+        return wide[..., 1:]
+
+    x = algorithm.Chunks(x.q, odd(x.k), odd(x.v), x.ell, x.s0, x.beta, x.skip)
+    built = []
+    monkeypatch.setattr(mma, "source", lambda *a, _f=mma.source: built.append(a[4]) or _f(*a))
+    _dkv_against_split(x, 8, monkeypatch)
+    assert set(built) == {False}
+
+
+@needs_emulator
+def test_grouped_keys_keep_the_split_kernels(emulate, monkeypatch):
+    """Where k lacks heads of the call (SSD's B over a group's r heads), dk is summed over them by chunk_dk:
+    SSMC_CUDA_CHUNK_DKV=fused launches chunk_dk and chunk_dv as split does; and chunk 256 takes them too (narrow)."""
+    names = []
+    monkeypatch.setattr(mma, "_launch", lambda *a, _f=mma._launch: names.append(a[1]) or _f(*a))
+    for form, x in (("fused", _chunks(70, seed=2, chunk=64)), ("narrow", _dkv_chunks(20, 64, 64, 256, "retnet", True,
+                                                                                   seed=3))):
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_DKV", form)
+        d_out, d_final = _cotangents(x, 1)
+        _, entering, final = mma.forward(x, half_states=True)
+        names.clear()
+        mma.backward(x, entering, final, d_out, d_final)
+        assert "chunk_dk" in names and "chunk_dv" in names and not any("dkv" in n for n in names), names
+
+
+def test_the_chunk_dkv_option():
+    from ssmc.backends.cuda.options import CudaOptions
+
+    assert CudaOptions.parse({}).chunk_dkv is None
+    for form in ("split", "fused", "narrow"):
+        assert CudaOptions.parse({"SSMC_CUDA_CHUNK_DKV": form}).chunk_dkv == form
+    with pytest.raises(ValueError, match="SSMC_CUDA_CHUNK_DKV"):
+        CudaOptions.parse({"SSMC_CUDA_CHUNK_DKV": "both"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("kind", ["retnet", "ssd"])
+def test_gpu_fused_dkv_is_the_split_kernels(chunk, kind, monkeypatch):
+    """`_dkv_against_split` on the GPU (cp.async, ldmatrix, the hardware's mma and roundings): RetNet's bench shape
+    reduced (B 1, H 2, L 1000, K = V = 128), RetNet's decays or SSD's with β and skip; bf16, and 16-bit outs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
+    x = _dkv_chunks(1000, 128, 128, chunk, kind, True, seed=chunk, heads=(1, 2))
+    _dkv_against_split(x, chunk, monkeypatch, "cuda")
+    _dkv_against_split(x, chunk + 1, monkeypatch, "cuda", half=True)
 
 
 @needs_emulator

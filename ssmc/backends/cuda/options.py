@@ -25,6 +25,7 @@ FLASH_FORWARD = ("bm64", "bm128w8", "bm128w8n128", "bm128w4", "wg128", "wg128s")
 FLASH_BACKWARD = ("bn64", "w4q64", "w8q64", "w8q32", "wg", "wgp", "wgws", "wgwsa", "wgwss", "wgwse")
 CHUNK_OUTPUT = ("warps", "balanced", "staged", "wide")  # kernels/chunk/mma.py's forms of chunk_output
 CHUNK_STATES = ("split", "fused")  # kernels/chunk/mma.py's ways to the entering states
+CHUNK_DKV = ("split", "fused", "narrow")  # kernels/chunk/mma.py's backward: chunk_dk and chunk_dv, or chunk_dkv(_n)
 SM_COUNT = 132  # SMs a grid's waves are counted on where no device says otherwise (sm_90 parts)
 
 
@@ -59,6 +60,10 @@ class CudaOptions:
     chunk_states: the forward's entering states (`CHUNK_STATES`): "split" (chunk_states, then state_pass) or
         "fused" (chunk_states_pass: a block per state tile walks the chunks); unset: kernels/chunk/mma.py's
         `FUSED_STATES`
+    chunk_dkv: the backward's dk and dv (`CHUNK_DKV`): "split" (chunk_dk, chunk_dv: a block per 64 output
+        columns each), "fused" (chunk_dkv: a block per chunk makes both, where k has every head of the call; a
+        warp all output columns, each score tile made once) or "narrow" (chunk_dkv_n: the same, a warp 64 output
+        columns at a time, in half the registers); unset: kernels/chunk/mma.py's `DKV_FORM`
     step_loop: False runs recurrences with a recurrent product (LSTM, GRU) as kernels, not as a loop over steps
     step_graphs: False runs the step loop op by op every call (default: a CUDA graph from a signature's 2nd call)
     step_products: True runs a single step (`ssmc.step`) of a recurrence reading its states through a recurrent
@@ -131,6 +136,7 @@ class CudaOptions:
     chunk_backward: bool | None = None
     chunk_output: str | None = None
     chunk_states: str | None = None
+    chunk_dkv: str | None = None
     step_loop: bool | None = None
     step_graphs: bool | None = None
     step_products: bool | None = None
@@ -181,7 +187,7 @@ def variable(field: str) -> str:
 _BOOLS = {"0": False, "1": True}
 # the options that take one of a list of names
 _CHOICES = {"strategy": STRATEGIES, "flash_backward_config": FLASH_BACKWARD, "chunk_output": CHUNK_OUTPUT,
-            "chunk_states": CHUNK_STATES, "flash_forward": FLASH_FORWARD}
+            "chunk_states": CHUNK_STATES, "chunk_dkv": CHUNK_DKV, "flash_forward": FLASH_FORWARD}
 
 
 def _parse(name: str, field: str, raw: str):

@@ -31,7 +31,8 @@ gains ``skip_i dO_i`` as it is stored, and the skip's cotangent ``Σ_ν v_iν dO
 The backward (`backward`): ``chunk_dstates_pass`` (staged.cu.j2; split: ``chunk_dstates`` and
 ``state_pass_reverse``) gives the cotangent of each chunk's end state (the chunks last first, as the
 forward's states; in 16 bits, as chunk_dk and chunk_dv read it), then ``chunk_dq``, ``chunk_dk``,
-``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal); the log
+``chunk_dv`` are ``chunk_output`` with other operands in its roles (dk and dv anti-causal; or dk and dv
+from one block a chunk, ``chunk_dkv*`` in staged.cu.j2, the same sums: `dkv_form`, SSMC_CUDA_CHUNK_DKV); the log
 decays' cotangent is `algorithm.log_decay_grad`'s from the row dots the kernels take of their fp32
 results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the end dots: chunk_dv;
 ``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
@@ -72,6 +73,16 @@ FUSED_STATES = True
 # chunk_output's form where SSMC_CUDA_CHUNK_OUTPUT is unset, per chunk size (options.CHUNK_OUTPUT's forms)
 OUTPUT_FORMS = {64: "warps", 128: "wide", 256: "warps"}
 STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its tiles fit this (sm_80's 163 KiB)
+# the backward's dk and dv where SSMC_CUDA_CHUNK_DKV is unset: "split" (chunk_dk, chunk_dv), "fused" (one kernel,
+# chunk_dkv* of staged.cu.j2: q, dO and d_end staged once a chunk, a warp all output columns, each score tile made
+# once a row stripe; the same sums as chunk_dk and chunk_dv) or "narrow" (chunk_dkv_n*: the same block, 64 output
+# columns a warp's pass, each score tile made once a pass, 128 registers: two blocks an SM). The fused forms take
+# chunks of `DKV_CHUNKS` (8 warps at most), tiles within `STAGED_SHARED_MAX`, and calls whose k has every head (a
+# group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
+DKV_FORM = "split"
+DKV_CHUNKS = (64, 128)
+DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2: at most 128 registers, it spilled at K = V = 128)
+DKV_N_BLOCKS = 2  # chunk_dkv_n's (64 output columns a warp's pass: "narrow")
 _modules: dict = {}
 _tables: dict = {}
 
@@ -98,7 +109,9 @@ def shared_bytes(key: int, value: int, chunk: int) -> dict[str, int]:
             "chunk_dq_ho": product, "chunk_dk_ho": product, "chunk_dv_ho": product,
             "chunk_states_pass": passing, "chunk_states_pass_half": passing, "chunk_dstates_pass": passing,
             **{name + "_s": staged_bytes(key, value, chunk, staged_block(key, value, chunk, "staged")) for name in (
-                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")}}
+                "chunk_output", "chunk_output_hs", "chunk_output_ho", "chunk_output_hs_ho")},
+            **{name: dkv_bytes(key, value, chunk) for name in ("chunk_dkv", "chunk_dkv_ho", "chunk_dkv_n",
+                                                                 "chunk_dkv_n_ho")}}
 
 
 def staged_bytes(key: int, value: int, chunk: int, vb: int) -> int:
@@ -113,6 +126,24 @@ def staged_block(key: int, value: int, chunk: int, form: str) -> int:
     if form == "wide" and staged_bytes(key, value, chunk, value) <= STAGED_SHARED_MAX:
         return value
     return 64
+
+
+def dkv_bytes(key: int, value: int, chunk: int) -> int:
+    """Dynamic shared memory of chunk_dkv*: q rows [chunk, key + 8], dO rows [chunk, value + 8], d_end rows
+    [key, value + 8], 16-bit."""
+    return (chunk * (key + 8) + chunk * (value + 8) + key * (value + 8)) * 2
+
+
+def dkv_fits(key: int, value: int, chunk: int) -> bool:
+    """Whether the module of (`key`, `value`, `chunk`) has chunk_dkv* (`DKV_CHUNKS`, its tiles within
+    `STAGED_SHARED_MAX`; rendered with staged.cu.j2's kernels)."""
+    return chunk in DKV_CHUNKS and dkv_bytes(key, value, chunk) <= STAGED_SHARED_MAX
+
+
+def dkv_form() -> str:
+    """How the backward's dk and dv are made where chunk_dkv* takes the call: "split" (chunk_dk and chunk_dv),
+    "fused" (chunk_dkv*) or "narrow" (chunk_dkv_n*) (SSMC_CUDA_CHUNK_DKV, else `DKV_FORM`)."""
+    return options().chunk_dkv or DKV_FORM
 
 
 def fused_states() -> bool:
@@ -138,7 +169,8 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
     and step strides multiples of 8 and their bases 16-byte aligned (the tiles load 16 bytes at a time);
     `balanced`: with the balanced forms of chunk_output (chunk_output*_b; a module of its own, so that
     the default one builds no kernels it does not launch); `staged`: with staged.cu.j2's kernels
-    (chunk_states_pass*, and chunk_output*_s taking `staged` value columns a block), where not 0."""
+    (chunk_states_pass*, the backward's chunk_dstates_pass and chunk_dkv* where `dkv_fits`, and chunk_output*_s
+    taking `staged` value columns a block), where not 0."""
     from ...source import mma_header
 
     shared = shared_bytes(key, value, chunk)
@@ -146,9 +178,11 @@ def source(key: int, value: int, chunk: int, bf16: bool, aligned: bool = False, 
                                                   balanced_forms=balanced, states_shared=shared["chunk_states"],
                                                   output_shared=shared["chunk_output"])
     if staged:
+        fits = dkv_fits(key, value, chunk)
         body += "\n" + template("chunk/staged.cu.j2").render(
             bf16=bf16, vb=staged, staged_shared=staged_bytes(key, value, chunk, staged),
-            pass_shared=shared["chunk_states_pass"])
+            pass_shared=shared["chunk_states_pass"], dkv_shared=shared["chunk_dkv"] if fits else 0,
+            dkv_blocks=DKV_BLOCKS, dkv_n_blocks=DKV_N_BLOCKS)
     return mma_header() + "\n" + body
 
 
@@ -604,9 +638,32 @@ class BackwardPlan:
                 kv, "state_pass_reverse", nh * key * value // 1024, 256, key, value,
                 [_Slot(_B_GAMMA), _Slot(_B_DFINAL), _Slot(_SUMS), _Slot(_DEND), _Slot(_DS0), _Slot(_B_ENTERING),
                  _Slot(_ENTERED)])
+        # dk and dv by chunk_dkv* or chunk_dkv_n* (`dkv_form`) where the module has them, k has every head and both
+        # arrays are fp32 or both 16-bit (the kernels' two forms); its spec in `dkv`, (dk given, dv given) in
+        # `dkv_given`
+        self.dkv = self.dkv_given = None
+        form = dkv_form()
+        if (form != "split" and staged and dkv_fits(key, value, chunk)
+                and _heads_summed(tuple(k.shape[:t]), heads)[0] == 1):
+            f32, types = torch.float32, (torch.float32, self.dtype)
+            dk_a, dv_a = given["dk"], given["dv"]
+            dk_given = writable_out(dk_a, heads, nc, chunk, key, types)
+            dv_given = writable_out(dv_a, heads, nc, chunk, value, types)
+            dk_out = dk_a if dk_given else made((*heads, nc, chunk, key))
+            dv_out = dv_a if dv_given else made((*heads, nc, chunk, value))
+            if (dk_out.dtype == f32) == (dv_out.dtype == f32):
+                self.dkv_given = (dk_given, dv_given)
+                name = "chunk_dkv" + ("_n" if form == "narrow" else "") + ("" if dk_out.dtype == f32 else "_ho")
+                self.dkv = spec(kv, name, nh * nc, 2 * chunk, key, value,
+                                [_Slot(_Q), _Slot(_K), _Slot(_V), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                                 *table(q, k, v, ell, dv_out, do, beta_col, skip_col), *table(dk_out),
+                                 _Slot(_DEND), _Slot(_DK), _Slot(_DV), _Slot(_ROWS), _Slot(_ENDS), _Slot(_DBETA),
+                                 _Slot(_DSKIP)])
         self.summed = {}
         for name, operand, roles, slots, state in (("dq", q, (do, v, k), (_DO, _V, _K), _B_ENTERING),
                                                    ("dk", k, (v, do, q), (_V, _DO, _Q), _DEND)):
+            if name == "dk" and self.dkv is not None:
+                continue
             r, shape = _heads_summed(tuple(operand.shape[:t]), heads)
             per = 1 if r == 1 else heads_a_block or _heads_a_block(r, nc * (key // 64), nh // r)
             if r % per or per >= 1 << 16 or r // per >= 1 << 15:
@@ -630,15 +687,17 @@ class BackwardPlan:
                  *table(ra, rb, rw, ell, out, operand, beta_col, ell), _Slot(state),
                  _Slot(_DQ if name == "dq" else _DK), _Slot(_Q if name == "dq" else _K), _Slot(_ROWS)],
                 (r // per) << 16 | per))
-        dv = given["dv"]
-        self.dv_given = writable_out(dv, heads, nc, chunk, value, (torch.float32, self.dtype))
-        if not self.dv_given:
-            dv = made((*heads, nc, chunk, value))
-        half = dv.dtype != torch.float32  # chunk_dv_ho: dv rounded to 16 bits as stored
-        self.dv = spec(kv, "chunk_dv" + ("_ho" if half else ""), nh * nc * (value // 64), 2 * chunk, key, value,
-                       [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
-                        *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
-                        _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
+        self.dv = self.dv_given = None
+        if self.dkv is None:
+            dv = given["dv"]
+            self.dv_given = writable_out(dv, heads, nc, chunk, value, (torch.float32, self.dtype))
+            if not self.dv_given:
+                dv = made((*heads, nc, chunk, value))
+            half = dv.dtype != torch.float32  # chunk_dv_ho: dv rounded to 16 bits as stored
+            self.dv = spec(kv, "chunk_dv" + ("_ho" if half else ""), nh * nc * (value // 64), 2 * chunk, key, value,
+                           [_Slot(_K), _Slot(_Q), _Slot(_DO), _Slot(_ELL), beta_ptr, skip_ptr,
+                            *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
+                            _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
     def addresses(self, x: Chunks, d_out: torch.Tensor) -> tuple[list, list]:
         """(the call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` laid out as the plan's, the
@@ -688,6 +747,8 @@ class BackwardPlan:
 
         grads = {}
         for name, slot in (("dq", _DQ), ("dk", _DK)):
+            if name not in self.summed:
+                continue
             how, shape, _, spec = self.summed[name]
             sums = None
             if how == "given":
@@ -703,13 +764,21 @@ class BackwardPlan:
                 out = sums.sum(t)
                 sums = None  # freed now, not live at the next kernels' arrays (nor at the function's end)
             grads[name] = out
-        row_dots = rows.sum(-1)  # (chunk_dq's and chunk_dk's alone: summed before chunk_dv's arrays are made)
+        if self.dkv is not None:  # chunk_dkv*: dk and dv (and their dots) from one launch, after chunk_dq's
+            shapes = ((*heads, nc, chunk, key), (*heads, nc, chunk, value))
+            for name, slot, made_given, shape in zip(("dk", "dv"), (_DK, _DV), self.dkv_given, shapes):
+                grads[name] = given(name) if made_given else torch.empty(shape, dtype=f32, device=dev)
+                values[slot] = _base(grads[name])
+            _run_specs(self.dkv, values, events)
+            dv = grads["dv"]
+        row_dots = rows.sum(-1)  # (chunk_dq's and chunk_dk's (dkv's) alone: summed before chunk_dv's arrays are made)
         if parts is not None:
             parts["rows"] = rows
         del rows
-        dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
-        values[_DV] = _base(dv)
-        _run_specs(self.dv, values, events)
+        if self.dkv is None:
+            dv = given("dv") if self.dv_given else torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+            values[_DV] = _base(dv)
+            _run_specs(self.dv, values, events)
         if parts is not None:
             parts.update(ends=ends, entered=entered, d_end=d_end)
         del d_end  # (read by chunk_dk and chunk_dv alone) not live at the sums below, nor at the stages after
