@@ -22,6 +22,8 @@ causal relative-position bias table ``table[h, clamp(i - j, 0, R - 1)]`` (FlexAt
 same table) and a causal document mask from sorted ids ``doc[b, i] == doc[b, j]`` (FlexAttention: a block mask
 built from the ids), outputs and gradients (q, k, v, the table) checked against FlexAttention's first, then
 forward and forward + backward timed; the path ssmc ran (flash kernels, or the tiled path and why) in the table.
+FlexAttention runs with the first of `FLEX_OPTIONS`' kernel_options whose compile succeeds (the table names them,
+and lists the failed attempts); where none does, ssmc's rows are checked against dense fp32 torch and timed alone.
 Needs torch, triton and cupy; no network.
 """
 
@@ -297,62 +299,123 @@ def gather_inputs(name: str, b: int, h: int, length: int, d: int, documents: int
     return qkvd, {"doc": doc}
 
 
-def flex_gather(name: str, b: int, h: int, length: int, extra: dict):
+# FlexAttention's kernel_options, tried in order until its forward and backward compile and run: its autotuned
+# defaults, then fewer pipeline stages, then smaller tiles (a captured table's loads beside d 128's default tiles
+# asked for more shared memory than a block has: "No valid triton configs")
+FLEX_OPTIONS = [None, {"fwd_num_stages": 2, "bwd_num_stages": 2}, {"fwd_num_stages": 1, "bwd_num_stages": 1},
+                {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 1, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64,
+                 "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_stages": 1}]
+
+
+def flex_gather(name: str, b: int, h: int, length: int, extra: dict, kernel_options: dict | None = None):
     """FlexAttention under torch.compile for a gather spec: fn(q, k, v, table) for "relpos" (the table a
-    tensor the score_mod indexes, so its gradient flows), fn(q, k, v) for "doc" (a block mask from the ids)."""
+    tensor the score_mod indexes, so its gradient flows), fn(q, k, v) for "doc" (a block mask from the ids);
+    `kernel_options` passed to flex_attention (None: its defaults)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
+    given = {} if kernel_options is None else {"kernel_options": dict(kernel_options)}
     if name == "relpos":
         causal = create_block_mask(lambda bi, hi, qi, ki: ki <= qi, None, None, length, length, device="cuda")
 
         def run(q, k, v, table):
             def score_mod(score, bi, hi, qi, ki):
                 return score + table[hi, (qi - ki).clamp(0, BUCKETS - 1)]
-            return flex(q, k, v, score_mod=score_mod, block_mask=causal)
+            return flex(q, k, v, score_mod=score_mod, block_mask=causal, **given)
         return run
     doc = extra["doc"]
 
     def mask(bi, hi, qi, ki):
         return (ki <= qi) & (doc[bi, qi] == doc[bi, ki])
     block_mask = create_block_mask(mask, b, None, length, length, device="cuda")
-    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, **given)
+
+
+def dense_gather(name: str, length: int, extra: dict):
+    """The gather spec in dense fp32 torch (every score materialized): the check's reference where FlexAttention
+    does not compile. fn(q, k, v[, table]) as `flex_gather`'s."""
+    i = torch.arange(length, device="cuda")
+    rel = i[:, None] - i[None, :]
+
+    def run(q, k, v, *table):
+        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        visible = rel >= 0
+        if name == "relpos":
+            s = s + table[0][:, rel.clamp(0, BUCKETS - 1)][None]
+        else:
+            doc = extra["doc"]
+            visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
+        return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v.float()
+    return run
+
+
+def flex_compiled(name: str, b: int, h: int, length: int, extra: dict, leaves: list, do: torch.Tensor):
+    """(FlexAttention's fn, the kernel_options it ran with, its output and gradients at `leaves`, what failed
+    before), the first of `FLEX_OPTIONS` whose forward and backward compile and run; fn None where none does (a
+    peer that fails leaves ssmc's rows to be checked against `dense_gather`)."""
+    failures = []
+    for opts in FLEX_OPTIONS:
+        try:
+            fn = flex_gather(name, b, h, length, extra, opts)
+            want, want_g = fn(*leaves), _grads(fn, leaves, do)
+            torch.cuda.synchronize()
+            return fn, opts, want, want_g, failures
+        except Exception as err:  # the peer's compile (InductorError, its out-of-resource) or launch
+            first = (str(err).strip().splitlines() or [""])[0]
+            failures.append(f"kernel_options={opts}: {type(err).__name__}: {first[:300]}")
+            print(f"FlexAttention ({name}) failed with {failures[-1]}", flush=True)
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    return None, None, None, None, failures
 
 
 def gather_row(name: str, b: int, h: int, length: int, d: int) -> dict:
     """A gather spec: ssmc (ssmc.torch.function) against FlexAttention, output and gradients checked, then the
-    forward and forward + backward timed."""
+    forward and forward + backward timed. FlexAttention runs with the first `FLEX_OPTIONS` that compiles; where
+    none does, ssmc is checked against `dense_gather` and timed alone (the peer's times NaN)."""
     import ssmc.torch
 
     (q, k, v, do), extra = gather_inputs(name, b, h, length, d)
     fn = ssmc.torch.function(GATHER_SPECS[name], layout="b h t ...")
-    ref = flex_gather(name, b, h, length, extra)
     leaves = [q, k, v] + ([extra["table"]] if name == "relpos" else [])
     consts = (extra["doc"],) if name == "doc" else ()
 
     def ours(*xs):
         return fn(*xs[:3], **({"table": xs[3]} if name == "relpos" else {"doc": xs[3]}))
 
-    out, want = ours(*leaves, *consts), ref(*leaves)
+    ref, opts, want, want_g, failures = flex_compiled(name, b, h, length, extra, leaves, do)
+    if ref is None:
+        dense = dense_gather(name, length, extra)
+        want, want_g = dense(*leaves), _grads(dense, leaves, do)
+    out = ours(*leaves, *consts)
     err_out = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    got_g, want_g = _grads(ours, leaves, do, consts), _grads(ref, leaves, do)
+    got_g = _grads(ours, leaves, do, consts)
     # (a torch whose FlexAttention gives captured tensors no gradient: the table's left out of the check)
     err_grad = _rel_err(*zip(*[(g, w) for g, w in zip(got_g, want_g) if w is not None]))
+    del want, want_g
     path = "flash" if fn.tiled.flash_reason is None else f"tiled ({fn.tiled.flash_reason})"
+    nan = float("nan")
     return {"spec": name, "shape": f"B{b} H{h} L{length} d{d}", "path": path, "err_out": err_out,
-            "err_grad": err_grad, "fwd": timed(lambda: ours(*leaves, *consts)),
-            "fwd_ref": timed(lambda: ref(*leaves)), "train": timed(lambda: _grads(ours, leaves, do, consts)),
-            "train_ref": timed(lambda: _grads(ref, leaves, do))}
+            "err_grad": err_grad, "peer": "FlexAttention" if ref is not None else "dense fp32 (Flex failed)",
+            "flex_options": "failed" if ref is None else ("defaults" if opts is None else str(opts)),
+            "flex_failures": failures,
+            "fwd": timed(lambda: ours(*leaves, *consts)),
+            "fwd_ref": timed(lambda: ref(*leaves)) if ref is not None else nan,
+            "train": timed(lambda: _grads(ours, leaves, do, consts)),
+            "train_ref": timed(lambda: _grads(ref, leaves, do)) if ref is not None else nan}
 
 
 def gather_table(rows: list[dict]) -> str:
-    lines = ["| spec | shape | ssmc path | out rel err | grad rel err | fwd ms | Flex ms | Flex / ssmc | fwd+bwd ms | "
-             "Flex ms | Flex / ssmc |", "|" + "---|" * 11]
+    lines = ["| spec | shape | ssmc path | checked against | out rel err | grad rel err | fwd ms | Flex ms | "
+             "Flex / ssmc | fwd+bwd ms | Flex ms | Flex / ssmc | Flex kernel_options |", "|" + "---|" * 13]
     for r in rows:
-        lines.append(f"| {r['spec']} | {r['shape']} | {r['path']} | {r['err_out']:.2e} | {r['err_grad']:.2e} | "
-                     f"{r['fwd']:.3f} | {r['fwd_ref']:.3f} | {r['fwd_ref'] / r['fwd']:.2f}x | {r['train']:.3f} | "
-                     f"{r['train_ref']:.3f} | {r['train_ref'] / r['train']:.2f}x |")
-    return "\n".join(lines)
+        lines.append(f"| {r['spec']} | {r['shape']} | {r['path']} | {r['peer']} | {r['err_out']:.2e} | "
+                     f"{r['err_grad']:.2e} | {r['fwd']:.3f} | {r['fwd_ref']:.3f} | {r['fwd_ref'] / r['fwd']:.2f}x | "
+                     f"{r['train']:.3f} | {r['train_ref']:.3f} | {r['train_ref'] / r['train']:.2f}x | "
+                     f"{r['flex_options']} |")
+    failures = [f"- {r['spec']} {r['shape']}: {f}" for r in rows for f in r["flex_failures"]]
+    return "\n".join(lines + (["", "FlexAttention's failed attempts (then the next kernel_options):", *failures]
+                              if failures else []))
 
 
 def config_report(text: str, out: Path | None, filename: str, rows: list[dict], base: str) -> None:
@@ -388,8 +451,11 @@ def main() -> None:
         text = (f"# ssmc attention with indexed reads (bf16), {torch.cuda.get_device_name()}, "
                 f"torch {torch.__version__}\n\nrelpos: causal + a bias table per head indexed by clamp(i - j, 0, "
                 "127); doc: causal within documents from sorted ids (8 a row); Flex: FlexAttention under "
-                "torch.compile (a score_mod indexing the table; a block mask from the ids); grad rel err: max "
-                "|error| / max |gradient| over q, k, v (and the table).\n\n" + gather_table(rows) + "\n")
+                "torch.compile (a score_mod indexing the table; a block mask from the ids), with the first "
+                "kernel_options of bench/flash_check.py FLEX_OPTIONS that compiles (its column); where none does, "
+                "ssmc checked "
+                "against dense fp32 torch and timed alone; grad rel err: max |error| / max |gradient| over q, k, v "
+                "(and the table).\n\n" + gather_table(rows) + "\n")
         print(text)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

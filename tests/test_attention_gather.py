@@ -329,6 +329,45 @@ def test_emulated_flash_gradients_match_float64(name, length, backward, dq, monk
         np.testing.assert_allclose(got, want[n], rtol=0, atol=3e-2 * max(1.0, np.abs(want[n]).max()), err_msg=n)
 
 
+# ids packed differently in the two batch rows: row 0 one long document after a short one (its key blocks full
+# for later query tiles), row 1 three documents whose boundaries cut those tiles (partly masked there); each
+# row's kernels must read their own row's spans (a key block full in row 0 is not in row 1)
+_ROW_IDS = np.array([[0] * 10 + [1] * 140, [0] * 45 + [1] * 50 + [2] * 55])
+
+
+@pytest.mark.parametrize("name, backward, d", [
+    ("doc_causal", "wgp", 64),       # sm_90's d 64 config: wgmma, dQ by atomics in the key-block kernel
+    ("rel_doc_causal", "wgp", 64),   # with a table: the key-block kernel without dQ, then the dQ kernel
+    ("doc_causal", "w4q64", 64),     # the wide kernel (d 64's default elsewhere)
+    ("rel_doc_causal", "bn64", 64),  # the 4-warp kernel
+    ("doc_causal", "wgws", 64),      # the warp-specialized wgmma kernel
+    ("doc_causal", None, 256)])      # d 256's only config "w8q16s2": the wide kernel, dQ by atomics
+def test_emulated_flash_gradients_with_ids_that_differ_between_batch_rows(name, backward, d, monkeypatch):
+    """Two batch rows with their own document boundaries (`_ROW_IDS`), key blocks of 64 partly masked in one row
+    and full in the other: each config's key-block kernel (and the dQ kernel) against float64 (a kernel that read
+    row 0's span table for row 1 treated row 1's partly masked tiles as fully visible: errors in the hundreds)."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
+
+    x, rng = inputs(name, 2, 2, _ROW_IDS.shape[1], d, seed=5)
+    x["doc"] = _ROW_IDS.copy()
+    tiled, call, t = _emulated(name, x, monkeypatch, backward=backward)
+    assert flash_bwd.config(d).name == (backward or flash_bwd.DEFAULT_CONFIG[d])
+    assert tiled.flash_backward(call) is not None, tiled.flash_backward_reason
+    d_out = torch.tensor(rng.standard_normal(x["q"].shape), dtype=torch.float32)
+    out32 = tiled.delta_output(call)
+    out, lse = tiled.forward(call, out32=out32)
+    grads = tiled.backward(call, lse, d_out, out=out if out32 is None else out32)
+    r = _rounded(x, t)
+    want = ssmc.grad(SPECS[name], "interpreter", layout="b h t ...")(r["q"], r["k"], r["v"], d_out.numpy(),
+                                                                       **_params(r))
+    assert set(grads) == set(want)
+    for n in want:
+        got = grads[n].float().numpy()
+        assert np.isfinite(got).all(), n
+        np.testing.assert_allclose(got, want[n], rtol=0, atol=3e-2 * max(1.0, np.abs(want[n]).max()), err_msg=n)
+
+
 def test_emulated_flash_grouped_query_attention_with_a_table_and_ids(monkeypatch):
     """kv_heads: 4 query heads on 2 KV heads; the table per query head, the ids per batch index: the flash
     forward (reading KV head h // 2) and backward against float64 with k and v repeated."""
