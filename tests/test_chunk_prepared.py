@@ -143,12 +143,14 @@ def test_compiled_calls_of_other_strides_or_options_are_prepared_apart(counted, 
     assert counted["launches"] == launches and len(f._calls) == 3
 
 
-@pytest.mark.parametrize("length", [LENGTH, 70])
-def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch, length):
+@pytest.mark.parametrize("length, dkv", [(LENGTH, "split"), (70, "split"), (LENGTH, "fused")])
+def test_torch_op_calls_with_16_bit_inputs_take_the_prepared_step(counted, monkeypatch, length, dkv):
     """`ssmc.torch.function` of RetNet with bf16 q, k, v: from the second call of a signature its plan calls the
     prepared step directly in the inputs' 16-bit context (`_HalfStep`, as `Grad.forward` would, without its
     look-ups); outputs and every gradient bit for bit the first (general) call's. At 70 steps (chunks of 64: the
-    last of 6 steps, padded) as well: the core's plan made once, the third call on it."""
+    last of 6 steps, padded) as well: the core's plan made once, the third call on it; and with dk and dv from one
+    kernel (SSMC_CUDA_CHUNK_DKV=fused: the prepared plan asks the backward's which gradients it writes)."""
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_DKV", dkv)
     import ssmc.torch
     from ssmc import torch as ssmc_torch
     from ssmc.examples import retnet

@@ -914,8 +914,7 @@ class PreparedBackward:
                 plan = mma.BackwardPlan(x, tape.entering, d_out, direct)
                 if not any(plan.copies[:6]):
                     # the gradients the kernels write in the time-first arrays themselves (`writable_out`)
-                    writes = {"dq": plan.summed["dq"][0] == "given", "dk": plan.summed["dk"][0] == "given",
-                              "dv": plan.dv_given}
+                    writes = plan.writes_given()
                     padded = -(-length // chunk) * chunk
                     made = [(role, (padded, *[sizes[a] for a in axes]), GRAD + node.arg, dtype)
                             for role, node, axes, _, dtype in roles if writes[role]]

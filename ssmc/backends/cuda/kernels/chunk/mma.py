@@ -699,6 +699,11 @@ class BackwardPlan:
                             *table(k, q, do, ell, dv, v, beta_col, skip_col), _Slot(_DEND), _Slot(_DV), _Slot(_V),
                             _Slot(_ENDS), _Slot(_DBETA), _Slot(_DSKIP)])
 
+    def writes_given(self) -> dict[str, bool]:
+        """Which of dq, dk, dv the kernels write into the arrays given as `direct` (the rest are made here)."""
+        dk, dv = self.dkv_given if self.dkv is not None else (self.summed["dk"][0] == "given", self.dv_given)
+        return {"dq": self.summed["dq"][0] == "given", "dk": bool(dk), "dv": bool(dv)}
+
     def addresses(self, x: Chunks, d_out: torch.Tensor) -> tuple[list, list]:
         """(the call's addresses (slots `_Q` .. `_SKIP`, `_DO`) of `x` and `d_out` laid out as the plan's, the
         copies made for that: `ForwardPlan.addresses`)."""
