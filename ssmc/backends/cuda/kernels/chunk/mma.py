@@ -79,7 +79,7 @@ STAGED_SHARED_MAX = 160 * 1024  # "wide" takes all V columns a block where its t
 # columns a warp's pass, each score tile made once a pass, 128 registers: two blocks an SM). The fused forms take
 # chunks of `DKV_CHUNKS` (8 warps at most), tiles within `STAGED_SHARED_MAX`, and calls whose k has every head (a
 # group's dk summed over its heads stays chunk_dk's); other calls take chunk_dk, chunk_dv
-DKV_FORM = "split"
+DKV_FORM = "fused"
 DKV_CHUNKS = (64, 128)
 DKV_BLOCKS = 1  # chunk_dkv's __launch_bounds__ blocks an SM (2: at most 128 registers, it spilled at K = V = 128)
 DKV_N_BLOCKS = 2  # chunk_dkv_n's (64 output columns a warp's pass: "narrow")
