@@ -452,7 +452,7 @@ def split_sweep(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> li
             plans = sorted({p.describe() for loop in persistent_runner._LOOPS.values()
                             if loop is not None and loop.program.name == "lstm_backward"
                             for at, p in loop._plans.items()
-                            if not isinstance(p, str) and p.rows == b and p.size == k and at[-3:] == key})
+                            if not isinstance(p, str) and p.rows == b and p.size == k and at[-4:-1] == key})
             label = f"{splits[0]}" + (" (rings of at most 3)" if deep != saved[2] else "")
             lines.append(f"| {label} | {ms:.3f} | {adjoint:.3f} | {forward:.3f} | {other:.3f} | {err:.2e} | "
                          f"{'; '.join(plans) or 'none (another plan ran)'} |")

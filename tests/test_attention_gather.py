@@ -681,6 +681,42 @@ def test_calls_with_ids_of_the_wrong_length_or_with_cu_seqlens_are_refused():
         ssmc.step(SPECS[name], layout="b h t ...")
 
 
+def test_float32_calls_refuse_ids_float32_cannot_keep_apart():
+    """Ids of magnitude 2**24 or more would merge in float32 (16777216 == 16777217 there): a ValueError naming the
+    sequence, before any kernel; float64 q, k, v keep them."""
+    import torch
+
+    name = "doc_causal"
+    x, _ = inputs(name, 1, 2, 8, 4, seed=1)
+    big = torch.tensor(x["doc"] + 2 ** 24)
+    f = ssmc.compile(SPECS[name], "cuda" if os.environ.get("SSMC_CUDA_EMULATE") else "numba", layout="b h t ...")
+    q, k, v = (torch.tensor(x[n], dtype=torch.float32) for n in ("q", "k", "v"))
+    with pytest.raises(ValueError, match=r"'doc'.*2\*\*24"):
+        f(q, k, v, doc=big)
+    want = f(q.double(), k.double(), v.double(), doc=torch.tensor(x["doc"]))
+    got = f(q.double(), k.double(), v.double(), doc=big)
+    assert torch.allclose(torch.as_tensor(got), torch.as_tensor(want))
+
+
+def test_flash_backward_refusals_that_keep_results_right():
+    """Where the flash backward would be wrong or unrepeatable, it is not taken: ids along the KV-heads axis under
+    grouped-query attention (a GQA key block reads its first head's spans: k and v are repeated instead), and a
+    table's gradient at a head dim without the fixed-order dQ kernel (d 256: atomics)."""
+    from types import SimpleNamespace
+
+    from ssmc.backends.cuda.kernels.flash.backward import BN_DQ, FlashBackward
+
+    def per_head(q_idx, kv_idx, doc: ssmc.Seq["b h"]):
+        return doc[q_idx] == doc[kv_idx]
+
+    spec = ssmc.attention(mask_mod=per_head, kv_heads="h")
+    call = SimpleNamespace(group=2, q=SimpleNamespace(shape=(1, 4, 8, 64), device=None))
+    assert FlashBackward(spec.program).reads_kv_heads(call) is False
+    table = FlashBackward(SPECS["rel"].program)
+    assert 256 not in BN_DQ and "256" in table.head_dim_reason(256)
+    assert table.head_dim_reason(64) is None and FlashBackward(SPECS["doc"].program).head_dim_reason(256) is None
+
+
 # -- on a GPU: bf16 against a torch reference --------------------------------------------------------------
 
 def _torch_reference(torch, name, q, k, v, table, doc):

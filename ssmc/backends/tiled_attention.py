@@ -240,7 +240,12 @@ class TiledAttention:
                 raise ValueError(f"sequence {d.name!r} has {arrays[d.name].shape[0]} positions; it takes one per "
                                  f"position of q and k, which need the same length (here "
                                  f"{arrays['q'].shape[0]} and {arrays['k'].shape[0]})")
-            params[d.name] = arrays[d.name].to(device=device, dtype=acc)
+            ids = arrays[d.name]
+            if acc == torch.float32 and ids.numel() and bool(ids.abs().max() >= 2 ** 24):
+                raise ValueError(f"sequence {d.name!r} holds values of magnitude 2**24 or more, which float32 (the "
+                                 "compute dtype of these inputs) does not keep apart; number them from 0 (e.g. "
+                                 "torch.unique(ids, return_inverse=True)[1]) or pass float64 q, k, v")
+            params[d.name] = ids.to(device=device, dtype=acc)
         numpy = not isinstance(q_given, torch.Tensor)
         kv_axis = p.batch_axes.index(p.kv_heads) if group > 1 else 0
         return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis)
@@ -405,6 +410,9 @@ class TiledAttention:
         if hit is None:
             forward, reason = self._decide_forward(call)
             backward, backward_reason = (None, reason) if forward is None else self._decide_backward()
+            late = backward.head_dim_reason(q.shape[-1]) if backward is not None else None
+            if late is not None:
+                backward, backward_reason = None, late
             if len(self._decided) >= 64:
                 self._decided.clear()
             hit = self._decided[key] = (forward, reason, backward, backward_reason)

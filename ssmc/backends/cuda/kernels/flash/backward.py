@@ -463,10 +463,22 @@ class FlashBackward:
         self._spans: dict = {}
         self._plans: dict = {}
 
+    def head_dim_reason(self, d: int) -> str | None:
+        """Why the kernels do not take head dim `d` for this program (None: they do): an indexed table's gradient
+        needs the dQ kernel's fixed order to be repeatable, and head dims without a dQ kernel sum by atomics."""
+        if self.tables and d not in BN_DQ:
+            return (f"an indexed table's gradient at head dim {d} (no fixed-order dQ kernel there: atomics would "
+                    "make it unrepeatable)")
+        return None
+
     def reads_kv_heads(self, call) -> bool:
         """Whether the kernels run a grouped-query call (`call.group` > 1) on k and v with their own heads (the
         device's config has a GQA build: `Config.gqa`); where not, the caller repeats k and v to q's heads and
-        sums dK and dV over each group."""
+        sums dK and dV over each group. Not where the spans follow the query heads (ids along the KV-heads axis: a
+        span table a query head), since a GQA key block runs its group's heads on its first head's table."""
+        rows = row_axes(self.program)
+        if rows is not None and self.program.kv_heads in rows:
+            return False
         return call.group > 1 and config(call.q.shape[-1], None, call.q.device).gqa
 
     def _function(self, device, d: int, bf16: bool, which: str = "atomic", gqa: bool = False,

@@ -24,7 +24,7 @@ import sys
 
 from ...options import emulating, options
 from ...runner import batch_outer
-from . import analysis
+from . import analysis, forward
 from .analysis import Cell, analyse, plan
 from .forward import kernel_name, kernel_source
 
@@ -269,7 +269,8 @@ class PersistentLoop:
         rp_strides = tuple(recorded.stride()) if record else None
         # printing the kernel from the IR costs milliseconds of host time: once per source's inputs
         key = (chosen, tuple(sorted(sizes.items())), tuple(sorted(seq_strides.items())),
-               tuple(sorted(out_strides.items())), rp_strides, tuple(sorted(form.items())))
+               tuple(sorted(out_strides.items())), rp_strides, tuple(sorted(form.items())),
+               analysis.SPLIT_ACCUMULATORS, forward.BARRIER_TIMEOUT)  # (module globals kernel_source reads)
         source = self._sources.get(key)
         if source is None:
             source = self._sources[key] = kernel_source(cell, chosen, sizes, seq_strides, out_strides, rp_strides,
