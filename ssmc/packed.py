@@ -160,16 +160,17 @@ def call(run, program, layout, inputs: dict, states: dict, cu_seqlens) -> tuple[
 @lru_cache(maxsize=64)
 def reset_program(program):
     """`program` with the sequence RESET [batch] that restarts its states (module docstring), or None
-    where the one-call path does not apply: no states, no batch axis, a name taken, or matrix linear."""
+    where the one-call path does not apply: no states, no batch axis, a name taken, or a core the chunked
+    matrix-linear path takes (`passes.matrix_linear`)."""
     from .ir import build
     from .ir.node import Node
     from .ir.ops import Op
     from .ir.program import Decl, Recurrence, Role
-    from .passes.classify import classify
+    from .passes.matrix_linear import matrix_linear
 
     if not program.states or any(d.name == RESET for d in program.decls):
         return None
-    if classify(program).family == "matrix linear":
+    if not isinstance(matrix_linear(program), str):  # the chunked core takes it (a reset would hide its form)
         return None
     try:
         batch = batch_axis(program)

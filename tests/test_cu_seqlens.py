@@ -203,3 +203,23 @@ def test_each_malformed_cu_seqlens_is_a_value_error_naming_it():
         f(x.repeat(2, 1, 1), g.repeat(2, 1, 1), cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="cu_seqlens: 2 sequences, so initial state 'h' has 2"):
         f(x, g, h=torch.zeros(3, 5, dtype=torch.float64), cu_seqlens=torch.tensor([0, 2, 5]))
+
+
+@ssmc.recurrence
+def per_value_decay(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"],
+                    g: ssmc.Seq["b v"]):
+    S = ssmc.exp(g) * S + k * v   # a decay along the value axis: no chunked core takes it
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+def test_the_one_call_reset_path_is_refused_only_where_the_chunked_core_takes_the_program():
+    """A packed call runs as one call with a reset sequence unless the chunked matrix-linear core takes the
+    program (a reset inside its update would hide that form: then a call per sequence), so a recurrence with
+    a per-value decay, which runs on the diagonal scans, keeps the one call."""
+    from ssmc import packed
+    from ssmc.examples import gla, retnet
+
+    assert packed.reset_program(per_value_decay.program) is not None
+    assert packed.reset_program(gla.SPEC.program) is None and packed.reset_program(retnet.SPEC.program) is None
+    assert packed.reset_program(mamba1.SPEC.program) is not None
