@@ -19,7 +19,8 @@ and ``final_s`` are one array; every strategy taking it loads a thread's own par
 first barrier and stores it after the last, and each thread reads only the part it stores, so a thread's
 old values are read before anyone writes them). Both given: the step allocates nothing. A call like an
 earlier one (same shapes, strides, dtypes, device, the same arrays given) is one key lookup, an overlap
-check of the written arrays and the launch.
+check of the written arrays and the launch. A plan's scratch arrays (`product_form`'s products, the states
+written aside) are its own: one `Step` serves one stream at a time.
 
 A recurrence reading its states through a recurrent product (an LSTM's ``h U``) lowers whole to a thread per
 batch row walking the product alone; over one step, though, the old state is an input like x. A step is then
