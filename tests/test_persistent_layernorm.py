@@ -256,6 +256,7 @@ def test_emulated_the_tolerance_can_fail(emulated_cuda, launches, monkeypatch):
     """A wrong exchange (every block's own sums taken for the row's: the other blocks' units left out) fails
     the fp32 check: the split tests above would see a missing exchange."""
     monkeypatch.setattr(persistent_runner, "EMULATED_BLOCKS", 3)
+    monkeypatch.setattr(persistent_runner, "_LOOPS", {})  # runners whose sources no earlier test printed
     original = persistent_runner.kernel_source
 
     def broken(*a, **k):

@@ -41,7 +41,7 @@ from ..ir.axes import TIME
 from ..ir.node import Node, depending_on, toposort
 from ..ir.program import Attention
 from ..passes.attention_grad import derive_attention_backward
-from ..passes.mask_blocks import key_spans
+from ..passes.mask_blocks import key_spans, sequence_ranges
 from ..runtime.binding import layout_of, numeric_array
 from ..runtime.prologue import bind_attention, group_sum, repeat_heads
 from .torch_eval import TorchEvaluator, align, loop_sum
@@ -132,17 +132,6 @@ def _views(given: tuple, canonical: list) -> list | None:
         if c.untyped_storage().data_ptr() != g.untyped_storage().data_ptr():
             return None
         out.append((i, tuple(c.shape), c.stride(), c.storage_offset() - g.storage_offset()))
-    return out
-
-
-def sequence_ranges(program: Attention, arrays: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each sequence input's (min, max) over its batch axes per position, [L] NumPy arrays, from its tensor
-    (L, *axes): what `mask_blocks.key_spans` bounds a read ``doc[q_idx]`` by (one device-to-host copy of
-    2 L numbers a sequence)."""
-    out = {}
-    for d in program.seqs:
-        t = arrays[d.name].reshape(arrays[d.name].shape[0], -1)
-        out[d.name] = (t.amin(1).cpu().numpy(), t.amax(1).cpu().numpy())
     return out
 
 

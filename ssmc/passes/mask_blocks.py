@@ -27,6 +27,7 @@ import numpy as np
 from ..ir.axes import TIME
 from ..ir.node import BOOL, Node, toposort
 from ..ir.ops import COMPARISONS, Op
+from ..ir.program import Attention
 
 # an interval (lo, hi) of numbers, or for booleans (may be true, may be false); None: anything
 Bound = tuple[float, float] | tuple[bool, bool] | None
@@ -319,3 +320,14 @@ def _grid_rule(node: Node, args: list, q, k, sizes, tables) -> Bound:
         lo, hi = args[0]
         return (lo * n, hi * n)
     return None
+
+
+def sequence_ranges(program: Attention, arrays: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each sequence input's (min, max) over its batch axes per position, [L] NumPy arrays, from its tensor
+    (L, *axes; torch): what `key_spans` bounds a read ``doc[q_idx]`` by (one device-to-host copy of
+    2 L numbers a sequence)."""
+    out = {}
+    for d in program.seqs:
+        t = arrays[d.name].reshape(arrays[d.name].shape[0], -1)
+        out[d.name] = (t.amin(1).cpu().numpy(), t.amax(1).cpu().numpy())
+    return out

@@ -460,7 +460,7 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
     query of the block (`mask_blocks.key_spans` over key tiles of `bn`), and every key tile inside
     [full_lo, full_hi) is visible to every query of the block and below Lk (the mask proven true over the
     whole rectangle), so the kernel evaluates no mask there; an empty [full_lo, full_hi) where no tile is.
-    `seqs`: the sequence inputs' per-position ranges (`tiled_attention.sequence_ranges`)."""
+    `seqs`: the sequence inputs' per-position ranges (`mask_blocks.sequence_ranges`)."""
     from .....passes.mask_blocks import _bool, _evaluate, grid_spans, key_spans
 
     if seqs and mask is not None:  # per call: every (block, tile) at once
@@ -488,8 +488,8 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
 
 def sequence_rows(program: Attention, arrays: dict) -> list[dict]:
     """The sequence inputs' per-position ranges (`mask_blocks.key_spans`' `seqs`) per row of `row_axes` (each
-    row's own ids: exact), or one set over every batch index (`tiled_attention.sequence_ranges`)."""
-    from ....tiled_attention import sequence_ranges
+    row's own ids: exact), or one set over every batch index (`mask_blocks.sequence_ranges`)."""
+    from .....passes.mask_blocks import sequence_ranges
 
     if row_axes(program) is None:
         return [sequence_ranges(program, arrays)]
