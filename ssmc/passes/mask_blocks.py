@@ -107,7 +107,12 @@ def _sequence_read(node: Node, positions: Bound, seqs) -> Bound:
     return float(lo[a:b + 1].min()), float(hi[a:b + 1].max())
 
 
-def _rule(node: Node, args: list[Bound], q, k, sizes) -> Bound:
+_OTHER = object()  # `_common`: a node the rule of its caller bounds
+
+
+def _common(node: Node, args: list, q, k, sizes):
+    """The bounds both rules (`_rule`, over numbers; `_grid_rule`, over arrays) give alike: leaves, the ops that
+    pass their values on, NOT; `_OTHER` for the rest."""
     op = node.op
     if op is Op.INPUT:
         return {"q_idx": q, "kv_idx": k}.get(node.arg)
@@ -122,6 +127,14 @@ def _rule(node: Node, args: list[Bound], q, k, sizes) -> Bound:
     if op is Op.NOT:
         t, f = _bool(args[0])
         return (f, t)
+    return _OTHER
+
+
+def _rule(node: Node, args: list[Bound], q, k, sizes) -> Bound:
+    op = node.op
+    common = _common(node, args, q, k, sizes)
+    if common is not _OTHER:
+        return common
     if op in (Op.AND, Op.OR):
         (at, af), (bt, bf) = _bool(args[0]), _bool(args[1])
         return (at and bt, af or bf) if op is Op.AND else (at or bt, af and bf)
@@ -252,19 +265,9 @@ def _grid_rule(node: Node, args: list, q, k, sizes, tables) -> Bound:
         if node.arg != TIME or source.arg not in tables or positions is None:
             return None
         return tables[source.arg].query(np.floor(positions[0]), np.ceil(positions[1]))
-    if op is Op.INPUT:
-        return {"q_idx": q, "kv_idx": k}.get(node.arg)
-    if op is Op.CONST:
-        return None if math.isnan(node.arg) else (node.arg, node.arg)
-    if op is Op.SIZE:
-        return (float(sizes[node.arg]),) * 2 if node.arg in sizes else None
-    if op is Op.IOTA:
-        return (0.0, float(sizes[node.arg] - 1)) if node.arg in sizes else None
-    if op in (Op.RENAME, Op.EXPAND, Op.SELECT, Op.SLICE, Op.REDUCE_MAX):
-        return args[0]
-    if op is Op.NOT:
-        t, f = _bool(args[0])
-        return (f, t)
+    common = _common(node, args, q, k, sizes)
+    if common is not _OTHER:
+        return common
     if op in (Op.AND, Op.OR):
         (at, af), (bt, bf) = _bool(args[0]), _bool(args[1])
         return (at & bt, af | bf) if op is Op.AND else (at | bt, af & bf)
