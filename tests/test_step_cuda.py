@@ -376,6 +376,24 @@ def test_emulated_step_out_overlapping_an_input_takes_the_copying_path(monkeypat
     assert (emulator.launched - before, ops.launching()) == (1, 0) and torch.equal(out, want_y)
 
 
+def _product_step_case(name):
+    """An LSTM-like's steps, emulated in fp32 under the caller's settings: L = 5 steps checked against the full call
+    (`_check_steps`), then an in-place step after an allocating one. Returns (each step's launches, the in-place
+    step's kernels and its `_TorchOps`, whether its results equal the allocating step's bit for bit)."""
+    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
+    launches = []
+    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    equal = all(torch.equal(g, w) for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)),
+                                                  (*_as_tuple(want_y), *_as_tuple(want_h))))
+    return launches, emulator.launched - before, ops, equal
+
+
 @emulated_only
 @pytest.mark.parametrize("name", ["lstm", nightly_case("gru", reason="lstm's path"),
                                   nightly_case("lstm_heads", reason="lstm's path")])
@@ -386,19 +404,10 @@ def test_emulated_product_step_is_one_kernel(name, monkeypatch):
     after the kernel (other threads read the old h: it is written aside), c written in place by the kernel."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
-    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
-    launches = []
-    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    launches, launched, ops, equal = _product_step_case(name)
     assert launches[1:] == [(1, 0)] * (LENGTH - 1), launches
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
-    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
-    before = emulator.launched
-    with _TorchOps() as ops:
-        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    assert (emulator.launched - before, ops.ops) == (1, ["copy_"]), ops.ops
-    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert torch.equal(g, w)
+    assert (launched, ops.ops) == (1, ["copy_"]), ops.ops
+    assert equal
 
 
 @emulated_only
@@ -410,19 +419,10 @@ def test_emulated_product_form_step(name, monkeypatch):
     read it) it equals the allocating step bit for bit and allocates nothing."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     monkeypatch.setenv("SSMC_CUDA_PERSISTENT", "0")
-    values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
-    launches = []
-    _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
+    launches, launched, ops, equal = _product_step_case(name)
     assert launches[1:] == [(1, 2)] * (LENGTH - 1), launches
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
-    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
-    before = emulator.launched
-    with _TorchOps() as ops:
-        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    assert (emulator.launched - before, ops.launching(), ops.allocating()) == (1, 2, 0), ops.ops
-    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert torch.equal(g, w)
+    assert (launched, ops.launching(), ops.allocating()) == (1, 2, 0), ops.ops
+    assert equal
 
 
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
