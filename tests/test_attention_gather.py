@@ -307,13 +307,11 @@ def test_emulated_flash_is_refused_at_head_dim_16(monkeypatch):
     assert tiled.flash(call) is None and "head dim 16" in tiled.flash_reason
 
 
-@pytest.mark.parametrize("name, length, backward, dq", [
-    ("rel", 65, None, None), ("doc_causal", 65, None, None), ("rel_doc_causal", 65, "bn64", "atomic"),
-    ("rel_doc_strict", 7, "w8q32", None)])
-def test_emulated_flash_gradients_match_float64(name, length, backward, dq, monkeypatch):
-    torch = pytest.importorskip("torch")
-    x, rng = inputs(name, 1, 2, length, 64, seed=length + 1)
-    tiled, call, t = _emulated(name, x, monkeypatch, backward=backward, dq=dq)
+def _flash_gradients_match_float64(name, x, rng, tiled, call, t):
+    """The emulated flash backward runs `call` (`_emulated`'s), and its gradients equal the float64 interpreter's on
+    the rounded inputs within 3e-2 of each gradient's largest value, all finite."""
+    import torch
+
     assert tiled.flash_backward(call) is not None, tiled.flash_backward_reason
     d_out = torch.tensor(rng.standard_normal(x["q"].shape), dtype=torch.float32)
     out32 = tiled.delta_output(call)
@@ -327,6 +325,16 @@ def test_emulated_flash_gradients_match_float64(name, length, backward, dq, monk
         got = grads[n].float().numpy()
         assert np.isfinite(got).all(), n
         np.testing.assert_allclose(got, want[n], rtol=0, atol=3e-2 * max(1.0, np.abs(want[n]).max()), err_msg=n)
+
+
+@pytest.mark.parametrize("name, length, backward, dq", [
+    ("rel", 65, None, None), ("doc_causal", 65, None, None), ("rel_doc_causal", 65, "bn64", "atomic"),
+    ("rel_doc_strict", 7, "w8q32", None)])
+def test_emulated_flash_gradients_match_float64(name, length, backward, dq, monkeypatch):
+    pytest.importorskip("torch")
+    x, rng = inputs(name, 1, 2, length, 64, seed=length + 1)
+    tiled, call, t = _emulated(name, x, monkeypatch, backward=backward, dq=dq)
+    _flash_gradients_match_float64(name, x, rng, tiled, call, t)
 
 
 # ids packed differently in the two batch rows: row 0 one long document after a short one (its key blocks full
@@ -346,26 +354,14 @@ def test_emulated_flash_gradients_with_ids_that_differ_between_batch_rows(name, 
     """Two batch rows with their own document boundaries (`_ROW_IDS`), key blocks of 64 partly masked in one row
     and full in the other: each config's key-block kernel (and the dQ kernel) against float64 (a kernel that read
     row 0's span table for row 1 treated row 1's partly masked tiles as fully visible: errors in the hundreds)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from ssmc.backends.cuda.kernels.flash import backward as flash_bwd
 
     x, rng = inputs(name, 2, 2, _ROW_IDS.shape[1], d, seed=5)
     x["doc"] = _ROW_IDS.copy()
     tiled, call, t = _emulated(name, x, monkeypatch, backward=backward)
     assert flash_bwd.config(d).name == (backward or flash_bwd.DEFAULT_CONFIG[d])
-    assert tiled.flash_backward(call) is not None, tiled.flash_backward_reason
-    d_out = torch.tensor(rng.standard_normal(x["q"].shape), dtype=torch.float32)
-    out32 = tiled.delta_output(call)
-    out, lse = tiled.forward(call, out32=out32)
-    grads = tiled.backward(call, lse, d_out, out=out if out32 is None else out32)
-    r = _rounded(x, t)
-    want = ssmc.grad(SPECS[name], "interpreter", layout="b h t ...")(r["q"], r["k"], r["v"], d_out.numpy(),
-                                                                       **_params(r))
-    assert set(grads) == set(want)
-    for n in want:
-        got = grads[n].float().numpy()
-        assert np.isfinite(got).all(), n
-        np.testing.assert_allclose(got, want[n], rtol=0, atol=3e-2 * max(1.0, np.abs(want[n]).max()), err_msg=n)
+    _flash_gradients_match_float64(name, x, rng, tiled, call, t)
 
 
 def test_emulated_flash_grouped_query_attention_with_a_table_and_ids(monkeypatch):
