@@ -32,6 +32,7 @@ output (`MatrixLinear.skip`): the chunk kernels add it as they write o, and no p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -294,8 +295,10 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         return None
     stages = []
     if prep:
-        stages.append(Stage("pre", program.with_roots((), prep, states=(), name=f"{program.name}_pre"),
-                            tuple(n for n, _ in prep)))
+        pre = program.with_roots((), prep, states=(), name=f"{program.name}_pre")
+        if not pre.seqs:  # operands of params alone (a decay sigmoid(w)): a sequence it declares gives the steps
+            pre = dataclasses.replace(pre, decls=(*pre.decls, program.seqs[0]))
+        stages.append(Stage("pre", pre, tuple(n for n, _ in prep)))
     stages.append(Stage("core", core, () if identity else (ml.o,)))
     if not identity:
         post = program.with_roots((), ml.outputs, [(ml.o, ml.contraction.axes)], states=(),
