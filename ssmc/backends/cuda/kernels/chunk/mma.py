@@ -794,3 +794,69 @@ class BackwardPlan:
 
         # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
         return grads["dq"], grads["dk"], dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
+
+
+# -- a per-key decay (GLA; per_key.cu.j2) ---------------------------------------------------------------------------
+PER_KEY_CHUNK = 64  # steps per chunk of the per-key kernels (a warp per query sub-block of `algorithm.SUB` steps)
+
+
+def per_key_shared(key: int) -> int:
+    """Dynamic shared memory of per_key_output: Λ [C, key] fp32; q, k rows [C, key + 8], v rows [C, 72] and S_p
+    rows [key, 72], 16-bit."""
+    c, pad, tile = PER_KEY_CHUNK, 8, 64
+    return c * key * 4 + (2 * c * (key + pad) + c * (tile + pad) + key * (tile + pad)) * 2
+
+
+@cache
+def per_key_source(key: int, value: int, bf16: bool) -> str:
+    """The module of the per-key kernels (per_key_states, per_key_output) for these sizes and 16-bit format."""
+    from ...source import mma_header
+
+    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, output_shared=per_key_shared(key))
+    return mma_header() + "\n" + body
+
+
+def per_key_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
+    """Whether a per-key call with q of `dtype` and these sizes would run on the per-key kernels (the chunk then is
+    `PER_KEY_CHUNK`): `kernels_wanted`, SSMC_CUDA_CHUNK_PER_KEY not 0."""
+    return kernels_wanted(dtype, key, value) and options().chunk_per_key is not False
+
+
+def per_key_applies(x: Chunks) -> bool:
+    """Whether `forward_per_key` takes `x`: a per-key decay, 16-bit q, k, v of one format on the backend's device
+    (`per_key_wanted`), fp32 log decays and initial state, chunks of `PER_KEY_CHUNK`, no β and no skip (GLA has
+    neither; they run on `algorithm.py`)."""
+    q, k, v = x.q, x.k, x.v
+    return (x.per_key and x.beta is None and x.skip is None and per_key_wanted(q.dtype, q.shape[-1], v.shape[-1])
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
+            and q.shape[-2] == PER_KEY_CHUNK and x.ell.shape[-1] == q.shape[-1] and x.ell.dtype == torch.float32
+            and x.s0.dtype == torch.float32
+            and all(t.numel() > 0 and on_backend_device(t) for t in (q, k, v, x.ell, x.s0)))
+
+
+def forward_per_key(x: Chunks, events: list | None = None):
+    """`algorithm.forward(x)` of a per-key decay on the kernels (where `per_key_applies`): (O [*H, NC, C, V], the
+    state entering each chunk [*H, NC, K, V], the final state [*H, K, V]), all fp32, H the heads of all operands
+    broadcast. Two launches: per_key_states (a block per (head, 64 keys, 64 values) walks the chunks, the state in
+    registers), then per_key_output (a block per (head, chunk, 64 values)). `events` as `forward`'s."""
+    q, k, v = (_chunked_view(a, True) for a in (x.q, x.k, x.v))
+    ell = _chunked_view(x.ell, True)
+    t = q.dim() - 3
+    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t])
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    out = torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+    entering = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+    final = torch.empty((*heads, key, value), dtype=f32, device=dev)
+    s0 = x.s0.expand(*heads, key, value).contiguous()
+    offs, steps, _ = _tables_for(heads, (q, k, v, ell, out), dev)
+    text = per_key_source(key, value, q.dtype == torch.bfloat16)
+    tables = (offs.data_ptr(), steps.data_ptr())
+    _launch(_function(text, "per_key_states"), "per_key_states", nh * (key // 64) * (value // 64), 128, nc * chunk,
+            nc, [_base(k), _base(v), _base(ell), *tables, s0.data_ptr(), entering.data_ptr(), final.data_ptr()], 0,
+            events)
+    _launch(_function(text, "per_key_output"), "per_key_output", nh * nc * (value // 64), 128, nc * chunk, nc,
+            [_base(q), _base(k), _base(v), _base(ell), *tables, entering.data_ptr(), _base(out)],
+            per_key_shared(key), events)
+    return out, entering, final
