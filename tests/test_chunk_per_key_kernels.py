@@ -1,14 +1,17 @@
-"""A per-key decay's chunked forward on tensor cores (GLA: backends/cuda/kernels/chunk/per_key.cu.j2, launched by
-mma.forward_per_key).
+"""A per-key decay's chunked forward and backward on tensor cores (GLA: backends/cuda/kernels/chunk/per_key.cu.j2,
+launched by mma.forward_per_key, mma.backward_per_key).
 
 - emulated on the CPU (SSMC_CUDA_EMULATE=1): the kernels' (output, entering states, final state) against
   algorithm.py's per-key forward in float64 on the same rounded inputs, and against that forward on the 16-bit
   operands themselves (the torch path they replace), at lengths that leave the last chunk partial (1, 7, 65, 180),
   every key / value size, bf16 and fp16, decays down to exp(−20) a step (no inf, no NaN), an initial state in;
-- examples/gla.py through the CUDA backend (emulated, bf16 operands) against the interpreter, the per-key
-  kernels taking its core; SSMC_CUDA_CHUNK_PER_KEY=0 running the torch path instead;
+- the backward's kernels (emulated) against algorithm.vjp in float64 and on the 16-bit operands: every cotangent
+  (q, k, v, the per-key log decays, the initial state), the same lengths and strong decays;
+- examples/gla.py through the CUDA backend (emulated, bf16 operands) against the interpreter, forward and a training
+  step (ssmc.torch), the per-key kernels taking its core; SSMC_CUDA_CHUNK_PER_KEY=0 (and SSMC_CUDA_CHUNK_BACKWARD=0
+  for the backward) running the torch path instead;
 - which calls the per-key kernels take;
-- on a GPU: the kernels against the torch per-key path in bf16 at L 1 .. 4097.
+- on a GPU: the kernels against the torch per-key path in bf16 at L 1 .. 4097, forward and backward.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ C = mma.PER_KEY_CHUNK
 # scores to 16 bits as the torch path does (measured on the emulator: ≤ 2.2e-3 for O, ≤ 1.6e-3 for the states)
 OUT_TOL = 5e-3
 STATE_TOL = 4e-3
+# the backward's cotangents (dq, dk, dv, dell, ds0) against float64: the kernels round dO, the scaled q and k, the
+# states and the scores and their cotangents to 16 bits where the torch path multiplies in fp32 (measured ≤ 2.3e-3)
+GRAD_TOL = 6e-3
+GRADS = ("dq", "dk", "dv", "dell", "ds0")
 
 
 def _rel(x, ref) -> float:
@@ -111,6 +118,41 @@ def test_emulated_per_key_kernels_take_the_initial_state(emulate):
     assert _rel(out, want[0]) < OUT_TOL and _rel(final, want[2]) < 1e-6
 
 
+def _cotangents(x: algorithm.Chunks, length: int, seed: int = 1):
+    """(d_out [*H, NC, C, V] in q's dtype, zero past `length` as ChunkedCore pads it; d_final [*H, K, V] fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    d_out = torch.randn(*x.v.shape, generator=g)
+    d_out.reshape(*x.v.shape[:-3], -1, x.v.shape[-1])[..., length:, :] = 0.0
+    return d_out.to(x.q.dtype).to(x.q.device), torch.randn(*x.s0.shape, generator=g).to(x.s0.device)
+
+
+@needs_emulator
+@pytest.mark.parametrize("length, key, value, decay, dtype, qk_heads", [
+    (7, 64, 64, 1.0, torch.bfloat16, None),
+    (65, 128, 64, 20.0, torch.float16, None),
+    (180, 64, 64, 20.0, torch.bfloat16, (1, 1)),
+])
+def test_emulated_per_key_backward_agrees_with_the_torch_vjp(emulate, length, key, value, decay, dtype, qk_heads):
+    """dq, dk, dv, the per-key log decays' cotangent and ds0 from the kernels (on the kernels' forward) within
+    `GRAD_TOL` of algorithm.vjp in float64 on the same rounded values (heads of q and k broadcast: each head's
+    gradient, as the kernels return them), and of algorithm.vjp on the same operands (the torch path); all finite at
+    decays down to exp(−20) a step."""
+    x = per_key_chunks(length, key, value, decay, seed=length + 7, dtype=dtype, qk_heads=qk_heads)
+    d_out, d_final = _cotangents(x, length)
+    assert mma.per_key_backward_applies(x, d_out)
+    _, entering, final = mma.forward_per_key(x)
+    got = mma.backward_per_key(x, entering, d_out, d_final)
+    assert got[5] is None and got[6] is None
+    w = _wide(x)
+    _, w_entering, w_final = algorithm.forward(w)
+    want = algorithm.vjp(w, w_entering, w_final, d_out.double(), d_final.double())
+    torch_path = algorithm.vjp(x, entering, final, d_out.float(), d_final)
+    for name, g, ref, t in zip(GRADS, got, want, torch_path):
+        assert g.dtype == torch.float32 and g.shape == ref.shape and torch.isfinite(g).all(), name
+        assert _rel(g, ref) < GRAD_TOL, (name, _rel(g, ref))
+        assert _rel(g, t.double()) < GRAD_TOL, (name, _rel(g, t.double()))
+
+
 def _gla_inputs(length: int, key: int, value: int, seed: int, strength: float) -> dict:
     rng = np.random.default_rng(seed)
     inputs = gla.make_inputs(rng, length, batch=1, heads=2, dk=key, dv=value)
@@ -141,6 +183,41 @@ def test_emulated_gla_spec_runs_the_per_key_kernels(emulate, monkeypatch, length
     assert torch.isfinite(y.float()).all() and torch.isfinite(s).all()
     assert _rel(y.float(), torch.as_tensor(np.array(y_ref))) < 1e-2
     assert _rel(s, torch.as_tensor(np.array(s_ref))) < 1e-2
+
+
+@needs_emulator
+@pytest.mark.parametrize("backward", [True, False])
+def test_emulated_gla_training_step_runs_the_per_key_kernels(emulate, monkeypatch, backward):
+    """A training step through ssmc.torch.function on bf16 q, k, v (examples/gla.py, K = V = 64, L 70, decays down to
+    exp(−5) a step): one forward_per_key and one backward_per_key (SSMC_CUDA_CHUNK_BACKWARD=0: none, the torch VJP),
+    every gradient within 1e-2 (relative RMS) of the interpreter's float64 on the same rounded inputs."""
+    import ssmc.torch
+
+    if not backward:
+        monkeypatch.setenv("SSMC_CUDA_CHUNK_BACKWARD", "0")
+    calls = {"forward": 0, "backward": 0}
+    launches = mma.forward_per_key, mma.backward_per_key
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(mma, "forward_per_key", counted("forward", launches[0]))
+    monkeypatch.setattr(mma, "backward_per_key", counted("backward", launches[1]))
+    inputs = _gla_inputs(70, 64, 64, 3, 5.0)
+    bf = _half(inputs)
+    leaves = {n: a.clone().requires_grad_(True) for n, a in bf.items()}
+    y = ssmc.torch.function(gla.SPEC, "cuda", layout=gla.LAYOUT)(**leaves)
+    dy = torch.from_numpy(np.random.default_rng(4).standard_normal(tuple(y.shape))).to(y.dtype)
+    y.backward(dy)
+    assert calls == {"forward": 1, "backward": int(backward)}
+    rounded = {n: a.double().numpy() for n, a in bf.items()}
+    want = ssmc.grad(gla.SPEC, backend="interpreter", layout=gla.LAYOUT)(**rounded,
+                                                                         grad_outputs={"y": dy.double().numpy()})
+    assert set(want) == set(leaves)
+    for n, w in want.items():
+        got = leaves[n].grad
+        assert torch.isfinite(got).all(), n
+        assert _rel(got, torch.as_tensor(np.array(w))) < 1e-2, (n, _rel(got, torch.as_tensor(np.array(w))))
 
 
 @needs_emulator
@@ -179,7 +256,8 @@ def test_which_per_key_calls_take_the_kernels(emulate, monkeypatch):
 def test_gpu_per_key_kernels_agree_with_the_torch_path(length, monkeypatch):
     """On a GPU, bf16, K = V = 128, B·H = 8 heads: the kernels' O, entering and final states against the torch
     per-key path (algorithm.forward) in float64 on the same rounded values, and against it on the bf16 operands;
-    decays down to exp(−20) a step on some keys, slow on the others (the state carried across chunks)."""
+    the backward's cotangents against algorithm.vjp in float64; decays down to exp(−20) a step on some keys, slow on
+    the others (the state carried across chunks)."""
     monkeypatch.delenv("SSMC_CUDA_EMULATE", raising=False)
     monkeypatch.delenv("SSMC_CUDA_CHUNK_KERNELS", raising=False)
     monkeypatch.delenv("SSMC_CUDA_CHUNK_PER_KEY", raising=False)
@@ -199,3 +277,11 @@ def test_gpu_per_key_kernels_agree_with_the_torch_path(length, monkeypatch):
     if length > C:
         assert _rel(entering, want[1]) < STATE_TOL, _rel(entering, want[1])
     assert _rel(out, algorithm.forward(x)[0]) < OUT_TOL
+    d_out, d_final = _cotangents(x, length)
+    assert mma.per_key_backward_applies(x, d_out)
+    got = mma.backward_per_key(x, entering, d_out, d_final)
+    torch.cuda.synchronize()
+    grads = algorithm.vjp(_wide(x), want[1], want[2], d_out.double(), d_final.double())
+    for name, g, ref in zip(GRADS, got, grads):
+        assert torch.isfinite(g).all(), name
+        assert _rel(g, ref) < GRAD_TOL, (name, _rel(g, ref))

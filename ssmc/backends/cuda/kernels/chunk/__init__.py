@@ -16,9 +16,10 @@ as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward likewis
 where the kernels take the call (the output's cotangent rounded to q's 16 bits;
 SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forward saved
 (docs/design/matrix-linear-chunks.md). A per-key decay (GLA: ℓ along the key axis, `MatrixLinear.per_key`)
-runs its forward on the per-key kernels (`mma.forward_per_key`, per_key.cu.j2: 16-bit q, k, v, key and value
-sizes the kernels take, chunks of `mma.PER_KEY_CHUNK`; SSMC_CUDA_CHUNK_PER_KEY=0: not), else on `algorithm.py`;
-its backward on `algorithm.py` (`_kernels_apply`: the other kernels take a decay per head and step).
+runs on the per-key kernels (`mma.forward_per_key`, `mma.backward_per_key`, per_key.cu.j2: 16-bit q, k, v, key
+and value sizes the kernels take, chunks of `mma.PER_KEY_CHUNK`; SSMC_CUDA_CHUNK_PER_KEY=0: not;
+SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch), else on `algorithm.py` (`_kernels_apply`: the other kernels take a
+decay per head and step).
 """
 
 from __future__ import annotations
@@ -524,6 +525,11 @@ class ChunkedCore:
         d_final = d_final.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         cot_out = cot[GRAD + self.output]
         d_out = None
+        if x.per_key and mma.per_key_applies(x) and options().chunk_backward is not False:
+            d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
+            if mma.per_key_backward_applies(x, d_out):
+                grads = mma.backward_per_key(x, tape.entering, d_out, d_final)
+                return self._gradients(seqs, params, tape, grads, sizes, length)
         if _kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):

@@ -807,12 +807,23 @@ def per_key_shared(key: int) -> int:
     return c * key * 4 + (2 * c * (key + pad) + c * (tile + pad) + key * (tile + pad)) * 2
 
 
+def per_key_backward_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dq, per_key_dk, per_key_dv: Λ [C, key] and a warp's 16 x 16 scores' cotangent
+    [4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8] and a state tile (64 keys by all values, or all
+    keys by 64 values, rows padded by 8), 16-bit."""
+    c, pad, tile = PER_KEY_CHUNK, 8, 64
+    state = max(key * (tile + pad), tile * (value + pad))
+    return c * key * 4 + 4 * 16 * 16 * 4 + (2 * c * (key + pad) + 2 * c * (value + pad) + state) * 2
+
+
 @cache
 def per_key_source(key: int, value: int, bf16: bool) -> str:
-    """The module of the per-key kernels (per_key_states, per_key_output) for these sizes and 16-bit format."""
+    """The module of the per-key kernels (per_key_states, per_key_output; the backward's per_key_dstates, per_key_dq,
+    per_key_dk, per_key_dv) for these sizes and 16-bit format."""
     from ...source import mma_header
 
-    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, output_shared=per_key_shared(key))
+    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, output_shared=per_key_shared(key),
+                                                  backward_shared=per_key_backward_shared(key, value))
     return mma_header() + "\n" + body
 
 
@@ -850,7 +861,7 @@ def forward_per_key(x: Chunks, events: list | None = None):
     entering = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
     final = torch.empty((*heads, key, value), dtype=f32, device=dev)
     s0 = x.s0.expand(*heads, key, value).contiguous()
-    offs, steps, _ = _tables_for(heads, (q, k, v, ell, out), dev)
+    offs, steps, _ = _tables_for(heads, (q, k, v, ell, out, v), dev)  # (no dO: v in its column)
     text = per_key_source(key, value, q.dtype == torch.bfloat16)
     tables = (offs.data_ptr(), steps.data_ptr())
     _launch(_function(text, "per_key_states"), "per_key_states", nh * (key // 64) * (value // 64), 128, nc * chunk,
@@ -860,3 +871,59 @@ def forward_per_key(x: Chunks, events: list | None = None):
             [_base(q), _base(k), _base(v), _base(ell), *tables, entering.data_ptr(), _base(out)],
             per_key_shared(key), events)
     return out, entering, final
+
+
+def per_key_backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
+    """Whether `backward_per_key` takes `x` (`per_key_applies`, SSMC_CUDA_CHUNK_BACKWARD not 0) with `d_out` in q's
+    dtype and shape [*H, NC, C, V] on the backend's device."""
+    return (per_key_applies(x) and options().chunk_backward is not False and d_out.dtype == x.q.dtype
+            and tuple(d_out.shape[-3:]) == (*x.q.shape[-3:-1], x.v.shape[-1]) and on_backend_device(d_out))
+
+
+def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
+                     events: list | None = None):
+    """`algorithm.vjp` of a per-key decay on the kernels (where `per_key_backward_applies`): (dq, dk [*H, NC, C, K],
+    dv [*H, NC, C, V], dell [*H, NC, C, K], ds0 [*H, K, V], None, None), fp32 over every head H (the caller sums them
+    over the heads an operand lacks), from the forward's entering states [*H, NC, K, V] (fp32, or 16-bit: read
+    rounded either way), d_out [*H', NC, C, V] in q's 16-bit dtype and d_final [*H', K, V].
+
+    per_key_dstates walks the chunks last first (the cotangent of each chunk's end state, d_end, and ds0); then
+    per_key_dq, per_key_dk (with the end dots Σ_j k_j·(dk_j's part through d_end), per key) and per_key_dv, a block
+    per (head, chunk, 64 columns). The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
+    products q ⊙ dq − k ⊙ dk, the end term ``at_end + exp(Γ) Σ_ν d_end S_p`` at each chunk's last step, summed in
+    reverse over the chunk (torch)."""
+    q, k, v, do = (_chunked_view(a, True) for a in (x.q, x.k, x.v, d_out))
+    ell = _chunked_view(x.ell, True)
+    t = q.dim() - 3
+    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t], do.shape[:t],
+                       d_final.shape[:t])
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    entering = entering.to(f32).expand(*heads, nc, key, value).contiguous()
+    d_final = d_final.to(f32).expand(*heads, key, value).contiguous()
+    d_end = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+    ds0 = torch.empty((*heads, key, value), dtype=f32, device=dev)
+    dq = torch.empty((*heads, nc, chunk, key), dtype=f32, device=dev)
+    dk = torch.empty_like(dq)
+    dv = torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+    ends = torch.empty((*heads, nc, chunk // 16, key), dtype=f32, device=dev)
+    offs, steps, _ = _tables_for(heads, (q, k, v, ell, dq, do), dev)
+    text = per_key_source(key, value, q.dtype == torch.bfloat16)
+    tables = (offs.data_ptr(), steps.data_ptr())
+    shared = per_key_backward_shared(key, value)
+    operands = [_base(q), _base(k), _base(v), _base(do), _base(ell), *tables]
+    length = nc * chunk
+    _launch(_function(text, "per_key_dstates"), "per_key_dstates", nh * (key // 64) * (value // 64), 128, length, nc,
+            [_base(q), _base(do), _base(ell), *tables, d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()], 0,
+            events)
+    for name, tiles, pointers in (("per_key_dq", key // 64, [entering.data_ptr(), dq.data_ptr()]),
+                                  ("per_key_dk", key // 64, [d_end.data_ptr(), dk.data_ptr(), ends.data_ptr()]),
+                                  ("per_key_dv", value // 64, [d_end.data_ptr(), dv.data_ptr()])):
+        _launch(_function(text, name), name, nh * nc * tiles, 128, length, nc, operands + pointers, shared, events)
+    # the log decays' cotangent per key (algorithm.log_decay_grad with per_key)
+    d_lam = q.to(f32) * dq - k.to(f32) * dk
+    gamma = ell.sum(-2)
+    at_last = ends.sum(-2) + torch.exp(gamma) * (d_end * entering).sum(-1)
+    d_ell = reverse_chunk_sums(d_lam, at_last, per_key=True)
+    return dq, dk, dv, d_ell, ds0, None, None
