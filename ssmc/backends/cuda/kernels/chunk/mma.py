@@ -38,6 +38,10 @@ results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the en
 ``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
 (`algorithm.reverse_chunk_sums`).
 
+A per-key decay (GLA; `Chunks.per_key`) has kernels of its own (``per_key.cu.j2``): `forward_per_key` (per_key_states,
+per_key_output) and `backward_per_key` (per_key_dstates, per_key_dq, per_key_dk, per_key_dv), chunks of
+`PER_KEY_CHUNK` steps, where `per_key_applies` (SSMC_CUDA_CHUNK_PER_KEY=0: not).
+
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
 the kernels read, so no operand is expanded. Under ``SSMC_CUDA_EMULATE=1`` the same launches run on
 the CPU (backends/cuda/emulator.py), on CPU tensors.
