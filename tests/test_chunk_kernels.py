@@ -316,6 +316,32 @@ def test_the_kernels_compile_without_spills(arch):
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_per_key_kernels_compile_without_spills(arch):
+    """The per-key kernels (per_key.cu.j2: per_key_states, per_key_output; the backward's per_key_dstates,
+    per_key_dq, per_key_dk, per_key_dv) at every key / value size, bf16 (and fp16 at the largest): no spills, no
+    local memory (the anchored fragments and the accumulators stay in registers), shared memory within an sm_80
+    block's. CI builds sm_90's alone."""
+    from ssmc.backends.cuda.source import compile_options
+
+    if in_ci() and arch == "sm_80":
+        pytest.skip("CI: sm_90's build alone")
+    for key in mma.SIZES:
+        for value in mma.SIZES:
+            for bf16 in (True, False) if key == value == max(mma.SIZES) else (True,):
+                text = mma.per_key_source(key, value, bf16)
+                resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+                assert set(resources) == {"per_key_states", "per_key_output", "per_key_dstates", "per_key_dq",
+                                          "per_key_dk", "per_key_dv"}
+                for name, r in resources.items():
+                    assert not r.spills and r.stack_frame_bytes == 0, r.summary()
+                    dynamic = {"per_key_output": mma.per_key_shared(key),
+                               **dict.fromkeys(("per_key_dq", "per_key_dk", "per_key_dv"),
+                                               mma.per_key_backward_shared(key, value))}.get(name, 0)
+                    assert r.shared_bytes <= 48 * 1024 and r.shared_bytes + dynamic <= SM80_SHARED, r.summary()
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_balanced_chunk_output_compiles_without_spills(arch):
     """The module with chunk_output*_b (SSMC_CUDA_CHUNK_OUTPUT=balanced): no spills; CI builds RetNet's
     sizes (K = V = 128, chunk 128) alone, the local and nightly runs every chunk at the largest and

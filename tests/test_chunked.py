@@ -223,22 +223,34 @@ def test_inspect_shows_the_per_key_decay(capsys):
     assert main(["inspect", str(path), "--sizes", "b=2,h=4,k=64,v=64", "--length", "1024", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "chunked: gla (matrix linear S [b h k v]" in out and "per key k" in out
-    assert "no tensor-core kernels yet" in out  # the torch path, not the kernels, at sizes they take
+    assert "its forward as the per-key tensor-core kernels" in out  # (the VJP: torch)
 
 
-def test_per_key_cores_skip_the_kernels():
-    """The mma kernels take one decay per head and step: a per-key core never asks for them (chunk size, the
-    16-bit operands, the prepared path), where simple GLA at the same sizes does."""
+def test_per_key_cores_take_the_per_key_kernels(monkeypatch):
+    """A per-key core asks for the per-key kernels (mma.forward_per_key, chunks of mma.PER_KEY_CHUNK) where q is
+    16-bit at sizes they take (chunk size, the 16-bit operands), never for the scalar-decay kernels (chunk.cu.j2
+    takes one decay per head and step: `_kernels_apply`); SSMC_CUDA_CHUNK_PER_KEY=0 turns them off. The prepared
+    path runs `forward` each call for it (no plan)."""
     from ssmc.backends.cuda.kernels import chunk
 
+    monkeypatch.delenv("SSMC_CUDA_CHUNK_PER_KEY", raising=False)
+    monkeypatch.delenv("SSMC_CUDA_CHUNK", raising=False)
     sizes = {"b": 2, "h": 4, "k": 64, "v": 64}
     per = chunk.chunked_core(gla.SPEC.program)
     scalar = chunk.chunked_core(simple_gla.SPEC.program)
-    assert not per.kernels_wanted(torch.bfloat16, sizes) and scalar.kernels_wanted(torch.bfloat16, sizes)
-    assert per.operand_dtypes({"q": torch.zeros(1, dtype=torch.bfloat16)}, sizes) == {}
+    assert per.kernels_wanted(torch.bfloat16, sizes) and scalar.kernels_wanted(torch.bfloat16, sizes)
+    assert not per.kernels_wanted(torch.float32, sizes)
+    assert per.operand_dtypes({"q": torch.zeros(1, dtype=torch.bfloat16)}, sizes) == {
+        "k": torch.bfloat16, "v": torch.bfloat16}
+    assert chunk.chunk_size(per.ml, sizes, 1000, torch.bfloat16) == chunk.mma.PER_KEY_CHUNK
     x = chunk.Chunks(*(torch.zeros(2, 1, 64, 64, dtype=torch.bfloat16) for _ in range(3)),
                      ell=torch.zeros(2, 1, 64, 64), s0=torch.zeros(2, 64, 64))
     assert x.per_key and not chunk._kernels_apply(x)
+    monkeypatch.setenv("SSMC_CUDA_CHUNK_PER_KEY", "0")
+    assert not per.kernels_wanted(torch.bfloat16, sizes) and scalar.kernels_wanted(torch.bfloat16, sizes)
+    assert per.operand_dtypes({"q": torch.zeros(1, dtype=torch.bfloat16)}, sizes) == {}
+    wide = {**sizes, "k": 128, "v": 128}  # (the torch path's rule: 128 steps at K·V ≥ 8192)
+    assert chunk.chunk_size(per.ml, wide, 1000, torch.bfloat16) == 128
 
 
 # -- against the interpreter ---------------------------------------------------------------------------

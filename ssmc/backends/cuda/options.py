@@ -53,6 +53,7 @@ class CudaOptions:
         unset: the kernels' chunk rule (kernels/chunk/mma.py `chunk_for`)
     chunk_kernels: False runs the chunked forward as torch matrix products (not the mma.sync kernels)
     chunk_backward: False runs the chunked backward as torch matrix products where the forward ran on the kernels
+    chunk_per_key: False runs a per-key decay's chunked core (GLA) as torch matrix products (not its mma.sync kernels)
     chunk_output: the forward's chunk_output form (`CHUNK_OUTPUT`): "warps" (a warp per 16 query rows),
         "balanced" (half the warps, each two row stripes: the same causal work a warp), "staged" (balanced's
         sums from cp.async-staged tiles and ldmatrix fragments, 64 values a block) or "wide" (staged, all values
@@ -134,6 +135,7 @@ class CudaOptions:
     chunk_tune: bool | None = None
     chunk_kernels: bool | None = None
     chunk_backward: bool | None = None
+    chunk_per_key: bool | None = None
     chunk_output: str | None = None
     chunk_states: str | None = None
     chunk_dkv: str | None = None

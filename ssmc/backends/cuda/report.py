@@ -145,11 +145,15 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             kernels = half is not None and core.kernels_wanted(half, sizes)
             gpu = torch.device("cuda") if kernels and torch.cuda.is_available() else None
             c = chunk_size(ml, sizes, length, half, gpu)  # (on a GPU: tuned here where not yet)
-            chosen = _chunk_choice(ml, sizes, length, half, gpu) if kernels else ""
-            how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
-                   "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)" if kernels
-                   else "as batched torch matrix products (forward and VJP"
-                   + ("; a per-key decay: no tensor-core kernels yet)" if ml.per_key else ")"))
+            chosen = _chunk_choice(ml, sizes, length, half, gpu) if kernels and not ml.per_key else ""
+            if kernels and ml.per_key:
+                how = ("its forward as the per-key tensor-core kernels (SSMC_CUDA_CHUNK_PER_KEY=0: torch), its VJP as "
+                       "batched torch matrix products")
+            elif kernels:
+                how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
+                       "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)")
+            else:
+                how = "as batched torch matrix products (forward and VJP)"
             heads = int(np.prod([sizes[h] for h in ml.heads]))
             lines.append(f"chunked: {stage.program.name} ({ml.describe()}) runs as chunks of {c} steps{chosen}: "
                          f"{heads} heads x {-(-length // c)} chunks, state {sizes[ml.key]} x {sizes[ml.value]}, {how}; "

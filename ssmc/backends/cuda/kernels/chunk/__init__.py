@@ -16,8 +16,10 @@ as `algorithm.py`'s batched torch matrix products (cuBLAS); the backward likewis
 where the kernels take the call (the output's cotangent rounded to q's 16 bits;
 SSMC_CUDA_CHUNK_BACKWARD=0: not), else `algorithm.vjp`, both on what either forward saved
 (docs/design/matrix-linear-chunks.md). A per-key decay (GLA: ℓ along the key axis, `MatrixLinear.per_key`)
-runs on `algorithm.py` only, forward and backward (`_kernels_apply`, `ChunkedCore.kernels_wanted`: the
-kernels take a decay per head and step).
+runs on the per-key kernels (`mma.forward_per_key`, `mma.backward_per_key`, per_key.cu.j2: 16-bit q, k, v, key
+and value sizes the kernels take, chunks of `mma.PER_KEY_CHUNK`; SSMC_CUDA_CHUNK_PER_KEY=0: not;
+SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch), else on `algorithm.py` (`_kernels_apply`: the other kernels take a
+decay per head and step).
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def chunk_size(ml: MatrixLinear, sizes: dict[str, int], length: int, dtype: torc
     forced = options().chunk
     if forced is not None:
         return max(1, forced)
-    if dtype is not None and not ml.per_key and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
+    if dtype is not None and ml.per_key:
+        if mma.per_key_wanted(dtype, sizes[ml.key], sizes[ml.value]):
+            return mma.PER_KEY_CHUNK
+    elif dtype is not None and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value]):
         if device is None:
             return mma.chunk_for(length)
         heads = math.prod(sizes[h] for h in ml.heads)
@@ -186,9 +191,10 @@ class ChunkedCore:
 
     # -- layouts ---------------------------------------------------------------------------------
     def kernels_wanted(self, dtype: torch.dtype, sizes) -> bool:
-        """`mma.kernels_wanted` for this core's key and value sizes; never for a per-key decay."""
+        """`mma.kernels_wanted` for this core's key and value sizes (`mma.per_key_wanted` for a per-key decay)."""
         ml = self.ml
-        return not ml.per_key and mma.kernels_wanted(dtype, sizes[ml.key], sizes[ml.value])
+        wanted = mma.per_key_wanted if ml.per_key else mma.kernels_wanted
+        return wanted(dtype, sizes[ml.key], sizes[ml.value])
 
     def _names(self, node_axes, timed: bool) -> list[str]:
         return (["~t"] if timed else []) + list(node_axes)
@@ -488,7 +494,9 @@ class ChunkedCore:
                            lambda c: self._chunks(seqs, params, initial, sizes, length, c)[0])
         x, decay = self._chunks(seqs, params, initial, sizes, length, chunk)
         time_first = None
-        if _kernels_apply(x):
+        if x.per_key and mma.per_key_applies(x):
+            out, entering, final = mma.forward_per_key(x)
+        elif _kernels_apply(x):
             o_dtype = out_dtype if out_dtype == x.q.dtype else torch.float32
             direct = self._time_first_out(sizes, length, chunk, x.q.device, o_dtype)
             # the entering states in q's 16 bits, with a tape too: chunk_output and the backward's chunk_dq read
@@ -517,6 +525,11 @@ class ChunkedCore:
         d_final = d_final.permute(*[s.axes.index(n) for n in (*ml.heads, ml.key, ml.value)])
         cot_out = cot[GRAD + self.output]
         d_out = None
+        if x.per_key and mma.per_key_applies(x) and options().chunk_backward is not False:
+            d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
+            if mma.per_key_backward_applies(x, d_out):
+                grads = mma.backward_per_key(x, tape.entering, d_out, d_final)
+                return self._gradients(seqs, params, tape, grads, sizes, length)
         if _kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):
@@ -730,7 +743,8 @@ class PreparedForward:
         if self.general is None:
             self.chunk = chunk_size(ml, self.sizes, length, q.dtype, q.device,
                                     lambda c: core._chunks(seqs, params, initial, self.sizes, length, c)[0])
-            self.general = not core.kernels_wanted(q.dtype, self.sizes)
+            # (a per-key decay: no plan, `forward` each call)
+            self.general = ml.per_key or not core.kernels_wanted(q.dtype, self.sizes)
             self.padded = length % self.chunk != 0
         if self.general:
             return self._general(seqs, params, initial)

@@ -38,6 +38,10 @@ results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the en
 ``exp(Γ) ⟨d_end, S_p⟩``: chunk_dstates_pass), so that torch only sums them over each chunk
 (`algorithm.reverse_chunk_sums`).
 
+A per-key decay (GLA; `Chunks.per_key`) has kernels of its own (``per_key.cu.j2``): `forward_per_key` (per_key_states,
+per_key_output) and `backward_per_key` (per_key_dstates, per_key_dq, per_key_dk, per_key_dv), chunks of
+`PER_KEY_CHUNK` steps, where `per_key_applies` (SSMC_CUDA_CHUNK_PER_KEY=0: not).
+
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
 the kernels read, so no operand is expanded. Under ``SSMC_CUDA_EMULATE=1`` the same launches run on
 the CPU (backends/cuda/emulator.py), on CPU tensors.
@@ -794,3 +798,136 @@ class BackwardPlan:
 
         # the skip's part (o + skip v: dv gains skip dO, the skip Σ_ν v dO) is chunk_dv's, from the 16-bit dO
         return grads["dq"], grads["dk"], dv, d_ell, ds0, tiles_summed(d_beta), tiles_summed(d_skip)
+
+
+# -- a per-key decay (GLA; per_key.cu.j2) ---------------------------------------------------------------------------
+PER_KEY_CHUNK = 64  # steps per chunk of the per-key kernels (a warp per query sub-block of `algorithm.SUB` steps)
+
+
+def per_key_shared(key: int) -> int:
+    """Dynamic shared memory of per_key_output: Λ [C, key] fp32; q, k rows [C, key + 8], v rows [C, 72] and S_p
+    rows [key, 72], 16-bit."""
+    c, pad, tile = PER_KEY_CHUNK, 8, 64
+    return c * key * 4 + (2 * c * (key + pad) + c * (tile + pad) + key * (tile + pad)) * 2
+
+
+def per_key_backward_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dq, per_key_dk, per_key_dv: Λ [C, key] and a warp's 16 x 16 scores' cotangent
+    [4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8] and a state tile (64 keys by all values, or all
+    keys by 64 values, rows padded by 8), 16-bit."""
+    c, pad, tile = PER_KEY_CHUNK, 8, 64
+    state = max(key * (tile + pad), tile * (value + pad))
+    return c * key * 4 + 4 * 16 * 16 * 4 + (2 * c * (key + pad) + 2 * c * (value + pad) + state) * 2
+
+
+@cache
+def per_key_source(key: int, value: int, bf16: bool) -> str:
+    """The module of the per-key kernels (per_key_states, per_key_output; the backward's per_key_dstates, per_key_dq,
+    per_key_dk, per_key_dv) for these sizes and 16-bit format."""
+    from ...source import mma_header
+
+    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, output_shared=per_key_shared(key),
+                                                  backward_shared=per_key_backward_shared(key, value))
+    return mma_header() + "\n" + body
+
+
+def per_key_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
+    """Whether a per-key call with q of `dtype` and these sizes would run on the per-key kernels (the chunk then is
+    `PER_KEY_CHUNK`): `kernels_wanted`, SSMC_CUDA_CHUNK_PER_KEY not 0."""
+    return kernels_wanted(dtype, key, value) and options().chunk_per_key is not False
+
+
+def per_key_applies(x: Chunks) -> bool:
+    """Whether `forward_per_key` takes `x`: a per-key decay, 16-bit q, k, v of one format on the backend's device
+    (`per_key_wanted`), fp32 log decays and initial state, chunks of `PER_KEY_CHUNK`, no β and no skip (GLA has
+    neither; they run on `algorithm.py`)."""
+    q, k, v = x.q, x.k, x.v
+    return (x.per_key and x.beta is None and x.skip is None and per_key_wanted(q.dtype, q.shape[-1], v.shape[-1])
+            and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
+            and q.shape[-2] == PER_KEY_CHUNK and x.ell.shape[-1] == q.shape[-1] and x.ell.dtype == torch.float32
+            and x.s0.dtype == torch.float32
+            and all(t.numel() > 0 and on_backend_device(t) for t in (q, k, v, x.ell, x.s0)))
+
+
+def forward_per_key(x: Chunks, events: list | None = None):
+    """`algorithm.forward(x)` of a per-key decay on the kernels (where `per_key_applies`): (O [*H, NC, C, V], the
+    state entering each chunk [*H, NC, K, V], the final state [*H, K, V]), all fp32, H the heads of all operands
+    broadcast. Two launches: per_key_states (a block per (head, 64 keys, 64 values) walks the chunks, the state in
+    registers), then per_key_output (a block per (head, chunk, 64 values)). `events` as `forward`'s."""
+    q, k, v = (_chunked_view(a, True) for a in (x.q, x.k, x.v))
+    ell = _chunked_view(x.ell, True)
+    t = q.dim() - 3
+    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t])
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    out = torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+    entering = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+    final = torch.empty((*heads, key, value), dtype=f32, device=dev)
+    s0 = x.s0.expand(*heads, key, value).contiguous()
+    offs, steps, _ = _tables_for(heads, (q, k, v, ell, out, v), dev)  # (no dO: v in its column)
+    text = per_key_source(key, value, q.dtype == torch.bfloat16)
+    tables = (offs.data_ptr(), steps.data_ptr())
+    _launch(_function(text, "per_key_states"), "per_key_states", nh * (key // 64) * (value // 64), 128, nc * chunk,
+            nc, [_base(k), _base(v), _base(ell), *tables, s0.data_ptr(), entering.data_ptr(), final.data_ptr()], 0,
+            events)
+    _launch(_function(text, "per_key_output"), "per_key_output", nh * nc * (value // 64), 128, nc * chunk, nc,
+            [_base(q), _base(k), _base(v), _base(ell), *tables, entering.data_ptr(), _base(out)],
+            per_key_shared(key), events)
+    return out, entering, final
+
+
+def per_key_backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
+    """Whether `backward_per_key` takes `x` (`per_key_applies`, SSMC_CUDA_CHUNK_BACKWARD not 0) with `d_out` in q's
+    dtype and shape [*H, NC, C, V] on the backend's device."""
+    return (per_key_applies(x) and options().chunk_backward is not False and d_out.dtype == x.q.dtype
+            and tuple(d_out.shape[-3:]) == (*x.q.shape[-3:-1], x.v.shape[-1]) and on_backend_device(d_out))
+
+
+def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
+                     events: list | None = None):
+    """`algorithm.vjp` of a per-key decay on the kernels (where `per_key_backward_applies`): (dq, dk [*H, NC, C, K],
+    dv [*H, NC, C, V], dell [*H, NC, C, K], ds0 [*H, K, V], None, None), fp32 over every head H (the caller sums them
+    over the heads an operand lacks), from the forward's entering states [*H, NC, K, V] (fp32, or 16-bit: read
+    rounded either way), d_out [*H', NC, C, V] in q's 16-bit dtype and d_final [*H', K, V].
+
+    per_key_dstates walks the chunks last first (the cotangent of each chunk's end state, d_end, and ds0); then
+    per_key_dq, per_key_dk (with the end dots Σ_j k_j·(dk_j's part through d_end), per key) and per_key_dv, a block
+    per (head, chunk, 64 columns). The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
+    products q ⊙ dq − k ⊙ dk, the end term ``at_end + exp(Γ) Σ_ν d_end S_p`` at each chunk's last step, summed in
+    reverse over the chunk (torch)."""
+    q, k, v, do = (_chunked_view(a, True) for a in (x.q, x.k, x.v, d_out))
+    ell = _chunked_view(x.ell, True)
+    t = q.dim() - 3
+    heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t], do.shape[:t],
+                       d_final.shape[:t])
+    nh = math.prod(heads)
+    nc, chunk, key, value = q.shape[-3], q.shape[-2], q.shape[-1], v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    entering = entering.to(f32).expand(*heads, nc, key, value).contiguous()
+    d_final = d_final.to(f32).expand(*heads, key, value).contiguous()
+    d_end = torch.empty((*heads, nc, key, value), dtype=f32, device=dev)
+    ds0 = torch.empty((*heads, key, value), dtype=f32, device=dev)
+    dq = torch.empty((*heads, nc, chunk, key), dtype=f32, device=dev)
+    dk = torch.empty_like(dq)
+    dv = torch.empty((*heads, nc, chunk, value), dtype=f32, device=dev)
+    ends = torch.empty((*heads, nc, chunk // 16, key), dtype=f32, device=dev)
+    offs, steps, _ = _tables_for(heads, (q, k, v, ell, dq, do), dev)
+    text = per_key_source(key, value, q.dtype == torch.bfloat16)
+    tables = (offs.data_ptr(), steps.data_ptr())
+    shared = per_key_backward_shared(key, value)
+    operands = [_base(q), _base(k), _base(v), _base(do), _base(ell), *tables]
+    length = nc * chunk
+    _launch(_function(text, "per_key_dstates"), "per_key_dstates", nh * (key // 64) * (value // 64), 128, length, nc,
+            [_base(q), _base(do), _base(ell), *tables, d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()], 0,
+            events)
+    for name, tiles, pointers in (("per_key_dq", key // 64, [entering.data_ptr(), dq.data_ptr()]),
+                                  ("per_key_dk", key // 64, [d_end.data_ptr(), dk.data_ptr(), ends.data_ptr()]),
+                                  ("per_key_dv", value // 64, [d_end.data_ptr(), dv.data_ptr()])):
+        _launch(_function(text, name), name, nh * nc * tiles, 128, length, nc, operands + pointers, shared, events)
+    # the log decays' cotangent per key (algorithm.log_decay_grad with per_key)
+    d_lam = q.to(f32) * dq - k.to(f32) * dk
+    gamma = ell.sum(-2)
+    at_last = ends.sum(-2) + torch.exp(gamma) * (d_end * entering).sum(-1)
+    d_ell = reverse_chunk_sums(d_lam, at_last, per_key=True)
+    return dq, dk, dv, d_ell, ds0, None, None
