@@ -5,8 +5,9 @@ Checked on the interpreter against a NumPy loop, its gradients against finite di
 path (the CPU backends' attention, float64 and float32), ``ssmc.torch.function``, a decode step, and the flash
 kernels on the CUDA emulator (forward configs, backward, grouped-query attention, the table's gradient bitwise
 repeatable) against the interpreter; the kernels' NVRTC builds for spills; the document masks' tile skipping
-(sound, tight for sorted ids, a span table per batch row); the spec errors at the user's line. GPU tests
-against a torch reference.
+(sound, tight for sorted ids, a span table per batch row, made on the ids' device with no host copy and equal to
+the rules' tile-by-tile answer; ids renumbered in order where float32 would merge them); the spec errors at the
+user's line. GPU tests against a torch reference, and a document-masked call under torch's sync debug mode.
 """
 
 import os
@@ -915,3 +916,39 @@ def test_gpu_bf16_matches_a_torch_reference(name, d):
             ref = t.grad.float()
             err = (grads[n].float() - ref).abs().max().item()
             assert err < 3e-2 * max(1.0, ref.abs().max().item()), (n, err)
+
+
+@pytest.mark.gpu
+def test_gpu_document_masked_calls_wait_for_nothing():
+    """After a first call of the shape (which compiles, and picks the forward's config from its spans' mean
+    length: one read a shape), a document-masked forward and backward with other ids run under torch's sync debug
+    mode "error" (the span tables made on the device from the ids, no host copy), and match a torch reference."""
+    import torch
+
+    import ssmc.torch as st
+
+    torch.manual_seed(1)
+    b, h, length, d = 2, 4, 1000, 64
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def ids(n):
+        bounds = torch.sort(torch.randint(1, length, (b, n), device="cuda"), dim=1).values
+        return (torch.arange(length, device="cuda")[None, :, None] >= bounds[:, None, :]).sum(-1).int()
+
+    fn = st.function(SPECS["doc_causal"], layout="b h t ...")
+    fn(q, k, v, doc=ids(3)).sum().backward()
+    doc = ids(7)
+    d_out = torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fn(q, k, v, doc=doc)
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = _torch_reference(torch, "doc_causal", q, k, v, None, doc)
+    want_grads = torch.autograd.grad(want, (q, k, v), d_out.float())
+    assert (out.float() - want).abs().max().item() < 2e-2
+    for got, ref in zip(grads, want_grads):
+        assert (got.float() - ref).abs().max().item() < 3e-2 * max(1.0, ref.abs().max().item())

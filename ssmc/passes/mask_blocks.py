@@ -231,10 +231,9 @@ def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, si
     nb, nt = -(-lq // block_q), -(-lk // tile)
     if nb == 0 or nt == 0:
         return torch.zeros((rows, nb, 4), dtype=torch.int64, device=device)
-    q0 = torch.arange(nb, device=device, dtype=dtype).mul_(block_q).view(1, nb, 1)
-    t0 = torch.arange(nt, device=device, dtype=dtype).mul_(tile).view(1, 1, nt)
-    q, k = (q0, (q0 + block_q).clamp_(max=lq) - 1), (t0, (t0 + tile).clamp_(max=lk) - 1)
-    windows = {"q_idx": (nb, block_q, lq, (rows, nb, 1)), "kv_idx": (nt, tile, lk, (rows, 1, nt))}
+    length = first.shape[-1] if first is not None else 0
+    q, k, at, ends_inside = _grid_axes(lq, lk, block_q, tile, length, device, dtype)
+    windows = {"q_idx": (nb, block_q, (nb, 1)), "kv_idx": (nt, tile, (1, nt))}
     reads = {}  # (sequence, index input) -> (min, max) of its windows
 
     def read(source: str, index: Node):
@@ -242,9 +241,11 @@ def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, si
             return None
         key = (source, index.arg)
         if key not in reads:
-            count, width, length, shape = windows[index.arg]
-            reads[key] = tuple(_window_ranges(x, count, width, length, amin).reshape(shape)
-                               for x, amin in zip(seqs[source], (True, False)))
+            count, width, shape = windows[index.arg]
+            lo, hi = seqs[source]
+            lo = lo[:, at[index.arg]].view(-1, count, width)
+            hi = lo if hi is seqs[source][0] else hi[:, at[index.arg]].view(-1, count, width)  # one row's own ids
+            reads[key] = lo.amin(-1).view(-1, *shape), hi.amax(-1).view(-1, *shape)
         return reads[key]
 
     if mask is None:
@@ -264,18 +265,32 @@ def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, si
         may_true = may_false = torch.ones(shape, dtype=torch.bool, device=device)
     else:
         may_true, may_false = (torch.as_tensor(x, device=device).expand(shape) for x in result)
-    ends_inside = (t0 + tile <= lk).view(1, 1, nt)
     return _spans_of(may_true, ~may_false & ends_inside, tile, lk)
 
 
-def _window_ranges(x, count: int, width: int, length: int, amin: bool):
-    """[R, count]: the least (`amin`) or greatest value of `x` [R, L] over each window of `width` positions,
-    [w * width, min((w + 1) * width, length) - 1] clamped to [0, L - 1] (the kernels clamp a read so)."""
+_AXES: dict = {}
+
+
+def _grid_axes(lq: int, lk: int, block_q: int, tile: int, length: int, device, dtype):
+    """What `span_tables` needs of a shape alone, made once (cached): the query blocks' and key tiles' position
+    intervals ([1, blocks, 1], [1, 1, tiles] (lo, hi) pairs), per index input the positions its windows read
+    ([w * width, min((w + 1) * width, lq or lk) - 1], padded to `width` by the last, clamped into the `length`
+    ids: the kernels clamp a read so), and which tiles end below lk ([1, 1, tiles])."""
     import torch
 
-    at = torch.arange(count * width, device=x.device).clamp_(max=min(length, x.shape[-1]) - 1)
-    values = x[:, at].view(x.shape[0], count, width)
-    return values.amin(-1) if amin else values.amax(-1)
+    key = (lq, lk, block_q, tile, length, device, dtype)
+    hit = _AXES.get(key)
+    if hit is None:
+        nb, nt = -(-lq // block_q), -(-lk // tile)
+        q0 = torch.arange(nb, device=device, dtype=dtype).mul_(block_q).view(1, nb, 1)
+        t0 = torch.arange(nt, device=device, dtype=dtype).mul_(tile).view(1, 1, nt)
+        at = {name: torch.arange(n * width, device=device).clamp_(max=max(0, min(end, length) - 1))
+              for name, n, width, end in (("q_idx", nb, block_q, lq), ("kv_idx", nt, tile, lk))}
+        if len(_AXES) >= 64:
+            _AXES.clear()
+        hit = _AXES[key] = ((q0, (q0 + block_q).clamp_(max=lq) - 1), (t0, (t0 + tile).clamp_(max=lk) - 1), at,
+                            t0 + tile <= lk)
+    return hit
 
 
 def _runs(hit, whole):
