@@ -608,6 +608,26 @@ def test_device_span_tables_agree_with_the_rules_and_the_mask(kind, length):
                 assert [tuple(x) for x in blocks[r].tolist()] == want, (name, r, bn)
 
 
+def test_device_span_tables_without_a_mask_or_a_rule():
+    """No mask (ids read by the score only): every tile whole, as the host's `block_spans`; a mask whose ops the
+    rules do not bound (a product of reads): every tile visited, none whole."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.passes.mask_blocks import span_tables
+
+    for length in (1, 65, 130):
+        want = ff.block_spans(None, length, length, {}, 64, 64)
+        assert [tuple(x) for x in span_tables(None, length, length, 64, 64, {})[0].tolist()] == want
+
+    def odd(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return ssmc.exp(doc[q_idx] * doc[kv_idx]) > 0.5
+
+    mask = ssmc.attention(mask_mod=odd).program.mask
+    ids = torch.tensor([[0.0, 1.0, 2.0] * 30])
+    spans = span_tables(mask, 90, 90, 64, 64, {}, {"doc": (ids, ids)})[0].tolist()
+    assert spans == [[0, 90, 0, 0], [0, 90, 0, 0]]
+
+
 def test_spans_of_ids_merged_over_a_batch_axis():
     """Ids of no batch axis the spans follow (one table for every batch index): their (min, max) over the batch
     bound a block's reads, sound against every batch index's mask."""

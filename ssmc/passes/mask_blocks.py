@@ -261,8 +261,9 @@ def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, si
                     memo.pop(a, None)  # large grids: keep only the values still to be read
         result = memo[mask]
     shape = (rows, nb, nt)
-    if result is None:
-        may_true = may_false = torch.ones(shape, dtype=torch.bool, device=device)
+    if result is None:  # no mask: every tile whole; a mask the rules know nothing of: every tile partial
+        may_true = torch.ones(shape, dtype=torch.bool, device=device)
+        may_false = torch.full(shape, mask is not None, dtype=torch.bool, device=device)
     else:
         may_true, may_false = (torch.as_tensor(x, device=device).expand(shape) for x in result)
     return _spans_of(may_true, ~may_false & ends_inside, tile, lk)

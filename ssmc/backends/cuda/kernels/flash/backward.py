@@ -537,12 +537,8 @@ class FlashBackward:
         from .forward import gqa_shape, span_table
 
         gqa = gqa_shape(call)
-        if self.program.seqs:  # the ids' spans on their device, a fixed sequence of torch ops (no host copy)
-            from .....passes.mask_blocks import span_tables
-
-            spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes,
-                                sequence_reads(self.program, call.params))
-            return row_span_table(spans if per_query_block else key_block_tables(spans, call.lk, bn), gqa)
+        if self.program.seqs:
+            return self.sequence_span_tensors(call, bn, per_query_block)[-1]
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
@@ -554,6 +550,19 @@ class FlashBackward:
                 spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
             t = self._spans[key] = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         return t
+
+    def sequence_span_tensors(self, call, bn: int, dq_kernel: bool) -> list:
+        """With sequence inputs, a call's span tables as `_span_tensor` gives them, from one `span_tables` of its
+        ids on their device (a fixed sequence of torch ops, no host copy): the key blocks' of `bn`, then with
+        `dq_kernel` the query blocks'."""
+        from .....passes.mask_blocks import span_tables
+        from .forward import gqa_shape
+
+        gqa = gqa_shape(call)
+        spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes,
+                            sequence_reads(self.program, call.params))
+        return [row_span_table(key_block_tables(spans, call.lk, bn), gqa)] + (
+            [row_span_table(spans, gqa)] if dq_kernel else [])
 
     def _plan(self, call, q, out_dtype, param_grads: bool) -> _Plan:
         """What every backward of a call's shapes, dtypes, device, group and options launches: cached."""
@@ -655,9 +664,7 @@ class FlashBackward:
                                    for shape in plan.sums)
         spans = plan.spans
         if self.program.seqs and launched:  # the ids are this call's
-            spans = [self._span_tensor(call, bn=config(d, None, q.device).bn)]
-            if not plan.atomic:
-                spans.append(self._span_tensor(call, True))
+            spans = self.sequence_span_tensors(call, config(d, None, q.device).bn, not plan.atomic)
         if launched:
             params = plan.dummy if not table_width(self.program) else param_table(
                 self.program, call.params, call.sizes).to(q.device)
