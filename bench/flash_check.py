@@ -21,7 +21,8 @@ the same forward and forward + backward rows. With ``--gather``: the indexed rea
 causal relative-position bias table ``table[h, clamp(i - j, 0, R - 1)]`` (FlexAttention: a score_mod indexing the
 same table) and a causal document mask from sorted ids ``doc[b, i] == doc[b, j]`` (FlexAttention: a block mask
 built from the ids), outputs and gradients (q, k, v, the table) checked against FlexAttention's first, then
-forward and forward + backward timed; the path ssmc ran (flash kernels, or the tiled path and why) in the table.
+forward and forward + backward timed, and the host time a call of ssmc takes to return from an idle GPU (`host_ms`:
+enqueueing, plus any wait on the device); the path ssmc ran (flash kernels, or the tiled path and why) in the table.
 FlexAttention runs with the first of `FLEX_OPTIONS`' kernel_options whose compile succeeds (the table names them,
 and lists the failed attempts); where none does, ssmc's rows are checked against dense fp32 torch and timed alone.
 Needs torch, triton and cupy; no network.
@@ -33,6 +34,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -287,6 +289,20 @@ def check_d256(b: int, h: int, length: int) -> None:
         raise SystemExit("d256: errors against SDPA too large; nothing timed")
 
 
+def host_ms(fn, n: int = 20) -> float:
+    """Milliseconds of host time a call of `fn` takes from an idle GPU to its return (the time to enqueue its work,
+    plus any wait on the device: a call that copies device data to the host waits for it)."""
+    fn()
+    total = 0.0
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e3 * total / n
+
+
 def gather_inputs(name: str, b: int, h: int, length: int, d: int, documents: int = 8) -> tuple[list, dict]:
     """(q, k, v, dO in bf16; the spec's other inputs: the bias table fp32, or sorted document ids [b, t] int32,
     `documents` documents of random lengths per row)."""
@@ -402,17 +418,20 @@ def gather_row(name: str, b: int, h: int, length: int, d: int) -> dict:
             "fwd": timed(lambda: ours(*leaves, *consts)),
             "fwd_ref": timed(lambda: ref(*leaves)) if ref is not None else nan,
             "train": timed(lambda: _grads(ours, leaves, do, consts)),
-            "train_ref": timed(lambda: _grads(ref, leaves, do)) if ref is not None else nan}
+            "train_ref": timed(lambda: _grads(ref, leaves, do)) if ref is not None else nan,
+            "host_fwd": host_ms(lambda: ours(*leaves, *consts)),
+            "host_train": host_ms(lambda: _grads(ours, leaves, do, consts))}
 
 
 def gather_table(rows: list[dict]) -> str:
     lines = ["| spec | shape | ssmc path | checked against | out rel err | grad rel err | fwd ms | Flex ms | "
-             "Flex / ssmc | fwd+bwd ms | Flex ms | Flex / ssmc | Flex kernel_options |", "|" + "---|" * 13]
+             "Flex / ssmc | fwd+bwd ms | Flex ms | Flex / ssmc | ssmc host ms fwd | host ms fwd+bwd | "
+             "Flex kernel_options |", "|" + "---|" * 15]
     for r in rows:
         lines.append(f"| {r['spec']} | {r['shape']} | {r['path']} | {r['peer']} | {r['err_out']:.2e} | "
                      f"{r['err_grad']:.2e} | {r['fwd']:.3f} | {r['fwd_ref']:.3f} | {r['fwd_ref'] / r['fwd']:.2f}x | "
                      f"{r['train']:.3f} | {r['train_ref']:.3f} | {r['train_ref'] / r['train']:.2f}x | "
-                     f"{r['flex_options']} |")
+                     f"{r['host_fwd']:.3f} | {r['host_train']:.3f} | {r['flex_options']} |")
     failures = [f"- {r['spec']} {r['shape']}: {f}" for r in rows for f in r["flex_failures"]]
     return "\n".join(lines + (["", "FlexAttention's failed attempts (then the next kernel_options):", *failures]
                               if failures else []))

@@ -5,8 +5,9 @@ Checked on the interpreter against a NumPy loop, its gradients against finite di
 path (the CPU backends' attention, float64 and float32), ``ssmc.torch.function``, a decode step, and the flash
 kernels on the CUDA emulator (forward configs, backward, grouped-query attention, the table's gradient bitwise
 repeatable) against the interpreter; the kernels' NVRTC builds for spills; the document masks' tile skipping
-(sound, tight for sorted ids, a span table per batch row); the spec errors at the user's line. GPU tests
-against a torch reference.
+(sound, tight for sorted ids, a span table per batch row, made on the ids' device with no host copy and equal to
+the rules' tile-by-tile answer; ids renumbered in order where float32 would merge them); the spec errors at the
+user's line. GPU tests against a torch reference, and a document-masked call under torch's sync debug mode.
 """
 
 import os
@@ -527,28 +528,192 @@ def test_grid_spans_agree_with_the_rules_tile_by_tile(name):
 
 def test_the_kernels_take_a_span_table_a_batch_row():
     """Document ids [b, t]: the flash kernels' spans one table per b (its own ids, so rows packed differently
-    each skip their own tiles), each `span_table`'s layout (spans, then group and inner), the param table's last
-    column the batch index's row."""
+    each skip their own tiles), each row's layout (spans, then group and inner), the param table's last column the
+    batch index's row."""
     torch = pytest.importorskip("torch")
     from ssmc.backends.cuda.kernels.flash import forward as ff
-    from ssmc.passes.mask_blocks import grid_spans
+    from ssmc.passes.mask_blocks import grid_spans, span_tables
 
     program = SPECS["doc_causal"].program
     doc = np.array([[0] * 100 + [1] * 160, [0] * 200 + [1] * 60])  # [b t]
     arrays = {"doc": torch.tensor(doc.T.copy(), dtype=torch.float32)}  # time first, as bound
-    rows = ff.sequence_rows(program, arrays)
-    assert ff.row_axes(program) == ("b",) and len(rows) == 2
-    per_row = [ff.block_spans(program.mask, 260, 260, {}, 128, 64, seqs) for seqs in rows]
+    reads = ff.sequence_reads(program, arrays)
+    assert ff.row_axes(program) == ("b",) and reads["doc"][0].shape == (2, 260)
+    spans = span_tables(program.mask, 260, 260, 128, 64, {}, reads)
+    per_row = [[tuple(s) for s in row] for row in spans.tolist()]
     for r in range(2):
         assert per_row[r] == grid_spans(program.mask, 260, 260, 128, 64, {}, {"doc": (doc[r], doc[r])})
     assert per_row[0] != per_row[1]
-    table = ff.row_span_table(per_row, (1, 1), "cpu").tolist()
+    table = ff.row_span_table(spans, (3, 5)).tolist()
     nb = 3  # query blocks of 128 in 260
     assert len(table) == 2 * (4 * nb + 2)
-    assert table[:4 * nb] == [x for span in per_row[0] for x in span] and table[4 * nb:4 * nb + 2] == [1, 1]
+    assert table[:4 * nb] == [x for span in per_row[0] for x in span] and table[4 * nb:4 * nb + 2] == [3, 5]
     params = ff.param_table(program, arrays, {"b": 2, "h": 3})
     width = ff.table_width(program)
     assert params[:6 * width].reshape(6, width)[:, -1].tolist() == [0, 0, 0, 1, 1, 1]  # bh = b * 3 + h
+
+
+def _ids(kind, rows, length, rng):
+    """[rows, length] document ids: sorted runs differing between rows, unsorted, one document, each position its
+    own document, or runs with ids far apart (sorted, but not 0, 1, 2, ...)."""
+    if kind == "sorted":
+        return np.sort(rng.integers(0, max(1, length // 9), (rows, length)), axis=1)
+    if kind == "unsorted":
+        return rng.integers(0, 4, (rows, length))
+    if kind == "one":
+        return np.zeros((rows, length), int)
+    if kind == "each":
+        return np.tile(np.arange(length), (rows, 1))
+    return np.sort(rng.integers(0, 3, (rows, length)), axis=1) * 1000 - 7
+
+
+SPAN_LENGTHS = [1, 7, 63, 64, 65, 180, 1000]
+
+
+@pytest.mark.parametrize("length", SPAN_LENGTHS)
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "one", "each", "apart"])
+def test_device_span_tables_agree_with_the_rules_and_the_mask(kind, length):
+    """`mask_blocks.span_tables` (every row, block and tile at once in torch ops) against `_evaluate` per row,
+    block and tile, and sound against the mask itself: every visible key inside its block's span, every key of a
+    full tile visible to every query of the block; the backward's `key_block_tables` against the host's
+    `key_block_spans` loop; rows of different ids in one call."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash.backward import key_block_spans, key_block_tables
+    from ssmc.passes.mask_blocks import span_tables
+
+    rng = np.random.default_rng(length)
+    ids = _ids(kind, 3, length, rng)
+    reads = {"doc": (torch.tensor(ids, dtype=torch.float32),) * 2}
+    names = ["doc_causal", "rel_doc_strict"] + (["doc"] if length < 200 else [])
+    for name in names:
+        mask = SPECS[name].program.mask
+        vis = _visible(name, ids, length, length)  # [rows, i, j]
+        for bm, bn in ((64, 64), (128, 64), (128, 128)) if length < 1000 else ((128, 64),):
+            spans = span_tables(mask, length, length, bm, bn, {}, reads)
+            assert spans.shape == (3, -(-length // bm), 4)
+            for r in range(3):
+                seqs = {"doc": (ids[r], ids[r])}
+                got = [tuple(x) for x in spans[r].tolist()]
+                assert got == _scalar_spans(mask, length, length, bm, bn, seqs), (name, r, bm, bn)
+                for b, (lo, hi, flo, fhi) in enumerate(got):
+                    rows = vis[r, b * bm:(b + 1) * bm]
+                    cols = np.flatnonzero(rows.any(0))
+                    assert cols.size == 0 or (lo <= cols.min() and cols.max() < hi), (name, r, b)
+                    assert rows[:, flo:fhi].all() and fhi <= length, (name, r, b)
+        spans = span_tables(mask, length, length, 64, 64, {}, reads)
+        for bn in (64, 128):
+            blocks = key_block_tables(spans, length, bn)
+            for r in range(3):
+                want = key_block_spans(mask, length, length, {}, bn, {"doc": (ids[r], ids[r])})
+                assert [tuple(x) for x in blocks[r].tolist()] == want, (name, r, bn)
+
+
+def test_device_span_tables_without_a_mask_or_a_rule():
+    """No mask (ids read by the score only): every tile whole, as the host's `block_spans`; a mask whose ops the
+    rules do not bound (a product of reads): every tile visited, none whole."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.passes.mask_blocks import span_tables
+
+    for length in (1, 65, 130):
+        want = ff.block_spans(None, length, length, {}, 64, 64)
+        assert [tuple(x) for x in span_tables(None, length, length, 64, 64, {})[0].tolist()] == want
+
+    def odd(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return ssmc.exp(doc[q_idx] * doc[kv_idx]) > 0.5
+
+    mask = ssmc.attention(mask_mod=odd).program.mask
+    ids = torch.tensor([[0.0, 1.0, 2.0] * 30])
+    spans = span_tables(mask, 90, 90, 64, 64, {}, {"doc": (ids, ids)})[0].tolist()
+    assert spans == [[0, 90, 0, 0], [0, 90, 0, 0]]
+
+
+def test_spans_of_ids_merged_over_a_batch_axis():
+    """Ids of no batch axis the spans follow (one table for every batch index): their (min, max) over the batch
+    bound a block's reads, sound against every batch index's mask."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.passes.mask_blocks import span_tables
+
+    def doc_h(q_idx, kv_idx, doc: ssmc.Seq["h"]):
+        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+
+    program = ssmc.attention(mask_mod=doc_h, batch="b h", kv_heads="h").program
+    rng = np.random.default_rng(3)
+    ids = np.sort(rng.integers(0, 9, (2, 150)), axis=1)  # [h, t]
+    reads = ff.sequence_reads(program, {"doc": torch.tensor(ids.T.copy(), dtype=torch.float32)})
+    if ff.row_axes(program) is None:
+        assert reads["doc"][0].shape == (1, 150)
+    spans = span_tables(program.mask, 150, 150, 64, 64, {}, reads)
+    vis = _visible("doc_causal", ids, 150, 150)
+    for r in range(spans.shape[0]):
+        for b, (lo, hi, flo, fhi) in enumerate(spans[r].tolist()):
+            for h in range(2) if spans.shape[0] == 1 else (r,):
+                rows = vis[h, b * 64:(b + 1) * 64]
+                cols = np.flatnonzero(rows.any(0))
+                assert cols.size == 0 or (lo <= cols.min() and cols.max() < hi)
+                assert rows[:, flo:fhi].all()
+
+
+_HOST_COPIES = ("cpu", "tolist", "item", "numpy", "__bool__", "__float__", "__int__", "__index__", "__array__")
+
+
+def test_the_span_tables_of_a_call_copy_nothing_to_the_host(monkeypatch):
+    """Binding a call with document ids (their renumbering, `row_ranks`) and making every span table the flash
+    kernels take (forward, key blocks, the dQ kernel's) reads no tensor's value on the host: each of torch's ways
+    to do so raises meanwhile (on a GPU each would wait for the device; no loop over rows, blocks or tiles)."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.cuda.kernels.flash import backward as fb
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+    from ssmc.backends.tiled_attention import TiledAttention
+
+    x, _ = inputs("rel_doc_causal", 3, 2, 180, 64, seed=5)
+    t = {n: torch.tensor(a, dtype=torch.bfloat16) if n in "qkv" else torch.tensor(a) for n, a in x.items()}
+    tiled = TiledAttention(SPECS["rel_doc_causal"].program)
+    fwd, bwd = ff.FlashForward(tiled.program), fb.FlashBackward(tiled.program)
+    cfg = ff.config(64, "bm128w4")
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor's value read on the host")
+
+    with monkeypatch.context() as m:
+        for name in _HOST_COPIES:
+            m.setattr(torch.Tensor, name, host_read)
+        call = tiled.bind(t["q"], t["k"], t["v"], "b h t ...", _params(t))
+        tables = [fwd._span_tensor(call, cfg)[0], bwd._span_tensor(call, bn=64), bwd._span_tensor(call, bn=128),
+                  bwd._span_tensor(call, True), ff.param_table(tiled.program, call.params, call.sizes)]
+        with pytest.raises(AssertionError, match="on the host"):
+            torch.ones(1).item()  # the patch holds
+    assert all(tb.dtype in (torch.int32, torch.float32) for tb in tables)
+    spans = ff.block_spans(tiled.program.mask, 180, 180, {}, 128, 64, {"doc": (x["doc"][1], x["doc"][1])})
+    per_row = tables[0].reshape(3, -1)[:, :-2].reshape(3, -1, 4)
+    assert [tuple(s) for s in per_row[1].tolist()] == spans
+
+
+def test_row_ranks_keep_every_comparison_of_a_row():
+    """`row_ranks`: each batch row's ids numbered in order from 0 (ties equal), so ==, <, ... between two reads of
+    a row are what the ids gave; `compared_only` says where the modifiers read ids only so."""
+    torch = pytest.importorskip("torch")
+    from ssmc.backends.tiled_attention import compared_only, row_ranks
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-3, 4, (50, 2, 3)).astype(np.float64) * 2.0 ** 40  # [t, *axes], far past 2**24
+    ranks = row_ranks(torch.tensor(ids)).numpy()
+    for c in np.ndindex(2, 3):
+        a, r = ids[(slice(None), *c)], ranks[(slice(None), *c)]
+        assert np.array_equal(a[:, None] == a[None], r[:, None] == r[None])
+        assert np.array_equal(a[:, None] < a[None], r[:, None] < r[None])
+        assert r.min() == 0 and r.max() == len(np.unique(a)) - 1
+
+    def doc_minus(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return (doc[q_idx] - doc[kv_idx]) == 0
+
+    def doc_bias(score, q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return score + doc[q_idx]
+
+    assert compared_only(SPECS["doc_causal"].program, "doc") and compared_only(SPECS["rel_doc_strict"].program, "doc")
+    assert not compared_only(ssmc.attention(mask_mod=doc_minus).program, "doc")
+    assert not compared_only(ssmc.attention(doc_bias).program, "doc")
 
 
 # -- spec errors at the user's line ---------------------------------------------------------------------------
@@ -677,21 +842,29 @@ def test_calls_with_ids_of_the_wrong_length_or_with_cu_seqlens_are_refused():
         ssmc.step(SPECS[name], layout="b h t ...")
 
 
-def test_float32_calls_refuse_ids_float32_cannot_keep_apart():
-    """Ids of magnitude 2**24 or more would merge in float32 (16777216 == 16777217 there): a ValueError naming the
-    sequence, before any kernel; float64 q, k, v keep them."""
+def test_float32_calls_keep_ids_float32_cannot_keep_apart():
+    """Ids of magnitude 2**24 or more would merge in float32 (16777216 == 16777217 there): where the mask only
+    compares two reads of them they are renumbered in order on the device (`row_ranks`: the same results, no
+    host check); where it computes with them, a ValueError naming the sequence, before any kernel; float64 q, k, v
+    keep them."""
     import torch
 
-    name = "doc_causal"
-    x, _ = inputs(name, 1, 2, 8, 4, seed=1)
-    big = torch.tensor(x["doc"] + 2 ** 24)
-    f = ssmc.compile(SPECS[name], "cuda" if os.environ.get("SSMC_CUDA_EMULATE") else "numba", layout="b h t ...")
+    def doc_minus(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return (kv_idx <= q_idx) & ((doc[q_idx] - doc[kv_idx]) == 0)
+
+    x, _ = inputs("doc_causal", 1, 2, 8, 4, seed=1)
+    x["doc"] = np.array([[0, 0, 1, 1, 1, 2, 3, 3]])
+    backend = "cuda" if os.environ.get("SSMC_CUDA_EMULATE") else "numba"
     q, k, v = (torch.tensor(x[n], dtype=torch.float32) for n in ("q", "k", "v"))
+    big = torch.tensor(x["doc"] + 2 ** 24)  # ids 2**24 and 2**24 + 1 merge in float32
+    want = _ref("doc_causal", x)
+    f = ssmc.compile(SPECS["doc_causal"], backend, layout="b h t ...")
+    np.testing.assert_allclose(torch.as_tensor(f(q, k, v, doc=big)).numpy(), want, rtol=0, atol=1e-5)
+    g = ssmc.compile(ssmc.attention(mask_mod=doc_minus), backend, layout="b h t ...")
     with pytest.raises(ValueError, match=r"'doc'.*2\*\*24"):
-        f(q, k, v, doc=big)
-    want = f(q.double(), k.double(), v.double(), doc=torch.tensor(x["doc"]))
-    got = f(q.double(), k.double(), v.double(), doc=big)
-    assert torch.allclose(torch.as_tensor(got), torch.as_tensor(want))
+        g(q, k, v, doc=big)
+    got = g(q.double(), k.double(), v.double(), doc=big)
+    np.testing.assert_allclose(torch.as_tensor(got).numpy(), want, rtol=0, atol=1e-5)  # q, k, v rounded
 
 
 def test_flash_backward_refusals_that_keep_results_right():
@@ -763,3 +936,39 @@ def test_gpu_bf16_matches_a_torch_reference(name, d):
             ref = t.grad.float()
             err = (grads[n].float() - ref).abs().max().item()
             assert err < 3e-2 * max(1.0, ref.abs().max().item()), (n, err)
+
+
+@pytest.mark.gpu
+def test_gpu_document_masked_calls_wait_for_nothing():
+    """After a first call of the shape (which compiles, and picks the forward's config from its spans' mean
+    length: one read a shape), a document-masked forward and backward with other ids run under torch's sync debug
+    mode "error" (the span tables made on the device from the ids, no host copy), and match a torch reference."""
+    import torch
+
+    import ssmc.torch as st
+
+    torch.manual_seed(1)
+    b, h, length, d = 2, 4, 1000, 64
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def ids(n):
+        bounds = torch.sort(torch.randint(1, length, (b, n), device="cuda"), dim=1).values
+        return (torch.arange(length, device="cuda")[None, :, None] >= bounds[:, None, :]).sum(-1).int()
+
+    fn = st.function(SPECS["doc_causal"], layout="b h t ...")
+    fn(q, k, v, doc=ids(3)).sum().backward()
+    doc = ids(7)
+    d_out = torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fn(q, k, v, doc=doc)
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = _torch_reference(torch, "doc_causal", q, k, v, None, doc)
+    want_grads = torch.autograd.grad(want, (q, k, v), d_out.float())
+    assert (out.float() - want).abs().max().item() < 2e-2
+    for got, ref in zip(grads, want_grads):
+        assert (got.float() - ref).abs().max().item() < 3e-2 * max(1.0, ref.abs().max().item())

@@ -39,6 +39,7 @@ import torch
 
 from ..ir.axes import TIME
 from ..ir.node import Node, depending_on, toposort
+from ..ir.ops import COMPARISONS, Op
 from ..ir.program import Attention
 from ..passes.attention_grad import derive_attention_backward
 from ..passes.mask_blocks import key_spans, sequence_ranges
@@ -164,6 +165,39 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return torch.matmul(a.to(acc), b.to(acc))
 
 
+def compared_only(program: Attention, name: str) -> bool:
+    """Whether the modifiers read sequence `name` only in comparisons of two of its reads (``doc[q_idx] ==
+    doc[kv_idx]``, or <, <=, ...: never in the score, in arithmetic or against a constant), so that renumbering
+    each batch row's ids in order (`row_ranks`) leaves every mask as it was."""
+    def read(n: Node) -> bool:
+        return n.op is Op.GATHER and n.args[0].op is Op.INPUT and n.args[0].arg == name
+
+    if program.score is not None and any(n.op is Op.INPUT and n.arg == name for n in toposort([program.score])):
+        return False
+    if program.mask is None:
+        return True
+    if read(program.mask):
+        return False
+    return all(n.op in COMPARISONS and all(read(a) for a in n.args)
+               for n in toposort([program.mask]) if any(read(a) for a in n.args))
+
+
+def row_ranks(ids: torch.Tensor) -> torch.Tensor:
+    """ids [L, *axes] (time first) -> [L, *axes] int64 on their device, each batch row's ids (a column over
+    time) numbered in order from 0 by a sort (no host copy). As a loop, per row c and position t:
+
+        ranks[t, c] = len({ids[s, c] for s in range(L) if ids[s, c] < ids[t, c]})
+
+    Equal ids stay equal and order is kept, so comparisons of two reads of one row give what the ids gave (a row
+    of a batch index is all its reads see); ranks are below L, exact in float32. NaN ids (never equal to
+    themselves) are not kept so."""
+    t = ids.reshape(ids.shape[0], -1)
+    values, order = t.sort(0)
+    step = torch.zeros(t.shape, dtype=torch.int64, device=t.device)
+    step[1:] = values[1:] != values[:-1]
+    return torch.empty_like(step).scatter_(0, order, step.cumsum(0)).reshape(ids.shape)
+
+
 class TiledAttention:
     """The tiled path of one `Attention` program (module docstring)."""
 
@@ -224,17 +258,20 @@ class TiledAttention:
         perm = [*range(1, n + 1), 0, n + 1]  # time first -> [*batch, t, d]
         q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
         params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
-        for d in p.seqs:  # ids, time first, in `acc` (whole numbers up to 2**24 exact in float32)
+        for d in p.seqs:  # ids, time first, in `acc` (whole numbers up to 2**24 exact in float32: `row_ranks`)
             if arrays[d.name].shape[0] != arrays["k"].shape[0]:
                 raise ValueError(f"sequence {d.name!r} has {arrays[d.name].shape[0]} positions; it takes one per "
                                  f"position of q and k, which need the same length (here "
                                  f"{arrays['q'].shape[0]} and {arrays['k'].shape[0]})")
-            ids = arrays[d.name]
-            if acc == torch.float32 and ids.numel() and bool(ids.abs().max() >= 2 ** 24):
-                raise ValueError(f"sequence {d.name!r} holds values of magnitude 2**24 or more, which float32 (the "
-                                 "compute dtype of these inputs) does not keep apart; number them from 0 (e.g. "
-                                 "torch.unique(ids, return_inverse=True)[1]) or pass float64 q, k, v")
-            params[d.name] = ids.to(device=device, dtype=acc)
+            ids = arrays[d.name].to(device)
+            if acc == torch.float32 and ids.dtype == torch.float64:  # float32 would merge ids 2**24 apart
+                if compared_only(p, d.name):
+                    ids = row_ranks(ids)  # small whole numbers, the same masks, made on the device: no host check
+                elif ids.numel() and bool(ids.abs().max() >= 2 ** 24):  # a sync, where the values themselves count
+                        raise ValueError(f"sequence {d.name!r} holds values of magnitude 2**24 or more, which "
+                                     "float32 (the compute dtype of these inputs) does not keep apart; number them "
+                                     "from 0 (e.g. torch.unique(ids, return_inverse=True)[1]) or pass float64 q, k, v")
+            params[d.name] = ids.to(acc)
         numpy = not isinstance(q_given, torch.Tensor)
         kv_axis = p.batch_axes.index(p.kv_heads) if group > 1 else 0
         return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis)

@@ -195,78 +195,151 @@ def _compare(op: Op, a: tuple[float, float], b: tuple[float, float]) -> tuple[bo
 
 # -- every (query block, key tile) at once: for sequence inputs, whose spans are computed per call -----------
 
-class _RangeTable:
-    """Least and greatest value over any [a, b] of positions in O(1) (sparse tables of `lo`'s minima and
-    `hi`'s maxima over power-of-two windows), for arrays of (a, b)."""
-
-    def __init__(self, lo: np.ndarray, hi: np.ndarray):
-        self.mins, self.maxs = [np.asarray(lo, np.float64)], [np.asarray(hi, np.float64)]
-        width = 1
-        while 2 * width <= len(lo):
-            m, x = self.mins[-1], self.maxs[-1]
-            self.mins.append(np.minimum(m[:-width], m[width:]))
-            self.maxs.append(np.maximum(x[:-width], x[width:]))
-            width *= 2
-
-    def query(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = len(self.mins[0])
-        a, b = np.clip(a, 0, n - 1).astype(np.int64), np.clip(b, 0, n - 1).astype(np.int64)
-        a, b = np.broadcast_arrays(a, np.maximum(a, b))
-        level = np.floor(np.log2(b - a + 1)).astype(np.int64)
-        lo, hi = np.empty(a.shape), np.empty(a.shape)
-        for k in np.unique(level):  # a few levels: one fancy index each
-            at = level == k
-            first, last = a[at], b[at] - (1 << int(k)) + 1
-            lo[at] = np.minimum(self.mins[k][first], self.mins[k][last])
-            hi[at] = np.maximum(self.maxs[k][first], self.maxs[k][last])
-        return lo, hi
-
-
 def grid_spans(mask: Node, lq: int, lk: int, block_q: int, tile: int, sizes: dict[str, int],
                seqs: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[int, int, int, int]]:
     """Per block of `block_q` queries, (lo, hi, full_lo, full_hi) as `key_spans` and the flash kernels'
     `block_spans` define them (the keys the mask may leave visible; the longest run of tiles it leaves wholly
-    visible, below Lk), the mask evaluated over every (block, tile) rectangle at once with NumPy: the same
-    interval rules as `_rule`, over arrays."""
-    q0 = np.arange(0, lq, block_q, dtype=np.float64)[:, None]
-    q = (q0, np.minimum(q0 + block_q, lq) - 1)
-    t0 = np.arange(0, lk, tile, dtype=np.float64)[None, :]
-    k = (t0, np.minimum(t0 + tile, lk) - 1)
-    tables = {name: _RangeTable(*r) for name, r in (seqs or {}).items()}
-    memo: dict[Node, Bound] = {}
-    for node in toposort([mask]):
-        memo[node] = _grid_rule(node, [memo[a] for a in node.args], q, k, sizes, tables)
-    shape = (q0.shape[0], t0.shape[1])
-    result = memo[mask]
-    may_true, may_false = ((np.ones(shape, bool),) * 2 if result is None else
-                           (np.broadcast_to(result[0], shape), np.broadcast_to(result[1], shape)))
-    whole = (t0[0] + tile <= lk)[None, :] & ~may_false
-    out = []
-    for b in range(shape[0]):
-        hits = np.flatnonzero(may_true[b])
-        if hits.size == 0:
-            out.append((0, 0, 0, 0))
-            continue
-        first, last = int(hits[0]), int(hits[-1])
-        best, run = (0, 0), None
-        for t in np.flatnonzero(whole[b, first:last + 1]) + first:
-            run = (run[0], int(t) + 1) if run is not None and run[1] == t else (int(t), int(t) + 1)
-            if run[1] - run[0] > best[1] - best[0]:
-                best = run
-        out.append((first * tile, min((last + 1) * tile, lk), best[0] * tile, best[1] * tile))
-    return out
+    visible, below Lk): `span_tables` on CPU tensors in float64, for one row of per-position ranges `seqs`."""
+    import torch
+
+    reads = {name: tuple(torch.as_tensor(np.asarray(x, np.float64))[None] for x in r)
+             for name, r in (seqs or {}).items()}
+    return [tuple(s) for s in span_tables(mask, lq, lk, block_q, tile, sizes, reads)[0].tolist()]
 
 
-def _grid_rule(node: Node, args: list, q, k, sizes, tables) -> Bound:
-    """`_rule` over arrays of intervals (numbers: (lo, hi); booleans: (may be true, may be false))."""
+def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, sizes: dict[str, int],
+                seqs: dict | None = None, device=None):
+    """[R, blocks, 4] int64 torch, per row r and block of `block_q` queries, (lo, hi, full_lo, full_hi) as
+    `grid_spans`, from the rules over every (block, tile) rectangle at once in torch ops on the ids' device:
+    no host copy of the ids and no loop over rows, blocks or tiles (a fixed sequence of kernels, so also inside
+    a CUDA graph). `seqs`: each sequence input's per-position (min, max) over the batch indices of a row, two
+    [R, L] tensors (R = 1, or the same R for every input; L >= 1). As a plain loop (`_grid_rule`, `_runs`):
+
+        for r, b, t: may[r, b, t] = the mask's (may be true, may be false) over queries of block b, keys of tile t,
+                                    doc[q_idx] within (min, max) of seqs["doc"][r] over the block's positions
+        lo, hi = first and last tile where it may be true;  full = the longest run of tiles in [lo, hi) where it
+        cannot be false and that end below lk (the first of equals); (0, 0, 0, 0) where no tile may be true
+
+    A read at a position other than q_idx or kv_idx (the frontend allows none) is unknown: sound."""
+    import torch
+
+    seqs = seqs or {}
+    first = next(iter(seqs.values()), (None,))[0]
+    device = first.device if first is not None else device
+    dtype = first.dtype if first is not None and first.is_floating_point() else torch.float64
+    rows = max([lo.shape[0] for lo, _ in seqs.values()] or [1])
+    nb, nt = -(-lq // block_q), -(-lk // tile)
+    if nb == 0 or nt == 0:
+        return torch.zeros((rows, nb, 4), dtype=torch.int64, device=device)
+    length = first.shape[-1] if first is not None else 0
+    q, k, at, ends_inside = _grid_axes(lq, lk, block_q, tile, length, device, dtype)
+    windows = {"q_idx": (nb, block_q, (nb, 1)), "kv_idx": (nt, tile, (1, nt))}
+    reads = {}  # (sequence, index input) -> (min, max) of its windows
+
+    def read(source: str, index: Node):
+        if index.op is not Op.INPUT or index.arg not in windows or source not in seqs:
+            return None
+        key = (source, index.arg)
+        if key not in reads:
+            count, width, shape = windows[index.arg]
+            lo, hi = seqs[source]
+            lo = lo[:, at[index.arg]].view(-1, count, width)
+            hi = lo if hi is seqs[source][0] else hi[:, at[index.arg]].view(-1, count, width)  # one row's own ids
+            reads[key] = lo.amin(-1).view(-1, *shape), hi.amax(-1).view(-1, *shape)
+        return reads[key]
+
+    if mask is None:
+        result = None
+    else:
+        order = toposort([mask])
+        last_use = {a: i for i, n in enumerate(order) for a in n.args}
+        memo: dict[Node, Bound] = {}
+        for i, node in enumerate(order):
+            memo[node] = _grid_rule(node, [memo[a] for a in node.args], q, k, sizes, read, device, dtype)
+            for a in node.args:
+                if last_use[a] == i and a is not mask:
+                    memo.pop(a, None)  # large grids: keep only the values still to be read
+        result = memo[mask]
+    shape = (rows, nb, nt)
+    if result is None:  # no mask: every tile whole; a mask the rules know nothing of: every tile partial
+        may_true = torch.ones(shape, dtype=torch.bool, device=device)
+        may_false = torch.full(shape, mask is not None, dtype=torch.bool, device=device)
+    else:
+        may_true, may_false = (torch.as_tensor(x, device=device).expand(shape) for x in result)
+    return _spans_of(may_true, ~may_false & ends_inside, tile, lk)
+
+
+_AXES: dict = {}
+
+
+def _grid_axes(lq: int, lk: int, block_q: int, tile: int, length: int, device, dtype):
+    """What `span_tables` needs of a shape alone, made once (cached): the query blocks' and key tiles' position
+    intervals ([1, blocks, 1], [1, 1, tiles] (lo, hi) pairs), per index input the positions its windows read
+    ([w * width, min((w + 1) * width, lq or lk) - 1], padded to `width` by the last, clamped into the `length`
+    ids: the kernels clamp a read so), and which tiles end below lk ([1, 1, tiles])."""
+    import torch
+
+    key = (lq, lk, block_q, tile, length, device, dtype)
+    hit = _AXES.get(key)
+    if hit is None:
+        nb, nt = -(-lq // block_q), -(-lk // tile)
+        q0 = torch.arange(nb, device=device, dtype=dtype).mul_(block_q).view(1, nb, 1)
+        t0 = torch.arange(nt, device=device, dtype=dtype).mul_(tile).view(1, 1, nt)
+        at = {name: torch.arange(n * width, device=device).clamp_(max=max(0, min(end, length) - 1))
+              for name, n, width, end in (("q_idx", nb, block_q, lq), ("kv_idx", nt, tile, lk))}
+        if len(_AXES) >= 64:
+            _AXES.clear()
+        hit = _AXES[key] = ((q0, (q0 + block_q).clamp_(max=lq) - 1), (t0, (t0 + tile).clamp_(max=lk) - 1), at,
+                            t0 + tile <= lk)
+    return hit
+
+
+def _runs(hit, whole):
+    """(first, last, run_start, run_length), each [...] int64, over the last axis of `hit` and `whole` [..., n]
+    bool: the first and last index where `hit` (-1 for last where none), and the longest run of consecutive
+    indices in [first, last] where `whole` (the first of equals; length 0 where none)."""
+    import torch
+
+    n = hit.shape[-1]
+    idx = torch.arange(n, device=hit.device)
+    first = torch.where(hit, idx, n).amin(-1)
+    last = torch.where(hit, idx, -1).amax(-1)
+    inside = whole & (idx >= first[..., None]) & (idx <= last[..., None])
+    gap = torch.where(inside, -1, idx).cummax(-1).values  # the last index at or before each not in a run
+    length = torch.where(inside, idx - gap, 0)
+    best, end = length.max(-1)  # the first maximum: the first of the longest runs
+    return first, last, end + 1 - best, best
+
+
+def _spans_of(may_true, whole, tile: int, limit: int):
+    """[R, blocks, 4] int64: (lo, hi, full_lo, full_hi) in positions from the tiles a block may see (`may_true`
+    [R, blocks, tiles]) and those it sees wholly (`whole`), tiles of `tile` positions, hi at most `limit`."""
+    import torch
+
+    first, last, start, length = _runs(may_true, whole)
+    seen = last >= 0
+    lo = torch.where(seen, first * tile, 0)
+    hi = torch.where(seen, ((last + 1) * tile).clamp(max=limit), 0)
+    run = seen & (length > 0)
+    return torch.stack((lo, hi, torch.where(run, start * tile, 0), torch.where(run, (start + length) * tile, 0)), -1)
+
+
+def _grid_rule(node: Node, args: list, q, k, sizes, read, device, dtype) -> Bound:
+    """`_rule` over torch tensors of intervals broadcast over [R, blocks, tiles] (numbers: (lo, hi); booleans:
+    (may be true, may be false)). A NaN bound (inf - inf, 0 * inf) widens to -inf or +inf: unknown, so sound."""
+    import torch
+
+    def _bool(b):  # (may be true, may be false) as tensors: torch.where takes no Python bool
+        return (torch.ones((), dtype=torch.bool, device=device),) * 2 if b is None else b
+
     op = node.op
     if op is Op.GATHER:
-        source, positions = node.args[0], args[1]
-        if node.arg != TIME or source.arg not in tables or positions is None:
-            return None
-        return tables[source.arg].query(np.floor(positions[0]), np.ceil(positions[1]))
+        return read(node.args[0].arg, node.args[1]) if node.arg == TIME and node.args[0].op is Op.INPUT else None
     common = _common(node, args, q, k, sizes)
     if common is not _OTHER:
+        if isinstance(common, tuple) and not torch.is_tensor(common[0]):  # a constant: tensors, for ~ and where
+            common = tuple(torch.full((), v, device=device, dtype=torch.bool if isinstance(v, bool) else dtype)
+                           for v in common)
         return common
     if op in (Op.AND, Op.OR):
         (at, af), (bt, bf) = _bool(args[0]), _bool(args[1])
@@ -278,10 +351,9 @@ def _grid_rule(node: Node, args: list, q, k, sizes, tables) -> Bound:
         (a0, a1), (b0, b1) = args[1], args[2]
         if node.dtype == BOOL:
             return ((t & a0) | (f & b0), (t & a1) | (f & b1))
-        big = np.inf
-        lo = np.minimum(np.where(t, a0, big), np.where(f, b0, big))
-        hi = np.maximum(np.where(t, a1, -big), np.where(f, b1, -big))
-        return (lo, hi)
+        inf = math.inf
+        return (torch.minimum(torch.where(t, a0, inf), torch.where(f, b0, inf)),
+                torch.maximum(torch.where(t, a1, -inf), torch.where(f, b1, -inf)))
     if any(a is None for a in args):
         return None
     if op in COMPARISONS:
@@ -302,27 +374,32 @@ def _grid_rule(node: Node, args: list, q, k, sizes, tables) -> Bound:
         return (-hi, -lo)
     if op is Op.ABS:
         lo, hi = args[0]
-        return (np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(abs(lo), abs(hi))), np.maximum(abs(lo), abs(hi)))
+        return (torch.where((lo <= 0) & (hi >= 0), 0.0, torch.minimum(lo.abs(), hi.abs())), torch.maximum(lo.abs(),
+                                                                                                        hi.abs()))
     if op in (Op.ADD, Op.SUB, Op.MUL, Op.MIN, Op.MAX):
         (alo, ahi), (blo, bhi) = args
         if op is Op.ADD:
-            return (alo + blo, ahi + bhi)
+            return _widened(alo + blo, ahi + bhi)
         if op is Op.SUB:
-            return (alo - bhi, ahi - blo)
+            return _widened(alo - bhi, ahi - blo)
         if op is Op.MIN:
-            return (np.minimum(alo, blo), np.minimum(ahi, bhi))
+            return (torch.minimum(alo, blo), torch.minimum(ahi, bhi))
         if op is Op.MAX:
-            return (np.maximum(alo, blo), np.maximum(ahi, bhi))
-        with np.errstate(invalid="ignore"):
-            corners = np.stack(np.broadcast_arrays(*(x * y for x in (alo, ahi) for y in (blo, bhi))))
-        if np.isnan(corners).any():
-            return None
-        return (corners.min(0), corners.max(0))
+            return (torch.maximum(alo, blo), torch.maximum(ahi, bhi))
+        corners = torch.stack(torch.broadcast_tensors(*(x * y for x in (alo, ahi) for y in (blo, bhi))))
+        return _widened(corners.amin(0), corners.amax(0))  # a NaN corner makes both NaN: widened
     if op is Op.SUM and node.arg in sizes:
         n = sizes[node.arg]
         lo, hi = args[0]
-        return (lo * n, hi * n)
+        return _widened(lo * n, hi * n)
     return None
+
+
+def _widened(lo, hi):
+    """(lo, hi) with a NaN bound (inf - inf, 0 * inf: any value) made -inf or +inf."""
+    import torch
+
+    return torch.where(lo.isnan(), -math.inf, lo), torch.where(hi.isnan(), math.inf, hi)
 
 
 def sequence_ranges(program: Attention, arrays: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:

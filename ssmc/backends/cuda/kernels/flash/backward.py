@@ -82,7 +82,7 @@ from .forward import (
     print_body,
     row_axes,
     row_span_table,
-    sequence_rows,
+    sequence_reads,
     table_width,
 )
 
@@ -438,6 +438,40 @@ def key_block_spans(mask, lq: int, lk: int, sizes: dict[str, int], bn: int = BN,
     return out
 
 
+def key_block_tables(spans, lk: int, bn: int = BN):
+    """`key_block_spans` on torch tensors, from the query blocks' spans [R, blocks, 4] (`mask_blocks.span_tables`
+    at `BM` and `BN`) to the key blocks' [R, key blocks, 4], every row at once in torch ops on their device. As a
+    plain loop, per row and key tile n0 of `BN` keys: (first and last block whose [lo, hi) holds n0, the longest
+    run of blocks whose [full_lo, full_hi) holds the tile) in query rows; then per block of `bn // BN` tiles the
+    union of the tiles' spans and the intersection of their full ones (none unless all are full and below Lk)."""
+    import torch
+
+    from .....passes.mask_blocks import _spans_of
+
+    rows, tiles = spans.shape[0], -(-lk // BN)
+    if tiles == 0 or spans.shape[1] == 0:
+        return spans.new_zeros((rows, -(-lk // bn), 4))
+    n0 = torch.arange(tiles, device=spans.device).mul_(BN).view(1, tiles, 1)
+    lo, hi, flo, fhi = (x[:, None, :] for x in spans.unbind(-1))  # [R, 1, blocks]
+    per = _spans_of((lo <= n0) & (n0 < hi), (flo <= n0) & (n0 + BN <= fhi), BM, spans.shape[1] * BM)
+    if bn == BN:
+        return per
+    k = bn // BN
+    blocks = -(-tiles // k)
+    real = torch.arange(blocks * k, device=spans.device).view(1, blocks, k) < tiles  # the last block's tiles
+    parts = torch.cat([per, per.new_zeros((rows, blocks * k - tiles, 4))], 1).view(rows, blocks, k, 4)
+    plo, phi, pflo, pfhi = parts.unbind(-1)
+    seen = real & (plo < phi)
+    lo = torch.where(seen, plo, torch.iinfo(torch.int64).max).amin(-1)
+    hi = torch.where(seen, phi, -1).amax(-1)
+    any_seen = seen.any(-1)
+    flo, fhi = pflo.amax(-1), pfhi.amin(-1)
+    full = real.all(-1) & (pflo < pfhi).all(-1) & (flo < fhi)
+    zero = torch.zeros_like(lo)
+    return torch.stack((torch.where(any_seen, lo, zero), torch.where(any_seen, hi, zero),
+                        torch.where(full, flo, zero), torch.where(full, fhi, zero)), -1)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A backward's launches for one signature (`FlashBackward._plan`): dQ by atomics or the dQ kernel, the
@@ -497,17 +531,14 @@ class FlashBackward:
     def _span_tensor(self, call, per_query_block: bool = False, bn: int = BN):
         """The spans as the kernels take them (`forward.span_table`: then grouped-query attention's group and
         inner size), per key block of `bn` (`key_block_spans`) or per query block (`block_spans`); cached (with
-        sequence inputs, per call: from the ids' per-position ranges)."""
+        sequence inputs, per call on the device from the ids: `key_block_tables`)."""
         import torch
 
         from .forward import gqa_shape, span_table
 
         gqa = gqa_shape(call)
         if self.program.seqs:
-            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, seqs=seqs) if per_query_block
-                       else key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn, seqs)
-                       for seqs in sequence_rows(self.program, call.params)]
-            return row_span_table(per_row, gqa, call.q.device)
+            return self.sequence_span_tensors(call, bn, per_query_block)[-1]
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, per_query_block, bn, gqa)
         t = self._spans.get(key)
         if t is None:
@@ -519,6 +550,19 @@ class FlashBackward:
                 spans = key_block_spans(self.program.mask, call.lq, call.lk, call.sizes, bn)
             t = self._spans[key] = torch.tensor(span_table(spans, *gqa), dtype=torch.int32, device=call.q.device)
         return t
+
+    def sequence_span_tensors(self, call, bn: int, dq_kernel: bool) -> list:
+        """With sequence inputs, a call's span tables as `_span_tensor` gives them, from one `span_tables` of its
+        ids on their device (a fixed sequence of torch ops, no host copy): the key blocks' of `bn`, then with
+        `dq_kernel` the query blocks'."""
+        from .....passes.mask_blocks import span_tables
+        from .forward import gqa_shape
+
+        gqa = gqa_shape(call)
+        spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes,
+                            sequence_reads(self.program, call.params))
+        return [row_span_table(key_block_tables(spans, call.lk, bn), gqa)] + (
+            [row_span_table(spans, gqa)] if dq_kernel else [])
 
     def _plan(self, call, q, out_dtype, param_grads: bool) -> _Plan:
         """What every backward of a call's shapes, dtypes, device, group and options launches: cached."""
@@ -620,9 +664,7 @@ class FlashBackward:
                                    for shape in plan.sums)
         spans = plan.spans
         if self.program.seqs and launched:  # the ids are this call's
-            spans = [self._span_tensor(call, bn=config(d, None, q.device).bn)]
-            if not plan.atomic:
-                spans.append(self._span_tensor(call, True))
+            spans = self.sequence_span_tensors(call, config(d, None, q.device).bn, not plan.atomic)
         if launched:
             params = plan.dummy if not table_width(self.program) else param_table(
                 self.program, call.params, call.sizes).to(q.device)

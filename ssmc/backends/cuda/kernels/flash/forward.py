@@ -373,13 +373,13 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
 MAX_EXACT = 1 << 24  # offsets into the param table are floats: exact up to here
 
 
-def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, int]):
-    """[BH] int64: per flattened batch index, the row of an array whose leading axes are `axes` (batch axes, in
-    that order, flattened the last fastest) that it reads."""
+def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, int], device=None):
+    """[BH] int64 on `device`: per flattened batch index, the row of an array whose leading axes are `axes` (batch
+    axes, in that order, flattened the last fastest) that it reads (made there: no copy from the host)."""
     import torch
 
     n = math.prod(sizes[a] for a in axes)
-    rows = torch.arange(n, dtype=torch.int64).reshape([sizes[a] for a in axes])
+    rows = torch.arange(n, dtype=torch.int64, device=device).reshape([sizes[a] for a in axes])
     order = [a for a in batch if a in axes]
     rows = rows.permute(*[axes.index(a) for a in order])
     shape = [sizes[a] for a in batch]
@@ -404,7 +404,7 @@ def _gather_rows(program: Attention, params: dict, sizes: dict[str, int]) -> lis
             (axis,) = [a for a in d.axes if a not in program.batch_axes]
             t = t.permute(*[d.axes.index(a) for a in (*lead, axis)])
         rows = t.to(torch.float32).reshape(math.prod(sizes[a] for a in lead), -1)
-        out.append((rows, _batch_rows(lead, program.batch_axes, sizes)))
+        out.append((rows, _batch_rows(lead, program.batch_axes, sizes, rows.device)))
     return out
 
 
@@ -421,10 +421,11 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     bh = math.prod(shape)
     sources = _gather_rows(program, params, sizes) if program.seqs or any(
         any(a not in batch for a in d.axes) for d in program.params) else []
+    device = sources[0][0].device if sources else None
     cols = []
     for d in program.params:
         if any(a not in batch for a in d.axes):  # a table: read through its gather columns
-            cols.append(torch.zeros(bh, dtype=torch.float32))
+            cols.append(torch.zeros(bh, dtype=torch.float32, device=device))
             continue
         t = params[d.name].to(torch.float32)
         order = [a for a in batch if a in d.axes]
@@ -432,7 +433,6 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
         t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
         cols.append(t.reshape(-1))
     if sources:
-        device = sources[0][0].device
         cols = [c.to(device) for c in cols]
         width = table_width(program)
         start = bh * width
@@ -443,7 +443,7 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
             cols.append(torch.full((bh,), float(n - 1), dtype=torch.float32, device=device))
             start += rows.numel()
         if row_axes(program) is not None:  # the batch index's row of the spans (`row_span_table`)
-            cols.append(_batch_rows(row_axes(program), batch, sizes).to(device=device, dtype=torch.float32))
+            cols.append(_batch_rows(row_axes(program), batch, sizes, device).to(torch.float32))
         if start >= MAX_EXACT:
             raise ValueError(f"the flash kernel's param table with the indexed inputs would hold {start} numbers, "
                              f"past the {MAX_EXACT} its float offsets reach exactly")
@@ -486,24 +486,36 @@ def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: 
     return out
 
 
-def sequence_rows(program: Attention, arrays: dict) -> list[dict]:
-    """The sequence inputs' per-position ranges (`mask_blocks.key_spans`' `seqs`) per row of `row_axes` (each
-    row's own ids: exact), or one set over every batch index (`mask_blocks.sequence_ranges`)."""
-    from .....passes.mask_blocks import sequence_ranges
+def sequence_reads(program: Attention, arrays: dict) -> dict:
+    """Each sequence input's per-position (min, max) over a row's batch indices, two [R, L] tensors on the ids'
+    device (`mask_blocks.span_tables`' `seqs`; no host copy): a row per index of `row_axes` (each row's own ids,
+    min = max: exact), else one row over every batch index."""
+    out = {}
+    for d in program.seqs:
+        t = arrays[d.name].reshape(arrays[d.name].shape[0], -1)
+        if row_axes(program) is None:
+            out[d.name] = (t.amin(1)[None], t.amax(1)[None])
+        else:
+            t = t.t()
+            out[d.name] = (t, t)
+    return out
 
-    if row_axes(program) is None:
-        return [sequence_ranges(program, arrays)]
-    ids = {d.name: arrays[d.name].reshape(arrays[d.name].shape[0], -1).cpu().numpy() for d in program.seqs}
-    rows = next(iter(ids.values())).shape[1]
-    return [{n: (a[:, r], a[:, r]) for n, a in ids.items()} for r in range(rows)]
 
-
-def row_span_table(per_row: list, gqa: tuple[int, int], device):
-    """The kernels' spans with a table a row (`row_axes`): each row's `span_table` (its spans, then the group and
-    inner size), one after another; a kernel offsets by its batch index's row (the param table's last column)."""
+def row_span_table(spans, gqa: tuple[int, int]):
+    """The kernels' spans with a table a row: [R * (4 * blocks + 2)] int32 on `spans`' device, each row's spans
+    [R, blocks, 4] then the group and inner size (`span_table`'s layout a row), rows one after another; a kernel
+    with `row_axes` offsets by its batch index's row (the param table's last column)."""
     import torch
 
-    return torch.tensor([x for spans in per_row for x in span_table(spans, *gqa)], dtype=torch.int32, device=device)
+    rows = spans.shape[0]
+    tail = spans.new_full((rows, 2), gqa[0])
+    tail[:, 1] = gqa[1]
+    return torch.cat([spans.reshape(rows, -1), tail], 1).to(torch.int32).reshape(-1)
+
+
+def mean_tiles(spans, bn: int):
+    """The mean key tiles of `bn` a query block visits over spans [..., 4] (a 0-d tensor: no host copy)."""
+    return (spans[..., 1] - spans[..., 0] + bn - 1).div(bn, rounding_mode="floor").clamp(min=0).double().mean()
 
 
 def span_table(spans: list[tuple[int, ...]], group: int = 1, inner: int = 1) -> list[int]:
@@ -550,16 +562,16 @@ class FlashForward:
 
     def _span_tensor(self, call, cfg: Config):
         """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape (with
-        sequence inputs, document ids, per call: from the ids' per-position ranges)."""
+        sequence inputs, document ids, per call on the device from the ids: the mean then a 0-d tensor)."""
         import torch
 
         gqa = gqa_shape(call)
-        if self.program.seqs:
-            per_row = [block_spans(self.program.mask, call.lq, call.lk, call.sizes, cfg.bm, cfg.bn, seqs)
-                       for seqs in sequence_rows(self.program, call.params)]
-            spans = [x for row in per_row for x in row]
-            tiles = sum(-(-(hi - lo) // cfg.bn) for lo, hi, _, _ in spans if hi > lo) / max(1, len(spans))
-            return row_span_table(per_row, gqa, call.q.device), tiles
+        if self.program.seqs:  # the ids' spans on their device, a fixed sequence of torch ops (no host copy)
+            from .....passes.mask_blocks import span_tables
+
+            spans = span_tables(self.program.mask, call.lq, call.lk, cfg.bm, cfg.bn, call.sizes,
+                                sequence_reads(self.program, call.params))
+            return row_span_table(spans, gqa), mean_tiles(spans, cfg.bn)
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
@@ -616,7 +628,8 @@ class FlashForward:
             if cfg.name == "bm128w4" and d == 64 and self.config is None and not _forced() and self.tables:
                 cfg = CONFIGS["bm128w8"][d]  # a table's loads spilled the 4-warp build's registers: the same tiles
             spans, tiles = self._span_tensor(call, cfg)
-            if cfg.stagger and tiles < STAGGER_MIN_TILES and self.config is None and not _forced():
+            # with ids the mean is a device tensor: read once per shape (the first call's ids decide the config)
+            if cfg.stagger and float(tiles) < STAGGER_MIN_TILES and self.config is None and not _forced():
                 cfg = CONFIGS["wg128"][d]  # the same tiles, so the same spans
             fn = self._function(q.device, d, q.dtype == torch.bfloat16, cfg, call.group > 1)
             no_params = None if table_width(self.program) else torch.zeros((bh, 0), dtype=torch.float32,
