@@ -261,6 +261,78 @@ def test_emulated_a_stale_u_chunk_fails(emulated_cuda, streamed_launches, monkey
     assert streamed_launches and all(s for _, s, _ in streamed_launches)
 
 
+def test_emulated_streamed_ring_wraps(emulated_cuda, streamed_launches):
+    """Chunks of 16 indices (SSMC_CUDA_PERSISTENT_FORWARD_CHUNK / _ADJOINT_CHUNK): H 37 takes 3 chunks in the
+    forwards (their ring of 3 refilled once a step) and 10 in the adjoint, U's chunks staged in the same groups as
+    the operand's; fp32 (3xTF32), forward and every gradient, over 3 blocks."""
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "streamed")
+    emulated_cuda.setenv("SSMC_CUDA_TF32", "0")
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_FORWARD_CHUNK", "16")
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_ADJOINT_CHUNK", "16")
+    emulated_cuda.setattr(persistent_runner, "EMULATED_BLOCKS", 3)
+    check("lstm", 3, 2, 37, "cpu", torch.float32, FP32_TOL, FP32_GRAD_TOL)
+    _ran_streamed(streamed_launches, "lstm", 3)
+    plans = [loop.plan_for({"b": 2, "k": 37, "j": 37, "g": 4, "i": 4}, False)
+             for loop in persistent_runner._LOOPS.values() if loop is not None]
+    assert plans and all(p.streamed and p.chunk == 16 and p.jpad // p.chunk >= 3 for p in plans), plans
+
+
+def _one_step_split(program, sizes, streamed: bool, inputs):
+    """`program` at L 1 in the bf16 tensor-core form over 4 emulated blocks in 2 K groups x 2 J groups, U streamed
+    or resident, from `inputs` (seqs, params, initial; float64): (outputs, finals). Three launches (the emulator
+    runs the blocks one after another, its grid barriers compiled out): the first leaves every block's operand in
+    xo, the second every block's partial product in pb, the third computes the step from both (as
+    tests/test_persistent_rnn.py's `_one_step_blocks`)."""
+    from ssmc.backends.cuda.emulator import emulated
+
+    cell = analyse(program)
+    chosen = plan(cell, sizes, 132, blocks=4, tiles=1, mma=True, ksplit=2, streamed=streamed)
+    assert not isinstance(chosen, str) and (chosen.blocks, chosen.ksplit, chosen.streamed) == (4, 2, streamed)
+    seqs, params, initial = inputs
+
+    def full(axes):
+        return [sizes[a] for a in axes]
+
+    def f32(a):
+        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
+
+    arrays = [f32(seqs[d.name]) for d in program.seqs] + [f32(params[d.name]) for d in program.params]
+    arrays += [f32(initial[s.name]) for s in program.states]
+    outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
+    finals = [torch.zeros(full(s.axes)) for s in program.states]
+    arrays += [*outs, *finals, torch.zeros(2 * chosen.xrows * chosen.xcols, dtype=torch.bfloat16),
+               torch.zeros(3 + chosen.tiles * (chosen.ksplit + chosen.jsplit), dtype=torch.int32),
+               torch.full((2 * chosen.ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,),
+                          float("nan"))]
+    if streamed:  # (NaN: a value the prologue did not write would show)
+        arrays.append(torch.full((chosen.slices * chosen.slice_elems,), float("nan"), dtype=torch.bfloat16))
+    fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
+    for _ in range(3):
+        fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
+    return [o.double().numpy() for o in outs], [f.double().numpy() for f in finals]
+
+
+def test_emulated_streamed_split_matches_the_resident_split():
+    """The adjoint in 2 K groups x 2 J groups (what H2048's adjoint takes, in 4): H 13 over 4 blocks (3 pad units in
+    the last J group), each block streaming its K group's slice of its J group's U; at L 1 against the interpreter
+    within bf16's rounding, and against the resident split within the fp32 sums' order."""
+    from ssmc.backends import interpreter
+
+    program = _adjoint(lstm.SPEC)
+    sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
+    rng = np.random.default_rng(0)
+    seqs = {d.name: rng.standard_normal((1, *(sizes[a] for a in d.axes))) for d in program.seqs}
+    params = {d.name: rng.standard_normal([sizes[a] for a in d.axes]) / np.sqrt(sizes["k"]) for d in program.params}
+    initial = {s.name: rng.standard_normal([sizes[a] for a in s.axes]) for s in program.states}
+    got = _one_step_split(program, sizes, True, (seqs, params, initial))
+    want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
+    want = [*(want_outs[n] for n, _ in program.outputs), *(want_finals[s.name] for s in program.states)]
+    for a, b in zip(_flat(got), want, strict=True):
+        assert _relative(a, np.asarray(b, np.float64)) < 1e-2
+    for a, b in zip(_flat(got), _flat(_one_step_split(program, sizes, False, (seqs, params, initial))), strict=True):
+        assert _relative(a, b) < 1e-5
+
+
 # -- GPU ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
