@@ -83,7 +83,7 @@ def test_a_resident_u_stays_resident_unless_forced(monkeypatch):
         monkeypatch.setenv("SSMC_CUDA_PERSISTENT", "streamed")
         for half in (True, False):
             chosen = _loop(program).plan_for(H512, half=half)
-            assert chosen.streamed and chosen.mma, chosen
+            assert chosen.streamed and chosen.mma and "SSMC_CUDA_PERSISTENT=streamed" in chosen.describe(), chosen
         monkeypatch.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
         refused = _loop(program).plan_for(H512, half=False)
         assert isinstance(refused, str) and "streamed" in refused and "tensor-core" in refused
@@ -94,12 +94,14 @@ def test_a_resident_u_stays_resident_unless_forced(monkeypatch):
 
 
 def test_inspect_names_the_streamed_form():
-    """`ssmc inspect`'s notes at LSTM B64 H2048 bf16: the forward and the adjoint streamed, with U's bytes."""
+    """`ssmc inspect`'s notes at LSTM B64 H2048 bf16: the forward and the adjoint streamed, with U's bytes and why
+    (the resident plan's refusal)."""
     from ssmc.backends.cuda.report import path_notes
 
     lines = [line for line in path_notes(lstm.SPEC.program, {"b": 64, "i": 1024, "k": 2048}, 180, "bfloat16")
              if line.startswith("persistent")]
-    assert len(lines) == 2 and all("U streamed" in line and "32.0 MiB" in line for line in lines), lines
+    assert len(lines) == 2 and all("U streamed" in line and "32.0 MiB" in line and "U fits on chip in no form" in line
+                                   for line in lines), lines
 
 
 # -- NVRTC ----------------------------------------------------------------------------------------------------------
@@ -345,6 +347,28 @@ def test_gpu_streamed_lstm_h2048_bf16(streamed_launches):
     check("lstm", 33, 16, 2048, "cuda", torch.bfloat16, BF16_TOL, BF16_GRAD_TOL)
     _ran = {(n, s) for n, s, _ in streamed_launches}
     assert {("lstm", True), ("lstm_recording", True), ("lstm_backward", True)} <= _ran, streamed_launches
+    for loop in persistent_runner._LOOPS.values():
+        if loop is not None:
+            assert loop.status() == (False, 0), "a grid barrier timed out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,length,batch,hidden", [("lstm", 7, 5, 37), ("lstm", 7, 3, 129), ("gru", 7, 19, 300)])
+def test_gpu_streamed_forced(name, length, batch, hidden, dtype, streamed_launches, monkeypatch):
+    """Forced streamed over many blocks (MIN_BLOCK_PAIRS 1: a block for every few pairs, so the grid barrier and
+    every block's own slice of U in global memory are exercised), rows and units past the m16 / n8 tiles; forward
+    and every gradient against float64 (fp32 as 3xTF32)."""
+    from ssmc.backends.cuda.kernels.persistent import analysis
+
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT", "streamed")
+    monkeypatch.setenv("SSMC_CUDA_TF32", "0")
+    if dtype == "fp32":
+        check(name, length, batch, hidden, "cuda", torch.float32, FP32_TOL, FP32_GRAD_TOL)
+    else:
+        check(name, length, batch, hidden, "cuda", torch.bfloat16, BF16_TOL, BF16_GRAD_TOL)
+    assert streamed_launches and all(s and b > 1 for _, s, b in streamed_launches), streamed_launches
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
             assert loop.status() == (False, 0), "a grid barrier timed out"

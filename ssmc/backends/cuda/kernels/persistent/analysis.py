@@ -30,7 +30,7 @@ loop runs the shape).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .....ir.node import Node, depending_on, toposort
 from .....ir.ops import ELEMENTWISE, Op
@@ -327,6 +327,7 @@ class Plan:
     streamed: bool = False  # the tensor-core form with U not resident (`plan`'s `streamed`): the block's slice kept
                             # in global memory ug [npad][jpad] (written by the block once a call, read through L2
                             # each step), staged a chunk at a time beside the operand's chunk in the same ring
+    reason: str = field(default="", compare=False)  # why this form (`describe`; the streamed form: why not resident)
 
     def __post_init__(self):
         if not self.trows:
@@ -473,9 +474,10 @@ class Plan:
                   + (f"then exchanged among the tile's {nbt} blocks, a barrier a level)" if nbt > 1
                      else "the tile's units all in the block: no barrier among blocks)")
                   if self.rlevels else "")
+        reason = f"; {self.reason}" if self.reason else ""
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
                 f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
-                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}")
+                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}{reason}")
 
 
 # a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+from dataclasses import replace
 
 from ...options import emulating, options
 from ...runner import batch_outer
@@ -93,8 +94,8 @@ class PersistentLoop:
 
             if forced:
                 chosen = streamed()
-                if isinstance(chosen, str):
-                    chosen = f"streamed (SSMC_CUDA_PERSISTENT=streamed): {chosen}"
+                chosen = (f"streamed (SSMC_CUDA_PERSISTENT=streamed): {chosen}" if isinstance(chosen, str)
+                          else replace(chosen, reason="streamed as SSMC_CUDA_PERSISTENT=streamed asks"))
             else:
                 chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
                                deep_ring=deep_ring)
@@ -105,8 +106,9 @@ class PersistentLoop:
                     if isinstance(chosen, str):  # U fits on chip in no form: streamed from L2 each step
                         second = streamed()
                         why = [f"tensor cores, U resident: {resident}"] if resident else []
-                        chosen = second if not isinstance(second, str) else "; ".join(
-                            [*why, f"FMA form: {chosen}", f"streamed: {second}"])
+                        chosen = (replace(second, reason=f"streamed: U fits on chip in no form ({resident or chosen})")
+                                  if not isinstance(second, str)
+                                  else "; ".join([*why, f"FMA form: {chosen}", f"streamed: {second}"]))
             self._plans[key] = chosen
         return self._plans[key]
 
