@@ -179,7 +179,9 @@ def check(name: str, length: int, batch: int, hidden: int, device: str, dtype, t
     exact = {k: v.double().numpy() for k, v in given.items()}
     on = {k: v.to(device) for k, v in given.items()}
     want = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="interpreter")(**exact, return_final_states=True)
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="cuda", dtype="float32")(**on, return_final_states=True)
+    # (bf16 inputs as given: the tensor-core form of 16-bit inputs)
+    compute = "float32" if dtype == torch.float32 else None
+    got = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="cuda", dtype=compute)(**on, return_final_states=True)
     for a, b in zip(_flat(got), _flat(want), strict=True):
         assert _relative(a, b) < tol, (name, length, batch, hidden, _relative(a, b))
     if grads:
@@ -192,16 +194,23 @@ def check(name: str, length: int, batch: int, hidden: int, device: str, dtype, t
             assert err < grad_tol, (name, k, length, batch, hidden, err)
 
 
+class Launches(list):
+    forms: list
+
+
 @pytest.fixture
 def streamed_launches(monkeypatch):
-    """(program, whether streamed, blocks) of every persistent launch (not the step loop's fallback)."""
-    ran = []
+    """(program, whether streamed, blocks) of every persistent launch (not the step loop's fallback); `.forms`: each
+    launch's `Plan.tf32` (0: the 16-bit form)."""
+    ran, forms = Launches(), []
+    ran.forms = forms
     original = persistent_runner.PersistentLoop._launch
 
     def spy(self, chosen, *a, **k):
         result = original(self, chosen, *a, **k)
         if not isinstance(result, str):
             ran.append((self.program.name, chosen.streamed, chosen.blocks))
+            forms.append(chosen.tf32)
         return result
     monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
     return ran
@@ -248,6 +257,7 @@ def test_emulated_streamed(name, length, blocks, batch, hidden, dtype, emulated_
         check(name, length, batch, hidden, "cpu", torch.bfloat16, BF16_TOL,
               BF16_GRAD_TOL if length < 65 else BF16_LONG_GRAD_TOL)
     _ran_streamed(streamed_launches, name, blocks)
+    assert set(streamed_launches.forms) == {3 if dtype == "fp32" else 0}, streamed_launches.forms
 
 
 def test_emulated_a_stale_u_chunk_fails(emulated_cuda, streamed_launches, monkeypatch):
