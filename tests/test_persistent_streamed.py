@@ -292,6 +292,24 @@ def test_emulated_streamed_ring_wraps(emulated_cuda, streamed_launches):
     assert plans and all(p.streamed and p.chunk == 16 and p.jpad // p.chunk > p.stages - 1 for p in plans), plans
 
 
+def test_emulated_streamed_heads(emulated_cuda, streamed_launches):
+    """A block-diagonal U (examples/lstm_heads.py, 2 heads of 3; emulated, a block a head): each head's block streams
+    its head's slice of U; the forward in fp32 against the interpreter. (The emulator runs the blocks one after
+    another, each writing its slice before reading it: two heads sharing a slot would not show here.)"""
+    from ssmc.examples import lstm_heads
+
+    emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "streamed")
+    emulated_cuda.setenv("SSMC_CUDA_TF32", "0")
+    inputs = lstm_heads.make_inputs(np.random.default_rng(3), 5, batch=2, inp=3, heads=2, hidden=3)
+    want = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="interpreter")(
+        **inputs, return_final_states=True)
+    got = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="cuda", dtype="float32")(
+        **inputs, return_final_states=True)
+    for a, b in zip(_flat(got), _flat(want), strict=True):
+        assert _relative(a, b) < FP32_TOL
+    assert list(streamed_launches) == [("lstm_heads", True, 2)], streamed_launches
+
+
 def _one_step_split(program, sizes, streamed: bool, inputs):
     """`program` at L 1 in the bf16 tensor-core form over 4 emulated blocks in 2 K groups x 2 J groups, U streamed
     or resident, from `inputs` (seqs, params, initial; float64): (outputs, finals). Three launches (the emulator
