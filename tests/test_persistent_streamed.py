@@ -18,7 +18,7 @@ import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
-from ssmc.examples import gru, lstm
+from ssmc.examples import gru, lstm, lstm_heads
 from ssmc.lowering.hoist import hoist
 from ssmc.passes.autodiff import derive_backward
 
@@ -31,7 +31,7 @@ BF16_GRAD_TOL = 6e-2
 # L 65 in bf16: the roundings of U and of the published h through 65 steps (test_persistent_layernorm.py's)
 BF16_LONG_GRAD_TOL = 1e-1
 
-SPECS = {"lstm": lstm, "gru": gru}
+SPECS = {"lstm": lstm, "gru": gru, "heads": lstm_heads}
 H2048 = {"b": 64, "k": 2048, "j": 2048, "g": 4, "i": 1024}
 H1536 = {"b": 64, "k": 1536, "j": 1536, "g": 4, "i": 1024}
 H512 = {"b": 64, "k": 512, "j": 512, "g": 4, "i": 512}
@@ -174,8 +174,9 @@ def check(name: str, length: int, batch: int, hidden: int, device: str, dtype, t
     `grad_tol` (max |got - want| / max |want|)."""
     m = SPECS[name]
     rng = np.random.default_rng(seed)
+    extra = {"heads": 3} if name == "heads" else {}
     given = {k: torch.as_tensor(v).to(dtype)
-             for k, v in m.make_inputs(rng, length, batch=batch, inp=4, hidden=hidden).items()}
+             for k, v in m.make_inputs(rng, length, batch=batch, inp=4, hidden=hidden, **extra).items()}
     exact = {k: v.double().numpy() for k, v in given.items()}
     on = {k: v.to(device) for k, v in given.items()}
     want = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="interpreter")(**exact, return_final_states=True)
@@ -296,8 +297,6 @@ def test_emulated_streamed_heads(emulated_cuda, streamed_launches):
     """A block-diagonal U (examples/lstm_heads.py, 2 heads of 3; emulated, a block a head): each head's block streams
     its head's slice of U; the forward in fp32 against the interpreter. (The emulator runs the blocks one after
     another, each writing its slice before reading it: two heads sharing a slot would not show here.)"""
-    from ssmc.examples import lstm_heads
-
     emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "streamed")
     emulated_cuda.setenv("SSMC_CUDA_TF32", "0")
     inputs = lstm_heads.make_inputs(np.random.default_rng(3), 5, batch=2, inp=3, heads=2, hidden=3)
@@ -382,11 +381,12 @@ def test_gpu_streamed_lstm_h2048_bf16(streamed_launches):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name,length,batch,hidden", [("lstm", 7, 5, 37), ("lstm", 7, 3, 129), ("gru", 7, 19, 300)])
+@pytest.mark.parametrize("name,length,batch,hidden", [("lstm", 7, 5, 37), ("lstm", 7, 3, 129), ("gru", 7, 19, 300),
+                                                     ("heads", 7, 3, 129)])
 def test_gpu_streamed_forced(name, length, batch, hidden, dtype, streamed_launches, monkeypatch):
     """Forced streamed over many blocks (MIN_BLOCK_PAIRS 1: a block for every few pairs, so the grid barrier and
-    every block's own slice of U in global memory are exercised), rows and units past the m16 / n8 tiles; forward
-    and every gradient against float64 (fp32 as 3xTF32)."""
+    every block's own slice of U in global memory are exercised; 3 heads of 129: a head's slices its own), rows and
+    units past the m16 / n8 tiles; forward and every gradient against float64 (fp32 as 3xTF32)."""
     from ssmc.backends.cuda.kernels.persistent import analysis
 
     monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
