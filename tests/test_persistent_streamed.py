@@ -93,6 +93,16 @@ def test_a_resident_u_stays_resident_unless_forced(monkeypatch):
         "the streamed form needs the tensor-core form (SSMC_CUDA_PERSISTENT_MMA=0 keeps U resident)")
 
 
+def test_the_switch_parses():
+    """SSMC_CUDA_PERSISTENT takes 0, 1 and streamed; anything else is refused, naming them."""
+    from ssmc.backends.cuda.options import CudaOptions
+
+    assert CudaOptions.parse({"SSMC_CUDA_PERSISTENT": "streamed"}).persistent == "streamed"
+    assert CudaOptions.parse({"SSMC_CUDA_PERSISTENT": "0"}).persistent is False
+    with pytest.raises(ValueError, match="expected 0 or 1 or streamed"):
+        CudaOptions.parse({"SSMC_CUDA_PERSISTENT": "resident"})
+
+
 def test_inspect_names_the_streamed_form():
     """`ssmc inspect`'s notes at LSTM B64 H2048 bf16: the forward and the adjoint streamed, with U's bytes and why
     (the resident plan's refusal)."""
