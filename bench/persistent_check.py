@@ -33,6 +33,10 @@ tables to DIR/persistent.md. Needs torch and cupy; no network.
   that loop; the times of the forward and of forward + backward: ssmc persistent, ssmc step loop, the torch loop,
   and the loop with its step torch.compile'd (where it compiles); the plans (the levels of reductions over the
   units, an exchange among a tile's blocks each) and the launches.
+- LSTM B64 L180 I1024 H2048 bf16 and H1536 fp32 (section "streamed", not in the default sections): U too large
+  to stay on chip, so the persistent kernel streams it from L2 each step (`Plan.streamed`): checked against cuDNN
+  fp32 on the same values (outputs, every gradient), then forward and forward + backward ms of ssmc, its step loop
+  (the fallback before the streamed form) and cuDNN in the call's dtype. `--all --sections streamed` runs it alone.
 - examples/lstm_heads.py, 4 heads of 128, B64 L1024 I512 in bf16 (no peer): checked against ssmc's own
   fp32 call on the same values; forward and forward + backward times as TFLOP/s (the input and the
   recurrent products' FLOPs) and GB/s (the sequences' and the hoisted product's bytes), and as
@@ -399,6 +403,77 @@ def half_rows(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list
     lines += ["", f"adjoint launches: {adjoint}; plans: {_plans()}"]
     if bad:
         lines.append(f"MISMATCH (bf16 H{k}): errors {err:.2e} / {gerr:.2e}, launches {runners}")
+    return lines
+
+
+def _streamed_programs() -> set:
+    """The programs whose persistent runner planned the streamed form (U not resident) for some shape."""
+    return {loop.program.name for loop in persistent_runner._LOOPS.values() if loop is not None
+            and any(getattr(p, "streamed", False) for p in loop._plans.values())}
+
+
+def streamed_rows(b: int = 64, t: int = 180, i: int = 1024) -> list[str]:
+    """LSTM where U does not fit on chip (the streamed form, module docstring): B64 L180 I1024 H2048 bf16 (U 32
+    MiB) and H1536 fp32 (36 MiB, 3xTF32). Checked first: the outputs and every gradient of forward + backward
+    against cuDNN fp32 (TF32 off) on the same values, cuDNN in the call's dtype against the same; then the ms of
+    ssmc (streamed), its step loop and cuDNN in the call's dtype (fp32: TF32 allowed, torch's default), forward
+    and forward + backward. Lines of a markdown table; MISMATCH where an error is past its bound or the forward,
+    the recording forward and the adjoint did not all run streamed."""
+    lines = ["| workload | cuDNN ms | ssmc streamed ms | ssmc step loop ms | ssmc / cuDNN | ssmc err | cuDNN err |",
+             "|---|---|---|---|---|---|---|"]
+
+    def rel(a, b):
+        return max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(a, b))
+    for k, dtype in ((2048, torch.bfloat16), (1536, torch.float32)):
+        name = f"LSTM B{b} L{t} I{i} H{k} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+        bound, grad_bound = (5e-2, 1e-1) if dtype == torch.bfloat16 else (1e-3, 1e-3)
+        given = {n: v.to(dtype) for n, v in make_inputs("LSTM", b, t, i, k).items()}
+        exact = {n: v.float() for n, v in given.items()}  # the given values in fp32: the reference's inputs
+        torch.backends.cudnn.allow_tf32 = False
+        y_ref, (h_ref, c_ref) = torch_module("LSTM", exact)()
+        want = [y_ref, h_ref[0], c_ref[0]]
+        module = rnn_workloads.torch_module("LSTM", given, "cuda", dtype)
+        state = (given["h"][None].contiguous(), given["c"][None].contiguous())
+
+        def cudnn(module=module, given=given, state=state):
+            with torch.no_grad():
+                return module(given["x"], state)
+        ours, loop = ssmc_call("LSTM", given, True), ssmc_call("LSTM", given, False)
+        LAUNCHED.clear()
+        got = as_list(ours())
+        y_c, (h_c, c_c) = cudnn()
+        torch.cuda.synchronize()
+        err, err_c = rel(got, want), rel([y_c, h_c[0], c_c[0]], want)
+        g = torch.Generator(device="cuda")
+        g.manual_seed(1)
+        dy = torch.randn((b, t, k), device="cuda", generator=g).to(dtype)
+        want_g = torch_train("LSTM", exact, dy.float())()
+        train, train_loop = ssmc_train("LSTM", given, dy, True), ssmc_train("LSTM", given, dy, False)
+        cudnn_train = _torch_train_dtype(given, dy, dtype)
+        got_g, got_gc = train(), cudnn_train()
+        torch.cuda.synchronize()
+        gerr, gerr_c = relative_error(got_g, want_g), relative_error(got_gc, want_g)
+        streamed = _streamed_programs()
+        torch.backends.cudnn.allow_tf32 = True  # torch's default for the times
+        ms, ms_loop, ms_c = timed(ours, reps=10), timed(loop, reps=3), timed(cudnn, reps=10)
+        ms_t, ms_t_loop, ms_t_c = timed(train, reps=5), timed(train_loop, reps=2), timed(cudnn_train, reps=5)
+        # the forwards' ring of 3 buffers (resident forwards' default; streamed ones take the deepest ring)
+        os.environ["SSMC_CUDA_PERSISTENT_FORWARD_STAGES"] = "3"
+        err_3, ms_3 = rel(as_list(ours()), want), timed(ours, reps=10)
+        del os.environ["SSMC_CUDA_PERSISTENT_FORWARD_STAGES"]
+        os.environ["SSMC_CUDA_PERSISTENT"] = "1"
+        lines.append(f"| {name} fwd | {ms_c:.3f} | {ms:.3f} | {ms_loop:.3f} | {ms / ms_c:.2f} | {err:.2e} | "
+                     f"{err_c:.2e} |")
+        lines.append(f"| {name} fwd, ring of 3 | {ms_c:.3f} | {ms_3:.3f} | | {ms_3 / ms_c:.2f} | {err_3:.2e} | |")
+        lines.append(f"| {name} fwd+bwd | {ms_t_c:.3f} | {ms_t:.3f} | {ms_t_loop:.3f} | {ms_t / ms_t_c:.2f} | "
+                     f"{gerr:.2e} | {gerr_c:.2e} |")
+        lines.append(f"<!-- {name}: streamed programs {sorted(streamed)}; launches {launches()} -->")
+        if max(err, err_3) > bound or gerr > grad_bound or not {"lstm", "lstm_backward"} <= streamed:
+            lines.append(f"MISMATCH ({name}): errors {err:.2e} / {gerr:.2e}, streamed {sorted(streamed)}, "
+                         f"launches {launches()}")
+    lines += ["", f"plans: {_plans()}",
+              "\nerrors: max |got - want| / max |want| against cuDNN fp32 (TF32 off) on the same inputs; fwd: outputs "
+              "and final states, fwd+bwd: every gradient"]
     return lines
 
 
@@ -822,7 +897,8 @@ def main() -> None:
                         help="with --all, which of its sections run (half: bf16 H1024; split: its K groups; grid: "
                              "B16 H256's grids; heads; variants: the persistent kernel's options at bf16 H1024 and "
                              "fp32 B64 H512, checked then timed; layernorm: the LayerNorm LSTM B64 H512 fp32 vs "
-                             "torch)")
+                             "torch; streamed, not by default: LSTM B64 L180 I1024 H2048 bf16 and H1536 fp32, U "
+                             "streamed, vs cuDNN)")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 TFLOP/s (for the heads rows)")
     parser.add_argument("--peak-gbs", type=float, help="the device's memory GB/s (for the heads rows)")
     args = parser.parse_args()
@@ -857,7 +933,9 @@ def main() -> None:
                     ("heads", "LSTM heads (block-diagonal U), bf16", [],
                      lambda: heads_rows(args.peak_tflops, args.peak_gbs)),
                     ("layernorm", "LayerNorm LSTM (reductions over the units in the cell) vs torch", [],
-                     lambda: layernorm_rows(args.b, args.t, args.i, args.k))]
+                     lambda: layernorm_rows(args.b, args.t, args.i, args.k)),
+                    ("streamed", "LSTM with U streamed from L2 (too large to stay on chip) vs cuDNN", [],
+                     streamed_rows)]
         wanted = set(args.sections.split(","))
         for _, title, head, fn in (section for section in sections if section[0] in wanted):
             try:

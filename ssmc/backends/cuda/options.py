@@ -72,7 +72,9 @@ class CudaOptions:
         input and the old state (cuda/step.py: one launch, nothing allocated in place, but each thread's sums
         are loops as long as the input and hidden axes, whose loads it waits for one by one); unset: ``x W``
         and ``h U`` as two cuBLAS products, then one kernel of the cell
-    persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call
+    persistent: False runs the step loop's programs as the step loop, not as one persistent kernel a call;
+        "streamed" (SSMC_CUDA_PERSISTENT=streamed) forces the persistent kernel's streamed form (U read from L2
+        through shared memory each step, not resident), which is otherwise taken only where U does not fit on chip
     persistent_blocks: the persistent kernel's blocks at most (default: the SMs, fewer where the shape is small)
     persistent_mma: False keeps an fp32 call's persistent kernel on fp32 FMAs (not the tensor cores' 3xTF32 /
         TF32 form; 16-bit calls stay on the tensor cores)
@@ -142,7 +144,7 @@ class CudaOptions:
     step_loop: bool | None = None
     step_graphs: bool | None = None
     step_products: bool | None = None
-    persistent: bool | None = None
+    persistent: bool | str | None = None
     persistent_blocks: int | None = None
     persistent_mma: bool | None = None
     persistent_late_stores: bool | None = None
@@ -199,13 +201,16 @@ def _parse(name: str, field: str, raw: str):
         if raw not in choices:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
         return raw
+    if field == "persistent" and raw == "streamed":
+        return raw
     if field == "flash_dq":
         if raw not in ("atomic", "kernel"):
             raise ValueError(f"{name}={raw!r}: expected 'atomic' or 'kernel'")
         return raw
     if "bool" in str(kind):
         if raw not in _BOOLS:
-            raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+            extra = " or streamed" if field == "persistent" else ""
+            raise ValueError(f"{name}={raw!r}: expected 0 or 1{extra}")
         return _BOOLS[raw]
     try:
         value = int(raw)

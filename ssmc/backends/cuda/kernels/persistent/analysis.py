@@ -30,7 +30,7 @@ loop runs the shape).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .....ir.node import Node, depending_on, toposort
 from .....ir.ops import ELEMENTWISE, Op
@@ -324,6 +324,10 @@ class Plan:
                      # TF32's 10 bits of mantissa); 0: 16-bit inputs (m16n8k16)
     rvals: int = 0   # the reductions over the units (`Cell.reductions`): the most values a level sums a row (their
     rlevels: int = 0  # block sums rs[rvals][trows][units] and totals rt[rvals][trows] in shared memory), the levels
+    streamed: bool = False  # the tensor-core form with U not resident (`plan`'s `streamed`): the block's slice kept
+                            # in global memory ug [npad][jpad] (written by the block once a call, read through L2
+                            # each step), staged a chunk at a time beside the operand's chunk in the same ring
+    reason: str = field(default="", compare=False)  # why this form (`describe`; the streamed form: why not resident)
 
     def __post_init__(self):
         if not self.trows:
@@ -380,7 +384,10 @@ class Plan:
 
     @property
     def u_bytes(self) -> int:
-        """Bytes of the block's U slice (the start of the staging ring, a multiple of 16)."""
+        """Bytes of the block's U slice in shared memory (the start of the staging ring, a multiple of 16; 0 where
+        U is streamed)."""
+        if self.streamed:
+            return 0
         if self.mma:
             return -(-self.elem * self.npad * (self.jpad + self.epad) // 16) * 16
         if self.vec:
@@ -388,9 +395,26 @@ class Plan:
         return -(-4 * self.jpad * (self.cpad or self.cols) * self.units // 16) * 16
 
     @property
+    def urows(self) -> int:
+        """Rows of U a ring buffer holds after the operand's (streamed: the block's npad columns, a chunk of the
+        contracted indices each; else none)."""
+        return self.npad if self.streamed else 0
+
+    @property
+    def slice_elems(self) -> int:
+        """Values of a block's U slice in global memory where streamed: ug [npad][jpad] (16-byte rows)."""
+        return self.npad * self.jpad
+
+    @property
+    def slices(self) -> int:
+        """U slices in global memory where streamed: one a block of a tile, a head's tiles sharing them (the same
+        columns and contracted indices: one copy in L2 for all the tiles)."""
+        return self.heads * (self.blocks // self.tiles)
+
+    @property
     def stage_bytes(self) -> int:
         if self.mma:
-            return self.elem * self.mpad * (self.chunk + self.epad)
+            return self.elem * (self.mpad + self.urows) * (self.chunk + self.epad)
         return 4 * self.trows * (self.chunk + 4)
 
     @property
@@ -412,7 +436,8 @@ class Plan:
         group's jpad indices), and where split the fp32 partials written and read back."""
         staged = self.blocks * self.trows * self.jpad * self.elem
         partials = 2 * self.blocks * self.trows * self.nunits * self.cols * 4 if self.ksplit > 1 else 0
-        return staged + partials
+        streamed = self.blocks * self.slice_elems * self.elem if self.streamed else 0
+        return staged + partials + streamed
 
     @property
     def red_bytes(self) -> int:
@@ -425,7 +450,13 @@ class Plan:
         return self.u_bytes + max(self.stages * self.stage_bytes, self.sp_bytes) + self.red_bytes
 
     def describe(self) -> str:
-        if self.mma and self.tf32:
+        if self.streamed:
+            kind = (f"fp32, the product on tensor cores ({'3xTF32' if self.tf32 == 3 else 'TF32'}: mma.sync m16n8k8)"
+                    if self.tf32 else "in 16 bits, the product on tensor cores (mma.sync m16n8k16)")
+            form = (f"U streamed (not resident: {self.slices} slices of {self.slice_elems * self.elem // 1024} KiB "
+                    f"in global memory, {self.slices * self.slice_elems * self.elem / 2**20:.1f} MiB, read "
+                    f"from L2 each step a chunk at a time beside the operand's) {kind}")
+        elif self.mma and self.tf32:
             form = (f"U slice {self.u_bytes // 1024} KiB fp32 resident in shared memory, the product on tensor cores "
                     f"({'3xTF32' if self.tf32 == 3 else 'TF32'}: mma.sync m16n8k8)")
         elif self.mma:
@@ -443,9 +474,10 @@ class Plan:
                   + (f"then exchanged among the tile's {nbt} blocks, a barrier a level)" if nbt > 1
                      else "the tile's units all in the block: no barrier among blocks)")
                   if self.rlevels else "")
+        reason = f"; {self.reason}" if self.reason else ""
         return (f"{self.blocks} blocks x {self.threads} threads: {self.tiles} batch tiles of {self.trows} rows, "
                 f"{self.units} units x {self.cols} columns a block, {form}, the operand staged {self.chunk} "
-                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}")
+                f"contracted indices a chunk, {self.stages} chunks a ring{split}{reduce}{reason}")
 
 
 # a block gets at least this many (row, unit) pairs where the shape has few: a small shape's step is bound
@@ -523,7 +555,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
          shared_limit: int = BLOCK_SHARED, tiles: int | None = None, mma: bool = False,
          max_blocks: int | None = None, ksplit: int | None = None, tf32: int = 0,
          ring: tuple[int | None, int | None] | None = None,
-         deep_ring: tuple[int | None, int | None] | None = None) -> Plan | str:
+         deep_ring: tuple[int | None, int | None] | None = None, streamed: bool = False) -> Plan | str:
     """The split of `cell` at `sizes` over at most `sm_count` blocks (`blocks`: exactly that many, as
     the emulator's one; `tiles`: exactly that many batch tiles), within `shared_limit` bytes of shared
     memory a block, or why none fits. Preferred, in order: GRU's three columns padded to four, the most
@@ -546,7 +578,16 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     buffers) of a tensor-core forward's staging where they fit (None in either: the deepest ring of the chunk
     given, the largest chunk of the buffers given; CudaOptions.persistent_forward_chunk / _stages), else the
     rule above; `deep_ring` the same for the one-column products that take the deepest ring (the adjoints:
-    persistent_adjoint_chunk / _stages)."""
+    persistent_adjoint_chunk / _stages).
+
+    `streamed` (the tensor-core form only; `Plan.streamed`): U not resident. The same split by columns, but a
+    block's U slice lies in global memory (all slices together U's size once a head: they stay in L2 across the
+    steps) and each ring buffer holds a chunk of it [npad][chunk] beside the operand's chunk, so shared memory
+    bounds only the ring: the plan for a U larger than the grid's shared memory. Batch tiles fewest first there:
+    each tile's blocks read all of U a step (tiles x U bytes from L2), so one tile moves the least, the pairs a
+    thread permitting."""
+    if streamed and not mma:
+        return "the streamed form needs the tensor-core form (SSMC_CUDA_PERSISTENT_MMA=0 keeps U resident)"
     rows = math.prod(sizes[a] for a in cell.rows)
     nheads = math.prod(sizes[a] for a in cell.heads)
     size = sizes[cell.split]
@@ -567,7 +608,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
     if mma:
         cpad = cols  # the columns of all units are one flat axis n there
     for pad in ((cpad, cols) if cpad != cols else (cols,)):  # GRU's 3 gates padded to 4 where it fits
-        for per_head in ((tiles,) if tiles else TILES):
+        for per_head in ((tiles,) if tiles else TILES[::-1] if streamed else TILES):
             ntiles = nheads * per_head
             trows = -(-(rows // nheads) // per_head)
             if tiles is None and per_head > 1 and trows < min_rows:
@@ -607,8 +648,10 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     continue
                 kd = depth if ks == 1 else depth // size * js * units  # the block's K group: js x units units
                 if mma:
+                    # (streamed: a buffer holds the chunk's U rows, the block's product columns, too)
+                    urows = -(-ks * units * cols // 8) * 8 if streamed else 0
                     chunks = [c for c in MMA_CHUNKS if c <= max(-(-kd // 16) * 16, 16)
-                              and elem * mpad * (c + epad) <= STAGE_BYTES]
+                              and elem * (mpad + urows) * (c + epad) <= STAGE_BYTES]
                 else:
                     chunks = [c for c in CHUNKS if c <= max(-(-kd // 4) * 4, CHUNKS[-1])
                               and 4 * trows * (c + 4) <= STAGE_BYTES]
@@ -617,16 +660,17 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     continue
                 # the tensor-core adjoints (one column): the ring of the most bytes in flight; the forwards: the
                 # largest chunk's ring of STAGES, which the GPU sweep found faster for them than the deepest ring
-                # (docs/design/persistent-rnn.md, "Deeper rings")
-                deepest = mma and cols == 1
-                forced = (deep_ring if deepest else ring) if mma else None
+                # (docs/design/persistent-rnn.md, "Deeper rings"); streamed, the forwards too: a step's staging is
+                # then U's slice besides the operand, all of it from L2, where bytes in flight bound it (not measured)
+                deepest = mma and (cols == 1 or streamed)
+                forced = (deep_ring if cols == 1 else ring) if mma else None
                 if forced and any(forced):
                     for chunk in (c for c in chunks if forced[0] in (None, c)):
                         jpad = -(-kd // chunk) * chunk
                         for stages in ((forced[1],) if forced[1] else DEEP_STAGES):
                             candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
                                              pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0,
-                                             rvals, rlevels)
+                                             rvals, rlevels, streamed)
                             if stages >= 2 and candidate.shared_bytes <= shared_limit:
                                 return candidate
                 deep = []  # (bytes in flight, chunk, plan) of each chunk's deepest ring
@@ -635,7 +679,7 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     for stages in (DEEP_STAGES if deepest else STAGES):
                         candidate = Plan(rows, size, cols, units, nb * ntiles, threads, pairs, chunk, jpad, kd,
                                          pad, vec, stages, ntiles, trows, nheads, mma, ks, tf32 if mma else 0,
-                                         rvals, rlevels)
+                                         rvals, rlevels, streamed)
                         if candidate.shared_bytes <= shared_limit:
                             if not deepest:
                                 return candidate

@@ -393,13 +393,15 @@ def warp_grid(plan: Plan) -> tuple[int, int, int, int]:
 
 
 def _fragment_rows(ctype: str, per16: int) -> list[str]:
-    """The lines giving each lane its ldmatrix row addresses, `sa[i]` in the staged chunk (A, m-tile i) and
-    `sb[n / 2]` in sub (B, n-tiles n and n + 1), of values of `ctype`, `per16` of them in 16 bytes (8: the 16-bit
-    form; 4: the tf32 form, whose fp32 values ldmatrix moves as pairs of 16 bits): a register plus a constant for
-    each tile and k step of the chunk; the tiles past the ends clamped to the last (a valid address; their
-    products are skipped). A (x4: rows 0-7, 8-15 at the first 16 bytes, then the next): lane l at row l % 16,
-    column per16 (l / 16). B (x4: the k rows of tile n's first 16 bytes, its next, then tile n + 1's; an odd last
-    tile's x4 reads the tile past it, clamped): lane l at row 8 (n + l / 16) + l % 8, column per16 ((l / 8) % 2)."""
+    """The lines giving each lane its ldmatrix row addresses, `sa[i]` in the staged chunk (A, m-tile i) and `sb[n / 2]`
+    in the chunk's U rows `ub` (B, n-tiles n and n + 1; rows UPITCH apart: sub at the chunk's first index where U
+    is resident, the ring buffer's U rows where it is streamed), of values of `ctype`, `per16` of them in 16
+    bytes (8: the 16-bit form; 4: the tf32 form, whose fp32 values ldmatrix moves as pairs of 16 bits): a
+    register plus a constant for each tile and k step of the chunk; the tiles past the ends clamped to the last
+    (a valid address; their products are skipped). A (x4: rows 0-7, 8-15 at the first 16 bytes, then the next):
+    lane l at row l % 16, column per16 (l / 16). B (x4: the k rows of tile n's first 16 bytes, its next, then
+    tile n + 1's; an odd last tile's x4 reads the tile past it, clamped): lane l at row 8 (n + l / 16) + l % 8,
+    column per16 ((l / 8) % 2)."""
     return [
         "    const int ln = threadIdx.x % 32;",
         f"    const {ctype}* sa[WM];",
@@ -410,7 +412,7 @@ def _fragment_rows(ctype: str, per16: int) -> list[str]:
         "    #pragma unroll",
         "    for (int n = 0; n < WN; n += 2) {",
         "        const int nt = NFULL && n + 1 < WN ? wn0 + n + ln / 16 : min(wn0 + n + ln / 16, NT - 1);",
-        f"        sb[n / 2] = sub + (nt * 8 + ln % 8) * UST + j0 + {per16} * ((ln / 8) % 2);",
+        f"        sb[n / 2] = ub + (nt * 8 + ln % 8) * UPITCH + {per16} * ((ln / 8) % 2);",
         "    }",
     ]
 
@@ -481,6 +483,8 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
         args.append("float* __restrict__ pb")
     if cell.reductions:
         args.append("float* __restrict__ rx")
+    if plan.streamed:
+        args.append("X* __restrict__ ug")
     weight = pr.params[cell.weight]
     order = tuple(a for a in pr.weight_axes if a in cell.contracted)  # the flat contracted index's order
     wat = ({a: f"e_{a}" for a in order} | {cell.out_unit: "kk"} | {a: f"c_{a}" for a in cell.cols}
@@ -540,12 +544,13 @@ def kernel_source(cell: Cell, plan: Plan, sizes: dict[str, int],
     if plan.mma:  # sub[n][j], n = u * COLS + c: j fastest (a B fragment's k pair one 32-bit load; tf32: its value)
         unit_in = f" && e_{cell.unit} < SIZE" if split else ""
         u_value = f"w{weight}[{u_index}]" if tf else f"ssmc_mma::float_half<BF16>(w{weight}[{u_index}])"
+        # (streamed: into the block's slice of ug [NPAD][JPAD] in global memory, staged a chunk at a time each step)
+        target = "ugw[(long long)n * JPAD + j]" if plan.streamed else "sub[(long long)n * UST + j]"
         load_u = [
             "for (int e = threadIdx.x; e < NPAD * JPAD; e += THREADS) {",
             "    const int j = e % JPAD, n = e / JPAD, u = n / COLS, c = n % COLS, kk = n0 + u;",
             *("    " + line for line in local_decode),
-            f"    sub[(long long)n * UST + j] = (u < JU && j < DEPTH && kk < SIZE{unit_in}) ? "
-            f"{u_value} : (X)0;",
+            f"    {target} = (u < JU && j < DEPTH && kk < SIZE{unit_in}) ? {u_value} : (X)0;",
             "}",
         ]
     elif plan.vec:  # su[u][j]: j fastest (the adjoint's U[j-unit, (g, k)] is contiguous along it)
@@ -859,6 +864,10 @@ typedef {"H" if plan.mma and not tf else "F"} X;  // the exchange buffer's and t
 #define JPAD {plan.jpad}
 #define DEPTH {plan.depth}
 #define U_BYTES {plan.u_bytes}
+#define STREAMED {int(plan.streamed)}
+#define UROWS {plan.urows}  // a ring buffer's rows of U after the operand's RROWS (streamed: NPAD)
+#define UPITCH {"SHS" if plan.streamed else "UST"}  // values between two rows of U where the product reads them
+#define UCOPIES {-(-plan.urows * (plan.chunk // (16 // plan.elem)) // plan.threads)}  // a thread's copies of a U chunk
 #define SHARED_BYTES {plan.shared_bytes}
 #define COPIES {-(-plan.trows * plan.chunk // (16 // plan.elem) // plan.threads)}
 #define CPR (CHUNK / EPC)  // 16-byte copies a staged row
@@ -1024,6 +1033,20 @@ __device__ __forceinline__ void stage(X (*sh)[SHS], const X* hin, int c)
     }}
 }}
 
+#if STREAMED
+// chunk c of the block's U slice ugs [NPAD][JPAD] (global, the on-chip type: the prologue wrote it) into the U rows
+// of the ring buffer `sh` (rows RROWS + n), in the same group of copies as the operand's chunk: from L2, where the
+// slices of all the blocks (U's size once) stay across the steps
+__device__ __forceinline__ void stage_u(X (*sh)[SHS], const X* ugs, int c)
+{{
+    #pragma unroll
+    for (int i = 0; i < UCOPIES; ++i) {{
+        const int e = threadIdx.x + i * THREADS, n = e / CPR, j = EPC * (e % CPR);
+        if (NPAD * CPR == UCOPIES * THREADS || e < NPAD * CPR)
+            copy16(&sh[RROWS + n][j], ugs + (long long)n * JPAD + c * CHUNK + j);
+    }}
+}}
+#endif
 #if TF32
 // x's bits rounded to tf32 (to nearest, ties away from zero; cvt.rna.tf32.f32 for finite x), the lower 13 bits zero
 __device__ __forceinline__ unsigned tf32_round(unsigned x) {{ return (x + 0x1000u) & 0xffffe000u; }}
@@ -1064,8 +1087,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #else
     __shared__ __align__(16) unsigned char smem[SHARED_BYTES];
 #endif
-#if MMA
+#if MMA && !STREAMED
     X* sub = reinterpret_cast<X*>(smem);  // [NPAD][UST]: U slice, 16-bit (tf32: fp32), the contracted index fastest
+#elif STREAMED
+    // the block's U slice in global memory [NPAD][JPAD]: a head's tiles' blocks of the same columns share one
+    X* const ugw = ug + (long long)((blockIdx.x / NBT) / TPH * NBT + blockIdx.x % NBT) * (NPAD * JPAD);
+#endif
+#if MMA
     // the product's result [MPAD][SPS] fp32, read by the threads owning the pairs: in the ring's memory (idle
     // from the step's last chunk to the next step's first staging, with block barriers between)
     F* sp = reinterpret_cast<F*>(smem + U_BYTES);
@@ -1082,9 +1110,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
 #else
     F (*su)[UNITS][CPAD] = reinterpret_cast<F (*)[UNITS][CPAD]>(smem);
 #endif
-    // the ring of staged chunks [NSTAGE][RROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
-    // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero)
-    X (*ring)[RROWS][SHS] = reinterpret_cast<X (*)[RROWS][SHS]>(smem + U_BYTES);
+    // the ring of staged chunks [NSTAGE][RROWS + UROWS][SHS] (SHS past the chunk: a warp's rows in different banks;
+    // RROWS: the tile's rows, rounded up to whole m16 tiles in the tensor-core form, the pad rows zero; streamed,
+    // the chunk's UROWS rows of U after them)
+    X (*ring)[RROWS + UROWS][SHS] = reinterpret_cast<X (*)[RROWS + UROWS][SHS]>(smem + U_BYTES);
 #if RED_BYTES
     // the reductions over the units: a level's pairs' summands rs[v][lr][u], its totals a row rt[v][lr]
     F* const rs = reinterpret_cast<F*>(smem + SHARED_BYTES - RED_BYTES);
@@ -1098,6 +1127,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
     const int row0 = (tile / TPH) * HB + (tile % TPH) * TROWS, TLIM = min(TROWS, HB - (tile % TPH) * TROWS);
 {chr(10).join("    " + line for line in head_decode)}
 {chr(10).join("    " + line for line in load_u)}
+#if STREAMED
+    __threadfence();  // the slice written before the block's copies read it through L2
+    __syncthreads();
+#endif
     // the exchange buffer's pad columns [DEPTH, JPAD): zero, and never written again (U is zero there too,
     // but a NaN of uninitialised memory times zero is not)
     // (split: the host zeroes xo, whose pad columns lie within each K group's slice)
@@ -1187,16 +1220,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) {name}({", ".join(args)
         // buffer chunk c - 1 left, the products of chunk c
         #pragma unroll
         for (int c = 0; c < NSTAGE - 1; ++c) {{
-            if (c < NCHUNK) stage(ring[c], xt, c);
+            if (c < NCHUNK) {{
+                stage(ring[c], xt, c);
+#if STREAMED
+                stage_u(ring[c], ugw, c);
+#endif
+            }}
             copies_commit();
         }}
         for (int c = 0; c < NCHUNK; ++c) {{
             copies_wait();
             __syncthreads();
-            if (c + NSTAGE - 1 < NCHUNK) stage(ring[(c + NSTAGE - 1) % NSTAGE], xt, c + NSTAGE - 1);
+            if (c + NSTAGE - 1 < NCHUNK) {{
+                stage(ring[(c + NSTAGE - 1) % NSTAGE], xt, c + NSTAGE - 1);
+#if STREAMED
+                stage_u(ring[(c + NSTAGE - 1) % NSTAGE], ugw, c + NSTAGE - 1);
+#endif
+            }}
             copies_commit();  // a group every chunk, empty ones included: the wait counts groups
             X (*sh)[SHS] = ring[c % NSTAGE];
             const int j0 = c * CHUNK;
+#if STREAMED
+            const X* const ub = &sh[RROWS][0];  // the chunk's U rows [NPAD][SHS]
+#elif MMA
+            const X* const ub = sub + j0;  // U's rows [NPAD][UST] at the chunk's first index
+#endif
 #if MMA
 {chr(10).join("            " + line for line in mma_product)}
 #else

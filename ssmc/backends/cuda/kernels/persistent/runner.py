@@ -9,7 +9,7 @@ A call converts its arrays to contiguous fp32 (in the tensor-core form, 16-bit s
 they are), allocates the outputs (fp32; in the tensor-core form the values only the post products read,
 an adjoint's dz, and the recorded product h U in 16 bits: `half_outputs`), the exchange buffer
 xo [2][rows][xcols] (the operand of a step by its parity; split, also the fp32 partial products
-pb [2][ksplit][rows][units]) and zeroed barrier words, and makes one
+pb [2][ksplit][rows][units]; streamed, the blocks' U slices ug) and zeroed barrier words, and makes one
 cooperative launch (`cuLaunchCooperativeKernel`: the driver refuses a grid that cannot be co-resident
 rather than letting its barrier deadlock). Emulated (SSMC_CUDA_EMULATE=1) it launches one block.
 A barrier that waits past its limit flags the barrier words and goes on (no hang); the runner copies
@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+from dataclasses import replace
 
 from ...options import emulating, options
 from ...runner import batch_outer
@@ -57,7 +58,8 @@ class PersistentLoop:
     @property
     def describe(self) -> str:
         return (f"{self.fallback.describe}; where the shape fits, one persistent kernel a call "
-                f"({self.cell.describe()}: U resident in shared memory, a grid barrier a step"
+                f"({self.cell.describe()}: U resident in shared memory, or streamed from L2 each step where it "
+                "does not fit, a grid barrier a step"
                 f"{' and one a level of reductions' if self.cell.reductions else ''}; "
                 "SSMC_CUDA_PERSISTENT=0: the loop)")
 
@@ -65,24 +67,48 @@ class PersistentLoop:
         """The `analysis.Plan` of `sizes` for the current options (one block where emulated), or a refusal;
         `half`: the tensor-core form (16-bit U and operand on chip); else, fp32 inputs, its fp32 form
         (`Plan.tf32`: 3xTF32, or TF32 where allowed: `tf32_passes`) unless SSMC_CUDA_PERSISTENT_MMA=0;
-        either falling back to the FMA form (fp32 U and operand) where that does not fit."""
+        either falling back to the FMA form (fp32 U and operand) where that does not fit, and then, U on chip not
+        fitting in either, to the tensor-core form with U streamed from L2 each step (`Plan.streamed`);
+        SSMC_CUDA_PERSISTENT=streamed: the streamed form only. A refusal names each form's reason."""
         emulate = emulating()
         sm, cap = options().sm_count, options().persistent_blocks
         passes = 0 if half else tf32_passes()
         opts = options()
         ring = (opts.persistent_forward_chunk, opts.persistent_forward_stages)
         deep_ring = (opts.persistent_adjoint_chunk, opts.persistent_adjoint_stages)
-        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, analysis.MIN_BLOCK_PAIRS,
+        forced = opts.persistent == "streamed"
+        key = (tuple(sorted(sizes.items())), emulate, sm, half, passes, cap, ring, deep_ring, forced,
+               analysis.MIN_BLOCK_PAIRS,
                analysis.SPLIT_BYTES, analysis.SPLITS, analysis.SPLIT_ACCUMULATORS,
                analysis.DEEP_STAGES, EMULATED_BLOCKS)  # (tests, bench/ change them)
         if key not in self._plans:
             # emulated: a block a head (the blocks run one after another: no grid barrier between them)
             blocks = (EMULATED_BLOCKS or math.prod(sizes[a] for a in self.cell.heads)) if emulate else None
-            chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
-                           deep_ring=deep_ring)
-                      if half or passes else None)
-            if chosen is None or isinstance(chosen, str):
-                chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
+            tensor_cores = bool(half or passes)
+
+            def streamed():
+                if not tensor_cores:
+                    return "the streamed form needs the tensor-core form (SSMC_CUDA_PERSISTENT_MMA=0)"
+                return plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
+                            deep_ring=deep_ring, streamed=True)
+
+            if forced:
+                chosen = streamed()
+                chosen = (f"streamed (SSMC_CUDA_PERSISTENT=streamed): {chosen}" if isinstance(chosen, str)
+                          else replace(chosen, reason="streamed as SSMC_CUDA_PERSISTENT=streamed asks"))
+            else:
+                chosen = (plan(self.cell, sizes, sm, blocks=blocks, mma=True, max_blocks=cap, tf32=passes, ring=ring,
+                               deep_ring=deep_ring)
+                          if tensor_cores else None)
+                if chosen is None or isinstance(chosen, str):
+                    resident = chosen
+                    chosen = plan(self.cell, sizes, sm, blocks=blocks, max_blocks=cap)
+                    if isinstance(chosen, str):  # U fits on chip in no form: streamed from L2 each step
+                        second = streamed()
+                        why = [f"tensor cores, U resident: {resident}"] if resident else []
+                        chosen = (replace(second, reason=f"streamed: U fits on chip in no form ({resident or chosen})")
+                                  if not isinstance(second, str)
+                                  else "; ".join([*why, f"FMA form: {chosen}", f"streamed: {second}"]))
             self._plans[key] = chosen
         return self._plans[key]
 
@@ -260,6 +286,9 @@ class PersistentLoop:
         if cell.reductions:  # the reductions' block sums [levels][blocks][tile rows][values] (`Plan.rvals`)
             tensors.append(torch.empty(max(1, chosen.rlevels * chosen.blocks * chosen.trows * chosen.rvals), dtype=f32,
                                        device=device))
+        if chosen.streamed:  # the blocks' U slices [slices][npad][jpad] in the on-chip type (each block writes its
+            # own, every tile's alike: the kernel's prologue), read through L2 each step
+            tensors.append(torch.empty(chosen.slices * chosen.slice_elems, dtype=half or f32, device=device))
         pointers = [t.data_ptr() for t in tensors]
         late = bool(opts.persistent_late_stores)
         form = dict(bf16=half != torch.float16, half_seqs=half_seqs, half_outs=half_outs,
