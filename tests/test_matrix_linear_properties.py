@@ -132,30 +132,24 @@ LONG_GPU_SIZES = st.tuples(st.just(1), st.just(1), st.integers(1, 2), st.sampled
                            st.sampled_from((64, 128)))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [1, 7, 63, 64, 65, 180, 1000, 4097])
-@settings(max_examples=examples(1), deadline=None)
-@given(data=st.data(), layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2 ** 16))
-def test_gpu_generated_specs_fp32_and_bf16(length, data, layout, seed):
-    """One generated spec a length, on inputs rounded to bf16 (the reference, float64 in the interpreter, on
-    the same values):
+def fp32_and_bf16_match_the_interpreter(case, length: int, layout: str, seed: int, device: str = "cuda") -> bool:
+    """`case` on inputs rounded to bf16 (the reference, float64 in the interpreter, on the same values and on
+    cotangents rounded alike) through the CUDA backend:
 
     - fp32 (`dtype="float32"`, NumPy inputs): outputs, final state and every gradient within 1e-4, max
       |error| / max |reference| (tests/test_chunked.py::test_gpu_float32_and_bfloat16);
-    - bf16 (torch tensors: arrays of rank > 1 in bf16, the others fp32, as tests/test_chunked.py's GPU
-      test): the output and final state within 2e-2 relative RMS error, every gradient through
+    - bf16 (torch tensors on `device`: arrays of rank > 1 in bf16, the others fp32, as tests/test_chunked.py's
+      GPU test): the output and final state within 2e-2 relative RMS error, every gradient through
       ssmc.torch.function within 2e-2, those of params and of the inputs of the decay and β (sums over
       every step) within 3e-2 (tests/test_chunk_kernels.py's GPU spec tests).
-    """
+
+    Returns whether the bf16 forward ran on the tensor-core kernels."""
     import ssmc.torch
     from ssmc.backends.cuda.kernels.chunk import mma
 
-    case = data.draw(matrix_linear_specs(sizes=LONG_GPU_SIZES if length >= 1000 else GPU_SIZES), label="case")
-    event(case.kind)
-    assert_chunked(case)
     rng = np.random.default_rng(seed)
     inputs = case.inputs(rng, length, layout)
-    bf = {k: torch.as_tensor(v, device="cuda").to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
+    bf = {k: torch.as_tensor(v, device=device).to(torch.bfloat16 if np.ndim(v) > 1 else torch.float32)
           for k, v in inputs.items()}
     rounded = {k: v.double().cpu().numpy() for k, v in bf.items()}
     ref, cot, lam, want = _reference(case, rounded, layout, rng,
@@ -173,15 +167,31 @@ def test_gpu_generated_specs_fp32_and_bf16(length, data, layout, seed):
         leaves = {k: v.clone().requires_grad_(True) for k, v in bf.items()}
         y, final = fn(**leaves)
         (dy,), (dfinal,) = cot.values(), lam.values()
-        torch.autograd.backward([y, final], [torch.as_tensor(dy, device="cuda").to(y.dtype),
-                                             torch.as_tensor(dfinal, device="cuda").to(final.dtype)])
-    event(f"bf16 on the tensor-core kernels: {bool(calls)}")
+        torch.autograd.backward([y, final], [torch.as_tensor(dy, device=device).to(y.dtype),
+                                             torch.as_tensor(dfinal, device=device).to(final.dtype)])
     params = {d.name for d in case.spec.program.params}
     for name, w in want.items():
         g = leaves[name].grad
         assert g is not None and tuple(g.shape) == np.shape(w), name
         tol = 3e-2 if name in params or name in case.decay_inputs else 2e-2
         assert _rms_relative(g, w) < tol, (name, _rms_relative(g, w))
+    return bool(calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 7, 63, 64, 65, 180, 1000, 4097])
+@settings(max_examples=examples(1), deadline=None)
+@given(data=st.data(), layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2 ** 16))
+def test_gpu_generated_specs_fp32_and_bf16(length, data, layout, seed):
+    """One generated spec a length (`fp32_and_bf16_match_the_interpreter`), key and value sizes of the
+    tensor-core kernels among the draws; batch and heads 1 at L >= 1000 (the interpreter's reference)."""
+    case = data.draw(matrix_linear_specs(sizes=LONG_GPU_SIZES if length >= 1000 else GPU_SIZES), label="case")
+    event(case.kind)
+    assert_chunked(case)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SSMC_CUDA_EMULATE", raising=False)
+        kernels = fp32_and_bf16_match_the_interpreter(case, length, layout, seed)
+    event(f"bf16 on the tensor-core kernels: {kernels}")
 
 
 # -- known bugs ------------------------------------------------------------------------------------------------
