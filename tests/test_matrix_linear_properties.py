@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import ssmc
 from ssmc.passes.matrix_linear import chunk_stages, core_form, matrix_linear
-from tests.profiles import examples
+from tests.profiles import examples, nightly_case
 from tests.strategies import matrix_linear_specs
 
 torch = pytest.importorskip("torch")
@@ -192,6 +192,36 @@ def test_gpu_generated_specs_fp32_and_bf16(length, data, layout, seed):
         mp.delenv("SSMC_CUDA_EMULATE", raising=False)
         kernels = fp32_and_bf16_match_the_interpreter(case, length, layout, seed)
     event(f"bf16 on the tensor-core kernels: {kernels}")
+
+
+# -- a case the generator found -------------------------------------------------------------------------------
+
+@ssmc.recurrence
+def transposed_by_the_decay(S: ssmc.State["b h n p"], C: ssmc.Seq["b h n"], B: ssmc.Seq["b h n"],
+                            x: ssmc.Seq["b h p"], gamma: ssmc.Param["h"], z: ssmc.Seq["b h p"]):
+    """RetNet's decay (a param over the heads, before S: the update's axes [h b n p]) and an output gate: the
+    core's o is [h b p], the contraction dot(C, S) the output reads [b h p]. chunk_stages built the core's
+    output as a transposing EXPAND of o, which core_form does not read: the spec fell to the scans."""
+    S = gamma * S + B * x
+    return S, ssmc.dot(C, S, over="n") * ssmc.silu(z)
+
+
+@pytest.mark.parametrize("layout", ["t ...", nightly_case("b t ...", reason="the same stages; time second")])
+def test_a_core_transposed_by_its_decay_is_chunked(layout, emulated_cuda):
+    """The core writes o as its update orders it and a post stage transposes it: chunked, and against the
+    interpreter (float64, outputs, final state, every gradient) in a layout that keeps the output's axis
+    order ("t ...") and one that names b first."""
+    fused = chunk_stages(transposed_by_the_decay.program)
+    assert fused is not None and [s.kind for s in fused.stages] == ["core", "post"]
+    assert fused.stages[0].program.outputs[0][1].axes == ("h", "b", "p")
+    rng = np.random.default_rng(1)
+    length, time_at = 21, 0 if layout == "t ..." else 1
+    shapes = {"C": (2, 3, 2), "B": (2, 3, 2), "x": (2, 3, 4), "z": (2, 3, 4)}
+    inputs = {n: np.moveaxis(rng.standard_normal((length, *shape)), 0, time_at) for n, shape in shapes.items()}
+    inputs.update(gamma=rng.uniform(0.5, 1.0, 3), S=rng.standard_normal((2, 3, 2, 4)))
+    case = type("Case", (), {"spec": transposed_by_the_decay})
+    ref, cot, lam, want = _reference(case, inputs, layout, rng)
+    _compare_float(case, inputs, layout, "float64", ref, cot, lam, want, 1e-10)
 
 
 # -- known bugs ------------------------------------------------------------------------------------------------
