@@ -629,3 +629,196 @@ def near_ties(spec, inputs: dict[str, np.ndarray], layout: str = "t ...", rel: f
     with observing(watch):
         ssmc.compile(spec, "interpreter", layout=layout).run(**inputs)
     return closest[0] <= rel
+
+
+# -- matrix-linear specs (the chunked path) ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatrixLinearCase:
+    """A generated matrix-linear spec, with what its inputs need to keep it well conditioned.
+
+    `spec` is ``S[b H κ ν] = a ⊙ S + β k ⊗ v``, ``y = post(Σ_κ S ⊙ q, inputs)`` over head axes H ("h", or
+    "h r": r heads per group h, q and k shared by a group's heads); every sequence's axes begin with
+    "b h", so that both layouts ``"b t ..."`` and ``"b h t ..."`` apply. `draws` maps each input (and the
+    state) to how its values are drawn (`MatrixLinearCase.inputs`): "normal", "key" (normal / sqrt(K)),
+    "log_decay" (log of uniform(0.5, 1): ≤ 0), "decay" (uniform(0.5, 1)), "gate" (normal + 2: a sigmoid
+    near 1), "small" (0.5 normal), "log_rate" (uniform(-1, 1)). `sizes` are the axes' sizes; `kind`
+    a short description ("decay per head, β, skip, gate") for the test's events."""
+
+    spec: object
+    sizes: dict
+    draws: dict
+    decay: str                  # "none", "head" or "key"
+    kind: str
+    decay_inputs: frozenset     # the inputs the decay or β reads (their gradients sum over steps)
+
+    def inputs(self, rng: np.random.Generator, length: int, layout: str = "b t ...") -> dict[str, np.ndarray]:
+        """Keyword arguments in `layout` ("b t ..." or "b h t ..."), float64, the initial state included."""
+        program = self.spec.program
+        out = {}
+        key = self.sizes[_KEY_AXIS[program.name]] if program.name in _KEY_AXIS else 1
+        for d in (*program.inputs, *program.states):
+            shape = [self.sizes[a.split("=")[0]] for a in d.axes]
+            seq = d in program.seqs
+            if seq:  # time after "b" or after "b h" (every sequence's axes begin with them)
+                shape.insert(1 if layout == "b t ..." else 2, length)
+            how = self.draws[d.name]
+            if how == "log_decay":
+                x = np.log(rng.uniform(0.5, 1.0, shape))
+            elif how == "decay":
+                x = rng.uniform(0.5, 1.0, shape)
+            elif how == "log_rate":
+                x = rng.uniform(-1.0, 1.0, shape)
+            else:
+                x = rng.standard_normal(shape)
+                x = {"key": x / math.sqrt(key), "gate": x + 2.0, "small": 0.5 * x}.get(how, x)
+            out[d.name] = x
+        return out
+
+
+_KEY_AXIS: dict[str, str] = {}  # spec name -> its key axis (for the "key" draw's scale)
+
+# decays per head: (source with {h} for the head axes' argument list, the inputs it declares, their draws)
+_HEAD_DECAYS = (
+    # Mamba-2's: dt a sequence, A = -exp(A_log) a param
+    ("ssmc.exp(-ssmc.softplus(dt) * ssmc.exp(A_log))", (("dt", "Seq", "H"), ("A_log", "Param", "P")),
+     {"dt": "normal", "A_log": "log_rate"}),
+    ("ssmc.sigmoid(f)", (("f", "Seq", "H"),), {"f": "gate"}),                   # a gate, kept as is
+    ("ssmc.exp(g)", (("g", "Seq", "H"),), {"g": "log_decay"}),                  # simple GLA's
+    ("ssmc.exp(-ssmc.softplus(g))", (("g", "Seq", "H"),), {"g": "normal"}),
+    ("gamma", (("gamma", "Param", "P"),), {"gamma": "decay"}),                  # RetNet's, given as is
+    ("ssmc.sigmoid(w)", (("w", "Param", "P"),), {"w": "gate"}),
+    ("0.9", (), {}),
+)
+# A decay computed from params alone is a pre stage that reads no sequence: the CUDA backend's gradient fails
+# on it ("..._pre: no sequence input, so the number of steps is unknown"; tests/test_matrix_linear_properties.py,
+# test_a_decay_of_params_alone). Drawn only where `matrix_linear_specs` is asked for it.
+PARAMS_ALONE = frozenset({"ssmc.sigmoid(w)"})
+# decays per key (along κ): the same with the key axis
+_KEY_DECAYS = (
+    ("ssmc.exp(g)", (("g", "Seq", "HK"),), {"g": "log_decay"}),                 # GLA's
+    ("ssmc.sigmoid(f)", (("f", "Seq", "HK"),), {"f": "gate"}),
+    ("ssmc.exp(-ssmc.softplus(g) * 0.0625)", (("g", "Seq", "HK"),), {"g": "normal"}),
+    ("ssmc.exp(w)", (("w", "Param", "PK"),), {"w": "log_decay"}),
+)
+# β, a scalar per head and step (or a constant)
+_BETAS = (
+    ("ssmc.softplus(dt)", (("dt", "Seq", "H"),), {"dt": "normal"}),             # SSD's
+    ("ssmc.sigmoid(bt)", (("bt", "Seq", "H"),), {"bt": "normal"}),              # DeltaNet-like
+    ("bw", (("bw", "Param", "P"),), {"bw": "normal"}),
+    ("2.0", (), {}),
+    ("-1", (), {}),
+)
+
+
+@st.composite
+def matrix_linear_specs(draw, sizes=None, params_alone: bool = False) -> MatrixLinearCase:
+    """A random matrix-linear spec as a user would write one (`MatrixLinearCase`): a decay per head
+    (Mamba-2's exp(-softplus(dt) exp(A_log)), a sigmoid gate, exp of a log decay, a param, a constant),
+    per key (GLA's) or none; the injection ``k ⊗ v``, sometimes times a per-step β (softplus(dt), a
+    sigmoid, a param, a constant, a sign) and feature maps on q and k; the output ``Σ_κ S ⊙ q`` (written
+    as a dot either way round or a sum of a product), sometimes with a skip ``D ⊙ v`` (or ``+ v``) and a
+    gate ``silu(z)`` or ``sigmoid(z)``. The state's axes in either order (κ before ν or after).
+
+    `sizes`: a strategy of (batch, heads, heads per group, key, value) sizes; by default small ones (1-2
+    batch, heads and heads per group, key and value 2-5); `params_alone`: decays of params alone among
+    them (`PARAMS_ALONE`)."""
+    names = draw(st.sampled_from((("q", "k", "v", "k", "v"), ("C", "B", "x", "n", "p"))))
+    qn, kn, vn, key, value = names
+    grouped = draw(st.booleans())
+    heads = ("h", "r") if grouped else ("h",)
+    qk_heads = ("h",) if grouped else heads
+    # a head axis r along which nothing but v varies reads as a second value axis (S[κ, (r, ν)]: the same
+    # recurrence, refused as "2 value axes"): grouped heads take a decay that varies along r
+    decay = draw(st.sampled_from(("head", "head", "key") if grouped else ("none", "head", "head", "key")))
+    draws, lines = {}, []
+    declared: dict[str, tuple] = {}  # name -> (role, axes), in the order of the step's arguments
+
+    def declare(name, role, axes_code):
+        axes = {"H": ("b", *heads), "P": heads, "HK": ("b", *heads, key), "PK": (*heads, key)}[axes_code]
+        declared.setdefault(name, (role, axes))  # SSD's dt: the decay's and β's
+
+    decay_inputs = set()
+    a = None
+    if decay != "none":
+        choices = _HEAD_DECAYS if decay == "head" else _KEY_DECAYS
+        code, inputs, how = draw(st.sampled_from([c for c in choices if (c[1] or not grouped)
+                                                  and (params_alone or c[0] not in PARAMS_ALONE)]))
+        for name, role, axes_code in inputs:
+            declare(name, role, axes_code)
+            decay_inputs.add(name)
+        draws.update(how)
+        a = code
+        if len(code) > 12:
+            lines.append(f"    a = {code}")
+            a = "a"
+    beta = None
+    if draw(st.booleans()):
+        code, inputs, how = draw(st.sampled_from(_BETAS))
+        for name, role, axes_code in inputs:
+            declare(name, role, axes_code)
+            decay_inputs.add(name)
+        draws.update({k: v for k, v in how.items() if k not in draws})
+        beta = code
+    for name, axes in ((qn, ("b", *qk_heads, key)), (kn, ("b", *qk_heads, key)), (vn, ("b", *heads, value))):
+        declared[name] = ("Seq", axes)
+    draws.update({qn: "normal", kn: "key", vn: "normal"})
+    q_map = draw(st.sampled_from(("{0}", "{0}", "ssmc.silu({0})", "0.5 * {0}")))
+    k_map = draw(st.sampled_from(("{0}", "{0}", "ssmc.silu({0})", "{0} * 0.5")))
+    kq, kk = q_map.format(qn), k_map.format(kn)
+    injection = draw(st.sampled_from(("{k} * {v}", "{v} * {k}")))
+    inj = injection.format(k=kk if k_map == "{0}" else f"({kk})", v=vn)
+    if beta is not None:
+        inj = draw(st.sampled_from(("{b} * {i}", "{i} * {b}"))).format(b=beta if len(beta) < 6 else f"({beta})",
+                                                                         i=inj)
+        if beta == "-1":
+            inj = f"-({kk} * {vn})" if k_map == "{0}" else f"-(({kk}) * {vn})"
+    lines.append(f"    S = {a} * S + {inj}" if a is not None else f"    S = S + {inj}")
+    qq = qn if q_map == "{0}" else "qf"
+    if q_map != "{0}":
+        lines.append(f"    qf = {kq}")
+    read = draw(st.sampled_from((f"ssmc.dot(S, {qq}, over={key!r})", f"ssmc.dot({qq}, S, over={key!r})",
+                                 f"(S * {qq}).sum({key!r})")))
+    lines.append(f"    o = {read}")
+    skip = draw(st.sampled_from((None, None, "D", "one")))
+    gate = draw(st.sampled_from((None, None, "ssmc.silu(z)", "ssmc.sigmoid(z)")))
+    y = "o"
+    if skip == "D":
+        declared["D"] = ("Param", heads)
+        draws["D"] = "normal"
+        y = f"o + D * {vn}"
+    elif skip == "one":
+        y = f"o + {vn}"
+    if gate is not None:
+        declared["z"] = ("Seq", ("b", *heads, value))
+        draws["z"] = "normal"
+        y = f"({y}) * {gate}" if draw(st.booleans()) or skip is None else f"{y[:1]} * {gate}{y[1:]}"
+    lines.append(f"    y = {y}")
+    state_axes = ("b", *heads, *draw(st.sampled_from(((key, value), (value, key)))))
+    draws["S"] = "small"
+    order = [qn, kn, vn, *(n for n in declared if n not in (qn, kn, vn))]
+    args = [f"S: ssmc.State[{' '.join(state_axes)!r}]"]
+    args += [f"{n}: ssmc.{declared[n][0]}[{' '.join(declared[n][1])!r}]" for n in order]
+    text = "\n".join(["import ssmc", "", "", f"def step({', '.join(args)}):", *lines, "    return S, y", ""])
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    name = f"ml_{digest}"
+    text = text.replace("def step(", f"def {name}(")
+    path = os.path.join(_DIR, f"{name}.py")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(text)
+    namespace: dict = {"__name__": "ssmc_generated_spec"}
+    exec(compile(text, path, "exec"), namespace)
+    with contextlib.suppress(Exception):  # not inside a Hypothesis test
+        note(text)
+    spec = ssmc.recurrence(namespace[name])
+    spec.source = text
+    _KEY_AXIS[name] = key
+    if sizes is None:
+        sizes = st.tuples(st.integers(1, 2), st.integers(1, 2), st.integers(1, 2), st.integers(2, 5),
+                          st.integers(2, 5))
+    b, h, r, kd, vd = draw(sizes)
+    dims = {"b": b, "h": h, "r": r if grouped else 1, key: kd, value: vd}
+    kind = ", ".join(filter(None, (f"decay {decay}", "grouped" if grouped else None, beta and "β",
+                                   skip and "skip", gate and "gate")))
+    return MatrixLinearCase(spec, dims, draws, decay, kind, frozenset(decay_inputs))

@@ -277,10 +277,19 @@ def chunk_stages(program: Recurrence) -> Fused | None:
     else:
         carried = leaf
     update = build.add(carried, build.mul(build.mul(k, v), beta) if beta is not None else build.mul(k, v))
-    o = build.expand(build.reduce_sum(build.mul(update, q), ml.key), ml.contraction.axes)
-    identity = len(ml.outputs) == 1 and ml.outputs[0][1].op is Op.INPUT and ml.outputs[0][1].arg == ml.o
+    o = build.reduce_sum(build.mul(update, q), ml.key)
+    # the core's o has its update's axis order, which a decay lacking the batch axis (RetNet's gamma [h] * S)
+    # permutes; a core_form reads no transposed output, so a post stage transposes it to the contraction's
+    permuted = o.axes != ml.contraction.axes
+    outputs = ml.outputs
+    if permuted:
+        transposed = build.expand(Node.make(Op.INPUT, (), ml.o, o.axes), ml.contraction.axes)
+        outputs = tuple(zip([n for n, _ in outputs], substitute(
+            tuple(y for _, y in outputs), {Node.make(Op.INPUT, (), ml.o, ml.contraction.axes): transposed})))
+    identity = (not permuted and len(ml.outputs) == 1 and ml.outputs[0][1].op is Op.INPUT
+                and ml.outputs[0][1].arg == ml.o)
     o_name = ml.outputs[0][0] if identity else ml.o
-    skip = ml.skip if v is ml.v else None
+    skip = ml.skip if v is ml.v and not permuted else None
     if skip is not None and (_is_input(program, skip, _SEQ_OR_PARAM) or build.is_const(skip)):
         # post is o + s ⊙ v with v read as given (SSD's D x): the core's kernels add it as they write o
         o = substitute((ml.outputs[0][1],), {Node.make(Op.INPUT, (), ml.o, ml.contraction.axes): o})[0]
@@ -301,7 +310,6 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         stages.append(Stage("pre", pre, tuple(n for n, _ in prep)))
     stages.append(Stage("core", core, () if identity else (ml.o,)))
     if not identity:
-        post = program.with_roots((), ml.outputs, [(ml.o, ml.contraction.axes)], states=(),
-                                  name=f"{program.name}_post")
+        post = program.with_roots((), outputs, [(ml.o, o.axes)], states=(), name=f"{program.name}_post")
         stages.append(Stage("post", post))
     return Fused(program, tuple(stages))
