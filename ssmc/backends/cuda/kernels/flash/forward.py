@@ -428,7 +428,7 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
             continue
         t = params[d.name].to(torch.float32)
         order = [a for a in batch if a in d.axes]
-        t = t.permute(*[d.axes.index(a) for a in order])
+        t = t.permute([d.axes.index(a) for a in order])  # a list: a scalar param has no dims
         t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
         cols.append(t.reshape(-1))
     if sources:
