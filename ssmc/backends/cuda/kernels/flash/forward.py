@@ -381,7 +381,7 @@ def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, 
     n = math.prod(sizes[a] for a in axes)
     rows = torch.arange(n, dtype=torch.int64).reshape([sizes[a] for a in axes])
     order = [a for a in batch if a in axes]
-    rows = rows.permute(*[axes.index(a) for a in order])
+    rows = rows.permute([axes.index(a) for a in order])  # a list: no dims where no batch axis
     shape = [sizes[a] for a in batch]
     return rows.reshape([sizes[a] if a in axes else 1 for a in batch]).expand(shape).reshape(-1)
 
