@@ -622,7 +622,7 @@ class FlashBackward:
             extra = [a for a in d.axes if a not in batch]
             order = (*kept, *extra) if extra else kept
             g = g if extra else g[..., 0]
-            out[d.name] = g.permute(*[order.index(a) for a in d.axes]).contiguous()
+            out[d.name] = g.permute([order.index(a) for a in d.axes]).contiguous()  # a list: a scalar param has none
         return out
 
     def __call__(self, call, out, lse, d_out, param_grads: bool = True) -> dict:

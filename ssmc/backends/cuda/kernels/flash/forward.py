@@ -381,7 +381,7 @@ def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, 
     n = math.prod(sizes[a] for a in axes)
     rows = torch.arange(n, dtype=torch.int64, device=device).reshape([sizes[a] for a in axes])
     order = [a for a in batch if a in axes]
-    rows = rows.permute(*[axes.index(a) for a in order])
+    rows = rows.permute([axes.index(a) for a in order])  # a list: no dims where no batch axis
     shape = [sizes[a] for a in batch]
     return rows.reshape([sizes[a] if a in axes else 1 for a in batch]).expand(shape).reshape(-1)
 
@@ -429,7 +429,7 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
             continue
         t = params[d.name].to(torch.float32)
         order = [a for a in batch if a in d.axes]
-        t = t.permute(*[d.axes.index(a) for a in order])
+        t = t.permute([d.axes.index(a) for a in order])  # a list: a scalar param has no dims
         t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
         cols.append(t.reshape(-1))
     if sources:
