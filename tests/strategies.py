@@ -690,10 +690,6 @@ _HEAD_DECAYS = (
     ("ssmc.sigmoid(w)", (("w", "Param", "P"),), {"w": "gate"}),
     ("0.9", (), {}),
 )
-# A decay computed from params alone is a pre stage that reads no sequence: the CUDA backend's gradient fails
-# on it ("..._pre: no sequence input, so the number of steps is unknown"; tests/test_matrix_linear_properties.py,
-# test_a_decay_of_params_alone). Drawn only where `matrix_linear_specs` is asked for it.
-PARAMS_ALONE = frozenset({"ssmc.sigmoid(w)"})
 # decays per key (along κ): the same with the key axis
 _KEY_DECAYS = (
     ("ssmc.exp(g)", (("g", "Seq", "HK"),), {"g": "log_decay"}),                 # GLA's
@@ -712,7 +708,7 @@ _BETAS = (
 
 
 @st.composite
-def matrix_linear_specs(draw, sizes=None, params_alone: bool = False) -> MatrixLinearCase:
+def matrix_linear_specs(draw, sizes=None) -> MatrixLinearCase:
     """A random matrix-linear spec as a user would write one (`MatrixLinearCase`): a decay per head
     (Mamba-2's exp(-softplus(dt) exp(A_log)), a sigmoid gate, exp of a log decay, a param, a constant),
     per key (GLA's) or none; the injection ``k ⊗ v``, sometimes times a per-step β (softplus(dt), a
@@ -721,8 +717,7 @@ def matrix_linear_specs(draw, sizes=None, params_alone: bool = False) -> MatrixL
     gate ``silu(z)`` or ``sigmoid(z)``. The state's axes in either order (κ before ν or after).
 
     `sizes`: a strategy of (batch, heads, heads per group, key, value) sizes; by default small ones (1-2
-    batch, heads and heads per group, key and value 2-5); `params_alone`: decays of params alone among
-    them (`PARAMS_ALONE`)."""
+    batch, heads and heads per group, key and value 2-5)."""
     names = draw(st.sampled_from((("q", "k", "v", "k", "v"), ("C", "B", "x", "n", "p"))))
     qn, kn, vn, key, value = names
     grouped = draw(st.booleans())
@@ -742,8 +737,7 @@ def matrix_linear_specs(draw, sizes=None, params_alone: bool = False) -> MatrixL
     a = None
     if decay != "none":
         choices = _HEAD_DECAYS if decay == "head" else _KEY_DECAYS
-        code, inputs, how = draw(st.sampled_from([c for c in choices if (c[1] or not grouped)
-                                                  and (params_alone or c[0] not in PARAMS_ALONE)]))
+        code, inputs, how = draw(st.sampled_from([c for c in choices if c[1] or not grouped]))
         for name, role, axes_code in inputs:
             declare(name, role, axes_code)
             decay_inputs.add(name)

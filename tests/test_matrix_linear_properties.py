@@ -224,7 +224,7 @@ def test_a_core_transposed_by_its_decay_is_chunked(layout, emulated_cuda):
     _compare_float(case, inputs, layout, "float64", ref, cot, lam, want, 1e-10)
 
 
-# -- known bugs ------------------------------------------------------------------------------------------------
+# -- a decay of params alone ----------------------------------------------------------------------------------
 
 @ssmc.recurrence
 def decay_of_params_alone(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"],
@@ -234,13 +234,9 @@ def decay_of_params_alone(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssm
     return S, ssmc.dot(S, q, over="k")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="bug: the gradient of a chunked spec whose decay is of params alone fails: its pre stage "
-                          "reads no sequence, and the staged gradient (autograd/stages.py, StagedGrad._forward) "
-                          "binds each stage's call on its own ('decay_of_params_alone_pre: no sequence input, so the "
-                          "number of steps is unknown'); the forward is right. strategies.PARAMS_ALONE keeps such "
-                          "decays out of the generated specs")
 def test_a_decay_of_params_alone(emulated_cuda):
+    """Its pre stage reads no sequence of its own: it declares one of the layer's (matrix_linear.chunk_stages),
+    so its own call, in the staged gradient, knows the steps."""
     rng = np.random.default_rng(0)
     inputs = {"q": rng.standard_normal((1, 3, 2, 2)), "k": rng.standard_normal((1, 3, 2, 2)),
               "v": rng.standard_normal((1, 3, 2, 2)), "w": rng.standard_normal(2)}
