@@ -457,14 +457,9 @@ def streamed_rows(b: int = 64, t: int = 180, i: int = 1024) -> list[str]:
         torch.backends.cudnn.allow_tf32 = True  # torch's default for the times
         ms, ms_loop, ms_c = timed(ours, reps=10), timed(loop, reps=3), timed(cudnn, reps=10)
         ms_t, ms_t_loop, ms_t_c = timed(train, reps=5), timed(train_loop, reps=2), timed(cudnn_train, reps=5)
-        # the forwards' ring of 3 buffers (resident forwards' default; streamed ones take the deepest ring)
-        os.environ["SSMC_CUDA_PERSISTENT_FORWARD_STAGES"] = "3"
-        err_3, ms_3 = rel(as_list(ours()), want), timed(ours, reps=10)
-        del os.environ["SSMC_CUDA_PERSISTENT_FORWARD_STAGES"]
         os.environ["SSMC_CUDA_PERSISTENT"] = "1"
         lines.append(f"| {name} fwd | {ms_c:.3f} | {ms:.3f} | {ms_loop:.3f} | {ms / ms_c:.2f} | {err:.2e} | "
                      f"{err_c:.2e} |")
-        lines.append(f"| {name} fwd, ring of 3 | {ms_c:.3f} | {ms_3:.3f} | | {ms_3 / ms_c:.2f} | {err_3:.2e} | |")
         lines.append(f"| {name} fwd+bwd | {ms_t_c:.3f} | {ms_t:.3f} | {ms_t_loop:.3f} | {ms_t / ms_t_c:.2f} | "
                      f"{gerr:.2e} | {gerr_c:.2e} |")
         lines.append(f"<!-- {name}: streamed programs {sorted(streamed)}; launches {launches()} -->")

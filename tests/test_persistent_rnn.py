@@ -411,9 +411,15 @@ def test_gpu(name, length, batch, hidden, launched, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_too_wide_falls_back(launched):
-    """LSTM H 2100: the U slices (16 units x 4 gates x 2100, 525 KiB) exceed a block's shared memory;
-    the step loop runs, same results."""
+def test_gpu_too_wide_streams_or_falls_back(launched, monkeypatch):
+    """LSTM H 2100: the U slices (16 units x 4 gates x 2100, 525 KiB) exceed a block's shared memory: U is
+    streamed (tests/test_persistent_streamed.py); on fp32 FMAs, which have no streamed form, the step loop runs.
+    Same results both ways."""
+    _check("lstm", 7, batch=3, hidden=2100, tol=1e-4)
+    assert launched == ["lstm"]
+    launched.clear()
+    monkeypatch.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
+    monkeypatch.setattr(persistent_runner, "_LOOPS", {})
     _check("lstm", 7, batch=3, hidden=2100, tol=1e-4)
     assert launched == []
 

@@ -660,9 +660,9 @@ def plan(cell: Cell, sizes: dict[str, int], sm_count: int, blocks: int | None = 
                     continue
                 # the tensor-core adjoints (one column): the ring of the most bytes in flight; the forwards: the
                 # largest chunk's ring of STAGES, which the GPU sweep found faster for them than the deepest ring
-                # (docs/design/persistent-rnn.md, "Deeper rings"); streamed, the forwards too: a step's staging is
-                # then U's slice besides the operand, all of it from L2, where bytes in flight bound it (not measured)
-                deepest = mma and (cols == 1 or streamed)
+                # (docs/design/persistent-rnn.md, "Deeper rings"); streamed forwards too (their staging is U's slice
+                # besides the operand: the ring of STAGES measured faster there as well)
+                deepest = mma and cols == 1
                 forced = (deep_ring if cols == 1 else ring) if mma else None
                 if forced and any(forced):
                     for chunk in (c for c in chunks if forced[0] in (None, c)):
