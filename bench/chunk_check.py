@@ -30,10 +30,11 @@ fla's `chunk_simple_gla`, and SSD at a short sequence ("ssd_short": B32 L180 H16
    its form.
 
 GLA with its decay per key ("gla_vector": examples/gla.py, B4 L4096 H16 K128 V128 bf16, g = logsigmoid / 16 per
-key as fla's GLA layer makes it) has no kernels yet: `run_torch_case` checks ssmc's torch path (its output and
-final state against fla's `chunk_gla` and against ssmc in float64, every gradient against the peer's), then times
-its forward and its training step against `chunk_gla`'s (`fused_recurrent_gla` where the chunk backward refuses),
-with the peak memory of each; the kernels column stays empty.
+key as fla's GLA layer makes it) runs its own kernels (`mma.forward_per_key`, `backward_per_key`): `run_torch_case`
+checks the call (its output and final state against fla's `chunk_gla` and against ssmc in float64, every
+gradient against the peer's), then times its forward and its training step against `chunk_gla`'s
+(`fused_recurrent_gla` where the chunk backward refuses), with the peak memory of each; the torch column stays
+empty.
 
 Prints each workload's rows as it finishes them, then the whole markdown table; with --out, writes it
 to DIR/chunk.md. --no-cores skips 2.'s sweep of the cores alone (most of the run's time). Needs
@@ -249,7 +250,8 @@ CASES = {
     "ssd_short": ("SSD B32 L180 H16 P64 N64 bf16", mamba2, lambda g: ssd_inputs(g, SSD_SHORT), ssd_peer,
                   "mamba_chunk_scan_combined", False),
 }
-# workloads that run on ssmc's torch path only (no kernels take them yet: `run_torch_case`), as CASES
+# workloads timed through the spec's call alone (a decay per key: its own kernels, `mma.forward_per_key`;
+# `run_torch_case`), as CASES
 TORCH_CASES = {
     "gla_vector": ("GLA (a decay per key) B4 L4096 H16 K128 V128 bf16", gla, gla_vector_inputs, gla_vector_peer,
                    "fla chunk_gla", False),
@@ -516,7 +518,7 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True,
 
 def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = None, device: str = "cuda"
                    ) -> list[dict]:
-    """A workload of TORCH_CASES (module docstring): rows as `run_case`'s, the kernels column None. `sizes`,
+    """A workload of TORCH_CASES (module docstring): rows as `run_case`'s, the torch column None. `sizes`,
     `device`: another shape and device than the workload's (a check of this function on the CPU)."""
     import ssmc.torch
 
@@ -524,14 +526,14 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
     spec, layout = example.SPEC, example.LAYOUT
     a = make_inputs(g) if sizes is None else make_inputs(g, sizes, device)
     fn = ssmc.compile(spec, layout=layout, backend="cuda")
-    ran, original = [], algorithm._forward_per_key
-    algorithm._forward_per_key = lambda *args: (ran.append(1), original(*args))[1]
+    ran, original = [], mma.forward_per_key
+    mma.forward_per_key = lambda *args, **kw: (ran.append(1), original(*args, **kw))[1]
     try:
         y, final = fn(**a, return_final_states=True)
     finally:
-        algorithm._forward_per_key = original
-    if not ran:
-        raise RuntimeError("the per-key torch path did not run (see matrix_linear.per_key, ChunkedCore)")
+        mma.forward_per_key = original
+    if not ran and device == "cuda":
+        raise RuntimeError("the per-key kernels did not run (see mma.per_key_applies, ChunkedCore)")
     print(f"{name}: forward ran; the float64 check of the first batch row", flush=True)
     exact = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float64")
     y64, final64 = exact(**{k: v[:1].double() for k, v in a.items()}, return_final_states=True)
@@ -549,9 +551,9 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         peer_run = None
     ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
     print(f"{name}: {checks}; timing the forwards, then the training step", flush=True)
-    t_torch = timed(lambda: fn(**a))
+    t_kernels = timed(lambda: fn(**a))
     t_peer = timed(peer_run) if peer_run is not None else None
-    rows = [{"workload": title, "what": "forward (torch path)", "kernels": None, "torch": t_torch, "peer": t_peer,
+    rows = [{"workload": title, "what": "forward", "kernels": t_kernels, "torch": None, "peer": t_peer,
              "peer_name": peer, "checks": checks, "ok": ok}]
 
     # a training step: every gradient against the peer's, then times and peak memory
@@ -590,7 +592,7 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
     checks["peak MiB ssmc"] = f"{peak_mib(step):.0f}"
     if peer_step is not None:
         checks["peak MiB peer"] = f"{peak_mib(peer_step):.0f}"
-    rows.append({"workload": title, "what": "forward + backward (torch path)", "kernels": None, "torch": t_step,
+    rows.append({"workload": title, "what": "forward + backward", "kernels": t_step, "torch": None,
                  "peer": t_peer_step, "peer_name": peer_name, "checks": checks, "ok": ok})
     return rows
 
