@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -165,6 +165,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return torch.matmul(a.to(acc), b.to(acc))
 
 
+@lru_cache(maxsize=256)
 def compared_only(program: Attention, name: str) -> bool:
     """Whether the modifiers read sequence `name` only in comparisons of two of its reads (``doc[q_idx] ==
     doc[kv_idx]``, or <, <=, ...: never in the score, in arithmetic or against a constant), so that renumbering

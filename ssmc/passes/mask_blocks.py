@@ -211,9 +211,10 @@ def span_tables(mask: Node | None, lq: int, lk: int, block_q: int, tile: int, si
                 seqs: dict | None = None, device=None):
     """[R, blocks, 4] int64 torch, per row r and block of `block_q` queries, (lo, hi, full_lo, full_hi) as
     `grid_spans`, from the rules over every (block, tile) rectangle at once in torch ops on the ids' device:
-    no host copy of the ids and no loop over rows, blocks or tiles (a fixed sequence of kernels, so also inside
-    a CUDA graph). `seqs`: each sequence input's per-position (min, max) over the batch indices of a row, two
-    [R, L] tensors (R = 1, or the same R for every input; L >= 1). As a plain loop (`_grid_rule`, `_runs`):
+    no host copy of the ids and no loop over rows, blocks or tiles (a fixed sequence of kernels that waits for
+    nothing, as a CUDA graph needs; the shape's own tensors are made on its first call, `_grid_axes`). `seqs`:
+    each sequence input's per-position (min, max) over the batch indices of a row, two [R, L] tensors (R = 1, or
+    the same R for every input; L >= 1). As a plain loop (`_grid_rule`, `_runs`):
 
         for r, b, t: may[r, b, t] = the mask's (may be true, may be false) over queries of block b, keys of tile t,
                                     doc[q_idx] within (min, max) of seqs["doc"][r] over the block's positions
