@@ -552,7 +552,9 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
     ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
     print(f"{name}: {checks}; timing the forwards, then the training step", flush=True)
     t_kernels = timed(lambda: fn(**a))
+    print(f"{name}: ssmc's forward {t_kernels:.3f} ms; the peer's", flush=True)
     t_peer = timed(peer_run) if peer_run is not None else None
+    print(f"{name}: the peer's forward {t_peer} ms", flush=True)
     rows = [{"workload": title, "what": "forward", "kernels": t_kernels, "torch": None, "peer": t_peer,
              "peer_name": peer, "checks": checks, "ok": ok}]
 
@@ -588,6 +590,7 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
             peer_step = None
     print(f"{name}: gradients {checks}; timing the training steps", flush=True)
     t_step = timed(step)
+    print(f"{name}: ssmc's training step {t_step:.3f} ms", flush=True)
     t_peer_step = timed(peer_step) if peer_step is not None else None
     checks["peak MiB ssmc"] = f"{peak_mib(step):.0f}"
     if peer_step is not None:

@@ -808,9 +808,17 @@ def layernorm_rows(b: int = 64, t: int = 180, i: int = 512, k: int = 512) -> lis
     LAUNCHED.clear()
     with torch.no_grad():
         want = as_list(layernorm_torch(inputs, step))
+        exact = as_list(layernorm_torch({n: v.double() for n, v in inputs.items()}, step))
     got, got_loop = as_list(ssmc_forward(True)()), as_list(ssmc_forward(False)())
-    err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want, strict=True))
-    err_loop = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, got_loop, strict=True))
+
+    def worst(xs, ys) -> float:
+        return max(float((x.double() - y.double()).abs().max() / y.double().abs().max())
+                   for x, y in zip(xs, ys, strict=True))
+    err, err_loop = worst(got, want), worst(got, got_loop)
+    # each fp32 path against the float64 loop: the persistent kernel's sums (3xTF32, the units' sums in block order)
+    # round otherwise than cuBLAS's, and LayerNorm's division carries that over 180 steps
+    err64 = {"ssmc persistent": worst(got, exact), "ssmc step loop": worst(got_loop, exact),
+             "torch loop": worst(want, exact)}
     fwd_launched = dict(LAUNCHED)
     times = {"ssmc persistent": timed(ssmc_forward(True)), "ssmc step loop": timed(ssmc_forward(False), reps=10)}
     with torch.no_grad():
@@ -863,6 +871,7 @@ def layernorm_rows(b: int = 64, t: int = 180, i: int = 512, k: int = 512) -> lis
     for name in times:
         lines.append(f"| {name} | {times[name]:.3f} | {train_times.get(name, float('nan')):.3f} |")
     lines += ["", f"forward: ssmc (persistent) vs the torch loop {err:.2e}, vs ssmc's step loop {err_loop:.2e}; "
+              f"against the torch loop in float64: {', '.join(f'{n} {e:.2e}' for n, e in err64.items())}; "
               f"forward + backward: every gradient vs torch's autograd through the loop, the worst {err_g:.2e} "
               f"({worst}); max |got - want| / max |want|, TF32 off",
               f"launches: forward {fwd_launched}, forward + backward {train_launched}; plans: {_plans()}"]
@@ -871,9 +880,10 @@ def layernorm_rows(b: int = 64, t: int = 180, i: int = 512, k: int = 512) -> lis
     status = [loop.status() for loop in persistent_runner._LOOPS.values()
               if loop is not None and loop.program.name.startswith("layernorm_lstm")]
     expected = {"layernorm_lstm", "layernorm_lstm_recording", "layernorm_lstm_backward"}
-    if (err > 1e-3 or err_loop > 1e-4 or err_g > 1e-2 or any(s[0] for s in status)
+    fp32_floor = max(err64["ssmc step loop"], err64["torch loop"])
+    if (err > 1e-3 or err64["ssmc persistent"] > max(2 * fp32_floor, 1e-5) or err_g > 1e-2 or any(s[0] for s in status)
             or not expected <= {*fwd_launched, *train_launched}):
-        lines.append(f"MISMATCH (layernorm): errors {err:.2e} / {err_loop:.2e} / {err_g:.2e}, barriers {status}, "
+        lines.append(f"MISMATCH (layernorm): errors {err:.2e} / {err64} / {err_g:.2e}, barriers {status}, "
                      f"launches {fwd_launched} {train_launched}")
     return lines
 
