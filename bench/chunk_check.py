@@ -474,7 +474,7 @@ def run_case(name: str, peers, g: torch.Generator, cores_too: bool = True,
         except Exception as err:  # a peer that does not import or run: reported, the rest goes on
             checks["peer"] = f"unavailable: {type(err).__name__}: {err}"[:200]
         ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
-        t_kernels = timed(lambda: fn(**a))
+        t_kernels = timed(lambda: fn(**a, return_final_states=True))
         with kernels_off():
             t_torch = timed(lambda: fn(**a))
         t_peer = timed(peer_run) if peer_run is not None else None
@@ -542,8 +542,10 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
     print(f"{name}: {checks}; the peer's forward", flush=True)
     peer_run = None
     try:
-        peer_run = make_peer(peers, a)
-        y_peer, final_peer = make_peer(peers, a, final=True)()
+        # the final state too, as the check's call: another specialization of the peer's kernels would autotune
+        # (compile) them all again inside the timing
+        peer_run = make_peer(peers, a, final=True)
+        y_peer, final_peer = peer_run()
         checks["vs peer: output"] = rel(y, y_peer)
         checks["vs peer: final state"] = rel(final, final_peer)
     except Exception as err:  # a peer that does not import or run: reported, the rest goes on
@@ -551,7 +553,7 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         peer_run = None
     ok = all(isinstance(v, str) or v < TOLERANCE for v in checks.values())
     print(f"{name}: {checks}; timing the forwards, then the training step", flush=True)
-    t_kernels = timed(lambda: fn(**a))
+    t_kernels = timed(lambda: fn(**a, return_final_states=True))
     print(f"{name}: ssmc's forward {t_kernels:.3f} ms; the peer's", flush=True)
     t_peer = timed(peer_run) if peer_run is not None else None
     print(f"{name}: the peer's forward {t_peer} ms", flush=True)
