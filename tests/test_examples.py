@@ -13,7 +13,7 @@ import ssmc
 from ssmc.backends.cuda import emulator
 
 RECURRENCES = ("hgrn", "mamba1", "mamba1_block", "mamba2", "mingru", "linear_attention", "retnet", "lstm", "gru",
-               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "lru", "simple_gla", "gla")
+               "layernorm_lstm", "mamba_conv", "mamba_block_conv", "lru", "simple_gla", "gla", "slstm")
 ATTENTIONS = ("alibi_attention", "relpos_attention", "doc_attention")
 ALL = RECURRENCES + ATTENTIONS
 FAMILIES = {"diagonal linear", "matrix linear", "nonlinear", "softmax over keys"}

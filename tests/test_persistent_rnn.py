@@ -15,7 +15,7 @@ from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
-from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads
+from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads, slstm
 from ssmc.lowering.hoist import hoist
 
 pytest.importorskip("torch")
@@ -97,6 +97,8 @@ def _gated_inputs(rng, length: int, batch: int = 3, hidden: int = 5) -> dict:
 CASES = {
     "lstm": (lstm.SPEC, lstm.LAYOUT, lambda rng, L, b, k: lstm.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
     "gru": (gru.SPEC, gru.LAYOUT, lambda rng, L, b, k: gru.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
+    # xLSTM's sLSTM: exponential gates and a stabiliser state (a max), four states
+    "slstm": (slstm.SPEC, slstm.LAYOUT, lambda rng, L, b, k: slstm.make_inputs(rng, L, batch=b, inp=4, hidden=k)),
     "elman": (elman, "b t ...", _elman_inputs),
     "swap": (swap, "b t ...", _swap_inputs),
     "two_rows": (two_rows, "b t ...", _two_rows_inputs),
@@ -428,6 +430,15 @@ def test_gpu_too_wide_streams_or_falls_back(launched, monkeypatch):
 def test_gpu_gradients(launched):
     _check("lstm", 40, batch=5, hidden=37, tol=1e-4, grads=True)
     assert "lstm" in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length,batch,hidden", [(180, 5, 37), (7, 3, 129)])
+def test_gpu_slstm(length, batch, hidden, launched, monkeypatch):
+    """sLSTM's exponential gating with its stabiliser over many blocks, forward and every gradient."""
+    monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
+    _check("slstm", length, batch, hidden, tol=1e-4, grads=True)
+    assert {"slstm", "slstm_backward"} <= set(launched), launched
 
 
 @pytest.mark.gpu
