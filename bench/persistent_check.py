@@ -406,10 +406,13 @@ def half_rows(b: int = 256, t: int = 1024, i: int = 1024, k: int = 1024) -> list
     return lines
 
 
-def _streamed_programs() -> set:
-    """The programs whose persistent runner planned the streamed form (U not resident) for some shape."""
-    return {loop.program.name for loop in persistent_runner._LOOPS.values() if loop is not None
-            and any(getattr(p, "streamed", False) for p in loop._plans.values())}
+def _streamed_programs(k: int) -> set:
+    """The programs whose persistent runner planned the streamed form (U not resident) at hidden size `k` and
+    launched since `LAUNCHED` was cleared (the runners and their plans outlive a row: a row of another size, or a
+    plan whose launch the driver refused, must not count)."""
+    return {loop.program.name for loop in persistent_runner._LOOPS.values()
+            if loop is not None and LAUNCHED.get(loop.program.name)
+            and any(getattr(p, "streamed", False) and ("k", k) in key[0] for key, p in loop._plans.items())}
 
 
 def streamed_rows(b: int = 64, t: int = 180, i: int = 1024) -> list[str]:
@@ -453,7 +456,7 @@ def streamed_rows(b: int = 64, t: int = 180, i: int = 1024) -> list[str]:
         got_g, got_gc = train(), cudnn_train()
         torch.cuda.synchronize()
         gerr, gerr_c = relative_error(got_g, want_g), relative_error(got_gc, want_g)
-        streamed = _streamed_programs()
+        streamed = _streamed_programs(k)
         torch.backends.cudnn.allow_tf32 = True  # torch's default for the times
         ms, ms_loop, ms_c = timed(ours, reps=10), timed(loop, reps=3), timed(cudnn, reps=10)
         ms_t, ms_t_loop, ms_t_c = timed(train, reps=5), timed(train_loop, reps=2), timed(cudnn_train, reps=5)

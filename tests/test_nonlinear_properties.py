@@ -120,26 +120,38 @@ def _relative(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+class _Launched(list):
+    def __init__(self):
+        super().__init__()
+        self.blocks = []
+
+    def clear(self):
+        super().clear()
+        self.blocks.clear()
+
+
 @pytest.fixture
 def launched(monkeypatch):
-    """Names of the programs the persistent kernel ran (a launch, not the step loop)."""
-    ran = []
+    """Names of the programs the persistent kernel ran (a launch, not the step loop); `.blocks`: each launch's."""
+    ran = _Launched()
     original = persistent_runner.PersistentLoop._launch
 
-    def spy(self, *a, **k):
-        result = original(self, *a, **k)
+    def spy(self, chosen, *a, **k):
+        result = original(self, chosen, *a, **k)
         if not isinstance(result, str):
             ran.append(self.program.name)
+            ran.blocks.append(chosen.blocks)
         return result
     monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
     return ran
 
 
 def check_cell(spec, cell: _Cell, length: int, batch: int, hidden: int, device: str, dtype, tol: float,
-               grad_tol: float, launched: list, seed: int = 0) -> None:
+               grad_tol: float, launched: list, seed: int = 0, blocks: int | None = None) -> None:
     """`spec` on the CUDA backend (inputs rounded to `dtype`) against the interpreter's float64 on the same
     rounded values: outputs and final states within `tol`, every gradient within `grad_tol` (max |error| ÷
-    max |want|); both directions on the persistent kernels."""
+    max |want|); both directions on the persistent kernels (`blocks`: over that many blocks a head, every
+    launch)."""
     rng = np.random.default_rng(seed)
     given_ = {k: torch.as_tensor(v).to(dtype) for k, v in _inputs(spec, cell, rng, length, batch, hidden).items()}
     exact = {k: v.double().numpy() for k, v in given_.items()}
@@ -159,6 +171,9 @@ def check_cell(spec, cell: _Cell, length: int, batch: int, hidden: int, device: 
         assert np.isfinite(a).all(), (cell, k)
         assert _relative(a, b) < grad_tol, (cell, k, length, batch, hidden, _relative(a, b))
     assert f"{spec.program.name}_backward" in launched, f"{cell}: the persistent adjoint did not run ({_refusals()})"
+    if blocks is not None:
+        heads = 2 if cell.heads else 1
+        assert set(launched.blocks) == {blocks * heads}, (cell, launched.blocks)
 
 
 def _refusals() -> list:
@@ -172,13 +187,15 @@ def _refusals() -> list:
 @given(drawn=nonlinear_cells(), length=st.sampled_from([1, 7]), blocks=st.sampled_from([1, 3]),
        seed=st.integers(0, 2**16))
 def test_emulated_cells_match_the_interpreter(drawn, length, blocks, seed, emulated_cuda, launched):
-    """fp32, B3 H5 (3 blocks: a block for every 2 units, MIN_BLOCK_PAIRS forced down)."""
+    """fp32, B3 H5 (3 blocks a head: a block for every 2 units, MIN_BLOCK_PAIRS forced down; the emulator runs
+    them step by step, `runner.EMULATED_BLOCKS`: without it, one block a head whatever MIN_BLOCK_PAIRS says)."""
     spec, cell = drawn
     launched.clear()
     with pytest.MonkeyPatch.context() as mp:
         if blocks > 1:
             mp.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
-        check_cell(spec, cell, length, 3, 5, "cpu", torch.float32, 1e-5, 1e-4, launched, seed)
+            mp.setattr(persistent_runner, "EMULATED_BLOCKS", blocks * (2 if cell.heads else 1))
+        check_cell(spec, cell, length, 3, 5, "cpu", torch.float32, 1e-5, 1e-4, launched, seed, blocks)
 
 
 def test_the_cells_can_fail(emulated_cuda, launched, monkeypatch):
