@@ -38,8 +38,6 @@ from hypothesis import note
 from hypothesis import strategies as st
 from strategies import _DIR
 
-import ssmc
-
 MAX_TABLE = 32  # the flash backward sums a table's entries for a static size up to this (kernels/flash/backward.py)
 
 # what the test expects of the flash kernels: the path, and a phrase of the reason for the one refused
@@ -92,7 +90,8 @@ def _score_mod(draw, params: list[tuple[str, str]], kinds: dict, tables: dict) -
         if term == "alibi":
             params.append(("slope", "h"))
             kinds["slope"] = "slope"
-            lines.append(draw(st.sampled_from(["s = s - slope * (q_idx - kv_idx)", "s = s + slope * (kv_idx - q_idx)"])))
+            lines.append(draw(st.sampled_from(["s = s - slope * (q_idx - kv_idx)",
+                                               "s = s + slope * (kv_idx - q_idx)"])))
         elif term == "bias":
             params.append(("bias", draw(st.sampled_from(["h", "b h", ""]))))
             kinds["bias"] = "normal"
@@ -230,7 +229,7 @@ def attention_specs(draw, allow_doc: bool = True, allow_gqa: bool = True) -> Att
     exec(compile(text, path_file, "exec"), namespace)
     with contextlib.suppress(Exception):  # not inside a Hypothesis test (e.g. `.example()`)
         note(text)
-    return AttentionCase(namespace["SPEC"], text, {n: k for n, k in kinds.items()}, tables, doc="doc" in kinds,
+    return AttentionCase(namespace["SPEC"], text, dict(kinds), tables, doc="doc" in kinds,
                          same_length="doc" in kinds, gqa=gqa, path=path)
 
 
