@@ -95,9 +95,9 @@ def check_case(case, lq: int, lk: int, sizes: dict, d: int, layout: str, dtype, 
     tiled = fn.tiled
 
     # the path taken, and why a kernel was refused
-    if dtype == torch.float32:
-        assert tiled.flash_reason is not None and "dtype" in tiled.flash_reason, tiled.flash_reason
-        path = "tiled"
+    if dtype == torch.float32:  # refused for the spec where the kernels cannot print it, else for the dtype
+        path, why = "tiled", case.reason if case.path == "tiled" else "dtype"
+        assert tiled.flash_reason is not None and why in tiled.flash_reason, tiled.flash_reason
     else:
         path = ("tiled" if tiled.flash_reason is not None
                 else "flash forward" if tiled.flash_backward_reason is not None else "flash")
@@ -194,7 +194,7 @@ def test_emulated_flash_kernels_match_the_interpreter(data, monkeypatch):
 # -- on a GPU --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@settings(max_examples=examples(30), deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.data())
 def test_gpu_generated_specs_match_the_interpreter(data):
     """fp32 (the tiled path, `FP32_TOL`) and bf16 (the flash kernels, `BF16_TOL`), head dims 64 and 128, lengths
