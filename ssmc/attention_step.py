@@ -353,7 +353,7 @@ class AttentionStep:
         for i, d in enumerate(p.params):
             t = params[d.name]
             order = [a for a in p.batch_axes if a in d.axes]
-            t = t.permute(*[d.axes.index(a) for a in order])
+            t = t.permute([d.axes.index(a) for a in order])  # a list: a scalar param has no dims
             view[..., i].copy_(t.reshape([sizes[a] if a in d.axes else 1 for a in p.batch_axes]))
         cache.table_key = key
         return cache.table
