@@ -285,3 +285,25 @@ def test_gpu_per_key_kernels_agree_with_the_torch_path(length, monkeypatch):
     for name, g, ref in zip(GRADS, got, grads):
         assert torch.isfinite(g).all(), name
         assert _rel(g, ref) < GRAD_TOL, (name, _rel(g, ref))
+
+
+@needs_emulator
+def test_a_per_key_backward_the_kernels_decline_runs_the_torch_vjp(emulate, monkeypatch):
+    """Where the per-key forward ran on its kernels but `per_key_backward_applies` declines the backward, the VJP
+    runs as torch (algorithm.vjp), never on the scalar-decay kernels (`mma.backward`, whose `backward_applies`
+    does not look at per_key: it would take the per-key log decays as one per step); the gradients within 1e-2 of
+    the interpreter's float64 on the same rounded inputs."""
+    import ssmc.torch
+
+    monkeypatch.setattr(mma, "per_key_backward_applies", lambda *a, **k: False)
+    monkeypatch.setattr(mma, "backward", lambda *a, **k: pytest.fail("the scalar-decay kernels took a per-key VJP"))
+    bf = _half(_gla_inputs(70, 64, 64, 3, 5.0))
+    leaves = {n: a.clone().requires_grad_(True) for n, a in bf.items()}
+    y = ssmc.torch.function(gla.SPEC, "cuda", layout=gla.LAYOUT)(**leaves)
+    dy = torch.from_numpy(np.random.default_rng(4).standard_normal(tuple(y.shape))).to(y.dtype)
+    y.backward(dy)
+    rounded = {n: a.double().numpy() for n, a in bf.items()}
+    want = ssmc.grad(gla.SPEC, backend="interpreter", layout=gla.LAYOUT)(**rounded,
+                                                                         grad_outputs={"y": dy.double().numpy()})
+    for n, w in want.items():
+        assert _rel(leaves[n].grad, torch.as_tensor(np.array(w))) < 1e-2, n

@@ -223,7 +223,7 @@ def test_inspect_shows_the_per_key_decay(capsys):
     assert main(["inspect", str(path), "--sizes", "b=2,h=4,k=64,v=64", "--length", "1024", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "chunked: gla (matrix linear S [b h k v]" in out and "per key k" in out
-    assert "its forward as the per-key tensor-core kernels" in out  # (the VJP: torch)
+    assert "its forward and its VJP as the per-key tensor-core kernels" in out
 
 
 def test_per_key_cores_take_the_per_key_kernels(monkeypatch):

@@ -234,9 +234,23 @@ def decay_of_params_alone(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssm
     return S, ssmc.dot(S, q, over="k")
 
 
-def test_a_decay_of_params_alone(emulated_cuda):
+def test_a_decay_of_params_alone(emulated_cuda, monkeypatch):
     """Its pre stage reads no sequence of its own: it declares one of the layer's (matrix_linear.chunk_stages),
-    so its own call, in the staged gradient, knows the steps."""
+    so its own call, in the staged gradient, knows the steps. Cut into pre and core, the chunked core's forward
+    and backward counted (the scans would match the interpreter too)."""
+    from ssmc.backends.cuda.kernels import chunk as chunk_module
+
+    fused = chunk_stages(decay_of_params_alone.program)
+    assert fused is not None and [s.kind for s in fused.stages] == ["pre", "core"]
+    assert [d.name for d in fused.stages[0].program.seqs] == ["q"]
+    calls = {"forward": 0, "backward": 0}
+    for what in calls:
+        original = getattr(chunk_module.ChunkedCore, what)
+
+        def counted(self, *a, _original=original, _what=what, **k):
+            calls[_what] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(chunk_module.ChunkedCore, what, counted)
     rng = np.random.default_rng(0)
     inputs = {"q": rng.standard_normal((1, 3, 2, 2)), "k": rng.standard_normal((1, 3, 2, 2)),
               "v": rng.standard_normal((1, 3, 2, 2)), "w": rng.standard_normal(2)}
@@ -249,3 +263,4 @@ def test_a_decay_of_params_alone(emulated_cuda):
                                                                                              grad_outputs=cot)
     for name, w in want.items():
         assert _max_relative(grads[name], w) < 1e-10, name
+    assert calls["forward"] >= 1 and calls["backward"] == 1, calls

@@ -147,8 +147,8 @@ def path_notes(program, sizes: dict[str, int], length: int, dtype: str = "float3
             c = chunk_size(ml, sizes, length, half, gpu)  # (on a GPU: tuned here where not yet)
             chosen = _chunk_choice(ml, sizes, length, half, gpu) if kernels and not ml.per_key else ""
             if kernels and ml.per_key:
-                how = ("its forward as the per-key tensor-core kernels (SSMC_CUDA_CHUNK_PER_KEY=0: torch), its VJP as "
-                       "batched torch matrix products")
+                how = ("its forward and its VJP as the per-key tensor-core kernels (SSMC_CUDA_CHUNK_PER_KEY=0: torch; "
+                       "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)")
             elif kernels:
                 how = ("its forward and its VJP as tensor-core kernels (SSMC_CUDA_CHUNK_KERNELS=0: torch; "
                        "SSMC_CUDA_CHUNK_BACKWARD=0: the VJP as torch)")

@@ -530,6 +530,7 @@ class ChunkedCore:
             if mma.per_key_backward_applies(x, d_out):
                 grads = mma.backward_per_key(x, tape.entering, d_out, d_final)
                 return self._gradients(seqs, params, tape, grads, sizes, length)
+            d_out = None  # (not the scalar-decay kernels' either: `mma.backward_applies` does not look at per_key)
         if _kernels_apply(x) and options().chunk_backward is not False:  # 16-bit dO, as the peers round it
             d_out = self._arrange(cot_out, self.out_node.axes, True, ml.value, length, chunk, x.q.dtype)
         if d_out is not None and mma.backward_applies(x, d_out):
