@@ -249,6 +249,13 @@ def test_which_per_key_calls_take_the_kernels(emulate, monkeypatch):
         assert not mma.per_key_applies(x)
         monkeypatch.delenv(switch)
     assert mma.per_key_applies(x)
+    # the backward's blocks take more than 99 KiB at K 128: such GPUs (sm_86, sm_89) run the torch VJP
+    d_out = torch.zeros(x.v.shape, dtype=x.q.dtype)
+    big = per_key_chunks(64, key=128, value=128)
+    d_big = torch.zeros(big.v.shape, dtype=big.q.dtype)
+    assert mma.per_key_backward_applies(x, d_out) and mma.per_key_backward_applies(big, d_big)
+    monkeypatch.setattr(mma, "_block_shared_limit", lambda: 99 * 1024)
+    assert mma.per_key_backward_applies(x, d_out) and not mma.per_key_backward_applies(big, d_big)
 
 
 @pytest.mark.gpu

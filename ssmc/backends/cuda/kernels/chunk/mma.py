@@ -879,9 +879,28 @@ def forward_per_key(x: Chunks, events: list | None = None):
 
 def per_key_backward_applies(x: Chunks, d_out: torch.Tensor) -> bool:
     """Whether `backward_per_key` takes `x` (`per_key_applies`, SSMC_CUDA_CHUNK_BACKWARD not 0) with `d_out` in q's
-    dtype and shape [*H, NC, C, V] on the backend's device."""
+    dtype and shape [*H, NC, C, V] on the backend's device, whose blocks may take its kernels' shared memory (GPUs
+    of 99 KiB a block run the torch VJP at K 128)."""
     return (per_key_applies(x) and options().chunk_backward is not False and d_out.dtype == x.q.dtype
-            and tuple(d_out.shape[-3:]) == (*x.q.shape[-3:-1], x.v.shape[-1]) and on_backend_device(d_out))
+            and tuple(d_out.shape[-3:]) == (*x.q.shape[-3:-1], x.v.shape[-1]) and on_backend_device(d_out)
+            and per_key_backward_shared(x.q.shape[-1], x.v.shape[-1]) <= _block_shared_limit())
+
+
+_SHARED_LIMITS: dict = {}
+
+
+def _block_shared_limit() -> int:
+    """The dynamic shared memory a block may opt into on the current device (the emulator: sm_90's)."""
+    if emulating():
+        return 227 * 1024
+    device = current_device()
+    limit = _SHARED_LIMITS.get(device)
+    if limit is None:
+        props = torch.cuda.get_device_properties(device)
+        # (a torch without the field: sm_80's and sm_90's opt-in limits by capability, else 99 KiB)
+        known = {(8, 0): 163 * 1024, (9, 0): 227 * 1024}.get((props.major, props.minor), 99 * 1024)
+        limit = _SHARED_LIMITS[device] = getattr(props, "shared_memory_per_block_optin", known)
+    return limit
 
 
 def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_final: torch.Tensor,
