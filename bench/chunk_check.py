@@ -570,7 +570,14 @@ def run_torch_case(name: str, peers, g: torch.Generator, sizes: dict | None = No
         for v in leaves.values():
             v.grad = None
         tfn(**leaves).backward(dy)
-    step()
+    ran, original = [], mma.backward_per_key
+    mma.backward_per_key = lambda *args, **kw: (ran.append(1), original(*args, **kw))[1]
+    try:
+        step()
+    finally:
+        mma.backward_per_key = original
+    if not ran and device == "cuda":
+        raise RuntimeError("the per-key backward kernels did not run (see mma.per_key_backward_applies)")
     got = {k: v.grad.detach().clone() for k, v in leaves.items()}
     checks, ok, peer_step, peer_name = {}, True, None, peer
     for make, candidate in [(make_peer, peer), TRAINING_FALLBACK[name]]:
