@@ -29,13 +29,12 @@ LENGTH = 5
 # kernels, the torch ops that launch work on a GPU: products, fills, copies; views and `torch.empty` not counted).
 # Not listed: (1, 0), the whole program as one kernel (backends/cuda/step.py). The listed ones read their states
 # through a recurrent product (x W and h U as two torch mm into arrays of the step's own, then one kernel,
-# `step.product_form`; lstm_heads, whose products are batched over heads: the hoisted x W as a torch mm, then the
-# persistent kernel) or hoist a product a thread per batch row would walk (lru's B u, with its complex arrays
-# split and joined by torch)
-STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 3), "layernorm_lstm": (1, 2), "lru": (2, 11)}
+# `step.product_form`; lstm_heads' two batched over its heads, bmm) or hoist a product a thread per batch row would
+# walk (lru's B u, with its complex arrays split and joined by torch)
+STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 2), "layernorm_lstm": (1, 2), "lru": (2, 11)}
 # the steps that allocate where given ``out=`` and ``in_place=True`` (the general path: the full call's results,
 # then copied into the arrays given); every other step allocates nothing then
-ALLOCATING_IN_PLACE = ("lstm_heads", "lru")
+ALLOCATING_IN_PLACE = ("lru",)
 # torch ops that launch nothing on a GPU (views of the same memory, allocations)
 NOT_LAUNCHING = {"view", "_unsafe_view", "permute", "unsqueeze", "squeeze", "detach", "expand", "select", "slice",
                  "transpose", "t", "alias", "as_strided", "view_as_real", "view_as_complex", "empty", "empty_strided",

@@ -30,8 +30,10 @@ of U on chip before its first step: for one step about ten times slower at decod
 ``SSMC_CUDA_STEP_PRODUCTS=1`` it is `step_program`, one kernel of a thread per [b k], each summing its own
 products (a new state other threads read, h, written aside and copied over the caller's after the kernel: a
 second launch, still no allocation; each thread waits for its sums' loads one by one, so it is not the
-default). Where `product_form` does not take a program (16-bit operands; lstm_heads, whose products are
-batched over heads), the general path runs it: the hoisted x W, then the full call's kernels.
+default). A product batched over an axis both factors keep (lstm_heads' ``h U`` per head: U block-diagonal) is one
+batched matrix product (`torch.bmm`), as is a factor whose kept axes lie in no one dimension (lstm_heads' W
+[n i g k]: batched over the heads, x read by each at batch stride 0): `matrices`. Where `product_form` does not
+take a program (16-bit operands), the general path runs it: the hoisted x W, then the full call's kernels.
 
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
 kernel at L = 1; the recurrent products the persistent kernel takes (above); a product the full call hoists
@@ -45,7 +47,6 @@ copies); a product whose operands are 16-bit or no matrix as they lie.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -199,7 +200,7 @@ class CudaStep:
             if products else {}
         for q in getattr(form, "products", ()):
             operands = []
-            for name, axes, right in ((q.a, q.a_axes, False), (q.b, q.b_axes, True)):
+            for name in (q.a, q.b):
                 state = alias_state.get(name, name if name in self.state_names else None)
                 if state is not None:  # the old state (read at renamed axes: the same memory)
                     t = init[state]
@@ -209,22 +210,20 @@ class CudaStep:
                     where = ("given", name)
                 if t.dtype != state_dtype:
                     return None  # 16-bit operands: the general path's products
-                kept = [a for a in axes if a != q.summed]
-                order = [q.summed, *kept] if right else [*kept, q.summed]
-                size = (math.prod(bound.sizes[a] for a in kept), bound.sizes[q.summed])
-                try:
-                    two = t.permute(*[axes.index(a) for a in order]).view(size[::-1] if right else size)
-                except RuntimeError:
-                    return None  # not a matrix as it lies: the general path
-                operands.append((where, tuple(two.shape), tuple(two.stride())))
-            rows = [a for a in q.a_axes if a != q.summed]
-            cols = [a for a in q.b_axes if a != q.summed]
-            scratch = torch.empty(operands[0][1][0], operands[1][1][1], dtype=state_dtype, device=first.device)
+                operands.append((where, t))
+            mats = matrices(q, operands[0][1], operands[1][1], bound.sizes)
+            if mats is None:
+                return None  # not matrices as they lie: the general path
+            batch, rows, cols, a_mat, b_mat = mats
+            shape = (a_mat[0][0], a_mat[0][1], b_mat[0][2])
+            if not batch:  # one matrix product
+                a_mat, b_mat, shape = (a_mat[0][1:], a_mat[1][1:]), (b_mat[0][1:], b_mat[1][1:]), shape[1:]
+            scratch = torch.empty(shape, dtype=state_dtype, device=first.device)
             keep.append(scratch)
-            matmuls.append((*operands, scratch))
-            laid = scratch.view(*[bound.sizes[a] for a in rows + cols])
-            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(
-                *[(rows + cols).index(a) for a in q.axes]).unsqueeze(0)
+            matmuls.append(((operands[0][0], *a_mat), (operands[1][0], *b_mat), scratch))
+            order = [*batch, *rows, *cols]
+            laid = scratch.view(*[bound.sizes[a] for a in order])
+            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(*[order.index(a) for a in q.axes]).unsqueeze(0)
         for a in k.arrays:
             if a.name not in source or a.role not in ("seq", "param", "init", "final", "out"):
                 return None
@@ -250,7 +249,8 @@ class StepPlan:
     def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
                  strategy: str, keep: list, copies: list, matmuls: list):
         self.function, self.grid, self.items, self.made = function, grid, items, made
-        # products before the kernel: ((kind, key) of a, its 2-d shape, strides), the same of b, the result
+        # products before the kernel: ((kind, key) of a, its 2-d or 3-d (batched) shape, strides), the same of b,
+        # the result
         self.matmuls = matmuls
         self.keep = keep      # arrays of its own it launches on (shared zero states, scratch new states)
         self.copies = copies  # (scratch, state): a new state written aside, copied over the caller's after
@@ -290,7 +290,7 @@ class StepPlan:
             for (ka, sa, ta), (kb, sb, tb), result in self.matmuls:
                 a = where[ka[0]][ka[1]].as_strided(sa, ta) if ka[0] != "fixed" else self._fixed(ka[1], sa, ta)
                 b = where[kb[0]][kb[1]].as_strided(sb, tb) if kb[0] != "fixed" else self._fixed(kb[1], sb, tb)
-                torch.matmul(a, b, out=result)
+                (torch.bmm if result.dim() == 3 else torch.mm)(a, b, out=result)
         launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
         for scratch, s in self.copies:
             initial[s].copy_(scratch)
@@ -475,7 +475,8 @@ def step_program(program) -> StepProgram | None:
 @dataclass(frozen=True)
 class Product:
     """A sum over one axis of the product of two inputs (``sum_i x[b, i] W[i, g, k]``), computed before the
-    kernel as one matrix product [rows, summed] x [summed, cols] into a sequence of the kernel's."""
+    kernel as one matrix product [rows, summed] x [summed, cols], or a batch of them (`matrices`), into a
+    sequence of the kernel's."""
 
     name: str                    # the sequence the kernel reads it as, axes `axes`
     axes: tuple[str, ...]
@@ -501,8 +502,8 @@ def product_form(program) -> ProductForm | None:
     """`program`'s `step_program` with every sum over one axis of the product of two inputs (an LSTM's x W
     and h U: over one step the old state is an input) read as a sequence the step computes before its kernel
     as a matrix product (cuBLAS), the kernel left the rest: its gates, norms and cell, element by element or
-    by row. None where it has no such product, or one whose factors share an axis they keep (a batched
-    product)."""
+    by row; a product whose factors share an axis they keep (lstm_heads' ``sum_j h[b, n, j] U[n, j, g, k]``, per
+    head n) is a batch of matrix products (`matrices`). None where it has no such product."""
     from ...ir.node import Node, toposort
     from ...ir.ops import Op
     from ...ir.program import Decl, Recurrence, Role
@@ -520,7 +521,7 @@ def product_form(program) -> ProductForm | None:
         x = node.args[0] if node.args else None
         if node.op is Op.SUM and x.op is Op.MUL and len(x.args) == 2 and all(a.op is Op.INPUT for a in x.args):
             a, b = x.args
-            if not set(a.axes) & set(b.axes) - {node.arg} and node.arg in a.axes and node.arg in b.axes:
+            if node.arg in a.axes and node.arg in b.axes:
                 name = f"product{len(products)}"
                 while name in taken:
                     name += "_"
@@ -541,6 +542,53 @@ def product_form(program) -> ProductForm | None:
     step = Recurrence(p.name, tuple(decls), (), outputs, p.sizes, p.reverse, p.loc, p.doc)
     aliases = tuple(tuple(a for a in names if a in read) for names in form.aliases)
     return ProductForm(step, form.next_names, aliases, tuple(products))
+
+
+def matrices(q: Product, a, b, sizes: dict):
+    """Product `q` of the tensors `a` (axes ``q.a_axes``) and `b` (``q.b_axes``) as they lie, as one matrix
+    product or a batch of them (cuBLAS: `torch.mm` / `torch.bmm` into the step's own array):
+
+        out[p, r, c] = sum_s A[p, r, s] B[p, s, c]      p: the batch axes, r: a's other axes, c: b's
+
+    The batch axes are the axes both factors keep (lstm_heads' heads n in ``sum_j h[b, n, j] U[n, j, g, k]``),
+    and where a factor's kept axes merge into no one dimension as it lies, one of them besides (W [n i g k] of
+    ``sum_i x[b, i] W[n, i, g, k]``: batched over n, x read by every head at batch stride 0). Returns
+    (batch axes, row axes, column axes, (A's shape, strides), (B's shape, strides)), each 3-d, or None."""
+    rows = [x for x in q.a_axes if x != q.summed and x not in q.b_axes]
+    cols = [x for x in q.b_axes if x != q.summed and x not in q.a_axes]
+    shared = [x for x in q.a_axes if x != q.summed and x in q.b_axes]
+    for extra in (None, *rows, *cols):
+        batch = [*shared, extra] if extra is not None else shared
+        r, c = [x for x in rows if x != extra], [x for x in cols if x != extra]
+        a_mat = _merged(a, q.a_axes, (batch, r, [q.summed]), sizes)
+        b_mat = _merged(b, q.b_axes, (batch, [q.summed], c), sizes)
+        if a_mat is not None and b_mat is not None:
+            return batch, r, c, a_mat, b_mat
+    return None
+
+
+def _merged(t, axes: tuple, groups: tuple, sizes: dict):
+    """(shape, strides) of `t` (axes `axes`) viewed with each group of axes one dimension (an axis `t` lacks: at
+    stride 0), or None where a group's axes do not lie one inside the other. A matrix dimension of size 1 gets
+    the stride cuBLAS takes without a copy (any stride addresses its one element)."""
+    shape, strides = [], []
+    for group in groups:
+        size, stride = 1, None
+        for x in reversed(group):  # innermost first: each axis must step over the whole of the ones inside it
+            n = sizes[x]
+            st = t.stride(axes.index(x)) if x in axes else 0
+            if n != 1:
+                if stride is not None and st != stride * size:
+                    return None
+                stride = st if stride is None else stride
+                size *= n
+        shape.append(size)
+        strides.append(0 if stride is None else stride)
+    if shape[1] == 1:  # rows of one element: row-major (or column-major where the columns already are)
+        strides[1] = shape[2] if strides[2] == 1 or shape[2] == 1 else 1
+    if shape[2] == 1:
+        strides[2] = shape[1] if strides[1] == 1 and shape[1] != 1 else 1
+    return tuple(shape), tuple(strides)
 
 
 _SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
