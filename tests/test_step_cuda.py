@@ -498,6 +498,24 @@ def test_emulated_split_step(sizes, monkeypatch):
     assert plans and all(len(p.kernels) == 2 for p in plans)
 
 
+@emulated_only
+@pytest.mark.parametrize("name", ["hgrn", "linear_attention", nightly_case("mamba2", reason="linear_attention's path")])
+def test_emulated_split_step_of_other_families(name, monkeypatch):
+    """`step.split_form` where the whole program would be one kernel (forced: its one launch refused): two
+    kernels, the new states (a thread per element, matrix states too) then the outputs from them; L = 5 steps
+    equal the full call, and in place the step equals the allocating one bit for bit and allocates nothing."""
+    from ssmc.backends.cuda import step as step_module
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    whole = step_module.one_launch
+    monkeypatch.setattr(step_module, "one_launch", lambda program, compute, sizes, parallel=None:
+                        None if parallel is None else whole(program, compute, sizes, parallel))
+    _, launches, launched, ops, equal = _sized_step_case(name, {})
+    assert launches[1:] == [(2, 0)] * (LENGTH - 1), launches
+    assert (launched, ops.launching(), ops.allocating()) == (2, 0, 0), ops.ops
+    assert equal
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),
@@ -565,6 +583,35 @@ def test_product_step_kernel_compiles_without_spills(name, monkeypatch):
         assert re.search(r"\* out_next_c[,)]", source)
     (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
     assert not resources.spills, resources.summary()
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+def test_split_step_kernels_compile_without_spills(monkeypatch):
+    """LRU's in-place step at decode sizes (B16, dim 1024, 256 complex states; planned through the emulated
+    backend on the complex tensors' real and imaginary views, not run): its two kernels (`step.split_form`)
+    compile for sm_90 with NVRTC and spill nothing; the state's parts, read and written in place by the first,
+    are not ``__restrict__``."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("lru")
+    values = module.make_inputs(np.random.default_rng(5), 1, batch=16, dim=1024, state=256)
+    tensors = {n: _real_or_complex(v) for n, v in values.items()}
+    given = {"x": tensors["x"][:, 0], **{n: tensors[n] for n in ("nu_log", "theta_log", "gamma_log", "D")}}
+    for n in ("B", "C"):
+        given[f"{n}_re"], given[f"{n}_im"] = tensors[n].real, tensors[n].imag
+    states = {"h_re": tensors["h"].real, "h_im": tensors["h"].imag}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT).step
+    assert step._own._plan(given, states, None, True) is not None
+    new_states, _ = sources
+    for s in ("h_re", "h_im"):
+        assert re.search(rf"\* {s}[,)]", new_states) and not re.search(rf"__restrict__ {s}[,)]", new_states)
+    for source in sources:
+        (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+        assert not resources.spills, resources.summary()
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------------

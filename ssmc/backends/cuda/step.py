@@ -582,8 +582,8 @@ def split_form(program) -> SplitForm | None:
     hoisted products: LRU's ``sum_d B[n, d] x[b, d]`` in the thread of [b n]), then the outputs from them (LRU's
     readout ``sum_n C[d, n] h[b, n]`` in a thread of [b d]). For a program whose one kernel is a thread per
     batch row walking such a product for every n (the full call hoists it as a matrix product). None where a
-    new state reads a state other than at its own element (renamed, or summed over one of its axes): written
-    in place, it would read what another thread wrote."""
+    new state reads a state other than at its own element (renamed, or summed over one of its axes: written
+    in place, it would read what another thread wrote), or an output reads an old state."""
     from ...ir.node import Node, toposort
     from ...ir.ops import REDUCTIONS, Op
     from ...ir.program import Decl, Recurrence, Role
@@ -611,6 +611,8 @@ def split_form(program) -> SplitForm | None:
         return memo[node]
 
     outputs = tuple((n, sub(outs[n])) for n, _ in program.outputs)
+    if any(n.op is Op.INPUT and n.arg in states for n in toposort(tuple(y for _, y in outputs))):
+        return None  # an output reads an old state: written in place by the first kernel, it is gone
     parts = []
     for name, returned, extra in ((f"{p.name}_states", tuple(zip(form.next_names, updates)), ()),
                                   (f"{p.name}_outputs", outputs,
