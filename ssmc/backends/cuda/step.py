@@ -41,7 +41,7 @@ batch row, where minGRU's ``x W`` [b d] is one value a thread of [b d]) makes a 
 a thread per state element computing its own sums and writing its new state (in place: no other thread reads it),
 then the outputs from the new states (LRU's readout ``sum_n C[d, n] h[b, n]`` in a thread of [b d]). A complex
 array is read and written as its real and imaginary parts where they lie (`complex_io.ComplexStep`: views of
-every other element, which the overlap check below takes as apart).
+every other element, which `StepPlan._apart` takes as apart).
 
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
 kernel at L = 1 and no `split_form`; the recurrent products the persistent kernel takes (above); arrays that
@@ -314,8 +314,9 @@ class CudaStep:
 
 
 class StepPlan:
-    """One call signature's launch: the kernel, its grid, and per kernel array where its pointer comes from
-    (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
+    """One call signature's launches: its products (cuBLAS), then each kernel (one; a `split_form`'s two) with its
+    grid and per kernel array where its pointer comes from (an input given, a state given, a shared zero state or
+    scratch array of its own, an array the step allocates, an ``out=`` array)."""
 
     def __init__(self, kernels: list, made, output_names, state_names, in_place, reads, writes,
                  strategy: str, keep: list, copies: list, matmuls: list):
