@@ -71,9 +71,11 @@ class ComplexCall:
                 out.setdefault(part, template)
         return out
 
-    def arguments(self, args: tuple, kwargs: dict) -> dict:
+    def arguments(self, args: tuple, kwargs: dict, views: bool = False) -> dict:
         """The call's arrays by the program's names: positional args are the inputs in signature
-        order, keywords inputs or initial states by name (a real part's own name passes as it is)."""
+        order, keywords inputs or initial states by name (a real part's own name passes as it is).
+        `views`: a complex torch tensor's parts are its ``.real`` and ``.imag`` views (no copy; every other
+        element of its memory), not `split`'s contiguous copies."""
         sig = self.signature
         # the program's inputs, in order: a complex input's pair where it stands
         program_inputs = [n for name, pair in sig.inputs for n in (pair or (name,))]
@@ -102,7 +104,8 @@ class ComplexCall:
                 dtype = getattr(value, "dtype", type(value).__name__)
                 raise ValueError(f"argument {name!r} of {sig.name} is declared complex: give a complex array "
                                  f"(complex128 or complex64), not {dtype}")
-            out[pair[0]], out[pair[1]] = split(value)
+            out[pair[0]], out[pair[1]] = (value.real, value.imag) if views and hasattr(value, "data_ptr") \
+                else split(value)
         return out
 
     def cotangents(self, values, names: list[str], what: str) -> dict | None:
@@ -250,6 +253,9 @@ class ComplexStep:
             raise ValueError(f"{self.program.name} step: in_place=True writes the new states into the arrays given; "
                              f"missing the states {absent}")
         targets = tuple(kwargs.get(n) for n in c.state_names)
+        done = self._own(args, kwargs, out, in_place, targets)
+        if done is not None:
+            return done
         ys, finals = self.step(**c.arguments(args, kwargs))
         p = self.program
         ys = ys if isinstance(ys, tuple) else (ys,) if ys is not None else ()
@@ -262,3 +268,34 @@ class ComplexStep:
         if in_place:
             finals = self.step.written(targets, finals, list(c.state_names), "states")
         return ys, finals
+
+    def _own(self, args: tuple, kwargs: dict, out, in_place: bool, targets: tuple):
+        """The real step's own path (`api.Step`'s ``_own``: on cuda its kernels) on the ``.real`` and ``.imag``
+        views of complex torch tensors: its kernels read the parts where they lie, write the ``out=`` arrays
+        (real outputs) and, ``in_place``, the new states into the parts of the complex state tensors given, so
+        with both given a step copies and allocates nothing. None where that path does not take the call (then
+        the parts are split and joined by copies)."""
+        step, c = self.step, self.call
+        own = getattr(step, "_own", None)
+        if own is None or (out is not None and any(n in c.pairs for n in c.output_names)):
+            return None
+        if not all(hasattr(v, "data_ptr") for v in (*args, *kwargs.values())):
+            return None  # NumPy arrays: the general path
+        real = c.arguments(args, kwargs, views=True)
+        given = {n: real[n] for n in step._names if n in real}
+        initial = {n: real[n] for n in step._state_names if n in real}
+        if len(given) != len(step._names) or len(given) + len(initial) != len(real):
+            return None  # missing inputs or other keywords: the general path's errors
+        done = own(given, initial, out, in_place)
+        if done is None:
+            return None
+        ys, finals = done
+        p = self.program
+        if out is None:
+            ys = ys if isinstance(ys, tuple) else (ys,) if ys is not None else ()
+            ys = tuple(c.joined(dict(zip([n for n, _ in p.outputs], ys)), c.output_names).values())
+            ys = _single(ys) if ys else None
+        if in_place:
+            return ys, _single(targets)
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        return ys, _single(tuple(c.joined(dict(zip([s.name for s in p.states], finals)), c.state_names).values()))

@@ -29,13 +29,15 @@ LENGTH = 5
 # kernels, the torch ops that launch work on a GPU: products, fills, copies; views and `torch.empty` not counted).
 # Not listed: (1, 0), the whole program as one kernel (backends/cuda/step.py). The listed ones read their states
 # through a recurrent product (x W and h U as two torch mm into arrays of the step's own, then one kernel,
-# `step.product_form`; lstm_heads, whose products are batched over heads: the hoisted x W as a torch mm, then the
-# persistent kernel) or hoist a product a thread per batch row would walk (lru's B u, with its complex arrays
-# split and joined by torch)
-STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 3), "layernorm_lstm": (1, 2), "lru": (2, 11)}
+# `step.product_form`; lstm_heads' two batched over its heads, bmm) or hoist a product a thread per batch row would
+# walk (lru's B u: `step.split_form`, a kernel of the new states, then one of the readout; the complex new state
+# joined by torch where it is not written in place)
+STEP_LAUNCHES = {"lstm": (1, 2), "gru": (1, 2), "lstm_heads": (1, 2), "layernorm_lstm": (1, 2), "lru": (2, 1)}
+# the same with ``out=`` and ``in_place=True`` (lru's kernels write the parts of its complex state tensor)
+IN_PLACE_LAUNCHES = {**STEP_LAUNCHES, "lru": (2, 0)}
 # the steps that allocate where given ``out=`` and ``in_place=True`` (the general path: the full call's results,
 # then copied into the arrays given); every other step allocates nothing then
-ALLOCATING_IN_PLACE = ("lstm_heads", "lru")
+ALLOCATING_IN_PLACE = ()
 # torch ops that launch nothing on a GPU (views of the same memory, allocations)
 NOT_LAUNCHING = {"view", "_unsafe_view", "permute", "unsqueeze", "squeeze", "detach", "expand", "select", "slice",
                  "transpose", "t", "alias", "as_strided", "view_as_real", "view_as_complex", "empty", "empty_strided",
@@ -262,8 +264,8 @@ def _real_or_complex(v):
 @pytest.mark.parametrize("name", EMULATED_CASES)
 def test_emulated_in_place_step_allocates_nothing(name, monkeypatch):
     """Emulated cuda backend: a step with ``out=`` and ``in_place=True`` (after a first such step, which plans
-    it) allocates nothing and launches what a step launches (STEP_LAUNCHES: one kernel, layernorm_lstm's two
-    matrix products before it into arrays of the step's own), where ALLOCATING_IN_PLACE does not list the
+    it) allocates nothing and launches what IN_PLACE_LAUNCHES says (one kernel; the LSTMs' two matrix products
+    before it into arrays of the step's own; lru's two kernels), where ALLOCATING_IN_PLACE does not list the
     example (those allocate: the general path's results, copied); its outputs and new states are the
     allocating step's from the same states, bit for bit."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
@@ -280,7 +282,7 @@ def test_emulated_in_place_step_allocates_nothing(name, monkeypatch):
     if name in ALLOCATING_IN_PLACE:
         assert ops.allocating() > 0, (name, ops.ops)  # listed: moved to the one-kernel path, update the table
     else:
-        assert ops.allocating() == 0 and (launched, ops.launching()) == STEP_LAUNCHES.get(name, (1, 0)), \
+        assert ops.allocating() == 0 and (launched, ops.launching()) == IN_PLACE_LAUNCHES.get(name, (1, 0)), \
             (name, launched, ops.ops)
 
 
@@ -425,6 +427,95 @@ def test_emulated_product_form_step(name, monkeypatch):
     assert equal
 
 
+def _sized_step_case(name, sizes: dict, half: tuple[str, ...] = ()):
+    """`name`'s steps at `sizes` (make_inputs' keywords), emulated, float32 (bf16 for the inputs in `half`): L = 5
+    steps checked against the full call (float32: 2e-5; bf16 operands: 1e-2), then an in-place step (the states'
+    own buffers, ``out=``) after a first one. Returns (the step, each allocating step's launches, the in-place
+    step's kernels and `_TorchOps`, whether it equals the allocating step bit for bit)."""
+    module = _example(name)
+    names, state_names, seq_time, _ = _names(module)
+    values = _tensors(module.make_inputs(np.random.default_rng(3), LENGTH, **sizes), torch.float32, "cpu",
+                      half=half, half_dtype=torch.bfloat16)
+    launches = []
+    _check_steps(name, values, 1e-2 if half else 2e-5, launches)
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    states = tuple(values[s] for s in state_names)
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    want_y, want_h = step(**one, states=states)
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    equal = all(torch.equal(g, w) for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)),
+                                                  (*_as_tuple(want_y), *_as_tuple(want_h))))
+    return step, launches, emulator.launched - before, ops, equal
+
+
+@emulated_only
+@pytest.mark.parametrize("sizes", [dict(batch=1), dict(batch=3, inp=5, heads=3, hidden=2)], ids=["B1", "B3H3"])
+def test_emulated_batched_product_step(sizes, monkeypatch):
+    """lstm_heads (U block-diagonal over its heads): x W and h U are each one batched matrix product (`torch.bmm`
+    of 3-d operands, x read by every head at batch stride 0) into arrays of the step's own, then one kernel
+    (`step.product_form`, `step.matrices`); L = 5 steps equal the full call at batch 1 and at other sizes; in
+    place it equals the allocating step bit for bit and allocates nothing."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, launches, launched, ops, equal = _sized_step_case("lstm_heads", sizes)
+    assert launches[1:] == [(1, 2)] * (LENGTH - 1), launches
+    assert (launched, ops.launching(), ops.allocating()) == (1, 2, 0), ops.ops
+    assert ops.ops.count("bmm" + OUT) == 2, ops.ops
+    assert equal
+    plan = next(p for p in step._own.plans.values() if p is not None and p.in_place)
+    (a, _, x_w), (_, _, h_u) = plan.matmuls
+    assert x_w.dim() == h_u.dim() == 3 and a[2][0] == 0  # x's batch stride: every head reads the same row
+
+
+@emulated_only
+def test_emulated_batched_product_step_with_bf16_operands(monkeypatch):
+    """lstm_heads with a bf16 x (float32 params and states): no 16-bit products of the step's own (the general
+    path: the full call on one step); L = 5 steps equal the full call, and ``out=`` / ``in_place=True`` write the
+    given arrays."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, _, _, _, equal = _sized_step_case("lstm_heads", {}, half=("x",))
+    assert all(p is None for p in step._own.plans.values())
+    assert equal
+
+
+@emulated_only
+@pytest.mark.parametrize("sizes", [dict(batch=1), dict(batch=3, dim=5, state=7)], ids=["B1", "B3"])
+def test_emulated_split_step(sizes, monkeypatch):
+    """LRU (its ``B u`` over n hoisted by the full call): a step is two kernels (`step.split_form`), a thread per
+    state element [b n] summing its own ``B u`` and writing the new state, then a thread per [b d] summing the
+    readout over n; the complex arrays read and written as their real and imaginary parts where they lie
+    (`complex_io.ComplexStep`): in place it writes the complex state tensor given, equals the allocating step bit
+    for bit, and allocates and copies nothing; L = 5 steps equal the full call."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    step, launches, launched, ops, equal = _sized_step_case("lru", sizes)
+    assert launches[1:] == [(2, 1)] * (LENGTH - 1), launches  # the new complex state joined
+    assert (launched, ops.launching(), ops.allocating()) == (2, 0, 0), ops.ops
+    assert equal
+    plans = [p for p in step.step._own.plans.values() if p is not None]
+    assert plans and all(len(p.kernels) == 2 for p in plans)
+
+
+@emulated_only
+@pytest.mark.parametrize("name", ["hgrn", "linear_attention", nightly_case("mamba2", reason="linear_attention's path")])
+def test_emulated_split_step_of_other_families(name, monkeypatch):
+    """`step.split_form` where the whole program would be one kernel (forced: its one launch refused): two
+    kernels, the new states (a thread per element, matrix states too) then the outputs from them; L = 5 steps
+    equal the full call, and in place the step equals the allocating one bit for bit and allocates nothing."""
+    from ssmc.backends.cuda import step as step_module
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    whole = step_module.one_launch
+    monkeypatch.setattr(step_module, "one_launch", lambda program, compute, sizes, parallel=None:
+                        None if parallel is None else whole(program, compute, sizes, parallel))
+    _, launches, launched, ops, equal = _sized_step_case(name, {})
+    assert launches[1:] == [(2, 0)] * (LENGTH - 1), launches
+    assert (launched, ops.launching(), ops.allocating()) == (2, 0, 0), ops.ops
+    assert equal
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),
@@ -494,6 +585,35 @@ def test_product_step_kernel_compiles_without_spills(name, monkeypatch):
     assert not resources.spills, resources.summary()
 
 
+@pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")
+def test_split_step_kernels_compile_without_spills(monkeypatch):
+    """LRU's in-place step at decode sizes (B16, dim 1024, 256 complex states; planned through the emulated
+    backend on the complex tensors' real and imaginary views, not run): its two kernels (`step.split_form`)
+    compile for sm_90 with NVRTC and spill nothing; the state's parts, read and written in place by the first,
+    are not ``__restrict__``."""
+    from ssmc.backends.cuda import runner as runner_module
+    from ssmc.backends.cuda.source import compile_options
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("lru")
+    values = module.make_inputs(np.random.default_rng(5), 1, batch=16, dim=1024, state=256)
+    tensors = {n: _real_or_complex(v) for n, v in values.items()}
+    given = {"x": tensors["x"][:, 0], **{n: tensors[n] for n in ("nu_log", "theta_log", "gamma_log", "D")}}
+    for n in ("B", "C"):
+        given[f"{n}_re"], given[f"{n}_im"] = tensors[n].real, tensors[n].imag
+    states = {"h_re": tensors["h"].real, "h_im": tensors["h"].imag}
+    sources = []
+    monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT).step
+    assert step._own._plan(given, states, None, True) is not None
+    new_states, _ = sources
+    for s in ("h_re", "h_im"):
+        assert re.search(rf"\* {s}[,)]", new_states) and not re.search(rf"__restrict__ {s}[,)]", new_states)
+    for source in sources:
+        (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
+        assert not resources.spills, resources.summary()
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------------
 
 BF16 = {"mamba1": ("u", "delta", "B", "C", "z"), "mamba2": ("x", "dt", "B", "C")}
@@ -524,9 +644,9 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
 @pytest.mark.parametrize("name", RECURRENCES)
 def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
     """On a GPU, float32: a step with ``out=`` and ``in_place=True`` after a first such step (which plans it)
-    equals the allocating step, makes no allocation of torch's CUDA allocator and runs one kernel (CUDA kernels
-    the profiler saw, copies and fills aside; layernorm_lstm's cuBLAS products too), where ALLOCATING_IN_PLACE
-    does not list the example; those allocate."""
+    equals the allocating step, makes no allocation of torch's CUDA allocator and runs what IN_PLACE_LAUNCHES
+    says (CUDA kernels the profiler saw, copies and fills aside; the LSTMs' cuBLAS products too; lru's two
+    kernels), where ALLOCATING_IN_PLACE does not list the example; those allocate."""
     step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
     outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
     out = outs if len(outs) > 1 else outs[0]
@@ -543,8 +663,8 @@ def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
                and not e.name.startswith(("Memcpy", "Memset"))]
     if name in ALLOCATING_IN_PLACE:
         assert allocated > 0, name
-    else:  # one kernel; layernorm_lstm's matrix products before it (cuBLAS may take more than one kernel each)
-        generated, products = STEP_LAUNCHES.get(name, (1, 0))
+    else:  # its kernels; the LSTMs' matrix products before them (cuBLAS may take more than one kernel each)
+        generated, products = IN_PLACE_LAUNCHES.get(name, (1, 0))
         assert allocated == 0, (name, allocated)
         assert len(kernels) == generated if not products else len(kernels) >= generated + products, (name, kernels)
 

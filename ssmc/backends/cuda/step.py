@@ -30,17 +30,24 @@ of U on chip before its first step: for one step about ten times slower at decod
 ``SSMC_CUDA_STEP_PRODUCTS=1`` it is `step_program`, one kernel of a thread per [b k], each summing its own
 products (a new state other threads read, h, written aside and copied over the caller's after the kernel: a
 second launch, still no allocation; each thread waits for its sums' loads one by one, so it is not the
-default). Where `product_form` does not take a program (16-bit operands; lstm_heads, whose products are
-batched over heads), the general path runs it: the hoisted x W, then the full call's kernels.
+default). A product batched over an axis both factors keep (lstm_heads' ``h U`` per head: U block-diagonal) is one
+batched matrix product (`torch.bmm`), as is a factor whose kept axes lie in no one dimension (lstm_heads' W
+[n i g k]: batched over the heads, x read by each at batch stride 0): `matrices`. Where `product_form` does not
+take a program (16-bit operands), the general path runs it: the hoisted x W, then the full call's kernels.
+
+A product the full call hoists out of the time loop with a value per index that is no parallel index of the whole
+kernel (a thread would compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per
+batch row, where minGRU's ``x W`` [b d] is one value a thread of [b d]) makes a step its `split_form`: two kernels,
+a thread per state element computing its own sums and writing its new state (in place: no other thread reads it),
+then the outputs from the new states (LRU's readout ``sum_n C[d, n] h[b, n]`` in a thread of [b d]). A complex
+array is read and written as its real and imaginary parts where they lie (`complex_io.ComplexStep`: views of
+every other element, which `StepPlan._apart` takes as apart).
 
 Not this path (None), where the general one runs: a program whose whole kernel is no single launch of one
-kernel at L = 1; the recurrent products the persistent kernel takes (above); a product the full call hoists
-out of the time loop with a value per index that is no parallel index of the whole kernel (a thread would
-compute many of its values, each a loop over its sum: LRU's ``B u`` over n in a thread per batch row, where
-minGRU's ``x W`` [b d] is one value a thread of [b d]); arrays that are not torch tensors of a float dtype on
-the current device, given arrays that the kernel cannot write as they lie (another dtype than the result's),
-written arrays that share memory with any other array of the call (the general path raises its error or
-copies); a product whose operands are 16-bit or no matrix as they lie.
+kernel at L = 1 and no `split_form`; the recurrent products the persistent kernel takes (above); arrays that
+are not torch tensors of a float dtype on the current device, given arrays that the kernel cannot write as they
+lie (another dtype than the result's), written arrays that share memory with any other array of the call (the
+general path raises its error or copies); a product whose operands are 16-bit or no matrix as they lie.
 """
 
 from __future__ import annotations
@@ -139,6 +146,9 @@ class CudaStep:
         else:
             form, program = None, p
             launch = one_launch(p, dtype.name, sizes)
+            if launch is None and split_form(p) is not None:  # a product a thread per batch row would walk
+                return self._split_plan(split_form(p), given, initial, out, in_place, bound, dtype, seqs, params,
+                                        init, opts)
         if launch is None:
             return None
         k, runner = launch.kernel, runner_for(program, dtype.name, map_reduce=form is None)
@@ -199,7 +209,7 @@ class CudaStep:
             if products else {}
         for q in getattr(form, "products", ()):
             operands = []
-            for name, axes, right in ((q.a, q.a_axes, False), (q.b, q.b_axes, True)):
+            for name in (q.a, q.b):
                 state = alias_state.get(name, name if name in self.state_names else None)
                 if state is not None:  # the old state (read at renamed axes: the same memory)
                     t = init[state]
@@ -209,22 +219,20 @@ class CudaStep:
                     where = ("given", name)
                 if t.dtype != state_dtype:
                     return None  # 16-bit operands: the general path's products
-                kept = [a for a in axes if a != q.summed]
-                order = [q.summed, *kept] if right else [*kept, q.summed]
-                size = (math.prod(bound.sizes[a] for a in kept), bound.sizes[q.summed])
-                try:
-                    two = t.permute(*[axes.index(a) for a in order]).view(size[::-1] if right else size)
-                except RuntimeError:
-                    return None  # not a matrix as it lies: the general path
-                operands.append((where, tuple(two.shape), tuple(two.stride())))
-            rows = [a for a in q.a_axes if a != q.summed]
-            cols = [a for a in q.b_axes if a != q.summed]
-            scratch = torch.empty(operands[0][1][0], operands[1][1][1], dtype=state_dtype, device=first.device)
+                operands.append((where, t))
+            mats = matrices(q, operands[0][1], operands[1][1], bound.sizes)
+            if mats is None:
+                return None  # not matrices as they lie: the general path
+            batch, rows, cols, a_mat, b_mat = mats
+            shape = (a_mat[0][0], a_mat[0][1], b_mat[0][2])
+            if not batch:  # one matrix product
+                a_mat, b_mat, shape = (a_mat[0][1:], a_mat[1][1:]), (b_mat[0][1:], b_mat[1][1:]), shape[1:]
+            scratch = torch.empty(shape, dtype=state_dtype, device=first.device)
             keep.append(scratch)
-            matmuls.append((*operands, scratch))
-            laid = scratch.view(*[bound.sizes[a] for a in rows + cols])
-            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(
-                *[(rows + cols).index(a) for a in q.axes]).unsqueeze(0)
+            matmuls.append(((operands[0][0], *a_mat), (operands[1][0], *b_mat), scratch))
+            order = [*batch, *rows, *cols]
+            laid = scratch.view(*[bound.sizes[a] for a in order])
+            source[q.name] = ("fixed", scratch.data_ptr()), laid.permute(*[order.index(a) for a in q.axes]).unsqueeze(0)
         for a in k.arrays:
             if a.name not in source or a.role not in ("seq", "param", "init", "final", "out"):
                 return None
@@ -234,23 +242,87 @@ class CudaStep:
         if shared:
             text = aliased(text, k.name, [a.name for a in k.arrays], shared)
         function = runner.function(text, k.name)
-        reads = [("given", n, e) for n, e in _extents(given).items()]
-        reads += [("state", n, e) for n, e in _extents(initial).items()]
-        writes = [("out", i, e) for i, e in _extents(dict(enumerate(outs or ()))).items()]
-        if in_place:
-            writes += [r for r in reads if r[0] == "state"]
-        return StepPlan(function, launch.grid, [source[a.name][0] for a in k.arrays], made, self.output_names,
+        reads, writes = _reads_writes(given, initial, outs, in_place)
+        return StepPlan([(function, launch.grid, [source[a.name][0] for a in k.arrays])], made, self.output_names,
                         self.state_names, in_place, reads, writes, launch.strategy, keep, copies, matmuls)
+
+    def _split_plan(self, split, given, initial, out, in_place, bound, dtype, seqs, params, init, opts):
+        """`_plan` of a `split_form`: its states kernel, then its outputs kernel (each one launch), or None."""
+        import torch
+
+        p = self.program
+        sizes = tuple(sorted(bound.sizes.items()))
+        state_axes = tuple(dict.fromkeys(a for st in p.states for a in st.axes))
+        launches = (one_launch(split.states, dtype.name, sizes, state_axes), one_launch(split.outputs, dtype.name,
+                                                                                         sizes, ()))
+        if None in launches or any(set(st.axes) != set(launches[0].kernel.parallel) for st in p.states):
+            return None  # a thread per state element, each writing its own (in place: no other reads it)
+        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
+        outs = _as_tuple(out) if out is not None else None
+        if (outs is not None and len(outs) != len(self.output_names)) or \
+                (in_place and any(initial[s].dtype != state_dtype for s in self.state_names)):
+            return None
+        # per kernel array: (where its pointer comes from, the array, its axes), laid to the kernel's axes below
+        source, made, keep = {}, {}, []
+        for n, t in {**seqs, **params}.items():
+            source[n] = ("given", n), t, None
+        for i, name in enumerate(self.output_names):
+            y = p.outputs[i][1]
+            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
+            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
+            if outs is not None:
+                o, where = outs[i], ("out", i)
+                if tuple(o.shape) != shape or o.dtype != wanted:
+                    return None
+            else:
+                made[f"out_{name}"] = (shape, wanted)
+                o, where = torch.empty(shape, dtype=wanted, device="meta"), ("made", f"out_{name}")
+            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
+                *to_time_first(self.layout, name, y.axes)), None
+        for st, new in zip(p.states, split.next_names):
+            s, t = st.name, init[st.name]
+            old = ("state", s) if s in initial else ("fixed", t.data_ptr())
+            keep.append(t)  # a shared zero state, read only
+            source[s] = old, t.unsqueeze(0), (TIME, *st.axes)
+            if in_place:
+                source[f"out_{new}"] = source[s]
+            else:
+                shape = tuple(bound.sizes[a] for a in st.axes)
+                made[f"final_{s}"] = (shape, state_dtype)
+                meta = torch.empty(shape, dtype=state_dtype, device="meta")
+                source[f"out_{new}"] = ("made", f"final_{s}"), meta.unsqueeze(0), (TIME, *st.axes)
+            source[new] = source[f"out_{new}"]  # the outputs kernel reads the new state its first kernel wrote
+        kernels = []
+        for program, planned in zip((split.states, split.outputs), launches):
+            k, runner = planned.kernel, runner_for(program, dtype.name, map_reduce=False)
+            laid = {}
+            for a in k.arrays:
+                if a.name not in source or a.role not in ("seq", "param", "out"):
+                    return None
+                where, t, axes = source[a.name]
+                laid[a.name] = t if axes is None else t.permute(*[axes.index(x) for x in a.axes])
+            specs = {n: ArraySpec(TORCH_DTYPES[str(t.dtype)], tuple(t.stride()) or (1,)) for n, t in laid.items()}
+            text = runner.source_for(k, specs, bound.sizes, planned.mapping, 1, planned.strategy)
+            shared = [n for st, new in zip(p.states, split.next_names) for n in (st.name, f"out_{new}")
+                      if in_place and n in laid]
+            if shared:
+                text = aliased(text, k.name, [a.name for a in k.arrays], shared)
+            kernels.append((runner.function(text, k.name), planned.grid, [source[a.name][0] for a in k.arrays]))
+        reads, writes = _reads_writes(given, initial, outs, in_place)
+        return StepPlan(kernels, made, self.output_names, self.state_names, in_place, reads, writes,
+                        launches[0].strategy, keep, [], [])
 
 
 class StepPlan:
-    """One call signature's launch: the kernel, its grid, and per kernel array where its pointer comes from
-    (an input given, a state given, a shared zero state, an array the step allocates, an ``out=`` array)."""
+    """One call signature's launches: its products (cuBLAS), then each kernel (one; a `split_form`'s two) with its
+    grid and per kernel array where its pointer comes from (an input given, a state given, a shared zero state or
+    scratch array of its own, an array the step allocates, an ``out=`` array)."""
 
-    def __init__(self, function, grid, items, made, output_names, state_names, in_place, reads, writes,
+    def __init__(self, kernels: list, made, output_names, state_names, in_place, reads, writes,
                  strategy: str, keep: list, copies: list, matmuls: list):
-        self.function, self.grid, self.items, self.made = function, grid, items, made
-        # products before the kernel: ((kind, key) of a, its 2-d shape, strides), the same of b, the result
+        self.kernels, self.made = kernels, made  # (function, grid, items) per kernel, launched in order
+        # products before the kernel: ((kind, key) of a, its 2-d or 3-d (batched) shape, strides), the same of b,
+        # the result
         self.matmuls = matmuls
         self.keep = keep      # arrays of its own it launches on (shared zero states, scratch new states)
         self.copies = copies  # (scratch, state): a new state written aside, copied over the caller's after
@@ -271,18 +343,21 @@ class StepPlan:
             made = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in self.made.items()}
         else:
             made = {}
-        pointers = []
-        for kind, key in self.items:
-            if kind == "given":
-                pointers.append(given[key].data_ptr())
-            elif kind == "state":
-                pointers.append(initial[key].data_ptr())
-            elif kind == "fixed":
-                pointers.append(key)
-            elif kind == "made":
-                pointers.append(made[key].data_ptr())
-            else:
-                pointers.append(outs[key].data_ptr())
+        launches = []
+        for function, grid, items in self.kernels:
+            pointers = []
+            for kind, key in items:
+                if kind == "given":
+                    pointers.append(given[key].data_ptr())
+                elif kind == "state":
+                    pointers.append(initial[key].data_ptr())
+                elif kind == "fixed":
+                    pointers.append(key)
+                elif kind == "made":
+                    pointers.append(made[key].data_ptr())
+                else:
+                    pointers.append(outs[key].data_ptr())
+            launches.append((function, grid, pointers))
         if self.matmuls:
             import torch
 
@@ -290,8 +365,9 @@ class StepPlan:
             for (ka, sa, ta), (kb, sb, tb), result in self.matmuls:
                 a = where[ka[0]][ka[1]].as_strided(sa, ta) if ka[0] != "fixed" else self._fixed(ka[1], sa, ta)
                 b = where[kb[0]][kb[1]].as_strided(sb, tb) if kb[0] != "fixed" else self._fixed(kb[1], sb, tb)
-                torch.matmul(a, b, out=result)
-        launch.launch_kernel(self.function, self.grid, 1, 1, pointers)
+                (torch.bmm if result.dim() == 3 else torch.mm)(a, b, out=result)
+        for function, grid, pointers in launches:
+            launch.launch_kernel(function, grid, 1, 1, pointers)
         for scratch, s in self.copies:
             initial[s].copy_(scratch)
         if out is not None:
@@ -315,20 +391,40 @@ class StepPlan:
         if not self.writes:
             return True
         where = {"given": given, "state": initial, "out": outs}
-        spans = [(kind, key, where[kind][key].data_ptr(), n) for kind, key, n in (*self.reads, *self.writes)]
-        for kind, key, n in self.writes:
+        spans = [(kind, key, where[kind][key].data_ptr(), e) for kind, key, e in (*self.reads, *self.writes)]
+        for kind, key, (n, step, size) in self.writes:
             w0 = where[kind][key].data_ptr()
-            for other, okey, a0, an in spans:
+            for other, okey, a0, (an, astep, asize) in spans:
                 if (other, okey) != (kind, key) and n and an and w0 < a0 + an and a0 < w0 + n:
-                    return False
+                    # within one span, apart where every element of each lies between two of the other's (a
+                    # complex array's real and imaginary parts: `_extents`)
+                    g = math.gcd(step, astep)
+                    if not g or not asize <= (w0 - a0) % g <= g - size:
+                        return False
         return True
 
 
 def _extents(arrays: dict) -> dict:
-    """Per array, the bytes its elements span from its first (0 for an empty one)."""
-    return {n: 0 if t.numel() == 0 else
-            (sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-            for n, t in arrays.items()}
+    """Per array, (the bytes its elements span from its first (0 for an empty one), the greatest common divisor
+    of its strides in bytes (0 for one element): its elements start a multiple of it apart, its element's
+    bytes)."""
+    out = {}
+    for n, t in arrays.items():
+        size = t.element_size()
+        span = 0 if t.numel() == 0 else (sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) + 1) * size
+        out[n] = span, math.gcd(*(abs(st) * size for d, st in zip(t.shape, t.stride()) if d > 1)), size
+    return out
+
+
+def _reads_writes(given: dict, initial: dict, outs, in_place: bool) -> tuple[list, list]:
+    """(the arrays a step reads, the caller's arrays it writes) as `StepPlan` checks them: (kind, name or index,
+    `_extents`)."""
+    reads = [("given", n, e) for n, e in _extents(given).items()]
+    reads += [("state", n, e) for n, e in _extents(initial).items()]
+    writes = [("out", i, e) for i, e in _extents(dict(enumerate(outs or ()))).items()]
+    if in_place:
+        writes += [r for r in reads if r[0] == "state"]
+    return reads, writes
 
 
 def _as_tuple(x) -> tuple:
@@ -473,9 +569,66 @@ def step_program(program) -> StepProgram | None:
 
 
 @dataclass(frozen=True)
+class SplitForm:
+    """A recurrence's single step as two programs without states (`split_form`)."""
+
+    states: object                         # the states as sequences; outputs: their new values (`next_names`)
+    outputs: object                        # the new values as sequences (`next_names`); outputs: the program's
+    next_names: tuple[str, ...]
+
+
+@lru_cache(maxsize=64)
+def split_form(program) -> SplitForm | None:
+    """`program`'s `step_program` as two kernels: the new states (a thread per state element, summing its own
+    hoisted products: LRU's ``sum_d B[n, d] x[b, d]`` in the thread of [b n]), then the outputs from them (LRU's
+    readout ``sum_n C[d, n] h[b, n]`` in a thread of [b d]). For a program whose one kernel is a thread per
+    batch row walking such a product for every n (the full call hoists it as a matrix product). None where a
+    new state reads a state other than at its own element (renamed, or summed over one of its axes: written
+    in place, it would read what another thread wrote), or an output reads an old state."""
+    from ...ir.node import Node, toposort
+    from ...ir.ops import REDUCTIONS, Op
+    from ...ir.program import Decl, Recurrence, Role
+
+    form = step_program(program)
+    if form is None or any(form.aliases) or not program.outputs:
+        return None
+    p = form.program
+    outs = dict(p.outputs)
+    updates = tuple(outs[n] for n in form.next_names)
+    states = {st.name for st in program.states}
+    for node in toposort(updates):
+        if node.op in REDUCTIONS and any(n.op is Op.INPUT and n.arg in states and node.arg in n.axes
+                                         for n in toposort(node.args)):
+            return None
+    new_of = dict(zip(updates, form.next_names))
+    memo: dict = {}
+
+    def sub(node):  # the outputs reading the new states where they read the updates' values
+        if node in new_of:
+            return Node.make(Op.INPUT, (), new_of[node], node.axes)
+        if node not in memo:
+            args = tuple(sub(a) for a in node.args)
+            memo[node] = node if args == node.args else Node.make(node.op, args, node.arg)
+        return memo[node]
+
+    outputs = tuple((n, sub(outs[n])) for n, _ in program.outputs)
+    if any(n.op is Op.INPUT and n.arg in states for n in toposort(tuple(y for _, y in outputs))):
+        return None  # an output reads an old state: written in place by the first kernel, it is gone
+    parts = []
+    for name, returned, extra in ((f"{p.name}_states", tuple(zip(form.next_names, updates)), ()),
+                                  (f"{p.name}_outputs", outputs,
+                                   tuple(Decl(n, Role.SEQ, u.axes) for n, u in zip(form.next_names, updates)))):
+        read = {n.arg for n in toposort(tuple(y for _, y in returned)) if n.op is Op.INPUT}
+        decls = tuple(d for d in (*p.decls, *extra) if d.name in read)
+        parts.append(Recurrence(name, decls, (), returned, p.sizes, p.reverse, p.loc, p.doc))
+    return SplitForm(parts[0], parts[1], form.next_names)
+
+
+@dataclass(frozen=True)
 class Product:
     """A sum over one axis of the product of two inputs (``sum_i x[b, i] W[i, g, k]``), computed before the
-    kernel as one matrix product [rows, summed] x [summed, cols] into a sequence of the kernel's."""
+    kernel as one matrix product [rows, summed] x [summed, cols], or a batch of them (`matrices`), into a
+    sequence of the kernel's."""
 
     name: str                    # the sequence the kernel reads it as, axes `axes`
     axes: tuple[str, ...]
@@ -501,8 +654,8 @@ def product_form(program) -> ProductForm | None:
     """`program`'s `step_program` with every sum over one axis of the product of two inputs (an LSTM's x W
     and h U: over one step the old state is an input) read as a sequence the step computes before its kernel
     as a matrix product (cuBLAS), the kernel left the rest: its gates, norms and cell, element by element or
-    by row. None where it has no such product, or one whose factors share an axis they keep (a batched
-    product)."""
+    by row; a product whose factors share an axis they keep (lstm_heads' ``sum_j h[b, n, j] U[n, j, g, k]``, per
+    head n) is a batch of matrix products (`matrices`). None where it has no such product."""
     from ...ir.node import Node, toposort
     from ...ir.ops import Op
     from ...ir.program import Decl, Recurrence, Role
@@ -520,7 +673,7 @@ def product_form(program) -> ProductForm | None:
         x = node.args[0] if node.args else None
         if node.op is Op.SUM and x.op is Op.MUL and len(x.args) == 2 and all(a.op is Op.INPUT for a in x.args):
             a, b = x.args
-            if not set(a.axes) & set(b.axes) - {node.arg} and node.arg in a.axes and node.arg in b.axes:
+            if node.arg in a.axes and node.arg in b.axes:
                 name = f"product{len(products)}"
                 while name in taken:
                     name += "_"
@@ -541,6 +694,53 @@ def product_form(program) -> ProductForm | None:
     step = Recurrence(p.name, tuple(decls), (), outputs, p.sizes, p.reverse, p.loc, p.doc)
     aliases = tuple(tuple(a for a in names if a in read) for names in form.aliases)
     return ProductForm(step, form.next_names, aliases, tuple(products))
+
+
+def matrices(q: Product, a, b, sizes: dict):
+    """Product `q` of the tensors `a` (axes ``q.a_axes``) and `b` (``q.b_axes``) as they lie, as one matrix
+    product or a batch of them (cuBLAS: `torch.mm` / `torch.bmm` into the step's own array):
+
+        out[p, r, c] = sum_s A[p, r, s] B[p, s, c]      p: the batch axes, r: a's other axes, c: b's
+
+    The batch axes are the axes both factors keep (lstm_heads' heads n in ``sum_j h[b, n, j] U[n, j, g, k]``),
+    and where a factor's kept axes merge into no one dimension as it lies, one of them besides (W [n i g k] of
+    ``sum_i x[b, i] W[n, i, g, k]``: batched over n, x read by every head at batch stride 0). Returns
+    (batch axes, row axes, column axes, (A's shape, strides), (B's shape, strides)), each 3-d, or None."""
+    rows = [x for x in q.a_axes if x != q.summed and x not in q.b_axes]
+    cols = [x for x in q.b_axes if x != q.summed and x not in q.a_axes]
+    shared = [x for x in q.a_axes if x != q.summed and x in q.b_axes]
+    for extra in (None, *rows, *cols):
+        batch = [*shared, extra] if extra is not None else shared
+        r, c = [x for x in rows if x != extra], [x for x in cols if x != extra]
+        a_mat = _merged(a, q.a_axes, (batch, r, [q.summed]), sizes)
+        b_mat = _merged(b, q.b_axes, (batch, [q.summed], c), sizes)
+        if a_mat is not None and b_mat is not None:
+            return batch, r, c, a_mat, b_mat
+    return None
+
+
+def _merged(t, axes: tuple, groups: tuple, sizes: dict):
+    """(shape, strides) of `t` (axes `axes`) viewed with each group of axes one dimension (an axis `t` lacks: at
+    stride 0), or None where a group's axes do not lie one inside the other. A matrix dimension of size 1 gets
+    the stride cuBLAS takes without a copy (any stride addresses its one element)."""
+    shape, strides = [], []
+    for group in groups:
+        size, stride = 1, None
+        for x in reversed(group):  # innermost first: each axis must step over the whole of the ones inside it
+            n = sizes[x]
+            st = t.stride(axes.index(x)) if x in axes else 0
+            if n != 1:
+                if stride is not None and st != stride * size:
+                    return None
+                stride = st if stride is None else stride
+                size *= n
+        shape.append(size)
+        strides.append(0 if stride is None else stride)
+    if shape[1] == 1:  # rows of one element: row-major (or column-major where the columns already are)
+        strides[1] = shape[2] if strides[2] == 1 or shape[2] == 1 else 1
+    if shape[2] == 1:
+        strides[2] = shape[1] if strides[1] == 1 and shape[1] != 1 else 1
+    return tuple(shape), tuple(strides)
 
 
 _SIGNATURE = r'(extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\()([^)]*)(\))'
