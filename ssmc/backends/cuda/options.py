@@ -106,6 +106,8 @@ class CudaOptions:
     emulate: run the kernels on the CPU (backends/cuda/emulator.py)
     flash: False keeps softmax attention's forward on the tiled torch path (no flash kernel)
     flash_backward: False keeps softmax attention's backward on the tiled torch path
+    span_kernel: False builds the flash forward's span tables over per-position ids (document masks) from torch
+        ops (mask_blocks.span_tables), not from the generated span kernel (kernels/flash/spans.py)
     flash_dq: how the flash backward sums dQ: "atomic" (fp32 atomics) or "kernel" (a second kernel, repeatable)
     flash_forward: the flash forward's config (kernels/flash/forward.py `CONFIGS`): "bm64" (64-row blocks of
         4 warps), "bm128w8" / "bm128w8n128" (128-row blocks of 8 warps, key tiles of 64 / 128) or "bm128w4"
@@ -160,6 +162,7 @@ class CudaOptions:
     emulate: bool = False
     flash: bool = True
     flash_backward: bool = True
+    span_kernel: bool = True
     flash_dq: str | None = None
     flash_backward_config: str | None = None
     flash_forward: str | None = None

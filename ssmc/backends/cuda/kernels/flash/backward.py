@@ -559,8 +559,14 @@ class FlashBackward:
         from .forward import gqa_shape
 
         gqa = gqa_shape(call)
-        spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes,
-                            sequence_reads(self.program, call.params))
+        reads = sequence_reads(self.program, call.params)
+        if options().span_kernel:  # both tables from one generated kernel (kernels/flash/spans.py)
+            from .spans import span_kernel_table
+
+            found = span_kernel_table(self.program.mask, call.lq, call.lk, BM, BN, call.sizes, reads, gqa, bn)
+            if found is not None:
+                return [found[1]] + ([found[0]] if dq_kernel else [])
+        spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes, reads)
         return [row_span_table(key_block_tables(spans, call.lk, bn), gqa)] + (
             [row_span_table(spans, gqa)] if dq_kernel else [])
 

@@ -560,18 +560,31 @@ class FlashForward:
         name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
         return loaded_function(text, name, device, arch=cfg.arch)
 
-    def _span_tensor(self, call, cfg: Config):
+    def _span_tensor(self, call, cfg: Config, mean: bool = True):
         """(the spans as the kernel takes them, the mean key tiles a query block visits), cached per shape (with
-        sequence inputs, document ids, per call on the device from the ids: the mean then a 0-d tensor)."""
+        sequence inputs, document ids, per call on the device from the ids: the mean then a 0-d tensor, None
+        where not `mean`)."""
         import torch
 
+        from ...options import options
+
         gqa = gqa_shape(call)
-        if self.program.seqs:  # the ids' spans on their device, a fixed sequence of torch ops (no host copy)
+        if self.program.seqs:  # the ids' spans on their device, no host copy: one generated kernel, else torch ops
             from .....passes.mask_blocks import span_tables
 
-            spans = span_tables(self.program.mask, call.lq, call.lk, cfg.bm, cfg.bn, call.sizes,
-                                sequence_reads(self.program, call.params))
-            return row_span_table(spans, gqa), mean_tiles(spans, cfg.bn)
+            reads = sequence_reads(self.program, call.params)
+            table = None
+            if options().span_kernel:
+                from .spans import span_kernel_table
+
+                table = span_kernel_table(self.program.mask, call.lq, call.lk, cfg.bm, cfg.bn, call.sizes, reads, gqa)
+            if table is None:
+                spans = span_tables(self.program.mask, call.lq, call.lk, cfg.bm, cfg.bn, call.sizes, reads)
+                return row_span_table(spans, gqa), mean_tiles(spans, cfg.bn) if mean else None
+            if not mean:
+                return table, None
+            nb = -(-call.lq // cfg.bm)
+            return table, mean_tiles(table.view(-1, 4 * nb + 2)[:, :4 * nb].view(-1, nb, 4), cfg.bn)
         key = (call.lq, call.lk, tuple(sorted(call.sizes.items())), call.q.device, cfg.bm, cfg.bn, gqa)
         hit = self._spans.get(key)
         if hit is None:
@@ -601,7 +614,7 @@ class FlashForward:
             return out, lse
         fn, grid, shared, spans, no_params = self._launch(call, q, k, v)
         if self.program.seqs:  # the ids are this call's
-            spans = self._span_tensor(call, config(d, self.config, q.device))[0]
+            spans = self._span_tensor(call, config(d, self.config, q.device), mean=False)[0]
         # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
         params = no_params if no_params is not None else param_table(self.program, call.params, call.sizes).to(q.device)
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
