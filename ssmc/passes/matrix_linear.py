@@ -153,11 +153,22 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
     if len(program.states) != 1:
         return f"{len(program.states)} states: the chunked form takes one matrix-linear state"
     (cls,) = classify(program).states
+    got = _analyse(program, cls, False) if cls.family == "matrix linear" else f"the state is {cls.family}"
+    # a rank-R injection (`_rank_terms`), which classify calls diagonal linear (it looks for one outer
+    # product), tried only where the rank-1 reading fails: a spec it takes is read as before
+    if (isinstance(got, str) and cls.family in ("diagonal linear", "matrix linear")
+            and _rank_terms(cls.b, program.states[0]) is not None):
+        ranked = _analyse(program, cls, True)
+        if not isinstance(ranked, str):
+            return ranked
+        if cls.family != "matrix linear":
+            return f"{got}; as a rank-R injection: {ranked}"
+    return got
+
+
+def _analyse(program: Recurrence, cls, rank_r: bool) -> MatrixLinear | str:
+    """`matrix_linear` past the classification: the injection read as k ⊗ v, or (`rank_r`) as a sum."""
     state, update = program.states[0], program.updates[0]
-    # (classify calls a sum of outer products diagonal linear: it looks for one product)
-    ranked = cls.family in ("diagonal linear", "matrix linear") and _rank_terms(cls.b, state) is not None
-    if cls.family != "matrix linear" and not ranked:
-        return f"the state is {cls.family}"
     a, b = cls.a, cls.b
 
     # the outputs' reads of the state: one contraction SUM_κ(update * q)
@@ -182,7 +193,7 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
     if state.name in input_names(y for _, y in outputs) or update in toposort(y for _, y in outputs):
         return "an output reads the state other than by one contraction"
 
-    if ranked:
+    if rank_r:
         return _rank_r(program, state, a, b, key, contraction, q_factors, q_neg, outputs, o)
     # the injection: k (with κ) times v (the rest)
     if b.op is Op.ADD:
