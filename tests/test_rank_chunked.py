@@ -212,3 +212,39 @@ def test_a_planted_bug_fails(emulated_cuda, monkeypatch):
     monkeypatch.setattr(RankCore, "_long", planted)
     with pytest.raises(AssertionError):
         _check(rank_dot, 7)
+
+
+def test_bfloat16_training_runs_the_kernels_on_the_sub_steps(emulated_cuda, monkeypatch):
+    """bf16 q, k, v through `ssmc.torch.function` (K = V = 64, the kernels' sizes; 70 steps of rank 2: 140
+    sub-steps, a partial chunk): the inner core's forward and VJP on the tensor-core kernels (emulated; the
+    sequences read as given, `RankCore.half_inputs`), the output and every gradient within bf16's rounding of
+    the interpreter's float64."""
+    from ssmc.backends.cuda import emulator
+    from ssmc.backends.cuda.kernels.chunk import mma
+
+    if not emulator.available():
+        pytest.skip("no C++ compiler for the CUDA emulator")
+    import ssmc.torch
+
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(mma, name)
+        monkeypatch.setattr(mma, name, lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
+    monkeypatch.setitem(SIZES, "k", 64)
+    monkeypatch.setitem(SIZES, "v", 64)
+    monkeypatch.setitem(SIZES, "r", 2)
+    monkeypatch.setitem(SIZES, "b", 1)
+    rng = np.random.default_rng(1)
+    inputs = _inputs(rank_dot, 70, rng)
+    ref = ssmc.compile(rank_dot, layout="b t ...", backend="interpreter")(**inputs)
+    dy = rng.standard_normal(np.shape(ref))
+    want = ssmc.grad(rank_dot, backend="interpreter", layout="b t ...")(**inputs, grad_outputs={"y": dy})
+    leaves = {k: torch.tensor(v).to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32).requires_grad_(True)
+              for k, v in inputs.items()}
+    y = ssmc.torch.function(rank_dot, "cuda", layout="b t ...")(**leaves)
+    y.backward(torch.tensor(dy).to(y.dtype))
+    assert calls == ["forward", "backward"]
+    assert y.dtype == torch.bfloat16 and _relative(y.float(), ref) < 2e-2
+    for name in want:
+        assert _relative(leaves[name].grad.float(), want[name]) < 2e-2, (name, _relative(leaves[name].grad.float(),
+                                                                                          want[name]))

@@ -174,6 +174,17 @@ class RankCore:
     def applies(self, seqs, sizes, length) -> bool:
         return True
 
+    def half_inputs(self, cast: dict, given: dict, sizes) -> dict:
+        """`ChunkedCore.half_inputs`: q and the terms' k and v as given (time first) where q is 16-bit and the
+        kernels take its sizes, so that the long copies are 16-bit and the inner core runs its kernels."""
+        ml = self.ml
+        q = given.get(ml.q.arg)
+        if q is None or not self.kernels_wanted(q.dtype, sizes):
+            return cast
+        nodes = (ml.q, *(x for k, v, _ in ml.terms for x in (k, v)))
+        keep = {n.arg for n in nodes if n.arg in given and given[n.arg].dtype == q.dtype}
+        return {n: given[n] if n in keep else v for n, v in cast.items()}
+
     def operand_dtypes(self, seqs, sizes) -> dict:
         """None in 16 bits (the long arrays are copies anyway)."""
         return {}
