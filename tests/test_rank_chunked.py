@@ -59,6 +59,24 @@ def rank_mixed(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b r 
 
 
 @ssmc.recurrence
+def rank_const(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b r k"], v: ssmc.Seq["b r v"]):
+    """A constant decay (its log a constant), no head axis but the batch."""
+    S = 0.9 * S + ssmc.dot(k, v, over="r")
+    y = ssmc.dot(S, q, over="k")
+    return S, y
+
+
+@ssmc.recurrence
+def rank_gate(S: ssmc.State["b h k v"], q: ssmc.Seq["b h k"], k: ssmc.Seq["b h k"], v: ssmc.Seq["b h v"],
+              k2: ssmc.Seq["b k"], g: ssmc.Seq["b h"]):
+    """A sigmoid gate as decay (kept as a, written by pre), one v in two terms (its gradients summed), k2
+    shared by the heads, a feature map on q, a post stage o + v."""
+    S = ssmc.sigmoid(g) * S + k * v + k2 * v
+    y = ssmc.dot(S, ssmc.silu(q), over="k") + v
+    return S, y
+
+
+@ssmc.recurrence
 def rank_per_value(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], v: ssmc.Seq["b v"],
                    k2: ssmc.Seq["b k"], v2: ssmc.Seq["b v"], g: ssmc.Seq["b v"]):
     S = ssmc.exp(g) * S + k * v + k2 * v2
@@ -74,7 +92,8 @@ def rank_no_key(S: ssmc.State["b k v"], q: ssmc.Seq["b k"], k: ssmc.Seq["b k"], 
     return S, y
 
 
-SPECS = {"rank_dot": rank_dot, "rank_terms": rank_terms, "rank_beta": rank_beta, "rank_mixed": rank_mixed}
+SPECS = {"rank_dot": rank_dot, "rank_terms": rank_terms, "rank_beta": rank_beta, "rank_mixed": rank_mixed,
+         "rank_const": rank_const, "rank_gate": rank_gate}
 SIZES = {"b": 2, "h": 2, "k": 3, "v": 4, "r": 3}
 
 
@@ -160,6 +179,9 @@ def test_rank_r_injections_are_taken_with_their_terms():
     ml = matrix_linear(rank_mixed.program)
     assert ml.rank(SIZES) == 4 and ml.rank_text == "r + 1" and ml.decay.arg == "gamma"
     assert [s.kind for s in chunk_stages(rank_mixed.program).stages] == ["core", "post"]
+    gate = chunk_stages(rank_gate.program)
+    assert [s.kind for s in gate.stages] == ["pre", "core", "post"]
+    assert core_form(gate.stages[1].program).decay is not None and matrix_linear(rank_gate.program).rank({}) == 2
 
     from ssmc.backends.cuda.kernels.chunk import chunked_core
     from ssmc.backends.cuda.kernels.chunk.rank import RankCore
