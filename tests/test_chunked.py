@@ -185,13 +185,19 @@ def test_examples_are_recognised_with_their_roles():
     (lstm.SPEC, "2 states"),
     (mamba1.SPEC, "diagonal linear"),
     (exclusive, "contracts the state"),
-    (rank_two, "diagonal linear"),  # classify sees no outer product in a sum of two
     (per_value, "the decay varies along the value axis v"),
     (two_queries, "two contractions"),
 ])
 def test_refusals_say_why(spec, reason):
     got = matrix_linear(spec.program)
     assert isinstance(got, str) and reason in got, got
+
+
+def test_a_sum_of_two_outer_products_is_taken_as_rank_two():
+    """classify calls it diagonal linear (no one outer product); the chunked path takes it as two terms
+    (tests/test_rank_chunked.py)."""
+    ml = matrix_linear(rank_two.program)
+    assert not isinstance(ml, str) and ml.rank({}) == 2 and core_form(rank_two.program) is not None
 
 
 def test_per_key_decays_are_taken():

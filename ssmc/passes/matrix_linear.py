@@ -28,6 +28,14 @@ reads x itself and no pre pass writes a copy of it scaled; otherwise beta is fol
 is so read and post is ``o + s ⊙ v`` (s over heads only: SSD's D x), post joins the core as its
 output (`MatrixLinear.skip`): the chunk kernels add it as they write o, and no post stage remains.
 `core_form` recognises a core (every operand a sequence as it is).
+
+A rank-R injection, a sum of outer products (``S_t = a_t ⊙ S_{t-1} + Σ_i k_i ⊗ v_i``, a term either a
+product or a sum over a rank axis r that neither S nor q has, ``ssmc.dot(k, v, over="r")``), is taken as
+`MatrixLinear.terms`: (k_i, v_i with β and signs folded in, r_i or None) each; its core is
+
+    S = exp(ell) * S + Σ_i Σ_{r_i} k_i * v_i          o = dot(S, q, over=κ)
+
+(no β apart, no skip), which `chunk.RankCore` runs as R sub-steps of a rank-1 core a step.
 """
 
 from __future__ import annotations
@@ -62,6 +70,9 @@ class MatrixLinear:
     contraction: Node               # the SUM over κ the outputs read
     outputs: tuple[tuple[str, Node], ...]   # the outputs over INPUT(`o`) in place of `contraction`
     o: str                          # that input's name
+    # a rank-R injection's terms (k_i, v_i, rank axis r_i or None), β and signs folded into v_i; () for a
+    # rank-1 injection k ⊗ v (k, v, beta above). Rank-R: k, v the first term's (describe only), beta None
+    terms: tuple[tuple[Node, Node, str | None], ...] = ()
 
     @property
     def per_key(self) -> bool:
@@ -72,6 +83,8 @@ class MatrixLinear:
     @property
     def skip(self) -> Node | None:
         """s where the one output is ``o + s ⊙ v`` (s over heads only: SSD's ``D``), else None."""
+        if self.terms:  # (a rank-R core reads no v as given)
+            return None
         if len(self.outputs) != 1 or self.outputs[0][1].op is not Op.ADD:
             return None
         for first, other in (self.outputs[0][1].args, self.outputs[0][1].args[::-1]):
@@ -90,8 +103,21 @@ class MatrixLinear:
         if self.per_key:
             decay += f", per key {self.key}"
         beta = "" if self.beta is None else f", β [{' '.join(self.beta.axes)}]"
+        if self.terms:
+            beta = f", injection of rank {self.rank_text} (run as that many sub-steps a step)"
         return (f"matrix linear {self.state.name} [{' '.join(self.state.axes)}]: key axis {self.key}, value axis"
                 f" {self.value}, heads [{' '.join(self.heads)}], decay {decay}{beta}")
+
+    @property
+    def rank_text(self) -> str:
+        """The injection's rank as a sum of the rank axes' names and single terms ("r", "2", "r + 1")."""
+        axes = [r for _, _, r in self.terms if r is not None]
+        single = sum(r is None for _, _, r in self.terms) or (0 if self.terms else 1)
+        return " + ".join([*axes, *([str(single)] if single else [])])
+
+    def rank(self, sizes) -> int:
+        """The injection's rank R at `sizes` (1 for k ⊗ v)."""
+        return sum(sizes[r] if r is not None else 1 for _, _, r in self.terms) if self.terms else 1
 
     @property
     def injected(self) -> Node:
@@ -127,8 +153,21 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
     if len(program.states) != 1:
         return f"{len(program.states)} states: the chunked form takes one matrix-linear state"
     (cls,) = classify(program).states
-    if cls.family != "matrix linear":
-        return f"the state is {cls.family}"
+    got = _analyse(program, cls, False) if cls.family == "matrix linear" else f"the state is {cls.family}"
+    # a rank-R injection (`_rank_terms`), which classify calls diagonal linear (it looks for one outer
+    # product), tried only where the rank-1 reading fails: a spec it takes is read as before
+    if (isinstance(got, str) and cls.family in ("diagonal linear", "matrix linear")
+            and _rank_terms(cls.b, program.states[0]) is not None):
+        ranked = _analyse(program, cls, True)
+        if not isinstance(ranked, str):
+            return ranked
+        if cls.family != "matrix linear":
+            return f"{got}; as a rank-R injection: {ranked}"
+    return got
+
+
+def _analyse(program: Recurrence, cls, rank_r: bool) -> MatrixLinear | str:
+    """`matrix_linear` past the classification: the injection read as k ⊗ v, or (`rank_r`) as a sum."""
     state, update = program.states[0], program.updates[0]
     a, b = cls.a, cls.b
 
@@ -154,6 +193,8 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
     if state.name in input_names(y for _, y in outputs) or update in toposort(y for _, y in outputs):
         return "an output reads the state other than by one contraction"
 
+    if rank_r:
+        return _rank_r(program, state, a, b, key, contraction, q_factors, q_neg, outputs, o)
     # the injection: k (with κ) times v (the rest)
     if b.op is Op.ADD:
         return "the injection is a sum of terms (rank-R injections are not taken yet)"
@@ -201,6 +242,95 @@ def matrix_linear(program: Recurrence) -> MatrixLinear | str:
                         _product(along), beta, log_decay, decay, contraction, outputs, o)
 
 
+def _decay_forms(a: Node) -> tuple[Node | None, Node | None] | str:
+    """(ℓ, a) of a decay as `MatrixLinear` keeps them, or why it has no log form."""
+    if build.is_const(a, 1.0):
+        return None, None
+    if a.op is Op.EXP:
+        return a.args[0], None
+    if build.is_const(a) and a.arg > 0:
+        return build.const(math.log(a.arg)), None
+    if build.is_const(a):
+        return f"the decay is the constant {a.arg}: no log form"
+    return None, a
+
+
+def _summands(node: Node, neg: int = 0) -> list[tuple[Node, int]]:
+    """`node` as a sum: (its terms, each with the number of negations taken out)."""
+    if node.op is Op.ADD:
+        return _summands(node.args[0], neg) + _summands(node.args[1], neg)
+    if node.op is Op.SUB:
+        return _summands(node.args[0], neg) + _summands(node.args[1], neg + 1)
+    if node.op is Op.NEG:
+        return _summands(node.args[0], neg + 1)
+    if node.op is Op.EXPAND:
+        return _summands(node.args[0], neg)
+    return [(node, neg)]
+
+
+def _rank_terms(b: Node, state: Decl) -> list[tuple[list[Node], int, str | None]] | None:
+    """The injection `b` as a rank-R sum (factors, negations, rank axis r or None per term), where it is
+    one: two terms or more, or a term summed over an axis r the state lacks (a dot over r); else None."""
+    terms = []
+    for node, neg in _summands(b):
+        factors, n = _factors(node)
+        sums = [f for f in factors if f.op is Op.SUM and f.arg not in state.axes]
+        if len(sums) > 1:
+            return None
+        rank = None
+        if sums:  # Σ_r k ⊗ v, perhaps scaled: its factors and the outer ones
+            inner, m = _factors(sums[0].args[0])
+            factors = [f for f in factors if f is not sums[0]] + inner
+            n, rank = n + m, sums[0].arg
+        terms.append((factors, neg + n, rank))
+    if len(terms) < 2 and not (terms and terms[0][2] is not None):
+        return None
+    return terms
+
+
+def _rank_r(program: Recurrence, state: Decl, a: Node, b: Node, key: str, contraction: Node, q_factors,
+            q_neg: int, outputs, o: str) -> MatrixLinear | str:
+    """`matrix_linear` of a rank-R injection (`_rank_terms`): each term k_i (its factors along κ) ⊗ v_i (the
+    others, β and signs included), summed over r_i where it has one."""
+    split = []
+    for factors, neg, r in _rank_terms(b, state):
+        ks = [f for f in factors if key in f.axes]
+        vs = [f for f in factors if key not in f.axes]
+        if not ks:
+            return f"a term of the injection has no factor along the contracted axis {key}"
+        split.append((ks, vs, neg, r))
+    k_axes = {x for ks, _, _, _ in split for f in ks for x in f.axes}
+    v_axes = {x for _, vs, _, _ in split for f in vs for x in f.axes}
+    candidates = [x for x in state.axes if x in v_axes and x not in k_axes and x != key]
+    values = [x for x in candidates if x not in a.axes]
+    if not values and len(candidates) == 1:
+        return f"the decay varies along the value axis {candidates[0]} (a per-value decay)"
+    if len(values) != 1:
+        return ("the injection is no sum of outer products k ⊗ v" if not values
+                else f"{len(values)} value axes ({' '.join(values)})")
+    value = values[0]
+    heads = tuple(x for x in state.axes if x not in (key, value))
+    extra = {x for f in q_factors for x in f.axes} - {*heads, key}
+    if extra:
+        return f"q has axes {' '.join(sorted(extra))} besides the heads and its own"
+    terms = []
+    for ks, vs, neg, r in split:
+        rank = {r} if r is not None else set()
+        for what, fs, allowed, own in (("k", ks, {*heads, key, *rank}, key), ("v", vs, {*heads, value, *rank}, value)):
+            axes = {x for f in fs for x in f.axes}
+            if axes - allowed:
+                return f"{what} of a term has axes {' '.join(sorted(axes - allowed))} besides the heads, its own and r"
+            if own not in axes:
+                return f"a term of the injection has no {what} along {own}: no outer product"
+        terms.append((_product(ks), _product(vs, neg), r))
+    forms = _decay_forms(a)
+    if isinstance(forms, str):
+        return forms
+    log_decay, decay = forms
+    return MatrixLinear(state, key, value, heads, _product(q_factors, q_neg), terms[0][0], terms[0][1], None,
+                        log_decay, decay, contraction, outputs, o, tuple(terms))
+
+
 def _fresh(stem: str, taken: set[str]) -> str:
     name, i = stem, 0
     while name in taken:
@@ -230,7 +360,7 @@ def core_form(program: Recurrence) -> MatrixLinear | None:
             return None
     elif ml.outputs[0][1].op is not Op.INPUT or ml.outputs[0][1].arg != ml.o:
         return None
-    if not all(_is_input(program, x) for x in (ml.q, ml.k, ml.v)):
+    if not all(_is_input(program, x) for x in (ml.q, ml.k, ml.v, *(x for t in ml.terms for x in t[:2]))):
         return None
     if ml.decay is not None and not _is_input(program, ml.decay, _SEQ_OR_PARAM):
         return None
@@ -264,11 +394,16 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         prep.append((name, node))
         return Node.make(Op.INPUT, (), name, node.axes)
 
-    q, k = operand("q", ml.q), operand("k", ml.k)
-    if ml.beta is not None and _is_input(program, ml.v):  # v read as given, β apart (pre writes β, not v)
-        v, beta = ml.v, operand("beta", ml.beta, _SEQ_OR_PARAM)
+    if ml.terms:  # rank R: each term's k and v (β folded in) as inputs, v never read apart from β
+        q = operand("q", ml.q)
+        terms = [(operand("k", tk), operand("v", tv), r) for tk, tv, r in ml.terms]
+        (k, v, _), beta = terms[0], None
     else:
-        v, beta = operand("v", ml.injected), None
+        q, k = operand("q", ml.q), operand("k", ml.k)
+        if ml.beta is not None and _is_input(program, ml.v):  # v read as given, β apart (pre writes β, not v)
+            v, beta = ml.v, operand("beta", ml.beta, _SEQ_OR_PARAM)
+        else:
+            v, beta = operand("v", ml.injected), None
     leaf = Node.make(Op.INPUT, (), ml.state.name, ml.state.axes)
     if ml.log_decay is not None:
         carried = build.mul(build.unary(Op.EXP, operand("ell", ml.log_decay, _SEQ_OR_PARAM)), leaf)
@@ -276,7 +411,14 @@ def chunk_stages(program: Recurrence) -> Fused | None:
         carried = build.mul(operand("a", ml.decay, _SEQ_OR_PARAM), leaf)
     else:
         carried = leaf
-    update = build.add(carried, build.mul(build.mul(k, v), beta) if beta is not None else build.mul(k, v))
+    if ml.terms:
+        injection = None
+        for tk, tv, r in terms:
+            term = build.mul(tk, tv)
+            injection = build.add(injection, term if r is None else build.reduce_sum(term, r))
+        update = build.add(carried, injection)
+    else:
+        update = build.add(carried, build.mul(build.mul(k, v), beta) if beta is not None else build.mul(k, v))
     o = build.reduce_sum(build.mul(update, q), ml.key)
     # the core's o has its update's axis order, which a decay lacking the batch axis (RetNet's gamma [h] * S)
     # permutes; a core_form reads no transposed output, so a post stage transposes it to the contraction's

@@ -178,7 +178,7 @@ class ChunkedCore:
     def __init__(self, program, compute: str = "float32"):
         self.program = program
         self.ml = core_form(program)
-        assert self.ml is not None, f"{program.name} is no matrix-linear core"
+        assert self.ml is not None and not self.ml.terms, f"{program.name} is no rank-1 matrix-linear core"
         self.compute = compute
         self.dtype = _DTYPES[compute]
         self.output, self.out_node = program.outputs[0]
@@ -948,10 +948,16 @@ _CORES: dict[tuple, ChunkedCore | None] = {}
 
 def chunked_core(program, compute: str = "float32") -> ChunkedCore | None:
     """The chunked runner of `program` where it is a matrix-linear core and SSMC_CUDA_CHUNKED is not
-    0, else None."""
+    0, else None: a `rank.RankCore` (R sub-steps a step of a rank-1 core) where its injection has rank R."""
     if options().chunked is False:
         return None
     key = (program, compute)
     if key not in _CORES:
-        _CORES[key] = ChunkedCore(program, compute) if core_form(program) is not None else None
+        ml = core_form(program)
+        if ml is not None and ml.terms:
+            from .rank import RankCore
+
+            _CORES[key] = RankCore(program, compute)
+        else:
+            _CORES[key] = ChunkedCore(program, compute) if ml is not None else None
     return _CORES[key]
