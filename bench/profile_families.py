@@ -1,10 +1,10 @@
 """Where each new kernel family's time goes: the torch profiler's kernel table of one warm call.
 
-    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,flash,lstm_b16,gru_b16]
+    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,gla_vector,flash,lstm_b16,gru_b16]
 
 For the benchmark workloads of bench/persistent_check.py (LSTM / GRU B64 L180 I512 H512 fp32, forward +
 backward; lstm_b16 / gru_b16: B16 L180 I128 H256, the latency-bound target), bench/chunk_check.py (SSD,
-RetNet bf16, forward and forward + backward) and bench/flash_check.py
+RetNet, GLA with a decay per key bf16, forward and forward + backward) and bench/flash_check.py
 (causal attention B4 H16 L4096 d128 bf16, forward + backward): two warm-up calls, then one profiled call;
 prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the call, so
 the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
@@ -82,11 +82,13 @@ def rnn_cases(kind: str, b: int = 64, t: int = 180, i: int = 512, k: int = 512) 
 def chunk_cases(name: str) -> list:
     import chunk_check as cc
 
-    from ssmc.examples import mamba2, retnet
+    from ssmc.examples import gla, mamba2, retnet
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
-    spec, layout = (mamba2.SPEC, mamba2.LAYOUT) if name == "ssd" else (retnet.SPEC, retnet.LAYOUT)
-    a = cc.ssd_inputs(g) if name == "ssd" else cc.retnet_inputs(g)
+    example, inputs = {"ssd": (mamba2, cc.ssd_inputs), "retnet": (retnet, cc.retnet_inputs),
+                       "gla_vector": (gla, cc.gla_vector_inputs)}[name]
+    spec, layout = example.SPEC, example.LAYOUT
+    a = inputs(g)
     fn = ssmc.compile(spec, layout=layout, backend="cuda")
     tfn = ssmc.torch.function(spec, layout=layout)
     leaves = {k: (v.detach().clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in a.items()}
