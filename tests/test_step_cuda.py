@@ -548,6 +548,27 @@ def test_emulated_in_place_step_of_a_state_shift_register(monkeypatch):
     assert (torch.stack(got, 1) - want).abs().max().item() <= 2e-5
 
 
+@emulated_only
+def test_emulated_split_step_of_lazy_conjugates(monkeypatch):
+    """LRU's step given complex tensors with torch's conjugate bit (``B.conj()`` of the conjugate values, the state
+    likewise, written in place): their ``.imag`` views' memory holds the parts unnegated, so they run the general
+    path (the parts split by copies); outputs and new states equal the step on plain tensors (float32: 1e-6)."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("lru")
+    values = module.make_inputs(np.random.default_rng(0), 1)
+    tensors = {n: torch.tensor(v).to(torch.complex64 if np.iscomplexobj(v) else torch.float32)
+               for n, v in values.items()}
+    h, x = tensors.pop("h"), tensors.pop("x")[:, 0]
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    want_y, want_h = step(x=x, **tensors, states=h)
+    lazy = dict(tensors, B=tensors["B"].conj().resolve_conj().conj())
+    state = h.conj().resolve_conj().conj()
+    assert lazy["B"].is_conj() and state.is_conj()
+    out = torch.empty_like(want_y)
+    step(x=x, **lazy, states=state, out=out, in_place=True)
+    assert (out - want_y).abs().max().item() <= 1e-6 and (state - want_h).abs().max().item() <= 1e-6
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),
