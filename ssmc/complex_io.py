@@ -281,6 +281,8 @@ class ComplexStep:
             return None
         if not all(hasattr(v, "data_ptr") for v in (*args, *kwargs.values())):
             return None  # NumPy arrays: the general path
+        if any(v.is_conj() or v.is_neg() for v in (*args, *kwargs.values())):
+            return None  # a lazy conjugate: its ``.imag`` view's memory holds the part unnegated (a bit says so)
         real = c.arguments(args, kwargs, views=True)
         given = {n: real[n] for n in step._names if n in real}
         initial = {n: real[n] for n in step._state_names if n in real}

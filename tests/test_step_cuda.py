@@ -516,6 +516,59 @@ def test_emulated_split_step_of_other_families(name, monkeypatch):
     assert equal
 
 
+@ssmc.recurrence
+def _shifted_state(h: ssmc.State["b n"], x: ssmc.Seq["b d"], B: ssmc.Param["n d"], C: ssmc.Param["d n"]):
+    """LRU's shape (``B x`` over n hoisted by the full call) with a shift register of the state: its new value
+    ``h_shift1 <- h`` is the old h as it is."""
+    h = 0.5 * h + ssmc.dot(B, x, over="d") + 0.3 * h.shift(1)
+    return h, ssmc.dot(C, h, over="n")
+
+
+@emulated_only
+def test_emulated_in_place_step_of_a_state_shift_register(monkeypatch):
+    """A new state that is another state's old value as it is (``h.shift(1)``) is no `step.split_form` (its
+    states kernel would load h where it stores h_shift1, after h's new value was stored over it in place): L = 5
+    in-place steps equal the full call (float32: 2e-5)."""
+    from ssmc.backends.cuda import step as step_module
+
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    assert step_module.split_form(_shifted_state.program) is None
+    rng = np.random.default_rng(0)
+    b, d, n = 2, 4, 3
+    x = torch.tensor(rng.standard_normal((b, LENGTH, d)), dtype=torch.float32)
+    params = {k: torch.tensor(rng.standard_normal(s), dtype=torch.float32) for k, s in (("B", (n, d)), ("C", (d, n)))}
+    want, _ = ssmc.compile(_shifted_state, "cuda", layout="b t ...")(x=x, **params, return_final_states=True)
+    step = ssmc.step(_shifted_state, "cuda", layout="b t ...")
+    states = (torch.zeros(b, n), torch.zeros(b, n))
+    got = []
+    for t in range(LENGTH):
+        out = torch.empty(b, d)
+        step(x=x[:, t], **params, states=states, out=out, in_place=True)
+        got.append(out.clone())
+    assert (torch.stack(got, 1) - want).abs().max().item() <= 2e-5
+
+
+@emulated_only
+def test_emulated_split_step_of_lazy_conjugates(monkeypatch):
+    """LRU's step given complex tensors with torch's conjugate bit (``B.conj()`` of the conjugate values, the state
+    likewise, written in place): their ``.imag`` views' memory holds the parts unnegated, so they run the general
+    path (the parts split by copies); outputs and new states equal the step on plain tensors (float32: 1e-6)."""
+    monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
+    module = _example("lru")
+    values = module.make_inputs(np.random.default_rng(0), 1)
+    tensors = {n: torch.tensor(v).to(torch.complex64 if np.iscomplexobj(v) else torch.float32)
+               for n, v in values.items()}
+    h, x = tensors.pop("h"), tensors.pop("x")[:, 0]
+    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
+    want_y, want_h = step(x=x, **tensors, states=h)
+    lazy = dict(tensors, B=tensors["B"].conj().resolve_conj().conj())
+    state = h.conj().resolve_conj().conj()
+    assert lazy["B"].is_conj() and state.is_conj()
+    out = torch.empty_like(want_y)
+    step(x=x, **lazy, states=state, out=out, in_place=True)
+    assert (out - want_y).abs().max().item() <= 1e-6 and (state - want_h).abs().max().item() <= 1e-6
+
+
 # decode sizes (make_inputs' keywords) the in-place kernels are built at for NVRTC: the strategies a GPU's step
 # takes there (lanes for mamba2 and linear attention, rows for mamba1_block, a thread per recurrence for hgrn)
 DECODE_SIZES = {"mamba2": dict(batch=16, groups=1, heads=32, headdim=64, state=128),

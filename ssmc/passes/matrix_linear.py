@@ -268,12 +268,14 @@ def _summands(node: Node, neg: int = 0) -> list[tuple[Node, int]]:
     return [(node, neg)]
 
 
-def _rank_terms(b: Node, state: Decl) -> list[tuple[list[Node], int, str | None]] | None:
-    """The injection `b` as a rank-R sum (factors, negations, rank axis r or None per term), where it is
-    one: two terms or more, or a term summed over an axis r the state lacks (a dot over r); else None."""
+def _rank_terms(b: Node, state: Decl) -> list[tuple[list[Node], int, str | None, tuple]] | None:
+    """The injection `b` as a rank-R sum (factors, negations, rank axis r or None, (the factors with the sum
+    over r kept whole, their negations), per term), where it is one: two terms or more, or a term summed over
+    an axis r the state lacks (a dot over r); else None."""
     terms = []
     for node, neg in _summands(b):
         factors, n = _factors(node)
+        whole = (factors, neg + n)
         sums = [f for f in factors if f.op is Op.SUM and f.arg not in state.axes]
         if len(sums) > 1:
             return None
@@ -282,7 +284,7 @@ def _rank_terms(b: Node, state: Decl) -> list[tuple[list[Node], int, str | None]
             inner, m = _factors(sums[0].args[0])
             factors = [f for f in factors if f is not sums[0]] + inner
             n, rank = n + m, sums[0].arg
-        terms.append((factors, neg + n, rank))
+        terms.append((factors, neg + n, rank, whole))
     if len(terms) < 2 and not (terms and terms[0][2] is not None):
         return None
     return terms
@@ -293,12 +295,20 @@ def _rank_r(program: Recurrence, state: Decl, a: Node, b: Node, key: str, contra
     """`matrix_linear` of a rank-R injection (`_rank_terms`): each term k_i (its factors along κ) ⊗ v_i (the
     others, β and signs included), summed over r_i where it has one."""
     split = []
-    for factors, neg, r in _rank_terms(b, state):
+    for factors, neg, r, whole in _rank_terms(b, state):
         ks = [f for f in factors if key in f.axes]
         vs = [f for f in factors if key not in f.axes]
-        if not ks:
-            return f"a term of the injection has no factor along the contracted axis {key}"
+        if r is not None and not (any(r in f.axes for f in ks) and any(r in f.axes for f in vs)):
+            # a sum over r inside k's or v's factors alone (a projection, ``B * dot(W, x, over="j")``) is no
+            # rank axis (R = |r| sub-steps a step, each operand |r| times its size): the sum one factor, rank 1
+            ks = [f for f in whole[0] if key in f.axes]
+            vs = [f for f in whole[0] if key not in f.axes]
+            neg, r = whole[1], None
         split.append((ks, vs, neg, r))
+    if len(split) < 2 and split[0][3] is None:
+        return "the injection is one outer product (not read as one: see the rank-1 reason)"
+    if any(not ks for ks, _, _, _ in split):
+        return f"a term of the injection has no factor along the contracted axis {key}"
     k_axes = {x for ks, _, _, _ in split for f in ks for x in f.axes}
     v_axes = {x for _, vs, _, _ in split for f in vs for x in f.axes}
     candidates = [x for x in state.axes if x in v_axes and x not in k_axes and x != key]

@@ -584,7 +584,8 @@ def split_form(program) -> SplitForm | None:
     readout ``sum_n C[d, n] h[b, n]`` in a thread of [b d]). For a program whose one kernel is a thread per
     batch row walking such a product for every n (the full call hoists it as a matrix product). None where a
     new state reads a state other than at its own element (renamed, or summed over one of its axes: written
-    in place, it would read what another thread wrote), or an output reads an old state."""
+    in place, it would read what another thread wrote), a new state is another state's old value as it is
+    (read where it is stored, after the other's store), or an output reads an old state."""
     from ...ir.node import Node, toposort
     from ...ir.ops import REDUCTIONS, Op
     from ...ir.program import Decl, Recurrence, Role
@@ -599,6 +600,13 @@ def split_form(program) -> SplitForm | None:
     for node in toposort(updates):
         if node.op in REDUCTIONS and any(n.op is Op.INPUT and n.arg in states and node.arg in n.axes
                                          for n in toposort(node.args)):
+            return None
+    for st, u in zip(program.states, updates):
+        while u.op is Op.EXPAND:
+            u = u.args[0]
+        if u.op is Op.INPUT and u.arg in states and u.arg != st.name:
+            # a new state that is another's old one as it is (a shift register of a state, ``h.shift(1)``): the
+            # kernel loads it where it stores it, after the other's new value was stored over it in place
             return None
     new_of = dict(zip(updates, form.next_names))
     memo: dict = {}
