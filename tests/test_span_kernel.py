@@ -260,3 +260,56 @@ def test_the_backward_builds_its_spans_in_one_launch(monkeypatch):
     for bn in (64, 128):
         assert tables["0", bn] == tables["1", bn]
         assert counts["1", bn][1] == 1 and counts["0", bn][1] == 0 and counts["1", bn][0] + 30 < counts["0", bn][0]
+
+
+# each mask once over `o` (ssmc to trace it, NumPy to evaluate it), `d` the read of the ids at a position
+SOUND_MASKS = [
+    lambda q, k, d, o: ~(d(q) != d(k)) & (k <= q + 3),
+    lambda q, k, d, o: o.abs(d(q) - d(k)) * 2.0 <= o.minimum(q - k, 1.0),
+    lambda q, k, d, o: o.where(d(q) > d(k), q - k, k * 0.5) < 40.0,
+    lambda q, k, d, o: (o.maximum(d(q), k - 50.0) >= d(k) * 3.0) | (q * d(k) > k + 90.0),
+    lambda q, k, d, o: ~((d(k) - q) * (k - d(q)) < -5.0),
+]
+
+
+def _traced(f):
+    def mask(q_idx, kv_idx, doc: ssmc.Seq["b"]):
+        return f(q_idx, kv_idx, doc.__getitem__, ssmc)
+
+    return ssmc.attention(mask_mod=mask).program.mask
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_span_kernel_tables_are_sound_against_the_mask(dtype):
+    """Brute force, apart from the torch tables: per row (or the rows' merged ranges), every (q, k) the mask leaves
+    visible has k in its query block's [lo, hi), and every key of [full_lo, full_hi) is visible to every query of
+    the block (to every row's, merged); over lq != lk, ids shorter than the queries (reads clamped), rows of
+    different ids; the backward's key blocks from the same launch equal the torch ones."""
+    _emulator()
+    from ssmc.backends.cuda.kernels.flash.backward import key_block_tables
+    from ssmc.backends.cuda.kernels.flash.forward import row_span_table
+    from ssmc.backends.cuda.kernels.flash.spans import span_kernel_table
+    from ssmc.passes.mask_blocks import span_tables
+
+    rng = np.random.default_rng(5)
+    fdt = np.float32 if dtype == "float32" else np.float64
+    for m, f in enumerate(SOUND_MASKS):
+        mask = _traced(f)
+        for lq, lk, length in ((70, 200, 200), (200, 70, 190)):
+            ids = np.sort(rng.integers(0, 12, (2, length)), axis=1) if m % 2 else rng.integers(0, 4, (2, length))
+            qi, ki = np.arange(lq, dtype=fdt)[:, None], np.arange(lk, dtype=fdt)[None]
+            vis = np.stack([np.broadcast_to(f(qi, ki, lambda i, row=row: row.astype(fdt)[
+                np.clip(i.astype(np.int64), 0, len(row) - 1)], np), (lq, lk)) for row in ids])
+            for merged in (False, True):
+                reads = _reads(ids, getattr(torch, dtype), merged)
+                table, keys = span_kernel_table(mask, lq, lk, 64, 64, {}, reads, (1, 1), 128)
+                spans = span_tables(mask, lq, lk, 64, 64, {}, reads)
+                assert table.tolist() == row_span_table(spans, (1, 1)).tolist(), (m, lq, lk, merged)
+                assert keys.tolist() == row_span_table(key_block_tables(spans, lk, 128), (1, 1)).tolist()
+                nb = -(-lq // 64)
+                rows = [(vis.any(0), vis.all(0))] if merged else [(v, v) for v in vis]
+                for r, (some, every) in enumerate(rows):
+                    for b, (lo, hi, flo, fhi) in enumerate(table.view(len(rows), -1)[r, :4 * nb].view(nb, 4).tolist()):
+                        cols = np.flatnonzero(some[b * 64:(b + 1) * 64].any(0))
+                        assert cols.size == 0 or (lo <= cols.min() and cols.max() < hi), (m, lq, lk, merged, r, b)
+                        assert every[b * 64:(b + 1) * 64, flo:fhi].all() and fhi <= lk, (m, lq, lk, merged, r, b)
