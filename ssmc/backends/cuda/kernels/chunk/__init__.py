@@ -38,7 +38,7 @@ from ...devices import emulating
 from ...launch import zero_bytes
 from ...options import options
 from . import mma, tune
-from .algorithm import Chunks, forward, vjp
+from .algorithm import Chunks, NonPositiveDecay, forward, vjp
 
 # Steps per chunk where SSMC_CUDA_CHUNK does not say: the masked decay matrices ([C, C] per head and
 # chunk) and the chunk states ([K, V] per head and chunk) are both materialised, so C balances
@@ -147,10 +147,6 @@ def _found_param_decay(cache: dict, x: torch.Tensor, steps: tuple, found: tuple)
     if len(cache) > 64:
         cache.clear()
     cache[(*_positive_key(x), steps)] = (StorageWeakRef(x.untyped_storage()), x._version, found)
-
-
-class NonPositiveDecay(ValueError):
-    """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
 
 
 class _Made:
@@ -957,7 +953,7 @@ def chunked_core(program, compute: str = "float32") -> ChunkedCore | None:
         if ml is not None and ml.terms:
             from .rank import RankCore
 
-            _CORES[key] = RankCore(program, compute)
+            _CORES[key] = RankCore(program, compute, ChunkedCore)
         else:
             _CORES[key] = ChunkedCore(program, compute) if ml is not None else None
     return _CORES[key]

@@ -55,6 +55,10 @@ SCAN_MATRIX_CHUNKS = 512
 SUB = 16
 
 
+class NonPositiveDecay(ValueError):
+    """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
+
+
 @dataclass
 class Chunks:
     """The inputs of one call, chunked: q, k [*H, NC, C, K]; v [*H, NC, C, V]; ell [*H, NC, C] (log

@@ -27,7 +27,7 @@ from .....ir.ops import Op
 from .....ir.program import Decl, Recurrence, Role
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import core_form
-from . import ChunkedCore, NonPositiveDecay
+from .algorithm import NonPositiveDecay
 
 _T = "~t"  # time's name in the layouts below
 
@@ -57,9 +57,10 @@ class RankTape:
 
 class RankCore:
     """Runs one rank-R core program (`core_form` with `terms`) as a `ChunkedCore` over R sub-steps a step
-    (module docstring); the runner and fused-backward contracts of `ChunkedCore`."""
+    (module docstring); the runner and fused-backward contracts of `ChunkedCore`. `core`: the rank-1 runner's
+    class (`ChunkedCore`, given by the package, which imports this module)."""
 
-    def __init__(self, program: Recurrence, compute: str = "float32"):
+    def __init__(self, program: Recurrence, compute: str, core):
         self.program = program
         self.ml = ml = core_form(program)
         assert ml is not None and ml.terms, f"{program.name} is no rank-R matrix-linear core"
@@ -96,7 +97,7 @@ class RankCore:
         o = build.reduce_sum(build.mul(update, ml.q), ml.key)
         inner = Recurrence(name=f"{program.name}_sub", decls=tuple(decls), updates=(update,),
                            outputs=((self.output, o),), sizes=program.sizes, loc=program.loc, doc=program.doc)
-        self.inner = ChunkedCore(inner, compute)
+        self.inner = core(inner, compute)
         self.inner_out_axes = list(o.axes)
 
     # -- the layouts -------------------------------------------------------------------------------
