@@ -1,11 +1,12 @@
 """Where each new kernel family's time goes: the torch profiler's kernel table of one warm call.
 
-    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,gla_vector,flash,lstm_b16,gru_b16]
+    python bench/profile_families.py [--out DIR] [--only lstm,gru,ssd,retnet,gla_vector,flash,mamba1_small,...]
 
 For the benchmark workloads of bench/persistent_check.py (LSTM / GRU B64 L180 I512 H512 fp32, forward +
 backward; lstm_b16 / gru_b16: B16 L180 I128 H256, the latency-bound target), bench/chunk_check.py (SSD,
 RetNet, GLA with a decay per key bf16, forward and forward + backward) and bench/flash_check.py
-(causal attention B4 H16 L4096 d128 bf16, forward + backward): two warm-up calls, then one profiled call;
+(causal attention B4 H16 L4096 d128 bf16, forward + backward), mamba1_small: bench/graph_step.py's Mamba-1
+B32 D512 L180 N16 fp32 step (issue 43's seed size): two warm-up calls, then one profiled call;
 prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the call, so
 the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
 """
@@ -102,6 +103,22 @@ def chunk_cases(name: str) -> list:
     return [(f"{name} forward", lambda: fn(**a)), (f"{name} forward + backward", train)]
 
 
+def mamba1_cases() -> list:
+    """Mamba-1 at issue 43's seed size (graph_step.py's inputs): forward, and a training step into all 8 inputs."""
+    import graph_step as gs
+
+    from ssmc.examples import mamba1
+    leaves = gs.inputs()
+    fn = ssmc.torch.function(mamba1.SPEC, layout="b d t")
+    dy = torch.randn_like(fn(**leaves))
+    step = gs.step_of(lambda v: fn(**v), leaves, dy)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(**leaves)
+    return [("Mamba-1 B32 D512 L180 N16 fp32 forward", fwd), ("Mamba-1 training step (8 gradients)", step)]
+
+
 def flash_cases() -> list:
     import flash_check as fc
 
@@ -134,7 +151,8 @@ def main() -> None:
         try:
             cases = (rnn_cases(name.upper()) if name in ("lstm", "gru") else
                      rnn_cases(name[:-4].upper(), 16, 180, 128, 256) if name in ("lstm_b16", "gru_b16") else
-                     flash_cases() if name == "flash" else chunk_cases(name))
+                     flash_cases() if name == "flash" else
+                     mamba1_cases() if name == "mamba1_small" else chunk_cases(name))
             for title, fn in cases:
                 sections.append(profiled(title, fn, ops=args.ops))
         except Exception as err:  # one family failing must not hide the others' profiles
