@@ -384,7 +384,7 @@ def test_gpu_streamed_lstm_h2048_bf16(streamed_launches):
     the adjoint against the interpreter's float64, every gradient; no barrier timed out."""
     check("lstm", 33, 16, 2048, "cuda", torch.bfloat16, BF16_TOL, BF16_GRAD_TOL)
     _ran = {(n, s) for n, s, _ in streamed_launches}
-    assert {("lstm", True), ("lstm_recording", True), ("lstm_backward", True)} <= _ran, streamed_launches
+    assert {("lstm", True), ("lstm_carries", True), ("lstm_backward", True)} <= _ran, streamed_launches
     for loop in persistent_runner._LOOPS.values():
         if loop is not None:
             assert loop.status() == (False, 0), "a grid barrier timed out"
