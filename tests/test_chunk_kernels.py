@@ -334,9 +334,10 @@ def test_the_per_key_kernels_compile_without_spills(arch):
                                           "per_key_dk", "per_key_dv"}
                 for name, r in resources.items():
                     assert not r.spills and r.stack_frame_bytes == 0, r.summary()
-                    dynamic = {"per_key_output": mma.per_key_shared(key),
+                    dynamic = {"per_key_output": mma.per_key_shared(key, value),
+                               **dict.fromkeys(("per_key_states", "per_key_dstates"), mma.per_key_states_shared()),
                                **dict.fromkeys(("per_key_dq", "per_key_dk", "per_key_dv"),
-                                               mma.per_key_backward_shared(key, value))}.get(name, 0)
+                                               mma.per_key_backward_shared(key, value))}[name]
                     assert r.shared_bytes <= 48 * 1024 and r.shared_bytes + dynamic <= SM80_SHARED, r.summary()
 
 
