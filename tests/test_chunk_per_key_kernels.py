@@ -143,10 +143,10 @@ def test_emulated_per_key_kernels_take_misaligned_operands(emulate):
 
 @needs_emulator
 def test_per_key_forward_declines_blocks_past_the_shared_limit(emulate, monkeypatch):
-    """per_key_output's tiles at K = V = 128 exceed what a block of a 99 KiB GPU (sm_86, sm_89) may opt into: the call
-    runs the torch path there; K = V = 64 still takes the kernels."""
-    monkeypatch.setattr(mma, "_block_shared_limit", lambda: 99 * 1024)
-    assert mma.per_key_shared(128, 128) > 99 * 1024 >= mma.per_key_shared(64, 64)
+    """A device whose blocks may not opt into per_key_output's shared memory runs the torch path (here a limit
+    between K = V = 64's tiles and K = V = 128's); K = V = 128 fits the 99 KiB of sm_86 / sm_89."""
+    assert mma.per_key_shared(64, 64) < 64 * 1024 < mma.per_key_shared(128, 128) <= 99 * 1024
+    monkeypatch.setattr(mma, "_block_shared_limit", lambda: 64 * 1024)
     assert not mma.per_key_applies(per_key_chunks(7, 128, 128))
     assert mma.per_key_applies(per_key_chunks(7, 64, 64))
 

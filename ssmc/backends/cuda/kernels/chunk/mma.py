@@ -812,11 +812,12 @@ def per_key_states_shared() -> int:
 
 
 def per_key_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_output: Λ [C, key + 4], the anchors' factors [10, key] and the diagonal
-    sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8], v rows [C, value + 8] and S_p rows [key, value + 8],
-    16-bit."""
+    """Dynamic shared memory of per_key_output: Λ [C, key + 4] fp32, later S_p rows [key, value + 8] 16-bit in its
+    place; the anchors' factors [10, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
+    v rows [C, value + 8], 16-bit."""
     c, pad = PER_KEY_CHUNK, 8
-    return (c * (key + 4) + 10 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (c + key) * (value + pad)) * 2
+    lam = max(c * (key + 4) * 4, key * (value + pad) * 2)
+    return lam + (10 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
 
 
 def per_key_threads(value: int) -> int:
