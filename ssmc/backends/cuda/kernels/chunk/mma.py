@@ -825,13 +825,30 @@ def per_key_threads(value: int) -> int:
     return 128 * (value // 64)
 
 
+def per_key_dq_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [10, key] and dA's diagonal
+    sub-blocks [4, 16, 16] fp32; k rows [C, key + 8], v, dO rows [C, value + 8] and S_p rows [key, value + 8],
+    16-bit."""
+    c, pad = PER_KEY_CHUNK, 8
+    return (c * (key + 4) + 10 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+
+
+def per_key_dkv_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [10, key], A's and dA's diagonal
+    sub-blocks [2, 4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8], d_end rows [key, value + 8],
+    16-bit."""
+    c, pad = PER_KEY_CHUNK, 8
+    return (c * (key + 4) + 10 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+
+
 def per_key_backward_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dq, per_key_dk, per_key_dv: Λ [C, key] and a warp's 16 x 16 scores' cotangent
-    [4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8] and a state tile (64 keys by all values, or all
-    keys by 64 values, rows padded by 8), 16-bit."""
-    c, pad, tile = PER_KEY_CHUNK, 8, 64
-    state = max(key * (tile + pad), tile * (value + pad))
-    return c * key * 4 + 4 * 16 * 16 * 4 + (2 * c * (key + pad) + 2 * c * (value + pad) + state) * 2
+    """The most dynamic shared memory a block of the per-key backward takes (per_key_dq's, per_key_dkv's)."""
+    return max(per_key_dq_shared(key, value), per_key_dkv_shared(key, value))
+
+
+def per_key_backward_threads(key: int, value: int) -> int:
+    """Threads of a per_key_dq / per_key_dkv block: four warps (one a sub-block) per 64 of the larger size's columns."""
+    return 128 * (max(key, value) // 64)
 
 
 @cache
@@ -842,7 +859,8 @@ def per_key_source(key: int, value: int, bf16: bool) -> str:
 
     body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, states_shared=per_key_states_shared(),
                                                   output_shared=per_key_shared(key, value),
-                                                  backward_shared=per_key_backward_shared(key, value))
+                                                  dq_shared=per_key_dq_shared(key, value),
+                                                  dkv_shared=per_key_dkv_shared(key, value))
     return mma_header() + "\n" + body
 
 
@@ -958,16 +976,17 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     offs, steps, _ = _tables_for(heads, (q, k, v, ell, dq, do), dev)
     text = per_key_source(key, value, q.dtype == torch.bfloat16)
     tables = (offs.data_ptr(), steps.data_ptr())
-    shared = per_key_backward_shared(key, value)
     operands = [_base(q), _base(k), _base(v), _base(do), _base(ell), *tables]
     length = nc * chunk
     _launch(_function(text, "per_key_dstates"), "per_key_dstates", nh * (key // 64) * (value // 64), 128, length, nc,
             [_base(q), _base(do), _base(ell), *tables, d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()],
             per_key_states_shared(), events)
-    for name, tiles, pointers in (("per_key_dq", key // 64, [entering.data_ptr(), dq.data_ptr()]),
-                                  ("per_key_dk", key // 64, [d_end.data_ptr(), dk.data_ptr(), ends.data_ptr()]),
-                                  ("per_key_dv", value // 64, [d_end.data_ptr(), dv.data_ptr()])):
-        _launch(_function(text, name), name, nh * nc * tiles, 128, length, nc, operands + pointers, shared, events)
+    threads = per_key_backward_threads(key, value)
+    _launch(_function(text, "per_key_dq"), "per_key_dq", nh * nc, threads, length, nc,
+            [*operands, entering.data_ptr(), dq.data_ptr()], per_key_dq_shared(key, value), events)
+    _launch(_function(text, "per_key_dkv"), "per_key_dkv", nh * nc, threads, length, nc,
+            [*operands, d_end.data_ptr(), dk.data_ptr(), dv.data_ptr(), ends.data_ptr()],
+            per_key_dkv_shared(key, value), events)
     # the log decays' cotangent per key (algorithm.log_decay_grad with per_key)
     d_lam = q.to(f32) * dq - k.to(f32) * dk
     gamma = ell.sum(-2)
