@@ -318,7 +318,7 @@ def test_the_kernels_compile_without_spills(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_per_key_kernels_compile_without_spills(arch):
     """The per-key kernels (per_key.cu.j2: per_key_states, per_key_output; the backward's per_key_dstates,
-    per_key_dq, per_key_dk, per_key_dv) at every key / value size, bf16 (and fp16 at the largest): no spills, no
+    per_key_dq, per_key_dkv) at every key / value size, bf16 (and fp16 at the largest): no spills, no
     local memory (the anchored fragments and the accumulators stay in registers), shared memory within an sm_80
     block's. CI builds sm_90's alone."""
     from ssmc.backends.cuda.source import compile_options
@@ -331,12 +331,13 @@ def test_the_per_key_kernels_compile_without_spills(arch):
                 text = mma.per_key_source(key, value, bf16)
                 resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
                 assert set(resources) == {"per_key_states", "per_key_output", "per_key_dstates", "per_key_dq",
-                                          "per_key_dk", "per_key_dv"}
+                                          "per_key_dkv"}
                 for name, r in resources.items():
                     assert not r.spills and r.stack_frame_bytes == 0, r.summary()
-                    dynamic = {"per_key_output": mma.per_key_shared(key),
-                               **dict.fromkeys(("per_key_dq", "per_key_dk", "per_key_dv"),
-                                               mma.per_key_backward_shared(key, value))}.get(name, 0)
+                    dynamic = {"per_key_output": mma.per_key_shared(key, value),
+                               **dict.fromkeys(("per_key_states", "per_key_dstates"), mma.per_key_states_shared()),
+                               "per_key_dq": mma.per_key_dq_shared(key, value),
+                               "per_key_dkv": mma.per_key_dkv_shared(key, value)}[name]
                     assert r.shared_bytes <= 48 * 1024 and r.shared_bytes + dynamic <= SM80_SHARED, r.summary()
 
 

@@ -118,6 +118,39 @@ def test_emulated_per_key_kernels_take_the_initial_state(emulate):
     assert _rel(out, want[0]) < OUT_TOL and _rel(final, want[2]) < 1e-6
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a view whose rows start one element past a 16-byte boundary."""
+    flat = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    flat[1:] = t.reshape(-1)
+    return flat[1:].view(t.shape)
+
+
+@needs_emulator
+def test_emulated_per_key_kernels_take_misaligned_operands(emulate):
+    """q, k, v and ell whose rows are not 16-byte aligned (the kernels' cp.async copies need them so: mma.py copies
+    such operands): the same output and states bit for bit as from the aligned operands, forward and backward."""
+    x = per_key_chunks(70, 64, 64, decay=1.0, seed=9)
+    y = algorithm.Chunks(*(_misaligned(t) for t in (x.q, x.k, x.v, x.ell)), x.s0)
+    assert y.q.data_ptr() % 16 != 0 and y.ell.data_ptr() % 16 != 0
+    want, got = mma.forward_per_key(x), mma.forward_per_key(y)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    d_out, d_final = _cotangents(x, 70)
+    grads = mma.backward_per_key(x, want[1], d_out, d_final)
+    for a, b in zip(grads[:5], mma.backward_per_key(y, got[1], _misaligned(d_out), d_final)[:5]):
+        assert torch.equal(a, b)
+
+
+@needs_emulator
+def test_per_key_forward_declines_blocks_past_the_shared_limit(emulate, monkeypatch):
+    """A device whose blocks may not opt into per_key_output's shared memory runs the torch path (here a limit
+    between K = V = 64's tiles and K = V = 128's); K = V = 128 fits the 99 KiB of sm_86 / sm_89."""
+    assert mma.per_key_shared(64, 64) < 64 * 1024 < mma.per_key_shared(128, 128) <= 99 * 1024
+    monkeypatch.setattr(mma, "_block_shared_limit", lambda: 64 * 1024)
+    assert not mma.per_key_applies(per_key_chunks(7, 128, 128))
+    assert mma.per_key_applies(per_key_chunks(7, 64, 64))
+
+
 def _cotangents(x: algorithm.Chunks, length: int, seed: int = 1):
     """(d_out [*H, NC, C, V] in q's dtype, zero past `length` as ChunkedCore pads it; d_final [*H, K, V] fp32)."""
     g = torch.Generator().manual_seed(seed)

@@ -804,20 +804,51 @@ class BackwardPlan:
 PER_KEY_CHUNK = 64  # steps per chunk of the per-key kernels (a warp per query sub-block of `algorithm.SUB` steps)
 
 
-def per_key_shared(key: int) -> int:
-    """Dynamic shared memory of per_key_output: Λ [C, key] fp32; q, k rows [C, key + 8], v rows [C, 72] and S_p
-    rows [key, 72], 16-bit."""
+def per_key_states_shared() -> int:
+    """Dynamic shared memory of per_key_states and per_key_dstates: two stages of the a, b rows [C, 72] (16-bit) and
+    ell [C, 64] (fp32) of a 64 x 64 state tile."""
     c, pad, tile = PER_KEY_CHUNK, 8, 64
-    return c * key * 4 + (2 * c * (key + pad) + c * (tile + pad) + key * (tile + pad)) * 2
+    return 2 * (2 * c * (tile + pad) * 2 + c * tile * 4)
+
+
+def per_key_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_output: Λ [C, key + 4] fp32, later S_p rows [key, value + 8] 16-bit in its
+    place; the anchors' factors [10, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
+    v rows [C, value + 8], 16-bit."""
+    c, pad = PER_KEY_CHUNK, 8
+    lam = max(c * (key + 4) * 4, key * (value + pad) * 2)
+    return lam + (10 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
+
+
+def per_key_threads(value: int) -> int:
+    """Threads of a per_key_output block: four warps (one a query sub-block) per 64 value columns."""
+    return 128 * (value // 64)
+
+
+def per_key_dq_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [10, key] and dA's diagonal
+    sub-blocks [4, 16, 16] fp32; k rows [C, key + 8], v, dO rows [C, value + 8] and S_p rows [key, value + 8],
+    16-bit."""
+    c, pad = PER_KEY_CHUNK, 8
+    return (c * (key + 4) + 10 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+
+
+def per_key_dkv_shared(key: int, value: int) -> int:
+    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [10, key], A's and dA's diagonal
+    sub-blocks [2, 4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8], d_end rows [key, value + 8],
+    16-bit."""
+    c, pad = PER_KEY_CHUNK, 8
+    return (c * (key + 4) + 10 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
 
 
 def per_key_backward_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dq, per_key_dk, per_key_dv: Λ [C, key] and a warp's 16 x 16 scores' cotangent
-    [4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8] and a state tile (64 keys by all values, or all
-    keys by 64 values, rows padded by 8), 16-bit."""
-    c, pad, tile = PER_KEY_CHUNK, 8, 64
-    state = max(key * (tile + pad), tile * (value + pad))
-    return c * key * 4 + 4 * 16 * 16 * 4 + (2 * c * (key + pad) + 2 * c * (value + pad) + state) * 2
+    """The most dynamic shared memory a block of the per-key backward takes (per_key_dq's, per_key_dkv's)."""
+    return max(per_key_dq_shared(key, value), per_key_dkv_shared(key, value))
+
+
+def per_key_backward_threads(key: int, value: int) -> int:
+    """Threads of a per_key_dq / per_key_dkv block: four warps (one a sub-block) per 64 of the larger size's columns."""
+    return 128 * (max(key, value) // 64)
 
 
 @cache
@@ -826,8 +857,10 @@ def per_key_source(key: int, value: int, bf16: bool) -> str:
     per_key_dk, per_key_dv) for these sizes and 16-bit format."""
     from ...source import mma_header
 
-    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, output_shared=per_key_shared(key),
-                                                  backward_shared=per_key_backward_shared(key, value))
+    body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, states_shared=per_key_states_shared(),
+                                                  output_shared=per_key_shared(key, value),
+                                                  dq_shared=per_key_dq_shared(key, value),
+                                                  dkv_shared=per_key_dkv_shared(key, value))
     return mma_header() + "\n" + body
 
 
@@ -840,13 +873,24 @@ def per_key_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
 def per_key_applies(x: Chunks) -> bool:
     """Whether `forward_per_key` takes `x`: a per-key decay, 16-bit q, k, v of one format on the backend's device
     (`per_key_wanted`), fp32 log decays and initial state, chunks of `PER_KEY_CHUNK`, no β and no skip (GLA has
-    neither; they run on `algorithm.py`)."""
+    neither; they run on `algorithm.py`), per_key_output's shared memory within what a block of the device may opt
+    into (GPUs of 99 KiB a block run the torch path at K = V = 128)."""
     q, k, v = x.q, x.k, x.v
     return (x.per_key and x.beta is None and x.skip is None and per_key_wanted(q.dtype, q.shape[-1], v.shape[-1])
             and k.dtype == q.dtype and v.dtype == q.dtype and k.shape[-1] == q.shape[-1]
             and q.shape[-2] == PER_KEY_CHUNK and x.ell.shape[-1] == q.shape[-1] and x.ell.dtype == torch.float32
             and x.s0.dtype == torch.float32
-            and all(t.numel() > 0 and on_backend_device(t) for t in (q, k, v, x.ell, x.s0)))
+            and all(t.numel() > 0 and on_backend_device(t) for t in (q, k, v, x.ell, x.s0))
+            and per_key_shared(q.shape[-1], v.shape[-1]) <= _block_shared_limit())
+
+
+def _lines_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` (the last axis contiguous) if each of its rows starts 16-byte aligned (the per-key kernels copy their
+    tiles 16 bytes at a time), else a contiguous copy (whose rows do: every axis' stride a multiple of 16 bytes at the
+    sizes the kernels take)."""
+    unit = 16 // t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(s % unit == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
 def forward_per_key(x: Chunks, events: list | None = None):
@@ -854,8 +898,7 @@ def forward_per_key(x: Chunks, events: list | None = None):
     state entering each chunk [*H, NC, K, V], the final state [*H, K, V]), all fp32, H the heads of all operands
     broadcast. Two launches: per_key_states (a block per (head, 64 keys, 64 values) walks the chunks, the state in
     registers), then per_key_output (a block per (head, chunk, 64 values)). `events` as `forward`'s."""
-    q, k, v = (_chunked_view(a, True) for a in (x.q, x.k, x.v))
-    ell = _chunked_view(x.ell, True)
+    q, k, v, ell = (_lines_aligned(_chunked_view(a, True)) for a in (x.q, x.k, x.v, x.ell))
     t = q.dim() - 3
     heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t])
     nh = math.prod(heads)
@@ -869,11 +912,11 @@ def forward_per_key(x: Chunks, events: list | None = None):
     text = per_key_source(key, value, q.dtype == torch.bfloat16)
     tables = (offs.data_ptr(), steps.data_ptr())
     _launch(_function(text, "per_key_states"), "per_key_states", nh * (key // 64) * (value // 64), 128, nc * chunk,
-            nc, [_base(k), _base(v), _base(ell), *tables, s0.data_ptr(), entering.data_ptr(), final.data_ptr()], 0,
-            events)
-    _launch(_function(text, "per_key_output"), "per_key_output", nh * nc * (value // 64), 128, nc * chunk, nc,
+            nc, [_base(k), _base(v), _base(ell), *tables, s0.data_ptr(), entering.data_ptr(), final.data_ptr()],
+            per_key_states_shared(), events)
+    _launch(_function(text, "per_key_output"), "per_key_output", nh * nc, per_key_threads(value), nc * chunk, nc,
             [_base(q), _base(k), _base(v), _base(ell), *tables, entering.data_ptr(), _base(out)],
-            per_key_shared(key), events)
+            per_key_shared(key, value), events)
     return out, entering, final
 
 
@@ -915,8 +958,7 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     per (head, chunk, 64 columns). The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
     products q ⊙ dq − k ⊙ dk, the end term ``at_end + exp(Γ) Σ_ν d_end S_p`` at each chunk's last step, summed in
     reverse over the chunk (torch)."""
-    q, k, v, do = (_chunked_view(a, True) for a in (x.q, x.k, x.v, d_out))
-    ell = _chunked_view(x.ell, True)
+    q, k, v, do, ell = (_lines_aligned(_chunked_view(a, True)) for a in (x.q, x.k, x.v, d_out, x.ell))
     t = q.dim() - 3
     heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t], do.shape[:t],
                        d_final.shape[:t])
@@ -934,16 +976,17 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     offs, steps, _ = _tables_for(heads, (q, k, v, ell, dq, do), dev)
     text = per_key_source(key, value, q.dtype == torch.bfloat16)
     tables = (offs.data_ptr(), steps.data_ptr())
-    shared = per_key_backward_shared(key, value)
     operands = [_base(q), _base(k), _base(v), _base(do), _base(ell), *tables]
     length = nc * chunk
     _launch(_function(text, "per_key_dstates"), "per_key_dstates", nh * (key // 64) * (value // 64), 128, length, nc,
-            [_base(q), _base(do), _base(ell), *tables, d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()], 0,
-            events)
-    for name, tiles, pointers in (("per_key_dq", key // 64, [entering.data_ptr(), dq.data_ptr()]),
-                                  ("per_key_dk", key // 64, [d_end.data_ptr(), dk.data_ptr(), ends.data_ptr()]),
-                                  ("per_key_dv", value // 64, [d_end.data_ptr(), dv.data_ptr()])):
-        _launch(_function(text, name), name, nh * nc * tiles, 128, length, nc, operands + pointers, shared, events)
+            [_base(q), _base(do), _base(ell), *tables, d_final.data_ptr(), d_end.data_ptr(), ds0.data_ptr()],
+            per_key_states_shared(), events)
+    threads = per_key_backward_threads(key, value)
+    _launch(_function(text, "per_key_dq"), "per_key_dq", nh * nc, threads, length, nc,
+            [*operands, entering.data_ptr(), dq.data_ptr()], per_key_dq_shared(key, value), events)
+    _launch(_function(text, "per_key_dkv"), "per_key_dkv", nh * nc, threads, length, nc,
+            [*operands, d_end.data_ptr(), dk.data_ptr(), dv.data_ptr(), ends.data_ptr()],
+            per_key_dkv_shared(key, value), events)
     # the log decays' cotangent per key (algorithm.log_decay_grad with per_key)
     d_lam = q.to(f32) * dq - k.to(f32) * dk
     gamma = ell.sum(-2)
