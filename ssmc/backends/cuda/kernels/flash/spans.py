@@ -197,17 +197,20 @@ _SOURCES: dict = {}
 
 
 def span_source(mask: Node | None, block_q: int, tile: int, size_names: tuple[str, ...], seqs: dict,
-                key_bn: int = 0) -> tuple | None:
+                key_bn: int = 0, fused: tuple = ()) -> tuple | None:
     """(CUDA source, kernel name, reads, size names, the inputs read in order) of the span kernel for `mask` over
     `seqs` (name -> (lo, hi) tensors, as `span_tables` takes them); None where the rule or the ids' types do not
-    print (`Unprintable`, ids of a 16-bit float type)."""
-    types = {name: str(lo.dtype) for name, (lo, _) in seqs.items()}
+    print (`Unprintable`, ids of a 16-bit float type). `fused`: ((name, torch dtype string), ...) of the param
+    table's sequence rows (`fused_tables`): the kernel then writes the param table too and its rule reads those
+    rows (float32; `seqs` unused), the ids as given passed instead."""
+    types = ({name: "torch.float32" for name, _ in fused} if fused else
+             {name: str(lo.dtype) for name, (lo, _) in seqs.items()})
     first = next(iter(types.values()), "torch.float64")
-    key = (mask, block_q, tile, size_names, tuple(types.items()), key_bn)
+    key = (mask, block_q, tile, size_names, tuple(types.items()), key_bn, fused)
     if key in _SOURCES:
         return _SOURCES[key]
-    hit = None
-    if all(t in _ID_TYPES for t in types.values()):
+    hit = body = None
+    if all(t in _ID_TYPES for t in types.values()) and all(t in _ID_TYPES for _, t in fused):
         try:
             ctypes = {n: _ID_TYPES[t] for n, t in types.items()}
             body, reads, names = print_rule(mask, dict.fromkeys(size_names, 0), ctypes)
@@ -222,14 +225,22 @@ def span_source(mask: Node | None, block_q: int, tile: int, size_names: tuple[st
                 offset.append("2 * nb" if q else "2 * nt")
             pointers = [f"const {_ID_TYPES[types[s]]}* __restrict__ ids_{side}{i}" for i, s in enumerate(inputs)
                         for side in ("lo", "hi")]
+            names_fused = [n for n, _ in fused]
+            if fused:
+                pointers = [f"const {_ID_TYPES[t]}* __restrict__ raw{i}" for i, (_, t) in enumerate(fused)]
             ftype = "float" if first == "torch.float32" else "double"
             digest = hashlib.sha1(repr((body, block_q, tile, ftype, pointers, key_bn)).encode()).hexdigest()[:12]
             name = f"ssmc_spans_{digest}"
+            if fused and not set(inputs) <= set(names_fused):
+                body = None  # a read of a sequence the param table has no rows of
+        if body is not None:
             text = template("flash/spans.cu.j2").render(
                 F=ftype, body=body, threads=THREADS, name=name, pointers=pointers, bq=block_q, tile=tile,
                 reads=ctx_reads, inputs=len(inputs), key_bn=key_bn, sizes=2 * len(names),
                 nq=sum(r["q"] for r in ctx_reads),
-                nk=sum(not r["q"] for r in ctx_reads))
+                nk=sum(not r["q"] for r in ctx_reads),
+                fused=[{"type": _ID_TYPES[t], "integer": "int" in t} for _, t in fused],
+                rule_inputs=[names_fused.index(s) for s in inputs] if fused else [])
             hit = (text, name, reads, names, inputs, ftype)
     if len(_SOURCES) >= 64:
         _SOURCES.clear()
@@ -290,3 +301,108 @@ def span_kernel_table(mask: Node | None, lq: int, lk: int, block_q: int, tile: i
     else:
         launch_kernel(fn, (rows, THREADS), lq, lk, pointers)
     return (table, keys) if key_bn else table
+
+
+def _merged_stride(shape, strides) -> int | None:
+    """The one stride that steps through dims `shape` (strides `strides`) flattened, the last fastest; None where
+    they do not flatten without a copy."""
+    stride = expected = None
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if expected is None:
+            stride = st
+        elif st != expected:
+            return None
+        expected = st * n
+    return 1 if stride is None else stride
+
+
+class FusedPlan:
+    """What every `fused_tables` call of one signature launches: the span kernel writing the param table too, the
+    device's numbers it reads, and where each table lies in the one buffer a call allocates (byte offsets)."""
+
+    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int):
+        self.fn, self.rows, self.dims, self.layout, self.names, self.key_bn = fn, rows, dims, layout, names, key_bn
+        self.spans_at, self.keys_at, self.scratch_at = offsets
+        self.nbytes = nbytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def fused_plan(program, call, block_q: int, tile: int, gqa: tuple[int, int], key_bn: int = 0) -> FusedPlan | None:
+    """The `FusedPlan` of a call's signature, or None where the fused kernel does not take it (the caller then builds
+    the param table and span tables apart): sequences whose rows follow batch axes of their own (`row_axes`),
+    every one compared only (`Call.seqs`: the ids as given), ids of a printable type whose rows flatten without a
+    copy, a rule that prints."""
+    import torch
+
+    from .forward import gather_sources, row_axes, table_layout
+
+    if row_axes(program) is None or key_bn % tile:
+        return None
+    seq_names = [d.name for d in program.seqs]
+    sources = [n for n in gather_sources(program) if n in seq_names]
+    if not sources or any(n not in call.seqs for n in seq_names):
+        return None
+    raw = [call.seqs[n] for n in sources]
+    length, rows = raw[0].shape[0], math.prod(raw[0].shape[1:])
+    layout = table_layout(program, call.sizes, length, raw[0].device)
+    if [n for n, _, _ in layout.seqs] != sources or any(r != rows for _, _, r in layout.seqs):
+        return None
+    fused = tuple((n, str(t.dtype)) for n, t in zip(sources, raw))
+    found = span_source(program.mask, block_q, tile, tuple(sorted(call.sizes)), {}, key_bn, fused)
+    if found is None:
+        return None
+    text, name, reads, names, inputs, _ = found
+    raw_numbers = []
+    for t, (_, start, _) in zip(raw, layout.seqs):
+        row = _merged_stride(t.shape[1:], t.stride()[1:])
+        if row is None or t.shape[0] != length or math.prod(t.shape[1:]) != rows:
+            return None
+        raw_numbers += [row if rows > 1 else 0, t.stride(0), start]
+    nb, nt = -(-call.lq // block_q), -(-call.lk // tile)
+    windows = max(1, 2 * rows * sum(nb if i == "q_idx" else nt for _, i in reads))
+    numbers = [length, rows, *(x for _ in inputs for x in (length, 1)),
+               *(x for n in names for x in (call.sizes[n], call.sizes[n] - 1)), *gqa,
+               layout.prefix, windows, *raw_numbers]
+    dims = torch.tensor(numbers, dtype=torch.int64, device=raw[0].device)
+    spans_at = _aligned(4 * layout.total)
+    keys_at = spans_at + _aligned(4 * rows * (4 * nb + 2))
+    scratch_at = keys_at + _aligned(4 * rows * (4 * -(-call.lk // key_bn) + 2) if key_bn else 0)
+    nbytes = scratch_at + 4 * (windows + rows * length)
+    fn = loaded_function(text, name, raw[0].device)
+    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn)
+
+
+def fused_tables(plan: FusedPlan, program, call) -> tuple:
+    """One launch of `plan`'s kernel for a call: (the buffer, the address of its param table, of its query blocks'
+    span table, of its key blocks' (0 without)). The buffer holds them all (`forward.param_table`'s values and
+    `forward.row_span_table`'s layout; a scratch after): no other op than its allocation, where the program has no
+    params (else the params' part of the table from their values, each call: `forward.table_prefix`)."""
+    import torch
+
+    from ...launch import launch_kernel
+
+    raw = [call.seqs[n] for n in plan.names]
+    device = raw[0].device
+    if program.params:
+        from .forward import table_prefix
+
+        prefix = table_prefix(program, plan.layout, call.params, call.sizes)
+    else:
+        prefix = plan.layout.header
+    buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    base = buffer.data_ptr()
+    keys = base + plan.keys_at if plan.key_bn else 0
+    pointers = [plan.dims.data_ptr(), *(t.data_ptr() for t in raw), base + plan.spans_at, base + plan.scratch_at,
+                *([keys] if keys else []), prefix.data_ptr(), base]
+    if plan.rows:
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                launch_kernel(plan.fn, (plan.rows, THREADS), call.lq, call.lk, pointers)
+        else:
+            launch_kernel(plan.fn, (plan.rows, THREADS), call.lq, call.lk, pointers)
+    return buffer, base, base + plan.spans_at, keys
