@@ -191,7 +191,7 @@ def test_fused_tables_keep_every_comparison_and_the_spans(kind, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_FLASH_FORWARD", "bm128w4")
     from ssmc.backends.cuda.kernels.flash import backward as fb
     from ssmc.backends.cuda.kernels.flash import forward as ff
-    from ssmc.backends.cuda.kernels.flash.spans import fused_plan, fused_tables
+    from ssmc.backends.cuda.kernels.flash.forward import fused_plan, fused_tables
     from ssmc.backends.tiled_attention import TiledAttention
 
     rng = np.random.default_rng(IDS.index(kind))

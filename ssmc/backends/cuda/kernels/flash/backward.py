@@ -46,6 +46,10 @@ dv[kvh, j] summed over them in registers and stored once (the warp-specialized b
 sequence through the producer's ring; their param sums a row of partials per warp); the dQ kernel's reads KV index
 kv_index(bh).
 
+With document ids the param table, the key blocks' span table and the dQ kernel's query blocks' come from one
+launch of the span kernel a call (`forward.fused_tables`, as the forward's; the backward's block sizes differ from the
+forward's, so it makes its own from the saved ids, which torch keeps unchanged until then).
+
 Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
 its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
 A param's summand is linear in grad_score, d_param(dm) = dm * g, and g may grow with the positions (ALiBi:
@@ -78,6 +82,8 @@ from .forward import (
     Unprintable,
     block_spans,
     float_literal,
+    fused_plan,
+    fused_tables,
     gather_sources,
     gqa_shape,
     print_body,
@@ -86,7 +92,6 @@ from .forward import (
     sequence_reads,
     table_width,
 )
-from .spans import fused_plan, fused_tables
 
 BQ = {64: 32, 128: 16}   # "bn64": query rows a tile per head dim (its registers and static shared memory bound it)
 LEAVES = ("grad_score", "score", "q_idx", "kv_idx")
@@ -498,7 +503,7 @@ class FlashBackward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._plans: dict = {}
-        self._fused: dict = {}  # `spans.fused_plan` per signature (None: the tables built apart)
+        self._fused: dict = {}  # `forward.fused_plan` per signature (None: the tables built apart)
 
     def head_dim_reason(self, d: int) -> str | None:
         """Why the kernels do not take head dim `d` for this program (None: they do): an indexed table's gradient
@@ -574,8 +579,8 @@ class FlashBackward:
             [row_span_table(spans, gqa)] if dq_kernel else [])
 
     def _tables(self, call, bn: int):
-        """`spans.fused_tables` of a call (one launch: the param table, the dQ kernel's query-block spans and the
-        key blocks' of `bn`, from the ids), where its signature's `spans.fused_plan` exists; else None."""
+        """`forward.fused_tables` of a call (one launch: the param table, the dQ kernel's query-block spans and the
+        key blocks' of `bn`, from the ids), where its signature's `forward.fused_plan` exists; else None."""
         if not call.seqs or not options().span_kernel:
             return None
         key = (bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),

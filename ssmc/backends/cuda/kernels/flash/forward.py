@@ -31,6 +31,11 @@ The printed read is ``prm[(int)prm[c] + clamp(index, 0, prm[c + 1])]``: a load p
 where the mask is (on the tiles `block_spans` does not prove full: with sorted document ids, the tiles that
 straddle a document boundary).
 
+With document ids a call's param table and span table come from one launch of the span kernel (`fused_tables`:
+the table's columns and layout cached per signature, `table_layout`; the ids' rows written from the ids as given,
+the params' part from their values each call, since a param changed in place, through ``.data`` too, must be seen),
+into one buffer: the forward's per-call work is then that buffer, that launch and its own.
+
 Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
 accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
 of 32 and Q's fragments read from shared memory per tile (not held in registers), and "wg128" (sm_90a, the default
@@ -49,7 +54,8 @@ from .....ir.program import Attention
 from ...options import options
 from .. import template
 from ..loaded import loaded_function
-from .spans import fused_plan, fused_tables
+from .spans import THREADS as SPAN_THREADS
+from .spans import span_source
 
 BM = 64                 # query rows a block of the "bm64" kernel: 4 warps of 16
 BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
@@ -515,6 +521,104 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def _merged_stride(shape, strides) -> int | None:
+    """The one stride that steps through dims `shape` (strides `strides`) flattened, the last fastest; None where
+    they do not flatten without a copy."""
+    stride = expected = None
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if expected is None:
+            stride = st
+        elif st != expected:
+            return None
+        expected = st * n
+    return 1 if stride is None else stride
+
+
+class FusedPlan:
+    """What every `fused_tables` call of one signature launches: the span kernel writing the param table too, the
+    device's numbers it reads, and where each table lies in the one buffer a call allocates (byte offsets)."""
+
+    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int):
+        self.fn, self.rows, self.dims, self.layout, self.names, self.key_bn = fn, rows, dims, layout, names, key_bn
+        self.spans_at, self.keys_at, self.scratch_at = offsets
+        self.nbytes = nbytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def fused_plan(program, call, block_q: int, tile: int, gqa: tuple[int, int], key_bn: int = 0) -> FusedPlan | None:
+    """The `FusedPlan` of a call's signature, or None where the fused kernel does not take it (the caller then builds
+    the param table and span tables apart): sequences whose rows follow batch axes of their own (`row_axes`),
+    every one compared only (`Call.seqs`: the ids as given), ids of a printable type whose rows flatten without a
+    copy, a rule that prints."""
+    import torch
+
+    if row_axes(program) is None or key_bn % tile:
+        return None
+    seq_names = [d.name for d in program.seqs]
+    sources = [n for n in gather_sources(program) if n in seq_names]
+    if not sources or any(n not in call.seqs for n in seq_names):
+        return None
+    raw = [call.seqs[n] for n in sources]
+    length, rows = raw[0].shape[0], math.prod(raw[0].shape[1:])
+    layout = table_layout(program, call.sizes, length, raw[0].device)
+    if [n for n, _, _ in layout.seqs] != sources or any(r != rows for _, _, r in layout.seqs):
+        return None
+    fused = tuple((n, str(t.dtype)) for n, t in zip(sources, raw))
+    found = span_source(program.mask, block_q, tile, tuple(sorted(call.sizes)), {}, key_bn, fused)
+    if found is None:
+        return None
+    text, name, reads, names, inputs, _ = found
+    raw_numbers = []
+    for t, (_, start, _) in zip(raw, layout.seqs):
+        row = _merged_stride(t.shape[1:], t.stride()[1:])
+        if row is None or t.shape[0] != length or math.prod(t.shape[1:]) != rows:
+            return None
+        raw_numbers += [row if rows > 1 else 0, t.stride(0), start]
+    nb, nt = -(-call.lq // block_q), -(-call.lk // tile)
+    windows = max(1, 2 * rows * sum(nb if i == "q_idx" else nt for _, i in reads))
+    numbers = [length, rows, *(x for _ in inputs for x in (length, 1)),
+               *(x for n in names for x in (call.sizes[n], call.sizes[n] - 1)), *gqa,
+               layout.prefix, windows, *raw_numbers]
+    dims = torch.tensor(numbers, dtype=torch.int64, device=raw[0].device)
+    spans_at = _aligned(4 * layout.total)
+    keys_at = spans_at + _aligned(4 * rows * (4 * nb + 2))
+    scratch_at = keys_at + _aligned(4 * rows * (4 * -(-call.lk // key_bn) + 2) if key_bn else 0)
+    nbytes = scratch_at + 4 * (windows + rows * length)
+    fn = loaded_function(text, name, raw[0].device)
+    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn)
+
+
+def fused_tables(plan: FusedPlan, program, call) -> tuple:
+    """One launch of `plan`'s kernel for a call: (the buffer, the address of its param table, of its query blocks'
+    span table, of its key blocks' (0 without)). The buffer holds them all (`forward.param_table`'s values and
+    `forward.row_span_table`'s layout; a scratch after): no other op than its allocation, where the program has no
+    params (else the params' part of the table from their values, each call: `forward.table_prefix`)."""
+    import torch
+
+    from ...launch import launch_kernel
+
+    raw = [call.seqs[n] for n in plan.names]
+    device = raw[0].device
+    prefix = table_prefix(program, plan.layout, call.params, call.sizes) if program.params else plan.layout.header
+    buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    base = buffer.data_ptr()
+    keys = base + plan.keys_at if plan.key_bn else 0
+    pointers = [plan.dims.data_ptr(), *(t.data_ptr() for t in raw), base + plan.spans_at, base + plan.scratch_at,
+                *([keys] if keys else []), prefix.data_ptr(), base]
+    if plan.rows:
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                launch_kernel(plan.fn, (plan.rows, SPAN_THREADS), call.lq, call.lk, pointers)
+        else:
+            launch_kernel(plan.fn, (plan.rows, SPAN_THREADS), call.lq, call.lk, pointers)
+    return buffer, base, base + plan.spans_at, keys
+
+
 def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: int = BM,
                 bn: int = BN, seqs: dict | None = None) -> list[tuple[int, int, int, int]]:
     """Per block of `bm` queries, (lo, hi, full_lo, full_hi): keys outside [lo, hi) are masked for every
@@ -616,7 +720,7 @@ class FlashForward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._launches: dict = {}
-        self._plans: dict = {}  # `spans.fused_plan` per signature (None: the tables built apart)
+        self._plans: dict = {}  # `fused_plan` per signature (None: the tables built apart)
 
     def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
         name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
@@ -696,8 +800,8 @@ class FlashForward:
         return out, lse
 
     def _tables(self, call, cfg: Config):
-        """With sequence inputs, `spans.fused_tables` of a call (one launch: the param table and the span table
-        from the ids, in one buffer), where its signature's `spans.fused_plan` exists; else None."""
+        """With sequence inputs, `fused_tables` of a call (one launch: the param table and the span table
+        from the ids, in one buffer), where its signature's `fused_plan` exists; else None."""
         if not call.seqs or not options().span_kernel:
             return None
         key = (cfg.bm, cfg.bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),

@@ -22,6 +22,21 @@ then gqa's (group, inner). As a plain loop (a block of threads per row r):
 
 With integer ids the rule's sums of two reads are exact here in float64, where torch's NaN-widening rounds
 them to float32: the tables agree while ids stay below 2**24 in magnitude.
+
+A call's whole per-call work with document ids (the flash forward's and backward's, `forward.fused_tables`): one buffer,
+one launch of the kernel in its fused form, which also writes the flash kernels' param table (`forward.param_table`'s
+values) from the ids as the user gave them (`Call.seqs`: ids the modifiers only compare, any printable type):
+
+    plan = forward.fused_plan(program, call, block_q, tile, gqa, key_bn)   # once per signature; None: apart
+    buffer, table_at, spans_at, keys_at = forward.fused_tables(plan, program, call)   # per call: addresses
+
+    per row r (a block), before the loop above:
+        table[:prefix] = the cached columns (and the params' part, `forward.table_prefix`)   (grid-strided)
+        for each sequence s:  table[tail_s + r * L + p] = ids[r, p] - min_p ids[r, p]   where exact in float32
+                              (whole numbers less than 2**24 apart), else the rank of ids[r, p] among the row's
+                              distinct ids (an O(L^2) loop; a NaN: L + p, a document of its own)
+    then the loop above reads the table's rows of ids (float32), as the flash kernels will: either way every ==
+    and < between two positions of a row is what the ids gave, and the spans are those of `row_ranks`' ids.
 """
 
 from __future__ import annotations
@@ -201,7 +216,7 @@ def span_source(mask: Node | None, block_q: int, tile: int, size_names: tuple[st
     """(CUDA source, kernel name, reads, size names, the inputs read in order) of the span kernel for `mask` over
     `seqs` (name -> (lo, hi) tensors, as `span_tables` takes them); None where the rule or the ids' types do not
     print (`Unprintable`, ids of a 16-bit float type). `fused`: ((name, torch dtype string), ...) of the param
-    table's sequence rows (`fused_tables`): the kernel then writes the param table too and its rule reads those
+    table's sequence rows (`forward.fused_tables`): the kernel then writes the param table too and its rule reads those
     rows (float32; `seqs` unused), the ids as given passed instead."""
     types = ({name: "torch.float32" for name, _ in fused} if fused else
              {name: str(lo.dtype) for name, (lo, _) in seqs.items()})
@@ -302,107 +317,3 @@ def span_kernel_table(mask: Node | None, lq: int, lk: int, block_q: int, tile: i
         launch_kernel(fn, (rows, THREADS), lq, lk, pointers)
     return (table, keys) if key_bn else table
 
-
-def _merged_stride(shape, strides) -> int | None:
-    """The one stride that steps through dims `shape` (strides `strides`) flattened, the last fastest; None where
-    they do not flatten without a copy."""
-    stride = expected = None
-    for n, st in zip(reversed(shape), reversed(strides)):
-        if n == 1:
-            continue
-        if expected is None:
-            stride = st
-        elif st != expected:
-            return None
-        expected = st * n
-    return 1 if stride is None else stride
-
-
-class FusedPlan:
-    """What every `fused_tables` call of one signature launches: the span kernel writing the param table too, the
-    device's numbers it reads, and where each table lies in the one buffer a call allocates (byte offsets)."""
-
-    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int):
-        self.fn, self.rows, self.dims, self.layout, self.names, self.key_bn = fn, rows, dims, layout, names, key_bn
-        self.spans_at, self.keys_at, self.scratch_at = offsets
-        self.nbytes = nbytes
-
-
-def _aligned(n: int) -> int:
-    return -(-n // 16) * 16
-
-
-def fused_plan(program, call, block_q: int, tile: int, gqa: tuple[int, int], key_bn: int = 0) -> FusedPlan | None:
-    """The `FusedPlan` of a call's signature, or None where the fused kernel does not take it (the caller then builds
-    the param table and span tables apart): sequences whose rows follow batch axes of their own (`row_axes`),
-    every one compared only (`Call.seqs`: the ids as given), ids of a printable type whose rows flatten without a
-    copy, a rule that prints."""
-    import torch
-
-    from .forward import gather_sources, row_axes, table_layout
-
-    if row_axes(program) is None or key_bn % tile:
-        return None
-    seq_names = [d.name for d in program.seqs]
-    sources = [n for n in gather_sources(program) if n in seq_names]
-    if not sources or any(n not in call.seqs for n in seq_names):
-        return None
-    raw = [call.seqs[n] for n in sources]
-    length, rows = raw[0].shape[0], math.prod(raw[0].shape[1:])
-    layout = table_layout(program, call.sizes, length, raw[0].device)
-    if [n for n, _, _ in layout.seqs] != sources or any(r != rows for _, _, r in layout.seqs):
-        return None
-    fused = tuple((n, str(t.dtype)) for n, t in zip(sources, raw))
-    found = span_source(program.mask, block_q, tile, tuple(sorted(call.sizes)), {}, key_bn, fused)
-    if found is None:
-        return None
-    text, name, reads, names, inputs, _ = found
-    raw_numbers = []
-    for t, (_, start, _) in zip(raw, layout.seqs):
-        row = _merged_stride(t.shape[1:], t.stride()[1:])
-        if row is None or t.shape[0] != length or math.prod(t.shape[1:]) != rows:
-            return None
-        raw_numbers += [row if rows > 1 else 0, t.stride(0), start]
-    nb, nt = -(-call.lq // block_q), -(-call.lk // tile)
-    windows = max(1, 2 * rows * sum(nb if i == "q_idx" else nt for _, i in reads))
-    numbers = [length, rows, *(x for _ in inputs for x in (length, 1)),
-               *(x for n in names for x in (call.sizes[n], call.sizes[n] - 1)), *gqa,
-               layout.prefix, windows, *raw_numbers]
-    dims = torch.tensor(numbers, dtype=torch.int64, device=raw[0].device)
-    spans_at = _aligned(4 * layout.total)
-    keys_at = spans_at + _aligned(4 * rows * (4 * nb + 2))
-    scratch_at = keys_at + _aligned(4 * rows * (4 * -(-call.lk // key_bn) + 2) if key_bn else 0)
-    nbytes = scratch_at + 4 * (windows + rows * length)
-    fn = loaded_function(text, name, raw[0].device)
-    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn)
-
-
-def fused_tables(plan: FusedPlan, program, call) -> tuple:
-    """One launch of `plan`'s kernel for a call: (the buffer, the address of its param table, of its query blocks'
-    span table, of its key blocks' (0 without)). The buffer holds them all (`forward.param_table`'s values and
-    `forward.row_span_table`'s layout; a scratch after): no other op than its allocation, where the program has no
-    params (else the params' part of the table from their values, each call: `forward.table_prefix`)."""
-    import torch
-
-    from ...launch import launch_kernel
-
-    raw = [call.seqs[n] for n in plan.names]
-    device = raw[0].device
-    if program.params:
-        from .forward import table_prefix
-
-        prefix = table_prefix(program, plan.layout, call.params, call.sizes)
-    else:
-        prefix = plan.layout.header
-    buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
-    base = buffer.data_ptr()
-    keys = base + plan.keys_at if plan.key_bn else 0
-    pointers = [plan.dims.data_ptr(), *(t.data_ptr() for t in raw), base + plan.spans_at, base + plan.scratch_at,
-                *([keys] if keys else []), prefix.data_ptr(), base]
-    if plan.rows:
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                launch_kernel(plan.fn, (plan.rows, THREADS), call.lq, call.lk, pointers)
-        else:
-            launch_kernel(plan.fn, (plan.rows, THREADS), call.lq, call.lk, pointers)
-    return buffer, base, base + plan.spans_at, keys
