@@ -28,6 +28,8 @@ B16 L180 I128 H256, every input a leaf, rows as Mamba-1's.
 "attention": `ssmc.torch.function` of causal attention and of causal ALiBi with a fixed slope (bench/flash_check.py's
 specs; the flash kernels), q, k, v [b h t d] bf16 at B2 H4 L1000 d64 (B1 H2 L16 d64 with --cpu-stub), rows as
 Mamba-1's.
+"attention_doc" (not in the default set): causal attention within documents from sorted ids [b, t] int32
+(bench/flash_check.py's "doc" spec, 3 documents a row), the same shapes and rows as "attention".
 
 --cpu-stub runs the same Python path on a machine without a GPU: the CUDA backend emulated
 (SSMC_CUDA_EMULATE=1, CPU tensors stand for device memory), every kernel launch and memset running its
@@ -137,6 +139,25 @@ def attention_inputs(s: dict, alibi: bool, seed: int = 6) -> dict:
     if alibi:
         out["slope"] = 2.0 ** (-8.0 * torch.arange(1, s["h"] + 1, device=DEVICE, dtype=torch.float32) / s["h"])
     return out
+
+
+def doc_inputs(s: dict, documents: int = 3, seed: int = 7) -> dict:
+    """Causal attention within documents: q, k, v as `attention_inputs`, and sorted document ids [b, t] int32
+    (`documents` a row, random lengths; bench/flash_check.py's "doc" spec)."""
+    out = attention_inputs(s, False, seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    starts = torch.sort(torch.randint(1, s["t"], (s["b"], documents - 1), generator=g, device=DEVICE), dim=1).values
+    out["doc"] = (torch.arange(s["t"], device=DEVICE)[None, :, None] >= starts[:, None, :]).sum(-1).to(torch.int32)
+    return out
+
+
+def doc_rows(shape: dict, measure_fn, *extra) -> list[dict]:
+    """Host time of the attention op of document ids (bench/flash_check.py's "doc" spec), the ids fixed."""
+    from flash_check import GATHER_SPECS
+
+    title = "attention doc B{b} H{h} L{t} d{d} bf16 (ids int32)"
+    return [measure_fn(title.format(**shape), ssmc.torch.function(GATHER_SPECS["doc"], layout="b h t ..."),
+                       doc_inputs(shape), *extra)]
 
 
 def attention_rows(shape: dict, measure_fn, *extra) -> list[dict]:
@@ -456,6 +477,8 @@ def stub_main(args) -> None:
         rows.append(_stub_measure(f"{title}, torch op", op, retnet_inputs(RETNET_STUB), args.calls, args.profile))
     if "attention" in args.only:
         rows += attention_rows(ATTENTION_STUB, _stub_measure, args.calls, args.profile)
+    if "attention_doc" in args.only:
+        rows += doc_rows(ATTENTION_STUB, _stub_measure, args.calls, args.profile)
     lines = ["| workload (CPU, launches stubbed; median / least of the calls) | host us forward | host us backward "
              "| bare autograd.Function forward | bare backward |", "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | " + " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}" if k in r else "-"
@@ -470,7 +493,8 @@ def main() -> None:
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: the host path with launches stubbed")
     ap.add_argument("--profile", action="store_true", help="cProfile's top functions of the torch op's calls")
     ap.add_argument("--only", default="mamba1,scan,ssd,retnet,attention",
-                    help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention, lstm, gru")
+                    help="workloads, comma-separated: mamba1, scan, ssd, ssd_short, retnet, attention, "
+                         "attention_doc, lstm, gru")
     args = ap.parse_args()
     args.only = set(args.only.split(","))
     global PROFILE
@@ -500,6 +524,8 @@ def main() -> None:
                              retnet_inputs({**RETNET, "t": RETNET["t"] // 2}, seed=5), args.calls)
     if "attention" in args.only:
         rows += attention_rows(ATTENTION, measure, args.calls)
+    if "attention_doc" in args.only:
+        rows += doc_rows(ATTENTION, measure, args.calls)
     for kind in ("lstm", "gru"):
         if kind in args.only:
             import persistent_check as pc

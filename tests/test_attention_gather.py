@@ -681,7 +681,7 @@ def test_the_span_tables_of_a_call_copy_nothing_to_the_host(monkeypatch):
             m.setattr(torch.Tensor, name, host_read)
         call = tiled.bind(t["q"], t["k"], t["v"], "b h t ...", _params(t))
         tables = [fwd._span_tensor(call, cfg)[0], bwd._span_tensor(call, bn=64), bwd._span_tensor(call, bn=128),
-                  bwd._span_tensor(call, True), ff.param_table(tiled.program, call.params, call.sizes)]
+                  bwd._span_tensor(call, True), ff.param_table(tiled.program, call.param_values(), call.sizes)]
         with pytest.raises(AssertionError, match="on the host"):
             torch.ones(1).item()  # the patch holds
     assert all(tb.dtype in (torch.int32, torch.float32) for tb in tables)

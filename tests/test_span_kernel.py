@@ -313,3 +313,21 @@ def test_span_kernel_tables_are_sound_against_the_mask(dtype):
                         cols = np.flatnonzero(some[b * 64:(b + 1) * 64].any(0))
                         assert cols.size == 0 or (lo <= cols.min() and cols.max() < hi), (m, lq, lk, merged, r, b)
                         assert every[b * 64:(b + 1) * 64, flo:fhi].all() and fhi <= lk, (m, lq, lk, merged, r, b)
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="no NVRTC")
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8", "float32", "float64"])
+@pytest.mark.parametrize("key_bn", [0, 128])
+def test_the_fused_span_kernel_builds_with_nvrtc(dtype, key_bn):
+    """The span kernel that writes the param table from the ids as given (`spans.fused_tables`), for each id type
+    and with the backward's key blocks: built for sm_80 and sm_90 without spills."""
+    from ssmc.backends.cuda import nvrtc
+    from ssmc.backends.cuda.kernels.flash.spans import span_source
+    from ssmc.backends.cuda.source import compile_options
+
+    for name in ("doc", "doc_causal", "doc_window"):
+        text, kname, *_ = span_source(_mask(name).mask, 64, 64, (), {}, key_bn, (("doc", f"torch.{dtype}"),))
+        assert "ptable" in text
+        for arch in ("sm_80", "sm_90"):
+            usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
+            assert not usage.spills, (name, arch, str(usage))

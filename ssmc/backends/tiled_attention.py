@@ -31,7 +31,7 @@ axes; `TiledAttention.bind` makes them so from a call in any layout (NumPy array
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -90,6 +90,20 @@ class Call:
     numpy: bool                       # q was no torch tensor: results as NumPy arrays
     group: int = 1                    # GQA: k and v have q's heads / `group` along batch axis `kv_axis`,
     kv_axis: int = 0                  # query head h reading KV head h // group (`repeated`)
+    # sequence inputs the modifiers only compare (`compared_only`): their ids as given (time first, on q's device,
+    # integers kept), not in `params` (`param_values` makes them `acc` on first use; the flash kernels read them so)
+    seqs: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # this call's derived values (`param_values`)
+
+    def param_values(self) -> dict[str, torch.Tensor]:
+        """The params with every sequence input's ids in `acc`, as the tiled path reads them: `seqs` converted
+        (`seq_values`) once for the call."""
+        if not self.seqs:
+            return self.params
+        hit = self.memo.get("params")
+        if hit is None:
+            hit = self.memo["params"] = {**self.params, **{n: seq_values(t, self.acc) for n, t in self.seqs.items()}}
+        return hit
 
     def repeated(self) -> Call:
         """This call with k and v repeated to q's heads (each KV head `group` times in a row), group 1:
@@ -183,6 +197,17 @@ def compared_only(program: Attention, name: str) -> bool:
                for n in toposort([program.mask]) if any(read(a) for a in n.args))
 
 
+_EXACT32 = (torch.float32, torch.float16, torch.bfloat16, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def seq_values(ids: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """A compared-only sequence's ids [L, *axes] in `acc`: renumbered per row in order first (`row_ranks`) where
+    float32 `acc` would not keep them apart (ids of a wider type)."""
+    if acc == torch.float32 and ids.dtype not in _EXACT32:
+        ids = row_ranks(ids)
+    return ids.to(acc)
+
+
 def row_ranks(ids: torch.Tensor) -> torch.Tensor:
     """ids [L, *axes] (time first) -> [L, *axes] int64 on their device, each batch row's ids (a column over
     time) numbered in order from 0 by a sort (no host copy). As a loop, per row c and position t:
@@ -234,20 +259,31 @@ class TiledAttention:
                        for i, shape, stride, delta in views]
             named = dict(zip(params, tensors[3:]))
             return replace(template, q=tensors[0], k=tensors[1], v=tensors[2],
-                           params={n: named[n] for n in template.params})
+                           params={n: named[n] for n in template.params}, seqs={n: named[n] for n in template.seqs},
+                           memo={})
         call = self._bind(q, k, v, layout, params)
         if key is not None:
-            views = _views(given, [call.q, call.k, call.v, *(call.params.get(n) for n in params)])
+            views = _views(given, [call.q, call.k, call.v, *(call.params[n] if n in call.params else call.seqs.get(n)
+                                                            for n in params)])
             if views is not None:
                 if len(self._binds) >= 64:
                     self._binds.clear()
                 # the template keeps no tensor of this call alive
-                self._binds[key] = (views, replace(call, q=None, k=None, v=None, params=dict.fromkeys(call.params)))
+                self._binds[key] = (views, replace(call, q=None, k=None, v=None, params=dict.fromkeys(call.params),
+                                                   seqs=dict.fromkeys(call.seqs), memo={}))
         return call
 
     def _bind(self, q, k, v, layout, params: dict) -> Call:
         p, q_given = self.program, q
-        qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=to_tensor, repeat=False)
+        seq_names = {d.name for d in p.seqs}
+
+        def convert(x, name):  # integer ids stay so: the flash kernels take them as given (else `seq_values`)
+            if name in seq_names and isinstance(x, torch.Tensor) and not (
+                    x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+                return x.detach()
+            return to_tensor(x, name)
+
+        qb, kv, group = bind_attention(p, q, k, v, layout, params, convert=convert, repeat=False)
         arrays = {**qb.arrays, **kv.arrays}
         device = arrays["q"].device
         for name, t in arrays.items():
@@ -259,23 +295,26 @@ class TiledAttention:
         perm = [*range(1, n + 1), 0, n + 1]  # time first -> [*batch, t, d]
         q, k, v = (arrays[name].permute(*perm).to(in_dtype) for name in ("q", "k", "v"))
         params = {d.name: arrays[d.name].to(device=device, dtype=acc) for d in p.params}
-        for d in p.seqs:  # ids, time first, in `acc` (whole numbers up to 2**24 exact in float32: `row_ranks`)
+        seqs = {}
+        for d in p.seqs:  # ids, time first
             if arrays[d.name].shape[0] != arrays["k"].shape[0]:
                 raise ValueError(f"sequence {d.name!r} has {arrays[d.name].shape[0]} positions; it takes one per "
                                  f"position of q and k, which need the same length (here "
                                  f"{arrays['q'].shape[0]} and {arrays['k'].shape[0]})")
             ids = arrays[d.name].to(device)
-            if acc == torch.float32 and ids.dtype == torch.float64:  # float32 would merge ids 2**24 apart
-                if compared_only(p, d.name):
-                    ids = row_ranks(ids)  # small whole numbers, the same masks, made on the device: no host check
-                elif ids.numel() and bool(ids.abs().max() >= 2 ** 24):  # a sync, where the values themselves count
-                        raise ValueError(f"sequence {d.name!r} holds values of magnitude 2**24 or more, which "
-                                     "float32 (the compute dtype of these inputs) does not keep apart; number them "
-                                     "from 0 (e.g. torch.unique(ids, return_inverse=True)[1]) or pass float64 q, k, v")
+            if compared_only(p, d.name):  # as given: `Call.param_values` renumbers them where float32 would merge
+                seqs[d.name] = ids
+                continue
+            ids = ids if ids.is_floating_point() else ids.to(torch.float64)
+            # float32 would merge ids 2**24 apart: a sync (the values themselves count), for these specs only
+            if acc == torch.float32 and ids.dtype == torch.float64 and ids.numel() and bool(ids.abs().max() >= 2 ** 24):
+                raise ValueError(f"sequence {d.name!r} holds values of magnitude 2**24 or more, which "
+                                 "float32 (the compute dtype of these inputs) does not keep apart; number them "
+                                 "from 0 (e.g. torch.unique(ids, return_inverse=True)[1]) or pass float64 q, k, v")
             params[d.name] = ids.to(acc)
         numpy = not isinstance(q_given, torch.Tensor)
         kv_axis = p.batch_axes.index(p.kv_heads) if group > 1 else 0
-        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis)
+        return Call(q, k, v, params, {**kv.sizes, **qb.sizes}, acc, arrays["q"].dtype, numpy, group, kv_axis, seqs)
 
     def to_layout(self, call: Call, x: torch.Tensor, name: str, axes: tuple[str, ...], layout, dtype=None):
         """Canonical `x` of array `name` with `axes` (the batch axes, then its own: time after the batch
@@ -359,7 +398,7 @@ class TiledAttention:
     def spans(self, call: Call, block: int) -> list[tuple[int, int]]:
         if self.program.seqs:  # ids are runtime data: their per-position ranges bound the spans, per call
             return key_spans(self.program.mask, call.lq, call.lk, block, KEY_TILE, call.sizes, sequence_ranges(
-                self.program, call.params))
+                self.program, call.param_values()))
         key = (call.lq, call.lk, block, tuple(sorted(call.sizes.items())))
         spans = self._spans.get(key)
         if spans is None:
@@ -397,8 +436,9 @@ class TiledAttention:
 
     def inputs(self, call: Call) -> dict:
         """The evaluator's env of a call's params (by their axes) and sequences (time first, as (t, *axes))."""
-        env = {d.name: (call.params[d.name], d.axes) for d in self.program.params}
-        env.update((d.name, (call.params[d.name], (TIME, *d.axes))) for d in self.program.seqs)
+        values = call.param_values()
+        env = {d.name: (values[d.name], d.axes) for d in self.program.params}
+        env.update((d.name, (values[d.name], (TIME, *d.axes))) for d in self.program.seqs)
         return env
 
     def hoisted(self, call: Call, ev, env, roots) -> dict:

@@ -46,6 +46,10 @@ dv[kvh, j] summed over them in registers and stored once (the warp-specialized b
 sequence through the producer's ring; their param sums a row of partials per warp); the dQ kernel's reads KV index
 kv_index(bh).
 
+With document ids the param table, the key blocks' span table and the dQ kernel's query blocks' come from one
+launch of the span kernel a call (`forward.fused_tables`, as the forward's; the backward's block sizes differ from the
+forward's, so it makes its own from the saved ids, which torch keeps unchanged until then).
+
 Delta's correction for the params: the forward's output (even its fp32 copy) took P rounded to 16 bits in
 its P V product, so delta misses rowsum(P dP) by r[i] = sum_j dm[i, j] (~1e-3 a row, where 0 is exact).
 A param's summand is linear in grad_score, d_param(dm) = dm * g, and g may grow with the positions (ALiBi:
@@ -78,7 +82,10 @@ from .forward import (
     Unprintable,
     block_spans,
     float_literal,
+    fused_plan,
+    fused_tables,
     gather_sources,
+    gqa_shape,
     print_body,
     row_axes,
     row_span_table,
@@ -496,6 +503,7 @@ class FlashBackward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._plans: dict = {}
+        self._fused: dict = {}  # `forward.fused_plan` per signature (None: the tables built apart)
 
     def head_dim_reason(self, d: int) -> str | None:
         """Why the kernels do not take head dim `d` for this program (None: they do): an indexed table's gradient
@@ -559,7 +567,7 @@ class FlashBackward:
         from .forward import gqa_shape
 
         gqa = gqa_shape(call)
-        reads = sequence_reads(self.program, call.params)
+        reads = sequence_reads(self.program, call.param_values())
         if options().span_kernel:  # both tables from one generated kernel (kernels/flash/spans.py)
             from .spans import span_kernel_table
 
@@ -569,6 +577,20 @@ class FlashBackward:
         spans = span_tables(self.program.mask, call.lq, call.lk, BM, BN, call.sizes, reads)
         return [row_span_table(key_block_tables(spans, call.lk, bn), gqa)] + (
             [row_span_table(spans, gqa)] if dq_kernel else [])
+
+    def _tables(self, call, bn: int):
+        """`forward.fused_tables` of a call (one launch: the param table, the dQ kernel's query-block spans and the
+        key blocks' of `bn`, from the ids), where its signature's `forward.fused_plan` exists; else None."""
+        if not call.seqs or not options().span_kernel:
+            return None
+        key = (bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),
+               *((t.dtype, t.shape, t.stride(), t.device) for t in call.seqs.values()))
+        if key not in self._fused:
+            if len(self._fused) >= 64:
+                self._fused.clear()
+            self._fused[key] = fused_plan(self.program, call, BM, BN, gqa_shape(call), bn)
+        plan = self._fused[key]
+        return None if plan is None else fused_tables(plan, self.program, call)
 
     def _plan(self, call, q, out_dtype, param_grads: bool) -> _Plan:
         """What every backward of a call's shapes, dtypes, device, group and options launches: cached."""
@@ -668,19 +690,25 @@ class FlashBackward:
         # whole rows: fixed order)
         partials, rowsums, corr = (torch.zeros(shape, dtype=torch.float32, device=q.device) if shape else plan.dummy
                                    for shape in plan.sums)
-        spans = plan.spans
-        if self.program.seqs and launched:  # the ids are this call's
-            spans = self.sequence_span_tensors(call, config(d, None, q.device).bn, not plan.atomic)
         if launched:
-            params = plan.dummy if not table_width(self.program) else param_table(
-                self.program, call.params, call.sizes).to(q.device)
+            # with document ids: the param table and both span tables of this call's ids from one launch
+            tables = self._tables(call, config(d, None, q.device).bn) if self.program.seqs else None
+            if tables is not None:
+                params_at, spans_at = tables[1], [tables[3], tables[2]]
+            else:
+                spans = plan.spans
+                if self.program.seqs:  # the ids are this call's
+                    spans = self.sequence_span_tensors(call, config(d, None, q.device).bn, not plan.atomic)
+                params = plan.dummy if not table_width(self.program) else param_table(
+                    self.program, call.param_values(), call.sizes).to(q.device)
+                params_at, spans_at = params.data_ptr(), [t.data_ptr() for t in spans]
             inputs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), delta.data_ptr(),
-                      params.data_ptr()]
+                      params_at]
             pointers = [[do.data_ptr(), out.data_ptr(), delta.data_ptr(), dq.data_ptr() if plan.atomic else 0],
-                        [*inputs, spans[0].data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                        [*inputs, spans_at[0], dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                          partials.data_ptr(), rowsums.data_ptr()]]
             if not plan.atomic:
-                pointers.append([*inputs, spans[1].data_ptr(), dq.data_ptr(), corr.data_ptr()])
+                pointers.append([*inputs, spans_at[1], dq.data_ptr(), corr.data_ptr()])
             for (fn, grid, shared, n0, n1), args in zip(plan.launches, pointers):
                 if q.is_cuda and q.device.index != torch.cuda.current_device():
                     with torch.cuda.device(q.device):

@@ -31,6 +31,11 @@ The printed read is ``prm[(int)prm[c] + clamp(index, 0, prm[c + 1])]``: a load p
 where the mask is (on the tiles `block_spans` does not prove full: with sorted document ids, the tiles that
 straddle a document boundary).
 
+With document ids a call's param table and span table come from one launch of the span kernel (`fused_tables`:
+the table's columns and layout cached per signature, `table_layout`; the ids' rows written from the ids as given,
+the params' part from their values each call, since a param changed in place, through ``.data`` too, must be seen),
+into one buffer: the forward's per-call work is then that buffer, that launch and its own.
+
 Head dims (`HEAD_DIMS`) 64, 128 and 256, the value dim the same. At d 256 a warp's 16 rows of the fp32 output
 accumulator alone are 128 registers a thread, so d 256 has its own configs (`CONFIGS`): "bm128w8" with key tiles
 of 32 and Q's fragments read from shared memory per tile (not held in registers), and "wg128" (sm_90a, the default
@@ -46,8 +51,11 @@ from dataclasses import dataclass
 from .....ir.node import BOOL, Node, toposort
 from .....ir.ops import Op
 from .....ir.program import Attention
+from ...options import options
 from .. import template
 from ..loaded import loaded_function
+from .spans import THREADS as SPAN_THREADS
+from .spans import span_source
 
 BM = 64                 # query rows a block of the "bm64" kernel: 4 warps of 16
 BN = 64                 # keys a tile (also the mask analysis' tile: spans start on tile boundaries)
@@ -386,26 +394,104 @@ def _batch_rows(axes: tuple[str, ...], batch: tuple[str, ...], sizes: dict[str, 
     return rows.reshape([sizes[a] if a in axes else 1 for a in batch]).expand(shape).reshape(-1)
 
 
-def _gather_rows(program: Attention, params: dict, sizes: dict[str, int]) -> list:
-    """Per gather source (`gather_sources`), (its rows [n, m] fp32: a table's entries per its batch axes' index,
-    or a sequence's ids per its batch axes' index along time; the row per flattened batch index [BH])."""
+@dataclass(frozen=True)
+class TableLayout:
+    """Where `param_table` puts what (numbers from the table's start): the [BH, width] columns, then each table
+    source's rows, then each sequence source's rows (the table's tail: `prefix` numbers before it, `total` in all).
+    `header` [BH * width] fp32 on the device: the columns that depend on no value (each gather source's offset and
+    last index, the span row), the params' columns 0."""
+
+    bh: int
+    width: int
+    header: object
+    tables: tuple   # (name, start) per table source
+    seqs: tuple     # (name, start, rows) per sequence source: `rows` rows of the ids' length each
+    prefix: int
+    total: int
+
+
+_LAYOUTS: dict = {}
+
+
+def table_layout(program: Attention, sizes: dict[str, int], length: int, device) -> TableLayout:
+    """`TableLayout` of a program's param table at `sizes`, sequences of `length` positions, on `device`: made
+    once per signature (its header copied to the device then)."""
     import torch
 
+    key = (program, tuple(sorted(sizes.items())), length, str(device))
+    hit = _LAYOUTS.get(key)
+    if hit is not None:
+        return hit
+    batch = program.batch_axes
+    bh = math.prod(sizes[a] for a in batch)
+    width = table_width(program)
     decls = {d.name: d for d in program.inputs}
     seqs = {d.name for d in program.seqs}
-    out = []
-    for name in gather_sources(program):
+    sources = gather_sources(program)
+    header = torch.zeros((bh, width), dtype=torch.float64)
+    row0 = torch.arange(bh, dtype=torch.int64) * width
+    start, tables, seq_rows = bh * width, [], []
+    # tables' rows first, then the sequences': the ids' rows a call writes are the table's tail
+    for name in [n for n in sources if n not in seqs] + [n for n in sources if n in seqs]:
+        d = decls[name]
+        if name in seqs:
+            lead, n = d.axes, length
+        else:
+            lead = tuple(a for a in d.axes if a in batch)
+            (axis,) = [a for a in d.axes if a not in batch]
+            n = sizes[axis]
+        rows = math.prod(sizes[a] for a in lead)
+        col = len(program.params) + 2 * sources.index(name)
+        header[:, col] = (start + _batch_rows(lead, batch, sizes) * n - row0).double()
+        header[:, col + 1] = float(n - 1)
+        (seq_rows.append((name, start, rows)) if name in seqs else tables.append((name, start)))
+        start += rows * n
+    if row_axes(program) is not None:  # the batch index's row of the spans (`row_span_table`)
+        header[:, -1] = _batch_rows(row_axes(program), batch, sizes).double()
+    if start >= MAX_EXACT:
+        raise ValueError(f"the flash kernel's param table with the indexed inputs would hold {start} numbers, "
+                         f"past the {MAX_EXACT} its float offsets reach exactly")
+    prefix = seq_rows[0][1] if seq_rows else start
+    hit = TableLayout(bh, width, header.to(torch.float32).reshape(-1).to(device), tuple(tables), tuple(seq_rows),
+                      prefix, start)
+    if len(_LAYOUTS) >= 64:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = hit
+    return hit
+
+
+def _param_column(program: Attention, d, t, sizes: dict[str, int]):
+    """[BH] fp32: a param of batch axes only, its value per flattened batch index (broadcast where it lacks one)."""
+    import torch
+
+    batch = program.batch_axes
+    t = t.to(torch.float32)
+    order = [a for a in batch if a in d.axes]
+    t = t.permute([d.axes.index(a) for a in order])  # a list: a scalar param has no dims
+    t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand([sizes[a] for a in batch])
+    return t.reshape(-1)
+
+
+def table_prefix(program: Attention, layout: TableLayout, params: dict, sizes: dict[str, int]):
+    """The param table up to its sequences' rows (`TableLayout.prefix` numbers, fp32): the header with the params'
+    columns, then the tables' rows, from the params' values (the header itself, no op, without params)."""
+    import torch
+
+    if not program.params:
+        return layout.header
+    batch = program.batch_axes
+    table = layout.header.reshape(layout.bh, layout.width).clone()
+    parts = [table.reshape(-1)]
+    decls = {d.name: d for d in program.params}
+    for i, d in enumerate(program.params):
+        if all(a in batch for a in d.axes):
+            table[:, i] = _param_column(program, d, params[d.name], sizes)
+    for name, _ in layout.tables:
         d, t = decls[name], params[name]
-        if name in seqs:  # (L, *axes) -> (*axes, L)
-            lead = d.axes
-            t = t.permute(*range(1, t.dim()), 0)
-        else:  # (..., r, ...) -> (*batch axes of the table, r)
-            lead = tuple(a for a in d.axes if a in program.batch_axes)
-            (axis,) = [a for a in d.axes if a not in program.batch_axes]
-            t = t.permute(*[d.axes.index(a) for a in (*lead, axis)])
-        rows = t.to(torch.float32).reshape(math.prod(sizes[a] for a in lead), -1)
-        out.append((rows, _batch_rows(lead, program.batch_axes, sizes, rows.device)))
-    return out
+        lead = tuple(a for a in d.axes if a in batch)
+        (axis,) = [a for a in d.axes if a not in batch]
+        parts.append(t.permute(*[d.axes.index(a) for a in (*lead, axis)]).to(torch.float32).reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def param_table(program: Attention, params: dict, sizes: dict[str, int]):
@@ -413,45 +499,124 @@ def param_table(program: Attention, params: dict, sizes: dict[str, int]):
     batch axes in order, the last fastest), broadcast over the batch axes it lacks. With gather sources
     (module docstring) NP is `table_width`: a table's own column is unused (0), and each source's two
     columns hold the offset from the batch index's row to its row of the source, and that row's last index;
-    the sources' rows follow the [BH, NP] table (one flat tensor)."""
+    the sources' rows follow the [BH, NP] table (one flat tensor: `table_layout`, the tables' rows, then the
+    sequences' ids along time per index of their axes)."""
     import torch
 
-    batch = program.batch_axes
-    shape = [sizes[a] for a in batch]
-    bh = math.prod(shape)
-    sources = _gather_rows(program, params, sizes) if program.seqs or any(
-        any(a not in batch for a in d.axes) for d in program.params) else []
-    device = sources[0][0].device if sources else None
-    cols = []
-    for d in program.params:
-        if any(a not in batch for a in d.axes):  # a table: read through its gather columns
-            cols.append(torch.zeros(bh, dtype=torch.float32, device=device))
+    sources = gather_sources(program)
+    if not sources:
+        batch = program.batch_axes
+        bh = math.prod(sizes[a] for a in batch)
+        cols = [_param_column(program, d, params[d.name], sizes) for d in program.params]
+        if not cols:
+            return torch.zeros((bh, 0), dtype=torch.float32)
+        return torch.stack(cols, dim=1).contiguous()
+    seqs = {d.name for d in program.seqs}
+    length = next((params[n].shape[0] for n in sources if n in seqs), 0)
+    layout = table_layout(program, sizes, length, params[sources[0]].device)
+    parts = [table_prefix(program, layout, params, sizes)]
+    for name, _, _ in layout.seqs:  # (L, *axes) -> (*axes, L)
+        t = params[name]
+        parts.append(t.permute(*range(1, t.dim()), 0).to(torch.float32).reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _merged_stride(shape, strides) -> int | None:
+    """The one stride that steps through dims `shape` (strides `strides`) flattened, the last fastest; None where
+    they do not flatten without a copy."""
+    stride = expected = None
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n == 1:
             continue
-        t = params[d.name].to(torch.float32)
-        order = [a for a in batch if a in d.axes]
-        t = t.permute([d.axes.index(a) for a in order])  # a list: a scalar param has no dims
-        t = t.reshape([sizes[a] if a in d.axes else 1 for a in batch]).expand(shape)
-        cols.append(t.reshape(-1))
-    if sources:
-        cols = [c.to(device) for c in cols]
-        width = table_width(program)
-        start = bh * width
-        row0 = torch.arange(bh, dtype=torch.int64, device=device) * width
-        for rows, which in sources:
-            n = rows.shape[1]
-            cols.append((start + which.to(device) * n - row0).to(torch.float32))
-            cols.append(torch.full((bh,), float(n - 1), dtype=torch.float32, device=device))
-            start += rows.numel()
-        if row_axes(program) is not None:  # the batch index's row of the spans (`row_span_table`)
-            cols.append(_batch_rows(row_axes(program), batch, sizes, device).to(torch.float32))
-        if start >= MAX_EXACT:
-            raise ValueError(f"the flash kernel's param table with the indexed inputs would hold {start} numbers, "
-                             f"past the {MAX_EXACT} its float offsets reach exactly")
-        table = torch.stack(cols, dim=1).reshape(-1)
-        return torch.cat([table, *(rows.reshape(-1) for rows, _ in sources)])
-    if not cols:
-        return torch.zeros((bh, 0), dtype=torch.float32)
-    return torch.stack(cols, dim=1).contiguous()
+        if expected is None:
+            stride = st
+        elif st != expected:
+            return None
+        expected = st * n
+    return 1 if stride is None else stride
+
+
+class FusedPlan:
+    """What every `fused_tables` call of one signature launches: the span kernel writing the param table too, the
+    device's numbers it reads, and where each table lies in the one buffer a call allocates (byte offsets)."""
+
+    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int):
+        self.fn, self.rows, self.dims, self.layout, self.names, self.key_bn = fn, rows, dims, layout, names, key_bn
+        self.spans_at, self.keys_at, self.scratch_at = offsets
+        self.nbytes = nbytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def fused_plan(program, call, block_q: int, tile: int, gqa: tuple[int, int], key_bn: int = 0) -> FusedPlan | None:
+    """The `FusedPlan` of a call's signature, or None where the fused kernel does not take it (the caller then builds
+    the param table and span tables apart): sequences whose rows follow batch axes of their own (`row_axes`),
+    every one compared only (`Call.seqs`: the ids as given), ids of a printable type whose rows flatten without a
+    copy, a rule that prints."""
+    import torch
+
+    if row_axes(program) is None or key_bn % tile:
+        return None
+    seq_names = [d.name for d in program.seqs]
+    sources = [n for n in gather_sources(program) if n in seq_names]
+    if not sources or any(n not in call.seqs for n in seq_names):
+        return None
+    raw = [call.seqs[n] for n in sources]
+    length, rows = raw[0].shape[0], math.prod(raw[0].shape[1:])
+    layout = table_layout(program, call.sizes, length, raw[0].device)
+    if [n for n, _, _ in layout.seqs] != sources or any(r != rows for _, _, r in layout.seqs):
+        return None
+    fused = tuple((n, str(t.dtype)) for n, t in zip(sources, raw))
+    found = span_source(program.mask, block_q, tile, tuple(sorted(call.sizes)), {}, key_bn, fused)
+    if found is None:
+        return None
+    text, name, reads, names, inputs, _ = found
+    raw_numbers = []
+    for t, (_, start, _) in zip(raw, layout.seqs):
+        row = _merged_stride(t.shape[1:], t.stride()[1:])
+        if row is None or t.shape[0] != length or math.prod(t.shape[1:]) != rows:
+            return None
+        raw_numbers += [row if rows > 1 else 0, t.stride(0), start]
+    nb, nt = -(-call.lq // block_q), -(-call.lk // tile)
+    windows = max(1, 2 * rows * sum(nb if i == "q_idx" else nt for _, i in reads))
+    numbers = [length, rows, *(x for _ in inputs for x in (length, 1)),
+               *(x for n in names for x in (call.sizes[n], call.sizes[n] - 1)), *gqa,
+               layout.prefix, windows, *raw_numbers]
+    dims = torch.tensor(numbers, dtype=torch.int64, device=raw[0].device)
+    spans_at = _aligned(4 * layout.total)
+    keys_at = spans_at + _aligned(4 * rows * (4 * nb + 2))
+    scratch_at = keys_at + _aligned(4 * rows * (4 * -(-call.lk // key_bn) + 2) if key_bn else 0)
+    nbytes = scratch_at + 4 * (windows + rows * length)
+    fn = loaded_function(text, name, raw[0].device)
+    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn)
+
+
+def fused_tables(plan: FusedPlan, program, call) -> tuple:
+    """One launch of `plan`'s kernel for a call: (the buffer, the address of its param table, of its query blocks'
+    span table, of its key blocks' (0 without)). The buffer holds them all (`forward.param_table`'s values and
+    `forward.row_span_table`'s layout; a scratch after): no other op than its allocation, where the program has no
+    params (else the params' part of the table from their values, each call: `forward.table_prefix`)."""
+    import torch
+
+    from ...launch import launch_kernel
+
+    raw = [call.seqs[n] for n in plan.names]
+    device = raw[0].device
+    prefix = table_prefix(program, plan.layout, call.params, call.sizes) if program.params else plan.layout.header
+    buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+    base = buffer.data_ptr()
+    keys = base + plan.keys_at if plan.key_bn else 0
+    pointers = [plan.dims.data_ptr(), *(t.data_ptr() for t in raw), base + plan.spans_at, base + plan.scratch_at,
+                *([keys] if keys else []), prefix.data_ptr(), base]
+    if plan.rows:
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                launch_kernel(plan.fn, (plan.rows, SPAN_THREADS), call.lq, call.lk, pointers)
+        else:
+            launch_kernel(plan.fn, (plan.rows, SPAN_THREADS), call.lq, call.lk, pointers)
+    return buffer, base, base + plan.spans_at, keys
 
 
 def block_spans(mask: Node | None, lq: int, lk: int, sizes: dict[str, int], bm: int = BM,
@@ -555,6 +720,7 @@ class FlashForward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._launches: dict = {}
+        self._plans: dict = {}  # `fused_plan` per signature (None: the tables built apart)
 
     def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
         name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
@@ -572,7 +738,7 @@ class FlashForward:
         if self.program.seqs:  # the ids' spans on their device, no host copy: one generated kernel, else torch ops
             from .....passes.mask_blocks import span_tables
 
-            reads = sequence_reads(self.program, call.params)
+            reads = sequence_reads(self.program, call.param_values())
             table = None
             if options().span_kernel:
                 from .spans import span_kernel_table
@@ -612,12 +778,19 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
-        fn, grid, shared, spans, no_params = self._launch(call, q, k, v)
-        if self.program.seqs:  # the ids are this call's
-            spans = self._span_tensor(call, config(d, self.config, q.device), mean=False)[0]
-        # per call: a param tensor may be new at a freed one's address (a cache keyed by pointers could go stale)
-        params = no_params if no_params is not None else param_table(self.program, call.params, call.sizes).to(q.device)
-        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params.data_ptr(), spans.data_ptr(), out.data_ptr(),
+        fn, grid, shared, spans, no_params, cfg = self._launch(call, q, k, v)
+        tables = self._tables(call, cfg)  # with document ids: the param and span tables of this call's ids
+        if tables is not None:
+            params_at, spans_at = tables[1], tables[2]
+        else:
+            if self.program.seqs:  # the ids are this call's
+                spans = self._span_tensor(call, cfg, mean=False)[0]
+            # per call: a param tensor may be new at a freed one's address, or changed in place (through `.data`,
+            # unseen by its version counter): a table cached by pointers or versions could go stale
+            params = no_params if no_params is not None else param_table(
+                self.program, call.param_values(), call.sizes).to(q.device)
+            params_at, spans_at = params.data_ptr(), spans.data_ptr()
+        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), params_at, spans_at, out.data_ptr(),
                     lse.data_ptr(), 0 if out32 is None else out32.data_ptr()]
         if q.is_cuda and q.device.index != torch.cuda.current_device():  # the function lives in q's device's context
             with torch.cuda.device(q.device):
@@ -626,9 +799,24 @@ class FlashForward:
             launch_kernel(fn, grid, lq, lk, pointers, shared=shared)
         return out, lse
 
+    def _tables(self, call, cfg: Config):
+        """With sequence inputs, `fused_tables` of a call (one launch: the param table and the span table
+        from the ids, in one buffer), where its signature's `fused_plan` exists; else None."""
+        if not call.seqs or not options().span_kernel:
+            return None
+        key = (cfg.bm, cfg.bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),
+               *((t.dtype, t.shape, t.stride(), t.device) for t in call.seqs.values()))
+        if key not in self._plans:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = fused_plan(self.program, call, cfg.bm, cfg.bn, gqa_shape(call))
+        plan = self._plans[key]
+        return None if plan is None else fused_tables(plan, self.program, call)
+
     def _launch(self, call, q, k, v) -> tuple:
         """(function, grid, dynamic shared bytes, spans, the param table where the program has no params: else
-        None) of a call, the same for every call of its shapes, dtype, device, group and options: cached."""
+        None, the config) of a call, the same for every call of its shapes, dtype, device, group and options:
+        cached."""
         import torch
 
         from ...options import options
@@ -649,5 +837,6 @@ class FlashForward:
                                                                             device=q.device)
             if len(self._launches) >= 64:
                 self._launches.clear()
-            hit = self._launches[key] = (fn, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d), spans, no_params)
+            hit = self._launches[key] = (fn, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d), spans, no_params,
+                                         cfg)
         return hit

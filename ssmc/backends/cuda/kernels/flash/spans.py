@@ -22,6 +22,21 @@ then gqa's (group, inner). As a plain loop (a block of threads per row r):
 
 With integer ids the rule's sums of two reads are exact here in float64, where torch's NaN-widening rounds
 them to float32: the tables agree while ids stay below 2**24 in magnitude.
+
+A call's whole per-call work with document ids (the flash forward's and backward's, `forward.fused_tables`): one buffer,
+one launch of the kernel in its fused form, which also writes the flash kernels' param table (`forward.param_table`'s
+values) from the ids as the user gave them (`Call.seqs`: ids the modifiers only compare, any printable type):
+
+    plan = forward.fused_plan(program, call, block_q, tile, gqa, key_bn)   # once per signature; None: apart
+    buffer, table_at, spans_at, keys_at = forward.fused_tables(plan, program, call)   # per call: addresses
+
+    per row r (a block), before the loop above:
+        table[:prefix] = the cached columns (and the params' part, `forward.table_prefix`)   (grid-strided)
+        for each sequence s:  table[tail_s + r * L + p] = ids[r, p] - min_p ids[r, p]   where exact in float32
+                              (whole numbers less than 2**24 apart), else the rank of ids[r, p] among the row's
+                              distinct ids (an O(L^2) loop; a NaN: L + p, a document of its own)
+    then the loop above reads the table's rows of ids (float32), as the flash kernels will: either way every ==
+    and < between two positions of a row is what the ids gave, and the spans are those of `row_ranks`' ids.
 """
 
 from __future__ import annotations
@@ -197,17 +212,20 @@ _SOURCES: dict = {}
 
 
 def span_source(mask: Node | None, block_q: int, tile: int, size_names: tuple[str, ...], seqs: dict,
-                key_bn: int = 0) -> tuple | None:
+                key_bn: int = 0, fused: tuple = ()) -> tuple | None:
     """(CUDA source, kernel name, reads, size names, the inputs read in order) of the span kernel for `mask` over
     `seqs` (name -> (lo, hi) tensors, as `span_tables` takes them); None where the rule or the ids' types do not
-    print (`Unprintable`, ids of a 16-bit float type)."""
-    types = {name: str(lo.dtype) for name, (lo, _) in seqs.items()}
+    print (`Unprintable`, ids of a 16-bit float type). `fused`: ((name, torch dtype string), ...) of the param
+    table's sequence rows (`forward.fused_tables`): the kernel then writes the param table too and its rule reads those
+    rows (float32; `seqs` unused), the ids as given passed instead."""
+    types = ({name: "torch.float32" for name, _ in fused} if fused else
+             {name: str(lo.dtype) for name, (lo, _) in seqs.items()})
     first = next(iter(types.values()), "torch.float64")
-    key = (mask, block_q, tile, size_names, tuple(types.items()), key_bn)
+    key = (mask, block_q, tile, size_names, tuple(types.items()), key_bn, fused)
     if key in _SOURCES:
         return _SOURCES[key]
-    hit = None
-    if all(t in _ID_TYPES for t in types.values()):
+    hit = body = None
+    if all(t in _ID_TYPES for t in types.values()) and all(t in _ID_TYPES for _, t in fused):
         try:
             ctypes = {n: _ID_TYPES[t] for n, t in types.items()}
             body, reads, names = print_rule(mask, dict.fromkeys(size_names, 0), ctypes)
@@ -222,14 +240,22 @@ def span_source(mask: Node | None, block_q: int, tile: int, size_names: tuple[st
                 offset.append("2 * nb" if q else "2 * nt")
             pointers = [f"const {_ID_TYPES[types[s]]}* __restrict__ ids_{side}{i}" for i, s in enumerate(inputs)
                         for side in ("lo", "hi")]
+            names_fused = [n for n, _ in fused]
+            if fused:
+                pointers = [f"const {_ID_TYPES[t]}* __restrict__ raw{i}" for i, (_, t) in enumerate(fused)]
             ftype = "float" if first == "torch.float32" else "double"
             digest = hashlib.sha1(repr((body, block_q, tile, ftype, pointers, key_bn)).encode()).hexdigest()[:12]
             name = f"ssmc_spans_{digest}"
+            if fused and not set(inputs) <= set(names_fused):
+                body = None  # a read of a sequence the param table has no rows of
+        if body is not None:
             text = template("flash/spans.cu.j2").render(
                 F=ftype, body=body, threads=THREADS, name=name, pointers=pointers, bq=block_q, tile=tile,
                 reads=ctx_reads, inputs=len(inputs), key_bn=key_bn, sizes=2 * len(names),
                 nq=sum(r["q"] for r in ctx_reads),
-                nk=sum(not r["q"] for r in ctx_reads))
+                nk=sum(not r["q"] for r in ctx_reads),
+                fused=[{"type": _ID_TYPES[t], "integer": "int" in t} for _, t in fused],
+                rule_inputs=[names_fused.index(s) for s in inputs] if fused else [])
             hit = (text, name, reads, names, inputs, ftype)
     if len(_SOURCES) >= 64:
         _SOURCES.clear()
@@ -290,3 +316,4 @@ def span_kernel_table(mask: Node | None, lq: int, lk: int, block_q: int, tile: i
     else:
         launch_kernel(fn, (rows, THREADS), lq, lk, pointers)
     return (table, keys) if key_bn else table
+
