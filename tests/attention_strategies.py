@@ -28,15 +28,11 @@ unsorted document ids).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import note
 from hypothesis import strategies as st
-from strategies import _DIR
+from strategies import run_source
 
 MAX_TABLE = 32  # the flash backward sums a table's entries for a static size up to this (kernels/flash/backward.py)
 
@@ -221,15 +217,8 @@ def attention_specs(draw, allow_doc: bool = True, allow_gqa: bool = True) -> Att
         args.append('kv_heads="h"')
     text.append(f"SPEC = ssmc.attention({', '.join(args)})")
     text = "\n".join(text) + "\n"
-    path_file = os.path.join(_DIR, f"attention_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
-    if not os.path.exists(path_file):
-        with open(path_file, "w") as f:
-            f.write(text)
-    namespace: dict = {"__name__": "ssmc_generated_attention"}
-    exec(compile(text, path_file, "exec"), namespace)
-    with contextlib.suppress(Exception):  # not inside a Hypothesis test (e.g. `.example()`)
-        note(text)
-    return AttentionCase(namespace["SPEC"], text, dict(kinds), tables, doc="doc" in kinds,
+    spec = run_source(text, "attention", "ssmc_generated_attention")["SPEC"]
+    return AttentionCase(spec, text, dict(kinds), tables, doc="doc" in kinds,
                          same_length="doc" in kinds, gqa=gqa, path=path)
 
 

@@ -4,6 +4,9 @@ import pytest
 from hypothesis import settings
 from profiles import select_profile
 
+# the shared checks' asserts explained as the tests' own are (imported by the test modules after this)
+pytest.register_assert_rewrite("persistent_helpers")
+
 # Hypothesis' profile (tests/profiles.py: ci where CI is set, nightly where SSMC_PROPERTY_EXAMPLES is,
 # no-shrink on request), loaded before any test module reads it; `--hypothesis-profile=NAME` overrides
 settings.load_profile(select_profile())
@@ -45,3 +48,12 @@ def emulated_cuda(monkeypatch):
     """The CUDA backend emulated on the CPU (``SSMC_CUDA_EMULATE=1``) for the test's duration."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     return monkeypatch
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Names of the programs the persistent kernel ran during the test (a launch, not the step loop's fallback);
+    `.blocks`: each launch's blocks (tests/persistent_helpers.py)."""
+    from persistent_helpers import launched_programs
+
+    return launched_programs(monkeypatch)

@@ -289,21 +289,27 @@ def _outputs(draw, src: Source, states: list[Expr], free: list[Expr], new_states
     return outs
 
 
+def run_source(text: str, stem: str, module: str) -> dict:
+    """The namespace of `text` run as module `module`, from a file of its own (`stem`_<hash of text>.py, so a
+    failing example's traceback shows its lines); `text` noted to Hypothesis where inside a test."""
+    path = os.path.join(_DIR, f"{stem}_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(text)
+    namespace: dict = {"__name__": module}
+    exec(compile(text, path, "exec"), namespace)
+    with contextlib.suppress(Exception):  # not inside a Hypothesis test (e.g. `.example()`)
+        note(text)
+    return namespace
+
+
 def build_spec(sig: Signature, src: Source, updates: list[Expr], outputs: list[Expr]):
     """Write the step function to a file, trace it with `ssmc.recurrence`; `.source` holds the text."""
     carry = updates[0].code if len(updates) == 1 else "(" + ", ".join(u.code for u in updates) + ")"
     ys = outputs[0].code if len(outputs) == 1 else "(" + ", ".join(y.code for y in outputs) + ")"
     text = "\n".join(["import numpy as np", "", "import ssmc", "", "",
                       f"def step({sig.text()}):", *src.lines, f"    return {carry}, {ys}", ""])
-    path = os.path.join(_DIR, f"spec_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(text)
-    namespace: dict = {"__name__": "ssmc_generated_spec"}
-    exec(compile(text, path, "exec"), namespace)
-    with contextlib.suppress(Exception):  # not inside a Hypothesis test (e.g. `.example()`)
-        note(text)
-    spec = ssmc.recurrence(namespace["step"])
+    spec = ssmc.recurrence(run_source(text, "spec", "ssmc_generated_spec")["step"])
     spec.source = text
     return spec
 
@@ -414,14 +420,7 @@ def layers(draw):
         body.append("    out = out + res")
     body.append("    return h, (out, y)" if raw_too else "    return h, out")
     text = "\n".join(["import ssmc", "", "", f"def step({', '.join(args)}):", *body, ""])
-    path = os.path.join(_DIR, f"layer_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
-    with open(path, "w") as f:
-        f.write(text)
-    namespace: dict = {}
-    exec(compile(text, path, "exec"), namespace)
-    with contextlib.suppress(Exception):  # not inside a Hypothesis test
-        note(text)
-    return ssmc.recurrence(namespace["step"])
+    return ssmc.recurrence(run_source(text, "layer", "ssmc_generated_spec")["step"])
 
 
 @st.composite
@@ -797,15 +796,7 @@ def matrix_linear_specs(draw, sizes=None) -> MatrixLinearCase:
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     name = f"ml_{digest}"
     text = text.replace("def step(", f"def {name}(")
-    path = os.path.join(_DIR, f"{name}.py")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(text)
-    namespace: dict = {"__name__": "ssmc_generated_spec"}
-    exec(compile(text, path, "exec"), namespace)
-    with contextlib.suppress(Exception):  # not inside a Hypothesis test
-        note(text)
-    spec = ssmc.recurrence(namespace[name])
+    spec = ssmc.recurrence(run_source(text, "ml", "ssmc_generated_spec")[name])
     spec.source = text
     _KEY_AXIS[name] = key
     if sizes is None:

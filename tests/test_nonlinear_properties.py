@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from persistent_helpers import BF16_GRAD_TOL, BF16_TOL, check_rounded
 from profiles import examples
 from strategies import Expr, Signature, Source, build_spec
 
-import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 
@@ -108,44 +108,6 @@ def _inputs(spec, cell: _Cell, rng, length: int, batch: int, hidden: int, inp: i
     return out
 
 
-def _flat(x) -> list:
-    if isinstance(x, dict):
-        return [a for k in sorted(x) for a in _flat(x[k])]
-    if isinstance(x, (tuple, list)):
-        return [a for v in x for a in _flat(v)]
-    return [np.asarray(x.detach().float().cpu() if hasattr(x, "detach") else x, dtype=np.float64)]
-
-
-def _relative(a, b) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
-class _Launched(list):
-    def __init__(self):
-        super().__init__()
-        self.blocks = []
-
-    def clear(self):
-        super().clear()
-        self.blocks.clear()
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """Names of the programs the persistent kernel ran (a launch, not the step loop); `.blocks`: each launch's."""
-    ran = _Launched()
-    original = persistent_runner.PersistentLoop._launch
-
-    def spy(self, chosen, *a, **k):
-        result = original(self, chosen, *a, **k)
-        if not isinstance(result, str):
-            ran.append(self.program.name)
-            ran.blocks.append(chosen.blocks)
-        return result
-    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
-    return ran
-
-
 def check_cell(spec, cell: _Cell, length: int, batch: int, hidden: int, device: str, dtype, tol: float,
                grad_tol: float, launched: list, seed: int = 0, blocks: int | None = None) -> None:
     """`spec` on the CUDA backend (inputs rounded to `dtype`) against the interpreter's float64 on the same
@@ -153,23 +115,9 @@ def check_cell(spec, cell: _Cell, length: int, batch: int, hidden: int, device: 
     max |want|); both directions on the persistent kernels (`blocks`: over that many blocks a head, every
     launch)."""
     rng = np.random.default_rng(seed)
-    given_ = {k: torch.as_tensor(v).to(dtype) for k, v in _inputs(spec, cell, rng, length, batch, hidden).items()}
-    exact = {k: v.double().numpy() for k, v in given_.items()}
-    on = {k: v.to(device) for k, v in given_.items()}
-    want = ssmc.compile(spec, layout="b t ...", backend="interpreter")(**exact, return_final_states=True)
-    got = ssmc.compile(spec, layout="b t ...", backend="cuda")(**on, return_final_states=True)
-    for a, b in zip(_flat(got), _flat(want), strict=True):
-        assert np.isfinite(a).all()
-        assert _relative(a, b) < tol, (cell, length, batch, hidden, _relative(a, b))
+    check_rounded(spec, "b t ...", _inputs(spec, cell, rng, length, batch, hidden), rng, device, dtype, tol, grad_tol,
+                  context=(cell, length, batch, hidden))
     assert spec.program.name in launched, f"{cell}: the persistent forward did not run ({_refusals()})"
-    cot = torch.as_tensor(rng.standard_normal(np.shape(want[0]))).to(dtype)
-    want_g = ssmc.grad(spec, backend="interpreter", layout="b t ...")(**exact, grad_outputs=cot.double().numpy())
-    have_g = ssmc.grad(spec, backend="cuda", layout="b t ...")(**on, grad_outputs=cot.to(device))
-    assert set(have_g) == set(want_g)
-    for k in want_g:
-        a, b = _flat(have_g[k])[0], np.asarray(want_g[k], np.float64)
-        assert np.isfinite(a).all(), (cell, k)
-        assert _relative(a, b) < grad_tol, (cell, k, length, batch, hidden, _relative(a, b))
     assert f"{spec.program.name}_backward" in launched, f"{cell}: the persistent adjoint did not run ({_refusals()})"
     if blocks is not None:
         heads = 2 if cell.heads else 1
@@ -241,8 +189,6 @@ def test_gpu_cells_match_the_interpreter(drawn, length, hidden, half, seed, laun
     and bf16 (the tensor-core form: tests/test_persistent_half.py's bounds)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from test_persistent_half import BF16_GRAD_TOL, BF16_TOL
-
     spec, cell = drawn
     if length == 1000 and hidden == 700:
         length = 180  # the interpreter's float64 loop would take minutes

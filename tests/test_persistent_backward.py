@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from profiles import nightly_case
-from test_persistent_rnn import (  # noqa: F401  (launched: a fixture)
-    CASES,
-    _flat,
-    _one_step_inputs,
-    _relative,
-    compiles_without_spills,
-    launched,
-    two,
+from persistent_helpers import (
+    adjoint_program,
+    flat,
+    forward_program,
+    no_barrier_timed_out,
+    one_step_arrays,
+    one_step_inputs,
+    one_step_reference,
+    relative,
 )
+from profiles import nightly_case
+from test_persistent_rnn import CASES, compiles_without_spills, two
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import analysis
-from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
 from ssmc.examples import layernorm_lstm
@@ -34,11 +35,6 @@ from ssmc.lowering.hoist import hoist
 from ssmc.passes.autodiff import derive_backward
 
 pytest.importorskip("torch")
-
-
-def _adjoint(spec):
-    """The hoisted adjoint program of `spec` (the program the gradient's step loop receives)."""
-    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
 
 
 def _check_grads(name: str, length: int, batch: int, hidden: int, tol: float, seed: int = 0):
@@ -52,15 +48,15 @@ def _check_grads(name: str, length: int, batch: int, hidden: int, tol: float, se
     have = ssmc.grad(spec, backend="cuda", layout=layout, dtype="float32")(**inputs, grad_outputs=cot)
     assert set(have) == set(want)
     for k in want:
-        (a,), (b,) = _flat(have[k]), _flat(want[k])
-        assert _relative(a, b) < tol, (name, k, length, batch, hidden, _relative(a, b))
+        (a,), (b,) = flat(have[k]), flat(want[k])
+        assert relative(a, b) < tol, (name, k, length, batch, hidden, relative(a, b))
 
 
 # -- which adjoints ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,gates", [("lstm", 4), ("gru", 3), ("elman", 1), ("swap", 1), ("gated", 1)])
 def test_adjoints_fit(name, gates):
-    cell = analyse(_adjoint(CASES[name][0]))
+    cell = analyse(adjoint_program(CASES[name][0]))
     assert isinstance(cell, Cell), cell
     local = ("g",) if gates > 1 else ()
     assert (cell.weight, cell.split, cell.unit, cell.out_unit, cell.rows, cell.cols, cell.op_local) == (
@@ -78,9 +74,9 @@ def test_adjoints_fit(name, gates):
 
 def test_adjoint_refusals_say_why():
     # LayerNorm across the units: sums over the units before the product (tests/test_persistent_layernorm.py)
-    assert len(analyse(_adjoint(layernorm_lstm.SPEC)).reductions) == 12
-    assert "2 recurrent products" in analyse(_adjoint(two))
-    too_wide = plan(analyse(_adjoint(CASES["lstm"][0])), {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)
+    assert len(analyse(adjoint_program(layernorm_lstm.SPEC)).reductions) == 12
+    assert "2 recurrent products" in analyse(adjoint_program(two))
+    too_wide = plan(analyse(adjoint_program(CASES["lstm"][0])), {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)
     assert isinstance(too_wide, str) and "exceed" in too_wide
     # a row axis the weight's gradient sums over (grad a = sum over b of the loop's dz h U): the value written
     # every step, summed over the rows and time after the loop (`hoist`: the program has a recurrent product)
@@ -98,25 +94,25 @@ SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k"
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,sizes", SHAPES)
 def test_nvrtc_compiles_without_spills(name, sizes, arch):
-    compiles_without_spills(_adjoint(CASES[name][0]), sizes, arch)
+    compiles_without_spills(adjoint_program(CASES[name][0]), sizes, arch)
 
 
 # -- emulated: one block on the CPU ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman", "swap", "gated", "two_rows"])
 @pytest.mark.parametrize("length", [1, 7])
-def test_emulated_gradients(name, length, emulated_cuda, launched):  # noqa: F811
+def test_emulated_gradients(name, length, emulated_cuda, launched):
     _check_grads(name, length, batch=3, hidden=5, tol=1e-5)
     assert f"{name}_backward" in launched, launched
 
 
-def test_emulated_gradients_more_pairs_than_threads(emulated_cuda, launched):  # noqa: F811
+def test_emulated_gradients_more_pairs_than_threads(emulated_cuda, launched):
     """B 37 x H 9 = 333 (row, unit) pairs over 256 threads: two pairs a thread, the second partial."""
     _check_grads("lstm", 5, batch=37, hidden=9, tol=1e-5)
     assert "lstm_backward" in launched
 
 
-def test_switched_off(emulated_cuda, launched):  # noqa: F811
+def test_switched_off(emulated_cuda, launched):
     emulated_cuda.setenv("SSMC_CUDA_PERSISTENT", "0")
     _check_grads("gru", 4, batch=3, hidden=5, tol=1e-5)
     assert launched == []
@@ -128,7 +124,7 @@ def test_switched_off(emulated_cuda, launched):  # noqa: F811
 @pytest.mark.parametrize("name", ["lstm", "gru", "elman"])
 @pytest.mark.parametrize("length", [1, 7, 180])
 @pytest.mark.parametrize("batch,hidden", [(5, 37), (3, 129), (64, 512)])
-def test_gpu_gradients(name, length, batch, hidden, launched, monkeypatch):  # noqa: F811
+def test_gpu_gradients(name, length, batch, hidden, launched, monkeypatch):
     """Many blocks and the grid barrier: H 37 (37 blocks of one unit), 129, 512 (128 blocks of 4; a block
     for every pair allowed, MIN_BLOCK_PAIRS 1, where small shapes take 1 and 3 by default). At
     L 180 the fp32 sums over steps (the adjoint's carries, dU = sum_t h dz) part further from float64;
@@ -136,16 +132,10 @@ def test_gpu_gradients(name, length, batch, hidden, launched, monkeypatch):  # n
     monkeypatch.setattr(analysis, "MIN_BLOCK_PAIRS", 1)
     _check_grads(name, length, batch, hidden, tol=1e-4 if length < 100 else 1e-3)
     assert f"{name}_backward" in launched, "the adjoint did not run persistent (see PersistentLoop.refusals)"
-    for loop in persistent_runner._LOOPS.values():
-        if loop is not None:
-            assert loop.status() == (False, 0), "a grid barrier timed out"
+    no_barrier_timed_out()
 
 
 # -- emulated: several blocks, one step -----------------------------------------------------------------------
-
-def _forward_program(spec):
-    return hoist(spec.program, transpose=False).program
-
 
 # a case compiles its own kernel for the emulator: CI splits every way for the LSTM, two ways (blocks over
 # batch tiles, a partial one at B 3; warps of 8 rows at B 16) for the GRU and Elman cells (their gates'
@@ -165,41 +155,28 @@ def test_emulated_blocks_one_step(name, direction, blocks, tiles, batch, hidden)
     sequences), and a second launch with the same xo computes the step from the complete operand."""
     import torch
 
-    from ssmc.backends import interpreter
     from ssmc.backends.cuda.emulator import emulated
 
     spec = CASES[name][0]
-    program = _forward_program(spec) if direction == "forward" else _adjoint(spec)
+    program = forward_program(spec) if direction == "forward" else adjoint_program(spec)
     cell = analyse(program)
     assert isinstance(cell, Cell), cell
     gates = {"lstm": 4, "gru": 3, "elman": 1}[name]
     sizes = {"b": batch, "k": hidden, "j": hidden, "g": gates, "i": 4, "o": 3}
     chosen = plan(cell, sizes, 132, blocks=blocks, tiles=tiles)
     assert not isinstance(chosen, str) and (chosen.blocks, chosen.tiles) == (blocks, tiles), chosen
-    seqs, params, initial = _one_step_inputs(program, sizes, np.random.default_rng(blocks))
-
-    def full(axes):
-        return [sizes[a] for a in axes]
-
-    want_outs, want_finals = interpreter.run_recurrence(program, seqs, params, initial, dict(sizes), 1)
-
-    def f32(a):
-        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
-
-    arrays = [f32(seqs[d.name]) for d in program.seqs] + [f32(params[d.name]) for d in program.params]
-    arrays += [f32(initial[s.name]) for s in program.states]
-    outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
-    finals = [torch.zeros(full(s.axes)) for s in program.states]
+    inputs = one_step_inputs(program, sizes, np.random.default_rng(blocks))
+    want = one_step_reference(program, sizes, inputs)
+    arrays, outs, finals = one_step_arrays(program, sizes, inputs)
     xo = torch.full((2 * chosen.tiles * chosen.trows * chosen.jpad,), float("nan"))
     bar = torch.zeros(3 + chosen.tiles, dtype=torch.int32)
-    arrays += [*outs, *finals, xo, bar]
+    arrays += [xo, bar]
     fn = emulated(kernel_source(cell, chosen, sizes), kernel_name(cell))
     for _ in range(2):
         fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
-    for (out_name, _), got in zip(program.outputs, outs):
-        assert _relative(got.double().numpy(), want_outs[out_name]) < 1e-5, out_name
-    for s, got in zip(program.states, finals):
-        assert _relative(got.double().numpy(), want_finals[s.name]) < 1e-5, s.name
+    names = [*(n for n, _ in program.outputs), *(s.name for s in program.states)]
+    for what, got, w in zip(names, [*outs, *finals], want, strict=True):
+        assert relative(got.double().numpy(), w) < 1e-5, what
 
 
 # -- the training step: one recording forward, one adjoint ----------------------------------------------------
@@ -219,7 +196,7 @@ def test_training_step_keeps_every_carry():
     assert default_chunk("cuda", 2048, mamba1.SPEC.program, {"b": 8, "d": 1536, "n": 16}) < 2048
 
 
-def test_emulated_training_step_launches(emulated_cuda, launched):  # noqa: F811
+def test_emulated_training_step_launches(emulated_cuda, launched):
     """`ssmc.torch.function`'s training step of the LSTM, at a length the old rule cut into 3 chunks
     (B3 I4 H5 L200: 80 steps): one launch of the recording forward and one of the adjoint, no
     carries' recompute, no plain forward; the gradients as the interpreter's."""
@@ -247,7 +224,7 @@ def test_emulated_training_step_launches(emulated_cuda, launched):  # noqa: F811
         assert ops.get("mm") == 4 and not ops.get("clone") and not ops.get("copy_"), ops
     want = ssmc.grad(lstm.SPEC, backend="interpreter", layout=lstm.LAYOUT)(**inputs, grad_outputs=dy)
     for k, w in want.items():
-        assert _relative(leaves[k].grad.double().numpy(), w) < 1e-5, k
+        assert relative(leaves[k].grad.double().numpy(), w) < 1e-5, k
 
 
 class _CountedOps:

@@ -12,8 +12,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from persistent_helpers import (
+    BF16_GRAD_TOL,
+    BF16_TOL,
+    adjoint_program,
+    as_float64,
+    check_fp32,
+    check_rounded,
+    forward_program,
+    no_barrier_timed_out,
+    record_launches,
+    recording_program,
+    relative,
+    training_source,
+)
 from profiles import in_ci, nightly_case
-from test_persistent_rnn import launched  # noqa: F401  (a fixture)
 
 import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
@@ -25,21 +38,6 @@ from ssmc.passes.autodiff import derive_backward
 
 torch = pytest.importorskip("torch")
 
-# bf16 keeps 8 bits of mantissa: the outputs come back rounded to it (2e-3 relative each), x W and the
-# operand of every step's product are rounded to it too; over a contracting recurrence these stay within
-# a few of those roundings of the float64 reference on the same (rounded) inputs
-BF16_TOL = 3e-2        # outputs and final states: max |got - want| / max |want|
-BF16_GRAD_TOL = 6e-2   # every gradient, the same measure
-
-
-def _forward(spec):
-    return hoist(spec.program, transpose=False).program
-
-
-def _adjoint(spec):
-    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
-
-
 LSTM_BIG = {"b": 256, "k": 1024, "j": 1024, "g": 4, "i": 1024}
 HEADS = {"b": 64, "n": 4, "k": 128, "j": 128, "g": 4, "i": 512}
 
@@ -49,7 +47,7 @@ HEADS = {"b": 64, "n": 4, "k": 128, "j": 128, "g": 4, "i": 512}
 def test_bf16_lstm_h1024_plans_on_tensor_cores():
     """B256 H1024: U in bf16 (8 MiB) spread over 128 blocks in 2 batch tiles of 128 rows, 16 units x 4
     gates a block (129 KiB); in fp32 only 1 tile fits (8 units a block, every block staging all 256 rows)."""
-    for program, cols in ((_forward(lstm.SPEC), 4), (_adjoint(lstm.SPEC), 1)):
+    for program, cols in ((forward_program(lstm.SPEC), 4), (adjoint_program(lstm.SPEC), 1)):
         cell = analyse(program)
         half = plan(cell, LSTM_BIG, 132, mma=True)
         assert not isinstance(half, str), half
@@ -65,7 +63,7 @@ def test_the_ring_options(monkeypatch):
     """SSMC_CUDA_PERSISTENT_FORWARD_CHUNK / _STAGES: the B256 H1024 forward's staging (by default 128 indices x 2
     buffers, all that fits beside U) as asked where it fits (a chunk alone: its deepest ring), the rule's ring
     where it does not; the adjoint keeps its own (32 x 8) unless _ADJOINT_CHUNK / _STAGES say."""
-    forward, adjoint = analyse(_forward(lstm.SPEC)), analyse(_adjoint(lstm.SPEC))
+    forward, adjoint = analyse(forward_program(lstm.SPEC)), analyse(adjoint_program(lstm.SPEC))
     assert (plan(forward, LSTM_BIG, 132, mma=True).chunk, plan(forward, LSTM_BIG, 132, mma=True).stages) == (128, 2)
     for ring, want in (((64, None), (64, 5)), ((32, 3), (32, 3)), ((None, 3), (64, 3)), ((128, 3), (128, 2))):
         chosen = plan(forward, LSTM_BIG, 132, mma=True, ring=ring)
@@ -75,13 +73,13 @@ def test_the_ring_options(monkeypatch):
     chosen = plan(adjoint, LSTM_BIG, 132, mma=True, ring=(64, None), deep_ring=(64, None))
     assert (chosen.chunk, chosen.stages, chosen.ksplit) == (64, 5, 4), chosen  # (SSMC_CUDA_PERSISTENT_ADJOINT_*)
     monkeypatch.setenv("SSMC_CUDA_PERSISTENT_FORWARD_CHUNK", "64")
-    loop = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, forward)
+    loop = persistent_runner.PersistentLoop(forward_program(lstm.SPEC), "float32", None, forward)
     assert loop.plan_for(LSTM_BIG, half=True).chunk == 64
 
 
 def test_heads_take_the_persistent_kernel():
     """4 heads of 128: each head's tiles own its rows and its U slice (a block never spans two heads)."""
-    for program in (_forward(lstm_heads.SPEC), _adjoint(lstm_heads.SPEC)):
+    for program in (forward_program(lstm_heads.SPEC), adjoint_program(lstm_heads.SPEC)):
         cell = analyse(program)
         assert not isinstance(cell, str), cell
         assert cell.heads == ("n",) and cell.rows[0] == "n"
@@ -96,7 +94,7 @@ def test_small_shapes_take_fewer_fuller_blocks():
     """B16 H256 (4096 pairs): 32 blocks of 128 threads, not 128 of 32 (a barrier of fewer arrivals, the
     same work a thread); `max_blocks` (SSMC_CUDA_PERSISTENT_BLOCKS) caps the grid; a large shape keeps
     a block an SM."""
-    cell = analyse(_forward(lstm.SPEC))
+    cell = analyse(forward_program(lstm.SPEC))
     small = {"b": 16, "k": 256, "j": 256, "g": 4, "i": 128}
     chosen = plan(cell, small, 132)
     assert (chosen.blocks, chosen.threads, chosen.pairs) == (32, 128, 1)
@@ -126,7 +124,7 @@ def test_only_the_tensor_core_form_writes_in_16_bits():
     """dz (the adjoint's hf0, which only the post products read) is written in 16 bits where the plan is the
     tensor-core form and the call's inputs are 16-bit; the FMA form, an fp32 call and a forward (no such
     output) keep fp32; the kernel source refuses 16-bit outputs outside the tensor-core form."""
-    program = _adjoint(lstm.SPEC)
+    program = adjoint_program(lstm.SPEC)
     cell = analyse(program)
     loop = persistent_runner.PersistentLoop(program, "float32", None, cell)
     orders = hoist(derive_backward(lstm.SPEC.program).adjoint, transpose=False).product_orders
@@ -134,7 +132,8 @@ def test_only_the_tensor_core_form_writes_in_16_bits():
     assert loop.half_outputs(half, orders, torch.bfloat16) == {"hf0"}
     assert loop.half_outputs(full, orders, torch.bfloat16) == frozenset()
     assert loop.half_outputs(half, orders, None) == frozenset()
-    forward = persistent_runner.PersistentLoop(_forward(lstm.SPEC), "float32", None, analyse(_forward(lstm.SPEC)))
+    fwd = forward_program(lstm.SPEC)
+    forward = persistent_runner.PersistentLoop(fwd, "float32", None, analyse(fwd))
     assert forward.half_outputs(half, {}, torch.bfloat16) == frozenset()
     with pytest.raises(ValueError, match="tensor-core form"):
         kernel_source(cell, full, LSTM_BIG, half_outs=frozenset({"hf0"}))
@@ -142,31 +141,18 @@ def test_only_the_tensor_core_form_writes_in_16_bits():
 
 # -- NVRTC ----------------------------------------------------------------------------------------------------
 
-HALF_SHAPES = [("lstm", _forward(lstm.SPEC), LSTM_BIG), ("lstm adjoint", _adjoint(lstm.SPEC), LSTM_BIG),
-               ("heads", _forward(lstm_heads.SPEC), HEADS), ("heads adjoint", _adjoint(lstm_heads.SPEC), HEADS),
-               ("gru", _forward(gru.SPEC), {"b": 64, "k": 512, "j": 512, "g": 3}),
-               ("lstm odd", _forward(lstm.SPEC), {"b": 5, "k": 129, "j": 129, "g": 4})]
-
-
-def _training_source(cell, chosen, sizes, **options) -> str:
-    """The kernel as a training step runs it: a forward recording its product h U in bf16 (contiguous
-    [L, rows..., g, k]), an adjoint writing dz (its outputs hf<n>, which the post products read) in bf16
-    (`options`: `kernel_source`'s late, prefetch, phases, reload)."""
-    p = cell.program
-    record = None
-    if not p.reverse:
-        shape = [3, *(sizes[a] for a in cell.product.axes)]
-        record = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    half_outs = frozenset(n for n, _ in p.outputs if n.startswith("hf"))
-    assert p.reverse == bool(half_outs), p.outputs
-    return kernel_source(cell, chosen, sizes, record=record, half_seqs=frozenset(d.name for d in p.seqs),
-                         half_outs=half_outs, half_record=record is not None, **options)
+HALF_SHAPES = [("lstm", forward_program(lstm.SPEC), LSTM_BIG),
+               ("lstm adjoint", adjoint_program(lstm.SPEC), LSTM_BIG),
+               ("heads", forward_program(lstm_heads.SPEC), HEADS),
+               ("heads adjoint", adjoint_program(lstm_heads.SPEC), HEADS),
+               ("gru", forward_program(gru.SPEC), {"b": 64, "k": 512, "j": 512, "g": 3}),
+               ("lstm odd", forward_program(lstm.SPEC), {"b": 5, "k": 129, "j": 129, "g": 4})]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,program,sizes", HALF_SHAPES, ids=[s[0] for s in HALF_SHAPES])
 def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, arch):
-    """The training step's kernels (`_training_source`; the forward of a call that records nothing has the
+    """The training step's kernels (`training_source`; the forward of a call that records nothing has the
     same code less the recording's stores)."""
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.source import compile_options
@@ -176,7 +162,7 @@ def test_nvrtc_tensor_core_form_compiles_without_spills(name, program, sizes, ar
     cell = analyse(program)
     chosen = plan(cell, sizes, 132, mma=True)
     assert not isinstance(chosen, str) and chosen.mma, chosen
-    source = _training_source(cell, chosen, sizes)
+    source = training_source(cell, chosen, sizes, half=True)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in source
     assert ("H* __restrict__ o0" if program.reverse else "H* __restrict__ rp") in source
     used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
@@ -208,32 +194,15 @@ def test_nvrtc_options_compile_without_spills(name, option, arch):
 
     if not nvrtc.available():
         pytest.skip(nvrtc.unavailable_reason())
-    recording = hoist(derive_backward(lstm.SPEC.program).recording, transpose=False).program
-    cell = analyse(recording if name == "recording" else _adjoint(lstm.SPEC))
+    cell = analyse(recording_program(lstm.SPEC) if name == "recording" else adjoint_program(lstm.SPEC))
     chosen = plan(cell, LSTM_BIG, 132, mma=True)
-    source = _training_source(cell, chosen, LSTM_BIG, **OPTIONS[option])
+    source = training_source(cell, chosen, LSTM_BIG, half=True, **OPTIONS[option])
     used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
     assert not used.spills and used.stack_frame_bytes == 0, used.summary()
     assert used.registers <= 255 and used.shared_bytes == (64 if option == "phases" else 0), used.summary()
 
 
 # -- against the interpreter -----------------------------------------------------------------------------------
-
-def _tensor(x):
-    return x.detach().float().cpu().numpy().astype(np.float64) if hasattr(x, "detach") else np.asarray(x, np.float64)
-
-
-def _flat(x) -> list:
-    if isinstance(x, dict):
-        return [a for v in x.values() for a in _flat(v)]
-    if isinstance(x, (tuple, list)):
-        return [a for v in x for a in _flat(v)]
-    return [_tensor(x)]
-
-
-def _relative(a, b) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
 
 def _inputs(name: str, rng, length: int, batch: int, hidden: int) -> dict:
     if name == "heads":
@@ -252,54 +221,27 @@ def check_half(name: str, length: int, batch: int, hidden: int, device: str, gra
     too) within BF16_GRAD_TOL."""
     m = SPECS[name]
     rng = np.random.default_rng(seed)
-    given = {k: torch.as_tensor(v).to(dtype) for k, v in _inputs(name, rng, length, batch, hidden).items()}
-    exact = {k: v.double().numpy() for k, v in given.items()}
-    on = {k: v.to(device) for k, v in given.items()}
-    want = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="interpreter")(**exact, return_final_states=True)
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="cuda")(**on, return_final_states=True)
-    for a, b in zip(_flat(got), _flat(want), strict=True):
-        assert _relative(a, b) < BF16_TOL, (name, length, batch, hidden, _relative(a, b))
-    if grads:
-        cot = torch.as_tensor(rng.standard_normal(np.shape(want[0]))).to(dtype)
-        want_g = ssmc.grad(m.SPEC, backend="interpreter", layout=m.LAYOUT)(**exact, grad_outputs=cot.double().numpy())
-        have_g = ssmc.grad(m.SPEC, backend="cuda", layout=m.LAYOUT)(**on, grad_outputs=cot.to(device))
-        assert set(have_g) == set(want_g)
-        for k in want_g:
-            err = _relative(_tensor(have_g[k]), np.asarray(want_g[k], np.float64))
-            assert err < BF16_GRAD_TOL, (name, k, length, batch, hidden, err)
+    check_rounded(m.SPEC, m.LAYOUT, _inputs(name, rng, length, batch, hidden), rng, device, dtype, BF16_TOL,
+                  BF16_GRAD_TOL, grads=grads, context=(name, length, batch, hidden))
 
 
 @pytest.fixture
 def half_launches(monkeypatch):
     """(program, whether the tensor-core form) of every persistent launch."""
-    ran = []
-    original = persistent_runner.PersistentLoop._launch
+    return record_launches(monkeypatch, lambda loop, chosen, _: (loop.program.name, chosen.mma))
 
-    def spy(self, chosen, *a, **k):
-        result = original(self, chosen, *a, **k)
-        if not isinstance(result, str):
-            ran.append((self.program.name, chosen.mma))
-        return result
-    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
-    return ran
+
+def _written(loop, chosen, result) -> tuple:
+    outs, _, recorded = result
+    dtypes = {name: o.dtype for (name, _), o in zip(loop.program.outputs, outs)}
+    return loop.program.name, chosen.mma, dtypes, None if recorded is None else recorded.dtype
 
 
 @pytest.fixture
 def written(monkeypatch):
     """(program, whether the tensor-core form, {output: dtype of the array the launch wrote}, dtype of the
     recorded product or None) of every persistent launch."""
-    ran = []
-    original = persistent_runner.PersistentLoop._launch
-
-    def spy(self, chosen, *a, **k):
-        result = original(self, chosen, *a, **k)
-        if not isinstance(result, str):
-            outs, _, recorded = result
-            dtypes = {name: o.dtype for (name, _), o in zip(self.program.outputs, outs)}
-            ran.append((self.program.name, chosen.mma, dtypes, None if recorded is None else recorded.dtype))
-        return result
-    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
-    return ran
+    return record_launches(monkeypatch, _written)
 
 
 def test_emulated_bf16_lstm(emulated_cuda, half_launches, written):
@@ -374,7 +316,7 @@ def test_post_products_of_a_16_bit_dz(spec):
     assert set(got) == {"grad_x", "grad_W", "grad_U", "grad_bias"}
     for name, value in got.items():
         assert value.dtype == torch.float32, (name, value.dtype)
-        err = _relative(_tensor(value), np.asarray(want[name], np.float64))
+        err = relative(as_float64(value), np.asarray(want[name], np.float64))
         assert err < (1e-5 if name == "grad_bias" else 2e-2), (name, err)
 
 
@@ -394,12 +336,7 @@ def test_emulated_heads_fp32(tensor_cores, emulated_cuda, half_launches):
         emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
     rng = np.random.default_rng(3)
     inputs = lstm_heads.make_inputs(rng, 5, batch=2, inp=3, heads=2, hidden=3)
-    want = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="interpreter")(
-        **inputs, return_final_states=True)
-    got = ssmc.compile(lstm_heads.SPEC, layout=lstm_heads.LAYOUT, backend="cuda", dtype="float32")(
-        **inputs, return_final_states=True)
-    for a, b in zip(_flat(got), _flat(want), strict=True):
-        assert _relative(a, b) < 1e-5
+    check_fp32(lstm_heads.SPEC, lstm_heads.LAYOUT, inputs, rng, 1e-5)
     assert half_launches == [("lstm_heads", tensor_cores)]
 
 
@@ -428,9 +365,7 @@ def test_gpu_bf16(name, length, batch, hidden, half_launches):
     (37, 129, 700 units; 3 heads of 37, 129, 300), forward and gradients."""
     check_half(name, length, batch, hidden, device="cuda")
     assert any(mma for _, mma in half_launches), f"no tensor-core launch: {half_launches}"
-    for loop in persistent_runner._LOOPS.values():
-        if loop is not None:
-            assert loop.status() == (False, 0), "a grid barrier timed out"
+    no_barrier_timed_out()
 
 
 @pytest.mark.gpu

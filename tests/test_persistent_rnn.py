@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from persistent_helpers import (
+    adjoint_program,
+    check_fp32,
+    flat,
+    forward_program,
+    no_barrier_timed_out,
+    one_step_blocks,
+    one_step_inputs,
+    one_step_reference,
+    relative,
+)
 from profiles import in_ci
 
 import ssmc
@@ -16,7 +27,6 @@ from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, Cell, analyse, plan
 from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
 from ssmc.examples import gru, layernorm_lstm, lstm, lstm_heads, slstm
-from ssmc.lowering.hoist import hoist
 
 pytest.importorskip("torch")
 
@@ -106,61 +116,20 @@ CASES = {
 }
 
 
-def _hoisted(spec):
-    return hoist(spec.program, transpose=False).program
-
-
-def _flat(x) -> list:
-    if isinstance(x, dict):
-        return [a for v in x.values() for a in _flat(v)]
-    if isinstance(x, (tuple, list)):
-        return [a for v in x for a in _flat(v)]
-    return [np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)]
-
-
-def _relative(a, b) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The programs the persistent kernel ran (a launch, not the fallback)."""
-    ran = []
-    original = persistent_runner.PersistentLoop._launch
-
-    def spy(self, *a, **k):
-        result = original(self, *a, **k)
-        if not isinstance(result, str):
-            ran.append(self.program.name)
-        return result
-    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
-    return ran
-
-
 def _check(name: str, length: int, batch: int, hidden: int, tol: float, seed: int = 0, grads: bool = False):
+    """`name`'s float32 call against the interpreter's float64: outputs and final states within `tol`, with `grads`
+    every gradient within 10 `tol`."""
     spec, layout, make = CASES[name]
     rng = np.random.default_rng(seed)
-    inputs = make(rng, length, batch, hidden)
-    ref = ssmc.compile(spec, layout=layout, backend="interpreter")(**inputs, return_final_states=True)
-    got = ssmc.compile(spec, layout=layout, backend="cuda", dtype="float32")(**inputs, return_final_states=True)
-    for a, b in zip(_flat(got), _flat(ref), strict=True):
-        assert _relative(a, b) < tol, (name, length, batch, hidden)
-    if grads:
-        outs = ref[0]
-        cot = rng.standard_normal(np.shape(outs))
-        want = ssmc.grad(spec, backend="interpreter", layout=layout)(**inputs, grad_outputs=cot)
-        have = ssmc.grad(spec, backend="cuda", layout=layout, dtype="float32")(**inputs, grad_outputs=cot)
-        assert set(have) == set(want)
-        for k in want:
-            assert _relative(np.asarray(have[k].detach().cpu() if hasattr(have[k], "detach") else have[k],
-                                        dtype=np.float64), np.asarray(want[k], dtype=np.float64)) < 10 * tol, k
+    check_fp32(spec, layout, make(rng, length, batch, hidden), rng, tol, 10 * tol if grads else None,
+               context=(name, length, batch, hidden))
 
 
 # -- which programs and shapes ----------------------------------------------------------------------------------------
 
 def test_lstm_and_gru_fit():
     for spec, cols in ((lstm.SPEC, 4), (gru.SPEC, 3)):
-        cell = analyse(_hoisted(spec))
+        cell = analyse(forward_program(spec))
         assert isinstance(cell, Cell), cell
         assert (cell.state, cell.weight, cell.contracted, cell.split, cell.rows, cell.local) == (
             "h", "U", ("j",), "k", ("b",), ("g",))
@@ -170,22 +139,22 @@ def test_lstm_and_gru_fit():
         assert chosen.shared_bytes <= BLOCK_SHARED
     # GRU's three gates padded to four in shared memory (one 16-byte load a contracted index) where
     # that fits; at H 1400 it does not, and the unpadded slice still does
-    gru_cell = analyse(_hoisted(gru.SPEC))
+    gru_cell = analyse(forward_program(gru.SPEC))
     assert plan(gru_cell, {"b": 64, "k": 512, "j": 512, "g": 3}, 132).cpad == 4
     wide = plan(gru_cell, {"b": 64, "k": 1400, "j": 1400, "g": 3}, 132)
     assert wide.cpad == 3 and wide.shared_bytes <= BLOCK_SHARED
-    assert isinstance(analyse(_hoisted(swap)), Cell) and analyse(_hoisted(swap)).state == "c"
-    assert isinstance(analyse(_hoisted(elman)), Cell)
-    assert isinstance(analyse(_hoisted(gated)), Cell)
+    assert isinstance(analyse(forward_program(swap)), Cell) and analyse(forward_program(swap)).state == "c"
+    assert isinstance(analyse(forward_program(elman)), Cell)
+    assert isinstance(analyse(forward_program(gated)), Cell)
 
 
 def test_refusals_say_why():
     # LayerNorm across the units: sums over the units in the cell (tests/test_persistent_layernorm.py); across the
     # rows, refused
-    assert isinstance(analyse(_hoisted(layernorm_lstm.SPEC)), Cell)
-    assert "sum over b" in analyse(_hoisted(row_mean))
-    assert "2 recurrent products" in analyse(_hoisted(two))            # h U1 and h U2
-    cell = analyse(_hoisted(lstm.SPEC))
+    assert isinstance(analyse(forward_program(layernorm_lstm.SPEC)), Cell)
+    assert "sum over b" in analyse(forward_program(row_mean))
+    assert "2 recurrent products" in analyse(forward_program(two))            # h U1 and h U2
+    cell = analyse(forward_program(lstm.SPEC))
     too_wide = plan(cell, {"b": 64, "k": 2048, "j": 2048, "g": 4}, 132)
     assert isinstance(too_wide, str) and "exceed" in too_wide
     too_many_rows = plan(cell, {"b": 5000, "k": 64, "j": 64, "g": 4}, 132)
@@ -202,7 +171,7 @@ SHAPES = [("lstm", {"b": 64, "k": 512, "j": 512, "g": 4}), ("gru", {"b": 64, "k"
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,sizes", SHAPES)
 def test_nvrtc_compiles_without_spills(name, sizes, arch):
-    compiles_without_spills(_hoisted(CASES[name][0]), sizes, arch)
+    compiles_without_spills(forward_program(CASES[name][0]), sizes, arch)
 
 
 def compiles_without_spills(program, sizes: dict[str, int], arch: str):
@@ -278,76 +247,19 @@ def test_a_barrier_that_timed_out_raises_at_the_next_call(emulated_cuda, launche
 
 # -- the split of the contracted indices (tensor-core form) -----------------------------------------------------
 
-def _adjoint_program(spec):
-    from ssmc.passes.autodiff import derive_backward
-
-    return hoist(derive_backward(spec.program).adjoint, transpose=False).program
-
-
 def test_the_bf16_adjoint_at_h1024_splits_its_contracted_indices():
     """LSTM B256 H1024's adjoint (dh = dz U^T, 4096 contracted indices) in the tensor-core form: a tile's 64
     blocks as 4 K groups x 16 J groups (each block stages a quarter of dz's indices: 32 MiB of L2 a step plus
     8 of fp32 partials, not 128); the forward (1024 indices) is not split; small shapes are not."""
     sizes = {"b": 256, "k": 1024, "j": 1024, "g": 4, "i": 1024}
-    adjoint = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True)
+    adjoint = plan(analyse(adjoint_program(lstm.SPEC)), sizes, 132, mma=True)
     assert (adjoint.ksplit, adjoint.jsplit, adjoint.tiles, adjoint.units, adjoint.nunits) == (4, 16, 2, 16, 64)
     assert adjoint.step_bytes == (32 + 8) << 20 and adjoint.shared_bytes <= BLOCK_SHARED
-    unsplit = plan(analyse(_adjoint_program(lstm.SPEC)), sizes, 132, mma=True, ksplit=1)
+    unsplit = plan(analyse(adjoint_program(lstm.SPEC)), sizes, 132, mma=True, ksplit=1)
     assert unsplit.step_bytes == 128 << 20
-    assert plan(analyse(_hoisted(lstm.SPEC)), sizes, 132, mma=True).ksplit == 1
+    assert plan(analyse(forward_program(lstm.SPEC)), sizes, 132, mma=True).ksplit == 1
     small = {"b": 64, "k": 512, "j": 512, "g": 4, "i": 512}
-    assert plan(analyse(_adjoint_program(lstm.SPEC)), small, 132, mma=True).ksplit == 1
-
-
-def _one_step_inputs(program, sizes: dict, rng) -> tuple[dict, dict, dict]:
-    """(seqs at L 1, params scaled by 1 / sqrt(k), initial states) of `program` at `sizes`, drawn from `rng`
-    in that order, float64."""
-    def full(axes):
-        return [sizes[a] for a in axes]
-
-    seqs = {d.name: rng.standard_normal((1, *full(d.axes))) for d in program.seqs}
-    params = {d.name: rng.standard_normal(full(d.axes)) / np.sqrt(sizes["k"]) for d in program.params}
-    initial = {s.name: rng.standard_normal(full(s.axes)) for s in program.states}
-    return seqs, params, initial
-
-
-def _one_step_blocks(program, sizes, blocks, ksplit, inputs, **options):
-    """`program` at L 1 over `blocks` emulated blocks in the tensor-core form, `ksplit` K groups, from
-    `inputs` (`_one_step_inputs`): (outputs, finals). The emulator runs blocks one after another with the grid
-    barriers compiled out, so a launch sees the exchange buffers as the launch before left them: the first
-    leaves every block's operand in xo, the second every block's partial product (from the complete operand)
-    in pb, the third computes the step from both (each launch recomputes the same values). `options`:
-    `kernel_source`'s (late, prefetch, phases, reload)."""
-    import torch
-
-    from ssmc.backends.cuda.emulator import emulated
-
-    cell = analyse(program)
-    chosen = plan(cell, sizes, 132, blocks=blocks, tiles=1, mma=True, ksplit=ksplit)
-    assert not isinstance(chosen, str) and (chosen.blocks, chosen.ksplit) == (blocks, ksplit), chosen
-    seqs, params, initial = inputs
-
-    def full(axes):
-        return [sizes[a] for a in axes]
-
-    def f32(a):
-        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
-
-    arrays = [f32(seqs[d.name]) for d in program.seqs] + [f32(params[d.name]) for d in program.params]
-    arrays += [f32(initial[s.name]) for s in program.states]
-    outs = [torch.zeros((1, *full(y.axes))) for _, y in program.outputs]
-    finals = [torch.zeros(full(s.axes)) for s in program.states]
-    xo = torch.zeros(2 * chosen.xrows * chosen.xcols, dtype=torch.bfloat16)
-    groups = chosen.ksplit + chosen.jsplit if ksplit > 1 else 1
-    words = 3 + chosen.tiles * groups + (8 * chosen.blocks if options.get("phases") else 0)
-    arrays += [*outs, *finals, xo, torch.zeros(words, dtype=torch.int32)]
-    if ksplit > 1:
-        arrays.append(torch.full((2 * ksplit * chosen.xrows * chosen.jsplit * chosen.nunits * chosen.cols,),
-                                 float("nan")))
-    fn = emulated(kernel_source(cell, chosen, sizes, **options), kernel_name(cell))
-    for _ in range(3 if ksplit > 1 else 2):
-        fn((chosen.blocks, chosen.threads), 1, 0, [t.data_ptr() for t in arrays])
-    return [o.double().numpy() for o in outs], [f.double().numpy() for f in finals]
+    assert plan(analyse(adjoint_program(lstm.SPEC)), small, 132, mma=True).ksplit == 1
 
 
 _NOT_IN_CI = pytest.mark.skipif(in_ci(), reason="CI splits the LSTM's adjoint (the form the plan takes; the "
@@ -361,21 +273,17 @@ def test_emulated_split_matches_the_interpreter(case):
     partials summed 4 units a 16-byte load; with heads, 2 x 2 blocks a head) against the interpreter at L 1,
     within bf16's rounding (a wrong index or group is off by O(1)); outside CI also against the same blocks
     unsplit (the same bf16 operand and U, only the fp32 sums in another order)."""
-    from ssmc.backends import interpreter
-
     spec = lstm_heads.SPEC if case.startswith("heads") else lstm.SPEC
-    program = _hoisted(spec) if case == "forward" else _adjoint_program(spec)
+    program = forward_program(spec) if case == "forward" else adjoint_program(spec)
     sizes = {"b": 3, "n": 2, "k": 13, "j": 13, "g": 4, "i": 4}
     blocks = 8 if case.startswith("heads") else 4
-    inputs = _one_step_inputs(program, sizes, np.random.default_rng(0))
-    split = _one_step_blocks(program, sizes, blocks, 2, inputs)
-    want_outs, want_finals = interpreter.run_recurrence(program, *inputs, dict(sizes), 1)
-    want = [*(want_outs[n] for n, _ in program.outputs), *(want_finals[s.name] for s in program.states)]
-    for a, b in zip(_flat(split), want, strict=True):
-        assert _relative(a, np.asarray(b, np.float64)) < 1e-2
+    inputs = one_step_inputs(program, sizes, np.random.default_rng(0))
+    split = one_step_blocks(program, sizes, blocks, 2, inputs)
+    for a, b in zip(flat(split), one_step_reference(program, sizes, inputs), strict=True):
+        assert relative(a, np.asarray(b, np.float64)) < 1e-2
     if not in_ci():
-        for a, b in zip(_flat(split), _flat(_one_step_blocks(program, sizes, blocks, 1, inputs)), strict=True):
-            assert _relative(a, b) < 1e-5
+        for a, b in zip(flat(split), flat(one_step_blocks(program, sizes, blocks, 1, inputs)), strict=True):
+            assert relative(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("case", ["adjoint", pytest.param("forward", marks=_NOT_IN_CI)])
@@ -384,13 +292,13 @@ def test_emulated_split_with_the_options(case):
     kernel on (the late stores with the reloaded index and the early loads, the prefetch, the phases' counters):
     the same values
     as without them, within the fp32 sums' order (the operand, U and the order of the sums are the same)."""
-    program = _hoisted(lstm.SPEC) if case == "forward" else _adjoint_program(lstm.SPEC)
+    program = forward_program(lstm.SPEC) if case == "forward" else adjoint_program(lstm.SPEC)
     sizes = {"b": 3, "k": 13, "j": 13, "g": 4, "i": 4}
-    inputs = _one_step_inputs(program, sizes, np.random.default_rng(1))
+    inputs = one_step_inputs(program, sizes, np.random.default_rng(1))
     options = {"late": True, "reload": True, "prefetch": True, "phases": True, "early_loads": True}
-    got = _one_step_blocks(program, sizes, 4, 2, inputs, **options)
-    for a, b in zip(_flat(got), _flat(_one_step_blocks(program, sizes, 4, 2, inputs)), strict=True):
-        assert _relative(a, b) < 1e-6
+    got = one_step_blocks(program, sizes, 4, 2, inputs, **options)
+    for a, b in zip(flat(got), flat(one_step_blocks(program, sizes, 4, 2, inputs)), strict=True):
+        assert relative(a, b) < 1e-6
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -407,9 +315,7 @@ def test_gpu(name, length, batch, hidden, launched, monkeypatch):
     for seed in (0, 1):
         _check(name, length, batch, hidden, tol=1e-4, seed=seed)
     assert launched, "the persistent kernel did not run (a refusal: see PersistentLoop.refusals)"
-    for loop in persistent_runner._LOOPS.values():
-        if loop is not None:
-            assert loop.status() == (False, 0), "a grid barrier timed out"
+    no_barrier_timed_out()
 
 
 @pytest.mark.gpu
@@ -459,6 +365,4 @@ def test_gpu_bf16_split_adjoint(ksplit, length, batch, hidden, launched, monkeyp
              if loop is not None and loop.program.name == "lstm_backward"
              for p in loop._plans.values() if not isinstance(p, str) and p.ksplit == ksplit]
     assert split and "lstm_backward" in launched, "the split adjoint did not run"
-    for loop in persistent_runner._LOOPS.values():
-        if loop is not None:
-            assert loop.status() == (False, 0), "a grid barrier timed out"
+    no_barrier_timed_out()

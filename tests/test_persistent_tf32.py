@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from persistent_helpers import (
+    adjoint_program,
+    check_fp32,
+    forward_program,
+    no_barrier_timed_out,
+    record_launches,
+    training_source,
+)
 from profiles import in_ci, nightly_case
-from test_persistent_half import _adjoint, _forward
-from test_persistent_rnn import _flat, _relative
 
-import ssmc
 from ssmc.backends.cuda.kernels.persistent import runner as persistent_runner
 from ssmc.backends.cuda.kernels.persistent.analysis import BLOCK_SHARED, analyse, plan, tf32_warp_grid
-from ssmc.backends.cuda.kernels.persistent.forward import kernel_name, kernel_source
+from ssmc.backends.cuda.kernels.persistent.forward import kernel_name
 from ssmc.examples import gru, lstm
 
 torch = pytest.importorskip("torch")
@@ -44,7 +49,7 @@ def test_fp32_benchmark_shape_plans_on_tensor_cores(spec, cols):
     LSTM), 4 batch tiles of 16 rows (one whole m16 tile) x 32 blocks, forward and adjoint; the warps' tiles
     cover the block's product."""
     sizes = BENCH | {"g": cols}
-    for program, ncols in ((_forward(spec.SPEC), cols), (_adjoint(spec.SPEC), 1)):
+    for program, ncols in ((forward_program(spec.SPEC), cols), (adjoint_program(spec.SPEC), 1)):
         cell = analyse(program)
         chosen = plan(cell, sizes, 132, mma=True, tf32=3)
         assert not isinstance(chosen, str), chosen
@@ -61,7 +66,7 @@ def test_the_form_follows_the_options(monkeypatch):
     """An fp32 call: 3xTF32 by default; plain TF32 where SSMC_CUDA_TF32=1 or, that variable unset, where torch
     allows TF32 for its fp32 matrix products; 3xTF32 again where SSMC_CUDA_TF32=0 overrides torch; the FMA form
     where SSMC_CUDA_PERSISTENT_MMA=0. A 16-bit call keeps its m16n8k16 form (tf32 0)."""
-    program = _forward(lstm.SPEC)
+    program = forward_program(lstm.SPEC)
     loop = persistent_runner.PersistentLoop(program, "float32", None, analyse(program))
     sizes = BENCH | {"g": 4}
     for var in ("SSMC_CUDA_TF32", "SSMC_CUDA_PERSISTENT_MMA", "SSMC_CUDA_EMULATE"):
@@ -99,16 +104,6 @@ NVRTC_CASES = [(f"{name} {which} b{sizes['b']}", spec, which, sizes | {"g": g})
                for which in ("forward", "adjoint") for sizes in (BENCH, SMALL)]
 
 
-def _training_source(cell, chosen, sizes) -> str:
-    """The kernel as a training step runs it: a forward also recording its product h U (fp32, contiguous
-    [L, rows..., g, k]); the adjoint as it is."""
-    record = None
-    if not cell.program.reverse:
-        shape = [3, *(sizes[a] for a in cell.product.axes)]
-        record = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    return kernel_source(cell, chosen, sizes, record=record)
-
-
 def _compiled(program, sizes, arch, passes):
     from ssmc.backends.cuda import nvrtc
     from ssmc.backends.cuda.source import compile_options
@@ -118,7 +113,7 @@ def _compiled(program, sizes, arch, passes):
     cell = analyse(program)
     chosen = plan(cell, sizes, 132, mma=True, tf32=passes)
     assert not isinstance(chosen, str) and chosen.tf32 == passes, chosen
-    source = _training_source(cell, chosen, sizes)
+    source = training_source(cell, chosen, sizes, half=False)
     assert f"#define TF32 {passes}" in source and "mma.sync.aligned.m16n8k8.row.col.f32.tf32" in source
     used = nvrtc.compile_source(source, arch, compile_options(source)).resources[kernel_name(cell)]
     assert not used.spills and used.stack_frame_bytes == 0, used.summary()
@@ -131,13 +126,14 @@ def _compiled(program, sizes, arch, passes):
 def test_nvrtc_3xtf32_compiles_without_spills(name, spec, which, sizes, arch):
     if in_ci() and (arch == "sm_80" or sizes["b"] != BENCH["b"]) and not (name.startswith("lstm") and arch == "sm_90"):
         pytest.skip("CI compiles the LSTM for sm_90 and the GRU at the benchmark shape (nightly: all of them)")
-    _compiled(_forward(spec.SPEC) if which == "forward" else _adjoint(spec.SPEC), sizes, arch, 3)
+    _compiled(forward_program(spec.SPEC) if which == "forward" else adjoint_program(spec.SPEC), sizes, arch, 3)
 
 
 @pytest.mark.parametrize("which", ["forward", "adjoint"])
 def test_nvrtc_tf32_compiles_without_spills(which):
     """Plain TF32 (two accumulator sets by k8 parity, two k8 steps an iteration) at the benchmark shape."""
-    _compiled(_forward(lstm.SPEC) if which == "forward" else _adjoint(lstm.SPEC), BENCH | {"g": 4}, "sm_90", 1)
+    program = forward_program(lstm.SPEC) if which == "forward" else adjoint_program(lstm.SPEC)
+    _compiled(program, BENCH | {"g": 4}, "sm_90", 1)
 
 
 # -- against the interpreter -----------------------------------------------------------------------------------
@@ -145,38 +141,19 @@ def test_nvrtc_tf32_compiles_without_spills(which):
 @pytest.fixture
 def forms(monkeypatch):
     """(program, `Plan.mma`, `Plan.tf32`) of every persistent launch."""
-    ran = []
-    original = persistent_runner.PersistentLoop._launch
-
-    def spy(self, chosen, *a, **k):
-        result = original(self, chosen, *a, **k)
-        if not isinstance(result, str):
-            ran.append((self.program.name, chosen.mma, chosen.tf32))
-        return result
-    monkeypatch.setattr(persistent_runner.PersistentLoop, "_launch", spy)
-    return ran
+    return record_launches(monkeypatch, lambda loop, chosen, _: (loop.program.name, chosen.mma, chosen.tf32))
 
 
 SPECS = {"lstm": lstm, "gru": gru}
 
 
-def check_fp32(name: str, length: int, batch: int, hidden: int, tol: float, grad_tol: float, seed: int = 0):
+def check(name: str, length: int, batch: int, hidden: int, tol: float, grad_tol: float, seed: int = 0):
     """`name`'s fp32 call against the interpreter's float64: outputs and final states within `tol`, every
     gradient (`ssmc.grad`) within `grad_tol`."""
     m = SPECS[name]
     rng = np.random.default_rng(seed)
     inputs = m.make_inputs(rng, length, batch=batch, inp=4, hidden=hidden)
-    want = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="interpreter")(**inputs, return_final_states=True)
-    got = ssmc.compile(m.SPEC, layout=m.LAYOUT, backend="cuda", dtype="float32")(**inputs, return_final_states=True)
-    for a, b in zip(_flat(got), _flat(want), strict=True):
-        assert _relative(a, b) < tol, (name, length, batch, hidden, _relative(a, b))
-    cot = rng.standard_normal(np.shape(want[0]))
-    want_g = ssmc.grad(m.SPEC, backend="interpreter", layout=m.LAYOUT)(**inputs, grad_outputs=cot)
-    have_g = ssmc.grad(m.SPEC, backend="cuda", layout=m.LAYOUT, dtype="float32")(**inputs, grad_outputs=cot)
-    assert set(have_g) == set(want_g)
-    for k in want_g:
-        err = _relative(_flat(have_g[k])[0], np.asarray(want_g[k], np.float64))
-        assert err < grad_tol, (name, k, length, batch, hidden, err)
+    check_fp32(m.SPEC, m.LAYOUT, inputs, rng, tol, grad_tol, context=(name, length, batch, hidden))
 
 
 # B 19 (two m16 tiles, the second partial) x H 37 (the LSTM's 148 columns in 19 n8 tiles, the last partial; the
@@ -191,7 +168,7 @@ EMULATED = [("lstm", 1), ("gru", 1), nightly_case("lstm", 3, reason="L 1's kerne
 def test_emulated_3xtf32(name, length, emulated_cuda, forms):
     """The forward, the recording forward and the adjoint all in the 3xTF32 form, within 1e-5 of float64."""
     emulated_cuda.setenv("SSMC_CUDA_TF32", "0")
-    check_fp32(name, length, batch=19, hidden=37, tol=1e-5, grad_tol=1e-5)
+    check(name, length, batch=19, hidden=37, tol=1e-5, grad_tol=1e-5)
     assert {(mma, tf) for _, mma, tf in forms} == {(True, 3)}, forms
     assert {name, f"{name}_backward"} <= {n for n, _, _ in forms}, forms
 
@@ -200,17 +177,17 @@ def test_emulated_tf32(emulated_cuda, forms):
     """SSMC_CUDA_TF32=1: one mma a tile (the inputs rounded to 10 bits of mantissa), within TF32's bounds; and
     farther from float64 than 3xTF32 (the form does change the products)."""
     emulated_cuda.setenv("SSMC_CUDA_TF32", "1")
-    check_fp32("lstm", 3, batch=5, hidden=37, tol=TF32_TOL, grad_tol=TF32_GRAD_TOL)
+    check("lstm", 3, batch=5, hidden=37, tol=TF32_TOL, grad_tol=TF32_GRAD_TOL)
     assert {tf for _, _, tf in forms} == {1} and {"lstm", "lstm_backward"} <= {n for n, _, _ in forms}, forms
     with pytest.raises(AssertionError):
-        check_fp32("lstm", 3, batch=5, hidden=37, tol=1e-5, grad_tol=1e-5)
+        check("lstm", 3, batch=5, hidden=37, tol=1e-5, grad_tol=1e-5)
 
 
 def test_emulated_fma_form(emulated_cuda, forms):
     """SSMC_CUDA_PERSISTENT_MMA=0: the FMA form (U and the operand fp32, no tensor cores), forward and
     gradients."""
     emulated_cuda.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
-    check_fp32("gru", 3, batch=5, hidden=9, tol=1e-5, grad_tol=1e-5)
+    check("gru", 3, batch=5, hidden=9, tol=1e-5, grad_tol=1e-5)
     assert {mma for _, mma, _ in forms} == {False} and {"gru", "gru_backward"} <= {n for n, _, _ in forms}, forms
 
 
@@ -230,9 +207,7 @@ def test_gpu_fp32_forms(name, length, batch, hidden, form, forms, monkeypatch):
     if form == "fma":
         monkeypatch.setenv("SSMC_CUDA_PERSISTENT_MMA", "0")
     tol, grad_tol = (TF32_TOL, TF32_GRAD_TOL) if form == "tf32" else (1e-4, 1e-3)
-    check_fp32(name, length, batch, hidden, tol, grad_tol)
+    check(name, length, batch, hidden, tol, grad_tol)
     want = {"3xtf32": (True, 3), "tf32": (True, 1), "fma": (False, 0)}[form]
     assert forms and {(mma, tf) for _, mma, tf in forms} == {want}, forms
-    for loop in persistent_runner._LOOPS.values():
-        if loop is not None:
-            assert loop.status() == (False, 0), "a grid barrier timed out"
+    no_barrier_timed_out()

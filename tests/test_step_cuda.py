@@ -88,6 +88,18 @@ def _tensors(values: dict, dtype, device, half: tuple[str, ...] = (), half_dtype
     return out
 
 
+def _float32(v):
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _first_step(module, values: dict) -> tuple[dict, dict]:
+    """(the inputs of the example's first step: its sequences at t = 0 and its params; its states by name) from
+    `values`, the example's tensors over time."""
+    names, state_names, seq_time, _ = _names(module)
+    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    return one, {s: values[s] for s in state_names}
+
+
 def _rel(got, want) -> float:
     got, want = got.detach().cpu(), want.detach().cpu()
     if want.is_complex():
@@ -182,6 +194,11 @@ def _given_arrays(ys, finals, like):
     return tuple(like(y) for y in _as_tuple(ys)), tuple(like(h) for h in _as_tuple(finals))
 
 
+def _out(outs: tuple):
+    """The ``out=`` argument writing `outs`: the one array alone."""
+    return outs if len(outs) > 1 else outs[0]
+
+
 def _written_in_place(step, one, states, want_y, want_h, close):
     """A step with ``out=`` and ``in_place=True`` into fresh tensors: the very tensors come back (data_ptr) and
     hold the allocating step's `want_y`, `want_h` (`close(got, want)`); returns (the out tensors, the state
@@ -189,22 +206,43 @@ def _written_in_place(step, one, states, want_y, want_h, close):
     outs, _ = _given_arrays(want_y, want_h, torch.empty_like)
     buffers = tuple(h.clone() for h in states)
     ptrs = [b.data_ptr() for b in (*outs, *buffers)]
-    got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    got_y, got_h = step(**one, states=buffers, out=_out(outs), in_place=True)
     assert [b.data_ptr() for b in (*_as_tuple(got_y), *_as_tuple(got_h))] == ptrs
     for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
         assert close(g, w)
     return outs, buffers
 
 
+def _allocating_step(module, backend: str, one: dict, states: tuple):
+    """(the example's step on `backend`, `one`, `states`, the outputs and new states of an allocating step)."""
+    step = ssmc.step(module.SPEC, backend, layout=module.LAYOUT)
+    want_y, want_h = step(**one, states=states)
+    return step, one, states, want_y, want_h
+
+
 def _in_place_case(name, backend, convert):
+    """`_allocating_step` of the example's inputs at L 1 (`convert`ed to the backend's arrays)."""
     module = _example(name)
     names, state_names, seq_time, _ = _names(module)
     values = {k: convert(v) for k, v in module.make_inputs(np.random.default_rng(4), 1).items()}
     one = {n: (values[n].squeeze(seq_time[n]) if n in seq_time else values[n]) for n in names}
-    states = tuple(values[s] for s in state_names)
-    step = ssmc.step(module.SPEC, backend, layout=module.LAYOUT)
-    want_y, want_h = step(**one, states=states)
-    return step, one, states, want_y, want_h
+    return _allocating_step(module, backend, one, tuple(values[s] for s in state_names))
+
+
+def _in_place_again(step, one, states, want_y, want_h) -> tuple:
+    """Emulated: a first in-place step (`_written_in_place`, bit for bit: it plans the call), an allocating step
+    from the states it wrote, then the in-place step again, which writes the state buffers given. Returns (that
+    step's emulated launches, its `_TorchOps`, whether its results equal the allocating step's bit for bit)."""
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
+    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
+    before = emulator.launched
+    with _TorchOps() as ops:
+        got_y, got_h = step(**one, states=buffers, out=_out(outs), in_place=True)
+    launched = emulator.launched - before
+    assert [b.data_ptr() for b in _as_tuple(got_h)] == [b.data_ptr() for b in buffers]
+    equal = all(torch.equal(g, w) for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)),
+                                                  (*_as_tuple(want_y), *_as_tuple(want_h))))
+    return launched, ops, equal
 
 
 @pytest.mark.parametrize("name", ["hgrn", "lstm", "lru"])
@@ -215,7 +253,7 @@ def test_step_out_and_in_place_write_the_given_numpy_arrays(name):
     step, one, states, want_y, want_h = _in_place_case(name, "interpreter", np.array)
     outs, _ = _given_arrays(want_y, want_h, np.empty_like)
     buffers = tuple(np.array(h) for h in states)
-    got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+    got_y, got_h = step(**one, states=buffers, out=_out(outs), in_place=True)
     for g, given, w in zip(_as_tuple(got_y), outs, _as_tuple(want_y)):
         assert g is given and np.array_equal(g, w)
     for g, given, w in zip(_as_tuple(got_h), buffers, _as_tuple(want_h)):
@@ -244,12 +282,12 @@ def test_emulated_step_out_and_in_place_write_the_given_tensors(name, monkeypatc
     states in the given state tensors (the same storage: data_ptr), equal to the allocating call's; ten
     steps alternating the two forms stay equal."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", _float32)
     outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
     h = _as_tuple(want_h)
     for _ in range(3):  # allocating and in place, step after step
         want_y, h = step(**one, states=h)
-        step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
+        step(**one, states=buffers, out=_out(outs), in_place=True)
         h = _as_tuple(h)
         for g, w in zip((*outs, *buffers), (*_as_tuple(want_y), *h)):
             assert torch.equal(g, w)
@@ -269,16 +307,8 @@ def test_emulated_in_place_step_allocates_nothing(name, monkeypatch):
     example (those allocate: the general path's results, copied); its outputs and new states are the
     allocating step's from the same states, bit for bit."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", _real_or_complex)
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
-    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
-    before = emulator.launched
-    with _TorchOps() as ops:
-        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    launched = emulator.launched - before
-    for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)), (*_as_tuple(want_y), *_as_tuple(want_h))):
-        assert torch.equal(g, w), name
-    assert [b.data_ptr() for b in _as_tuple(got_h)] == [b.data_ptr() for b in buffers]
+    launched, ops, equal = _in_place_again(*_in_place_case(name, "cuda", _real_or_complex))
+    assert equal, name
     if name in ALLOCATING_IN_PLACE:
         assert ops.allocating() > 0, (name, ops.ops)  # listed: moved to the one-kernel path, update the table
     else:
@@ -294,7 +324,7 @@ def test_emulated_lanes_step_in_place(name, monkeypatch):
     equal the full-sequence call."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     monkeypatch.setenv("SSMC_CUDA_STRATEGY", "lanes")
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", _float32)
     _written_in_place(step, one, states, want_y, want_h, torch.equal)
     assert {p.strategy for p in step._own.plans.values()} == {"lanes"}
     module = _example(name)
@@ -317,7 +347,7 @@ def test_emulated_step_writes_strided_arrays_in_place(name, monkeypatch):
     """``out=`` and state arrays that are strided views (every other element of their last axis): the kernel
     writes them as they lie, the elements between untouched, the values the allocating step's."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", _float32)
 
     def strided(x, fill):
         big = torch.full((*x.shape[:-1], 2 * x.shape[-1]), fill)
@@ -365,7 +395,7 @@ def test_emulated_step_out_overlapping_an_input_takes_the_copying_path(monkeypat
     so the step runs the general path (torch ops, the results copied) and `out` holds the allocating step's
     outputs; with the arrays apart again the next step is one launch and no torch op."""
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
-    step, one, states, want_y, want_h = _in_place_case("hgrn", "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
+    step, one, states, want_y, want_h = _in_place_case("hgrn", "cuda", _float32)
     x = one["x"].clone()
     with _TorchOps() as ops:
         got_y, got_h = step(**{**one, "x": x}, states=states, out=x)
@@ -385,15 +415,7 @@ def _product_step_case(name):
     values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
     launches = []
     _check_steps(name, _tensors(values, torch.float32, "cpu"), 2e-5, launches)
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: torch.tensor(v, dtype=torch.float32))
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
-    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
-    before = emulator.launched
-    with _TorchOps() as ops:
-        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    equal = all(torch.equal(g, w) for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)),
-                                                  (*_as_tuple(want_y), *_as_tuple(want_h))))
-    return launches, emulator.launched - before, ops, equal
+    return launches, *_in_place_again(*_in_place_case(name, "cuda", _float32))
 
 
 @emulated_only
@@ -433,23 +455,13 @@ def _sized_step_case(name, sizes: dict, half: tuple[str, ...] = ()):
     own buffers, ``out=``) after a first one. Returns (the step, each allocating step's launches, the in-place
     step's kernels and `_TorchOps`, whether it equals the allocating step bit for bit)."""
     module = _example(name)
-    names, state_names, seq_time, _ = _names(module)
     values = _tensors(module.make_inputs(np.random.default_rng(3), LENGTH, **sizes), torch.float32, "cpu",
                       half=half, half_dtype=torch.bfloat16)
     launches = []
     _check_steps(name, values, 1e-2 if half else 2e-5, launches)
-    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
-    states = tuple(values[s] for s in state_names)
-    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
-    want_y, want_h = step(**one, states=states)
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, torch.equal)
-    want_y, want_h = step(**one, states=tuple(b.clone() for b in buffers))
-    before = emulator.launched
-    with _TorchOps() as ops:
-        got_y, got_h = step(**one, states=buffers, out=outs if len(outs) > 1 else outs[0], in_place=True)
-    equal = all(torch.equal(g, w) for g, w in zip((*_as_tuple(got_y), *_as_tuple(got_h)),
-                                                  (*_as_tuple(want_y), *_as_tuple(want_h))))
-    return step, launches, emulator.launched - before, ops, equal
+    one, states = _first_step(module, values)
+    case = _allocating_step(module, "cuda", one, tuple(states.values()))
+    return case[0], launches, *_in_place_again(*case)
 
 
 @emulated_only
@@ -588,17 +600,15 @@ def test_in_place_step_kernels_compile_without_spills(name, monkeypatch):
 
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     module = _example(name)
-    names, state_names, seq_time, _ = _names(module)
     values = _tensors(module.make_inputs(np.random.default_rng(5), 1, **DECODE_SIZES[name]), torch.float32, "cpu")
-    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
-    states = {s: values[s] for s in state_names}
+    one, states = _first_step(module, values)
     sources = []
     monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
     step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
     assert step._own._plan(one, states, None, False) is not None
     assert step._own._plan(one, states, None, True) is not None
     allocating, in_place = sources
-    for s in state_names:
+    for s in states:
         assert f"__restrict__ init_{s}" in allocating and f"__restrict__ init_{s}" not in in_place
         assert f"__restrict__ final_{s}" not in in_place
     spills = []
@@ -620,18 +630,17 @@ def test_product_step_kernel_compiles_without_spills(name, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_EMULATE", "1")
     monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
     module = _example(name)
-    names, state_names, seq_time, _ = _names(module)
     values = _tensors(module.make_inputs(np.random.default_rng(5), 1, batch=16, inp=1024, hidden=1024),
                       torch.float32, "cpu")
-    one = {n: (values[n].select(seq_time[n], 0) if n in seq_time else values[n]) for n in names}
+    one, states = _first_step(module, values)
     sources = []
     monkeypatch.setattr(runner_module.CudaRunner, "function", lambda self, source, kernel: sources.append(source))
     step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
-    plan = step._own._plan(one, {s: values[s] for s in state_names}, None, True)
+    plan = step._own._plan(one, states, None, True)
     assert plan is not None and [s for _, s in plan.copies] == ["h"]
     (source,) = sources
     assert re.search(r"__restrict__ h[,)]", source)
-    if "c" in state_names:
+    if "c" in states:
         assert re.search(r"\* c[,)]", source) and not re.search(r"__restrict__ c[,)]", source)
         assert re.search(r"\* out_next_c[,)]", source)
     (resources,) = nvrtc.compile_source(source, "sm_90", options=compile_options(source)).resources.values()
@@ -684,13 +693,26 @@ def test_gpu_stepping_equals_the_full_sequence_call(name, dtype):
     tensors = _tensors(values, torch.float32, "cuda", half=half, half_dtype=torch.bfloat16)
     _check_steps(name, tensors, 2e-5 if dtype == "float32" else 3e-2)
     module = _example(name)
-    names, state_names, seq_time, _ = _names(module)
-    one = {n: (tensors[n].select(seq_time[n], 0) if n in seq_time else tensors[n]) for n in names}
-    step = ssmc.step(module.SPEC, "cuda", layout=module.LAYOUT)
-    states = tuple(tensors[s] for s in state_names)
-    want_y, want_h = step(**one, states=states)
+    one, states = _first_step(module, tensors)
     # the same step twice: equal but for a kernel's order of atomic adds
-    _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+    _written_in_place(*_allocating_step(module, "cuda", one, tuple(states.values())), lambda g, w: _rel(g, w) <= 1e-6)
+
+
+def _gpu_in_place(name):
+    """On a GPU, float32: the example's in-place step (``out=`` and ``in_place=True``) checked against the
+    allocating one (`_written_in_place`), run once more (it plans the call), then again with the allocations of
+    torch's CUDA allocator counted. Returns (the step, a call of the in-place step, those allocations)."""
+    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
+    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
+
+    def in_place():
+        step(**one, states=buffers, out=_out(outs), in_place=True)
+        torch.cuda.synchronize()
+
+    in_place()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    in_place()
+    return step, in_place, torch.cuda.memory_stats()["allocation.all.allocated"] - before
 
 
 @pytest.mark.gpu
@@ -700,18 +722,9 @@ def test_gpu_in_place_step_is_one_kernel_and_allocates_nothing(name):
     equals the allocating step, makes no allocation of torch's CUDA allocator and runs what IN_PLACE_LAUNCHES
     says (CUDA kernels the profiler saw, copies and fills aside; the LSTMs' cuBLAS products too; lru's two
     kernels), where ALLOCATING_IN_PLACE does not list the example; those allocate."""
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
-    out = outs if len(outs) > 1 else outs[0]
-    step(**one, states=buffers, out=out, in_place=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    step(**one, states=buffers, out=out, in_place=True)
-    torch.cuda.synchronize()
-    allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    _, in_place, allocated = _gpu_in_place(name)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step(**one, states=buffers, out=out, in_place=True)
-        torch.cuda.synchronize()
+        in_place()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
     if name in ALLOCATING_IN_PLACE:
@@ -731,13 +744,6 @@ def test_gpu_product_step_is_one_kernel(name, monkeypatch):
     monkeypatch.setenv("SSMC_CUDA_STEP_PRODUCTS", "1")
     values = _example(name).make_inputs(np.random.default_rng(3), LENGTH)
     _check_steps(name, _tensors(values, torch.float32, "cuda"), 2e-5)
-    step, one, states, want_y, want_h = _in_place_case(name, "cuda", lambda v: _real_or_complex(v).cuda())
-    outs, buffers = _written_in_place(step, one, states, want_y, want_h, lambda g, w: _rel(g, w) <= 1e-6)
-    out = outs if len(outs) > 1 else outs[0]
-    step(**one, states=buffers, out=out, in_place=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    step(**one, states=buffers, out=out, in_place=True)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, name
+    step, _, allocated = _gpu_in_place(name)
+    assert allocated == 0, name
     assert [s for _, s in next(p for p in step._own.plans.values() if p is not None and p.in_place).copies] == ["h"]

@@ -152,31 +152,12 @@ class CudaStep:
         if launch is None:
             return None
         k, runner = launch.kernel, runner_for(program, dtype.name, map_reduce=form is None)
-        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
-        outs = _as_tuple(out) if out is not None else None
-        if outs is not None and len(outs) != len(self.output_names):
-            return None
-        if in_place and any(initial[s].dtype != state_dtype for s in self.state_names):
+        wired = self._wired(out, initial, in_place, bound, dtype, seqs, params, opts)
+        if wired is None:
             return None
         # per kernel array: where its pointer comes from (kind, key) and the array as the kernel sees it
-        source, made, keep, copies, shared = {}, {}, [], [], []
-        for n, t in {**seqs, **params}.items():
-            source[n] = ("given", n), t
-        for i, name in enumerate(self.output_names):
-            y = p.outputs[i][1]
-            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
-            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
-            if outs is not None:
-                o = outs[i]
-                if tuple(o.shape) != shape or o.dtype != wanted:
-                    return None
-                where = ("out", i)
-            else:
-                made[f"out_{name}"] = (shape, wanted)
-                o = torch.empty(shape, dtype=wanted, device="meta")  # laid out as the step allocates it
-                where = ("made", f"out_{name}")
-            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
-                *to_time_first(self.layout, name, y.axes))
+        state_dtype, outs, source, made = wired
+        keep, copies, shared = [], [], []
         for j, st in enumerate(p.states):
             s, t = st.name, init[st.name]
             old = ("state", s) if s in initial else ("fixed", t.data_ptr())
@@ -246,6 +227,36 @@ class CudaStep:
         return StepPlan([(function, launch.grid, [source[a.name][0] for a in k.arrays])], made, self.output_names,
                         self.state_names, in_place, reads, writes, launch.strategy, keep, copies, matmuls)
 
+    def _wired(self, out, initial: dict, in_place: bool, bound, dtype, seqs: dict, params: dict, opts: dict):
+        """What `_plan` and `_split_plan` wire alike: (the new states' dtype, the ``out=`` arrays or None, per kernel
+        array of an input or an output where its pointer comes from (kind, key) and the array as the kernel sees
+        it, the outputs the step allocates {name: (shape, dtype)}), or None where the arrays given do not fit (an
+        ``out=`` of another count, shape or dtype; in place, a state given in another dtype)."""
+        import torch
+
+        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
+        outs = _as_tuple(out) if out is not None else None
+        if (outs is not None and len(outs) != len(self.output_names)) or \
+                (in_place and any(initial[s].dtype != state_dtype for s in self.state_names)):
+            return None
+        source, made = {}, {}
+        for n, t in {**seqs, **params}.items():
+            source[n] = ("given", n), t
+        for i, name in enumerate(self.output_names):
+            y = self.program.outputs[i][1]
+            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
+            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
+            if outs is not None:
+                o, where = outs[i], ("out", i)
+                if tuple(o.shape) != shape or o.dtype != wanted:
+                    return None
+            else:
+                made[f"out_{name}"] = (shape, wanted)  # (a meta array laid out as the step allocates it)
+                o, where = torch.empty(shape, dtype=wanted, device="meta"), ("made", f"out_{name}")
+            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
+                *to_time_first(self.layout, name, y.axes))
+        return state_dtype, outs, source, made
+
     def _split_plan(self, split, given, initial, out, in_place, bound, dtype, seqs, params, init, opts):
         """`_plan` of a `split_form`: its states kernel, then its outputs kernel (each one launch), or None."""
         import torch
@@ -257,28 +268,13 @@ class CudaStep:
                                                                                          sizes, ()))
         if None in launches or any(set(st.axes) != set(launches[0].kernel.parallel) for st in p.states):
             return None  # a thread per state element, each writing its own (in place: no other reads it)
-        state_dtype = torch.float64 if dtype.name == "float64" else torch.float32
-        outs = _as_tuple(out) if out is not None else None
-        if (outs is not None and len(outs) != len(self.output_names)) or \
-                (in_place and any(initial[s].dtype != state_dtype for s in self.state_names)):
+        wired = self._wired(out, initial, in_place, bound, dtype, seqs, params, opts)
+        if wired is None:
             return None
-        # per kernel array: (where its pointer comes from, the array, its axes), laid to the kernel's axes below
-        source, made, keep = {}, {}, []
-        for n, t in {**seqs, **params}.items():
-            source[n] = ("given", n), t, None
-        for i, name in enumerate(self.output_names):
-            y = p.outputs[i][1]
-            wanted = output_dtype(opts["out_dtype"], name) or state_dtype
-            shape = _layout_shape(self.layout, name, y.axes, bound.sizes, self.out_time[name])
-            if outs is not None:
-                o, where = outs[i], ("out", i)
-                if tuple(o.shape) != shape or o.dtype != wanted:
-                    return None
-            else:
-                made[f"out_{name}"] = (shape, wanted)
-                o, where = torch.empty(shape, dtype=wanted, device="meta"), ("made", f"out_{name}")
-            source[f"out_{name}"] = where, o.unsqueeze(self.out_time[name]).permute(
-                *to_time_first(self.layout, name, y.axes)), None
+        state_dtype, outs, as_is, made = wired
+        # per kernel array: (where its pointer comes from, the array, its axes: None where it lies as the kernel
+        # reads it), laid to the kernel's axes below
+        source, keep = {n: (where, t, None) for n, (where, t) in as_is.items()}, []
         for st, new in zip(p.states, split.next_names):
             s, t = st.name, init[st.name]
             old = ("state", s) if s in initial else ("fixed", t.data_ptr())
@@ -299,7 +295,7 @@ class CudaStep:
             for a in k.arrays:
                 if a.name not in source or a.role not in ("seq", "param", "out"):
                     return None
-                where, t, axes = source[a.name]
+                _, t, axes = source[a.name]
                 laid[a.name] = t if axes is None else t.permute(*[axes.index(x) for x in a.axes])
             specs = {n: ArraySpec(TORCH_DTYPES[str(t.dtype)], tuple(t.stride()) or (1,)) for n, t in laid.items()}
             text = runner.source_for(k, specs, bound.sizes, planned.mapping, 1, planned.strategy)

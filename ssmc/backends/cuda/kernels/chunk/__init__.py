@@ -38,7 +38,7 @@ from ...devices import emulating
 from ...launch import zero_bytes
 from ...options import options
 from . import mma, tune
-from .algorithm import Chunks, NonPositiveDecay, forward, vjp
+from .algorithm import Chunks, NonPositiveDecay, forward, or_scan, vjp
 
 # Steps per chunk where SSMC_CUDA_CHUNK does not say: the masked decay matrices ([C, C] per head and
 # chunk) and the chunk states ([K, V] per head and chunk) are both materialised, so C balances
@@ -428,13 +428,10 @@ class ChunkedCore:
         from ...runner import output_dtype
 
         out_dtype = output_dtype(out_dtype, self.output)
-        try:
-            outs, finals, _ = self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype, tape=False)
-        except NonPositiveDecay:
-            from ...runner import runner_for
 
-            return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
-        return outs, finals
+        def attempt():
+            return self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype, tape=False)
+        return or_scan(self, attempt, seqs, params, initial, sizes, length, out_dtype)
 
     def prepare_run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """`run` for every call alike (`Backend.preparer`: the same shapes, strides, dtypes, device and options),
@@ -445,13 +442,8 @@ class ChunkedCore:
         forward = PreparedForward(self, sizes, length, output_dtype(out_dtype, self.output), tape=False)
 
         def call(seqs, params, initial):
-            try:
-                outs, finals, _ = forward(seqs, params, initial)
-            except NonPositiveDecay:
-                from ...runner import runner_for
-
-                return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
-            return outs, finals
+            return or_scan(self, lambda: forward(seqs, params, initial), seqs, params, initial, sizes, length,
+                           out_dtype)
         call.time_first = True
         return call
 

@@ -59,6 +59,19 @@ class NonPositiveDecay(ValueError):
     """A decay given as is (not as exp of something) with a value <= 0: it has no log."""
 
 
+def or_scan(core, attempt, seqs, params, initial, sizes, length, out_dtype):
+    """(outputs, final states) of ``attempt()``, a core's forward without a tape ((outputs, final states, None)),
+    or where it raises `NonPositiveDecay`, of `core.program` run as the element-wise scan (the runner of
+    `core.compute`) on the same call, its outputs in `out_dtype` (`ChunkedCore.run`, `RankCore.run`)."""
+    try:
+        outs, finals, _ = attempt()
+    except NonPositiveDecay:
+        from ...runner import runner_for
+
+        return runner_for(core.program, core.compute).run(seqs, params, initial, sizes, length, out_dtype)
+    return outs, finals
+
+
 @dataclass
 class Chunks:
     """The inputs of one call, chunked: q, k [*H, NC, C, K]; v [*H, NC, C, V]; ell [*H, NC, C] (log

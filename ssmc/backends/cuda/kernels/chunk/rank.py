@@ -27,7 +27,7 @@ from .....ir.ops import Op
 from .....ir.program import Decl, Recurrence, Role
 from .....passes.autodiff import GRAD
 from .....passes.matrix_linear import core_form
-from .algorithm import NonPositiveDecay
+from .algorithm import or_scan
 
 _T = "~t"  # time's name in the layouts below
 
@@ -155,14 +155,13 @@ class RankCore:
     def run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """Same contract as `interpreter.run_recurrence`; a decay given as is with values <= 0 runs as the
         element-wise scan instead."""
-        from ...runner import output_dtype, runner_for
+        from ...runner import output_dtype
 
         out_dtype = output_dtype(out_dtype, self.output)
-        try:
-            outs, finals, _ = self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype, tape=False)
-        except NonPositiveDecay:
-            return runner_for(self.program, self.compute).run(seqs, params, initial, sizes, length, out_dtype)
-        return outs, finals
+
+        def attempt():
+            return self.forward(seqs, params, initial, sizes, length, out_dtype=out_dtype, tape=False)
+        return or_scan(self, attempt, seqs, params, initial, sizes, length, out_dtype)
 
     def prepare_run(self, seqs, params, initial, sizes, length, out_dtype=None):
         """`run` for calls of one signature (no plan kept: the long arrays are made each call)."""
