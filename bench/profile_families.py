@@ -4,11 +4,11 @@
 
 For the benchmark workloads of bench/persistent_check.py (LSTM / GRU B64 L180 I512 H512 fp32, forward +
 backward; lstm_b16 / gru_b16: B16 L180 I128 H256, the latency-bound target), bench/chunk_check.py (SSD,
-RetNet, GLA with a decay per key bf16, forward and forward + backward) and bench/flash_check.py
-(causal attention B4 H16 L4096 d128 bf16, forward + backward), mamba1_small: bench/graph_step.py's Mamba-1
-B32 D512 L180 N16 fp32 step (issue 43's seed size): two warm-up calls, then one profiled call;
-prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the call, so
-the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
+RetNet, GLA with a decay per key bf16, forward and forward + backward) and bench/flash_check.py (causal
+attention B4 H16 L4096 d128 bf16, forward + backward; doc: its document mask), mamba1_small:
+bench/graph_step.py's Mamba-1 B32 D512 L180 N16 fp32 step (issue 43's seed size): two warm-up calls, then one
+profiled call; prints the top kernels by GPU time (CUPTI sees CuPy's launches too) and the wall time of the
+call, so the gap between kernel time and wall time (host work, gaps) shows. With --out, writes DIR/profile.md.
 """
 
 from __future__ import annotations
@@ -139,6 +139,28 @@ def flash_cases() -> list:
     return [("causal attention B4 H16 L4096 d128 bf16 forward", fwd), ("causal attention forward + backward", train)]
 
 
+def doc_cases() -> list:
+    """flash_check's document mask (causal within 8 sorted documents a row) at B4 H16 L4096 d128 bf16."""
+    import flash_check as fc
+
+    import ssmc.torch
+    torch.manual_seed(0)
+    (q, k, v, do), extra = fc.gather_inputs("doc", 4, 16, 4096, 128)
+    fn = ssmc.torch.function(fc.GATHER_SPECS["doc"], layout="b h t ...")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v, doc=extra["doc"])
+
+    def train():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves, doc=extra["doc"]).backward(do)
+    return [("document-masked attention B4 H16 L4096 d128 bf16 forward", fwd),
+            ("document-masked attention forward + backward", train)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -151,7 +173,7 @@ def main() -> None:
         try:
             cases = (rnn_cases(name.upper()) if name in ("lstm", "gru") else
                      rnn_cases(name[:-4].upper(), 16, 180, 128, 256) if name in ("lstm_b16", "gru_b16") else
-                     flash_cases() if name == "flash" else
+                     flash_cases() if name == "flash" else doc_cases() if name == "doc" else
                      mamba1_cases() if name == "mamba1_small" else chunk_cases(name))
             for title, fn in cases:
                 sections.append(profiled(title, fn, ops=args.ops))
