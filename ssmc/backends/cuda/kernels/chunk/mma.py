@@ -813,11 +813,11 @@ def per_key_states_shared() -> int:
 
 def per_key_shared(key: int, value: int) -> int:
     """Dynamic shared memory of per_key_output: Λ [C, key + 4] fp32, later S_p rows [key, value + 8] 16-bit in its
-    place; the anchors' factors [10, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
+    place; the anchors' factors [14, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
     v rows [C, value + 8], 16-bit."""
     c, pad = PER_KEY_CHUNK, 8
     lam = max(c * (key + 4) * 4, key * (value + pad) * 2)
-    return lam + (10 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
+    return lam + (14 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
 
 
 def per_key_threads(value: int) -> int:
@@ -826,19 +826,19 @@ def per_key_threads(value: int) -> int:
 
 
 def per_key_dq_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [10, key] and dA's diagonal
+    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [14, key] and dA's diagonal
     sub-blocks [4, 16, 16] fp32; k rows [C, key + 8], v, dO rows [C, value + 8] and S_p rows [key, value + 8],
     16-bit."""
     c, pad = PER_KEY_CHUNK, 8
-    return (c * (key + 4) + 10 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+    return (c * (key + 4) + 14 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
 
 
 def per_key_dkv_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [10, key], A's and dA's diagonal
+    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [14, key], A's and dA's diagonal
     sub-blocks [2, 4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8], d_end rows [key, value + 8],
     16-bit."""
     c, pad = PER_KEY_CHUNK, 8
-    return (c * (key + 4) + 10 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+    return (c * (key + 4) + 14 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
 
 
 def per_key_backward_shared(key: int, value: int) -> int:
