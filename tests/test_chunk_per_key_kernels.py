@@ -85,6 +85,7 @@ def emulate(monkeypatch):
     (65, 128, 64, 20.0, torch.bfloat16, (1, 1)),
     (180, 64, 64, 20.0, torch.bfloat16, None),
     (180, 128, 128, 0.05, torch.bfloat16, None),
+    (100, 64, 64, 0.2, torch.float16, None),
 ])
 def test_emulated_per_key_kernels_agree_with_the_torch_forward(emulate, length, key, value, decay, dtype, qk_heads):
     """O, the entering states and the final state within `OUT_TOL` / `STATE_TOL` of algorithm.forward in float64,
@@ -164,6 +165,8 @@ def _cotangents(x: algorithm.Chunks, length: int, seed: int = 1):
     (7, 64, 64, 1.0, torch.bfloat16, None),
     (65, 128, 64, 20.0, torch.float16, None),
     (180, 64, 64, 20.0, torch.bfloat16, (1, 1)),
+    (100, 128, 128, 0.05, torch.bfloat16, None),
+    (70, 64, 128, 0.2, torch.float16, None),
 ])
 def test_emulated_per_key_backward_agrees_with_the_torch_vjp(emulate, length, key, value, decay, dtype, qk_heads):
     """dq, dk, dv, the per-key log decays' cotangent and ds0 from the kernels (on the kernels' forward) within

@@ -39,7 +39,7 @@ results before they store them (q_i·dq_i, k_i·dk_i: chunk_dq, chunk_dk; the en
 (`algorithm.reverse_chunk_sums`).
 
 A per-key decay (GLA; `Chunks.per_key`) has kernels of its own (``per_key.cu.j2``): `forward_per_key` (per_key_states,
-per_key_output) and `backward_per_key` (per_key_dstates, per_key_dq, per_key_dk, per_key_dv), chunks of
+per_key_output) and `backward_per_key` (per_key_dstates, per_key_dq, per_key_dkv), chunks of
 `PER_KEY_CHUNK` steps, where `per_key_applies` (SSMC_CUDA_CHUNK_PER_KEY=0: not).
 
 Heads may broadcast (SSD's B and C lack the head axis r): each operand's offset per head is a table
@@ -813,11 +813,11 @@ def per_key_states_shared() -> int:
 
 def per_key_shared(key: int, value: int) -> int:
     """Dynamic shared memory of per_key_output: Λ [C, key + 4] fp32, later S_p rows [key, value + 8] 16-bit in its
-    place; the anchors' factors [10, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
+    place; the anchors' factors [14, key] and the diagonal sub-blocks' scores [4, 16, 16] fp32; q, k rows [C, key + 8],
     v rows [C, value + 8], 16-bit."""
     c, pad = PER_KEY_CHUNK, 8
     lam = max(c * (key + 4) * 4, key * (value + pad) * 2)
-    return lam + (10 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
+    return lam + (14 * key + 4 * 16 * 16) * 4 + (2 * c * (key + pad) + c * (value + pad)) * 2
 
 
 def per_key_threads(value: int) -> int:
@@ -826,19 +826,19 @@ def per_key_threads(value: int) -> int:
 
 
 def per_key_dq_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [10, key] and dA's diagonal
+    """Dynamic shared memory of per_key_dq: Λ [C, key + 4], the anchors' factors [14, key] and dA's diagonal
     sub-blocks [4, 16, 16] fp32; k rows [C, key + 8], v, dO rows [C, value + 8] and S_p rows [key, value + 8],
     16-bit."""
     c, pad = PER_KEY_CHUNK, 8
-    return (c * (key + 4) + 10 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+    return (c * (key + 4) + 14 * key + 4 * 16 * 16) * 4 + (c * (key + pad) + (2 * c + key) * (value + pad)) * 2
 
 
 def per_key_dkv_shared(key: int, value: int) -> int:
-    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [10, key], A's and dA's diagonal
+    """Dynamic shared memory of per_key_dkv: Λ [C, key + 4], the anchors' factors [14, key], A's and dA's diagonal
     sub-blocks [2, 4, 16, 16] fp32; q, k rows [C, key + 8], v, dO rows [C, value + 8], d_end rows [key, value + 8],
     16-bit."""
     c, pad = PER_KEY_CHUNK, 8
-    return (c * (key + 4) + 10 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
+    return (c * (key + 4) + 14 * key + 2 * 4 * 16 * 16) * 4 + (2 * c * (key + pad) + (2 * c + key) * (value + pad)) * 2
 
 
 def per_key_backward_shared(key: int, value: int) -> int:
@@ -854,7 +854,7 @@ def per_key_backward_threads(key: int, value: int) -> int:
 @cache
 def per_key_source(key: int, value: int, bf16: bool) -> str:
     """The module of the per-key kernels (per_key_states, per_key_output; the backward's per_key_dstates, per_key_dq,
-    per_key_dk, per_key_dv) for these sizes and 16-bit format."""
+    per_key_dkv) for these sizes and 16-bit format."""
     from ...source import mma_header
 
     body = template("chunk/per_key.cu.j2").render(K=key, V=value, bf16=bf16, states_shared=per_key_states_shared(),
@@ -897,7 +897,8 @@ def forward_per_key(x: Chunks, events: list | None = None):
     """`algorithm.forward(x)` of a per-key decay on the kernels (where `per_key_applies`): (O [*H, NC, C, V], the
     state entering each chunk [*H, NC, K, V], the final state [*H, K, V]), all fp32, H the heads of all operands
     broadcast. Two launches: per_key_states (a block per (head, 64 keys, 64 values) walks the chunks, the state in
-    registers), then per_key_output (a block per (head, chunk, 64 values)). `events` as `forward`'s."""
+    registers), then per_key_output (a block per (head, chunk), `per_key_threads`). Operands whose rows are not 16-byte
+    aligned are copied first (`_lines_aligned`: the kernels' cp.async copies). `events` as `forward`'s."""
     q, k, v, ell = (_lines_aligned(_chunked_view(a, True)) for a in (x.q, x.k, x.v, x.ell))
     t = q.dim() - 3
     heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t])
@@ -954,8 +955,8 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     rounded either way), d_out [*H', NC, C, V] in q's 16-bit dtype and d_final [*H', K, V].
 
     per_key_dstates walks the chunks last first (the cotangent of each chunk's end state, d_end, and ds0); then
-    per_key_dq, per_key_dk (with the end dots Σ_j k_j·(dk_j's part through d_end), per key) and per_key_dv, a block
-    per (head, chunk, 64 columns). The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
+    per_key_dq and per_key_dkv (dk and dv together, with the end dots Σ_j k_j·(dk_j's part through d_end), per key), a
+    block per (head, chunk) each. The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
     products q ⊙ dq − k ⊙ dk, the end term ``at_end + exp(Γ) Σ_ν d_end S_p`` at each chunk's last step, summed in
     reverse over the chunk (torch)."""
     q, k, v, do, ell = (_lines_aligned(_chunked_view(a, True)) for a in (x.q, x.k, x.v, d_out, x.ell))
