@@ -30,6 +30,7 @@ axes; `TiledAttention.bind` makes them so from a call in any layout (NumPy array
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -94,6 +95,9 @@ class Call:
     # integers kept), not in `params` (`param_values` makes them `acc` on first use; the flash kernels read them so)
     seqs: dict = field(default_factory=dict)
     memo: dict = field(default_factory=dict)  # this call's derived values (`param_values`)
+    # a number per signature `bind` remembers (None: not one): calls of one number share every shape, stride, dtype,
+    # device and size, so a kernel's per-signature plan may be keyed by it
+    signature: int | None = None
 
     def param_values(self) -> dict[str, torch.Tensor]:
         """The params with every sequence input's ids in `acc`, as the tiled path reads them: `seqs` converted
@@ -112,7 +116,7 @@ class Call:
         if self.group == 1:
             return self
         k, v = (repeat_heads(t, self.group, self.kv_axis) for t in (self.k, self.v))
-        return replace(self, k=k, v=v, group=1)
+        return replace(self, k=k, v=v, group=1, signature=None)
 
     @property
     def lq(self) -> int:
@@ -121,6 +125,9 @@ class Call:
     @property
     def lk(self) -> int:
         return self.k.shape[-2]
+
+
+_SIGNATURES = itertools.count()  # `Call.signature`'s numbers, unique in the process
 
 
 def _view_signature(layout, given: tuple, params: dict) -> tuple | None:
@@ -270,7 +277,8 @@ class TiledAttention:
                     self._binds.clear()
                 # the template keeps no tensor of this call alive
                 self._binds[key] = (views, replace(call, q=None, k=None, v=None, params=dict.fromkeys(call.params),
-                                                   seqs=dict.fromkeys(call.seqs), memo={}))
+                                                   seqs=dict.fromkeys(call.seqs), memo={},
+                                                   signature=next(_SIGNATURES)))
         return call
 
     def _bind(self, q, k, v, layout, params: dict) -> Call:

@@ -81,8 +81,8 @@ from .forward import (
     THREADS,
     Unprintable,
     block_spans,
+    cached_fused_plan,
     float_literal,
-    fused_plan,
     fused_tables,
     gather_sources,
     gqa_shape,
@@ -490,6 +490,8 @@ class _Plan:
     launches: list
     spans: list
     dummy: object
+    bn: int       # keys a block of the key-block kernel
+    fused: dict   # the fused tables' plans (`forward.cached_fused_plan`)
 
 
 class FlashBackward:
@@ -503,7 +505,6 @@ class FlashBackward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._plans: dict = {}
-        self._fused: dict = {}  # `forward.fused_plan` per signature (None: the tables built apart)
 
     def head_dim_reason(self, d: int) -> str | None:
         """Why the kernels do not take head dim `d` for this program (None: they do): an indexed table's gradient
@@ -542,7 +543,7 @@ class FlashBackward:
         sequence inputs, per call on the device from the ids: `key_block_tables`)."""
         import torch
 
-        from .forward import gqa_shape, span_table
+        from .forward import span_table
 
         gqa = gqa_shape(call)
         if self.program.seqs:
@@ -564,7 +565,6 @@ class FlashBackward:
         ids on their device (a fixed sequence of torch ops, no host copy): the key blocks' of `bn`, then with
         `dq_kernel` the query blocks'."""
         from .....passes.mask_blocks import span_tables
-        from .forward import gqa_shape
 
         gqa = gqa_shape(call)
         reads = sequence_reads(self.program, call.param_values())
@@ -578,18 +578,13 @@ class FlashBackward:
         return [row_span_table(key_block_tables(spans, call.lk, bn), gqa)] + (
             [row_span_table(spans, gqa)] if dq_kernel else [])
 
-    def _tables(self, call, bn: int):
+    def _tables(self, call, bn: int, plans: dict):
         """`forward.fused_tables` of a call (one launch: the param table, the dQ kernel's query-block spans and the
-        key blocks' of `bn`, from the ids), where its signature's `forward.fused_plan` exists; else None."""
-        if not call.seqs or not options().span_kernel:
-            return None
-        key = (bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),
-               *((t.dtype, t.shape, t.stride(), t.device) for t in call.seqs.values()))
-        if key not in self._fused:
-            if len(self._fused) >= 64:
-                self._fused.clear()
-            self._fused[key] = fused_plan(self.program, call, BM, BN, gqa_shape(call), bn)
-        plan = self._fused[key]
+        key blocks' of `bn`, from the ids), where its signature's `forward.fused_plan` exists (kept in `plans`, the
+        backward plan's); else None."""
+        plan = plans.get(call.signature, False) if call.signature is not None else False
+        if plan is False:
+            plan = cached_fused_plan(self.program, call, BM, BN, bn, plans)
         return None if plan is None else fused_tables(plan, self.program, call)
 
     def _plan(self, call, q, out_dtype, param_grads: bool) -> _Plan:
@@ -630,7 +625,7 @@ class FlashBackward:
         if len(self._plans) >= 64:
             self._plans.clear()
         dummy = torch.zeros(max(1, bh * nparams), dtype=torch.float32, device=q.device)
-        plan = self._plans[key] = _Plan(atomic, sums, launches, spans, dummy)
+        plan = self._plans[key] = _Plan(atomic, sums, launches, spans, dummy, cfg.bn, {})
         return plan
 
     def param_gradients(self, per_bh, sizes: dict[str, int]) -> dict:
@@ -692,7 +687,7 @@ class FlashBackward:
                                    for shape in plan.sums)
         if launched:
             # with document ids: the param table and both span tables of this call's ids from one launch
-            tables = self._tables(call, config(d, None, q.device).bn) if self.program.seqs else None
+            tables = self._tables(call, plan.bn, plan.fused) if call.seqs else None
             if tables is not None:
                 params_at, spans_at = tables[1], [tables[3], tables[2]]
             else:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from .....ir.node import BOOL, Node, toposort
 from .....ir.ops import Op
 from .....ir.program import Attention
+from ...launch import launch_kernel
 from ...options import options
 from .. import template
 from ..loaded import loaded_function
@@ -540,10 +541,11 @@ class FusedPlan:
     """What every `fused_tables` call of one signature launches: the span kernel writing the param table too, the
     device's numbers it reads, and where each table lies in the one buffer a call allocates (byte offsets)."""
 
-    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int):
+    def __init__(self, fn, rows: int, dims, layout, names: tuple, offsets: tuple, nbytes: int, key_bn: int,
+                 params: bool):
         self.fn, self.rows, self.dims, self.layout, self.names, self.key_bn = fn, rows, dims, layout, names, key_bn
         self.spans_at, self.keys_at, self.scratch_at = offsets
-        self.nbytes = nbytes
+        self.nbytes, self.params, self.device, self.dims_at = nbytes, params, dims.device, dims.data_ptr()
 
 
 def _aligned(n: int) -> int:
@@ -590,7 +592,26 @@ def fused_plan(program, call, block_q: int, tile: int, gqa: tuple[int, int], key
     scratch_at = keys_at + _aligned(4 * rows * (4 * -(-call.lk // key_bn) + 2) if key_bn else 0)
     nbytes = scratch_at + 4 * (windows + rows * length)
     fn = loaded_function(text, name, raw[0].device)
-    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn)
+    return FusedPlan(fn, rows, dims, layout, tuple(sources), (spans_at, keys_at, scratch_at), nbytes, key_bn,
+                     bool(program.params))
+
+
+def cached_fused_plan(program, call, block_q: int, tile: int, key_bn: int, plans: dict):
+    """`fused_plan` of a call, kept in `plans` (a kernel's, per options) by what it depends on, and by the call's
+    bind signature where it has one (`Call.signature`: the same shapes, strides, dtypes and devices)."""
+    if not options().span_kernel:
+        plan = None
+    else:
+        key = (block_q, tile, key_bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),
+               *((t.dtype, t.shape, t.stride(), t.device) for t in call.seqs.values()))
+        plan = plans.get(key, False)
+        if plan is False:
+            plan = plans[key] = fused_plan(program, call, block_q, tile, gqa_shape(call), key_bn)
+    if call.signature is not None:
+        if len(plans) >= 64:
+            plans.clear()
+        plans[call.signature] = plan
+    return plan
 
 
 def fused_tables(plan: FusedPlan, program, call) -> tuple:
@@ -600,16 +621,13 @@ def fused_tables(plan: FusedPlan, program, call) -> tuple:
     params (else the params' part of the table from their values, each call: `forward.table_prefix`)."""
     import torch
 
-    from ...launch import launch_kernel
-
-    raw = [call.seqs[n] for n in plan.names]
-    device = raw[0].device
-    prefix = table_prefix(program, plan.layout, call.params, call.sizes) if program.params else plan.layout.header
+    device = plan.device
+    prefix = table_prefix(program, plan.layout, call.params, call.sizes) if plan.params else plan.layout.header
     buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
     base = buffer.data_ptr()
     keys = base + plan.keys_at if plan.key_bn else 0
-    pointers = [plan.dims.data_ptr(), *(t.data_ptr() for t in raw), base + plan.spans_at, base + plan.scratch_at,
-                *([keys] if keys else []), prefix.data_ptr(), base]
+    pointers = [plan.dims_at, *(call.seqs[n].data_ptr() for n in plan.names), base + plan.spans_at,
+                base + plan.scratch_at, *([keys] if keys else []), prefix.data_ptr(), base]
     if plan.rows:
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
@@ -720,7 +738,6 @@ class FlashForward:
         self.tables = any(a not in program.batch_axes for d in program.params for a in d.axes)
         self._spans: dict = {}
         self._launches: dict = {}
-        self._plans: dict = {}  # `fused_plan` per signature (None: the tables built apart)
 
     def _function(self, device, d: int, bf16: bool, cfg: Config, gqa: bool = False):
         name, text = kernel_source(self.program, d, bf16, cfg.name, gqa)
@@ -778,8 +795,8 @@ class FlashForward:
         lse = torch.empty((*batch, lq), dtype=torch.float32, device=q.device)
         if bh == 0 or lq == 0:
             return out, lse
-        fn, grid, shared, spans, no_params, cfg = self._launch(call, q, k, v)
-        tables = self._tables(call, cfg)  # with document ids: the param and span tables of this call's ids
+        fn, grid, shared, spans, no_params, cfg, plans = self._launch(call, q, k, v)
+        tables = self._tables(call, cfg, plans) if call.seqs else None  # the param and span tables of these ids
         if tables is not None:
             params_at, spans_at = tables[1], tables[2]
         else:
@@ -799,24 +816,19 @@ class FlashForward:
             launch_kernel(fn, grid, lq, lk, pointers, shared=shared)
         return out, lse
 
-    def _tables(self, call, cfg: Config):
+    def _tables(self, call, cfg: Config, plans: dict):
         """With sequence inputs, `fused_tables` of a call (one launch: the param table and the span table
-        from the ids, in one buffer), where its signature's `fused_plan` exists; else None."""
-        if not call.seqs or not options().span_kernel:
-            return None
-        key = (cfg.bm, cfg.bn, call.lq, call.lk, tuple(call.sizes.items()), gqa_shape(call),
-               *((t.dtype, t.shape, t.stride(), t.device) for t in call.seqs.values()))
-        if key not in self._plans:
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            self._plans[key] = fused_plan(self.program, call, cfg.bm, cfg.bn, gqa_shape(call))
-        plan = self._plans[key]
+        from the ids, in one buffer), where its signature's `fused_plan` exists (kept in `plans`, the launch's:
+        by the call's bind signature, else by what it depends on); else None."""
+        plan = plans.get(call.signature, False) if call.signature is not None else False
+        if plan is False:
+            plan = cached_fused_plan(self.program, call, cfg.bm, cfg.bn, 0, plans)
         return None if plan is None else fused_tables(plan, self.program, call)
 
     def _launch(self, call, q, k, v) -> tuple:
         """(function, grid, dynamic shared bytes, spans, the param table where the program has no params: else
-        None, the config) of a call, the same for every call of its shapes, dtype, device, group and options:
-        cached."""
+        None, the config, the fused tables' plans by signature: `_tables`) of a call, the same for every call of
+        its shapes, dtype, device, group and options: cached."""
         import torch
 
         from ...options import options
@@ -838,5 +850,5 @@ class FlashForward:
             if len(self._launches) >= 64:
                 self._launches.clear()
             hit = self._launches[key] = (fn, (-(-lq // cfg.bm) * bh, cfg.threads), cfg.shared(d), spans, no_params,
-                                         cfg)
+                                         cfg, {})
         return hit
