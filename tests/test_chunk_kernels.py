@@ -318,9 +318,9 @@ def test_the_kernels_compile_without_spills(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_per_key_kernels_compile_without_spills(arch):
     """The per-key kernels (per_key.cu.j2: per_key_states, per_key_output; the backward's per_key_dstates,
-    per_key_dq, per_key_dkv) at every key / value size, bf16 (and fp16 at the largest): no spills, no
-    local memory (the anchored fragments and the accumulators stay in registers), shared memory within an sm_80
-    block's. CI builds sm_90's alone."""
+    per_key_dq, per_key_dkv; per_key_dell.cu.j2's per_key_dell) at every key / value size, bf16 (and fp16 at the
+    largest): no spills, no local memory (the anchored fragments and the accumulators stay in registers), shared
+    memory within an sm_80 block's. CI builds sm_90's alone."""
     from ssmc.backends.cuda.source import compile_options
 
     if in_ci() and arch == "sm_80":
@@ -339,6 +339,13 @@ def test_the_per_key_kernels_compile_without_spills(arch):
                                "per_key_dq": mma.per_key_dq_shared(key, value),
                                "per_key_dkv": mma.per_key_dkv_shared(key, value)}[name]
                     assert r.shared_bytes <= 48 * 1024 and r.shared_bytes + dynamic <= SM80_SHARED, r.summary()
+                # per_key_dell (per_key_dell.cu.j2, a module of its own): the log decays' cotangent, a thread a key
+                text = mma.per_key_dell_source(key, value, bf16)
+                resources = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources
+                assert set(resources) == {"per_key_dell"}
+                r = resources["per_key_dell"]
+                assert not r.spills and r.stack_frame_bytes == 0 and r.registers <= 64, r.summary()
+                assert r.shared_bytes == 4 * key, r.summary()  # the rows' dots alone, no dynamic part
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="no NVRTC")

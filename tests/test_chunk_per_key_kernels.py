@@ -25,6 +25,7 @@ from ssmc.backends.cuda.kernels.chunk import algorithm, mma
 from ssmc.examples import gla
 
 torch = pytest.importorskip("torch")
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 needs_emulator = pytest.mark.skipif(not emulator.available(), reason="no C++ compiler for the CUDA emulator")
 C = mma.PER_KEY_CHUNK
@@ -187,6 +188,83 @@ def test_emulated_per_key_backward_agrees_with_the_torch_vjp(emulate, length, ke
         assert g.dtype == torch.float32 and g.shape == ref.shape and torch.isfinite(g).all(), name
         assert _rel(g, ref) < GRAD_TOL, (name, _rel(g, ref))
         assert _rel(g, t.double()) < GRAD_TOL, (name, _rel(g, t.double()))
+
+
+# per_key_dell against algorithm.log_decay_grad in float64 on the same fp32 values (its sums are fp32: the reverse sum
+# over 64 steps, the dot over V values; measured ≤ 2e-7)
+DELL_TOL = 1e-5
+
+
+@needs_emulator
+@pytest.mark.parametrize("key, value, dtype, qk_heads", [
+    (64, 64, torch.bfloat16, None),
+    (64, 128, torch.float16, (1, 1)),
+    (128, 64, torch.bfloat16, (1, 1)),
+    (128, 128, torch.float16, None),
+])
+def test_emulated_per_key_dell_agrees_with_log_decay_grad(emulate, key, value, dtype, qk_heads):
+    """per_key_dell (one launch: the per-key log decays' cotangent, per_key_dell.cu.j2) on arbitrary dq, dk, end dots,
+    d_end and entering states, q, k broadcast over heads where `qk_heads`, ell a strided view (its step stride not
+    its row's size, as the offset tables allow): within `DELL_TOL` of algorithm.log_decay_grad (per_key) in float64,
+    the end term weighing as much as the steps' products (a kernel that drops it, or adds it at another step, fails)."""
+    x = per_key_chunks(3 * C, key, value, decay=1.0, seed=key + value, dtype=dtype, qk_heads=qk_heads)
+    heads, nc = x.v.shape[:-3], x.v.shape[-3]
+    g = torch.Generator().manual_seed(key * value)
+    dq, dk = (torch.randn(*heads, nc, C, key, generator=g) for _ in range(2))
+    ends = torch.randn(*heads, nc, C // 16, key, generator=g) * 4.0
+    d_end, entering = (torch.randn(*heads, nc, key, value, generator=g) / value ** 0.25 for _ in range(2))
+    wide = torch.zeros(*x.ell.shape[:-1], 2 * key)
+    wide[..., :key] = x.ell
+    ell = wide[..., :key]  # steps 2K values apart (the offset tables' step stride, not the row's size)
+    tables = mma._tables_for(mma._broadcast(x.q.shape[:-3], heads), (x.q, x.k, x.v, ell, dq, x.v), "cpu")[:2]
+    got = mma.per_key_dell(x.q, x.k, ell, tables, dq, dk, ends, d_end, entering)
+    d = torch.float64
+    want = algorithm.log_decay_grad(x.q.to(d), x.k.to(d), dq.to(d), dk.to(d), ends.to(d).sum(-2),
+                                    ell.to(d).sum(-2), d_end.to(d), entering.to(d), per_key=True)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert _rel(got, want) < DELL_TOL, _rel(got, want)
+    # the end term alone (the products zero): every step of a chunk gets it, the same value
+    zero = torch.zeros_like(dq)
+    end_only = mma.per_key_dell(x.q, x.k, ell, tables, zero, zero, ends, d_end, entering)
+    at_last = ends.to(d).sum(-2) + torch.exp(ell.to(d).sum(-2)) * (d_end.to(d) * entering.to(d)).sum(-1)
+    assert _rel(end_only, at_last[..., None, :].expand_as(end_only)) < DELL_TOL
+    assert float(at_last.norm()) > 0.5 * float((want - at_last[..., None, :]).norm()) / C ** 0.5
+
+
+# what torch may dispatch in backward_per_key: allocations and views (no arithmetic, no copies)
+_NO_COMPUTE = {"empty", "empty_like", "empty_strided", "expand", "view", "_unsafe_view", "as_strided", "alias",
+               "detach", "select", "slice", "permute", "reshape", "unsqueeze", "squeeze", "t", "transpose"}
+
+
+class _Ops(TorchDispatchMode):
+    """A dispatch mode recording the name of every aten op torch runs inside it (`ops`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@needs_emulator
+def test_the_per_key_backward_runs_no_torch_arithmetic(emulate):
+    """backward_per_key (a warm call: its offset tables made) dispatches no torch op but allocations and views: the
+    log decays' cotangent is per_key_dell's, not torch's products, sums, flips and cumulative sum (which the glue
+    before it ran: ≈ 2.4 ms of elementwise kernels at B4 L4096 H16 K128 V128). Checked to see a torch op: the
+    recorder does see the glue's ops where algorithm.log_decay_grad runs under it."""
+    x = per_key_chunks(70, 64, 64, decay=1.0, seed=2, qk_heads=(1, 1))
+    d_out, d_final = _cotangents(x, 70)
+    _, entering, _ = mma.forward_per_key(x)
+    mma.backward_per_key(x, entering, d_out, d_final)
+    with _Ops() as seen:
+        grads = mma.backward_per_key(x, entering, d_out, d_final)
+    assert "empty" in seen.ops and set(seen.ops) <= _NO_COMPUTE, seen.ops
+    with _Ops() as glue:
+        algorithm.log_decay_grad(x.q.float(), x.k.float(), grads[0], grads[1], grads[0][..., :4, :].sum(-2),
+                                 x.ell.sum(-2), entering, entering, per_key=True)
+    assert {"mul", "cumsum", "flip"} <= set(glue.ops), glue.ops
 
 
 def _gla_inputs(length: int, key: int, value: int, seed: int, strength: float) -> dict:

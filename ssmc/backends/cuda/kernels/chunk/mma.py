@@ -864,6 +864,33 @@ def per_key_source(key: int, value: int, bf16: bool) -> str:
     return mma_header() + "\n" + body
 
 
+@cache
+def per_key_dell_source(key: int, value: int, bf16: bool) -> str:
+    """The module of per_key_dell (per_key_dell.cu.j2: the per-key log decays' cotangent from the backward kernels'
+    dq, dk, end dots, d_end and the entering states, a block per (head, chunk), a thread per key) for these sizes and
+    16-bit format."""
+    from ...source import mma_header
+
+    return mma_header() + "\n" + template("chunk/per_key_dell.cu.j2").render(K=key, V=value, bf16=bf16)
+
+
+def per_key_dell(q: torch.Tensor, k: torch.Tensor, ell: torch.Tensor, tables: tuple, dq: torch.Tensor,
+                 dk: torch.Tensor, ends: torch.Tensor, d_end: torch.Tensor, entering: torch.Tensor,
+                 events: list | None = None) -> torch.Tensor:
+    """`algorithm.log_decay_grad(q, k, dq, dk, ends.sum(-2), ell.sum(-2), d_end, entering, per_key=True)` by one
+    launch of per_key_dell: dell [*H, NC, C, K] fp32, from dq, dk [*H, NC, C, K], ends [*H, NC, C / 16, K], d_end and
+    entering [*H, NC, K, V] (fp32, contiguous: `backward_per_key`'s arrays) and q, k, ell as the per-key kernels read
+    them (`tables`: their offset table and step strides, (offs, steps) as `_tables_for` makes them)."""
+    heads, (nc, chunk, key), value = dq.shape[:-3], dq.shape[-3:], d_end.shape[-1]
+    dell = torch.empty_like(dq)
+    offs, steps = tables
+    _launch(_function(per_key_dell_source(key, value, q.dtype == torch.bfloat16), "per_key_dell"), "per_key_dell",
+            math.prod(heads) * nc, key, nc * chunk, nc,
+            [_base(q), _base(k), _base(ell), offs.data_ptr(), steps.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+             ends.data_ptr(), d_end.data_ptr(), entering.data_ptr(), dell.data_ptr()], 0, events)
+    return dell
+
+
 def per_key_wanted(dtype: torch.dtype, key: int, value: int) -> bool:
     """Whether a per-key call with q of `dtype` and these sizes would run on the per-key kernels (the chunk then is
     `PER_KEY_CHUNK`): `kernels_wanted`, SSMC_CUDA_CHUNK_PER_KEY not 0."""
@@ -958,7 +985,7 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     per_key_dq and per_key_dkv (dk and dv together, with the end dots Σ_j k_j·(dk_j's part through d_end), per key), a
     block per (head, chunk) each. The log decays' cotangent is `algorithm.log_decay_grad`'s per key: the row
     products q ⊙ dq − k ⊙ dk, the end term ``at_end + exp(Γ) Σ_ν d_end S_p`` at each chunk's last step, summed in
-    reverse over the chunk (torch)."""
+    reverse over the chunk (`per_key_dell`: one launch, a block per (head, chunk))."""
     q, k, v, do, ell = (_lines_aligned(_chunked_view(a, True)) for a in (x.q, x.k, x.v, d_out, x.ell))
     t = q.dim() - 3
     heads = _broadcast(q.shape[:t], k.shape[:t], v.shape[:t], ell.shape[:t], x.s0.shape[:t], do.shape[:t],
@@ -988,9 +1015,6 @@ def backward_per_key(x: Chunks, entering: torch.Tensor, d_out: torch.Tensor, d_f
     _launch(_function(text, "per_key_dkv"), "per_key_dkv", nh * nc, threads, length, nc,
             [*operands, d_end.data_ptr(), dk.data_ptr(), dv.data_ptr(), ends.data_ptr()],
             per_key_dkv_shared(key, value), events)
-    # the log decays' cotangent per key (algorithm.log_decay_grad with per_key)
-    d_lam = q.to(f32) * dq - k.to(f32) * dk
-    gamma = ell.sum(-2)
-    at_last = ends.sum(-2) + torch.exp(gamma) * (d_end * entering).sum(-1)
-    d_ell = reverse_chunk_sums(d_lam, at_last, per_key=True)
+    # the log decays' cotangent per key (algorithm.log_decay_grad with per_key): one launch, no torch op
+    d_ell = per_key_dell(q, k, ell, (offs, steps), dq, dk, ends, d_end, entering, events)
     return dq, dk, dv, d_ell, ds0, None, None
