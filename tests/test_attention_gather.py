@@ -284,11 +284,12 @@ def _rounded(x, t):
     return {n: (t[n].double().numpy() if n in "qkv" else x[n]) for n in x}
 
 
-# forward configs: 64-row blocks, 128-row blocks of 4 warps (the emulator's default), the wgmma kernel; lengths
-# 1, 7, 65 (a partial tile, several tiles), head dims 16 (refused: the tiled path) and 64; unsorted ids once
+# forward configs: 64-row blocks, 128-row blocks of 4 warps (the emulator's default), the wgmma kernel (staggered:
+# its second warpgroup's mask bits carried a tile, over three key tiles); lengths 1, 7, 65 (a partial tile, several
+# tiles), 300, head dims 16 (refused: the tiled path) and 64; unsorted ids once
 FORWARD_CASES = [("rel", 7, "bm64", True), ("rel_clamped", 65, "bm128w4", True), ("doc_causal", 65, "bm64", True),
                  ("doc", 65, "bm128w4", False), ("rel_doc_causal", 1, "bm128w4", True),
-                 ("rel_doc_strict", 65, "wg128", True)]
+                 ("rel_doc_strict", 65, "wg128", True), ("doc_causal", 300, "wg128s", True)]
 
 
 @pytest.mark.parametrize("name, length, config, sorted_ids", FORWARD_CASES)
@@ -454,6 +455,25 @@ def test_the_kernels_build_without_spills(name, d):
     for (kname, text), arch in builds:
         usage = nvrtc.compile_source(text, arch=arch, options=compile_options(text)).resources[kname]
         assert not usage.spills and usage.registers <= 255, (kname, arch, str(usage))
+
+
+def test_the_mask_reads_at_one_index_are_hoisted_out_of_the_elements():
+    """``doc[q_idx]`` is a row read, ``doc[kv_idx]`` a column read (made once per row, once per column), and
+    ``table[q_idx - kv_idx]`` neither; the hoisted mask reads them from rv and cv, the reads' bodies at their
+    own index only."""
+    from ssmc.backends.cuda.kernels.flash import forward as ff
+
+    program = SPECS["rel_doc_causal"].program
+    rows, cols = ff.hoisted_reads(program.mask, program)
+    assert len(rows) == len(cols) == 1 and ff.hoisted_reads(program.score, program) == ([], [])
+    printed = ff.printed_mask(program)
+    assert (printed["nrow"], printed["ncol"]) == (1, 1)
+    assert "rv[0] == cv[0]" in printed["mask_body"] and "prm" not in printed["mask_body"]
+    assert "q_idx" in printed["row_body"] and "kv_idx" not in printed["row_body"]
+    assert "kv_idx" in printed["col_body"] and "q_idx" not in printed["col_body"]
+    assert "rv[0] = " in printed["row_body"] and "cv[0] = " in printed["col_body"]
+    causal = ssmc.attention(mask_mod=ssmc.causal).program
+    assert ff.printed_mask(causal)["nrow"] == ff.printed_mask(causal)["ncol"] == 0
 
 
 # -- document masks skip key tiles by the ids' ranges -------------------------------------------------------

@@ -87,6 +87,7 @@ from .forward import (
     gather_sources,
     gqa_shape,
     print_body,
+    printed_mask,
     row_axes,
     row_span_table,
     sequence_reads,
@@ -297,14 +298,15 @@ def _printed(program: Attention, d: int, param_grads: bool = True) -> tuple[dict
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d}: the flash kernel takes {HEAD_DIMS}")
     score_body = print_body(program.score, program, "score")
-    mask_body = print_body(program.mask, program, "true")
+    mask = printed_mask(program)  # its row and column reads hoisted
     dscore_body, param_bodies = _bodies(program, param_grads)
     scale = program.scale if program.scale is not None else 1.0 / math.sqrt(d)
-    digest = hashlib.sha256("\n".join([score_body, mask_body, dscore_body, *param_bodies, repr(scale)]).encode())
+    digest = hashlib.sha256("\n".join([score_body, mask["mask_body"], mask["row_body"], mask["col_body"],
+                                       dscore_body, *param_bodies, repr(scale)]).encode())
     return (dict(d=d, nparams=len(summands(program)), gather=bool(gather_sources(program)), width=table_width(program),
                  row_spans=row_axes(program) is not None, span_col=table_width(program) - 1,
-                 scale=float_literal(scale), score_body=score_body,
-                 mask_body=mask_body, dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
+                 scale=float_literal(scale), score_body=score_body, **mask,
+                 dscore_body=dscore_body, param_bodies=param_bodies), digest.hexdigest()[:10])
 
 
 def _source(key: tuple, program: Attention, d: int, build, param_grads: bool = True) -> tuple[str, str]:

@@ -225,21 +225,46 @@ def table_width(program: Attention) -> int:
 
 
 def print_body(root: Node | None, program: Attention, default: str,
-               leaves: tuple[str, ...] = ("score", "q_idx", "kv_idx"), batch_sums: bool = False) -> str:
+               leaves: tuple[str, ...] = ("score", "q_idx", "kv_idx"), batch_sums: bool = False,
+               hoisted: dict[Node, str] | None = None) -> str:
     """The statements of a modifier's C function body returning `root` (`default` where None): one
     local per node, in topological order; `leaves` are the function's own arguments (the backward adds
     "grad_score"). `batch_sums`: a sum over batch axes prints as its argument, the value of one batch
-    index (a param gradient's summand, linear in grad_score: the host sums the batch indices). Raises
-    `Unprintable` for an op or leaf outside the subset."""
+    index (a param gradient's summand, linear in grad_score: the host sums the batch indices). `hoisted`:
+    nodes computed outside the function (`hoisted_reads`), printed as the C expression given (``rv[0]``),
+    their arguments not printed. Raises `Unprintable` for an op or leaf outside the subset."""
     if root is None:
         return f"    return {default};"
+    lines, names = _statements([root], program, leaves, batch_sums, hoisted or {})
+    lines.append(f"    return {names[root]};")
+    return "\n".join(lines)
+
+
+def _statements(roots: list[Node], program: Attention, leaves: tuple[str, ...], batch_sums: bool,
+                hoisted: dict[Node, str]) -> tuple[list[str], dict[Node, str]]:
+    """(C statements, a C name per node) computing `roots` (`print_body`)."""
     params = [d.name for d in program.params]
     sources = gather_sources(program)
     batch = set(program.batch_axes)
     static = program.static_sizes
+    # the nodes the roots read, not looking past a hoisted node
+    needed: set[int] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if id(n) in needed:
+            continue
+        needed.add(id(n))
+        if n not in hoisted:
+            stack.extend(n.args)
     names: dict[Node, str] = {}
     lines = []
-    for i, n in enumerate(toposort([root])):
+    for i, n in enumerate(toposort(roots)):
+        if id(n) not in needed:
+            continue
+        if n in hoisted:
+            names[n] = hoisted[n]
+            continue
         if n.op is Op.INPUT and n.arg in sources:
             names[n] = ""  # read only through its gathers (below)
             continue
@@ -282,8 +307,56 @@ def print_body(root: Node | None, program: Attention, default: str,
             raise Unprintable(f"op {op.name.lower()} has no inline C in the flash kernel")
         names[n] = f"n{i}"
         lines.append(f"    const {'bool' if n.dtype == BOOL else 'float'} n{i} = {expr};")
-    lines.append(f"    return {names[root]};")
+    return lines, names
+
+
+_LEAVES = ("score", "q_idx", "kv_idx", "grad_score")
+
+
+def hoisted_reads(root: Node | None, program: Attention) -> tuple[list[Node], list[Node]]:
+    """(row reads, column reads): the indexed reads (gathers) of `root` whose index depends on q_idx (or on
+    neither index) and on no other leaf, and those whose index depends on kv_idx alone: ``doc[q_idx]``,
+    ``doc[kv_idx]``, not ``table[q_idx - kv_idx]``. A kernel computes a row's reads once per row and a
+    column's once per column (`printed_mask`), not at every (row, column) element."""
+    if root is None:
+        return [], []
+    sources = set(gather_sources(program))
+    deps: dict[Node, frozenset] = {}
+    rows: list[Node] = []
+    cols: list[Node] = []
+    for n in toposort([root]):
+        if n.op is Op.INPUT and n.arg in _LEAVES:
+            deps[n] = frozenset((n.arg,))
+            continue
+        deps[n] = frozenset().union(*(deps[a] for a in n.args))
+        if n.op is Op.GATHER and n.args[0].op is Op.INPUT and n.args[0].arg in sources:
+            if deps[n] <= {"q_idx"}:
+                rows.append(n)
+            elif deps[n] == {"kv_idx"}:
+                cols.append(n)
+    return rows, cols
+
+
+def _print_reads(nodes: list[Node], program: Attention, leaf: str, out: str) -> str:
+    """The body of a C function of (`leaf`, prm, `out`) storing `nodes`' values at out[0], out[1], ..."""
+    if not nodes:
+        return f"    (void){leaf}; (void)prm; (void){out};"
+    lines, names = _statements(nodes, program, (leaf,), False, {})
+    lines += [f"    {out}[{k}] = {names[n]};" for k, n in enumerate(nodes)]
     return "\n".join(lines)
+
+
+def printed_mask(program: Attention) -> dict:
+    """The mask printed with its row and column reads hoisted (`hoisted_reads`), as template arguments:
+    ``mask_body`` (the body of ``mask_mod(q_idx, kv_idx, prm, rv, cv)``: row read k at rv[k], column read k
+    at cv[k]), ``row_body`` (of ``row_reads(q_idx, prm, rv)``), ``col_body`` (of ``col_reads(kv_idx, prm,
+    cv)``), ``nrow`` and ``ncol`` (the reads' counts). As a plain loop, per element (i, j):
+    ``row_reads(i, rv); col_reads(j, cv); mask_mod(i, j, rv, cv)``, the same value as the unhoisted mask."""
+    rows, cols = hoisted_reads(program.mask, program)
+    hoisted = {n: f"rv[{k}]" for k, n in enumerate(rows)} | {n: f"cv[{k}]" for k, n in enumerate(cols)}
+    return dict(mask_body=print_body(program.mask, program, "true", hoisted=hoisted),
+                row_body=_print_reads(rows, program, "q_idx", "rv"),
+                col_body=_print_reads(cols, program, "kv_idx", "cv"), nrow=len(rows), ncol=len(cols))
 
 
 def unsupported(program: Attention) -> str | None:
@@ -364,6 +437,7 @@ def kernel_source(program: Attention, d: int, bf16: bool, config_name: str | Non
                   scale=float_literal(scale), score_body=score_body, mask_body=mask_body, gqa=gqa,
                   gather=bool(gather_sources(program)), width=table_width(program),
                   row_spans=row_axes(program) is not None, span_col=table_width(program) - 1)
+    common.update(printed_mask(program))  # the mask with its row and column reads hoisted
     if cfg.name == "bm64":
         text = template("flash/forward.cu.j2").render(**common)
     elif cfg.wgmma:
