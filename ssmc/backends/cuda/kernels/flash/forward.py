@@ -27,9 +27,11 @@ Indexed reads (``table[i - j]``, ``doc[q_idx]``: `gather_sources`) read through 
 batch index's row of the param table in global memory (not a copy in registers): the table's last columns hold,
 per gather source, the offset from that row to the batch index's row of the source (the table's entries for
 its head, or the sequence's ids) and the row's last index, the rows appended after the table (`param_table`).
-The printed read is ``prm[(int)prm[c] + clamp(index, 0, prm[c + 1])]``: a load per (query, key) evaluated,
-where the mask is (on the tiles `block_spans` does not prove full: with sorted document ids, the tiles that
-straddle a document boundary).
+The printed read is ``prm[(int)prm[c] + clamp(index, 0, prm[c + 1])]``. A mask's reads at q_idx alone or kv_idx
+alone (``doc[q_idx]``, ``doc[kv_idx]``: `hoisted_reads`) are made once per row and once per column of a tile the
+mask is evaluated on (those `block_spans` does not prove full: with sorted document ids, the tiles that straddle a
+document boundary), into registers the printed mask reads (`printed_mask`); other reads (``table[i - j]``), a load
+per (query, key) evaluated.
 
 With document ids a call's param table and span table come from one launch of the span kernel (`fused_tables`:
 the table's columns and layout cached per signature, `table_layout`; the ids' rows written from the ids as given,
