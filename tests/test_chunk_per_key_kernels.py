@@ -334,6 +334,49 @@ def test_emulated_gla_training_step_runs_the_per_key_kernels(emulate, monkeypatc
         assert _rel(got, torch.as_tensor(np.array(w))) < 1e-2, (n, _rel(got, torch.as_tensor(np.array(w))))
 
 
+# torch ops that compute (arithmetic, reductions, scans) rather than allocate, view or copy
+_ARITHMETIC = {"mul", "sub", "add", "add_", "sum", "exp", "flip", "cumsum", "div", "neg"}
+_COPIES = {"_to_copy", "copy_", "clone", "contiguous"}
+
+
+@needs_emulator
+def test_a_gla_training_step_runs_no_torch_glue(emulate):
+    """A GLA training step through ssmc.torch.function (bf16 q, k, v, B 2: the time-first and the input layouts
+    differ), warm (its prepared step): the forward copies its output once (cast to bf16 in the input's layout), the
+    backward runs no torch arithmetic (the log decays' cotangent is per_key_dell's) and copies each of the four
+    sequences' gradients once (the permute to the input's layout and the cast in one copy; no contiguous time-first
+    copy before it); the gradients match an unrecorded step's."""
+    import ssmc.torch
+
+    rng = np.random.default_rng(6)
+    inputs = gla.make_inputs(rng, 2 * C, batch=2, heads=2, dk=64, dv=64)  # (whole chunks: no padded copies)
+    inputs["q"] = inputs["q"] * 64 ** -0.5
+    bf = _half(inputs)
+    fn = ssmc.torch.function(gla.SPEC, "cuda", layout=gla.LAYOUT)
+    dy = torch.from_numpy(rng.standard_normal((2, 2 * C, 2, 64))).to(torch.bfloat16)
+
+    def step(record: bool):
+        leaves = {n: a.clone().requires_grad_(True) for n, a in bf.items()}
+        forward, backward = _Ops(), _Ops()
+        if record:
+            with forward:
+                y = fn(**leaves)
+            with backward:
+                y.backward(dy)
+        else:
+            fn(**leaves).backward(dy)
+        return {n: a.grad for n, a in leaves.items()}, forward.ops, backward.ops
+
+    want = step(False)[0]
+    step(False)
+    got, forward, backward = step(True)
+    assert not _ARITHMETIC & set(forward) and sum(op in _COPIES for op in forward) == 1, forward
+    assert not _ARITHMETIC & set(backward), backward
+    assert sum(op in _COPIES for op in backward) == 4, backward
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
 @needs_emulator
 def test_the_per_key_switch_runs_the_torch_path(emulate, monkeypatch):
     """SSMC_CUDA_CHUNK_PER_KEY=0: the same call on algorithm.py (no per-key launch), its result as close."""

@@ -398,9 +398,13 @@ class ChunkedCore:
         t = len(ml.heads)
         return buf, view.reshape(*view.shape[:t], padded // chunk, chunk, view.shape[-1])
 
-    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None, as_is: bool = False):
+    def _outputs(self, out, final, sizes, length, out_dtype, time_first=None, as_is: bool = False,
+                 copy: bool = True):
         """(outputs, final states) in the program's layouts, from O [*H, NC, C, V] or, where given, the
-        time-first array O was written into (`_time_first_out`; `as_is`: that array is the output as it is)."""
+        time-first array O was written into (`_time_first_out`; `as_is`: that array is the output as it is).
+        `copy` False (a training forward, `out_dtype` None): the output O's time-first view as it is where O has
+        every head (the runners take time-first arrays of any strides; the torch op's cast to the input's layout
+        and dtype is then its one copy), else contiguous."""
         ml = self.ml
         t = len(ml.heads)
         full = [sizes[h] for h in ml.heads]
@@ -413,8 +417,9 @@ class ChunkedCore:
             o = o.expand(*full, length, sizes[ml.value])
             names = [*ml.heads, "~t", ml.value]
             o = o.permute(*[names.index(n) for n in ("~t", *self.out_node.axes)])
-        if not as_is:
-            o = o.contiguous() if out_dtype is None else o.to(out_dtype).contiguous()
+        if not as_is and (copy or out_dtype is not None or tuple(out.shape[:t]) != tuple(full)):
+            # (cast and made contiguous in one copy: `.to` alone keeps a permuted view's strides)
+            o = o.contiguous() if out_dtype is None else o.to(dtype=out_dtype, memory_format=torch.contiguous_format)
         s = ml.state
         final = final.expand(*full, sizes[ml.key], sizes[ml.value])
         names = [*ml.heads, ml.key, ml.value]
@@ -495,7 +500,7 @@ class ChunkedCore:
                 time_first = direct[0]
         else:
             out, entering, final = forward(x)
-        outs, finals = self._outputs(out, final, sizes, length, out_dtype, time_first)
+        outs, finals = self._outputs(out, final, sizes, length, out_dtype, time_first, copy=not tape)
         return outs, finals, ChunkTape(x, entering, final, decay)
 
     def backward(self, seqs, params, tape: ChunkTape, cot: dict, lam: dict, _unused, sizes, length,
@@ -576,7 +581,9 @@ class ChunkedCore:
             names = [*ml.heads, ml.key, ml.value]
             finals = {GRAD + s.name: ds0.permute(*[names.index(n) for n in s.axes]).contiguous()}
         seq_names = self.seq_names
-        outs = {k: v.contiguous() for k, v in grads.items() if k[len(GRAD):] in seq_names}
+        # the sequences' gradients time first in any strides (the runners' contract; `_unarrange`'s views of the
+        # chunked arrays): the caller's permute to the input's layout and cast is their one copy
+        outs = {k: v for k, v in grads.items() if k[len(GRAD):] in seq_names}
         finals.update((k, v) for k, v in grads.items() if k[len(GRAD):] not in seq_names)
         for name in self.input_names:  # inputs no operand reads (none in a core as built): zeros
             if GRAD + name not in outs and GRAD + name not in finals:
