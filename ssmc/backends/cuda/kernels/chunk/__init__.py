@@ -782,7 +782,10 @@ class PreparedForward:
         if out_as_is and final_as_is:  # the output and the final state are the arrays the kernels wrote, as they are
             outs, finals = {core.output: buf}, {ml.state.name: final}
         else:
-            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is)
+            # (a training call's output as `core.forward`'s first call of this layout gave it: the next stage's
+            # prepared step was made for those strides)
+            outs, finals = core._outputs(out, final, self.sizes, length, self.out_dtype, buf, out_as_is,
+                                         copy=not self.tape)
         if not self.tape:
             return outs, finals, None
         if padded:  # the copies the kernels read: the tape's (the backward reads them at the same addresses)
