@@ -249,3 +249,17 @@ def attention_inputs(case: AttentionCase, sizes: dict[str, int], length: int, rn
         else:
             out[d.name] = rng.standard_normal(shape)
     return out
+
+
+def document_ids(kind, rows, length, rng):
+    """[rows, length] document ids: sorted runs differing between rows, unsorted, one document, each position its
+    own document, or runs with ids far apart (sorted, but not 0, 1, 2, ...)."""
+    if kind == "sorted":
+        return np.sort(rng.integers(0, max(1, length // 9), (rows, length)), axis=1)
+    if kind == "unsorted":
+        return rng.integers(0, 4, (rows, length))
+    if kind == "one":
+        return np.zeros((rows, length), int)
+    if kind == "each":
+        return np.tile(np.arange(length), (rows, 1))
+    return np.sort(rng.integers(0, 3, (rows, length)), axis=1) * 1000 - 7

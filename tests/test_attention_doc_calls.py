@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from cuda_graphs import captured
 
 import ssmc
 import ssmc.torch
@@ -317,15 +318,7 @@ def test_gpu_cuda_graph_of_a_document_step_replayed_on_new_ids():
         loss = (y.float() * torch.linspace(-1, 1, D, device="cuda")).sum()
         return [y, *torch.autograd.grad(loss, static)]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for seed in (17, 18):
         new_ids = _docs(seed, documents=seed - 13).cuda()
         with torch.no_grad():

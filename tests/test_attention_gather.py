@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from attention_strategies import document_ids
 
 import ssmc
 
@@ -573,20 +574,6 @@ def test_the_kernels_take_a_span_table_a_batch_row():
     assert params[:6 * width].reshape(6, width)[:, -1].tolist() == [0, 0, 0, 1, 1, 1]  # bh = b * 3 + h
 
 
-def _ids(kind, rows, length, rng):
-    """[rows, length] document ids: sorted runs differing between rows, unsorted, one document, each position its
-    own document, or runs with ids far apart (sorted, but not 0, 1, 2, ...)."""
-    if kind == "sorted":
-        return np.sort(rng.integers(0, max(1, length // 9), (rows, length)), axis=1)
-    if kind == "unsorted":
-        return rng.integers(0, 4, (rows, length))
-    if kind == "one":
-        return np.zeros((rows, length), int)
-    if kind == "each":
-        return np.tile(np.arange(length), (rows, 1))
-    return np.sort(rng.integers(0, 3, (rows, length)), axis=1) * 1000 - 7
-
-
 SPAN_LENGTHS = [1, 7, 63, 64, 65, 180, 1000]
 
 
@@ -602,7 +589,7 @@ def test_device_span_tables_agree_with_the_rules_and_the_mask(kind, length):
     from ssmc.passes.mask_blocks import span_tables
 
     rng = np.random.default_rng(length)
-    ids = _ids(kind, 3, length, rng)
+    ids = document_ids(kind, 3, length, rng)
     reads = {"doc": (torch.tensor(ids, dtype=torch.float32),) * 2}
     names = ["doc_causal", "rel_doc_strict"] + (["doc"] if length < 200 else [])
     for name in names:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_graphs import captured
 
 from ssmc.examples import alibi_attention, hgrn, lstm, mamba1, mamba2, retnet
 
@@ -114,15 +115,7 @@ def test_gpu_cuda_graph_of_a_training_step(name):
     def step():
         loss = model(*static)
         return [loss, *torch.autograd.grad(loss, [a for a in static if a.requires_grad] + params)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: compiles kernels, fills caches
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for seed in (1, 2):
         new = [a * (1 + 0.1 * seed) if a.is_floating_point() else a for a in args]
         with torch.no_grad():

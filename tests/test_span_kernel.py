@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_strategies import document_ids
 
 import ssmc
 
@@ -47,16 +48,6 @@ def _mask(name):
     return ssmc.attention(mask_mod=MASKS[name]).program
 
 
-def _ids(kind, rows, length, rng):
-    if kind == "sorted":
-        return np.sort(rng.integers(0, max(1, length // 9), (rows, length)), axis=1)
-    if kind == "unsorted":
-        return rng.integers(0, 4, (rows, length))
-    if kind == "one":
-        return np.zeros((rows, length), int)
-    return np.tile(np.arange(length), (rows, 1))  # each position its own document
-
-
 def _emulator():
     from ssmc.backends.cuda import emulator
 
@@ -91,7 +82,7 @@ def test_span_kernel_equals_the_torch_tables(kind, dtype):
     dtype = getattr(torch, dtype)
     for length in LENGTHS:
         rng = np.random.default_rng(length)
-        ids = _ids(kind, 3, length, rng)
+        ids = document_ids(kind, 3, length, rng)
         for name in MASKS:
             mask = _mask(name).mask
             for merged in (False, True):
@@ -103,7 +94,7 @@ def test_span_kernel_equals_the_torch_tables(kind, dtype):
 def test_span_kernel_equals_the_torch_tables_at_the_kernels_tiles(bm, bn):
     _emulator()
     for length in LENGTHS:
-        ids = _ids("sorted", 2, length, np.random.default_rng(length + 1))
+        ids = document_ids("sorted", 2, length, np.random.default_rng(length + 1))
         for name in ("doc_causal", "doc_window"):
             got, want = _both(_mask(name).mask, length, bm, bn, _reads(ids, torch.int64))
             assert got == want, (name, length)
@@ -119,7 +110,7 @@ def test_span_kernel_key_blocks_equal_the_torch_tables(kind):
     from ssmc.passes.mask_blocks import span_tables
 
     for length in LENGTHS:
-        ids = _ids(kind, 3, length, np.random.default_rng(length + 2))
+        ids = document_ids(kind, 3, length, np.random.default_rng(length + 2))
         for name in ("doc", "doc_causal", "doc_window", "doc_or_prefix"):
             mask = _mask(name).mask
             reads = _reads(ids, torch.int64)
@@ -146,7 +137,7 @@ def test_a_planted_error_in_the_printed_rule_fails(monkeypatch):
 
     monkeypatch.setattr(spans, "print_rule", planted)
     monkeypatch.setattr(spans, "_SOURCES", {})
-    ids = _ids("one", 2, 180, np.random.default_rng(0))
+    ids = document_ids("one", 2, 180, np.random.default_rng(0))
     got, want = _both(_mask("doc_causal").mask, 180, 64, 64, _reads(ids, torch.int64))
     assert got != want
 
